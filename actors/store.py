@@ -1,0 +1,537 @@
+"""Store actor: LMDB, the single source of truth.
+
+Layout (named databases; every key that belongs to a user starts with ``user_id + NUL`` so one
+user's records are contiguous and a prefix scan finds all of them):
+
+=========  ======================================  ===========================================
+database   key                                     value
+=========  ======================================  ===========================================
+meta       ``schema`` / ``last_lsn``               8-byte big-endian integers
+sessions   user NUL session                        SessionInfo (msgpack)
+turns      user NUL session NUL seq(8 bytes)       Turn (msgpack)
+ids        user NUL turn_id                        the turn's key in ``turns``
+log        lsn (8 bytes, big-endian)               ``T`` + turn key, or ``D`` + deleted lsns
+=========  ======================================  ===========================================
+
+The log is what derived views (the ANN and full-text indexes) replay from their watermark.
+A deletion leaves a tombstone that lists the deleted sequence numbers and nothing of the user.
+
+Concurrency (py-lmdb: a write transaction is bound to the thread that began it):
+
+- Writes are group-committed: everything queued while one commit runs becomes the next batch,
+  and each batch is one write transaction begun and committed inside one ``to_thread.run_sync``
+  call. The queue is appended to synchronously on the trio thread, so log order is call order
+  and a cancelled caller can never leave a hole in the sequence; backpressure happens *before*
+  a sequence number is taken (:meth:`Store.reserve`).
+- Reads run in worker threads through :meth:`Store.read`, each in its own read transaction.
+  Growing the map and closing the environment need no transaction open in the process, so both
+  wait for in-flight reads to finish and hold new ones back meanwhile.
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import lmdb
+import msgspec
+import trio
+
+from engine._config import Config
+from engine._records import SCHEMA_VERSION, SessionInfo, Turn
+from engine.errors import EngineBroken, EngineClosed, EngineError, InvalidInput, StoreIncompatible
+
+from .messages import AppendTurn, Forget, StoreOp
+
+__all__ = ["Store", "MIGRATIONS", "user_prefix", "session_prefix", "lsn_key"]
+
+QUEUE_LIMIT = 16_384  # queued turns before callers wait: ~4 full batches means the disk is behind
+BATCH_MAX = 4_096  # ops per write transaction, so one commit (and the waiters behind it) stays short
+READ_THREADS = 2  # concurrent read transactions: one per core; the writer has its own limiter
+MAX_DBS = 16  # named databases LMDB reserves room for; later layers add theirs
+MAX_READERS = 126  # LMDB reader slots: the default, far above the threads we use
+
+DB_NAMES = (b"meta", b"sessions", b"turns", b"ids", b"log")
+LOG_TURN = b"T"
+LOG_TOMBSTONE = b"D"
+
+_SCHEMA_KEY = b"schema"
+_LAST_LSN_KEY = b"last_lsn"
+
+# Migrations from schema N to N + 1, each run inside the write transaction that opens an old
+# store: ``MIGRATIONS[n](txn, dbs)`` where ``dbs`` maps database names to handles.
+MIGRATIONS: dict[int, Callable[[lmdb.Transaction, dict[bytes, Any]], None]] = {}
+
+T = TypeVar("T")
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_session = msgspec.msgpack.Decoder(SessionInfo).decode
+_decode_turn = msgspec.msgpack.Decoder(Turn).decode
+
+
+class _TurnHead(msgspec.Struct, array_like=True):
+    """The leading fields of a stored Turn: what deletion needs, without decoding the text."""
+
+    lsn: int
+    turn_id: str
+
+
+_decode_head = msgspec.msgpack.Decoder(_TurnHead).decode
+
+
+def user_prefix(user_id: str) -> bytes:
+    return user_id.encode() + b"\x00"
+
+
+def session_prefix(user_id: str, session_id: str) -> bytes:
+    return user_id.encode() + b"\x00" + session_id.encode() + b"\x00"
+
+
+def lsn_key(lsn: int) -> bytes:
+    return lsn.to_bytes(8, "big")
+
+
+def _int(raw: bytes | None) -> int | None:
+    return None if raw is None else int.from_bytes(raw, "big")
+
+
+class _Puts:
+    """One run of appends between deletions, grouped per database for ``putmulti``."""
+
+    __slots__ = ("turns", "ids", "log", "sessions")
+
+    def __init__(self) -> None:
+        self.turns: list[tuple[bytes, bytes]] = []
+        self.ids: list[tuple[bytes, bytes]] = []
+        self.log: list[tuple[bytes, bytes]] = []
+        self.sessions: list[tuple[bytes, bytes]] = []
+
+
+def _plan(ops: list[StoreOp]) -> list[_Puts | Forget]:
+    """Cut a batch into runs of puts and deletions, in order. Runs on the trio thread."""
+    segments: list[_Puts | Forget] = []
+    puts = _Puts()
+    latest: dict[bytes, AppendTurn] = {}
+
+    def close_run() -> None:
+        for key, op in latest.items():
+            t = op.turn
+            info = SessionInfo(t.user_id, t.session_id, op.started_at, t.at, t.seq + 1)
+            puts.sessions.append((key, _encode(info)))
+        segments.append(puts)
+
+    for op in ops:
+        if type(op) is AppendTurn:
+            t = op.turn
+            puts.turns.append((op.key, op.value))
+            puts.ids.append((user_prefix(t.user_id) + t.turn_id.encode(), op.key))
+            puts.log.append((lsn_key(t.lsn), LOG_TURN + op.key))
+            latest[op.key[:-9]] = op  # the turn key less NUL + seq is the sessions key
+        else:
+            if puts.turns:
+                close_run()
+                puts, latest = _Puts(), {}
+            segments.append(op)
+    if puts.turns:
+        close_run()
+    return segments
+
+
+class Store:
+    """The LMDB store. Start with ``await nursery.start(store.run)``; stop with :meth:`close`.
+
+    Args:
+        path: the store directory (created if missing).
+        config: the engine's config.
+    """
+
+    def __init__(self, path: Path, config: Config) -> None:
+        self.path = path
+        self._config = config
+        self._env: lmdb.Environment | None = None
+        self._dbs: dict[bytes, Any] = {}
+        self._queue: deque[StoreOp] = deque()
+        self._queued = 0  # ops taken and not yet committed (queued or in the writer)
+        self._next_lsn = 1
+        self._committed_lsn = 0
+        self._waiters: list[tuple[int, int, trio.Event]] = []  # heap of (lsn, tiebreak, event)
+        self._tiebreak = 0
+        self._failure: BaseException | None = None  # why the commit loop died, if it did
+        self._closing = False
+        self._readers = 0
+        self._exclusive = False  # set while the map grows or the env closes: reads wait
+        # Parked: the commit loop, while the queue is empty.
+        self._wakeup = trio.lowlevel.ParkingLot()
+        # Parked: callers waiting for queue room (backpressure).
+        self._room = trio.lowlevel.ParkingLot()
+        # Parked: readers waiting out an exclusive section, and the section waiting for readers.
+        self._gate = trio.lowlevel.ParkingLot()
+        # Shielded from close() on, so queued turns reach the disk even when the body failed.
+        self._drain_scope = trio.CancelScope()
+        self._write_limiter = trio.CapacityLimiter(1)
+        self._read_limiter = trio.CapacityLimiter(READ_THREADS)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Open the environment, then commit queued ops until closed and drained."""
+        self._env = await trio.to_thread.run_sync(self._open_env)
+        task_status.started()
+        try:
+            with self._drain_scope:
+                await self._commit_loop()
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._close_env()
+
+    def close(self) -> None:
+        """Stop taking ops; the loop commits what is queued and ends.
+
+        The drain is shielded from cancellation and bounded by work, not by a timer: at most
+        QUEUE_LIMIT turns, a few commits. A timer could not tell a slow fsync from a dead disk,
+        and giving up would lose turns that callers were told are in memory.
+        """
+        self._closing = True
+        self._drain_scope.shield = True
+        self._wakeup.unpark_all()
+        self._room.unpark_all()
+
+    def _open_env(self) -> lmdb.Environment:
+        if self.path.exists() and not self.path.is_dir():
+            raise InvalidInput("path", f"expected a store directory, found a file at {self.path}")
+        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            env = lmdb.open(
+                str(self.path),
+                map_size=self._config.initial_map_bytes,
+                max_dbs=MAX_DBS,
+                max_readers=MAX_READERS,
+                sync=self._config.fsync,
+                metasync=self._config.fsync,
+                writemap=False,
+                map_async=False,
+            )
+        except lmdb.Error as exc:
+            raise StoreIncompatible(f"cannot open an LMDB store at {self.path}: {exc}") from exc
+        try:
+            with env.begin(write=True) as txn:
+                self._dbs = {name: env.open_db(name, txn=txn) for name in DB_NAMES}
+                self._check_schema(txn)
+                self._next_lsn = (_int(txn.get(_LAST_LSN_KEY, db=self._dbs[b"meta"])) or 0) + 1
+        except BaseException:
+            env.close()
+            raise
+        self._committed_lsn = self._next_lsn - 1
+        return env
+
+    def _check_schema(self, txn: lmdb.Transaction) -> None:
+        meta = self._dbs[b"meta"]
+        stored = _int(txn.get(_SCHEMA_KEY, db=meta))
+        if stored is None:
+            if txn.stat(self._dbs[b"log"])["entries"] or txn.stat(meta)["entries"]:
+                raise StoreIncompatible(
+                    f"{self.path} holds LMDB data without an Engram schema version; "
+                    "point Engine.open at an empty directory or an Engram store"
+                )
+            txn.put(_SCHEMA_KEY, SCHEMA_VERSION.to_bytes(8, "big"), db=meta)
+            return
+        if stored > SCHEMA_VERSION:
+            raise StoreIncompatible(
+                f"{self.path} has schema version {stored}, newer than this build reads "
+                f"({SCHEMA_VERSION}); upgrade engram to open it"
+            )
+        for version in range(stored, SCHEMA_VERSION):
+            if version not in MIGRATIONS:
+                raise StoreIncompatible(
+                    f"{self.path} has schema version {stored} and this build has no migration "
+                    f"from {version} to {version + 1}"
+                )
+            MIGRATIONS[version](txn, self._dbs)
+        if stored != SCHEMA_VERSION:
+            txn.put(_SCHEMA_KEY, SCHEMA_VERSION.to_bytes(8, "big"), db=meta)
+
+    async def _close_env(self) -> None:
+        await self._enter_exclusive()
+        try:
+            if self._env is not None:
+                self._env.close()
+                self._env = None
+        finally:
+            self._leave_exclusive()
+        self._wake_all_waiters()
+
+    # -- writes ------------------------------------------------------------------------------
+
+    @property
+    def next_lsn(self) -> int:
+        """The sequence number the next queued op will get."""
+        return self._next_lsn
+
+    @property
+    def committed_lsn(self) -> int:
+        """Every op up to this sequence number is committed."""
+        return self._committed_lsn
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def check_usable(self) -> None:
+        """Raise if ops can no longer be taken.
+
+        Raises:
+            EngineBroken: the store failed.
+            EngineClosed: the store is closing.
+        """
+        if self._failure is not None:
+            raise EngineBroken("the store failed; reopen it to go on") from self._failure
+        if self._closing:
+            raise EngineClosed("the engine is closed; open a new one with Engine.open(path)")
+
+    async def reserve(self, n: int) -> None:
+        """Wait until ``n`` more ops fit in the queue. Cancel-safe: nothing is taken yet.
+
+        Returns at once, without a checkpoint, when there is room: this is the hot path.
+        """
+        while self._queued and self._queued + n > QUEUE_LIMIT:
+            self.check_usable()
+            await self._room.park()
+        self.check_usable()
+
+    def submit(self, op: StoreOp) -> None:
+        """Queue an op whose lsn is :attr:`next_lsn`. Synchronous, so queue order is lsn order."""
+        if op.lsn != self._next_lsn:
+            raise AssertionError(f"op lsn {op.lsn} submitted, expected {self._next_lsn}")
+        self._next_lsn += 1
+        self._queue.append(op)
+        self._queued += 1
+        if self._wakeup:
+            self._wakeup.unpark_all()
+
+    async def wait_committed(self, lsn: int) -> None:
+        """Return once every op up to ``lsn`` is committed.
+
+        Raises:
+            EngineBroken: the store failed before committing it.
+            EngineClosed: the engine closed before committing it.
+        """
+        if lsn <= self._committed_lsn:
+            await trio.lowlevel.checkpoint()
+            return
+        if self._failure is not None or self._env is None:
+            raise self._not_committed_error()
+        self._tiebreak += 1
+        event = trio.Event()  # set once the commit covering lsn lands, or the store fails
+        heapq.heappush(self._waiters, (lsn, self._tiebreak, event))
+        await event.wait()
+        if lsn > self._committed_lsn:
+            raise self._not_committed_error()
+
+    def _not_committed_error(self) -> EngineError:
+        if self._failure is None:
+            return EngineClosed("the engine closed before this turn was committed")
+        error = EngineBroken("the store failed before committing this turn; reopen it to go on")
+        error.__cause__ = self._failure
+        return error
+
+    async def forget(self, user_id: str, session_id: str | None) -> None:
+        """Delete a session or a user and wait until that is committed."""
+        await self.reserve(1)
+        lsn = self._next_lsn
+        self.submit(Forget(lsn, user_id, session_id))
+        await self.wait_committed(lsn)
+
+    async def _commit_loop(self) -> None:
+        while True:
+            if not self._queue:
+                if self._closing:
+                    return
+                await self._wakeup.park()
+                continue
+            n = min(len(self._queue), BATCH_MAX)
+            ops = [self._queue.popleft() for _ in range(n)]
+            segments = _plan(ops)
+            last = ops[-1].lsn
+            while not await trio.to_thread.run_sync(
+                self._write, segments, last, limiter=self._write_limiter
+            ):
+                await self._grow_map()
+            self._committed_lsn = last
+            self._queued -= n
+            if self._room:
+                self._room.unpark_all()
+            waiters = self._waiters
+            while waiters and waiters[0][0] <= last:
+                heapq.heappop(waiters)[2].set()
+
+    def _write(self, segments: list[_Puts | Forget], last_lsn: int) -> bool:
+        """One write transaction (worker thread). False: the map was full, nothing was written."""
+        dbs = self._dbs
+        try:
+            with self._env.begin(write=True) as txn:
+                for seg in segments:
+                    if type(seg) is _Puts:
+                        added = txn.cursor(dbs[b"turns"]).putmulti(seg.turns)[1]
+                        txn.cursor(dbs[b"ids"]).putmulti(seg.ids)
+                        txn.cursor(dbs[b"sessions"]).putmulti(seg.sessions)
+                        logged = txn.cursor(dbs[b"log"]).putmulti(seg.log, append=True)[1]
+                        if added != len(seg.turns) or logged != len(seg.log):
+                            raise AssertionError(
+                                f"store invariant broken: {len(seg.turns)} turns to write, "
+                                f"{added} new keys, {logged} of {len(seg.log)} log entries appended"
+                            )
+                    else:
+                        self._forget_in(txn, seg)
+                txn.put(_LAST_LSN_KEY, lsn_key(last_lsn), db=dbs[b"meta"])
+        except lmdb.MapFullError:
+            return False
+        except lmdb.Error as exc:
+            raise EngineBroken(f"writing to the store at {self.path} failed: {exc}") from exc
+        return True
+
+    def _forget_in(self, txn: lmdb.Transaction, op: Forget) -> None:
+        dbs = self._dbs
+        uprefix = user_prefix(op.user_id)
+        if op.session_id is None:
+            tprefix = uprefix
+        else:
+            tprefix = session_prefix(op.user_id, op.session_id)
+        deleted = array("Q")
+        ids, log = dbs[b"ids"], dbs[b"log"]
+        cursor = txn.cursor(dbs[b"turns"])
+        if cursor.set_range(tprefix):
+            while cursor.key().startswith(tprefix):
+                head = _decode_head(cursor.value())
+                deleted.append(head.lsn)
+                txn.delete(uprefix + head.turn_id.encode(), db=ids)
+                txn.delete(lsn_key(head.lsn), db=log)
+                if not cursor.delete():
+                    break
+        sessions = txn.cursor(dbs[b"sessions"])
+        if op.session_id is not None:
+            txn.delete(tprefix[:-1], db=dbs[b"sessions"])
+        elif sessions.set_range(uprefix):
+            while sessions.key().startswith(uprefix):
+                if not sessions.delete():
+                    break
+        deleted.byteswap()  # big-endian on disk, like every other integer in the store
+        txn.put(lsn_key(op.lsn), LOG_TOMBSTONE + deleted.tobytes(), db=log, append=True)
+
+    async def _grow_map(self) -> None:
+        await self._enter_exclusive()
+        try:
+            size = self._env.info()["map_size"] * 2
+            self._env.set_mapsize(size)
+        finally:
+            self._leave_exclusive()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+        self._closing = True
+        self._wake_all_waiters()
+        self._room.unpark_all()
+
+    def _wake_all_waiters(self) -> None:
+        # Woken waiters compare their lsn with committed_lsn and raise if theirs did not land.
+        while self._waiters:
+            heapq.heappop(self._waiters)[2].set()
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def read(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(txn, dbs, *args)`` in a worker thread inside one read transaction.
+
+        Raises:
+            EngineClosed: the store is closed.
+        """
+        while self._exclusive:
+            await self._gate.park()
+        if self._env is None:
+            raise EngineClosed("the engine is closed; open a new one with Engine.open(path)")
+        self._readers += 1
+        try:
+            return await trio.to_thread.run_sync(
+                self._read_in_thread, fn, args, limiter=self._read_limiter
+            )
+        finally:
+            self._readers -= 1
+            if not self._readers and self._gate:
+                self._gate.unpark_all()
+
+    def _read_in_thread(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        try:
+            with self._env.begin(buffers=False) as txn:
+                return fn(txn, self._dbs, *args)
+        except lmdb.Error as exc:
+            raise EngineBroken(f"reading the store at {self.path} failed: {exc}") from exc
+
+    async def _enter_exclusive(self) -> None:
+        while self._exclusive:
+            await self._gate.park()
+        self._exclusive = True
+        while self._readers:
+            await self._gate.park()
+
+    def _leave_exclusive(self) -> None:
+        self._exclusive = False
+        self._gate.unpark_all()
+
+    def map_size(self) -> int:
+        return 0 if self._env is None else self._env.info()["map_size"]
+
+
+# -- read functions: run by Store.read in a worker thread -------------------------------------
+
+
+def read_sessions(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> list[SessionInfo]:
+    """Every session's info, in key order."""
+    return [_decode_session(v) for v in txn.cursor(dbs[b"sessions"]).iternext(keys=False, values=True)]
+
+
+def read_session_tail(
+    txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str, session_id: str,
+    limit: int, before_seq: int | None,
+) -> list[Turn]:
+    """Up to ``limit`` turns of a session with seq < ``before_seq`` (all if None), oldest first."""
+    prefix = session_prefix(user_id, session_id)
+    cursor = txn.cursor(dbs[b"turns"])
+    end = prefix + (before_seq.to_bytes(8, "big") if before_seq is not None else b"\xff" * 8)
+    found: list[Turn] = []
+    # Position on the last key below `end`, then walk backwards.
+    if cursor.set_range(end):
+        moved = cursor.prev()
+    else:
+        moved = cursor.last()
+    while moved and len(found) < limit:
+        key = cursor.key()
+        if not key.startswith(prefix):
+            break
+        found.append(_decode_turn(cursor.value()))
+        moved = cursor.prev()
+    found.reverse()
+    return found
+
+
+def read_turn(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str, turn_id: str) -> Turn | None:
+    key = txn.get(user_prefix(user_id) + turn_id.encode(), db=dbs[b"ids"])
+    if key is None:
+        return None
+    raw = txn.get(key, db=dbs[b"turns"])
+    return None if raw is None else _decode_turn(raw)
+
+
+def read_all(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> dict[str, list[tuple[bytes, bytes]]]:
+    """Every key and value of every database: for audits and tests, not for serving."""
+    return {
+        name.decode(): list(txn.cursor(db).iternext(keys=True, values=True))
+        for name, db in dbs.items()
+    }
+

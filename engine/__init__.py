@@ -1,0 +1,28 @@
+"""Engram: an async, in-process memory engine for conversational agents, on trio.
+
+Everything public is re-exported here; the modules behind it are private.
+"""
+
+from ._config import Config
+from ._engine import Engine, Stats
+from ._records import NewTurn, Role, SessionInfo, Turn
+from .errors import EngineBroken, EngineClosed, EngineError, InvalidInput, StoreIncompatible
+from actors.session_buffer import Receipt
+
+__all__ = [
+    "Config",
+    "Engine",
+    "EngineBroken",
+    "EngineClosed",
+    "EngineError",
+    "InvalidInput",
+    "NewTurn",
+    "Receipt",
+    "Role",
+    "SessionInfo",
+    "Stats",
+    "StoreIncompatible",
+    "Turn",
+]
+
+__version__ = "0.1.0"

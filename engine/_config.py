@@ -1,0 +1,54 @@
+"""Engine configuration: one frozen Struct, validated when the engine opens."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from .errors import InvalidInput
+
+__all__ = ["Config"]
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Tunables of an engine. Every field has a default that suits a chat bot on 2 cores.
+
+    Attributes:
+        window_turns: turns kept per session in the short-term window in RAM.
+        live_windows: sessions whose windows stay in RAM (least recently used are dropped and
+            reread from the store on demand); bounds memory with many sessions.
+        max_text_chars: longest turn text accepted.
+        max_meta_bytes: largest ``meta`` accepted, measured as its JSON encoding.
+        max_id_chars: longest user or session id accepted.
+        fsync: commit with fsync (``True``) or leave flushing to the OS (``False``: a durable
+            receipt then survives a process crash but not a power cut).
+        initial_map_bytes: the LMDB map size a new store starts with; it doubles when full.
+        close_timeout_s: how long closing waits for queued turns to commit.
+    """
+
+    window_turns: Positive = 20
+    live_windows: Positive = 4096
+    max_text_chars: Positive = 32_000
+    max_meta_bytes: Positive = 64 * 1024
+    max_id_chars: Positive = 256
+    fsync: bool = True
+    initial_map_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 256 << 20
+    close_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+
+    @classmethod
+    def checked(cls, config: "Config | dict | None") -> "Config":
+        """Return a validated Config from a Config, a dict of overrides, or None (defaults).
+
+        Raises:
+            InvalidInput: a field is unknown or out of range.
+        """
+        if config is None:
+            return cls()
+        raw = msgspec.structs.asdict(config) if isinstance(config, Config) else config
+        try:
+            return msgspec.convert(raw, cls)
+        except msgspec.ValidationError as exc:
+            raise InvalidInput("config", f"{exc}") from None

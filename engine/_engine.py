@@ -1,0 +1,335 @@
+"""The Engine facade: owns the nursery, starts the actors, hides every channel."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from contextlib import asynccontextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+
+from actors.session_buffer import Receipt, SessionBuffer
+from actors.store import Store, read_turn
+
+from . import _validate as v
+from ._config import Config
+from ._records import SCHEMA_VERSION, NewTurn, SessionInfo, Turn
+from .errors import EngineBroken, EngineClosed, InvalidInput
+
+__all__ = ["Engine", "Stats"]
+
+Clock = Callable[[], datetime]
+
+
+def _utc_now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Stats(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``Engine.stats`` reports.
+
+    Attributes:
+        users / sessions / turns: what the engine holds (turns include those not yet on disk).
+        last_lsn: the newest log sequence number handed out.
+        committed_lsn: everything up to here is on disk.
+        queued: turns and deletions waiting for the disk.
+        live_windows: sessions whose short-term window is in RAM.
+        store_bytes: size of the LMDB data file; map_bytes: its current map size.
+        schema_version: the store's schema.
+    """
+
+    users: int
+    sessions: int
+    turns: int
+    last_lsn: int
+    committed_lsn: int
+    queued: int
+    live_windows: int
+    store_bytes: int
+    map_bytes: int
+    schema_version: int
+
+
+class Engine:
+    """An open memory engine. Get one with ``async with Engine.open(path) as mem``."""
+
+    def __init__(self, store: Store, buffer: SessionBuffer, config: Config, clock: Clock) -> None:
+        self._store = store
+        self._buffer = buffer
+        self._config = config
+        self._clock = clock
+        self._closed = False
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        config: Config | Mapping[str, Any] | None = None,
+        clock: Clock | None = None,
+    ) -> AsyncIterator[Engine]:
+        """Open (or create) the store at ``path`` and run the engine for the ``async with`` body.
+
+        Args:
+            path: a directory; created if missing.
+            config: a :class:`Config`, a dict of overrides, or None for the defaults.
+            clock: returns the current timezone-aware time; stamps turns given no ``at``.
+
+        Raises:
+            InvalidInput: bad path or config.
+            StoreIncompatible: the store was written by a newer schema.
+            EngineBroken: an actor failed while the engine ran (``__cause__`` has the group).
+        """
+        if not isinstance(path, (str, os.PathLike)):
+            raise InvalidInput("path", f"expected a directory path, found {type(path).__name__}")
+        config = Config.checked(dict(config) if isinstance(config, Mapping) else config)
+        store = Store(Path(path), config)
+        body_error: BaseException | None = None
+        raised: BaseException | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                engine: Engine | None = None
+                try:
+                    await nursery.start(store.run)
+                    buffer = SessionBuffer(store, config)
+                    await buffer.load()
+                    engine = cls(store, buffer, config, clock or _utc_now)
+                    yield engine
+                except BaseException as exc:
+                    body_error = exc
+                    raise
+                finally:
+                    # The store drains what is queued, shielded, and its task ends the nursery.
+                    if engine is not None:
+                        engine._closed = True
+                    store.close()
+        except BaseExceptionGroup as group:
+            raised = _translate(group, body_error)
+        if raised is not None:
+            raise raised
+
+    # -- ingest ------------------------------------------------------------------------------
+
+    async def add_turn(
+        self,
+        user_id: str,
+        session_id: str,
+        role: str,
+        text: str,
+        at: datetime | None = None,
+        meta: dict[str, Any] | None = None,
+        durable: bool = False,
+    ) -> Receipt:
+        """Add one turn to a session; return once it is in the short-term window.
+
+        Args:
+            user_id: the tenant; a non-empty string.
+            session_id: the session within the user; a non-empty string.
+            role: ``user``, ``assistant``, ``system`` or ``tool``.
+            text: what was said; non-empty, at most ``Config.max_text_chars``.
+            at: when; timezone-aware. Default: the engine clock.
+            meta: a JSON-serialisable dict kept with the turn.
+            durable: also wait until the turn is committed to disk.
+
+        Returns:
+            A :class:`Receipt` with ``turn_id``, ``seq`` and ``await durable()``.
+
+        Raises:
+            InvalidInput: a bad argument; nothing was written.
+            EngineClosed: the engine is closed.
+        """
+        self._check_open()
+        await trio.lowlevel.checkpoint_if_cancelled()
+        config = self._config
+        v.check_id("user_id", user_id, config.max_id_chars)
+        v.check_id("session_id", session_id, config.max_id_chars)
+        v.check_role(role)
+        v.check_text("text", text, config.max_text_chars)
+        at = self._clock() if at is None else v.check_at(at)
+        meta = v.check_meta(meta, config.max_meta_bytes)
+        await self._store.reserve(1)
+        self._check_open()
+        receipt = self._buffer.append(user_id, session_id, role, text, at, meta)
+        if durable:
+            await receipt.durable()
+        return receipt
+
+    async def add_turns(
+        self, items: Iterable[NewTurn | Mapping[str, Any]], *, durable: bool = False
+    ) -> list[Receipt]:
+        """Add many turns at once, in order; all are validated before any is written.
+
+        Args:
+            items: :class:`NewTurn` values, or mappings with the same keys.
+            durable: also wait until all of them are committed to disk.
+
+        Returns:
+            One :class:`Receipt` per item, in order.
+
+        Raises:
+            InvalidInput: an item is bad (``field`` says which, e.g. ``items[3].text``);
+                nothing was written.
+            EngineClosed: the engine is closed.
+        """
+        self._check_open()
+        await trio.lowlevel.checkpoint_if_cancelled()
+        checked = [self._check_item(i, item) for i, item in enumerate(items)]
+        receipts: list[Receipt] = []
+        buffer, store = self._buffer, self._store
+        # Each chunk is appended without yielding, so its turns stay contiguous in a session.
+        for start in range(0, len(checked), _BULK_CHUNK):
+            chunk = checked[start : start + _BULK_CHUNK]
+            await store.reserve(len(chunk))
+            self._check_open()
+            receipts.extend(buffer.append(*item) for item in chunk)
+        if durable and receipts:
+            await receipts[-1].durable()
+        return receipts
+
+    def _check_item(self, index: int, item: NewTurn | Mapping[str, Any]) -> tuple[Any, ...]:
+        config = self._config
+        if isinstance(item, Mapping):
+            try:
+                item = msgspec.convert(item, NewTurn, strict=False)
+            except msgspec.ValidationError as exc:
+                raise InvalidInput(f"items[{index}]", f"expected a NewTurn, found {exc}") from None
+        elif not isinstance(item, NewTurn):
+            raise InvalidInput(
+                f"items[{index}]", f"expected a NewTurn or a mapping, found {type(item).__name__}"
+            )
+        try:
+            return (
+                v.check_id("user_id", item.user_id, config.max_id_chars),
+                v.check_id("session_id", item.session_id, config.max_id_chars),
+                v.check_role(item.role),
+                v.check_text("text", item.text, config.max_text_chars),
+                self._clock() if item.at is None else v.check_at(item.at),
+                v.check_meta(item.meta, config.max_meta_bytes),
+            )
+        except InvalidInput as exc:
+            raise InvalidInput(f"items[{index}].{exc.field}", _reason(exc)) from None
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def session_history(self, user_id: str, session_id: str, limit: int = 50) -> list[Turn]:
+        """The latest ``limit`` turns of a session, oldest first (unknown session: empty).
+
+        Raises:
+            InvalidInput: bad ids or limit.
+            EngineClosed: the engine is closed.
+        """
+        self._check_open()
+        self._check_ids(user_id, session_id)
+        _check_limit(limit)
+        return await self._buffer.history(user_id, session_id, limit)
+
+    async def list_sessions(self, user_id: str) -> list[SessionInfo]:
+        """The user's sessions, most recently active first (unknown user: empty)."""
+        self._check_open()
+        self._check_ids(user_id)
+        await trio.lowlevel.checkpoint()
+        return self._buffer.sessions(user_id)
+
+    async def get_turn(self, user_id: str, turn_id: str) -> Turn | None:
+        """One turn by id, with its ``meta``; None if the user has no such turn."""
+        self._check_open()
+        self._check_ids(user_id)
+        v.check_id("turn_id", turn_id, self._config.max_id_chars)
+        store = self._store
+        await store.wait_committed(store.next_lsn - 1)
+        return await store.read(read_turn, user_id, turn_id)
+
+    # -- deletion ----------------------------------------------------------------------------
+
+    async def forget_session(self, user_id: str, session_id: str) -> None:
+        """Delete a session and all its turns; returns once the deletion is on disk."""
+        self._check_open()
+        self._check_ids(user_id, session_id)
+        self._buffer.drop_session(user_id, session_id)
+        await self._store.forget(user_id, session_id)
+
+    async def forget_user(self, user_id: str) -> None:
+        """Delete everything of a user; returns once the deletion is on disk."""
+        self._check_open()
+        self._check_ids(user_id)
+        self._buffer.drop_user(user_id)
+        await self._store.forget(user_id, None)
+
+    # -- upkeep ------------------------------------------------------------------------------
+
+    async def flush(self) -> None:
+        """Return once everything acknowledged before the call is committed to disk."""
+        self._check_open()
+        await self._store.wait_committed(self._store.next_lsn - 1)
+
+    async def stats(self) -> Stats:
+        """Counts and positions; cheap enough to call from a health check."""
+        self._check_open()
+        await trio.lowlevel.checkpoint()
+        users, sessions, turns, live = self._buffer.counts()
+        store = self._store
+        data = store.path / "data.mdb"
+        return Stats(
+            users=users,
+            sessions=sessions,
+            turns=turns,
+            last_lsn=store.next_lsn - 1,
+            committed_lsn=store.committed_lsn,
+            queued=store.queued,
+            live_windows=live,
+            store_bytes=data.stat().st_size if data.exists() else 0,
+            map_bytes=store.map_size(),
+            schema_version=SCHEMA_VERSION,
+        )
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosed("the engine is closed; open a new one with Engine.open(path)")
+        self._store.check_usable()
+
+    def _check_ids(self, user_id: Any, session_id: Any = None) -> None:
+        v.check_id("user_id", user_id, self._config.max_id_chars)
+        if session_id is not None:
+            v.check_id("session_id", session_id, self._config.max_id_chars)
+
+
+_BULK_CHUNK = 1024  # turns appended per step of add_turns: under ~10 ms of loop time each
+
+
+def _check_limit(limit: Any) -> None:
+    if type(limit) is not int or limit < 1:
+        raise InvalidInput("limit", f"expected a positive integer, found {limit!r}")
+
+
+def _reason(exc: InvalidInput) -> str:
+    return str(exc).split(": ", 1)[1]
+
+
+def _translate(group: BaseExceptionGroup, body_error: BaseException | None) -> BaseException:
+    """One error out of the engine's nursery: the caller's own, or EngineBroken from the group."""
+    real = group.subgroup(lambda e: not isinstance(e, trio.Cancelled))
+    if real is None:
+        return group  # pure cancellation: trio's cancel scopes take it from here
+    leaves = list(_leaves(real))
+    if body_error is not None and all(e is body_error for e in leaves):
+        return body_error
+    if all(not isinstance(e, Exception) for e in leaves):
+        return group  # KeyboardInterrupt and the like pass through untouched
+    broken = EngineBroken(f"the engine failed: {'; '.join(repr(e) for e in leaves)}")
+    broken.__cause__ = group
+    return broken
+
+
+def _leaves(group: BaseExceptionGroup) -> Iterable[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc

@@ -1,0 +1,54 @@
+"""The errors Engram raises, split by who caused them.
+
+- :class:`InvalidInput`: the caller passed something the engine will not store or answer.
+  Nothing was written.
+- :class:`EngineClosed`: the caller used an engine after closing it (or while it closed).
+- :class:`EngineBroken`: the engine failed underneath the caller (disk, native library, a bug).
+  The original failure is chained as ``__cause__``.
+- :class:`StoreIncompatible`: the store on disk was written by something this build cannot read
+  as it is (a newer schema, a different embedding model).
+
+Native exceptions (``lmdb.Error``, onnxruntime and tantivy errors) are translated into these at
+the actor edge and chained with ``from``, so callers need to catch only :class:`EngineError`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EngineError",
+    "InvalidInput",
+    "EngineClosed",
+    "EngineBroken",
+    "StoreIncompatible",
+]
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class InvalidInput(EngineError, ValueError):
+    """An argument was rejected before anything was written.
+
+    Attributes:
+        field: the name of the argument (or ``items[3].text`` within a batch) that was rejected.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class EngineClosed(EngineError):
+    """The engine was closed by its owner; open a new one to go on."""
+
+
+class EngineBroken(EngineError):
+    """The engine failed underneath the caller; ``__cause__`` holds the failure.
+
+    What was durably acknowledged before the failure is on disk; reopen the store to go on.
+    """
+
+
+class StoreIncompatible(EngineError):
+    """The store on disk cannot be used by this build as it is; the message says what to run."""
