@@ -195,9 +195,11 @@ class Engine:
         config = self._config
         if isinstance(item, Mapping):
             try:
-                item = msgspec.convert(item, NewTurn, strict=False)
-            except msgspec.ValidationError as exc:
-                raise InvalidInput(f"items[{index}]", f"expected a NewTurn, found {exc}") from None
+                item = NewTurn(**item)  # fields are checked below, as add_turn checks them
+            except TypeError as exc:
+                raise InvalidInput(
+                    f"items[{index}]", f"expected the fields of a NewTurn, found {exc}"
+                ) from None
         elif not isinstance(item, NewTurn):
             raise InvalidInput(
                 f"items[{index}]", f"expected a NewTurn or a mapping, found {type(item).__name__}"

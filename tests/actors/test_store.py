@@ -1,0 +1,155 @@
+"""The Store actor: schema, group commit, failures, cancellation and the log it keeps."""
+
+from __future__ import annotations
+
+import threading
+from array import array
+
+import lmdb
+import pytest
+import trio
+
+import actors.store as store_mod
+from engine import Engine, EngineBroken, StoreIncompatible
+
+from ..conftest import raw_databases
+
+
+def _set_schema(path, version: int) -> None:
+    env = lmdb.open(str(path), max_dbs=32)
+    with env.begin(write=True) as txn:
+        txn.put(b"schema", version.to_bytes(8, "big"), db=env.open_db(b"meta", txn=txn))
+    env.close()
+
+
+async def test_a_newer_schema_is_refused_with_the_fix(store_path) -> None:
+    """A store written by a newer schema is not opened, and the error says to upgrade."""
+    async with Engine.open(store_path):
+        pass
+    _set_schema(store_path, 99)
+    with pytest.raises(StoreIncompatible, match=r"schema version 99, newer than this build reads \(1\); upgrade"):
+        async with Engine.open(store_path):
+            pass
+
+
+async def test_an_old_schema_is_migrated_in_order(store_path, monkeypatch) -> None:
+    """Opening an older store runs each migration once, then records the current version."""
+    async with Engine.open(store_path) as mem:
+        await mem.add_turn("ana", "s1", "user", "kept through the migration")
+    _set_schema(store_path, 0)
+    ran: list[int] = []
+
+    def migrate(txn, dbs) -> None:
+        ran.append(0)
+        txn.put(b"migrated", b"yes", db=dbs[b"meta"])
+
+    monkeypatch.setitem(store_mod.MIGRATIONS, 0, migrate)
+    async with Engine.open(store_path) as mem:
+        assert [t.text for t in await mem.session_history("ana", "s1")] == ["kept through the migration"]
+    async with Engine.open(store_path):
+        pass
+    assert ran == [0]
+    meta = dict(raw_databases(store_path)["meta"])
+    assert meta[b"migrated"] == b"yes" and int.from_bytes(meta[b"schema"], "big") == 1
+
+
+async def test_a_missing_migration_is_refused(store_path) -> None:
+    """An old store with no migration path is not touched."""
+    async with Engine.open(store_path):
+        pass
+    _set_schema(store_path, 0)
+    with pytest.raises(StoreIncompatible, match=r"no migration from 0 to 1"):
+        async with Engine.open(store_path):
+            pass
+
+
+async def test_foreign_lmdb_data_is_refused(store_path) -> None:
+    """An LMDB environment that Engram did not write is not adopted."""
+    env = lmdb.open(str(store_path), max_dbs=32)
+    with env.begin(write=True) as txn:
+        txn.put(b"k", b"v", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with pytest.raises(StoreIncompatible, match=r"without an Engram schema version"):
+        async with Engine.open(store_path):
+            pass
+
+
+async def test_a_failing_disk_breaks_the_engine_loudly(store_path, monkeypatch) -> None:
+    """A write error fails pending durable receipts and surfaces as one EngineBroken."""
+    outcomes: list[BaseException] = []
+
+    def broken_write(self, segments, last_lsn):
+        raise EngineBroken("writing to the store failed: No space left on device") from OSError(28, "ENOSPC")
+
+    with pytest.raises(EngineBroken, match=r"the engine failed") as info:
+        async with Engine.open(store_path) as mem:
+            monkeypatch.setattr(store_mod.Store, "_write", broken_write)
+            r = await mem.add_turn("ana", "s1", "user", "lost")
+            try:
+                await r.durable()
+            except EngineBroken as exc:
+                outcomes.append(exc)
+            await trio.sleep_forever()
+    assert isinstance(info.value.__cause__, BaseExceptionGroup)
+    (failure,) = outcomes
+    assert "store failed before committing" in str(failure)
+
+
+async def test_durable_writers_share_commits(store_path, monkeypatch) -> None:
+    """Turns that arrive while a commit runs are committed together in the next one."""
+    commits: list[int] = []
+    original = store_mod.Store._write
+
+    def counting_write(self, segments, last_lsn):
+        commits.append(last_lsn)
+        return original(self, segments, last_lsn)
+
+    monkeypatch.setattr(store_mod.Store, "_write", counting_write)
+    async with Engine.open(store_path) as mem:
+        async with trio.open_nursery() as nursery:
+            for i in range(200):
+                nursery.start_soon(mem.add_turn, "ana", f"s{i % 10}", "user", f"t{i}", None, None, True)
+    assert commits[-1] == 200
+    assert len(commits) < 20
+
+
+async def test_a_cancelled_caller_leaves_no_hole_in_the_log(store_path, monkeypatch) -> None:
+    """Callers cancelled while waiting for queue room take no sequence number with them."""
+    monkeypatch.setattr(store_mod, "QUEUE_LIMIT", 4)
+    gate = threading.Event()
+    original = store_mod.Store._write
+
+    def gated_write(self, segments, last_lsn):
+        gate.wait(10)
+        return original(self, segments, last_lsn)
+
+    monkeypatch.setattr(store_mod.Store, "_write", gated_write)
+    async with Engine.open(store_path) as mem:
+        async with trio.open_nursery() as nursery:
+            for i in range(12):
+                nursery.start_soon(mem.add_turn, "ana", "s1", "user", f"t{i}")
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+        gate.set()
+        r = await mem.add_turn("ana", "s1", "user", "after the cancellations", durable=True)
+        history = await mem.session_history("ana", "s1", limit=100)
+    # Four fit the queue (one in the blocked writer); the eight that waited were cancelled.
+    assert [t.seq for t in history] == [0, 1, 2, 3, 4]
+    assert history[-1].lsn == r.lsn == 5
+    log_keys = [int.from_bytes(k, "big") for k, _ in raw_databases(store_path)["log"]]
+    assert log_keys == list(range(1, r.lsn + 1))
+
+
+async def test_forget_logs_a_tombstone_with_the_deleted_sequence_numbers(store_path) -> None:
+    """The tombstone lists exactly the forgotten turns' lsns, for indexes to replay."""
+    async with Engine.open(store_path) as mem:
+        kept = await mem.add_turn("ana", "s1", "user", "stays")
+        gone = [await mem.add_turn("ana", "s2", "user", f"goes {i}") for i in range(3)]
+        await mem.forget_session("ana", "s2")
+    log = dict(raw_databases(store_path)["log"])
+    tombstone = log[(kept.lsn + 4).to_bytes(8, "big")]
+    assert tombstone[:1] == store_mod.LOG_TOMBSTONE
+    lsns = array("Q", tombstone[1:])
+    lsns.byteswap()
+    assert sorted(lsns) == [r.lsn for r in gone]
+    assert sorted(int.from_bytes(k, "big") for k in log) == [kept.lsn, kept.lsn + 4]

@@ -1,0 +1,59 @@
+"""Shared fixtures: a store directory, a steppable engine clock, an open engine."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import pytest
+
+from engine import Engine
+
+T0 = datetime(2026, 3, 1, 9, 0, tzinfo=timezone.utc)
+
+
+class StepClock:
+    """An engine clock that moves one step per reading, so turn times are distinct and known."""
+
+    def __init__(self, start: datetime = T0, step: timedelta = timedelta(seconds=1)) -> None:
+        self.now = start
+        self.step = step
+
+    def __call__(self) -> datetime:
+        now = self.now
+        self.now += self.step
+        return now
+
+
+@pytest.fixture
+def store_path(tmp_path: Path) -> Path:
+    return tmp_path / "store"
+
+
+@pytest.fixture
+def clock() -> StepClock:
+    return StepClock()
+
+
+@pytest.fixture
+async def mem(store_path: Path, clock: StepClock) -> AsyncIterator[Engine]:
+    async with Engine.open(store_path, clock=clock) as engine:
+        yield engine
+
+
+def raw_databases(path: Path) -> dict[str, list[tuple[bytes, bytes]]]:
+    """Every key and value of every named database of a closed store, read with bare lmdb."""
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=32)
+    try:
+        with env.begin() as txn:
+            names = [key for key, _ in txn.cursor()]
+            out: dict[str, Any] = {}
+            for name in names:
+                db = env.open_db(name, txn=txn, create=False)
+                out[name.decode()] = list(txn.cursor(db))
+        return out
+    finally:
+        env.close()

@@ -1,0 +1,242 @@
+"""The public ingest and session API, as a bot uses it."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import trio
+
+from engine import Engine, EngineClosed, NewTurn, Turn
+
+from .conftest import T0, StepClock, raw_databases
+
+
+async def test_add_turn_is_in_history_at_once_with_ids_and_seq(mem: Engine) -> None:
+    """A turn is in the session window the moment add_turn returns, with id, seq and meta."""
+    r1 = await mem.add_turn("ana", "s1", "user", "I moved to Lisbon", meta={"lang": "en"})
+    r2 = await mem.add_turn("ana", "s1", "assistant", "Welcome to Lisbon!")
+    assert (r1.seq, r2.seq) == (0, 1)
+    assert r1.turn_id != r2.turn_id
+    history = await mem.session_history("ana", "s1")
+    assert [t.text for t in history] == ["I moved to Lisbon", "Welcome to Lisbon!"]
+    assert [t.turn_id for t in history] == [r1.turn_id, r2.turn_id]
+    first = history[0]
+    assert (first.user_id, first.session_id, first.role, first.meta) == ("ana", "s1", "user", {"lang": "en"})
+    assert first.at == T0
+
+
+async def test_durable_receipt_resolves_after_commit(mem: Engine) -> None:
+    """durable() returns once the store's committed sequence covers the turn."""
+    r = await mem.add_turn("ana", "s1", "user", "hello")
+    await r.durable()
+    assert (await mem.stats()).committed_lsn >= r.lsn
+    r2 = await mem.add_turn("ana", "s1", "user", "again", durable=True)
+    assert (await mem.stats()).committed_lsn >= r2.lsn
+
+
+async def test_at_is_kept_as_the_same_instant_in_utc(mem: Engine) -> None:
+    """A turn given a local time comes back as the same instant in UTC, from RAM and disk alike."""
+    local = datetime(2026, 5, 2, 14, 30, tzinfo=timezone(timedelta(hours=2)))
+    r = await mem.add_turn("ana", "s1", "user", "lunch", at=local)
+    (in_window,) = await mem.session_history("ana", "s1")
+    from_disk = await mem.get_turn("ana", r.turn_id)
+    assert in_window.at == from_disk.at == local
+    assert from_disk.at.utcoffset() == timedelta(0)
+
+
+async def test_history_limit_returns_the_latest_turns_oldest_first(mem: Engine) -> None:
+    """limit picks the newest turns and keeps them in conversation order."""
+    for i in range(5):
+        await mem.add_turn("ana", "s1", "user", f"turn {i}")
+    assert [t.text for t in await mem.session_history("ana", "s1", limit=2)] == ["turn 3", "turn 4"]
+
+
+async def test_history_beyond_the_window_reads_older_turns_from_disk(store_path, clock) -> None:
+    """A history longer than the RAM window is completed from the store, without gaps."""
+    async with Engine.open(store_path, clock=clock, config={"window_turns": 4}) as mem:
+        for i in range(30):
+            await mem.add_turn("ana", "s1", "user", f"turn {i}")
+        history = await mem.session_history("ana", "s1", limit=25)
+    assert [t.seq for t in history] == list(range(5, 30))
+
+
+async def test_evicted_windows_are_reread_from_disk(store_path, clock) -> None:
+    """With more sessions than live windows, an evicted session's history is still whole."""
+    config = {"window_turns": 5, "live_windows": 2}
+    async with Engine.open(store_path, clock=clock, config=config) as mem:
+        for s in range(4):
+            for i in range(3):
+                await mem.add_turn("ana", f"s{s}", "user", f"s{s} turn {i}")
+        assert (await mem.stats()).live_windows == 2
+        history = await mem.session_history("ana", "s0")
+    assert [t.text for t in history] == ["s0 turn 0", "s0 turn 1", "s0 turn 2"]
+
+
+async def test_list_sessions_most_recent_first(mem: Engine) -> None:
+    """Sessions are listed by their latest turn, newest first, with counts and times."""
+    await mem.add_turn("ana", "old", "user", "a", at=T0)
+    await mem.add_turn("ana", "new", "user", "b", at=T0 + timedelta(days=2))
+    await mem.add_turn("ana", "mid", "user", "c", at=T0 + timedelta(days=1))
+    await mem.add_turn("ana", "old", "user", "d", at=T0 + timedelta(hours=1))
+    sessions = await mem.list_sessions("ana")
+    assert [s.session_id for s in sessions] == ["new", "mid", "old"]
+    old = sessions[-1]
+    assert (old.turn_count, old.started_at, old.last_at) == (2, T0, T0 + timedelta(hours=1))
+    assert await mem.list_sessions("nobody") == []
+
+
+async def test_add_turns_ingests_many_in_order(mem: Engine) -> None:
+    """add_turns takes NewTurn values or mappings and keeps their order within a session."""
+    receipts = await mem.add_turns(
+        [
+            NewTurn(user_id="ana", session_id="s1", role="user", text="one"),
+            {"user_id": "ana", "session_id": "s1", "role": "assistant", "text": "two"},
+            NewTurn(user_id="bo", session_id="x", role="user", text="other user", meta={"k": [1]}),
+        ],
+        durable=True,
+    )
+    assert [r.seq for r in receipts] == [0, 1, 0]
+    assert [t.text for t in await mem.session_history("ana", "s1")] == ["one", "two"]
+    assert (await mem.get_turn("bo", receipts[2].turn_id)).meta == {"k": [1]}
+
+
+async def test_get_turn_is_scoped_to_its_user(mem: Engine) -> None:
+    """A turn id looked up under another user finds nothing."""
+    r = await mem.add_turn("ana", "s1", "user", "secret")
+    assert (await mem.get_turn("ana", r.turn_id)).text == "secret"
+    assert await mem.get_turn("bo", r.turn_id) is None
+
+
+async def test_forget_session_removes_it_and_a_new_one_starts_fresh(mem: Engine) -> None:
+    """A forgotten session is gone at once; the same id later starts again at seq 0."""
+    await mem.add_turn("ana", "s1", "user", "forget me")
+    await mem.add_turn("ana", "s2", "user", "keep me")
+    await mem.forget_session("ana", "s1")
+    assert await mem.session_history("ana", "s1") == []
+    assert [s.session_id for s in await mem.list_sessions("ana")] == ["s2"]
+    r = await mem.add_turn("ana", "s1", "user", "fresh start")
+    assert r.seq == 0
+
+
+async def test_forget_user_leaves_no_record_in_any_database(store_path, clock) -> None:
+    """After forget_user, no key or value in any LMDB database holds the user's id or text."""
+    async with Engine.open(store_path, clock=clock) as mem:
+        for s in range(3):
+            for i in range(10):
+                await mem.add_turn("zed-the-user", f"zsess-{s}", "user", f"zed secret {i}")
+                await mem.add_turn("ana", f"s{s}", "user", f"ana note {i}")
+        pending = await mem.add_turn("zed-the-user", "zsess-9", "user", "zed secret in flight")
+        await mem.forget_user("zed-the-user")
+        assert await mem.list_sessions("zed-the-user") == []
+        assert await mem.get_turn("zed-the-user", pending.turn_id) is None
+        assert (await mem.stats()).users == 1
+    databases = raw_databases(store_path)
+    assert {"turns", "ids", "sessions", "log", "meta"} <= set(databases)
+    for name, items in databases.items():
+        for key, value in items:
+            for needle in (b"zed-the-user", b"zsess", b"zed secret"):
+                assert needle not in key and needle not in value, (name, key)
+    assert len(databases["turns"]) == 30
+
+
+async def test_stats_counts_what_is_held(mem: Engine) -> None:
+    """stats reports users, sessions, turns and the log position."""
+    await mem.add_turn("ana", "s1", "user", "a")
+    await mem.add_turn("ana", "s2", "user", "b")
+    await mem.add_turn("bo", "s1", "user", "c")
+    await mem.flush()
+    stats = await mem.stats()
+    assert (stats.users, stats.sessions, stats.turns) == (2, 3, 3)
+    assert stats.last_lsn == stats.committed_lsn == 3
+    assert stats.queued == 0 and stats.store_bytes > 0
+
+
+async def test_reopen_keeps_turns_and_continues_sequences(store_path) -> None:
+    """After a clean close and reopen, every turn is there and seq and lsn carry on."""
+    clock = StepClock()
+    async with Engine.open(store_path, clock=clock) as mem:
+        for i in range(3):
+            await mem.add_turn("ana", "s1", "user", f"before {i}")
+    async with Engine.open(store_path, clock=clock) as mem:
+        r = await mem.add_turn("ana", "s1", "user", "after")
+        assert (r.seq, r.lsn) == (3, 4)
+        history = await mem.session_history("ana", "s1")
+    assert [t.text for t in history] == ["before 0", "before 1", "before 2", "after"]
+    log_keys = [int.from_bytes(k, "big") for k, _ in raw_databases(store_path)["log"]]
+    assert log_keys == [1, 2, 3, 4]
+
+
+async def test_calls_after_close_raise_engine_closed(store_path) -> None:
+    """Every method of a closed engine raises EngineClosed, and says how to go on."""
+    async with Engine.open(store_path) as mem:
+        pass
+    with pytest.raises(EngineClosed, match=r"Engine.open"):
+        await mem.add_turn("ana", "s1", "user", "late")
+    with pytest.raises(EngineClosed):
+        await mem.session_history("ana", "s1")
+    with pytest.raises(EngineClosed):
+        await mem.stats()
+
+
+async def test_close_while_ingestion_is_in_flight_keeps_every_acknowledged_turn(store_path) -> None:
+    """Producers racing a close either get EngineClosed or a receipt whose turn is on disk."""
+    acked: list[tuple[str, int]] = []
+    refused = 0
+
+    async def producer(mem: Engine, name: str) -> None:
+        nonlocal refused
+        try:
+            for i in range(10_000):
+                r = await mem.add_turn("ana", name, "user", f"{name} {i}", durable=i % 7 == 0)
+                acked.append((name, r.seq))
+                if i % 50 == 0:
+                    await trio.sleep(0)
+        except EngineClosed:
+            refused += 1
+
+    async with trio.open_nursery() as nursery:
+        async with Engine.open(store_path) as mem:
+            for p in range(4):
+                nursery.start_soon(producer, mem, f"p{p}")
+            while len(acked) < 2_000:
+                await trio.sleep(0)
+    assert refused == 4
+    async with Engine.open(store_path) as mem:
+        for p in range(4):
+            name = f"p{p}"
+            seqs = sorted(seq for who, seq in acked if who == name)
+            history = await mem.session_history("ana", name, limit=100_000)
+            assert [t.seq for t in history] == seqs == list(range(len(seqs)))
+
+
+async def test_an_error_in_the_body_comes_out_unchanged_and_turns_are_kept(store_path) -> None:
+    """The caller's own exception is not wrapped, and acknowledged turns still reach the disk."""
+    with pytest.raises(KeyError, match="mine"):
+        async with Engine.open(store_path) as mem:
+            await mem.add_turn("ana", "s1", "user", "kept")
+            raise KeyError("mine")
+    async with Engine.open(store_path) as mem:
+        assert [t.text for t in await mem.session_history("ana", "s1")] == ["kept"]
+
+
+async def test_store_grows_its_map_instead_of_failing(store_path) -> None:
+    """A store opened with a 1 MiB map takes 4 MiB of turns, growing while reads go on."""
+    text = "x" * 2000
+    async with Engine.open(store_path, config={"initial_map_bytes": 1 << 20}) as mem:
+        for batch in range(4):
+            await mem.add_turns(
+                [NewTurn(user_id="ana", session_id="s1", role="user", text=text)] * 500
+            )
+            await mem.session_history("ana", "s1", limit=600)
+        await mem.flush()
+        stats = await mem.stats()
+    assert stats.turns == 2000 and stats.map_bytes > 4 << 20
+    assert len(raw_databases(store_path)["turns"]) == 2000
+
+
+async def test_history_types_are_turn_structs(mem: Engine) -> None:
+    """history returns Turn values a caller can pattern-match on."""
+    await mem.add_turn("ana", "s1", "tool", '{"ok": true}')
+    (turn,) = await mem.session_history("ana", "s1")
+    assert isinstance(turn, Turn) and turn.role == "tool"

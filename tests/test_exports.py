@@ -1,0 +1,22 @@
+"""The public surface is exactly what engine/__init__.py re-exports."""
+
+import engine
+
+
+def test_public_names_are_exported_and_nothing_private_leaks() -> None:
+    """Every name in __all__ exists, and every public attribute is in __all__."""
+    assert set(engine.__all__) == {
+        "Config", "Engine", "EngineBroken", "EngineClosed", "EngineError", "InvalidInput",
+        "NewTurn", "Receipt", "Role", "SessionInfo", "Stats", "StoreIncompatible", "Turn",
+    }
+    for name in engine.__all__:
+        assert getattr(engine, name) is not None
+    public = {n for n in vars(engine) if not n.startswith("_")} - {"errors"}
+    assert public <= set(engine.__all__)
+
+
+def test_errors_share_one_base() -> None:
+    """Callers can catch every engine error with EngineError; InvalidInput is a ValueError."""
+    for name in ("InvalidInput", "EngineClosed", "EngineBroken", "StoreIncompatible"):
+        assert issubclass(getattr(engine, name), engine.EngineError)
+    assert issubclass(engine.InvalidInput, ValueError)

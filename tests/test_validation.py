@@ -1,0 +1,96 @@
+"""Bad input is refused with a message that says what was expected and found; nothing is written."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import Config, Engine, InvalidInput, NewTurn
+
+OK = {"user_id": "ana", "session_id": "s1", "role": "user", "text": "hello"}
+
+BAD = [
+    ({"text": ""}, "text", r"expected a non-empty string, found ''"),
+    ({"text": "  \n\t"}, "text", r"expected a non-empty string, found '  \\n\\t'"),
+    ({"text": None}, "text", r"expected a non-empty string, found NoneType None"),
+    ({"text": "x" * 40}, "text", r"expected at most 32 characters, found 40; split it"),
+    ({"text": "bad \ud800 surrogate"}, "text", r"expected text encodable as UTF-8"),
+    ({"user_id": ""}, "user_id", r"expected a non-empty string, found ''"),
+    ({"user_id": 42}, "user_id", r"expected a non-empty string, found int 42"),
+    ({"session_id": None}, "session_id", r"found NoneType None"),
+    ({"session_id": "a\x00b"}, "session_id", r"expected no NUL character"),
+    ({"user_id": "u" * 300}, "user_id", r"expected at most 256 characters, found 300"),
+    ({"role": "bot"}, "role", r"expected one of 'user', 'assistant', 'system', 'tool', found str 'bot'"),
+    ({"at": datetime(2026, 1, 1)}, "at", r"expected a timezone-aware datetime, found a naive datetime 2026-01-01T00:00:00; pass tzinfo"),
+    ({"at": "2026-01-01"}, "at", r"expected a timezone-aware datetime, found str"),
+    ({"meta": {"tags": {1, 2}}}, "meta['tags']", r"expected a JSON-serialisable value, found set"),
+    ({"meta": {1: "x"}}, "meta", r"expected string keys, found key int 1"),
+    ({"meta": {"x": float("nan")}}, "meta['x']", r"found nan \(not valid JSON\)"),
+    ({"meta": ["a"]}, "meta", r"expected a JSON-serialisable dict, found list"),
+    ({"meta": {"blob": "y" * 200}}, "meta", r"expected at most 128 bytes as JSON, found 211"),
+]
+
+SMALL = {"max_text_chars": 32, "max_meta_bytes": 128}
+
+
+@pytest.mark.parametrize(("change", "field", "message"), BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
+async def test_bad_turn_is_refused_and_nothing_is_written(store_path, change, field, message) -> None:
+    """Each bad argument raises InvalidInput naming the field, and the store stays empty."""
+    async with Engine.open(store_path, config=SMALL) as mem:
+        with pytest.raises(InvalidInput, match=message) as info:
+            await mem.add_turn(**{**OK, **change})
+        assert info.value.field == field
+        with pytest.raises(InvalidInput, match=message) as info:
+            await mem.add_turns([{**OK, "text": "fine"}, {**OK, **change}])
+        assert info.value.field == f"items[1].{field}"
+        await mem.flush()
+        stats = await mem.stats()
+        assert (stats.turns, stats.last_lsn) == (0, 0)
+
+
+async def test_add_turns_rejects_items_of_the_wrong_shape(mem: Engine) -> None:
+    """An item that is neither a NewTurn nor a mapping with its keys is named by index."""
+    with pytest.raises(InvalidInput, match=r"items\[0\]: expected a NewTurn or a mapping, found str"):
+        await mem.add_turns(["hello"])
+    with pytest.raises(InvalidInput, match=r"items\[0\]: expected the fields of a NewTurn, found Missing required argument 'text'"):
+        await mem.add_turns([{"user_id": "a", "session_id": "b", "role": "user"}])
+
+
+async def test_bad_limit_and_config_are_refused(store_path, mem: Engine) -> None:
+    """limit must be a positive int; config fields are checked when the engine opens."""
+    with pytest.raises(InvalidInput, match=r"limit: expected a positive integer, found 0"):
+        await mem.session_history("ana", "s1", limit=0)
+    with pytest.raises(InvalidInput, match=r"config: .*window_turns"):
+        async with Engine.open(store_path / "other", config={"window_turns": 0}):
+            pass
+    with pytest.raises(InvalidInput, match=r"config: Object contains unknown field `windw`"):
+        async with Engine.open(store_path / "other", config={"windw": 3}):
+            pass
+    assert Config.checked(Config(window_turns=3)).window_turns == 3
+
+
+async def test_a_file_where_the_store_should_be_is_refused(tmp_path) -> None:
+    """Opening a path that is a file says so instead of failing inside LMDB."""
+    path = tmp_path / "file"
+    path.write_text("not a store")
+    with pytest.raises(InvalidInput, match=r"path: expected a store directory, found a file"):
+        async with Engine.open(path):
+            pass
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(max_size=40), user=st.text(max_size=8))
+async def test_any_text_is_stored_exactly_or_refused(tmp_path_factory, text: str, user: str) -> None:
+    """Arbitrary unicode either round-trips exactly or raises InvalidInput; nothing else."""
+    async with Engine.open(tmp_path_factory.mktemp("s"), config=SMALL) as mem:
+        try:
+            r = await mem.add_turn(user, "s", "user", text)
+        except InvalidInput:
+            assert (await mem.stats()).turns == 0
+            return
+        stored = await mem.get_turn(user, r.turn_id)
+        assert (stored.text, stored.user_id) == (text, user)
+        assert await mem.add_turns([NewTurn(user_id=user, session_id="s", role="user", text=text)])
