@@ -23,12 +23,14 @@ class AppendTurn(msgspec.Struct, frozen=True, tag=True):
         key: the turn's key in the ``turns`` database.
         value: the turn encoded as msgpack.
         started_at: the session's first turn time, for its SessionInfo.
+        id_key: the turn's key in the ``ids`` database.
     """
 
     turn: Turn
     key: bytes
     value: bytes
     started_at: datetime
+    id_key: bytes
 
     @property
     def lsn(self) -> int:

@@ -128,7 +128,7 @@ def _plan(ops: list[StoreOp]) -> list[_Puts | Forget]:
         if type(op) is AppendTurn:
             t = op.turn
             puts.turns.append((op.key, op.value))
-            puts.ids.append((user_prefix(t.user_id) + t.turn_id.encode(), op.key))
+            puts.ids.append((op.id_key, op.key))
             puts.log.append((lsn_key(t.lsn), LOG_TURN + op.key))
             latest[op.key[:-9]] = op  # the turn key less NUL + seq is the sessions key
         else:
