@@ -1,0 +1,114 @@
+"""The demo: replay the bundled conversation through the engine and show what it stored, and how
+fast. ``python -m engine demo``."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ._engine import Engine
+from ._records import NewTurn
+
+BULK_COPIES = 200  # copies of the conversation replayed under synthetic users for the bulk figure
+
+
+def load_conversation() -> dict[str, Any]:
+    """The bundled conversation (engine/demo_data/conversation.json)."""
+    source = resources.files("engine") / "demo_data" / "conversation.json"
+    return json.loads(source.read_text(encoding="utf-8"))
+
+
+def conversation_turns(data: dict[str, Any], user_suffix: str = "") -> list[NewTurn]:
+    """Every turn of the conversation as NewTurn values, in order, with their times."""
+    step = timedelta(seconds=data["seconds_between_turns"])
+    turns = []
+    for user in data["users"]:
+        for session in user["sessions"]:
+            start = datetime.fromisoformat(session["started_at"])
+            for i, (role, text) in enumerate(session["turns"]):
+                turns.append(NewTurn(user_id=user["user_id"] + user_suffix,
+                                     session_id=session["session_id"], role=role, text=text,
+                                     at=start + i * step))
+    return turns
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def run_demo(store: Path | None, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the demo against ``store`` (a fresh temporary directory if None); return its figures."""
+    data = load_conversation()
+    turns = conversation_turns(data)
+    if store is None:
+        store = Path(tempfile.mkdtemp(prefix="engram-demo-")) / "store"
+    users = {t.user_id for t in turns}
+    sessions = {(t.user_id, t.session_id) for t in turns}
+    say(f'Engram demo: replaying "{data["title"]}"')
+    say(f"  {len(turns)} turns, {len(users)} users, {len(sessions)} sessions -> {store}\n")
+    figures: dict[str, Any] = {"store": str(store)}
+
+    async with Engine.open(store) as mem:
+        latencies = []
+        for t in turns:
+            start = time.perf_counter()
+            await mem.add_turn(t.user_id, t.session_id, t.role, t.text, at=t.at)
+            latencies.append((time.perf_counter() - start) * 1e6)
+        start = time.perf_counter()
+        await mem.flush()
+        flush_ms = (time.perf_counter() - start) * 1e3
+        figures["add_turn_us"] = {"p50": statistics.median(latencies),
+                                  "p99": _percentile(latencies, 0.99)}
+        say(f"ingest   {len(turns)} turns one by one: add_turn p50 {figures['add_turn_us']['p50']:.1f} µs, "
+            f"p99 {figures['add_turn_us']['p99']:.1f} µs; flush to disk {flush_ms:.2f} ms")
+
+        say("\nmaya's sessions, most recent first:")
+        for info in await mem.list_sessions("maya"):
+            say(f"  {info.session_id:<24} {info.turn_count:>3} turns  "
+                f"{info.started_at:%d %b %H:%M} - {info.last_at:%H:%M} UTC")
+        latest = (await mem.list_sessions("maya"))[0].session_id
+        say(f"\nthe short-term window of {latest} (last 4 turns):")
+        for turn in await mem.session_history("maya", latest, limit=4):
+            text = turn.text.replace("\n", " ")
+            say(f"  #{turn.seq:<2} {turn.role:<9} {text[:88]}{'...' if len(text) > 88 else ''}")
+        before = [t.text for t in await mem.session_history("maya", latest, limit=100)]
+
+    start = time.perf_counter()
+    async with Engine.open(store) as mem:
+        opened_ms = (time.perf_counter() - start) * 1e3
+        after = [t.text for t in await mem.session_history("maya", latest, limit=100)]
+        say(f"\nreopen   {opened_ms:.1f} ms; {latest} read back after reopen: "
+            f"{len(after)} turns, {'identical' if after == before else 'DIFFERENT'}")
+
+        copies = [t for i in range(BULK_COPIES) for t in conversation_turns(data, f"-copy{i:03}")]
+        start = time.perf_counter()
+        await mem.add_turns(copies, durable=True)
+        bulk_s = time.perf_counter() - start
+        figures["bulk_turns_per_s"] = len(copies) / bulk_s
+        say(f"bulk     {len(copies):,} turns ({BULK_COPIES} copies under other users) with "
+            f"add_turns, durable: {bulk_s:.2f} s = {figures['bulk_turns_per_s']:,.0f} turns/s")
+
+        await mem.forget_user("tomas")
+        stats = await mem.stats()
+        say("forget   user 'tomas': "
+            f"{'gone' if not await mem.list_sessions('tomas') else 'STILL THERE'}")
+        say(f"stats    users={stats.users} sessions={stats.sessions} turns={stats.turns} "
+            f"log={stats.committed_lsn} store={stats.store_bytes / 1e6:.1f} MB")
+        figures["stats"] = {"users": stats.users, "sessions": stats.sessions,
+                            "turns": stats.turns}
+    figures["identical_after_reopen"] = after == before
+    return figures
+
+
+def main(store: str | None) -> dict[str, Any]:
+    return trio.run(run_demo, Path(store) if store else None)
