@@ -6,12 +6,13 @@ Persisted records live in ``engine._records``; nothing here is ever written to d
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 import msgspec
 
 from engine._records import Turn
 
-__all__ = ["AppendTurn", "Forget", "StoreOp"]
+__all__ = ["AppendTurn", "Forget", "PutVectors", "EmbedRequest", "StoreOp", "EmbedderOp"]
 
 
 class AppendTurn(msgspec.Struct, frozen=True, tag=True):
@@ -46,4 +47,38 @@ class Forget(msgspec.Struct, frozen=True, tag=True):
     session_id: str | None
 
 
-StoreOp = AppendTurn | Forget
+class PutVectors(msgspec.Struct, frozen=True, tag=True):
+    """Store embeddings of logged records and advance the embedded watermark, atomically.
+
+    Derived data: it takes no log sequence number. A vector whose record was deleted while it
+    was being computed is dropped by the writer, so a forgotten user's vectors never come back.
+
+    Attributes:
+        items: (lsn, key in ``vectors``, float32 bytes) per record.
+        watermark: every record up to this lsn is embedded (or not searchable).
+        done: set once committed.
+    """
+
+    items: list[tuple[int, bytes, bytes]]
+    watermark: int
+    done: Any = None
+
+    lsn = None  # not part of the log
+
+
+class EmbedRequest(msgspec.Struct, frozen=True, tag=True):
+    """Embed ``texts``; the model thread calls ``reply`` with an ``outcome`` of the vectors.
+
+    Attributes:
+        texts: what to embed.
+        query: a caller is waiting on the hot path: served before background work.
+        reply: the one-shot answer; hands the outcome to the waiting trio task.
+    """
+
+    texts: tuple[str, ...]
+    query: bool
+    reply: Any
+
+
+StoreOp = AppendTurn | Forget | PutVectors
+EmbedderOp = EmbedRequest

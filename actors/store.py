@@ -6,11 +6,14 @@ user's records are contiguous and a prefix scan finds all of them):
 =========  ======================================  ===========================================
 database   key                                     value
 =========  ======================================  ===========================================
-meta       ``schema`` / ``last_lsn``               8-byte big-endian integers
+meta       ``schema`` / ``last_lsn`` /             8-byte big-endian integers
+           ``embedded_lsn``
+meta       ``model``                               ModelInfo (msgpack): id and dimension
 sessions   user NUL session                        SessionInfo (msgpack)
 turns      user NUL session NUL seq(8 bytes)       Turn (msgpack)
 ids        user NUL turn_id                        the turn's key in ``turns``
 log        lsn (8 bytes, big-endian)               ``T`` + turn key, or ``D`` + deleted lsns
+vectors    user NUL lsn(8 bytes)                   the record's embedding, float32 bytes
 =========  ======================================  ===========================================
 
 The log is what derived views (the ANN and full-text indexes) replay from their watermark.
@@ -43,9 +46,16 @@ import trio
 
 from engine._config import Config
 from engine._records import SCHEMA_VERSION, SessionInfo, Turn
-from engine.errors import EngineBroken, EngineClosed, EngineError, InvalidInput, StoreIncompatible
+from engine.errors import (
+    EngineBroken,
+    EngineClosed,
+    EngineError,
+    InvalidInput,
+    ModelMismatch,
+    StoreIncompatible,
+)
 
-from .messages import AppendTurn, Forget, StoreOp
+from .messages import AppendTurn, Forget, PutVectors, StoreOp
 
 __all__ = ["Store", "MIGRATIONS", "user_prefix", "session_prefix", "lsn_key"]
 
@@ -55,12 +65,14 @@ READ_THREADS = 2  # concurrent read transactions: one per core; the writer has i
 MAX_DBS = 16  # named databases LMDB reserves room for; later layers add theirs
 MAX_READERS = 126  # LMDB reader slots: the default, far above the threads we use
 
-DB_NAMES = (b"meta", b"sessions", b"turns", b"ids", b"log")
+DB_NAMES = (b"meta", b"sessions", b"turns", b"ids", b"log", b"vectors")
 LOG_TURN = b"T"
 LOG_TOMBSTONE = b"D"
 
 _SCHEMA_KEY = b"schema"
 _LAST_LSN_KEY = b"last_lsn"
+_EMBEDDED_KEY = b"embedded_lsn"
+_MODEL_KEY = b"model"
 
 # Migrations from schema N to N + 1, each run inside the write transaction that opens an old
 # store: ``MIGRATIONS[n](txn, dbs)`` where ``dbs`` maps database names to handles.
@@ -111,9 +123,19 @@ class _Puts:
         self.sessions: list[tuple[bytes, bytes]] = []
 
 
-def _plan(ops: list[StoreOp]) -> list[_Puts | Forget]:
-    """Cut a batch into runs of puts and deletions, in order. Runs on the trio thread."""
-    segments: list[_Puts | Forget] = []
+class ModelInfo(msgspec.Struct, frozen=True, array_like=True):
+    """The embedding model whose vectors a store holds."""
+
+    id: str
+    dim: int
+
+
+_decode_model = msgspec.msgpack.Decoder(ModelInfo).decode
+
+
+def _plan(ops: list[StoreOp]) -> list[_Puts | Forget | PutVectors]:
+    """Cut a batch into runs of appends and other ops, in order. Runs on the trio thread."""
+    segments: list[_Puts | Forget | PutVectors] = []
     puts = _Puts()
     latest: dict[bytes, AppendTurn] = {}
 
@@ -147,11 +169,18 @@ class Store:
     Args:
         path: the store directory (created if missing).
         config: the engine's config.
+        model: the embedding model the engine runs; a store made with another is refused.
+        reembed: adopt ``model`` even if the store's vectors came from another one, dropping
+            those vectors so that everything is embedded again.
     """
 
-    def __init__(self, path: Path, config: Config) -> None:
+    def __init__(self, path: Path, config: Config, model: ModelInfo | None = None,
+                 reembed: bool = False) -> None:
         self.path = path
         self._config = config
+        self._model = model
+        self._reembed = reembed
+        self.embedded_lsn = 0  # the persisted embedding watermark, as read at open
         self._env: lmdb.Environment | None = None
         self._dbs: dict[bytes, Any] = {}
         self._queue: deque[StoreOp] = deque()
@@ -170,6 +199,8 @@ class Store:
         self._room = trio.lowlevel.ParkingLot()
         # Parked: readers waiting out an exclusive section, and the section waiting for readers.
         self._gate = trio.lowlevel.ParkingLot()
+        # Parked: followers of the log (the embedder) waiting for the next commit.
+        self._commits = trio.lowlevel.ParkingLot()
         # Shielded from close() on, so queued turns reach the disk even when the body failed.
         self._drain_scope = trio.CancelScope()
         self._write_limiter = trio.CapacityLimiter(1)
@@ -202,6 +233,7 @@ class Store:
         self._drain_scope.shield = True
         self._wakeup.unpark_all()
         self._room.unpark_all()
+        self._commits.unpark_all()
 
     def _open_env(self) -> lmdb.Environment:
         if self.path.exists() and not self.path.is_dir():
@@ -224,7 +256,10 @@ class Store:
             with env.begin(write=True) as txn:
                 self._dbs = {name: env.open_db(name, txn=txn) for name in DB_NAMES}
                 self._check_schema(txn)
-                self._next_lsn = (_int(txn.get(_LAST_LSN_KEY, db=self._dbs[b"meta"])) or 0) + 1
+                self._check_model(txn)
+                meta = self._dbs[b"meta"]
+                self._next_lsn = (_int(txn.get(_LAST_LSN_KEY, db=meta)) or 0) + 1
+                self.embedded_lsn = _int(txn.get(_EMBEDDED_KEY, db=meta)) or 0
         except BaseException:
             env.close()
             raise
@@ -256,6 +291,27 @@ class Store:
             MIGRATIONS[version](txn, self._dbs)
         if stored != SCHEMA_VERSION:
             txn.put(_SCHEMA_KEY, SCHEMA_VERSION.to_bytes(8, "big"), db=meta)
+
+    def _check_model(self, txn: lmdb.Transaction) -> None:
+        if self._model is None:
+            return
+        meta = self._dbs[b"meta"]
+        raw = txn.get(_MODEL_KEY, db=meta)
+        stored = None if raw is None else _decode_model(raw)
+        if stored == self._model:
+            return
+        if stored is not None and not self._reembed:
+            raise ModelMismatch(
+                f"{self.path} holds vectors from {stored.id} (dimension {stored.dim}) and this "
+                f"engine runs {self._model.id} (dimension {self._model.dim}); re-embed the store "
+                f"with `engram reindex {self.path} --model <name>` (or "
+                "Engine.open(..., reembed=True)), or open it with the model it was built with",
+                stored.id, self._model.id,
+            )
+        if stored is not None:
+            txn.drop(self._dbs[b"vectors"], delete=False)
+            txn.put(_EMBEDDED_KEY, lsn_key(0), db=meta)
+        txn.put(_MODEL_KEY, _encode(self._model), db=meta)
 
     async def _close_env(self) -> None:
         await self._enter_exclusive()
@@ -306,10 +362,12 @@ class Store:
         self.check_usable()
 
     def submit(self, op: StoreOp) -> None:
-        """Queue an op whose lsn is :attr:`next_lsn`. Synchronous, so queue order is lsn order."""
-        if op.lsn != self._next_lsn:
-            raise AssertionError(f"op lsn {op.lsn} submitted, expected {self._next_lsn}")
-        self._next_lsn += 1
+        """Queue an op whose lsn is :attr:`next_lsn`, or a derived op with none. Synchronous, so
+        queue order is lsn order."""
+        if op.lsn is not None:
+            if op.lsn != self._next_lsn:
+                raise AssertionError(f"op lsn {op.lsn} submitted, expected {self._next_lsn}")
+            self._next_lsn += 1
         self._queue.append(op)
         self._queued += 1
         if self._wakeup:
@@ -341,6 +399,26 @@ class Store:
         error.__cause__ = self._failure
         return error
 
+    async def wait_commit_beyond(self, lsn: int) -> None:
+        """Return once the committed log passes ``lsn`` (at once if it already has).
+
+        Raises:
+            EngineClosed: the store closed first.
+        """
+        while self._committed_lsn <= lsn:
+            if self._closing:
+                raise EngineClosed("the store is closing")
+            await self._commits.park()
+        await trio.lowlevel.checkpoint()
+
+    async def put_vectors(self, op: PutVectors) -> None:
+        """Queue derived vectors (no log position, no backpressure) and wait for the commit."""
+        self.check_usable()
+        self.submit(op)
+        await op.done.wait()
+        if self._failure is not None:
+            raise self._not_committed_error()
+
     async def forget(self, user_id: str, session_id: str | None) -> None:
         """Delete a session or a user and wait until that is committed."""
         await self.reserve(1)
@@ -358,20 +436,27 @@ class Store:
             n = min(len(self._queue), BATCH_MAX)
             ops = [self._queue.popleft() for _ in range(n)]
             segments = _plan(ops)
-            last = ops[-1].lsn
+            last = max((op.lsn for op in ops if op.lsn is not None), default=None)
             while not await trio.to_thread.run_sync(
                 self._write, segments, last, limiter=self._write_limiter
             ):
                 await self._grow_map()
-            self._committed_lsn = last
             self._queued -= n
             if self._room:
                 self._room.unpark_all()
+            for op in ops:
+                if type(op) is PutVectors:
+                    op.done.set()
+            if last is None:
+                continue
+            self._committed_lsn = last
             waiters = self._waiters
             while waiters and waiters[0][0] <= last:
                 heapq.heappop(waiters)[2].set()
+            if self._commits:
+                self._commits.unpark_all()
 
-    def _write(self, segments: list[_Puts | Forget], last_lsn: int) -> bool:
+    def _write(self, segments: list[_Puts | Forget | PutVectors], last_lsn: int | None) -> bool:
         """One write transaction (worker thread). False: the map was full, nothing was written."""
         dbs = self._dbs
         try:
@@ -387,9 +472,12 @@ class Store:
                                 f"store invariant broken: {len(seg.turns)} turns to write, "
                                 f"{added} new keys, {logged} of {len(seg.log)} log entries appended"
                             )
-                    else:
+                    elif type(seg) is Forget:
                         self._forget_in(txn, seg)
-                txn.put(_LAST_LSN_KEY, lsn_key(last_lsn), db=dbs[b"meta"])
+                    else:
+                        self._put_vectors_in(txn, seg)
+                if last_lsn is not None:
+                    txn.put(_LAST_LSN_KEY, lsn_key(last_lsn), db=dbs[b"meta"])
         except lmdb.MapFullError:
             return False
         except lmdb.Error as exc:
@@ -404,7 +492,7 @@ class Store:
         else:
             tprefix = session_prefix(op.user_id, op.session_id)
         deleted = array("Q")
-        ids, log = dbs[b"ids"], dbs[b"log"]
+        ids, log, vectors = dbs[b"ids"], dbs[b"log"], dbs[b"vectors"]
         cursor = txn.cursor(dbs[b"turns"])
         if cursor.set_range(tprefix):
             while cursor.key().startswith(tprefix):
@@ -412,6 +500,7 @@ class Store:
                 deleted.append(head.lsn)
                 txn.delete(uprefix + head.turn_id.encode(), db=ids)
                 txn.delete(lsn_key(head.lsn), db=log)
+                txn.delete(uprefix + lsn_key(head.lsn), db=vectors)
                 if not cursor.delete():
                     break
         sessions = txn.cursor(dbs[b"sessions"])
@@ -423,6 +512,13 @@ class Store:
                     break
         deleted.byteswap()  # big-endian on disk, like every other integer in the store
         txn.put(lsn_key(op.lsn), LOG_TOMBSTONE + deleted.tobytes(), db=log, append=True)
+
+    def _put_vectors_in(self, txn: lmdb.Transaction, op: PutVectors) -> None:
+        log, vectors = self._dbs[b"log"], self._dbs[b"vectors"]
+        for lsn, key, value in op.items:
+            if txn.get(lsn_key(lsn), db=log) is not None:  # else forgotten while being embedded
+                txn.put(key, value, db=vectors)
+        txn.put(_EMBEDDED_KEY, lsn_key(op.watermark), db=self._dbs[b"meta"])
 
     async def _grow_map(self) -> None:
         await self._enter_exclusive()
@@ -438,11 +534,16 @@ class Store:
         self._closing = True
         self._wake_all_waiters()
         self._room.unpark_all()
+        self._commits.unpark_all()
 
     def _wake_all_waiters(self) -> None:
-        # Woken waiters compare their lsn with committed_lsn and raise if theirs did not land.
+        # Woken waiters compare their lsn with committed_lsn (or look at _failure) and raise
+        # if theirs did not land.
         while self._waiters:
             heapq.heappop(self._waiters)[2].set()
+        for op in self._queue:
+            if type(op) is PutVectors:
+                op.done.set()
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -535,3 +636,45 @@ def read_all(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> dict[str, list[tup
         for name, db in dbs.items()
     }
 
+
+
+def read_log_range(
+    txn: lmdb.Transaction, dbs: dict[bytes, Any], after: int, upto: int, limit: int
+) -> tuple[list[tuple[int, str, str]], int]:
+    """Searchable records logged in (after, upto], in log order, at most ``limit`` of them.
+
+    Returns:
+        ([(lsn, user_id, text)], the last lsn looked at). Tombstones and records deleted since
+        they were logged are skipped.
+    """
+    found: list[tuple[int, str, str]] = []
+    last = after
+    turns = dbs[b"turns"]
+    cursor = txn.cursor(dbs[b"log"])
+    if cursor.set_range(lsn_key(after + 1)):
+        for key, entry in cursor:
+            lsn = int.from_bytes(key, "big")
+            if lsn > upto or len(found) >= limit:
+                break
+            last = lsn
+            if entry[:1] == LOG_TURN:
+                raw = txn.get(entry[1:], db=turns)
+                if raw is not None:
+                    turn = _decode_turn(raw)
+                    found.append((lsn, turn.user_id, turn.text))
+    if len(found) < limit:
+        last = max(last, upto)
+    return found, last
+
+
+def read_vectors(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str) -> dict[int, bytes]:
+    """A user's stored vectors by lsn."""
+    prefix = user_prefix(user_id)
+    cursor = txn.cursor(dbs[b"vectors"])
+    out: dict[int, bytes] = {}
+    if cursor.set_range(prefix):
+        for key, value in cursor:
+            if not key.startswith(prefix):
+                break
+            out[int.from_bytes(key[len(prefix):], "big")] = value
+    return out

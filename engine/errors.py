@@ -6,7 +6,8 @@
 - :class:`EngineBroken`: the engine failed underneath the caller (disk, native library, a bug).
   The original failure is chained as ``__cause__``.
 - :class:`StoreIncompatible`: the store on disk was written by something this build cannot read
-  as it is (a newer schema, a different embedding model).
+  as it is (a newer schema); :class:`ModelMismatch` when its vectors come from another model.
+- :class:`ModelMissing`: the embedding model files are not where the engine looks for them.
 
 Native exceptions (``lmdb.Error``, onnxruntime and tantivy errors) are translated into these at
 the actor edge and chained with ``from``, so callers need to catch only :class:`EngineError`.
@@ -20,6 +21,8 @@ __all__ = [
     "EngineClosed",
     "EngineBroken",
     "StoreIncompatible",
+    "ModelMismatch",
+    "ModelMissing",
 ]
 
 
@@ -52,3 +55,21 @@ class EngineBroken(EngineError):
 
 class StoreIncompatible(EngineError):
     """The store on disk cannot be used by this build as it is; the message says what to run."""
+
+
+class ModelMismatch(StoreIncompatible):
+    """The store's vectors were made by another embedding model than the one configured.
+
+    Attributes:
+        stored: the model id recorded in the store.
+        configured: the model id the engine was opened with.
+    """
+
+    def __init__(self, message: str, stored: str, configured: str) -> None:
+        super().__init__(message)
+        self.stored = stored
+        self.configured = configured
+
+
+class ModelMissing(EngineError):
+    """The embedding model is not built or not found; the message names the command to build it."""
