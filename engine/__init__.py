@@ -6,17 +6,31 @@ Everything public is re-exported here; the modules behind it are private.
 from ._config import Config
 from ._engine import Engine, Stats
 from ._records import NewTurn, Role, SessionInfo, Turn
-from .errors import EngineBroken, EngineClosed, EngineError, InvalidInput, StoreIncompatible
+from .errors import (
+    EngineBroken,
+    EngineClosed,
+    EngineError,
+    InvalidInput,
+    ModelMismatch,
+    ModelMissing,
+    StoreIncompatible,
+)
+from actors.embedder import EmbeddingBackend, HashEmbedder, OnnxEmbedder
 from actors.session_buffer import Receipt
 
 __all__ = [
     "Config",
+    "EmbeddingBackend",
     "Engine",
     "EngineBroken",
     "EngineClosed",
     "EngineError",
+    "HashEmbedder",
     "InvalidInput",
+    "ModelMismatch",
+    "ModelMissing",
     "NewTurn",
+    "OnnxEmbedder",
     "Receipt",
     "Role",
     "SessionInfo",

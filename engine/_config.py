@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -26,7 +26,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         fsync: commit with fsync (``True``) or leave flushing to the OS (``False``: a durable
             receipt then survives a process crash but not a power cut).
         initial_map_bytes: the LMDB map size a new store starts with; it doubles when full.
-        close_timeout_s: how long closing waits for queued turns to commit.
+        model: the embedding model: ``minilm-l6-v2`` (fp32, the default) or ``minilm-l6-v2-q8``
+            (weight-only 8-bit: faster, cosine >= 0.998 to fp32). A store keeps one model.
+        model_dir: where the built model is (default: native_models/all-MiniLM-L6-v2).
+        embed_threads: onnxruntime intra-op threads. 1 leaves the other core to the loop.
+        query_cache: query embeddings kept in an LRU cache.
+        background_embedding: embed what the store commits as it comes (off: a bulk import
+            that leaves embedding to the serving process, which resumes from the watermark).
     """
 
     window_turns: Positive = 20
@@ -36,7 +42,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     max_id_chars: Positive = 256
     fsync: bool = True
     initial_map_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 256 << 20
-    close_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    model: Literal["minilm-l6-v2", "minilm-l6-v2-q8"] = "minilm-l6-v2"
+    model_dir: str | None = None
+    embed_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    query_cache: Positive = 4096
+    background_embedding: bool = True
 
     @classmethod
     def checked(cls, config: "Config | dict | None") -> "Config":

@@ -12,6 +12,9 @@ from typing import Any
 import msgspec
 import trio
 
+import numpy as np
+
+from actors.embedder import Embedder, EmbeddingBackend, OnnxEmbedder
 from actors.session_buffer import Receipt, SessionBuffer
 from actors.store import Store, read_turn
 
@@ -40,6 +43,7 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
         live_windows: sessions whose short-term window is in RAM.
         store_bytes: size of the LMDB data file; map_bytes: its current map size.
         schema_version: the store's schema.
+        model: the embedding model's id; embedded_lsn: every record up to here has its vector.
     """
 
     users: int
@@ -52,14 +56,18 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
     store_bytes: int
     map_bytes: int
     schema_version: int
+    model: str
+    embedded_lsn: int
 
 
 class Engine:
     """An open memory engine. Get one with ``async with Engine.open(path) as mem``."""
 
-    def __init__(self, store: Store, buffer: SessionBuffer, config: Config, clock: Clock) -> None:
+    def __init__(self, store: Store, buffer: SessionBuffer, embedder: Embedder, config: Config,
+                 clock: Clock) -> None:
         self._store = store
         self._buffer = buffer
+        self._embedder = embedder
         self._config = config
         self._clock = clock
         self._closed = False
@@ -72,6 +80,8 @@ class Engine:
         *,
         config: Config | Mapping[str, Any] | None = None,
         clock: Clock | None = None,
+        embedder: EmbeddingBackend | None = None,
+        reembed: bool = False,
     ) -> AsyncIterator[Engine]:
         """Open (or create) the store at ``path`` and run the engine for the ``async with`` body.
 
@@ -79,16 +89,25 @@ class Engine:
             path: a directory; created if missing.
             config: a :class:`Config`, a dict of overrides, or None for the defaults.
             clock: returns the current timezone-aware time; stamps turns given no ``at``.
+            embedder: the embedding backend (default: the ONNX model ``config.model``); tests
+                that are not about embeddings pass a ``HashEmbedder``.
+            reembed: adopt the configured model even if the store's vectors came from another,
+                dropping them so that everything is embedded again in the background.
 
         Raises:
             InvalidInput: bad path or config.
             StoreIncompatible: the store was written by a newer schema.
+            ModelMismatch: the store's vectors come from another model (and not ``reembed``).
+            ModelMissing: the model files are not built.
             EngineBroken: an actor failed while the engine ran (``__cause__`` has the group).
         """
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidInput("path", f"expected a directory path, found {type(path).__name__}")
         config = Config.checked(dict(config) if isinstance(config, Mapping) else config)
-        store = Store(Path(path), config)
+        if embedder is None:
+            embedder = OnnxEmbedder(config.model, config.model_dir, config.embed_threads)
+        embedding = Embedder(embedder, config.query_cache)
+        store = Store(Path(path), config, embedding.model, reembed)
         body_error: BaseException | None = None
         raised: BaseException | None = None
         try:
@@ -96,17 +115,22 @@ class Engine:
                 engine: Engine | None = None
                 try:
                     await nursery.start(store.run)
+                    await nursery.start(embedding.run)
                     buffer = SessionBuffer(store, config)
                     await buffer.load()
-                    engine = cls(store, buffer, config, clock or _utc_now)
+                    if config.background_embedding:
+                        await nursery.start(embedding.follow, store)
+                    engine = cls(store, buffer, embedding, config, clock or _utc_now)
                     yield engine
                 except BaseException as exc:
                     body_error = exc
                     raise
                 finally:
-                    # The store drains what is queued, shielded, and its task ends the nursery.
+                    # The store drains what is queued, shielded; the embedder answers what it
+                    # holds; the follower stops where the watermark on disk says it stopped.
                     if engine is not None:
                         engine._closed = True
+                    embedding.close()
                     store.close()
         except BaseExceptionGroup as group:
             raised = _translate(group, body_error)
@@ -262,12 +286,41 @@ class Engine:
         self._buffer.drop_user(user_id)
         await self._store.forget(user_id, None)
 
+    # -- embeddings --------------------------------------------------------------------------
+
+    async def embed(self, texts: list[str]) -> np.ndarray:
+        """Embed texts with the engine's model.
+
+        Args:
+            texts: a list of strings (a lone string is refused: wrap it in a list).
+
+        Returns:
+            A float32 array of shape (len(texts), dimension), each row of unit length.
+
+        Raises:
+            InvalidInput: ``texts`` is not a list of strings.
+            EngineBroken: the model failed.
+        """
+        self._check_open()
+        if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
+            raise InvalidInput("texts", f"expected a list of strings, found {type(texts).__name__}"
+                               + ("; wrap one text in a list: [text]" if isinstance(texts, str)
+                                  else ""))
+        for i, text in enumerate(texts):
+            if type(text) is not str:
+                raise InvalidInput(f"texts[{i}]", f"expected a string, found {type(text).__name__}")
+        return await self._embedder.embed(list(texts))
+
     # -- upkeep ------------------------------------------------------------------------------
 
     async def flush(self) -> None:
-        """Return once everything acknowledged before the call is committed to disk."""
+        """Return once everything acknowledged before the call is on disk and, with background
+        embedding on, has its vector."""
         self._check_open()
-        await self._store.wait_committed(self._store.next_lsn - 1)
+        target = self._store.next_lsn - 1
+        await self._store.wait_committed(target)
+        if self._config.background_embedding:
+            await self._embedder.wait_embedded(target)
 
     async def stats(self) -> Stats:
         """Counts and positions; cheap enough to call from a health check."""
@@ -287,6 +340,8 @@ class Engine:
             store_bytes=data.stat().st_size if data.exists() else 0,
             map_bytes=store.map_size(),
             schema_version=SCHEMA_VERSION,
+            model=self._embedder.model.id,
+            embedded_lsn=self._embedder.embedded_lsn,
         )
 
     # -- helpers -----------------------------------------------------------------------------

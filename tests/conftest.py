@@ -10,7 +10,7 @@ from typing import Any
 import lmdb
 import pytest
 
-from engine import Engine
+from engine import Engine, HashEmbedder
 
 T0 = datetime(2026, 3, 1, 9, 0, tzinfo=timezone.utc)
 
@@ -28,6 +28,12 @@ class StepClock:
         return now
 
 
+def open_engine(path: Path, **kwargs: Any):
+    """Engine.open with the deterministic HashEmbedder, for tests not about embeddings."""
+    kwargs.setdefault("embedder", HashEmbedder())
+    return Engine.open(path, **kwargs)
+
+
 @pytest.fixture
 def store_path(tmp_path: Path) -> Path:
     return tmp_path / "store"
@@ -40,7 +46,7 @@ def clock() -> StepClock:
 
 @pytest.fixture
 async def mem(store_path: Path, clock: StepClock) -> AsyncIterator[Engine]:
-    async with Engine.open(store_path, clock=clock) as engine:
+    async with open_engine(store_path, clock=clock) as engine:
         yield engine
 
 

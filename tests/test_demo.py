@@ -1,5 +1,7 @@
 """The demo, the main job a newcomer runs, works end to end."""
 
+import pytest
+
 from engine._demo import conversation_turns, load_conversation, run_demo
 from engine.__main__ import main
 
@@ -10,7 +12,8 @@ async def test_demo_replays_the_conversation_and_reads_it_back(tmp_path) -> None
     figures = await run_demo(tmp_path / "store", say=lines.append)
     assert figures["identical_after_reopen"] is True
     per_copy = len(conversation_turns(load_conversation()))
-    assert figures["stats"]["turns"] == per_copy * 201 - 4  # tomas's 4 turns forgotten
+    assert figures["stats"]["turns"] == per_copy - 4  # tomas's 4 turns forgotten
+    assert figures["bulk_turns_per_s"] > 0 and figures["query_embed_ms"]["p50"] > 0
     assert any("forget   user 'tomas': gone" in line for line in lines)
 
 
@@ -18,3 +21,26 @@ def test_cli_runs_the_demo(tmp_path, capsys) -> None:
     """`python -m engine demo --json` exits 0 and prints the figures."""
     assert main(["demo", "--store", str(tmp_path / "cli"), "--json"]) == 0
     assert '"identical_after_reopen": true' in capsys.readouterr().out
+
+
+def test_cli_reindex_adopts_another_model(tmp_path, capsys) -> None:
+    """`engram reindex STORE --model q8` re-embeds a store built with the default model."""
+    import trio
+
+    from engine import Engine, ModelMismatch
+
+    async def build() -> None:
+        async with Engine.open(tmp_path / "s") as mem:
+            await mem.add_turn("ana", "s", "user", "I live in Lisbon")
+            await mem.flush()
+
+    trio.run(build)
+    assert main(["reindex", str(tmp_path / "s"), "--model", "minilm-l6-v2-q8", "--json"]) == 0
+    assert '"model": "sentence-transformers/all-MiniLM-L6-v2@q8-block16"' in capsys.readouterr().out
+
+    async def reopen_with_default() -> None:
+        async with Engine.open(tmp_path / "s"):
+            pass
+
+    with pytest.raises(ModelMismatch, match="@q8-block16"):
+        trio.run(reopen_with_default)

@@ -9,7 +9,7 @@ import trio
 
 from engine import Engine, EngineClosed, NewTurn, Turn
 
-from .conftest import T0, StepClock, raw_databases
+from .conftest import StepClock, T0, open_engine, raw_databases
 
 
 async def test_add_turn_is_in_history_at_once_with_ids_and_seq(mem: Engine) -> None:
@@ -54,7 +54,7 @@ async def test_history_limit_returns_the_latest_turns_oldest_first(mem: Engine) 
 
 async def test_history_beyond_the_window_reads_older_turns_from_disk(store_path, clock) -> None:
     """A history longer than the RAM window is completed from the store, without gaps."""
-    async with Engine.open(store_path, clock=clock, config={"window_turns": 4}) as mem:
+    async with open_engine(store_path, clock=clock, config={"window_turns": 4}) as mem:
         for i in range(30):
             await mem.add_turn("ana", "s1", "user", f"turn {i}")
         history = await mem.session_history("ana", "s1", limit=25)
@@ -64,7 +64,7 @@ async def test_history_beyond_the_window_reads_older_turns_from_disk(store_path,
 async def test_evicted_windows_are_reread_from_disk(store_path, clock) -> None:
     """With more sessions than live windows, an evicted session's history is still whole."""
     config = {"window_turns": 5, "live_windows": 2}
-    async with Engine.open(store_path, clock=clock, config=config) as mem:
+    async with open_engine(store_path, clock=clock, config=config) as mem:
         for s in range(4):
             for i in range(3):
                 await mem.add_turn("ana", f"s{s}", "user", f"s{s} turn {i}")
@@ -121,7 +121,7 @@ async def test_forget_session_removes_it_and_a_new_one_starts_fresh(mem: Engine)
 
 async def test_forget_user_leaves_no_record_in_any_database(store_path, clock) -> None:
     """After forget_user, no key or value in any LMDB database holds the user's id or text."""
-    async with Engine.open(store_path, clock=clock) as mem:
+    async with open_engine(store_path, clock=clock) as mem:
         for s in range(3):
             for i in range(10):
                 await mem.add_turn("zed-the-user", f"zsess-{s}", "user", f"zed secret {i}")
@@ -155,10 +155,10 @@ async def test_stats_counts_what_is_held(mem: Engine) -> None:
 async def test_reopen_keeps_turns_and_continues_sequences(store_path) -> None:
     """After a clean close and reopen, every turn is there and seq and lsn carry on."""
     clock = StepClock()
-    async with Engine.open(store_path, clock=clock) as mem:
+    async with open_engine(store_path, clock=clock) as mem:
         for i in range(3):
             await mem.add_turn("ana", "s1", "user", f"before {i}")
-    async with Engine.open(store_path, clock=clock) as mem:
+    async with open_engine(store_path, clock=clock) as mem:
         r = await mem.add_turn("ana", "s1", "user", "after")
         assert (r.seq, r.lsn) == (3, 4)
         history = await mem.session_history("ana", "s1")
@@ -169,7 +169,7 @@ async def test_reopen_keeps_turns_and_continues_sequences(store_path) -> None:
 
 async def test_calls_after_close_raise_engine_closed(store_path) -> None:
     """Every method of a closed engine raises EngineClosed, and says how to go on."""
-    async with Engine.open(store_path) as mem:
+    async with open_engine(store_path) as mem:
         pass
     with pytest.raises(EngineClosed, match=r"Engine.open"):
         await mem.add_turn("ana", "s1", "user", "late")
@@ -196,13 +196,13 @@ async def test_close_while_ingestion_is_in_flight_keeps_every_acknowledged_turn(
             refused += 1
 
     async with trio.open_nursery() as nursery:
-        async with Engine.open(store_path) as mem:
+        async with open_engine(store_path) as mem:
             for p in range(4):
                 nursery.start_soon(producer, mem, f"p{p}")
             while len(acked) < 2_000:
                 await trio.sleep(0)
     assert refused == 4
-    async with Engine.open(store_path) as mem:
+    async with open_engine(store_path) as mem:
         for p in range(4):
             name = f"p{p}"
             seqs = sorted(seq for who, seq in acked if who == name)
@@ -213,17 +213,17 @@ async def test_close_while_ingestion_is_in_flight_keeps_every_acknowledged_turn(
 async def test_an_error_in_the_body_comes_out_unchanged_and_turns_are_kept(store_path) -> None:
     """The caller's own exception is not wrapped, and acknowledged turns still reach the disk."""
     with pytest.raises(KeyError, match="mine"):
-        async with Engine.open(store_path) as mem:
+        async with open_engine(store_path) as mem:
             await mem.add_turn("ana", "s1", "user", "kept")
             raise KeyError("mine")
-    async with Engine.open(store_path) as mem:
+    async with open_engine(store_path) as mem:
         assert [t.text for t in await mem.session_history("ana", "s1")] == ["kept"]
 
 
 async def test_store_grows_its_map_instead_of_failing(store_path) -> None:
     """A store opened with a 1 MiB map takes 4 MiB of turns, growing while reads go on."""
     text = "x" * 2000
-    async with Engine.open(store_path, config={"initial_map_bytes": 1 << 20}) as mem:
+    async with open_engine(store_path, config={"initial_map_bytes": 1 << 20}) as mem:
         for batch in range(4):
             await mem.add_turns(
                 [NewTurn(user_id="ana", session_id="s1", role="user", text=text)] * 500

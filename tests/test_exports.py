@@ -6,8 +6,9 @@ import engine
 def test_public_names_are_exported_and_nothing_private_leaks() -> None:
     """Every name in __all__ exists, and every public attribute is in __all__."""
     assert set(engine.__all__) == {
-        "Config", "Engine", "EngineBroken", "EngineClosed", "EngineError", "InvalidInput",
-        "NewTurn", "Receipt", "Role", "SessionInfo", "Stats", "StoreIncompatible", "Turn",
+        "Config", "EmbeddingBackend", "Engine", "EngineBroken", "EngineClosed", "EngineError",
+        "HashEmbedder", "InvalidInput", "ModelMismatch", "ModelMissing", "NewTurn",
+        "OnnxEmbedder", "Receipt", "Role", "SessionInfo", "Stats", "StoreIncompatible", "Turn",
     }
     for name in engine.__all__:
         assert getattr(engine, name) is not None
@@ -17,6 +18,7 @@ def test_public_names_are_exported_and_nothing_private_leaks() -> None:
 
 def test_errors_share_one_base() -> None:
     """Callers can catch every engine error with EngineError; InvalidInput is a ValueError."""
-    for name in ("InvalidInput", "EngineClosed", "EngineBroken", "StoreIncompatible"):
+    for name in ("InvalidInput", "EngineClosed", "EngineBroken", "StoreIncompatible",
+                 "ModelMismatch", "ModelMissing"):
         assert issubclass(getattr(engine, name), engine.EngineError)
     assert issubclass(engine.InvalidInput, ValueError)

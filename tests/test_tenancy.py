@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from .conftest import open_engine
 from engine import Engine
 
 USERS = st.sampled_from(["ana", "bo", "ana:", "an", "b\u00f6"])
@@ -25,7 +26,7 @@ async def test_reads_see_exactly_the_users_own_turns(tmp_path_factory, ops, seed
     """Random adds and forgets across users whose ids prefix each other never leak across them."""
     path = tmp_path_factory.mktemp("tenancy")
     model: dict[tuple[str, str], list[str]] = {}
-    async with Engine.open(path) as mem:
+    async with open_engine(path) as mem:
         for i, (op, user, session) in enumerate(ops):
             if op == "add":
                 text = f"{user}|{session}|{seed}|{i}"
@@ -43,7 +44,7 @@ async def test_reads_see_exactly_the_users_own_turns(tmp_path_factory, ops, seed
             for session in listed:
                 history = await mem.session_history(user, session, limit=1000)
                 assert [t.text for t in history] == model[(user, session)]
-    async with Engine.open(path) as mem:
+    async with open_engine(path) as mem:
         for (user, session), texts in model.items():
             history = await mem.session_history(user, session, limit=1000)
             assert [t.text for t in history] == texts

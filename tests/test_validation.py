@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from .conftest import open_engine
 from engine import Config, Engine, InvalidInput, NewTurn
 
 OK = {"user_id": "ana", "session_id": "s1", "role": "user", "text": "hello"}
@@ -39,7 +40,7 @@ SMALL = {"max_text_chars": 32, "max_meta_bytes": 128}
 @pytest.mark.parametrize(("change", "field", "message"), BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
 async def test_bad_turn_is_refused_and_nothing_is_written(store_path, change, field, message) -> None:
     """Each bad argument raises InvalidInput naming the field, and the store stays empty."""
-    async with Engine.open(store_path, config=SMALL) as mem:
+    async with open_engine(store_path, config=SMALL) as mem:
         with pytest.raises(InvalidInput, match=message) as info:
             await mem.add_turn(**{**OK, **change})
         assert info.value.field == field
@@ -64,10 +65,10 @@ async def test_bad_limit_and_config_are_refused(store_path, mem: Engine) -> None
     with pytest.raises(InvalidInput, match=r"limit: expected a positive integer, found 0"):
         await mem.session_history("ana", "s1", limit=0)
     with pytest.raises(InvalidInput, match=r"config: .*window_turns"):
-        async with Engine.open(store_path / "other", config={"window_turns": 0}):
+        async with open_engine(store_path / "other", config={"window_turns": 0}):
             pass
     with pytest.raises(InvalidInput, match=r"config: Object contains unknown field `windw`"):
-        async with Engine.open(store_path / "other", config={"windw": 3}):
+        async with open_engine(store_path / "other", config={"windw": 3}):
             pass
     assert Config.checked(Config(window_turns=3)).window_turns == 3
 
@@ -77,7 +78,7 @@ async def test_a_file_where_the_store_should_be_is_refused(tmp_path) -> None:
     path = tmp_path / "file"
     path.write_text("not a store")
     with pytest.raises(InvalidInput, match=r"path: expected a store directory, found a file"):
-        async with Engine.open(path):
+        async with open_engine(path):
             pass
 
 
@@ -85,7 +86,7 @@ async def test_a_file_where_the_store_should_be_is_refused(tmp_path) -> None:
 @given(text=st.text(max_size=40), user=st.text(max_size=8))
 async def test_any_text_is_stored_exactly_or_refused(tmp_path_factory, text: str, user: str) -> None:
     """Arbitrary unicode either round-trips exactly or raises InvalidInput; nothing else."""
-    async with Engine.open(tmp_path_factory.mktemp("s"), config=SMALL) as mem:
+    async with open_engine(tmp_path_factory.mktemp("s"), config=SMALL) as mem:
         try:
             r = await mem.add_turn(user, "s", "user", text)
         except InvalidInput:

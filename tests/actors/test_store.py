@@ -12,7 +12,7 @@ import trio
 import actors.store as store_mod
 from engine import Engine, EngineBroken, StoreIncompatible
 
-from ..conftest import raw_databases
+from ..conftest import open_engine, raw_databases
 
 
 def _set_schema(path, version: int) -> None:
@@ -24,17 +24,17 @@ def _set_schema(path, version: int) -> None:
 
 async def test_a_newer_schema_is_refused_with_the_fix(store_path) -> None:
     """A store written by a newer schema is not opened, and the error says to upgrade."""
-    async with Engine.open(store_path):
+    async with open_engine(store_path):
         pass
     _set_schema(store_path, 99)
     with pytest.raises(StoreIncompatible, match=r"schema version 99, newer than this build reads \(1\); upgrade"):
-        async with Engine.open(store_path):
+        async with open_engine(store_path):
             pass
 
 
 async def test_an_old_schema_is_migrated_in_order(store_path, monkeypatch) -> None:
     """Opening an older store runs each migration once, then records the current version."""
-    async with Engine.open(store_path) as mem:
+    async with open_engine(store_path) as mem:
         await mem.add_turn("ana", "s1", "user", "kept through the migration")
     _set_schema(store_path, 0)
     ran: list[int] = []
@@ -44,9 +44,9 @@ async def test_an_old_schema_is_migrated_in_order(store_path, monkeypatch) -> No
         txn.put(b"migrated", b"yes", db=dbs[b"meta"])
 
     monkeypatch.setitem(store_mod.MIGRATIONS, 0, migrate)
-    async with Engine.open(store_path) as mem:
+    async with open_engine(store_path) as mem:
         assert [t.text for t in await mem.session_history("ana", "s1")] == ["kept through the migration"]
-    async with Engine.open(store_path):
+    async with open_engine(store_path):
         pass
     assert ran == [0]
     meta = dict(raw_databases(store_path)["meta"])
@@ -55,11 +55,11 @@ async def test_an_old_schema_is_migrated_in_order(store_path, monkeypatch) -> No
 
 async def test_a_missing_migration_is_refused(store_path) -> None:
     """An old store with no migration path is not touched."""
-    async with Engine.open(store_path):
+    async with open_engine(store_path):
         pass
     _set_schema(store_path, 0)
     with pytest.raises(StoreIncompatible, match=r"no migration from 0 to 1"):
-        async with Engine.open(store_path):
+        async with open_engine(store_path):
             pass
 
 
@@ -70,7 +70,7 @@ async def test_foreign_lmdb_data_is_refused(store_path) -> None:
         txn.put(b"k", b"v", db=env.open_db(b"meta", txn=txn))
     env.close()
     with pytest.raises(StoreIncompatible, match=r"without an Engram schema version"):
-        async with Engine.open(store_path):
+        async with open_engine(store_path):
             pass
 
 
@@ -82,7 +82,7 @@ async def test_a_failing_disk_breaks_the_engine_loudly(store_path, monkeypatch) 
         raise EngineBroken("writing to the store failed: No space left on device") from OSError(28, "ENOSPC")
 
     with pytest.raises(EngineBroken, match=r"the engine failed") as info:
-        async with Engine.open(store_path) as mem:
+        async with open_engine(store_path) as mem:
             monkeypatch.setattr(store_mod.Store, "_write", broken_write)
             r = await mem.add_turn("ana", "s1", "user", "lost")
             try:
@@ -105,7 +105,7 @@ async def test_durable_writers_share_commits(store_path, monkeypatch) -> None:
         return original(self, segments, last_lsn)
 
     monkeypatch.setattr(store_mod.Store, "_write", counting_write)
-    async with Engine.open(store_path) as mem:
+    async with open_engine(store_path) as mem:
         async with trio.open_nursery() as nursery:
             for i in range(200):
                 nursery.start_soon(mem.add_turn, "ana", f"s{i % 10}", "user", f"t{i}", None, None, True)
@@ -124,7 +124,7 @@ async def test_a_cancelled_caller_leaves_no_hole_in_the_log(store_path, monkeypa
         return original(self, segments, last_lsn)
 
     monkeypatch.setattr(store_mod.Store, "_write", gated_write)
-    async with Engine.open(store_path) as mem:
+    async with open_engine(store_path) as mem:
         async with trio.open_nursery() as nursery:
             for i in range(12):
                 nursery.start_soon(mem.add_turn, "ana", "s1", "user", f"t{i}")
@@ -142,7 +142,7 @@ async def test_a_cancelled_caller_leaves_no_hole_in_the_log(store_path, monkeypa
 
 async def test_forget_logs_a_tombstone_with_the_deleted_sequence_numbers(store_path) -> None:
     """The tombstone lists exactly the forgotten turns' lsns, for indexes to replay."""
-    async with Engine.open(store_path) as mem:
+    async with open_engine(store_path) as mem:
         kept = await mem.add_turn("ana", "s1", "user", "stays")
         gone = [await mem.add_turn("ana", "s2", "user", f"goes {i}") for i in range(3)]
         await mem.forget_session("ana", "s2")

@@ -1,0 +1,386 @@
+"""Embedder actor: owns the embedding model on its own thread; callers get unit-length vectors.
+
+Batching is its business. Requests that arrive while the model runs form the next batch (no
+timers: a model call takes milliseconds, so whatever queued meanwhile is the natural batch).
+Query requests (a caller on the hot path) are served before background work, and background
+work goes in small batches, so a query waits at most one small batch behind it.
+
+Backends (``encode(texts) -> array``, run on the actor's own thread, see :class:`Embedder`):
+
+- :class:`OnnxEmbedder`: all-MiniLM-L6-v2 as built by native_models/build.py, onnxruntime on one
+  intra-op and one inter-op thread by default, on the actor's own long-lived thread, tokenised with ``tokenizers``' ``encode_batch``
+  (truncation at 256 tokens, padding to the longest text in the batch).
+- :class:`HashEmbedder`: deterministic feature hashing, for tests that are not about
+  embeddings: texts sharing words get similar vectors, and nothing needs the model.
+
+:meth:`Embedder.follow` embeds everything the store commits, in log order, in the background.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import re
+import sys
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import outcome
+import trio
+
+from engine.errors import EngineBroken, EngineClosed, ModelMissing
+
+from .messages import EmbedRequest, PutVectors
+from .store import ModelInfo, Store, lsn_key, read_log_range, user_prefix
+
+# The Rust tokenizer's own thread pool would compete with onnxruntime and the trio thread for
+# 2 cores; the actor already runs it off the loop. Set before the first encode; a caller's own
+# setting wins.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+__all__ = ["Embedder", "EmbeddingBackend", "OnnxEmbedder", "HashEmbedder", "MODELS"]
+
+INBOX_SIZE = 64  # queued requests before callers wait: the model is far behind by then
+QUERY_BATCH = 32  # texts per model call while queries wait
+BACKGROUND_BATCH = 16  # texts per background call: a query waits at most ~one of these
+FOLLOW_CHUNK = 256  # records read from the log per step of the background follower
+MAX_TOKENS = 256  # the model's training length (sentence-transformers max_seq_length)
+# The model thread's niceness. On 2 cores the model holds one; at the default priority the trio
+# thread and the LMDB writer queue behind it for CPU time slices and durable add_turn p99 went
+# from 3.3 to 7.3 ms (bench/ingest.py). At 19 the hot path preempts it (p99 4.3 ms) and the
+# model still gets the core whenever the hot path is idle.
+MODEL_NICE = 19
+
+MODEL_DIR = Path(__file__).resolve().parent.parent / "native_models" / "all-MiniLM-L6-v2"
+# Config.model name -> (file in MODEL_DIR, model id recorded in the store).
+MODELS = {
+    "minilm-l6-v2": ("model.onnx", "sentence-transformers/all-MiniLM-L6-v2"),
+    "minilm-l6-v2-q8": ("model.q8.onnx", "sentence-transformers/all-MiniLM-L6-v2@q8-block16"),
+}
+BUILD_COMMAND = "python native_models/build.py"
+
+
+
+class EmbeddingBackend(Protocol):
+    """What the Embedder runs. ``load`` and ``encode`` are called from a worker thread."""
+
+    model_id: str
+    dim: int
+
+    def load(self) -> None: ...
+
+    def encode(self, texts: list[str]) -> np.ndarray: ...
+
+
+class OnnxEmbedder:
+    """all-MiniLM-L6-v2 on onnxruntime.
+
+    Args:
+        model: a key of :data:`MODELS`.
+        model_dir: where the built files are (default: native_models/all-MiniLM-L6-v2).
+        threads: onnxruntime intra-op threads (keep below the core count: the loop needs one).
+    """
+
+    dim = 384
+
+    def __init__(self, model: str = "minilm-l6-v2", model_dir: str | Path | None = None,
+                 threads: int = 1) -> None:
+        self.file, self.model_id = MODELS[model]
+        self.model_dir = Path(model_dir) if model_dir else MODEL_DIR
+        self.threads = threads
+        self._session = None
+        self._tokenizer = None
+
+    def load(self) -> None:
+        import onnxruntime as ort
+        from tokenizers import Tokenizer
+
+        path, tokenizer = self.model_dir / self.file, self.model_dir / "tokenizer.json"
+        for needed in (path, tokenizer):
+            if not needed.exists():
+                raise ModelMissing(f"expected the embedding model at {needed}, found nothing; "
+                                   f"build it with `{BUILD_COMMAND}` (from the repository root)")
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = self.threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.log_severity_level = 3  # shape-merge notices about our dynamic axes are noise
+        try:
+            self._session = ort.InferenceSession(str(path), options,
+                                                 providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own Fail/InvalidProtobuf types
+            raise ModelMissing(f"cannot load {path}: {exc}; rebuild it with "
+                               f"`{BUILD_COMMAND} --force`") from exc
+        tok = Tokenizer.from_file(str(tokenizer))
+        tok.enable_truncation(MAX_TOKENS)
+        tok.enable_padding(pad_id=0, pad_token="[PAD]")  # no length: pad to the batch's longest
+        self._tokenizer = tok
+
+    def tokenize(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        encodings = self._tokenizer.encode_batch(texts)
+        ids = np.array([e.ids for e in encodings], dtype=np.int64)
+        mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
+        return ids, mask
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        ids, mask = self.tokenize(texts)
+        return self._session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+
+
+_WORD = re.compile(r"\w+")
+
+
+class HashEmbedder:
+    """Deterministic fake: each word hashes to a signed position; the sum is normalised.
+
+    Texts that share words have positive cosine, unrelated texts near zero: enough to test
+    everything around embeddings without the model.
+    """
+
+    def __init__(self, dim: int = 384, model_id: str = "engram/hash-embedder") -> None:
+        self.dim = dim
+        self.model_id = model_id
+        self.calls: list[int] = []  # batch sizes seen, for tests of batching
+
+    def load(self) -> None:
+        pass
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        self.calls.append(len(texts))
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for row, text in enumerate(texts):
+            for word in _WORD.findall(text.lower()) or [text]:
+                h = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "big")
+                out[row, h % self.dim] += 1.0 if (h >> 32) & 1 else -1.0
+        norms = np.linalg.norm(out, axis=1, keepdims=True)
+        norms[norms == 0] = 1.0
+        return out / norms
+
+
+class Embedder:
+    """The actor. Its state and its model live on its own thread; start ``run`` (and ``follow``,
+    for background embedding) in the nursery.
+
+    Why a thread and not a trio task: measured on 2 cores (bench/embed.py), each hop between
+    trio tasks costs 30-250 µs here once the loop has idled through a 5 ms model call, and an
+    actor task between callers and a worker thread makes four such hops per query; calling a
+    thread through ``trio.to_thread.run_sync`` adds ~0.7 ms. A thread that does the batching
+    itself and answers each caller directly through ``TrioToken.run_sync_soon`` makes two
+    wake-ups per query, ~0.27 ms, the floor. Its inbox is a thread-safe queue bounded by a trio
+    semaphore; each request carries its own one-shot reply.
+    """
+
+    def __init__(self, backend: EmbeddingBackend, query_cache: int) -> None:
+        self.backend = backend
+        self.model = ModelInfo(backend.model_id, backend.dim)
+        self._inbox: queue.SimpleQueue[EmbedRequest | None] = queue.SimpleQueue()
+        self._slots = trio.Semaphore(INBOX_SIZE)  # a slot per queued request: backpressure
+        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._cache_size = query_cache
+        self.embedded_lsn = 0
+        # Parked: callers of wait_embedded, until the follower passes their lsn.
+        self._progress = trio.lowlevel.ParkingLot()
+        self._closed = False
+
+    # -- the actor ---------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start the model thread, wait for the model to load, then live until it stops."""
+        token = trio.lowlevel.current_trio_token()
+        loaded = trio.Event()  # set on the trio thread once load() returned or raised
+        stopped = trio.Event()  # set on the trio thread once the model thread has ended
+        outcomes: list[outcome.Outcome] = []
+
+        def report(event: trio.Event, result: outcome.Outcome | None = None) -> None:
+            def on_trio_thread() -> None:
+                if result is not None:
+                    outcomes.append(result)
+                event.set()
+
+            try:
+                token.run_sync_soon(on_trio_thread)
+            except trio.RunFinishedError:
+                pass  # the engine's trio run is over; nobody is left to tell
+
+        def thread_main() -> None:
+            if sys.platform == "linux":  # per-thread nice is Linux's; elsewhere, a no-op
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), MODEL_NICE)
+            result = outcome.capture(self.backend.load)
+            report(loaded, result)
+            try:
+                if isinstance(result, outcome.Value):
+                    self._serve(report)
+            finally:
+                report(stopped)
+
+        threading.Thread(target=thread_main, name=f"engram-embedder-{id(self):x}",
+                         daemon=True).start()
+        try:
+            await loaded.wait()
+            outcomes[0].unwrap()
+            task_status.started()
+            await stopped.wait()
+        finally:
+            self._inbox.put(None)  # after a cancellation too: the thread ends after its batch
+
+    def _serve(self, report: Callable[..., None]) -> None:
+        """The model thread's loop: batch what queued while the model ran; queries first."""
+        queries: deque[EmbedRequest] = deque()
+        background: deque[EmbedRequest] = deque()
+        stopping = False
+        while True:
+            if not queries and not background:
+                if stopping:
+                    return
+                request = self._inbox.get()
+                if request is None:
+                    stopping = True
+                    continue
+                (queries if request.query else background).append(request)
+            while True:
+                try:
+                    request = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if request is None:
+                    stopping = True
+                else:
+                    (queries if request.query else background).append(request)
+            batch = _take(queries, QUERY_BATCH) if queries else [background.popleft()]
+            result = outcome.capture(self.backend.encode,
+                                     [text for request in batch for text in request.texts])
+            start = 0
+            for request in batch:
+                n = len(request.texts)
+                if isinstance(result, outcome.Value):
+                    request.reply(outcome.Value(result.value[start : start + n]))
+                else:
+                    request.reply(result)
+                start += n
+
+    def close(self) -> None:
+        """Stop taking requests; queued ones are still answered, then the thread ends."""
+        self._closed = True
+        self._inbox.put(None)
+        self._progress.unpark_all()
+
+    # -- callers -----------------------------------------------------------------------------
+
+    async def embed(self, texts: list[str], *, query: bool = True) -> np.ndarray:
+        """Vectors for ``texts`` (n x dim, float32, unit length), in order.
+
+        More than QUERY_BATCH texts are embedded in batches of similar length, since a batch
+        is padded to its longest text.
+
+        Raises:
+            EngineBroken: the model failed on this batch (``__cause__`` has why).
+            EngineClosed: the engine is closed.
+        """
+        if len(texts) <= QUERY_BATCH:
+            return await self._embed_batch(texts, query)
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        out = np.empty((len(texts), self.model.dim), dtype=np.float32)
+        for at in range(0, len(order), QUERY_BATCH):
+            rows = order[at : at + QUERY_BATCH]
+            out[rows] = await self._embed_batch([texts[i] for i in rows], query)
+        return out
+
+    async def _embed_batch(self, texts: list[str], query: bool) -> np.ndarray:
+        if not texts:
+            await trio.lowlevel.checkpoint()
+            return np.zeros((0, self.model.dim), dtype=np.float32)
+        await self._slots.acquire()
+        # Checked after the last checkpoint and right before the put: a request queued behind
+        # close()'s stop marker would never be answered.
+        if self._closed:
+            self._slots.release()
+            raise EngineClosed("the engine is closed; open a new one with Engine.open(path)")
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()  # set on the trio thread when the model thread has answered
+        box: list[outcome.Outcome] = []
+
+        def answered(result: outcome.Outcome) -> None:  # on the trio thread
+            box.append(result)
+            self._slots.release()
+            done.set()
+
+        def reply(result: outcome.Outcome) -> None:  # on the model thread
+            try:
+                token.run_sync_soon(answered, result)
+            except trio.RunFinishedError:
+                pass
+
+        self._inbox.put(EmbedRequest(tuple(texts), query, reply))
+        await done.wait()  # a cancelled caller leaves; answered() still frees its slot
+        try:
+            return box[0].unwrap()
+        except Exception as exc:
+            raise EngineBroken(f"embedding {len(texts)} texts failed: {exc!r}") from exc
+
+    async def embed_query(self, text: str) -> np.ndarray:
+        """One query's vector, from a bounded LRU cache when it was asked before."""
+        cached = self._cache.get(text)
+        if cached is not None:
+            self._cache.move_to_end(text)
+            await trio.lowlevel.checkpoint()
+            return cached
+        vector = (await self.embed([text], query=True))[0]
+        vector.setflags(write=False)  # shared by every later hit
+        self._cache[text] = vector
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return vector
+
+    async def wait_embedded(self, lsn: int) -> None:
+        """Return once every searchable record up to ``lsn`` has its vector committed."""
+        while self.embedded_lsn < lsn:
+            if self._closed:
+                raise EngineClosed("the engine is closed; open a new one with Engine.open(path)")
+            await self._progress.park()
+        await trio.lowlevel.checkpoint()
+
+    # -- the background follower -------------------------------------------------------------
+
+    async def follow(self, store: Store, *,
+                     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Embed every committed record past the store's watermark, in log order, forever."""
+        self.embedded_lsn = store.embedded_lsn
+        task_status.started()
+        try:
+            while True:
+                await store.wait_commit_beyond(self.embedded_lsn)
+                records, last = await store.read(
+                    read_log_range, self.embedded_lsn, store.committed_lsn, FOLLOW_CHUNK
+                )
+                # Similar lengths batch with little padding. Each model batch is written on its
+                # own, so no commit that a durable turn waits behind carries more than ~24 KB of
+                # vectors; the watermark moves with the chunk's last write only.
+                records.sort(key=lambda r: len(r[2]))
+                for at in range(0, max(len(records), 1), BACKGROUND_BATCH):
+                    chunk = records[at : at + BACKGROUND_BATCH]
+                    vectors = await self.embed([text for _, _, text in chunk], query=False)
+                    items = [(lsn, user_prefix(user) + lsn_key(lsn), vector.tobytes())
+                             for (lsn, user, _), vector in zip(chunk, vectors)]
+                    final = at + BACKGROUND_BATCH >= len(records)
+                    watermark = last if final else self.embedded_lsn
+                    await store.put_vectors(PutVectors(items, watermark, trio.Event()))
+                self.embedded_lsn = last
+                self._progress.unpark_all()
+        except EngineClosed:
+            return  # the engine is closing; the watermark on disk says where to resume
+
+
+def _take(requests: deque[EmbedRequest], limit: int) -> list[EmbedRequest]:
+    """Whole requests from the front, up to ``limit`` texts (at least one request)."""
+    batch = [requests.popleft()]
+    count = len(batch[0].texts)
+    while requests and count + len(requests[0].texts) <= limit:
+        request = requests.popleft()
+        batch.append(request)
+        count += len(request.texts)
+    return batch

@@ -1,0 +1,281 @@
+"""The Embedder: model parity, batching, priorities, the cache and background embedding."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+import actors.embedder as embedder_mod
+from actors.store import read_vectors
+from engine import (
+    Engine,
+    EngineBroken,
+    EngineClosed,
+    HashEmbedder,
+    InvalidInput,
+    ModelMismatch,
+    ModelMissing,
+    OnnxEmbedder,
+)
+
+from ..conftest import open_engine, raw_databases
+
+REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "minilm-l6-v2-reference.json"
+
+
+class GatedEmbedder(HashEmbedder):
+    """A HashEmbedder whose calls wait for the test to open the gate, recording each batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.running = threading.Event()  # set once the first call is inside the model
+        self.batches: list[list[str]] = []
+
+    def encode(self, texts):
+        self.batches.append(list(texts))
+        self.running.set()
+        self.gate.wait(10)
+        return super().encode(texts)
+
+    async def wait_running(self) -> None:
+        await trio.to_thread.run_sync(self.running.wait, 10)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return json.loads(REFERENCE.read_text())
+
+
+def _nearest(vectors: np.ndarray) -> np.ndarray:
+    sims = vectors @ vectors.T
+    np.fill_diagonal(sims, -np.inf)
+    return sims.argmax(axis=1)
+
+
+@pytest.mark.parametrize(("model", "min_cosine"), [("minilm-l6-v2", 0.9999), ("minilm-l6-v2-q8", 0.995)])
+async def test_model_matches_the_reference_implementation(tmp_path, reference, model, min_cosine) -> None:
+    """Through the actor, at batch 1 and in batches, every text embeds like sentence-transformers
+    does, and every text keeps its nearest neighbour."""
+    expected = np.asarray(reference["embeddings"], dtype=np.float32)
+    texts = reference["texts"]
+    async with Engine.open(tmp_path / "s", config={"model": model}) as mem:
+        batched = await mem.embed(texts)
+        one_by_one = np.concatenate([await mem.embed([t]) for t in texts])
+    assert batched.shape == (64, 384) and batched.dtype == np.float32
+    assert np.allclose(np.linalg.norm(batched, axis=1), 1.0, atol=1e-5)
+    for got in (batched, one_by_one):
+        cosines = (got * expected).sum(axis=1)
+        assert cosines.min() >= min_cosine, (model, int(cosines.argmin()), float(cosines.min()))
+        assert (_nearest(got) == _nearest(expected)).all()
+
+
+async def test_real_model_embeds_committed_turns_in_the_background(tmp_path) -> None:
+    """Turns get the same vector in the store as mem.embed gives for their text."""
+    async with Engine.open(tmp_path / "s") as mem:
+        receipts = [await mem.add_turn("ana", "s1", "user", text)
+                    for text in ("I moved to Lisbon", "My dog is called Pixel")]
+        await mem.flush()
+        stored = await mem._store.read(read_vectors, "ana")
+        direct = await mem.embed(["I moved to Lisbon", "My dog is called Pixel"])
+        assert (await mem.stats()).model == "sentence-transformers/all-MiniLM-L6-v2"
+    for receipt, vector in zip(receipts, direct):
+        assert np.frombuffer(stored[receipt.lsn], dtype=np.float32) @ vector > 0.99999
+
+
+async def test_requests_arriving_while_the_model_runs_form_the_next_batch(tmp_path) -> None:
+    """Ten callers queued behind a busy model are served in one model call."""
+    backend = GatedEmbedder()
+    async with open_engine(tmp_path / "s", embedder=backend,
+                           config={"background_embedding": False}) as mem:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(mem.embed, ["first"])
+            await backend.wait_running()
+            for i in range(10):
+                nursery.start_soon(mem.embed, [f"queued {i}"])
+            await trio.testing.wait_all_tasks_blocked()
+            backend.gate.set()
+    assert [len(b) for b in backend.batches] == [1, 10]
+
+
+async def test_queries_are_served_before_background_work(tmp_path) -> None:
+    """With background batches and a query queued behind a busy model, the query goes next."""
+    backend = GatedEmbedder()
+    async with open_engine(tmp_path / "s", embedder=backend,
+                           config={"background_embedding": False}) as mem:
+        embedder = mem._embedder
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(embedder.embed, ["busy"])
+            await backend.wait_running()
+            for i in range(3):
+                nursery.start_soon(lambda i=i: embedder.embed([f"background {i}"], query=False))
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(embedder.embed_query, "the query")
+            await trio.testing.wait_all_tasks_blocked()
+            backend.gate.set()
+    assert backend.batches[1] == ["the query"]
+    assert sorted(b[0] for b in backend.batches[2:]) == ["background 0", "background 1", "background 2"]
+
+
+async def test_query_embeddings_are_cached_in_a_bounded_lru(tmp_path) -> None:
+    """A repeated query costs no model call; the least recently used entry is dropped."""
+    backend = HashEmbedder()
+    async with open_engine(tmp_path / "s", embedder=backend,
+                           config={"background_embedding": False, "query_cache": 2}) as mem:
+        embedder = mem._embedder
+        first = await embedder.embed_query("where does Maya live")
+        again = await embedder.embed_query("where does Maya live")
+        assert again is first and len(backend.calls) == 1
+        await embedder.embed_query("b")
+        await embedder.embed_query("where does Maya live")  # refreshes it
+        await embedder.embed_query("c")  # evicts "b"
+        await embedder.embed_query("b")
+        assert len(backend.calls) == 4
+        with pytest.raises(ValueError):
+            first[0] = 1.0  # shared by every hit, so read-only
+
+
+async def test_add_turn_never_waits_for_embedding(tmp_path) -> None:
+    """With the model stuck, turns are still acknowledged and durable; vectors follow later,
+    and stored vectors are exactly the backend's for each text."""
+    backend = GatedEmbedder()
+    async with open_engine(tmp_path / "s", embedder=backend) as mem:
+        receipts = [await mem.add_turn("ana", "s1", "user", f"note number {i}", durable=True)
+                    for i in range(40)]
+        assert (await mem.stats()).embedded_lsn == 0
+        backend.gate.set()
+        await mem.flush()
+        assert (await mem.stats()).embedded_lsn == receipts[-1].lsn
+        stored = await mem._store.read(read_vectors, "ana")
+    expected = HashEmbedder().encode([f"note number {i}" for i in range(40)])
+    for receipt, vector in zip(receipts, expected):
+        assert np.array_equal(np.frombuffer(stored[receipt.lsn], dtype=np.float32), vector)
+
+
+async def test_embedding_resumes_from_the_watermark_after_reopen(tmp_path) -> None:
+    """Turns stored with background embedding off are embedded by the next engine that has it on."""
+    path = tmp_path / "s"
+    async with open_engine(path, config={"background_embedding": False}) as mem:
+        await mem.add_turns([{"user_id": "ana", "session_id": "s", "role": "user", "text": f"t{i}"}
+                             for i in range(100)], durable=True)
+    backend = HashEmbedder()
+    async with open_engine(path, embedder=backend) as mem:
+        await mem.flush()
+        assert len(await mem._store.read(read_vectors, "ana")) == 100
+    async with open_engine(path, embedder=(again := HashEmbedder())) as mem:
+        await mem.flush()
+    assert again.calls == []  # nothing embedded twice
+
+
+async def test_a_user_forgotten_while_being_embedded_leaves_no_vectors(tmp_path) -> None:
+    """Vectors computed for a user who is forgotten meanwhile are never stored."""
+    backend = GatedEmbedder()
+    path = tmp_path / "s"
+    async with open_engine(path, embedder=backend) as mem:
+        for i in range(5):
+            await mem.add_turn("zed", "s", "user", f"zed says {i}", durable=True)
+        await mem.add_turn("ana", "s", "user", "ana stays", durable=True)
+        await backend.wait_running()
+        await mem.forget_user("zed")
+        backend.gate.set()
+        await mem.flush()
+    vectors = raw_databases(path)["vectors"]
+    assert [key.startswith(b"ana\x00") for key, _ in vectors] == [True]
+
+
+async def test_a_store_from_another_model_is_refused_until_reembedded(tmp_path) -> None:
+    """Opening with another model names both and the fix; reembed adopts it and re-embeds."""
+    path = tmp_path / "s"
+    async with open_engine(path, embedder=HashEmbedder(model_id="model-a")) as mem:
+        await mem.add_turn("ana", "s", "user", "hello")
+        await mem.flush()
+    with pytest.raises(ModelMismatch, match=r"vectors from model-a .* engine runs model-b .*`engram reindex") as info:
+        async with open_engine(path, embedder=HashEmbedder(model_id="model-b")):
+            pass
+    assert (info.value.stored, info.value.configured) == ("model-a", "model-b")
+    backend = HashEmbedder(dim=64, model_id="model-b")
+    async with open_engine(path, embedder=backend, reembed=True) as mem:
+        await mem.flush()
+        (vector,) = (await mem._store.read(read_vectors, "ana")).values()
+        assert len(vector) == 64 * 4 and (await mem.stats()).model == "model-b"
+    async with open_engine(path, embedder=HashEmbedder(dim=64, model_id="model-b")):
+        pass
+
+
+async def test_a_model_failure_is_raised_to_its_caller_and_the_engine_goes_on(tmp_path) -> None:
+    """A batch the backend cannot embed raises EngineBroken for that caller only."""
+
+    class Picky(HashEmbedder):
+        def encode(self, texts):
+            if "boom" in texts:
+                raise RuntimeError("cannot embed boom")
+            return super().encode(texts)
+
+    async with open_engine(tmp_path / "s", embedder=Picky(),
+                           config={"background_embedding": False}) as mem:
+        with pytest.raises(EngineBroken, match=r"embedding 1 texts failed") as info:
+            await mem.embed(["boom"])
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert (await mem.embed(["fine"])).shape == (1, 384)
+
+
+async def test_embed_input_is_checked(tmp_path) -> None:
+    """embed takes a list of strings; a lone string gets a hint."""
+    async with open_engine(tmp_path / "s", config={"background_embedding": False}) as mem:
+        with pytest.raises(InvalidInput, match=r"texts: expected a list of strings, found str; wrap one text in a list"):
+            await mem.embed("hello")
+        with pytest.raises(InvalidInput, match=r"texts\[1\]: expected a string, found int"):
+            await mem.embed(["a", 1])
+        assert (await mem.embed([])).shape == (0, 384)
+
+
+async def test_large_embed_calls_are_cut_into_model_batches_in_order(tmp_path) -> None:
+    """A long list goes to the model in batches of similar length and comes back in order."""
+    backend = HashEmbedder()
+    texts = [("word " * (i % 7 + 1)) + str(i) for i in range(100)]
+    async with open_engine(tmp_path / "s", embedder=backend,
+                           config={"background_embedding": False}) as mem:
+        vectors = await mem.embed(texts)
+    assert max(backend.calls) == embedder_mod.QUERY_BATCH
+    assert np.array_equal(vectors, HashEmbedder().encode(texts))
+
+
+async def test_a_missing_model_names_the_build_command(tmp_path) -> None:
+    """Without built model files the engine refuses to open and says how to build them."""
+    with pytest.raises(ModelMissing, match=r"python native_models/build.py"):
+        async with Engine.open(tmp_path / "s", embedder=OnnxEmbedder(model_dir=tmp_path / "none")):
+            pass
+
+
+async def test_a_caller_waiting_for_room_when_the_engine_closes_is_told_so(tmp_path, monkeypatch) -> None:
+    """A request that gets its inbox slot only after close() raises EngineClosed instead of
+    queueing behind the stop marker, where no one would ever answer it."""
+    monkeypatch.setattr(embedder_mod, "INBOX_SIZE", 1)
+    backend = GatedEmbedder()
+    results: dict[str, str] = {}
+
+    async def call(mem: Engine, name: str) -> None:
+        try:
+            await mem.embed([name])
+            results[name] = "answered"
+        except EngineClosed:
+            results[name] = "closed"
+
+    async def open_gate_once_all_wait() -> None:
+        await trio.testing.wait_all_tasks_blocked()
+        backend.gate.set()
+
+    async with trio.open_nursery() as outer:
+        async with open_engine(tmp_path / "s", embedder=backend,
+                               config={"background_embedding": False}) as mem:
+            outer.start_soon(call, mem, "in the model")
+            await backend.wait_running()
+            outer.start_soon(call, mem, "waiting for a slot")
+            await trio.testing.wait_all_tasks_blocked()
+            outer.start_soon(open_gate_once_all_wait)
+    assert results == {"in the model": "answered", "waiting for a slot": "closed"}
