@@ -25,7 +25,7 @@ from engine import (
 
 from ..conftest import open_engine, raw_databases
 
-REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "minilm-l6-v2-reference.json"
+REFERENCE = Path(__file__).resolve().parents[1] / "data" / "minilm-l6-v2-reference.json"
 
 
 class GatedEmbedder(HashEmbedder):
