@@ -2,10 +2,11 @@
 
 Batching is its business. Requests that arrive while the model runs form the next batch (no
 timers: a model call takes milliseconds, so whatever queued meanwhile is the natural batch).
-Query requests (a caller on the hot path) are served before background work, and background
-work goes in small batches, so a query waits at most one small batch behind it.
+Queries (a caller on the hot path) and background work have separate lanes, so a query never
+waits behind background embedding.
 
-Backends (``encode(texts) -> array``, run on the actor's own thread, see :class:`Embedder`):
+Backends (``encode(texts) -> array``, called from the actor's two lanes at once, so it must be
+thread-safe, as an onnxruntime session is; see :class:`Embedder`):
 
 - :class:`OnnxEmbedder`: all-MiniLM-L6-v2 as built by native_models/build.py, onnxruntime on one
   intra-op and one inter-op thread by default, on the actor's own long-lived thread, tokenised with ``tokenizers``' ``encode_batch``
@@ -47,13 +48,13 @@ __all__ = ["Embedder", "EmbeddingBackend", "OnnxEmbedder", "HashEmbedder", "MODE
 
 INBOX_SIZE = 64  # queued requests before callers wait: the model is far behind by then
 QUERY_BATCH = 32  # texts per model call while queries wait
-BACKGROUND_BATCH = 16  # texts per background call: a query waits at most ~one of these
+BACKGROUND_BATCH = 16  # texts per background call: keeps each vector write (and commit) small
 FOLLOW_CHUNK = 256  # records read from the log per step of the background follower
 MAX_TOKENS = 256  # the model's training length (sentence-transformers max_seq_length)
-# The model thread's niceness. On 2 cores the model holds one; at the default priority the trio
-# thread and the LMDB writer queue behind it for CPU time slices and durable add_turn p99 went
-# from 3.3 to 7.3 ms (bench/ingest.py). At 19 the hot path preempts it (p99 4.3 ms) and the
-# model still gets the core whenever the hot path is idle.
+# The background lane's niceness. On 2 cores the model holds one; at the default priority the
+# trio thread and the LMDB writer queue behind background inference for CPU time slices, and
+# durable add_turn p99 went from 3.3 to 7.3 ms (bench/ingest.py). At 19 the hot path preempts
+# it (p99 4.3 ms) and the model still gets the core whenever the hot path is idle.
 MODEL_NICE = 19
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "native_models" / "all-MiniLM-L6-v2"
@@ -67,7 +68,8 @@ BUILD_COMMAND = "python native_models/build.py"
 
 
 class EmbeddingBackend(Protocol):
-    """What the Embedder runs. ``load`` and ``encode`` are called from a worker thread."""
+    """What the Embedder runs. ``load`` runs once in a worker thread; ``encode`` is called from
+    two threads at once and must be thread-safe."""
 
     model_id: str
     dim: int
@@ -162,23 +164,77 @@ class HashEmbedder:
         return out / norms
 
 
-class Embedder:
-    """The actor. Its state and its model live on its own thread; start ``run`` (and ``follow``,
-    for background embedding) in the nursery.
+class _Lane:
+    """One model thread with its own inbox. Batches what queued while the model ran."""
 
-    Why a thread and not a trio task: measured on 2 cores (bench/embed.py), each hop between
-    trio tasks costs 30-250 µs here once the loop has idled through a 5 ms model call, and an
-    actor task between callers and a worker thread makes four such hops per query; calling a
-    thread through ``trio.to_thread.run_sync`` adds ~0.7 ms. A thread that does the batching
-    itself and answers each caller directly through ``TrioToken.run_sync_soon`` makes two
-    wake-ups per query, ~0.27 ms, the floor. Its inbox is a thread-safe queue bounded by a trio
-    semaphore; each request carries its own one-shot reply.
+    def __init__(self, name: str, nice: int, batch_texts: int) -> None:
+        self.name = name
+        self.nice = nice
+        self.batch_texts = batch_texts
+        self.inbox: queue.SimpleQueue[EmbedRequest | None] = queue.SimpleQueue()
+
+    def serve(self, encode: Callable[[list[str]], np.ndarray]) -> None:
+        """The thread's loop; returns after the stop marker, once what queued before it is
+        answered."""
+        if sys.platform == "linux" and self.nice:  # per-thread nice is Linux's
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+        pending: deque[EmbedRequest] = deque()
+        stopping = False
+        while True:
+            if not pending:
+                if stopping:
+                    return
+                request = self.inbox.get()
+                if request is None:
+                    stopping = True
+                    continue
+                pending.append(request)
+            while True:
+                try:
+                    request = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if request is None:
+                    stopping = True
+                else:
+                    pending.append(request)
+            batch = _take(pending, self.batch_texts)
+            result = outcome.capture(encode, [text for request in batch for text in request.texts])
+            start = 0
+            for request in batch:
+                n = len(request.texts)
+                if isinstance(result, outcome.Value):
+                    request.reply(outcome.Value(result.value[start : start + n]))
+                else:
+                    request.reply(result)
+                start += n
+
+
+class Embedder:
+    """The actor: one model, two lanes, each a long-lived thread that batches its own inbox.
+    Start ``run`` (and ``follow``, for background embedding) in the nursery.
+
+    - The query lane (normal priority) serves callers on the hot path: requests that queued
+      while the model ran form the next batch, up to QUERY_BATCH texts.
+    - The background lane (nice MODEL_NICE) serves the follower, BACKGROUND_BATCH texts a call.
+
+    Both call the same onnxruntime session, whose ``run`` is thread-safe, so a query never
+    waits behind a background batch (~160 ms for 16 turns), and on 2 cores the hot path
+    preempts background inference instead of queueing behind it for CPU.
+
+    Why threads that answer callers directly (``TrioToken.run_sync_soon``) and no trio task in
+    between: measured here, each hop between trio tasks costs 30-250 µs once the loop has idled
+    through a 5 ms model call; an actor task between callers and a worker made a query 12-17%
+    slower than bare onnxruntime, and ``to_thread.run_sync`` alone ~14%. This shape makes two
+    wake-ups per query. The inbox is a thread-safe queue bounded by a trio semaphore; each
+    request carries its own one-shot reply.
     """
 
     def __init__(self, backend: EmbeddingBackend, query_cache: int) -> None:
         self.backend = backend
         self.model = ModelInfo(backend.model_id, backend.dim)
-        self._inbox: queue.SimpleQueue[EmbedRequest | None] = queue.SimpleQueue()
+        self._lanes = {True: _Lane("query", 0, QUERY_BATCH),
+                       False: _Lane("background", MODEL_NICE, BACKGROUND_BATCH)}
         self._slots = trio.Semaphore(INBOX_SIZE)  # a slot per queued request: backpressure
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._cache_size = query_cache
@@ -190,83 +246,36 @@ class Embedder:
     # -- the actor ---------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Start the model thread, wait for the model to load, then live until it stops."""
+        """Load the model, start both lanes, and live until they stop."""
+        await trio.to_thread.run_sync(self.backend.load)
         token = trio.lowlevel.current_trio_token()
-        loaded = trio.Event()  # set on the trio thread once load() returned or raised
-        stopped = trio.Event()  # set on the trio thread once the model thread has ended
-        outcomes: list[outcome.Outcome] = []
+        stopped = {lane.name: trio.Event() for lane in self._lanes.values()}  # set as each ends
 
-        def report(event: trio.Event, result: outcome.Outcome | None = None) -> None:
-            def on_trio_thread() -> None:
-                if result is not None:
-                    outcomes.append(result)
-                event.set()
-
+        def lane_main(lane: _Lane) -> None:
             try:
-                token.run_sync_soon(on_trio_thread)
-            except trio.RunFinishedError:
-                pass  # the engine's trio run is over; nobody is left to tell
-
-        def thread_main() -> None:
-            if sys.platform == "linux":  # per-thread nice is Linux's; elsewhere, a no-op
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), MODEL_NICE)
-            result = outcome.capture(self.backend.load)
-            report(loaded, result)
-            try:
-                if isinstance(result, outcome.Value):
-                    self._serve(report)
+                lane.serve(self.backend.encode)
             finally:
-                report(stopped)
-
-        threading.Thread(target=thread_main, name=f"engram-embedder-{id(self):x}",
-                         daemon=True).start()
-        try:
-            await loaded.wait()
-            outcomes[0].unwrap()
-            task_status.started()
-            await stopped.wait()
-        finally:
-            self._inbox.put(None)  # after a cancellation too: the thread ends after its batch
-
-    def _serve(self, report: Callable[..., None]) -> None:
-        """The model thread's loop: batch what queued while the model ran; queries first."""
-        queries: deque[EmbedRequest] = deque()
-        background: deque[EmbedRequest] = deque()
-        stopping = False
-        while True:
-            if not queries and not background:
-                if stopping:
-                    return
-                request = self._inbox.get()
-                if request is None:
-                    stopping = True
-                    continue
-                (queries if request.query else background).append(request)
-            while True:
                 try:
-                    request = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if request is None:
-                    stopping = True
-                else:
-                    (queries if request.query else background).append(request)
-            batch = _take(queries, QUERY_BATCH) if queries else [background.popleft()]
-            result = outcome.capture(self.backend.encode,
-                                     [text for request in batch for text in request.texts])
-            start = 0
-            for request in batch:
-                n = len(request.texts)
-                if isinstance(result, outcome.Value):
-                    request.reply(outcome.Value(result.value[start : start + n]))
-                else:
-                    request.reply(result)
-                start += n
+                    token.run_sync_soon(stopped[lane.name].set)
+                except trio.RunFinishedError:
+                    pass  # the engine's trio run is over; nobody is left to tell
+
+        for lane in self._lanes.values():
+            threading.Thread(target=lane_main, args=(lane,), daemon=True,
+                             name=f"engram-embedder-{lane.name}").start()
+        try:
+            task_status.started()
+            for event in stopped.values():
+                await event.wait()
+        finally:
+            for lane in self._lanes.values():
+                lane.inbox.put(None)  # after a cancellation too: each ends after its batch
 
     def close(self) -> None:
-        """Stop taking requests; queued ones are still answered, then the thread ends."""
+        """Stop taking requests; queued ones are still answered, then the lanes end."""
         self._closed = True
-        self._inbox.put(None)
+        for lane in self._lanes.values():
+            lane.inbox.put(None)
         self._progress.unpark_all()
 
     # -- callers -----------------------------------------------------------------------------
@@ -315,7 +324,7 @@ class Embedder:
             except trio.RunFinishedError:
                 pass
 
-        self._inbox.put(EmbedRequest(tuple(texts), query, reply))
+        self._lanes[query].inbox.put(EmbedRequest(tuple(texts), query, reply))
         await done.wait()  # a cancelled caller leaves; answered() still frees its slot
         try:
             return box[0].unwrap()

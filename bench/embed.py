@@ -10,14 +10,16 @@ For each variant (fp32 default, q8 opt-in):
   batch   batches of 32 texts: bare loop vs the same batches through the actor. Sentences per
           second, and actor/bare ratio.
 
-Rounds alternate bare and actor so that drift (thermal, other load) hits both alike. Prints a
-table and writes JSON (--out, default bench/results/embed.json).
+Each round runs every query bare, then every query through the actor (then the same for the
+batches), so drift (host load on this VM, thermal) hits both alike. Alternating per call instead
+would make the model hop between two threads on every call, a pattern production never has,
+and charge both sides for cold per-core caches. Prints a table and writes JSON (--out, default
+bench/results/embed.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -27,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import trio
+from _report import percentiles, write_results
 
 from actors.embedder import Embedder, OnnxEmbedder
 from engine._demo import conversation_turns, load_conversation
@@ -44,8 +47,7 @@ def corpus(seed: int) -> tuple[list[str], list[str]]:
 
 
 def pct(ms: list[float]) -> dict[str, float]:
-    a = np.asarray(ms)
-    return {"n": len(ms), "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
+    return percentiles(ms, 1.0, "ms")
 
 
 async def measure(variant: str, rounds: int, queries: list[str], passages: list[str]) -> dict[str, Any]:
@@ -64,6 +66,7 @@ async def measure(variant: str, rounds: int, queries: list[str], passages: list[
                 start = time.perf_counter()
                 backend.encode([text])
                 bare_q.append((time.perf_counter() - start) * 1e3)
+            for text in queries:
                 start = time.perf_counter()
                 await actor.embed([text])
                 actor_q.append((time.perf_counter() - start) * 1e3)
@@ -114,10 +117,7 @@ def main() -> None:
         print(f"{variant:<18}{qb['p50_ms']:>11.2f} /{qb['p99_ms']:>6.2f} ms"
               f"{qa['p50_ms']:>8.2f} /{qa['p99_ms']:>6.2f} ms{r['query_overhead']:>+9.1%}"
               f"{r['batch_bare_per_s']:>14.0f}{r['batch_actor_per_s']:>10.0f}{r['batch_ratio']:>8.2f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Prints a table and writes JSON (--out, default bench/results/ingest.json).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -34,6 +33,7 @@ import lmdb
 import msgspec
 import numpy as np
 import trio
+from _report import percentiles, write_results
 
 from engine import Engine, NewTurn
 
@@ -47,10 +47,7 @@ def sentence(rng: random.Random) -> str:
 
 
 def pct(values_ns: list[int]) -> dict[str, float]:
-    a = np.asarray(values_ns, dtype=np.float64) / 1e3
-    return {"n": int(a.size), "p50_us": float(np.percentile(a, 50)),
-            "p99_us": float(np.percentile(a, 99)), "p999_us": float(np.percentile(a, 99.9)),
-            "max_us": float(a.max())}
+    return percentiles(values_ns, 1e-3, "us")
 
 
 def import_items(total: int, texts: list[str]) -> list[NewTurn]:
@@ -176,10 +173,7 @@ def main() -> None:
     print(f"\nbulk add_turns: {b['turns']:,} turns in {b['seconds']:.2f} s = "
           f"{b['turns_per_s']:,.0f} turns/s; {b['ratio_to_bare_lmdb']:.2f}x of bare LMDB doing the "
           f"same writes ({results['baseline_lmdb_turns_per_s']:,.0f} turns/s, same process)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

@@ -28,23 +28,31 @@ def _found(value: Any) -> str:
     return f"{type(value).__name__} {text}"
 
 
-def check_id(field: str, value: Any, max_chars: int) -> str:
+def _check_string(field: str, value: Any, max_chars: int, fix: str) -> str:
+    """A non-empty, non-blank str of at most ``max_chars`` that UTF-8 can encode."""
     if type(value) is not str:
         raise InvalidInput(field, f"expected a non-empty string, found {_found(value)}")
     if not value or value.isspace():
         raise InvalidInput(field, f"expected a non-empty string, found {value!r}")
     if len(value) > max_chars:
         raise InvalidInput(
-            field,
-            f"expected at most {max_chars} characters, found {len(value)}; "
-            "use a shorter id (a hash of a long one works) or raise Config.max_id_chars",
+            field, f"expected at most {max_chars} characters, found {len(value)}; {fix}"
         )
+    if not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidInput(
+                field, f"expected text encodable as UTF-8, found {exc.reason} at {exc.start}"
+            ) from None
+    return value
+
+
+def check_id(field: str, value: Any, max_chars: int) -> str:
+    _check_string(field, value, max_chars,
+                  "use a shorter id (a hash of a long one works) or raise Config.max_id_chars")
     if "\x00" in value:
         raise InvalidInput(field, f"expected no NUL character, found one in {value!r}")
-    try:
-        value.encode()
-    except UnicodeEncodeError as exc:
-        raise InvalidInput(field, f"expected text encodable as UTF-8, found {exc.reason}") from None
     return value
 
 
@@ -56,24 +64,8 @@ def check_role(value: Any) -> str:
 
 
 def check_text(field: str, value: Any, max_chars: int) -> str:
-    if type(value) is not str:
-        raise InvalidInput(field, f"expected a non-empty string, found {_found(value)}")
-    if not value or value.isspace():
-        raise InvalidInput(field, f"expected a non-empty string, found {value!r}")
-    if len(value) > max_chars:
-        raise InvalidInput(
-            field,
-            f"expected at most {max_chars} characters, found {len(value)}; "
-            "split it into several turns or raise Config.max_text_chars",
-        )
-    if not value.isascii():
-        try:
-            value.encode()
-        except UnicodeEncodeError as exc:
-            raise InvalidInput(
-                field, f"expected text encodable as UTF-8, found {exc.reason} at {exc.start}"
-            ) from None
-    return value
+    return _check_string(field, value, max_chars,
+                         "split it into several turns or raise Config.max_text_chars")
 
 
 def check_at(value: Any) -> datetime:
