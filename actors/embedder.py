@@ -37,7 +37,8 @@ import trio
 from engine.errors import EngineBroken, EngineClosed, ModelMissing
 
 from .messages import EmbedRequest, PutVectors
-from .store import ModelInfo, Store, lsn_key, read_log_range, user_prefix
+from .ann_index import encode_vector
+from .store import ModelInfo, Store, read_log_range
 
 # The Rust tokenizer's own thread pool would compete with onnxruntime and the trio thread for
 # 2 cores; the actor already runs it off the loop. Set before the first encode; a caller's own
@@ -236,7 +237,7 @@ class Embedder:
         self._lanes = {True: _Lane("query", 0, QUERY_BATCH),
                        False: _Lane("background", MODEL_NICE, BACKGROUND_BATCH)}
         self._slots = trio.Semaphore(INBOX_SIZE)  # a slot per queued request: backpressure
-        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
         self._cache_size = query_cache
         self.embedded_lsn = 0
         # Parked: callers of wait_embedded, until the follower passes their lsn.
@@ -331,19 +332,29 @@ class Embedder:
         except Exception as exc:
             raise EngineBroken(f"embedding {len(texts)} texts failed: {exc!r}") from exc
 
-    async def embed_query(self, text: str) -> np.ndarray:
-        """One query's vector, from a bounded LRU cache when it was asked before."""
-        cached = self._cache.get(text)
+    async def embed_query(self, text: str, user_id: str = "") -> np.ndarray:
+        """One query's vector, from a bounded LRU cache when this user asked it before.
+
+        The cache is keyed by user as well as text, so forgetting a user can clear it
+        (:meth:`forget_user`): a query can hold what a user said.
+        """
+        key = (user_id, text)
+        cached = self._cache.get(key)
         if cached is not None:
-            self._cache.move_to_end(text)
+            self._cache.move_to_end(key)
             await trio.lowlevel.checkpoint()
             return cached
         vector = (await self.embed([text], query=True))[0]
         vector.setflags(write=False)  # shared by every later hit
-        self._cache[text] = vector
+        self._cache[key] = vector
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         return vector
+
+    def forget_user(self, user_id: str) -> None:
+        """Drop the user's cached query embeddings."""
+        for key in [k for k in self._cache if k[0] == user_id]:
+            del self._cache[key]
 
     async def wait_embedded(self, lsn: int) -> None:
         """Return once every searchable record up to ``lsn`` has its vector committed."""
@@ -355,29 +366,35 @@ class Embedder:
 
     # -- the background follower -------------------------------------------------------------
 
-    async def follow(self, store: Store, *,
+    async def follow(self, store: Store,
+                     on_vectors: Callable[[list[tuple[int, str, bytes]]], None] | None = None, *,
                      task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Embed every committed record past the store's watermark, in log order, forever."""
+        """Embed every committed record past the store's watermark, in log order, forever.
+
+        ``on_vectors`` gets each batch's written vectors on the trio thread, in commit order
+        (the ANN index's feed).
+        """
         self.embedded_lsn = store.embedded_lsn
         task_status.started()
         try:
             while True:
                 await store.wait_commit_beyond(self.embedded_lsn)
-                records, last = await store.read(
+                records, _, last = await store.read(
                     read_log_range, self.embedded_lsn, store.committed_lsn, FOLLOW_CHUNK
                 )
                 # Similar lengths batch with little padding. Each model batch is written on its
                 # own, so no commit that a durable turn waits behind carries more than ~24 KB of
                 # vectors; the watermark moves with the chunk's last write only.
-                records.sort(key=lambda r: len(r[2]))
+                records.sort(key=lambda r: len(r.text))
                 for at in range(0, max(len(records), 1), BACKGROUND_BATCH):
                     chunk = records[at : at + BACKGROUND_BATCH]
-                    vectors = await self.embed([text for _, _, text in chunk], query=False)
-                    items = [(lsn, user_prefix(user) + lsn_key(lsn), vector.tobytes())
-                             for (lsn, user, _), vector in zip(chunk, vectors)]
+                    vectors = await self.embed([r.text for r in chunk], query=False)
+                    items = [(r.lsn, r.user_id, encode_vector(r, vector))
+                             for r, vector in zip(chunk, vectors)]
                     final = at + BACKGROUND_BATCH >= len(records)
                     watermark = last if final else self.embedded_lsn
-                    await store.put_vectors(PutVectors(items, watermark, trio.Event()))
+                    await store.write_unlogged(
+                        PutVectors(items, watermark, trio.Event(), on_vectors))
                 self.embedded_lsn = last
                 self._progress.unpark_all()
         except EngineClosed:

@@ -12,7 +12,8 @@ import msgspec
 
 from engine._records import Turn
 
-__all__ = ["AppendTurn", "Forget", "PutVectors", "EmbedRequest", "StoreOp", "EmbedderOp"]
+__all__ = ["AppendTurn", "Forget", "PutVectors", "PutLink", "Searchable", "EmbedRequest",
+           "StoreOp", "EmbedderOp"]
 
 
 class AppendTurn(msgspec.Struct, frozen=True, tag=True):
@@ -40,11 +41,15 @@ class AppendTurn(msgspec.Struct, frozen=True, tag=True):
 
 class Forget(msgspec.Struct, frozen=True, tag=True):
     """Delete a whole session (``session_id`` set) or a whole user (``session_id`` None), and log
-    a tombstone at ``lsn`` that lists the deleted log sequence numbers and nothing of the user."""
+    a tombstone at ``lsn`` that lists the deleted log sequence numbers and nothing of the user.
+
+    ``committed`` (optional) is called on the trio thread right after the commit, in commit
+    order, with the deleted lsns."""
 
     lsn: int
     user_id: str
     session_id: str | None
+    committed: Any = None
 
 
 class PutVectors(msgspec.Struct, frozen=True, tag=True):
@@ -54,16 +59,42 @@ class PutVectors(msgspec.Struct, frozen=True, tag=True):
     was being computed is dropped by the writer, so a forgotten user's vectors never come back.
 
     Attributes:
-        items: (lsn, key in ``vectors``, float32 bytes) per record.
+        items: (lsn, user_id, value) per record; value is the ANN header + float32 vector.
         watermark: every record up to this lsn is embedded (or not searchable).
         done: set once committed.
+        committed: called on the trio thread right after the commit, in commit order, with the
+            items actually written.
     """
 
-    items: list[tuple[int, bytes, bytes]]
+    items: list[tuple[int, str, bytes]]
     watermark: int
     done: Any = None
+    committed: Any = None
 
     lsn = None  # not part of the log
+
+
+class PutLink(msgspec.Struct, frozen=True, tag=True):
+    """Store a typed link between two memories of one user (both directions are indexed)."""
+
+    user_id: str
+    link: Any  # engine._records.Link
+    done: Any = None
+    committed: Any = None
+
+    lsn = None  # links are not searchable records: not part of the log
+
+
+class Searchable(msgspec.Struct, frozen=True):
+    """What the indexes need of a logged record, read back from the store in log order."""
+
+    lsn: int
+    kind: str
+    user_id: str
+    session_id: str
+    role: str
+    at: datetime
+    text: str
 
 
 class EmbedRequest(msgspec.Struct, frozen=True, tag=True):
@@ -80,5 +111,5 @@ class EmbedRequest(msgspec.Struct, frozen=True, tag=True):
     reply: Any
 
 
-StoreOp = AppendTurn | Forget | PutVectors
+StoreOp = AppendTurn | Forget | PutVectors | PutLink
 EmbedderOp = EmbedRequest

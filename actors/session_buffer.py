@@ -188,6 +188,23 @@ class SessionBuffer:
             self._set_window(state, turns[-self._window_turns:])
         return turns
 
+    def turns_after(self, user_id: str, lsn: int) -> list[Turn]:
+        """The user's turns in RAM windows with an lsn above ``lsn`` (not yet indexed)."""
+        out = []
+        for state in self._users.get(user_id, {}).values():
+            if state.window is not None and state.last_lsn > lsn:
+                out.extend(t for t in state.window if t.lsn > lsn)
+        return out
+
+    def recent_turn(self, user_id: str, lsn: int) -> Turn | None:
+        """A turn of the user's RAM windows by lsn (it may not be committed yet)."""
+        for state in self._users.get(user_id, {}).values():
+            if state.window is not None and state.last_lsn >= lsn:
+                for turn in state.window:
+                    if turn.lsn == lsn:
+                        return turn
+        return None
+
     def sessions(self, user_id: str) -> list[SessionInfo]:
         """The user's sessions, most recently active first."""
         sessions = self._users.get(user_id, {})

@@ -13,7 +13,9 @@ sessions   user NUL session                        SessionInfo (msgpack)
 turns      user NUL session NUL seq(8 bytes)       Turn (msgpack)
 ids        user NUL turn_id                        the turn's key in ``turns``
 log        lsn (8 bytes, big-endian)               ``T`` + turn key, or ``D`` + deleted lsns
-vectors    user NUL lsn(8 bytes)                   the record's embedding, float32 bytes
+vectors    user NUL lsn(8 bytes)                   ANN header + the embedding, float32 bytes
+links      user NUL from NUL to / user NUL to NUL  Link (msgpack), once per direction
+           from
 =========  ======================================  ===========================================
 
 The log is what derived views (the ANN and full-text indexes) replay from their watermark.
@@ -45,7 +47,7 @@ import msgspec
 import trio
 
 from engine._config import Config
-from engine._records import SCHEMA_VERSION, SessionInfo, Turn
+from engine._records import SCHEMA_VERSION, Link, SessionInfo, Turn
 from engine.errors import (
     EngineBroken,
     EngineClosed,
@@ -55,7 +57,7 @@ from engine.errors import (
     StoreIncompatible,
 )
 
-from .messages import AppendTurn, Forget, PutVectors, StoreOp
+from .messages import AppendTurn, Forget, PutLink, PutVectors, Searchable, StoreOp
 
 __all__ = ["Store", "MIGRATIONS", "user_prefix", "session_prefix", "lsn_key"]
 
@@ -65,7 +67,7 @@ READ_THREADS = 2  # concurrent read transactions: one per core; the writer has i
 MAX_DBS = 16  # named databases LMDB reserves room for; later layers add theirs
 MAX_READERS = 126  # LMDB reader slots: the default, far above the threads we use
 
-DB_NAMES = (b"meta", b"sessions", b"turns", b"ids", b"log", b"vectors")
+DB_NAMES = (b"meta", b"sessions", b"turns", b"ids", b"log", b"vectors", b"links")
 LOG_TURN = b"T"
 LOG_TOMBSTONE = b"D"
 
@@ -93,6 +95,7 @@ class _TurnHead(msgspec.Struct, array_like=True):
 
 
 _decode_head = msgspec.msgpack.Decoder(_TurnHead).decode
+_decode_link = msgspec.msgpack.Decoder(Link).decode
 
 
 def user_prefix(user_id: str) -> bytes:
@@ -105,6 +108,28 @@ def session_prefix(user_id: str, session_id: str) -> bytes:
 
 def lsn_key(lsn: int) -> bytes:
     return lsn.to_bytes(8, "big")
+
+
+def _delete_prefix(txn: lmdb.Transaction, db: Any, prefix: bytes) -> None:
+    cursor = txn.cursor(db)
+    if cursor.set_range(prefix):
+        while cursor.key().startswith(prefix):
+            if not cursor.delete():
+                break
+
+
+def _delete_links_of(txn: lmdb.Transaction, db: Any, uprefix: bytes, memory_id: bytes) -> None:
+    """Every link touching one memory, in both directions."""
+    prefix = uprefix + memory_id + b"\x00"
+    cursor = txn.cursor(db)
+    others = []
+    if cursor.set_range(prefix):
+        while cursor.key().startswith(prefix):
+            others.append(cursor.key()[len(prefix):])
+            if not cursor.delete():
+                break
+    for other in others:
+        txn.delete(uprefix + other + b"\x00" + memory_id, db=db)
 
 
 def _int(raw: bytes | None) -> int | None:
@@ -133,9 +158,16 @@ class ModelInfo(msgspec.Struct, frozen=True, array_like=True):
 _decode_model = msgspec.msgpack.Decoder(ModelInfo).decode
 
 
-def _plan(ops: list[StoreOp]) -> list[_Puts | Forget | PutVectors]:
+def link_keys(user_id: str, link: Link) -> tuple[bytes, bytes]:
+    """The link's key from its source, and from its target (for walking it backwards)."""
+    prefix = user_prefix(user_id)
+    a, b = link.from_id.encode(), link.to_id.encode()
+    return prefix + a + b"\x00" + b, prefix + b + b"\x00" + a
+
+
+def _plan(ops: list[StoreOp]) -> list[Any]:
     """Cut a batch into runs of appends and other ops, in order. Runs on the trio thread."""
-    segments: list[_Puts | Forget | PutVectors] = []
+    segments: list[Any] = []
     puts = _Puts()
     latest: dict[bytes, AppendTurn] = {}
 
@@ -411,19 +443,21 @@ class Store:
             await self._commits.park()
         await trio.lowlevel.checkpoint()
 
-    async def put_vectors(self, op: PutVectors) -> None:
-        """Queue derived vectors (no log position, no backpressure) and wait for the commit."""
+    async def write_unlogged(self, op: PutVectors | PutLink) -> None:
+        """Queue an op that takes no log position and wait for its commit."""
         self.check_usable()
         self.submit(op)
         await op.done.wait()
         if self._failure is not None:
             raise self._not_committed_error()
 
-    async def forget(self, user_id: str, session_id: str | None) -> None:
-        """Delete a session or a user and wait until that is committed."""
+    async def forget(self, user_id: str, session_id: str | None,
+                     committed: Callable[[list[int]], None] | None = None) -> None:
+        """Delete a session or a user and wait until that is committed. ``committed`` gets the
+        deleted lsns on the trio thread, in commit order with every other op."""
         await self.reserve(1)
         lsn = self._next_lsn
-        self.submit(Forget(lsn, user_id, session_id))
+        self.submit(Forget(lsn, user_id, session_id, committed))
         await self.wait_committed(lsn)
 
     async def _commit_loop(self) -> None:
@@ -437,15 +471,19 @@ class Store:
             ops = [self._queue.popleft() for _ in range(n)]
             segments = _plan(ops)
             last = max((op.lsn for op in ops if op.lsn is not None), default=None)
-            while not await trio.to_thread.run_sync(
+            while (results := await trio.to_thread.run_sync(
                 self._write, segments, last, limiter=self._write_limiter
-            ):
+            )) is None:
                 await self._grow_map()
             self._queued -= n
             if self._room:
                 self._room.unpark_all()
-            for op in ops:
-                if type(op) is PutVectors:
+            # Derived views learn of each op here, on the trio thread and in commit order, so
+            # none can apply a deletion before the write it deletes.
+            for op, result in results:
+                if op.committed is not None:
+                    op.committed(result)
+                if type(op) is not Forget and op.done is not None:
                     op.done.set()
             if last is None:
                 continue
@@ -456,9 +494,15 @@ class Store:
             if self._commits:
                 self._commits.unpark_all()
 
-    def _write(self, segments: list[_Puts | Forget | PutVectors], last_lsn: int | None) -> bool:
-        """One write transaction (worker thread). False: the map was full, nothing was written."""
+    def _write(self, segments: list[Any], last_lsn: int | None) -> list[tuple[Any, Any]] | None:
+        """One write transaction (worker thread).
+
+        Returns:
+            (op, result) for every op that is not an append, in order; None if the map was
+            full and nothing was written.
+        """
         dbs = self._dbs
+        results: list[tuple[Any, Any]] = []
         try:
             with self._env.begin(write=True) as txn:
                 for seg in segments:
@@ -473,18 +517,22 @@ class Store:
                                 f"{added} new keys, {logged} of {len(seg.log)} log entries appended"
                             )
                     elif type(seg) is Forget:
-                        self._forget_in(txn, seg)
+                        results.append((seg, self._forget_in(txn, seg)))
+                    elif type(seg) is PutVectors:
+                        results.append((seg, self._put_vectors_in(txn, seg)))
                     else:
-                        self._put_vectors_in(txn, seg)
+                        for key in link_keys(seg.user_id, seg.link):
+                            txn.put(key, _encode(seg.link), db=dbs[b"links"])
+                        results.append((seg, None))
                 if last_lsn is not None:
                     txn.put(_LAST_LSN_KEY, lsn_key(last_lsn), db=dbs[b"meta"])
         except lmdb.MapFullError:
-            return False
+            return None
         except lmdb.Error as exc:
             raise EngineBroken(f"writing to the store at {self.path} failed: {exc}") from exc
-        return True
+        return results
 
-    def _forget_in(self, txn: lmdb.Transaction, op: Forget) -> None:
+    def _forget_in(self, txn: lmdb.Transaction, op: Forget) -> list[int]:
         dbs = self._dbs
         uprefix = user_prefix(op.user_id)
         if op.session_id is None:
@@ -501,24 +549,32 @@ class Store:
                 txn.delete(uprefix + head.turn_id.encode(), db=ids)
                 txn.delete(lsn_key(head.lsn), db=log)
                 txn.delete(uprefix + lsn_key(head.lsn), db=vectors)
+                if op.session_id is not None:
+                    _delete_links_of(txn, dbs[b"links"], uprefix, head.turn_id.encode())
                 if not cursor.delete():
                     break
-        sessions = txn.cursor(dbs[b"sessions"])
         if op.session_id is not None:
             txn.delete(tprefix[:-1], db=dbs[b"sessions"])
-        elif sessions.set_range(uprefix):
-            while sessions.key().startswith(uprefix):
-                if not sessions.delete():
-                    break
+        else:
+            for name in (b"sessions", b"links", b"vectors"):
+                _delete_prefix(txn, dbs[name], uprefix)
+        result = deleted.tolist()
         deleted.byteswap()  # big-endian on disk, like every other integer in the store
         txn.put(lsn_key(op.lsn), LOG_TOMBSTONE + deleted.tobytes(), db=log, append=True)
+        return result
 
-    def _put_vectors_in(self, txn: lmdb.Transaction, op: PutVectors) -> None:
+    def _put_vectors_in(self, txn: lmdb.Transaction, op: PutVectors) -> list[tuple[int, str, bytes]]:
         log, vectors = self._dbs[b"log"], self._dbs[b"vectors"]
-        for lsn, key, value in op.items:
-            if txn.get(lsn_key(lsn), db=log) is not None:  # else forgotten while being embedded
-                txn.put(key, value, db=vectors)
+        written = []
+        for item in op.items:
+            lsn, user_id, value = item
+            entry = txn.get(lsn_key(lsn), db=log)
+            if entry is not None and entry[1:].startswith(user_prefix(user_id)):
+                txn.put(user_prefix(user_id) + lsn_key(lsn), value, db=vectors)
+                written.append(item)
+            # else: forgotten while it was being embedded; it must not come back
         txn.put(_EMBEDDED_KEY, lsn_key(op.watermark), db=self._dbs[b"meta"])
+        return written
 
     async def _grow_map(self) -> None:
         await self._enter_exclusive()
@@ -542,7 +598,7 @@ class Store:
         while self._waiters:
             heapq.heappop(self._waiters)[2].set()
         for op in self._queue:
-            if type(op) is PutVectors:
+            if type(op) in (PutVectors, PutLink) and op.done is not None:
                 op.done.set()
 
     # -- reads -------------------------------------------------------------------------------
@@ -640,14 +696,15 @@ def read_all(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> dict[str, list[tup
 
 def read_log_range(
     txn: lmdb.Transaction, dbs: dict[bytes, Any], after: int, upto: int, limit: int
-) -> tuple[list[tuple[int, str, str]], int]:
-    """Searchable records logged in (after, upto], in log order, at most ``limit`` of them.
+) -> tuple[list[Searchable], list[int], int]:
+    """What was logged in (after, upto], in log order, at most ``limit`` records.
 
     Returns:
-        ([(lsn, user_id, text)], the last lsn looked at). Tombstones and records deleted since
-        they were logged are skipped.
+        (searchable records, lsns deleted by tombstones in the range, the last lsn looked at).
+        Records deleted since they were logged are skipped.
     """
-    found: list[tuple[int, str, str]] = []
+    found: list[Searchable] = []
+    deleted: list[int] = []
     last = after
     turns = dbs[b"turns"]
     cursor = txn.cursor(dbs[b"log"])
@@ -657,14 +714,85 @@ def read_log_range(
             if lsn > upto or len(found) >= limit:
                 break
             last = lsn
-            if entry[:1] == LOG_TURN:
+            kind = entry[:1]
+            if kind == LOG_TURN:
                 raw = txn.get(entry[1:], db=turns)
                 if raw is not None:
-                    turn = _decode_turn(raw)
-                    found.append((lsn, turn.user_id, turn.text))
+                    t = _decode_turn(raw)
+                    found.append(Searchable(lsn, "turn", t.user_id, t.session_id, t.role, t.at,
+                                            t.text))
+            elif kind == LOG_TOMBSTONE:
+                lsns = array("Q", entry[1:])
+                lsns.byteswap()
+                deleted.extend(lsns)
     if len(found) < limit:
         last = max(last, upto)
-    return found, last
+    return found, deleted, last
+
+
+def read_records(
+    txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str, lsns: list[int]
+) -> dict[int, Turn]:
+    """The user's records at these lsns; others' records and deleted ones are left out."""
+    prefix = LOG_TURN + user_prefix(user_id)
+    log, turns = dbs[b"log"], dbs[b"turns"]
+    out: dict[int, Turn] = {}
+    for lsn in lsns:
+        entry = txn.get(lsn_key(lsn), db=log)
+        if entry is not None and entry.startswith(prefix):
+            raw = txn.get(entry[1:], db=turns)
+            if raw is not None:
+                out[lsn] = _decode_turn(raw)
+    return out
+
+
+def read_links(
+    txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str, memory_ids: list[str]
+) -> dict[str, list[Link]]:
+    """Every link touching each memory (either direction), by memory id."""
+    uprefix = user_prefix(user_id)
+    cursor = txn.cursor(dbs[b"links"])
+    out: dict[str, list[Link]] = {}
+    for memory_id in memory_ids:
+        prefix = uprefix + memory_id.encode() + b"\x00"
+        links = out.setdefault(memory_id, [])
+        if cursor.set_range(prefix):
+            for key, value in cursor:
+                if not key.startswith(prefix):
+                    break
+                links.append(_decode_link(value))
+    return out
+
+
+def read_turns_by_id(
+    txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str, turn_ids: list[str]
+) -> dict[str, Turn]:
+    uprefix = user_prefix(user_id)
+    ids, turns = dbs[b"ids"], dbs[b"turns"]
+    out: dict[str, Turn] = {}
+    for turn_id in turn_ids:
+        key = txn.get(uprefix + turn_id.encode(), db=ids)
+        raw = None if key is None else txn.get(key, db=turns)
+        if raw is not None:
+            out[turn_id] = _decode_turn(raw)
+    return out
+
+
+def read_user_vectors(
+    txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str
+) -> tuple[list[int], bytes]:
+    """A user's vector lsns in order, and their values concatenated (parsed by the ANN)."""
+    prefix = user_prefix(user_id)
+    cursor = txn.cursor(dbs[b"vectors"])
+    lsns: list[int] = []
+    values: list[bytes] = []
+    if cursor.set_range(prefix):
+        for key, value in cursor:
+            if not key.startswith(prefix):
+                break
+            lsns.append(int.from_bytes(key[len(prefix):], "big"))
+            values.append(value)
+    return lsns, b"".join(values)
 
 
 def read_vectors(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str) -> dict[int, bytes]:

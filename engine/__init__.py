@@ -5,7 +5,8 @@ Everything public is re-exported here; the modules behind it are private.
 
 from ._config import Config
 from ._engine import Engine, Stats
-from ._records import NewTurn, Role, SessionInfo, Turn
+from ._records import Link, NewTurn, Role, SessionInfo, Turn
+from ._retrieval import FOCUS_LEVELS, EpisodicItem, Hit, Message, RetrieveResult, SemanticItem
 from .errors import (
     EngineBroken,
     EngineClosed,
@@ -19,20 +20,27 @@ from actors.embedder import EmbeddingBackend, HashEmbedder, OnnxEmbedder
 from actors.session_buffer import Receipt
 
 __all__ = [
+    "FOCUS_LEVELS",
     "Config",
     "EmbeddingBackend",
     "Engine",
     "EngineBroken",
     "EngineClosed",
     "EngineError",
+    "EpisodicItem",
     "HashEmbedder",
+    "Hit",
     "InvalidInput",
+    "Link",
+    "Message",
     "ModelMismatch",
     "ModelMissing",
     "NewTurn",
     "OnnxEmbedder",
     "Receipt",
+    "RetrieveResult",
     "Role",
+    "SemanticItem",
     "SessionInfo",
     "Stats",
     "StoreIncompatible",

@@ -33,6 +33,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         query_cache: query embeddings kept in an LRU cache.
         background_embedding: embed what the store commits as it comes (off: a bulk import
             that leaves embedding to the serving process, which resumes from the watermark).
+        ann_cache_vectors: vectors kept in RAM for search across all loaded users (1M at 384
+            dimensions is ~1.5 GB); least recently searched users are unloaded first.
     """
 
     window_turns: Positive = 20
@@ -47,6 +49,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     embed_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
     query_cache: Positive = 4096
     background_embedding: bool = True
+    ann_cache_vectors: Positive = 1_000_000
 
     @classmethod
     def checked(cls, config: "Config | dict | None") -> "Config":

@@ -14,13 +14,17 @@ import trio
 
 import numpy as np
 
+from actors.ann_index import AnnIndex
+from actors.messages import PutLink
 from actors.embedder import Embedder, EmbeddingBackend, OnnxEmbedder
+from actors.fulltext import FullText
 from actors.session_buffer import Receipt, SessionBuffer
-from actors.store import Store, read_turn
+from actors.store import Store, read_links, read_turn, read_turns_by_id
 
 from . import _validate as v
 from ._config import Config
-from ._records import SCHEMA_VERSION, NewTurn, SessionInfo, Turn
+from ._records import SCHEMA_VERSION, Link, NewTurn, SessionInfo, Turn
+from ._retrieval import FOCUS_LEVELS, Hit, RetrieveResult, Retriever, focus_settings, render_markdown
 from .errors import EngineBroken, EngineClosed, InvalidInput
 
 __all__ = ["Engine", "Stats"]
@@ -44,6 +48,7 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
         store_bytes: size of the LMDB data file; map_bytes: its current map size.
         schema_version: the store's schema.
         model: the embedding model's id; embedded_lsn: every record up to here has its vector.
+        indexed_lsn: every record up to here is in the full-text index.
     """
 
     users: int
@@ -58,16 +63,20 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
     schema_version: int
     model: str
     embedded_lsn: int
+    indexed_lsn: int
 
 
 class Engine:
     """An open memory engine. Get one with ``async with Engine.open(path) as mem``."""
 
-    def __init__(self, store: Store, buffer: SessionBuffer, embedder: Embedder, config: Config,
-                 clock: Clock) -> None:
+    def __init__(self, store: Store, buffer: SessionBuffer, embedder: Embedder, ann: AnnIndex,
+                 fulltext: FullText, config: Config, clock: Clock) -> None:
         self._store = store
         self._buffer = buffer
         self._embedder = embedder
+        self._ann = ann
+        self._fulltext = fulltext
+        self._retriever = Retriever(store, buffer, embedder, ann, fulltext)
         self._config = config
         self._clock = clock
         self._closed = False
@@ -108,6 +117,8 @@ class Engine:
             embedder = OnnxEmbedder(config.model, config.model_dir, config.embed_threads)
         embedding = Embedder(embedder, config.query_cache)
         store = Store(Path(path), config, embedding.model, reembed)
+        ann = AnnIndex(store, embedding.model.dim, config.ann_cache_vectors)
+        fulltext = FullText(Path(path) / "fulltext", store)
         body_error: BaseException | None = None
         raised: BaseException | None = None
         try:
@@ -116,11 +127,14 @@ class Engine:
                 try:
                     await nursery.start(store.run)
                     await nursery.start(embedding.run)
+                    await nursery.start(ann.run)
+                    await nursery.start(fulltext.run)
                     buffer = SessionBuffer(store, config)
                     await buffer.load()
                     if config.background_embedding:
-                        await nursery.start(embedding.follow, store)
-                    engine = cls(store, buffer, embedding, config, clock or _utc_now)
+                        await nursery.start(embedding.follow, store, ann.added)
+                    engine = cls(store, buffer, embedding, ann, fulltext, config,
+                                 clock or _utc_now)
                     yield engine
                 except BaseException as exc:
                     body_error = exc
@@ -131,6 +145,7 @@ class Engine:
                     if engine is not None:
                         engine._closed = True
                     embedding.close()
+                    ann.close()
                     store.close()
         except BaseExceptionGroup as group:
             raised = _translate(group, body_error)
@@ -270,6 +285,152 @@ class Engine:
         await store.wait_committed(store.next_lsn - 1)
         return await store.read(read_turn, user_id, turn_id)
 
+    # -- retrieval ---------------------------------------------------------------------------
+
+    async def recall(
+        self,
+        user_id: str,
+        query: str,
+        limit: int | None = None,
+        *,
+        focus: int | None = None,
+        session_id: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        roles: Iterable[str] | None = None,
+        kinds: Iterable[str] | None = None,
+        link_depth: int | None = None,
+        budget_tokens: int | None = None,
+    ) -> list[Hit]:
+        """The user's memories that best match ``query``: vector and BM25 search fused by
+        reciprocal rank, expanded along links, packed into a token budget.
+
+        Args:
+            user_id: whose memories; nothing of another user can come back.
+            query: free text; never parsed as query syntax.
+            limit: hits before link expansion (default: the focus level's, else 10).
+            focus: seed 000's focus level 0-5: sets limit, a time window (1 h ... 7 days back)
+                and link depth, each overridable by its own argument.
+            session_id / since / until / roles / kinds: filters, applied inside each index.
+            link_depth: hops along links, both directions (default: the focus level's, else 0).
+            budget_tokens: keep the best hits whose text fits (~4 characters a token).
+
+        Returns:
+            Hits, best first; linked memories follow the hits they were reached from.
+
+        Raises:
+            InvalidInput: a bad argument.
+        """
+        self._check_open()
+        self._check_ids(user_id)
+        v.check_text("query", query, self._config.max_text_chars)
+        if focus is not None and (type(focus) is not int or focus not in FOCUS_LEVELS):
+            raise InvalidInput("focus", f"expected an integer from 0 to 5, found {focus!r}")
+        settings = focus_settings(focus, self._clock())
+        limit = settings["limit"] if limit is None else _check_count("limit", limit, 1, 1000)
+        link_depth = (settings["link_depth"] if link_depth is None
+                      else _check_count("link_depth", link_depth, 0, 5))
+        if since is None:
+            since = settings["since"]
+        else:
+            v.check_at(since)
+        if until is not None:
+            v.check_at(until)
+        if session_id is not None:
+            v.check_id("session_id", session_id, self._config.max_id_chars)
+        if budget_tokens is not None:
+            _check_count("budget_tokens", budget_tokens, 1, 1_000_000)
+        return await self._retriever.recall(
+            user_id, query, limit=limit, session_id=session_id, since=since, until=until,
+            roles=_choices("roles", roles, ("user", "assistant", "system", "tool")),
+            kinds=_choices("kinds", kinds, ("turn", "episode", "fact", "note")),
+            link_depth=link_depth, budget_tokens=budget_tokens)
+
+    async def retrieve_memory(self, user_id: str, query: str, conversation_id: str | None = None,
+                              episodic_limit: int = 5, semantic_limit: int = 20,
+                              detail: str = "auto", category: str | None = None) -> str:
+        """seed 001's ``retrieve_memory``: prompt-ready Markdown, semantic facts first (with
+        ``[category]``), then episodic memories with rank, score, key moment and relative time;
+        ``detail`` (auto / none / low / high) decides which show their messages.
+
+        Raises:
+            InvalidInput: a bad argument (``episodic_limit`` must be 1-100).
+        """
+        result = await self.retrieve_memory_raw(user_id, query, conversation_id, episodic_limit,
+                                                semantic_limit, detail, category)
+        return render_markdown(result, self._clock(), detail)
+
+    async def retrieve_memory_raw(self, user_id: str, query: str,
+                                  conversation_id: str | None = None, episodic_limit: int = 5,
+                                  semantic_limit: int = 20, detail: str = "auto",
+                                  category: str | None = None) -> RetrieveResult:
+        """seed 001's raw endpoint: typed ``semantic`` and ``episodic`` lists (no embeddings).
+        Encode with ``msgspec.json.encode`` for the seed's JSON shape."""
+        self._check_retrieve(user_id, query, conversation_id, semantic_limit, category)
+        _check_count("episodic_limit", episodic_limit, 1, 100)
+        if detail not in ("auto", "none", "low", "high"):
+            raise InvalidInput("detail", "expected one of 'auto', 'none', 'low', 'high', "
+                                         f"found {detail!r}")
+        return await self._retriever.retrieve(
+            user_id, query, conversation_id=conversation_id, episodic_limit=episodic_limit,
+            semantic_limit=semantic_limit, category=category, episodic=True)
+
+    async def context_pre_retrieve(self, user_id: str, query: str,
+                                   conversation_id: str | None = None, semantic_limit: int = 20,
+                                   category: str | None = None) -> str:
+        """seed 001's ``context_pre_retrieve``: semantic facts only, as Markdown for a system
+        prompt; no side effects."""
+        self._check_retrieve(user_id, query, conversation_id, semantic_limit, category)
+        result = await self._retriever.retrieve(
+            user_id, query, conversation_id=conversation_id, episodic_limit=0,
+            semantic_limit=semantic_limit, category=category, episodic=False)
+        return render_markdown(result, self._clock(), "none", episodic=False)
+
+    def _check_retrieve(self, user_id: str, query: str, conversation_id: str | None,
+                        semantic_limit: int, category: str | None) -> None:
+        self._check_open()
+        self._check_ids(user_id)
+        v.check_text("query", query, self._config.max_text_chars)
+        if conversation_id is not None:
+            v.check_id("conversation_id", conversation_id, self._config.max_id_chars)
+        _check_count("semantic_limit", semantic_limit, 0, 100)
+        if category is not None:
+            v.check_id("category", category, self._config.max_id_chars)
+
+    # -- links -------------------------------------------------------------------------------
+
+    async def link(self, user_id: str, from_id: str, to_id: str, type: str = "relates_to",
+                   at: datetime | None = None) -> Link:
+        """Link two of the user's memories; recall follows links in both directions.
+
+        Raises:
+            InvalidInput: an id is not a memory of this user, or the two are the same.
+        """
+        self._check_open()
+        self._check_ids(user_id)
+        for field, memory_id in (("from_id", from_id), ("to_id", to_id)):
+            v.check_id(field, memory_id, self._config.max_id_chars)
+        v.check_id("type", type, self._config.max_id_chars)
+        if from_id == to_id:
+            raise InvalidInput("to_id", f"expected another memory than from_id, found {to_id!r}")
+        at = self._clock() if at is None else v.check_at(at)
+        await self.flush()
+        found = await self._store.read(read_turns_by_id, user_id, [from_id, to_id])
+        for field, memory_id in (("from_id", from_id), ("to_id", to_id)):
+            if memory_id not in found:
+                raise InvalidInput(field, f"expected the id of a memory of user {user_id!r}, "
+                                          f"found none with id {memory_id!r}")
+        link = Link(from_id, to_id, type, at.astimezone(timezone.utc))
+        await self._store.write_unlogged(PutLink(user_id, link, trio.Event()))
+        return link
+
+    async def links(self, user_id: str, memory_id: str) -> list[Link]:
+        """Every link touching a memory, in either direction."""
+        self._check_open()
+        self._check_ids(user_id)
+        v.check_id("memory_id", memory_id, self._config.max_id_chars)
+        return (await self._store.read(read_links, user_id, [memory_id]))[memory_id]
+
     # -- deletion ----------------------------------------------------------------------------
 
     async def forget_session(self, user_id: str, session_id: str) -> None:
@@ -277,14 +438,16 @@ class Engine:
         self._check_open()
         self._check_ids(user_id, session_id)
         self._buffer.drop_session(user_id, session_id)
-        await self._store.forget(user_id, session_id)
+        await self._store.forget(
+            user_id, session_id, lambda lsns: self._ann.removed(user_id, lsns, False))
 
     async def forget_user(self, user_id: str) -> None:
         """Delete everything of a user; returns once the deletion is on disk."""
         self._check_open()
         self._check_ids(user_id)
         self._buffer.drop_user(user_id)
-        await self._store.forget(user_id, None)
+        self._embedder.forget_user(user_id)
+        await self._store.forget(user_id, None, lambda lsns: self._ann.removed(user_id, lsns, True))
 
     # -- embeddings --------------------------------------------------------------------------
 
@@ -314,11 +477,12 @@ class Engine:
     # -- upkeep ------------------------------------------------------------------------------
 
     async def flush(self) -> None:
-        """Return once everything acknowledged before the call is on disk and, with background
-        embedding on, has its vector."""
+        """Return once everything acknowledged before the call is on disk and in every index
+        (the vector index too, with background embedding on)."""
         self._check_open()
         target = self._store.next_lsn - 1
         await self._store.wait_committed(target)
+        await self._fulltext.wait_indexed(target)
         if self._config.background_embedding:
             await self._embedder.wait_embedded(target)
 
@@ -342,6 +506,7 @@ class Engine:
             schema_version=SCHEMA_VERSION,
             model=self._embedder.model.id,
             embedded_lsn=self._embedder.embedded_lsn,
+            indexed_lsn=self._fulltext.indexed_lsn,
         )
 
     # -- helpers -----------------------------------------------------------------------------
@@ -358,6 +523,26 @@ class Engine:
 
 
 _BULK_CHUNK = 1024  # turns appended per step of add_turns: under ~10 ms of loop time each
+
+
+def _check_count(field: str, value: Any, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise InvalidInput(field, f"expected an integer from {low} to {high}, found {value!r}")
+    return value
+
+
+def _choices(field: str, values: Iterable[str] | None,
+             allowed: tuple[str, ...]) -> tuple[str, ...] | None:
+    if values is None:
+        return None
+    if isinstance(values, str):
+        values = (values,)
+    values = tuple(values)
+    for value in values:
+        if value not in allowed:
+            raise InvalidInput(field, f"expected values among {', '.join(allowed)}, "
+                                      f"found {value!r}")
+    return values or None
 
 
 def _check_limit(limit: Any) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["Turn", "SessionInfo", "NewTurn", "Role", "ROLES", "SCHEMA_VERSION"]
+__all__ = ["Turn", "SessionInfo", "NewTurn", "Link", "Role", "ROLES", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 1
 
@@ -75,3 +75,19 @@ class NewTurn(msgspec.Struct, frozen=True, kw_only=True):
     text: str
     at: datetime | None = None
     meta: dict[str, Any] | None = None
+
+
+class Link(msgspec.Struct, frozen=True, array_like=True):
+    """A typed link between two memories of one user, as stored and as returned.
+
+    Attributes:
+        from_id: the memory it starts at (a turn id, later also episode, fact or note ids).
+        to_id: the memory it points to.
+        type: what the link means, e.g. ``relates_to``, ``follows``, ``summarises``.
+        at: when it was made.
+    """
+
+    from_id: str
+    to_id: str
+    type: str
+    at: datetime

@@ -7,8 +7,10 @@ def test_public_names_are_exported_and_nothing_private_leaks() -> None:
     """Every name in __all__ exists, and every public attribute is in __all__."""
     assert set(engine.__all__) == {
         "Config", "EmbeddingBackend", "Engine", "EngineBroken", "EngineClosed", "EngineError",
-        "HashEmbedder", "InvalidInput", "ModelMismatch", "ModelMissing", "NewTurn",
-        "OnnxEmbedder", "Receipt", "Role", "SessionInfo", "Stats", "StoreIncompatible", "Turn",
+        "EpisodicItem", "FOCUS_LEVELS", "HashEmbedder", "Hit", "InvalidInput", "Link",
+        "Message", "ModelMismatch", "ModelMissing", "NewTurn", "OnnxEmbedder", "Receipt",
+        "RetrieveResult", "Role", "SemanticItem", "SessionInfo", "Stats", "StoreIncompatible",
+        "Turn",
     }
     for name in engine.__all__:
         assert getattr(engine, name) is not None

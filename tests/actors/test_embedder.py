@@ -11,6 +11,7 @@ import pytest
 import trio
 
 import actors.embedder as embedder_mod
+from actors.ann_index import decode_vectors
 from actors.store import read_vectors
 from engine import (
     Engine,
@@ -26,6 +27,15 @@ from engine import (
 from ..conftest import open_engine, raw_databases
 
 REFERENCE = Path(__file__).resolve().parents[1] / "data" / "minilm-l6-v2-reference.json"
+
+
+async def stored_vectors(mem: Engine, user_id: str, dim: int = 384) -> dict[int, np.ndarray]:
+    """The user's vectors as stored, by lsn, without their index headers."""
+    raw = await mem._store.read(read_vectors, user_id)
+    if not raw:
+        return {}
+    _, matrix = decode_vectors(b"".join(raw.values()), len(raw), dim)
+    return dict(zip(raw, matrix))
 
 
 class GatedEmbedder(HashEmbedder):
@@ -83,11 +93,11 @@ async def test_real_model_embeds_committed_turns_in_the_background(tmp_path) -> 
         receipts = [await mem.add_turn("ana", "s1", "user", text)
                     for text in ("I moved to Lisbon", "My dog is called Pixel")]
         await mem.flush()
-        stored = await mem._store.read(read_vectors, "ana")
+        stored = await stored_vectors(mem, "ana")
         direct = await mem.embed(["I moved to Lisbon", "My dog is called Pixel"])
         assert (await mem.stats()).model == "sentence-transformers/all-MiniLM-L6-v2"
     for receipt, vector in zip(receipts, direct):
-        assert np.frombuffer(stored[receipt.lsn], dtype=np.float32) @ vector > 0.99999
+        assert stored[receipt.lsn] @ vector > 0.99999
 
 
 async def test_requests_arriving_while_the_model_runs_form_the_next_batch(tmp_path) -> None:
@@ -149,10 +159,10 @@ async def test_add_turn_never_waits_for_embedding(tmp_path) -> None:
         backend.gate.set()
         await mem.flush()
         assert (await mem.stats()).embedded_lsn == receipts[-1].lsn
-        stored = await mem._store.read(read_vectors, "ana")
+        stored = await stored_vectors(mem, "ana")
     expected = HashEmbedder().encode([f"note number {i}" for i in range(40)])
     for receipt, vector in zip(receipts, expected):
-        assert np.array_equal(np.frombuffer(stored[receipt.lsn], dtype=np.float32), vector)
+        assert np.array_equal(stored[receipt.lsn], vector)
 
 
 async def test_embedding_resumes_from_the_watermark_after_reopen(tmp_path) -> None:
@@ -164,7 +174,7 @@ async def test_embedding_resumes_from_the_watermark_after_reopen(tmp_path) -> No
     backend = HashEmbedder()
     async with open_engine(path, embedder=backend) as mem:
         await mem.flush()
-        assert len(await mem._store.read(read_vectors, "ana")) == 100
+        assert len(await stored_vectors(mem, "ana")) == 100
     async with open_engine(path, embedder=(again := HashEmbedder())) as mem:
         await mem.flush()
     assert again.calls == []  # nothing embedded twice
@@ -199,8 +209,8 @@ async def test_a_store_from_another_model_is_refused_until_reembedded(tmp_path) 
     backend = HashEmbedder(dim=64, model_id="model-b")
     async with open_engine(path, embedder=backend, reembed=True) as mem:
         await mem.flush()
-        (vector,) = (await mem._store.read(read_vectors, "ana")).values()
-        assert len(vector) == 64 * 4 and (await mem.stats()).model == "model-b"
+        (vector,) = (await stored_vectors(mem, "ana", dim=64)).values()
+        assert vector.shape == (64,) and (await mem.stats()).model == "model-b"
     async with open_engine(path, embedder=HashEmbedder(dim=64, model_id="model-b")):
         pass
 

@@ -1,0 +1,297 @@
+"""FullText actor: BM25 over every searchable record, restricted to one user inside the query.
+
+It follows the store's log like the embedder does and owns the only ``IndexWriter``, used from
+one task (tantivy raises on concurrent use of a writer rather than waiting). Documents are
+committed in log order, in batches: when COMMIT_DOCS are pending, COMMIT_INTERVAL after the
+first pending one, or at once when a caller of ``wait_indexed`` is waiting; each commit
+(~0.1-0.2 s) runs in a worker thread and is followed by a reload. Searches take a fresh searcher
+and may run from several threads at once.
+
+User text is never parsed as query syntax: the query is cut into terms by the very analyser the
+index uses (simple tokenizer, lowercase, English stemmer) and those terms are combined in code,
+so quotes, colons, parentheses, ``AND``, ``*`` and emoji are just text. Every query carries a
+mandatory term on the user field.
+
+The index is a derived view. Because commits follow the log in order, the highest lsn in the
+committed index is its watermark: on open the log is replayed from there (re-applying a
+deletion is harmless), and a missing or unreadable index is rebuilt from the start of the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import tantivy
+import trio
+
+from engine.errors import EngineClosed
+
+from .messages import Searchable
+from .store import Store, read_log_range
+
+__all__ = ["FullText", "TextFilters"]
+
+log = logging.getLogger("engram.fulltext")
+
+COMMIT_DOCS = 4_096  # pending documents that trigger a commit
+COMMIT_INTERVAL = 1.0  # seconds a document may wait for its commit when nobody is waiting
+FOLLOW_CHUNK = 2_048  # log records read per step
+WRITER_HEAP = 64_000_000  # tantivy's writer heap: one thread's worth, well above its 3 MB floor
+ANALYZER = "engram_en"
+SEARCH_THREADS = 2  # concurrent searches: one per core
+
+
+def _analyzer() -> tantivy.TextAnalyzer:
+    return (tantivy.TextAnalyzerBuilder(tantivy.Tokenizer.simple())
+            .filter(tantivy.Filter.remove_long(40))
+            .filter(tantivy.Filter.lowercase())
+            .filter(tantivy.Filter.stemmer("english"))
+            .build())
+
+
+def _schema() -> tantivy.Schema:
+    b = tantivy.SchemaBuilder()
+    b.add_unsigned_field("lsn", stored=False, indexed=True, fast=True)
+    for raw in ("user", "session", "role", "kind"):
+        b.add_text_field(raw, stored=False, tokenizer_name="raw")
+    b.add_date_field("at", stored=False, indexed=True, fast=True)
+    b.add_text_field("text", stored=False, tokenizer_name=ANALYZER)
+    return b.build()
+
+
+class TextFilters:
+    """What a text search may return, beyond its user."""
+
+    __slots__ = ("session_id", "since", "until", "roles", "kinds")
+
+    def __init__(self, session_id: str | None = None, since: datetime | None = None,
+                 until: datetime | None = None, roles: tuple[str, ...] | None = None,
+                 kinds: tuple[str, ...] | None = None) -> None:
+        self.session_id, self.since, self.until = session_id, since, until
+        self.roles, self.kinds = roles, kinds
+
+
+class FullText:
+    """The actor. Start ``run`` in the nursery; it stops when the store closes."""
+
+    def __init__(self, path: Path, store: Store) -> None:
+        self.path = path
+        self._store = store
+        self._analyzer = _analyzer()
+        self._schema = _schema()
+        self._index: tantivy.Index | None = None
+        self._writer: Any = None
+        self.indexed_lsn = 0  # every log record up to here is searchable
+        self._read_lsn = 0  # every log record up to here has been handed to the writer
+        self._pending = 0  # documents and deletions not yet committed
+        self._pending_since = 0.0
+        self._waiters = 0  # callers of wait_indexed
+        # Parked: the follower, until new commits in the store or a waiter nudges it.
+        self._nudge = trio.lowlevel.ParkingLot()
+        # Parked: callers of wait_indexed, until a commit covers their lsn.
+        self._indexed = trio.lowlevel.ParkingLot()
+        self._search_limiter = trio.CapacityLimiter(SEARCH_THREADS)
+        self._closed = False
+        self.rebuilt = False  # the index was missing or unreadable and was rebuilt on open
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        await trio.to_thread.run_sync(self._open)
+        self._read_lsn = self.indexed_lsn
+        behind = self._store.committed_lsn - self.indexed_lsn
+        if behind > 0:
+            log.info("fulltext: replaying %d log positions from %d%s", behind, self.indexed_lsn,
+                     " (index rebuilt)" if self.rebuilt else "")
+        task_status.started()
+        try:
+            await self._follow()
+        finally:
+            self._closed = True
+            self._indexed.unpark_all()
+            with trio.CancelScope(shield=True):
+                if self._pending:
+                    await trio.to_thread.run_sync(self._commit)
+                    self.indexed_lsn = self._read_lsn
+                await trio.to_thread.run_sync(self._release_writer)
+
+    def _release_writer(self) -> None:
+        """Finish merges and drop the writer: tantivy's directory lock goes with it, so the
+        next engine on this store can open its own."""
+        if self._writer is not None:
+            writer, self._writer = self._writer, None
+            writer.wait_merging_threads()
+
+    def _open(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            index = tantivy.Index(self._schema, path=str(self.path), reuse=True)
+            index.register_tokenizer(ANALYZER, self._analyzer)
+            top = self._max_lsn(index)
+        except (ValueError, OSError, RuntimeError) as exc:
+            log.warning("fulltext: the index at %s cannot be read (%s); rebuilding it from the "
+                        "store", self.path, exc)
+            shutil.rmtree(self.path)
+            self.path.mkdir(parents=True)
+            index = tantivy.Index(self._schema, path=str(self.path), reuse=False)
+            index.register_tokenizer(ANALYZER, self._analyzer)
+            top = 0
+            self.rebuilt = True
+        self._index = index
+        self._writer = index.writer(heap_size=WRITER_HEAP, num_threads=1)
+        self.indexed_lsn = top
+
+    def _max_lsn(self, index: tantivy.Index) -> int:
+        searcher = index.searcher()
+        if searcher.num_docs == 0:
+            return 0
+        hits = searcher.search(tantivy.Query.all_query(), limit=1, order_by_field="lsn",
+                               order=tantivy.Order.Desc).hits
+        return int(searcher.fast_field_values("lsn", [hits[0][1]])[0]) if hits else 0
+
+    # -- following the log -------------------------------------------------------------------
+
+    async def _follow(self) -> None:
+        store = self._store
+        while True:
+            if store.committed_lsn <= self._read_lsn:
+                deadline = (self._pending_since + COMMIT_INTERVAL) if self._pending else math.inf
+                if self._pending and (self._waiters or trio.current_time() >= deadline):
+                    await self._commit_now()
+                    continue
+                try:
+                    await self._wait_for_work(deadline)
+                except EngineClosed:
+                    return
+                continue
+            try:
+                records, deleted, last = await store.read(
+                    read_log_range, self._read_lsn, store.committed_lsn, FOLLOW_CHUNK)
+            except EngineClosed:
+                return
+            if records or deleted:
+                if not self._pending:
+                    self._pending_since = trio.current_time()
+                self._pending += len(records) + len(deleted)
+                await trio.to_thread.run_sync(self._apply, records, deleted)
+            self._read_lsn = last
+            if not self._pending:
+                self.indexed_lsn = last
+                self._indexed.unpark_all()
+            elif self._pending >= COMMIT_DOCS or self._waiters:
+                await self._commit_now()
+
+    async def _wait_for_work(self, deadline: float) -> None:
+        """Until the store commits more, a waiter nudges, or the deadline passes.
+
+        Raises:
+            EngineClosed: the store is closing (raised bare, not inside the race's group).
+        """
+        closing = False
+        async with trio.open_nursery() as race:
+            race.cancel_scope.deadline = deadline
+
+            async def committed() -> None:
+                nonlocal closing
+                try:
+                    await self._store.wait_commit_beyond(self._read_lsn)
+                except EngineClosed:
+                    closing = True
+                race.cancel_scope.cancel()
+
+            async def nudged() -> None:
+                await self._nudge.park()
+                race.cancel_scope.cancel()
+
+            race.start_soon(committed)
+            race.start_soon(nudged)
+        if closing:
+            raise EngineClosed("the store is closing")
+
+    def _apply(self, records: list[Searchable], deleted: list[int]) -> None:
+        writer = self._writer
+        if deleted:  # by query: delete_documents_by_term misses u64 terms given Python ints
+            writer.delete_documents_by_query(
+                tantivy.Query.term_set_query(self._schema, "lsn", deleted))
+        for r in records:
+            doc = tantivy.Document()
+            doc.add_unsigned("lsn", r.lsn)  # typed adders: keyword construction guesses i64
+            doc.add_text("user", r.user_id)
+            doc.add_text("session", r.session_id)
+            doc.add_text("role", r.role)
+            doc.add_text("kind", r.kind)
+            doc.add_date("at", r.at)
+            doc.add_text("text", r.text)
+            writer.add_document(doc)
+
+    async def _commit_now(self) -> None:
+        await trio.to_thread.run_sync(self._commit)
+        self._pending = 0
+        self.indexed_lsn = self._read_lsn
+        self._indexed.unpark_all()
+
+    def _commit(self) -> None:
+        self._writer.commit()
+        self._index.reload()
+
+    async def wait_indexed(self, lsn: int) -> None:
+        """Return once every record up to ``lsn`` is searchable here.
+
+        Raises:
+            EngineClosed: the engine closed first.
+        """
+        self._waiters += 1
+        try:
+            while self.indexed_lsn < lsn:
+                if self._closed:
+                    raise EngineClosed("the engine is closed; open a new one with Engine.open(path)")
+                self._nudge.unpark_all()
+                await self._indexed.park()
+        finally:
+            self._waiters -= 1
+        await trio.lowlevel.checkpoint()
+
+    # -- searching ---------------------------------------------------------------------------
+
+    def terms(self, text: str) -> list[str]:
+        """The query's terms, as the index analyses text (deduplicated, in order)."""
+        return list(dict.fromkeys(self._analyzer.analyze(text)))
+
+    async def search(self, user_id: str, text: str, k: int,
+                     filters: TextFilters | None = None) -> list[tuple[int, float]]:
+        """The user's k best BM25 matches for ``text``: [(lsn, score)], best first."""
+        return await trio.to_thread.run_sync(self._search, user_id, text, k, filters,
+                                             limiter=self._search_limiter)
+
+    def _search(self, user_id: str, text: str, k: int,
+                filters: TextFilters | None) -> list[tuple[int, float]]:
+        terms = self.terms(text)
+        if not terms or self._index is None:
+            return []
+        Q, Occur, schema = tantivy.Query, tantivy.Occur, self._schema
+        words = Q.boolean_query([(Occur.Should, Q.term_query(schema, "text", t)) for t in terms])
+        scope = [(Occur.Must, Q.term_query(schema, "user", user_id))]
+        if filters is not None:
+            if filters.session_id is not None:
+                scope.append((Occur.Must, Q.term_query(schema, "session", filters.session_id)))
+            if filters.roles is not None:
+                scope.append((Occur.Must, Q.term_set_query(schema, "role", list(filters.roles))))
+            if filters.kinds is not None:
+                scope.append((Occur.Must, Q.term_set_query(schema, "kind", list(filters.kinds))))
+            if filters.since is not None or filters.until is not None:
+                scope.append((Occur.Must, Q.range_query(
+                    schema, "at", tantivy.FieldType.Date, filters.since, filters.until)))
+        # The scope only filters: a constant score of zero leaves the ranking to BM25.
+        query = Q.boolean_query([(Occur.Must, words),
+                                 (Occur.Must, Q.const_score_query(Q.boolean_query(scope), 0.0))])
+        searcher = self._index.searcher()
+        hits = searcher.search(query, limit=k, count=False).hits
+        if not hits:
+            return []
+        lsns = searcher.fast_field_values("lsn", [address for _, address in hits])
+        return [(int(lsn), float(score)) for (score, _), lsn in zip(hits, lsns)]

@@ -1,0 +1,370 @@
+"""The retrieval pipeline: what a bot calls before every reply.
+
+1. Embed the query once (an LRU cache keyed by user and text).
+2. In parallel: the vector leg (AnnIndex), the BM25 leg (FullText), and the window leg (turns
+   acknowledged but not yet indexed, from the RAM windows, scored by shared terms).
+3. Fuse the legs by reciprocal rank (k = 60); each leg brings CANDIDATES_PER_LEG candidates, so
+   a keyword-only or vector-only hit still reaches the result.
+4. Expand along links, breadth-first in both directions, to the focus level's depth.
+5. Pack into a token budget and return typed hits (rendered as Markdown by ``retrieve_memory``).
+
+Every leg is restricted to the user inside its index; records are then fetched from the store
+by lsn with the user's key prefix checked once more.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+import msgspec
+import trio
+
+from actors.ann_index import AnnIndex, Filters
+from actors.embedder import Embedder
+from actors.fulltext import FullText, TextFilters
+from actors.session_buffer import SessionBuffer
+from actors.store import Store, read_links, read_records, read_session_tail, read_turns_by_id
+
+from ._records import Turn
+
+__all__ = ["Hit", "Message", "EpisodicItem", "SemanticItem", "RetrieveResult", "FOCUS_LEVELS",
+           "Retriever", "estimate_tokens"]
+
+RRF_K = 60  # reciprocal rank fusion constant (Cormack et al.; seed 001)
+CANDIDATES_PER_LEG = 100  # per leg before fusion, as in seed 001 (BM25 100, vector 100)
+LINK_DECAY = 0.5  # a linked memory scores this fraction of the memory it was reached from
+
+# Seed 000's focus levels: results, time window, link depth.
+FOCUS_LEVELS = {
+    0: {"limit": 2, "hours": 1, "link_depth": 0},
+    1: {"limit": 5, "hours": 4, "link_depth": 1},
+    2: {"limit": 8, "hours": 12, "link_depth": 1},
+    3: {"limit": 10, "hours": 24, "link_depth": 2},
+    4: {"limit": 15, "hours": 72, "link_depth": 3},
+    5: {"limit": 20, "hours": 168, "link_depth": 3},
+}
+
+
+def estimate_tokens(text: str) -> int:
+    """Prompt tokens a text costs: ~4 characters a token for English with a BPE tokenizer."""
+    return max(1, (len(text) + 3) // 4)
+
+
+class Hit(msgspec.Struct, frozen=True, kw_only=True):
+    """One recalled memory.
+
+    Attributes:
+        id: the memory's id (a turn id for a turn).
+        kind: turn, episode, fact or note.
+        text: its text.
+        score: fused score (higher is better); linked memories get a decayed share.
+        session_id: the session it belongs to.
+        at: when it was said or made.
+        turn_ids: the turns it stands for (itself, for a turn).
+        role: who said it (turns).
+        via: the legs that found it: ``vector``, ``bm25``, ``window``, ``link``.
+    """
+
+    id: str
+    kind: str
+    text: str
+    score: float
+    session_id: str
+    at: datetime
+    turn_ids: tuple[str, ...]
+    role: str | None = None
+    via: tuple[str, ...] = ()
+
+
+class Message(msgspec.Struct, frozen=True):
+    role: str
+    content: str
+
+
+class SemanticItem(msgspec.Struct, frozen=True, kw_only=True):
+    """A structured fact, in seed 001's raw shape (facts arrive with the long-term layer)."""
+
+    id: str
+    conversation_id: str | None
+    category: str
+    fact: str
+    keywords: list[str]
+    source_episodic_ids: list[str]
+    valid_at: datetime | None
+    invalid_at: datetime | None
+    score: float
+
+
+class EpisodicItem(msgspec.Struct, frozen=True, kw_only=True):
+    """An episodic memory in seed 001's raw shape (no embedding). Until episodes exist, each
+    recalled turn is one, with its neighbouring turns as ``messages``."""
+
+    id: str
+    conversation_id: str
+    messages: list[Message]
+    title: str
+    summary: str
+    stability: float
+    difficulty: float
+    surprise: float
+    start_at: datetime
+    end_at: datetime
+    created_at: datetime
+    last_reviewed_at: datetime | None
+    consolidated_at: datetime | None
+    score: float
+    kind: str = "turn"
+
+
+class RetrieveResult(msgspec.Struct, frozen=True):
+    """What ``retrieve_memory_raw`` returns: seed 001's ``semantic`` and ``episodic`` lists."""
+
+    semantic: list[SemanticItem]
+    episodic: list[EpisodicItem]
+
+
+Detail = Literal["auto", "none", "low", "high"]
+KEY_MOMENT = 0.7  # surprise at or above which an episode is a "key moment" (seed 001)
+
+
+class Retriever:
+    """The pipeline over the engine's actors. Runs in the caller's task; holds no state of its
+    own beyond references."""
+
+    def __init__(self, store: Store, buffer: SessionBuffer, embedder: Embedder, ann: AnnIndex,
+                 fulltext: FullText) -> None:
+        self.store, self.buffer, self.embedder = store, buffer, embedder
+        self.ann, self.fulltext = ann, fulltext
+
+    async def recall(self, user_id: str, query: str, *, limit: int, session_id: str | None,
+                     since: datetime | None, until: datetime | None,
+                     roles: tuple[str, ...] | None, kinds: tuple[str, ...] | None,
+                     link_depth: int, budget_tokens: int | None,
+                     legs: tuple[str, ...] = ("vector", "bm25", "window")) -> list[Hit]:
+        """The pipeline; arguments are validated by the facade."""
+        ranked: dict[str, list[int]] = {}
+        text_filters = TextFilters(session_id, since, until, roles, kinds)
+        vector_filters = Filters(session_id, since, until, roles, kinds)
+
+        async def vector_leg() -> None:
+            vector = await self.embedder.embed_query(query, user_id)
+            found = await self.ann.search(user_id, vector, CANDIDATES_PER_LEG, vector_filters)
+            ranked["vector"] = [lsn for lsn, _ in found]
+
+        async def bm25_leg() -> None:
+            found = await self.fulltext.search(user_id, query, CANDIDATES_PER_LEG, text_filters)
+            ranked["bm25"] = [lsn for lsn, _ in found]
+
+        async with trio.open_nursery() as nursery:
+            if "vector" in legs:
+                nursery.start_soon(vector_leg)
+            if "bm25" in legs:
+                nursery.start_soon(bm25_leg)
+            if "window" in legs:
+                ranked["window"] = self._window_leg(user_id, query, session_id, since, until,
+                                                    roles, kinds)
+        fused = fuse(ranked)
+        records = await self.store.read(read_records, user_id,
+                                        [lsn for lsn, _, _ in fused[: limit * 2]])
+        hits: list[Hit] = []
+        for lsn, score, via in fused:
+            turn = records.get(lsn) or self.buffer.recent_turn(user_id, lsn)
+            if turn is None or not _matches(turn, session_id, since, until, roles, kinds):
+                continue  # deleted since it was indexed, or not quite what the filter asked
+            hits.append(_turn_hit(turn, score, via))
+            if len(hits) == limit:
+                break
+        if link_depth > 0 and hits:
+            hits += await self._expand(user_id, hits, link_depth)
+        return pack(hits, budget_tokens)
+
+    def _window_leg(self, user_id: str, query: str, session_id: str | None,
+                    since: datetime | None, until: datetime | None,
+                    roles: tuple[str, ...] | None, kinds: tuple[str, ...] | None) -> list[int]:
+        """Turns acknowledged but not yet in the text index, ranked by terms shared with the
+        query, then recency: read-your-writes for recall."""
+        if kinds is not None and "turn" not in kinds:
+            return []
+        terms = set(self.fulltext.terms(query))
+        if not terms:
+            return []
+        scored = []
+        for turn in self.buffer.turns_after(user_id, self.fulltext.indexed_lsn):
+            if not _matches(turn, session_id, since, until, roles, None):
+                continue
+            shared = len(terms.intersection(self.fulltext.terms(turn.text)))
+            if shared:
+                scored.append((-shared, -turn.lsn, turn.lsn))
+        scored.sort()
+        return [lsn for _, _, lsn in scored[:CANDIDATES_PER_LEG]]
+
+    async def _expand(self, user_id: str, hits: list[Hit], depth: int) -> list[Hit]:
+        """Breadth-first along links in both directions; memories already found are skipped."""
+        seen = {h.id for h in hits}
+        score_of = {h.id: h.score for h in hits}
+        frontier = [h.id for h in hits]
+        found: list[tuple[str, float]] = []
+        for _ in range(depth):
+            links = await self.store.read(read_links, user_id, frontier)
+            next_frontier = []
+            for source in frontier:
+                for link in links.get(source, []):
+                    other = link.to_id if link.from_id == source else link.from_id
+                    if other not in seen:
+                        seen.add(other)
+                        score_of[other] = score_of[source] * LINK_DECAY
+                        found.append((other, score_of[other]))
+                        next_frontier.append(other)
+            frontier = next_frontier
+            if not frontier:
+                break
+        turns = await self.store.read(read_turns_by_id, user_id, [i for i, _ in found])
+        return [_turn_hit(turns[i], score, ("link",)) for i, score in found if i in turns]
+
+    async def retrieve(self, user_id: str, query: str, *, conversation_id: str | None,
+                       episodic_limit: int, semantic_limit: int, category: str | None,
+                       episodic: bool) -> RetrieveResult:
+        """seed 001's retrieval: semantic facts (none until the long-term layer) and episodic
+        memories, each a recalled turn with its neighbours."""
+        semantic: list[SemanticItem] = []  # facts come with the long-term memory layer
+        items: list[EpisodicItem] = []
+        if episodic and episodic_limit:
+            hits = await self.recall(user_id, query, limit=episodic_limit, session_id=None,
+                                     since=None, until=None, roles=None, kinds=None,
+                                     link_depth=0, budget_tokens=None)
+            for hit in hits:
+                context = await self._neighbours(user_id, hit)
+                items.append(EpisodicItem(
+                    id=hit.id, conversation_id=hit.session_id,
+                    messages=[Message(t.role, t.text) for t in context],
+                    title=_title(hit.text), summary=hit.text, stability=1.0, difficulty=5.0,
+                    surprise=0.0, start_at=context[0].at, end_at=context[-1].at,
+                    created_at=hit.at, last_reviewed_at=None, consolidated_at=None,
+                    score=hit.score))
+        return RetrieveResult(semantic[:semantic_limit], items)
+
+    async def _neighbours(self, user_id: str, hit: Hit) -> list[Turn]:
+        """The turn before a recalled turn, the turn itself, and the one after it."""
+        turn = (await self.store.read(read_turns_by_id, user_id, [hit.id]))[hit.id]
+        before = await self.store.read(read_session_tail, user_id, turn.session_id, 1, turn.seq)
+        after = await self.store.read(read_session_tail, user_id, turn.session_id, 1,
+                                      turn.seq + 2)
+        after = [t for t in after if t.seq == turn.seq + 1]
+        return before + [turn] + after
+
+
+def fuse(ranked: dict[str, list[int]]) -> list[tuple[int, float, tuple[str, ...]]]:
+    """Reciprocal rank fusion: score = sum over legs of 1 / (RRF_K + rank), rank from 1."""
+    scores: dict[int, float] = {}
+    via: dict[int, list[str]] = {}
+    for leg, lsns in ranked.items():
+        for rank, lsn in enumerate(lsns, 1):
+            scores[lsn] = scores.get(lsn, 0.0) + 1.0 / (RRF_K + rank)
+            via.setdefault(lsn, []).append(leg)
+    order = sorted(scores, key=lambda lsn: (-scores[lsn], -lsn))
+    return [(lsn, scores[lsn], tuple(via[lsn])) for lsn in order]
+
+
+def pack(hits: list[Hit], budget_tokens: int | None) -> list[Hit]:
+    """The best hits that fit the budget, in rank order (a long one is skipped, not a stop)."""
+    if budget_tokens is None:
+        return hits
+    packed, used = [], 0
+    for hit in hits:
+        cost = estimate_tokens(hit.text)
+        if used + cost <= budget_tokens:
+            packed.append(hit)
+            used += cost
+    return packed
+
+
+def _matches(turn: Turn, session_id: str | None, since: datetime | None,
+             until: datetime | None, roles: tuple[str, ...] | None,
+             kinds: tuple[str, ...] | None) -> bool:
+    return ((session_id is None or turn.session_id == session_id)
+            and (since is None or turn.at >= since) and (until is None or turn.at <= until)
+            and (roles is None or turn.role in roles) and (kinds is None or "turn" in kinds))
+
+
+def _turn_hit(turn: Turn, score: float, via: tuple[str, ...]) -> Hit:
+    return Hit(id=turn.turn_id, kind="turn", text=turn.text, score=score,
+               session_id=turn.session_id, at=turn.at, turn_ids=(turn.turn_id,),
+               role=turn.role, via=via)
+
+
+def _title(text: str, words: int = 8) -> str:
+    first = text.strip().split("\n", 1)[0].split()
+    return " ".join(first[:words]) + ("..." if len(first) > words else "")
+
+
+# -- rendering ---------------------------------------------------------------------------------
+
+
+def relative_time(at: datetime, now: datetime) -> str:
+    """'just now', '5 minutes ago', 'yesterday', '3 weeks ago'..., as a person says it."""
+    seconds = (now - at).total_seconds()
+    if seconds < 0:
+        return "in the future"
+    for limit, unit, size in ((60, None, 1), (3600, "minute", 60), (86400, "hour", 3600)):
+        if seconds < limit:
+            if unit is None:
+                return "just now"
+            n = int(seconds // size)
+            return f"{n} {unit}{'s' if n != 1 else ''} ago"
+    days = int(seconds // 86400)
+    if days == 1:
+        return "yesterday"
+    for limit, unit, size in ((14, "day", 1), (60, "week", 7), (730, "month", 30)):
+        if days < limit:
+            n = days // size
+            return f"{n} {unit}{'s' if n != 1 else ''} ago"
+    return f"{days // 365} years ago"
+
+
+def render_markdown(result: RetrieveResult, now: datetime, detail: Detail,
+                    episodic: bool = True) -> str:
+    """seed 001's Markdown: semantic facts with [category], then ranked episodes."""
+    lines: list[str] = []
+    if result.semantic:
+        lines.append("## Semantic Memory")
+        for fact in result.semantic:
+            sources = len(fact.source_episodic_ids)
+            lines.append(f"- [{fact.category}] {fact.fact} "
+                         f"(sources: {sources} conversation{'s' if sources != 1 else ''})")
+    if episodic:
+        if lines:
+            lines.append("")
+        lines.append("## Episodic Memories")
+        if not result.episodic:
+            lines += ["", "No matching memories."]
+        for rank, item in enumerate(result.episodic, 1):
+            key = item.surprise >= KEY_MOMENT
+            lines += ["", f"### {item.title} [rank: {rank}, score: {item.score:.2f}"
+                          f"{', key moment' if key else ''}]",
+                      f"**When:** {relative_time(item.end_at, now)}",
+                      f"**Summary:** {item.summary}"]
+            if _show_details(detail, rank, key):
+                lines += ["", "**Details:**"]
+                lines += [f'- {m.role}: "{" ".join(m.content.split())}"' for m in item.messages]
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def _show_details(detail: Detail, rank: int, key: bool) -> bool:
+    if detail == "high":
+        return True
+    if detail == "none":
+        return False
+    if detail == "low":
+        return rank == 1 and key
+    return rank <= 2 and key  # auto
+
+
+def focus_settings(focus: int | None, now: datetime) -> dict[str, Any]:
+    """limit, since and link depth for a focus level (None: no window, no links)."""
+    if focus is None:
+        return {"limit": 10, "since": None, "link_depth": 0}
+    level = FOCUS_LEVELS[focus]
+    return {"limit": level["limit"], "since": now - timedelta(hours=level["hours"]),
+            "link_depth": level["link_depth"]}
+
