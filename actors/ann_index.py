@@ -169,22 +169,22 @@ class _UserVectors:
         return [(int(self.lsns[r]), float(scores[r])) for r in top]
 
     def knn(self, query: np.ndarray, k: int, keep: np.ndarray | None) -> list[tuple[int, float]]:
-        graph = self.graph
-        count = graph.get_current_count() - len(self.graph_dead)
-        k = min(k, count)
+        """Graph search over rows [0, graph_rows); ``keep`` (a filter) or the live rows decide
+        what may be returned, inside the search."""
+        rows = self.graph_rows
+        allowed = (self.alive if keep is None else keep)[:rows]
+        k = min(k, int(allowed.sum()))
         if k <= 0:
             return []
-        graph.set_ef(max(HNSW_EF_SEARCH, k))
-        allowed = None
-        if keep is not None:
-            alive = keep[: self.graph_rows]
-            allowed = lambda row: bool(alive[row])  # noqa: E731 - hnswlib takes a callable
-        labels, distances = graph.knn_query(query, k=k, filter=allowed)
-        out = []
-        for row, distance in zip(labels[0].tolist(), distances[0].tolist()):
-            if self.alive[row]:
-                out.append((int(self.lsns[row]), 1.0 - distance))
-        return out
+        self.graph.set_ef(max(HNSW_EF_SEARCH, k))
+        # Rows deleted but not yet marked in the graph are kept out by the filter too.
+        check = None if keep is None and not self.graph_dead else (lambda row: bool(allowed[row]))
+        try:
+            labels, distances = self.graph.knn_query(query, k=k, filter=check)
+        except RuntimeError:  # the filter left fewer than k reachable: scan exactly instead
+            return self.exact(query, k, allowed)
+        return [(int(self.lsns[row]), 1.0 - distance)
+                for row, distance in zip(labels[0].tolist(), distances[0].tolist())]
 
 
 class AnnIndex:

@@ -128,6 +128,9 @@ class FullText:
             writer.wait_merging_threads()
 
     def _open(self) -> None:
+        # No index where the store has records: it was lost (or never built) and is rebuilt.
+        self.rebuilt = (not (self.path / "meta.json").exists()
+                        and self._store.committed_lsn > 0)
         self.path.mkdir(parents=True, exist_ok=True)
         try:
             index = tantivy.Index(self._schema, path=str(self.path), reuse=True)

@@ -1,0 +1,203 @@
+"""recall and the retrieve API: fusion, filters, focus, links, budgets, deletion, shapes."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import Engine, HashEmbedder, InvalidInput, RetrieveResult
+
+from .conftest import T0, StepClock, open_engine
+
+
+class SynonymEmbedder(HashEmbedder):
+    """Embeds 'canine' like 'dog', so a vector search finds what BM25 cannot."""
+
+    def encode(self, texts):
+        return super().encode([t.replace("canine", "dog") for t in texts])
+
+
+async def _ids(hits) -> list[str]:
+    return [h.text for h in hits]
+
+
+async def test_keyword_only_and_vector_only_hits_both_reach_the_result(store_path) -> None:
+    """Fusion keeps a hit only BM25 finds and a hit only the vectors find."""
+    async with open_engine(store_path, embedder=SynonymEmbedder()) as mem:
+        await mem.add_turn("ana", "s", "user", "my dog barks at night")
+        await mem.add_turn("ana", "s", "user", "canine training class on friday")
+        for i in range(30):
+            await mem.add_turn("ana", "s", "user", f"unrelated note {i} about the weather")
+        await mem.flush()
+        hits = await mem.recall("ana", "canine", limit=5)
+    by_text = {h.text: h for h in hits}
+    assert by_text["canine training class on friday"].via == ("vector", "bm25") or set(
+        by_text["canine training class on friday"].via) == {"vector", "bm25"}
+    assert by_text["my dog barks at night"].via == ("vector",)
+
+
+async def test_a_turn_is_recallable_before_any_index_has_it(store_path) -> None:
+    """Read-your-writes: the window leg finds a turn acknowledged a moment ago."""
+    async with open_engine(store_path, config={"background_embedding": False}) as mem:
+        await mem.add_turn("ana", "s", "user", "my passport number ends in 4411")
+        hits = await mem.recall("ana", "passport number")
+    assert [h.text for h in hits] == ["my passport number ends in 4411"]
+    assert hits[0].via == ("window",)
+
+
+async def test_filters_restrict_every_leg(store_path) -> None:
+    """session_id, since/until and roles hold for vector, BM25 and window hits alike."""
+    clock = StepClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.add_turn("ana", "a", "user", "trip to porto", at=T0)
+        await mem.add_turn("ana", "b", "assistant", "trip to porto", at=T0 + timedelta(days=2))
+        await mem.add_turn("ana", "b", "user", "trip to porto", at=T0 + timedelta(days=4))
+        await mem.flush()
+        await mem.add_turn("ana", "b", "user", "trip to porto soon", at=T0 + timedelta(days=5))
+        in_b = await mem.recall("ana", "porto trip", session_id="b")
+        assert {h.session_id for h in in_b} == {"b"} and len(in_b) == 3
+        window = await mem.recall("ana", "porto trip", since=T0 + timedelta(days=1),
+                                  until=T0 + timedelta(days=4, hours=1))
+        assert sorted(h.at for h in window) == [T0 + timedelta(days=2), T0 + timedelta(days=4)]
+        users = await mem.recall("ana", "porto trip", roles=["user"])
+        assert {h.role for h in users} == {"user"} and len(users) == 3
+        assert await mem.recall("ana", "porto trip", kinds=["fact"]) == []
+
+
+async def test_focus_levels_set_limit_window_and_link_depth(store_path) -> None:
+    """Focus 0 keeps 2 hits from the last hour; focus 5 reaches back a week."""
+    clock = StepClock(start=T0 + timedelta(days=10))
+    async with open_engine(store_path, clock=clock) as mem:
+        for i in range(5):
+            await mem.add_turn("ana", "s", "user", f"coffee memory {i}", at=T0 + timedelta(days=10, minutes=-10 - i))
+        await mem.add_turn("ana", "s", "user", "coffee from last week", at=T0 + timedelta(days=5))
+        await mem.add_turn("ana", "s", "user", "coffee from last month", at=T0 - timedelta(days=20))
+        await mem.flush()
+        assert len(await mem.recall("ana", "coffee", focus=0)) == 2
+        week = {h.text for h in await mem.recall("ana", "coffee", focus=5)}
+        assert "coffee from last week" in week and "coffee from last month" not in week
+        assert "coffee from last month" in {h.text for h in await mem.recall("ana", "coffee")}
+        with pytest.raises(InvalidInput, match=r"focus: expected an integer from 0 to 5, found 6"):
+            await mem.recall("ana", "coffee", focus=6)
+
+
+async def test_links_are_followed_both_ways_to_the_requested_depth(store_path) -> None:
+    """A hit brings its linked memories (either direction), hop by hop, once each."""
+    async with open_engine(store_path) as mem:
+        hit = await mem.add_turn("ana", "s", "user", "zebra sighting at the zoo")
+        one = await mem.add_turn("ana", "s", "user", "first linked note")
+        two = await mem.add_turn("ana", "s", "user", "second linked note")
+        await mem.link("ana", hit.turn_id, one.turn_id, "relates_to")
+        await mem.link("ana", two.turn_id, one.turn_id, "follows")  # reached backwards
+        await mem.flush()
+        flat = await mem.recall("ana", "zebra", limit=1)
+        deep = await mem.recall("ana", "zebra", limit=1, link_depth=2)
+        assert [h.text for h in flat] == ["zebra sighting at the zoo"]
+        assert [h.text for h in deep] == ["zebra sighting at the zoo", "first linked note",
+                                          "second linked note"]
+        assert deep[1].via == ("link",) and deep[2].score < deep[1].score < deep[0].score
+        assert {(l.from_id, l.to_id) for l in await mem.links("ana", one.turn_id)} == {
+            (hit.turn_id, one.turn_id), (two.turn_id, one.turn_id)}
+        with pytest.raises(InvalidInput, match=r"from_id: expected the id of a memory of user 'bo'"):
+            await mem.link("bo", hit.turn_id, one.turn_id)
+        await mem.forget_session("ana", "s")
+        assert await mem.links("ana", one.turn_id) == []
+
+
+async def test_hits_are_packed_into_the_token_budget(store_path) -> None:
+    """Only hits whose text fits the budget are kept, best first; a long one is skipped."""
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("ana", "s", "user", "tea " * 100 + "lisbon")
+        await mem.add_turn("ana", "s", "user", "lisbon tea")
+        await mem.add_turn("ana", "s", "user", "lisbon tea again")
+        await mem.flush()
+        hits = await mem.recall("ana", "lisbon tea", budget_tokens=12)
+    assert {h.text for h in hits} == {"lisbon tea", "lisbon tea again"}
+
+
+async def test_forgotten_memories_are_not_recalled(store_path) -> None:
+    """After forget_session and forget_user, no leg returns the deleted turns."""
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("ana", "old", "user", "secret recipe for bacalhau")
+        await mem.add_turn("ana", "new", "user", "bacalhau tonight")
+        await mem.add_turn("zed", "s", "user", "bacalhau for zed")
+        await mem.flush()
+        await mem.recall("zed", "bacalhau")  # loads zed's vectors and caches the query
+        await mem.forget_session("ana", "old")
+        await mem.forget_user("zed")
+        assert "zed" not in mem._ann.loaded()
+        assert all(user != "zed" for user, _ in mem._embedder._cache)
+        assert [h.text for h in await mem.recall("ana", "bacalhau recipe")] == ["bacalhau tonight"]
+        assert await mem.recall("zed", "bacalhau") == []
+
+
+async def test_retrieve_memory_renders_seed_001_markdown(store_path) -> None:
+    """Episodes carry rank, score and relative time; detail='high' adds the turns around."""
+    clock = StepClock(start=T0 + timedelta(days=2, hours=1))
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.add_turn("ana", "s", "user", "I started learning Rust", at=T0)
+        await mem.add_turn("ana", "s", "assistant", "Rust is a great choice", at=T0 + timedelta(minutes=1))
+        await mem.flush()
+        text = await mem.retrieve_memory("ana", "learning rust", episodic_limit=1, detail="high")
+        assert text.startswith("## Episodic Memories\n\n### I started learning Rust [rank: 1, score: 0.")
+        assert "**When:** 2 days ago" in text and "**Summary:** I started learning Rust" in text
+        assert '- user: "I started learning Rust"' in text
+        assert '- assistant: "Rust is a great choice"' in text
+        summary_only = await mem.retrieve_memory("ana", "learning rust", episodic_limit=1, detail="none")
+        assert "**Details:**" not in summary_only
+        assert await mem.context_pre_retrieve("ana", "learning rust") == ""  # no facts yet
+
+
+async def test_retrieve_memory_raw_has_the_seed_json_shape(store_path) -> None:
+    """The raw result encodes to seed 001's JSON: semantic and episodic lists, no embeddings."""
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("ana", "s", "user", "I like dark mode")
+        await mem.flush()
+        raw = await mem.retrieve_memory_raw("ana", "dark mode", episodic_limit=3)
+    assert isinstance(raw, RetrieveResult)
+    data = msgspec.json.decode(msgspec.json.encode(raw))
+    assert data["semantic"] == []
+    (episode,) = data["episodic"]
+    assert {"id", "conversation_id", "messages", "title", "summary", "stability", "difficulty",
+            "surprise", "start_at", "end_at", "created_at", "last_reviewed_at",
+            "consolidated_at", "score"} <= set(episode)
+    assert "embedding" not in episode
+    assert episode["messages"] == [{"role": "user", "content": "I like dark mode"}]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"episodic_limit": 0}, r"episodic_limit: expected an integer from 1 to 100, found 0"),
+    ({"episodic_limit": 101}, r"episodic_limit: expected an integer from 1 to 100, found 101"),
+    ({"detail": "max"}, r"detail: expected one of 'auto', 'none', 'low', 'high', found 'max'"),
+    ({"semantic_limit": -1}, r"semantic_limit: expected an integer from 0 to 100"),
+    ({"conversation_id": ""}, r"conversation_id: expected a non-empty string"),
+    ({"query": " "}, r"query: expected a non-empty string"),
+])
+async def test_retrieve_arguments_are_checked(mem: Engine, kwargs, message) -> None:
+    """Each bad retrieve argument names itself, what was expected and what was found."""
+    args = {"user_id": "ana", "query": "hello", **kwargs}
+    with pytest.raises(InvalidInput, match=message):
+        await mem.retrieve_memory(**args)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(turns=st.lists(st.tuples(st.sampled_from(["ana", "an", "bo"]),
+                                st.sampled_from(["dog lisbon", "porto train", "dog", "coffee"])),
+                      min_size=1, max_size=12),
+       query=st.sampled_from(["dog", "lisbon dog", "train", "coffee porto"]))
+async def test_recall_never_returns_another_users_memory(tmp_path_factory, turns, query) -> None:
+    """Whatever was stored by whom, each user's recall holds only that user's turns."""
+    async with open_engine(tmp_path_factory.mktemp("iso")) as mem:
+        owner = {}
+        for user, text in turns:
+            r = await mem.add_turn(user, "s", "user", text)
+            owner[r.turn_id] = user
+        await mem.flush()
+        for user in ("ana", "an", "bo", "nobody"):
+            for hit in await mem.recall(user, query, limit=50):
+                assert owner[hit.id] == user
