@@ -76,22 +76,26 @@ def decode_vectors(values: bytes, count: int, dim: int) -> tuple[np.ndarray, np.
 class Filters:
     """What a vector search may return, beyond its user."""
 
-    __slots__ = ("session", "since_ms", "until_ms", "roles", "kinds")
+    __slots__ = ("session", "since_ms", "until_ms", "roles", "kinds", "lsns")
 
     def __init__(self, session_id: str | None = None, since: datetime | None = None,
                  until: datetime | None = None, roles: tuple[str, ...] | None = None,
-                 kinds: tuple[str, ...] | None = None) -> None:
+                 kinds: tuple[str, ...] | None = None, lsns: list[int] | None = None) -> None:
         self.session = None if session_id is None else session_code(session_id)
         self.since_ms = None if since is None else _ms(since)
         self.until_ms = None if until is None else _ms(until)
         self.roles = None if roles is None else np.array([ROLE_CODES[r] for r in roles])
         self.kinds = None if kinds is None else np.array([KINDS[k] for k in kinds])
+        # Only these records (e.g. those with a tag, from the full-text index's term lists).
+        self.lsns = None if lsns is None else np.array(lsns, dtype=np.int64)
 
     def any(self) -> bool:
         return any(getattr(self, name) is not None for name in self.__slots__)
 
-    def mask(self, meta: np.ndarray) -> np.ndarray:
+    def mask(self, meta: np.ndarray, lsns: np.ndarray) -> np.ndarray:
         keep = np.ones(len(meta), dtype=bool)
+        if self.lsns is not None:
+            keep &= np.isin(lsns, self.lsns)
         if self.session is not None:
             keep &= meta["session"] == self.session
         if self.since_ms is not None:
@@ -348,7 +352,8 @@ class AnnIndex:
         if uv.n == 0:
             await trio.lowlevel.checkpoint()
             return []
-        keep = uv.alive[: uv.n] & filters.mask(uv.meta[: uv.n]) if filters.any() else None
+        keep = (uv.alive[: uv.n] & filters.mask(uv.meta[: uv.n], uv.lsns[: uv.n])
+                if filters.any() else None)
         use_graph = (uv.graph is not None and not uv.writing and uv.graph_rows == uv.n
                      and (keep is None or keep.sum() > HNSW_THRESHOLD))
         if use_graph:

@@ -57,7 +57,7 @@ def _analyzer() -> tantivy.TextAnalyzer:
 def _schema() -> tantivy.Schema:
     b = tantivy.SchemaBuilder()
     b.add_unsigned_field("lsn", stored=False, indexed=True, fast=True)
-    for raw in ("user", "session", "role", "kind"):
+    for raw in ("user", "session", "role", "kind", "tags"):
         b.add_text_field(raw, stored=False, tokenizer_name="raw")
     b.add_date_field("at", stored=False, indexed=True, fast=True)
     b.add_text_field("text", stored=False, tokenizer_name=ANALYZER)
@@ -67,13 +67,14 @@ def _schema() -> tantivy.Schema:
 class TextFilters:
     """What a text search may return, beyond its user."""
 
-    __slots__ = ("session_id", "since", "until", "roles", "kinds")
+    __slots__ = ("session_id", "since", "until", "roles", "kinds", "tags")
 
     def __init__(self, session_id: str | None = None, since: datetime | None = None,
                  until: datetime | None = None, roles: tuple[str, ...] | None = None,
-                 kinds: tuple[str, ...] | None = None) -> None:
+                 kinds: tuple[str, ...] | None = None,
+                 tags: tuple[str, ...] | None = None) -> None:
         self.session_id, self.since, self.until = session_id, since, until
-        self.roles, self.kinds = roles, kinds
+        self.roles, self.kinds, self.tags = roles, kinds, tags
 
 
 class FullText:
@@ -230,6 +231,8 @@ class FullText:
             doc.add_text("kind", r.kind)
             doc.add_date("at", r.at)
             doc.add_text("text", r.text)
+            for tag in r.tags:
+                doc.add_text("tags", tag)
             writer.add_document(doc)
 
     async def _commit_now(self) -> None:
@@ -261,6 +264,21 @@ class FullText:
 
     # -- searching ---------------------------------------------------------------------------
 
+    async def tagged(self, user_id: str, tags: tuple[str, ...], limit: int) -> list[int]:
+        """The lsns of the user's records carrying any of ``tags`` (for the vector leg's mask)."""
+        return await trio.to_thread.run_sync(self._tagged, user_id, tags, limit,
+                                             limiter=self._search_limiter)
+
+    def _tagged(self, user_id: str, tags: tuple[str, ...], limit: int) -> list[int]:
+        Q, Occur, schema = tantivy.Query, tantivy.Occur, self._schema
+        query = Q.boolean_query([(Occur.Must, Q.term_query(schema, "user", user_id)),
+                                 (Occur.Must, Q.term_set_query(schema, "tags", list(tags)))])
+        searcher = self._index.searcher()
+        hits = searcher.search(query, limit=limit, count=False).hits
+        if not hits:
+            return []
+        return [int(v) for v in searcher.fast_field_values("lsn", [a for _, a in hits])]
+
     def terms(self, text: str) -> list[str]:
         """The query's terms, as the index analyses text (deduplicated, in order)."""
         return list(dict.fromkeys(self._analyzer.analyze(text)))
@@ -286,6 +304,8 @@ class FullText:
                 scope.append((Occur.Must, Q.term_set_query(schema, "role", list(filters.roles))))
             if filters.kinds is not None:
                 scope.append((Occur.Must, Q.term_set_query(schema, "kind", list(filters.kinds))))
+            if filters.tags is not None:
+                scope.append((Occur.Must, Q.term_set_query(schema, "tags", list(filters.tags))))
             if filters.since is not None or filters.until is not None:
                 scope.append((Occur.Must, Q.range_query(
                     schema, "at", tantivy.FieldType.Date, filters.since, filters.until)))

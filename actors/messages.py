@@ -95,6 +95,7 @@ class Searchable(msgspec.Struct, frozen=True):
     role: str
     at: datetime
     text: str
+    tags: tuple[str, ...] = ()
 
 
 class EmbedRequest(msgspec.Struct, frozen=True, tag=True):

@@ -720,7 +720,7 @@ def read_log_range(
                 if raw is not None:
                     t = _decode_turn(raw)
                     found.append(Searchable(lsn, "turn", t.user_id, t.session_id, t.role, t.at,
-                                            t.text))
+                                            t.text, turn_tags(t)))
             elif kind == LOG_TOMBSTONE:
                 lsns = array("Q", entry[1:])
                 lsns.byteswap()
@@ -728,6 +728,16 @@ def read_log_range(
     if len(found) < limit:
         last = max(last, upto)
     return found, deleted, last
+
+
+def turn_tags(turn: Turn) -> tuple[str, ...]:
+    """A turn's tags: the strings in ``meta["tags"]`` (the documented convention)."""
+    tags = turn.meta.get("tags") if turn.meta else None
+    if isinstance(tags, str):
+        return (tags,)
+    if isinstance(tags, list):
+        return tuple(t for t in tags if isinstance(t, str))
+    return ()
 
 
 def read_records(

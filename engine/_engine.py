@@ -299,6 +299,7 @@ class Engine:
         until: datetime | None = None,
         roles: Iterable[str] | None = None,
         kinds: Iterable[str] | None = None,
+        tags: Iterable[str] | None = None,
         link_depth: int | None = None,
         budget_tokens: int | None = None,
     ) -> list[Hit]:
@@ -312,6 +313,7 @@ class Engine:
             focus: seed 000's focus level 0-5: sets limit, a time window (1 h ... 7 days back)
                 and link depth, each overridable by its own argument.
             session_id / since / until / roles / kinds: filters, applied inside each index.
+            tags: keep memories carrying any of these tags (a turn's ``meta["tags"]``).
             link_depth: hops along links, both directions (default: the focus level's, else 0).
             budget_tokens: keep the best hits whose text fits (~4 characters a token).
 
@@ -344,7 +346,7 @@ class Engine:
             user_id, query, limit=limit, session_id=session_id, since=since, until=until,
             roles=_choices("roles", roles, ("user", "assistant", "system", "tool")),
             kinds=_choices("kinds", kinds, ("turn", "episode", "fact", "note")),
-            link_depth=link_depth, budget_tokens=budget_tokens)
+            link_depth=link_depth, budget_tokens=budget_tokens, tags=_tags(tags))
 
     async def retrieve_memory(self, user_id: str, query: str, conversation_id: str | None = None,
                               episodic_limit: int = 5, semantic_limit: int = 20,
@@ -543,6 +545,16 @@ def _choices(field: str, values: Iterable[str] | None,
             raise InvalidInput(field, f"expected values among {', '.join(allowed)}, "
                                       f"found {value!r}")
     return values or None
+
+
+def _tags(tags: Iterable[str] | None) -> tuple[str, ...] | None:
+    if tags is None:
+        return None
+    tags = (tags,) if isinstance(tags, str) else tuple(tags)
+    for i, tag in enumerate(tags):
+        if type(tag) is not str or not tag:
+            raise InvalidInput(f"tags[{i}]", f"expected a non-empty string, found {tag!r}")
+    return tags or None
 
 
 def _check_limit(limit: Any) -> None:

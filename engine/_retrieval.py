@@ -24,7 +24,14 @@ from actors.ann_index import AnnIndex, Filters
 from actors.embedder import Embedder
 from actors.fulltext import FullText, TextFilters
 from actors.session_buffer import SessionBuffer
-from actors.store import Store, read_links, read_records, read_session_tail, read_turns_by_id
+from actors.store import (
+    Store,
+    read_links,
+    read_records,
+    read_session_tail,
+    read_turns_by_id,
+    turn_tags,
+)
 
 from ._records import Turn
 
@@ -34,6 +41,7 @@ __all__ = ["Hit", "Message", "EpisodicItem", "SemanticItem", "RetrieveResult", "
 RRF_K = 60  # reciprocal rank fusion constant (Cormack et al.; seed 001)
 CANDIDATES_PER_LEG = 100  # per leg before fusion, as in seed 001 (BM25 100, vector 100)
 LINK_DECAY = 0.5  # a linked memory scores this fraction of the memory it was reached from
+TAGGED_LIMIT = 100_000  # records a tag filter can admit to the vector leg
 
 # Seed 000's focus levels: results, time window, link depth.
 FOCUS_LEVELS = {
@@ -141,15 +149,19 @@ class Retriever:
                      since: datetime | None, until: datetime | None,
                      roles: tuple[str, ...] | None, kinds: tuple[str, ...] | None,
                      link_depth: int, budget_tokens: int | None,
+                     tags: tuple[str, ...] | None = None,
                      legs: tuple[str, ...] = ("vector", "bm25", "window")) -> list[Hit]:
         """The pipeline; arguments are validated by the facade."""
         ranked: dict[str, list[int]] = {}
-        text_filters = TextFilters(session_id, since, until, roles, kinds)
-        vector_filters = Filters(session_id, since, until, roles, kinds)
+        text_filters = TextFilters(session_id, since, until, roles, kinds, tags)
 
         async def vector_leg() -> None:
             vector = await self.embedder.embed_query(query, user_id)
-            found = await self.ann.search(user_id, vector, CANDIDATES_PER_LEG, vector_filters)
+            # Tags live in the text index's term lists; they become the vector search's mask.
+            lsns = (None if tags is None
+                    else await self.fulltext.tagged(user_id, tags, TAGGED_LIMIT))
+            filters = Filters(session_id, since, until, roles, kinds, lsns)
+            found = await self.ann.search(user_id, vector, CANDIDATES_PER_LEG, filters)
             ranked["vector"] = [lsn for lsn, _ in found]
 
         async def bm25_leg() -> None:
@@ -163,14 +175,14 @@ class Retriever:
                 nursery.start_soon(bm25_leg)
             if "window" in legs:
                 ranked["window"] = self._window_leg(user_id, query, session_id, since, until,
-                                                    roles, kinds)
+                                                    roles, kinds, tags)
         fused = fuse(ranked)
         records = await self.store.read(read_records, user_id,
                                         [lsn for lsn, _, _ in fused[: limit * 2]])
         hits: list[Hit] = []
         for lsn, score, via in fused:
             turn = records.get(lsn) or self.buffer.recent_turn(user_id, lsn)
-            if turn is None or not _matches(turn, session_id, since, until, roles, kinds):
+            if turn is None or not _matches(turn, session_id, since, until, roles, kinds, tags):
                 continue  # deleted since it was indexed, or not quite what the filter asked
             hits.append(_turn_hit(turn, score, via))
             if len(hits) == limit:
@@ -181,7 +193,8 @@ class Retriever:
 
     def _window_leg(self, user_id: str, query: str, session_id: str | None,
                     since: datetime | None, until: datetime | None,
-                    roles: tuple[str, ...] | None, kinds: tuple[str, ...] | None) -> list[int]:
+                    roles: tuple[str, ...] | None, kinds: tuple[str, ...] | None,
+                    tags: tuple[str, ...] | None) -> list[int]:
         """Turns acknowledged but not yet in the text index, ranked by terms shared with the
         query, then recency: read-your-writes for recall."""
         if kinds is not None and "turn" not in kinds:
@@ -191,7 +204,7 @@ class Retriever:
             return []
         scored = []
         for turn in self.buffer.turns_after(user_id, self.fulltext.indexed_lsn):
-            if not _matches(turn, session_id, since, until, roles, None):
+            if not _matches(turn, session_id, since, until, roles, None, tags):
                 continue
             shared = len(terms.intersection(self.fulltext.terms(turn.text)))
             if shared:
@@ -281,10 +294,11 @@ def pack(hits: list[Hit], budget_tokens: int | None) -> list[Hit]:
 
 def _matches(turn: Turn, session_id: str | None, since: datetime | None,
              until: datetime | None, roles: tuple[str, ...] | None,
-             kinds: tuple[str, ...] | None) -> bool:
+             kinds: tuple[str, ...] | None, tags: tuple[str, ...] | None) -> bool:
     return ((session_id is None or turn.session_id == session_id)
             and (since is None or turn.at >= since) and (until is None or turn.at <= until)
-            and (roles is None or turn.role in roles) and (kinds is None or "turn" in kinds))
+            and (roles is None or turn.role in roles) and (kinds is None or "turn" in kinds)
+            and (tags is None or not set(tags).isdisjoint(turn_tags(turn))))
 
 
 def _turn_hit(turn: Turn, score: float, via: tuple[str, ...]) -> Hit:

@@ -201,3 +201,21 @@ async def test_recall_never_returns_another_users_memory(tmp_path_factory, turns
         for user in ("ana", "an", "bo", "nobody"):
             for hit in await mem.recall(user, query, limit=50):
                 assert owner[hit.id] == user
+
+
+async def test_tags_in_turn_meta_filter_every_leg(store_path) -> None:
+    """tags keeps turns whose meta['tags'] has any of them, in the vector, BM25 and window legs."""
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("ana", "s", "user", "plan the porto trip", meta={"tags": ["travel"]})
+        await mem.add_turn("ana", "s", "user", "porto wine for the party", meta={"tags": ["food"]})
+        await mem.add_turn("ana", "s", "user", "porto notes without tags")
+        await mem.flush()
+        await mem.add_turn("ana", "s", "user", "porto hotel booked", meta={"tags": "travel"})
+        hits = await mem.recall("ana", "porto", tags=["travel"])
+        assert sorted(h.text for h in hits) == ["plan the porto trip", "porto hotel booked"]
+        vector_only = await mem._retriever.recall(
+            "ana", "porto", limit=10, session_id=None, since=None, until=None, roles=None,
+            kinds=None, link_depth=0, budget_tokens=None, tags=("food",), legs=("vector",))
+        assert [h.text for h in vector_only] == ["porto wine for the party"]
+        with pytest.raises(InvalidInput, match=r"tags\[0\]: expected a non-empty string, found 3"):
+            await mem.recall("ana", "porto", tags=[3])

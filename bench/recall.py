@@ -1,0 +1,284 @@
+"""Retrieval benchmark: quality (recall@k, recall within a token budget) and latency at scale.
+
+    python bench/recall.py quality                     # ~2 min: 12 users, 2,880 turns, real model
+    python bench/recall.py latency                     # 10k and 100k memories in one user, ~6 min
+    python bench/recall.py latency --across-users 1000000 --memories   # 1M over 1,000 users
+
+quality: bench/convgen.py's conversations (planted facts, later updates, temporal references,
+facts needing two turns) go through the engine with the real model; each question's evidence
+turns are looked for in the results of BM25 only, vectors only, the two fused, and the full
+pipeline (``Engine.recall``). Also hnswlib's recall@10 against exact search on this corpus's
+real embeddings, with the AnnIndex's own graph parameters.
+
+latency: ``Engine.recall`` end to end, query embedding included (distinct queries, so the
+query cache never answers), at 10k and 100k memories in one user and with 1M memories across
+users. The corpus vectors are mixtures of three real embeddings of generated turns plus a little
+noise (embedding 1M texts on this machine would take hours); the query is embedded for real. At 100k
+the user is measured twice: on the exact scan that serves while the hnswlib graph is built,
+and on the graph.
+
+Prints tables and writes JSON (--out, default bench/results/recall.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import hnswlib
+import numpy as np
+import trio
+from _report import percentiles, write_results
+from convgen import generate
+
+import actors.ann_index as ann_mod
+from actors.messages import PutVectors, Searchable
+from engine import Engine, NewTurn
+from engine._retrieval import estimate_tokens
+
+KS = (5, 10, 20, 50)
+TURN_GAP = timedelta(seconds=45)
+BUDGETS = (500, 1000)
+MODES = {"bm25 only": ("bm25",), "vectors only": ("vector",), "fused": ("bm25", "vector")}
+
+
+async def ingest_conversations(mem: Engine, conversations) -> dict[tuple[str, str, int], str]:
+    """Every turn in order; returns (user, session, index) -> turn id."""
+    ids = {}
+    for convo in conversations:
+        for session_id, begin, body in convo.sessions:
+            items = [NewTurn(user_id=convo.user_id, session_id=session_id, role=role, text=text,
+                             at=begin + i * TURN_GAP) for i, (role, text) in enumerate(body)]
+            receipts = await mem.add_turns(items)
+            for i, receipt in enumerate(receipts):
+                ids[(convo.user_id, session_id, i)] = receipt.turn_id
+    return ids
+
+
+def score(found: list[str], evidence: list[str]) -> dict[str, float]:
+    out = {f"recall@{k}": len(set(found[:k]) & set(evidence)) / len(evidence) for k in KS}
+    return out
+
+
+def within_budget(hits, evidence: list[str], budget: int) -> float:
+    kept, used = [], 0
+    for hit in hits:
+        cost = estimate_tokens(hit.text)
+        if used + cost <= budget:
+            kept.append(hit.id)
+            used += cost
+    return len(set(kept) & set(evidence)) / len(evidence)
+
+
+async def quality(args: argparse.Namespace) -> dict[str, Any]:
+    conversations, questions = generate(users=args.users, seed=args.seed)
+    path = Path(tempfile.mkdtemp(prefix="engram-bench-")) / "store"
+    turns = sum(len(body) for c in conversations for _, _, body in c.sessions)
+    print(f"quality: {args.users} users, {turns} turns, {len(questions)} questions; embedding...")
+    results: dict[str, Any] = {"users": args.users, "turns": turns, "questions": len(questions)}
+    async with Engine.open(path) as mem:
+        start = time.perf_counter()
+        ids = await ingest_conversations(mem, conversations)
+        await mem.flush()
+        results["ingest_and_index_s"] = time.perf_counter() - start
+        for q in questions:
+            q.evidence_turn_ids = [ids[(q.user_id, s, i)] for s, i, _ in q.evidence]
+        table: dict[str, dict[str, list[float]]] = {}
+        by_kind: dict[str, dict[str, list[float]]] = {}
+        for q in questions:
+            runs = {mode: await mem._retriever.recall(
+                q.user_id, q.text, limit=max(KS), session_id=None, since=None, until=None,
+                roles=None, kinds=None, link_depth=0, budget_tokens=None, legs=legs)
+                for mode, legs in MODES.items()}
+            runs["full pipeline"] = await mem.recall(q.user_id, q.text, limit=max(KS))
+            for mode, hits in runs.items():
+                row = table.setdefault(mode, {})
+                found = [h.id for h in hits]
+                for name, value in score(found, q.evidence_turn_ids).items():
+                    row.setdefault(name, []).append(value)
+                for budget in BUDGETS:
+                    row.setdefault(f"@{budget} tokens", []).append(
+                        within_budget(hits, q.evidence_turn_ids, budget))
+                if mode == "full pipeline":
+                    kind_row = by_kind.setdefault(q.kind, {})
+                    kind_row.setdefault("recall@10", []).append(score(found, q.evidence_turn_ids)["recall@10"])
+        results["recall"] = {m: {k: float(np.mean(v)) for k, v in row.items()} for m, row in table.items()}
+        results["full_pipeline_by_kind"] = {k: float(np.mean(v["recall@10"])) for k, v in by_kind.items()}
+        results["hnsw_recall@10"] = await hnsw_recall(mem, conversations, questions)
+    cols = [f"recall@{k}" for k in KS] + [f"@{b} tokens" for b in BUDGETS]
+    print(f"\n{'mode':<16}" + "".join(f"{c:>13}" for c in cols))
+    for mode, row in results["recall"].items():
+        print(f"{mode:<16}" + "".join(f"{row[c]:>13.3f}" for c in cols))
+    print("\nfull pipeline recall@10 by question kind: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in results["full_pipeline_by_kind"].items()))
+    print(f"hnswlib recall@10 against exact search on the corpus's distinct real embeddings "
+          f"(ann-benchmarks' definition): "
+          f"{results['hnsw_recall@10']:.3f}")
+    return results
+
+
+async def hnsw_recall(mem: Engine, conversations, questions) -> float:
+    """The AnnIndex's graph parameters over every corpus vector, against exact search."""
+    blocks = []
+    for convo in conversations:
+        uv = await mem._ann._user(convo.user_id)
+        blocks.append(uv.matrix[: uv.n])
+    # The generator repeats its small-talk lines verbatim; HNSW graphs degrade on mass
+    # duplicates (and exact top-k is then all ties), so the check runs on distinct vectors.
+    matrix = np.unique(np.concatenate(blocks), axis=0)
+    queries = await mem.embed([q.text for q in questions])
+
+    graph = hnswlib.Index(space="ip", dim=matrix.shape[1])
+    graph.init_index(max_elements=len(matrix), M=ann_mod.HNSW_M,
+                     ef_construction=ann_mod.HNSW_EF_CONSTRUCTION)
+    graph.set_num_threads(1)
+    graph.add_items(matrix, np.arange(len(matrix)))
+    graph.set_ef(ann_mod.HNSW_EF_SEARCH)
+    labels, _ = graph.knn_query(queries, k=10)
+    return recall_at_k(queries, matrix, labels, 10)
+
+
+def recall_at_k(queries: np.ndarray, matrix: np.ndarray, labels: np.ndarray, k: int) -> float:
+    """ann-benchmarks' recall: a returned neighbour counts when its true similarity is within
+    1e-3 of the k-th best true similarity, so exact ties (repeated texts) are not misses."""
+    true = queries @ matrix.T
+    kth = -np.sort(-true, axis=1)[:, k - 1]
+    got = np.take_along_axis(true, np.asarray(labels)[:, :k], axis=1)
+    return float(np.mean((got >= kth[:, None] - 1e-3).sum(axis=1) / k))
+
+
+# -- latency -------------------------------------------------------------------------------------
+
+
+async def corpus_pool(seed: int) -> tuple[list[str], np.ndarray, list[str]]:
+    """Real texts and their real embeddings (the pool), and distinct query texts."""
+    conversations, questions = generate(users=200, sessions=12, turns=20, seed=seed)
+    texts = sorted({t for c in conversations for _, _, body in c.sessions for _, t in body})
+    path = Path(tempfile.mkdtemp(prefix="engram-pool-")) / "store"
+    async with Engine.open(path, config={"background_embedding": False}) as mem:
+        vectors = await mem.embed(texts)
+    rng = random.Random(seed)
+    names = ["Clara", "Jonas", "Mei", "Tariq", "my sister", "my dog", "the flat", "work"]
+    queries = sorted({q.text for q in questions})
+    queries = [f"{q} {rng.choice(names)} {i}" for i, q in enumerate(queries * 30)][:300]
+    return texts, vectors, queries
+
+
+async def load_user(mem: Engine, user_id: str, n: int, texts: list[str], pool: np.ndarray,
+                    rng: np.random.Generator, first_at) -> None:
+    """n turns for a user, with vectors near the pool's real embeddings, written directly."""
+    picks = rng.integers(0, len(texts), n)
+    for at in range(0, n, 4096):
+        chunk = picks[at : at + 4096]
+        items = [NewTurn(user_id=user_id, session_id=f"s{(at + i) // 50}", role="user",
+                         text=f"{texts[j]} (#{at + i})", at=first_at) for i, j in enumerate(chunk)]
+        receipts = await mem.add_turns(items)
+        # A mixture of three real embeddings plus noise: spread over the model's space like
+        # distinct memories are, not 183 tight clusters of near-copies.
+        mix = rng.integers(0, len(pool), (len(chunk), 2))
+        noisy = (pool[chunk] + 0.7 * pool[mix[:, 0]] + 0.4 * pool[mix[:, 1]]
+                 + rng.normal(0, 0.02, (len(chunk), pool.shape[1]))).astype(np.float32)
+        noisy /= np.linalg.norm(noisy, axis=1, keepdims=True)
+        records = [Searchable(r.lsn, "turn", user_id, it.session_id, "user", first_at, it.text)
+                   for r, it in zip(receipts, items)]
+        await receipts[-1].durable()
+        await mem._store.write_unlogged(PutVectors(
+            [(r.lsn, user_id, ann_mod.encode_vector(rec, v)) for r, rec, v in zip(receipts, records, noisy)],
+            receipts[-1].lsn, trio.Event(), mem._ann.added))
+
+
+async def time_queries(mem: Engine, users: list[str], queries: list[str]) -> dict[str, float]:
+    latencies = []
+    for i, query in enumerate(queries):
+        user = users[i % len(users)]
+        start = time.perf_counter()
+        await mem.recall(user, query, limit=10)
+        latencies.append(time.perf_counter() - start)
+    return percentiles(latencies, 1e3, "ms")
+
+
+async def latency(args: argparse.Namespace) -> dict[str, Any]:
+    texts, pool, queries = await corpus_pool(args.seed)
+    print(f"latency: pool of {len(texts)} real embeddings, {len(queries)} distinct queries")
+    rng = np.random.default_rng(args.seed)
+    first_at = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    results: dict[str, Any] = {}
+    config = {"background_embedding": False}
+    for n in args.memories:
+        path = Path(tempfile.mkdtemp(prefix="engram-lat-")) / "store"
+        async with Engine.open(path, config=config) as mem:
+            start = time.perf_counter()
+            await load_user(mem, "big", n, texts, pool, rng, first_at)
+            await mem._fulltext.wait_indexed(mem._store.committed_lsn)
+            setup = time.perf_counter() - start
+            await mem.recall("big", "warm up the index", limit=10)
+            row: dict[str, Any] = {"setup_s": setup}
+            uv = mem._ann._users["big"]
+            if n >= ann_mod.HNSW_THRESHOLD:
+                row["exact_scan"] = await time_queries(mem, ["big"], queries[:100])
+                start = time.perf_counter()
+                while uv.graph is None or uv.graph_rows < uv.n or uv.writing:
+                    await trio.sleep(0.2)
+                row["graph_build_s"] = time.perf_counter() - start
+                row["graph"] = await time_queries(mem, ["big"], queries[100:])
+                row["graph_recall@10"] = graph_recall(uv, await mem.embed(queries[:100]))
+            else:
+                row["exact_scan"] = await time_queries(mem, ["big"], queries)
+            results[f"one_user_{n}"] = row
+            print(f"  {n:>9,} memories in one user: " + "; ".join(
+                f"{k} p50 {v['p50_ms']:.1f} ms p99 {v['p99_ms']:.1f} ms" for k, v in row.items()
+                if isinstance(v, dict)))
+    if args.across_users:
+        total, per = args.across_users, 1000
+        users = [f"u{i:05d}" for i in range(total // per)]
+        path = Path(tempfile.mkdtemp(prefix="engram-lat-")) / "store"
+        async with Engine.open(path, config=config) as mem:
+            start = time.perf_counter()
+            for i, user in enumerate(users):
+                await load_user(mem, user, per, texts, pool, rng, first_at)
+                if i % 100 == 99:
+                    print(f"\r  loading: {(i + 1) * per:,} / {total:,}", end="", flush=True)
+            await mem._fulltext.wait_indexed(mem._store.committed_lsn)
+            row = {"setup_s": time.perf_counter() - start}
+            print(f"\n  loaded and indexed in {row['setup_s']:.0f} s")
+            sample = random.Random(args.seed).sample(users, 150)
+            row["cold_users"] = await time_queries(mem, sample, queries[:150])
+            row["warm_users"] = await time_queries(mem, sample, queries[150:])
+            results[f"across_users_{total}"] = row
+            print(f"\n  {total:,} memories over {len(users):,} users: " + "; ".join(
+                f"{k} p50 {v['p50_ms']:.1f} ms p99 {v['p99_ms']:.1f} ms" for k, v in row.items()
+                if isinstance(v, dict)))
+    return results
+
+
+def graph_recall(uv, queries: np.ndarray) -> float:
+    """The user's graph against exact search over the same rows (ann-benchmarks' recall)."""
+    labels = np.array([[uv.row_of[lsn] for lsn, _ in uv.knn(q, 10, None)] for q in queries])
+    return recall_at_k(queries, uv.matrix[: uv.n], labels, 10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=("quality", "latency"))
+    parser.add_argument("--users", type=int, default=12)
+    parser.add_argument("--memories", type=int, nargs="*", default=[10_000, 100_000])
+    parser.add_argument("--across-users", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    print(f"seed {args.seed}; {os.cpu_count()} cores")
+    results = trio.run(quality if args.what == "quality" else latency, args)
+    results.update(cores=os.cpu_count(), seed=args.seed)
+    write_results(args.out or f"bench/results/recall-{args.what}.json", results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
