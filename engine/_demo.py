@@ -19,6 +19,12 @@ from ._engine import Engine
 from ._records import NewTurn
 
 BULK_COPIES = 200  # copies of the conversation replayed under synthetic users for the bulk figure
+QUESTIONS = (
+    "What is my dog called?",
+    "Where is my new job?",
+    "Do I eat fish?",
+    "When is the half marathon?",
+)
 
 
 def load_conversation() -> dict[str, Any]:
@@ -60,10 +66,13 @@ async def run_demo(store: Path | None, say: Callable[[str], None] = print) -> di
 
     async with Engine.open(store) as mem:
         latencies = []
+        maya_turns = set()
         for t in turns:
             start = time.perf_counter()
-            await mem.add_turn(t.user_id, t.session_id, t.role, t.text, at=t.at)
+            receipt = await mem.add_turn(t.user_id, t.session_id, t.role, t.text, at=t.at)
             latencies.append((time.perf_counter() - start) * 1e6)
+            if t.user_id == "maya":
+                maya_turns.add(receipt.turn_id)
         start = time.perf_counter()
         await mem.flush()
         flush_ms = (time.perf_counter() - start) * 1e3
@@ -85,6 +94,29 @@ async def run_demo(store: Path | None, say: Callable[[str], None] = print) -> di
                                      "cached_p50": statistics.median(warm)}
         say(f"query    embedding p50 {figures['query_embed_ms']['p50']:.2f} ms, "
             f"repeated (LRU cache) {figures['query_embed_ms']['cached_p50'] * 1e3:.0f} µs")
+
+        say("\nrecall   (vector + BM25 fused by rank, query embedding included):")
+        timings = []
+        for question in QUESTIONS:
+            start = time.perf_counter()
+            hits = await mem.recall("maya", question, limit=2)
+            timings.append((time.perf_counter() - start) * 1e3)
+            say(f"  {question}  ({timings[-1]:.1f} ms)")
+            for hit in hits:
+                text = " ".join(hit.text.split())
+                say(f"    {hit.score:.3f} {'+'.join(hit.via):<11} {hit.role}: "
+                    f"{text[:80]}{'...' if len(text) > 80 else ''}")
+        figures["recall_ms"] = {"p50": statistics.median(timings), "max": max(timings)}
+        leaked = [h for h in await mem.recall("tomas", "Lisbon flat dog", limit=10)
+                  if h.id in maya_turns]
+        say(f"  tenancy: tomas asking about Lisbon, a flat and a dog sees "
+            f"{'none' if not leaked else len(leaked)} of maya's turns")
+        figures["tenancy_leaks"] = len(leaked)
+        say("\nretrieve_memory (Markdown for the prompt), top episode:")
+        markdown = await mem.retrieve_memory("maya", "what am I allergic to", episodic_limit=1,
+                                             detail="high")
+        for line in markdown.strip().splitlines():
+            say(f"  | {line[:96]}")
 
         say("\nmaya's sessions, most recent first:")
         for info in await mem.list_sessions("maya"):

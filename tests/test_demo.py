@@ -14,6 +14,8 @@ async def test_demo_replays_the_conversation_and_reads_it_back(tmp_path) -> None
     per_copy = len(conversation_turns(load_conversation()))
     assert figures["stats"]["turns"] == per_copy - 4  # tomas's 4 turns forgotten
     assert figures["bulk_turns_per_s"] > 0 and figures["query_embed_ms"]["p50"] > 0
+    assert figures["tenancy_leaks"] == 0 and figures["recall_ms"]["p50"] > 0
+    assert any("Pixel" in line for line in lines)  # "What is my dog called?" finds the dog
     assert any("forget   user 'tomas': gone" in line for line in lines)
 
 
