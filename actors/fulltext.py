@@ -97,6 +97,9 @@ class FullText:
         # Parked: callers of wait_indexed, until a commit covers their lsn.
         self._indexed = trio.lowlevel.ParkingLot()
         self._search_limiter = trio.CapacityLimiter(SEARCH_THREADS)
+        # Held by the follower around each commit, and by copy_to so that no commit lands while
+        # the committed files are copied.
+        self._commit_lock = trio.Lock()
         self._closed = False
         self.rebuilt = False  # the index was missing or unreadable and was rebuilt on open
 
@@ -218,25 +221,11 @@ class FullText:
             raise EngineClosed("the store is closing")
 
     def _apply(self, records: list[Searchable], deleted: list[int]) -> None:
-        writer = self._writer
-        if deleted:  # by query: delete_documents_by_term misses u64 terms given Python ints
-            writer.delete_documents_by_query(
-                tantivy.Query.term_set_query(self._schema, "lsn", deleted))
-        for r in records:
-            doc = tantivy.Document()
-            doc.add_unsigned("lsn", r.lsn)  # typed adders: keyword construction guesses i64
-            doc.add_text("user", r.user_id)
-            doc.add_text("session", r.session_id)
-            doc.add_text("role", r.role)
-            doc.add_text("kind", r.kind)
-            doc.add_date("at", r.at)
-            doc.add_text("text", r.text)
-            for tag in r.tags:
-                doc.add_text("tags", tag)
-            writer.add_document(doc)
+        write_records(self._writer, self._schema, records, deleted)
 
     async def _commit_now(self) -> None:
-        await trio.to_thread.run_sync(self._commit)
+        async with self._commit_lock:
+            await trio.to_thread.run_sync(self._commit)
         self._pending = 0
         self.indexed_lsn = self._read_lsn
         self._indexed.unpark_all()
@@ -244,6 +233,22 @@ class FullText:
     def _commit(self) -> None:
         self._writer.commit()
         self._index.reload()
+
+    # -- copies ------------------------------------------------------------------------------
+
+    async def copy_to(self, dest: Path) -> tuple[int, bool]:
+        """Copy the committed index to ``dest`` (which must not exist), consistently.
+
+        Returns:
+            (the lsn the copy covers, True) — or (0, False) without copying when a committed
+            segment still holds deleted documents: their terms stay in its files until a merge,
+            so such a copy could carry a forgotten user's words; build one from the store
+            instead (:func:`build_index`).
+        """
+        async with self._commit_lock:  # no commit of ours lands while the files are linked
+            covered = self.indexed_lsn
+            copied = await trio.to_thread.run_sync(_copy_committed, self.path, dest)
+        return (covered, True) if copied else (0, False)
 
     async def wait_indexed(self, lsn: int) -> None:
         """Return once every record up to ``lsn`` is searchable here.
@@ -318,3 +323,82 @@ class FullText:
             return []
         lsns = searcher.fast_field_values("lsn", [address for _, address in hits])
         return [(int(lsn), float(score)) for (score, _), lsn in zip(hits, lsns)]
+
+
+def write_records(writer: Any, schema: tantivy.Schema, records: list[Searchable],
+                  deleted: list[int]) -> None:
+    """Hand deletions and documents to a writer (uncommitted)."""
+    if deleted:  # by query: delete_documents_by_term misses u64 terms given Python ints
+        writer.delete_documents_by_query(tantivy.Query.term_set_query(schema, "lsn", deleted))
+    for r in records:
+        doc = tantivy.Document()
+        doc.add_unsigned("lsn", r.lsn)  # typed adders: keyword construction guesses i64
+        doc.add_text("user", r.user_id)
+        doc.add_text("session", r.session_id)
+        doc.add_text("role", r.role)
+        doc.add_text("kind", r.kind)
+        doc.add_date("at", r.at)
+        doc.add_text("text", r.text)
+        for tag in r.tags:
+            doc.add_text("tags", tag)
+        writer.add_document(doc)
+
+
+def _copy_committed(source: Path, dest: Path) -> bool:
+    """Hard-link (or copy) meta.json and the files of the segments it lists, holding tantivy's
+    meta lock so that no merge's garbage collection removes them meanwhile."""
+    import fcntl
+    import json
+    import os
+
+    with open(source / ".tantivy-meta.lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # tantivy takes this lock before it deletes files
+        try:
+            meta_bytes = (source / "meta.json").read_bytes()
+            segments = json.loads(meta_bytes)["segments"]
+            if any(segment.get("deletes") for segment in segments):
+                return False
+            ids = {segment["segment_id"].replace("-", "") for segment in segments}
+            dest.mkdir(parents=True)
+            for name in os.listdir(source):
+                if name.split(".", 1)[0] in ids:
+                    try:
+                        os.link(source / name, dest / name)
+                    except OSError:  # another filesystem: copy instead
+                        shutil.copy2(source / name, dest / name)
+            (dest / "meta.json").write_bytes(meta_bytes)
+            return True
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def build_index(store_path: Path, dest: Path, progress: Any = None) -> int:
+    """Index every searchable record of a (closed or copied) store into a fresh index at
+    ``dest``. Returns the lsn it covers. Runs in a worker thread or offline."""
+    import lmdb
+
+    from .store import DB_NAMES, MAX_DBS
+
+    env = lmdb.open(str(store_path), readonly=True, lock=False, max_dbs=MAX_DBS)
+    try:
+        dbs = {name: env.open_db(name, create=False) for name in DB_NAMES}
+        with env.begin() as txn:
+            raw = txn.get(b"last_lsn", db=dbs[b"meta"])
+            last = int.from_bytes(raw, "big") if raw else 0
+        dest.mkdir(parents=True)
+        schema = _schema()
+        index = tantivy.Index(schema, path=str(dest), reuse=False)
+        index.register_tokenizer(ANALYZER, _analyzer())
+        writer = index.writer(heap_size=WRITER_HEAP, num_threads=1)
+        after = 0
+        while after < last:
+            with env.begin() as txn:
+                records, _, after = read_log_range(txn, dbs, after, last, FOLLOW_CHUNK)
+            write_records(writer, schema, records, [])
+            if progress is not None:
+                progress(after, last)
+        writer.commit()
+        writer.wait_merging_threads()
+        return last
+    finally:
+        env.close()

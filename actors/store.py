@@ -630,6 +630,19 @@ class Store:
         except lmdb.Error as exc:
             raise EngineBroken(f"reading the store at {self.path} failed: {exc}") from exc
 
+    async def copy_to(self, dest: Path) -> int:
+        """A compacting copy of the environment into the empty directory ``dest``, from a
+        worker thread in one read transaction (so never from the writer's thread with its
+        transaction open); ingestion goes on meanwhile. Freed pages are not copied, so bytes
+        of deleted records do not travel. Returns the last lsn the copy holds."""
+
+        def copy(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> int:
+            self._env.copy(str(dest), compact=True, txn=txn)
+            return _int(txn.get(_LAST_LSN_KEY, db=dbs[b"meta"])) or 0
+
+        dest.mkdir(parents=True)
+        return await self.read(copy)
+
     async def _enter_exclusive(self) -> None:
         while self._exclusive:
             await self._gate.park()

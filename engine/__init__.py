@@ -6,6 +6,7 @@ Everything public is re-exported here; the modules behind it are private.
 from ._config import Config
 from ._engine import Engine, Stats
 from ._records import Link, NewTurn, Role, SessionInfo, Turn
+from ._snapshot import Manifest
 from ._retrieval import FOCUS_LEVELS, EpisodicItem, Hit, Message, RetrieveResult, SemanticItem
 from .errors import (
     EngineBroken,
@@ -32,6 +33,7 @@ __all__ = [
     "Hit",
     "InvalidInput",
     "Link",
+    "Manifest",
     "Message",
     "ModelMismatch",
     "ModelMissing",

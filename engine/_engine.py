@@ -25,6 +25,7 @@ from . import _validate as v
 from ._config import Config
 from ._records import SCHEMA_VERSION, Link, NewTurn, SessionInfo, Turn
 from ._retrieval import FOCUS_LEVELS, Hit, RetrieveResult, Retriever, focus_settings, render_markdown
+from ._snapshot import Manifest, compact, restore, take_snapshot
 from .errors import EngineBroken, EngineClosed, InvalidInput
 
 __all__ = ["Engine", "Stats"]
@@ -475,6 +476,59 @@ class Engine:
             if type(text) is not str:
                 raise InvalidInput(f"texts[{i}]", f"expected a string, found {type(text).__name__}")
         return await self._embedder.embed(list(texts))
+
+    # -- snapshots ---------------------------------------------------------------------------
+
+    async def snapshot(self, dest: str | os.PathLike[str]) -> Manifest:
+        """Write a point-in-time snapshot of the store to ``dest`` while the engine serves.
+
+        The text index is copied (or, if its segments still hold deleted documents, built
+        afresh from the copy), then LMDB is copied compactly from a worker thread; the manifest
+        records the log sequence number it is consistent at, counts and sha256 checksums.
+        Nothing of a user forgotten before the call is in any of its files.
+
+        Args:
+            dest: a new or empty directory.
+
+        Returns:
+            The :class:`Manifest` also written to ``dest/manifest.json``.
+
+        Raises:
+            InvalidInput: ``dest`` has files in it.
+        """
+        self._check_open()
+        if not isinstance(dest, (str, os.PathLike)):
+            raise InvalidInput("dest", f"expected a directory path, found {type(dest).__name__}")
+        return await take_snapshot(self, Path(dest))
+
+    @staticmethod
+    async def restore(snapshot_dir: str | os.PathLike[str], store_path: str | os.PathLike[str],
+                      *, overwrite: bool = False,
+                      progress: Callable[[int, int], None] | None = None) -> Manifest:
+        """Verify a snapshot and install it as the store at ``store_path``; then open it with
+        ``Engine.open(store_path)``.
+
+        Args:
+            snapshot_dir: a directory written by :meth:`snapshot`.
+            store_path: where the store goes: a new or empty directory unless ``overwrite``.
+            overwrite: replace a store already there.
+            progress: called with (bytes copied, bytes in all) as files are installed.
+
+        Raises:
+            InvalidInput: no snapshot there, or ``store_path`` holds files and not ``overwrite``.
+            StoreIncompatible: the snapshot is damaged (a checksum differs) or too new.
+        """
+        return await restore(Path(snapshot_dir), Path(store_path), overwrite, progress)
+
+    @staticmethod
+    async def compact(store_path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Rewrite a closed store without freed pages (LMDB keeps deleted records' bytes in
+        them) and rebuild its text index if deleted documents linger in its segments.
+
+        Raises:
+            EngineClosed: an engine has the store open.
+        """
+        return await trio.to_thread.run_sync(compact, Path(store_path))
 
     # -- upkeep ------------------------------------------------------------------------------
 

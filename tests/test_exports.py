@@ -7,7 +7,7 @@ def test_public_names_are_exported_and_nothing_private_leaks() -> None:
     """Every name in __all__ exists, and every public attribute is in __all__."""
     assert set(engine.__all__) == {
         "Config", "EmbeddingBackend", "Engine", "EngineBroken", "EngineClosed", "EngineError",
-        "EpisodicItem", "FOCUS_LEVELS", "HashEmbedder", "Hit", "InvalidInput", "Link",
+        "EpisodicItem", "FOCUS_LEVELS", "HashEmbedder", "Hit", "InvalidInput", "Link", "Manifest",
         "Message", "ModelMismatch", "ModelMissing", "NewTurn", "OnnxEmbedder", "Receipt",
         "RetrieveResult", "Role", "SemanticItem", "SessionInfo", "Stats", "StoreIncompatible",
         "Turn",

@@ -1,0 +1,239 @@
+"""Snapshots: point-in-time copies of a live store, their manifest, restore and compaction.
+
+A snapshot directory holds ``store/data.mdb`` (a compacting LMDB copy), ``fulltext/`` (the
+text index) and ``manifest.json``. The text index is taken first and covers lsn W; the LMDB
+copy is taken second and covers lsn L >= W, the snapshot's sequence. An engine opened on the
+restored store replays (W, L] into the text index and embeds whatever the copy had not
+embedded yet, so it answers as the source did at L. ANN graphs are never copied: they are
+rebuilt from the stored vectors.
+
+Forgotten users stay forgotten: LMDB's compacting copy leaves freed pages behind, and a text
+index whose segments still hold deleted documents is not copied but built afresh from the
+LMDB copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import msgspec
+import trio
+
+from actors.fulltext import build_index
+from actors.store import DB_NAMES, MAX_DBS
+
+from ._records import SCHEMA_VERSION
+from .errors import EngineClosed, InvalidInput, StoreIncompatible
+
+__all__ = ["Manifest", "take_snapshot", "restore", "compact", "MANIFEST_FORMAT"]
+
+MANIFEST_FORMAT = 1
+CHUNK = 1 << 20
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True):
+    """What a snapshot holds.
+
+    Attributes:
+        format: the manifest's own version.
+        engine_version / schema_version: what wrote it.
+        model / dim: the embedding model of its vectors.
+        lsn: the log sequence number the snapshot is consistent at.
+        fulltext_lsn: what its text index covers (replayed up to ``lsn`` on open).
+        fulltext: ``copied`` (from the live index) or ``rebuilt`` (from the store copy).
+        embedded_lsn: what its vectors cover.
+        counts: users, sessions, turns, vectors.
+        files: relative path -> [size, sha256].
+        created_at: when it was taken.
+        seconds: how long it took.
+    """
+
+    format: int
+    engine_version: str
+    schema_version: int
+    model: str
+    dim: int
+    lsn: int
+    fulltext_lsn: int
+    fulltext: str
+    embedded_lsn: int
+    counts: dict[str, int]
+    files: dict[str, tuple[int, str]]
+    created_at: datetime
+    seconds: float
+
+
+def _sha256(path: Path) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)  # hashlib releases the GIL on large updates
+    return path.stat().st_size, digest.hexdigest()
+
+
+async def _checksums(root: Path) -> dict[str, tuple[int, str]]:
+    """Size and sha256 of every file under root, two files at a time (one per core)."""
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != "manifest.json")
+    out: dict[str, tuple[int, str]] = {}
+    limiter = trio.CapacityLimiter(2)
+
+    async def one(path: Path) -> None:
+        out[path.relative_to(root).as_posix()] = await trio.to_thread.run_sync(
+            _sha256, path, limiter=limiter)
+
+    async with trio.open_nursery() as nursery:
+        for path in files:
+            nursery.start_soon(one, path)
+    return dict(sorted(out.items()))
+
+
+def _counts(store_dir: Path) -> dict[str, int]:
+    env = lmdb.open(str(store_dir), readonly=True, lock=False, max_dbs=MAX_DBS)
+    try:
+        with env.begin() as txn:
+            stat = {n: txn.stat(env.open_db(n, txn=txn, create=False))["entries"]
+                    for n in DB_NAMES}
+            users = len({key.split(b"\x00", 1)[0]
+                         for key in txn.cursor(env.open_db(b"sessions", txn=txn, create=False))
+                         .iternext(keys=True, values=False)})
+        return {"users": users, "sessions": stat[b"sessions"], "turns": stat[b"turns"],
+                "vectors": stat[b"vectors"], "links": stat[b"links"] // 2}
+    finally:
+        env.close()
+
+
+async def take_snapshot(engine: Any, dest: Path) -> Manifest:
+    """See ``Engine.snapshot``."""
+    from . import __version__
+
+    started = trio.current_time()
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise InvalidInput("dest", f"expected a new or empty directory, found {dest} with "
+                                   "files in it; snapshots never overwrite")
+    partial = dest.with_name(dest.name + ".partial")
+    if partial.exists():
+        await trio.to_thread.run_sync(shutil.rmtree, partial)
+    partial.mkdir(parents=True)
+    try:
+        fulltext_lsn, copied = await engine._fulltext.copy_to(partial / "fulltext")
+        lsn = await engine._store.copy_to(partial / "store")
+        if not copied:
+            if (partial / "fulltext").exists():
+                await trio.to_thread.run_sync(shutil.rmtree, partial / "fulltext")
+            fulltext_lsn = await trio.to_thread.run_sync(
+                build_index, partial / "store", partial / "fulltext")
+        counts = await trio.to_thread.run_sync(_counts, partial / "store")
+        files = await _checksums(partial)
+        manifest = Manifest(
+            format=MANIFEST_FORMAT, engine_version=__version__, schema_version=SCHEMA_VERSION,
+            model=engine._embedder.model.id, dim=engine._embedder.model.dim, lsn=lsn,
+            fulltext_lsn=fulltext_lsn, fulltext="copied" if copied else "rebuilt",
+            embedded_lsn=min(engine._embedder.embedded_lsn, lsn), counts=counts, files=files,
+            created_at=datetime.now(timezone.utc), seconds=trio.current_time() - started)
+        (partial / "manifest.json").write_bytes(msgspec.json.format(msgspec.json.encode(manifest)))
+        if dest.exists():
+            dest.rmdir()
+        partial.rename(dest)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(shutil.rmtree, partial, True)
+        raise
+    return manifest
+
+
+def read_manifest(snapshot: Path) -> Manifest:
+    path = snapshot / "manifest.json"
+    if not path.exists():
+        raise InvalidInput("snapshot", f"expected a snapshot directory with manifest.json, "
+                                       f"found none in {snapshot}")
+    try:
+        manifest = msgspec.json.decode(path.read_bytes(), type=Manifest)
+    except msgspec.DecodeError as exc:
+        raise StoreIncompatible(f"{path} is not a readable Engram manifest: {exc}") from exc
+    if manifest.format > MANIFEST_FORMAT or manifest.schema_version > SCHEMA_VERSION:
+        raise StoreIncompatible(
+            f"{snapshot} was written by a newer engram (manifest {manifest.format}, schema "
+            f"{manifest.schema_version}); this build reads up to {MANIFEST_FORMAT} / "
+            f"{SCHEMA_VERSION}: upgrade engram to restore it")
+    return manifest
+
+
+async def restore(snapshot: Path, store: Path, overwrite: bool = False,
+                  progress: Callable[[int, int], None] | None = None) -> Manifest:
+    """See ``Engine.restore``."""
+    manifest = read_manifest(snapshot)
+    if store.exists() and (not store.is_dir() or any(store.iterdir())) and not overwrite:
+        raise InvalidInput("store_path", f"expected a new or empty directory, found {store} "
+                                         "with files in it; pass overwrite=True to replace it")
+    found = await _checksums(snapshot)
+    if found != manifest.files:
+        damaged = sorted(set(found.items()) ^ set(manifest.files.items()))
+        name = damaged[0][0] if damaged else "?"
+        raise StoreIncompatible(
+            f"{snapshot} is damaged: {name} does not match the manifest (size and sha256 of "
+            f"{len(manifest.files)} files are recorded); take the snapshot again")
+    incoming = store.with_name(store.name + ".restoring")
+    if incoming.exists():
+        await trio.to_thread.run_sync(shutil.rmtree, incoming)
+    total = sum(size for size, _ in manifest.files.values())
+    done = 0
+    for name, (size, _) in manifest.files.items():
+        # store/data.mdb is the live store's own data.mdb; fulltext/ keeps its place.
+        target = incoming / (name.split("/", 1)[1] if name.startswith("store/") else name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        await trio.to_thread.run_sync(shutil.copy2, snapshot / name, target)
+        done += size
+        if progress is not None:
+            progress(done, total)
+    if store.exists():
+        await trio.to_thread.run_sync(shutil.rmtree, store)
+    incoming.rename(store)
+    return manifest
+
+
+def compact(store: Path, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Bring a closed store to the state a snapshot would have: LMDB rewritten without freed
+    pages, and the text index rebuilt if its segments still hold deleted documents.
+
+    Raises:
+        EngineClosed: an engine has the store open (its text-index writer holds the lock).
+    """
+    import fcntl
+
+    if not (store / "data.mdb").exists():
+        raise InvalidInput("store", f"expected an Engram store, found no data.mdb in {store}")
+    lock_path = store / "fulltext" / ".tantivy-writer.lock"
+    if lock_path.exists():
+        with open(lock_path, "a+b") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(lock, fcntl.LOCK_UN)
+            except BlockingIOError:
+                raise EngineClosed(f"{store} is open in an engine; close it before compacting")
+    before = (store / "data.mdb").stat().st_size
+    fresh = store / "compact.tmp"
+    shutil.rmtree(fresh, ignore_errors=True)
+    fresh.mkdir()
+    env = lmdb.open(str(store), max_dbs=MAX_DBS)
+    try:
+        env.copy(str(fresh), compact=True)
+    finally:
+        env.close()
+    os.replace(fresh / "data.mdb", store / "data.mdb")
+    shutil.rmtree(fresh)
+    rebuilt = False
+    meta = store / "fulltext" / "meta.json"
+    if not meta.exists() or any(s.get("deletes") for s in json.loads(meta.read_text())["segments"]):
+        shutil.rmtree(store / "fulltext", ignore_errors=True)
+        build_index(store, store / "fulltext", progress)
+        rebuilt = True
+    return {"store_bytes_before": before, "store_bytes_after": (store / "data.mdb").stat().st_size,
+            "fulltext_rebuilt": rebuilt}

@@ -1,0 +1,134 @@
+"""Snapshots taken while the engine serves, restore, and compaction."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+
+from engine import Engine, EngineClosed, InvalidInput, Manifest, StoreIncompatible
+
+from .conftest import StepClock, open_engine
+
+QUERIES = ["lisbon flat", "dog walk", "train to porto", "coffee", "peanut allergy"]
+WORDS = ["lisbon", "flat", "dog", "walk", "train", "porto", "coffee", "peanut", "allergy", "job"]
+
+
+def _text(i: int) -> str:
+    return f"{WORDS[i % 10]} {WORDS[(i * 7) % 10]} {WORDS[(i * 3) % 10]} note {i}"
+
+
+def _files_containing(root: Path, needles: list[bytes]) -> list[str]:
+    found = []
+    for path in root.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            found += [f"{path.relative_to(root)}: {n!r}" for n in needles if n in data]
+    return found
+
+
+async def _recall_texts(mem: Engine, user: str) -> list[list[str]]:
+    return [[h.text for h in await mem.recall(user, q, limit=5)] for q in QUERIES]
+
+
+async def test_a_snapshot_taken_during_ingest_restores_to_the_same_answers(tmp_path) -> None:
+    """While producers ingest, the snapshot captures exactly the turns up to its lsn, and the
+    restored engine answers like an engine holding just those turns."""
+    source, snap, restored, reference = (tmp_path / n for n in ("src", "snap", "rst", "ref"))
+
+    async def produce(mem: Engine, session: str, n: int) -> None:
+        for i in range(n):
+            await mem.add_turn("ana", session, "user", _text(1000 + i))
+            await trio.sleep(0)
+
+    async with open_engine(source, clock=StepClock()) as mem:
+        for i in range(40):
+            await mem.add_turn("ana", "early", "user", _text(i))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(produce, mem, "during", 300)
+            await trio.sleep(0)
+            manifest = await mem.snapshot(snap)
+        history = {s: await mem.session_history("ana", s, limit=1000) for s in ("early", "during")}
+    assert isinstance(manifest, Manifest) and 40 < manifest.lsn < 340
+    expected = sorted((t for ts in history.values() for t in ts if t.lsn <= manifest.lsn),
+                      key=lambda t: t.lsn)
+    assert manifest.counts["turns"] == len(expected)
+
+    await Engine.restore(snap, restored)
+    async with open_engine(restored) as mem:
+        await mem.flush()
+        got = [t for s in ("early", "during") for t in await mem.session_history("ana", s, limit=1000)]
+        assert sorted(t.lsn for t in got) == [t.lsn for t in expected]
+        restored_answers = await _recall_texts(mem, "ana")
+    async with open_engine(reference) as mem:
+        for t in expected:
+            await mem.add_turn("ana", t.session_id, t.role, t.text, at=t.at)
+        await mem.flush()
+        assert await _recall_texts(mem, "ana") == restored_answers
+
+
+async def test_a_forgotten_user_is_in_no_byte_of_a_later_snapshot(tmp_path) -> None:
+    """After forget_user, neither the snapshot nor a store restored from it holds the user's
+    id or words, though LMDB's freed pages and tantivy's tombstoned segments still do live."""
+    live = tmp_path / "live"
+    needles = [b"zed-the-user", b"xyzzysecret", b"zsession"]
+    async with open_engine(live) as mem:
+        for i in range(30):
+            await mem.add_turn("zed-the-user", "zsession", "user", f"xyzzysecret plan {i}")
+            await mem.add_turn("ana", "s", "user", f"ana plan {i}")
+        await mem.flush()
+        await mem.forget_user("zed-the-user")
+        await mem.flush()
+        manifest = await mem.snapshot(tmp_path / "snap")
+    assert manifest.fulltext == "rebuilt" and manifest.counts["users"] == 1
+    assert _files_containing(live, needles)  # the live store still hides old bytes...
+    assert _files_containing(tmp_path / "snap", needles) == []  # ...the snapshot does not
+    await Engine.restore(tmp_path / "snap", tmp_path / "restored")
+    async with open_engine(tmp_path / "restored") as mem:
+        await mem.flush()
+        assert await mem.recall("zed-the-user", "xyzzysecret plan") == []
+        assert len(await mem.recall("ana", "ana plan", limit=50)) == 30
+    assert _files_containing(tmp_path / "restored", needles) == []
+
+
+async def test_compact_leaves_no_bytes_of_forgotten_users_in_the_live_store(tmp_path) -> None:
+    """compact rewrites LMDB without freed pages and rebuilds a text index with tombstones;
+    it refuses a store an engine has open."""
+    live = tmp_path / "live"
+    async with open_engine(live) as mem:
+        for i in range(20):
+            await mem.add_turn("zed-the-user", "zsession", "user", f"xyzzysecret {i}")
+            await mem.add_turn("ana", "s", "user", f"ana note {i}")
+        await mem.flush()
+        await mem.forget_user("zed-the-user")
+        await mem.flush()
+        with pytest.raises(EngineClosed, match=r"is open in an engine; close it before compacting"):
+            await Engine.compact(live)
+    report = await Engine.compact(live)
+    assert report["fulltext_rebuilt"] is True
+    assert _files_containing(live, [b"zed-the-user", b"xyzzysecret"]) == []
+    async with open_engine(live) as mem:
+        assert len(await mem.recall("ana", "ana note", limit=50)) == 20
+
+
+async def test_restore_checks_what_it_is_given(tmp_path) -> None:
+    """No manifest, a damaged file, or a store already there are refused with the fix."""
+    async with open_engine(tmp_path / "live") as mem:
+        await mem.add_turn("ana", "s", "user", "hello")
+        await mem.flush()
+        await mem.snapshot(tmp_path / "snap")
+        with pytest.raises(InvalidInput, match=r"dest: expected a new or empty directory"):
+            await mem.snapshot(tmp_path / "snap")
+    with pytest.raises(InvalidInput, match=r"snapshot: expected a snapshot directory with manifest.json"):
+        await Engine.restore(tmp_path / "live", tmp_path / "x")
+    with pytest.raises(InvalidInput, match=r"store_path: expected a new or empty directory.*overwrite=True"):
+        await Engine.restore(tmp_path / "snap", tmp_path / "live")
+    await Engine.restore(tmp_path / "snap", tmp_path / "live", overwrite=True)
+    data = tmp_path / "snap" / "store" / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(StoreIncompatible, match=r"is damaged: store/data.mdb does not match the manifest"):
+        await Engine.restore(tmp_path / "snap", tmp_path / "other")
+    assert not (tmp_path / "other").exists()
