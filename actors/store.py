@@ -829,3 +829,17 @@ def read_vectors(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str) -> 
                 break
             out[int.from_bytes(key[len(prefix):], "big")] = value
     return out
+
+
+def stored_model(path: Path) -> ModelInfo | None:
+    """The embedding model recorded in a store on disk (None: none recorded yet)."""
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=MAX_DBS)
+    try:
+        with env.begin() as txn:
+            meta = env.open_db(b"meta", txn=txn, create=False)
+            raw = txn.get(_MODEL_KEY, db=meta)
+        return None if raw is None else _decode_model(raw)
+    except lmdb.NotFoundError:
+        return None
+    finally:
+        env.close()

@@ -1,46 +1,147 @@
-"""The ``engram`` command (also ``python -m engine``)."""
+"""The ``engram`` command (also ``python -m engine``).
+
+Exit codes: 0 done; 1 the engine refused or failed (the message says why and what to do);
+2 the command line was wrong; 130 interrupted.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import runpy
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+import msgspec
 import trio
 
 from ._config import Config
 from ._engine import Engine
-from .errors import EngineError
+from .errors import EngineError, InvalidInput
 
 MODELS = ("minilm-l6-v2", "minilm-l6-v2-q8")
+BENCHES = ("ingest", "embed", "recall")
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engram", description="Engram memory engine")
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="replay the bundled conversation and show timings")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, json_out: bool = True) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help, description=help)
+        if json_out:
+            sub.add_argument("--json", action="store_true", help="print the result as JSON")
+        return sub
+
+    demo = command("demo", "replay the bundled conversation: ingest, recall and timings")
     demo.add_argument("--store", help="store directory (default: a fresh temporary one)")
-    demo.add_argument("--json", action="store_true", help="print the figures as JSON at the end")
-    reindex = commands.add_parser(
-        "reindex", help="re-embed every record with a model (after a model change)")
-    reindex.add_argument("store", help="store directory")
+    snapshot = command("snapshot", "write a point-in-time snapshot of a store")
+    snapshot.add_argument("store")
+    snapshot.add_argument("dest", help="a new or empty directory")
+    restore = command("restore", "verify a snapshot and install it as a store")
+    restore.add_argument("snapshot")
+    restore.add_argument("store")
+    restore.add_argument("--overwrite", action="store_true", help="replace a store already there")
+    stats = command("stats", "counts and positions of a store")
+    stats.add_argument("store")
+    inspect = command("inspect", "what a store holds about one user")
+    inspect.add_argument("store")
+    inspect.add_argument("--user", required=True)
+    inspect.add_argument("--turns", type=int, default=3, help="latest turns per session shown")
+    compact = command("compact", "rewrite a closed store without freed pages or tombstones")
+    compact.add_argument("store")
+    reindex = command("reindex", "re-embed every record with a model (after a model change)")
+    reindex.add_argument("store")
     reindex.add_argument("--model", choices=MODELS, default=MODELS[0],
                          help="the model to embed with (default: %(default)s)")
-    reindex.add_argument("--json", action="store_true", help="print the figures as JSON")
+    bench = command("bench", "run a benchmark from bench/ (its own options follow)", False)
+    bench.add_argument("name", choices=BENCHES)
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     return parser
 
 
-async def reindex(store: str, model: str, progress=print) -> dict:
+def _progress(label: str) -> Callable[[int, int], None]:
+    """A one-line progress bar on stderr."""
+    started = time.perf_counter()
+
+    def show(done: int, total: int) -> None:
+        share = done / total if total else 1.0
+        bar = "#" * int(share * 30)
+        print(f"\r{label} [{bar:<30}] {share:6.1%} {time.perf_counter() - started:6.1f} s",
+              end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+    return show
+
+
+def _open(store: str, **kwargs: Any):
+    """Open an existing store with the embedding backend its vectors came from, without
+    starting background work."""
+    path = Path(store)
+    if not (path / "data.mdb").exists():
+        raise InvalidInput("store", f"expected an Engram store, found no data.mdb in {path}")
+    from actors.embedder import MODELS as BUILT, HashEmbedder
+    from actors.store import stored_model
+
+    model = stored_model(path)
+    config: dict[str, Any] = {"background_embedding": False}
+    embedder = None
+    names = {model_id: name for name, (_, model_id) in BUILT.items()}
+    if model is None or model.id in names:
+        config["model"] = names.get(model.id, MODELS[0]) if model else MODELS[0]
+    elif model.id == HashEmbedder().model_id:
+        embedder = HashEmbedder(dim=model.dim)
+    else:
+        raise InvalidInput("store", f"expected vectors from a model this build has, found "
+                                    f"{model.id}; re-embed with `engram reindex {path}`")
+    return Engine.open(path, config=config, embedder=embedder, **kwargs)
+
+
+async def _stats(store: str) -> dict[str, Any]:
+    async with _open(store) as mem:
+        return msgspec.structs.asdict(await mem.stats())
+
+
+async def _inspect(store: str, user: str, turns: int) -> dict[str, Any]:
+    async with _open(store) as mem:
+        sessions = []
+        for info in await mem.list_sessions(user):
+            latest = await mem.session_history(user, info.session_id, limit=turns)
+            sessions.append({**msgspec.structs.asdict(info),
+                             "latest": [{"seq": t.seq, "role": t.role, "text": t.text,
+                                         "at": t.at.isoformat()} for t in latest]})
+        # Facts and episodes arrive with the long-term memory layer.
+        return {"user_id": user, "sessions": sessions, "facts": [], "episodes": []}
+
+
+async def _snapshot(store: str, dest: str) -> dict[str, Any]:
+    async with _open(store) as mem:
+        return msgspec.to_builtins(await mem.snapshot(dest))
+
+
+async def _restore(snapshot: str, store: str, overwrite: bool) -> dict[str, Any]:
+    manifest = await Engine.restore(snapshot, store, overwrite=overwrite,
+                                    progress=_progress("restoring"))
+    start = time.perf_counter()
+    async with _open(store) as mem:
+        ready = time.perf_counter() - start
+        stats = await mem.stats()
+    return {"lsn": manifest.lsn, "turns": stats.turns, "open_s": round(ready, 3)}
+
+
+async def _reindex(store: str, model: str, progress: Callable[..., None] = print) -> dict:
     """Adopt ``model`` for ``store`` and wait until every record has its vector again."""
     start = time.perf_counter()
     async with Engine.open(store, config=Config(model=model), reembed=True) as mem:
+        show = _progress("re-embedding")
 
         async def report() -> None:
             while True:
                 stats = await mem.stats()
-                progress(f"\rre-embedding: {stats.embedded_lsn:,} / {stats.committed_lsn:,} "
-                         "log positions", end="")
+                show(stats.embedded_lsn, max(stats.committed_lsn, 1))
                 await trio.sleep(0.5)
 
         async with trio.open_nursery() as nursery:
@@ -48,25 +149,73 @@ async def reindex(store: str, model: str, progress=print) -> dict:
             await mem.flush()
             nursery.cancel_scope.cancel()
         stats = await mem.stats()
-    progress(f"\rre-embedded {stats.turns:,} turns with {stats.model} "
+        show(1, 1)
+    progress(f"re-embedded {stats.turns:,} turns with {stats.model} "
              f"in {time.perf_counter() - start:.1f} s")
     return {"model": stats.model, "turns": stats.turns, "embedded_lsn": stats.embedded_lsn}
+
+
+def _bench(name: str, args: list[str]) -> dict[str, Any]:
+    script = REPO / "bench" / f"{name}.py"
+    if not script.exists():
+        raise InvalidInput("bench", f"expected {script} (bench/ ships with the repository, "
+                                    "not the installed package); run from a checkout")
+    sys.path.insert(0, str(script.parent))
+    saved, sys.argv = sys.argv, [str(script), *args]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = saved
+    return {}
+
+
+def _print(result: Any, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result, indent=2, default=str))
+        return
+    if isinstance(result, dict):
+        for key, value in result.items():
+            if isinstance(value, (dict, list)):
+                value = json.dumps(value, default=str)
+            print(f"{key:>16}: {value}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.command == "demo":
-            from ._demo import main as demo
+        match args.command:
+            case "demo":
+                from ._demo import main as demo
 
-            figures = demo(args.store)
-        else:
-            figures = trio.run(reindex, args.store, args.model)
-        if args.json:
-            print(json.dumps(figures, indent=2))
+                result = demo(args.store)
+                if args.json:
+                    _print(result, True)
+                return 0
+            case "snapshot":
+                result = trio.run(_snapshot, args.store, args.dest)
+                if not args.json:
+                    result = {k: result[k] for k in ("lsn", "fulltext", "counts", "seconds")} | {
+                        "dest": args.dest}
+            case "restore":
+                result = trio.run(_restore, args.snapshot, args.store, args.overwrite)
+            case "stats":
+                result = trio.run(_stats, args.store)
+            case "inspect":
+                result = trio.run(_inspect, args.store, args.user, args.turns)
+            case "compact":
+                result = trio.run(Engine.compact, args.store)
+            case "reindex":
+                result = trio.run(_reindex, args.store, args.model,
+                                  (lambda *a: None) if args.json else print)
+            case "bench":
+                _bench(args.name, args.args)
+                return 0
+        _print(result, args.json)
     except EngineError as exc:
-        print(f"engram: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+        print(f"engram {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 

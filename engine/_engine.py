@@ -561,7 +561,7 @@ class Engine:
             map_bytes=store.map_size(),
             schema_version=SCHEMA_VERSION,
             model=self._embedder.model.id,
-            embedded_lsn=self._embedder.embedded_lsn,
+            embedded_lsn=max(self._embedder.embedded_lsn, store.embedded_lsn),
             indexed_lsn=self._fulltext.indexed_lsn,
         )
 

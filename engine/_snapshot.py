@@ -104,8 +104,10 @@ def _counts(store_dir: Path) -> dict[str, int]:
             users = len({key.split(b"\x00", 1)[0]
                          for key in txn.cursor(env.open_db(b"sessions", txn=txn, create=False))
                          .iternext(keys=True, values=False)})
+            raw = txn.get(b"embedded_lsn", db=env.open_db(b"meta", txn=txn, create=False))
         return {"users": users, "sessions": stat[b"sessions"], "turns": stat[b"turns"],
-                "vectors": stat[b"vectors"], "links": stat[b"links"] // 2}
+                "vectors": stat[b"vectors"], "links": stat[b"links"] // 2,
+                "embedded_lsn": int.from_bytes(raw, "big") if raw else 0}
     finally:
         env.close()
 
@@ -131,12 +133,13 @@ async def take_snapshot(engine: Any, dest: Path) -> Manifest:
             fulltext_lsn = await trio.to_thread.run_sync(
                 build_index, partial / "store", partial / "fulltext")
         counts = await trio.to_thread.run_sync(_counts, partial / "store")
+        embedded_lsn = counts.pop("embedded_lsn")
         files = await _checksums(partial)
         manifest = Manifest(
             format=MANIFEST_FORMAT, engine_version=__version__, schema_version=SCHEMA_VERSION,
             model=engine._embedder.model.id, dim=engine._embedder.model.dim, lsn=lsn,
             fulltext_lsn=fulltext_lsn, fulltext="copied" if copied else "rebuilt",
-            embedded_lsn=min(engine._embedder.embedded_lsn, lsn), counts=counts, files=files,
+            embedded_lsn=embedded_lsn, counts=counts, files=files,
             created_at=datetime.now(timezone.utc), seconds=trio.current_time() - started)
         (partial / "manifest.json").write_bytes(msgspec.json.format(msgspec.json.encode(manifest)))
         if dest.exists():

@@ -1,0 +1,131 @@
+"""Snapshot and restore benchmark: a live snapshot of a large store, and restore to an answer.
+
+    python bench/snapshot.py                       # 1M memories over 1,000 users, ~3 min
+    python bench/snapshot.py --memories 100000     # smaller
+
+1. Build a store of --memories turns with vectors (bench/recall.py's corpus: real embeddings
+   mixed, so no hours of embedding) and its text index.
+2. Baseline: buffered add_turn at --rate turns/s for --seconds; latency percentiles.
+3. The same ingest again while ``Engine.snapshot`` runs; its duration, and the ingest
+   percentiles during it (ratio of p99 to the baseline's, same process).
+4. ``Engine.restore`` into a new directory, ``Engine.open``, first ``recall``: the time from
+   the start of the restore to the first answer.
+
+Prints a table and writes JSON (--out, default bench/results/snapshot.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+from _report import percentiles, write_results
+from recall import corpus_pool, load_user
+
+from engine import Engine
+
+
+async def ingest(mem: Engine, rate: float, seconds: float, stop: trio.Event | None = None
+                 ) -> list[float]:
+    """Buffered add_turn at a sustained rate; stops after ``seconds`` or when ``stop`` is set."""
+    latencies, interval = [], 1.0 / rate
+    due = trio.current_time()
+    end = due + seconds
+    i = 0
+    while trio.current_time() < end and not (stop is not None and stop.is_set()):
+        if trio.current_time() < due:
+            await trio.sleep_until(due)
+        start = time.perf_counter()
+        await mem.add_turn(f"live{i % 50}", "s", "user", f"live turn {i} about the weekend")
+        latencies.append(time.perf_counter() - start)
+        due += interval
+        i += 1
+    return latencies
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="engram-snap-"))
+    texts, pool, queries = await corpus_pool(args.seed)
+    rng = np.random.default_rng(args.seed)
+    first_at = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    users = max(1, args.memories // 1000)
+    results: dict[str, Any] = {"memories": args.memories, "users": users}
+    try:
+        async with Engine.open(work / "store", config={"background_embedding": False}) as mem:
+            start = time.perf_counter()
+            for i in range(users):
+                await load_user(mem, f"u{i:05d}", args.memories // users, texts, pool, rng,
+                                first_at)
+                if i % 100 == 99:
+                    print(f"\r  building: {(i + 1) * (args.memories // users):,}", end="",
+                          flush=True)
+            await mem.flush()
+            results["build_s"] = time.perf_counter() - start
+            print(f"\n  built in {results['build_s']:.0f} s")
+            results["baseline_ingest"] = percentiles(await ingest(mem, args.rate, args.seconds),
+                                                     1e6, "us")
+            done = trio.Event()  # set when the snapshot is written
+            during: list[float] = []
+
+            async def snapshot() -> None:
+                start = time.perf_counter()
+                manifest = await mem.snapshot(work / "snap")
+                results["snapshot_s"] = time.perf_counter() - start
+                results["snapshot_lsn"] = manifest.lsn
+                results["snapshot_fulltext"] = manifest.fulltext
+                results["snapshot_bytes"] = sum(size for size, _ in manifest.files.values())
+                done.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(snapshot)
+                during = await ingest(mem, args.rate, 3600, stop=done)
+            results["ingest_during_snapshot"] = percentiles(during, 1e6, "us")
+            results["p99_ratio"] = (results["ingest_during_snapshot"]["p99_us"]
+                                    / results["baseline_ingest"]["p99_us"])
+        start = time.perf_counter()
+        await Engine.restore(work / "snap", work / "restored")
+        results["restore_s"] = time.perf_counter() - start
+        async with Engine.open(work / "restored", config={"background_embedding": False}) as mem:
+            results["open_s"] = time.perf_counter() - start - results["restore_s"]
+            hits = await mem.recall("u00000", queries[0], limit=10)
+            results["first_answer_s"] = time.perf_counter() - start
+            results["first_answer_hits"] = len(hits)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--memories", type=int, default=1_000_000)
+    parser.add_argument("--rate", type=float, default=2000)
+    parser.add_argument("--seconds", type=float, default=10)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--out", default="bench/results/snapshot.json")
+    args = parser.parse_args()
+    print(f"seed {args.seed}; {os.cpu_count()} cores; {args.memories:,} memories")
+    r = trio.run(run, args)
+    r.update(cores=os.cpu_count(), seed=args.seed)
+    b, d = r["baseline_ingest"], r["ingest_during_snapshot"]
+    print(f"\nsnapshot of {r['memories']:,} memories ({r['snapshot_bytes'] / 1e9:.2f} GB, text "
+          f"index {r['snapshot_fulltext']}): {r['snapshot_s']:.1f} s")
+    print(f"add_turn @{args.rate:g}/s before: p50 {b['p50_us']:.0f} µs p99 {b['p99_us']:.0f} µs; "
+          f"during the snapshot: p50 {d['p50_us']:.0f} µs p99 {d['p99_us']:.0f} µs "
+          f"({r['p99_ratio']:.2f}x)")
+    print(f"restore {r['restore_s']:.1f} s + open {r['open_s']:.1f} s -> first answer "
+          f"{r['first_answer_s']:.1f} s after the restore began ({r['first_answer_hits']} hits)")
+    write_results(args.out, r)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
