@@ -76,9 +76,21 @@ _LAST_LSN_KEY = b"last_lsn"
 _EMBEDDED_KEY = b"embedded_lsn"
 _MODEL_KEY = b"model"
 
+def _vectors_to_float16(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> None:
+    """Schema 1 -> 2: stored vectors go from float32 to float16 (the 16-byte header stays)."""
+    import numpy as np
+
+    cursor = txn.cursor(dbs[b"vectors"])
+    for key, value in list(cursor.iternext(keys=True, values=True)):
+        vector = np.frombuffer(value[16:], dtype="<f4").astype("<f2")
+        txn.put(key, value[:16] + vector.tobytes(), db=dbs[b"vectors"])
+
+
 # Migrations from schema N to N + 1, each run inside the write transaction that opens an old
 # store: ``MIGRATIONS[n](txn, dbs)`` where ``dbs`` maps database names to handles.
-MIGRATIONS: dict[int, Callable[[lmdb.Transaction, dict[bytes, Any]], None]] = {}
+MIGRATIONS: dict[int, Callable[[lmdb.Transaction, dict[bytes, Any]], None]] = {
+    1: _vectors_to_float16,
+}
 
 T = TypeVar("T")
 
@@ -637,8 +649,10 @@ class Store:
         of deleted records do not travel. Returns the last lsn the copy holds."""
 
         def copy(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> int:
+            # Read before copying: the copy may leave the transaction reset.
+            lsn = _int(txn.get(_LAST_LSN_KEY, db=dbs[b"meta"])) or 0
             self._env.copy(str(dest), compact=True, txn=txn)
-            return _int(txn.get(_LAST_LSN_KEY, db=dbs[b"meta"])) or 0
+            return lsn
 
         dest.mkdir(parents=True)
         return await self.read(copy)

@@ -15,7 +15,7 @@ import msgspec
 
 __all__ = ["Turn", "SessionInfo", "NewTurn", "Link", "Role", "ROLES", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: vectors stored as float16 (actors.store migrates 1 -> 2)
 
 Role = Literal["user", "assistant", "system", "tool"]
 ROLES: tuple[str, ...] = ("user", "assistant", "system", "tool")

@@ -46,11 +46,12 @@ async def test_a_snapshot_taken_during_ingest_restores_to_the_same_answers(tmp_p
         for i in range(40):
             await mem.add_turn("ana", "early", "user", _text(i))
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(produce, mem, "during", 300)
-            await trio.sleep(0)
+            nursery.start_soon(produce, mem, "during", 1000)
+            while mem._store.committed_lsn < 100:  # the producer is well under way
+                await trio.sleep(0)
             manifest = await mem.snapshot(snap)
-        history = {s: await mem.session_history("ana", s, limit=1000) for s in ("early", "during")}
-    assert isinstance(manifest, Manifest) and 40 < manifest.lsn < 340
+        history = {s: await mem.session_history("ana", s, limit=2000) for s in ("early", "during")}
+    assert isinstance(manifest, Manifest) and manifest.lsn >= 100
     expected = sorted((t for ts in history.values() for t in ts if t.lsn <= manifest.lsn),
                       key=lambda t: t.lsn)
     assert manifest.counts["turns"] == len(expected)
@@ -58,7 +59,7 @@ async def test_a_snapshot_taken_during_ingest_restores_to_the_same_answers(tmp_p
     await Engine.restore(snap, restored)
     async with open_engine(restored) as mem:
         await mem.flush()
-        got = [t for s in ("early", "during") for t in await mem.session_history("ana", s, limit=1000)]
+        got = [t for s in ("early", "during") for t in await mem.session_history("ana", s, limit=2000)]
         assert sorted(t.lsn for t in got) == [t.lsn for t in expected]
         restored_answers = await _recall_texts(mem, "ana")
     async with open_engine(reference) as mem:

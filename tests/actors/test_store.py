@@ -10,7 +10,7 @@ import pytest
 import trio
 
 import actors.store as store_mod
-from engine import Engine, EngineBroken, StoreIncompatible
+from engine import Engine, EngineBroken, HashEmbedder, StoreIncompatible
 
 from ..conftest import open_engine, raw_databases
 
@@ -27,14 +27,14 @@ async def test_a_newer_schema_is_refused_with_the_fix(store_path) -> None:
     async with open_engine(store_path):
         pass
     _set_schema(store_path, 99)
-    with pytest.raises(StoreIncompatible, match=r"schema version 99, newer than this build reads \(1\); upgrade"):
+    with pytest.raises(StoreIncompatible, match=r"schema version 99, newer than this build reads \(2\); upgrade"):
         async with open_engine(store_path):
             pass
 
 
 async def test_an_old_schema_is_migrated_in_order(store_path, monkeypatch) -> None:
     """Opening an older store runs each migration once, then records the current version."""
-    async with open_engine(store_path) as mem:
+    async with open_engine(store_path, config={"background_embedding": False}) as mem:
         await mem.add_turn("ana", "s1", "user", "kept through the migration")
     _set_schema(store_path, 0)
     ran: list[int] = []
@@ -50,7 +50,29 @@ async def test_an_old_schema_is_migrated_in_order(store_path, monkeypatch) -> No
         pass
     assert ran == [0]
     meta = dict(raw_databases(store_path)["meta"])
-    assert meta[b"migrated"] == b"yes" and int.from_bytes(meta[b"schema"], "big") == 1
+    assert meta[b"migrated"] == b"yes" and int.from_bytes(meta[b"schema"], "big") == 2
+
+
+async def test_schema_1_float32_vectors_are_migrated_to_float16(store_path) -> None:
+    """A schema-1 store (float32 vectors) opens as schema 2 with the same vectors, searchable."""
+    import numpy as np
+
+    async with open_engine(store_path) as mem:
+        r = await mem.add_turn("ana", "s", "user", "lisbon dog walk")
+        await mem.flush()
+    env = lmdb.open(str(store_path), max_dbs=32)
+    with env.begin(write=True) as txn:
+        vectors = env.open_db(b"vectors", txn=txn)
+        for key, value in list(txn.cursor(vectors)):
+            old = np.frombuffer(value[16:], dtype="<f2").astype("<f4")  # as schema 1 stored it
+            txn.put(key, value[:16] + old.tobytes(), db=vectors)
+        txn.put(b"schema", (1).to_bytes(8, "big"), db=env.open_db(b"meta", txn=txn))
+    env.close()
+    async with open_engine(store_path) as mem:
+        hits = await mem.recall("ana", "lisbon dog walk", limit=1, kinds=["turn"])
+        found = await mem._ann.search("ana", HashEmbedder().encode(["lisbon dog walk"])[0], 1)
+    assert [h.id for h in hits] == [r.turn_id]
+    assert found[0][0] == r.lsn and found[0][1] > 0.999
 
 
 async def test_a_missing_migration_is_refused(store_path) -> None:
