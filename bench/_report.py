@@ -22,3 +22,12 @@ def write_results(out: str | Path, results: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2))
     print(f"wrote {path}")
+
+
+def progress(label: str, done: float, total: float) -> None:
+    """A one-line progress bar on stderr; the line ends when done reaches total."""
+    import sys
+
+    share = min(done / total, 1.0) if total else 1.0
+    print(f"\r  {label:<28} [{'#' * int(share * 30):<30}] {share:6.1%}",
+          end="\n" if share >= 1.0 else "", file=sys.stderr, flush=True)

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import trio
-from _report import percentiles, write_results
+from _report import percentiles, progress, write_results
 
 from actors.embedder import Embedder, OnnxEmbedder
 from engine._demo import conversation_turns, load_conversation
@@ -61,7 +61,8 @@ async def measure(variant: str, rounds: int, queries: list[str], passages: list[
         for text in queries[:5]:  # warm both paths
             backend.encode([text])
             await actor.embed([text])
-        for _ in range(rounds):
+        for round_ in range(rounds):
+            progress(variant, round_, rounds)
             for text in queries:
                 start = time.perf_counter()
                 backend.encode([text])
@@ -78,6 +79,7 @@ async def measure(variant: str, rounds: int, queries: list[str], passages: list[
             for batch in batches:
                 await actor.embed(batch)
             actor_b += time.perf_counter() - start
+        progress(variant, rounds, rounds)
         actor.close()
     sentences = rounds * len(passages)
     result = {

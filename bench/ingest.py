@@ -33,7 +33,7 @@ import lmdb
 import msgspec
 import numpy as np
 import trio
-from _report import percentiles, write_results
+from _report import percentiles, progress, write_results
 
 from engine import Engine, NewTurn
 
@@ -104,6 +104,10 @@ async def sustained(path: Path, rate: float, seconds: float, writers: int, durab
                                          durable=durable)
             latencies.append(time.perf_counter_ns() - start)
             due += interval
+            if w == 0 and i % 500 == 0:
+                progress("durable" if durable else "buffered", i + 1, n_each)
+        if w == 0:
+            progress("durable" if durable else "buffered", n_each, n_each)
         last.append(receipt)
 
     # The real model follows the log in the background the whole time, as in production.
@@ -127,6 +131,9 @@ async def bulk(path: Path, total: int, texts: list[str]) -> dict[str, Any]:
         start = time.perf_counter()
         for at in range(0, total, 1000):
             receipts = await mem.add_turns(items[at : at + 1000])
+            if at % 20_000 == 0:
+                progress("bulk", at, total)
+        progress("bulk", total, total)
         await receipts[-1].durable()
         elapsed = time.perf_counter() - start
     return {"turns": total, "seconds": elapsed, "turns_per_s": total / elapsed}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import runpy
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -54,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--turns", type=int, default=3, help="latest turns per session shown")
     compact = command("compact", "rewrite a closed store without freed pages or tombstones")
     compact.add_argument("store")
-    reindex = command("reindex", "re-embed every record with a model (after a model change)")
+    reindex = command("reindex", "rebuild the text index and re-embed every record with a model")
     reindex.add_argument("store")
     reindex.add_argument("--model", choices=MODELS, default=MODELS[0],
                          help="the model to embed with (default: %(default)s)")
@@ -133,8 +134,13 @@ async def _restore(snapshot: str, store: str, overwrite: bool) -> dict[str, Any]
 
 
 async def _reindex(store: str, model: str, progress: Callable[..., None] = print) -> dict:
-    """Adopt ``model`` for ``store`` and wait until every record has its vector again."""
+    """Rebuild a closed store's indexes: the text index from the store, and every vector with
+    ``model`` (adopting it); returns once both cover everything."""
     start = time.perf_counter()
+    path = Path(store)
+    if not (path / "data.mdb").exists():
+        raise InvalidInput("store", f"expected an Engram store, found no data.mdb in {path}")
+    await trio.to_thread.run_sync(shutil.rmtree, path / "fulltext", True)
     async with Engine.open(store, config=Config(model=model), reembed=True) as mem:
         show = _progress("re-embedding")
 
@@ -152,7 +158,8 @@ async def _reindex(store: str, model: str, progress: Callable[..., None] = print
         show(1, 1)
     progress(f"re-embedded {stats.turns:,} turns with {stats.model} "
              f"in {time.perf_counter() - start:.1f} s")
-    return {"model": stats.model, "turns": stats.turns, "embedded_lsn": stats.embedded_lsn}
+    return {"model": stats.model, "turns": stats.turns, "embedded_lsn": stats.embedded_lsn,
+            "indexed_lsn": stats.indexed_lsn, "fulltext_rebuilt": True}
 
 
 def _bench(name: str, args: list[str]) -> dict[str, Any]:

@@ -1,5 +1,7 @@
 """The demo, the main job a newcomer runs, works end to end."""
 
+import json
+
 import pytest
 
 from engine._demo import conversation_turns, load_conversation, run_demo
@@ -38,7 +40,9 @@ def test_cli_reindex_adopts_another_model(tmp_path, capsys) -> None:
 
     trio.run(build)
     assert main(["reindex", str(tmp_path / "s"), "--model", "minilm-l6-v2-q8", "--json"]) == 0
-    assert '"model": "sentence-transformers/all-MiniLM-L6-v2@q8-block16"' in capsys.readouterr().out
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == "sentence-transformers/all-MiniLM-L6-v2@q8-block16"
+    assert report["fulltext_rebuilt"] and report["indexed_lsn"] == report["embedded_lsn"] == 1
 
     async def reopen_with_default() -> None:
         async with Engine.open(tmp_path / "s"):
