@@ -118,7 +118,7 @@ class Engine:
             embedder = OnnxEmbedder(config.model, config.model_dir, config.embed_threads)
         embedding = Embedder(embedder, config.query_cache)
         store = Store(Path(path), config, embedding.model, reembed)
-        ann = AnnIndex(store, embedding.model.dim, config.ann_cache_vectors)
+        ann = AnnIndex(store, embedding.model.dim, config.ann_cache_vectors, Path(path) / "ann")
         fulltext = FullText(Path(path) / "fulltext", store)
         body_error: BaseException | None = None
         raised: BaseException | None = None

@@ -233,9 +233,30 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
     return manifest
 
 
+def _sweep_graphs(store: Path) -> None:
+    """Delete saved ANN graphs of users the store no longer has (a crash between a forget's
+    commit and its unlink leaves one behind)."""
+    folder = store / "ann"
+    if not folder.exists():
+        return
+    env = lmdb.open(str(store), readonly=True, lock=False, max_dbs=MAX_DBS)
+    try:
+        with env.begin() as txn:
+            users = {key.split(b"\x00", 1)[0]
+                     for key in txn.cursor(env.open_db(b"sessions", txn=txn, create=False))
+                     .iternext(keys=True, values=False)}
+    finally:
+        env.close()
+    keep = {hashlib.blake2b(user, digest_size=16).hexdigest() for user in users}
+    for path in folder.iterdir():
+        if path.name.split(".", 1)[0] not in keep:
+            path.unlink()
+
+
 def compact(store: Path, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Bring a closed store to the state a snapshot would have: LMDB rewritten without freed
-    pages, and the text index rebuilt if its segments still hold deleted documents.
+    pages, saved graphs of users it no longer has deleted, and the text index rebuilt if its
+    segments still hold deleted documents.
 
     Raises:
         EngineClosed: an engine has the store open (its text-index writer holds the lock).
@@ -263,6 +284,7 @@ def compact(store: Path, progress: Callable[[int, int], None] | None = None) -> 
         env.close()
     os.replace(fresh / "data.mdb", store / "data.mdb")
     shutil.rmtree(fresh)
+    _sweep_graphs(store)
     rebuilt = False
     meta = store / "fulltext" / "meta.json"
     if not meta.exists() or any(s.get("deletes") for s in json.loads(meta.read_text())["segments"]):

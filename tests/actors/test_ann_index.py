@@ -92,3 +92,43 @@ async def test_vectors_committed_while_a_user_loads_are_not_lost(store_path) -> 
             await mem.flush()
         found = await mem._ann.search("ana", await _vector("dog"), 5)
     assert len(found) == 2
+
+
+async def _graph_ready(mem) -> None:
+    uv = mem._ann._users["ana"]
+    while uv.graph is None or uv.graph_rows < uv.n or uv.writing:
+        await trio.sleep(0.01)
+
+
+async def test_graphs_saved_at_close_are_reused_and_reconciled(store_path, monkeypatch) -> None:
+    """A reopened engine searches the saved graph at once, with the same answers; turns
+    forgotten and added since it was saved are honoured; forget_user deletes its files."""
+    monkeypatch.setattr(ann_mod, "HNSW_THRESHOLD", 200)
+    texts = _texts(500, seed=5)
+    queries = [await _vector(t) for t in _texts(10, seed=11)]
+    async with open_engine(store_path) as mem:
+        await mem.add_turns([{"user_id": "ana", "session_id": f"s{i % 5}", "role": "user",
+                              "text": t} for i, t in enumerate(texts)])
+        await mem.flush()
+        await mem._ann.search("ana", queries[0], 1)
+        await _graph_ready(mem)
+        before = [await mem._ann.search("ana", q, 10) for q in queries]
+    files = sorted(p.name for p in (store_path / "ann").iterdir())
+    assert len(files) == 2 and not any("ana" in name for name in files)
+    async with open_engine(store_path) as mem:
+        again = [await mem._ann.search("ana", q, 10) for q in queries]
+        uv = mem._ann._users["ana"]
+        assert uv.graph is not None and uv.graph_rows == uv.n == 500  # no rebuild
+        assert again == before
+        gone = {t.lsn for t in await mem.session_history("ana", "s3", limit=500)}
+        await mem.forget_session("ana", "s3")
+        await mem.add_turn("ana", "s9", "user", "brand new note lisbon")
+        await mem.flush()
+    async with open_engine(store_path) as mem:
+        found = {lsn for q in queries for lsn, _ in await mem._ann.search("ana", q, 50)}
+        assert not found & gone
+        await _graph_ready(mem)
+        uv = mem._ann._users["ana"]
+        assert int(uv.alive[: uv.n].sum()) == 401
+        await mem.forget_user("ana")
+        assert list((store_path / "ann").iterdir()) == []
