@@ -417,7 +417,8 @@ class Engine:
         if from_id == to_id:
             raise InvalidInput("to_id", f"expected another memory than from_id, found {to_id!r}")
         at = self._clock() if at is None else v.check_at(at)
-        await self.flush()
+        # Both memories must be on disk to be found; indexes and vectors are not needed.
+        await self._store.wait_committed(self._store.next_lsn - 1)
         found = await self._store.read(read_turns_by_id, user_id, [from_id, to_id])
         for field, memory_id in (("from_id", from_id), ("to_id", to_id)):
             if memory_id not in found:
