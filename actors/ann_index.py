@@ -196,7 +196,7 @@ class _UserVectors:
         except RuntimeError:  # the filter left fewer than k reachable: scan exactly instead
             return self.exact(query, k, allowed)
         return [(int(self.lsns[row]), 1.0 - distance)
-                for row, distance in zip(labels[0].tolist(), distances[0].tolist())]
+                for row, distance in zip(labels[0].tolist(), distances[0].tolist(), strict=True)]
 
 
 def _mark_deleted(graph: hnswlib.Index, row: int) -> None:

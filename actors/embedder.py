@@ -390,7 +390,7 @@ class Embedder:
                     chunk = records[at : at + BACKGROUND_BATCH]
                     vectors = await self.embed([r.text for r in chunk], query=False)
                     items = [(r.lsn, r.user_id, encode_vector(r, vector))
-                             for r, vector in zip(chunk, vectors)]
+                             for r, vector in zip(chunk, vectors, strict=True)]
                     final = at + BACKGROUND_BATCH >= len(records)
                     watermark = last if final else self.embedded_lsn
                     await store.write_unlogged(

@@ -324,7 +324,7 @@ class FullText:
         if not hits:
             return []
         lsns = searcher.fast_field_values("lsn", [address for _, address in hits])
-        return [(int(lsn), float(score)) for (score, _), lsn in zip(hits, lsns)]
+        return [(int(lsn), float(score)) for (score, _), lsn in zip(hits, lsns, strict=True)]
 
 
 def write_records(writer: Any, schema: tantivy.Schema, records: list[Searchable],

@@ -114,7 +114,7 @@ class SessionBuffer:
         infos.sort(key=lambda i: i.last_at, reverse=True)
         warm = [(i.user_id, i.session_id) for i in infos[: self._live_windows]]
         tails = await self._store.read(_read_tails, warm, self._window_turns)
-        for (user_id, session_id), tail in zip(reversed(warm), reversed(tails)):
+        for (user_id, session_id), tail in zip(reversed(warm), reversed(tails), strict=True):
             self._set_window(self._users[user_id][session_id], tail)
 
     # -- the hot path ------------------------------------------------------------------------

@@ -100,7 +100,7 @@ def generate(users: int = 12, sessions: int = 12, turns: int = 20, seed: int = 7
         plan: list[tuple[int, str, int | None]] = []  # (session, text, question index or None)
         local_q: list[tuple[str, str, list[int]]] = []  # kind, question, plan indices
 
-        def plant(session: int, text: str) -> int:
+        def plant(session: int, text: str, plan: list = plan) -> int:
             plan.append((session, text, None))
             return len(plan) - 1
 

@@ -24,10 +24,8 @@ import os
 import random
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import trio
 from _report import percentiles, progress, write_results
 

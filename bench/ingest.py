@@ -31,7 +31,6 @@ from typing import Any
 
 import lmdb
 import msgspec
-import numpy as np
 import trio
 from _report import percentiles, progress, write_results
 

@@ -191,11 +191,13 @@ def build_model(weights: dict[str, np.ndarray], bits: int | None):
     for i in range(LAYERS):
         p = f"encoder.layer.{i}"
 
-        def heads(name: str, perm: list[int]) -> str:
+        def heads(x: str, p: str, name: str, perm: list[int]) -> str:
             y = linear(g, x, weights, f"{p}.attention.self.{name}", bits)
             return g.op("Transpose", g.op("Reshape", y, split), perm=perm)
 
-        q, k, v = heads("query", [0, 2, 1, 3]), heads("key", [0, 2, 3, 1]), heads("value", [0, 2, 1, 3])
+        q = heads(x, p, "query", [0, 2, 1, 3])
+        k = heads(x, p, "key", [0, 2, 3, 1])
+        v = heads(x, p, "value", [0, 2, 1, 3])
         scores = g.op("Add", g.op("Mul", g.op("MatMul", q, k), scale), bias)
         context = g.op("MatMul", g.op("Softmax", scores, axis=-1), v)
         context = g.op("Reshape", g.op("Transpose", context, perm=[0, 2, 1, 3]), merge)

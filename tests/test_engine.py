@@ -224,7 +224,7 @@ async def test_store_grows_its_map_instead_of_failing(store_path) -> None:
     """A store opened with a 1 MiB map takes 4 MiB of turns, growing while reads go on."""
     text = "x" * 2000
     async with open_engine(store_path, config={"initial_map_bytes": 1 << 20}) as mem:
-        for batch in range(4):
+        for _ in range(4):
             await mem.add_turns(
                 [NewTurn(user_id="ana", session_id="s1", role="user", text=text)] * 500
             )

@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import timedelta
 
 import msgspec
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

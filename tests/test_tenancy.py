@@ -6,7 +6,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from .conftest import open_engine
-from engine import Engine
 
 USERS = st.sampled_from(["ana", "bo", "ana:", "an", "b\u00f6"])
 SESSIONS = st.sampled_from(["s", "s1", "s\u00e9", "1"])

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 import actors.store as store_mod
-from engine import Engine, EngineBroken, HashEmbedder, StoreIncompatible
+from engine import EngineBroken, HashEmbedder, StoreIncompatible
 
 from ..conftest import open_engine, raw_databases
 
