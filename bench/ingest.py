@@ -5,7 +5,8 @@
 
 Phases, each on a fresh store with fsync on (the engine default):
   baseline   bare LMDB doing the writes the engine does for the bulk import (same keys, same
-             databases, encoded up front, 4096 turns a transaction), no engine: the ceiling.
+             databases, encoded up front, 4096 turns a transaction), no engine: the ceiling;
+             and bare one-put commits with fsync: the floor under a durable receipt.
   buffered   add_turn acknowledged without waiting for disk, at --rate turns/s for --seconds,
              while the store group-commits and the real model embeds in the background.
   durable    add_turn(durable=True) from --writers concurrent tasks sharing --durable-rate,
@@ -84,6 +85,21 @@ def baseline_lmdb(path: Path, items: list[NewTurn]) -> float:
     return len(rows) / elapsed
 
 
+def baseline_commit(path: Path, n: int) -> dict[str, float]:
+    """The floor under a durable receipt: bare LMDB, one small put per transaction, fsync on,
+    sequential. Its p99 is this disk's fsync tail."""
+    env = lmdb.open(str(path), map_size=1 << 28, max_dbs=2, sync=True)
+    db = env.open_db(b"t")
+    latencies = []
+    for i in range(n):
+        start = time.perf_counter_ns()
+        with env.begin(write=True) as txn:
+            txn.put(i.to_bytes(8, "big"), b"x" * 200, db=db)
+        latencies.append(time.perf_counter_ns() - start)
+    env.close()
+    return percentiles(latencies, 1e-3, "us")
+
+
 async def sustained(path: Path, rate: float, seconds: float, writers: int, durable: bool,
                     texts: list[str]) -> dict[str, Any]:
     latencies: list[int] = []
@@ -159,6 +175,7 @@ def main() -> None:
     try:
         results["baseline_lmdb_turns_per_s"] = baseline_lmdb(
             work / "baseline", import_items(args.bulk, texts))
+        results["baseline_commit"] = baseline_commit(work / "commits", 2000)
         results["buffered"] = trio.run(sustained, work / "buffered", args.rate, args.seconds, 1,
                                        False, texts)
         results["durable"] = trio.run(sustained, work / "durable", args.durable_rate,
@@ -175,6 +192,11 @@ def main() -> None:
         r = results[name]
         print(f"{label:<34}{r['n']:>8}{r['p50_us']:>8.1f}µs{r['p99_us']:>8.1f}µs"
               f"{r['p999_us']:>8.1f}µs{r['max_us']:>8.1f}µs")
+    c = results["baseline_commit"]
+    results["durable"]["p99_ratio_to_bare_commit"] = results["durable"]["p99_us"] / c["p99_us"]
+    print(f"{'bare LMDB commit, fsync (the floor)':<34}{c['n']:>8}{c['p50_us']:>8.1f}µs"
+          f"{c['p99_us']:>8.1f}µs{c['p999_us']:>8.1f}µs{c['max_us']:>8.1f}µs")
+    print(f"durable p99 / bare commit p99: {results['durable']['p99_ratio_to_bare_commit']:.2f}x")
     b = results["bulk"]
     print(f"\nbulk add_turns: {b['turns']:,} turns in {b['seconds']:.2f} s = "
           f"{b['turns_per_s']:,.0f} turns/s; {b['ratio_to_bare_lmdb']:.2f}x of bare LMDB doing the "
