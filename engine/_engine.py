@@ -267,7 +267,7 @@ class Engine:
         """
         self._check_open()
         self._check_ids(user_id, session_id)
-        _check_limit(limit)
+        _check_count("limit", limit, 1, 1_000_000)
         return await self._buffer.history(user_id, session_id, limit)
 
     async def list_sessions(self, user_id: str) -> list[SessionInfo]:
@@ -610,11 +610,6 @@ def _tags(tags: Iterable[str] | None) -> tuple[str, ...] | None:
         if type(tag) is not str or not tag:
             raise InvalidInput(f"tags[{i}]", f"expected a non-empty string, found {tag!r}")
     return tags or None
-
-
-def _check_limit(limit: Any) -> None:
-    if type(limit) is not int or limit < 1:
-        raise InvalidInput("limit", f"expected a positive integer, found {limit!r}")
 
 
 def _reason(exc: InvalidInput) -> str:

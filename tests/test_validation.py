@@ -62,7 +62,7 @@ async def test_add_turns_rejects_items_of_the_wrong_shape(mem: Engine) -> None:
 
 async def test_bad_limit_and_config_are_refused(store_path, mem: Engine) -> None:
     """limit must be a positive int; config fields are checked when the engine opens."""
-    with pytest.raises(InvalidInput, match=r"limit: expected a positive integer, found 0"):
+    with pytest.raises(InvalidInput, match=r"limit: expected an integer from 1 to 1000000, found 0"):
         await mem.session_history("ana", "s1", limit=0)
     with pytest.raises(InvalidInput, match=r"config: .*window_turns"):
         async with open_engine(store_path / "other", config={"window_turns": 0}):
