@@ -12,7 +12,8 @@ import msgspec
 
 from engine._records import Turn
 
-__all__ = ["AppendTurn", "Forget", "PutVectors", "PutLink", "Searchable", "EmbedRequest",
+__all__ = ["AppendTurn", "Forget", "PutVectors", "PutLink", "PutNote", "DeleteNote", "Searchable",
+           "EmbedRequest",
            "StoreOp", "EmbedderOp"]
 
 
@@ -85,6 +86,26 @@ class PutLink(msgspec.Struct, frozen=True, tag=True):
     lsn = None  # links are not searchable records: not part of the log
 
 
+class PutNote(msgspec.Struct, frozen=True, tag=True):
+    """Store a note, or a new version of one; the writer finds the version it replaces, which
+    leaves the log and, through this op's log entry, the indexes."""
+
+    lsn: int
+    note: Any  # engine._records.Note
+    replaces: int  # -1: a new note (its id must be free); 1: an update (the note must exist)
+    committed: Any = None  # gets (stored note, None, replaced lsn) or (None, why not, 0)
+
+
+class DeleteNote(msgspec.Struct, frozen=True, tag=True):
+    """Delete a note: its record, log entry and vector; a tombstone at ``lsn`` lists it.
+    ``committed`` gets the deleted lsns (empty if there was no such note)."""
+
+    lsn: int
+    user_id: str
+    note_id: str
+    committed: Any = None
+
+
 class Searchable(msgspec.Struct, frozen=True):
     """What the indexes need of a logged record, read back from the store in log order."""
 
@@ -112,5 +133,5 @@ class EmbedRequest(msgspec.Struct, frozen=True, tag=True):
     reply: Any
 
 
-StoreOp = AppendTurn | Forget | PutVectors | PutLink
+StoreOp = AppendTurn | Forget | PutVectors | PutLink | PutNote | DeleteNote
 EmbedderOp = EmbedRequest

@@ -16,6 +16,7 @@ log        lsn (8 bytes, big-endian)               ``T`` + turn key, or ``D`` + 
 vectors    user NUL lsn(8 bytes)                   ANN header + the embedding, float32 bytes
 links      user NUL from NUL to / user NUL to NUL  Link (msgpack), once per direction
            from
+notes      user NUL note_id                        Note (msgpack), its latest version
 =========  ======================================  ===========================================
 
 The log is what derived views (the ANN and full-text indexes) replay from their watermark.
@@ -47,7 +48,7 @@ import msgspec
 import trio
 
 from engine._config import Config
-from engine._records import SCHEMA_VERSION, Link, SessionInfo, Turn
+from engine._records import SCHEMA_VERSION, Link, Note, SessionInfo, Turn
 from engine.errors import (
     EngineBroken,
     EngineClosed,
@@ -57,7 +58,16 @@ from engine.errors import (
     StoreIncompatible,
 )
 
-from .messages import AppendTurn, Forget, PutLink, PutVectors, Searchable, StoreOp
+from .messages import (
+    AppendTurn,
+    DeleteNote,
+    Forget,
+    PutLink,
+    PutNote,
+    PutVectors,
+    Searchable,
+    StoreOp,
+)
 
 __all__ = ["Store", "MIGRATIONS", "user_prefix", "session_prefix", "lsn_key"]
 
@@ -67,8 +77,9 @@ READ_THREADS = 2  # concurrent read transactions: one per core; the writer has i
 MAX_DBS = 16  # named databases LMDB reserves room for; later layers add theirs
 MAX_READERS = 126  # LMDB reader slots: the default, far above the threads we use
 
-DB_NAMES = (b"meta", b"sessions", b"turns", b"ids", b"log", b"vectors", b"links")
+DB_NAMES = (b"meta", b"sessions", b"turns", b"ids", b"log", b"vectors", b"links", b"notes")
 LOG_TURN = b"T"
+LOG_NOTE = b"N"  # + the lsn this version replaces (8 bytes, 0: none) + the notes key
 LOG_TOMBSTONE = b"D"
 
 _SCHEMA_KEY = b"schema"
@@ -108,6 +119,7 @@ class _TurnHead(msgspec.Struct, array_like=True):
 
 _decode_head = msgspec.msgpack.Decoder(_TurnHead).decode
 _decode_link = msgspec.msgpack.Decoder(Link).decode
+_decode_note = msgspec.msgpack.Decoder(Note).decode
 
 
 def user_prefix(user_id: str) -> bytes:
@@ -493,10 +505,12 @@ class Store:
             # Derived views learn of each op here, on the trio thread and in commit order, so
             # none can apply a deletion before the write it deletes.
             for op, result in results:
-                if op.committed is not None:
-                    op.committed(result)
-                if type(op) is not Forget and op.done is not None:
-                    op.done.set()
+                committed = getattr(op, "committed", None)
+                if committed is not None:
+                    committed(result)
+                done = getattr(op, "done", None)
+                if done is not None:
+                    done.set()
             if last is None:
                 continue
             self._committed_lsn = last
@@ -532,6 +546,10 @@ class Store:
                         results.append((seg, self._forget_in(txn, seg)))
                     elif type(seg) is PutVectors:
                         results.append((seg, self._put_vectors_in(txn, seg)))
+                    elif type(seg) is PutNote:
+                        results.append((seg, self._put_note_in(txn, seg)))
+                    elif type(seg) is DeleteNote:
+                        results.append((seg, self._delete_note_in(txn, seg)))
                     else:
                         for key in link_keys(seg.user_id, seg.link):
                             txn.put(key, _encode(seg.link), db=dbs[b"links"])
@@ -568,11 +586,61 @@ class Store:
         if op.session_id is not None:
             txn.delete(tprefix[:-1], db=dbs[b"sessions"])
         else:
-            for name in (b"sessions", b"links", b"vectors"):
+            notes = txn.cursor(dbs[b"notes"])
+            if notes.set_range(uprefix):
+                for key, value in notes:
+                    if not key.startswith(uprefix):
+                        break
+                    lsn = _decode_head(value).lsn
+                    deleted.append(lsn)
+                    txn.delete(lsn_key(lsn), db=log)
+            for name in (b"sessions", b"links", b"vectors", b"notes"):
                 _delete_prefix(txn, dbs[name], uprefix)
         result = deleted.tolist()
         deleted.byteswap()  # big-endian on disk, like every other integer in the store
         txn.put(lsn_key(op.lsn), LOG_TOMBSTONE + deleted.tobytes(), db=log, append=True)
+        return result
+
+    def _put_note_in(self, txn: lmdb.Transaction, op: PutNote
+                     ) -> tuple[Note | None, str | None, int]:
+        """Store a note version. ``op.replaces`` says what the caller expects: -1 a new note
+        (its id must be free), 1 an update (the note must exist). Returns (stored note, None,
+        the lsn it replaced) or (None, why not, 0); a refused op still takes its lsn, as an
+        empty tombstone, so the log stays gapless."""
+        dbs = self._dbs
+        key = user_prefix(op.note.user_id) + op.note.note_id.encode()
+        raw = txn.get(key, db=dbs[b"notes"])
+        current = None if raw is None else _decode_note(raw)
+        if (op.replaces < 0) != (current is None):
+            txn.put(lsn_key(op.lsn), LOG_TOMBSTONE, db=dbs[b"log"], append=True)
+            return None, "exists" if current is not None else "missing", 0
+        note = op.note
+        replaces = 0
+        if current is not None:
+            replaces = current.lsn
+            note = msgspec.structs.replace(note, created_at=current.created_at)
+            txn.delete(lsn_key(replaces), db=dbs[b"log"])
+            txn.delete(user_prefix(note.user_id) + lsn_key(replaces), db=dbs[b"vectors"])
+        txn.put(key, _encode(note), db=dbs[b"notes"])
+        txn.put(lsn_key(op.lsn), LOG_NOTE + lsn_key(replaces) + key, db=dbs[b"log"], append=True)
+        return note, None, replaces
+
+    def _delete_note_in(self, txn: lmdb.Transaction, op: DeleteNote) -> list[int]:
+        dbs = self._dbs
+        uprefix = user_prefix(op.user_id)
+        key = uprefix + op.note_id.encode()
+        raw = txn.get(key, db=dbs[b"notes"])
+        deleted = array("Q")
+        if raw is not None:
+            lsn = _decode_head(raw).lsn
+            deleted.append(lsn)
+            txn.delete(key, db=dbs[b"notes"])
+            txn.delete(lsn_key(lsn), db=dbs[b"log"])
+            txn.delete(uprefix + lsn_key(lsn), db=dbs[b"vectors"])
+            _delete_links_of(txn, dbs[b"links"], uprefix, op.note_id.encode())
+        result = deleted.tolist()
+        deleted.byteswap()
+        txn.put(lsn_key(op.lsn), LOG_TOMBSTONE + deleted.tobytes(), db=dbs[b"log"], append=True)
         return result
 
     def _put_vectors_in(self, txn: lmdb.Transaction, op: PutVectors) -> list[tuple[int, str, bytes]]:
@@ -748,6 +816,15 @@ def read_log_range(
                     t = _decode_turn(raw)
                     found.append(Searchable(lsn, "turn", t.user_id, t.session_id, t.role, t.at,
                                             t.text, turn_tags(t)))
+            elif kind == LOG_NOTE:
+                replaces = int.from_bytes(entry[1:9], "big")
+                if replaces:
+                    deleted.append(replaces)
+                raw = txn.get(entry[9:], db=dbs[b"notes"])
+                note = None if raw is None else _decode_note(raw)
+                if note is not None and note.lsn == lsn:
+                    found.append(Searchable(lsn, "note", note.user_id, "", "", note.updated_at,
+                                            note.text, note.tags))
             elif kind == LOG_TOMBSTONE:
                 lsns = array("Q", entry[1:])
                 lsns.byteswap()
@@ -769,17 +846,24 @@ def turn_tags(turn: Turn) -> tuple[str, ...]:
 
 def read_records(
     txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str, lsns: list[int]
-) -> dict[int, Turn]:
+) -> dict[int, Turn | Note]:
     """The user's records at these lsns; others' records and deleted ones are left out."""
-    prefix = LOG_TURN + user_prefix(user_id)
-    log, turns = dbs[b"log"], dbs[b"turns"]
-    out: dict[int, Turn] = {}
+    uprefix = user_prefix(user_id)
+    log, turns, notes = dbs[b"log"], dbs[b"turns"], dbs[b"notes"]
+    out: dict[int, Turn | Note] = {}
     for lsn in lsns:
         entry = txn.get(lsn_key(lsn), db=log)
-        if entry is not None and entry.startswith(prefix):
+        if entry is None:
+            continue
+        if entry[:1] == LOG_TURN and entry[1:].startswith(uprefix):
             raw = txn.get(entry[1:], db=turns)
             if raw is not None:
                 out[lsn] = _decode_turn(raw)
+        elif entry[:1] == LOG_NOTE and entry[9:].startswith(uprefix):
+            raw = txn.get(entry[9:], db=notes)
+            note = None if raw is None else _decode_note(raw)
+            if note is not None and note.lsn == lsn:
+                out[lsn] = note
     return out
 
 
@@ -801,17 +885,22 @@ def read_links(
     return out
 
 
-def read_turns_by_id(
-    txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str, turn_ids: list[str]
-) -> dict[str, Turn]:
+def read_memories_by_id(
+    txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str, memory_ids: list[str]
+) -> dict[str, Turn | Note]:
+    """The user's turns and notes with these ids."""
     uprefix = user_prefix(user_id)
-    ids, turns = dbs[b"ids"], dbs[b"turns"]
-    out: dict[str, Turn] = {}
-    for turn_id in turn_ids:
-        key = txn.get(uprefix + turn_id.encode(), db=ids)
+    ids, turns, notes = dbs[b"ids"], dbs[b"turns"], dbs[b"notes"]
+    out: dict[str, Turn | Note] = {}
+    for memory_id in memory_ids:
+        key = txn.get(uprefix + memory_id.encode(), db=ids)
         raw = None if key is None else txn.get(key, db=turns)
         if raw is not None:
-            out[turn_id] = _decode_turn(raw)
+            out[memory_id] = _decode_turn(raw)
+            continue
+        raw = txn.get(uprefix + memory_id.encode(), db=notes)
+        if raw is not None:
+            out[memory_id] = _decode_note(raw)
     return out
 
 

@@ -5,7 +5,7 @@ Everything public is re-exported here; the modules behind it are private.
 
 from ._config import Config
 from ._engine import Engine, Stats
-from ._records import Link, NewTurn, Role, SessionInfo, Turn
+from ._records import Link, NewTurn, Note, Role, SessionInfo, Turn
 from ._snapshot import Manifest
 from ._retrieval import FOCUS_LEVELS, EpisodicItem, Hit, Message, RetrieveResult, SemanticItem
 from .errors import (
@@ -38,6 +38,7 @@ __all__ = [
     "ModelMismatch",
     "ModelMissing",
     "NewTurn",
+    "Note",
     "OnnxEmbedder",
     "Receipt",
     "RetrieveResult",

@@ -15,15 +15,15 @@ import trio
 import numpy as np
 
 from actors.ann_index import AnnIndex
-from actors.messages import PutLink
+from actors.messages import DeleteNote, PutLink, PutNote
 from actors.embedder import Embedder, EmbeddingBackend, OnnxEmbedder
 from actors.fulltext import FullText
-from actors.session_buffer import Receipt, SessionBuffer
-from actors.store import Store, read_links, read_turn, read_turns_by_id
+from actors.session_buffer import Receipt, SessionBuffer, new_turn_id
+from actors.store import Store, read_links, read_memories_by_id, read_turn
 
 from . import _validate as v
 from ._config import Config
-from ._records import SCHEMA_VERSION, Link, NewTurn, SessionInfo, Turn
+from ._records import SCHEMA_VERSION, Link, NewTurn, Note, SessionInfo, Turn
 from ._retrieval import FOCUS_LEVELS, Hit, RetrieveResult, Retriever, focus_settings, render_markdown
 from ._snapshot import Manifest, compact, restore, take_snapshot
 from .errors import EngineBroken, EngineClosed, InvalidInput
@@ -419,7 +419,7 @@ class Engine:
         at = self._clock() if at is None else v.check_at(at)
         # Both memories must be on disk to be found; indexes and vectors are not needed.
         await self._store.wait_committed(self._store.next_lsn - 1)
-        found = await self._store.read(read_turns_by_id, user_id, [from_id, to_id])
+        found = await self._store.read(read_memories_by_id, user_id, [from_id, to_id])
         for field, memory_id in (("from_id", from_id), ("to_id", to_id)):
             if memory_id not in found:
                 raise InvalidInput(field, f"expected the id of a memory of user {user_id!r}, "
@@ -434,6 +434,90 @@ class Engine:
         self._check_ids(user_id)
         v.check_id("memory_id", memory_id, self._config.max_id_chars)
         return (await self._store.read(read_links, user_id, [memory_id]))[memory_id]
+
+    # -- notes -------------------------------------------------------------------------------
+
+    async def store_note(self, user_id: str, text: str, *, note_id: str | None = None,
+                         tags: Iterable[str] | None = None) -> Note:
+        """Keep a note about the user (seed 003); recall finds it like any other memory.
+
+        Args:
+            note_id: the note's id (default: a new one); refused if the user has it already.
+            tags: for the recall ``tags`` filter.
+
+        Raises:
+            InvalidInput: bad text or tags, or ``note_id`` is taken (use update_note).
+        """
+        return await self._put_note(user_id, text, note_id, tags, replace=False)
+
+    async def update_note(self, user_id: str, note_id: str, text: str, *,
+                          tags: Iterable[str] | None = None) -> Note:
+        """Replace a note's text (and tags), keeping its id and creation time.
+
+        Raises:
+            InvalidInput: the user has no such note.
+        """
+        return await self._put_note(user_id, text, note_id, tags, replace=True)
+
+    async def _put_note(self, user_id: str, text: str, note_id: str | None,
+                        tags: Iterable[str] | None, replace: bool) -> Note:
+        self._check_open()
+        self._check_ids(user_id)
+        v.check_text("text", text, self._config.max_text_chars)
+        if note_id is None:
+            note_id = "n_" + new_turn_id()[2:]
+        v.check_id("note_id", note_id, self._config.max_id_chars)
+        now = self._clock().astimezone(timezone.utc)
+        store = self._store
+        await store.reserve(1)
+        self._check_open()
+        lsn = store.next_lsn
+        note = Note(lsn, note_id, user_id, text, _tags(tags) or (), now, now)
+        outcome: list[tuple[Note | None, str | None, int]] = []
+
+        def committed(result: tuple[Note | None, str | None, int]) -> None:
+            outcome.append(result)
+            if result[2]:  # the replaced version leaves the vector index in commit order
+                self._ann.removed(user_id, [result[2]], False)
+
+        store.submit(PutNote(lsn, note, 1 if replace else -1, committed))
+        await store.wait_committed(lsn)
+        stored, refused, _ = outcome[0]
+        if refused == "exists":
+            raise InvalidInput("note_id", f"expected a new note id, found {note_id!r} in use; "
+                                          "call update_note to change it")
+        if refused == "missing":
+            raise InvalidInput("note_id", f"expected the id of a note of user {user_id!r}, "
+                                          f"found none with id {note_id!r}")
+        return stored
+
+    async def get_note(self, user_id: str, note_id: str) -> Note | None:
+        """A note by id; None if the user has no such note."""
+        self._check_open()
+        self._check_ids(user_id)
+        v.check_id("note_id", note_id, self._config.max_id_chars)
+        await self._store.wait_committed(self._store.next_lsn - 1)
+        found = (await self._store.read(read_memories_by_id, user_id, [note_id])).get(note_id)
+        return found if type(found) is Note else None
+
+    async def delete_note(self, user_id: str, note_id: str) -> bool:
+        """Delete a note from the store and both indexes; False if there was none."""
+        self._check_open()
+        self._check_ids(user_id)
+        v.check_id("note_id", note_id, self._config.max_id_chars)
+        store = self._store
+        await store.reserve(1)
+        self._check_open()
+        lsn = store.next_lsn
+        deleted: list[list[int]] = []
+
+        def committed(lsns: list[int]) -> None:
+            deleted.append(lsns)
+            self._ann.removed(user_id, lsns, False)
+
+        store.submit(DeleteNote(lsn, user_id, note_id, committed))
+        await store.wait_committed(lsn)
+        return bool(deleted[0])
 
     # -- deletion ----------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["Turn", "SessionInfo", "NewTurn", "Link", "Role", "ROLES", "SCHEMA_VERSION"]
+__all__ = ["Turn", "SessionInfo", "NewTurn", "Link", "Note", "Role", "ROLES", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 2  # 2: vectors stored as float16 (actors.store migrates 1 -> 2)
 
@@ -91,3 +91,25 @@ class Link(msgspec.Struct, frozen=True, array_like=True):
     to_id: str
     type: str
     at: datetime
+
+
+class Note(msgspec.Struct, frozen=True, array_like=True):
+    """A note a bot or its model keeps about a user (seed 003), searchable like other memories.
+
+    Attributes:
+        lsn: log position of this version (an update gives the note a new one).
+        note_id: the note's id, kept across updates.
+        user_id: the tenant.
+        text: the note.
+        tags: the caller's tags (the recall ``tags`` filter sees them).
+        created_at: when the note was first stored.
+        updated_at: when this version was stored.
+    """
+
+    lsn: int
+    note_id: str
+    user_id: str
+    text: str
+    tags: tuple[str, ...]
+    created_at: datetime
+    updated_at: datetime

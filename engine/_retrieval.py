@@ -28,12 +28,12 @@ from actors.store import (
     Store,
     read_links,
     read_records,
+    read_memories_by_id,
     read_session_tail,
-    read_turns_by_id,
     turn_tags,
 )
 
-from ._records import Turn
+from ._records import Note, Turn
 
 __all__ = ["Hit", "Message", "EpisodicItem", "SemanticItem", "RetrieveResult", "FOCUS_LEVELS",
            "Retriever", "estimate_tokens"]
@@ -67,7 +67,7 @@ class Hit(msgspec.Struct, frozen=True, kw_only=True):
         kind: turn, episode, fact or note.
         text: its text.
         score: fused score (higher is better); linked memories get a decayed share.
-        session_id: the session it belongs to.
+        session_id: the session it belongs to ("" for a note: notes belong to the user).
         at: when it was said or made.
         turn_ids: the turns it stands for (itself, for a turn).
         role: who said it (turns).
@@ -184,7 +184,7 @@ class Retriever:
             turn = records.get(lsn) or self.buffer.recent_turn(user_id, lsn)
             if turn is None or not _matches(turn, session_id, since, until, roles, kinds, tags):
                 continue  # deleted since it was indexed, or not quite what the filter asked
-            hits.append(_turn_hit(turn, score, via))
+            hits.append(_hit(turn, score, via))
             if len(hits) == limit:
                 break
         if link_depth > 0 and hits:
@@ -232,8 +232,8 @@ class Retriever:
             frontier = next_frontier
             if not frontier:
                 break
-        turns = await self.store.read(read_turns_by_id, user_id, [i for i, _ in found])
-        return [_turn_hit(turns[i], score, ("link",)) for i, score in found if i in turns]
+        memories = await self.store.read(read_memories_by_id, user_id, [i for i, _ in found])
+        return [_hit(memories[i], score, ("link",)) for i, score in found if i in memories]
 
     async def retrieve(self, user_id: str, query: str, *, conversation_id: str | None,
                        episodic_limit: int, semantic_limit: int, category: str | None,
@@ -244,7 +244,7 @@ class Retriever:
         items: list[EpisodicItem] = []
         if episodic and episodic_limit:
             hits = await self.recall(user_id, query, limit=episodic_limit, session_id=None,
-                                     since=None, until=None, roles=None, kinds=None,
+                                     since=None, until=None, roles=None, kinds=("turn",),
                                      link_depth=0, budget_tokens=None)
             for hit in hits:
                 context = await self._neighbours(user_id, hit)
@@ -259,7 +259,7 @@ class Retriever:
 
     async def _neighbours(self, user_id: str, hit: Hit) -> list[Turn]:
         """The turn before a recalled turn, the turn itself, and the one after it."""
-        turn = (await self.store.read(read_turns_by_id, user_id, [hit.id]))[hit.id]
+        turn = (await self.store.read(read_memories_by_id, user_id, [hit.id]))[hit.id]
         before = await self.store.read(read_session_tail, user_id, turn.session_id, 1, turn.seq)
         after = await self.store.read(read_session_tail, user_id, turn.session_id, 1,
                                       turn.seq + 2)
@@ -292,19 +292,29 @@ def pack(hits: list[Hit], budget_tokens: int | None) -> list[Hit]:
     return packed
 
 
-def _matches(turn: Turn, session_id: str | None, since: datetime | None,
+def _matches(memory: Turn | Note, session_id: str | None, since: datetime | None,
              until: datetime | None, roles: tuple[str, ...] | None,
              kinds: tuple[str, ...] | None, tags: tuple[str, ...] | None) -> bool:
+    if type(memory) is Note:  # user-level: no session, no role
+        return (session_id is None and roles is None
+                and (since is None or memory.updated_at >= since)
+                and (until is None or memory.updated_at <= until)
+                and (kinds is None or "note" in kinds)
+                and (tags is None or not set(tags).isdisjoint(memory.tags)))
+    turn = memory
     return ((session_id is None or turn.session_id == session_id)
             and (since is None or turn.at >= since) and (until is None or turn.at <= until)
             and (roles is None or turn.role in roles) and (kinds is None or "turn" in kinds)
             and (tags is None or not set(tags).isdisjoint(turn_tags(turn))))
 
 
-def _turn_hit(turn: Turn, score: float, via: tuple[str, ...]) -> Hit:
-    return Hit(id=turn.turn_id, kind="turn", text=turn.text, score=score,
-               session_id=turn.session_id, at=turn.at, turn_ids=(turn.turn_id,),
-               role=turn.role, via=via)
+def _hit(memory: Turn | Note, score: float, via: tuple[str, ...]) -> Hit:
+    if type(memory) is Note:
+        return Hit(id=memory.note_id, kind="note", text=memory.text, score=score,
+                   session_id="", at=memory.updated_at, turn_ids=(), via=via)
+    return Hit(id=memory.turn_id, kind="turn", text=memory.text, score=score,
+               session_id=memory.session_id, at=memory.at, turn_ids=(memory.turn_id,),
+               role=memory.role, via=via)
 
 
 def _title(text: str, words: int = 8) -> str:

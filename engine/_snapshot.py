@@ -125,18 +125,26 @@ async def _checksums(root: Path, sync: bool = False) -> dict[str, tuple[int, str
     return dict(sorted(out.items()))
 
 
+def _users(env: lmdb.Environment, txn: lmdb.Transaction) -> set[bytes]:
+    """Every user with a session or a note (the first key component of either)."""
+    users: set[bytes] = set()
+    for name in (b"sessions", b"notes"):
+        cursor = txn.cursor(env.open_db(name, txn=txn, create=False))
+        users.update(key.split(b"\x00", 1)[0] for key in cursor.iternext(keys=True, values=False))
+    return users
+
+
 def _counts(store_dir: Path) -> dict[str, int]:
     env = lmdb.open(str(store_dir), readonly=True, lock=False, max_dbs=MAX_DBS)
     try:
         with env.begin() as txn:
             stat = {n: txn.stat(env.open_db(n, txn=txn, create=False))["entries"]
                     for n in DB_NAMES}
-            users = len({key.split(b"\x00", 1)[0]
-                         for key in txn.cursor(env.open_db(b"sessions", txn=txn, create=False))
-                         .iternext(keys=True, values=False)})
+            users = len(_users(env, txn))
             raw = txn.get(b"embedded_lsn", db=env.open_db(b"meta", txn=txn, create=False))
         return {"users": users, "sessions": stat[b"sessions"], "turns": stat[b"turns"],
-                "vectors": stat[b"vectors"], "links": stat[b"links"] // 2,
+                "notes": stat[b"notes"], "vectors": stat[b"vectors"],
+                "links": stat[b"links"] // 2,
                 "embedded_lsn": int.from_bytes(raw, "big") if raw else 0}
     finally:
         env.close()
@@ -242,9 +250,7 @@ def _sweep_graphs(store: Path) -> None:
     env = lmdb.open(str(store), readonly=True, lock=False, max_dbs=MAX_DBS)
     try:
         with env.begin() as txn:
-            users = {key.split(b"\x00", 1)[0]
-                     for key in txn.cursor(env.open_db(b"sessions", txn=txn, create=False))
-                     .iternext(keys=True, values=False)}
+            users = _users(env, txn)
     finally:
         env.close()
     keep = {hashlib.blake2b(user, digest_size=16).hexdigest() for user in users}

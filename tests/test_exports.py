@@ -8,7 +8,7 @@ def test_public_names_are_exported_and_nothing_private_leaks() -> None:
     assert set(engine.__all__) == {
         "Config", "EmbeddingBackend", "Engine", "EngineBroken", "EngineClosed", "EngineError",
         "EpisodicItem", "FOCUS_LEVELS", "HashEmbedder", "Hit", "InvalidInput", "Link", "Manifest",
-        "Message", "ModelMismatch", "ModelMissing", "NewTurn", "OnnxEmbedder", "Receipt",
+        "Message", "ModelMismatch", "ModelMissing", "NewTurn", "Note", "OnnxEmbedder", "Receipt",
         "RetrieveResult", "Role", "SemanticItem", "SessionInfo", "Stats", "StoreIncompatible",
         "Turn",
     }

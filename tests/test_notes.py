@@ -1,0 +1,69 @@
+"""Notes (seed 003): stored, updated in place, deleted, and recalled like other memories."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import InvalidInput
+
+from .conftest import open_engine, raw_databases
+
+
+async def test_a_note_is_recalled_updated_and_deleted(store_path) -> None:
+    """A note is found by recall; an update replaces what is found; a delete removes it."""
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("ana", "s", "user", "we talked about the weather")
+        note = await mem.store_note("ana", "prefers the window seat on trains", tags=["travel"])
+        await mem.flush()
+        hits = await mem.recall("ana", "window seat train")
+        assert (hits[0].id, hits[0].kind, hits[0].session_id) == (note.note_id, "note", "")
+        assert await mem.recall("ana", "window seat", tags=["travel"], kinds=["note"])
+
+        updated = await mem.update_note("ana", note.note_id, "prefers the aisle seat on trains")
+        assert (updated.note_id, updated.created_at) == (note.note_id, note.created_at)
+        assert updated.lsn > note.lsn
+        await mem.flush()
+        texts = [h.text for h in await mem.recall("ana", "seat on trains", kinds=["note"])]
+        assert texts == ["prefers the aisle seat on trains"]
+        assert await mem.recall("ana", "window", kinds=["note"]) == []
+        assert (await mem.get_note("ana", note.note_id)).text == "prefers the aisle seat on trains"
+
+        assert await mem.delete_note("ana", note.note_id) is True
+        assert await mem.delete_note("ana", note.note_id) is False
+        await mem.flush()
+        assert await mem.recall("ana", "aisle seat", kinds=["note"]) == []
+        assert await mem.get_note("ana", note.note_id) is None
+        assert note.lsn not in [lsn for lsn, _ in await mem._ann.search(
+            "ana", (await mem.embed(["aisle seat"]))[0], 10)]
+
+
+async def test_note_ids_are_per_user_and_checked(store_path) -> None:
+    """Another user cannot see or update a note; ids are unique per user; refusals keep the log gapless."""
+    async with open_engine(store_path) as mem:
+        note = await mem.store_note("ana", "likes jazz", note_id="n_music")
+        with pytest.raises(InvalidInput, match=r"note_id: expected a new note id, found 'n_music' in use"):
+            await mem.store_note("ana", "likes rock", note_id="n_music")
+        with pytest.raises(InvalidInput, match=r"note_id: expected the id of a note of user 'bo'"):
+            await mem.update_note("bo", "n_music", "hijacked")
+        assert await mem.get_note("bo", "n_music") is None
+        await mem.store_note("bo", "likes rock", note_id="n_music")
+        await mem.flush()
+        assert [h.text for h in await mem.recall("bo", "likes jazz rock", kinds=["note"])] == ["likes rock"]
+        assert (await mem.get_note("ana", "n_music")).text == note.text
+    log_keys = [int.from_bytes(k, "big") for k, _ in raw_databases(store_path)["log"]]
+    assert log_keys == list(range(1, len(log_keys) + 1))
+
+
+async def test_forget_user_removes_notes_everywhere(store_path) -> None:
+    """forget_user deletes a user's notes from the store and both indexes."""
+    async with open_engine(store_path) as mem:
+        await mem.store_note("zed-user", "xyzzy secret note")
+        await mem.store_note("ana", "ana keeps this note")
+        await mem.flush()
+        await mem.forget_user("zed-user")
+        await mem.flush()
+        assert await mem.recall("zed-user", "xyzzy secret note") == []
+        assert [h.kind for h in await mem.recall("ana", "note")] == ["note"]
+    for name, items in raw_databases(store_path).items():
+        for key, value in items:
+            assert b"zed-user" not in key + value and b"xyzzy" not in value, name
