@@ -12,7 +12,8 @@ meta       ``model``                               ModelInfo (msgpack): id and d
 sessions   user NUL session                        SessionInfo (msgpack)
 turns      user NUL session NUL seq(8 bytes)       Turn (msgpack)
 ids        user NUL turn_id                        the turn's key in ``turns``
-log        lsn (8 bytes, big-endian)               ``T`` + turn key, or ``D`` + deleted lsns
+log        lsn (8 bytes, big-endian)               ``T`` + turn key; ``N`` + replaced lsn +
+                                                   notes key; ``D`` + deleted lsns
 vectors    user NUL lsn(8 bytes)                   ANN header + the embedding, float32 bytes
 links      user NUL from NUL to / user NUL to NUL  Link (msgpack), once per direction
            from
