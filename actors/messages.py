@@ -12,7 +12,8 @@ import msgspec
 
 from engine._records import Turn
 
-__all__ = ["AppendTurn", "Forget", "PutVectors", "PutLink", "PutNote", "DeleteNote", "Searchable",
+__all__ = ["AppendTurn", "Forget", "PutVectors", "PutLink", "PutNote", "DeleteNote", "WriteSummary",
+           "Searchable",
            "EmbedRequest",
            "StoreOp", "EmbedderOp"]
 
@@ -106,6 +107,20 @@ class DeleteNote(msgspec.Struct, frozen=True, tag=True):
     committed: Any = None
 
 
+class WriteSummary(msgspec.Struct, frozen=True, tag=True):
+    """Compare-and-set a session's summary: applied (with epoch ``expected_epoch + 1``) only if
+    the stored epoch is still ``expected_epoch``; ``committed`` gets True or False."""
+
+    user_id: str
+    session_id: str
+    state: Any  # engine._records.SummaryState, epoch already expected_epoch + 1
+    expected_epoch: int
+    done: Any = None
+    committed: Any = None
+
+    lsn = None  # not searchable: not part of the log
+
+
 class Searchable(msgspec.Struct, frozen=True):
     """What the indexes need of a logged record, read back from the store in log order."""
 
@@ -133,5 +148,6 @@ class EmbedRequest(msgspec.Struct, frozen=True, tag=True):
     reply: Any
 
 
-StoreOp = AppendTurn | Forget | PutVectors | PutLink | PutNote | DeleteNote
+StoreOp = (AppendTurn | Forget | PutVectors | PutLink | PutNote | DeleteNote
+           | WriteSummary)
 EmbedderOp = EmbedRequest

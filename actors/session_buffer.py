@@ -188,6 +188,11 @@ class SessionBuffer:
             self._set_window(state, turns[-self._window_turns:])
         return turns
 
+    def next_seq(self, user_id: str, session_id: str) -> int | None:
+        """The session's next seq (its turn count); None for an unknown session."""
+        state = self._lookup(user_id, session_id)
+        return None if state is None else state.next_seq
+
     def turns_after(self, user_id: str, lsn: int) -> list[Turn]:
         """The user's turns in RAM windows with an lsn above ``lsn`` (not yet indexed)."""
         out = []

@@ -18,6 +18,7 @@ vectors    user NUL lsn(8 bytes)                   ANN header + the embedding, f
 links      user NUL from NUL to / user NUL to NUL  Link (msgpack), once per direction
            from
 notes      user NUL note_id                        Note (msgpack), its latest version
+summaries  user NUL session                        SummaryState (msgpack)
 =========  ======================================  ===========================================
 
 The log is what derived views (the ANN and full-text indexes) replay from their watermark.
@@ -49,7 +50,7 @@ import msgspec
 import trio
 
 from engine._config import Config
-from engine._records import SCHEMA_VERSION, Link, Note, SessionInfo, Turn
+from engine._records import SCHEMA_VERSION, Link, Note, SessionInfo, SummaryState, Turn
 from engine.errors import (
     EngineBroken,
     EngineClosed,
@@ -68,6 +69,7 @@ from .messages import (
     PutVectors,
     Searchable,
     StoreOp,
+    WriteSummary,
 )
 
 __all__ = ["Store", "MIGRATIONS", "user_prefix", "session_prefix", "lsn_key"]
@@ -78,7 +80,8 @@ READ_THREADS = 2  # concurrent read transactions: one per core; the writer has i
 MAX_DBS = 16  # named databases LMDB reserves room for; later layers add theirs
 MAX_READERS = 126  # LMDB reader slots: the default, far above the threads we use
 
-DB_NAMES = (b"meta", b"sessions", b"turns", b"ids", b"log", b"vectors", b"links", b"notes")
+DB_NAMES = (b"meta", b"sessions", b"turns", b"ids", b"log", b"vectors", b"links", b"notes",
+            b"summaries")
 LOG_TURN = b"T"
 LOG_NOTE = b"N"  # + the lsn this version replaces (8 bytes, 0: none) + the notes key
 LOG_TOMBSTONE = b"D"
@@ -121,6 +124,7 @@ class _TurnHead(msgspec.Struct, array_like=True):
 _decode_head = msgspec.msgpack.Decoder(_TurnHead).decode
 _decode_link = msgspec.msgpack.Decoder(Link).decode
 _decode_note = msgspec.msgpack.Decoder(Note).decode
+_decode_summary = msgspec.msgpack.Decoder(SummaryState).decode
 
 
 def user_prefix(user_id: str) -> bytes:
@@ -468,7 +472,7 @@ class Store:
             await self._commits.park()
         await trio.lowlevel.checkpoint()
 
-    async def write_unlogged(self, op: PutVectors | PutLink) -> None:
+    async def write_unlogged(self, op: PutVectors | PutLink | WriteSummary) -> None:
         """Queue an op that takes no log position and wait for its commit."""
         self.check_usable()
         self.submit(op)
@@ -551,6 +555,8 @@ class Store:
                         results.append((seg, self._put_note_in(txn, seg)))
                     elif type(seg) is DeleteNote:
                         results.append((seg, self._delete_note_in(txn, seg)))
+                    elif type(seg) is WriteSummary:
+                        results.append((seg, self._write_summary_in(txn, seg)))
                     else:
                         for key in link_keys(seg.user_id, seg.link):
                             txn.put(key, _encode(seg.link), db=dbs[b"links"])
@@ -586,6 +592,7 @@ class Store:
                     break
         if op.session_id is not None:
             txn.delete(tprefix[:-1], db=dbs[b"sessions"])
+            txn.delete(tprefix[:-1], db=dbs[b"summaries"])
         else:
             notes = txn.cursor(dbs[b"notes"])
             if notes.set_range(uprefix):
@@ -595,7 +602,7 @@ class Store:
                     lsn = _decode_head(value).lsn
                     deleted.append(lsn)
                     txn.delete(lsn_key(lsn), db=log)
-            for name in (b"sessions", b"links", b"vectors", b"notes"):
+            for name in (b"sessions", b"links", b"vectors", b"notes", b"summaries"):
                 _delete_prefix(txn, dbs[name], uprefix)
         result = deleted.tolist()
         deleted.byteswap()  # big-endian on disk, like every other integer in the store
@@ -625,6 +632,15 @@ class Store:
         txn.put(key, _encode(note), db=dbs[b"notes"])
         txn.put(lsn_key(op.lsn), LOG_NOTE + lsn_key(replaces) + key, db=dbs[b"log"], append=True)
         return note, None, replaces
+
+    def _write_summary_in(self, txn: lmdb.Transaction, op: WriteSummary) -> bool:
+        key = user_prefix(op.user_id) + op.session_id.encode()
+        raw = txn.get(key, db=self._dbs[b"summaries"])
+        epoch = 0 if raw is None else _decode_summary(raw).epoch
+        if epoch != op.expected_epoch:
+            return False  # a newer summary landed since the writer read: discard this one
+        txn.put(key, _encode(op.state), db=self._dbs[b"summaries"])
+        return True
 
     def _delete_note_in(self, txn: lmdb.Transaction, op: DeleteNote) -> list[int]:
         dbs = self._dbs
@@ -679,7 +695,7 @@ class Store:
         while self._waiters:
             heapq.heappop(self._waiters)[2].set()
         for op in self._queue:
-            if type(op) in (PutVectors, PutLink) and op.done is not None:
+            if type(op) in (PutVectors, PutLink, WriteSummary) and op.done is not None:
                 op.done.set()
 
     # -- reads -------------------------------------------------------------------------------
@@ -947,3 +963,10 @@ def stored_model(path: Path) -> ModelInfo | None:
         return None
     finally:
         env.close()
+
+
+def read_summary(
+    txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str, session_id: str
+) -> SummaryState | None:
+    raw = txn.get(user_prefix(user_id) + session_id.encode(), db=dbs[b"summaries"])
+    return None if raw is None else _decode_summary(raw)

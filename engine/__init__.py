@@ -5,7 +5,7 @@ Everything public is re-exported here; the modules behind it are private.
 
 from ._config import Config
 from ._engine import Engine, Stats
-from ._records import Link, NewTurn, Note, Role, SessionInfo, Turn
+from ._records import Link, NewTurn, Note, Role, SessionInfo, SummaryState, Turn
 from ._snapshot import Manifest
 from ._retrieval import FOCUS_LEVELS, EpisodicItem, Hit, Message, RetrieveResult, SemanticItem
 from .errors import (
@@ -47,6 +47,7 @@ __all__ = [
     "SessionInfo",
     "Stats",
     "StoreIncompatible",
+    "SummaryState",
     "Turn",
 ]
 

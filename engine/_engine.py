@@ -15,15 +15,15 @@ import trio
 import numpy as np
 
 from actors.ann_index import AnnIndex
-from actors.messages import DeleteNote, PutLink, PutNote
+from actors.messages import DeleteNote, PutLink, PutNote, WriteSummary
 from actors.embedder import Embedder, EmbeddingBackend, OnnxEmbedder
 from actors.fulltext import FullText
 from actors.session_buffer import Receipt, SessionBuffer, new_turn_id
-from actors.store import Store, read_links, read_memories_by_id, read_turn
+from actors.store import Store, read_links, read_memories_by_id, read_summary, read_turn
 
 from . import _validate as v
 from ._config import Config
-from ._records import SCHEMA_VERSION, Link, NewTurn, Note, SessionInfo, Turn
+from ._records import SCHEMA_VERSION, Link, NewTurn, Note, SessionInfo, SummaryState, Turn
 from ._retrieval import FOCUS_LEVELS, Hit, RetrieveResult, Retriever, focus_settings, render_markdown
 from ._snapshot import Manifest, compact, restore, take_snapshot
 from .errors import EngineBroken, EngineClosed, InvalidInput
@@ -434,6 +434,50 @@ class Engine:
         self._check_ids(user_id)
         v.check_id("memory_id", memory_id, self._config.max_id_chars)
         return (await self._store.read(read_links, user_id, [memory_id]))[memory_id]
+
+    # -- rolling session summaries -----------------------------------------------------------
+
+    async def session_summary(self, user_id: str, session_id: str) -> SummaryState | None:
+        """The session's rolling summary (seed 003), or None before the first write. Pass its
+        ``epoch`` to :meth:`write_session_summary`."""
+        self._check_open()
+        self._check_ids(user_id, session_id)
+        await self._store.wait_committed(self._store.next_lsn - 1)
+        return await self._store.read(read_summary, user_id, session_id)
+
+    async def write_session_summary(self, user_id: str, session_id: str, summary: str,
+                                    upper_seq: int, expected_epoch: int) -> bool:
+        """Replace the session's rolling summary if nobody did since ``expected_epoch`` was read.
+
+        Optimistic concurrency (seed 003): a slow summariser holding a stale epoch is refused,
+        so it can never overwrite a newer summary.
+
+        Args:
+            summary: the new summary text.
+            upper_seq: it covers the session's turns with seq below this.
+            expected_epoch: the epoch read with :meth:`session_summary` (0 before any).
+
+        Returns:
+            True if written (the epoch is now ``expected_epoch + 1``), False if stale.
+
+        Raises:
+            InvalidInput: unknown session, bad text, or ``upper_seq`` beyond the session.
+        """
+        self._check_open()
+        self._check_ids(user_id, session_id)
+        v.check_text("summary", summary, self._config.max_text_chars)
+        turns = self._buffer.next_seq(user_id, session_id)
+        if turns is None:
+            raise InvalidInput("session_id", f"expected a session of user {user_id!r}, found "
+                                             f"none called {session_id!r}")
+        _check_count("upper_seq", upper_seq, 0, turns)
+        _check_count("expected_epoch", expected_epoch, 0, 2**62)
+        state = SummaryState(expected_epoch + 1, summary, upper_seq,
+                             self._clock().astimezone(timezone.utc))
+        applied: list[bool] = []
+        await self._store.write_unlogged(WriteSummary(user_id, session_id, state, expected_epoch,
+                                                      trio.Event(), applied.append))
+        return applied[0]
 
     # -- notes -------------------------------------------------------------------------------
 

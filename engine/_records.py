@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["Turn", "SessionInfo", "NewTurn", "Link", "Note", "Role", "ROLES", "SCHEMA_VERSION"]
+__all__ = ["Turn", "SessionInfo", "NewTurn", "Link", "Note", "SummaryState", "Role", "ROLES",
+           "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 2  # 2: vectors stored as float16 (actors.store migrates 1 -> 2)
 
@@ -112,4 +113,20 @@ class Note(msgspec.Struct, frozen=True, array_like=True):
     text: str
     tags: tuple[str, ...]
     created_at: datetime
+    updated_at: datetime
+
+
+class SummaryState(msgspec.Struct, frozen=True, array_like=True):
+    """A session's rolling summary (seed 003), written with optimistic concurrency.
+
+    Attributes:
+        epoch: bumped by every write; a writer must name the epoch it read.
+        summary: the summary text.
+        upper_seq: the summary covers the session's turns with seq below this.
+        updated_at: when it was written.
+    """
+
+    epoch: int
+    summary: str
+    upper_seq: int
     updated_at: datetime

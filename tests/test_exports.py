@@ -10,7 +10,7 @@ def test_public_names_are_exported_and_nothing_private_leaks() -> None:
         "EpisodicItem", "FOCUS_LEVELS", "HashEmbedder", "Hit", "InvalidInput", "Link", "Manifest",
         "Message", "ModelMismatch", "ModelMissing", "NewTurn", "Note", "OnnxEmbedder", "Receipt",
         "RetrieveResult", "Role", "SemanticItem", "SessionInfo", "Stats", "StoreIncompatible",
-        "Turn",
+        "SummaryState", "Turn",
     }
     for name in engine.__all__:
         assert getattr(engine, name) is not None
