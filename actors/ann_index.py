@@ -141,8 +141,9 @@ class _UserVectors:
         self.idle = trio.lowlevel.ParkingLot()
 
     def append(self, lsns: np.ndarray, meta: np.ndarray, matrix: np.ndarray) -> None:
-        fresh = np.array([lsn not in self.row_of for lsn in lsns.tolist()], dtype=bool)
-        lsns, meta, matrix = lsns[fresh], meta[fresh], matrix[fresh]
+        if self.row_of:  # rows arriving twice (a load racing a commit) are kept once
+            fresh = np.array([lsn not in self.row_of for lsn in lsns.tolist()], dtype=bool)
+            lsns, meta, matrix = lsns[fresh], meta[fresh], matrix[fresh]
         k = len(lsns)
         if not k:
             return
@@ -158,8 +159,7 @@ class _UserVectors:
         rows = slice(self.n, need)
         self.lsns[rows], self.meta[rows], self.matrix[rows] = lsns, meta, matrix
         self.alive[rows] = True
-        for i, lsn in enumerate(lsns.tolist()):
-            self.row_of[lsn] = self.n + i
+        self.row_of.update(zip(lsns.tolist(), range(self.n, need)))
         self.n = need
 
     def remove(self, lsns: list[int]) -> None:
@@ -258,6 +258,15 @@ class AnnIndex:
         os.replace(lsns_file.with_suffix(".tmp.npy"), lsns_file)
         os.replace(graph_file.with_suffix(".tmp"), graph_file)
         uv.unsaved = False
+
+    def _build_user(self, user_id: str, lsns: list[int], values: bytes) -> _UserVectors:
+        """A user's index from their stored vectors (worker thread: ~100k rows of work)."""
+        uv = self._load_graph(user_id, lsns, values)
+        if uv is None:
+            uv = _UserVectors(self._dim)
+            uv.append(np.array(lsns, dtype=np.int64),
+                      *decode_vectors(values, len(lsns), self._dim))
+        return uv
 
     def _load_graph(self, user_id: str, lsns: list[int], values: bytes
                     ) -> _UserVectors | None:
@@ -392,13 +401,10 @@ class AnnIndex:
         done = self._load_done[user_id] = trio.Event()
         try:
             lsns, values = await self._store.read(read_user_vectors, user_id)
-            uv = await trio.to_thread.run_sync(self._load_graph, user_id, lsns, values,
-                                               limiter=self._graph_limiter)
-            if uv is None:
-                meta, matrix = await trio.to_thread.run_sync(decode_vectors, values, len(lsns),
-                                                             self._dim)
-                uv = _UserVectors(self._dim)
-                uv.append(np.array(lsns, dtype=np.int64), meta, matrix)
+            # The search limiter, not the graph writer's: a first query must not wait behind
+            # another user's graph build.
+            uv = await trio.to_thread.run_sync(self._build_user, user_id, lsns, values,
+                                               limiter=self._search_limiter)
             forgotten = False
             for what, payload in self._loading[user_id]:
                 if what == "add":
