@@ -789,21 +789,13 @@ def read_session_tail(
     return found
 
 
-def read_turn(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str, turn_id: str) -> Turn | None:
-    key = txn.get(user_prefix(user_id) + turn_id.encode(), db=dbs[b"ids"])
-    if key is None:
-        return None
-    raw = txn.get(key, db=dbs[b"turns"])
-    return None if raw is None else _decode_turn(raw)
 
-
-def read_all(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> dict[str, list[tuple[bytes, bytes]]]:
-    """Every key and value of every database: for audits and tests, not for serving."""
-    return {
-        name.decode(): list(txn.cursor(db).iternext(keys=True, values=True))
-        for name, db in dbs.items()
-    }
-
+def _note_version(txn: lmdb.Transaction, dbs: dict[bytes, Any], entry: bytes,
+                  lsn: int) -> Note | None:
+    """The note a ``N`` log entry at ``lsn`` names, if that version is still the current one."""
+    raw = txn.get(entry[9:], db=dbs[b"notes"])
+    note = None if raw is None else _decode_note(raw)
+    return note if note is not None and note.lsn == lsn else None
 
 
 def read_log_range(
@@ -837,9 +829,8 @@ def read_log_range(
                 replaces = int.from_bytes(entry[1:9], "big")
                 if replaces:
                     deleted.append(replaces)
-                raw = txn.get(entry[9:], db=dbs[b"notes"])
-                note = None if raw is None else _decode_note(raw)
-                if note is not None and note.lsn == lsn:
+                note = _note_version(txn, dbs, entry, lsn)
+                if note is not None:
                     found.append(Searchable(lsn, "note", note.user_id, "", "", note.updated_at,
                                             note.text, note.tags))
             elif kind == LOG_TOMBSTONE:
@@ -866,7 +857,7 @@ def read_records(
 ) -> dict[int, Turn | Note]:
     """The user's records at these lsns; others' records and deleted ones are left out."""
     uprefix = user_prefix(user_id)
-    log, turns, notes = dbs[b"log"], dbs[b"turns"], dbs[b"notes"]
+    log, turns = dbs[b"log"], dbs[b"turns"]
     out: dict[int, Turn | Note] = {}
     for lsn in lsns:
         entry = txn.get(lsn_key(lsn), db=log)
@@ -877,9 +868,8 @@ def read_records(
             if raw is not None:
                 out[lsn] = _decode_turn(raw)
         elif entry[:1] == LOG_NOTE and entry[9:].startswith(uprefix):
-            raw = txn.get(entry[9:], db=notes)
-            note = None if raw is None else _decode_note(raw)
-            if note is not None and note.lsn == lsn:
+            note = _note_version(txn, dbs, entry, lsn)
+            if note is not None:
                 out[lsn] = note
     return out
 
@@ -936,19 +926,6 @@ def read_user_vectors(
             lsns.append(int.from_bytes(key[len(prefix):], "big"))
             values.append(value)
     return lsns, b"".join(values)
-
-
-def read_vectors(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str) -> dict[int, bytes]:
-    """A user's stored vectors by lsn."""
-    prefix = user_prefix(user_id)
-    cursor = txn.cursor(dbs[b"vectors"])
-    out: dict[int, bytes] = {}
-    if cursor.set_range(prefix):
-        for key, value in cursor:
-            if not key.startswith(prefix):
-                break
-            out[int.from_bytes(key[len(prefix):], "big")] = value
-    return out
 
 
 def stored_model(path: Path) -> ModelInfo | None:

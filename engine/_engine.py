@@ -19,7 +19,7 @@ from actors.messages import DeleteNote, PutLink, PutNote, WriteSummary
 from actors.embedder import Embedder, EmbeddingBackend, OnnxEmbedder
 from actors.fulltext import FullText
 from actors.session_buffer import Receipt, SessionBuffer, new_turn_id
-from actors.store import Store, read_links, read_memories_by_id, read_summary, read_turn
+from actors.store import Store, read_links, read_memories_by_id, read_summary
 
 from . import _validate as v
 from ._config import Config
@@ -284,7 +284,8 @@ class Engine:
         v.check_id("turn_id", turn_id, self._config.max_id_chars)
         store = self._store
         await store.wait_committed(store.next_lsn - 1)
-        return await store.read(read_turn, user_id, turn_id)
+        found = (await store.read(read_memories_by_id, user_id, [turn_id])).get(turn_id)
+        return found if type(found) is Turn else None
 
     # -- retrieval ---------------------------------------------------------------------------
 

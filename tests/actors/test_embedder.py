@@ -12,7 +12,7 @@ import trio
 
 import actors.embedder as embedder_mod
 from actors.ann_index import decode_vectors
-from actors.store import read_vectors
+from actors.store import read_user_vectors
 from engine import (
     Engine,
     EngineBroken,
@@ -31,11 +31,11 @@ REFERENCE = Path(__file__).resolve().parents[1] / "data" / "minilm-l6-v2-referen
 
 async def stored_vectors(mem: Engine, user_id: str, dim: int = 384) -> dict[int, np.ndarray]:
     """The user's vectors as stored, by lsn, without their index headers."""
-    raw = await mem._store.read(read_vectors, user_id)
-    if not raw:
+    lsns, values = await mem._store.read(read_user_vectors, user_id)
+    if not lsns:
         return {}
-    _, matrix = decode_vectors(b"".join(raw.values()), len(raw), dim)
-    return dict(zip(raw, matrix))
+    _, matrix = decode_vectors(values, len(lsns), dim)
+    return dict(zip(lsns, matrix, strict=True))
 
 
 class GatedEmbedder(HashEmbedder):
