@@ -911,6 +911,26 @@ def read_memories_by_id(
     return out
 
 
+def read_turn_contexts(
+    txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str, turn_ids: list[str]
+) -> dict[str, list[Turn]]:
+    """Each turn with the turn before and the turn after it in its session, by turn id; turns
+    not on disk (or not the user's) are left out."""
+    turns = dbs[b"turns"]
+    out: dict[str, list[Turn]] = {}
+    for turn_id, turn in read_memories_by_id(txn, dbs, user_id, turn_ids).items():
+        if type(turn) is not Turn:
+            continue
+        prefix = session_prefix(user_id, turn.session_id)
+        context = [turn]
+        for seq, at_end in ((turn.seq - 1, False), (turn.seq + 1, True)):
+            raw = txn.get(prefix + seq.to_bytes(8, "big"), db=turns) if seq >= 0 else None
+            if raw is not None:
+                context.insert(len(context) if at_end else 0, _decode_turn(raw))
+        out[turn_id] = context
+    return out
+
+
 def read_user_vectors(
     txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str
 ) -> tuple[list[int], bytes]:

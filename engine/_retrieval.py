@@ -29,7 +29,7 @@ from actors.store import (
     read_links,
     read_records,
     read_memories_by_id,
-    read_session_tail,
+    read_turn_contexts,
     turn_tags,
 )
 
@@ -246,25 +246,18 @@ class Retriever:
             hits = await self.recall(user_id, query, limit=episodic_limit, session_id=None,
                                      since=None, until=None, roles=None, kinds=("turn",),
                                      link_depth=0, budget_tokens=None)
+            contexts = await self.store.read(read_turn_contexts, user_id, [h.id for h in hits])
             for hit in hits:
-                context = await self._neighbours(user_id, hit)
+                # A turn found in the RAM window may not be on disk yet: it stands alone.
+                messages = [Message(t.role, t.text) for t in contexts[hit.id]] \
+                    if hit.id in contexts else [Message(hit.role or "user", hit.text)]
+                times = [t.at for t in contexts.get(hit.id, ())] or [hit.at]
                 items.append(EpisodicItem(
-                    id=hit.id, conversation_id=hit.session_id,
-                    messages=[Message(t.role, t.text) for t in context],
+                    id=hit.id, conversation_id=hit.session_id, messages=messages,
                     title=_title(hit.text), summary=hit.text, stability=1.0, difficulty=5.0,
-                    surprise=0.0, start_at=context[0].at, end_at=context[-1].at,
-                    created_at=hit.at, last_reviewed_at=None, consolidated_at=None,
-                    score=hit.score))
+                    surprise=0.0, start_at=times[0], end_at=times[-1], created_at=hit.at,
+                    last_reviewed_at=None, consolidated_at=None, score=hit.score))
         return RetrieveResult(semantic[:semantic_limit], items)
-
-    async def _neighbours(self, user_id: str, hit: Hit) -> list[Turn]:
-        """The turn before a recalled turn, the turn itself, and the one after it."""
-        turn = (await self.store.read(read_memories_by_id, user_id, [hit.id]))[hit.id]
-        before = await self.store.read(read_session_tail, user_id, turn.session_id, 1, turn.seq)
-        after = await self.store.read(read_session_tail, user_id, turn.session_id, 1,
-                                      turn.seq + 2)
-        after = [t for t in after if t.seq == turn.seq + 1]
-        return before + [turn] + after
 
 
 def fuse(ranked: dict[str, list[int]]) -> list[tuple[int, float, tuple[str, ...]]]:

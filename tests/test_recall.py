@@ -218,3 +218,25 @@ async def test_tags_in_turn_meta_filter_every_leg(store_path) -> None:
         assert [h.text for h in vector_only] == ["porto wine for the party"]
         with pytest.raises(InvalidInput, match=r"tags\[0\]: expected a non-empty string, found 3"):
             await mem.recall("ana", "porto", tags=[3])
+
+
+async def test_retrieve_memory_includes_a_turn_not_yet_on_disk(store_path, monkeypatch) -> None:
+    """With the disk held back, retrieve_memory still shows a just-added turn (from the window)."""
+    import threading
+
+    import actors.store as store_mod
+
+    gate = threading.Event()
+    original = store_mod.Store._write
+
+    def held_write(self, segments, last_lsn):
+        gate.wait(10)
+        return original(self, segments, last_lsn)
+
+    async with open_engine(store_path, config={"background_embedding": False}) as mem:
+        monkeypatch.setattr(store_mod.Store, "_write", held_write)
+        await mem.add_turn("ana", "s", "user", "my locker code is 4411")
+        raw = await mem.retrieve_memory_raw("ana", "locker code", episodic_limit=2)
+        gate.set()
+    (item,) = raw.episodic
+    assert [m.content for m in item.messages] == ["my locker code is 4411"]
