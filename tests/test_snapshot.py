@@ -69,28 +69,35 @@ async def test_a_snapshot_taken_during_ingest_restores_to_the_same_answers(tmp_p
         assert await _recall_texts(mem, "ana") == restored_answers
 
 
+FORGOTTEN = [b"zed-the-user", b"xyzzysecret", b"zsession"]
+
+
+async def _forget_a_user(mem: Engine, turns: int) -> None:
+    """Turns of zed and ana, all indexed; then zed is forgotten."""
+    for i in range(turns):
+        await mem.add_turn("zed-the-user", "zsession", "user", f"xyzzysecret plan {i}")
+        await mem.add_turn("ana", "s", "user", f"ana plan {i}")
+    await mem.flush()
+    await mem.forget_user("zed-the-user")
+    await mem.flush()
+
+
 async def test_a_forgotten_user_is_in_no_byte_of_a_later_snapshot(tmp_path) -> None:
     """After forget_user, neither the snapshot nor a store restored from it holds the user's
     id or words, though LMDB's freed pages and tantivy's tombstoned segments still do live."""
     live = tmp_path / "live"
-    needles = [b"zed-the-user", b"xyzzysecret", b"zsession"]
     async with open_engine(live) as mem:
-        for i in range(30):
-            await mem.add_turn("zed-the-user", "zsession", "user", f"xyzzysecret plan {i}")
-            await mem.add_turn("ana", "s", "user", f"ana plan {i}")
-        await mem.flush()
-        await mem.forget_user("zed-the-user")
-        await mem.flush()
+        await _forget_a_user(mem, 30)
         manifest = await mem.snapshot(tmp_path / "snap")
     assert manifest.fulltext == "rebuilt" and manifest.counts["users"] == 1
-    assert _files_containing(live, needles)  # the live store still hides old bytes...
-    assert _files_containing(tmp_path / "snap", needles) == []  # ...the snapshot does not
+    assert _files_containing(live, FORGOTTEN)  # the live store still hides old bytes...
+    assert _files_containing(tmp_path / "snap", FORGOTTEN) == []  # ...the snapshot does not
     await Engine.restore(tmp_path / "snap", tmp_path / "restored")
     async with open_engine(tmp_path / "restored") as mem:
         await mem.flush()
         assert await mem.recall("zed-the-user", "xyzzysecret plan") == []
         assert len(await mem.recall("ana", "ana plan", limit=50)) == 30
-    assert _files_containing(tmp_path / "restored", needles) == []
+    assert _files_containing(tmp_path / "restored", FORGOTTEN) == []
 
 
 async def test_compact_leaves_no_bytes_of_forgotten_users_in_the_live_store(tmp_path) -> None:
@@ -98,19 +105,14 @@ async def test_compact_leaves_no_bytes_of_forgotten_users_in_the_live_store(tmp_
     it refuses a store an engine has open."""
     live = tmp_path / "live"
     async with open_engine(live) as mem:
-        for i in range(20):
-            await mem.add_turn("zed-the-user", "zsession", "user", f"xyzzysecret {i}")
-            await mem.add_turn("ana", "s", "user", f"ana note {i}")
-        await mem.flush()
-        await mem.forget_user("zed-the-user")
-        await mem.flush()
+        await _forget_a_user(mem, 20)
         with pytest.raises(EngineClosed, match=r"is open in an engine; close it before compacting"):
             await Engine.compact(live)
     report = await Engine.compact(live)
     assert report["fulltext_rebuilt"] is True
-    assert _files_containing(live, [b"zed-the-user", b"xyzzysecret"]) == []
+    assert _files_containing(live, FORGOTTEN) == []
     async with open_engine(live) as mem:
-        assert len(await mem.recall("ana", "ana note", limit=50)) == 20
+        assert len(await mem.recall("ana", "ana plan", limit=50)) == 20
 
 
 async def test_restore_checks_what_it_is_given(tmp_path) -> None:

@@ -22,12 +22,16 @@ def _set_schema(path, version: int) -> None:
     env.close()
 
 
-async def test_a_newer_schema_is_refused_with_the_fix(store_path) -> None:
-    """A store written by a newer schema is not opened, and the error says to upgrade."""
+@pytest.mark.parametrize(("version", "message"), [
+    (99, r"schema version 99, newer than this build reads \(2\); upgrade"),
+    (0, r"no migration from 0 to 1"),
+], ids=["newer", "no-migration"])
+async def test_a_schema_this_build_cannot_bring_up_to_date_is_refused(store_path, version, message) -> None:
+    """A newer schema (upgrade engram) or an old one with no migration path is not opened."""
     async with open_engine(store_path):
         pass
-    _set_schema(store_path, 99)
-    with pytest.raises(StoreIncompatible, match=r"schema version 99, newer than this build reads \(2\); upgrade"):
+    _set_schema(store_path, version)
+    with pytest.raises(StoreIncompatible, match=message):
         async with open_engine(store_path):
             pass
 
@@ -73,16 +77,6 @@ async def test_schema_1_float32_vectors_are_migrated_to_float16(store_path) -> N
         found = await mem._ann.search("ana", HashEmbedder().encode(["lisbon dog walk"])[0], 1)
     assert [h.id for h in hits] == [r.turn_id]
     assert found[0][0] == r.lsn and found[0][1] > 0.999
-
-
-async def test_a_missing_migration_is_refused(store_path) -> None:
-    """An old store with no migration path is not touched."""
-    async with open_engine(store_path):
-        pass
-    _set_schema(store_path, 0)
-    with pytest.raises(StoreIncompatible, match=r"no migration from 0 to 1"):
-        async with open_engine(store_path):
-            pass
 
 
 async def test_foreign_lmdb_data_is_refused(store_path) -> None:
