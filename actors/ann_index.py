@@ -171,20 +171,18 @@ class _UserVectors:
                     self.graph_dead.append(row)
 
     def exact(self, query: np.ndarray, k: int, keep: np.ndarray) -> list[tuple[int, float]]:
-        scores = self.matrix[: self.n] @ query
-        scores[~keep] = -np.inf
-        k = min(k, int(keep.sum()))
-        if k <= 0:
-            return []
-        top = np.argpartition(-scores, k - 1)[:k]
-        top = top[np.argsort(-scores[top])]
-        return [(int(self.lsns[r]), float(scores[r])) for r in top]
+        """Exact scan over the first ``len(keep)`` rows. The views are taken together, before
+        any await or thread: rows keep arriving on the trio thread, and the mask, the matrix
+        and the lsns must describe the same rows (rows below that length never change)."""
+        n = len(keep)
+        return _exact(self.matrix[:n], self.lsns[:n], query, k, keep)
 
     def knn(self, query: np.ndarray, k: int, keep: np.ndarray | None) -> list[tuple[int, float]]:
         """Graph search over rows [0, graph_rows); ``keep`` (a filter) or the live rows decide
         what may be returned, inside the search."""
         rows = self.graph_rows
         allowed = (self.alive if keep is None else keep)[:rows]
+        matrix, lsns = self.matrix[:rows], self.lsns[:rows]  # rows below graph_rows are fixed
         k = min(k, int(allowed.sum()))
         if k <= 0:
             return []
@@ -194,9 +192,22 @@ class _UserVectors:
         try:
             labels, distances = self.graph.knn_query(query, k=k, filter=check)
         except RuntimeError:  # the filter left fewer than k reachable: scan exactly instead
-            return self.exact(query, k, allowed)
-        return [(int(self.lsns[row]), 1.0 - distance)
+            return _exact(matrix, lsns, query, k, allowed)
+        return [(int(lsns[row]), 1.0 - distance)
                 for row, distance in zip(labels[0].tolist(), distances[0].tolist(), strict=True)]
+
+
+def _exact(matrix: np.ndarray, lsns: np.ndarray, query: np.ndarray, k: int,
+           keep: np.ndarray) -> list[tuple[int, float]]:
+    """The k best rows of ``matrix`` among those ``keep`` admits: [(lsn, cosine)]."""
+    scores = matrix @ query
+    scores[~keep] = -np.inf
+    k = min(k, int(keep.sum()))
+    if k <= 0:
+        return []
+    top = np.argpartition(-scores, k - 1)[:k]
+    top = top[np.argsort(-scores[top])]
+    return [(int(lsns[r]), float(scores[r])) for r in top]
 
 
 def _mark_deleted(graph: hnswlib.Index, row: int) -> None:
@@ -453,11 +464,13 @@ class AnnIndex:
                 uv.readers -= 1
                 if not uv.readers:
                     uv.idle.unpark_all()
-        mask = uv.alive[: uv.n] if keep is None else keep
-        if uv.n <= EXACT_IN_THREAD:
+        mask = uv.alive[: uv.n].copy() if keep is None else keep
+        n = len(mask)
+        matrix, lsns = uv.matrix[:n], uv.lsns[:n]  # taken with the mask, before any yield
+        if n <= EXACT_IN_THREAD:
             await trio.lowlevel.checkpoint()
-            return uv.exact(query, k, mask)
-        return await trio.to_thread.run_sync(uv.exact, query, k, mask,
+            return _exact(matrix, lsns, query, k, mask)
+        return await trio.to_thread.run_sync(_exact, matrix, lsns, query, k, mask,
                                              limiter=self._search_limiter)
 
     def loaded(self) -> dict[str, int]:

@@ -132,3 +132,41 @@ async def test_graphs_saved_at_close_are_reused_and_reconciled(store_path, monke
         assert int(uv.alive[: uv.n].sum()) == 401
         await mem.forget_user("ana")
         assert list((store_path / "ann").iterdir()) == []
+
+
+async def test_rows_appended_during_a_search_do_not_break_it(store_path, monkeypatch) -> None:
+    """A vector committed while a filtered exact scan runs in its thread leaves that scan
+    consistent (it sees the rows it was started with) and the next search sees the new row."""
+    import threading
+
+    gate, entered = threading.Event(), threading.Event()
+    original = ann_mod._exact
+
+    def held(*args):
+        entered.set()
+        gate.wait(10)
+        return original(*args)
+
+    monkeypatch.setattr(ann_mod, "_exact", held)
+    monkeypatch.setattr(ann_mod, "EXACT_IN_THREAD", 0)
+    async with open_engine(store_path) as mem:
+        for i in range(3):
+            await mem.add_turn("ana", "s", "user", f"dog walk {i}")
+        await mem.flush()
+        found = []
+
+        async def search() -> None:
+            found.extend(await mem._ann.search("ana", await _vector("dog walk"), 10,
+                                               Filters(roles=("user",))))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(search)
+            await trio.to_thread.run_sync(entered.wait, 10)
+            await mem.add_turn("ana", "s", "user", "dog walk 3")
+            await mem.flush()  # its vector is appended to the index while the scan is held
+            assert mem._ann._users["ana"].n == 4
+            gate.set()
+        assert len(found) == 3
+        monkeypatch.setattr(ann_mod, "_exact", original)
+        assert len(await mem._ann.search("ana", await _vector("dog walk"), 10,
+                                         Filters(roles=("user",)))) == 4
