@@ -13,7 +13,7 @@ import msgspec
 from engine._records import Turn
 
 __all__ = ["AppendTurn", "Forget", "PutVectors", "PutLink", "PutNote", "DeleteNote", "WriteSummary",
-           "Searchable",
+           "PutEpisode", "PutFact", "PutState", "Searchable",
            "EmbedRequest",
            "StoreOp", "EmbedderOp"]
 
@@ -121,6 +121,57 @@ class WriteSummary(msgspec.Struct, frozen=True, tag=True):
     lsn = None  # not searchable: not part of the log
 
 
+class PutEpisode(msgspec.Struct, frozen=True, tag=True):
+    """Store an episode, log it (so both indexes take it) and link it to its turns.
+    ``committed`` gets the stored episode, or None if its session was forgotten meanwhile."""
+
+    lsn: int
+    episode: Any  # engine._records.Episode
+    links: tuple[Any, ...]  # engine._records.Link, written in both directions
+    committed: Any = None
+
+
+class PutFact(msgspec.Struct, frozen=True, tag=True):
+    """Write a fact version and retire others, in one transaction.
+
+    The Facts actor decides (one decision at a time per engine); the writer applies. Each
+    retired version is rewritten with its new status and leaves the log and the vectors, so both
+    indexes drop it; ``fact`` (if any) is logged as a new searchable record. ``committed`` gets
+    the lsns that left the indexes.
+
+    Attributes:
+        lsn: this op's log position (the new fact's, or a tombstone's when there is none).
+        user_id: the tenant.
+        fact: the new version, or None (a retraction or a prune).
+        retired: versions to rewrite, already carrying their new status.
+        links: links to write (fact -> its source turns and episodes).
+    """
+
+    lsn: int
+    user_id: str
+    fact: Any  # engine._records.Fact | None
+    retired: tuple[Any, ...]
+    links: tuple[Any, ...] = ()
+    committed: Any = None
+
+
+class PutState(msgspec.Struct, frozen=True, tag=True):
+    """Unlogged records of one user, written or deleted in one transaction: entities, review
+    state, pending reviews, fact use counters, and the long-term follower's watermark.
+
+    Attributes:
+        puts: (database name, key, value or None to delete).
+        links: links to write.
+    """
+
+    puts: tuple[tuple[bytes, bytes, bytes | None], ...]
+    links: tuple[tuple[str, Any], ...] = ()  # (user_id, engine._records.Link)
+    done: Any = None
+    committed: Any = None
+
+    lsn = None  # not searchable: not part of the log
+
+
 class Searchable(msgspec.Struct, frozen=True):
     """What the indexes need of a logged record, read back from the store in log order."""
 
@@ -149,5 +200,5 @@ class EmbedRequest(msgspec.Struct, frozen=True, tag=True):
 
 
 StoreOp = (AppendTurn | Forget | PutVectors | PutLink | PutNote | DeleteNote
-           | WriteSummary)
+           | WriteSummary | PutEpisode | PutFact | PutState)
 EmbedderOp = EmbedRequest

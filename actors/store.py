@@ -13,13 +13,22 @@ sessions   user NUL session                        SessionInfo (msgpack)
 turns      user NUL session NUL seq(8 bytes)       Turn (msgpack)
 ids        user NUL turn_id                        the turn's key in ``turns``
 log        lsn (8 bytes, big-endian)               ``T`` + turn key; ``N`` + replaced lsn +
-                                                   notes key; ``D`` + deleted lsns
+                                                   notes key; ``D`` + deleted lsns; ``E``, ``F``
 vectors    user NUL lsn(8 bytes)                   ANN header + the embedding, float32 bytes
 links      user NUL from NUL to / user NUL to NUL  Link (msgpack), once per direction
            from
 notes      user NUL note_id                        Note (msgpack), its latest version
 summaries  user NUL session                        SummaryState (msgpack)
+episodes   user NUL session NUL first seq(8)       Episode (msgpack)
+facts      user NUL category NUL key NUL lsn(8)    Fact (msgpack), every version kept
+entities   user NUL lower-case name                Entity (msgpack)
+reviews    user NUL memory id                      ReviewState (msgpack): FSRS after reviews
+pending    user NUL conversation id                PendingReview (msgpack)
 =========  ======================================  ===========================================
+
+``ids`` maps ``user NUL id`` of a turn, an episode or a fact to its key (in ``turns``,
+``episodes`` or ``facts``). Log entries: ``E`` + episode key; ``F`` + count(2) + the lsns that
+left the indexes with it (8 bytes each) + fact key.
 
 The log is what derived views (the ANN and full-text indexes) replay from their watermark.
 A deletion leaves a tombstone that lists the deleted sequence numbers and nothing of the user.
@@ -41,7 +50,7 @@ from __future__ import annotations
 import heapq
 from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -50,7 +59,19 @@ import msgspec
 import trio
 
 from engine._config import Config
-from engine._records import SCHEMA_VERSION, Link, Note, SessionInfo, SummaryState, Turn
+from engine._records import (
+    SCHEMA_VERSION,
+    Entity,
+    Episode,
+    Fact,
+    Link,
+    Note,
+    PendingReview,
+    ReviewState,
+    SessionInfo,
+    SummaryState,
+    Turn,
+)
 from engine.errors import (
     EngineBroken,
     EngineClosed,
@@ -64,15 +85,19 @@ from .messages import (
     AppendTurn,
     DeleteNote,
     Forget,
+    PutEpisode,
+    PutFact,
     PutLink,
     PutNote,
+    PutState,
     PutVectors,
     Searchable,
     StoreOp,
     WriteSummary,
 )
 
-__all__ = ["Store", "MIGRATIONS", "user_prefix", "session_prefix", "lsn_key"]
+__all__ = ["Store", "MIGRATIONS", "user_prefix", "session_prefix", "lsn_key", "fact_key",
+           "episode_key"]
 
 QUEUE_LIMIT = 16_384  # queued turns before callers wait: ~4 full batches means the disk is behind
 BATCH_MAX = 4_096  # ops per write transaction, so one commit (and the waiters behind it) stays short
@@ -81,15 +106,18 @@ MAX_DBS = 16  # named databases LMDB reserves room for; later layers add theirs
 MAX_READERS = 126  # LMDB reader slots: the default, far above the threads we use
 
 DB_NAMES = (b"meta", b"sessions", b"turns", b"ids", b"log", b"vectors", b"links", b"notes",
-            b"summaries")
+            b"summaries", b"episodes", b"facts", b"entities", b"reviews", b"pending")
 LOG_TURN = b"T"
 LOG_NOTE = b"N"  # + the lsn this version replaces (8 bytes, 0: none) + the notes key
 LOG_TOMBSTONE = b"D"
+LOG_EPISODE = b"E"  # + the episodes key
+LOG_FACT = b"F"  # + count (2 bytes) + lsns that left the indexes (8 bytes each) + the facts key
 
 _SCHEMA_KEY = b"schema"
 _LAST_LSN_KEY = b"last_lsn"
 _EMBEDDED_KEY = b"embedded_lsn"
 _MODEL_KEY = b"model"
+LONGTERM_KEY = b"longterm_lsn"  # the long-term follower's watermark (actors.episodic)
 
 def _vectors_to_float16(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> None:
     """Schema 1 -> 2: stored vectors go from float32 to float16 (the 16-byte header stays)."""
@@ -103,8 +131,15 @@ def _vectors_to_float16(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> None:
 
 # Migrations from schema N to N + 1, each run inside the write transaction that opens an old
 # store: ``MIGRATIONS[n](txn, dbs)`` where ``dbs`` maps database names to handles.
+def _long_term_databases(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> None:
+    """Schema 2 -> 3: the long-term layer's databases, created empty when the store opens.
+    Nothing to convert; the version moves so that an older build refuses the store instead of
+    ignoring its episodes and facts."""
+
+
 MIGRATIONS: dict[int, Callable[[lmdb.Transaction, dict[bytes, Any]], None]] = {
     1: _vectors_to_float16,
+    2: _long_term_databases,
 }
 
 T = TypeVar("T")
@@ -125,6 +160,11 @@ _decode_head = msgspec.msgpack.Decoder(_TurnHead).decode
 _decode_link = msgspec.msgpack.Decoder(Link).decode
 _decode_note = msgspec.msgpack.Decoder(Note).decode
 _decode_summary = msgspec.msgpack.Decoder(SummaryState).decode
+decode_episode = msgspec.msgpack.Decoder(Episode).decode
+decode_fact = msgspec.msgpack.Decoder(Fact).decode
+decode_entity = msgspec.msgpack.Decoder(Entity).decode
+decode_review = msgspec.msgpack.Decoder(ReviewState).decode
+decode_pending = msgspec.msgpack.Decoder(PendingReview).decode
 
 
 def user_prefix(user_id: str) -> bytes:
@@ -137,6 +177,22 @@ def session_prefix(user_id: str, session_id: str) -> bytes:
 
 def lsn_key(lsn: int) -> bytes:
     return lsn.to_bytes(8, "big")
+
+
+def fact_key(fact: Fact) -> bytes:
+    return (user_prefix(fact.user_id) + fact.category.encode() + b"\x00" + fact.key.encode()
+            + b"\x00" + lsn_key(fact.lsn))
+
+
+def episode_key(episode: Episode) -> bytes:
+    return session_prefix(episode.user_id, episode.session_id) + lsn_key(episode.first_seq)
+
+
+def _fact_entry_lsns(entry: bytes) -> tuple[list[int], bytes]:
+    """The lsns an ``F`` log entry retired, and the fact's key."""
+    n = int.from_bytes(entry[1:3], "big")
+    retired = [int.from_bytes(entry[3 + 8 * i: 11 + 8 * i], "big") for i in range(n)]
+    return retired, entry[3 + 8 * n:]
 
 
 def _delete_prefix(txn: lmdb.Transaction, db: Any, prefix: bytes) -> None:
@@ -472,7 +528,7 @@ class Store:
             await self._commits.park()
         await trio.lowlevel.checkpoint()
 
-    async def write_unlogged(self, op: PutVectors | PutLink | WriteSummary) -> None:
+    async def write_unlogged(self, op: PutVectors | PutLink | WriteSummary | PutState) -> None:
         """Queue an op that takes no log position and wait for its commit."""
         self.check_usable()
         self.submit(op)
@@ -557,6 +613,13 @@ class Store:
                         results.append((seg, self._delete_note_in(txn, seg)))
                     elif type(seg) is WriteSummary:
                         results.append((seg, self._write_summary_in(txn, seg)))
+                    elif type(seg) is PutEpisode:
+                        results.append((seg, self._put_episode_in(txn, seg)))
+                    elif type(seg) is PutFact:
+                        results.append((seg, self._put_fact_in(txn, seg)))
+                    elif type(seg) is PutState:
+                        self._put_state_in(txn, seg)
+                        results.append((seg, None))
                     else:
                         for key in link_keys(seg.user_id, seg.link):
                             txn.put(key, _encode(seg.link), db=dbs[b"links"])
@@ -593,21 +656,73 @@ class Store:
         if op.session_id is not None:
             txn.delete(tprefix[:-1], db=dbs[b"sessions"])
             txn.delete(tprefix[:-1], db=dbs[b"summaries"])
+            txn.delete(tprefix[:-1], db=dbs[b"pending"])
+            self._forget_session_derived(txn, op, deleted)
         else:
-            notes = txn.cursor(dbs[b"notes"])
-            if notes.set_range(uprefix):
-                for key, value in notes:
-                    if not key.startswith(uprefix):
-                        break
-                    lsn = _decode_head(value).lsn
-                    deleted.append(lsn)
-                    txn.delete(lsn_key(lsn), db=log)
-            for name in (b"sessions", b"links", b"vectors", b"notes", b"summaries"):
+            for name in (b"notes", b"episodes", b"facts"):
+                cursor = txn.cursor(dbs[name])
+                if cursor.set_range(uprefix):
+                    for key, value in cursor:
+                        if not key.startswith(uprefix):
+                            break
+                        lsn = _decode_head(value).lsn
+                        if txn.delete(lsn_key(lsn), db=log):  # superseded facts left the log
+                            deleted.append(lsn)
+            for name in (b"sessions", b"links", b"vectors", b"notes", b"summaries", b"episodes",
+                         b"facts", b"entities", b"reviews", b"pending", b"ids"):
                 _delete_prefix(txn, dbs[name], uprefix)
         result = deleted.tolist()
         deleted.byteswap()  # big-endian on disk, like every other integer in the store
         txn.put(lsn_key(op.lsn), LOG_TOMBSTONE + deleted.tobytes(), db=log, append=True)
         return result
+
+    def _forget_session_derived(self, txn: lmdb.Transaction, op: Forget, deleted: array) -> None:
+        """A forgotten session's episodes, the facts extracted from it (every version), and its
+        lsns in the user's entity registry."""
+        dbs = self._dbs
+        uprefix = user_prefix(op.user_id)
+        log, vectors, links = dbs[b"log"], dbs[b"vectors"], dbs[b"links"]
+
+        def drop(lsn: int, memory_id: str) -> None:
+            if txn.delete(lsn_key(lsn), db=log):
+                deleted.append(lsn)
+            txn.delete(uprefix + lsn_key(lsn), db=vectors)
+            txn.delete(uprefix + memory_id.encode(), db=dbs[b"ids"])
+            txn.delete(uprefix + memory_id.encode(), db=dbs[b"reviews"])
+            _delete_links_of(txn, links, uprefix, memory_id.encode())
+
+        prefix = session_prefix(op.user_id, op.session_id)
+        cursor = txn.cursor(dbs[b"episodes"])
+        if cursor.set_range(prefix):
+            while cursor.key().startswith(prefix):
+                episode = decode_episode(cursor.value())
+                drop(episode.lsn, episode.episode_id)
+                if not cursor.delete():
+                    break
+        cursor = txn.cursor(dbs[b"facts"])
+        if cursor.set_range(uprefix):
+            while cursor.key().startswith(uprefix):
+                fact = decode_fact(cursor.value())
+                if fact.session_id == op.session_id:
+                    drop(fact.lsn, fact.fact_id)
+                    if not cursor.delete():
+                        break
+                elif not cursor.next():
+                    break
+        gone = set(deleted)
+        cursor = txn.cursor(dbs[b"entities"])
+        if cursor.set_range(uprefix):
+            while cursor.key().startswith(uprefix):
+                entity = decode_entity(cursor.value())
+                kept = tuple(lsn for lsn in entity.lsns if lsn not in gone)
+                if not kept:
+                    if not cursor.delete():
+                        break
+                    continue
+                if len(kept) != len(entity.lsns):
+                    cursor.put(cursor.key(), _encode(msgspec.structs.replace(entity, lsns=kept)))
+                if not cursor.next():
+                    break
 
     def _put_note_in(self, txn: lmdb.Transaction, op: PutNote
                      ) -> tuple[Note | None, str | None, int]:
@@ -660,6 +775,67 @@ class Store:
         txn.put(lsn_key(op.lsn), LOG_TOMBSTONE + deleted.tobytes(), db=dbs[b"log"], append=True)
         return result
 
+    def _put_episode_in(self, txn: lmdb.Transaction, op: PutEpisode) -> Episode | None:
+        dbs = self._dbs
+        episode = op.episode
+        if txn.get(session_prefix(episode.user_id, episode.session_id)[:-1],
+                   db=dbs[b"sessions"]) is None:
+            # The session was forgotten while the episode was being made: drop it, and keep
+            # the log gapless with an empty tombstone.
+            txn.put(lsn_key(op.lsn), LOG_TOMBSTONE, db=dbs[b"log"], append=True)
+            return None
+        key = episode_key(episode)
+        txn.put(key, _encode(episode), db=dbs[b"episodes"])
+        txn.put(user_prefix(episode.user_id) + episode.episode_id.encode(), key, db=dbs[b"ids"])
+        txn.put(lsn_key(op.lsn), LOG_EPISODE + key, db=dbs[b"log"], append=True)
+        for link in op.links:
+            for link_key in link_keys(episode.user_id, link):
+                txn.put(link_key, _encode(link), db=dbs[b"links"])
+        return episode
+
+    def _put_fact_in(self, txn: lmdb.Transaction, op: PutFact) -> list[int]:
+        dbs = self._dbs
+        log, ids = dbs[b"log"], dbs[b"ids"]
+        uprefix = user_prefix(op.user_id)
+        left: list[int] = []
+        for old in op.retired:
+            key = fact_key(old)
+            txn.put(key, _encode(old), db=dbs[b"facts"])
+            entry = txn.get(lsn_key(old.lsn), db=log)
+            if entry is not None:
+                # Carry what the retired entry retired: an index that never read it still
+                # has to drop those versions.
+                left.extend(_fact_entry_lsns(entry)[0])
+                left.append(old.lsn)
+                txn.delete(lsn_key(old.lsn), db=log)
+                txn.delete(uprefix + lsn_key(old.lsn), db=dbs[b"vectors"])
+        if op.fact is None:
+            gone = array("Q", left)
+            gone.byteswap()
+            txn.put(lsn_key(op.lsn), LOG_TOMBSTONE + gone.tobytes(), db=log, append=True)
+            return left
+        fact = op.fact
+        key = fact_key(fact)
+        txn.put(key, _encode(fact), db=dbs[b"facts"])
+        txn.put(uprefix + fact.fact_id.encode(), key, db=ids)
+        entry = LOG_FACT + len(left).to_bytes(2, "big") + b"".join(map(lsn_key, left)) + key
+        txn.put(lsn_key(op.lsn), entry, db=log, append=True)
+        for link in op.links:
+            for link_key in link_keys(op.user_id, link):
+                txn.put(link_key, _encode(link), db=dbs[b"links"])
+        return left
+
+    def _put_state_in(self, txn: lmdb.Transaction, op: PutState) -> None:
+        dbs = self._dbs
+        for name, key, value in op.puts:
+            if value is None:
+                txn.delete(key, db=dbs[name])
+            else:
+                txn.put(key, value, db=dbs[name])
+        for user_id, link in op.links:
+            for link_key in link_keys(user_id, link):
+                txn.put(link_key, _encode(link), db=dbs[b"links"])
+
     def _put_vectors_in(self, txn: lmdb.Transaction, op: PutVectors) -> list[tuple[int, str, bytes]]:
         log, vectors = self._dbs[b"log"], self._dbs[b"vectors"]
         written = []
@@ -695,7 +871,7 @@ class Store:
         while self._waiters:
             heapq.heappop(self._waiters)[2].set()
         for op in self._queue:
-            if type(op) in (PutVectors, PutLink, WriteSummary) and op.done is not None:
+            if type(op) in (PutVectors, PutLink, WriteSummary, PutState) and op.done is not None:
                 op.done.set()
 
     # -- reads -------------------------------------------------------------------------------
@@ -837,9 +1013,32 @@ def read_log_range(
                 lsns = array("Q", entry[1:])
                 lsns.byteswap()
                 deleted.extend(lsns)
+            elif kind == LOG_EPISODE:
+                raw = txn.get(entry[1:], db=dbs[b"episodes"])
+                if raw is not None:
+                    found.append(episode_searchable(decode_episode(raw)))
+            elif kind == LOG_FACT:
+                retired, key = _fact_entry_lsns(entry)
+                deleted.extend(retired)
+                raw = txn.get(key, db=dbs[b"facts"])
+                fact = None if raw is None else decode_fact(raw)
+                if fact is not None and fact.status == "active":
+                    found.append(fact_searchable(fact))
     if len(found) < limit:
         last = max(last, upto)
     return found, deleted, last
+
+
+def episode_searchable(e: Episode) -> Searchable:
+    """What the indexes see of an episode: its title, summary and keywords."""
+    text = f"{e.title}\n{e.summary}\n{' '.join(e.keywords)}"
+    return Searchable(e.lsn, "episode", e.user_id, e.session_id, "", e.end_at, text)
+
+
+def fact_searchable(f: Fact) -> Searchable:
+    """What the indexes see of a fact: its sentence and keywords (seed 001's search text)."""
+    return Searchable(f.lsn, "fact", f.user_id, "", "", f.created_at,
+                      f"{f.text}\n{' '.join(f.keywords)}", (f.category,))
 
 
 def turn_tags(turn: Turn) -> tuple[str, ...]:
@@ -852,25 +1051,40 @@ def turn_tags(turn: Turn) -> tuple[str, ...]:
     return ()
 
 
+Memory = Turn | Note | Episode | Fact
+
+
 def read_records(
     txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str, lsns: list[int]
-) -> dict[int, Turn | Note]:
-    """The user's records at these lsns; others' records and deleted ones are left out."""
+) -> dict[int, Memory]:
+    """The user's records at these lsns; others' records, deleted ones and retired fact
+    versions are left out."""
     uprefix = user_prefix(user_id)
     log, turns = dbs[b"log"], dbs[b"turns"]
-    out: dict[int, Turn | Note] = {}
+    out: dict[int, Memory] = {}
     for lsn in lsns:
         entry = txn.get(lsn_key(lsn), db=log)
         if entry is None:
             continue
-        if entry[:1] == LOG_TURN and entry[1:].startswith(uprefix):
+        kind = entry[:1]
+        if kind == LOG_TURN and entry[1:].startswith(uprefix):
             raw = txn.get(entry[1:], db=turns)
             if raw is not None:
                 out[lsn] = _decode_turn(raw)
-        elif entry[:1] == LOG_NOTE and entry[9:].startswith(uprefix):
+        elif kind == LOG_NOTE and entry[9:].startswith(uprefix):
             note = _note_version(txn, dbs, entry, lsn)
             if note is not None:
                 out[lsn] = note
+        elif kind == LOG_EPISODE and entry[1:].startswith(uprefix):
+            raw = txn.get(entry[1:], db=dbs[b"episodes"])
+            if raw is not None:
+                out[lsn] = decode_episode(raw)
+        elif kind == LOG_FACT:
+            key = _fact_entry_lsns(entry)[1]
+            raw = txn.get(key, db=dbs[b"facts"]) if key.startswith(uprefix) else None
+            fact = None if raw is None else decode_fact(raw)
+            if fact is not None and fact.status == "active":
+                out[lsn] = fact
     return out
 
 
@@ -894,17 +1108,22 @@ def read_links(
 
 def read_memories_by_id(
     txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str, memory_ids: list[str]
-) -> dict[str, Turn | Note]:
-    """The user's turns and notes with these ids."""
+) -> dict[str, Memory]:
+    """The user's turns, notes, episodes and facts (any version) with these ids."""
     uprefix = user_prefix(user_id)
-    ids, turns, notes = dbs[b"ids"], dbs[b"turns"], dbs[b"notes"]
-    out: dict[str, Turn | Note] = {}
+    ids, notes = dbs[b"ids"], dbs[b"notes"]
+    out: dict[str, Memory] = {}
     for memory_id in memory_ids:
         key = txn.get(uprefix + memory_id.encode(), db=ids)
-        raw = None if key is None else txn.get(key, db=turns)
-        if raw is not None:
-            out[memory_id] = _decode_turn(raw)
-            continue
+        if key is not None:
+            for name, decode in ((b"turns", _decode_turn), (b"episodes", decode_episode),
+                                 (b"facts", decode_fact)):
+                raw = txn.get(key, db=dbs[name])
+                if raw is not None:
+                    out[memory_id] = decode(raw)
+                    break
+            if memory_id in out:
+                continue
         raw = txn.get(uprefix + memory_id.encode(), db=notes)
         if raw is not None:
             out[memory_id] = _decode_note(raw)
@@ -967,3 +1186,97 @@ def read_summary(
 ) -> SummaryState | None:
     raw = txn.get(user_prefix(user_id) + session_id.encode(), db=dbs[b"summaries"])
     return None if raw is None else _decode_summary(raw)
+
+
+def _scan(txn: lmdb.Transaction, db: Any, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    cursor = txn.cursor(db)
+    if cursor.set_range(prefix):
+        for key, value in cursor:
+            if not key.startswith(prefix):
+                break
+            yield key, value
+
+
+def read_facts(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str,
+               active_only: bool) -> list[Fact]:
+    """The user's facts in key order (category, key, lsn): every version, or the active ones."""
+    facts = [decode_fact(v) for _, v in _scan(txn, dbs[b"facts"], user_prefix(user_id))]
+    return [f for f in facts if f.status == "active"] if active_only else facts
+
+
+def read_episodes(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str,
+                  session_id: str | None) -> list[Episode]:
+    """The user's episodes (of one session, if given), by session and position."""
+    prefix = (user_prefix(user_id) if session_id is None
+              else session_prefix(user_id, session_id))
+    return [decode_episode(v) for _, v in _scan(txn, dbs[b"episodes"], prefix)]
+
+
+def read_last_episode_seqs(txn: lmdb.Transaction, dbs: dict[bytes, Any],
+                           keys: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
+    """For each (user, session): the last seq its episodes cover (-1: none yet)."""
+    out: dict[tuple[str, str], int] = {}
+    cursor = txn.cursor(dbs[b"episodes"])
+    for user_id, session_id in keys:
+        prefix = session_prefix(user_id, session_id)
+        seq = -1
+        found = cursor.set_range(prefix + b"\xff" * 8)
+        moved = cursor.prev() if found else cursor.last()
+        if moved and cursor.key().startswith(prefix):
+            seq = decode_episode(cursor.value()).last_seq
+        out[(user_id, session_id)] = seq
+    return out
+
+
+def read_session_turns(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str,
+                       session_id: str, first_seq: int, last_seq: int) -> list[Turn]:
+    """A session's turns with first_seq <= seq <= last_seq, in order."""
+    prefix = session_prefix(user_id, session_id)
+    cursor = txn.cursor(dbs[b"turns"])
+    out: list[Turn] = []
+    if cursor.set_range(prefix + first_seq.to_bytes(8, "big")):
+        for key, value in cursor:
+            if not key.startswith(prefix) or int.from_bytes(key[-8:], "big") > last_seq:
+                break
+            out.append(_decode_turn(value))
+    return out
+
+
+def read_entities(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str,
+                  names: list[str] | None) -> dict[str, Entity]:
+    """The user's entities by lower-case name: those named, or all of them."""
+    uprefix = user_prefix(user_id)
+    db = dbs[b"entities"]
+    if names is None:
+        return {k[len(uprefix):].decode(): decode_entity(v) for k, v in _scan(txn, db, uprefix)}
+    out = {}
+    for name in names:
+        raw = txn.get(uprefix + name.encode(), db=db)
+        if raw is not None:
+            out[name] = decode_entity(raw)
+    return out
+
+
+def read_review_states(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str,
+                       memory_ids: list[str]) -> dict[str, ReviewState]:
+    uprefix = user_prefix(user_id)
+    out = {}
+    for memory_id in memory_ids:
+        raw = txn.get(uprefix + memory_id.encode(), db=dbs[b"reviews"])
+        if raw is not None:
+            out[memory_id] = decode_review(raw)
+    return out
+
+
+def read_pending(txn: lmdb.Transaction, dbs: dict[bytes, Any]
+                 ) -> list[tuple[str, str, PendingReview]]:
+    """Every pending review: (user, conversation, what was shown)."""
+    out = []
+    for key, value in _scan(txn, dbs[b"pending"], b""):
+        user, conversation = key.split(b"\x00", 1)
+        out.append((user.decode(), conversation.decode(), decode_pending(value)))
+    return out
+
+
+def read_meta_lsn(txn: lmdb.Transaction, dbs: dict[bytes, Any], name: bytes) -> int:
+    return _int(txn.get(name, db=dbs[b"meta"])) or 0

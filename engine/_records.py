@@ -13,10 +13,12 @@ from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["Turn", "SessionInfo", "NewTurn", "Link", "Note", "SummaryState", "Role", "ROLES",
-           "SCHEMA_VERSION"]
+__all__ = ["Turn", "SessionInfo", "NewTurn", "Link", "Note", "SummaryState", "Episode", "Fact",
+           "Entity", "ReviewState", "PendingReview", "Role", "ROLES", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 2  # 2: vectors stored as float16 (actors.store migrates 1 -> 2)
+# 2: vectors stored as float16 (actors.store migrates 1 -> 2).
+# 3: episodes, facts, entities and review state (new databases: an older build must refuse).
+SCHEMA_VERSION = 3
 
 Role = Literal["user", "assistant", "system", "tool"]
 ROLES: tuple[str, ...] = ("user", "assistant", "system", "tool")
@@ -130,3 +132,136 @@ class SummaryState(msgspec.Struct, frozen=True, array_like=True):
     summary: str
     upper_seq: int
     updated_at: datetime
+
+
+class Episode(msgspec.Struct, frozen=True, array_like=True):
+    """A stretch of a session compressed into one memory (seed 001's episodic fields).
+
+    Attributes:
+        lsn: log position (first, like every logged record).
+        episode_id: unique id (``e_...``).
+        user_id / session_id: where it comes from.
+        first_seq / last_seq: the session's turns it covers, inclusive.
+        turn_ids: those turns' ids, in order.
+        title / summary / keywords: what it is about (extractive, or from the LLM).
+        start_at / end_at: times of its first and last turn.
+        surprise: novelty against the user's earlier episodes at creation, 0-1.
+        stability / difficulty: FSRS state at creation (reviews live in ``ReviewState``).
+        created_at: when it was made; consolidated_at: when its session was consolidated
+            (None while the session was still running).
+    """
+
+    lsn: int
+    episode_id: str
+    user_id: str
+    session_id: str
+    first_seq: int
+    last_seq: int
+    turn_ids: tuple[str, ...]
+    title: str
+    summary: str
+    keywords: tuple[str, ...]
+    start_at: datetime
+    end_at: datetime
+    surprise: float
+    stability: float
+    difficulty: float
+    created_at: datetime
+    consolidated_at: datetime | None = None
+
+
+class Fact(msgspec.Struct, frozen=True, array_like=True):
+    """A structured fact about a user, keyed (user, category, key); one version of it.
+
+    Bi-temporal: ``valid_at`` / ``invalid_at`` say when it was true in the world,
+    ``created_at`` / ``expired_at`` when we learned it and when we retired it.
+
+    Attributes:
+        lsn: log position of this version.
+        fact_id: unique id of this version (``f_...``).
+        user_id / category / key: what it is about (e.g. ``identity`` / ``location``).
+        value: the value (``Lisbon``).
+        text: the fact as a sentence, what the indexes see and prompts show.
+        confidence / importance: 0-1.
+        keywords: search keywords.
+        source_turn_ids / source_episode_ids: provenance.
+        session_id: the session it was extracted from ("" if stated through the API).
+        valid_at / invalid_at / created_at / expired_at: see above.
+        status: ``active``, ``superseded`` (a newer value replaced it), ``pruned`` (decayed
+            away) or ``retracted`` (forget_fact).
+        protected: confirmed by the user: never decays.
+        origin: ``rules``, ``llm`` or ``api``.
+    """
+
+    lsn: int
+    fact_id: str
+    user_id: str
+    category: str
+    key: str
+    value: str
+    text: str
+    confidence: float
+    importance: float
+    keywords: tuple[str, ...]
+    source_turn_ids: tuple[str, ...]
+    source_episode_ids: tuple[str, ...]
+    session_id: str
+    valid_at: datetime
+    invalid_at: datetime | None
+    created_at: datetime
+    expired_at: datetime | None
+    status: str = "active"
+    protected: bool = False
+    origin: str = "api"
+
+
+class Entity(msgspec.Struct, frozen=True, array_like=True):
+    """A named thing a user's memories mention, with the memories that do (by lsn, newest last).
+
+    Attributes:
+        name: its canonical name (the first spelling seen).
+        type: person, place, organisation, email, url, hashtag, mention, date or other.
+        aliases: other spellings seen (lower-case forms match too).
+        mentions: how many times it was mentioned.
+        first_seen / last_seen: when.
+        lsns: the memories mentioning it, at most ``actors.entities.MEMORIES_PER_ENTITY``.
+    """
+
+    name: str
+    type: str
+    aliases: tuple[str, ...]
+    mentions: int
+    first_seen: datetime
+    last_seen: datetime
+    lsns: tuple[int, ...]
+
+
+class ReviewState(msgspec.Struct, frozen=True, array_like=True):
+    """A memory's FSRS state after its reviews (an episode starts from its own fields).
+
+    Attributes:
+        stability / difficulty: FSRS state.
+        last_review: when it was last reviewed.
+        reps: reviews so far.
+    """
+
+    stability: float
+    difficulty: float
+    last_review: datetime
+    reps: int
+
+
+class PendingReview(msgspec.Struct, frozen=True, array_like=True):
+    """What a ``retrieve_memory`` call showed, waiting to be rated (seed 001).
+
+    Attributes:
+        memory_ids: the episodic memories shown.
+        texts: their summaries, for the offline rater.
+        query: the query that found them.
+        shown_at: when.
+    """
+
+    memory_ids: tuple[str, ...]
+    texts: tuple[str, ...]
+    query: str
+    shown_at: datetime
