@@ -137,7 +137,7 @@ class PutFact(msgspec.Struct, frozen=True, tag=True):
     The Facts actor decides (one decision at a time per engine); the writer applies. Each
     retired version is rewritten with its new status and leaves the log and the vectors, so both
     indexes drop it; ``fact`` (if any) is logged as a new searchable record. ``committed`` gets
-    the lsns that left the indexes.
+    the lsns that left the indexes, or None if the op was dropped (``requires``).
 
     Attributes:
         lsn: this op's log position (the new fact's, or a tombstone's when there is none).
@@ -153,6 +153,7 @@ class PutFact(msgspec.Struct, frozen=True, tag=True):
     retired: tuple[Any, ...]
     links: tuple[Any, ...] = ()
     committed: Any = None
+    requires: int = 0  # applied only if this lsn's record (the source turn) is still logged
 
 
 class PutState(msgspec.Struct, frozen=True, tag=True):
@@ -160,12 +161,16 @@ class PutState(msgspec.Struct, frozen=True, tag=True):
     state, pending reviews, fact use counters, and the long-term follower's watermark.
 
     Attributes:
-        puts: (database name, key, value or None to delete).
-        links: links to write.
+        puts: (database name, key, value or None to delete, guard lsn).
+        links: (user id, link, guard lsn).
+
+    A put or link with a guard lsn other than 0 is skipped if that lsn's record has left the
+    log (deleted while this was derived from it), so that nothing of a forgotten session or
+    user comes back.
     """
 
-    puts: tuple[tuple[bytes, bytes, bytes | None], ...]
-    links: tuple[tuple[str, Any], ...] = ()  # (user_id, engine._records.Link)
+    puts: tuple[tuple[bytes, bytes, bytes | None, int], ...]
+    links: tuple[tuple[str, Any, int], ...] = ()
     done: Any = None
     committed: Any = None
 
@@ -183,6 +188,8 @@ class Searchable(msgspec.Struct, frozen=True):
     at: datetime
     text: str
     tags: tuple[str, ...] = ()
+    memory_id: str = ""
+    seq: int = -1  # a turn's position in its session
 
 
 class EmbedRequest(msgspec.Struct, frozen=True, tag=True):

@@ -217,6 +217,14 @@ class SessionBuffer:
         infos.sort(key=lambda i: i.last_at, reverse=True)
         return infos
 
+    def users(self) -> list[str]:
+        return list(self._users)
+
+    def idle_sessions(self, before: datetime) -> list[SessionInfo]:
+        """Sessions whose latest turn is older than ``before`` (finished, for maintenance)."""
+        return [s.info() for per_user in self._users.values() for s in per_user.values()
+                if s.last_at < before]
+
     # -- deletion ----------------------------------------------------------------------------
 
     def drop_session(self, user_id: str, session_id: str) -> None:

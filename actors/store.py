@@ -96,7 +96,7 @@ from .messages import (
     WriteSummary,
 )
 
-__all__ = ["Store", "MIGRATIONS", "user_prefix", "session_prefix", "lsn_key", "fact_key",
+__all__ = ["Store", "LogFollower", "MIGRATIONS", "user_prefix", "session_prefix", "lsn_key", "fact_key",
            "episode_key"]
 
 QUEUE_LIMIT = 16_384  # queued turns before callers wait: ~4 full batches means the disk is behind
@@ -793,10 +793,13 @@ class Store:
                 txn.put(link_key, _encode(link), db=dbs[b"links"])
         return episode
 
-    def _put_fact_in(self, txn: lmdb.Transaction, op: PutFact) -> list[int]:
+    def _put_fact_in(self, txn: lmdb.Transaction, op: PutFact) -> list[int] | None:
         dbs = self._dbs
         log, ids = dbs[b"log"], dbs[b"ids"]
         uprefix = user_prefix(op.user_id)
+        if op.requires and txn.get(lsn_key(op.requires), db=log) is None:
+            txn.put(lsn_key(op.lsn), LOG_TOMBSTONE, db=log, append=True)
+            return None  # its source was forgotten while the fact was being decided
         left: list[int] = []
         for old in op.retired:
             key = fact_key(old)
@@ -827,12 +830,17 @@ class Store:
 
     def _put_state_in(self, txn: lmdb.Transaction, op: PutState) -> None:
         dbs = self._dbs
-        for name, key, value in op.puts:
+        log = dbs[b"log"]
+        for name, key, value, guard in op.puts:
+            if guard and txn.get(lsn_key(guard), db=log) is None:
+                continue
             if value is None:
                 txn.delete(key, db=dbs[name])
             else:
                 txn.put(key, value, db=dbs[name])
-        for user_id, link in op.links:
+        for user_id, link, guard in op.links:
+            if guard and txn.get(lsn_key(guard), db=log) is None:
+                continue
             for link_key in link_keys(user_id, link):
                 txn.put(link_key, _encode(link), db=dbs[b"links"])
 
@@ -933,6 +941,53 @@ class Store:
         return 0 if self._env is None else self._env.info()["map_size"]
 
 
+class LogFollower:
+    """Feeds every committed record past a persisted watermark to ``handle(records, last)``,
+    in log order, forever (until the store closes). ``handle`` returns the puts and links to
+    commit together with the new watermark, so what it derived and where it got to land in one
+    transaction: nothing is derived twice or skipped across crashes.
+
+    :meth:`wait` lets ``Engine.flush`` wait until the follower has passed an lsn.
+    """
+
+    def __init__(self, store: Store, watermark_key: bytes, chunk: int,
+                 handle: Callable[[list[Searchable], int], Any]) -> None:
+        self._store = store
+        self._key = watermark_key
+        self._chunk = chunk
+        self._handle = handle
+        self.watermark = 0
+        self._stopped = False
+        # Parked: callers of wait, until the watermark moves or the follower stops.
+        self._progress = trio.lowlevel.ParkingLot()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        store = self._store
+        try:
+            self.watermark = await store.read(read_meta_lsn, self._key)
+            task_status.started()
+            while True:
+                await store.wait_commit_beyond(self.watermark)
+                records, _, last = await store.read(read_log_range, self.watermark,
+                                                    store.committed_lsn, self._chunk)
+                puts, links = await self._handle(records, last)
+                puts = (*puts, (b"meta", self._key, lsn_key(last), 0))
+                await store.write_unlogged(PutState(puts, links, trio.Event()))
+                self.watermark = last
+                self._progress.unpark_all()
+        except EngineClosed:
+            return  # the watermark on disk says where to resume
+        finally:
+            self._stopped = True
+            self._progress.unpark_all()
+
+    async def wait(self, lsn: int) -> None:
+        """Return once every record up to ``lsn`` was handled (or the follower stopped)."""
+        while self.watermark < lsn and not self._stopped:
+            await self._progress.park()
+
+
 # -- read functions: run by Store.read in a worker thread -------------------------------------
 
 
@@ -1000,7 +1055,7 @@ def read_log_range(
                 if raw is not None:
                     t = _decode_turn(raw)
                     found.append(Searchable(lsn, "turn", t.user_id, t.session_id, t.role, t.at,
-                                            t.text, turn_tags(t)))
+                                            t.text, turn_tags(t), t.turn_id, t.seq))
             elif kind == LOG_NOTE:
                 replaces = int.from_bytes(entry[1:9], "big")
                 if replaces:
@@ -1008,7 +1063,7 @@ def read_log_range(
                 note = _note_version(txn, dbs, entry, lsn)
                 if note is not None:
                     found.append(Searchable(lsn, "note", note.user_id, "", "", note.updated_at,
-                                            note.text, note.tags))
+                                            note.text, note.tags, note.note_id))
             elif kind == LOG_TOMBSTONE:
                 lsns = array("Q", entry[1:])
                 lsns.byteswap()
@@ -1032,13 +1087,14 @@ def read_log_range(
 def episode_searchable(e: Episode) -> Searchable:
     """What the indexes see of an episode: its title, summary and keywords."""
     text = f"{e.title}\n{e.summary}\n{' '.join(e.keywords)}"
-    return Searchable(e.lsn, "episode", e.user_id, e.session_id, "", e.end_at, text)
+    return Searchable(e.lsn, "episode", e.user_id, e.session_id, "", e.end_at, text, (),
+                      e.episode_id)
 
 
 def fact_searchable(f: Fact) -> Searchable:
     """What the indexes see of a fact: its sentence and keywords (seed 001's search text)."""
     return Searchable(f.lsn, "fact", f.user_id, "", "", f.created_at,
-                      f"{f.text}\n{' '.join(f.keywords)}", (f.category,))
+                      f"{f.text}\n{' '.join(f.keywords)}", (f.category,), f.fact_id)
 
 
 def turn_tags(turn: Turn) -> tuple[str, ...]:
@@ -1280,3 +1336,25 @@ def read_pending(txn: lmdb.Transaction, dbs: dict[bytes, Any]
 
 def read_meta_lsn(txn: lmdb.Transaction, dbs: dict[bytes, Any], name: bytes) -> int:
     return _int(txn.get(name, db=dbs[b"meta"])) or 0
+
+
+def read_user_counts(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str
+                     ) -> dict[str, Any]:
+    """How many of each kind of memory a user has, and when the latest turn was said."""
+    prefix = user_prefix(user_id)
+    turns = 0
+    latest = None
+    for _, value in _scan(txn, dbs[b"sessions"], prefix):
+        info = _decode_session(value)
+        turns += info.turn_count
+        latest = info.last_at if latest is None else max(latest, info.last_at)
+    facts = read_facts(txn, dbs, user_id, True)
+    return {
+        "turns": turns,
+        "episodes": sum(1 for _ in _scan(txn, dbs[b"episodes"], prefix)),
+        "facts": len(facts),
+        "notes": sum(1 for _ in _scan(txn, dbs[b"notes"], prefix)),
+        "entities": sum(1 for _, v in _scan(txn, dbs[b"entities"], prefix)
+                        if decode_entity(v).type != "alias"),
+        "latest_at": latest,
+    }

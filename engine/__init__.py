@@ -4,8 +4,23 @@ Everything public is re-exported here; the modules behind it are private.
 """
 
 from ._config import Config
-from ._engine import Engine, Stats
-from ._records import Link, NewTurn, Note, Role, SessionInfo, SummaryState, Turn
+from ._engine import Engine, EntityInfo, Stats
+from ._llm import LLM, LLMFailed, OpenAICompatibleLLM
+from ._maintenance import MaintenanceReport
+from ._records import (
+    Entity,
+    Episode,
+    Fact,
+    Link,
+    NewTurn,
+    Note,
+    ReviewState,
+    Role,
+    SessionInfo,
+    SummaryState,
+    Turn,
+)
+from ._tools import TOOLS
 from ._snapshot import Manifest
 from ._retrieval import FOCUS_LEVELS, EpisodicItem, Hit, Message, RetrieveResult, SemanticItem
 from .errors import (
@@ -22,17 +37,25 @@ from actors.session_buffer import Receipt
 
 __all__ = [
     "FOCUS_LEVELS",
+    "LLM",
+    "TOOLS",
     "Config",
     "EmbeddingBackend",
     "Engine",
     "EngineBroken",
     "EngineClosed",
     "EngineError",
+    "Entity",
+    "EntityInfo",
+    "Episode",
     "EpisodicItem",
+    "Fact",
     "HashEmbedder",
     "Hit",
     "InvalidInput",
+    "LLMFailed",
     "Link",
+    "MaintenanceReport",
     "Manifest",
     "Message",
     "ModelMismatch",
@@ -40,8 +63,10 @@ __all__ = [
     "NewTurn",
     "Note",
     "OnnxEmbedder",
+    "OpenAICompatibleLLM",
     "Receipt",
     "RetrieveResult",
+    "ReviewState",
     "Role",
     "SemanticItem",
     "SessionInfo",

@@ -35,6 +35,14 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             that leaves embedding to the serving process, which resumes from the watermark).
         ann_cache_vectors: vectors kept in RAM for search across all loaded users (1M at 384
             dimensions is ~1.5 GB); least recently searched users are unloaded first.
+        long_term: run the long-term layer in the background: episodes, fact extraction,
+            entities, review ratings and maintenance (off: a bare turn store and search).
+        episode_after_turns / episode_keep_turns: when a session has this many turns not in
+            an episode, all but the newest ``episode_keep_turns`` become one (seed 002: 20/10).
+        session_idle_seconds: a session this long without a turn is finished: maintenance
+            makes an episode of its remaining turns.
+        maintenance_seconds: how often maintenance runs (decay and pruning of facts,
+            consolidation of finished sessions, weekly reflections), on the engine's trio clock.
     """
 
     window_turns: Positive = 20
@@ -50,6 +58,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     query_cache: Positive = 4096
     background_embedding: bool = True
     ann_cache_vectors: Positive = 1_000_000
+    long_term: bool = True
+    episode_after_turns: Annotated[int, msgspec.Meta(ge=2)] = 20
+    episode_keep_turns: Annotated[int, msgspec.Meta(ge=0)] = 10
+    session_idle_seconds: Annotated[float, msgspec.Meta(gt=0)] = 1800.0
+    maintenance_seconds: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
 
     @classmethod
     def checked(cls, config: "Config | dict | None") -> "Config":
@@ -62,6 +75,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             return cls()
         raw = msgspec.structs.asdict(config) if isinstance(config, Config) else config
         try:
-            return msgspec.convert(raw, cls)
+            config = msgspec.convert(raw, cls)
         except msgspec.ValidationError as exc:
             raise InvalidInput("config", f"{exc}") from None
+        if config.episode_keep_turns >= config.episode_after_turns:
+            raise InvalidInput("config", "expected episode_keep_turns below episode_after_turns, "
+                                         f"found {config.episode_keep_turns} and "
+                                         f"{config.episode_after_turns}")
+        return config

@@ -15,20 +15,59 @@ import trio
 import numpy as np
 
 from actors.ann_index import AnnIndex
-from actors.messages import DeleteNote, PutLink, PutNote, WriteSummary
 from actors.embedder import Embedder, EmbeddingBackend, OnnxEmbedder
+from actors.entities import Entities
+from actors.episodic import RATINGS, EpisodicCompressor, memory_review_state, review_state
+from actors.facts import Candidate, Facts
 from actors.fulltext import FullText
+from actors.messages import DeleteNote, PutLink, PutNote, PutState, WriteSummary
 from actors.session_buffer import Receipt, SessionBuffer, new_turn_id
-from actors.store import Store, read_links, read_memories_by_id, read_summary
+from actors.store import (
+    LogFollower,
+    Store,
+    read_entities,
+    read_episodes,
+    read_links,
+    read_memories_by_id,
+    read_records,
+    read_review_states,
+    read_summary,
+    read_user_counts,
+    user_prefix,
+)
 
 from . import _validate as v
 from ._config import Config
-from ._records import SCHEMA_VERSION, Link, NewTurn, Note, SessionInfo, SummaryState, Turn
-from ._retrieval import FOCUS_LEVELS, Hit, RetrieveResult, Retriever, focus_settings, render_markdown
+from ._llm import LLM, ModelTasks
+from ._maintenance import Maintenance, MaintenanceReport
+from ._records import (
+    SCHEMA_VERSION,
+    Entity,
+    Episode,
+    Fact,
+    Link,
+    NewTurn,
+    Note,
+    PendingReview,
+    ReviewState,
+    SessionInfo,
+    SummaryState,
+    Turn,
+)
+from ._retrieval import (
+    FOCUS_LEVELS,
+    Hit,
+    RetrieveResult,
+    Retriever,
+    _hit,
+    focus_settings,
+    render_markdown,
+)
 from ._snapshot import Manifest, compact, restore, take_snapshot
+from ._tools import call_tool
 from .errors import EngineBroken, EngineClosed, InvalidInput
 
-__all__ = ["Engine", "Stats"]
+__all__ = ["Engine", "Stats", "EntityInfo"]
 
 Clock = Callable[[], datetime]
 
@@ -67,19 +106,33 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
     indexed_lsn: int
 
 
+class EntityInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``entity_info`` returns: the entity and the memories that mention it, newest
+    first."""
+
+    entity: Entity
+    memories: list[Hit]
+
+
 class Engine:
     """An open memory engine. Get one with ``async with Engine.open(path) as mem``."""
 
     def __init__(self, store: Store, buffer: SessionBuffer, embedder: Embedder, ann: AnnIndex,
-                 fulltext: FullText, config: Config, clock: Clock) -> None:
+                 fulltext: FullText, facts: Facts, compressor: EpisodicCompressor,
+                 config: Config, clock: Clock, nursery: trio.Nursery) -> None:
         self._store = store
         self._buffer = buffer
         self._embedder = embedder
         self._ann = ann
         self._fulltext = fulltext
-        self._retriever = Retriever(store, buffer, embedder, ann, fulltext)
+        self._facts = facts
+        self._compressor = compressor
+        self._retriever = Retriever(store, buffer, embedder, ann, fulltext, facts, clock)
+        self._maintenance = Maintenance(self)
         self._config = config
         self._clock = clock
+        self._nursery = nursery
+        self._followers: list[LogFollower] = []  # the long-term layer's, if it runs
         self._closed = False
 
     @classmethod
@@ -92,6 +145,7 @@ class Engine:
         clock: Clock | None = None,
         embedder: EmbeddingBackend | None = None,
         reembed: bool = False,
+        llm: LLM | None = None,
     ) -> AsyncIterator[Engine]:
         """Open (or create) the store at ``path`` and run the engine for the ``async with`` body.
 
@@ -103,6 +157,9 @@ class Engine:
                 that are not about embeddings pass a ``HashEmbedder``.
             reembed: adopt the configured model even if the store's vectors came from another,
                 dropping them so that everything is embedded again in the background.
+            llm: an optional language model (:class:`LLM`, e.g. :class:`OpenAICompatibleLLM`)
+                that summarises episodes and extracts facts in the background; without one
+                the offline defaults do (extractive summaries, rules).
 
         Raises:
             InvalidInput: bad path or config.
@@ -113,7 +170,12 @@ class Engine:
         """
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidInput("path", f"expected a directory path, found {type(path).__name__}")
+        if llm is not None and not isinstance(llm, LLM):
+            raise InvalidInput("llm", "expected an object with an async complete(system, prompt) "
+                                      f"method, found {type(llm).__name__}")
         config = Config.checked(dict(config) if isinstance(config, Mapping) else config)
+        clock = clock or _utc_now
+        tasks = None if llm is None else ModelTasks(llm)
         if embedder is None:
             embedder = OnnxEmbedder(config.model, config.model_dir, config.embed_threads)
         embedding = Embedder(embedder, config.query_cache)
@@ -122,6 +184,7 @@ class Engine:
         fulltext = FullText(Path(path) / "fulltext", store)
         body_error: BaseException | None = None
         raised: BaseException | None = None
+        background: list[trio.CancelScope] = []
         try:
             async with trio.open_nursery() as nursery:
                 engine: Engine | None = None
@@ -134,8 +197,24 @@ class Engine:
                     await buffer.load()
                     if config.background_embedding:
                         await nursery.start(embedding.follow, store, ann.added)
-                    engine = cls(store, buffer, embedding, ann, fulltext, config,
-                                 clock or _utc_now)
+                    facts = Facts(store, lambda user, lsns: ann.removed(user, lsns, False),
+                                  clock, lambda: new_turn_id()[2:])
+                    compressor = EpisodicCompressor(
+                        store, embedding, ann, clock, lambda: new_turn_id()[2:],
+                        after_turns=config.episode_after_turns,
+                        keep_turns=config.episode_keep_turns, llm=tasks)
+                    engine = cls(store, buffer, embedding, ann, fulltext, facts, compressor,
+                                 config, clock, nursery)
+                    if config.long_term:
+                        engine._followers = [Entities(store).follower, facts.follower(tasks),
+                                             compressor.follower]
+                        tasks_to_run = [(f.run, ()) for f in engine._followers]
+                        tasks_to_run.append((engine._maintenance.run,
+                                             (config.maintenance_seconds,)))
+                        for task, args in tasks_to_run:
+                            scope = trio.CancelScope()
+                            background.append(scope)
+                            await nursery.start(_in_scope, scope, task, *args)
                     yield engine
                 except BaseException as exc:
                     body_error = exc
@@ -145,6 +224,9 @@ class Engine:
                     # holds; the follower stops where the watermark on disk says it stopped.
                     if engine is not None:
                         engine._closed = True
+                    # The long-term layer stops first; its watermarks say where to resume.
+                    for scope in background:
+                        scope.cancel()
                     embedding.close()
                     ann.close()
                     store.close()
@@ -352,46 +434,78 @@ class Engine:
 
     async def retrieve_memory(self, user_id: str, query: str, conversation_id: str | None = None,
                               episodic_limit: int = 5, semantic_limit: int = 20,
-                              detail: str = "auto", category: str | None = None) -> str:
+                              detail: str = "auto", category: str | None = None,
+                              min_importance: float = 0.0) -> str:
         """seed 001's ``retrieve_memory``: prompt-ready Markdown, semantic facts first (with
         ``[category]``), then episodic memories with rank, score, key moment and relative time;
-        ``detail`` (auto / none / low / high) decides which show their messages.
+        ``detail`` (auto / none / low / high) decides which show their messages. Records a
+        pending review of the episodic memories shown (rated when the conversation's next
+        assistant turn arrives, or by :meth:`review`).
+
+        Args:
+            conversation_id: the session the answer goes to (its next assistant turn rates
+                what was shown).
+            category / min_importance: which facts the semantic section may show.
 
         Raises:
             InvalidInput: a bad argument (``episodic_limit`` must be 1-100).
         """
         result = await self.retrieve_memory_raw(user_id, query, conversation_id, episodic_limit,
-                                                semantic_limit, detail, category)
+                                                semantic_limit, detail, category, min_importance)
         return render_markdown(result, self._clock(), detail)
 
     async def retrieve_memory_raw(self, user_id: str, query: str,
                                   conversation_id: str | None = None, episodic_limit: int = 5,
                                   semantic_limit: int = 20, detail: str = "auto",
-                                  category: str | None = None) -> RetrieveResult:
+                                  category: str | None = None,
+                                  min_importance: float = 0.0) -> RetrieveResult:
         """seed 001's raw endpoint: typed ``semantic`` and ``episodic`` lists (no embeddings).
-        Encode with ``msgspec.json.encode`` for the seed's JSON shape."""
-        self._check_retrieve(user_id, query, conversation_id, semantic_limit, category)
+        Encode with ``msgspec.json.encode`` for the seed's JSON shape. Records a pending
+        review, as :meth:`retrieve_memory` does."""
+        self._check_retrieve(user_id, query, conversation_id, semantic_limit, category,
+                             min_importance)
         _check_count("episodic_limit", episodic_limit, 1, 100)
         if detail not in ("auto", "none", "low", "high"):
             raise InvalidInput("detail", "expected one of 'auto', 'none', 'low', 'high', "
                                          f"found {detail!r}")
-        return await self._retriever.retrieve(
+        result = await self._retriever.retrieve(
             user_id, query, conversation_id=conversation_id, episodic_limit=episodic_limit,
-            semantic_limit=semantic_limit, category=category, episodic=True)
+            semantic_limit=semantic_limit, category=category, min_importance=min_importance,
+            episodic=True)
+        self._record_pending(user_id, conversation_id, query, result)
+        self._count_use(user_id, result)
+        return result
 
     async def context_pre_retrieve(self, user_id: str, query: str,
                                    conversation_id: str | None = None, semantic_limit: int = 20,
-                                   category: str | None = None) -> str:
+                                   category: str | None = None,
+                                   min_importance: float = 0.0) -> str:
         """seed 001's ``context_pre_retrieve``: semantic facts only, as Markdown for a system
-        prompt; no side effects."""
-        self._check_retrieve(user_id, query, conversation_id, semantic_limit, category)
+        prompt; records no pending review."""
+        self._check_retrieve(user_id, query, conversation_id, semantic_limit, category,
+                             min_importance)
         result = await self._retriever.retrieve(
             user_id, query, conversation_id=conversation_id, episodic_limit=0,
-            semantic_limit=semantic_limit, category=category, episodic=False)
+            semantic_limit=semantic_limit, category=category, min_importance=min_importance,
+            episodic=False)
+        self._count_use(user_id, result)
         return render_markdown(result, self._clock(), "none", episodic=False)
 
+    def _count_use(self, user_id: str, result: RetrieveResult) -> None:
+        """Facts shown in a prompt were used: their decay restarts. In the background, so the
+        reply does not wait for the write."""
+        if result.semantic:
+            self._nursery.start_soon(self._touch, user_id, [f.id for f in result.semantic])
+
+    async def _touch(self, user_id: str, fact_ids: list[str]) -> None:
+        try:
+            await self._facts.touch(user_id, fact_ids)
+        except EngineClosed:
+            pass  # closing: a lost use count only lets a fact decay a little sooner
+
     def _check_retrieve(self, user_id: str, query: str, conversation_id: str | None,
-                        semantic_limit: int, category: str | None) -> None:
+                        semantic_limit: int, category: str | None,
+                        min_importance: float = 0.0) -> None:
         self._check_open()
         self._check_ids(user_id)
         v.check_text("query", query, self._config.max_text_chars)
@@ -400,6 +514,7 @@ class Engine:
         _check_count("semantic_limit", semantic_limit, 0, 100)
         if category is not None:
             v.check_id("category", category, self._config.max_id_chars)
+        _check_fraction("min_importance", min_importance)
 
     # -- links -------------------------------------------------------------------------------
 
@@ -564,6 +679,229 @@ class Engine:
         await store.wait_committed(lsn)
         return bool(deleted[0])
 
+    # -- structured facts --------------------------------------------------------------------
+
+    async def remember_fact(self, user_id: str, category: str, key: str, value: str, *,
+                            text: str | None = None, confidence: float = 0.9,
+                            importance: float = 0.7, keywords: Iterable[str] = (),
+                            valid_at: datetime | None = None) -> Fact:
+        """State a fact about the user (seed 004's remember_fact). One value is active per
+        (category, key): a new value supersedes the old one, which stays in the history with
+        ``invalid_at`` set, unless its confidence is lower (seed 002's rule). The same value
+        again, or a sentence nearly the same as an active fact's, reinforces that fact.
+
+        Args:
+            category: identity, preference, constraint, instruction, or your own.
+            key: what the fact is about within the category (``location``, ``likes:jazz``).
+            value: its value (``Lisbon``).
+            text: the fact as a sentence for prompts (default: ``"<key>: <value>"``).
+            confidence / importance: 0-1.
+            keywords: extra search words.
+            valid_at: since when it is true (default: now).
+
+        Returns:
+            The active fact for the key (the new one, or the reinforced one).
+
+        Raises:
+            InvalidInput: a bad argument, or an active value with higher confidence exists
+                (call :meth:`correct_fact` to replace it anyway).
+        """
+        candidate = self._candidate(user_id, category, key, value, text, confidence, importance,
+                                    keywords)
+        valid_at = None if valid_at is None else v.check_at(valid_at)
+        outcome = await self._facts.propose(user_id, candidate, origin="api", valid_at=valid_at)
+        if outcome.status == "refused":
+            rival = outcome.previous
+            raise InvalidInput("confidence", f"expected at least the active value's confidence "
+                                             f"({rival.confidence:.2f} for {rival.value!r}), "
+                                             f"found {confidence:.2f}; call correct_fact to "
+                                             "replace it")
+        return outcome.fact
+
+    async def correct_fact(self, user_id: str, category: str, key: str, value: str, *,
+                           text: str | None = None, importance: float = 0.7,
+                           keywords: Iterable[str] = ()) -> Fact:
+        """Replace a fact's value whatever the old one's confidence (seed 004's correct_fact):
+        the old version is retired with ``invalid_at`` now and kept in the history; the new
+        one has confidence 1."""
+        candidate = self._candidate(user_id, category, key, value, text, 1.0, importance,
+                                    keywords)
+        outcome = await self._facts.propose(user_id, candidate, origin="api", force=True)
+        return outcome.fact
+
+    async def confirm_fact(self, user_id: str, category: str, key: str) -> Fact:
+        """Protect the active fact (seed 004's confirm_fact): confidence 1, never decays, and
+        no inferred value supersedes it.
+
+        Raises:
+            InvalidInput: the user has no active fact with that category and key.
+        """
+        self._check_fact_key(user_id, category, key)
+        fact = await self._facts.confirm(user_id, category, key)
+        if fact is None:
+            raise InvalidInput("key", f"expected an active fact ({category!r}, {key!r}) of user "
+                                      f"{user_id!r}, found none")
+        return fact
+
+    async def forget_fact(self, user_id: str, category: str, key: str) -> bool:
+        """Retract the active fact: it leaves recall and the profile, and stays in the history
+        as ``retracted``. False if there was none."""
+        self._check_fact_key(user_id, category, key)
+        return bool(await self._facts.retire(user_id, [(category, key)], "retracted"))
+
+    async def profile(self, user_id: str, *, category: str | None = None,
+                      min_importance: float = 0.0) -> list[Fact]:
+        """The user's active facts, most important first: the deterministic lookup that
+        never misses a standing fact (no search involved)."""
+        self._check_open()
+        self._check_ids(user_id)
+        if category is not None:
+            v.check_id("category", category, self._config.max_id_chars)
+        _check_fraction("min_importance", min_importance)
+        return await self._facts.profile(user_id, category, min_importance)
+
+    async def fact_history(self, user_id: str, category: str, key: str) -> list[Fact]:
+        """Every version of a fact, oldest first, with their validity and status."""
+        self._check_fact_key(user_id, category, key)
+        return await self._facts.history(user_id, category, key)
+
+    def _check_fact_key(self, user_id: str, category: str, key: str) -> None:
+        self._check_open()
+        self._check_ids(user_id)
+        v.check_id("category", category, self._config.max_id_chars)
+        v.check_id("key", key, self._config.max_id_chars)
+
+    def _candidate(self, user_id: str, category: str, key: str, value: str, text: str | None,
+                   confidence: float, importance: float, keywords: Iterable[str]) -> Candidate:
+        self._check_fact_key(user_id, category, key)
+        v.check_text("value", value, self._config.max_text_chars)
+        if text is not None:
+            v.check_text("text", text, self._config.max_text_chars)
+        _check_fraction("confidence", confidence)
+        _check_fraction("importance", importance)
+        words = _tags(keywords) or ()
+        return Candidate(category, key, value, text or f"{key}: {value}", float(confidence),
+                         float(importance), words)
+
+    # -- episodes and reviews ----------------------------------------------------------------
+
+    async def episodes(self, user_id: str, session_id: str | None = None) -> list[Episode]:
+        """The user's episodes (of one session), by session and position."""
+        self._check_open()
+        self._check_ids(user_id, session_id)
+        await self._store.wait_committed(self._store.next_lsn - 1)
+        return await self._store.read(read_episodes, user_id, session_id)
+
+    async def close_session(self, user_id: str, session_id: str) -> bool:
+        """The session is over: make an episode of its turns not yet in one, now (otherwise
+        maintenance does once it has been idle for ``Config.session_idle_seconds``).
+
+        Returns:
+            True if an episode was made.
+        """
+        self._check_open()
+        self._check_ids(user_id, session_id)
+        turns = self._buffer.next_seq(user_id, session_id)
+        if turns is None:
+            raise InvalidInput("session_id", f"expected a session of user {user_id!r}, found "
+                                             f"none called {session_id!r}")
+        return await self._compressor.consolidate(user_id, session_id, turns)
+
+    async def review(self, user_id: str, memory_id: str, rating: str | int) -> ReviewState:
+        """Rate how well a shown memory served (FSRS): ``again``/1, ``hard``/2, ``good``/3 or
+        ``easy``/4. Its stability and difficulty change, and with them its retrievability,
+        which re-ranks it in every later retrieval.
+
+        Raises:
+            InvalidInput: a bad rating, or no episode or turn of the user has that id (facts
+                do not follow FSRS: confirm or correct them).
+        """
+        self._check_open()
+        self._check_ids(user_id)
+        v.check_id("memory_id", memory_id, self._config.max_id_chars)
+        if isinstance(rating, bool) or rating not in RATINGS:
+            raise InvalidInput("rating", "expected again/hard/good/easy or 1-4, found "
+                                         f"{rating!r}")
+        store = self._store
+        await store.wait_committed(store.next_lsn - 1)
+        memory = (await store.read(read_memories_by_id, user_id, [memory_id])).get(memory_id)
+        if type(memory) not in (Episode, Turn):
+            raise InvalidInput("memory_id", f"expected the id of an episode or turn of user "
+                                            f"{user_id!r}, found {memory_id!r}")
+        current = (await store.read(read_review_states, user_id, [memory_id])).get(memory_id)
+        state = review_state(current or memory_review_state(memory), RATINGS[rating],
+                             self._clock().astimezone(timezone.utc))
+        key = user_prefix(user_id) + memory_id.encode()
+        await store.write_unlogged(PutState(((b"reviews", key, _ENCODE(state), memory.lsn),),
+                                            (), trio.Event()))
+        return state
+
+    def _record_pending(self, user_id: str, conversation_id: str | None, query: str,
+                        result: RetrieveResult) -> None:
+        """Remember what a retrieval showed, for the review that rates it (seed 001). Not
+        awaited: the reply must not wait for this write."""
+        if not result.episodic:
+            return
+        pending = PendingReview(tuple(i.id for i in result.episodic),
+                                tuple(i.summary for i in result.episodic), query,
+                                self._clock().astimezone(timezone.utc))
+        key = user_prefix(user_id) + (conversation_id or "").encode()
+        self._store.submit(PutState(((b"pending", key, _ENCODE(pending), 0),)))
+
+    # -- entities ----------------------------------------------------------------------------
+
+    async def entity_info(self, user_id: str, name: str, limit: int = 20) -> EntityInfo | None:
+        """An entity the user's memories mention (by name or alias, any case) and those
+        memories, newest first; None if no memory mentions it."""
+        self._check_open()
+        self._check_ids(user_id)
+        v.check_text("name", name, self._config.max_id_chars)
+        _check_count("limit", limit, 1, 1000)
+        key = name.strip().lower()
+        store = self._store
+        found = (await store.read(read_entities, user_id, [key])).get(key)
+        if found is not None and found.type == "alias":
+            key = found.aliases[0]
+            found = (await store.read(read_entities, user_id, [key])).get(key)
+        if found is None:
+            return None
+        lsns = sorted(found.lsns, reverse=True)
+        records = await store.read(read_records, user_id, lsns[: limit * 2])
+        memories = [_hit(records[lsn], 1.0, ("entity",)) for lsn in lsns if lsn in records]
+        return EntityInfo(entity=found, memories=memories[:limit])
+
+    async def memory_stats(self, user_id: str) -> dict[str, Any]:
+        """Counts of the user's memories by kind (turns, episodes, active facts, notes,
+        entities) and when the latest turn was said (seed 004's memory_stats)."""
+        self._check_open()
+        self._check_ids(user_id)
+        await self._store.wait_committed(self._store.next_lsn - 1)
+        counts = await self._store.read(read_user_counts, user_id)
+        return msgspec.to_builtins(counts)
+
+    # -- maintenance and tools ---------------------------------------------------------------
+
+    async def maintain(self) -> MaintenanceReport:
+        """Run one maintenance pass now (it also runs every ``Config.maintenance_seconds``)."""
+        self._check_open()
+        return await self._maintenance.run_once()
+
+    async def call_tool(self, name: str, arguments: Mapping[str, Any] | str) -> dict[str, Any]:
+        """Run one of :data:`TOOLS` (seed 004's agent tools) for a model's tool call.
+
+        Args:
+            name: the tool's name.
+            arguments: its arguments, as a mapping or the JSON text a model produced.
+
+        Returns:
+            A JSON-ready dict.
+
+        Raises:
+            InvalidInput: an unknown tool, or arguments that do not fit its schema.
+        """
+        self._check_open()
+        return await call_tool(self, name, arguments)
+
     # -- deletion ----------------------------------------------------------------------------
 
     async def forget_session(self, user_id: str, session_id: str) -> None:
@@ -571,8 +909,10 @@ class Engine:
         self._check_open()
         self._check_ids(user_id, session_id)
         self._buffer.drop_session(user_id, session_id)
+        self._compressor.forget(user_id, session_id)
         await self._store.forget(
             user_id, session_id, lambda lsns: self._ann.removed(user_id, lsns, False))
+        self._facts.forget(user_id)  # facts extracted from the session went with it
 
     async def forget_user(self, user_id: str) -> None:
         """Delete everything of a user; returns once the deletion is on disk."""
@@ -580,7 +920,9 @@ class Engine:
         self._check_ids(user_id)
         self._buffer.drop_user(user_id)
         self._embedder.forget_user(user_id)
+        self._compressor.forget(user_id, None)
         await self._store.forget(user_id, None, lambda lsns: self._ann.removed(user_id, lsns, True))
+        self._facts.forget(user_id)
 
     # -- embeddings --------------------------------------------------------------------------
 
@@ -664,9 +1006,15 @@ class Engine:
 
     async def flush(self) -> None:
         """Return once everything acknowledged before the call is on disk and in every index
-        (the vector index too, with background embedding on)."""
+        (the vector index too, with background embedding on), and the long-term layer has
+        taken it in: its facts extracted, its entities registered, the episodes it completes
+        made, and those indexed too."""
         self._check_open()
         target = self._store.next_lsn - 1
+        await self._store.wait_committed(target)
+        for follower in self._followers:
+            await follower.wait(target)
+        target = self._store.next_lsn - 1  # what the long-term layer derived meanwhile
         await self._store.wait_committed(target)
         await self._fulltext.wait_indexed(target)
         if self._config.background_embedding:
@@ -709,6 +1057,22 @@ class Engine:
 
 
 _BULK_CHUNK = 1024  # turns appended per step of add_turns: under ~10 ms of loop time each
+
+
+async def _in_scope(scope: trio.CancelScope, task: Callable[..., Any], *args: Any,
+                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Run a background task under its own cancel scope, so close can stop it first."""
+    with scope:
+        await task(*args, task_status=task_status)
+
+
+_ENCODE = msgspec.msgpack.Encoder().encode
+
+
+def _check_fraction(field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise InvalidInput(field, f"expected a number from 0 to 1, found {value!r}")
+    return float(value)
 
 
 def _check_count(field: str, value: Any, low: int, high: int) -> int:

@@ -191,6 +191,8 @@ class Fact(msgspec.Struct, frozen=True, array_like=True):
             away) or ``retracted`` (forget_fact).
         protected: confirmed by the user: never decays.
         origin: ``rules``, ``llm`` or ``api``.
+        access_count / last_access_at: uses (shown in a prompt, restated); decay counts from
+            the last one.
     """
 
     lsn: int
@@ -213,6 +215,8 @@ class Fact(msgspec.Struct, frozen=True, array_like=True):
     status: str = "active"
     protected: bool = False
     origin: str = "api"
+    access_count: int = 0
+    last_access_at: datetime | None = None
 
 
 class Entity(msgspec.Struct, frozen=True, array_like=True):
@@ -225,6 +229,7 @@ class Entity(msgspec.Struct, frozen=True, array_like=True):
         mentions: how many times it was mentioned.
         first_seen / last_seen: when.
         lsns: the memories mentioning it, at most ``actors.entities.MEMORIES_PER_ENTITY``.
+        last_id: the id of the latest memory mentioning it (the next one links to it).
     """
 
     name: str
@@ -234,6 +239,7 @@ class Entity(msgspec.Struct, frozen=True, array_like=True):
     first_seen: datetime
     last_seen: datetime
     lsns: tuple[int, ...]
+    last_id: str = ""
 
 
 class ReviewState(msgspec.Struct, frozen=True, array_like=True):

@@ -1,12 +1,14 @@
 """The retrieval pipeline: what a bot calls before every reply.
 
 1. Embed the query once (an LRU cache keyed by user and text).
-2. In parallel: the vector leg (AnnIndex), the BM25 leg (FullText), and the window leg (turns
-   acknowledged but not yet indexed, from the RAM windows, scored by shared terms).
+2. In parallel: the vector leg (AnnIndex), the BM25 leg (FullText), the entity leg (memories
+   mentioning an entity the query names, newest first, from the entity registry) and the window
+   leg (turns acknowledged but not yet indexed, from the RAM windows, scored by shared terms).
 3. Fuse the legs by reciprocal rank (k = 60); each leg brings CANDIDATES_PER_LEG candidates, so
    a keyword-only or vector-only hit still reaches the result.
-4. Expand along links, breadth-first in both directions, to the focus level's depth.
-5. Pack into a token budget and return typed hits (rendered as Markdown by ``retrieve_memory``).
+4. Re-rank episodes by FSRS retrievability (score x retrievability, seed 001).
+5. Expand along links, breadth-first in both directions, to the focus level's depth.
+6. Pack into a token budget and return typed hits (rendered as Markdown by ``retrieve_memory``).
 
 Every leg is restricted to the user inside its index; records are then fetched from the store
 by lsn with the user's key prefix checked once more.
@@ -14,6 +16,7 @@ by lsn with the user's key prefix checked once more.
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
@@ -24,16 +27,22 @@ from actors.ann_index import AnnIndex, Filters
 from actors.embedder import Embedder
 from actors.fulltext import FullText, TextFilters
 from actors.session_buffer import SessionBuffer
+from actors.entities import extract_entities
+from actors.episodic import episode_retrievability
+from actors.facts import Facts
 from actors.store import (
     Store,
+    read_entities,
     read_links,
-    read_records,
     read_memories_by_id,
+    read_records,
+    read_review_states,
+    read_session_turns,
     read_turn_contexts,
     turn_tags,
 )
 
-from ._records import Note, Turn
+from ._records import Episode, Fact, Note, Turn
 
 __all__ = ["Hit", "Message", "EpisodicItem", "SemanticItem", "RetrieveResult", "FOCUS_LEVELS",
            "Retriever", "estimate_tokens"]
@@ -141,25 +150,31 @@ class Retriever:
     own beyond references."""
 
     def __init__(self, store: Store, buffer: SessionBuffer, embedder: Embedder, ann: AnnIndex,
-                 fulltext: FullText) -> None:
+                 fulltext: FullText, facts: Facts, clock: Any) -> None:
         self.store, self.buffer, self.embedder = store, buffer, embedder
-        self.ann, self.fulltext = ann, fulltext
+        self.ann, self.fulltext, self.facts = ann, fulltext, facts
+        self.clock = clock
 
     async def recall(self, user_id: str, query: str, *, limit: int, session_id: str | None,
                      since: datetime | None, until: datetime | None,
                      roles: tuple[str, ...] | None, kinds: tuple[str, ...] | None,
                      link_depth: int, budget_tokens: int | None,
                      tags: tuple[str, ...] | None = None,
-                     legs: tuple[str, ...] = ("vector", "bm25", "window")) -> list[Hit]:
-        """The pipeline; arguments are validated by the facade."""
+                     only: list[int] | None = None,
+                     legs: tuple[str, ...] = ("vector", "bm25", "entity", "window")
+                     ) -> list[Hit]:
+        """The pipeline; arguments are validated by the facade. ``only``: these lsns and no
+        others (the facts a category or importance filter admits), applied in every index."""
         ranked: dict[str, list[int]] = {}
-        text_filters = TextFilters(session_id, since, until, roles, kinds, tags)
+        text_filters = TextFilters(session_id, since, until, roles, kinds, tags, only)
 
         async def vector_leg() -> None:
             vector = await self.embedder.embed_query(query, user_id)
             # Tags live in the text index's term lists; they become the vector search's mask.
             lsns = (None if tags is None
                     else await self.fulltext.tagged(user_id, tags, TAGGED_LIMIT))
+            if only is not None:
+                lsns = only if lsns is None else sorted(set(lsns) & set(only))
             filters = Filters(session_id, since, until, roles, kinds, lsns)
             found = await self.ann.search(user_id, vector, CANDIDATES_PER_LEG, filters)
             ranked["vector"] = [lsn for lsn, _ in found]
@@ -168,28 +183,65 @@ class Retriever:
             found = await self.fulltext.search(user_id, query, CANDIDATES_PER_LEG, text_filters)
             ranked["bm25"] = [lsn for lsn, _ in found]
 
+        async def entity_leg() -> None:
+            names = _entity_keys(query)
+            if not names:
+                return
+            registry = await self.store.read(read_entities, user_id, names)
+            targets = [e.aliases[0] for e in registry.values() if e.type == "alias"]
+            if targets:
+                registry.update(await self.store.read(read_entities, user_id, targets))
+            lsns = sorted({lsn for e in registry.values() if e.type != "alias"
+                           for lsn in e.lsns}, reverse=True)
+            if lsns:
+                ranked["entity"] = lsns[:CANDIDATES_PER_LEG]
+
         async with trio.open_nursery() as nursery:
             if "vector" in legs:
                 nursery.start_soon(vector_leg)
             if "bm25" in legs:
                 nursery.start_soon(bm25_leg)
+            if "entity" in legs and only is None:
+                nursery.start_soon(entity_leg)
             if "window" in legs:
                 ranked["window"] = self._window_leg(user_id, query, session_id, since, until,
                                                     roles, kinds, tags)
         fused = fuse(ranked)
         records = await self.store.read(read_records, user_id,
-                                        [lsn for lsn, _, _ in fused[: limit * 2]])
+                                        [lsn for lsn, _, _ in fused[: limit * 3]])
         hits: list[Hit] = []
+        allowed = None if only is None else set(only)
         for lsn, score, via in fused:
-            turn = records.get(lsn) or self.buffer.recent_turn(user_id, lsn)
-            if turn is None or not _matches(turn, session_id, since, until, roles, kinds, tags):
+            memory = records.get(lsn) or self.buffer.recent_turn(user_id, lsn)
+            if (memory is None or (allowed is not None and lsn not in allowed)
+                    or not _matches(memory, session_id, since, until, roles, kinds, tags)):
                 continue  # deleted since it was indexed, or not quite what the filter asked
-            hits.append(_hit(turn, score, via))
-            if len(hits) == limit:
+            hits.append(_hit(memory, score, via))
+            if len(hits) == limit * 2:
                 break
+        hits = (await self._rerank(user_id, hits, records))[:limit]
         if link_depth > 0 and hits:
             hits += await self._expand(user_id, hits, link_depth)
         return pack(hits, budget_tokens)
+
+    async def _rerank(self, user_id: str, hits: list[Hit], records: dict[int, Any]
+                      ) -> list[Hit]:
+        """Episodes: score x FSRS retrievability (seed 001); others keep their fused score."""
+        episodes = {h.id: m for m in records.values() if type(m) is Episode
+                    for h in hits if h.id == m.episode_id}
+        if not episodes:
+            return hits
+        states = await self.store.read(read_review_states, user_id, list(episodes))
+        now = self.clock()
+        out = []
+        for hit in hits:
+            episode = episodes.get(hit.id)
+            if episode is not None:
+                r = episode_retrievability(episode, states.get(hit.id), now)
+                hit = msgspec.structs.replace(hit, score=hit.score * r)
+            out.append(hit)
+        out.sort(key=lambda h: -h.score)
+        return out
 
     def _window_leg(self, user_id: str, query: str, session_id: str | None,
                     since: datetime | None, until: datetime | None,
@@ -237,27 +289,108 @@ class Retriever:
 
     async def retrieve(self, user_id: str, query: str, *, conversation_id: str | None,
                        episodic_limit: int, semantic_limit: int, category: str | None,
-                       episodic: bool) -> RetrieveResult:
-        """seed 001's retrieval: semantic facts (none until the long-term layer) and episodic
-        memories, each a recalled turn with its neighbours."""
-        semantic: list[SemanticItem] = []  # facts come with the long-term memory layer
+                       min_importance: float, episodic: bool) -> RetrieveResult:
+        """seed 001's retrieval: the semantic leg (active facts matching the query, then the
+        user's most important standing facts) and the episodic leg (episodes, FSRS-re-ranked,
+        and turns no shown episode covers yet, each with its neighbouring turns)."""
+        semantic: list[SemanticItem] = []
         items: list[EpisodicItem] = []
-        if episodic and episodic_limit:
-            hits = await self.recall(user_id, query, limit=episodic_limit, session_id=None,
-                                     since=None, until=None, roles=None, kinds=("turn",),
-                                     link_depth=0, budget_tokens=None)
-            contexts = await self.store.read(read_turn_contexts, user_id, [h.id for h in hits])
-            for hit in hits:
+        async with trio.open_nursery() as nursery:
+            if semantic_limit:
+                async def semantic_leg() -> None:
+                    semantic.extend(await self._semantic(user_id, query, semantic_limit,
+                                                         category, min_importance))
+                nursery.start_soon(semantic_leg)
+            if episodic and episodic_limit:
+                async def episodic_leg() -> None:
+                    items.extend(await self._episodic(user_id, query, episodic_limit))
+                nursery.start_soon(episodic_leg)
+        return RetrieveResult(semantic, items)
+
+    async def _semantic(self, user_id: str, query: str, limit: int, category: str | None,
+                        min_importance: float) -> list[SemanticItem]:
+        profile = await self.facts.profile(user_id, category, min_importance)
+        if not profile:
+            return []
+        by_lsn = {f.lsn: f for f in profile}
+        hits = await self.recall(user_id, query, limit=limit, session_id=None, since=None,
+                                 until=None, roles=None, kinds=("fact",), link_depth=0,
+                                 budget_tokens=None, only=sorted(by_lsn), legs=("vector", "bm25"))
+        by_id = {f.fact_id: f for f in profile}
+        chosen: list[tuple[Fact, float]] = [(by_id[h.id], h.score) for h in hits
+                                            if h.id in by_id]
+        # The deterministic part: standing facts (name, allergies, instructions...) always
+        # come along, after the ones the query found.
+        seen = {f.fact_id for f, _ in chosen}
+        for fact in profile:
+            if len(chosen) >= limit:
+                break
+            if fact.fact_id not in seen and fact.importance >= STANDING_IMPORTANCE:
+                chosen.append((fact, 0.0))
+        return [SemanticItem(id=f.fact_id, conversation_id=f.session_id or None,
+                             category=f.category, fact=f.text, keywords=list(f.keywords),
+                             source_episodic_ids=list(f.source_episode_ids or f.source_turn_ids),
+                             valid_at=f.valid_at, invalid_at=f.invalid_at, score=score)
+                for f, score in chosen[:limit]]
+
+    async def _episodic(self, user_id: str, query: str, limit: int) -> list[EpisodicItem]:
+        hits = await self.recall(user_id, query, limit=limit, session_id=None, since=None,
+                                 until=None, roles=None, kinds=("episode", "turn"), link_depth=0,
+                                 budget_tokens=None)
+        episode_ids = [h.id for h in hits if h.kind == "episode"]
+        turn_ids = [h.id for h in hits if h.kind == "turn"]
+        episodes, contexts, states = await self.store.read(
+            _read_episodic, user_id, episode_ids, turn_ids)
+        covered = {t for e, _ in episodes.values() for t in e.turn_ids}
+        items: list[EpisodicItem] = []
+        for hit in hits:
+            if hit.kind == "episode" and hit.id in episodes:
+                episode, turns = episodes[hit.id]
+                state = states.get(hit.id)
+                items.append(EpisodicItem(
+                    id=episode.episode_id, conversation_id=episode.session_id,
+                    messages=[Message(t.role, t.text) for t in turns], title=episode.title,
+                    summary=episode.summary,
+                    stability=state.stability if state else episode.stability,
+                    difficulty=state.difficulty if state else episode.difficulty,
+                    surprise=episode.surprise, start_at=episode.start_at, end_at=episode.end_at,
+                    created_at=episode.created_at,
+                    last_reviewed_at=state.last_review if state else None,
+                    consolidated_at=episode.consolidated_at, score=hit.score, kind="episode"))
+            elif hit.kind == "turn" and hit.id not in covered:
                 # A turn found in the RAM window may not be on disk yet: it stands alone.
-                messages = [Message(t.role, t.text) for t in contexts[hit.id]] \
-                    if hit.id in contexts else [Message(hit.role or "user", hit.text)]
-                times = [t.at for t in contexts.get(hit.id, ())] or [hit.at]
+                context = contexts.get(hit.id)
+                messages = ([Message(t.role, t.text) for t in context] if context
+                            else [Message(hit.role or "user", hit.text)])
+                times = [t.at for t in context or ()] or [hit.at]
+                state = states.get(hit.id)
                 items.append(EpisodicItem(
                     id=hit.id, conversation_id=hit.session_id, messages=messages,
-                    title=_title(hit.text), summary=hit.text, stability=1.0, difficulty=5.0,
-                    surprise=0.0, start_at=times[0], end_at=times[-1], created_at=hit.at,
-                    last_reviewed_at=None, consolidated_at=None, score=hit.score))
-        return RetrieveResult(semantic[:semantic_limit], items)
+                    title=_title(hit.text), summary=hit.text,
+                    stability=state.stability if state else 1.0,
+                    difficulty=state.difficulty if state else 5.0, surprise=0.0,
+                    start_at=times[0], end_at=times[-1], created_at=hit.at,
+                    last_reviewed_at=state.last_review if state else None,
+                    consolidated_at=None, score=hit.score))
+        return items
+
+
+STANDING_IMPORTANCE = 0.8  # facts at least this important join every semantic section
+
+
+def _read_episodic(txn: Any, dbs: dict[bytes, Any], user_id: str, episode_ids: list[str],
+                   turn_ids: list[str]) -> tuple[dict[str, tuple[Episode, list[Turn]]],
+                                                 dict[str, list[Turn]], dict[str, Any]]:
+    """Episodes with their turns, turns with their neighbours, and review states: one read."""
+    episodes = {}
+    for memory_id, memory in read_memories_by_id(txn, dbs, user_id, episode_ids).items():
+        if type(memory) is Episode:
+            turns = read_session_turns(txn, dbs, user_id, memory.session_id, memory.first_seq,
+                                       memory.last_seq)
+            episodes[memory_id] = (memory, turns)
+    contexts = read_turn_contexts(txn, dbs, user_id, turn_ids)
+    states = read_review_states(txn, dbs, user_id, episode_ids + turn_ids)
+    return episodes, contexts, states
 
 
 def fuse(ranked: dict[str, list[int]]) -> list[tuple[int, float, tuple[str, ...]]]:
@@ -285,10 +418,22 @@ def pack(hits: list[Hit], budget_tokens: int | None) -> list[Hit]:
     return packed
 
 
-def _matches(memory: Turn | Note, session_id: str | None, since: datetime | None,
-             until: datetime | None, roles: tuple[str, ...] | None,
+def _matches(memory: Turn | Note | Episode | Fact, session_id: str | None,
+             since: datetime | None, until: datetime | None, roles: tuple[str, ...] | None,
              kinds: tuple[str, ...] | None, tags: tuple[str, ...] | None) -> bool:
-    if type(memory) is Note:  # user-level: no session, no role
+    kind = type(memory)
+    if kind is Episode:  # a session's, no role, no tags
+        return ((session_id is None or memory.session_id == session_id)
+                and (since is None or memory.end_at >= since)
+                and (until is None or memory.end_at <= until)
+                and roles is None and tags is None and (kinds is None or "episode" in kinds))
+    if kind is Fact:  # user-level; its category is its tag
+        return (session_id is None and roles is None
+                and (since is None or memory.created_at >= since)
+                and (until is None or memory.created_at <= until)
+                and (kinds is None or "fact" in kinds)
+                and (tags is None or memory.category in tags))
+    if kind is Note:  # user-level: no session, no role
         return (session_id is None and roles is None
                 and (since is None or memory.updated_at >= since)
                 and (until is None or memory.updated_at <= until)
@@ -301,13 +446,31 @@ def _matches(memory: Turn | Note, session_id: str | None, since: datetime | None
             and (tags is None or not set(tags).isdisjoint(turn_tags(turn))))
 
 
-def _hit(memory: Turn | Note, score: float, via: tuple[str, ...]) -> Hit:
-    if type(memory) is Note:
+def _hit(memory: Turn | Note | Episode | Fact, score: float, via: tuple[str, ...]) -> Hit:
+    kind = type(memory)
+    if kind is Episode:
+        return Hit(id=memory.episode_id, kind="episode", text=f"{memory.title}: {memory.summary}",
+                   score=score, session_id=memory.session_id, at=memory.end_at,
+                   turn_ids=memory.turn_ids, via=via)
+    if kind is Fact:
+        return Hit(id=memory.fact_id, kind="fact", text=memory.text, score=score, session_id="",
+                   at=memory.created_at, turn_ids=memory.source_turn_ids, via=via)
+    if kind is Note:
         return Hit(id=memory.note_id, kind="note", text=memory.text, score=score,
                    session_id="", at=memory.updated_at, turn_ids=(), via=via)
     return Hit(id=memory.turn_id, kind="turn", text=memory.text, score=score,
                session_id=memory.session_id, at=memory.at, turn_ids=(memory.turn_id,),
                role=memory.role, via=via)
+
+
+def _entity_keys(query: str) -> list[str]:
+    """Registry keys a query may name: its entities, and its words and word pairs lower-cased
+    (people ask "what did maya say", not "Maya")."""
+    keys = [name.lower() for name, kind in extract_entities(query) if kind != "date"]
+    words = [w for w in re.findall(r"[\w@#'.-]+", query.lower()) if len(w) > 2]
+    words = [w.strip(".'") for w in words]
+    keys += words + [f"{a} {b}" for a, b in zip(words, words[1:])]
+    return sorted(set(k for k in keys if k))[:64]
 
 
 def _title(text: str, words: int = 8) -> str:

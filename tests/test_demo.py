@@ -42,7 +42,8 @@ def test_cli_reindex_adopts_another_model(tmp_path, capsys) -> None:
     assert main(["reindex", str(tmp_path / "s"), "--model", "minilm-l6-v2-q8", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["model"] == "sentence-transformers/all-MiniLM-L6-v2@q8-block16"
-    assert report["fulltext_rebuilt"] and report["indexed_lsn"] == report["embedded_lsn"] == 1
+    # The turn and the fact extracted from it.
+    assert report["fulltext_rebuilt"] and report["indexed_lsn"] == report["embedded_lsn"] == 2
 
     async def reopen_with_default() -> None:
         async with Engine.open(tmp_path / "s"):

@@ -160,7 +160,10 @@ async def test_retrieve_memory_raw_has_the_seed_json_shape(store_path) -> None:
         raw = await mem.retrieve_memory_raw("ana", "dark mode", episodic_limit=3)
     assert isinstance(raw, RetrieveResult)
     data = msgspec.json.decode(msgspec.json.encode(raw))
-    assert data["semantic"] == []
+    (fact,) = data["semantic"]  # the rules extracted "Likes dark mode"
+    assert fact["category"] == "preference" and fact["fact"] == "Likes dark mode"
+    assert {"id", "conversation_id", "category", "fact", "keywords", "source_episodic_ids",
+            "valid_at", "invalid_at", "score"} <= set(fact)
     (episode,) = data["episodic"]
     assert {"id", "conversation_id", "messages", "title", "summary", "stability", "difficulty",
             "surprise", "start_at", "end_at", "created_at", "last_reviewed_at",

@@ -62,7 +62,8 @@ async def test_graph_search_agrees_with_exact_search_and_honours_deletions(store
         assert np.mean(recalls) >= 0.95
         await mem.forget_session("ana", "s1")
         gone = {t.lsn for t in await mem.session_history("ana", "s2", limit=1000)}
-        everything = await ann.search("ana", await _vector("dog lisbon"), 600)
+        everything = await ann.search("ana", await _vector("dog lisbon"), 600,
+                                      ann_mod.Filters(kinds=("turn",)))
         history = {t.lsn for s in ("s0", "s2") for t in await mem.session_history("ana", s, limit=1000)}
     assert {lsn for lsn, _ in everything} <= history and gone <= history
 
@@ -106,7 +107,8 @@ async def test_graphs_saved_at_close_are_reused_and_reconciled(store_path, monke
     monkeypatch.setattr(ann_mod, "HNSW_THRESHOLD", 200)
     texts = _texts(500, seed=5)
     queries = [await _vector(t) for t in _texts(10, seed=11)]
-    async with open_engine(store_path) as mem:
+    turns_only = {"long_term": False}  # no episodes: the vector counts below are turns
+    async with open_engine(store_path, config=turns_only) as mem:
         await mem.add_turns([{"user_id": "ana", "session_id": f"s{i % 5}", "role": "user",
                               "text": t} for i, t in enumerate(texts)])
         await mem.flush()
@@ -115,7 +117,7 @@ async def test_graphs_saved_at_close_are_reused_and_reconciled(store_path, monke
         before = [await mem._ann.search("ana", q, 10) for q in queries]
     files = sorted(p.name for p in (store_path / "ann").iterdir())
     assert len(files) == 2 and not any("ana" in name for name in files)
-    async with open_engine(store_path) as mem:
+    async with open_engine(store_path, config=turns_only) as mem:
         again = [await mem._ann.search("ana", q, 10) for q in queries]
         uv = mem._ann._users["ana"]
         assert uv.graph is not None and uv.graph_rows == uv.n == 500  # no rebuild
@@ -124,7 +126,7 @@ async def test_graphs_saved_at_close_are_reused_and_reconciled(store_path, monke
         await mem.forget_session("ana", "s3")
         await mem.add_turn("ana", "s9", "user", "brand new note lisbon")
         await mem.flush()
-    async with open_engine(store_path) as mem:
+    async with open_engine(store_path, config=turns_only) as mem:
         found = {lsn for q in queries for lsn, _ in await mem._ann.search("ana", q, 50)}
         assert not found & gone
         await _graph_ready(mem)

@@ -1,0 +1,175 @@
+"""Entities actor: the named things a user's memories mention, in a per-user registry.
+
+It follows the store's log. For each committed record it extracts mentions (@handles, #hashtags,
+emails, URLs, dates, capitalised names), merges them into the registry (canonical name, aliases,
+mention count, the memories that mention it) and links the record to the previous memory that
+mentioned the same entity; registry, links and its watermark are written in one transaction.
+
+Aliases: a single capitalised word that is the first word of a known multi-word person name
+("Maya" for "Maya Lindqvist") is filed under that entity; spellings differing only in case are
+one entity.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timezone
+
+import msgspec
+import trio
+
+from engine._records import Entity, Link
+
+from .messages import Searchable
+from .store import LogFollower, Store, read_entities, user_prefix
+
+__all__ = ["Entities", "extract_entities", "MEMORIES_PER_ENTITY"]
+
+MEMORIES_PER_ENTITY = 256  # newest memories kept per entity: entity_info and the entity leg
+FOLLOW_CHUNK = 512  # log records per step: ~1 ms of regex work between checkpoints
+WATERMARK = b"entities_lsn"
+LINKED_TYPES = frozenset({"person", "place", "email", "url", "hashtag", "mention"})
+
+_encode = msgspec.msgpack.Encoder().encode
+
+_EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b")
+_URL = re.compile(r"\bhttps?://[^\s<>()\"']+", re.IGNORECASE)
+_MENTION = re.compile(r"(?<![\w@])@([A-Za-z_]\w{1,30})")
+_HASHTAG = re.compile(r"(?<![\w#])#([A-Za-z]\w{1,40})")
+_MONTHS = ("january|february|march|april|may|june|july|august|september|october|november|"
+           "december|jan|feb|mar|apr|jun|jul|aug|sep|sept|oct|nov|dec")
+_DATE = re.compile(r"\b(?:\d{4}-\d{2}-\d{2}|\d{1,2}/\d{1,2}/\d{2,4}|"
+                   rf"(?:{_MONTHS})\.? \d{{1,2}}(?:st|nd|rd|th)?(?:,? \d{{4}})?|"
+                   rf"\d{{1,2}}(?:st|nd|rd|th)? (?:of )?(?:{_MONTHS})(?: \d{{4}})?)\b",
+                   re.IGNORECASE)
+_NAME = re.compile(r"\b[A-ZÀ-ÖØ-Þ][a-zà-öø-ÿ]+(?:[ -][A-ZÀ-ÖØ-Þ][a-zà-öø-ÿ]+)*\b")
+_PLACE_CUE = re.compile(r"\b(?:in|to|from|at|near|visit|visited|visiting)\s+$", re.IGNORECASE)
+# Capitalised words that are not names: sentence starters, pronouns, days, months, greetings.
+_NOT_NAMES = frozenset(
+    "I A An The This That These Those It Its He She We They You Your My Our Their His Her "
+    "Hi Hey Hello Thanks Thank Yes No Ok Okay Sure Sorry Please Good Great Nice Well So And But "
+    "Or If When What Why How Where Who Which Also Just Maybe Honestly Big Last Next Today "
+    "Tomorrow Yesterday Monday Tuesday Wednesday Thursday Friday Saturday Sunday January "
+    "February March April May June July August September October November December Tell Let "
+    "Do Did Does Can Could Would Should Will Is Are Was Were Have Has Had Not Any Some Every "
+    "All Here There Then Now Oh Ah Wow Cool Fine Right Sounds Understood Want Happy Enjoy "
+    "Email Call Send Remind Book Check Find Look Make Take Give Show Get Go Try Keep Remember "
+    "Note Add Set Use Answer Reply Write Read Change Always Never From Since After Before".split())
+
+
+def extract_entities(text: str) -> list[tuple[str, str]]:
+    """(name, type) for each distinct entity a text mentions, in order of first mention."""
+    found: dict[str, tuple[str, str]] = {}
+
+    def add(name: str, kind: str) -> None:
+        found.setdefault(name.lower(), (name, kind))
+
+    for m in _EMAIL.finditer(text):
+        add(m.group(0), "email")
+    for m in _URL.finditer(text):
+        add(m.group(0).rstrip(".,;:!?"), "url")
+    scrubbed = _URL.sub(" ", _EMAIL.sub(" ", text))
+    for m in _MENTION.finditer(scrubbed):
+        add("@" + m.group(1), "mention")
+    for m in _HASHTAG.finditer(scrubbed):
+        add("#" + m.group(1), "hashtag")
+    for m in _DATE.finditer(scrubbed):
+        add(m.group(0), "date")
+    for m in _NAME.finditer(scrubbed):
+        words = [w for w in re.split(r"[ -]", m.group(0))]
+        while words and words[0] in _NOT_NAMES:
+            words.pop(0)
+        if not words:
+            continue
+        name = " ".join(words)
+        if name.lower() in found:
+            continue
+        kind = "place" if _PLACE_CUE.search(scrubbed[: m.start()]) else (
+            "person" if len(words) <= 3 else "other")
+        add(name, kind)
+    return list(found.values())
+
+
+class Entities:
+    """The actor: a log follower that owns the registry's writes."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.follower = LogFollower(store, WATERMARK, FOLLOW_CHUNK, self._handle)
+
+    async def _handle(self, records: list[Searchable], last: int) -> tuple[tuple, tuple]:
+        mentions: dict[str, list[tuple[Searchable, str, str]]] = {}
+        for i, record in enumerate(records):
+            if i % 64 == 63:
+                await trio.lowlevel.checkpoint()  # regex work in small steps
+            for name, kind in extract_entities(record.text):
+                mentions.setdefault(record.user_id, []).append((record, name, kind))
+        puts: list[tuple[bytes, bytes, bytes | None, int]] = []
+        links: list[tuple[str, Link, int]] = []
+        for user_id, found in mentions.items():
+            wanted = sorted({n.lower() for _, n, _ in found}
+                            | {n.split()[0].lower() for _, n, _ in found})
+            registry = await self._store.read(read_entities, user_id, wanted)
+            targets = [e.aliases[0] for e in registry.values()
+                       if e.type == "alias" and e.aliases[0] not in registry]
+            if targets:
+                registry.update(await self._store.read(read_entities, user_id, targets))
+            changed: dict[str, Entity] = {}
+            for record, name, kind in found:
+                key = _resolve(registry, changed, name)
+                entity = changed.get(key) or registry.get(key)
+                at = record.at.astimezone(timezone.utc)
+                if entity is None:
+                    entity = Entity(name, kind, (), 0, at, at, ())
+                elif (entity.last_id and entity.last_id != record.memory_id
+                      and kind in LINKED_TYPES and entity.type in LINKED_TYPES
+                      and record.memory_id):
+                    links.append((user_id, Link(record.memory_id, entity.last_id,
+                                                "shares_entity", at), record.lsn))
+                aliases = entity.aliases
+                if name != entity.name and name not in aliases:
+                    aliases = (*aliases, name)
+                lsns = entity.lsns if record.lsn in entity.lsns else (
+                    *entity.lsns[-(MEMORIES_PER_ENTITY - 1):], record.lsn)
+                changed[key] = Entity(entity.name, entity.type, aliases, entity.mentions + 1,
+                                      min(entity.first_seen, at), max(entity.last_seen, at), lsns,
+                                      record.memory_id or entity.last_id)
+            prefix = user_prefix(user_id)
+            for key, entity in list(changed.items()):
+                first = entity.name.split()[0].lower()
+                if entity.type != "person" or first == key:
+                    continue
+                # A first name files under the full name: fold what the short form held into
+                # the full entity and point the short form at it.
+                short = changed.get(first) or registry.get(first)
+                if short is not None and short.type != "alias":
+                    entity = Entity(entity.name, entity.type,
+                                    tuple(dict.fromkeys((*entity.aliases, short.name))),
+                                    entity.mentions + short.mentions,
+                                    min(entity.first_seen, short.first_seen),
+                                    max(entity.last_seen, short.last_seen),
+                                    tuple(sorted(set(entity.lsns) | set(short.lsns)))
+                                    [-MEMORIES_PER_ENTITY:], entity.last_id)
+                    changed[key] = entity
+                changed[first] = _pointer(key)
+            for key, entity in changed.items():
+                # Guarded by its newest memory: if that was forgotten meanwhile, the registry
+                # keeps its state from before this step.
+                guard = entity.lsns[-1] if entity.lsns else 0
+                puts.append((b"entities", prefix + key.encode(), _encode(entity), guard))
+        return tuple(puts), tuple(links)
+
+
+def _pointer(key: str) -> Entity:
+    """An alias record: type ``alias``, its target's key as the only alias."""
+    epoch = datetime(1970, 1, 1, tzinfo=timezone.utc)
+    return Entity(key, "alias", (key,), 0, epoch, epoch, ())
+
+
+def _resolve(registry: dict[str, Entity], changed: dict[str, Entity], name: str) -> str:
+    """The registry key a mention files under: itself, or the entity an alias points to."""
+    key = name.lower()
+    entity = changed.get(key) or registry.get(key)
+    if entity is not None and entity.type == "alias":
+        return entity.aliases[0]
+    return key

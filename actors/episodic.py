@@ -1,0 +1,346 @@
+"""EpisodicCompressor actor: turns the oldest turns of long sessions into episodes, and keeps
+the FSRS state (seed 001) of what retrieval shows.
+
+It follows the store's log, never the hot path. When a session has EPISODE_AFTER turns not yet in
+an episode (seed 002: compress at 20, keep the last 10), the oldest ones become an episode; a
+finished session's remainder is consolidated by maintenance. An episode has a title, an extractive
+summary (the most central, least redundant sentences by embedding: maximal marginal relevance
+over sentence vectors from the background embedding lane), keyphrases, its turn range and times,
+surprise (novelty against the user's earlier episodes) and initial FSRS state, boosted by
+surprise. With an LLM configured, the LLM writes title, summary and keywords instead.
+
+The turns stay searchable; the episode is logged (both indexes take it) and linked to its turns.
+
+Reviews: ``retrieve_memory`` records what it showed as a pending review; when the next assistant
+turn of that conversation is committed, each shown memory is rated GOOD if the reply used it
+(shares content words with it) and HARD if not. HARD, not AGAIN: a memory that was not needed
+this time was not forgotten. ``review`` rates explicitly.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+import msgspec
+import numpy as np
+import trio
+from fsrs import Card, Rating, Scheduler, State
+
+from engine._records import Episode, Link, PendingReview, ReviewState, Turn
+
+from .ann_index import AnnIndex, Filters
+from .embedder import Embedder
+from .messages import PutEpisode, Searchable
+from .store import (
+    LogFollower,
+    Store,
+    decode_pending,
+    decode_review,
+    read_last_episode_seqs,
+    read_memories_by_id,
+    read_session_turns,
+    user_prefix,
+)
+
+__all__ = ["EpisodicCompressor", "summarise", "initial_state", "retrievability", "review_state",
+           "RATINGS", "STOPWORDS", "content_words"]
+
+log = logging.getLogger("engram.episodic")
+
+FOLLOW_CHUNK = 1_024  # log records per step of the follower
+WATERMARK = b"episodic_lsn"
+SUMMARY_SENTENCES = 3  # sentences an extractive summary keeps
+MMR_LAMBDA = 0.7  # relevance (centrality) against redundancy when picking summary sentences
+KEYWORDS = 6
+FIRST_SURPRISE = 0.5  # a user's first episode has nothing to be novel against
+USED_WORDS = 2  # content words a reply must share with a shown memory to have used it
+
+RATINGS = {"again": Rating.Again, "hard": Rating.Hard, "good": Rating.Good, "easy": Rating.Easy,
+           1: Rating.Again, 2: Rating.Hard, 3: Rating.Good, 4: Rating.Easy}
+
+# FSRS-6 with its published default parameters. No learning steps: memories are not flash
+# cards in a session, every review is a review. No fuzz: tests and benchmarks stay exact.
+_SCHEDULER = Scheduler(learning_steps=(), relearning_steps=(), enable_fuzzing=False)
+_encode = msgspec.msgpack.Encoder().encode
+
+STOPWORDS = frozenset(
+    "a an the and or but if so of to in on at for from by with about as into over after before "
+    "is am are was were be been being do does did have has had i me my mine we us our you your "
+    "he him his she her it its they them their this that these those what which who whom how why "
+    "when where there here not no yes just very really also too can could would should will shall "
+    "may might must than then now some any all each every much many more most other such only own "
+    "same up down out off again once ok okay oh well sure thanks thank please hi hello hey yeah "
+    "like get got go going went one two lot bit thing things it's i'm i've i'll don't that's "
+    "let me tell want know think good great nice sounds let's".split())
+_WORD = re.compile(r"[A-Za-zÀ-ÿ][\wÀ-ÿ'-]*")
+_SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
+
+
+def content_words(text: str) -> set[str]:
+    return {w.lower() for w in _WORD.findall(text)
+            if len(w) > 2 and w.lower() not in STOPWORDS}
+
+
+# -- FSRS ------------------------------------------------------------------------------------
+
+
+def initial_state(surprise: float, at: datetime) -> tuple[float, float]:
+    """Stability and difficulty of a new memory: FSRS's first GOOD review, with stability
+    boosted by surprise (x1 to x2)."""
+    card, _ = _SCHEDULER.review_card(Card(), Rating.Good, at)
+    return card.stability * (1.0 + surprise), card.difficulty
+
+
+def retrievability(stability: float, last_review: datetime, now: datetime) -> float:
+    """FSRS-6 probability of recall after ``now - last_review``."""
+    if now <= last_review:
+        return 1.0
+    card = Card(state=State.Review, stability=stability, difficulty=5.0,
+                last_review=last_review, due=last_review)
+    return float(_SCHEDULER.get_card_retrievability(card, now))
+
+
+def review_state(current: ReviewState, rating: Rating, now: datetime) -> ReviewState:
+    card = Card(state=State.Review, stability=current.stability, difficulty=current.difficulty,
+                last_review=current.last_review, due=current.last_review)
+    after, _ = _SCHEDULER.review_card(card, rating, max(now, current.last_review))
+    return ReviewState(after.stability, after.difficulty, max(now, current.last_review),
+                       current.reps + 1)
+
+
+def memory_review_state(memory: Any) -> ReviewState:
+    """The FSRS state a memory starts from before any review: an episode's own, or a turn's
+    first GOOD review at the time it was said."""
+    if type(memory) is Episode:
+        return ReviewState(memory.stability, memory.difficulty, memory.created_at, 0)
+    stability, difficulty = initial_state(0.0, memory.at)
+    return ReviewState(stability, difficulty, memory.at, 0)
+
+
+# -- the extractive summariser -----------------------------------------------------------------
+
+
+def _sentences(turns: list[Turn]) -> list[tuple[int, str]]:
+    out = []
+    for i, turn in enumerate(turns):
+        for sentence in _SENTENCE.split(turn.text.strip()):
+            sentence = sentence.strip()
+            if len(content_words(sentence)) >= 2:
+                out.append((i, sentence))
+    if not out:  # nothing but small talk: keep the turns whole
+        out = [(i, t.text.strip()) for i, t in enumerate(turns) if t.text.strip()]
+    return out
+
+
+def keyphrases(texts: list[str], limit: int = KEYWORDS) -> tuple[str, ...]:
+    """Frequent content words, capitalised names counting double; in order of weight."""
+    weight: dict[str, float] = {}
+    first: dict[str, int] = {}
+    for text in texts:
+        for n, word in enumerate(_WORD.findall(text)):
+            low = word.lower()
+            if len(low) <= 2 or low in STOPWORDS:
+                continue
+            weight[low] = weight.get(low, 0.0) + (2.0 if word[0].isupper() and n else 1.0)
+            first.setdefault(low, len(first))
+    ranked = sorted(weight, key=lambda w: (-weight[w], first[w]))
+    return tuple(ranked[:limit])
+
+
+def summarise(turns: list[Turn], vectors: np.ndarray, sentences: list[tuple[int, str]]
+              ) -> tuple[str, str, tuple[str, ...], np.ndarray]:
+    """Title, summary, keywords and the episode's centroid vector.
+
+    ``vectors`` are the unit vectors of ``sentences``. A sentence's centrality is its mean
+    cosine to the others; maximal marginal relevance picks the central ones that do not repeat
+    each other, and the summary keeps them in the order they were said.
+    """
+    sims = vectors @ vectors.T
+    n = len(sentences)
+    centrality = (sims.sum(axis=1) - 1.0) / max(1, n - 1) if n > 1 else np.ones(1)
+    # Users' sentences carry what the episode is about; the assistant's mostly echo them.
+    roles = np.array([1.0 if turns[i].role == "user" else 0.8 for i, _ in sentences])
+    relevance = centrality * roles
+    picked: list[int] = []
+    while len(picked) < min(SUMMARY_SENTENCES, n):
+        if picked:
+            redundancy = sims[:, picked].max(axis=1)
+            score = MMR_LAMBDA * relevance - (1 - MMR_LAMBDA) * redundancy
+            score[picked] = -np.inf
+        else:
+            score = relevance.copy()
+        picked.append(int(np.argmax(score)))
+    order = sorted(picked)
+    summary = " ".join(sentences[i][1] for i in order)
+    words = sentences[picked[0]][1].split()
+    title = " ".join(words[:10]) + ("..." if len(words) > 10 else "")
+    weights = np.maximum(centrality, 1e-3)[:, None]
+    centroid = (vectors * weights).sum(axis=0)
+    centroid /= max(float(np.linalg.norm(centroid)), 1e-12)
+    return title, summary, keyphrases([t.text for t in turns]), centroid.astype(np.float32)
+
+
+def _read_review_inputs(txn: Any, dbs: dict[bytes, Any], keys: list[tuple[str, str]]
+                        ) -> dict[tuple[str, str],
+                                  tuple[PendingReview, dict[str, tuple[ReviewState, int]]]]:
+    """Pending reviews of these conversations, with each shown memory's current FSRS state."""
+    out = {}
+    for user_id, conversation in keys:
+        raw = txn.get(user_prefix(user_id) + conversation.encode(), db=dbs[b"pending"])
+        if raw is None:
+            continue
+        pending = decode_pending(raw)
+        states: dict[str, tuple[ReviewState, int]] = {}
+        memories = read_memories_by_id(txn, dbs, user_id, list(pending.memory_ids))
+        for memory_id, memory in memories.items():
+            stored = txn.get(user_prefix(user_id) + memory_id.encode(), db=dbs[b"reviews"])
+            states[memory_id] = (decode_review(stored) if stored is not None
+                                 else memory_review_state(memory), memory.lsn)
+        out[(user_id, conversation)] = (pending, states)
+    return out
+
+
+class EpisodicCompressor:
+    """The actor. ``follow`` runs in the engine's nursery."""
+
+    def __init__(self, store: Store, embedder: Embedder, ann: AnnIndex,
+                 clock: Callable[[], datetime], new_id: Callable[[], str], *,
+                 after_turns: int, keep_turns: int, llm: Any = None) -> None:
+        self._store = store
+        self._embedder = embedder
+        self._ann = ann
+        self._clock = clock
+        self._new_id = new_id
+        self._after = after_turns
+        self._keep = keep_turns
+        self._llm = llm
+        self._next_seq: dict[tuple[str, str], int] = {}  # first seq not yet in an episode
+        # Held while a session is being compressed: the follower and maintenance never make
+        # two episodes of the same turns.
+        self._lock = trio.Lock()
+        self.episodes_made = 0
+        self.follower = LogFollower(store, WATERMARK, FOLLOW_CHUNK, self._handle)
+
+    async def _handle(self, records: list[Searchable], last: int) -> tuple[tuple, tuple]:
+        counts: dict[tuple[str, str], int] = {}
+        replies: dict[tuple[str, str], list[str]] = {}
+        for r in records:
+            if r.kind != "turn":
+                continue
+            key = (r.user_id, r.session_id)
+            counts[key] = max(counts.get(key, 0), r.seq + 1)
+            if r.role == "assistant":
+                replies.setdefault(key, []).append(r.text)
+        puts = await self._rate_replies(replies) if replies else ()
+        for key, turn_count in counts.items():
+            start = await self._mark(key)
+            # Always the oldest (after - keep) turns: episode boundaries do not depend on how
+            # far behind the follower was.
+            while turn_count - start >= self._after:
+                last_seq = start + self._after - self._keep - 1
+                await self.compress(key[0], key[1], start, last_seq, consolidated=False)
+                start = last_seq + 1
+        return puts, ()
+
+    async def prefetch(self, keys: list[tuple[str, str]]) -> None:
+        """Learn where many sessions' episodes end in one read (maintenance's sweep)."""
+        missing = [k for k in keys if k not in self._next_seq]
+        if missing:
+            found = await self._store.read(read_last_episode_seqs, missing)
+            for key, seq in found.items():
+                self._next_seq.setdefault(key, seq + 1)
+
+    async def _mark(self, key: tuple[str, str]) -> int:
+        if key not in self._next_seq:
+            found = await self._store.read(read_last_episode_seqs, [key])
+            self._next_seq[key] = found[key] + 1
+        return self._next_seq[key]
+
+    def forget(self, user_id: str, session_id: str | None) -> None:
+        for key in [k for k in self._next_seq
+                    if k[0] == user_id and (session_id is None or k[1] == session_id)]:
+            del self._next_seq[key]
+
+    async def consolidate(self, user_id: str, session_id: str, turn_count: int) -> bool:
+        """Make an episode of a finished session's remaining turns (maintenance)."""
+        start = await self._mark((user_id, session_id))
+        if turn_count - start < 2:
+            return False
+        return await self.compress(user_id, session_id, start, turn_count - 1, consolidated=True)
+
+    async def compress(self, user_id: str, session_id: str, first_seq: int, last_seq: int, *,
+                       consolidated: bool) -> bool:
+        """Make one episode of the session's turns first_seq..last_seq; False if they are gone
+        (forgotten meanwhile) or already in an episode."""
+        async with self._lock:
+            if await self._mark((user_id, session_id)) > first_seq:
+                return False
+            store = self._store
+            await store.wait_committed(store.next_lsn - 1)
+            turns = await store.read(read_session_turns, user_id, session_id, first_seq, last_seq)
+            if not turns:
+                return False
+            title, summary, keywords, surprise = await self._describe(user_id, turns)
+            now = self._clock().astimezone(timezone.utc)
+            stability, difficulty = initial_state(surprise, now)
+            await store.reserve(1)
+            lsn = store.next_lsn
+            episode = Episode(
+                lsn, "e_" + self._new_id(), user_id, session_id, turns[0].seq, turns[-1].seq,
+                tuple(t.turn_id for t in turns), title, summary, keywords, turns[0].at,
+                turns[-1].at, surprise, stability, difficulty, now, now if consolidated else None)
+            links = tuple(Link(episode.episode_id, t.turn_id, "summarises", now) for t in turns)
+            stored: list[Episode | None] = []
+            store.submit(PutEpisode(lsn, episode, links, stored.append))
+            await store.wait_committed(lsn)
+            self._next_seq[(user_id, session_id)] = turns[-1].seq + 1
+            if stored[0] is not None:
+                self.episodes_made += 1
+            return stored[0] is not None
+
+    async def _describe(self, user_id: str, turns: list[Turn]
+                        ) -> tuple[str, str, tuple[str, ...], float]:
+        sentences = _sentences(turns)
+        vectors = await self._embedder.embed([s for _, s in sentences], query=False)
+        # The numpy work is a few hundred microseconds for a 10-turn episode: no thread hop.
+        title, summary, keywords, centroid = summarise(turns, vectors, sentences)
+        if self._llm is not None:
+            try:
+                title, summary, keywords = await self._llm.summarise(
+                    [(t.role, t.text) for t in turns])
+            except Exception as exc:  # the offline summary stands in for a failing model
+                log.warning("LLM summary failed, keeping the extractive one: %r", exc)
+        earlier = await self._ann.search(user_id, centroid, 1, Filters(kinds=("episode",)))
+        if not earlier:
+            return title, summary, keywords, FIRST_SURPRISE
+        # Cosine between MiniLM sentence vectors runs from ~0.1 (unrelated) to ~0.9 (same
+        # topic): map that span onto 1..0.
+        surprise = min(1.0, max(0.0, (0.9 - earlier[0][1]) / 0.7))
+        return title, summary, keywords, round(surprise, 3)
+
+    async def _rate_replies(self, replies: dict[tuple[str, str], list[str]]) -> tuple:
+        found = await self._store.read(_read_review_inputs, list(replies))
+        now = self._clock().astimezone(timezone.utc)
+        puts: list[tuple[bytes, bytes, bytes | None, int]] = []
+        for (user_id, conversation), (pending, states) in found.items():
+            reply = content_words(" ".join(replies[(user_id, conversation)]))
+            prefix = user_prefix(user_id)
+            for memory_id, text in zip(pending.memory_ids, pending.texts, strict=True):
+                if memory_id not in states:
+                    continue  # deleted since it was shown
+                used = len(reply & content_words(text)) >= USED_WORDS
+                current, lsn = states[memory_id]
+                state = review_state(current, Rating.Good if used else Rating.Hard, now)
+                puts.append((b"reviews", prefix + memory_id.encode(), _encode(state), lsn))
+            puts.append((b"pending", prefix + conversation.encode(), None, 0))
+        return tuple(puts)
+
+
+def episode_retrievability(episode: Episode, state: ReviewState | None, now: datetime) -> float:
+    if state is None:
+        return retrievability(episode.stability, episode.created_at, now)
+    return retrievability(state.stability, state.last_review, now)

@@ -1,0 +1,550 @@
+"""Facts actor: structured user facts keyed (user, category, key), and the rules that keep one
+active value per key.
+
+A decision (is this new? a duplicate? does it supersede, or lose to a more confident value?) is
+taken on the trio thread against a per-user cache of active facts, under one lock, and applied by
+the store in one write transaction (``PutFact``). History is never deleted: a superseded version
+gets ``invalid_at`` / ``expired_at`` and stays readable through ``history``.
+
+Rules (seeds 002 and 004):
+
+- exact duplicate (same key and value), or a sentence with word-set Jaccard >= DEDUP_JACCARD
+  against an active fact: the existing fact is reinforced (confidence, sources, use count);
+- same key, new value: the new value supersedes the old one unless its confidence is lower, or
+  the old one was confirmed by the user and the new one only inferred;
+- no shared key, but the same category and the same words with opposite polarity ("likes
+  jazz" / "no longer likes jazz"): a contradiction, resolved the same way.
+
+Confidence decays as ``confidence x exp(-decay_rate x days since last use)``; facts that fall
+below PRUNE_BELOW are retired as ``pruned`` by maintenance. Confirmed facts never decay.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import msgspec
+import trio
+
+from engine._records import Fact, Link
+
+from .messages import PutFact, PutState, Searchable
+from .store import LogFollower, Store, fact_key, read_facts
+
+__all__ = ["Facts", "Candidate", "extract_facts", "effective_confidence", "DECAY_RATES",
+           "MIN_CONFIDENCE", "MIN_IMPORTANCE", "DEDUP_JACCARD", "PRUNE_BELOW"]
+
+MIN_CONFIDENCE = 0.4  # extracted candidates below this are dropped (seed 002)
+MIN_IMPORTANCE = 0.2  # ... and below this importance
+DEDUP_JACCARD = 0.75  # word-set similarity at which two fact sentences are one fact (seed 004)
+CONTRADICTION_JACCARD = 0.5  # content-word overlap at which opposite polarity is a contradiction
+PRUNE_BELOW = 0.05  # effective confidence under which maintenance retires a fact (seed 004)
+CACHE_USERS = 4096  # users whose active facts stay in RAM
+FOLLOW_CHUNK = 512  # log records per step of the extraction follower
+WATERMARK = b"facts_lsn"
+
+log = logging.getLogger("engram.facts")
+
+# Per-day decay of confidence without use, by category: standing facts about who someone is and
+# what they must avoid fade slowly; passing preferences faster. Confirmed facts: 0.
+DECAY_RATES = {"identity": 0.002, "constraint": 0.002, "instruction": 0.005,
+               "relationship": 0.003, "schedule": 0.02, "preference": 0.02}
+DEFAULT_DECAY = 0.05
+
+_encode = msgspec.msgpack.Encoder().encode
+_WORD = re.compile(r"[a-z0-9']+")
+_NEGATIONS = frozenset({"not", "no", "never", "don't", "doesn't", "dont", "isn't", "aren't",
+                        "won't", "can't", "cannot", "longer", "anymore", "stopped", "quit"})
+_STOP = frozenset("a an the i i'm my me is am are was be to of in on at for and or but it this "
+                  "that with as so do does really very now user".split())
+
+
+def _words(text: str) -> set[str]:
+    return set(_WORD.findall(text.lower()))
+
+
+def jaccard(a: set[str], b: set[str]) -> float:
+    return len(a & b) / len(a | b) if a or b else 0.0
+
+
+def effective_confidence(fact: Fact, now: datetime) -> float:
+    """Confidence after decay: ``confidence x exp(-rate x days since last use)``."""
+    if fact.protected:
+        return fact.confidence
+    since = fact.last_access_at or fact.created_at
+    days = max(0.0, (now - since).total_seconds() / 86400)
+    return fact.confidence * math.exp(-DECAY_RATES.get(fact.category, DEFAULT_DECAY) * days)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A fact proposed by an extractor or a caller, before the conflict rules run."""
+
+    category: str
+    key: str
+    value: str
+    text: str
+    confidence: float
+    importance: float
+    keywords: tuple[str, ...] = ()
+
+
+# -- the offline extractor -----------------------------------------------------------------------
+
+_NAME = r"([A-Z][\w'-]+(?: [A-Z][\w'-]+)?)"
+_PLACE = r"([A-Z][\w'.-]+(?: [A-Z][\w'.-]+){0,2})"
+_THING = r"([\w' -]{2,40}?)"
+_END = r"(?=\s*(?:[,.!?;]|$|\band\b|\bbut\b|\bnow\b|\bthese days\b|\blately\b|\btoo\b))"
+
+
+@dataclass(frozen=True)
+class _Rule:
+    pattern: re.Pattern[str]
+    build: Callable[[re.Match[str]], Candidate | None]
+
+
+def _slug(text: str) -> str:
+    return " ".join(w for w in _WORD.findall(text.lower()) if w not in _STOP)[:60] or "general"
+
+
+def _rule(pattern: str, build: Callable[[re.Match[str]], Candidate | None],
+          flags: int = re.IGNORECASE) -> _Rule:
+    return _Rule(re.compile(pattern, flags), build)
+
+
+def _identity(key: str, phrase: str, confidence: float = 0.85, importance: float = 0.8
+              ) -> Callable[[re.Match[str]], Candidate]:
+    return lambda m: Candidate("identity", key, m.group(1).strip(),
+                               phrase.format(m.group(1).strip()), confidence, importance,
+                               (key, m.group(1).strip().lower()))
+
+
+def _preference(polarity: str) -> Callable[[re.Match[str]], Candidate | None]:
+    def build(m: re.Match[str]) -> Candidate | None:
+        thing = m.group(1).strip()
+        slug = _slug(thing)
+        if slug == "general" or len(slug.split()) > 5:
+            return None
+        return Candidate("preference", f"likes:{slug}", polarity,
+                         f"{'Likes' if polarity == 'likes' else 'Dislikes'} {thing}", 0.7, 0.5,
+                         tuple(slug.split()))
+    return build
+
+
+_FILLER = re.compile(r"^(?:(?:honestly|actually|really|well|so|ok|okay|now|lately|these days|"
+                     r"i think|i guess|i'd say),?\s+)+", re.IGNORECASE)
+
+
+def _favourite(m: re.Match[str]) -> Candidate:
+    what = m.group("what").strip().lower()
+    value = _FILLER.sub("", m.group("value").strip())
+    return Candidate("preference", f"favourite {what}", value, f"Favourite {what}: {value}",
+                     0.8, 0.6, (what, value.lower()))
+
+
+def _relation(m: re.Match[str]) -> Candidate:
+    who, name = m.group("who").lower(), m.group("name").strip()
+    return Candidate("relationship", who, name, f"Their {who} is called {name}", 0.85, 0.7,
+                     (who, name.lower()))
+
+
+def _allergy(m: re.Match[str]) -> Candidate | None:
+    thing = m.group(1).strip()
+    slug = _slug(thing)
+    if slug == "general":
+        return None
+    return Candidate("constraint", f"allergy:{slug}", "allergic", f"Allergic to {thing}",
+                     0.9, 1.0, ("allergy", "allergic", *slug.split()))
+
+
+def _diet(m: re.Match[str]) -> Candidate:
+    diet = m.group(1).lower().replace(" ", "-")
+    return Candidate("constraint", "diet", diet, f"Diet: {diet}", 0.85, 0.9, ("diet", diet))
+
+
+def _avoids(m: re.Match[str]) -> Candidate | None:
+    thing = m.group(1).strip()
+    slug = _slug(thing)
+    if slug == "general":
+        return None
+    return Candidate("constraint", f"avoids:{slug}", "avoids", f"Does not eat {thing}", 0.7, 0.8,
+                     ("diet", *slug.split()))
+
+
+def _schedule(m: re.Match[str]) -> Candidate:
+    when, what = m.group("when").lower().rstrip("s"), m.group("what").strip()
+    return Candidate("schedule", when, what, f"Every {when}: {what}", 0.7, 0.5,
+                     (when, *_slug(what).split()[:4]))
+
+
+def _routine(m: re.Match[str]) -> Candidate:
+    what, time = m.group("what").lower(), m.group("time").strip()
+    return Candidate("schedule", what, time, f"Usually {what} at {time}", 0.7, 0.5,
+                     (what, time))
+
+
+def _instruction(m: re.Match[str]) -> Candidate | None:
+    lead = m.group("lead").lower()
+    body = re.sub(r"[,\s]+please$", "", m.group("body").strip(), flags=re.IGNORECASE)
+    words = _WORD.findall(body.lower())
+    if len(words) < 2:
+        return None
+    polarity = "never" if lead == "never" else "always"
+    text = f"{'Never' if polarity == 'never' else 'Always'} {body}"
+    # The key is the instruction's first two words ("answer in", "call me"), so a later
+    # instruction about the same thing supersedes an earlier one.
+    return Candidate("instruction", " ".join(words[:2]), f"{polarity} {body}", text, 0.8, 0.9,
+                     tuple(w for w in words if w not in _STOP)[:6])
+
+
+_JOBS = r"(?:an? )?(?P<job>[a-z][a-z -]{2,40}?)"
+_RULES: tuple[_Rule, ...] = (
+    _rule(r"\b(?i:my name is) " + _NAME, _identity("name", "Name: {}", 0.9, 0.9), 0),
+    _rule(r"\b(?i:i'm called|i am called|call me) " + _NAME,
+          _identity("name", "Name: {}", 0.85, 0.9), 0),
+    _rule(r"\b(?i:i (?:live|am living|'m living|'m based|am based) in) " + _PLACE,
+          _identity("location", "Lives in {}", 0.8, 0.8), 0),
+    _rule(r"\b(?i:i(?:'ve| have)? (?:just |recently |finally )?(?:moved|relocated) to) "
+          + _PLACE,
+          _identity("location", "Lives in {}", 0.85, 0.8), 0),
+    _rule(r"\b(?i:i(?:'m| am) (?:originally )?from) " + _PLACE,
+          _identity("hometown", "Comes from {}", 0.75, 0.6), 0),
+    _rule(r"\bi work as " + _JOBS + r"(?: (?:at|for) (?P<org>[A-Z][\w&.' -]+?))?" + _END,
+          lambda m: Candidate("identity", "job", m.group("job").strip(),
+                              f"Works as a {m.group('job').strip()}"
+                              + (f" at {m.group('org')}" if m.group("org") else ""),
+                              0.8, 0.7, ("job", "work", *m.group("job").split()))),
+    _rule(r"\b(?i:i work (?:at|for)) (?P<org>[A-Z][\w&.'-]+(?: [A-Z][\w&.'-]+){0,3})",
+          lambda m: Candidate("identity", "employer", m.group("org").rstrip("."),
+                              f"Works at {m.group('org').rstrip('.')}", 0.75, 0.6, ("work", "employer")), 0),
+    _rule(r"\b(?i:i speak) (?P<langs>[A-Z][a-z]+(?:(?:, | and | & )[A-Z][a-z]+)*)",
+          lambda m: Candidate("identity", "languages", m.group("langs"),
+                              f"Speaks {m.group('langs')}", 0.8, 0.6,
+                              ("language", *m.group("langs").lower().replace(",", "").split())),
+          0),
+    _rule(r"\bmy (?:native|first|mother) (?:language|tongue) is ([A-Z][a-z]+)",
+          _identity("native_language", "Native language: {}", 0.85, 0.6)),
+    _rule(r"\bmy time ?zone is ([\w/+:-]+)", _identity("timezone", "Time zone: {}", 0.85, 0.6)),
+    _rule(r"\bi(?:'m| am) (?:in|on) ((?:UTC|GMT)[+-]\d{1,2}(?::\d\d)?|[A-Z]{2,4}T) time",
+          _identity("timezone", "Time zone: {}", 0.8, 0.6)),
+    _rule(r"\bi(?:'m| am) (\d{1,3}) years old", _identity("age", "Is {} years old", 0.8, 0.5)),
+    _rule(r"\bmy birthday is (?:on )?([\w ]+?)" + _END,
+          _identity("birthday", "Birthday: {}", 0.8, 0.6)),
+    _rule(r"\bmy favou?rite (?P<what>[a-z]+(?: [a-z]+)?) is (?:still )?(?P<value>[\w' -]+?)" + _END,
+          _favourite),
+    _rule(r"\b(?P<value>[\w' -]+?) (?:has|have) become my favou?rite (?P<what>[a-z]+)\b", _favourite),
+    _rule(r"\bmy (?P<who>wife|husband|partner|girlfriend|boyfriend|sister|brother|mother|mum|mom|"
+          r"father|dad|son|daughter|dog|cat|boss|best friend)(?:'s name)? is (?:called |named )?"
+          r"(?P<name>[A-Z][\w'-]+)", _relation),
+    _rule(r"\bi have an? (?P<who>dog|cat|son|daughter|sister|brother) (?:called|named) "
+          r"(?P<name>[A-Z][\w'-]+)", _relation),
+    _rule(r"\bi(?:'m| am) allergic to " + _THING + _END, _allergy),
+    _rule(r"\bi have an? ([\w -]{2,30}?) allergy", _allergy),
+    _rule(r"\bi(?:'m| am) (?:a |an )?(vegetarian|vegan|pescatarian|gluten[- ]free|"
+          r"lactose[- ]intolerant|coeliac|celiac|keto|halal|kosher)\b", _diet),
+    _rule(r"\bi (?:don't|do not|never|no longer|can't|cannot) eat " + _THING + _END, _avoids),
+    _rule(r"\bi (?:really |absolutely |totally )?(?:love|like|enjoy|adore) " + _THING + _END,
+          _preference("likes")),
+    _rule(r"\bi(?:'ve| have) taken up " + _THING + _END
+          + r"", _preference("likes")),
+    _rule(r"\bi (?:really |absolutely )?(?:hate|dislike|can't stand|cannot stand|don't like|"
+          r"do not like|no longer like) " + _THING + _END, _preference("dislikes")),
+    _rule(r"\b(?:every|each|on) (?P<when>monday|tuesday|wednesday|thursday|friday|saturday|"
+          r"sunday|weekday|weekend|morning|evening)s?,? i (?P<what>[^.!?]{3,60})", _schedule),
+    _rule(r"\bi (?:usually |always |normally )?(?P<what>wake up|get up|go to bed|start work|"
+          r"finish work|go to the gym) (?:at|around) (?P<time>\d{1,2}(?:[:.]\d\d)?\s*(?:am|pm)?)",
+          _routine),
+    _rule(r"(?:^|[.!?]\s+|,\s*|please\s+)(?P<lead>always|never|from now on|going forward|"
+          r"in future|in the future),?\s+(?:please\s+)?(?P<body>[^.!?]{4,120})", _instruction),
+)
+
+_QUESTION = re.compile(r"\?\s*$")
+
+
+def extract_facts(text: str) -> list[Candidate]:
+    """The facts a user turn states, by rule; questions and hypotheticals are skipped."""
+    found: dict[tuple[str, str], Candidate] = {}
+    for sentence in re.split(r"(?<=[.!?])\s+|\n+", text):
+        if not sentence or _QUESTION.search(sentence) or re.match(
+                r"\s*(?:if|what if|suppose|maybe|do you|can you|could you)\b", sentence, re.I):
+            continue
+        for rule in _RULES:
+            for m in rule.pattern.finditer(sentence):
+                candidate = rule.build(m)
+                if candidate is not None:
+                    found[(candidate.category, candidate.key)] = candidate
+    return [c for c in found.values()
+            if c.confidence >= MIN_CONFIDENCE and c.importance >= MIN_IMPORTANCE]
+
+
+# -- the actor -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """What a proposed fact became: ``created``, ``superseded`` (it replaced ``previous``),
+    ``reinforced`` (a duplicate: ``fact`` is the existing one), or ``refused`` (``reason``)."""
+
+    status: str
+    fact: Fact | None
+    previous: Fact | None = None
+    reason: str = ""
+
+
+@dataclass
+class _UserFacts:
+    active: dict[tuple[str, str], Fact] = field(default_factory=dict)
+
+
+class Facts:
+    """The Facts actor. Decisions run one at a time under ``_lock``; ``removed`` is called with
+    the lsns that left the indexes, on the trio thread in commit order (the ANN's feed)."""
+
+    def __init__(self, store: Store, removed: Callable[[str, list[int]], None],
+                 clock: Callable[[], datetime], new_id: Callable[[], str]) -> None:
+        self._store = store
+        self._removed = removed
+        self._clock = clock
+        self._new_id = new_id
+        self._cache: dict[str, _UserFacts] = {}
+        # Held while a decision is taken and applied: two decisions on one key never interleave.
+        self._lock = trio.Lock()
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    async def _user(self, user_id: str) -> _UserFacts:
+        cached = self._cache.get(user_id)
+        if cached is not None:
+            self._cache[user_id] = self._cache.pop(user_id)  # most recently used last
+            return cached
+        await self._store.wait_committed(self._store.next_lsn - 1)
+        facts = await self._store.read(read_facts, user_id, True)
+        cached = self._cache.get(user_id)  # another task may have loaded it meanwhile
+        if cached is None:
+            cached = _UserFacts({(f.category, f.key): f for f in facts})
+            self._cache[user_id] = cached
+            while len(self._cache) > CACHE_USERS:
+                del self._cache[next(iter(self._cache))]
+        return cached
+
+    async def active(self, user_id: str) -> list[Fact]:
+        return list((await self._user(user_id)).active.values())
+
+    async def profile(self, user_id: str, category: str | None = None,
+                      min_importance: float = 0.0) -> list[Fact]:
+        """Active facts by importance, then effective confidence."""
+        now = self._clock()
+        facts = [f for f in (await self._user(user_id)).active.values()
+                 if (category is None or f.category == category)
+                 and f.importance >= min_importance]
+        facts.sort(key=lambda f: (-f.importance, -effective_confidence(f, now), f.category, f.key))
+        return facts
+
+    async def history(self, user_id: str, category: str, key: str) -> list[Fact]:
+        await self._store.wait_committed(self._store.next_lsn - 1)
+        facts = await self._store.read(read_facts, user_id, False)
+        return sorted((f for f in facts if f.category == category and f.key == key),
+                      key=lambda f: f.lsn)
+
+    # -- writes --------------------------------------------------------------------------------
+
+    async def propose(self, user_id: str, candidate: Candidate, *, origin: str,
+                      source_turn_ids: tuple[str, ...] = (), session_id: str = "",
+                      valid_at: datetime | None = None, force: bool = False,
+                      requires: int = 0) -> Outcome:
+        """Apply the rules to one proposed fact. ``force`` (a correction by the user)
+        supersedes whatever is there, whatever its confidence; ``requires`` is the source
+        turn's lsn, without which the fact is dropped (forgotten meanwhile)."""
+        async with self._lock:
+            return await self._propose(user_id, candidate, origin, source_turn_ids, session_id,
+                                       valid_at, force, requires)
+
+    async def _propose(self, user_id: str, c: Candidate, origin: str,
+                       sources: tuple[str, ...], session_id: str, valid_at: datetime | None,
+                       force: bool, requires: int) -> Outcome:
+        state = await self._user(user_id)
+        now = self._clock().astimezone(timezone.utc)
+        valid_at = (valid_at or now).astimezone(timezone.utc)
+        current = state.active.get((c.category, c.key))
+        if current is not None and _same_value(current.value, c.value):
+            return await self._reinforce(current, c, sources, now)
+        if not force:
+            words = _words(c.text)
+            for other in state.active.values():
+                if other is not current and jaccard(words, _words(other.text)) >= DEDUP_JACCARD:
+                    return await self._reinforce(other, c, sources, now)
+        rivals = [current] if current is not None else []
+        rivals += [f for f in _contradicted(state, c) if f is not current]
+        for rival in rivals:
+            if force:
+                continue
+            if c.confidence < effective_confidence(rival, now):
+                return Outcome("refused", None, rival, "lower confidence than the active value")
+            if rival.protected and origin != "api":
+                return Outcome("refused", None, rival, "the active value was confirmed")
+        store = self._store
+        await store.reserve(1)
+        lsn = store.next_lsn
+        fact = Fact(lsn, "f_" + self._new_id(), user_id, c.category, c.key, c.value, c.text,
+                    c.confidence, c.importance, c.keywords, sources, (), session_id, valid_at,
+                    None, now, None, "active", False, origin)
+        retired = tuple(msgspec.structs.replace(r, status="superseded", invalid_at=valid_at,
+                                                expired_at=now) for r in rivals)
+        links = tuple(Link(fact.fact_id, s, "derived_from", now) for s in sources)
+        links += tuple(Link(fact.fact_id, r.fact_id, "supersedes", now) for r in rivals)
+        if not await self._apply(user_id, PutFact(lsn, user_id, fact, retired, links,
+                                                  requires=requires)):
+            return Outcome("refused", None, None, "its source was forgotten")
+        for r in rivals:
+            state.active.pop((r.category, r.key), None)
+        state.active[(fact.category, fact.key)] = fact
+        return Outcome("superseded" if rivals else "created", fact, rivals[0] if rivals else None)
+
+    async def _reinforce(self, fact: Fact, c: Candidate, sources: tuple[str, ...],
+                         now: datetime) -> Outcome:
+        merged = tuple(dict.fromkeys(fact.source_turn_ids + sources))
+        updated = msgspec.structs.replace(
+            fact, confidence=max(fact.confidence, c.confidence),
+            importance=max(fact.importance, c.importance), source_turn_ids=merged,
+            access_count=fact.access_count + 1, last_access_at=now)
+        await self._rewrite([updated])
+        return Outcome("reinforced", updated)
+
+    async def confirm(self, user_id: str, category: str, key: str) -> Fact | None:
+        """Protect the active fact: confidence 1, never decays (seed 004's confirm_fact)."""
+        async with self._lock:
+            fact = (await self._user(user_id)).active.get((category, key))
+            if fact is None:
+                return None
+            updated = msgspec.structs.replace(fact, protected=True, confidence=1.0)
+            await self._rewrite([updated])
+            return updated
+
+    async def retire(self, user_id: str, facts: Iterable[tuple[str, str]], status: str
+                     ) -> list[Fact]:
+        """Retire active facts by (category, key) as ``retracted`` or ``pruned``; they leave
+        both indexes and stay in history."""
+        async with self._lock:
+            state = await self._user(user_id)
+            now = self._clock().astimezone(timezone.utc)
+            found = [state.active[k] for k in dict.fromkeys(facts) if k in state.active]
+            if not found:
+                return []
+            retired = tuple(msgspec.structs.replace(f, status=status, invalid_at=now,
+                                                    expired_at=now) for f in found)
+            store = self._store
+            await store.reserve(1)
+            await self._apply(user_id, PutFact(store.next_lsn, user_id, None, retired))
+            for f in found:
+                state.active.pop((f.category, f.key), None)
+            return list(retired)
+
+    async def touch(self, user_id: str, fact_ids: Iterable[str]) -> None:
+        """Count a use of these active facts (shown in a prompt): resets their decay."""
+        ids = set(fact_ids)
+        if not ids:
+            return
+        async with self._lock:
+            state = await self._user(user_id)
+            now = self._clock().astimezone(timezone.utc)
+            await self._rewrite([msgspec.structs.replace(f, access_count=f.access_count + 1,
+                                                         last_access_at=now)
+                                 for f in state.active.values() if f.fact_id in ids])
+
+    async def decay_and_prune(self, user_ids: Iterable[str]) -> int:
+        """Retire the facts whose effective confidence fell below PRUNE_BELOW."""
+        pruned = 0
+        for user_id in user_ids:
+            now = self._clock()
+            state = await self._user(user_id)
+            weak = [k for k, f in state.active.items()
+                    if effective_confidence(f, now) < PRUNE_BELOW]
+            pruned += len(await self.retire(user_id, weak, "pruned"))
+        return pruned
+
+    def forget(self, user_id: str) -> None:
+        """Drop a user's cached facts (after a forget; they are reread from the store)."""
+        self._cache.pop(user_id, None)
+
+    async def _rewrite(self, facts: list[Fact]) -> None:
+        """Change facts in place (same version, same lsn): no index sees a difference."""
+        if not facts:
+            return
+        puts = tuple((b"facts", fact_key(f), _encode(f), f.lsn) for f in facts)
+        await self._store.write_unlogged(PutState(puts, (), trio.Event()))
+        for f in facts:
+            state = self._cache.get(f.user_id)
+            if state is not None and (f.category, f.key) in state.active:
+                state.active[(f.category, f.key)] = f
+
+    async def _apply(self, user_id: str, op: PutFact) -> bool:
+        applied: list[bool] = []
+
+        def committed(left: list[int] | None) -> None:
+            applied.append(left is not None)
+            if left:
+                self._removed(user_id, left)
+
+        op = msgspec.structs.replace(op, committed=committed)
+        self._store.submit(op)
+        await self._store.wait_committed(op.lsn)
+        return applied[0]
+
+    # -- the extraction follower ---------------------------------------------------------------
+
+    def follower(self, llm: Any = None) -> LogFollower:
+        """The follower that extracts facts from every committed user turn, in log order
+        (rules, or ``llm``)."""
+
+        async def handle(records: list[Searchable], last: int) -> tuple[tuple, tuple]:
+            for i, r in enumerate(records):
+                if r.kind != "turn" or r.role != "user":
+                    continue
+                candidates, origin = None, "rules"
+                if llm is not None:
+                    try:
+                        candidates, origin = await llm.extract_facts(r.text), "llm"
+                    except Exception as exc:  # the rules stand in for a failing model
+                        log.warning("LLM fact extraction failed, using the rules: %r", exc)
+                if candidates is None:
+                    candidates = extract_facts(r.text)
+                    if i % 8 == 7:
+                        await trio.lowlevel.checkpoint()  # regex work in small steps
+                for c in candidates:
+                    await self.propose(r.user_id, c, origin=origin, source_turn_ids=(r.memory_id,),
+                                       session_id=r.session_id, valid_at=r.at, requires=r.lsn)
+            return (), ()
+
+        return LogFollower(self._store, WATERMARK, FOLLOW_CHUNK, handle)
+
+
+def _same_value(a: str, b: str) -> bool:
+    return " ".join(a.lower().split()) == " ".join(b.lower().split())
+
+
+def _contradicted(state: _UserFacts, c: Candidate) -> list[Fact]:
+    """Active facts of the candidate's category saying the opposite about the same thing."""
+    words = _words(c.text)
+    negated = bool(words & _NEGATIONS)
+    content = words - _NEGATIONS - _STOP
+    out = []
+    for fact in state.active.values():
+        if fact.category != c.category or fact.key == c.key:
+            continue
+        other = _words(fact.text)
+        if bool(other & _NEGATIONS) == negated:
+            continue
+        if jaccard(content, other - _NEGATIONS - _STOP) >= CONTRADICTION_JACCARD:
+            out.append(fact)
+    return out
+
+
+def fact_payload(fact: Fact) -> dict[str, Any]:
+    """A fact as plain JSON-ready data (tools, the CLI)."""
+    return msgspec.to_builtins(msgspec.structs.asdict(fact))

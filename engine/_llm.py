@@ -1,0 +1,167 @@
+"""The optional language model: a one-method protocol, the tasks the engine gives it, and an
+adapter for OpenAI-compatible chat endpoints.
+
+Nothing here runs on the hot path: episodes are summarised and facts extracted by background
+actors, which fall back to their offline defaults when the model fails. Network use is the
+caller's choice: the engine never calls a model unless one is passed to ``Engine.open``.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Protocol, runtime_checkable
+
+import msgspec
+import trio
+
+from actors.facts import MIN_CONFIDENCE, MIN_IMPORTANCE, Candidate
+
+from .errors import EngineError
+
+__all__ = ["LLM", "OpenAICompatibleLLM", "ModelTasks", "LLMFailed"]
+
+MAX_SUMMARY_CHARS = 1_000
+MAX_FACTS_PER_TURN = 10
+
+
+class LLMFailed(EngineError):
+    """The language model could not be reached or answered something unusable."""
+
+
+@runtime_checkable
+class LLM(Protocol):
+    """What Engram needs of a language model: one async completion."""
+
+    async def complete(self, system: str, prompt: str) -> str:
+        """Answer ``prompt`` under the ``system`` instructions; return the reply text."""
+        ...
+
+
+class _Summary(msgspec.Struct):
+    title: str
+    summary: str
+    keywords: list[str] = []
+
+
+class _Fact(msgspec.Struct):
+    category: str
+    key: str
+    value: str
+    fact: str
+    confidence: float = 0.7
+    importance: float = 0.5
+    keywords: list[str] = []
+
+
+class _Facts(msgspec.Struct):
+    facts: list[_Fact] = []
+
+
+_SUMMARY_SYSTEM = (
+    "You compress a stretch of conversation into an episodic memory. Reply with JSON only: "
+    '{"title": "<= 10 words", "summary": "2-3 sentences, third person, concrete", '
+    '"keywords": ["up to 6 keyphrases"]}')
+_FACTS_SYSTEM = (
+    "You extract durable facts a user states about themselves from one message. Reply with JSON "
+    'only: {"facts": [{"category": "identity|preference|constraint|instruction|relationship|'
+    'schedule|<other>", "key": "what it is about, e.g. location, likes:jazz, allergy:peanuts", '
+    '"value": "...", "fact": "one sentence", "confidence": 0-1, "importance": 0-1, '
+    '"keywords": []}]}. Questions, hypotheticals and passing remarks are not facts; reply '
+    '{"facts": []} when there are none.')
+
+
+def _json_object(text: str) -> bytes:
+    """The JSON object in a reply, tolerating code fences and prose around it."""
+    start, end = text.find("{"), text.rfind("}")
+    if start < 0 or end < start:
+        raise LLMFailed(f"expected a JSON object in the model's reply, found {text[:200]!r}")
+    return text[start: end + 1].encode()
+
+
+class ModelTasks:
+    """The engine's prompts, over any :class:`LLM`; replies are validated before use."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+
+    async def summarise(self, messages: list[tuple[str, str]]
+                        ) -> tuple[str, str, tuple[str, ...]]:
+        transcript = "\n".join(f"{role}: {text}" for role, text in messages)
+        reply = await self.llm.complete(_SUMMARY_SYSTEM, transcript)
+        try:
+            got = msgspec.json.decode(_json_object(reply), type=_Summary)
+        except msgspec.ValidationError as exc:
+            raise LLMFailed(f"the model's summary does not fit the schema: {exc}") from exc
+        if not got.title.strip() or not got.summary.strip():
+            raise LLMFailed("the model's summary has an empty title or summary")
+        return (got.title.strip()[:120], got.summary.strip()[:MAX_SUMMARY_CHARS],
+                tuple(k.strip().lower() for k in got.keywords if k.strip())[:6])
+
+    async def extract_facts(self, text: str) -> list[Candidate]:
+        reply = await self.llm.complete(_FACTS_SYSTEM, text)
+        try:
+            got = msgspec.json.decode(_json_object(reply), type=_Facts)
+        except msgspec.ValidationError as exc:
+            raise LLMFailed(f"the model's facts do not fit the schema: {exc}") from exc
+        out = []
+        for f in got.facts[:MAX_FACTS_PER_TURN]:
+            confidence = min(1.0, max(0.0, f.confidence))
+            importance = min(1.0, max(0.0, f.importance))
+            if (confidence < MIN_CONFIDENCE or importance < MIN_IMPORTANCE
+                    or not f.category.strip() or not f.key.strip() or not f.value.strip()):
+                continue
+            out.append(Candidate(f.category.strip().lower()[:64], f.key.strip().lower()[:128],
+                                 f.value.strip()[:500], f.fact.strip()[:1000] or f.value,
+                                 confidence, importance, tuple(k.lower() for k in f.keywords)[:8]))
+        return out
+
+
+class OpenAICompatibleLLM:
+    """An :class:`LLM` over an OpenAI-compatible ``/chat/completions`` endpoint (OpenAI,
+    vLLM, llama.cpp's server, Ollama, ...).
+
+    Args:
+        base_url: e.g. ``http://localhost:8000/v1``.
+        model: the model name the server expects.
+        api_key: sent as a bearer token if given.
+        timeout: seconds per request.
+
+    The request runs in a worker thread with the standard library's HTTP client (one request
+    at a time per call; these are background tasks), and is abandoned on cancellation.
+    """
+
+    def __init__(self, base_url: str, model: str, *, api_key: str | None = None,
+                 timeout: float = 60.0) -> None:
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model = model
+        self.api_key = api_key
+        self.timeout = timeout
+
+    async def complete(self, system: str, prompt: str) -> str:
+        body = json.dumps({
+            "model": self.model, "temperature": 0,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": prompt}],
+        }).encode()
+        return await trio.to_thread.run_sync(self._post, body, abandon_on_cancel=True)
+
+    def _post(self, body: bytes) -> str:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                payload = json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            raise LLMFailed(f"{self.url} answered HTTP {exc.code}: "
+                            f"{exc.read()[:300].decode(errors='replace')}") from exc
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            raise LLMFailed(f"calling {self.url} failed: {exc}") from exc
+        try:
+            return payload["choices"][0]["message"]["content"]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise LLMFailed(f"expected choices[0].message.content from {self.url}, found "
+                            f"{str(payload)[:200]}") from exc

@@ -1,0 +1,134 @@
+"""Maintenance: the engine's periodic upkeep, on trio timers in its nursery.
+
+Every ``Config.maintenance_seconds`` of the engine's trio clock (so tests with trio's
+``autojump_clock`` run weeks of it instantly):
+
+1. decay and prune facts (seed 004: confidence x exp(-rate x days since use), retired below
+   ``actors.facts.PRUNE_BELOW``; confirmed facts never decay);
+2. consolidate finished sessions (idle for ``Config.session_idle_seconds``): their remaining
+   turns become an episode;
+3. drop pending reviews nobody answered within a day;
+4. write weekly reflections (seed 004): once per ISO week per user with at least three new
+   facts or episodes in the past seven days, an extractive note tagged ``reflection`` and
+   ``weekly``; notes never decay.
+
+Index checkpoints need no timer: the text index commits on its own size/time threshold and the
+vector watermark moves with every batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+
+from actors.episodic import keyphrases
+from actors.messages import PutState
+from actors.store import read_episodes, read_facts, read_pending, user_prefix
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+
+__all__ = ["Maintenance", "MaintenanceReport"]
+
+log = logging.getLogger("engram.maintenance")
+
+PENDING_TTL = timedelta(days=1)  # a pending review nobody rated by then is dropped
+REFLECTION_MIN_ITEMS = 3  # new facts + episodes in a week before a reflection is worth writing
+REFLECTION_WINDOW = timedelta(days=7)
+
+
+class MaintenanceReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What one maintenance pass did."""
+
+    pruned_facts: int
+    consolidated_sessions: int
+    dropped_reviews: int
+    reflections: int
+
+
+class Maintenance:
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        # Held by a pass: the timer and an explicit ``Engine.maintain`` never overlap.
+        self._lock = trio.Lock()
+
+    async def run(self, interval: float, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            await trio.sleep(interval)
+            try:
+                await self.run_once()
+            except Exception as exc:  # a failed pass is retried at the next tick
+                if self._engine._closed:
+                    return
+                log.warning("maintenance pass failed: %r", exc)
+
+    async def run_once(self) -> MaintenanceReport:
+        async with self._lock:
+            engine = self._engine
+            now = engine._clock().astimezone(timezone.utc)
+            users = engine._buffer.users()
+            pruned = await engine._facts.decay_and_prune(users)
+            consolidated = 0
+            idle = engine._buffer.idle_sessions(
+                now - timedelta(seconds=engine._config.session_idle_seconds))
+            await engine._compressor.prefetch([(i.user_id, i.session_id) for i in idle])
+            for info in idle:
+                if await engine._compressor.consolidate(info.user_id, info.session_id,
+                                                        info.turn_count):
+                    consolidated += 1
+            dropped = await self._drop_stale_reviews(now)
+            reflections = 0
+            for user_id in users:
+                if await self._reflect(user_id, now):
+                    reflections += 1
+            return MaintenanceReport(pruned_facts=pruned, consolidated_sessions=consolidated,
+                                     dropped_reviews=dropped, reflections=reflections)
+
+    async def _drop_stale_reviews(self, now: datetime) -> int:
+        store = self._engine._store
+        stale = [(b"pending", user_prefix(u) + c.encode(), None, 0)
+                 for u, c, p in await store.read(read_pending) if now - p.shown_at > PENDING_TTL]
+        if stale:
+            await store.write_unlogged(PutState(tuple(stale), (), trio.Event()))
+        return len(stale)
+
+    async def _reflect(self, user_id: str, now: datetime) -> bool:
+        engine = self._engine
+        year, week, _ = now.isocalendar()
+        note_id = f"reflection-{year}-W{week:02d}"
+        if await engine.get_note(user_id, note_id) is not None:
+            return False
+        since = now - REFLECTION_WINDOW
+        store = engine._store
+        facts = [f for f in await store.read(read_facts, user_id, False) if f.created_at >= since]
+        episodes = [e for e in await store.read(read_episodes, user_id, None)
+                    if e.created_at >= since]
+        if len(facts) + len(episodes) < REFLECTION_MIN_ITEMS:
+            return False
+        text = reflection_text(now, facts, episodes)
+        await engine.store_note(user_id, text, note_id=note_id, tags=("reflection", "weekly"))
+        return True
+
+
+def reflection_text(now: datetime, facts: list[Any], episodes: list[Any]) -> str:
+    """The offline reflection: the week's key moments, what was learned, recurring topics."""
+    lines = [f"Weekly reflection, week ending {now.date().isoformat()}."]
+    moments = sorted(episodes, key=lambda e: -e.surprise)[:3]
+    if moments:
+        lines.append("Key moments: " + "; ".join(e.title for e in moments) + ".")
+    active = [f for f in facts if f.status == "active"]
+    changed = [f for f in facts if f.status == "superseded"]
+    if active:
+        lines.append("Learned: " + "; ".join(f.text for f in active[:6]) + ".")
+    if changed:
+        lines.append("Changed: " + "; ".join(f"{f.text} (no longer)" for f in changed[:4]) + ".")
+    topics = keyphrases([" ".join(e.keywords) for e in episodes] + [f.text for f in facts], 5)
+    if topics:
+        lines.append("Recurring topics: " + ", ".join(topics) + ".")
+    return "\n".join(lines)
