@@ -206,7 +206,7 @@ def _instruction(m: re.Match[str]) -> Candidate | None:
 _JOBS = r"(?:an? )?(?P<job>[a-z][a-z -]{2,40}?)"
 _RULES: tuple[_Rule, ...] = (
     _rule(r"\b(?i:my name is) " + _NAME, _identity("name", "Name: {}", 0.9, 0.9), 0),
-    _rule(r"\b(?i:i'm called|i am called|call me) " + _NAME,
+    _rule(r"(?<![Nn]ever )(?<!not )(?<!n't )\b(?i:i'm called|i am called|call me) " + _NAME,
           _identity("name", "Name: {}", 0.85, 0.9), 0),
     _rule(r"\b(?i:i (?:live|am living|'m living|'m based|am based) in) " + _PLACE,
           _identity("location", "Lives in {}", 0.8, 0.8), 0),

@@ -133,6 +133,9 @@ class Engine:
         self._clock = clock
         self._nursery = nursery
         self._followers: list[LogFollower] = []  # the long-term layer's, if it runs
+        self._touching = 0  # fact use counts being written in the background
+        # Parked: flush, until no use count is being written.
+        self._touched = trio.lowlevel.ParkingLot()
         self._closed = False
 
     @classmethod
@@ -498,10 +501,15 @@ class Engine:
             self._nursery.start_soon(self._touch, user_id, [f.id for f in result.semantic])
 
     async def _touch(self, user_id: str, fact_ids: list[str]) -> None:
+        self._touching += 1
         try:
             await self._facts.touch(user_id, fact_ids)
         except EngineClosed:
             pass  # closing: a lost use count only lets a fact decay a little sooner
+        finally:
+            self._touching -= 1
+            if not self._touching:
+                self._touched.unpark_all()
 
     def _check_retrieve(self, user_id: str, query: str, conversation_id: str | None,
                         semantic_limit: int, category: str | None,
@@ -1010,6 +1018,8 @@ class Engine:
         taken it in: its facts extracted, its entities registered, the episodes it completes
         made, and those indexed too."""
         self._check_open()
+        while self._touching:
+            await self._touched.park()
         target = self._store.next_lsn - 1
         await self._store.wait_committed(target)
         for follower in self._followers:

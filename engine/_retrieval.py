@@ -319,6 +319,16 @@ class Retriever:
         by_id = {f.fact_id: f for f in profile}
         chosen: list[tuple[Fact, float]] = [(by_id[h.id], h.score) for h in hits
                                             if h.id in by_id]
+        # Read-your-writes: facts stored but not yet in the text index, by shared terms.
+        indexed = self.fulltext.indexed_lsn
+        fresh = [f for f in profile if f.lsn > indexed]
+        if fresh:
+            terms = set(self.fulltext.terms(query))
+            for fact in fresh:
+                shared = len(terms.intersection(self.fulltext.terms(fact.text)))
+                if shared:
+                    chosen.append((fact, shared / (RRF_K + 1)))
+            chosen.sort(key=lambda pair: -pair[1])
         # The deterministic part: standing facts (name, allergies, instructions...) always
         # come along, after the ones the query found.
         seen = {f.fact_id for f, _ in chosen}
