@@ -209,7 +209,8 @@ class EpisodicCompressor:
 
     def __init__(self, store: Store, embedder: Embedder, ann: AnnIndex,
                  clock: Callable[[], datetime], new_id: Callable[[], str], *,
-                 after_turns: int, keep_turns: int, llm: Any = None) -> None:
+                 after_turns: int, keep_turns: int, llm: Any = None,
+                 vectors_follow: bool = True) -> None:
         self._store = store
         self._embedder = embedder
         self._ann = ann
@@ -219,6 +220,8 @@ class EpisodicCompressor:
         self._keep = keep_turns
         self._llm = llm
         self._next_seq: dict[tuple[str, str], int] = {}  # first seq not yet in an episode
+        self._vectors_follow = vectors_follow  # background embedding runs
+        self._last_episode: dict[str, int] = {}  # per user, the lsn of the last episode made
         # Held while a session is being compressed: the follower and maintenance never make
         # two episodes of the same turns.
         self._lock = trio.Lock()
@@ -261,6 +264,8 @@ class EpisodicCompressor:
         return self._next_seq[key]
 
     def forget(self, user_id: str, session_id: str | None) -> None:
+        if session_id is None:
+            self._last_episode.pop(user_id, None)
         for key in [k for k in self._next_seq
                     if k[0] == user_id and (session_id is None or k[1] == session_id)]:
             del self._next_seq[key]
@@ -300,6 +305,7 @@ class EpisodicCompressor:
             self._next_seq[(user_id, session_id)] = turns[-1].seq + 1
             if stored[0] is not None:
                 self.episodes_made += 1
+                self._last_episode[user_id] = lsn
             return stored[0] is not None
 
     async def _describe(self, user_id: str, turns: list[Turn]
@@ -314,6 +320,11 @@ class EpisodicCompressor:
                     [(t.role, t.text) for t in turns])
             except Exception as exc:  # the offline summary stands in for a failing model
                 log.warning("LLM summary failed, keeping the extractive one: %r", exc)
+        # Novelty is measured against every earlier episode, so the last one made must have
+        # its vector (the background lane embeds in log order).
+        last = self._last_episode.get(user_id)
+        if last is not None and self._vectors_follow:
+            await self._embedder.wait_embedded(last)
         earlier = await self._ann.search(user_id, centroid, 1, Filters(kinds=("episode",)))
         if not earlier:
             return title, summary, keywords, FIRST_SURPRISE

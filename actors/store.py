@@ -26,8 +26,8 @@ reviews    user NUL memory id                      ReviewState (msgpack): FSRS a
 pending    user NUL conversation id                PendingReview (msgpack)
 =========  ======================================  ===========================================
 
-``ids`` maps ``user NUL id`` of a turn, an episode or a fact to its key (in ``turns``,
-``episodes`` or ``facts``). Log entries: ``E`` + episode key; ``F`` + count(2) + the lsns that
+``ids`` maps ``user NUL id`` of a turn, an episode or a fact to its key (in ``turns``, or
+after the tag ``NUL E`` / ``NUL F`` in ``episodes`` / ``facts``). Log entries: ``E`` + episode key; ``F`` + count(2) + the lsns that
 left the indexes with it (8 bytes each) + fact key.
 
 The log is what derived views (the ANN and full-text indexes) replay from their watermark.
@@ -112,12 +112,15 @@ LOG_NOTE = b"N"  # + the lsn this version replaces (8 bytes, 0: none) + the note
 LOG_TOMBSTONE = b"D"
 LOG_EPISODE = b"E"  # + the episodes key
 LOG_FACT = b"F"  # + count (2 bytes) + lsns that left the indexes (8 bytes each) + the facts key
+# ``ids`` values: a turn's key as is; an episode's or a fact's behind a tag no turn key starts
+# with (a turn key starts with its non-empty user id).
+IDS_EPISODE = b"\x00E"
+IDS_FACT = b"\x00F"
 
 _SCHEMA_KEY = b"schema"
 _LAST_LSN_KEY = b"last_lsn"
 _EMBEDDED_KEY = b"embedded_lsn"
 _MODEL_KEY = b"model"
-LONGTERM_KEY = b"longterm_lsn"  # the long-term follower's watermark (actors.episodic)
 
 def _vectors_to_float16(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> None:
     """Schema 1 -> 2: stored vectors go from float32 to float16 (the 16-byte header stays)."""
@@ -165,6 +168,7 @@ decode_fact = msgspec.msgpack.Decoder(Fact).decode
 decode_entity = msgspec.msgpack.Decoder(Entity).decode
 decode_review = msgspec.msgpack.Decoder(ReviewState).decode
 decode_pending = msgspec.msgpack.Decoder(PendingReview).decode
+_IDS_TARGETS = {IDS_EPISODE: (b"episodes", decode_episode), IDS_FACT: (b"facts", decode_fact)}
 
 
 def user_prefix(user_id: str) -> bytes:
@@ -786,7 +790,8 @@ class Store:
             return None
         key = episode_key(episode)
         txn.put(key, _encode(episode), db=dbs[b"episodes"])
-        txn.put(user_prefix(episode.user_id) + episode.episode_id.encode(), key, db=dbs[b"ids"])
+        txn.put(user_prefix(episode.user_id) + episode.episode_id.encode(), IDS_EPISODE + key,
+                db=dbs[b"ids"])
         txn.put(lsn_key(op.lsn), LOG_EPISODE + key, db=dbs[b"log"], append=True)
         for link in op.links:
             for link_key in link_keys(episode.user_id, link):
@@ -820,7 +825,7 @@ class Store:
         fact = op.fact
         key = fact_key(fact)
         txn.put(key, _encode(fact), db=dbs[b"facts"])
-        txn.put(uprefix + fact.fact_id.encode(), key, db=ids)
+        txn.put(uprefix + fact.fact_id.encode(), IDS_FACT + key, db=ids)
         entry = LOG_FACT + len(left).to_bytes(2, "big") + b"".join(map(lsn_key, left)) + key
         txn.put(lsn_key(op.lsn), entry, db=log, append=True)
         for link in op.links:
@@ -1172,13 +1177,11 @@ def read_memories_by_id(
     for memory_id in memory_ids:
         key = txn.get(uprefix + memory_id.encode(), db=ids)
         if key is not None:
-            for name, decode in ((b"turns", _decode_turn), (b"episodes", decode_episode),
-                                 (b"facts", decode_fact)):
-                raw = txn.get(key, db=dbs[name])
-                if raw is not None:
-                    out[memory_id] = decode(raw)
-                    break
-            if memory_id in out:
+            tag = key[:2]
+            name, decode = _IDS_TARGETS.get(tag, (b"turns", _decode_turn))
+            raw = txn.get(key[2:] if tag in _IDS_TARGETS else key, db=dbs[name])
+            if raw is not None:
+                out[memory_id] = decode(raw)
                 continue
         raw = txn.get(uprefix + memory_id.encode(), db=notes)
         if raw is not None:

@@ -205,7 +205,8 @@ class Engine:
                     compressor = EpisodicCompressor(
                         store, embedding, ann, clock, lambda: new_turn_id()[2:],
                         after_turns=config.episode_after_turns,
-                        keep_turns=config.episode_keep_turns, llm=tasks)
+                        keep_turns=config.episode_keep_turns, llm=tasks,
+                        vectors_follow=config.background_embedding)
                     engine = cls(store, buffer, embedding, ann, fulltext, facts, compressor,
                                  config, clock, nursery)
                     if config.long_term:
