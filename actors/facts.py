@@ -543,8 +543,3 @@ def _contradicted(state: _UserFacts, c: Candidate) -> list[Fact]:
         if jaccard(content, other - _NEGATIONS - _STOP) >= CONTRADICTION_JACCARD:
             out.append(fact)
     return out
-
-
-def fact_payload(fact: Fact) -> dict[str, Any]:
-    """A fact as plain JSON-ready data (tools, the CLI)."""
-    return msgspec.to_builtins(msgspec.structs.asdict(fact))

@@ -85,8 +85,9 @@ def _check_arguments(name: str, schema: dict[str, Any], args: Mapping[str, Any])
                                                      f"{type(value).__name__}")
 
 
-def _plain(value: Any) -> Any:
-    return msgspec.to_builtins(value)
+def _plain(value: msgspec.Struct) -> dict[str, Any]:
+    """A record as a JSON-ready dict (stored records encode as arrays, so go by field)."""
+    return msgspec.to_builtins(msgspec.structs.asdict(value))
 
 
 async def call_tool(engine: Engine, name: str, arguments: Mapping[str, Any] | str

@@ -1,0 +1,142 @@
+"""The optional LLM (against a fake OpenAI-compatible server on loopback) and the agent tools."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import pytest
+import trio
+
+from engine import TOOLS, InvalidInput, LLMFailed, OpenAICompatibleLLM
+
+from .conftest import open_engine
+
+
+async def _fake_openai(replies: list[dict], seen: list[dict], stream: trio.SocketStream) -> None:
+    """One HTTP/1.1 exchange: read a chat completion request, answer with the next reply."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += await stream.receive_some(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += await stream.receive_some(65536)
+    request = json.loads(body)
+    seen.append({"path": head.split(b" ")[1].decode(), "auth": b"Bearer k3y" in head, **request})
+    status, payload = replies.pop(0) if replies else (200, {"choices": []})
+    out = json.dumps(payload).encode()
+    await stream.send_all(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d"
+                          b"\r\nConnection: close\r\n\r\n" % (status, len(out)) + out)
+    await stream.aclose()
+
+
+async def _server(nursery: trio.Nursery, replies: list, seen: list) -> str:
+    listeners = await nursery.start(partial(trio.serve_tcp, partial(_fake_openai, replies, seen),
+                                            0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+def _chat(content: str) -> tuple[int, dict]:
+    return 200, {"choices": [{"message": {"role": "assistant", "content": content}}]}
+
+
+async def test_the_adapter_speaks_the_chat_completions_protocol(nursery) -> None:
+    """POST /v1/chat/completions with the model, both messages and the key; errors are
+    LLMFailed with what the server said."""
+    seen: list[dict] = []
+    url = await _server(nursery, [_chat("hello"), (503, {"error": "overloaded"}),
+                                  (200, {"nope": 1})], seen)
+    llm = OpenAICompatibleLLM(url, "tiny-model", api_key="k3y", timeout=5)
+    assert await llm.complete("be brief", "hi") == "hello"
+    assert seen[0]["path"] == "/v1/chat/completions" and seen[0]["auth"]
+    assert seen[0]["model"] == "tiny-model"
+    assert [m["role"] for m in seen[0]["messages"]] == ["system", "user"]
+    with pytest.raises(LLMFailed, match=r"answered HTTP 503: .*overloaded"):
+        await llm.complete("be brief", "hi")
+    with pytest.raises(LLMFailed, match=r"expected choices\[0\].message.content"):
+        await llm.complete("be brief", "hi")
+
+
+async def test_an_llm_summarises_episodes_and_extracts_facts(store_path, nursery) -> None:
+    """With an LLM configured, episodes take its title and summary and facts its extraction;
+    a reply that does not fit the schema falls back to the offline default."""
+    summary = {"title": "Planning the Porto trip", "summary": "Ana booked a train to Porto.",
+               "keywords": ["porto", "train"]}
+    facts = {"facts": [{"category": "identity", "key": "hometown", "value": "Braga",
+                        "fact": "Grew up in Braga", "confidence": 0.9, "importance": 0.7}]}
+    seen: list[dict] = []
+    replies = [_chat(json.dumps(facts)), _chat("not json at all"),
+               _chat("```json\n" + json.dumps(summary) + "\n```")]
+    url = await _server(nursery, replies, seen)
+    async with open_engine(store_path, llm=OpenAICompatibleLLM(url, "m")) as mem:
+        await mem.add_turn("ana", "s", "user", "I grew up near the sea, in the north.")
+        await mem.flush()
+        await mem.add_turn("ana", "s", "user", "I live in Lisbon now.")  # LLM fails: rules
+        await mem.flush()
+        assert await mem.close_session("ana", "s")
+        (episode,) = await mem.episodes("ana")
+        profile = {(f.key, f.value, f.origin) for f in await mem.profile("ana")}
+    assert profile == {("hometown", "Braga", "llm"), ("location", "Lisbon", "rules")}
+    assert (episode.title, episode.summary, episode.keywords) == (
+        "Planning the Porto trip", "Ana booked a train to Porto.", ("porto", "train"))
+    assert "extract" in seen[0]["messages"][0]["content"]
+    assert seen[2]["messages"][1]["content"].startswith("user: I grew up")
+
+
+async def test_a_non_llm_object_is_refused(store_path) -> None:
+    with pytest.raises(InvalidInput, match=r"llm: expected an object with an async "
+                                           r"complete\(system, prompt\) method, found str"):
+        async with open_engine(store_path, llm="gpt"):
+            pass
+
+
+def test_tools_are_json_schema_function_definitions() -> None:
+    """Seed 004's six tools, each an OpenAI-style function with an object schema."""
+    names = [t["function"]["name"] for t in TOOLS]
+    assert names == ["search_memory", "remember_fact", "correct_fact", "confirm_fact",
+                     "memory_stats", "get_entity_info"]
+    for tool in TOOLS:
+        params = tool["function"]["parameters"]
+        assert tool["type"] == "function" and params["type"] == "object"
+        assert set(params["required"]) <= set(params["properties"])
+        assert "user_id" in params["required"]
+    json.dumps(TOOLS)
+
+
+async def test_call_tool_runs_each_tool(mem) -> None:
+    """A model's tool calls, arguments as JSON text or a dict, end to end."""
+    await mem.add_turn("ana", "s", "user", "Maya Lindqvist is coming to Lisbon on Friday.")
+    out = await mem.call_tool("remember_fact", json.dumps({
+        "user_id": "ana", "category": "identity", "key": "location", "value": "Lisbon",
+        "text": "Lives in Lisbon"}))
+    assert out["fact"]["value"] == "Lisbon"
+    out = await mem.call_tool("correct_fact", {"user_id": "ana", "category": "identity",
+                                               "key": "location", "value": "Porto"})
+    assert out["fact"]["value"] == "Porto" and out["fact"]["confidence"] == 1.0
+    out = await mem.call_tool("confirm_fact", {"user_id": "ana", "category": "identity",
+                                               "key": "location"})
+    assert out["fact"]["protected"] is True
+    await mem.flush()
+    found = await mem.call_tool("search_memory", {"user_id": "ana", "query": "Maya Friday"})
+    assert found["results"][0]["text"].startswith("Maya Lindqvist is coming")
+    stats = await mem.call_tool("memory_stats", {"user_id": "ana"})
+    assert (stats["turns"], stats["facts"]) == (1, 1) and stats["entities"] >= 2
+    info = await mem.call_tool("get_entity_info", {"user_id": "ana", "name": "maya"})
+    assert info["entity"]["name"] == "Maya Lindqvist" and len(info["memories"]) == 1
+
+
+@pytest.mark.parametrize(("name", "args", "message"), [
+    ("delete_everything", {}, r"name: expected one of search_memory, .*found 'delete_everything'"),
+    ("search_memory", {"user_id": "ana"}, r"arguments.query: expected it for tool"),
+    ("search_memory", {"user_id": "ana", "query": 3}, r"arguments.query: expected a string, "
+                                                      r"found int"),
+    ("memory_stats", {"user_id": "ana", "x": 1}, r"arguments.x: expected one of user_id"),
+    ("memory_stats", "{nope", r"arguments: expected a JSON object"),
+])
+async def test_call_tool_refuses_bad_calls(mem, name, args, message) -> None:
+    """Unknown tools and arguments outside the schema are refused before anything runs."""
+    with pytest.raises(InvalidInput, match=message):
+        await mem.call_tool(name, args)
