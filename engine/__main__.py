@@ -88,7 +88,7 @@ def _open(store: str, **kwargs: Any):
     from actors.store import stored_model
 
     model = stored_model(path)
-    config: dict[str, Any] = {"background_embedding": False}
+    config: dict[str, Any] = {"background_embedding": False, "long_term": False}
     embedder = None
     names = {model_id: name for name, (_, model_id) in BUILT.items()}
     if model is None or model.id in names:
@@ -114,8 +114,17 @@ async def _inspect(store: str, user: str, turns: int) -> dict[str, Any]:
             sessions.append({**msgspec.structs.asdict(info),
                              "latest": [{"seq": t.seq, "role": t.role, "text": t.text,
                                          "at": t.at.isoformat()} for t in latest]})
-        # Facts and episodes arrive with the long-term memory layer.
-        return {"user_id": user, "sessions": sessions, "facts": [], "episodes": []}
+        facts = [{"category": f.category, "key": f.key, "value": f.value, "text": f.text,
+                  "confidence": round(f.confidence, 3), "importance": f.importance,
+                  "protected": f.protected, "origin": f.origin,
+                  "valid_at": f.valid_at.isoformat()} for f in await mem.profile(user)]
+        episodes = [{"episode_id": e.episode_id, "session_id": e.session_id,
+                     "turns": [e.first_seq, e.last_seq], "title": e.title,
+                     "summary": e.summary, "keywords": list(e.keywords),
+                     "surprise": e.surprise, "end_at": e.end_at.isoformat()}
+                    for e in await mem.episodes(user)]
+        return {"user_id": user, "counts": await mem.memory_stats(user), "sessions": sessions,
+                "facts": facts, "episodes": episodes}
 
 
 async def _snapshot(store: str, dest: str) -> dict[str, Any]:

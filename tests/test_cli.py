@@ -39,6 +39,9 @@ def test_stats_and_inspect_print_json(store, capsys) -> None:
     (session,) = report["sessions"]
     assert session["session_id"] == "s1"
     assert [t["text"] for t in session["latest"]] == ["I moved to Lisbon", "Welcome to Lisbon!"]
+    (fact,) = report["facts"]
+    assert (fact["key"], fact["value"], fact["origin"]) == ("location", "Lisbon", "rules")
+    assert report["episodes"] == [] and report["counts"]["turns"] == 2
 
 
 def test_snapshot_restore_round_trip_and_refusals(store, tmp_path, capsys) -> None:

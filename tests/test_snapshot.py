@@ -139,3 +139,34 @@ async def test_restore_checks_what_it_is_given(tmp_path) -> None:
     with pytest.raises(StoreIncompatible, match=r"is damaged: store/data.mdb does not match the manifest"):
         await Engine.restore(tmp_path / "snap", tmp_path / "other")
     assert not (tmp_path / "other").exists()
+
+
+async def test_long_term_records_survive_a_snapshot(tmp_path) -> None:
+    """Facts with their history, episodes, entities and review state restore as they were."""
+    source, snap, restored = tmp_path / "src", tmp_path / "snap", tmp_path / "rst"
+    async with open_engine(source) as mem:
+        await mem.add_turn("ana", "s1", "user", "I live in Lisbon with my dog Biscuit.")
+        await mem.add_turn("ana", "s2", "user", "Big news: I moved to Porto.")
+        for i in range(20):
+            await mem.add_turn("ana", "s3", "user" if i % 2 == 0 else "assistant",
+                               f"Planning the garden, tomatoes and basil, step {i}.")
+        await mem.flush()
+        (episode, *_) = await mem.episodes("ana")
+        await mem.review("ana", episode.episode_id, "easy")
+        profile = await mem.profile("ana")
+        history = await mem.fact_history("ana", "identity", "location")
+        episodes = await mem.episodes("ana")
+        raw = await mem.retrieve_memory_raw("ana", "garden tomatoes")
+        await mem.snapshot(snap)
+    await Engine.restore(snap, restored)
+    async with open_engine(restored) as mem:
+        await mem.flush()
+        assert await mem.profile("ana") == profile
+        assert await mem.fact_history("ana", "identity", "location") == history
+        assert await mem.episodes("ana") == episodes
+        again = await mem.retrieve_memory_raw("ana", "garden tomatoes")
+        assert (await mem.entity_info("ana", "biscuit")).entity.mentions == 1
+    assert [i.id for i in again.episodic] == [i.id for i in raw.episodic]
+    assert [(i.stability, i.last_reviewed_at) for i in again.episodic] == [
+        (i.stability, i.last_reviewed_at) for i in raw.episodic]
+    assert [s.fact for s in again.semantic] == [s.fact for s in raw.semantic]
