@@ -176,7 +176,10 @@ def summarise(turns: list[Turn], vectors: np.ndarray, sentences: list[tuple[int,
         picked.append(int(np.argmax(score)))
     order = sorted(picked)
     summary = " ".join(sentences[i][1] for i in order)
-    words = sentences[picked[0]][1].split()
+    # The title: the most relevant sentence that says something (four content words or more).
+    by_relevance = sorted(range(n), key=lambda i: -relevance[i])
+    head = next((i for i in by_relevance if len(content_words(sentences[i][1])) >= 4), picked[0])
+    words = sentences[head][1].split()
     title = " ".join(words[:10]) + ("..." if len(words) > 10 else "")
     weights = np.maximum(centrality, 1e-3)[:, None]
     centroid = (vectors * weights).sum(axis=0)

@@ -196,6 +196,8 @@ def _instruction(m: re.Match[str]) -> Candidate | None:
     if len(words) < 2:
         return None
     polarity = "never" if lead == "never" else "always"
+    if lead == "please":
+        body = body[0].lower() + body[1:]
     text = f"{'Never' if polarity == 'never' else 'Always'} {body}"
     # The key is the instruction's first two words ("answer in", "call me"), so a later
     # instruction about the same thing supersedes an earlier one.
@@ -204,6 +206,7 @@ def _instruction(m: re.Match[str]) -> Candidate | None:
 
 
 _JOBS = r"(?:an? )?(?P<job>[a-z][a-z -]{2,40}?)"
+_JOB_END = r"(?=\s*(?:[,.!?;]|$|\band\b|\bbut\b|\b(?:at|for|in|with|from|there)\b))"
 _RULES: tuple[_Rule, ...] = (
     _rule(r"\b(?i:my name is) " + _NAME, _identity("name", "Name: {}", 0.9, 0.9), 0),
     _rule(r"(?<![Nn]ever )(?<!not )(?<!n't )\b(?i:i'm called|i am called|call me) " + _NAME,
@@ -211,11 +214,15 @@ _RULES: tuple[_Rule, ...] = (
     _rule(r"\b(?i:i (?:live|am living|'m living|'m based|am based) in) " + _PLACE,
           _identity("location", "Lives in {}", 0.8, 0.8), 0),
     _rule(r"\b(?i:i(?:'ve| have)? (?:just |recently |finally )?(?:moved|relocated) to) "
-          + _PLACE,
+          + _PLACE, _identity("location", "Lives in {}", 0.85, 0.8), 0),
+    _rule(r"\b(?i:i(?:'m| am) (?:moving|relocating)(?: from [A-Z][\w'.-]+(?: [A-Z][\w'.-]+)?)? "
+          r"to) " + _PLACE,
           _identity("location", "Lives in {}", 0.85, 0.8), 0),
     _rule(r"\b(?i:i(?:'m| am) (?:originally )?from) " + _PLACE,
           _identity("hometown", "Comes from {}", 0.75, 0.6), 0),
-    _rule(r"\bi work as " + _JOBS + r"(?: (?:at|for) (?P<org>[A-Z][\w&.' -]+?))?" + _END,
+    _rule(r"\bi (?:work|am working|'m working|(?:'ll|will) be(?: working)?)"
+          r"(?: remotely| full[- ]time| part[- ]time| freelance)? as " + _JOBS
+          + r"(?: (?:at|for) (?P<org>[A-Z][\w&.' -]+?))?" + _JOB_END,
           lambda m: Candidate("identity", "job", m.group("job").strip(),
                               f"Works as a {m.group('job').strip()}"
                               + (f" at {m.group('org')}" if m.group("org") else ""),
@@ -244,9 +251,13 @@ _RULES: tuple[_Rule, ...] = (
           r"(?P<name>[A-Z][\w'-]+)", _relation),
     _rule(r"\bi have an? (?P<who>dog|cat|son|daughter|sister|brother) (?:called|named) "
           r"(?P<name>[A-Z][\w'-]+)", _relation),
-    _rule(r"\bi(?:'m| am) allergic to " + _THING + _END, _allergy),
+    _rule(r"\b(?i:my) (?P<who>dog|cat|puppy|kitten|son|daughter|wife|husband|partner) "
+          r"(?P<name>[A-Z][\w'-]+)\b", _relation, 0),
+    _rule(r"\bi(?:'m| am) (?:severely |very |really |deathly |mildly |a bit )?allergic to "
+          + _THING + _END, _allergy),
     _rule(r"\bi have an? ([\w -]{2,30}?) allergy", _allergy),
-    _rule(r"\bi(?:'m| am) (?:a |an )?(vegetarian|vegan|pescatarian|gluten[- ]free|"
+    _rule(r"\bi(?:'m| am|'m now| am now| went| became| have become|'ve become|'ve gone) "
+          r"(?:a |an |fully )?(vegetarian|vegan|pescatarian|gluten[- ]free|"
           r"lactose[- ]intolerant|coeliac|celiac|keto|halal|kosher)\b", _diet),
     _rule(r"\bi (?:don't|do not|never|no longer|can't|cannot) eat " + _THING + _END, _avoids),
     _rule(r"\bi (?:really |absolutely |totally )?(?:love|like|enjoy|adore) " + _THING + _END,
@@ -262,14 +273,24 @@ _RULES: tuple[_Rule, ...] = (
           _routine),
     _rule(r"(?:^|[.!?]\s+|,\s*|please\s+)(?P<lead>always|never|from now on|going forward|"
           r"in future|in the future),?\s+(?:please\s+)?(?P<body>[^.!?]{4,120})", _instruction),
+    _rule(r"^\s*(?P<lead>please) (?P<body>(?:keep|make) (?:your |the )?(?:answers|replies|"
+          r"responses|messages) [^.!?,]{2,60})", _instruction),
 )
 
 _QUESTION = re.compile(r"\?\s*$")
+# "Hi! I'm Maya.": a lone "I'm <Name>" is a name only right after a greeting.
+_GREETING_NAME = re.compile(r"\b(?i:hi|hello|hey|good (?:morning|afternoon|evening))\b[!,.]*\s+"
+                            r"(?i:i'm|i am|this is|it's) ([A-Z][a-z]+)\b(?! [a-z])")
 
 
 def extract_facts(text: str) -> list[Candidate]:
     """The facts a user turn states, by rule; questions and hypotheticals are skipped."""
     found: dict[tuple[str, str], Candidate] = {}
+    greeting = _GREETING_NAME.search(text)
+    if greeting:
+        found[("identity", "name")] = Candidate("identity", "name", greeting.group(1),
+                                                f"Name: {greeting.group(1)}", 0.8, 0.9,
+                                                ("name", greeting.group(1).lower()))
     for sentence in re.split(r"(?<=[.!?])\s+|\n+", text):
         if not sentence or _QUESTION.search(sentence) or re.match(
                 r"\s*(?:if|what if|suppose|maybe|do you|can you|could you)\b", sentence, re.I):

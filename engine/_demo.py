@@ -112,11 +112,36 @@ async def run_demo(store: Path | None, say: Callable[[str], None] = print) -> di
         say(f"  tenancy: tomas asking about Lisbon, a flat and a dog sees "
             f"{'none' if not leaked else len(leaked)} of maya's turns")
         figures["tenancy_leaks"] = len(leaked)
-        say("\nretrieve_memory (Markdown for the prompt), top episode:")
+        say("\nlong-term memory (built in the background from the turns above):")
+        start = time.perf_counter()
+        made = 0
+        for info in await mem.list_sessions("maya"):
+            made += await mem.close_session("maya", info.session_id)
+        await mem.flush()
+        episodes = await mem.episodes("maya")
+        figures["episodes"] = len(episodes)
+        say(f"  episodes  {len(episodes)} (sessions closed: {made} consolidated in "
+            f"{(time.perf_counter() - start) * 1e3:.0f} ms, extractive summaries)")
+        for episode in episodes[:3]:
+            say(f"    [{episode.session_id}] {episode.title}  (surprise {episode.surprise:.2f})")
+        profile = await mem.profile("maya")
+        figures["facts"] = len(profile)
+        say(f"  facts     {len(profile)} active, extracted by rules, most important first:")
+        for fact in profile[:8]:
+            say(f"    [{fact.category}] {fact.text}  (confidence {fact.confidence:.2f})")
+        pixel = await mem.entity_info("maya", "pixel")
+        if pixel is not None:
+            say(f"  entity    {pixel.entity.name} ({pixel.entity.type}): mentioned "
+                f"{pixel.entity.mentions} times, e.g. \"{pixel.memories[-1].text[:60]}...\"")
+
+        say("\nretrieve_memory (Markdown for the prompt), facts and the top episode:")
+        start = time.perf_counter()
         markdown = await mem.retrieve_memory("maya", "what am I allergic to", episodic_limit=1,
-                                             detail="high")
+                                             semantic_limit=5, detail="high")
+        figures["retrieve_memory_ms"] = (time.perf_counter() - start) * 1e3
         for line in markdown.strip().splitlines():
             say(f"  | {line[:96]}")
+        say(f"  ({figures['retrieve_memory_ms']:.1f} ms)")
 
         say("\nmaya's sessions, most recent first:")
         for info in await mem.list_sessions("maya"):

@@ -157,6 +157,7 @@ async def test_long_term_records_survive_a_snapshot(tmp_path) -> None:
         history = await mem.fact_history("ana", "identity", "location")
         episodes = await mem.episodes("ana")
         raw = await mem.retrieve_memory_raw("ana", "garden tomatoes")
+        biscuit = await mem.entity_info("ana", "biscuit")
         await mem.snapshot(snap)
     await Engine.restore(snap, restored)
     async with open_engine(restored) as mem:
@@ -165,7 +166,8 @@ async def test_long_term_records_survive_a_snapshot(tmp_path) -> None:
         assert await mem.fact_history("ana", "identity", "location") == history
         assert await mem.episodes("ana") == episodes
         again = await mem.retrieve_memory_raw("ana", "garden tomatoes")
-        assert (await mem.entity_info("ana", "biscuit")).entity.mentions == 1
+        assert await mem.entity_info("ana", "biscuit") == biscuit
+        assert biscuit.entity.mentions == 2  # the turn, and the fact "Their dog is called ..."
     assert [i.id for i in again.episodic] == [i.id for i in raw.episodic]
     assert [(i.stability, i.last_reviewed_at) for i in again.episodic] == [
         (i.stability, i.last_reviewed_at) for i in raw.episodic]
