@@ -80,6 +80,7 @@ class Question:
     text: str
     evidence: list[tuple[str, int, int]]  # (session id, turn index) per evidence turn, + seq
     evidence_turn_ids: list[str] = field(default_factory=list)
+    evidence_text: str = ""  # the last evidence turn's text (for an updated answer: the new one)
 
 
 @dataclass

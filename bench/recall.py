@@ -6,8 +6,11 @@
 
 quality: bench/convgen.py's conversations (planted facts, later updates, temporal references,
 facts needing two turns) go through the engine with the real model; each question's evidence
-turns are looked for in the results of BM25 only, vectors only, the two fused, and the full
-pipeline (``Engine.recall``). Also hnswlib's recall@10 against exact search on this corpus's
+turns are looked for in the results of BM25 only, vectors only, the two fused, the full
+pipeline over turns only, and the full pipeline (``Engine.recall``) over every kind, where an
+episode or a fact counts for the turns it stands for. For questions whose answer was updated
+later: whether ``retrieve_memory``'s semantic section (the facts) names the new value first,
+and whether it shows the old one at all. Also hnswlib's recall@10 against exact search on this corpus's
 real embeddings, with the AnnIndex's own graph parameters.
 
 latency: ``Engine.recall`` end to end, query embedding included (distinct queries, so the
@@ -37,7 +40,7 @@ import hnswlib
 import numpy as np
 import trio
 from _report import percentiles, write_results
-from convgen import generate
+from convgen import CITIES, FOODS, generate
 
 import actors.ann_index as ann_mod
 from actors.messages import PutVectors, Searchable
@@ -63,9 +66,13 @@ async def ingest_conversations(mem: Engine, conversations) -> dict[tuple[str, st
     return ids
 
 
-def score(found: list[str], evidence: list[str]) -> dict[str, float]:
-    out = {f"recall@{k}": len(set(found[:k]) & set(evidence)) / len(evidence) for k in KS}
-    return out
+def _covered(hits) -> set[str]:
+    """The turns hits stand for: a turn itself, an episode or a fact the turns it came from."""
+    return {turn_id for hit in hits for turn_id in hit.turn_ids}
+
+
+def score(hits, evidence: list[str]) -> dict[str, float]:
+    return {f"recall@{k}": len(_covered(hits[:k]) & set(evidence)) / len(evidence) for k in KS}
 
 
 def within_budget(hits, evidence: list[str], budget: int) -> float:
@@ -73,9 +80,38 @@ def within_budget(hits, evidence: list[str], budget: int) -> float:
     for hit in hits:
         cost = estimate_tokens(hit.text)
         if used + cost <= budget:
-            kept.append(hit.id)
+            kept.append(hit)
             used += cost
-    return len(set(kept) & set(evidence)) / len(evidence)
+    return len(_covered(kept) & set(evidence)) / len(evidence)
+
+
+def _values_in(text: str) -> list[str]:
+    """The cities and foods a text names, in order of appearance."""
+    low = text.lower()
+    found = [(low.find(v.lower()), v) for v in CITIES + FOODS if v.lower() in low]
+    return [v for _, v in sorted(found)]
+
+
+async def updated_facts(mem: Engine, questions) -> dict[str, float]:
+    """For questions whose answer changed later: does the semantic section (facts) give the
+    new value first, and does the old one appear at all?"""
+    first, stale, total = 0, 0, 0
+    for q in questions:
+        if q.kind != "updated":
+            continue
+        total += 1
+        history = [h for h in (await mem.fact_history(q.user_id, "identity", "location")
+                               + await mem.fact_history(q.user_id, "preference",
+                                                        "favourite food"))]
+        new = _values_in(q.evidence_text)[0]
+        old = {v for h in history if h.status == "superseded" for v in _values_in(h.value)}
+        raw = await mem.retrieve_memory_raw(q.user_id, q.text, semantic_limit=5)
+        named = [_values_in(item.fact) for item in raw.semantic]
+        top = next((values for values in named if values), [])
+        first += bool(top) and top[0] == new
+        stale += any(v in old - {new} for values in named for v in values)
+    return {"new value first": first / total, "old value shown": stale / total,
+            "questions": total}
 
 
 async def quality(args: argparse.Namespace) -> dict[str, Any]:
@@ -89,8 +125,16 @@ async def quality(args: argparse.Namespace) -> dict[str, Any]:
         ids = await ingest_conversations(mem, conversations)
         await mem.flush()
         results["ingest_and_index_s"] = time.perf_counter() - start
+        texts = {(c.user_id, sid, i): text for c in conversations
+                 for sid, _, body in c.sessions for i, (_, text) in enumerate(body)}
         for q in questions:
             q.evidence_turn_ids = [ids[(q.user_id, s, i)] for s, i, _ in q.evidence]
+            q.evidence_text = texts[(q.user_id, *q.evidence[-1][:2])]
+        episodes = facts = 0
+        for c in conversations:
+            episodes += len(await mem.episodes(c.user_id))
+            facts += len(await mem.profile(c.user_id))
+        results["long_term"] = {"episodes": episodes, "active_facts": facts}
         table: dict[str, dict[str, list[float]]] = {}
         by_kind: dict[str, dict[str, list[float]]] = {}
         for q in questions:
@@ -98,20 +142,23 @@ async def quality(args: argparse.Namespace) -> dict[str, Any]:
                 q.user_id, q.text, limit=max(KS), session_id=None, since=None, until=None,
                 roles=None, kinds=None, link_depth=0, budget_tokens=None, legs=legs)
                 for mode, legs in MODES.items()}
+            runs["turns only"] = await mem.recall(q.user_id, q.text, limit=max(KS),
+                                                  kinds=["turn"])
             runs["full pipeline"] = await mem.recall(q.user_id, q.text, limit=max(KS))
             for mode, hits in runs.items():
                 row = table.setdefault(mode, {})
-                found = [h.id for h in hits]
-                for name, value in score(found, q.evidence_turn_ids).items():
+                for name, value in score(hits, q.evidence_turn_ids).items():
                     row.setdefault(name, []).append(value)
                 for budget in BUDGETS:
                     row.setdefault(f"@{budget} tokens", []).append(
                         within_budget(hits, q.evidence_turn_ids, budget))
                 if mode == "full pipeline":
                     kind_row = by_kind.setdefault(q.kind, {})
-                    kind_row.setdefault("recall@10", []).append(score(found, q.evidence_turn_ids)["recall@10"])
+                    kind_row.setdefault("recall@10", []).append(
+                        score(hits, q.evidence_turn_ids)["recall@10"])
         results["recall"] = {m: {k: float(np.mean(v)) for k, v in row.items()} for m, row in table.items()}
         results["full_pipeline_by_kind"] = {k: float(np.mean(v["recall@10"])) for k, v in by_kind.items()}
+        results["updated_facts"] = await updated_facts(mem, questions)
         results["hnsw_recall@10"] = await hnsw_recall(mem, conversations, questions)
     cols = [f"recall@{k}" for k in KS] + [f"@{b} tokens" for b in BUDGETS]
     print(f"\n{'mode':<16}" + "".join(f"{c:>13}" for c in cols))
@@ -119,6 +166,10 @@ async def quality(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{mode:<16}" + "".join(f"{row[c]:>13.3f}" for c in cols))
     print("\nfull pipeline recall@10 by question kind: " + ", ".join(
         f"{k} {v:.2f}" for k, v in results["full_pipeline_by_kind"].items()))
+    lt, up = results["long_term"], results["updated_facts"]
+    print(f"long-term layer: {lt['episodes']} episodes, {lt['active_facts']} active facts; "
+          f"updated facts ({up['questions']} questions): new value first in the semantic "
+          f"section {up['new value first']:.2f}, old value shown {up['old value shown']:.2f}")
     print(f"hnswlib recall@10 against exact search on the corpus's distinct real embeddings "
           f"(ann-benchmarks' definition): "
           f"{results['hnsw_recall@10']:.3f}")

@@ -6,7 +6,8 @@
    leg (turns acknowledged but not yet indexed, from the RAM windows, scored by shared terms).
 3. Fuse the legs by reciprocal rank (k = 60); each leg brings CANDIDATES_PER_LEG candidates, so
    a keyword-only or vector-only hit still reaches the result.
-4. Re-rank episodes by FSRS retrievability (score x retrievability, seed 001).
+4. Re-rank episodes by FSRS retrievability (score x retrievability, seed 001), and drop turns
+   that a higher-ranked episode or fact already stands for.
 5. Expand along links, breadth-first in both directions, to the focus level's depth.
 6. Pack into a token budget and return typed hits (rendered as Markdown by ``retrieve_memory``).
 
@@ -219,7 +220,7 @@ class Retriever:
             hits.append(_hit(memory, score, via))
             if len(hits) == limit * 2:
                 break
-        hits = (await self._rerank(user_id, hits, records))[:limit]
+        hits = _dedupe(await self._rerank(user_id, hits, records))[:limit]
         if link_depth > 0 and hits:
             hits += await self._expand(user_id, hits, link_depth)
         return pack(hits, budget_tokens)
@@ -401,6 +402,20 @@ def _read_episodic(txn: Any, dbs: dict[bytes, Any], user_id: str, episode_ids: l
     contexts = read_turn_contexts(txn, dbs, user_id, turn_ids)
     states = read_review_states(txn, dbs, user_id, episode_ids + turn_ids)
     return episodes, contexts, states
+
+
+def _dedupe(hits: list[Hit]) -> list[Hit]:
+    """Drop a turn that an episode or a fact ranked above it already stands for: its slot
+    goes to a memory that adds something."""
+    represented: set[str] = set()
+    out = []
+    for hit in hits:
+        if hit.kind == "turn" and hit.id in represented:
+            continue
+        if hit.kind in ("episode", "fact"):
+            represented.update(hit.turn_ids)
+        out.append(hit)
+    return out
 
 
 def fuse(ranked: dict[str, list[int]]) -> list[tuple[int, float, tuple[str, ...]]]:
