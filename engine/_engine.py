@@ -499,10 +499,10 @@ class Engine:
         """Facts shown in a prompt were used: their decay restarts. In the background, so the
         reply does not wait for the write."""
         if result.semantic:
+            self._touching += 1  # counted now, so that a flush right after waits for it
             self._nursery.start_soon(self._touch, user_id, [f.id for f in result.semantic])
 
     async def _touch(self, user_id: str, fact_ids: list[str]) -> None:
-        self._touching += 1
         try:
             await self._facts.touch(user_id, fact_ids)
         except EngineClosed:

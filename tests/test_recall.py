@@ -33,7 +33,7 @@ async def test_keyword_only_and_vector_only_hits_both_reach_the_result(store_pat
         for i in range(30):
             await mem.add_turn("ana", "s", "user", f"unrelated note {i} about the weather")
         await mem.flush()
-        hits = await mem.recall("ana", "canine", limit=5)
+        hits = await mem.recall("ana", "canine", limit=5, kinds=["turn"])
     by_text = {h.text: h for h in hits}
     assert by_text["canine training class on friday"].via == ("vector", "bm25") or set(
         by_text["canine training class on friday"].via) == {"vector", "bm25"}

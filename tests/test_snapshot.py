@@ -153,10 +153,11 @@ async def test_long_term_records_survive_a_snapshot(tmp_path) -> None:
         await mem.flush()
         (episode, *_) = await mem.episodes("ana")
         await mem.review("ana", episode.episode_id, "easy")
+        raw = await mem.retrieve_memory_raw("ana", "garden tomatoes")
+        await mem.flush()  # the use counts of the facts it showed
         profile = await mem.profile("ana")
         history = await mem.fact_history("ana", "identity", "location")
         episodes = await mem.episodes("ana")
-        raw = await mem.retrieve_memory_raw("ana", "garden tomatoes")
         biscuit = await mem.entity_info("ana", "biscuit")
         await mem.snapshot(snap)
     await Engine.restore(snap, restored)
