@@ -58,6 +58,10 @@ MMR_LAMBDA = 0.7  # relevance (centrality) against redundancy when picking summa
 KEYWORDS = 6
 FIRST_SURPRISE = 0.5  # a user's first episode has nothing to be novel against
 USED_WORDS = 2  # content words a reply must share with a shown memory to have used it
+# Surprise waits for the user's previous episode to be embedded, unless the background lane
+# is further behind than this (a burst): then it compares with the episodes embedded so far,
+# rather than holding every episode behind the whole embedding backlog.
+SURPRISE_WAIT_BACKLOG = 512
 
 RATINGS = {"again": Rating.Again, "hard": Rating.Hard, "good": Rating.Good, "easy": Rating.Easy,
            1: Rating.Again, 2: Rating.Hard, 3: Rating.Good, 4: Rating.Easy}
@@ -326,7 +330,8 @@ class EpisodicCompressor:
         # Novelty is measured against every earlier episode, so the last one made must have
         # its vector (the background lane embeds in log order).
         last = self._last_episode.get(user_id)
-        if last is not None and self._vectors_follow:
+        if (last is not None and self._vectors_follow
+                and last - self._embedder.embedded_lsn <= SURPRISE_WAIT_BACKLOG):
             await self._embedder.wait_embedded(last)
         earlier = await self._ann.search(user_id, centroid, 1, Filters(kinds=("episode",)))
         if not earlier:

@@ -8,7 +8,9 @@ Phases, each on a fresh store with fsync on (the engine default):
              databases, encoded up front, 4096 turns a transaction), no engine: the ceiling;
              and bare one-put commits with fsync: the floor under a durable receipt.
   buffered   add_turn acknowledged without waiting for disk, at --rate turns/s for --seconds,
-             while the store group-commits and the real model embeds in the background.
+             while the store group-commits, the real model embeds in the background and the
+             long-term layer (entities, fact extraction, episodes) follows the log; then the
+             same with the long-term layer off, as the baseline in the same process.
   durable    add_turn(durable=True) from --writers concurrent tasks sharing --durable-rate,
              the model embedding in the background likewise.
   bulk       a history import: add_turns in chunks of 1000, 200 turns per user in 10 sessions,
@@ -101,7 +103,7 @@ def baseline_commit(path: Path, n: int) -> dict[str, float]:
 
 
 async def sustained(path: Path, rate: float, seconds: float, writers: int, durable: bool,
-                    texts: list[str]) -> dict[str, Any]:
+                    texts: list[str], long_term: bool = True) -> dict[str, Any]:
     latencies: list[int] = []
     n_each = int(rate * seconds / writers)
     interval = writers / rate
@@ -126,7 +128,7 @@ async def sustained(path: Path, rate: float, seconds: float, writers: int, durab
         last.append(receipt)
 
     # The real model follows the log in the background the whole time, as in production.
-    async with Engine.open(path) as mem:
+    async with Engine.open(path, config={"long_term": long_term}) as mem:
         start = time.perf_counter()
         async with trio.open_nursery() as nursery:
             for w in range(writers):
@@ -135,8 +137,14 @@ async def sustained(path: Path, rate: float, seconds: float, writers: int, durab
         for receipt in last:
             await receipt.durable()
         embedded = (await mem.stats()).embedded_lsn
+        # How far the long-term layer (entities, fact extraction, episodes) got meanwhile.
+        followed = {name: f.watermark for name, f in
+                    zip(("entities", "facts", "episodes"), mem._followers, strict=True)
+                    } if long_term else {}
+        episodes = mem._compressor.episodes_made
     return {**pct(latencies), "achieved_rate": len(latencies) / elapsed,
-            "embedded_meanwhile": embedded}
+            "embedded_meanwhile": embedded, "long_term_lsn_meanwhile": followed,
+            "episodes_meanwhile": episodes, "last_lsn": last[-1].lsn if last else 0}
 
 
 async def bulk(path: Path, total: int, texts: list[str]) -> dict[str, Any]:
@@ -178,6 +186,8 @@ def main() -> None:
         results["baseline_commit"] = baseline_commit(work / "commits", 2000)
         results["buffered"] = trio.run(sustained, work / "buffered", args.rate, args.seconds, 1,
                                        False, texts)
+        results["buffered_without_long_term"] = trio.run(
+            sustained, work / "buffered-bare", args.rate, args.seconds, 1, False, texts, False)
         results["durable"] = trio.run(sustained, work / "durable", args.durable_rate,
                                       args.seconds, args.writers, True, texts)
         results["bulk"] = trio.run(bulk, work / "bulk", args.bulk, texts)
@@ -188,10 +198,16 @@ def main() -> None:
 
     print(f"\n{'phase':<34}{'n':>8}{'p50':>10}{'p99':>10}{'p99.9':>10}{'max':>10}")
     for name, label in (("buffered", f"add_turn buffered @{args.rate:g}/s"),
+                        ("buffered_without_long_term", "  same, long-term layer off"),
                         ("durable", f"add_turn durable @{args.durable_rate:g}/s x{args.writers}")):
         r = results[name]
         print(f"{label:<34}{r['n']:>8}{r['p50_us']:>8.1f}µs{r['p99_us']:>8.1f}µs"
               f"{r['p999_us']:>8.1f}µs{r['max_us']:>8.1f}µs")
+    for name in ("buffered", "buffered_without_long_term", "durable"):
+        r = results[name]
+        print(f"  {name}: meanwhile embedded to lsn {r['embedded_meanwhile']:,}, long-term "
+              f"layer at {r['long_term_lsn_meanwhile']} of {r['last_lsn']:,} turns, "
+              f"{r['episodes_meanwhile']:,} episodes made")
     c = results["baseline_commit"]
     results["durable"]["p99_ratio_to_bare_commit"] = results["durable"]["p99_us"] / c["p99_us"]
     print(f"{'bare LMDB commit, fsync (the floor)':<34}{c['n']:>8}{c['p50_us']:>8.1f}µs"
