@@ -21,11 +21,12 @@ import trio
 from engine._records import Entity, Link
 
 from .messages import Searchable
-from .store import LogFollower, Store, read_entities, user_prefix
+from .store import LogFollower, Store, read_entities, read_entity_keys, user_prefix
 
 __all__ = ["Entities", "extract_entities", "MEMORIES_PER_ENTITY"]
 
 MEMORIES_PER_ENTITY = 256  # newest memories kept per entity: entity_info and the entity leg
+CACHED_USERS = 4096  # users whose registry keys stay in RAM for the entity leg
 FOLLOW_CHUNK = 512  # log records per step: ~1 ms of regex work between checkpoints
 WATERMARK = b"entities_lsn"
 LINKED_TYPES = frozenset({"person", "place", "email", "url", "hashtag", "mention"})
@@ -96,8 +97,31 @@ class Entities:
     def __init__(self, store: Store) -> None:
         self._store = store
         self.follower = LogFollower(store, WATERMARK, FOLLOW_CHUNK, self._handle)
+        # Per user, the registry's keys (names and aliases, lower case): a query that names
+        # none of them skips the registry read entirely.
+        self._keys: dict[str, set[str]] = {}
+        # Keys the current step adds, per user, until the next step (by then they are on disk).
+        self._recent: dict[str, set[str]] = {}
+
+    async def keys(self, user_id: str) -> set[str]:
+        """The user's registry keys (read once, then kept up to date by the follower)."""
+        known = self._keys.get(user_id)
+        if known is None:
+            found = set(await self._store.read(read_entity_keys, user_id))
+            # Keys of the step being committed may have missed the read: add them.
+            known = self._keys[user_id] = found | self._recent.get(user_id, set())
+            while len(self._keys) > CACHED_USERS:
+                del self._keys[next(iter(self._keys))]
+        else:
+            self._keys[user_id] = self._keys.pop(user_id)  # most recently used last
+        return known
+
+    def forget(self, user_id: str) -> None:
+        """Drop a user's cached keys after a deletion; they are read again when needed."""
+        self._keys.pop(user_id, None)
 
     async def _handle(self, records: list[Searchable], last: int) -> tuple[tuple, tuple]:
+        self._recent = {}  # the previous step is committed: its keys are readable
         mentions: dict[str, list[tuple[Searchable, str, str]]] = {}
         for i, record in enumerate(records):
             if i % 16 == 15:
@@ -152,6 +176,10 @@ class Entities:
                                     [-MEMORIES_PER_ENTITY:], entity.last_id)
                     changed[key] = entity
                 changed[first] = _pointer(key)
+            self._recent.setdefault(user_id, set()).update(changed)
+            cached = self._keys.get(user_id)
+            if cached is not None:
+                cached.update(changed)
             for key, entity in changed.items():
                 # Guarded by its newest memory: if that was forgotten meanwhile, the registry
                 # keeps its state from before this step.

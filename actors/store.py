@@ -1316,6 +1316,19 @@ def read_entities(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str,
     return out
 
 
+def read_entity_keys(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str) -> list[str]:
+    """The user's registry keys: entity names and aliases, lower case."""
+    prefix = user_prefix(user_id)
+    cursor = txn.cursor(dbs[b"entities"])
+    out = []
+    if cursor.set_range(prefix):
+        for key in cursor.iternext(keys=True, values=False):
+            if not key.startswith(prefix):
+                break
+            out.append(key[len(prefix):].decode())
+    return out
+
+
 def read_review_states(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str,
                        memory_ids: list[str]) -> dict[str, ReviewState]:
     uprefix = user_prefix(user_id)

@@ -262,7 +262,10 @@ async def latency(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     first_at = datetime(2026, 1, 1, tzinfo=timezone.utc)
     results: dict[str, Any] = {}
-    config = {"background_embedding": False}
+    # Index scale, not the long-term layer: vectors are written directly and the followers
+    # would spend an hour making episodes of 100k turns. The entity leg still runs (on an
+    # empty registry: one LMDB read in a worker thread, beside the vector leg).
+    config = {"background_embedding": False, "long_term": False}
     for n in args.memories:
         path = Path(tempfile.mkdtemp(prefix="engram-lat-")) / "store"
         async with Engine.open(path, config=config) as mem:

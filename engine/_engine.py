@@ -119,7 +119,8 @@ class Engine:
 
     def __init__(self, store: Store, buffer: SessionBuffer, embedder: Embedder, ann: AnnIndex,
                  fulltext: FullText, facts: Facts, compressor: EpisodicCompressor,
-                 config: Config, clock: Clock, nursery: trio.Nursery) -> None:
+                 entities: Entities, config: Config, clock: Clock,
+                 nursery: trio.Nursery) -> None:
         self._store = store
         self._buffer = buffer
         self._embedder = embedder
@@ -127,7 +128,9 @@ class Engine:
         self._fulltext = fulltext
         self._facts = facts
         self._compressor = compressor
-        self._retriever = Retriever(store, buffer, embedder, ann, fulltext, facts, clock)
+        self._entities = entities
+        self._retriever = Retriever(store, buffer, embedder, ann, fulltext, facts, entities,
+                                    clock)
         self._maintenance = Maintenance(self)
         self._config = config
         self._clock = clock
@@ -207,10 +210,11 @@ class Engine:
                         after_turns=config.episode_after_turns,
                         keep_turns=config.episode_keep_turns, llm=tasks,
                         vectors_follow=config.background_embedding)
+                    entities = Entities(store)
                     engine = cls(store, buffer, embedding, ann, fulltext, facts, compressor,
-                                 config, clock, nursery)
+                                 entities, config, clock, nursery)
                     if config.long_term:
-                        engine._followers = [Entities(store).follower, facts.follower(tasks),
+                        engine._followers = [entities.follower, facts.follower(tasks),
                                              compressor.follower]
                         tasks_to_run = [(f.run, ()) for f in engine._followers]
                         tasks_to_run.append((engine._maintenance.run,
@@ -922,6 +926,7 @@ class Engine:
         await self._store.forget(
             user_id, session_id, lambda lsns: self._ann.removed(user_id, lsns, False))
         self._facts.forget(user_id)  # facts extracted from the session went with it
+        self._entities.forget(user_id)  # ...and entities only it mentioned
 
     async def forget_user(self, user_id: str) -> None:
         """Delete everything of a user; returns once the deletion is on disk."""
@@ -932,6 +937,7 @@ class Engine:
         self._compressor.forget(user_id, None)
         await self._store.forget(user_id, None, lambda lsns: self._ann.removed(user_id, lsns, True))
         self._facts.forget(user_id)
+        self._entities.forget(user_id)
 
     # -- embeddings --------------------------------------------------------------------------
 

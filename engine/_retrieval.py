@@ -28,7 +28,7 @@ from actors.ann_index import AnnIndex, Filters
 from actors.embedder import Embedder
 from actors.fulltext import FullText, TextFilters
 from actors.session_buffer import SessionBuffer
-from actors.entities import extract_entities
+from actors.entities import Entities, extract_entities
 from actors.episodic import episode_retrievability
 from actors.facts import Facts
 from actors.store import (
@@ -151,9 +151,9 @@ class Retriever:
     own beyond references."""
 
     def __init__(self, store: Store, buffer: SessionBuffer, embedder: Embedder, ann: AnnIndex,
-                 fulltext: FullText, facts: Facts, clock: Any) -> None:
+                 fulltext: FullText, facts: Facts, entities: Entities, clock: Any) -> None:
         self.store, self.buffer, self.embedder = store, buffer, embedder
-        self.ann, self.fulltext, self.facts = ann, fulltext, facts
+        self.ann, self.fulltext, self.facts, self.entities = ann, fulltext, facts, entities
         self.clock = clock
 
     async def recall(self, user_id: str, query: str, *, limit: int, session_id: str | None,
@@ -185,7 +185,8 @@ class Retriever:
             ranked["bm25"] = [lsn for lsn, _ in found]
 
         async def entity_leg() -> None:
-            names = _entity_keys(query)
+            known = await self.entities.keys(user_id)
+            names = [name for name in _entity_keys(query) if name in known]
             if not names:
                 return
             registry = await self.store.read(read_entities, user_id, names)
