@@ -137,6 +137,7 @@ class Engine:
         self._nursery = nursery
         self._followers: list[LogFollower] = []  # the long-term layer's, if it runs
         self._touching = 0  # fact use counts being written in the background
+        self._forgets = 0  # forget_session / forget_user calls so far
         # Parked: flush, until no use count is being written.
         self._touched = trio.lowlevel.ParkingLot()
         self._closed = False
@@ -476,11 +477,13 @@ class Engine:
         if detail not in ("auto", "none", "low", "high"):
             raise InvalidInput("detail", "expected one of 'auto', 'none', 'low', 'high', "
                                          f"found {detail!r}")
+        forgets = self._forgets
         result = await self._retriever.retrieve(
             user_id, query, conversation_id=conversation_id, episodic_limit=episodic_limit,
             semantic_limit=semantic_limit, category=category, min_importance=min_importance,
             episodic=True)
-        self._record_pending(user_id, conversation_id, query, result)
+        if forgets == self._forgets:  # a deletion meanwhile: what was shown may be gone
+            self._record_pending(user_id, conversation_id, query, result)
         self._count_use(user_id, result)
         return result
 
@@ -921,6 +924,7 @@ class Engine:
         """Delete a session and all its turns; returns once the deletion is on disk."""
         self._check_open()
         self._check_ids(user_id, session_id)
+        self._forgets += 1
         self._buffer.drop_session(user_id, session_id)
         self._compressor.forget(user_id, session_id)
         await self._store.forget(
@@ -932,6 +936,7 @@ class Engine:
         """Delete everything of a user; returns once the deletion is on disk."""
         self._check_open()
         self._check_ids(user_id)
+        self._forgets += 1
         self._buffer.drop_user(user_id)
         self._embedder.forget_user(user_id)
         self._compressor.forget(user_id, None)

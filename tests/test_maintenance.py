@@ -44,3 +44,22 @@ async def test_pending_reviews_nobody_rated_are_dropped_after_a_day(store_path) 
         clock.now = T0 + timedelta(days=2)
         assert (await mem.maintain()).dropped_reviews == 1
     assert raw_databases(store_path)["pending"] == []
+
+
+async def test_a_retrieval_racing_forget_user_leaves_no_pending_review(store_path) -> None:
+    """What a retrieval showed is not recorded if its user was forgotten meanwhile."""
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("ana", "s", "user", "My secret plan involves a yellow submarine.")
+        await mem.flush()
+        retrieve = mem._retriever.retrieve
+
+        async def retrieve_then_forget(*args, **kwargs):
+            result = await retrieve(*args, **kwargs)
+            await mem.forget_user("ana")
+            return result
+
+        mem._retriever.retrieve = retrieve_then_forget
+        shown = await mem.retrieve_memory_raw("ana", "yellow submarine", conversation_id="c")
+        assert shown.episodic
+        await mem.flush()
+    assert raw_databases(store_path)["pending"] == []
