@@ -25,7 +25,7 @@ import logging
 import math
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -318,9 +318,7 @@ class Outcome:
     reason: str = ""
 
 
-@dataclass
-class _UserFacts:
-    active: dict[tuple[str, str], Fact] = field(default_factory=dict)
+Active = dict[tuple[str, str], Fact]  # a user's active facts by (category, key)
 
 
 class Facts:
@@ -333,13 +331,13 @@ class Facts:
         self._removed = removed
         self._clock = clock
         self._new_id = new_id
-        self._cache: dict[str, _UserFacts] = {}
+        self._cache: dict[str, Active] = {}
         # Held while a decision is taken and applied: two decisions on one key never interleave.
         self._lock = trio.Lock()
 
     # -- reads ---------------------------------------------------------------------------------
 
-    async def _user(self, user_id: str) -> _UserFacts:
+    async def _user(self, user_id: str) -> Active:
         cached = self._cache.get(user_id)
         if cached is not None:
             self._cache[user_id] = self._cache.pop(user_id)  # most recently used last
@@ -348,20 +346,20 @@ class Facts:
         facts = await self._store.read(read_facts, user_id, True)
         cached = self._cache.get(user_id)  # another task may have loaded it meanwhile
         if cached is None:
-            cached = _UserFacts({(f.category, f.key): f for f in facts})
+            cached = {(f.category, f.key): f for f in facts}
             self._cache[user_id] = cached
             while len(self._cache) > CACHE_USERS:
                 del self._cache[next(iter(self._cache))]
         return cached
 
     async def active(self, user_id: str) -> list[Fact]:
-        return list((await self._user(user_id)).active.values())
+        return list((await self._user(user_id)).values())
 
     async def profile(self, user_id: str, category: str | None = None,
                       min_importance: float = 0.0) -> list[Fact]:
         """Active facts by importance, then effective confidence."""
         now = self._clock()
-        facts = [f for f in (await self._user(user_id)).active.values()
+        facts = [f for f in (await self._user(user_id)).values()
                  if (category is None or f.category == category)
                  and f.importance >= min_importance]
         facts.sort(key=lambda f: (-f.importance, -effective_confidence(f, now), f.category, f.key))
@@ -392,12 +390,12 @@ class Facts:
         state = await self._user(user_id)
         now = self._clock().astimezone(timezone.utc)
         valid_at = (valid_at or now).astimezone(timezone.utc)
-        current = state.active.get((c.category, c.key))
+        current = state.get((c.category, c.key))
         if current is not None and _same_value(current.value, c.value):
             return await self._reinforce(current, c, sources, now)
         if not force:
             words = _words(c.text)
-            for other in state.active.values():
+            for other in state.values():
                 if other is not current and jaccard(words, _words(other.text)) >= DEDUP_JACCARD:
                     return await self._reinforce(other, c, sources, now)
         rivals = [current] if current is not None else []
@@ -423,8 +421,8 @@ class Facts:
                                                   requires=requires)):
             return Outcome("refused", None, None, "its source was forgotten")
         for r in rivals:
-            state.active.pop((r.category, r.key), None)
-        state.active[(fact.category, fact.key)] = fact
+            state.pop((r.category, r.key), None)
+        state[(fact.category, fact.key)] = fact
         return Outcome("superseded" if rivals else "created", fact, rivals[0] if rivals else None)
 
     async def _reinforce(self, fact: Fact, c: Candidate, sources: tuple[str, ...],
@@ -440,7 +438,7 @@ class Facts:
     async def confirm(self, user_id: str, category: str, key: str) -> Fact | None:
         """Protect the active fact: confidence 1, never decays (seed 004's confirm_fact)."""
         async with self._lock:
-            fact = (await self._user(user_id)).active.get((category, key))
+            fact = (await self._user(user_id)).get((category, key))
             if fact is None:
                 return None
             updated = msgspec.structs.replace(fact, protected=True, confidence=1.0)
@@ -454,7 +452,7 @@ class Facts:
         async with self._lock:
             state = await self._user(user_id)
             now = self._clock().astimezone(timezone.utc)
-            found = [state.active[k] for k in dict.fromkeys(facts) if k in state.active]
+            found = [state[k] for k in dict.fromkeys(facts) if k in state]
             if not found:
                 return []
             retired = tuple(msgspec.structs.replace(f, status=status, invalid_at=now,
@@ -463,20 +461,24 @@ class Facts:
             await store.reserve(1)
             await self._apply(user_id, PutFact(store.next_lsn, user_id, None, retired))
             for f in found:
-                state.active.pop((f.category, f.key), None)
+                state.pop((f.category, f.key), None)
             return list(retired)
 
-    async def touch(self, user_id: str, fact_ids: Iterable[str]) -> None:
-        """Count a use of these active facts (shown in a prompt): resets their decay."""
+    def touch(self, user_id: str, fact_ids: Iterable[str]) -> None:
+        """Count a use of these active facts (shown in a prompt): resets their decay.
+
+        Synchronous: the cache changes at once and the write is queued, so a retrieval never
+        waits for it. A user no longer cached (the retrieval just read the profile, so rarely)
+        or a closing store loses the count, which only lets the facts decay a little sooner.
+        """
         ids = set(fact_ids)
-        if not ids:
+        active = self._cache.get(user_id)
+        if not ids or active is None or not self._store.usable():
             return
-        async with self._lock:
-            state = await self._user(user_id)
-            now = self._clock().astimezone(timezone.utc)
-            await self._rewrite([msgspec.structs.replace(f, access_count=f.access_count + 1,
-                                                         last_access_at=now)
-                                 for f in state.active.values() if f.fact_id in ids])
+        now = self._clock().astimezone(timezone.utc)
+        self._queue_rewrite([msgspec.structs.replace(f, access_count=f.access_count + 1,
+                                                     last_access_at=now)
+                             for f in active.values() if f.fact_id in ids])
 
     async def decay_and_prune(self, user_ids: Iterable[str]) -> int:
         """Retire the facts whose effective confidence fell below PRUNE_BELOW."""
@@ -484,7 +486,7 @@ class Facts:
         for user_id in user_ids:
             now = self._clock()
             state = await self._user(user_id)
-            weak = [k for k, f in state.active.items()
+            weak = [k for k, f in state.items()
                     if effective_confidence(f, now) < PRUNE_BELOW]
             pruned += len(await self.retire(user_id, weak, "pruned"))
         return pruned
@@ -493,16 +495,23 @@ class Facts:
         """Drop a user's cached facts (after a forget; they are reread from the store)."""
         self._cache.pop(user_id, None)
 
-    async def _rewrite(self, facts: list[Fact]) -> None:
-        """Change facts in place (same version, same lsn): no index sees a difference."""
+    def _queue_rewrite(self, facts: list[Fact]) -> None:
+        """Change facts in place (same version, same lsn: no index sees a difference), in the
+        cache at once and in the store in queue order. Each put is guarded by the fact's lsn,
+        so a version retired or forgotten before it lands is not brought back."""
         if not facts:
             return
         puts = tuple((b"facts", fact_key(f), _encode(f), f.lsn) for f in facts)
-        await self._store.write_unlogged(PutState(puts, (), trio.Event()))
+        self._store.submit(PutState(puts))
         for f in facts:
-            state = self._cache.get(f.user_id)
-            if state is not None and (f.category, f.key) in state.active:
-                state.active[(f.category, f.key)] = f
+            active = self._cache.get(f.user_id)
+            if active is not None and (f.category, f.key) in active:
+                active[(f.category, f.key)] = f
+
+    async def _rewrite(self, facts: list[Fact]) -> None:
+        self._store.check_usable()
+        self._queue_rewrite(facts)
+        await self._store.wait_written()
 
     async def _apply(self, user_id: str, op: PutFact) -> bool:
         applied: list[bool] = []
@@ -549,13 +558,13 @@ def _same_value(a: str, b: str) -> bool:
     return " ".join(a.lower().split()) == " ".join(b.lower().split())
 
 
-def _contradicted(state: _UserFacts, c: Candidate) -> list[Fact]:
+def _contradicted(state: Active, c: Candidate) -> list[Fact]:
     """Active facts of the candidate's category saying the opposite about the same thing."""
     words = _words(c.text)
     negated = bool(words & _NEGATIONS)
     content = words - _NEGATIONS - _STOP
     out = []
-    for fact in state.active.values():
+    for fact in state.values():
         if fact.category != c.category or fact.key == c.key:
             continue
         other = _words(fact.text)

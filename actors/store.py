@@ -322,6 +322,10 @@ class Store:
         self._gate = trio.lowlevel.ParkingLot()
         # Parked: followers of the log (the embedder) waiting for the next commit.
         self._commits = trio.lowlevel.ParkingLot()
+        self._submitted = 0  # ops ever queued, logged or not
+        self._written = 0  # ops ever committed: the queue is FIFO, so the first _written of them
+        # Parked: callers of wait_written, until the next batch commits.
+        self._batches = trio.lowlevel.ParkingLot()
         # Shielded from close() on, so queued turns reach the disk even when the body failed.
         self._drain_scope = trio.CancelScope()
         self._write_limiter = trio.CapacityLimiter(1)
@@ -472,6 +476,10 @@ class Store:
         if self._closing:
             raise EngineClosed("the engine is closed; open a new one with Engine.open(path)")
 
+    def usable(self) -> bool:
+        """Whether ops can still be taken (see :meth:`check_usable`)."""
+        return self._failure is None and not self._closing
+
     async def reserve(self, n: int) -> None:
         """Wait until ``n`` more ops fit in the queue. Cancel-safe: nothing is taken yet.
 
@@ -491,6 +499,7 @@ class Store:
             self._next_lsn += 1
         self._queue.append(op)
         self._queued += 1
+        self._submitted += 1
         if self._wakeup:
             self._wakeup.unpark_all()
 
@@ -519,6 +528,21 @@ class Store:
         error = EngineBroken("the store failed before committing this turn; reopen it to go on")
         error.__cause__ = self._failure
         return error
+
+    async def wait_written(self) -> None:
+        """Return once every op queued before the call is committed, whether it took a log
+        position or not (vectors, links, derived state).
+
+        Raises:
+            EngineBroken: the store failed first.
+            EngineClosed: the store closed first.
+        """
+        target = self._submitted
+        while self._written < target:
+            if self._failure is not None or self._env is None:
+                raise self._not_committed_error()
+            await self._batches.park()
+        await trio.lowlevel.checkpoint()
 
     async def wait_commit_beyond(self, lsn: int) -> None:
         """Return once the committed log passes ``lsn`` (at once if it already has).
@@ -565,8 +589,11 @@ class Store:
             )) is None:
                 await self._grow_map()
             self._queued -= n
+            self._written += n
             if self._room:
                 self._room.unpark_all()
+            if self._batches:
+                self._batches.unpark_all()
             # Derived views learn of each op here, on the trio thread and in commit order, so
             # none can apply a deletion before the write it deletes.
             for op, result in results:
@@ -883,6 +910,7 @@ class Store:
         # if theirs did not land.
         while self._waiters:
             heapq.heappop(self._waiters)[2].set()
+        self._batches.unpark_all()
         for op in self._queue:
             if type(op) in (PutVectors, PutLink, WriteSummary, PutState) and op.done is not None:
                 op.done.set()

@@ -136,10 +136,7 @@ class Engine:
         self._clock = clock
         self._nursery = nursery
         self._followers: list[LogFollower] = []  # the long-term layer's, if it runs
-        self._touching = 0  # fact use counts being written in the background
         self._forgets = 0  # forget_session / forget_user calls so far
-        # Parked: flush, until no use count is being written.
-        self._touched = trio.lowlevel.ParkingLot()
         self._closed = False
 
     @classmethod
@@ -503,21 +500,10 @@ class Engine:
         return render_markdown(result, self._clock(), "none", episodic=False)
 
     def _count_use(self, user_id: str, result: RetrieveResult) -> None:
-        """Facts shown in a prompt were used: their decay restarts. In the background, so the
-        reply does not wait for the write."""
+        """Facts shown in a prompt were used: their decay restarts. Queued, not awaited, so
+        the reply does not wait for the write (``flush`` does)."""
         if result.semantic:
-            self._touching += 1  # counted now, so that a flush right after waits for it
-            self._nursery.start_soon(self._touch, user_id, [f.id for f in result.semantic])
-
-    async def _touch(self, user_id: str, fact_ids: list[str]) -> None:
-        try:
-            await self._facts.touch(user_id, fact_ids)
-        except EngineClosed:
-            pass  # closing: a lost use count only lets a fact decay a little sooner
-        finally:
-            self._touching -= 1
-            if not self._touching:
-                self._touched.unpark_all()
+            self._facts.touch(user_id, [f.id for f in result.semantic])
 
     def _check_retrieve(self, user_id: str, query: str, conversation_id: str | None,
                         semantic_limit: int, category: str | None,
@@ -1030,14 +1016,12 @@ class Engine:
         taken it in: its facts extracted, its entities registered, the episodes it completes
         made, and those indexed too."""
         self._check_open()
-        while self._touching:
-            await self._touched.park()
         target = self._store.next_lsn - 1
-        await self._store.wait_committed(target)
+        await self._store.wait_written()  # logged or not: use counts and reviews too
         for follower in self._followers:
             await follower.wait(target)
         target = self._store.next_lsn - 1  # what the long-term layer derived meanwhile
-        await self._store.wait_committed(target)
+        await self._store.wait_written()
         await self._fulltext.wait_indexed(target)
         if self._config.background_embedding:
             await self._embedder.wait_embedded(target)
