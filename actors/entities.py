@@ -134,10 +134,6 @@ class Entities:
             wanted = sorted({n.lower() for _, n, _ in found}
                             | {n.split()[0].lower() for _, n, _ in found})
             registry = await self._store.read(read_entities, user_id, wanted)
-            targets = [e.aliases[0] for e in registry.values()
-                       if e.type == "alias" and e.aliases[0] not in registry]
-            if targets:
-                registry.update(await self._store.read(read_entities, user_id, targets))
             changed: dict[str, Entity] = {}
             for record, name, kind in found:
                 key = _resolve(registry, changed, name)

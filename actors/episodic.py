@@ -118,7 +118,7 @@ def review_state(current: ReviewState, rating: Rating, now: datetime) -> ReviewS
 
 def memory_review_state(memory: Any) -> ReviewState:
     """The FSRS state a memory starts from before any review: an episode's own, or a turn's
-    first GOOD review at the time it was said."""
+    (or a turn hit's) first GOOD review at the time it was said."""
     if type(memory) is Episode:
         return ReviewState(memory.stability, memory.difficulty, memory.created_at, 0)
     stability, difficulty = initial_state(0.0, memory.at)
@@ -357,9 +357,3 @@ class EpisodicCompressor:
                 puts.append((b"reviews", prefix + memory_id.encode(), _encode(state), lsn))
             puts.append((b"pending", prefix + conversation.encode(), None, 0))
         return tuple(puts)
-
-
-def episode_retrievability(episode: Episode, state: ReviewState | None, now: datetime) -> float:
-    if state is None:
-        return retrievability(episode.stability, episode.created_at, now)
-    return retrievability(state.stability, state.last_review, now)

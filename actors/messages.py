@@ -171,8 +171,7 @@ class PutState(msgspec.Struct, frozen=True, tag=True):
 
     puts: tuple[tuple[bytes, bytes, bytes | None, int], ...]
     links: tuple[tuple[str, Any, int], ...] = ()
-    done: Any = None
-    committed: Any = None
+    done: Any = None  # set once committed (write_unlogged waits on it); None: nobody waits
 
     lsn = None  # not searchable: not part of the log
 

@@ -328,6 +328,14 @@ class Store:
         self._batches = trio.lowlevel.ParkingLot()
         # Shielded from close() on, so queued turns reach the disk even when the body failed.
         self._drain_scope = trio.CancelScope()
+        # How the writer applies each kind of op other than appends (batched apart, see _plan),
+        # inside the batch's write transaction; what it returns goes to the op's ``committed``.
+        self._appliers: dict[type, Callable[[lmdb.Transaction, Any], Any]] = {
+            Forget: self._forget_in, PutVectors: self._put_vectors_in, PutNote: self._put_note_in,
+            DeleteNote: self._delete_note_in, WriteSummary: self._write_summary_in,
+            PutEpisode: self._put_episode_in, PutFact: self._put_fact_in,
+            PutState: self._put_state_in, PutLink: self._put_link_in,
+        }
         self._write_limiter = trio.CapacityLimiter(1)
         self._read_limiter = trio.CapacityLimiter(READ_THREADS)
 
@@ -634,27 +642,8 @@ class Store:
                                 f"store invariant broken: {len(seg.turns)} turns to write, "
                                 f"{added} new keys, {logged} of {len(seg.log)} log entries appended"
                             )
-                    elif type(seg) is Forget:
-                        results.append((seg, self._forget_in(txn, seg)))
-                    elif type(seg) is PutVectors:
-                        results.append((seg, self._put_vectors_in(txn, seg)))
-                    elif type(seg) is PutNote:
-                        results.append((seg, self._put_note_in(txn, seg)))
-                    elif type(seg) is DeleteNote:
-                        results.append((seg, self._delete_note_in(txn, seg)))
-                    elif type(seg) is WriteSummary:
-                        results.append((seg, self._write_summary_in(txn, seg)))
-                    elif type(seg) is PutEpisode:
-                        results.append((seg, self._put_episode_in(txn, seg)))
-                    elif type(seg) is PutFact:
-                        results.append((seg, self._put_fact_in(txn, seg)))
-                    elif type(seg) is PutState:
-                        self._put_state_in(txn, seg)
-                        results.append((seg, None))
                     else:
-                        for key in link_keys(seg.user_id, seg.link):
-                            txn.put(key, _encode(seg.link), db=dbs[b"links"])
-                        results.append((seg, None))
+                        results.append((seg, self._appliers[type(seg)](txn, seg)))
                 if last_lsn is not None:
                     txn.put(_LAST_LSN_KEY, lsn_key(last_lsn), db=dbs[b"meta"])
         except lmdb.MapFullError:
@@ -860,6 +849,10 @@ class Store:
                 txn.put(link_key, _encode(link), db=dbs[b"links"])
         return left
 
+    def _put_link_in(self, txn: lmdb.Transaction, op: PutLink) -> None:
+        for key in link_keys(op.user_id, op.link):
+            txn.put(key, _encode(op.link), db=self._dbs[b"links"])
+
     def _put_state_in(self, txn: lmdb.Transaction, op: PutState) -> None:
         dbs = self._dbs
         log = dbs[b"log"]
@@ -912,8 +905,9 @@ class Store:
             heapq.heappop(self._waiters)[2].set()
         self._batches.unpark_all()
         for op in self._queue:
-            if type(op) in (PutVectors, PutLink, WriteSummary, PutState) and op.done is not None:
-                op.done.set()
+            done = getattr(op, "done", None)  # unlogged ops carry an event for their writer
+            if done is not None:
+                done.set()
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -1330,31 +1324,29 @@ def read_session_turns(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: st
 
 
 def read_entities(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str,
-                  names: list[str] | None) -> dict[str, Entity]:
-    """The user's entities by lower-case name: those named, or all of them."""
+                  names: list[str]) -> dict[str, Entity]:
+    """The user's registry records under these lower-case keys, and, in the same transaction,
+    the entity each alias record among them points to (under its own key)."""
     uprefix = user_prefix(user_id)
     db = dbs[b"entities"]
-    if names is None:
-        return {k[len(uprefix):].decode(): decode_entity(v) for k, v in _scan(txn, db, uprefix)}
-    out = {}
+    out: dict[str, Entity] = {}
     for name in names:
         raw = txn.get(uprefix + name.encode(), db=db)
         if raw is not None:
             out[name] = decode_entity(raw)
+    for entity in list(out.values()):
+        target = entity.aliases[0] if entity.type == "alias" else None
+        if target is not None and target not in out:
+            raw = txn.get(uprefix + target.encode(), db=db)
+            if raw is not None:
+                out[target] = decode_entity(raw)
     return out
 
 
 def read_entity_keys(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str) -> list[str]:
     """The user's registry keys: entity names and aliases, lower case."""
     prefix = user_prefix(user_id)
-    cursor = txn.cursor(dbs[b"entities"])
-    out = []
-    if cursor.set_range(prefix):
-        for key in cursor.iternext(keys=True, values=False):
-            if not key.startswith(prefix):
-                break
-            out.append(key[len(prefix):].decode())
-    return out
+    return [key[len(prefix):].decode() for key, _ in _scan(txn, dbs[b"entities"], prefix)]
 
 
 def read_review_states(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str,

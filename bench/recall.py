@@ -45,7 +45,7 @@ from convgen import CITIES, FOODS, generate
 import actors.ann_index as ann_mod
 from actors.messages import PutVectors, Searchable
 from engine import Engine, NewTurn
-from engine._retrieval import estimate_tokens
+from engine._retrieval import pack
 
 KS = (5, 10, 20, 50)
 TURN_GAP = timedelta(seconds=45)
@@ -76,13 +76,8 @@ def score(hits, evidence: list[str]) -> dict[str, float]:
 
 
 def within_budget(hits, evidence: list[str], budget: int) -> float:
-    kept, used = [], 0
-    for hit in hits:
-        cost = estimate_tokens(hit.text)
-        if used + cost <= budget:
-            kept.append(hit)
-            used += cost
-    return len(_covered(kept) & set(evidence)) / len(evidence)
+    """Share of the evidence among the hits the engine's own packing keeps in ``budget``."""
+    return len(_covered(pack(hits, budget)) & set(evidence)) / len(evidence)
 
 
 def _values_in(text: str) -> list[str]:

@@ -861,10 +861,10 @@ class Engine:
         _check_count("limit", limit, 1, 1000)
         key = name.strip().lower()
         store = self._store
-        found = (await store.read(read_entities, user_id, [key])).get(key)
+        registry = await store.read(read_entities, user_id, [key])
+        found = registry.get(key)
         if found is not None and found.type == "alias":
-            key = found.aliases[0]
-            found = (await store.read(read_entities, user_id, [key])).get(key)
+            found = registry.get(found.aliases[0])
         if found is None:
             return None
         lsns = sorted(found.lsns, reverse=True)

@@ -29,7 +29,7 @@ from actors.embedder import Embedder
 from actors.fulltext import FullText, TextFilters
 from actors.session_buffer import SessionBuffer
 from actors.entities import Entities, extract_entities
-from actors.episodic import episode_retrievability
+from actors.episodic import memory_review_state, retrievability
 from actors.facts import Facts
 from actors.store import (
     Store,
@@ -190,9 +190,6 @@ class Retriever:
             if not names:
                 return
             registry = await self.store.read(read_entities, user_id, names)
-            targets = [e.aliases[0] for e in registry.values() if e.type == "alias"]
-            if targets:
-                registry.update(await self.store.read(read_entities, user_id, targets))
             lsns = sorted({lsn for e in registry.values() if e.type != "alias"
                            for lsn in e.lsns}, reverse=True)
             if lsns:
@@ -239,7 +236,8 @@ class Retriever:
         for hit in hits:
             episode = episodes.get(hit.id)
             if episode is not None:
-                r = episode_retrievability(episode, states.get(hit.id), now)
+                state = states.get(hit.id) or memory_review_state(episode)
+                r = retrievability(state.stability, state.last_review, now)
                 hit = msgspec.structs.replace(hit, score=hit.score * r)
             out.append(hit)
         out.sort(key=lambda h: -h.score)
@@ -358,16 +356,16 @@ class Retriever:
         for hit in hits:
             if hit.kind == "episode" and hit.id in episodes:
                 episode, turns = episodes[hit.id]
-                state = states.get(hit.id)
+                reviewed = states.get(hit.id)
+                state = reviewed or memory_review_state(episode)
                 items.append(EpisodicItem(
                     id=episode.episode_id, conversation_id=episode.session_id,
                     messages=[Message(t.role, t.text) for t in turns], title=episode.title,
                     summary=episode.summary,
-                    stability=state.stability if state else episode.stability,
-                    difficulty=state.difficulty if state else episode.difficulty,
+                    stability=state.stability, difficulty=state.difficulty,
                     surprise=episode.surprise, start_at=episode.start_at, end_at=episode.end_at,
                     created_at=episode.created_at,
-                    last_reviewed_at=state.last_review if state else None,
+                    last_reviewed_at=reviewed.last_review if reviewed else None,
                     consolidated_at=episode.consolidated_at, score=hit.score, kind="episode"))
             elif hit.kind == "turn" and hit.id not in covered:
                 # A turn found in the RAM window may not be on disk yet: it stands alone.
@@ -375,14 +373,15 @@ class Retriever:
                 messages = ([Message(t.role, t.text) for t in context] if context
                             else [Message(hit.role or "user", hit.text)])
                 times = [t.at for t in context or ()] or [hit.at]
-                state = states.get(hit.id)
+                # The state review() would start from, until the turn is first reviewed.
+                reviewed = states.get(hit.id)
+                state = reviewed or memory_review_state(hit)
                 items.append(EpisodicItem(
                     id=hit.id, conversation_id=hit.session_id, messages=messages,
                     title=_title(hit.text), summary=hit.text,
-                    stability=state.stability if state else 1.0,
-                    difficulty=state.difficulty if state else 5.0, surprise=0.0,
+                    stability=state.stability, difficulty=state.difficulty, surprise=0.0,
                     start_at=times[0], end_at=times[-1], created_at=hit.at,
-                    last_reviewed_at=state.last_review if state else None,
+                    last_reviewed_at=reviewed.last_review if reviewed else None,
                     consolidated_at=None, score=hit.score))
         return items
 
