@@ -226,8 +226,9 @@ class Retriever:
     async def _rerank(self, user_id: str, hits: list[Hit], records: dict[int, Any]
                       ) -> list[Hit]:
         """Episodes: score x FSRS retrievability (seed 001); others keep their fused score."""
-        episodes = {h.id: m for m in records.values() if type(m) is Episode
-                    for h in hits if h.id == m.episode_id}
+        shown = {h.id for h in hits}
+        episodes = {m.episode_id: m for m in records.values()
+                    if type(m) is Episode and m.episode_id in shown}
         if not episodes:
             return hits
         states = await self.store.read(read_review_states, user_id, list(episodes))
