@@ -206,7 +206,9 @@ def _exact(matrix: np.ndarray, lsns: np.ndarray, query: np.ndarray, k: int,
     if k <= 0:
         return []
     top = np.argpartition(-scores, k - 1)[:k]
-    top = top[np.argsort(-scores[top])]
+    # Equal scores go by lsn: rows arrive in embedding order, which a restored or reopened
+    # index does not repeat, and the same store must give the same answer.
+    top = top[np.lexsort((lsns[top], -scores[top]))]
     return [(int(lsns[r]), float(scores[r])) for r in top]
 
 

@@ -20,11 +20,13 @@ thread-safe, as an onnxruntime session is; see :class:`Embedder`):
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import queue
 import re
 import sys
 import threading
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +40,7 @@ from engine.errors import EngineBroken, EngineClosed, ModelMissing
 
 from .messages import EmbedRequest, PutVectors
 from .ann_index import encode_vector
-from .store import ModelInfo, Store, read_log_range
+from .store import ModelInfo, Store, read_log_range, read_searchables
 
 # The Rust tokenizer's own thread pool would compete with onnxruntime and the trio thread for
 # 2 cores; the actor already runs it off the loop. Set before the first encode; a caller's own
@@ -49,8 +51,11 @@ __all__ = ["Embedder", "EmbeddingBackend", "OnnxEmbedder", "HashEmbedder", "MODE
 
 INBOX_SIZE = 64  # queued requests before callers wait: the model is far behind by then
 QUERY_BATCH = 32  # texts per model call while queries wait
+log = logging.getLogger("engram.embedder")
+
 BACKGROUND_BATCH = 16  # texts per background call: keeps each vector write (and commit) small
 FOLLOW_CHUNK = 256  # records read from the log per step of the background follower
+BACKLOG_REPORT = 1_024  # backlog records between two progress lines in the log
 MAX_TOKENS = 256  # the model's training length (sentence-transformers max_seq_length)
 # The background lane's niceness. On 2 cores the model holds one; at the default priority the
 # trio thread and the LMDB writer queue behind background inference for CPU time slices, and
@@ -240,6 +245,7 @@ class Embedder:
         self._cache: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
         self._cache_size = query_cache
         self.embedded_lsn = 0
+        self.backlog = 0  # records behind the watermark still to embed (a migration's list)
         # Parked: callers of wait_embedded, until the follower passes their lsn.
         self._progress = trio.lowlevel.ParkingLot()
         self._closed = False
@@ -357,8 +363,9 @@ class Embedder:
             del self._cache[key]
 
     async def wait_embedded(self, lsn: int) -> None:
-        """Return once every searchable record up to ``lsn`` has its vector committed."""
-        while self.embedded_lsn < lsn:
+        """Return once every searchable record up to ``lsn`` has its vector committed, the
+        backlog a migration listed included."""
+        while self.embedded_lsn < lsn or self.backlog:
             if self._closed:
                 raise EngineClosed("the engine is closed; open a new one with Engine.open(path)")
             await self._progress.park()
@@ -375,8 +382,10 @@ class Embedder:
         (the ANN index's feed).
         """
         self.embedded_lsn = store.embedded_lsn
+        self.backlog = len(store.embed_backlog)
         task_status.started()
         try:
+            await self._embed_backlog(store, on_vectors)
             while True:
                 await store.wait_commit_beyond(self.embedded_lsn)
                 records, _, last = await store.read(
@@ -399,6 +408,36 @@ class Embedder:
                 self._progress.unpark_all()
         except EngineClosed:
             return  # the engine is closing; the watermark on disk says where to resume
+
+    async def _embed_backlog(self, store: Store,
+                             on_vectors: Callable[[list[tuple[int, str, bytes]]], None] | None
+                             ) -> None:
+        """Embed the records behind the watermark that a migration found without a vector,
+        each batch's vectors written with what is left of the list (so a crash resumes it)."""
+        backlog = list(store.embed_backlog)
+        total = len(backlog)
+        if not total:
+            return
+        log.info("embedder: %d records behind the watermark are without vectors (a store "
+                 "written before schema 4); embedding them first", total)
+        done = 0
+        while backlog:
+            lsns, backlog = backlog[:BACKGROUND_BATCH], backlog[BACKGROUND_BATCH:]
+            records = await store.read(read_searchables, lsns)
+            items = []
+            if records:
+                vectors = await self.embed([r.text for r in records], query=False)
+                items = [(r.lsn, r.user_id, encode_vector(r, vector))
+                         for r, vector in zip(records, vectors, strict=True)]
+            rest = array("Q", backlog)
+            rest.byteswap()  # big-endian on disk, like every integer in the store
+            await store.write_unlogged(PutVectors(items, self.embedded_lsn, trio.Event(),
+                                                  on_vectors, rest.tobytes()))
+            done += len(lsns)
+            self.backlog = len(backlog)
+            if not backlog or done % BACKLOG_REPORT < BACKGROUND_BATCH:
+                log.info("embedder: %d of %d records without vectors embedded", done, total)
+        self._progress.unpark_all()
 
 
 def _take(requests: deque[EmbedRequest], limit: int) -> list[EmbedRequest]:

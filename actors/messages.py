@@ -66,12 +66,15 @@ class PutVectors(msgspec.Struct, frozen=True, tag=True):
         done: set once committed.
         committed: called on the trio thread right after the commit, in commit order, with the
             items actually written.
+        backlog: the embedding backlog that remains once these items are written (8-byte
+            big-endian lsns; b"": none); None leaves it as it is.
     """
 
     items: list[tuple[int, str, bytes]]
     watermark: int
     done: Any = None
     committed: Any = None
+    backlog: bytes | None = None
 
     lsn = None  # not part of the log
 

@@ -9,6 +9,8 @@ database   key                                     value
 meta       ``schema`` / ``last_lsn`` /             8-byte big-endian integers
            ``embedded_lsn``
 meta       ``model``                               ModelInfo (msgpack): id and dimension
+meta       ``embed_backlog``                       8-byte lsns behind ``embedded_lsn`` still
+                                                   without a vector (schema 4's migration)
 sessions   user NUL session                        SessionInfo (msgpack)
 turns      user NUL session NUL seq(8 bytes)       Turn (msgpack)
 ids        user NUL turn_id                        the turn's key in ``turns``
@@ -121,6 +123,9 @@ _SCHEMA_KEY = b"schema"
 _LAST_LSN_KEY = b"last_lsn"
 _EMBEDDED_KEY = b"embedded_lsn"
 _MODEL_KEY = b"model"
+# Records behind the embedding watermark that still need a vector (8-byte lsns): what a
+# migration found missing; the embedder embeds them before following the log.
+EMBED_BACKLOG_KEY = b"embed_backlog"
 
 def _vectors_to_float16(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> None:
     """Schema 1 -> 2: stored vectors go from float32 to float16 (the 16-byte header stays)."""
@@ -140,9 +145,33 @@ def _long_term_databases(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> None:
     ignoring its episodes and facts."""
 
 
+def _backlog_unembedded(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> None:
+    """Schema 3 -> 4: stores written before notes and facts were embedded (the writer matched
+    their log entries against the wrong bytes and dropped every vector) hold notes and active
+    facts without vectors behind the embedding watermark. Their lsns go to the embedding
+    backlog, which the embedder works off first (``Embedder.follow``)."""
+    meta, vectors = dbs[b"meta"], dbs[b"vectors"]
+    watermark = _int(txn.get(_EMBEDDED_KEY, db=meta)) or 0
+    missing = array("Q")
+    for key, entry in txn.cursor(dbs[b"log"]):
+        lsn = int.from_bytes(key, "big")
+        if lsn > watermark:
+            break
+        if entry[:1] not in (LOG_NOTE, LOG_FACT):
+            continue
+        record = searchable_at(txn, dbs, lsn, entry)
+        if record is not None and txn.get(user_prefix(record.user_id) + key, db=vectors) is None:
+            missing.append(lsn)
+    if missing:
+        missing.byteswap()
+        txn.put(EMBED_BACKLOG_KEY, bytes(txn.get(EMBED_BACKLOG_KEY, db=meta) or b"")
+                + missing.tobytes(), db=meta)
+
+
 MIGRATIONS: dict[int, Callable[[lmdb.Transaction, dict[bytes, Any]], None]] = {
     1: _vectors_to_float16,
     2: _long_term_databases,
+    3: _backlog_unembedded,
 }
 
 T = TypeVar("T")
@@ -225,6 +254,19 @@ def _int(raw: bytes | None) -> int | None:
     return None if raw is None else int.from_bytes(raw, "big")
 
 
+def entry_record_key(entry: bytes) -> bytes:
+    """The key of the record a log entry names (in turns, notes, episodes or facts; it starts
+    with the user's prefix), or b"" for a tombstone."""
+    kind = entry[:1]
+    if kind == LOG_NOTE:
+        return entry[9:]
+    if kind == LOG_FACT:
+        return _fact_entry_lsns(entry)[1]
+    if kind == LOG_TOMBSTONE:
+        return b""
+    return entry[1:]
+
+
 class _Puts:
     """One run of appends between deletions, grouped per database for ``putmulti``."""
 
@@ -302,6 +344,7 @@ class Store:
         self._model = model
         self._reembed = reembed
         self.embedded_lsn = 0  # the persisted embedding watermark, as read at open
+        self.embed_backlog: list[int] = []  # lsns behind it still without a vector, at open
         self._env: lmdb.Environment | None = None
         self._dbs: dict[bytes, Any] = {}
         self._queue: deque[StoreOp] = deque()
@@ -393,6 +436,9 @@ class Store:
                 meta = self._dbs[b"meta"]
                 self._next_lsn = (_int(txn.get(_LAST_LSN_KEY, db=meta)) or 0) + 1
                 self.embedded_lsn = _int(txn.get(_EMBEDDED_KEY, db=meta)) or 0
+                backlog = array("Q", txn.get(EMBED_BACKLOG_KEY, db=meta) or b"")
+                backlog.byteswap()
+                self.embed_backlog = backlog.tolist()
         except BaseException:
             env.close()
             raise
@@ -875,11 +921,17 @@ class Store:
         for item in op.items:
             lsn, user_id, value = item
             entry = txn.get(lsn_key(lsn), db=log)
-            if entry is not None and entry[1:].startswith(user_prefix(user_id)):
+            if entry is not None and entry_record_key(entry).startswith(user_prefix(user_id)):
                 txn.put(user_prefix(user_id) + lsn_key(lsn), value, db=vectors)
                 written.append(item)
             # else: forgotten while it was being embedded; it must not come back
-        txn.put(_EMBEDDED_KEY, lsn_key(op.watermark), db=self._dbs[b"meta"])
+        meta = self._dbs[b"meta"]
+        txn.put(_EMBEDDED_KEY, lsn_key(op.watermark), db=meta)
+        if op.backlog is not None:
+            if op.backlog:
+                txn.put(EMBED_BACKLOG_KEY, op.backlog, db=meta)
+            else:
+                txn.delete(EMBED_BACKLOG_KEY, db=meta)
         return written
 
     async def _grow_map(self) -> None:
@@ -1068,7 +1120,6 @@ def read_log_range(
     found: list[Searchable] = []
     deleted: list[int] = []
     last = after
-    turns = dbs[b"turns"]
     cursor = txn.cursor(dbs[b"log"])
     if cursor.set_range(lsn_key(after + 1)):
         for key, entry in cursor:
@@ -1077,38 +1128,64 @@ def read_log_range(
                 break
             last = lsn
             kind = entry[:1]
-            if kind == LOG_TURN:
-                raw = txn.get(entry[1:], db=turns)
-                if raw is not None:
-                    t = _decode_turn(raw)
-                    found.append(Searchable(lsn, "turn", t.user_id, t.session_id, t.role, t.at,
-                                            t.text, turn_tags(t), t.turn_id, t.seq))
-            elif kind == LOG_NOTE:
-                replaces = int.from_bytes(entry[1:9], "big")
-                if replaces:
-                    deleted.append(replaces)
-                note = _note_version(txn, dbs, entry, lsn)
-                if note is not None:
-                    found.append(Searchable(lsn, "note", note.user_id, "", "", note.updated_at,
-                                            note.text, note.tags, note.note_id))
-            elif kind == LOG_TOMBSTONE:
+            if kind == LOG_TOMBSTONE:
                 lsns = array("Q", entry[1:])
                 lsns.byteswap()
                 deleted.extend(lsns)
-            elif kind == LOG_EPISODE:
-                raw = txn.get(entry[1:], db=dbs[b"episodes"])
-                if raw is not None:
-                    found.append(episode_searchable(decode_episode(raw)))
+                continue
+            if kind == LOG_NOTE:
+                replaces = int.from_bytes(entry[1:9], "big")
+                if replaces:
+                    deleted.append(replaces)
             elif kind == LOG_FACT:
-                retired, key = _fact_entry_lsns(entry)
-                deleted.extend(retired)
-                raw = txn.get(key, db=dbs[b"facts"])
-                fact = None if raw is None else decode_fact(raw)
-                if fact is not None and fact.status == "active":
-                    found.append(fact_searchable(fact))
+                deleted.extend(_fact_entry_lsns(entry)[0])
+            record = searchable_at(txn, dbs, lsn, entry)
+            if record is not None:
+                found.append(record)
     if len(found) < limit:
         last = max(last, upto)
     return found, deleted, last
+
+
+def searchable_at(txn: lmdb.Transaction, dbs: dict[bytes, Any], lsn: int,
+                  entry: bytes) -> Searchable | None:
+    """What the indexes see of the record the log entry at ``lsn`` names; None for a
+    tombstone, a record deleted since, a note version replaced since, or a retired fact."""
+    kind = entry[:1]
+    if kind == LOG_TURN:
+        raw = txn.get(entry[1:], db=dbs[b"turns"])
+        if raw is None:
+            return None
+        t = _decode_turn(raw)
+        return Searchable(lsn, "turn", t.user_id, t.session_id, t.role, t.at, t.text,
+                          turn_tags(t), t.turn_id, t.seq)
+    if kind == LOG_NOTE:
+        note = _note_version(txn, dbs, entry, lsn)
+        if note is None:
+            return None
+        return Searchable(lsn, "note", note.user_id, "", "", note.updated_at, note.text,
+                          note.tags, note.note_id)
+    if kind == LOG_EPISODE:
+        raw = txn.get(entry[1:], db=dbs[b"episodes"])
+        return None if raw is None else episode_searchable(decode_episode(raw))
+    if kind == LOG_FACT:
+        raw = txn.get(_fact_entry_lsns(entry)[1], db=dbs[b"facts"])
+        fact = None if raw is None else decode_fact(raw)
+        return fact_searchable(fact) if fact is not None and fact.status == "active" else None
+    return None
+
+
+def read_searchables(txn: lmdb.Transaction, dbs: dict[bytes, Any],
+                     lsns: list[int]) -> list[Searchable]:
+    """What the indexes see of the records at these lsns, those still there, in order."""
+    log = dbs[b"log"]
+    found = []
+    for lsn in lsns:
+        entry = txn.get(lsn_key(lsn), db=log)
+        record = None if entry is None else searchable_at(txn, dbs, lsn, entry)
+        if record is not None:
+            found.append(record)
+    return found
 
 
 def episode_searchable(e: Episode) -> Searchable:

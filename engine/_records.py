@@ -18,7 +18,8 @@ __all__ = ["Turn", "SessionInfo", "NewTurn", "Link", "Note", "SummaryState", "Ep
 
 # 2: vectors stored as float16 (actors.store migrates 1 -> 2).
 # 3: episodes, facts, entities and review state (new databases: an older build must refuse).
-SCHEMA_VERSION = 3
+# 4: notes and facts that the writer left without vectors are listed for embedding.
+SCHEMA_VERSION = 4
 
 Role = Literal["user", "assistant", "system", "tool"]
 ROLES: tuple[str, ...] = ("user", "assistant", "system", "tool")

@@ -11,6 +11,7 @@ import trio
 
 import actors.store as store_mod
 from engine import EngineBroken, HashEmbedder, StoreIncompatible
+from engine._records import SCHEMA_VERSION
 
 from ..conftest import open_engine, raw_databases
 
@@ -23,7 +24,7 @@ def _set_schema(path, version: int) -> None:
 
 
 @pytest.mark.parametrize(("version", "message"), [
-    (99, r"schema version 99, newer than this build reads \(3\); upgrade"),
+    (99, rf"schema version 99, newer than this build reads \({SCHEMA_VERSION}\); upgrade"),
     (0, r"no migration from 0 to 1"),
 ], ids=["newer", "no-migration"])
 async def test_a_schema_this_build_cannot_bring_up_to_date_is_refused(store_path, version, message) -> None:
@@ -54,7 +55,7 @@ async def test_an_old_schema_is_migrated_in_order(store_path, monkeypatch) -> No
         pass
     assert ran == [0]
     meta = dict(raw_databases(store_path)["meta"])
-    assert meta[b"migrated"] == b"yes" and int.from_bytes(meta[b"schema"], "big") == 3
+    assert meta[b"migrated"] == b"yes" and int.from_bytes(meta[b"schema"], "big") == SCHEMA_VERSION
 
 
 async def test_schema_1_float32_vectors_are_migrated_to_float16(store_path) -> None:
