@@ -24,7 +24,7 @@ from ._engine import Engine
 from .errors import EngineError, InvalidInput
 
 MODELS = ("minilm-l6-v2", "minilm-l6-v2-q8")
-BENCHES = ("ingest", "embed", "recall", "snapshot")
+BENCHES = ("ingest", "embed", "recall", "snapshot", "crash")
 REPO = Path(__file__).resolve().parent.parent
 
 
