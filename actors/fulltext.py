@@ -154,6 +154,9 @@ class FullText:
             self.rebuilt = True
         self._index = index
         self._writer = index.writer(heap_size=WRITER_HEAP, num_threads=1)
+        # A commit cut short by a crash leaves files meta.json never listed; replaying the same
+        # operations would write the same names (FileAlreadyExists), so they go first.
+        self._writer.garbage_collect_files()
         self.indexed_lsn = top
 
     def _max_lsn(self, index: tantivy.Index) -> int:
