@@ -385,11 +385,14 @@ def build_index(store_path: Path, dest: Path, progress: Any = None) -> int:
     ``dest``. Returns the lsn it covers. Runs in a worker thread or offline."""
     import lmdb
 
+    from .integrity import CheckedTxn, check_file
     from .store import DB_NAMES, MAX_DBS
 
+    check_file(store_path)
     env = lmdb.open(str(store_path), readonly=True, lock=False, max_dbs=MAX_DBS)
     try:
         dbs = {name: env.open_db(name, create=False) for name in DB_NAMES}
+        names = {handle: name for name, handle in dbs.items()}
         with env.begin() as txn:
             raw = txn.get(b"last_lsn", db=dbs[b"meta"])
             last = int.from_bytes(raw, "big") if raw else 0
@@ -401,7 +404,8 @@ def build_index(store_path: Path, dest: Path, progress: Any = None) -> int:
         after = 0
         while after < last:
             with env.begin() as txn:
-                records, _, after = read_log_range(txn, dbs, after, last, FOLLOW_CHUNK)
+                records, _, after = read_log_range(CheckedTxn(txn, names), dbs, after, last,
+                                                   FOLLOW_CHUNK)
             write_records(writer, schema, records, [])
             if progress is not None:
                 progress(after, last)

@@ -26,7 +26,13 @@ facts      user NUL category NUL key NUL lsn(8)    Fact (msgpack), every version
 entities   user NUL lower-case name                Entity (msgpack)
 reviews    user NUL memory id                      ReviewState (msgpack): FSRS after reviews
 pending    user NUL conversation id                PendingReview (msgpack)
+chain      lsn (8 bytes, big-endian)               chain digest + content digest + removed lsns
 =========  ======================================  ===========================================
+
+Every value but ``meta``'s ends with a CRC-32 of the rest, sealed and checked in one place
+(:class:`actors.integrity.CheckedTxn`): a damaged record is ``StoreCorrupt``, never a value. The
+``chain`` database is the log's hash chain, its head in ``meta`` under ``chain_head`` (see
+``actors/integrity.py``); opening a store checks the chain's tail against the head.
 
 ``ids`` maps ``user NUL id`` of a turn, an episode or a fact to its key (in ``turns``, or
 after the tag ``NUL E`` / ``NUL F`` in ``episodes`` / ``facts``). Log entries: ``E`` + episode key; ``F`` + count(2) + the lsns that
@@ -50,6 +56,8 @@ Concurrency (py-lmdb: a write transaction is bound to the thread that began it):
 from __future__ import annotations
 
 import heapq
+import hmac
+import logging
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -81,6 +89,23 @@ from engine.errors import (
     InvalidInput,
     ModelMismatch,
     StoreIncompatible,
+    StoreTampered,
+)
+
+from .integrity import (
+    ABSENT,
+    DIGEST,
+    HEAD_KEY,
+    ZERO,
+    CheckedTxn,
+    check_file,
+    content_digest,
+    decode_head,
+    encode_head,
+    head_mac,
+    link,
+    seal,
+    unseal,
 )
 
 from .messages import (
@@ -104,11 +129,12 @@ __all__ = ["Store", "LogFollower", "MIGRATIONS", "user_prefix", "session_prefix"
 QUEUE_LIMIT = 16_384  # queued turns before callers wait: ~4 full batches means the disk is behind
 BATCH_MAX = 4_096  # ops per write transaction, so one commit (and the waiters behind it) stays short
 READ_THREADS = 2  # concurrent read transactions: one per core; the writer has its own limiter
-MAX_DBS = 16  # named databases LMDB reserves room for; later layers add theirs
+MAX_DBS = 32  # named databases LMDB reserves room for; later layers add theirs
+TAIL_CHECK = 64  # log positions whose chain opening a store recomputes: the last writes
 MAX_READERS = 126  # LMDB reader slots: the default, far above the threads we use
 
 DB_NAMES = (b"meta", b"sessions", b"turns", b"ids", b"log", b"vectors", b"links", b"notes",
-            b"summaries", b"episodes", b"facts", b"entities", b"reviews", b"pending")
+            b"summaries", b"episodes", b"facts", b"entities", b"reviews", b"pending", b"chain")
 LOG_TURN = b"T"
 LOG_NOTE = b"N"  # + the lsn this version replaces (8 bytes, 0: none) + the notes key
 LOG_TOMBSTONE = b"D"
@@ -168,13 +194,62 @@ def _backlog_unembedded(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> None:
                 + missing.tobytes(), db=meta)
 
 
+def _seal_and_chain(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> None:
+    """Schema 4 -> 5: every value gets its checksum, and the log its hash chain. Positions
+    already missing from the log get the ABSENT content digest: what removed them is not known
+    any more, and the chain vouches for the store as it is from here on. Progress goes to the
+    ``engram.store`` logger (a large store takes a while: one pass over every record)."""
+    names = [name for name in DB_NAMES if name not in (b"meta", b"chain")]
+    last = _int(txn.get(_LAST_LSN_KEY, db=dbs[b"meta"])) or 0
+    progress = _Progress("sealing records", sum(txn.stat(dbs[n])["entries"] for n in names))
+    for name in names:
+        cursor = txn.cursor(dbs[name])
+        moved = cursor.first()
+        while moved:
+            cursor.put(cursor.key(), seal(cursor.value()))
+            progress.step()
+            moved = cursor.next()
+    checked = CheckedTxn(txn, {handle: name for name, handle in dbs.items()})
+    progress = _Progress("building the hash chain", last)
+    digest = ZERO
+    records = []
+    for lsn in range(1, last + 1):
+        key = lsn_key(lsn)
+        entry = checked.get(key, db=dbs[b"log"])
+        content = ABSENT if entry is None else content_digest(
+            key, entry, content_of(checked, dbs, entry) or b"")
+        digest = link(digest, key, content, b"")
+        records.append((key, digest + content))
+        progress.step()
+    checked.cursor(dbs[b"chain"]).putmulti(records, append=True)
+    txn.put(HEAD_KEY, encode_head(last, digest, None), db=dbs[b"meta"])
+
+
+class _Progress:
+    """Logs how far a long migration got, every tenth of the way (when there is much to do)."""
+
+    def __init__(self, what: str, total: int) -> None:
+        self._what = what
+        self._total = total
+        self._done = 0
+        self._every = max(total // 10, 1) if total >= 100_000 else 0
+
+    def step(self) -> None:
+        self._done += 1
+        if self._every and self._done % self._every == 0:
+            log.info("store migration: %s, %d of %d (%.0f%%)", self._what, self._done,
+                     self._total, 100 * self._done / self._total)
+
+
 MIGRATIONS: dict[int, Callable[[lmdb.Transaction, dict[bytes, Any]], None]] = {
     1: _vectors_to_float16,
     2: _long_term_databases,
     3: _backlog_unembedded,
+    4: _seal_and_chain,
 }
 
 T = TypeVar("T")
+log = logging.getLogger("engram.store")
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_session = msgspec.msgpack.Decoder(SessionInfo).decode
@@ -226,6 +301,154 @@ def _fact_entry_lsns(entry: bytes) -> tuple[list[int], bytes]:
     n = int.from_bytes(entry[1:3], "big")
     retired = [int.from_bytes(entry[3 + 8 * i: 11 + 8 * i], "big") for i in range(n)]
     return retired, entry[3 + 8 * n:]
+
+
+def _fact_core(fact: Fact) -> bytes:
+    """The fields of a fact version that never change: use counts, confidence, status and
+    validity are rewritten in place, so the chain covers what the version says, not those."""
+    return _encode((fact.lsn, fact.fact_id, fact.user_id, fact.category, fact.key, fact.value,
+                    fact.text, fact.keywords, fact.session_id, fact.valid_at, fact.created_at,
+                    fact.origin))
+
+
+def content_of(txn: CheckedTxn, dbs: dict[bytes, Any], entry: bytes) -> bytes | None:
+    """What the hash chain covers of the record a log entry names, besides the entry itself
+    (None: that record is missing; b"" for a tombstone, which is all entry)."""
+    kind = entry[:1]
+    if kind == LOG_TURN:
+        return txn.get(entry[1:], db=dbs[b"turns"])
+    if kind == LOG_NOTE:
+        return txn.get(entry[9:], db=dbs[b"notes"])
+    if kind == LOG_EPISODE:
+        return txn.get(entry[1:], db=dbs[b"episodes"])
+    if kind == LOG_FACT:
+        raw = txn.get(_fact_entry_lsns(entry)[1], db=dbs[b"facts"])
+        return None if raw is None else _fact_core(decode_fact(raw))
+    return b""
+
+
+def _chain_in(txn: CheckedTxn, dbs: dict[bytes, Any], lsn: int, previous: bytes) -> bytes:
+    """Append the chain record of the op just applied at ``lsn`` (writer thread); it lists the
+    log entries the op removed. Returns its digest."""
+    key = lsn_key(lsn)
+    entry = txn.get(key, db=dbs[b"log"])
+    if entry is None:
+        raise AssertionError(f"the op at lsn {lsn} left no log entry")
+    content = content_digest(key, entry, content_of(txn, dbs, entry) or b"")
+    removed = b"".join(map(lsn_key, txn.removed))
+    digest = link(previous, key, content, removed)
+    txn.put(key, digest + content + removed, db=dbs[b"chain"], append=True)
+    return digest
+
+
+def check_chain(txn: CheckedTxn, dbs: dict[bytes, Any], first: int, last: int,
+                head: bytes | None) -> list[tuple[int, str]]:
+    """Recompute the chain over log positions [first, last] against the records, and check
+    that it ends in ``head``'s digest (if given) with nothing logged or chained after ``last``.
+
+    A missing log entry passes only where a chain record in the range lists it as removed, so
+    the range must run to the head (removals are always listed later).
+
+    Returns:
+        (lsn, what is wrong) for every problem found, in lsn order; empty if none.
+    """
+    problems: list[tuple[int, str]] = []
+    raw, log, chain = txn.raw, dbs[b"log"], dbs[b"chain"]
+    digest = ZERO
+    if first > 1:
+        before = raw.get(lsn_key(first - 1), db=chain)
+        try:
+            digest = None if before is None else unseal(before, b"chain", lsn_key(first - 1))
+        except EngineError:
+            digest = None
+        digest = None if digest is None else digest[:DIGEST]
+        if digest is None:
+            problems.append((first - 1, "its chain record is missing or damaged"))
+    removed: list[int] = []
+    covered: set[int] = set()
+    cursor = raw.cursor(chain)
+    expected = first
+    found = cursor.set_range(lsn_key(first))
+    while found:
+        key, value = cursor.item()
+        lsn = int.from_bytes(key, "big")
+        if lsn > last:
+            problems.append((lsn, f"the chain goes on past its head ({last})"))
+            break
+        if lsn != expected:
+            problems.append((expected, f"the chain records of {expected}..{lsn - 1} are missing"))
+            digest = None  # the links across the hole cannot be checked; pick up after it
+        expected = lsn + 1
+        found = cursor.next()
+        try:
+            record = unseal(value, b"chain", key)
+        except EngineError:
+            problems.append((lsn, "its chain record fails its checksum"))
+            digest = None
+            continue
+        mine, content, gone = record[:DIGEST], record[DIGEST:2 * DIGEST], record[2 * DIGEST:]
+        if len(content) != DIGEST or len(gone) % 8:
+            problems.append((lsn, "its chain record has not the shape of one"))
+            digest = None
+            continue
+        if digest is not None and link(digest, key, content, gone) != mine:
+            problems.append((lsn, "the hash chain breaks: its record, or the one before it, "
+                                  "was changed"))
+        digest = mine
+        covered.update(int.from_bytes(gone[i:i + 8], "big") for i in range(0, len(gone), 8))
+        try:
+            entry = txn.get(key, db=log)
+            if entry is None:
+                if content != ABSENT:
+                    removed.append(lsn)
+                continue
+            if content == ABSENT:
+                problems.append((lsn, "a log entry is where the chain says there was none"))
+                continue
+            record_bytes = content_of(txn, dbs, entry)
+        except EngineError as exc:
+            problems.append((lsn, f"a record it names is damaged: {exc}"))
+            continue
+        if record_bytes is None:
+            problems.append((lsn, "the record its log entry names is missing"))
+        elif content_digest(key, entry, record_bytes) != content:
+            problems.append((lsn, "its record differs from what was written (the content "
+                                  "digest in the chain does not match)"))
+    if expected <= last:
+        problems.append((expected, f"the chain records of {expected}..{last} are missing"))
+    elif head is not None and digest is not None and digest != head:
+        problems.append((last, "the chain's last digest is not the head's"))
+    cursor = raw.cursor(log)
+    if cursor.last() and int.from_bytes(cursor.key(), "big") > last:
+        problems.append((int.from_bytes(cursor.key(), "big"),
+                         f"the log goes on past the chain's head ({last}): records were added "
+                         "outside the engine"))
+    problems.extend((lsn, "its log entry was removed, and no later record lists it as removed "
+                          "(deleted outside the engine)") for lsn in removed if lsn not in covered)
+    problems.sort()
+    return problems
+
+
+def _check_content(txn: CheckedTxn, dbs: dict[bytes, Any], key: bytes, entry: bytes,
+                   content: bytes) -> None:
+    """Refuse a record that is not what the chain says was written at its log position.
+
+    Raises:
+        StoreTampered: the record or its chain record was changed outside the engine.
+    """
+    record = txn.get(key, db=dbs[b"chain"])
+    if record is None or record[DIGEST:2 * DIGEST] != content_digest(key, entry, content):
+        lsn = int.from_bytes(key, "big")
+        raise StoreTampered(
+            f"the record at log position {lsn} is not what the engine wrote there (its content "
+            "digest does not match the store's hash chain): the store was edited outside the "
+            "engine; run `engram verify STORE` and restore from a snapshot", "log", key, lsn)
+
+
+def _check_logged(txn: CheckedTxn, dbs: dict[bytes, Any], key: bytes, entry: bytes) -> None:
+    """:func:`_check_content` for the record a log entry names, read again (the indexes' path,
+    in a worker thread off the recall path)."""
+    _check_content(txn, dbs, key, entry, content_of(txn, dbs, entry) or b"")
 
 
 def _delete_prefix(txn: lmdb.Transaction, db: Any, prefix: bytes) -> None:
@@ -347,6 +570,10 @@ class Store:
         self.embed_backlog: list[int] = []  # lsns behind it still without a vector, at open
         self._env: lmdb.Environment | None = None
         self._dbs: dict[bytes, Any] = {}
+        self._names: dict[Any, bytes] = {}  # database handle -> name, for CheckedTxn
+        key = config.integrity_key
+        self._key = None if key is None else key.encode()
+        self._head = (0, ZERO)  # the chain's last lsn and digest, as committed
         self._queue: deque[StoreOp] = deque()
         self._queued = 0  # ops taken and not yet committed (queued or in the writer)
         self._next_lsn = 1
@@ -415,6 +642,7 @@ class Store:
         if self.path.exists() and not self.path.is_dir():
             raise InvalidInput("path", f"expected a store directory, found a file at {self.path}")
         self.path.mkdir(parents=True, exist_ok=True)
+        check_file(self.path)
         try:
             env = lmdb.open(
                 str(self.path),
@@ -431,8 +659,10 @@ class Store:
         try:
             with env.begin(write=True) as txn:
                 self._dbs = {name: env.open_db(name, txn=txn) for name in DB_NAMES}
+                self._names = {handle: name for name, handle in self._dbs.items()}
                 self._check_schema(txn)
                 self._check_model(txn)
+                self._check_chain(txn)
                 meta = self._dbs[b"meta"]
                 self._next_lsn = (_int(txn.get(_LAST_LSN_KEY, db=meta)) or 0) + 1
                 self.embedded_lsn = _int(txn.get(_EMBEDDED_KEY, db=meta)) or 0
@@ -470,6 +700,54 @@ class Store:
             MIGRATIONS[version](txn, self._dbs)
         if stored != SCHEMA_VERSION:
             txn.put(_SCHEMA_KEY, SCHEMA_VERSION.to_bytes(8, "big"), db=meta)
+
+    def _check_chain(self, txn: lmdb.Transaction) -> None:
+        """Check the chain's head (and its MAC, with a key) and recompute its last TAIL_CHECK
+        links: a cut, a forged append or an edit among the latest writes refuses the store."""
+        meta = self._dbs[b"meta"]
+        last = _int(txn.get(_LAST_LSN_KEY, db=meta)) or 0
+        raw = txn.get(HEAD_KEY, db=meta)
+        if raw is None and not last and not txn.stat(self._dbs[b"log"])["entries"]:
+            txn.put(HEAD_KEY, encode_head(0, ZERO, self._key), db=meta)  # a new store
+            return
+        head = None if raw is None else decode_head(raw)
+        if head is None:
+            raise StoreTampered(
+                f"{self.path} has a log of {last} entries but {'no' if raw is None else 'a broken'}"
+                f" hash-chain head (meta {HEAD_KEY!r}); it was edited outside the engine: run "
+                f"`engram verify {self.path}` and restore from a snapshot", "meta", HEAD_KEY)
+        if self._key is None and head.mac:
+            raise StoreIncompatible(
+                f"{self.path} is sealed with an integrity key (its chain head carries a MAC); "
+                "open it with Config(integrity_key=...) set to that key")
+        if self._key is not None and not head.mac:
+            if head.lsn:
+                raise StoreIncompatible(
+                    f"{self.path} was written without an integrity key, so nothing vouches for "
+                    f"what it holds so far; check it and seal it with `engram verify {self.path} "
+                    "--seal` (the key in ENGRAM_INTEGRITY_KEY), then open it with the key")
+            txn.put(HEAD_KEY, encode_head(0, ZERO, self._key), db=meta)
+            head = decode_head(encode_head(0, ZERO, self._key))
+        if self._key is not None and not hmac.compare_digest(
+                head.mac, head_mac(self._key, head.lsn, head.digest)):
+            raise StoreTampered(
+                f"{self.path}: the MAC of the hash-chain head does not match under the "
+                "configured integrity_key: the store was edited by someone without the key, or "
+                "the key is not the one it was written with", "meta", HEAD_KEY)
+        if head.lsn != last:
+            raise StoreTampered(
+                f"{self.path}: the hash chain ends at log position {head.lsn} and the store "
+                f"says its log ends at {last}: records were cut or added outside the engine; "
+                f"run `engram verify {self.path}`", "meta", _LAST_LSN_KEY, min(head.lsn, last))
+        problems = check_chain(CheckedTxn(txn, self._names), self._dbs,
+                               max(1, last - TAIL_CHECK + 1), last, head.digest)
+        if problems:
+            lsn, what = problems[0]
+            raise StoreTampered(
+                f"{self.path}: at log position {lsn}, {what} ({len(problems)} problem(s) in the "
+                f"last {min(TAIL_CHECK, last)} positions); run `engram verify {self.path}` for "
+                "every break, and restore from a snapshot", "log", lsn_key(lsn), lsn)
+        self._head = (last, head.digest)
 
     def _check_model(self, txn: lmdb.Transaction) -> None:
         if self._model is None:
@@ -675,8 +953,10 @@ class Store:
         """
         dbs = self._dbs
         results: list[tuple[Any, Any]] = []
+        digest = self._head[1]
         try:
-            with self._env.begin(write=True) as txn:
+            with self._env.begin(write=True) as raw_txn:
+                txn = CheckedTxn(raw_txn, self._names)
                 for seg in segments:
                     if type(seg) is _Puts:
                         added = txn.cursor(dbs[b"turns"]).putmulti(seg.turns)[1]
@@ -688,14 +968,30 @@ class Store:
                                 f"store invariant broken: {len(seg.turns)} turns to write, "
                                 f"{added} new keys, {logged} of {len(seg.log)} log entries appended"
                             )
+                        # The chain, here in the writer thread: hashing stays off the loop.
+                        records = []
+                        for (key, entry), (_, value) in zip(seg.log, seg.turns):
+                            content = content_digest(key, entry, value)
+                            digest = link(digest, key, content, b"")
+                            records.append((key, digest + content))
+                        txn.cursor(dbs[b"chain"]).putmulti(records, append=True)
                     else:
+                        txn.removed = []
                         results.append((seg, self._appliers[type(seg)](txn, seg)))
+                        if seg.lsn is not None:
+                            digest = _chain_in(txn, dbs, seg.lsn, digest)
+                        elif txn.removed:
+                            raise AssertionError(f"{type(seg).__name__} took no log position and "
+                                                 f"removed log entries {txn.removed}")
                 if last_lsn is not None:
                     txn.put(_LAST_LSN_KEY, lsn_key(last_lsn), db=dbs[b"meta"])
+                    txn.put(HEAD_KEY, encode_head(last_lsn, digest, self._key), db=dbs[b"meta"])
         except lmdb.MapFullError:
             return None
         except lmdb.Error as exc:
             raise EngineBroken(f"writing to the store at {self.path} failed: {exc}") from exc
+        if last_lsn is not None:
+            self._head = (last_lsn, digest)
         return results
 
     def _forget_in(self, txn: lmdb.Transaction, op: Forget) -> list[int]:
@@ -986,7 +1282,7 @@ class Store:
     def _read_in_thread(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         try:
             with self._env.begin(buffers=False) as txn:
-                return fn(txn, self._dbs, *args)
+                return fn(CheckedTxn(txn, self._names), self._dbs, *args)
         except lmdb.Error as exc:
             raise EngineBroken(f"reading the store at {self.path} failed: {exc}") from exc
 
@@ -999,7 +1295,7 @@ class Store:
         def copy(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> int:
             # Read before copying: the copy may leave the transaction reset.
             lsn = _int(txn.get(_LAST_LSN_KEY, db=dbs[b"meta"])) or 0
-            self._env.copy(str(dest), compact=True, txn=txn)
+            self._env.copy(str(dest), compact=True, txn=txn.raw)
             return lsn
 
         dest.mkdir(parents=True)
@@ -1096,6 +1392,23 @@ def read_session_tail(
         found.append(_decode_turn(cursor.value()))
         moved = cursor.prev()
     found.reverse()
+    # Turn numbers promise no gaps: the tail must end where the session says it does and
+    # count up by one, each turn under its own key.
+    if before_seq is None:
+        raw = txn.get(prefix[:-1], db=dbs[b"sessions"])
+        end = None if raw is None else _decode_session(raw).turn_count
+    else:
+        end = before_seq
+    if end is not None and (end > 0 or found):
+        start = end - len(found)
+        if start < 0 or [t.seq for t in found] != list(range(start, end)) or (
+                len(found) < limit and start != 0) or any(
+                t.user_id != user_id or t.session_id != session_id for t in found):
+            raise StoreTampered(
+                f"session {session_id!r} of user {user_id!r} promises turns {max(start, 0)}.."
+                f"{end - 1} without gaps and the store holds seqs {[t.seq for t in found]}: "
+                "turns were removed, moved or copied in outside the engine; run `engram verify "
+                "STORE`", "turns", prefix, found[0].lsn if found else 0)
     return found
 
 
@@ -1141,6 +1454,7 @@ def read_log_range(
                 deleted.extend(_fact_entry_lsns(entry)[0])
             record = searchable_at(txn, dbs, lsn, entry)
             if record is not None:
+                _check_logged(txn, dbs, key, entry)
                 found.append(record)
     if len(found) < limit:
         last = max(last, upto)
@@ -1184,6 +1498,7 @@ def read_searchables(txn: lmdb.Transaction, dbs: dict[bytes, Any],
         entry = txn.get(lsn_key(lsn), db=log)
         record = None if entry is None else searchable_at(txn, dbs, lsn, entry)
         if record is not None:
+            _check_logged(txn, dbs, lsn_key(lsn), entry)
             found.append(record)
     return found
 
@@ -1223,27 +1538,32 @@ def read_records(
     log, turns = dbs[b"log"], dbs[b"turns"]
     out: dict[int, Memory] = {}
     for lsn in lsns:
-        entry = txn.get(lsn_key(lsn), db=log)
+        log_key = lsn_key(lsn)
+        entry = txn.get(log_key, db=log)
         if entry is None:
             continue
         kind = entry[:1]
         if kind == LOG_TURN and entry[1:].startswith(uprefix):
             raw = txn.get(entry[1:], db=turns)
             if raw is not None:
+                _check_content(txn, dbs, log_key, entry, raw)
                 out[lsn] = _decode_turn(raw)
         elif kind == LOG_NOTE and entry[9:].startswith(uprefix):
             note = _note_version(txn, dbs, entry, lsn)
             if note is not None:
+                _check_content(txn, dbs, log_key, entry, content_of(txn, dbs, entry) or b"")
                 out[lsn] = note
         elif kind == LOG_EPISODE and entry[1:].startswith(uprefix):
             raw = txn.get(entry[1:], db=dbs[b"episodes"])
             if raw is not None:
+                _check_content(txn, dbs, log_key, entry, raw)
                 out[lsn] = decode_episode(raw)
         elif kind == LOG_FACT:
             key = _fact_entry_lsns(entry)[1]
             raw = txn.get(key, db=dbs[b"facts"]) if key.startswith(uprefix) else None
             fact = None if raw is None else decode_fact(raw)
             if fact is not None and fact.status == "active":
+                _check_content(txn, dbs, log_key, entry, _fact_core(fact))
                 out[lsn] = fact
     return out
 
@@ -1326,7 +1646,12 @@ def read_user_vectors(
 
 
 def stored_model(path: Path) -> ModelInfo | None:
-    """The embedding model recorded in a store on disk (None: none recorded yet)."""
+    """The embedding model recorded in a store on disk (None: none recorded yet).
+
+    Raises:
+        StoreCorrupt: its data.mdb is shorter than LMDB's header says.
+    """
+    check_file(path)
     env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=MAX_DBS)
     try:
         with env.begin() as txn:

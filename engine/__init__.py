@@ -30,7 +30,9 @@ from .errors import (
     InvalidInput,
     ModelMismatch,
     ModelMissing,
+    StoreCorrupt,
     StoreIncompatible,
+    StoreTampered,
 )
 from actors.embedder import EmbeddingBackend, HashEmbedder, OnnxEmbedder
 from actors.session_buffer import Receipt
@@ -71,7 +73,9 @@ __all__ = [
     "SemanticItem",
     "SessionInfo",
     "Stats",
+    "StoreCorrupt",
     "StoreIncompatible",
+    "StoreTampered",
     "SummaryState",
     "Turn",
 ]

@@ -43,6 +43,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             makes an episode of its remaining turns.
         maintenance_seconds: how often maintenance runs (decay and pruning of facts,
             consolidation of finished sessions, weekly reflections), on the engine's trio clock.
+        integrity_key: a secret (16 characters or more) under which the store's hash-chain head
+            and its snapshots' manifests carry an HMAC-SHA256, so that an edit by someone
+            without the key is detected (None: the chain still catches edits that do not
+            recompute it). A store sealed with a key opens only with it.
     """
 
     window_turns: Positive = 20
@@ -63,6 +67,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     episode_keep_turns: Annotated[int, msgspec.Meta(ge=0)] = 10
     session_idle_seconds: Annotated[float, msgspec.Meta(gt=0)] = 1800.0
     maintenance_seconds: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
+    integrity_key: Annotated[str, msgspec.Meta(min_length=16)] | None = None
 
     @classmethod
     def checked(cls, config: "Config | dict | None") -> "Config":

@@ -19,7 +19,8 @@ __all__ = ["Turn", "SessionInfo", "NewTurn", "Link", "Note", "SummaryState", "Ep
 # 2: vectors stored as float16 (actors.store migrates 1 -> 2).
 # 3: episodes, facts, entities and review state (new databases: an older build must refuse).
 # 4: notes and facts that the writer left without vectors are listed for embedding.
-SCHEMA_VERSION = 4
+# 5: every value carries a CRC-32; the log a hash chain (actors.store migrates 4 -> 5).
+SCHEMA_VERSION = 5
 
 Role = Literal["user", "assistant", "system", "tool"]
 ROLES: tuple[str, ...] = ("user", "assistant", "system", "tool")

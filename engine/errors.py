@@ -8,6 +8,8 @@
 - :class:`StoreIncompatible`: the store on disk was written by something this build cannot read
   as it is (a newer schema); :class:`ModelMismatch` when its vectors come from another model.
 - :class:`ModelMissing`: the embedding model files are not where the engine looks for them.
+- :class:`StoreCorrupt`: a record or file of the store fails its checksum or is cut short;
+  :class:`StoreTampered` when the store's hash chain says it was edited outside the engine.
 
 Native exceptions (``lmdb.Error``, onnxruntime and tantivy errors) are translated into these at
 the actor edge and chained with ``from``, so callers need to catch only :class:`EngineError`.
@@ -23,6 +25,8 @@ __all__ = [
     "StoreIncompatible",
     "ModelMismatch",
     "ModelMissing",
+    "StoreCorrupt",
+    "StoreTampered",
 ]
 
 
@@ -73,3 +77,32 @@ class ModelMismatch(StoreIncompatible):
 
 class ModelMissing(EngineError):
     """The embedding model is not built or not found; the message names the command to build it."""
+
+
+class StoreCorrupt(EngineError):
+    """A record or file of the store is damaged: it fails its checksum, or the file is shorter
+    than LMDB's own header says. The engine refuses to answer from it rather than answer wrong.
+
+    Attributes:
+        database: the LMDB database (``turns``, ``log``, ...) or the file (``data.mdb``).
+        key: the record's key (bytes), or None for a whole file.
+    """
+
+    def __init__(self, message: str, database: str, key: bytes | None = None) -> None:
+        super().__init__(message)
+        self.database = database
+        self.key = key
+
+
+class StoreTampered(StoreCorrupt):
+    """The store's hash chain does not match its records: something edited, removed, reordered
+    or added records outside the engine (``engram verify STORE`` lists every break).
+
+    Attributes:
+        lsn: the log position where the chain breaks (0 when it is the head itself).
+    """
+
+    def __init__(self, message: str, database: str, key: bytes | None = None,
+                 lsn: int = 0) -> None:
+        super().__init__(message, database, key)
+        self.lsn = lsn

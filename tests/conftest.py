@@ -63,3 +63,24 @@ def raw_databases(path: Path) -> dict[str, list[tuple[bytes, bytes]]]:
         return out
     finally:
         env.close()
+
+
+def downgrade_to_schema_4(path: Path) -> None:
+    """Turn a closed store into what a schema-4 build wrote: values without their checksum, no
+    hash chain (the migration to schema 5 adds both back)."""
+    env = lmdb.open(str(path), max_dbs=32)
+    try:
+        with env.begin(write=True) as txn:
+            names = [key for key, _ in txn.cursor()]
+            for name in names:
+                db = env.open_db(name, txn=txn, create=False)
+                if name == b"chain":
+                    txn.drop(db, delete=True)
+                elif name != b"meta":
+                    for key, value in list(txn.cursor(db)):
+                        txn.put(key, value[:-4], db=db)
+            meta = env.open_db(b"meta", txn=txn)
+            txn.delete(b"chain_head", db=meta)
+            txn.put(b"schema", (4).to_bytes(8, "big"), db=meta)
+    finally:
+        env.close()

@@ -10,10 +10,11 @@ import pytest
 import trio
 
 import actors.store as store_mod
+from actors.integrity import unseal
 from engine import EngineBroken, HashEmbedder, StoreIncompatible
 from engine._records import SCHEMA_VERSION
 
-from ..conftest import open_engine, raw_databases
+from ..conftest import downgrade_to_schema_4, open_engine, raw_databases
 
 
 def _set_schema(path, version: int) -> None:
@@ -41,14 +42,14 @@ async def test_an_old_schema_is_migrated_in_order(store_path, monkeypatch) -> No
     """Opening an older store runs each migration once, then records the current version."""
     async with open_engine(store_path, config={"background_embedding": False}) as mem:
         await mem.add_turn("ana", "s1", "user", "kept through the migration")
-    _set_schema(store_path, 0)
+    _set_schema(store_path, SCHEMA_VERSION - 1)
     ran: list[int] = []
 
     def migrate(txn, dbs) -> None:
         ran.append(0)
         txn.put(b"migrated", b"yes", db=dbs[b"meta"])
 
-    monkeypatch.setitem(store_mod.MIGRATIONS, 0, migrate)
+    monkeypatch.setitem(store_mod.MIGRATIONS, SCHEMA_VERSION - 1, migrate)
     async with open_engine(store_path) as mem:
         assert [t.text for t in await mem.session_history("ana", "s1")] == ["kept through the migration"]
     async with open_engine(store_path):
@@ -59,12 +60,14 @@ async def test_an_old_schema_is_migrated_in_order(store_path, monkeypatch) -> No
 
 
 async def test_schema_1_float32_vectors_are_migrated_to_float16(store_path) -> None:
-    """A schema-1 store (float32 vectors) opens as schema 3 with the same vectors, searchable."""
+    """A schema-1 store (float32 vectors) opens as the current schema with the same vectors,
+    searchable."""
     import numpy as np
 
     async with open_engine(store_path) as mem:
         r = await mem.add_turn("ana", "s", "user", "lisbon dog walk")
         await mem.flush()
+    downgrade_to_schema_4(store_path)
     env = lmdb.open(str(store_path), max_dbs=32)
     with env.begin(write=True) as txn:
         vectors = env.open_db(b"vectors", txn=txn)
@@ -164,7 +167,8 @@ async def test_forget_logs_a_tombstone_with_the_deleted_sequence_numbers(store_p
         gone = [await mem.add_turn("ana", "s2", "user", f"goes {i}") for i in range(3)]
         await mem.forget_session("ana", "s2")
     log = dict(raw_databases(store_path)["log"])
-    tombstone = log[(kept.lsn + 4).to_bytes(8, "big")]
+    key = (kept.lsn + 4).to_bytes(8, "big")
+    tombstone = unseal(log[key], b"log", key)
     assert tombstone[:1] == store_mod.LOG_TOMBSTONE
     lsns = array("Q", tombstone[1:])
     lsns.byteswap()

@@ -1,0 +1,272 @@
+"""Record checksums, the log's hash chain and the store file's length check.
+
+Checksums. Every value the store keeps, in every database but ``meta``, ends with the CRC-32 of
+the bytes before it (4 bytes, big-endian). :class:`CheckedTxn` wraps an LMDB transaction so
+that every write seals a value and every read checks and strips the seal: the store's readers
+and writers go through it and nothing else, so no reader can see a damaged record as a value.
+A value that fails its check raises :class:`StoreCorrupt` naming the database and the key.
+
+Hash chain. Every log position ``lsn`` has a record in the ``chain`` database::
+
+    chain[lsn] = digest (16) + content digest (16) + the lsns it removed from the log (8 each)
+    content digest = blake2b-128(lsn + log entry + the record the entry names)
+    digest         = blake2b-128(previous digest + lsn + content digest + removed lsns)
+
+The writer appends it in the commit that logs ``lsn``, and keeps the chain's head, ``last lsn +
+digest`` (+ an HMAC-SHA256 of both under ``Config.integrity_key``), in ``meta``. Chain records
+are never changed or deleted, so forgetting does not break the chain: a forget deletes the log
+entries and the records, and its own chain record lists the lsns it removed; a verifier accepts
+a missing log entry only where a later chain record lists it. What stays of a forgotten record
+is its 16-byte content digest (of the record *and* its random id and time stamp), never a byte of
+it. Positions already missing when an older store was migrated carry :data:`ABSENT`.
+
+File length. A ``data.mdb`` cut short makes LMDB's map reach past the end of the file and the
+process die of SIGBUS on the first read there; :func:`check_file` compares the file's length
+with the last page its meta pages name before anything maps it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from engine.errors import StoreCorrupt
+
+__all__ = ["CheckedTxn", "seal", "unseal", "check_file", "content_digest", "link", "ABSENT",
+           "DIGEST", "ZERO", "Head", "encode_head", "decode_head", "head_mac", "HEAD_KEY"]
+
+SEAL = 4  # bytes of CRC-32 at the end of every sealed value
+DIGEST = 16  # blake2b digest size: 128 bits, ample against accidental and forged collisions
+ZERO = bytes(DIGEST)  # the digest before lsn 1
+ABSENT = b"\xff" * DIGEST  # content digest of a position already missing when the chain began
+HEAD_KEY = b"chain_head"  # meta key: last lsn (8) + its digest (16) + MAC (32, if keyed)
+_MAC_LABEL = b"engram chain head\x00"
+_UNSEALED = frozenset({b"meta"})  # small integers and the model id, read raw by offline tools
+
+_LMDB_MAGIC = 0xBEEFC0DE
+_META_OFFSET = 16  # the page header before MDB_meta
+_LAST_PAGE_OFFSET = 136  # mm_last_pg within a meta page (64-bit build): header 16 + 120
+
+
+def seal(value: bytes) -> bytes:
+    """``value`` with its CRC-32 appended."""
+    return value + zlib.crc32(value).to_bytes(SEAL, "big")
+
+
+def unseal(raw: bytes, database: bytes, key: bytes) -> bytes:
+    """The value inside a sealed record.
+
+    Raises:
+        StoreCorrupt: the record fails its checksum.
+    """
+    body = raw[:-SEAL]
+    if len(raw) < SEAL or zlib.crc32(body) != int.from_bytes(raw[-SEAL:], "big"):
+        raise StoreCorrupt(
+            f"the store record {key!r} in database {database.decode()!r} fails its checksum "
+            f"(expected a CRC-32 of its {max(len(raw) - SEAL, 0)} bytes, found another); the "
+            "store was damaged on disk or edited: run `engram verify STORE` to see every "
+            "damaged record, and restore from a snapshot", database.decode(), bytes(key))
+    return body
+
+
+class CheckedTxn:
+    """An LMDB transaction whose values are sealed on write and checked on read.
+
+    Deleting from the ``log`` database records the lsn in :attr:`removed`, so the writer can
+    list in the chain what each op took out of the log.
+    """
+
+    __slots__ = ("raw", "_names", "removed")
+
+    def __init__(self, txn: Any, names: dict[Any, bytes]) -> None:
+        self.raw = txn
+        self._names = names  # database handle -> name
+        self.removed: list[int] = []
+
+    def get(self, key: bytes, default: Any = None, db: Any = None) -> Any:
+        raw = self.raw.get(key, db=db)
+        if raw is None:
+            return default
+        name = self._names[db]
+        return raw if name in _UNSEALED else unseal(raw, name, key)
+
+    def put(self, key: bytes, value: bytes, db: Any = None, **kwargs: Any) -> bool:
+        if self._names[db] not in _UNSEALED:
+            value = seal(value)
+        return self.raw.put(key, value, db=db, **kwargs)
+
+    def delete(self, key: bytes, value: bytes = b"", db: Any = None) -> bool:
+        gone = self.raw.delete(key, value, db=db)
+        if gone and self._names[db] == b"log":
+            self.removed.append(int.from_bytes(key, "big"))
+        return gone
+
+    def cursor(self, db: Any = None) -> CheckedCursor:
+        return CheckedCursor(self.raw.cursor(db), self._names[db])
+
+    def stat(self, db: Any) -> dict[str, int]:
+        return self.raw.stat(db)
+
+    def drop(self, db: Any, delete: bool = True) -> None:
+        self.raw.drop(db, delete=delete)
+
+
+class CheckedCursor:
+    """An LMDB cursor whose values are checked on read and sealed on write (see CheckedTxn).
+    Cursor deletes never touch the log, so they need no bookkeeping."""
+
+    __slots__ = ("_cursor", "_name", "_sealed")
+
+    def __init__(self, cursor: Any, name: bytes) -> None:
+        self._cursor = cursor
+        self._name = name
+        self._sealed = name not in _UNSEALED
+
+    def key(self) -> bytes:
+        return self._cursor.key()
+
+    def value(self) -> bytes:
+        raw = self._cursor.value()
+        return unseal(raw, self._name, self._cursor.key()) if self._sealed else raw
+
+    def set_range(self, key: bytes) -> bool:
+        return self._cursor.set_range(key)
+
+    def set_key(self, key: bytes) -> bool:
+        return self._cursor.set_key(key)
+
+    def first(self) -> bool:
+        return self._cursor.first()
+
+    def last(self) -> bool:
+        return self._cursor.last()
+
+    def next(self) -> bool:
+        return self._cursor.next()
+
+    def prev(self) -> bool:
+        return self._cursor.prev()
+
+    def delete(self) -> bool:
+        return self._cursor.delete()
+
+    def put(self, key: bytes, value: bytes, **kwargs: Any) -> bool:
+        return self._cursor.put(key, seal(value) if self._sealed else value, **kwargs)
+
+    def putmulti(self, items: list[tuple[bytes, bytes]], **kwargs: Any) -> tuple[int, int]:
+        if self._sealed:
+            items = [(k, seal(v)) for k, v in items]
+        return self._cursor.putmulti(items, **kwargs)
+
+    def iternext(self, keys: bool = True, values: bool = True) -> Iterator[Any]:
+        if not values or not self._sealed:
+            yield from self._cursor.iternext(keys=keys, values=values)
+            return
+        name = self._name
+        for key, raw in self._cursor.iternext(keys=True, values=True):
+            value = unseal(raw, name, key)
+            yield (key, value) if keys else value
+
+    def __iter__(self) -> Iterator[tuple[bytes, bytes]]:
+        return self.iternext(keys=True, values=True)
+
+
+def content_digest(lsn: bytes, entry: bytes, content: bytes) -> bytes:
+    """The digest of one log position's entry and the record it names."""
+    h = hashlib.blake2b(lsn, digest_size=DIGEST)
+    h.update(entry)
+    h.update(content)
+    return h.digest()
+
+
+def link(previous: bytes, lsn: bytes, content: bytes, removed: bytes) -> bytes:
+    """The chain digest at ``lsn``: it covers the previous one, so no record can be changed,
+    dropped, moved or added without changing every digest after it."""
+    return hashlib.blake2b(previous + lsn + content + removed, digest_size=DIGEST).digest()
+
+
+class Head(tuple):
+    """The chain's head as stored: (lsn, digest, mac); mac is b"" in a store without a key."""
+
+    __slots__ = ()
+
+    @property
+    def lsn(self) -> int:
+        return self[0]
+
+    @property
+    def digest(self) -> bytes:
+        return self[1]
+
+    @property
+    def mac(self) -> bytes:
+        return self[2]
+
+
+def head_mac(key: bytes, lsn: int, digest: bytes) -> bytes:
+    """HMAC-SHA256 of the head under the integrity key."""
+    return hmac.new(key, _MAC_LABEL + lsn.to_bytes(8, "big") + digest, hashlib.sha256).digest()
+
+
+def encode_head(lsn: int, digest: bytes, key: bytes | None) -> bytes:
+    mac = head_mac(key, lsn, digest) if key else b""
+    return lsn.to_bytes(8, "big") + digest + mac
+
+
+def decode_head(raw: bytes) -> Head | None:
+    """The head, or None if ``raw`` has not the shape of one."""
+    if len(raw) not in (8 + DIGEST, 8 + DIGEST + 32):
+        return None
+    return Head((int.from_bytes(raw[:8], "big"), raw[8:8 + DIGEST], raw[8 + DIGEST:]))
+
+
+def check_file(path: Path) -> None:
+    """Refuse a ``data.mdb`` shorter than its own meta pages say, before LMDB maps it.
+
+    LMDB keeps two meta pages and uses the one with the higher transaction id; its
+    ``mm_last_pg`` is the last page the store uses, so the file needs ``(last + 1) * page``
+    bytes. Reading past the end of a mapped file is SIGBUS, not an error, so this is checked
+    with plain reads first.
+
+    Raises:
+        StoreCorrupt: the file is shorter than that, or its meta pages are not LMDB's.
+    """
+    data = path / "data.mdb"
+    if not data.exists():
+        return
+    size = data.stat().st_size
+    with data.open("rb") as f:
+        first = f.read(4096)
+        if len(first) < _LAST_PAGE_OFFSET + 16:
+            needed = None
+        else:
+            page = struct.unpack_from("<I", first, _META_OFFSET + 24)[0]
+            f.seek(page)
+            second = f.read(_LAST_PAGE_OFFSET + 16)
+            best = None
+            for meta in (first, second):
+                if len(meta) < _LAST_PAGE_OFFSET + 16:
+                    continue
+                magic = struct.unpack_from("<I", meta, _META_OFFSET)[0]
+                last, txnid = struct.unpack_from("<QQ", meta, _LAST_PAGE_OFFSET)
+                if magic == _LMDB_MAGIC and (best is None or txnid > best[1]):
+                    best = (last, txnid)
+            needed = None if best is None or page < 512 else (best[0] + 1) * page
+    if size == 0:
+        return  # a file LMDB created and never wrote: it will initialise it
+    if needed is None:
+        raise StoreCorrupt(
+            f"{data} is not an LMDB file (expected two meta pages with LMDB's magic number at "
+            f"the start, found {size} bytes without them); restore the store from a snapshot",
+            "data.mdb")
+    if size < needed:
+        raise StoreCorrupt(
+            f"{data} is cut short: its meta page says the store uses {needed:,} bytes, the file "
+            f"has {size:,}; the end of the store is lost (a copy that stopped early, or a full "
+            "disk). Restore it from a snapshot; opening it would crash the process (SIGBUS)",
+            "data.mdb")
