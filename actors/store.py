@@ -1405,8 +1405,9 @@ def read_session_tail(
                 len(found) < limit and start != 0) or any(
                 t.user_id != user_id or t.session_id != session_id for t in found):
             raise StoreTampered(
-                f"session {session_id!r} of user {user_id!r} promises turns {max(start, 0)}.."
-                f"{end - 1} without gaps and the store holds seqs {[t.seq for t in found]}: "
+                f"session {session_id!r} of user {user_id!r} promises turns numbered up to "
+                f"{end - 1} without gaps, and its latest turns in the store are seqs "
+                f"{[t.seq for t in found]}: "
                 "turns were removed, moved or copied in outside the engine; run `engram verify "
                 "STORE`", "turns", prefix, found[0].lsn if found else 0)
     return found

@@ -1,13 +1,17 @@
 """The ``engram`` command (also ``python -m engine``).
 
-Exit codes: 0 done; 1 the engine refused or failed (the message says why and what to do);
-2 the command line was wrong; 130 interrupted.
+Exit codes: 0 done; 1 the engine refused or failed (the message says why and what to do), or
+``verify`` found the store broken; 2 the command line was wrong; 130 interrupted.
+
+A store sealed with an integrity key is opened with the key in the environment variable
+ENGRAM_INTEGRITY_KEY (never on the command line, where other users see it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import runpy
 import shutil
 import sys
@@ -26,6 +30,11 @@ from .errors import EngineError, InvalidInput
 MODELS = ("minilm-l6-v2", "minilm-l6-v2-q8")
 BENCHES = ("ingest", "embed", "recall", "snapshot", "crash")
 REPO = Path(__file__).resolve().parent.parent
+KEY_ENV = "ENGRAM_INTEGRITY_KEY"  # where commands take a store's integrity key from
+
+
+def _key() -> str | None:
+    return os.environ.get(KEY_ENV) or None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,6 +68,11 @@ def _parser() -> argparse.ArgumentParser:
     reindex.add_argument("store")
     reindex.add_argument("--model", choices=MODELS, default=MODELS[0],
                          help="the model to embed with (default: %(default)s)")
+    verify = command("verify", "check every record, the hash chain and the sessions of a store; "
+                               f"exit 1 where it breaks (the MAC too, with {KEY_ENV} set)")
+    verify.add_argument("store")
+    verify.add_argument("--seal", action="store_true",
+                        help=f"if it verifies, MAC its head with {KEY_ENV} (closed store)")
     bench = command("bench", "run a benchmark from bench/ (its own options follow)", False)
     bench.add_argument("name", choices=BENCHES)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
@@ -88,7 +102,8 @@ def _open(store: str, **kwargs: Any):
     from actors.store import stored_model
 
     model = stored_model(path)
-    config: dict[str, Any] = {"background_embedding": False, "long_term": False}
+    config: dict[str, Any] = {"background_embedding": False, "long_term": False,
+                              "integrity_key": _key()}
     embedder = None
     names = {model_id: name for name, (_, model_id) in BUILT.items()}
     if model is None or model.id in names:
@@ -134,7 +149,7 @@ async def _snapshot(store: str, dest: str) -> dict[str, Any]:
 
 async def _restore(snapshot: str, store: str, overwrite: bool) -> dict[str, Any]:
     manifest = await Engine.restore(snapshot, store, overwrite=overwrite,
-                                    progress=_progress("restoring"))
+                                    progress=_progress("restoring"), integrity_key=_key())
     start = time.perf_counter()
     async with _open(store) as mem:
         ready = time.perf_counter() - start
@@ -150,7 +165,8 @@ async def _reindex(store: str, model: str, progress: Callable[..., None] = print
     if not (path / "data.mdb").exists():
         raise InvalidInput("store", f"expected an Engram store, found no data.mdb in {path}")
     await trio.to_thread.run_sync(shutil.rmtree, path / "fulltext", True)
-    async with Engine.open(store, config=Config(model=model), reembed=True) as mem:
+    async with Engine.open(store, config=Config(model=model, integrity_key=_key()),
+                           reembed=True) as mem:
         show = _progress("re-embedding")
 
         async def report() -> None:
@@ -225,6 +241,15 @@ def main(argv: list[str] | None = None) -> int:
                                   (lambda *a: None) if args.json else print)
             case "bench":
                 _bench(args.name, args.args)
+                return 0
+            case "verify":
+                result = trio.run(lambda: Engine.verify(args.store, integrity_key=_key(),
+                                                        seal=args.seal))
+                _print(result, args.json)
+                if not result["ok"]:
+                    print(f"engram verify: {args.store} is broken: {result['problem_count']} "
+                          "problem(s); restore it from a snapshot", file=sys.stderr)
+                    return 1
                 return 0
         _print(result, args.json)
     except EngineError as exc:

@@ -65,7 +65,8 @@ from ._retrieval import (
 )
 from ._snapshot import Manifest, compact, restore, take_snapshot
 from ._tools import call_tool
-from .errors import EngineBroken, EngineClosed, InvalidInput
+from ._verify import verify_store
+from .errors import EngineBroken, EngineClosed, InvalidInput, StoreCorrupt, StoreTampered
 
 __all__ = ["Engine", "Stats", "EntityInfo"]
 
@@ -170,6 +171,9 @@ class Engine:
             StoreIncompatible: the store was written by a newer schema.
             ModelMismatch: the store's vectors come from another model (and not ``reembed``).
             ModelMissing: the model files are not built.
+            StoreCorrupt: a record fails its checksum, or data.mdb is cut short.
+            StoreTampered: the hash chain's tail or head (its MAC, with ``integrity_key``) does
+                not match the store: it was edited outside the engine.
             EngineBroken: an actor failed while the engine ran (``__cause__`` has the group).
         """
         if not isinstance(path, (str, os.PathLike)):
@@ -982,7 +986,8 @@ class Engine:
     @staticmethod
     async def restore(snapshot_dir: str | os.PathLike[str], store_path: str | os.PathLike[str],
                       *, overwrite: bool = False,
-                      progress: Callable[[int, int], None] | None = None) -> Manifest:
+                      progress: Callable[[int, int], None] | None = None,
+                      integrity_key: str | None = None) -> Manifest:
         """Verify a snapshot and install it as the store at ``store_path``; then open it with
         ``Engine.open(store_path)``.
 
@@ -991,12 +996,40 @@ class Engine:
             store_path: where the store goes: a new or empty directory unless ``overwrite``.
             overwrite: replace a store already there.
             progress: called with (bytes copied, bytes in all) as files are installed.
+            integrity_key: the key the snapshot's store was sealed with: its manifest's MAC
+                must match under it. Either way the snapshot's store is verified whole
+                (checksums, hash chain, sessions) before it is installed.
 
         Raises:
             InvalidInput: no snapshot there, or ``store_path`` holds files and not ``overwrite``.
             StoreIncompatible: the snapshot is damaged (a checksum differs) or too new.
+            StoreTampered: its manifest's MAC fails under the key (or it has none), or its
+                store does not verify.
         """
-        return await restore(Path(snapshot_dir), Path(store_path), overwrite, progress)
+        return await restore(Path(snapshot_dir), Path(store_path), overwrite, progress,
+                             integrity_key)
+
+    @staticmethod
+    async def verify(store_path: str | os.PathLike[str], *, integrity_key: str | None = None,
+                     seal: bool = False) -> dict[str, Any]:
+        """Check a whole store: every record's checksum, the hash chain from the first log
+        position to the head (and the head's MAC, with the key), that every removed record
+        is covered by a logged removal, and that every session's turns run without gaps. It
+        reads one consistent state, so it may run beside a serving engine (not with ``seal``).
+
+        Args:
+            store_path: the store directory.
+            integrity_key: the key the store is sealed with (without it the MAC is unchecked).
+            seal: if the store verifies and is not sealed yet, MAC its head with the key (the
+                store must be closed); from then on it opens only with that key.
+
+        Returns:
+            A report: ``ok``, ``problems`` (``where`` and ``what`` of each break), counts.
+
+        Raises:
+            InvalidInput: no store there, or ``seal`` without a key.
+        """
+        return await trio.to_thread.run_sync(verify_store, Path(store_path), integrity_key, seal)
 
     @staticmethod
     async def compact(store_path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -1125,6 +1158,16 @@ def _translate(group: BaseExceptionGroup, body_error: BaseException | None) -> B
         return body_error
     if all(not isinstance(e, Exception) for e in leaves):
         return group  # KeyboardInterrupt and the like pass through untouched
+    damage = [e for e in leaves if isinstance(e, StoreCorrupt)]
+    if damage:
+        # A part found the store damaged; the other failures are its fallout (the store
+        # closing under them). Say that, naming the first place; the group is the cause.
+        first = damage[0]
+        damaged = (StoreTampered(str(first), first.database, first.key, first.lsn)
+                   if isinstance(first, StoreTampered)
+                   else StoreCorrupt(str(first), first.database, first.key))
+        damaged.__cause__ = group
+        return damaged
     broken = EngineBroken(f"the engine failed: {'; '.join(repr(e) for e in leaves)}")
     broken.__cause__ = group
     return broken

@@ -15,6 +15,7 @@ LMDB copy.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import mmap
 import os
@@ -29,10 +30,12 @@ import msgspec
 import trio
 
 from actors.fulltext import build_index
+from actors.integrity import HEAD_KEY, check_file
 from actors.store import DB_NAMES, MAX_DBS
 
 from ._records import SCHEMA_VERSION
-from .errors import EngineClosed, InvalidInput, StoreIncompatible
+from ._verify import verify_store
+from .errors import EngineClosed, InvalidInput, StoreIncompatible, StoreTampered
 
 __all__ = ["Manifest", "take_snapshot", "restore", "compact", "MANIFEST_FORMAT"]
 
@@ -55,6 +58,9 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
         files: relative path -> [size, checksum] (see ``_checksums``).
         created_at: when it was taken.
         seconds: how long it took.
+        chain_head: the store copy's hash-chain head (last lsn + digest, hex).
+        mac: HMAC-SHA256 (hex) of the manifest without this field, under the engine's
+            integrity key ("" without one): a manifest edited to match edited files fails it.
     """
 
     format: int
@@ -70,6 +76,8 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     files: dict[str, tuple[int, str]]
     created_at: datetime
     seconds: float
+    chain_head: str = ""
+    mac: str = ""
 
 
 def _chunk_digest(path: Path, offset: int) -> str:
@@ -125,6 +133,12 @@ async def _checksums(root: Path, sync: bool = False) -> dict[str, tuple[int, str
     return dict(sorted(out.items()))
 
 
+def manifest_mac(manifest: Manifest, key: str) -> str:
+    """The MAC of everything the manifest says but its MAC."""
+    body = msgspec.json.encode(msgspec.structs.replace(manifest, mac=""))
+    return hmac.new(key.encode(), body, hashlib.sha256).hexdigest()
+
+
 def _users(env: lmdb.Environment, txn: lmdb.Transaction) -> set[bytes]:
     """Every user with a session or a note (the first key component of either)."""
     users: set[bytes] = set()
@@ -141,8 +155,10 @@ def _counts(store_dir: Path) -> dict[str, int]:
             stat = {n: txn.stat(env.open_db(n, txn=txn, create=False))["entries"]
                     for n in DB_NAMES}
             users = len(_users(env, txn))
-            raw = txn.get(b"embedded_lsn", db=env.open_db(b"meta", txn=txn, create=False))
-        return {"users": users, "sessions": stat[b"sessions"], "turns": stat[b"turns"],
+            meta = env.open_db(b"meta", txn=txn, create=False)
+            raw = txn.get(b"embedded_lsn", db=meta)
+            head = txn.get(HEAD_KEY, db=meta) or b""
+        return {"chain_head": head[:24].hex(), "users": users, "sessions": stat[b"sessions"], "turns": stat[b"turns"],
                 "notes": stat[b"notes"], "vectors": stat[b"vectors"],
                 "links": stat[b"links"] // 2,
                 "embedded_lsn": int.from_bytes(raw, "big") if raw else 0}
@@ -172,13 +188,18 @@ async def take_snapshot(engine: Any, dest: Path) -> Manifest:
                 build_index, partial / "store", partial / "fulltext")
         counts = await trio.to_thread.run_sync(_counts, partial / "store")
         embedded_lsn = counts.pop("embedded_lsn")
+        chain_head = counts.pop("chain_head")
         files = await _checksums(partial, sync=True)  # durable before it is called done
         manifest = Manifest(
             format=MANIFEST_FORMAT, engine_version=__version__, schema_version=SCHEMA_VERSION,
             model=engine._embedder.model.id, dim=engine._embedder.model.dim, lsn=lsn,
             fulltext_lsn=fulltext_lsn, fulltext="copied" if copied else "rebuilt",
             embedded_lsn=embedded_lsn, counts=counts, files=files,
-            created_at=datetime.now(timezone.utc), seconds=trio.current_time() - started)
+            created_at=datetime.now(timezone.utc), seconds=trio.current_time() - started,
+            chain_head=chain_head)
+        key = engine._config.integrity_key
+        if key is not None:
+            manifest = msgspec.structs.replace(manifest, mac=manifest_mac(manifest, key))
         (partial / "manifest.json").write_bytes(msgspec.json.format(msgspec.json.encode(manifest)))
         await trio.to_thread.run_sync(_fsync, partial / "manifest.json")
         if dest.exists():
@@ -209,9 +230,16 @@ def read_manifest(snapshot: Path) -> Manifest:
 
 
 async def restore(snapshot: Path, store: Path, overwrite: bool = False,
-                  progress: Callable[[int, int], None] | None = None) -> Manifest:
+                  progress: Callable[[int, int], None] | None = None,
+                  integrity_key: str | None = None) -> Manifest:
     """See ``Engine.restore``."""
     manifest = read_manifest(snapshot)
+    if integrity_key is not None and not hmac.compare_digest(
+            manifest.mac, manifest_mac(manifest, integrity_key)):
+        raise StoreTampered(
+            f"{snapshot}/manifest.json {'carries no MAC' if not manifest.mac else 'fails its MAC'}"
+            " under the given integrity key: it was not written by an engine holding that key, "
+            "or was edited since; take the snapshot again", "manifest.json")
     if store.exists() and (not store.is_dir() or any(store.iterdir())) and not overwrite:
         raise InvalidInput("store_path", f"expected a new or empty directory, found {store} "
                                          "with files in it; pass overwrite=True to replace it")
@@ -222,6 +250,16 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
         raise StoreIncompatible(
             f"{snapshot} is damaged: {name} does not match the manifest (size and sha256 of "
             f"{len(manifest.files)} files are recorded); take the snapshot again")
+    report = await trio.to_thread.run_sync(verify_store, snapshot / "store", integrity_key)
+    copied_head = await trio.to_thread.run_sync(_counts, snapshot / "store")
+    if not report["ok"] or (manifest.chain_head and
+                            copied_head["chain_head"] != manifest.chain_head):
+        first = report["problems"][0] if report["problems"] else {
+            "where": "meta chain_head", "what": "differs from the manifest's"}
+        raise StoreTampered(
+            f"{snapshot} does not verify: {first['where']}: {first['what']} "
+            f"({max(report['problem_count'], 1)} problem(s)); it was edited after it was taken",
+            "manifest.json")
     incoming = store.with_name(store.name + ".restoring")
     if incoming.exists():
         await trio.to_thread.run_sync(shutil.rmtree, incoming)
@@ -271,6 +309,7 @@ def compact(store: Path, progress: Callable[[int, int], None] | None = None) -> 
 
     if not (store / "data.mdb").exists():
         raise InvalidInput("store", f"expected an Engram store, found no data.mdb in {store}")
+    check_file(store)
     lock_path = store / "fulltext" / ".tantivy-writer.lock"
     if lock_path.exists():
         with open(lock_path, "a+b") as lock:
