@@ -17,7 +17,7 @@ from actors.integrity import seal, unseal
 from engine import Engine, StoreCorrupt, StoreIncompatible, StoreTampered, Turn
 from engine.__main__ import main
 
-from ..conftest import StepClock, downgrade_to_schema_3, open_engine
+from ..conftest import StepClock, downgrade_to_schema_4, open_engine
 
 KEY = "k" * 32
 FILLER = 70  # turns logged after ana's: her records lie outside the tail that open checks
@@ -338,9 +338,9 @@ def test_a_snapshot_manifest_edited_without_the_key_is_refused(tmp_path) -> None
     assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
 
 
-def test_a_schema_3_store_is_migrated_to_checksums_and_a_chain(store) -> None:
+def test_a_schema_4_store_is_migrated_to_checksums_and_a_chain(store) -> None:
     """A store written before checksums opens, verifies, and answers as before."""
-    downgrade_to_schema_3(store)
+    downgrade_to_schema_4(store)
 
     async def reopen() -> list[str]:
         async with open_engine(store, config={"long_term": False}) as mem:

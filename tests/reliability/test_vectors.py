@@ -10,7 +10,7 @@ import lmdb
 
 from engine import Engine
 
-from ..conftest import raw_databases
+from ..conftest import downgrade_to_schema_4, raw_databases
 
 USER = "ana"
 DISTRACTORS = ["train leaves at nine tomorrow", "we repainted our kitchen blue",
@@ -56,7 +56,9 @@ async def test_notes_and_facts_are_found_by_a_paraphrase_sharing_no_word(tmp_pat
 
 def _unembed_notes_and_facts(path: Path) -> int:
     """Make the store look as the code before the fix left it: notes and facts without
-    vectors, the embedding watermark past them, and the schema of that code (3)."""
+    vectors, the embedding watermark past them, and the schema of that code (3): its values
+    bare of the checksums schema 5 added."""
+    downgrade_to_schema_4(path)
     env = lmdb.open(str(path), max_dbs=32)
     dropped = 0
     with env.begin(write=True) as txn:
