@@ -63,13 +63,42 @@ MAX_TOKENS = 256  # the model's training length (sentence-transformers max_seq_l
 # it (p99 4.3 ms) and the model still gets the core whenever the hot path is idle.
 MODEL_NICE = 19
 
-MODEL_DIR = Path(__file__).resolve().parent.parent / "native_models" / "all-MiniLM-L6-v2"
-# Config.model name -> (file in MODEL_DIR, model id recorded in the store).
+# A checkout builds into native_models/ beside the packages (python native_models/build.py);
+# an installed package has no writable home of its own, so `engram-trio model build` writes to
+# the per-user data directory, or wherever MODEL_ENV points.
+CHECKOUT_MODEL_DIR = Path(__file__).resolve().parent.parent / "native_models" / "all-MiniLM-L6-v2"
+MODEL_ENV = "ENGRAM_MODEL_DIR"
+# Config.model name -> (file in the model directory, model id recorded in the store).
 MODELS = {
     "minilm-l6-v2": ("model.onnx", "sentence-transformers/all-MiniLM-L6-v2"),
     "minilm-l6-v2-q8": ("model.q8.onnx", "sentence-transformers/all-MiniLM-L6-v2@q8-block16"),
 }
-BUILD_COMMAND = "python native_models/build.py"
+BUILD_COMMAND = "engram-trio model build"
+
+
+def user_model_dir() -> Path:
+    """The per-user data directory's model folder (``~/.local/share/engram-trio/...`` on
+    Linux)."""
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("engram-trio")) / "models" / "all-MiniLM-L6-v2"
+
+
+def build_target() -> Path:
+    """Where ``engram-trio model build`` writes by default: ``$ENGRAM_MODEL_DIR`` if set, else
+    the per-user data directory."""
+    env = os.environ.get(MODEL_ENV)
+    return Path(env).expanduser() if env else user_model_dir()
+
+
+def default_model_dir() -> Path:
+    """Where the engine looks when ``Config.model_dir`` is not set: ``$ENGRAM_MODEL_DIR`` if set;
+    else a checkout's native_models/ if it holds a model; else the per-user data directory."""
+    if os.environ.get(MODEL_ENV):
+        return build_target()
+    if (CHECKOUT_MODEL_DIR / "tokenizer.json").exists():
+        return CHECKOUT_MODEL_DIR
+    return user_model_dir()
 
 
 
@@ -90,7 +119,7 @@ class OnnxEmbedder:
 
     Args:
         model: a key of :data:`MODELS`.
-        model_dir: where the built files are (default: native_models/all-MiniLM-L6-v2).
+        model_dir: where the built files are (default: :func:`default_model_dir`).
         threads: onnxruntime intra-op threads (keep below the core count: the loop needs one).
     """
 
@@ -99,7 +128,11 @@ class OnnxEmbedder:
     def __init__(self, model: str = "minilm-l6-v2", model_dir: str | Path | None = None,
                  threads: int = 1) -> None:
         self.file, self.model_id = MODELS[model]
-        self.model_dir = Path(model_dir) if model_dir else MODEL_DIR
+        self.model_dir = Path(model_dir) if model_dir else default_model_dir()
+        # The one command that puts the model where this embedder looks.
+        self.build_command = (BUILD_COMMAND if model_dir is None
+                              or self.model_dir.resolve() == build_target().resolve()
+                              else f"{BUILD_COMMAND} --dir {self.model_dir}")
         self.threads = threads
         self._session = None
         self._tokenizer = None
@@ -112,7 +145,7 @@ class OnnxEmbedder:
         for needed in (path, tokenizer):
             if not needed.exists():
                 raise ModelMissing(f"expected the embedding model at {needed}, found nothing; "
-                                   f"build it with `{BUILD_COMMAND}` (from the repository root)")
+                                   f"build it with `{self.build_command}`")
         options = ort.SessionOptions()
         options.intra_op_num_threads = self.threads
         options.inter_op_num_threads = 1
@@ -123,7 +156,7 @@ class OnnxEmbedder:
                                                  providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidProtobuf types
             raise ModelMissing(f"cannot load {path}: {exc}; rebuild it with "
-                               f"`{BUILD_COMMAND} --force`") from exc
+                               f"`{self.build_command} --force`") from exc
         tok = Tokenizer.from_file(str(tokenizer))
         tok.enable_truncation(MAX_TOKENS)
         tok.enable_padding(pad_id=0, pad_token="[PAD]")  # no length: pad to the batch's longest

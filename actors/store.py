@@ -761,7 +761,7 @@ class Store:
             raise ModelMismatch(
                 f"{self.path} holds vectors from {stored.id} (dimension {stored.dim}) and this "
                 f"engine runs {self._model.id} (dimension {self._model.dim}); re-embed the store "
-                f"with `engram reindex {self.path} --model <name>` (or "
+                f"with `engram-trio reindex {self.path} --model <name>` (or "
                 "Engine.open(..., reembed=True)), or open it with the model it was built with",
                 stored.id, self._model.id,
             )

@@ -1,4 +1,4 @@
-"""The ``engram`` command (also ``python -m engine``).
+"""The ``engram-trio`` command (also ``python -m engine``).
 
 Exit codes: 0 done; 1 the engine refused or failed (the message says why and what to do), or
 ``verify`` found the store broken; 2 the command line was wrong; 130 interrupted.
@@ -14,6 +14,7 @@ import json
 import os
 import runpy
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -35,10 +36,14 @@ KEY_ENV = "ENGRAM_INTEGRITY_KEY"  # where commands take a store's integrity key 
 
 def _key() -> str | None:
     return os.environ.get(KEY_ENV) or None
+PROG = "engram-trio"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="engram", description="Engram memory engine")
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog=PROG, description="Engram memory engine")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, help: str, json_out: bool = True) -> argparse.ArgumentParser:
@@ -73,6 +78,24 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("store")
     verify.add_argument("--seal", action="store_true",
                         help=f"if it verifies, MAC its head with {KEY_ENV} (closed store)")
+    serve = command("serve", "serve the HTTP API (FastAPI on Hypercorn's trio worker)", False)
+    serve.add_argument("store")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default: %(default)s; without --api-keys "
+                            "always 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8080, help="(default: %(default)s)")
+    serve.add_argument("--api-keys", metavar="FILE",
+                       help="one '<key> <user_id>[,...]' or '<key> *' a line; sha256:<hex> "
+                            "may stand for a key")
+    mcp = command("mcp", "serve the agent tools over MCP on stdin/stdout", False)
+    mcp.add_argument("store")
+    mcp.add_argument("--user", help="act for this user only (tools then take no user_id)")
+    model = command("model", "build the embedding model where the engine looks for it", False)
+    model.add_argument("action", choices=["build"])
+    model.add_argument("--dir", type=Path, default=None,
+                       help="where to write (default: $ENGRAM_MODEL_DIR, else the per-user "
+                            "data directory)")
+    model.add_argument("--force", action="store_true", help="rebuild even if verified")
     bench = command("bench", "run a benchmark from bench/ (its own options follow)", False)
     bench.add_argument("name", choices=BENCHES)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
@@ -112,7 +135,7 @@ def _open(store: str, **kwargs: Any):
         embedder = HashEmbedder(dim=model.dim)
     else:
         raise InvalidInput("store", f"expected vectors from a model this build has, found "
-                                    f"{model.id}; re-embed with `engram reindex {path}`")
+                                    f"{model.id}; re-embed with `engram-trio reindex {path}`")
     return Engine.open(path, config=config, embedder=embedder, **kwargs)
 
 
@@ -247,13 +270,30 @@ def main(argv: list[str] | None = None) -> int:
                                                         seal=args.seal))
                 _print(result, args.json)
                 if not result["ok"]:
-                    print(f"engram verify: {args.store} is broken: {result['problem_count']} "
+                    print(f"{PROG} verify: {args.store} is broken: {result['problem_count']} "
                           "problem(s); restore it from a snapshot", file=sys.stderr)
                     return 1
                 return 0
+            case "serve":
+                from ._server import serve
+
+                signum = trio.run(lambda: serve(args.store, host=args.host, port=args.port,
+                                                api_keys=args.api_keys))
+                return 130 if signum == signal.SIGINT else 0
+            case "mcp":
+                from ._mcp import run_stdio
+
+                trio.run(run_stdio, args.store, args.user)
+                return 0
+            case "model":
+                from actors.embedder import build_target
+                from native_models.build import build
+
+                build(args.force, args.dir or build_target())
+                return 0
         _print(result, args.json)
     except EngineError as exc:
-        print(f"engram {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"{PROG} {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

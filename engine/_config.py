@@ -28,7 +28,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         initial_map_bytes: the LMDB map size a new store starts with; it doubles when full.
         model: the embedding model: ``minilm-l6-v2`` (fp32, the default) or ``minilm-l6-v2-q8``
             (weight-only 8-bit: faster, cosine >= 0.998 to fp32). A store keeps one model.
-        model_dir: where the built model is (default: native_models/all-MiniLM-L6-v2).
+        model_dir: where the built model is (default: ``$ENGRAM_MODEL_DIR``, else a checkout's
+            native_models/all-MiniLM-L6-v2, else the per-user data directory that
+            ``engram-trio model build`` writes to).
         embed_threads: onnxruntime intra-op threads. 1 leaves the other core to the loop.
         query_cache: query embeddings kept in an LRU cache.
         background_embedding: embed what the store commits as it comes (off: a bulk import

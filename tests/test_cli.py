@@ -55,7 +55,7 @@ def test_snapshot_restore_round_trip_and_refusals(store, tmp_path, capsys) -> No
     assert _json(capsys)["turns"] == 3
     assert main(["restore", str(tmp_path / "snap"), str(tmp_path / "restored")]) == 1
     err = capsys.readouterr().err
-    assert "engram restore: InvalidInput: store_path: expected a new or empty directory" in err
+    assert "engram-trio restore: InvalidInput: store_path: expected a new or empty directory" in err
     assert "overwrite=True" in err
     assert main(["restore", str(tmp_path / "snap"), str(tmp_path / "restored"), "--overwrite"]) == 0
 

@@ -204,7 +204,7 @@ async def test_a_store_from_another_model_is_refused_until_reembedded(tmp_path) 
     async with open_engine(path, embedder=HashEmbedder(model_id="model-a")) as mem:
         await mem.add_turn("ana", "s", "user", "hello")
         await mem.flush()
-    with pytest.raises(ModelMismatch, match=r"vectors from model-a .* engine runs model-b .*`engram reindex") as info:
+    with pytest.raises(ModelMismatch, match=r"vectors from model-a .* engine runs model-b .*`engram-trio reindex") as info:
         async with open_engine(path, embedder=HashEmbedder(model_id="model-b")):
             pass
     assert (info.value.stored, info.value.configured) == ("model-a", "model-b")
@@ -256,10 +256,27 @@ async def test_large_embed_calls_are_cut_into_model_batches_in_order(tmp_path) -
 
 
 async def test_a_missing_model_names_the_build_command(tmp_path) -> None:
-    """Without built model files the engine refuses to open and says how to build them."""
-    with pytest.raises(ModelMissing, match=r"python native_models/build.py"):
-        async with Engine.open(tmp_path / "s", embedder=OnnxEmbedder(model_dir=tmp_path / "none")):
+    """Without built model files the engine refuses to open and says the one command that
+    builds them where it looked."""
+    where = tmp_path / "none"
+    with pytest.raises(ModelMissing, match=rf"`engram-trio model build --dir {where}`"):
+        async with Engine.open(tmp_path / "s", embedder=OnnxEmbedder(model_dir=where)):
             pass
+
+
+async def test_an_installed_engine_looks_where_model_build_writes(tmp_path, monkeypatch) -> None:
+    """With no model in a checkout, the engine looks in the per-user data directory (or
+    $ENGRAM_MODEL_DIR), the place `engram-trio model build` writes to by default."""
+    monkeypatch.setattr(embedder_mod, "CHECKOUT_MODEL_DIR", tmp_path / "no-checkout")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.delenv(embedder_mod.MODEL_ENV, raising=False)
+    expected = tmp_path / "data" / "engram-trio" / "models" / "all-MiniLM-L6-v2"
+    assert embedder_mod.default_model_dir() == expected == embedder_mod.build_target()
+    with pytest.raises(ModelMissing, match=r"found nothing; build it with `engram-trio model build`$"):
+        async with Engine.open(tmp_path / "s"):
+            pass
+    monkeypatch.setenv(embedder_mod.MODEL_ENV, str(tmp_path / "elsewhere"))
+    assert embedder_mod.default_model_dir() == tmp_path / "elsewhere" == embedder_mod.build_target()
 
 
 async def test_a_caller_waiting_for_room_when_the_engine_closes_is_told_so(tmp_path, monkeypatch) -> None:
