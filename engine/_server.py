@@ -1,0 +1,782 @@
+"""The HTTP face: a FastAPI app over an open :class:`Engine`, served by Hypercorn's trio worker
+inside the engine's own ``async with`` (one process, one trio loop, no thread hops).
+
+``engram-trio serve STORE`` runs :func:`serve`; :func:`create_app` builds the app around an
+engine you already opened (tests drive it with httpx's ASGI transport).
+
+Auth: with an api-keys file every ``/v1`` route needs ``Authorization: Bearer <key>``; a key
+lists the users it may read and write (``*``: all, the admin key). Without a file there is no
+auth and the server binds to 127.0.0.1 only. Errors are JSON ``{"error", "message", "field"}``
+with the status the cause deserves (:data:`STATUS_BY_ERROR`); no traceback reaches a client.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the route signatures at run time, and
+# the dependency aliases (User, Who) are local to create_app.
+import hashlib
+import hmac
+import ipaddress
+import logging
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import trio
+from fastapi import Body, Depends, FastAPI, Path as PathParam, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from ._engine import Engine
+from ._tools import TOOLS
+from .errors import EngineError, InvalidInput
+
+__all__ = ["create_app", "serve", "load_api_keys", "ApiKeys", "STATUS_BY_ERROR"]
+
+log = logging.getLogger("engine.server")
+
+MAX_BODY_BYTES = 8 << 20  # a batch of turns at the engine's own limits fits; larger is refused
+LOOPBACK = "127.0.0.1"
+# An EngineError's status by the first class in its MRO named here, so errors other modules add
+# (subclasses, or new names like StoreInUse) map without this module importing them.
+STATUS_BY_ERROR = {
+    "InvalidInput": 422,
+    "NotFound": 404,
+    "StoreInUse": 503,
+    "EngineClosed": 503,
+    "EngineBroken": 503,
+    "LLMFailed": 502,
+    "EngineError": 500,
+}
+ADMIN = "*"
+
+
+# -- auth ---------------------------------------------------------------------------------------
+
+
+class ApiKeys:
+    """Keys by their sha256, each with the users it may act for (``None``: every user).
+
+    Args:
+        grants: sha256 hex digest of a key -> frozenset of user ids, or None for an admin key.
+    """
+
+    def __init__(self, grants: dict[str, frozenset[str] | None]) -> None:
+        self.grants = grants
+
+    def lookup(self, key: str) -> tuple[bool, frozenset[str] | None]:
+        """(known, users) for a presented key; compares digests in constant time."""
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        for known, users in self.grants.items():
+            if hmac.compare_digest(known, digest):
+                return True, users
+        return False, frozenset()
+
+
+def load_api_keys(path: str | Path) -> ApiKeys:
+    """Read an api-keys file: one ``<key> <user_id>[,<user_id>...]`` or ``<key> *`` a line;
+    ``sha256:<hex>`` may stand for the key; blank lines and ``#`` comments are skipped.
+
+    Raises:
+        InvalidInput: the file is missing, empty, or a line is malformed (the message names it).
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise InvalidInput("api_keys", f"expected a readable keys file, found {exc}") from None
+    grants: dict[str, frozenset[str] | None] = {}
+    for number, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        where = f"{path}:{number}"
+        if len(parts) != 2:
+            raise InvalidInput("api_keys", f"expected '<key> <user_id>[,...]' or '<key> *' at "
+                                           f"{where}, found {len(parts)} fields")
+        key, scope = parts
+        if key.startswith("sha256:"):
+            digest = key.removeprefix("sha256:").lower()
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise InvalidInput("api_keys", f"expected sha256: and 64 hex digits at {where}, "
+                                               f"found {len(digest)} characters")
+        else:
+            digest = hashlib.sha256(key.encode()).hexdigest()
+        users = None if scope == ADMIN else frozenset(u for u in scope.split(",") if u)
+        if users is not None and not users:
+            raise InvalidInput("api_keys", f"expected user ids after the key at {where}")
+        if digest in grants:
+            raise InvalidInput("api_keys", f"expected each key once, found it again at {where}")
+        grants[digest] = users
+    if not grants:
+        raise InvalidInput("api_keys", f"expected at least one key in {path}, found none")
+    return ApiKeys(grants)
+
+
+class Caller:
+    """Who is calling: the users this request may touch (``None``: all)."""
+
+    def __init__(self, users: frozenset[str] | None) -> None:
+        self.users = users
+
+    def check(self, user_id: str) -> None:
+        if self.users is not None and user_id not in self.users:
+            raise HTTPException(403, f"this key may not act for user {user_id!r}")
+
+    def check_admin(self) -> None:
+        if self.users is not None:
+            raise HTTPException(403, "this route needs an admin key ('<key> *')")
+
+
+# -- request bodies -----------------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+Role = Literal["user", "assistant", "system", "tool"]
+
+
+class TurnIn(_Body):
+    role: Role = Field(examples=["user"])
+    text: str = Field(examples=["I'm moving to Lisbon in January"])
+    at: datetime | None = Field(None, description="timezone-aware; default: now",
+                                examples=["2026-03-01T09:00:00Z"])
+    meta: dict[str, Any] | None = Field(None, examples=[{"channel": "web"}])
+    durable: bool = Field(False, description="answer 201 once on disk, not 202 once buffered")
+
+
+class BatchTurn(_Body):
+    session_id: str = Field(examples=["s1"])
+    role: Role = Field(examples=["user"])
+    text: str = Field(examples=["I'm moving to Lisbon in January"])
+    at: datetime | None = None
+    meta: dict[str, Any] | None = None
+
+
+class BatchIn(_Body):
+    turns: list[BatchTurn]
+    durable: bool = False
+
+
+class RecallIn(_Body):
+    query: str = Field(examples=["where is she moving?"])
+    limit: int | None = Field(None, ge=1, le=1000, examples=[5])
+    focus: int | None = Field(None, ge=0, le=5)
+    session_id: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    roles: list[str] | None = None
+    kinds: list[str] | None = Field(None, examples=[["turn", "fact"]])
+    tags: list[str] | None = None
+    link_depth: int | None = Field(None, ge=0)
+    budget_tokens: int | None = Field(None, ge=1)
+
+
+class RetrieveIn(_Body):
+    """seed 001's body, with the user it is for."""
+
+    user_id: str = Field(examples=["maya"])
+    query: str = Field(examples=["what did the user say about Rust"])
+    conversation_id: str | None = Field(None, examples=["550e8400-e29b-41d4-a716-446655440001"])
+    episodic_limit: int = 5
+    semantic_limit: int = 20
+    detail: Literal["auto", "none", "low", "high"] = "auto"
+    category: str | None = None
+    min_importance: float = 0.0
+
+
+class PreRetrieveIn(_Body):
+    user_id: str = Field(examples=["maya"])
+    query: str = Field(examples=["User is asking about career decisions"])
+    conversation_id: str | None = None
+    semantic_limit: int = 20
+    category: str | None = None
+    min_importance: float = 0.0
+
+
+class NoteIn(_Body):
+    text: str = Field(examples=["Prefers answers in Portuguese"])
+    tags: list[str] | None = Field(None, examples=[["language"]])
+    note_id: str | None = None
+
+
+class NoteUpdate(_Body):
+    text: str
+    tags: list[str] | None = None
+
+
+class FactIn(_Body):
+    category: str = Field(examples=["identity"])
+    key: str = Field(examples=["location"])
+    value: str = Field(examples=["Lisbon"])
+    text: str | None = Field(None, examples=["Lives in Lisbon"])
+    confidence: float = 0.9
+    importance: float = 0.7
+    keywords: list[str] = []
+
+
+class FactCorrection(_Body):
+    value: str = Field(examples=["Porto"])
+    text: str | None = None
+    importance: float = 0.7
+    keywords: list[str] = []
+
+
+class LinkIn(_Body):
+    from_id: str
+    to_id: str
+    type: str = "relates_to"
+
+
+class ReviewIn(_Body):
+    rating: Literal["again", "hard", "good", "easy", 1, 2, 3, 4] = Field(examples=["good"])
+
+
+class SnapshotIn(_Body):
+    dest: str = Field(description="a new or empty directory on the server",
+                      examples=["/backups/2026-11-22"])
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    """Records as JSON-ready values by field name (stored records are array_like Structs)."""
+    if isinstance(value, msgspec.Struct):
+        return {f: _plain(getattr(value, f)) for f in value.__struct_fields__}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _json(value: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(_plain(value)), status, media_type="application/json")
+
+
+def _markdown(text: str) -> Response:
+    return Response(text, media_type="text/markdown; charset=utf-8")
+
+
+def _error(status: int, error: str, message: str, field: str | None = None,
+           headers: dict[str, str] | None = None) -> Response:
+    body = {"error": error, "message": message}
+    if field is not None:
+        body["field"] = field
+    return Response(msgspec.json.encode(body), status, headers=headers,
+                    media_type="application/json")
+
+
+def _not_found(what: str) -> HTTPException:
+    return HTTPException(404, f"no {what}")
+
+
+class _TooLarge(Exception):
+    """A request body grew past the limit while it streamed in."""
+
+
+# -- metrics ------------------------------------------------------------------------------------
+
+
+class _Metrics:
+    """Prometheus metrics of one app, in a registry of its own (two apps in one process, as in
+    tests, never share counts)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("engram_http_requests", "HTTP requests answered",
+                                ["method", "route", "status"], registry=r)
+        self.latency = Histogram(
+            "engram_http_request_seconds", "time to answer, by route", ["method", "route"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r)
+        self.gauges = {name: Gauge(f"engram_{name}", doc, registry=r) for name, doc in (
+            ("users", "users in the store"),
+            ("sessions", "sessions in the store"),
+            ("turns", "turns in the store, buffered ones included"),
+            ("queued", "turns and deletions waiting for the disk"),
+            ("live_windows", "sessions whose short-term window is in RAM"),
+            ("store_bytes", "size of the LMDB data file"),
+            ("committed_lsn", "log position on disk"),
+            ("embedding_lag", "committed records not yet embedded"),
+            ("fulltext_lag", "committed records not yet in the text index"),
+        )}
+
+    async def render(self, engine: Engine) -> bytes:
+        stats = await engine.stats()
+        values = msgspec.structs.asdict(stats)
+        values["embedding_lag"] = max(0, stats.committed_lsn - stats.embedded_lsn)
+        values["fulltext_lag"] = max(0, stats.committed_lsn - stats.indexed_lsn)
+        for name, gauge in self.gauges.items():
+            gauge.set(values[name])
+        return generate_latest(self.registry)
+
+
+class _Edge:
+    """Pure ASGI middleware: the body size limit and the request metrics, around every route."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], metrics: _Metrics,
+                 max_body: int) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.max_body = max_body
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_body:
+                response = _error(413, "TooLarge", f"expected a body of at most {self.max_body} "
+                                                   f"bytes, found {int(value)}")
+                await response(scope, receive, send)
+                self._count(scope, 413, started)
+                return
+        seen = 0
+
+        async def counted_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body:
+                raise _TooLarge(seen)
+            return message
+
+        async def watched_send(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, watched_send)
+        finally:
+            self._count(scope, status, started)
+
+    def _count(self, scope: dict, status: int, started: float) -> None:
+        route = scope.get("route")
+        # Route templates, never raw paths: user ids must not become label values.
+        name = getattr(route, "path", None) or "unmatched"
+        method = scope.get("method", "")
+        self.metrics.requests.labels(method, name, str(status)).inc()
+        self.metrics.latency.labels(method, name).observe(time.perf_counter() - started)
+
+
+# -- the app ------------------------------------------------------------------------------------
+
+
+def create_app(engine: Engine, keys: ApiKeys | None = None, *,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The HTTP API over an open engine.
+
+    Args:
+        engine: an open :class:`Engine`; the app never closes it.
+        keys: the api keys (:func:`load_api_keys`); None for no auth (loopback only!).
+        max_body_bytes: larger request bodies get 413.
+
+    Returns:
+        A FastAPI (ASGI) app; serve it with Hypercorn's trio worker on the engine's loop.
+    """
+    from . import __version__
+
+    app = FastAPI(
+        title="Engram", version=__version__,
+        description="An in-process memory engine for chat bots and agents, over HTTP. "
+                    "Send `Authorization: Bearer <key>` when the server has an api-keys file.")
+    metrics = _Metrics()
+    app.add_middleware(_Edge, metrics=metrics, max_body=max_body_bytes)
+
+    async def caller(request: Request) -> Caller:
+        if keys is None:
+            return Caller(None)
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise HTTPException(401, "expected 'Authorization: Bearer <key>', found "
+                                     + ("none" if not header else f"a {scheme or 'bare'} header"),
+                                headers={"WWW-Authenticate": "Bearer"})
+        known, users = keys.lookup(key.strip())
+        if not known:
+            raise HTTPException(401, "expected a key from the server's api-keys file, found an "
+                                     "unknown key", headers={"WWW-Authenticate": "Bearer"})
+        return Caller(users)
+
+    Who = Annotated[Caller, Depends(caller)]
+
+    async def for_user(user_id: Annotated[str, PathParam()], who: Who) -> str:
+        who.check(user_id)
+        return user_id
+
+    User = Annotated[str, Depends(for_user)]
+
+    # -- errors: JSON, the status by cause, never a traceback ------------------------------
+
+    @app.exception_handler(EngineError)
+    async def engine_error(request: Request, exc: EngineError) -> Response:
+        for cls in type(exc).__mro__:
+            status = STATUS_BY_ERROR.get(cls.__name__)
+            if status is not None:
+                break
+        if status >= 500:
+            log.warning("%s %s: %s: %s", request.method, request.url.path,
+                        type(exc).__name__, exc)
+        return _error(status, type(exc).__name__, str(exc), getattr(exc, "field", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0]
+        where = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+        field = ".".join(where) or "body"
+        found = first.get("input")
+        message = f"{field}: {first.get('msg', 'invalid')}"
+        if not isinstance(found, (dict, list)) and found is not None:
+            message += f", found {str(found)[:80]!r}"
+        return _error(422, "InvalidInput", message, field)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        names = {401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 405: "MethodNotAllowed"}
+        return _error(exc.status_code, names.get(exc.status_code, "HTTPError"), str(exc.detail),
+                      headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(_TooLarge)
+    async def too_large(request: Request, exc: _TooLarge) -> Response:
+        return _error(413, "TooLarge", f"expected a body of at most {max_body_bytes} bytes")
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> Response:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return _error(500, "InternalError", "the server failed answering this request; its "
+                                            "log has the details")
+
+    # -- probes ------------------------------------------------------------------------------
+
+    @app.get("/healthz", tags=["probes"])
+    async def healthz() -> Response:
+        """The process answers and the engine is open."""
+        await engine.stats()
+        return _json({"status": "ok"})
+
+    @app.get("/readyz", tags=["probes"])
+    async def readyz() -> Response:
+        """200 once both indexes cover everything committed, else 503 with the lag."""
+        stats = await engine.stats()
+        lag = {"embedding": max(0, stats.committed_lsn - stats.embedded_lsn),
+               "fulltext": max(0, stats.committed_lsn - stats.indexed_lsn)}
+        ready = not any(lag.values())
+        return _json({"status": "ready" if ready else "catching up", "lag": lag},
+                     200 if ready else 503)
+
+    @app.get("/metrics", tags=["probes"])
+    async def prometheus(who: Who) -> Response:
+        """Prometheus text: request counts and latency histograms by route, queue depth,
+        index lag and store size. Any valid key may read it (no user data)."""
+        return Response(await metrics.render(engine), media_type=CONTENT_TYPE_LATEST)
+
+    # -- turns and sessions ------------------------------------------------------------------
+
+    @app.post("/v1/users/{user_id}/sessions/{session_id}/turns", status_code=202,
+              tags=["turns"], responses={201: {"description": "durable: on disk"},
+                                         202: {"description": "buffered: in the window"}})
+    async def add_turn(user_id: User, session_id: str, body: TurnIn) -> Response:
+        """Add a turn; 201 once it is on disk (``durable``), else 202 once it is buffered."""
+        receipt = await engine.add_turn(user_id, session_id, body.role, body.text, at=body.at,
+                                        meta=body.meta, durable=body.durable)
+        return _json({"turn_id": receipt.turn_id, "seq": receipt.seq, "durable": body.durable},
+                     201 if body.durable else 202)
+
+    @app.get("/v1/users/{user_id}/sessions/{session_id}/turns", tags=["turns"])
+    async def session_history(user_id: User, session_id: str,
+                              limit: Annotated[int, Query(ge=1, le=10_000)] = 50) -> Response:
+        """The session's latest ``limit`` turns, oldest first."""
+        return _json(await engine.session_history(user_id, session_id, limit))
+
+    @app.post("/v1/users/{user_id}/turns", status_code=202, tags=["turns"])
+    async def add_turns(user_id: User, body: BatchIn) -> Response:
+        """Add many turns at once (all validated before any is written)."""
+        receipts = await engine.add_turns(
+            [{"user_id": user_id, **t.model_dump(exclude_none=True)} for t in body.turns],
+            durable=body.durable)
+        return _json({"turns": [{"turn_id": r.turn_id, "seq": r.seq} for r in receipts],
+                      "durable": body.durable}, 201 if body.durable else 202)
+
+    @app.get("/v1/users/{user_id}/turns/{turn_id}", tags=["turns"])
+    async def get_turn(user_id: User, turn_id: str) -> Response:
+        turn = await engine.get_turn(user_id, turn_id)
+        if turn is None:
+            raise _not_found(f"turn {turn_id!r} for this user")
+        return _json(turn)
+
+    @app.get("/v1/users/{user_id}/sessions", tags=["turns"])
+    async def list_sessions(user_id: User) -> Response:
+        """The user's sessions, most recent first."""
+        return _json(await engine.list_sessions(user_id))
+
+    @app.post("/v1/users/{user_id}/sessions/{session_id}/close", tags=["turns"])
+    async def close_session(user_id: User, session_id: str) -> Response:
+        """The session is over: its remaining turns become an episode now."""
+        return _json({"consolidated": await engine.close_session(user_id, session_id)})
+
+    @app.delete("/v1/users/{user_id}/sessions/{session_id}", tags=["forget"])
+    async def forget_session(user_id: User, session_id: str) -> Response:
+        await engine.forget_session(user_id, session_id)
+        return _json({"forgotten": session_id})
+
+    @app.delete("/v1/users/{user_id}", tags=["forget"])
+    async def forget_user(user_id: User) -> Response:
+        """Delete everything of the user; answers once the deletion is on disk."""
+        await engine.forget_user(user_id)
+        return _json({"forgotten": user_id})
+
+    # -- retrieval ---------------------------------------------------------------------------
+
+    @app.post("/v1/users/{user_id}/recall", tags=["retrieval"])
+    async def recall(user_id: User, body: RecallIn) -> Response:
+        """Hits (the engine's ``Hit`` fields), best first."""
+        hits = await engine.recall(user_id, body.query, body.limit,
+                                   **body.model_dump(exclude={"query", "limit"},
+                                                     exclude_none=True))
+        return _json({"hits": hits})
+
+    @app.post("/v1/retrieve_memory", tags=["retrieval"],
+              responses={200: {"content": {"text/markdown": {}}}})
+    async def retrieve_memory(body: RetrieveIn, who: Who) -> Response:
+        """seed 001's ``retrieve_memory``: prompt-ready Markdown."""
+        who.check(body.user_id)
+        return _markdown(await engine.retrieve_memory(**body.model_dump()))
+
+    @app.post("/v1/retrieve_memory/raw", tags=["retrieval"])
+    async def retrieve_memory_raw(body: RetrieveIn, who: Who) -> Response:
+        """seed 001's raw endpoint: typed ``semantic`` and ``episodic`` lists."""
+        who.check(body.user_id)
+        return Response(msgspec.json.encode(await engine.retrieve_memory_raw(**body.model_dump())),
+                        media_type="application/json")
+
+    @app.post("/v1/context_pre_retrieve", tags=["retrieval"],
+              responses={200: {"content": {"text/markdown": {}}}})
+    async def context_pre_retrieve(body: PreRetrieveIn, who: Who) -> Response:
+        """seed 001's semantic-only Markdown for a system prompt."""
+        who.check(body.user_id)
+        return _markdown(await engine.context_pre_retrieve(**body.model_dump()))
+
+    # -- notes -------------------------------------------------------------------------------
+
+    @app.post("/v1/users/{user_id}/notes", status_code=201, tags=["notes"])
+    async def store_note(user_id: User, body: NoteIn) -> Response:
+        return _json(await engine.store_note(user_id, body.text, note_id=body.note_id,
+                                             tags=body.tags), 201)
+
+    @app.get("/v1/users/{user_id}/notes/{note_id}", tags=["notes"])
+    async def get_note(user_id: User, note_id: str) -> Response:
+        note = await engine.get_note(user_id, note_id)
+        if note is None:
+            raise _not_found(f"note {note_id!r} for this user")
+        return _json(note)
+
+    @app.put("/v1/users/{user_id}/notes/{note_id}", tags=["notes"])
+    async def update_note(user_id: User, note_id: str, body: NoteUpdate) -> Response:
+        if await engine.get_note(user_id, note_id) is None:
+            raise _not_found(f"note {note_id!r} for this user")
+        return _json(await engine.update_note(user_id, note_id, body.text, tags=body.tags))
+
+    @app.delete("/v1/users/{user_id}/notes/{note_id}", tags=["notes"])
+    async def delete_note(user_id: User, note_id: str) -> Response:
+        if not await engine.delete_note(user_id, note_id):
+            raise _not_found(f"note {note_id!r} for this user")
+        return _json({"deleted": note_id})
+
+    # -- facts -------------------------------------------------------------------------------
+
+    @app.get("/v1/users/{user_id}/facts", tags=["facts"])
+    async def profile(user_id: User, category: str | None = None,
+                      min_importance: Annotated[float, Query(ge=0, le=1)] = 0.0) -> Response:
+        """Active facts, most important first."""
+        return _json(await engine.profile(user_id, category=category,
+                                          min_importance=min_importance))
+
+    @app.post("/v1/users/{user_id}/facts", status_code=201, tags=["facts"])
+    async def remember_fact(user_id: User, body: FactIn) -> Response:
+        return _json(await engine.remember_fact(
+            user_id, body.category, body.key, body.value, text=body.text,
+            confidence=body.confidence, importance=body.importance, keywords=body.keywords), 201)
+
+    @app.put("/v1/users/{user_id}/facts/{category}/{key}", tags=["facts"])
+    async def correct_fact(user_id: User, category: str, key: str,
+                           body: FactCorrection) -> Response:
+        return _json(await engine.correct_fact(user_id, category, key, body.value,
+                                               text=body.text, importance=body.importance,
+                                               keywords=body.keywords))
+
+    @app.post("/v1/users/{user_id}/facts/{category}/{key}/confirm", tags=["facts"])
+    async def confirm_fact(user_id: User, category: str, key: str) -> Response:
+        return _json(await engine.confirm_fact(user_id, category, key))
+
+    @app.delete("/v1/users/{user_id}/facts/{category}/{key}", tags=["facts"])
+    async def forget_fact(user_id: User, category: str, key: str) -> Response:
+        if not await engine.forget_fact(user_id, category, key):
+            raise _not_found(f"active fact {category}/{key} for this user")
+        return _json({"forgotten": f"{category}/{key}"})
+
+    @app.get("/v1/users/{user_id}/facts/{category}/{key}/history", tags=["facts"])
+    async def fact_history(user_id: User, category: str, key: str) -> Response:
+        return _json(await engine.fact_history(user_id, category, key))
+
+    # -- episodes, entities, links, review ---------------------------------------------------
+
+    @app.get("/v1/users/{user_id}/episodes", tags=["long-term"])
+    async def episodes(user_id: User, session_id: str | None = None) -> Response:
+        return _json(await engine.episodes(user_id, session_id))
+
+    @app.get("/v1/users/{user_id}/entities/{name}", tags=["long-term"])
+    async def entity_info(user_id: User, name: str,
+                          limit: Annotated[int, Query(ge=1, le=1000)] = 20) -> Response:
+        info = await engine.entity_info(user_id, name, limit)
+        if info is None:
+            raise _not_found(f"entity {name!r} in this user's memories")
+        return _json(info)
+
+    @app.post("/v1/users/{user_id}/links", status_code=201, tags=["long-term"])
+    async def link(user_id: User, body: LinkIn) -> Response:
+        return _json(await engine.link(user_id, body.from_id, body.to_id, body.type), 201)
+
+    @app.get("/v1/users/{user_id}/memories/{memory_id}/links", tags=["long-term"])
+    async def links(user_id: User, memory_id: str) -> Response:
+        return _json(await engine.links(user_id, memory_id))
+
+    @app.post("/v1/users/{user_id}/memories/{memory_id}/review", tags=["long-term"])
+    async def review(user_id: User, memory_id: str, body: ReviewIn) -> Response:
+        """Rate how well a shown memory served (FSRS)."""
+        return _json(await engine.review(user_id, memory_id, body.rating))
+
+    @app.get("/v1/users/{user_id}/stats", tags=["long-term"])
+    async def memory_stats(user_id: User) -> Response:
+        return _json(await engine.memory_stats(user_id))
+
+    # -- tools -------------------------------------------------------------------------------
+
+    @app.get("/v1/tools", tags=["tools"])
+    async def tools(who: Who) -> Response:
+        """The agent tools as JSON-schema function definitions (OpenAI's shape)."""
+        return _json(TOOLS)
+
+    @app.post("/v1/tools/{name}", tags=["tools"])
+    async def call_tool(name: str, who: Who,
+                        arguments: Annotated[dict[str, Any], Body(
+                            examples=[{"user_id": "maya", "query": "dog"}])]) -> Response:
+        """Run one agent tool; ``arguments`` as the tool's schema says (``user_id`` included)."""
+        user_id = arguments.get("user_id")
+        if isinstance(user_id, str):
+            who.check(user_id)
+        elif who.users is not None:
+            raise InvalidInput("arguments.user_id", "expected a string user id, found "
+                                                    f"{type(user_id).__name__}")
+        return _json(await engine.call_tool(name, arguments))
+
+    # -- the whole store: admin keys only ----------------------------------------------------
+
+    @app.get("/v1/stats", tags=["admin"])
+    async def stats(who: Who) -> Response:
+        who.check_admin()
+        return _json(await engine.stats())
+
+    @app.post("/v1/snapshot", tags=["admin"])
+    async def snapshot(body: SnapshotIn, who: Who) -> Response:
+        """A point-in-time snapshot to a directory on the server, taken while serving."""
+        who.check_admin()
+        return Response(msgspec.json.encode(await engine.snapshot(body.dest)),
+                        media_type="application/json")
+
+    return app
+
+
+# -- serving ------------------------------------------------------------------------------------
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def serve(store: str | Path, *, host: str = LOOPBACK, port: int = 8080,
+                api_keys: str | Path | None = None, config: Any = None,
+                say: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+                handle_signals: bool = True,
+                task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+                ) -> int | None:
+    """Open the store and serve the HTTP API until SIGINT or SIGTERM (or cancellation).
+
+    Hypercorn's trio worker runs in a nursery inside the engine's ``async with``: one trio
+    loop, and an engine failure cancels the server with it.
+
+    Args:
+        store: the store directory (created if missing).
+        host / port: where to listen; port 0 takes a free one (``task_status`` reports it).
+        api_keys: the api-keys file; without one the server binds to 127.0.0.1 only.
+        config: the engine's :class:`Config` or overrides.
+        say: where the start-up lines go (stderr).
+        handle_signals: stop gracefully on SIGINT / SIGTERM (main thread only).
+
+    Returns:
+        The signal that stopped the server, or None if it stopped otherwise.
+
+    Raises:
+        InvalidInput: a bad keys file or config.
+    """
+    from hypercorn.config import Config as HypercornConfig
+    from hypercorn.trio import serve as hypercorn_serve
+
+    keys = load_api_keys(api_keys) if api_keys is not None else None
+    if keys is None:
+        if not _is_loopback(host):
+            say(f"warning: no --api-keys file, so no auth: binding to {LOOPBACK} instead of "
+                f"{host}")
+        else:
+            say("warning: no --api-keys file: every local process may read and write every user")
+        host = LOOPBACK
+    hc = HypercornConfig()
+    hc.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    hc.accesslog = None
+    hc.graceful_timeout = 5.0
+    shutdown = trio.Event()  # set by SIGINT/SIGTERM: stop accepting, finish what is in flight
+    received: list[int] = []
+
+    async def on_signal() -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                received.append(signum)
+                shutdown.set()
+                return
+
+    async with Engine.open(store, config=config) as mem:
+        app = create_app(mem, keys)
+        async with trio.open_nursery() as nursery:
+            if handle_signals:
+                nursery.start_soon(on_signal)
+            binds = await nursery.start(
+                lambda task_status: hypercorn_serve(app, hc, shutdown_trigger=shutdown.wait,
+                                                    task_status=task_status))
+            say(f"engram-trio serving {store} on {', '.join(binds)} "
+                f"({'api keys' if keys else 'no auth'})")
+            task_status.started(binds)
+            await shutdown.wait()
+            nursery.cancel_scope.deadline = trio.current_time() + hc.graceful_timeout + 1
+    # The engine closed after Hypercorn's graceful stop (its drain is shielded and bounded).
+    return received[0] if received else None

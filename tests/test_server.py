@@ -1,0 +1,358 @@
+"""The HTTP face: routes, auth on every route, error mapping, probes, metrics, a real socket."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from engine import Engine, EngineClosed
+from engine._server import STATUS_BY_ERROR, create_app, load_api_keys, serve
+from engine.errors import EngineError, InvalidInput
+
+from .conftest import open_engine
+
+ANA_KEY, BO_KEY, ADMIN_KEY = "ana-secret", "bo-secret", "admin-secret"
+
+
+@pytest.fixture
+def keys_file(tmp_path: Path) -> Path:
+    path = tmp_path / "keys"
+    hashed = hashlib.sha256(BO_KEY.encode()).hexdigest()
+    path.write_text(f"# who may do what\n{ANA_KEY} ana\n\nsha256:{hashed} bo,carl\n"
+                    f"{ADMIN_KEY} *\n")
+    return path
+
+
+@pytest.fixture
+async def engine(store_path, clock) -> AsyncIterator[Engine]:
+    async with open_engine(store_path, clock=clock) as mem:
+        yield mem
+
+
+def client(app, key: str | None = None) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engram",
+                             headers=headers)
+
+
+async def test_turns_round_trip_with_201_for_durable_and_202_for_buffered(engine) -> None:
+    """A buffered turn answers 202, a durable one 201, both with their ids; history lists them
+    oldest first and honours limit."""
+    async with client(create_app(engine)) as http:
+        url = "/v1/users/ana/sessions/s1/turns"
+        first = await http.post(url, json={"role": "user", "text": "I moved to Lisbon",
+                                           "meta": {"channel": "web"}})
+        assert first.status_code == 202 and first.json()["turn_id"]
+        second = await http.post(url, json={"role": "assistant", "text": "Welcome!",
+                                            "at": "2026-03-01T10:00:00Z", "durable": True})
+        assert second.status_code == 201 and second.json()["seq"] == first.json()["seq"] + 1
+        history = (await http.get(url)).json()
+        assert [t["text"] for t in history] == ["I moved to Lisbon", "Welcome!"]
+        assert history[0]["meta"] == {"channel": "web"}
+        assert history[1]["at"] == "2026-03-01T10:00:00Z"
+        assert [t["text"] for t in (await http.get(url, params={"limit": 1})).json()] == [
+            "Welcome!"]
+        batch = await http.post("/v1/users/ana/turns", json={"durable": True, "turns": [
+            {"session_id": "s2", "role": "user", "text": "one"},
+            {"session_id": "s2", "role": "user", "text": "two"}]})
+        assert batch.status_code == 201 and len(batch.json()["turns"]) == 2
+        sessions = (await http.get("/v1/users/ana/sessions")).json()
+        assert {s["session_id"] for s in sessions} == {"s1", "s2"}
+        turn_id = first.json()["turn_id"]
+        assert (await http.get(f"/v1/users/ana/turns/{turn_id}")).json()["text"] == (
+            "I moved to Lisbon")
+
+
+async def test_recall_and_seed_001_routes(engine) -> None:
+    """recall returns the engine's Hit fields; retrieve_memory answers Markdown, /raw JSON,
+    context_pre_retrieve Markdown of facts."""
+    async with client(create_app(engine)) as http:
+        await http.post("/v1/users/ana/sessions/s1/turns",
+                        json={"role": "user", "text": "I live in Lisbon with my dog Pixel"})
+        await engine.flush()
+        hits = (await http.post("/v1/users/ana/recall",
+                                json={"query": "dog Pixel", "limit": 3,
+                                      "kinds": ["turn"], "roles": ["user"]})).json()["hits"]
+        assert hits and set(hits[0]) >= {"id", "kind", "text", "score", "session_id", "at",
+                                          "turn_ids", "via"}
+        assert hits[0]["text"] == "I live in Lisbon with my dog Pixel"
+        body = {"user_id": "ana", "query": "where do I live", "conversation_id": "s1"}
+        markdown = await http.post("/v1/retrieve_memory", json=body)
+        assert markdown.headers["content-type"].startswith("text/markdown")
+        assert "Lisbon" in markdown.text
+        raw = (await http.post("/v1/retrieve_memory/raw", json=body)).json()
+        assert set(raw) >= {"semantic", "episodic"}
+        facts = await http.post("/v1/context_pre_retrieve", json=body)
+        assert "Lisbon" in facts.text
+
+
+async def test_notes_facts_links_review_entities_tools_and_forget(engine) -> None:
+    """The rest of the surface answers through the engine: notes CRUD with 404s, facts,
+    links, review, entities, the agent tools, and forgetting a user."""
+    async with client(create_app(engine)) as http:
+        note = (await http.post("/v1/users/ana/notes", json={"text": "likes jazz",
+                                                              "tags": ["music"]})).json()
+        url = f"/v1/users/ana/notes/{note['note_id']}"
+        assert (await http.get(url)).json()["text"] == "likes jazz"
+        assert (await http.put(url, json={"text": "likes bebop"})).json()["text"] == "likes bebop"
+        assert (await http.delete(url)).status_code == 200
+        assert (await http.get(url)).status_code == 404
+        assert (await http.put(url, json={"text": "x"})).status_code == 404
+        assert (await http.delete(url)).status_code == 404
+
+        fact = await http.post("/v1/users/ana/facts", json={
+            "category": "identity", "key": "location", "value": "Lisbon"})
+        assert fact.status_code == 201 and fact.json()["value"] == "Lisbon"
+        assert (await http.put("/v1/users/ana/facts/identity/location",
+                               json={"value": "Porto"})).json()["value"] == "Porto"
+        assert (await http.post("/v1/users/ana/facts/identity/location/confirm")
+                ).json()["protected"] is True
+        assert [f["value"] for f in (await http.get("/v1/users/ana/facts")).json()] == ["Porto"]
+        history = (await http.get("/v1/users/ana/facts/identity/location/history")).json()
+        assert [f["value"] for f in history] == ["Lisbon", "Porto"]
+        assert (await http.delete("/v1/users/ana/facts/identity/location")).status_code == 200
+        assert (await http.delete("/v1/users/ana/facts/identity/location")).status_code == 404
+
+        a = (await http.post("/v1/users/ana/sessions/s1/turns", json={
+            "role": "user", "text": "Pixel is my dog", "durable": True})).json()["turn_id"]
+        b = (await http.post("/v1/users/ana/sessions/s1/turns", json={
+            "role": "user", "text": "We walk in Monsanto", "durable": True})).json()["turn_id"]
+        assert (await http.post("/v1/users/ana/links", json={"from_id": a, "to_id": b})
+                ).status_code == 201
+        assert [l["to_id"] for l in (await http.get(f"/v1/users/ana/memories/{a}/links")).json()
+                ] == [b]
+        assert "stability" in (await http.post(f"/v1/users/ana/memories/{a}/review",
+                                               json={"rating": "good"})).json()
+        await engine.flush()
+        assert (await http.get("/v1/users/ana/entities/pixel")).json()["entity"]["name"]
+        assert (await http.get("/v1/users/ana/entities/nobody")).status_code == 404
+        assert (await http.get("/v1/users/ana/episodes")).json() == []
+        assert (await http.get("/v1/users/ana/stats")).json()["turns"] == 2
+        tools = (await http.get("/v1/tools")).json()
+        assert {t["function"]["name"] for t in tools} >= {"search_memory", "remember_fact"}
+        found = await http.post("/v1/tools/search_memory",
+                                json={"user_id": "ana", "query": "dog", "limit": 2})
+        assert found.json()["results"][0]["text"] == "Pixel is my dog"
+
+        assert (await http.delete("/v1/users/ana")).json() == {"forgotten": "ana"}
+        assert (await http.get("/v1/users/ana/sessions")).json() == []
+
+
+async def test_bad_input_is_422_naming_the_field_and_never_a_traceback(engine) -> None:
+    """Validation by the app and by the engine both answer 422 with the field; an unknown
+    route is 404; a body over the limit is 413; all as JSON errors."""
+    async with client(create_app(engine, max_body_bytes=10_000)) as http:
+        url = "/v1/users/ana/sessions/s1/turns"
+        bad_role = await http.post(url, json={"role": "bot", "text": "hi"})
+        assert bad_role.status_code == 422
+        assert bad_role.json()["field"] == "role" and bad_role.json()["error"] == "InvalidInput"
+        naive = await http.post(url, json={"role": "user", "text": "hi",
+                                           "at": "2026-03-01T09:00:00"})
+        assert naive.status_code == 422 and naive.json()["field"] == "at"
+        empty = await http.post(url, json={"role": "user", "text": ""})
+        assert empty.status_code == 422 and empty.json()["field"] == "text"
+        extra = await http.post(url, json={"role": "user", "text": "x", "colour": "red"})
+        assert extra.status_code == 422 and extra.json()["field"] == "colour"
+        tool = await http.post("/v1/tools/search_memory",
+                               json={"user_id": "ana", "query": "x", "limit": 500})
+        assert tool.status_code == 422 and tool.json()["field"] == "arguments.limit"
+        assert (await http.get("/v1/nowhere")).json()["error"] == "NotFound"
+        huge = await http.post(url, json={"role": "user", "text": "x" * 20_000})
+        assert huge.status_code == 413 and huge.json()["error"] == "TooLarge"
+        for response in (bad_role, naive, empty, extra, huge):
+            assert "Traceback" not in response.text
+
+
+async def test_engine_errors_map_by_class_so_new_ones_fit(engine, store_path) -> None:
+    """Statuses come from the error's class hierarchy: a subclass of InvalidInput is 422, an
+    error named StoreInUse (added elsewhere) 503, and a closed engine 503."""
+
+    class StoreInUse(EngineError):
+        pass
+
+    class Oddly(InvalidInput):
+        pass
+
+    assert STATUS_BY_ERROR["StoreInUse"] == 503
+    app = create_app(engine)
+
+    @app.get("/raise/{which}")
+    async def raiser(which: str) -> None:
+        raise {"in-use": StoreInUse("the store is open in process 42"),
+               "odd": Oddly("field_x", "expected y"),
+               "bug": RuntimeError("secret internals")}[which]
+
+    async with client(app) as http:
+        in_use = await http.get("/raise/in-use")
+        assert (in_use.status_code, in_use.json()["error"]) == (503, "StoreInUse")
+        odd = await http.get("/raise/odd")
+        assert (odd.status_code, odd.json()["field"]) == (422, "field_x")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+                                 base_url="http://engram") as http:
+        bug = await http.get("/raise/bug")
+        assert bug.status_code == 500 and "secret" not in bug.text and "Traceback" not in bug.text
+
+    async with open_engine(store_path.with_name("other")) as closing:
+        app = create_app(closing)
+    async with client(app) as http:
+        closed = await http.get("/v1/users/ana/sessions")
+        assert (closed.status_code, closed.json()["error"]) == (503, "EngineClosed")
+        assert EngineClosed.__name__ in STATUS_BY_ERROR
+
+
+ROUTES = [
+    ("POST", "/v1/users/{u}/sessions/s/turns", {"role": "user", "text": "hi"}),
+    ("GET", "/v1/users/{u}/sessions/s/turns", None),
+    ("POST", "/v1/users/{u}/turns", {"turns": []}),
+    ("GET", "/v1/users/{u}/turns/t", None),
+    ("GET", "/v1/users/{u}/sessions", None),
+    ("POST", "/v1/users/{u}/sessions/s/close", None),
+    ("DELETE", "/v1/users/{u}/sessions/s", None),
+    ("POST", "/v1/users/{u}/recall", {"query": "x"}),
+    ("POST", "/v1/retrieve_memory", {"user_id": "{u}", "query": "x"}),
+    ("POST", "/v1/retrieve_memory/raw", {"user_id": "{u}", "query": "x"}),
+    ("POST", "/v1/context_pre_retrieve", {"user_id": "{u}", "query": "x"}),
+    ("POST", "/v1/users/{u}/notes", {"text": "x"}),
+    ("GET", "/v1/users/{u}/notes/n", None),
+    ("PUT", "/v1/users/{u}/notes/n", {"text": "x"}),
+    ("DELETE", "/v1/users/{u}/notes/n", None),
+    ("GET", "/v1/users/{u}/facts", None),
+    ("POST", "/v1/users/{u}/facts", {"category": "c", "key": "k", "value": "v"}),
+    ("PUT", "/v1/users/{u}/facts/c/k", {"value": "v"}),
+    ("POST", "/v1/users/{u}/facts/c/k/confirm", None),
+    ("DELETE", "/v1/users/{u}/facts/c/k", None),
+    ("GET", "/v1/users/{u}/facts/c/k/history", None),
+    ("GET", "/v1/users/{u}/episodes", None),
+    ("GET", "/v1/users/{u}/entities/e", None),
+    ("POST", "/v1/users/{u}/links", {"from_id": "a", "to_id": "b"}),
+    ("GET", "/v1/users/{u}/memories/m/links", None),
+    ("POST", "/v1/users/{u}/memories/m/review", {"rating": "good"}),
+    ("GET", "/v1/users/{u}/stats", None),
+    ("POST", "/v1/tools/memory_stats", {"user_id": "{u}"}),
+    ("DELETE", "/v1/users/{u}", None),
+]
+
+
+def _fill(value, user: str):
+    if isinstance(value, str):
+        return value.replace("{u}", user)
+    if isinstance(value, dict):
+        return {k: _fill(v, user) for k, v in value.items()}
+    return value
+
+
+async def test_every_route_refuses_no_key_401_and_another_users_key_403(
+        engine, keys_file) -> None:
+    """Every user route: 401 without a key or with an unknown one, 403 with a key for other
+    users, and through with the user's own key, a hashed key, or the admin key."""
+    app = create_app(engine, load_api_keys(keys_file))
+    async with client(app) as anon, client(app, "wrong") as stranger, \
+            client(app, ANA_KEY) as ana, client(app, BO_KEY) as bo, \
+            client(app, ADMIN_KEY) as admin:
+        assert (await anon.get("/healthz")).status_code == 200
+        for method, path, body in ROUTES:
+            for who, user, expected in ((anon, "ana", {401}), (stranger, "ana", {401}),
+                                        (bo, "ana", {403}), (ana, "bo", {403}),
+                                        (ana, "ana", {200, 201, 202, 404, 422}),
+                                        (bo, "carl", {200, 201, 202, 404, 422}),
+                                        (admin, "dee", {200, 201, 202, 404, 422})):
+                response = await who.request(method, _fill(path, user), json=_fill(body, user))
+                assert response.status_code in expected, (method, path, user, response.text)
+        assert (await ana.get("/v1/stats")).status_code == 403
+        assert (await admin.get("/v1/stats")).json()["schema_version"] >= 1
+        assert (await anon.get("/metrics")).status_code == 401
+        assert (await ana.get("/metrics")).status_code == 200
+
+
+def test_an_api_keys_file_is_checked_line_by_line(tmp_path) -> None:
+    """A malformed line is refused with its file and line number."""
+    bad = tmp_path / "keys"
+    bad.write_text("k1 ana\nk2\n")
+    with pytest.raises(InvalidInput, match=r"keys:2, found 1 fields"):
+        load_api_keys(bad)
+    bad.write_text("sha256:abc ana\n")
+    with pytest.raises(InvalidInput, match=r"64 hex digits at .*keys:1"):
+        load_api_keys(bad)
+    bad.write_text("# nothing\n")
+    with pytest.raises(InvalidInput, match=r"at least one key"):
+        load_api_keys(bad)
+
+
+async def test_probes_metrics_and_openapi(engine) -> None:
+    """readyz is 503 while an index lags and 200 once caught up; metrics count requests by
+    route template (no user ids in labels); the OpenAPI document lists the issue's routes."""
+    async with client(create_app(engine)) as http:
+        await http.post("/v1/users/ana/sessions/s1/turns", json={"role": "user", "text": "hi"})
+        assert (await http.get("/healthz")).json() == {"status": "ok"}
+        await engine.flush()
+        ready = await http.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["lag"] == {"embedding": 0,
+                                                                      "fulltext": 0}
+        text = (await http.get("/metrics")).text
+        assert ('engram_http_requests_total{method="POST",'
+                'route="/v1/users/{user_id}/sessions/{session_id}/turns",status="202"} 1.0'
+                in text)
+        assert "engram_http_request_seconds_bucket" in text and "engram_turns 1.0" in text
+        assert "ana" not in text
+        spec = (await http.get("/openapi.json")).json()
+        for path in ("/v1/users/{user_id}/sessions/{session_id}/turns",
+                     "/v1/users/{user_id}/recall", "/v1/retrieve_memory",
+                     "/v1/retrieve_memory/raw", "/v1/context_pre_retrieve",
+                     "/v1/users/{user_id}", "/healthz", "/metrics"):
+            assert path in spec["paths"], path
+        body = spec["components"]["schemas"]["TurnIn"]["properties"]["text"]
+        assert body["examples"]
+
+
+async def test_readyz_is_503_while_the_indexes_lag(store_path) -> None:
+    """With background embedding off, committed turns stay unembedded: not ready."""
+    async with open_engine(store_path, config={"background_embedding": False}) as mem:
+        await mem.add_turn("ana", "s1", "user", "hello", durable=True)
+        async with client(create_app(mem)) as http:
+            lagging = await http.get("/readyz")
+        assert lagging.status_code == 503 and lagging.json()["lag"]["embedding"] >= 1
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_serve_answers_on_a_real_loopback_socket(tmp_path, keys_file) -> None:
+    """`serve` runs Hypercorn's trio worker on the engine's loop: a real TCP client ingests and
+    recalls with a key; without a keys file a public host is replaced by 127.0.0.1."""
+    said: list[str] = []
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(lambda task_status: serve(
+            tmp_path / "store", port=_free_port(), api_keys=keys_file, say=said.append,
+            handle_signals=False, config={"background_embedding": False},
+            task_status=task_status))
+        base = binds[0]
+        async with httpx.AsyncClient(base_url=base, headers={
+                "Authorization": f"Bearer {ANA_KEY}"}) as http:
+            added = await http.post("/v1/users/ana/sessions/s1/turns",
+                                    json={"role": "user", "text": "over the wire",
+                                          "durable": True})
+            assert added.status_code == 201
+            hits = (await http.post("/v1/users/ana/recall", json={"query": "wire"})).json()
+            assert hits["hits"][0]["text"] == "over the wire"
+            assert (await http.get("/v1/users/bo/sessions")).status_code == 403
+        nursery.cancel_scope.cancel()
+    assert "api keys" in said[-1]
+
+    said.clear()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(lambda task_status: serve(
+            tmp_path / "store2", host="0.0.0.0", port=_free_port(), say=said.append,
+            handle_signals=False, config={"background_embedding": False},
+            task_status=task_status))
+        assert binds[0].startswith("http://127.0.0.1:")
+        nursery.cancel_scope.cancel()
+    assert "binding to 127.0.0.1 instead of 0.0.0.0" in said[0]
