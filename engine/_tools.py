@@ -2,7 +2,9 @@
 
 ``TOOLS`` is in the OpenAI function-calling shape (``{"type": "function", "function": {...}}``),
 which most chat APIs accept; ``Engine.call_tool(name, arguments)`` runs one and returns a
-JSON-ready dict. Arguments are validated against the schema's types before anything runs.
+JSON-ready dict. Arguments are validated against the tool's own JSON schema (jsonschema,
+every constraint: types, ``minimum``/``maximum``, enums, required, no extra fields) before
+anything runs, so the schema a model sees is the rule the engine enforces.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import jsonschema
 import msgspec
 
 from .errors import InvalidInput
@@ -61,28 +64,54 @@ TOOLS: list[dict[str, Any]] = [
           {"user_id": _USER, "name": {"type": "string"},
            "limit": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}},
           ["user_id", "name"]),
+    # Beyond seed 004's six: the prompt-ready recall and seed 003's notes, so an agent host
+    # (MCP) can do everything a bot does through the facade.
+    _tool("retrieve_memory", "Prompt-ready Markdown of what matters for a query: the user's "
+          "facts, then the relevant past episodes with their key moments.",
+          {"user_id": _USER, "query": {"type": "string"},
+           "conversation_id": {"type": "string", "description": "The conversation the "
+                               "answer goes to."},
+           "episodic_limit": {"type": "integer", "minimum": 1, "maximum": 100, "default": 5},
+           "detail": {"enum": ["auto", "none", "low", "high"], "default": "auto"}},
+          ["user_id", "query"]),
+    _tool("store_note", "Keep a note about the user (recall finds it like any memory).",
+          {"user_id": _USER, "text": {"type": "string"},
+           "tags": {"type": "array", "items": {"type": "string"}}},
+          ["user_id", "text"]),
+    _tool("delete_note", "Delete one of the user's notes by id.",
+          {"user_id": _USER, "note_id": {"type": "string"}}, ["user_id", "note_id"]),
 ]
 
 _SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-_TYPES = {"string": str, "integer": int, "number": (int, float), "array": list}
+_VALIDATORS = {name: jsonschema.Draft202012Validator(
+    schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    for name, schema in _SCHEMAS.items()}
 
 
-def _check_arguments(name: str, schema: dict[str, Any], args: Mapping[str, Any]) -> None:
-    for field in schema["required"]:
-        if field not in args:
-            raise InvalidInput(f"arguments.{field}", f"expected it for tool {name!r}, found "
-                                                     "it missing")
-    for field, value in args.items():
-        spec = schema["properties"].get(field)
-        if spec is None:
-            raise InvalidInput(f"arguments.{field}", f"expected one of "
-                                                     f"{', '.join(schema['properties'])}, found "
-                                                     f"an unknown argument")
-        expected = _TYPES.get(spec.get("type", "array"))
-        if expected is not None and (not isinstance(value, expected)
-                                     or isinstance(value, bool)):
-            raise InvalidInput(f"arguments.{field}", f"expected a {spec.get('type')}, found "
-                                                     f"{type(value).__name__}")
+def _check_arguments(name: str, args: Mapping[str, Any]) -> None:
+    """Raise InvalidInput for the first schema violation, naming the argument's path."""
+    error = jsonschema.exceptions.best_match(_VALIDATORS[name].iter_errors(args))
+    if error is None:
+        return
+    path = ["arguments", *(str(p) for p in error.absolute_path)]
+    schema = _SCHEMAS[name]
+    match error.validator:
+        case "required":
+            missing = next(f for f in error.validator_value if f not in error.instance)
+            raise InvalidInput(".".join([*path, missing]),
+                               f"expected it for tool {name!r}, found it missing")
+        case "additionalProperties":
+            extra = next(f for f in error.instance if f not in schema["properties"])
+            raise InvalidInput(".".join([*path, extra]),
+                               f"expected one of {', '.join(schema['properties'])}, found an "
+                               "unknown argument")
+        case "type":
+            kind = error.validator_value
+            article = "an" if str(kind)[:1] in "aeiou" else "a"
+            raise InvalidInput(".".join(path), f"expected {article} {kind}, found "
+                                               f"{type(error.instance).__name__}")
+    raise InvalidInput(".".join(path), f"expected {error.validator} {error.validator_value!r}, "
+                                       f"found {error.instance!r} ({error.message})")
 
 
 def _plain(value: msgspec.Struct) -> dict[str, Any]:
@@ -103,7 +132,7 @@ async def call_tool(engine: Engine, name: str, arguments: Mapping[str, Any] | st
     if not isinstance(arguments, Mapping):
         raise InvalidInput("arguments", f"expected an object, found {type(arguments).__name__}")
     args = dict(arguments)
-    _check_arguments(name, schema, args)
+    _check_arguments(name, args)
     user_id = args.pop("user_id")
     if name == "search_memory":
         hits = await engine.recall(user_id, args["query"], args.get("limit", 10),
@@ -123,6 +152,15 @@ async def call_tool(engine: Engine, name: str, arguments: Mapping[str, Any] | st
                                                          args["key"]))}
     if name == "memory_stats":
         return await engine.memory_stats(user_id)
+    if name == "retrieve_memory":
+        return {"markdown": await engine.retrieve_memory(
+            user_id, args["query"], args.get("conversation_id"), args.get("episodic_limit", 5),
+            detail=args.get("detail", "auto"))}
+    if name == "store_note":
+        return {"note": _plain(await engine.store_note(user_id, args["text"],
+                                                       tags=args.get("tags")))}
+    if name == "delete_note":
+        return {"deleted": await engine.delete_note(user_id, args["note_id"])}
     info = await engine.entity_info(user_id, args["name"], args.get("limit", 20))
     return {"entity": None if info is None else _plain(info.entity),
             "memories": [] if info is None else [_plain(h) for h in info.memories]}

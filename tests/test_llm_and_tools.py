@@ -94,10 +94,12 @@ async def test_a_non_llm_object_is_refused(store_path) -> None:
 
 
 def test_tools_are_json_schema_function_definitions() -> None:
-    """Seed 004's six tools, each an OpenAI-style function with an object schema."""
+    """Seed 004's six tools first, then recall as Markdown and notes, each an OpenAI-style
+    function with an object schema."""
     names = [t["function"]["name"] for t in TOOLS]
     assert names == ["search_memory", "remember_fact", "correct_fact", "confirm_fact",
-                     "memory_stats", "get_entity_info"]
+                     "memory_stats", "get_entity_info", "retrieve_memory", "store_note",
+                     "delete_note"]
     for tool in TOOLS:
         params = tool["function"]["parameters"]
         assert tool["type"] == "function" and params["type"] == "object"
@@ -140,3 +142,33 @@ async def test_call_tool_refuses_bad_calls(mem, name, args, message) -> None:
     """Unknown tools and arguments outside the schema are refused before anything runs."""
     with pytest.raises(InvalidInput, match=message):
         await mem.call_tool(name, args)
+
+
+async def test_note_and_retrieve_tools(mem) -> None:
+    """store_note, retrieve_memory and delete_note run through call_tool like seed 004's."""
+    note = (await mem.call_tool("store_note", {"user_id": "ana", "text": "Allergic to peanuts",
+                                               "tags": ["health"]}))["note"]
+    assert list(note["tags"]) == ["health"]
+    await mem.call_tool("remember_fact", {"user_id": "ana", "category": "constraint",
+                                          "key": "allergy:peanuts", "value": "peanuts",
+                                          "text": "Allergic to peanuts"})
+    await mem.flush()
+    markdown = (await mem.call_tool("retrieve_memory", {"user_id": "ana",
+                                                        "query": "peanuts allergy"}))["markdown"]
+    assert "peanuts" in markdown
+    assert await mem.call_tool("delete_note", {"user_id": "ana", "note_id": note["note_id"]}) == {
+        "deleted": True}
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ({"user_id": "ana", "query": "x", "limit": 51},
+     r"arguments.limit: expected maximum 50, found 51"),
+    ({"user_id": "ana", "query": "x", "limit": 0}, r"arguments.limit: expected minimum 1"),
+    ({"user_id": "ana", "query": "x", "limit": True}, r"arguments.limit: expected an integer, found bool"),
+    ({"user_id": "ana", "query": "x", "kinds": ["turn", "secret"]},
+     r"arguments.kinds.1: expected enum \['turn', 'episode', 'fact', 'note'\], found 'secret'"),
+])
+async def test_call_tool_enforces_every_schema_constraint(mem, args, message) -> None:
+    """Bounds and enums in a tool's JSON schema are enforced, not only its types."""
+    with pytest.raises(InvalidInput, match=message):
+        await mem.call_tool("search_memory", args)

@@ -1,0 +1,101 @@
+"""The MCP face: the agent tools (:data:`TOOLS`) over MCP stdio, with the official ``mcp`` SDK.
+
+``engram-trio mcp STORE [--user ID]``. The SDK runs on anyio, so the server shares the engine's
+trio loop. Tool schemas are the ``parameters`` of the same definitions the engine validates
+calls against, so what the host sees is what the engine enforces. With ``--user`` the server
+acts for that one user: ``user_id`` leaves every schema and is filled in on each call (an
+agent host cannot reach another user's memories by naming one).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import mcp_types as types
+import msgspec
+from mcp.server.lowlevel import Server
+from mcp.server.stdio import stdio_server
+
+from ._engine import Engine
+from ._tools import TOOLS
+from .errors import EngineError
+
+__all__ = ["create_server", "run_stdio"]
+
+
+def _schemas(user: str | None) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Tool name -> (description, input schema), without ``user_id`` when a user is fixed."""
+    out = {}
+    for tool in TOOLS:
+        function = tool["function"]
+        schema = copy.deepcopy(function["parameters"])
+        if user is not None:
+            schema["properties"].pop("user_id")
+            schema["required"] = [f for f in schema["required"] if f != "user_id"]
+        out[function["name"]] = (function["description"], schema)
+    return out
+
+
+def create_server(engine: Engine, user: str | None = None) -> Server:
+    """An MCP server over an open engine.
+
+    Args:
+        engine: an open :class:`Engine`.
+        user: act for this user only (tools take no ``user_id``); None: tools take one.
+
+    Returns:
+        An ``mcp`` low-level :class:`Server`; run it on any MCP transport.
+    """
+    from . import __version__
+
+    schemas = _schemas(user)
+
+    async def list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=[
+            types.Tool(name=name, description=description, input_schema=schema)
+            for name, (description, schema) in schemas.items()])
+
+    async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
+        arguments = dict(params.arguments or {})
+        if user is not None:
+            if "user_id" in arguments:
+                return _failure(f"arguments.user_id: expected no user_id (this server acts "
+                                f"for {user!r} only), found {arguments['user_id']!r}")
+            arguments["user_id"] = user
+        try:
+            result = await engine.call_tool(params.name, arguments)
+        except EngineError as exc:  # the model sees the message and can correct its call
+            return _failure(f"{type(exc).__name__}: {exc}")
+        if params.name == "retrieve_memory":
+            text = result["markdown"]
+        else:
+            text = msgspec.json.encode(result).decode()
+        return types.CallToolResult(content=[types.TextContent(text=text)],
+                                    structured_content=msgspec.to_builtins(result))
+
+    return Server("engram-trio", version=__version__,
+                  instructions="Long-term memory of the user: search it before answering, "
+                               "save facts the user states, correct or confirm them.",
+                  on_list_tools=list_tools, on_call_tool=call_tool)
+
+
+def _failure(message: str) -> types.CallToolResult:
+    return types.CallToolResult(content=[types.TextContent(text=message)], is_error=True)
+
+
+async def run_stdio(store: str | Path, user: str | None = None, config: Any = None) -> None:
+    """Open the store and serve MCP on stdin/stdout until the client closes stdin.
+
+    Raises:
+        InvalidInput: a bad config or user id.
+    """
+    if user is not None:
+        from . import _validate
+
+        _validate.check_id("user", user, 256)
+    async with Engine.open(store, config=config) as mem:
+        server = create_server(mem, user)
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
