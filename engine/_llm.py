@@ -8,13 +8,10 @@ caller's choice: the engine never calls a model unless one is passed to ``Engine
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from typing import Protocol, runtime_checkable
 
+import httpx
 import msgspec
-import trio
 
 from actors.facts import MIN_CONFIDENCE, MIN_IMPORTANCE, Candidate
 
@@ -126,42 +123,39 @@ class OpenAICompatibleLLM:
         base_url: e.g. ``http://localhost:8000/v1``.
         model: the model name the server expects.
         api_key: sent as a bearer token if given.
-        timeout: seconds per request.
+        timeout: seconds per request (connect, read and write each).
+        retries: connection attempts retried before failing (httpx's transport retries, which
+            cover refused and reset connections, not answers: a 5xx is reported at once, and
+            the background actors fall back to their offline defaults).
 
-    The request runs in a worker thread with the standard library's HTTP client (one request
-    at a time per call; these are background tasks), and is abandoned on cancellation.
+    Requests go out with httpx on the engine's trio loop (no worker thread), and are abandoned
+    on cancellation.
     """
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, retries: int = 2) -> None:
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
         self.api_key = api_key
         self.timeout = timeout
+        self.retries = retries
 
     async def complete(self, system: str, prompt: str) -> str:
-        body = json.dumps({
-            "model": self.model, "temperature": 0,
-            "messages": [{"role": "system", "content": system},
-                         {"role": "user", "content": prompt}],
-        }).encode()
-        return await trio.to_thread.run_sync(self._post, body, abandon_on_cancel=True)
-
-    def _post(self, body: bytes) -> str:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+        body = {"model": self.model, "temperature": 0,
+                "messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": prompt}]}
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        transport = httpx.AsyncHTTPTransport(retries=self.retries)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                payload = json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            raise LLMFailed(f"{self.url} answered HTTP {exc.code}: "
-                            f"{exc.read()[:300].decode(errors='replace')}") from exc
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise LLMFailed(f"calling {self.url} failed: {exc}") from exc
+            async with httpx.AsyncClient(transport=transport, timeout=self.timeout) as client:
+                response = await client.post(self.url, json=body, headers=headers)
+        except httpx.HTTPError as exc:
+            raise LLMFailed(f"calling {self.url} failed: {type(exc).__name__}: {exc}") from exc
+        if response.status_code >= 400:
+            raise LLMFailed(f"{self.url} answered HTTP {response.status_code}: "
+                            f"{response.text[:300]}")
         try:
-            return payload["choices"][0]["message"]["content"]
-        except (KeyError, IndexError, TypeError) as exc:
+            return response.json()["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise LLMFailed(f"expected choices[0].message.content from {self.url}, found "
-                            f"{str(payload)[:200]}") from exc
+                            f"{response.text[:200]}") from exc
