@@ -822,6 +822,15 @@ class Store:
             await self._room.park()
         self.check_usable()
 
+    def has_room(self, n: int) -> bool:
+        """Whether ``n`` more ops fit in the queue now: :meth:`reserve` would not wait.
+
+        Raises:
+            EngineBroken / EngineClosed: as :meth:`check_usable`.
+        """
+        self.check_usable()
+        return not (self._queued and self._queued + n > QUEUE_LIMIT)
+
     def submit(self, op: StoreOp) -> None:
         """Queue an op whose lsn is :attr:`next_lsn`, or a derived op with none. Synchronous, so
         queue order is lsn order."""

@@ -291,6 +291,38 @@ class Engine:
             await receipt.durable()
         return receipt
 
+    def add_turn_nowait(
+        self,
+        user_id: str,
+        session_id: str,
+        role: str,
+        text: str,
+        at: datetime | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> Receipt:
+        """:meth:`add_turn` without waiting: synchronous, for hot paths and for callers outside
+        a trio task (the asyncio facade calls it straight from the asyncio loop).
+
+        Returns:
+            A :class:`Receipt`, as :meth:`add_turn`'s.
+
+        Raises:
+            trio.WouldBlock: the store's queue is full (the disk is far behind); nothing was
+                written; ``await add_turn(...)`` waits for room instead.
+            InvalidInput / EngineClosed: as :meth:`add_turn`.
+        """
+        self._check_open()
+        config = self._config
+        v.check_id("user_id", user_id, config.max_id_chars)
+        v.check_id("session_id", session_id, config.max_id_chars)
+        v.check_role(role)
+        v.check_text("text", text, config.max_text_chars)
+        at = self._clock() if at is None else v.check_at(at)
+        meta = v.check_meta(meta, config.max_meta_bytes)
+        if not self._store.has_room(1):
+            raise trio.WouldBlock
+        return self._buffer.append(user_id, session_id, role, text, at, meta)
+
     async def add_turns(
         self, items: Iterable[NewTurn | Mapping[str, Any]], *, durable: bool = False
     ) -> list[Receipt]:

@@ -1,0 +1,29 @@
+"""What the asyncio and blocking facades share: which Engine methods they mirror, and how."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from ._engine import Engine as TrioEngine
+
+# The native methods the facades mirror: every public coroutine method of the trio Engine,
+# listed from the class itself so a method added there is mirrored without edits here.
+MIRRORED = tuple(
+    name for name, member in vars(TrioEngine).items()
+    if not name.startswith("_") and inspect.iscoroutinefunction(member)
+)
+
+
+def mirror(cls: type, make: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> type:
+    """Give ``cls`` one method per :data:`MIRRORED` name, built by ``make(name, native)`` and
+    carrying the native method's signature and docstring (for help() and IDEs)."""
+    for name in MIRRORED:
+        if name in vars(cls):
+            continue  # the facade defines it itself (add_turn: its receipt is bridged)
+        native = getattr(TrioEngine, name)
+        method = functools.wraps(native)(make(name, native))
+        setattr(cls, name, method)
+    return cls

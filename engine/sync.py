@@ -1,0 +1,154 @@
+"""The engine for blocking code: ``engine.sync.Engine``, the same methods as plain calls.
+
+For scripts, notebooks and threaded bots. The engine runs on a trio loop in a thread of its
+own; each call is handed to it with ``trio.from_thread.run`` and blocks the calling thread
+(any thread: calls from many threads run concurrently on the engine's loop).
+
+    from engine.sync import Engine
+
+    with Engine.open("memory-store") as mem:
+        mem.add_turn("maya", "s1", "user", "I'm moving to Lisbon", durable=True)
+        for hit in mem.recall("maya", "where is she moving?"):
+            print(hit.text)
+
+Leaving the ``with`` block (normally, by an exception or by Ctrl-C) closes the engine and
+drains what was acknowledged to disk before it returns.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+import outcome
+import trio
+
+from . import _bridge
+from ._engine import Engine as TrioEngine
+from .errors import EngineClosed
+
+__all__ = ["Engine", "Receipt"]
+
+
+class Receipt:
+    """What ``add_turn`` returns here: the turn's identity, and a blocking ``durable()``.
+
+    Attributes:
+        turn_id / seq / lsn: as the native :class:`engine.Receipt`'s.
+    """
+
+    __slots__ = ("turn_id", "seq", "lsn", "_native", "_engine")
+
+    def __init__(self, native: Any, engine: Engine) -> None:
+        self.turn_id = native.turn_id
+        self.seq = native.seq
+        self.lsn = native.lsn
+        self._native = native
+        self._engine = engine
+
+    def durable(self) -> None:
+        """Block until the turn is committed to disk (it then survives ``kill -9``)."""
+        self._engine._call(self._native.durable)
+
+    def __repr__(self) -> str:
+        return f"Receipt(turn_id={self.turn_id!r}, seq={self.seq}, lsn={self.lsn})"
+
+
+class Engine:
+    """An open engine for blocking code. Get one with ``with engine.sync.Engine.open(path)``;
+    every coroutine method of :class:`engine.Engine` is here as a blocking method with the
+    same arguments."""
+
+    def __init__(self) -> None:
+        self._native: TrioEngine | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._closed = False
+
+    @classmethod
+    @contextmanager
+    def open(cls, path: str | os.PathLike[str], **kwargs: Any) -> Iterator[Engine]:
+        """Open the store at ``path`` for the ``with`` body; the arguments are
+        :meth:`engine.Engine.open`'s.
+
+        Raises:
+            The errors of :meth:`engine.Engine.open`, in the calling thread.
+        """
+        facade = cls()
+        ready = threading.Event()  # set once the engine is open, or its opening failed
+        result: list[outcome.Outcome] = []
+        holder: dict[str, trio.Event] = {}
+
+        async def trio_main() -> None:
+            # Set by close: the blocking side is done with the engine.
+            stop = holder["stop"] = trio.Event()
+            async with TrioEngine.open(path, **kwargs) as native:
+                facade._native = native
+                facade._token = trio.lowlevel.current_trio_token()
+                ready.set()
+                await stop.wait()
+
+        def thread_main() -> None:
+            result.append(outcome.capture(trio.run, trio_main))
+            ready.set()
+
+        thread = threading.Thread(target=thread_main, name="engram-trio", daemon=True)
+        thread.start()
+        ready.wait()
+        if result:  # the open failed (or ended) before it was ready
+            thread.join()
+            result[0].unwrap()
+            raise EngineClosed("the engine stopped before it was ready")
+        try:
+            yield facade
+        finally:
+            facade._closed = True
+            try:
+                trio.from_thread.run_sync(holder["stop"].set, trio_token=facade._token)
+            except trio.RunFinishedError:
+                pass  # the engine already stopped (it broke); its error is below
+            thread.join()
+            result[0].unwrap()
+
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._closed or self._token is None:
+            raise EngineClosed("the engine is closed; open a new one with Engine.open(path)")
+        try:
+            return trio.from_thread.run(lambda: fn(*args, **kwargs), trio_token=self._token)
+        except trio.RunFinishedError:
+            raise EngineClosed("the engine stopped; open a new one with Engine.open(path)"
+                               ) from None
+
+    def add_turn(self, user_id: str, session_id: str, role: str, text: str,
+                 at: datetime | None = None, meta: dict[str, Any] | None = None,
+                 durable: bool = False) -> Receipt:
+        """:meth:`engine.Engine.add_turn`, blocking; the receipt's ``durable()`` blocks too."""
+        return Receipt(self._call(self._native.add_turn, user_id, session_id, role, text, at,
+                                  meta, durable), self)
+
+    @staticmethod
+    def restore(snapshot_dir: str | os.PathLike[str], store_path: str | os.PathLike[str],
+                *, overwrite: bool = False) -> Any:
+        """:meth:`engine.Engine.restore`, blocking (a closed store; no engine)."""
+        return trio.run(lambda: TrioEngine.restore(snapshot_dir, store_path,
+                                                   overwrite=overwrite))
+
+    @staticmethod
+    def compact(store_path: str | os.PathLike[str]) -> dict[str, Any]:
+        """:meth:`engine.Engine.compact`, blocking (a closed store; no engine)."""
+        return trio.run(TrioEngine.compact, store_path)
+
+
+def _make(name: str, native: Callable[..., Any]) -> Callable[..., Any]:
+    def method(self: Engine, *args: Any, **kwargs: Any) -> Any:
+        if self._native is None:
+            raise EngineClosed("the engine is not open; use `with Engine.open(path)`")
+        return self._call(getattr(self._native, name), *args, **kwargs)
+
+    return method
+
+
+_bridge.mirror(Engine, _make)

@@ -1,0 +1,156 @@
+"""The asyncio facade (trio in guest mode on asyncio) and the blocking facade (trio in a
+thread): same methods, errors raised on the caller's side, clean close."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import trio
+
+from engine import EngineClosed, HashEmbedder, InvalidInput
+from engine import aio, sync
+from engine._bridge import MIRRORED
+
+from .conftest import open_engine
+
+
+def test_both_facades_mirror_every_coroutine_method() -> None:
+    """Every public coroutine method of the trio Engine is on both facades, with its docs."""
+    assert {"add_turn", "recall", "retrieve_memory", "forget_user", "flush"} <= set(MIRRORED)
+    for name in MIRRORED:
+        assert callable(getattr(aio.Engine, name)) and callable(getattr(sync.Engine, name))
+    assert aio.Engine.recall.__doc__ == sync.Engine.recall.__doc__ is not None
+
+
+def test_asyncio_facade_ingests_recalls_and_closes(tmp_path) -> None:
+    """Under asyncio.run: add_turn_nowait and awaited calls, durable receipts, errors of the
+    engine's own types, concurrent calls, and the store intact on reopen."""
+
+    async def main() -> None:
+        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+            receipt = mem.add_turn_nowait("ana", "s1", "user", "I moved to Lisbon")
+            assert receipt.seq == 0
+            await receipt.durable()
+            second = await mem.add_turn("ana", "s1", "user", "My dog is Pixel", durable=True)
+            assert second.seq == 1
+            with pytest.raises(InvalidInput, match="role"):
+                mem.add_turn_nowait("ana", "s1", "bot", "hi")
+            with pytest.raises(InvalidInput, match="role"):
+                await mem.add_turn("ana", "s1", "bot", "hi")
+            await mem.flush()
+            results = await asyncio.gather(*(mem.recall("ana", q, limit=1, kinds=["turn"])
+                                             for q in ("dog", "Lisbon", "Pixel")))
+            assert [r[0].text for r in results] == ["My dog is Pixel", "I moved to Lisbon",
+                                                    "My dog is Pixel"]
+            history = await mem.session_history("ana", "s1")
+            assert [t.text for t in history] == ["I moved to Lisbon", "My dog is Pixel"]
+            await asyncio.sleep(0)  # asyncio's own tasks run between the engine's steps
+        with pytest.raises(EngineClosed):
+            await mem.recall("ana", "dog")
+        with pytest.raises(EngineClosed):
+            mem.add_turn_nowait("ana", "s1", "user", "late")
+        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as again:
+            assert len(await again.session_history("ana", "s1")) == 2
+
+    asyncio.run(main())
+
+
+def test_asyncio_cancellation_cancels_the_trio_call_and_leaves_the_engine_usable(
+        tmp_path) -> None:
+    """A timed-out awaited call is cancelled on the trio side too; the engine goes on."""
+
+    async def main() -> None:
+        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+            receipt = mem.add_turn_nowait("ana", "s1", "user", "hello")
+            task = asyncio.ensure_future(mem.flush())
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await receipt.durable()
+            assert len(await mem.session_history("ana", "s1")) == 1
+
+    asyncio.run(main())
+
+
+def test_asyncio_open_failure_raises_on_the_asyncio_side(tmp_path) -> None:
+    """A bad config fails the open with the engine's error, and no trio run is left behind."""
+
+    async def main() -> None:
+        with pytest.raises(InvalidInput, match="config"):
+            async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder(),
+                                       config={"window_turns": 0}):
+                pass
+
+    asyncio.run(main())
+
+
+def test_an_exception_in_the_asyncio_body_comes_out_and_the_store_is_closed(tmp_path) -> None:
+    """The body's own error propagates unchanged after the engine drained and closed."""
+
+    async def main() -> None:
+        with pytest.raises(KeyError):
+            async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+                mem.add_turn_nowait("ana", "s1", "user", "kept")
+                raise KeyError("boom")
+        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+            assert [t.text for t in await mem.session_history("ana", "s1")] == ["kept"]
+
+    asyncio.run(main())
+
+
+def test_blocking_facade_serves_many_threads(tmp_path) -> None:
+    """Eight threads add and read at once through one engine; errors come out in the calling
+    thread; after close every call says EngineClosed."""
+    errors: list[BaseException] = []
+    with sync.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+
+        def worker(n: int) -> None:
+            try:
+                for i in range(20):
+                    mem.add_turn(f"u{n}", "s", "user", f"turn {i} of {n}")
+                mem.add_turn(f"u{n}", "s", "user", "last", durable=True).durable()
+                assert len(mem.session_history(f"u{n}", "s", limit=100)) == 21
+            except BaseException as exc:  # handed to the test thread below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        with pytest.raises(InvalidInput, match="text"):
+            mem.add_turn("u0", "s", "user", "")
+        mem.flush()
+        assert mem.stats().turns == 8 * 21
+        assert mem.recall("u3", "turn 7 of 3", limit=1, kinds=["turn"])[0].text == "turn 7 of 3"
+    with pytest.raises(EngineClosed):
+        mem.stats()
+    assert not [t for t in threading.enumerate() if t.name == "engram-trio"]
+
+
+def test_blocking_facade_closes_cleanly_on_keyboard_interrupt(tmp_path) -> None:
+    """Ctrl-C inside the with block closes the engine (turns drained) and propagates."""
+    with pytest.raises(KeyboardInterrupt):
+        with sync.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+            mem.add_turn("ana", "s1", "user", "before the interrupt")
+            raise KeyboardInterrupt
+    with sync.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+        assert [t.text for t in mem.session_history("ana", "s1")] == ["before the interrupt"]
+
+
+async def test_add_turn_nowait_on_trio_refuses_when_the_queue_is_full(store_path, monkeypatch
+                                                                      ) -> None:
+    """The native add_turn_nowait raises trio.WouldBlock instead of waiting for room, and
+    writes nothing then."""
+    import actors.store as store_mod
+
+    async with open_engine(store_path) as mem:
+        monkeypatch.setattr(store_mod, "QUEUE_LIMIT", 1)
+        mem.add_turn_nowait("ana", "s1", "user", "fits")
+        with pytest.raises(trio.WouldBlock):
+            mem.add_turn_nowait("ana", "s1", "user", "does not fit")
+        await mem.flush()
+        assert [t.text for t in await mem.session_history("ana", "s1")] == ["fits"]
