@@ -17,8 +17,8 @@ no second event loop in another thread, and the engine's tasks interleave with y
 Each awaited call hands the native coroutine to the trio loop and waits on an asyncio future;
 cancelling the awaiting task cancels the trio call. ``add_turn_nowait`` is synchronous: it runs
 the engine's hot path directly (trio and asyncio share the thread, and trio is between steps
-whenever asyncio code runs) and only wakes the trio loop, so it costs about what the native
-call costs. Works with any asyncio loop that has ``call_soon_threadsafe`` (uvloop too).
+whenever asyncio code runs; trio's guest mode wakes itself when that makes a task runnable),
+so it costs about what the native call costs. Works with any asyncio loop that has ``call_soon_threadsafe`` (uvloop too).
 """
 
 from __future__ import annotations
@@ -38,10 +38,6 @@ from ._engine import Engine as TrioEngine
 from .errors import EngineClosed
 
 __all__ = ["Engine", "Receipt"]
-
-
-def _noop() -> None:
-    pass
 
 
 class Receipt:
@@ -187,11 +183,11 @@ class Engine:
         """
         if self._closed:
             raise EngineClosed("the engine is closed; open a new one with Engine.open(path)")
-        native = self._native.add_turn_nowait(user_id, session_id, role, text, at, meta)
-        # The store's writer was rescheduled while trio waits for I/O in its own thread; this
-        # wakes that wait so the commit starts now (thread-safe, a few microseconds).
-        self._token.run_sync_soon(_noop)
-        return Receipt(native, self)
+        # No wake-up call needed: if this reschedules the store's writer while trio waits for
+        # I/O, trio's guest mode forces a tick itself (Runner.reschedule), and if the writer
+        # is busy committing it takes the turn with its next batch.
+        return Receipt(self._native.add_turn_nowait(user_id, session_id, role, text, at, meta),
+                       self)
 
     @staticmethod
     async def restore(snapshot_dir: str | os.PathLike[str], store_path: str | os.PathLike[str],

@@ -1,0 +1,173 @@
+"""Bridge benchmark: add_turn and awaited calls through engine.aio and engine.sync against the
+same calls on native trio, in one process, each on a fresh store.
+
+    python bench/bridges.py              # ~30 s on 2 cores
+    python bench/bridges.py --quick      # a few seconds
+    python bench/bridges.py --model      # recall with the real model (default: HashEmbedder,
+                                         # so the figure is the bridge, not the model)
+
+Measured per facade, back to back with a yield between calls:
+  add_turn        buffered add_turn (native: ``await mem.add_turn``; aio also
+                  ``add_turn_nowait``, the hot path, and ``await add_turn``; sync: the call)
+  history         ``session_history(limit=5)``: a cheap awaited call, so the bridge dominates
+  recall          ``recall(limit=5)`` over the turns added
+
+Targets (DESIGN.md): asyncio ``add_turn_nowait`` p50 <= 2x native ``add_turn``; awaited calls
+p50 < 150 us over native. Prints a table and writes JSON (--out, default
+bench/results/bridges.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+from _report import percentiles, write_results
+
+from engine import Engine, HashEmbedder
+from engine import aio, sync
+
+CONFIG = {"long_term": False}  # the bridge, not the background layer, is under test
+
+
+def us(values: list[float]) -> dict[str, float]:
+    return percentiles(values, 1e6, "us")
+
+
+def texts(n: int) -> list[str]:
+    words = "the dog Lisbon train river job data plan coffee market morning lesson".split()
+    return [" ".join(words[(i + k) % len(words)] for k in range(8)) + f" {i}" for i in range(n)]
+
+
+def options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"config": CONFIG, **({} if args.model else {"embedder": HashEmbedder()})}
+
+
+async def native(store: Path, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, list[float]] = {"add_turn": [], "add_turn_nowait": [], "history": [],
+                                   "recall": []}
+    clock = time.perf_counter
+    async with Engine.open(store, **options(args)) as mem:
+        for i, text in enumerate(texts(args.turns)):
+            start = clock()
+            await mem.add_turn("u", "s", "user", text)
+            out["add_turn"].append(clock() - start)
+            start = clock()
+            mem.add_turn_nowait("u", "s2", "user", text)
+            out["add_turn_nowait"].append(clock() - start)
+            await trio.sleep(0)
+        await mem.flush()
+        for i in range(args.calls):
+            start = clock()
+            await mem.session_history("u", "s", limit=5)
+            out["history"].append(clock() - start)
+            await trio.sleep(0)
+        for i, query in enumerate(texts(args.calls)):
+            start = clock()
+            await mem.recall("u", query, limit=5)
+            out["recall"].append(clock() - start)
+            await trio.sleep(0)
+    return {k: us(v) for k, v in out.items()}
+
+
+async def on_asyncio(store: Path, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, list[float]] = {"add_turn_nowait": [], "add_turn": [], "history": [],
+                                   "recall": []}
+    clock = time.perf_counter
+    async with aio.Engine.open(store, **options(args)) as mem:
+        for text in texts(args.turns):
+            start = clock()
+            mem.add_turn_nowait("u", "s", "user", text)
+            out["add_turn_nowait"].append(clock() - start)
+            start = clock()
+            await mem.add_turn("u", "s2", "user", text)
+            out["add_turn"].append(clock() - start)
+            await asyncio.sleep(0)
+        await mem.flush()
+        for i in range(args.calls):
+            start = clock()
+            await mem.session_history("u", "s", limit=5)
+            out["history"].append(clock() - start)
+            await asyncio.sleep(0)
+        for query in texts(args.calls):
+            start = clock()
+            await mem.recall("u", query, limit=5)
+            out["recall"].append(clock() - start)
+            await asyncio.sleep(0)
+    return {k: us(v) for k, v in out.items()}
+
+
+def blocking(store: Path, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, list[float]] = {"add_turn": [], "history": [], "recall": []}
+    clock = time.perf_counter
+    with sync.Engine.open(store, **options(args)) as mem:
+        for text in texts(args.turns):
+            start = clock()
+            mem.add_turn("u", "s", "user", text)
+            out["add_turn"].append(clock() - start)
+        mem.flush()
+        for i in range(args.calls):
+            start = clock()
+            mem.session_history("u", "s", limit=5)
+            out["history"].append(clock() - start)
+        for query in texts(args.calls):
+            start = clock()
+            mem.recall("u", query, limit=5)
+            out["recall"].append(clock() - start)
+    return {k: us(v) for k, v in out.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--model", action="store_true", help="recall with the real model")
+    parser.add_argument("--turns", type=int, default=5000)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--out", default="bench/results/bridges.json")
+    args = parser.parse_args()
+    if args.quick:
+        args.turns, args.calls = 500, 200
+    root = Path(tempfile.mkdtemp(prefix="engram-bench-bridges-"))
+    try:
+        results = {"native": trio.run(native, root / "native", args),
+                   "asyncio": asyncio.run(on_asyncio(root / "aio", args)),
+                   "sync": blocking(root / "sync", args)}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    base = results["native"]
+    print(f"{'facade':<8} {'call':<16} {'p50 us':>9} {'p99 us':>9} {'p50 vs native':>22}")
+    for facade, calls in results.items():
+        for call, figures in calls.items():
+            ref = base.get(call) or base["add_turn"]
+            if call == "add_turn_nowait" and facade == "asyncio":
+                ref = base["add_turn"]  # the target compares the hot path to native add_turn
+            versus = (f"{figures['p50_us'] / ref['p50_us']:.2f}x, "
+                      f"{figures['p50_us'] - ref['p50_us']:+.1f} us")
+            print(f"{facade:<8} {call:<16} {figures['p50_us']:>9.1f} {figures['p99_us']:>9.1f} "
+                  f"{versus:>22}")
+    nowait = results["asyncio"]["add_turn_nowait"]["p50_us"] / base["add_turn"]["p50_us"]
+    over = {call: results["asyncio"][call]["p50_us"] - base[call]["p50_us"]
+            for call in ("add_turn", "history", "recall")}
+    results["targets"] = {
+        "asyncio_add_turn_nowait_p50_vs_native_add_turn": nowait,
+        "asyncio_awaited_p50_over_native_us": over,
+        "met": nowait <= 2.0 and all(v < 150 for v in over.values()),
+    }
+    print(f"\nasyncio add_turn_nowait p50 = {nowait:.2f}x native add_turn (target <= 2x); "
+          f"awaited calls over native: "
+          + ", ".join(f"{k} {v:+.0f} us" for k, v in over.items()) + " (target < 150 us)")
+    results["machine"] = {"python": sys.version.split()[0], "platform": platform.platform(),
+                          "model": "minilm-l6-v2" if args.model else "HashEmbedder"}
+    write_results(args.out, results)
+
+
+if __name__ == "__main__":
+    main()
