@@ -224,6 +224,10 @@ def _bench(name: str, args: list[str]) -> dict[str, Any]:
     return {}
 
 
+def _stderr_line(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
 def _print(result: Any, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=2, default=str))
@@ -242,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             case "demo":
                 from ._demo import main as demo
 
-                result = demo(args.store)
+                # With --json the narrative goes to stderr, so stdout is one JSON document.
+                result = demo(args.store, _stderr_line if args.json else print)
                 if args.json:
                     _print(result, True)
                 return 0

@@ -21,10 +21,24 @@ async def test_demo_replays_the_conversation_and_reads_it_back(tmp_path) -> None
     assert any("forget   user 'tomas': gone" in line for line in lines)
 
 
-def test_cli_runs_the_demo(tmp_path, capsys) -> None:
-    """`python -m engine demo --json` exits 0 and prints the figures."""
+def test_cli_runs_the_demo(tmp_path, capsys, monkeypatch) -> None:
+    """`python -m engine demo --json` exits 0 and prints the figures as one JSON document
+    (the narrative goes to stderr); it leaves no temporary directory behind; run again on
+    the same store it does not ingest the conversation a second time."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     assert main(["demo", "--store", str(tmp_path / "cli"), "--json"]) == 0
-    assert '"identical_after_reopen": true' in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    first = json.loads(out)
+    assert first["identical_after_reopen"] is True and first["ingested"] is True
+    assert "Engram demo: replaying" in err
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert main(["demo", "--store", str(tmp_path / "cli"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    second = json.loads(out)
+    assert second["ingested"] is False and "ingest   skipped" in err
+    assert second["stats"]["turns"] == first["stats"]["turns"]
+    assert list((tmp_path / "tmp").iterdir()) == []
 
 
 def test_cli_reindex_adopts_another_model(tmp_path, capsys) -> None:
