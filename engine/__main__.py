@@ -29,7 +29,7 @@ from ._engine import Engine
 from .errors import EngineError, InvalidInput
 
 MODELS = ("minilm-l6-v2", "minilm-l6-v2-q8")
-BENCHES = ("ingest", "embed", "recall", "snapshot", "crash")
+BENCHES = ("ingest", "embed", "recall", "snapshot", "crash", "bridges", "http")
 REPO = Path(__file__).resolve().parent.parent
 KEY_ENV = "ENGRAM_INTEGRITY_KEY"  # where commands take a store's integrity key from
 

@@ -1,0 +1,194 @@
+"""HTTP load benchmark: concurrent clients against `engram-trio serve`, ingest and recall mixed.
+
+    python bench/http.py                  # ~40 s on 2 cores
+    python bench/http.py --quick          # ~10 s
+    python bench/http.py --clients 32 --seconds 30 --recall-share 0.3
+
+The server runs as its own process (`python -m engine serve`, with an api-keys file, the real
+model, fsync on), so what is measured is what a client in another language sees: HTTP/1.1
+keep-alive connections, JSON bodies, auth. The clients are trio tasks in this process, each
+with its own connection, sending back to back: a share of them recall (``POST
+/v1/users/{u}/recall``, 200 distinct queries, so the query-embedding cache answers after the
+first round), the rest add buffered turns (``POST .../turns``, 202). Client and server share
+the machine's two cores, so the figures are a floor.
+
+Beside them, the same two calls in-process on native trio (same store shape, same process
+as the clients) for the cost of HTTP itself. Prints a table and writes JSON (--out, default
+bench/results/http.json).
+"""
+
+from __future__ import annotations
+
+import sys
+
+# This file is named http.py, and running it puts bench/ first on sys.path, where it would
+# shadow the standard library's http package (which httpx imports): move bench/ to the end.
+_BENCH = sys.path.pop(0)
+sys.path.append(_BENCH)
+
+import argparse
+import os
+import platform
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+from _report import percentiles, write_results
+
+from engine import Engine
+
+KEY = "bench-key"
+WORDS = ("the a to and of I you it my we in for is that on with this was be have at but so "
+         "flat dog Lisbon Porto train vet run river job team data pipeline allergy peanut "
+         "morning lesson Portuguese weekend dinner market sardines coffee meeting plan").split()
+
+
+def sentence(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 30))).capitalize() + "."
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def wait_ready(base: str, process: subprocess.Popen) -> None:
+    async with httpx.AsyncClient(base_url=base) as http:
+        for _ in range(600):
+            if process.poll() is not None:
+                raise SystemExit(f"the server exited with {process.returncode}")
+            try:
+                if (await http.get("/healthz")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await trio.sleep(0.1)
+    raise SystemExit("the server did not answer /healthz within 60 s")
+
+
+async def load(base: str, args: argparse.Namespace, queries: list[str]) -> dict[str, Any]:
+    """Run the clients for args.seconds; latencies per kind, and counts."""
+    latencies: dict[str, list[float]] = {"ingest": [], "recall": []}
+    errors: list[str] = []
+    recallers = round(args.clients * args.recall_share)
+    deadline = trio.current_time() + args.seconds
+
+    async def client(n: int) -> None:
+        rng = random.Random(n)
+        kind = "recall" if n < recallers else "ingest"
+        user = f"user{n % args.users}"
+        limits = httpx.Limits(max_connections=1)
+        async with httpx.AsyncClient(base_url=base, limits=limits, timeout=30,
+                                     headers={"Authorization": f"Bearer {KEY}"}) as http:
+            i = 0
+            while trio.current_time() < deadline:
+                start = time.perf_counter()
+                if kind == "ingest":
+                    response = await http.post(
+                        f"/v1/users/{user}/sessions/s{n}/turns",
+                        json={"role": ("user", "assistant")[i % 2], "text": sentence(rng)})
+                else:
+                    response = await http.post(f"/v1/users/{user}/recall", json={
+                        "query": queries[(n * 7 + i) % len(queries)], "limit": 5})
+                latencies[kind].append(time.perf_counter() - start)
+                if response.status_code >= 300:
+                    errors.append(f"{response.status_code} {response.text[:100]}")
+                i += 1
+
+    started = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for n in range(args.clients):
+            nursery.start_soon(client, n)
+    elapsed = time.perf_counter() - started
+    total = sum(len(v) for v in latencies.values())
+    return {"seconds": elapsed, "requests": total, "req_per_s": total / elapsed,
+            "errors": len(errors), "first_errors": errors[:3],
+            **{kind: {**percentiles(v, 1e3, "ms"), "req_per_s": len(v) / elapsed}
+               for kind, v in latencies.items() if v}}
+
+
+async def seed(store: Path, args: argparse.Namespace) -> None:
+    """Some history per user, so recall has something to search."""
+    rng = random.Random(7)
+    async with Engine.open(store) as mem:
+        await mem.add_turns([{"user_id": f"user{u}", "session_id": "history", "role": "user",
+                              "text": sentence(rng)}
+                             for u in range(args.users) for _ in range(args.history)])
+        await mem.flush()
+
+
+async def in_process(store: Path, queries: list[str], n: int) -> dict[str, Any]:
+    """The same calls on native trio, back to back, on the seeded store."""
+    rng = random.Random(3)
+    ingest, recall = [], []
+    async with Engine.open(store) as mem:
+        for i in range(n):
+            start = time.perf_counter()
+            await mem.add_turn("user0", "inproc", "user", sentence(rng))
+            ingest.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            await mem.recall("user1", queries[i % len(queries)], limit=5)
+            recall.append(time.perf_counter() - start)
+            await trio.sleep(0)
+    return {"ingest": percentiles(ingest, 1e3, "ms"), "recall": percentiles(recall, 1e3, "ms")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--recall-share", type=float, default=0.25)
+    parser.add_argument("--users", type=int, default=50)
+    parser.add_argument("--history", type=int, default=200, help="turns per user beforehand")
+    parser.add_argument("--out", default="bench/results/http.json")
+    args = parser.parse_args()
+    if args.quick:
+        args.seconds, args.history = 5, 40
+    root = Path(tempfile.mkdtemp(prefix="engram-bench-http-"))
+    rng = random.Random(11)
+    queries = [" ".join(rng.choice(WORDS) for _ in range(5)) for _ in range(200)]
+    process = None
+    try:
+        store = root / "store"
+        trio.run(seed, store, args)
+        (root / "keys").write_text(f"{KEY} *\n")
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "engine", "serve", str(store), "--port", str(port),
+             "--api-keys", str(root / "keys")], stderr=subprocess.DEVNULL)
+        trio.run(wait_ready, base, process)
+        results = {"http": trio.run(load, base, args, queries)}
+        process.terminate()
+        process.wait(30)
+        results["in_process"] = trio.run(in_process, store, queries, 500 if args.quick else 2000)
+    finally:
+        if process is not None and process.poll() is None:
+            process.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    http, native = results["http"], results["in_process"]
+    print(f"{args.clients} clients ({round(args.clients * args.recall_share)} recalling), "
+          f"{http['seconds']:.0f} s: {http['req_per_s']:,.0f} req/s, {http['errors']} errors")
+    print(f"{'call':<8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}   in-process p50 / p99 ms")
+    for kind in ("ingest", "recall"):
+        if kind in http:
+            h, n = http[kind], native[kind]
+            print(f"{kind:<8} {h['req_per_s']:>8,.0f} {h['p50_ms']:>8.2f} {h['p99_ms']:>8.2f}"
+                  f"   {n['p50_ms']:.3f} / {n['p99_ms']:.3f}")
+    results["args"] = vars(args)
+    results["machine"] = {"python": sys.version.split()[0], "platform": platform.platform(),
+                          "cpus": os.cpu_count()}
+    write_results(args.out, results)
+
+
+if __name__ == "__main__":
+    main()
