@@ -69,7 +69,7 @@ def unseal(raw: bytes, database: bytes, key: bytes) -> bytes:
         raise StoreCorrupt(
             f"the store record {key!r} in database {database.decode()!r} fails its checksum "
             f"(expected a CRC-32 of its {max(len(raw) - SEAL, 0)} bytes, found another); the "
-            "store was damaged on disk or edited: run `engram verify STORE` to see every "
+            "store was damaged on disk or edited: run `engram-trio verify STORE` to see every "
             "damaged record, and restore from a snapshot", database.decode(), bytes(key))
     return body
 

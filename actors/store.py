@@ -442,7 +442,7 @@ def _check_content(txn: CheckedTxn, dbs: dict[bytes, Any], key: bytes, entry: by
         raise StoreTampered(
             f"the record at log position {lsn} is not what the engine wrote there (its content "
             "digest does not match the store's hash chain): the store was edited outside the "
-            "engine; run `engram verify STORE` and restore from a snapshot", "log", key, lsn)
+            "engine; run `engram-trio verify STORE` and restore from a snapshot", "log", key, lsn)
 
 
 def _check_logged(txn: CheckedTxn, dbs: dict[bytes, Any], key: bytes, entry: bytes) -> None:
@@ -715,7 +715,7 @@ class Store:
             raise StoreTampered(
                 f"{self.path} has a log of {last} entries but {'no' if raw is None else 'a broken'}"
                 f" hash-chain head (meta {HEAD_KEY!r}); it was edited outside the engine: run "
-                f"`engram verify {self.path}` and restore from a snapshot", "meta", HEAD_KEY)
+                f"`engram-trio verify {self.path}` and restore from a snapshot", "meta", HEAD_KEY)
         if self._key is None and head.mac:
             raise StoreIncompatible(
                 f"{self.path} is sealed with an integrity key (its chain head carries a MAC); "
@@ -724,7 +724,7 @@ class Store:
             if head.lsn:
                 raise StoreIncompatible(
                     f"{self.path} was written without an integrity key, so nothing vouches for "
-                    f"what it holds so far; check it and seal it with `engram verify {self.path} "
+                    f"what it holds so far; check it and seal it with `engram-trio verify {self.path} "
                     "--seal` (the key in ENGRAM_INTEGRITY_KEY), then open it with the key")
             txn.put(HEAD_KEY, encode_head(0, ZERO, self._key), db=meta)
             head = decode_head(encode_head(0, ZERO, self._key))
@@ -738,14 +738,14 @@ class Store:
             raise StoreTampered(
                 f"{self.path}: the hash chain ends at log position {head.lsn} and the store "
                 f"says its log ends at {last}: records were cut or added outside the engine; "
-                f"run `engram verify {self.path}`", "meta", _LAST_LSN_KEY, min(head.lsn, last))
+                f"run `engram-trio verify {self.path}`", "meta", _LAST_LSN_KEY, min(head.lsn, last))
         problems = check_chain(CheckedTxn(txn, self._names), self._dbs,
                                max(1, last - TAIL_CHECK + 1), last, head.digest)
         if problems:
             lsn, what = problems[0]
             raise StoreTampered(
                 f"{self.path}: at log position {lsn}, {what} ({len(problems)} problem(s) in the "
-                f"last {min(TAIL_CHECK, last)} positions); run `engram verify {self.path}` for "
+                f"last {min(TAIL_CHECK, last)} positions); run `engram-trio verify {self.path}` for "
                 "every break, and restore from a snapshot", "log", lsn_key(lsn), lsn)
         self._head = (last, head.digest)
 
@@ -1417,7 +1417,7 @@ def read_session_tail(
                 f"session {session_id!r} of user {user_id!r} promises turns numbered up to "
                 f"{end - 1} without gaps, and its latest turns in the store are seqs "
                 f"{[t.seq for t in found]}: "
-                "turns were removed, moved or copied in outside the engine; run `engram verify "
+                "turns were removed, moved or copied in outside the engine; run `engram-trio verify "
                 "STORE`", "turns", prefix, found[0].lsn if found else 0)
     return found
 

@@ -1,4 +1,4 @@
-"""``engram verify``: check a whole store against its checksums, its hash chain and its promises.
+"""``engram-trio verify``: check a whole store against its checksums, its hash chain and its promises.
 
 Opening a store checks only the chain's tail; this walks everything, in one read transaction
 (so it may run beside a serving engine and sees one consistent state):

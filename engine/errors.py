@@ -96,7 +96,7 @@ class StoreCorrupt(EngineError):
 
 class StoreTampered(StoreCorrupt):
     """The store's hash chain does not match its records: something edited, removed, reordered
-    or added records outside the engine (``engram verify STORE`` lists every break).
+    or added records outside the engine (``engram-trio verify STORE`` lists every break).
 
     Attributes:
         lsn: the log position where the chain breaks (0 when it is the head itself).
