@@ -1,7 +1,8 @@
 """The ``engram-trio`` command (also ``python -m engine``).
 
 Exit codes: 0 done; 1 the engine refused or failed (the message says why and what to do), or
-``verify`` found the store broken; 2 the command line was wrong; 130 interrupted.
+``verify`` found the store broken; 2 the command line was wrong; 130 interrupted (Ctrl-C);
+141 the reader of stdout went away (``| head``), without a traceback.
 
 A store sealed with an integrity key is opened with the key in the environment variable
 ENGRAM_INTEGRITY_KEY (never on the command line, where other users see it).
@@ -73,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     reindex.add_argument("store")
     reindex.add_argument("--model", choices=MODELS, default=MODELS[0],
                          help="the model to embed with (default: %(default)s)")
+    reindex.add_argument("--force", action="store_true",
+                         help="rebuild even when the store is complete with this model")
     verify = command("verify", "check every record, the hash chain and the sessions of a store; "
                                f"exit 1 where it breaks (the MAC too, with {KEY_ENV} set)")
     verify.add_argument("store")
@@ -103,16 +106,40 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _progress(label: str) -> Callable[[int, int], None]:
-    """A one-line progress bar on stderr."""
-    started = time.perf_counter()
+    """A progress bar with an ETA on stderr (rich): live on a terminal, and on anything else
+    (a pipe, a CI log) no redrawn lines, just the final state. Call ``show(done, total)``; it
+    ends when done reaches total."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TimeElapsedColumn
+    from rich.progress import TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn(label), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
+                   TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+    task = None
 
     def show(done: int, total: int) -> None:
-        share = done / total if total else 1.0
-        bar = "#" * int(share * 30)
-        print(f"\r{label} [{bar:<30}] {share:6.1%} {time.perf_counter() - started:6.1f} s",
-              end="" if done < total else "\n", file=sys.stderr, flush=True)
+        nonlocal task
+        if task is None:
+            bar.start()
+            task = bar.add_task(label, total=max(total, 1))
+        bar.update(task, completed=done, total=max(total, 1))
+        if done >= total:
+            bar.stop()
 
     return show
+
+
+def human_duration(seconds: float) -> str:
+    """``0.0042`` -> ``4.2 ms``, ``83`` -> ``1 min 23 s``, ``7260`` -> ``2 h 01 min``."""
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    if seconds < 60:
+        return f"{seconds:.3g} s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
 
 
 def _open(store: str, **kwargs: Any):
@@ -180,13 +207,28 @@ async def _restore(snapshot: str, store: str, overwrite: bool) -> dict[str, Any]
     return {"lsn": manifest.lsn, "turns": stats.turns, "open_s": round(ready, 3)}
 
 
-async def _reindex(store: str, model: str, progress: Callable[..., None] = print) -> dict:
+async def _reindex(store: str, model: str, progress: Callable[..., None] = print,
+                   force: bool = False) -> dict:
     """Rebuild a closed store's indexes: the text index from the store, and every vector with
-    ``model`` (adopting it); returns once both cover everything."""
+    ``model`` (adopting it); returns once both cover everything. When the store already has
+    every vector from ``model`` and a complete text index, does nothing unless ``force``."""
     start = time.perf_counter()
     path = Path(store)
     if not (path / "data.mdb").exists():
         raise InvalidInput("store", f"expected an Engram store, found no data.mdb in {path}")
+    from actors.embedder import MODELS as BUILT
+    from actors.store import stored_model
+
+    current = stored_model(path)
+    if not force and current is not None and current.id == BUILT[model][1]:
+        async with _open(store) as mem:
+            stats = await mem.stats()
+        if stats.embedded_lsn >= stats.committed_lsn and stats.indexed_lsn >= stats.committed_lsn:
+            progress(f"nothing to do: every record of {path} already has its vector from "
+                     f"{stats.model} and is in the text index (--force rebuilds anyway)")
+            return {"model": stats.model, "turns": stats.turns, "reindexed": False,
+                    "embedded_lsn": stats.embedded_lsn, "indexed_lsn": stats.indexed_lsn,
+                    "fulltext_rebuilt": False}
     await trio.to_thread.run_sync(shutil.rmtree, path / "fulltext", True)
     async with Engine.open(store, config=Config(model=model, integrity_key=_key()),
                            reembed=True) as mem:
@@ -204,10 +246,15 @@ async def _reindex(store: str, model: str, progress: Callable[..., None] = print
             nursery.cancel_scope.cancel()
         stats = await mem.stats()
         show(1, 1)
-    progress(f"re-embedded {stats.turns:,} turns with {stats.model} "
-             f"in {time.perf_counter() - start:.1f} s")
-    return {"model": stats.model, "turns": stats.turns, "embedded_lsn": stats.embedded_lsn,
-            "indexed_lsn": stats.indexed_lsn, "fulltext_rebuilt": True}
+    seconds = time.perf_counter() - start
+    before = "no model" if current is None else current.id
+    progress(f"reindexed {path}: rebuilt the text index and re-embedded every record "
+             f"({stats.turns:,} turns, log up to {stats.embedded_lsn:,}) with {stats.model} "
+             f"(was {before}) in {human_duration(seconds)}")
+    return {"model": stats.model, "previous_model": before, "turns": stats.turns,
+            "reindexed": True, "embedded_lsn": stats.embedded_lsn,
+            "indexed_lsn": stats.indexed_lsn, "fulltext_rebuilt": True,
+            "seconds": round(seconds, 3)}
 
 
 def _bench(name: str, args: list[str]) -> dict[str, Any]:
@@ -228,6 +275,10 @@ def _stderr_line(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+def _is_duration(key: str) -> bool:
+    return key == "seconds" or key.endswith("_s")
+
+
 def _print(result: Any, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=2, default=str))
@@ -236,10 +287,79 @@ def _print(result: Any, as_json: bool) -> None:
         for key, value in result.items():
             if isinstance(value, (dict, list)):
                 value = json.dumps(value, default=str)
+            elif _is_duration(key) and isinstance(value, (int, float)):
+                value = human_duration(value)
             print(f"{key:>16}: {value}")
 
 
+def _print_inspect(report: dict[str, Any], as_json: bool) -> None:
+    """``inspect``: tables for people; with ``--json``, JSON lines for scripts: one object per
+    line, ``{"type": "user", ...}`` first, then one per session, fact, episode (and any other
+    list the report holds), each tagged with its ``type``."""
+    lists = {key: value for key, value in report.items() if isinstance(value, list)}
+    head = {key: value for key, value in report.items() if key not in lists}
+    if as_json:
+        print(json.dumps({"type": "user", **head}, default=str))
+        for key, items in lists.items():
+            kind = key[:-1] if key.endswith("s") else key
+            for item in items:
+                print(json.dumps({"type": kind, **item} if isinstance(item, dict)
+                                 else {"type": kind, "value": item}, default=str))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 120)  # a pager or a file: wrap less than at 80
+    counts = head.get("counts") or {}
+    print(f"{head.get('user_id')}  " + "  ".join(f"{key} {value}"
+                                                 for key, value in counts.items()))
+    columns = {
+        "sessions": ("session_id", "turn_count", "started_at", "last_at", "latest"),
+        "facts": ("category", "key", "value", "confidence", "importance", "protected",
+                  "origin"),
+        "episodes": ("session_id", "turns", "title", "surprise", "end_at"),
+    }
+    for key, items in lists.items():
+        if not items:
+            console.print(f"{key}: none", highlight=False)
+            continue
+        names = columns.get(key) or tuple(items[0]) if isinstance(items[0], dict) else ("value",)
+        table = Table(title=key, title_justify="left", show_lines=key == "sessions")
+        for name in names:
+            table.add_column(name, overflow="fold")
+        for item in items:
+            row = item if isinstance(item, dict) else {"value": item}
+            table.add_row(*(_cell(name, row.get(name)) for name in names))
+        console.print(table)
+
+
+def _cell(name: str, value: Any) -> str:
+    if name == "latest" and isinstance(value, list):
+        return "\n".join(f"#{t['seq']} {t['role']}: {t['text'][:70]}" for t in value)
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(str(v) for v in value)
+    return "" if value is None else str(value)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; return its exit code (see the module docstring)."""
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`| head`): say nothing more, and keep Python's own flush at
+        # exit from failing on the closed pipe as well.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+
+
+def _run(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     try:
         match args.command:
@@ -262,11 +382,15 @@ def main(argv: list[str] | None = None) -> int:
                 result = trio.run(_stats, args.store)
             case "inspect":
                 result = trio.run(_inspect, args.store, args.user, args.turns)
+                _print_inspect(result, args.json)
+                return 0
             case "compact":
                 result = trio.run(Engine.compact, args.store)
             case "reindex":
                 result = trio.run(_reindex, args.store, args.model,
-                                  (lambda *a: None) if args.json else print)
+                                  (lambda *a: None) if args.json else print, args.force)
+                if not args.json:
+                    return 0  # the sentence above said what was done
             case "bench":
                 _bench(args.name, args.args)
                 return 0

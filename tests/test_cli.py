@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 
 import pytest
 import trio
 
-from engine.__main__ import main
+from engine.__main__ import human_duration, main
 
 from .conftest import open_engine
 
@@ -35,13 +38,58 @@ def test_stats_and_inspect_print_json(store, capsys) -> None:
     stats = _json(capsys)
     assert (stats["users"], stats["sessions"], stats["turns"]) == (2, 2, 3)
     assert main(["inspect", str(store), "--user", "ana", "--json"]) == 0
-    report = _json(capsys)
-    (session,) = report["sessions"]
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    head = lines[0]
+    assert head["type"] == "user" and head["user_id"] == "ana" and head["counts"]["turns"] == 2
+    (session,) = [line for line in lines if line["type"] == "session"]
     assert session["session_id"] == "s1"
     assert [t["text"] for t in session["latest"]] == ["I moved to Lisbon", "Welcome to Lisbon!"]
-    (fact,) = report["facts"]
+    (fact,) = [line for line in lines if line["type"] == "fact"]
     assert (fact["key"], fact["value"], fact["origin"]) == ("location", "Lisbon", "rules")
-    assert report["episodes"] == [] and report["counts"]["turns"] == 2
+    assert not [line for line in lines if line["type"] == "episode"]
+
+
+def test_inspect_prints_tables_for_people(store, capsys) -> None:
+    """Without --json, inspect prints a header line and a table per kind."""
+    assert main(["inspect", str(store), "--user", "ana"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ana  turns 2")
+    assert "sessions" in out and "s1" in out and "#0 user: I moved to Lisbon" in out
+    assert "location" in out and "Lisbon" in out and "episodes: none" in out
+
+
+def test_durations_read_in_human_units() -> None:
+    """Seconds become ms, s, min or h as their size asks."""
+    assert [human_duration(s) for s in (0.0042, 4.25, 83, 7260)] == [
+        "4.2 ms", "4.25 s", "1 min 23 s", "2 h 01 min"]
+
+
+def test_a_closed_pipe_ends_quietly(store) -> None:
+    """`engram-trio inspect ... | head -c 1`: exit 141, no traceback on stderr."""
+    with subprocess.Popen([sys.executable, "-m", "engine", "inspect", str(store),
+                           "--user", "ana", "--json"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE) as process:
+        process.stdout.close()  # the reader is gone before a byte is written
+        err = process.stderr.read()
+        process.wait(timeout=60)
+    assert process.returncode == 141 and b"Traceback" not in err and b"Exception" not in err
+
+
+def test_serve_stops_on_ctrl_c_with_exit_130(tmp_path) -> None:
+    """SIGINT stops `serve` gracefully: the engine closes, exit 130, no traceback."""
+    with subprocess.Popen([sys.executable, "-m", "engine", "serve", str(tmp_path / "s"),
+                           "--port", "0"], stderr=subprocess.PIPE, text=True) as process:
+        try:
+            for line in process.stderr:
+                if "serving" in line:
+                    break
+            process.send_signal(signal.SIGINT)
+            rest = process.stderr.read()
+            assert process.wait(timeout=60) == 130
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert "Traceback" not in rest
 
 
 def test_snapshot_restore_round_trip_and_refusals(store, tmp_path, capsys) -> None:

@@ -58,6 +58,9 @@ def test_cli_reindex_adopts_another_model(tmp_path, capsys) -> None:
     assert report["model"] == "sentence-transformers/all-MiniLM-L6-v2@q8-block16"
     # The turn and the fact extracted from it.
     assert report["fulltext_rebuilt"] and report["indexed_lsn"] == report["embedded_lsn"] == 2
+    assert report["previous_model"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert main(["reindex", str(tmp_path / "s"), "--model", "minilm-l6-v2-q8"]) == 0
+    assert capsys.readouterr().out.startswith("nothing to do: every record of ")
 
     async def reopen_with_default() -> None:
         async with Engine.open(tmp_path / "s"):
