@@ -258,7 +258,8 @@ async def _reindex(store: str, model: str, progress: Callable[..., None] = print
 
 
 def _bench(name: str, args: list[str]) -> dict[str, Any]:
-    script = REPO / "bench" / f"{name}.py"
+    # http_load.py: a bench/http.py would shadow the standard library's http package.
+    script = REPO / "bench" / f"{'http_load' if name == 'http' else name}.py"
     if not script.exists():
         raise InvalidInput("bench", f"expected {script} (bench/ ships with the repository, "
                                     "not the installed package); run from a checkout")

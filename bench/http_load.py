@@ -1,8 +1,12 @@
 """HTTP load benchmark: concurrent clients against `engram-trio serve`, ingest and recall mixed.
 
-    python bench/http.py                  # ~40 s on 2 cores
-    python bench/http.py --quick          # ~10 s
-    python bench/http.py --clients 32 --seconds 30 --recall-share 0.3
+    python bench/http_load.py             # ~40 s on 2 cores (engram-trio bench http: the same)
+    python bench/http_load.py --quick     # ~10 s
+    python bench/http_load.py --clients 32 --seconds 30 --recall-share 0.3
+
+Named http_load.py, not http.py: Python puts a script's directory first on sys.path, so a
+bench/http.py would shadow the standard library's http package for every script in bench/
+(and the engine imports httpx, which imports http.client).
 
 The server runs as its own process (`python -m engine serve`, with an api-keys file, the real
 model, fsync on), so what is measured is what a client in another language sees: HTTP/1.1
@@ -19,13 +23,6 @@ bench/results/http.json).
 
 from __future__ import annotations
 
-import sys
-
-# This file is named http.py, and running it puts bench/ first on sys.path, where it would
-# shadow the standard library's http package (which httpx imports): move bench/ to the end.
-_BENCH = sys.path.pop(0)
-sys.path.append(_BENCH)
-
 import argparse
 import os
 import platform
@@ -33,6 +30,7 @@ import random
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
