@@ -1,5 +1,5 @@
 """Tamper evidence and record checksums: a CLOSED store edited with raw lmdb is caught by
-``engram verify`` and by open (the tail) or by the read that would have served the edit."""
+``engram-trio verify`` and by open (the tail) or by the read that would have served the edit."""
 
 from __future__ import annotations
 
@@ -251,7 +251,7 @@ def test_another_users_turn_copied_in_is_caught_by_verify_and_by_the_read(store)
 
 
 def test_verify_cli_says_where_it_breaks_and_exits_non_zero(store, capsys) -> None:
-    """`engram verify` exits 0 on a sound store and 1 on an edited one, naming the place."""
+    """`engram-trio verify` exits 0 on a sound store and 1 on an edited one, naming the place."""
     assert main(["verify", str(store), "--json"]) == 0
     capsys.readouterr()
     with Raw(store) as raw:
