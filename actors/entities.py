@@ -21,7 +21,7 @@ import trio
 from engine._records import Entity, Link
 
 from .messages import Searchable
-from .store import LogFollower, Store, read_entities, read_entity_keys, user_prefix
+from .store import LogFollower, Store, entity_key, read_entities, read_entity_keys
 
 __all__ = ["Entities", "extract_entities", "MEMORIES_PER_ENTITY"]
 
@@ -154,7 +154,6 @@ class Entities:
                 changed[key] = Entity(entity.name, entity.type, aliases, entity.mentions + 1,
                                       min(entity.first_seen, at), max(entity.last_seen, at), lsns,
                                       record.memory_id or entity.last_id)
-            prefix = user_prefix(user_id)
             for key, entity in list(changed.items()):
                 first = entity.name.split()[0].lower()
                 if entity.type != "person" or first == key:
@@ -180,7 +179,7 @@ class Entities:
                 # Guarded by its newest memory: if that was forgotten meanwhile, the registry
                 # keeps its state from before this step.
                 guard = entity.lsns[-1] if entity.lsns else 0
-                puts.append((b"entities", prefix + key.encode(), _encode(entity), guard))
+                puts.append((b"entities", entity_key(user_id, key), _encode(entity), guard))
         return tuple(puts), tuple(links)
 
 

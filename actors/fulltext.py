@@ -31,8 +31,8 @@ import trio
 
 from engine.errors import EngineClosed
 
-from .messages import Searchable
-from .store import Store, read_log_range
+from .messages import PutState, Searchable
+from .store import Store, failure_put, read_log_range
 
 __all__ = ["FullText", "TextFilters"]
 
@@ -191,7 +191,13 @@ class FullText:
                 if not self._pending:
                     self._pending_since = trio.current_time()
                 self._pending += len(records) + len(deleted)
-                await trio.to_thread.run_sync(self._apply, records, deleted)
+                failed = await trio.to_thread.run_sync(self._apply, records, deleted)
+                if failed:
+                    # Kept in the store, seen in stats and `engram inspect --failures`; the
+                    # index goes on without those records.
+                    store.submit(PutState(tuple(
+                        failure_put(r.lsn, "fulltext", r.user_id, r.memory_id, exc)
+                        for r, exc in failed)))
             self._read_lsn = last
             if not self._pending:
                 self.indexed_lsn = last
@@ -226,8 +232,9 @@ class FullText:
         if closing:
             raise EngineClosed("the store is closing")
 
-    def _apply(self, records: list[Searchable], deleted: list[int]) -> None:
-        write_records(self._writer, self._schema, records, deleted)
+    def _apply(self, records: list[Searchable],
+               deleted: list[int]) -> list[tuple[Searchable, Exception]]:
+        return write_records(self._writer, self._schema, records, deleted)
 
     async def _commit_now(self) -> None:
         async with self._commit_lock:
@@ -334,22 +341,33 @@ class FullText:
 
 
 def write_records(writer: Any, schema: tantivy.Schema, records: list[Searchable],
-                  deleted: list[int]) -> None:
-    """Hand deletions and documents to a writer (uncommitted)."""
+                  deleted: list[int]) -> list[tuple[Searchable, Exception]]:
+    """Hand deletions and documents to a writer (uncommitted).
+
+    Returns:
+        The records the index could not take (a date outside its range, from a store written
+        before dates were checked), with why: the others are indexed all the same.
+    """
     if deleted:  # by query: delete_documents_by_term misses u64 terms given Python ints
         writer.delete_documents_by_query(tantivy.Query.term_set_query(schema, "lsn", deleted))
+    failed: list[tuple[Searchable, Exception]] = []
     for r in records:
-        doc = tantivy.Document()
-        doc.add_unsigned("lsn", r.lsn)  # typed adders: keyword construction guesses i64
-        doc.add_text("user", r.user_id)
-        doc.add_text("session", r.session_id)
-        doc.add_text("role", r.role)
-        doc.add_text("kind", r.kind)
-        doc.add_date("at", r.at)
-        doc.add_text("text", r.text)
-        for tag in r.tags:
-            doc.add_text("tags", tag)
+        try:
+            doc = tantivy.Document()
+            doc.add_unsigned("lsn", r.lsn)  # typed adders: keyword construction guesses i64
+            doc.add_text("user", r.user_id)
+            doc.add_text("session", r.session_id)
+            doc.add_text("role", r.role)
+            doc.add_text("kind", r.kind)
+            doc.add_date("at", r.at)
+            doc.add_text("text", r.text)
+            for tag in r.tags:
+                doc.add_text("tags", tag)
+        except (ValueError, OverflowError) as exc:
+            failed.append((r, exc))
+            continue
         writer.add_document(doc)
+    return failed
 
 
 def _copy_committed(source: Path, dest: Path) -> bool:

@@ -27,12 +27,17 @@ entities   user NUL lower-case name                Entity (msgpack)
 reviews    user NUL memory id                      ReviewState (msgpack): FSRS after reviews
 pending    user NUL conversation id                PendingReview (msgpack)
 chain      lsn (8 bytes, big-endian)               chain digest + content digest + removed lsns
+failures   lsn(8) actor                            Failure (msgpack): a record a part skipped
 =========  ======================================  ===========================================
 
 Every value but ``meta``'s ends with a CRC-32 of the rest, sealed and checked in one place
 (:class:`actors.integrity.CheckedTxn`): a damaged record is ``StoreCorrupt``, never a value. The
 ``chain`` database is the log's hash chain, its head in ``meta`` under ``chain_head`` (see
 ``actors/integrity.py``); opening a store checks the chain's tail against the head.
+
+Entity names, a fact's category and key, and both ends of a link go through ``keys.fit`` when
+the key would pass LMDB's 511 bytes: a readable head, 0xFF, a digest (the full value is in the
+record). Ids a caller chooses are at most 250 bytes (checked at the call).
 
 ``ids`` maps ``user NUL id`` of a turn, an episode or a fact to its key (in ``turns``, or
 after the tag ``NUL E`` / ``NUL F`` in ``episodes`` / ``facts``). Log entries: ``E`` + episode key; ``F`` + count(2) + the lsns that
@@ -58,9 +63,11 @@ from __future__ import annotations
 import heapq
 import hmac
 import logging
+import time
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -74,6 +81,7 @@ from engine._records import (
     Entity,
     Episode,
     Fact,
+    Failure,
     Link,
     Note,
     PendingReview,
@@ -88,6 +96,7 @@ from engine.errors import (
     EngineError,
     InvalidInput,
     ModelMismatch,
+    RecordRefused,
     StoreIncompatible,
     StoreTampered,
 )
@@ -108,6 +117,8 @@ from .integrity import (
     unseal,
 )
 
+from .keys import MAX_KEY_BYTES, fit, is_fitted
+
 from .messages import (
     AppendTurn,
     DeleteNote,
@@ -124,7 +135,9 @@ from .messages import (
 )
 
 __all__ = ["Store", "LogFollower", "MIGRATIONS", "user_prefix", "session_prefix", "lsn_key", "fact_key",
-           "episode_key"]
+           "episode_key", "entity_key", "failure_put", "read_failures"]
+
+log = logging.getLogger("engram.store")
 
 QUEUE_LIMIT = 16_384  # queued turns before callers wait: ~4 full batches means the disk is behind
 BATCH_MAX = 4_096  # ops per write transaction, so one commit (and the waiters behind it) stays short
@@ -134,7 +147,12 @@ TAIL_CHECK = 64  # log positions whose chain opening a store recomputes: the las
 MAX_READERS = 126  # LMDB reader slots: the default, far above the threads we use
 
 DB_NAMES = (b"meta", b"sessions", b"turns", b"ids", b"log", b"vectors", b"links", b"notes",
-            b"summaries", b"episodes", b"facts", b"entities", b"reviews", b"pending", b"chain")
+            b"summaries", b"episodes", b"facts", b"entities", b"reviews", b"pending", b"chain",
+            b"failures")
+# Errors of one op (a key LMDB cannot hold, a value that cannot be encoded): the op is refused
+# alone and the rest of its batch commits. Any other lmdb.Error is the disk's and breaks the store.
+_OP_ERRORS = (lmdb.BadValsizeError, ValueError, TypeError, OverflowError, msgspec.MsgspecError)
+REFUSALS_KEPT = 1024  # refused lsns remembered for their waiters
 LOG_TURN = b"T"
 LOG_NOTE = b"N"  # + the lsn this version replaces (8 bytes, 0: none) + the notes key
 LOG_TOMBSTONE = b"D"
@@ -272,6 +290,7 @@ decode_fact = msgspec.msgpack.Decoder(Fact).decode
 decode_entity = msgspec.msgpack.Decoder(Entity).decode
 decode_review = msgspec.msgpack.Decoder(ReviewState).decode
 decode_pending = msgspec.msgpack.Decoder(PendingReview).decode
+decode_failure = msgspec.msgpack.Decoder(Failure).decode
 _IDS_TARGETS = {IDS_EPISODE: (b"episodes", decode_episode), IDS_FACT: (b"facts", decode_fact)}
 
 
@@ -288,8 +307,39 @@ def lsn_key(lsn: int) -> bytes:
 
 
 def fact_key(fact: Fact) -> bytes:
-    return (user_prefix(fact.user_id) + fact.category.encode() + b"\x00" + fact.key.encode()
-            + b"\x00" + lsn_key(fact.lsn))
+    """user NUL category NUL key NUL lsn; category and key shortened (keys.fit) if long."""
+    prefix = user_prefix(fact.user_id)
+    name = fit(fact.category.encode() + b"\x00" + fact.key.encode(),
+               MAX_KEY_BYTES - len(prefix) - 9)
+    return prefix + name + b"\x00" + lsn_key(fact.lsn)
+
+
+def entity_key(user_id: str, name: str) -> bytes:
+    """user NUL lower-case name; the name shortened (keys.fit) if long."""
+    prefix = user_prefix(user_id)
+    return prefix + fit(name.encode(), MAX_KEY_BYTES - len(prefix))
+
+
+def failure_key(lsn: int, actor: str) -> bytes:
+    """lsn, actor: one failure per record and actor; writes outside the log (lsn 0) add the
+    time, so that each is kept."""
+    key = lsn_key(lsn) + actor.encode()
+    return key if lsn else key + b"\x00" + time.time_ns().to_bytes(8, "big")
+
+
+def _printable(text: str) -> str:
+    """Text that encodes whatever it holds (a lone surrogate becomes its escape)."""
+    return text.encode("utf-8", "backslashreplace").decode()
+
+
+def failure_put(lsn: int, actor: str, user_id: str, memory_id: str,
+                error: BaseException) -> tuple[bytes, bytes, bytes, int]:
+    """A PutState put that records a failure, guarded by its record (a record forgotten
+    meanwhile leaves no failure behind)."""
+    failure = Failure(lsn, actor, _printable(user_id), _printable(memory_id),
+                      _printable(f"{type(error).__name__}: {error}")[:1000],
+                      datetime.now(timezone.utc))
+    return (b"failures", failure_key(lsn, actor), _encode(failure), lsn)
 
 
 def episode_key(episode: Episode) -> bytes:
@@ -339,6 +389,27 @@ def _chain_in(txn: CheckedTxn, dbs: dict[bytes, Any], lsn: int, previous: bytes)
     digest = link(previous, key, content, removed)
     txn.put(key, digest + content + removed, db=dbs[b"chain"], append=True)
     return digest
+
+
+def _chain_turns(txn: CheckedTxn, dbs: dict[bytes, Any], log_entries: list[tuple[bytes, bytes]],
+                 values: list[bytes], previous: bytes) -> bytes:
+    """Append the chain records of appended turns (their log keys and entries, and their
+    values); returns the last digest."""
+    records = []
+    for (key, entry), value in zip(log_entries, values, strict=True):
+        content = content_digest(key, entry, value)
+        previous = link(previous, key, content, b"")
+        records.append((key, previous + content))
+    txn.cursor(dbs[b"chain"]).putmulti(records, append=True)
+    return previous
+
+
+def _tombstone_in(txn: CheckedTxn, dbs: dict[bytes, Any], lsn: int, previous: bytes) -> bytes:
+    """An empty tombstone at the log position of an op the writer refused, chained: the log
+    keeps no gap."""
+    txn.removed = []
+    txn.put(lsn_key(lsn), LOG_TOMBSTONE, db=dbs[b"log"], append=True)
+    return _chain_in(txn, dbs, lsn, previous)
 
 
 def check_chain(txn: CheckedTxn, dbs: dict[bytes, Any], first: int, last: int,
@@ -463,18 +534,13 @@ def _delete_prefix(txn: lmdb.Transaction, db: Any, prefix: bytes) -> None:
                 break
 
 
-def _delete_links_of(txn: lmdb.Transaction, db: Any, uprefix: bytes, memory_id: bytes) -> None:
+def _delete_links_of(txn: lmdb.Transaction, db: Any, user_id: str, memory_id: str) -> None:
     """Every link touching one memory, in both directions."""
-    prefix = uprefix + memory_id + b"\x00"
-    cursor = txn.cursor(db)
-    others = []
-    if cursor.set_range(prefix):
-        while cursor.key().startswith(prefix):
-            others.append(cursor.key()[len(prefix):])
-            if not cursor.delete():
-                break
-    for other in others:
-        txn.delete(uprefix + other + b"\x00" + memory_id, db=db)
+    found = [value for prefix in link_prefixes(user_id, memory_id)
+             for _, value in _scan(txn, db, prefix)]
+    for value in found:
+        for key in link_keys(user_id, _decode_link(value)):
+            txn.delete(key, db=db)
 
 
 def _int(raw: bytes | None) -> int | None:
@@ -497,9 +563,10 @@ def entry_record_key(entry: bytes) -> bytes:
 class _Puts:
     """One run of appends between deletions, grouped per database for ``putmulti``."""
 
-    __slots__ = ("turns", "ids", "log", "sessions")
+    __slots__ = ("turns", "ids", "log", "sessions", "ops")
 
     def __init__(self) -> None:
+        self.ops: list[AppendTurn] = []  # for writing them one by one if the run fails
         self.turns: list[tuple[bytes, bytes]] = []
         self.ids: list[tuple[bytes, bytes]] = []
         self.log: list[tuple[bytes, bytes]] = []
@@ -517,10 +584,23 @@ _decode_model = msgspec.msgpack.Decoder(ModelInfo).decode
 
 
 def link_keys(user_id: str, link: Link) -> tuple[bytes, bytes]:
-    """The link's key from its source, and from its target (for walking it backwards)."""
+    """The link's key from its source, and from its target (for walking it backwards): user
+    NUL one end NUL the other, both ends shortened (keys.fit) when that is too long."""
     prefix = user_prefix(user_id)
     a, b = link.from_id.encode(), link.to_id.encode()
+    if len(prefix) + len(a) + 1 + len(b) > MAX_KEY_BYTES:
+        room = (MAX_KEY_BYTES - len(prefix) - 1) // 2
+        a, b = fit(a, room), fit(b, room)
     return prefix + a + b"\x00" + b, prefix + b + b"\x00" + a
+
+
+def link_prefixes(user_id: str, memory_id: str) -> set[bytes]:
+    """The key prefixes of the links from a memory: with its id whole, and shortened (the
+    form a link takes when both ends together are too long)."""
+    prefix = user_prefix(user_id)
+    whole = memory_id.encode()
+    short = fit(whole, (MAX_KEY_BYTES - len(prefix) - 1) // 2)
+    return {prefix + whole + b"\x00", prefix + short + b"\x00"}
 
 
 def _plan(ops: list[StoreOp]) -> list[Any]:
@@ -539,6 +619,7 @@ def _plan(ops: list[StoreOp]) -> list[Any]:
     for op in ops:
         if type(op) is AppendTurn:
             t = op.turn
+            puts.ops.append(op)
             puts.turns.append((op.key, op.value))
             puts.ids.append((op.id_key, op.key))
             puts.log.append((lsn_key(t.lsn), LOG_TURN + op.key))
@@ -551,6 +632,45 @@ def _plan(ops: list[StoreOp]) -> list[Any]:
     if puts.turns:
         close_run()
     return segments
+
+
+def _put_run(txn: lmdb.Transaction, dbs: dict[bytes, Any], seg: _Puts) -> None:
+    """A run of appends, one putmulti per database."""
+    added = txn.cursor(dbs[b"turns"]).putmulti(seg.turns)[1]
+    txn.cursor(dbs[b"ids"]).putmulti(seg.ids)
+    txn.cursor(dbs[b"sessions"]).putmulti(seg.sessions)
+    logged = txn.cursor(dbs[b"log"]).putmulti(seg.log, append=True)[1]
+    if added != len(seg.turns) or logged != len(seg.log):
+        raise AssertionError(
+            f"store invariant broken: {len(seg.turns)} turns to write, "
+            f"{added} new keys, {logged} of {len(seg.log)} log entries appended"
+        )
+
+
+def _put_one(txn: lmdb.Transaction, dbs: dict[bytes, Any], op: AppendTurn) -> None:
+    """One append on its own (a run that failed is written again turn by turn)."""
+    t = op.turn
+    txn.put(op.key, op.value, db=dbs[b"turns"])
+    txn.put(op.id_key, op.key, db=dbs[b"ids"])
+    txn.put(lsn_key(t.lsn), LOG_TURN + op.key, db=dbs[b"log"])
+    info = SessionInfo(t.user_id, t.session_id, op.started_at, t.at, t.seq + 1)
+    txn.put(op.key[:-9], _encode(info), db=dbs[b"sessions"])
+
+
+def _op_identity(op: Any) -> tuple[str, str]:
+    """(user id, memory id) of an op, as far as it names them, for its failure record."""
+    match op:
+        case AppendTurn():
+            return op.turn.user_id, op.turn.turn_id
+        case PutNote():
+            return op.note.user_id, op.note.note_id
+        case PutEpisode():
+            return op.episode.user_id, op.episode.episode_id
+        case PutFact():
+            return op.user_id, op.fact.fact_id if op.fact is not None else ""
+        case DeleteNote():
+            return op.user_id, op.note_id
+    return getattr(op, "user_id", None) or "", ""
 
 
 class Store:
@@ -585,6 +705,10 @@ class Store:
         self._waiters: list[tuple[int, int, trio.Event]] = []  # heap of (lsn, tiebreak, event)
         self._tiebreak = 0
         self._failure: BaseException | None = None  # why the commit loop died, if it did
+        # Ops the writer refused alone (their batch committed without them): by lsn for their
+        # waiters, by id() for unlogged ops whose writer waits on ``done``.
+        self._refused: dict[int, RecordRefused] = {}
+        self._refused_ops: dict[int, RecordRefused] = {}
         self._closing = False
         self._readers = 0
         self._exclusive = False  # set while the map grows or the env closes: reads wait
@@ -857,6 +981,8 @@ class Store:
         """
         if lsn <= self._committed_lsn:
             await trio.lowlevel.checkpoint()
+            if lsn in self._refused:
+                raise self._refused[lsn]
             return
         if self._failure is not None or self._env is None:
             raise self._not_committed_error()
@@ -866,6 +992,8 @@ class Store:
         await event.wait()
         if lsn > self._committed_lsn:
             raise self._not_committed_error()
+        if lsn in self._refused:
+            raise self._refused[lsn]
 
     def _not_committed_error(self) -> EngineError:
         if self._failure is None:
@@ -902,10 +1030,18 @@ class Store:
         await trio.lowlevel.checkpoint()
 
     async def write_unlogged(self, op: PutVectors | PutLink | WriteSummary | PutState) -> None:
-        """Queue an op that takes no log position and wait for its commit."""
+        """Queue an op that takes no log position and wait for its commit.
+
+        Raises:
+            RecordRefused: the store could not write this op (the rest of its batch landed).
+            EngineBroken / EngineClosed: the store failed or closed first.
+        """
         self.check_usable()
         self.submit(op)
         await op.done.wait()
+        refused = self._refused_ops.pop(id(op), None)
+        if refused is not None:
+            raise refused
         if self._failure is not None:
             raise self._not_committed_error()
 
@@ -929,10 +1065,13 @@ class Store:
             ops = [self._queue.popleft() for _ in range(n)]
             segments = _plan(ops)
             last = max((op.lsn for op in ops if op.lsn is not None), default=None)
-            while (results := await trio.to_thread.run_sync(
+            while (written := await trio.to_thread.run_sync(
                 self._write, segments, last, limiter=self._write_limiter
             )) is None:
                 await self._grow_map()
+            results, refused = written
+            for op, error in refused:
+                self._refuse(op, error)
             self._queued -= n
             self._written += n
             if self._room:
@@ -957,55 +1096,111 @@ class Store:
             if self._commits:
                 self._commits.unpark_all()
 
-    def _write(self, segments: list[Any], last_lsn: int | None) -> list[tuple[Any, Any]] | None:
-        """One write transaction (worker thread).
+    def _refuse(self, op: StoreOp, error: BaseException) -> None:
+        """Tell the op's caller (trio thread): its waiter raises RecordRefused, nobody else."""
+        lsn = op.lsn or 0
+        refusal = RecordRefused(lsn, f"the store refused the record at lsn {lsn} "
+                                     f"({type(op).__name__}): {type(error).__name__}: {error}; "
+                                     "the rest of its batch was written")
+        log.warning("%s", refusal)
+        if op.lsn is not None:
+            self._refused[op.lsn] = refusal
+            while len(self._refused) > REFUSALS_KEPT:
+                del self._refused[next(iter(self._refused))]
+        elif getattr(op, "done", None) is not None:
+            self._refused_ops[id(op)] = refusal
+            op.done.set()
+
+    def _write(self, segments: list[Any], last_lsn: int | None
+               ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, BaseException]]] | None:
+        """One write transaction (worker thread). If one op cannot be written, the batch is
+        written again with each op in a nested transaction, so only that op is left out.
 
         Returns:
-            (op, result) for every op that is not an append, in order; None if the map was
-            full and nothing was written.
+            ((op, result) for every op that is not an append, in order; (op, error) for every
+            op refused); None if the map was full and nothing was written.
         """
-        dbs = self._dbs
-        results: list[tuple[Any, Any]] = []
-        digest = self._head[1]
         try:
-            with self._env.begin(write=True) as raw_txn:
-                txn = CheckedTxn(raw_txn, self._names)
-                for seg in segments:
-                    if type(seg) is _Puts:
-                        added = txn.cursor(dbs[b"turns"]).putmulti(seg.turns)[1]
-                        txn.cursor(dbs[b"ids"]).putmulti(seg.ids)
-                        txn.cursor(dbs[b"sessions"]).putmulti(seg.sessions)
-                        logged = txn.cursor(dbs[b"log"]).putmulti(seg.log, append=True)[1]
-                        if added != len(seg.turns) or logged != len(seg.log):
-                            raise AssertionError(
-                                f"store invariant broken: {len(seg.turns)} turns to write, "
-                                f"{added} new keys, {logged} of {len(seg.log)} log entries appended"
-                            )
-                        # The chain, here in the writer thread: hashing stays off the loop.
-                        records = []
-                        for (key, entry), (_, value) in zip(seg.log, seg.turns):
-                            content = content_digest(key, entry, value)
-                            digest = link(digest, key, content, b"")
-                            records.append((key, digest + content))
-                        txn.cursor(dbs[b"chain"]).putmulti(records, append=True)
-                    else:
-                        txn.removed = []
-                        results.append((seg, self._appliers[type(seg)](txn, seg)))
-                        if seg.lsn is not None:
-                            digest = _chain_in(txn, dbs, seg.lsn, digest)
-                        elif txn.removed:
-                            raise AssertionError(f"{type(seg).__name__} took no log position and "
-                                                 f"removed log entries {txn.removed}")
-                if last_lsn is not None:
-                    txn.put(_LAST_LSN_KEY, lsn_key(last_lsn), db=dbs[b"meta"])
-                    txn.put(HEAD_KEY, encode_head(last_lsn, digest, self._key), db=dbs[b"meta"])
+            try:
+                return self._write_batch(segments, last_lsn, False)
+            except _OP_ERRORS:
+                pass  # some op of the batch cannot be written: find it, write the others
+            return self._write_batch(segments, last_lsn, True)
         except lmdb.MapFullError:
             return None
         except lmdb.Error as exc:
             raise EngineBroken(f"writing to the store at {self.path} failed: {exc}") from exc
+
+    def _write_batch(self, segments: list[Any], last_lsn: int | None, isolate: bool
+                     ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, BaseException]]]:
+        """The batch in one transaction; with ``isolate``, each op (or run of appends, then
+        each append of a run that fails) in a nested one, and a refused op's log position
+        gets an empty tombstone, chained like any entry."""
+        dbs = self._dbs
+        results: list[tuple[Any, Any]] = []
+        refused: list[tuple[Any, BaseException]] = []
+        digest = self._head[1]
+        with self._env.begin(write=True) as raw_txn:
+            txn = CheckedTxn(raw_txn, self._names)
+            for seg in segments:
+                if type(seg) is _Puts:
+                    if not isolate:
+                        _put_run(txn, dbs, seg)
+                    elif self._nested(txn, _put_run, dbs, seg)[1] is not None:
+                        for op in seg.ops:
+                            error = self._nested(txn, _put_one, dbs, op)[1]
+                            if error is None:
+                                digest = _chain_turns(txn, dbs, [(lsn_key(op.lsn), LOG_TURN
+                                                                  + op.key)], [op.value], digest)
+                            else:
+                                refused.append((op, error))
+                                digest = _tombstone_in(txn, dbs, op.lsn, digest)
+                        continue
+                    # The chain, here in the writer thread: hashing stays off the loop.
+                    digest = _chain_turns(txn, dbs, seg.log, [v for _, v in seg.turns], digest)
+                    continue
+                txn.removed = []
+                if not isolate:
+                    result, error = self._appliers[type(seg)](txn, seg), None
+                else:
+                    result, error = self._nested(txn, self._appliers[type(seg)], seg)
+                if error is not None:
+                    refused.append((seg, error))
+                    if seg.lsn is not None:
+                        digest = _tombstone_in(txn, dbs, seg.lsn, digest)
+                    continue
+                results.append((seg, result))
+                if seg.lsn is not None:
+                    digest = _chain_in(txn, dbs, seg.lsn, digest)
+                elif txn.removed:
+                    raise AssertionError(f"{type(seg).__name__} took no log position and "
+                                         f"removed log entries {txn.removed}")
+            for op, error in refused:
+                _, key, value, _ = failure_put(op.lsn or 0, "store", *_op_identity(op), error)
+                txn.put(key, value, db=dbs[b"failures"])
+            if last_lsn is not None:
+                txn.put(_LAST_LSN_KEY, lsn_key(last_lsn), db=dbs[b"meta"])
+                txn.put(HEAD_KEY, encode_head(last_lsn, digest, self._key), db=dbs[b"meta"])
         if last_lsn is not None:
             self._head = (last_lsn, digest)
-        return results
+        return results, refused
+
+    def _nested(self, txn: CheckedTxn, apply: Callable[..., Any], *args: Any
+                ) -> tuple[Any, BaseException | None]:
+        """``apply(child, *args)`` in a transaction nested in ``txn``: kept if it succeeds,
+        rolled back alone if it raises one op's error."""
+        child = CheckedTxn(self._env.begin(write=True, parent=txn.raw), self._names)
+        try:
+            result = apply(child, *args)
+        except _OP_ERRORS as exc:
+            child.raw.abort()
+            return None, exc
+        except BaseException:
+            child.raw.abort()
+            raise
+        child.raw.commit()
+        txn.removed.extend(child.removed)
+        return result, None
 
     def _forget_in(self, txn: lmdb.Transaction, op: Forget) -> list[int]:
         dbs = self._dbs
@@ -1025,7 +1220,7 @@ class Store:
                 txn.delete(lsn_key(head.lsn), db=log)
                 txn.delete(uprefix + lsn_key(head.lsn), db=vectors)
                 if op.session_id is not None:
-                    _delete_links_of(txn, dbs[b"links"], uprefix, head.turn_id.encode())
+                    _delete_links_of(txn, dbs[b"links"], op.user_id, head.turn_id)
                 if not cursor.delete():
                     break
         if op.session_id is not None:
@@ -1047,9 +1242,24 @@ class Store:
                          b"facts", b"entities", b"reviews", b"pending", b"ids"):
                 _delete_prefix(txn, dbs[name], uprefix)
         result = deleted.tolist()
+        self._forget_failures(txn, op.user_id, None if op.session_id is None else result)
         deleted.byteswap()  # big-endian on disk, like every other integer in the store
         txn.put(lsn_key(op.lsn), LOG_TOMBSTONE + deleted.tobytes(), db=log, append=True)
         return result
+
+    def _forget_failures(self, txn: lmdb.Transaction, user_id: str,
+                         lsns: list[int] | None) -> None:
+        """A forgotten user's failures (their error text may quote the user), or those of the
+        records a forgotten session took with it. Failures are few: a scan is cheap."""
+        db = self._dbs[b"failures"]
+        if not txn.stat(db)["entries"]:
+            return
+        gone = None if lsns is None else set(lsns)
+        doomed = [key for key, value in txn.cursor(db)
+                  if (decode_failure(value).user_id == user_id if gone is None
+                      else int.from_bytes(key[:8], "big") in gone)]
+        for key in doomed:
+            txn.delete(key, db=db)
 
     def _forget_session_derived(self, txn: lmdb.Transaction, op: Forget, deleted: array) -> None:
         """A forgotten session's episodes, the facts extracted from it (every version), and its
@@ -1064,7 +1274,7 @@ class Store:
             txn.delete(uprefix + lsn_key(lsn), db=vectors)
             txn.delete(uprefix + memory_id.encode(), db=dbs[b"ids"])
             txn.delete(uprefix + memory_id.encode(), db=dbs[b"reviews"])
-            _delete_links_of(txn, links, uprefix, memory_id.encode())
+            _delete_links_of(txn, links, op.user_id, memory_id)
 
         prefix = session_prefix(op.user_id, op.session_id)
         cursor = txn.cursor(dbs[b"episodes"])
@@ -1144,7 +1354,7 @@ class Store:
             txn.delete(key, db=dbs[b"notes"])
             txn.delete(lsn_key(lsn), db=dbs[b"log"])
             txn.delete(uprefix + lsn_key(lsn), db=dbs[b"vectors"])
-            _delete_links_of(txn, dbs[b"links"], uprefix, op.note_id.encode())
+            _delete_links_of(txn, dbs[b"links"], op.user_id, op.note_id)
         result = deleted.tolist()
         deleted.byteswap()
         txn.put(lsn_key(op.lsn), LOG_TOMBSTONE + deleted.tobytes(), db=dbs[b"log"], append=True)
@@ -1342,6 +1552,7 @@ class LogFollower:
                  handle: Callable[[list[Searchable], int], Any]) -> None:
         self._store = store
         self._key = watermark_key
+        self.name = watermark_key.decode().removesuffix("_lsn")  # in its failure records
         self._chunk = chunk
         self._handle = handle
         self.watermark = 0
@@ -1359,9 +1570,14 @@ class LogFollower:
                 await store.wait_commit_beyond(self.watermark)
                 records, _, last = await store.read(read_log_range, self.watermark,
                                                     store.committed_lsn, self._chunk)
-                puts, links = await self._handle(records, last)
-                puts = (*puts, (b"meta", self._key, lsn_key(last), 0))
-                await store.write_unlogged(PutState(puts, links, trio.Event()))
+                try:
+                    await self._step(records, last)
+                except (EngineClosed, EngineBroken):
+                    raise
+                except Exception:
+                    if not store.usable():
+                        raise
+                    await self._one_by_one(records, last)
                 self.watermark = last
                 self._progress.unpark_all()
         except EngineClosed:
@@ -1369,6 +1585,31 @@ class LogFollower:
         finally:
             self._stopped = True
             self._progress.unpark_all()
+
+    async def _step(self, records: list[Searchable], last: int) -> None:
+        puts, links = await self._handle(records, last)
+        puts = (*puts, (b"meta", self._key, lsn_key(last), 0))
+        await self._store.write_unlogged(PutState(puts, links, trio.Event()))
+
+    async def _one_by_one(self, records: list[Searchable], last: int) -> None:
+        """A step failed: handle its records one at a time, so that the one that fails is
+        kept as a failure (with the watermark past it) and the others are taken in."""
+        store = self._store
+        for record in records:
+            try:
+                await self._step([record], record.lsn)
+            except (EngineClosed, EngineBroken):
+                raise
+            except Exception as exc:
+                if not store.usable():
+                    raise
+                log.warning("%s: record %d failed and is kept as a failure: %r", self.name,
+                            record.lsn, exc)
+                put = failure_put(record.lsn, self.name, record.user_id, record.memory_id, exc)
+                watermark = (b"meta", self._key, lsn_key(record.lsn), 0)
+                await store.write_unlogged(PutState((put, watermark), (), trio.Event()))
+        await store.write_unlogged(PutState(((b"meta", self._key, lsn_key(last), 0),), (),
+                                            trio.Event()))
 
     async def wait(self, lsn: int) -> None:
         """Return once every record up to ``lsn`` was handled (or the follower stopped)."""
@@ -1585,17 +1826,11 @@ def read_links(
     txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str, memory_ids: list[str]
 ) -> dict[str, list[Link]]:
     """Every link touching each memory (either direction), by memory id."""
-    uprefix = user_prefix(user_id)
-    cursor = txn.cursor(dbs[b"links"])
     out: dict[str, list[Link]] = {}
     for memory_id in memory_ids:
-        prefix = uprefix + memory_id.encode() + b"\x00"
         links = out.setdefault(memory_id, [])
-        if cursor.set_range(prefix):
-            for key, value in cursor:
-                if not key.startswith(prefix):
-                    break
-                links.append(_decode_link(value))
+        for prefix in link_prefixes(user_id, memory_id):
+            links.extend(_decode_link(value) for _, value in _scan(txn, dbs[b"links"], prefix))
     return out
 
 
@@ -1742,26 +1977,28 @@ def read_entities(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str,
                   names: list[str]) -> dict[str, Entity]:
     """The user's registry records under these lower-case keys, and, in the same transaction,
     the entity each alias record among them points to (under its own key)."""
-    uprefix = user_prefix(user_id)
     db = dbs[b"entities"]
     out: dict[str, Entity] = {}
     for name in names:
-        raw = txn.get(uprefix + name.encode(), db=db)
+        raw = txn.get(entity_key(user_id, name), db=db)
         if raw is not None:
             out[name] = decode_entity(raw)
     for entity in list(out.values()):
         target = entity.aliases[0] if entity.type == "alias" else None
         if target is not None and target not in out:
-            raw = txn.get(uprefix + target.encode(), db=db)
+            raw = txn.get(entity_key(user_id, target), db=db)
             if raw is not None:
                 out[target] = decode_entity(raw)
     return out
 
 
 def read_entity_keys(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str) -> list[str]:
-    """The user's registry keys: entity names and aliases, lower case."""
+    """The user's registry keys: entity names and aliases, lower case (a shortened key's
+    name comes from its record: an entity is filed under its name in lower case, an alias
+    record is named by its own key)."""
     prefix = user_prefix(user_id)
-    return [key[len(prefix):].decode() for key, _ in _scan(txn, dbs[b"entities"], prefix)]
+    return [decode_entity(value).name.lower() if is_fitted(key) else key[len(prefix):].decode()
+            for key, value in _scan(txn, dbs[b"entities"], prefix)]
 
 
 def read_review_states(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str,
@@ -1783,6 +2020,17 @@ def read_pending(txn: lmdb.Transaction, dbs: dict[bytes, Any]
         user, conversation = key.split(b"\x00", 1)
         out.append((user.decode(), conversation.decode(), decode_pending(value)))
     return out
+
+
+def read_failures(txn: lmdb.Transaction, dbs: dict[bytes, Any],
+                  user_id: str | None = None) -> list[Failure]:
+    """The failures kept (of one user, if given), by lsn."""
+    found = [decode_failure(v) for _, v in _scan(txn, dbs[b"failures"], b"")]
+    return [f for f in found if user_id is None or f.user_id == user_id]
+
+
+def count_failures(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> int:
+    return txn.stat(dbs[b"failures"])["entries"]
 
 
 def read_meta_lsn(txn: lmdb.Transaction, dbs: dict[bytes, Any], name: bytes) -> int:

@@ -64,9 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     restore.add_argument("--overwrite", action="store_true", help="replace a store already there")
     stats = command("stats", "counts and positions of a store")
     stats.add_argument("store")
-    inspect = command("inspect", "what a store holds about one user")
+    inspect = command("inspect", "what a store holds about one user, or the records it "
+                                 "could not take (--failures)")
     inspect.add_argument("store")
-    inspect.add_argument("--user", required=True)
+    inspect.add_argument("--user", help="the user to show (with --failures: only theirs)")
+    inspect.add_argument("--failures", action="store_true",
+                         help="list the records a part of the engine failed on and skipped")
     inspect.add_argument("--turns", type=int, default=3, help="latest turns per session shown")
     compact = command("compact", "rewrite a closed store without freed pages or tombstones")
     compact.add_argument("store")
@@ -190,6 +193,15 @@ async def _inspect(store: str, user: str, turns: int) -> dict[str, Any]:
                     for e in await mem.episodes(user)]
         return {"user_id": user, "counts": await mem.memory_stats(user), "sessions": sessions,
                 "facts": facts, "episodes": episodes}
+
+
+async def _failures(store: str, user: str | None) -> dict[str, Any]:
+    async with _open(store) as mem:
+        await mem.flush()  # replayed on open: the text index's failures are found by now
+        found = await mem.failures(user)
+        return {"failures": [{"lsn": f.lsn, "actor": f.actor, "user_id": f.user_id,
+                              "memory_id": f.memory_id, "error": f.error,
+                              "at": f.at.isoformat()} for f in found]}
 
 
 async def _snapshot(store: str, dest: str) -> dict[str, Any]:
@@ -381,7 +393,12 @@ def _run(argv: list[str] | None) -> int:
                 result = trio.run(_restore, args.snapshot, args.store, args.overwrite)
             case "stats":
                 result = trio.run(_stats, args.store)
+            case "inspect" if args.failures:
+                result = trio.run(_failures, args.store, args.user)
             case "inspect":
+                if args.user is None:
+                    print("engram inspect: give --user USER or --failures", file=sys.stderr)
+                    return 2
                 result = trio.run(_inspect, args.store, args.user, args.turns)
                 _print_inspect(result, args.json)
                 return 0

@@ -25,6 +25,8 @@ from actors.session_buffer import Receipt, SessionBuffer, new_turn_id
 from actors.store import (
     LogFollower,
     Store,
+    count_failures,
+    read_failures,
     read_entities,
     read_episodes,
     read_links,
@@ -45,6 +47,7 @@ from ._records import (
     Entity,
     Episode,
     Fact,
+    Failure,
     Link,
     NewTurn,
     Note,
@@ -90,6 +93,8 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
         schema_version: the store's schema.
         model: the embedding model's id; embedded_lsn: every record up to here has its vector.
         indexed_lsn: every record up to here is in the full-text index.
+        failures: records some part of the engine could not take and went on without
+            (listed by :meth:`Engine.failures` and ``engram inspect STORE --failures``).
     """
 
     users: int
@@ -105,6 +110,7 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     embedded_lsn: int
     indexed_lsn: int
+    failures: int = 0
 
 
 class EntityInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -282,7 +288,7 @@ class Engine:
         v.check_id("session_id", session_id, config.max_id_chars)
         v.check_role(role)
         v.check_text("text", text, config.max_text_chars)
-        at = self._clock() if at is None else v.check_at(at)
+        at = self._now() if at is None else v.check_at(at)
         meta = v.check_meta(meta, config.max_meta_bytes)
         await self._store.reserve(1)
         self._check_open()
@@ -374,7 +380,7 @@ class Engine:
                 v.check_id("session_id", item.session_id, config.max_id_chars),
                 v.check_role(item.role),
                 v.check_text("text", item.text, config.max_text_chars),
-                self._clock() if item.at is None else v.check_at(item.at),
+                self._now() if item.at is None else v.check_at(item.at),
                 v.check_meta(item.meta, config.max_meta_bytes),
             )
         except InvalidInput as exc:
@@ -461,9 +467,9 @@ class Engine:
         if since is None:
             since = settings["since"]
         else:
-            v.check_at(since)
+            v.check_at(since, "since")
         if until is not None:
-            v.check_at(until)
+            v.check_at(until, "until")
         if session_id is not None:
             v.check_id("session_id", session_id, self._config.max_id_chars)
         if budget_tokens is not None:
@@ -570,7 +576,7 @@ class Engine:
         v.check_id("type", type, self._config.max_id_chars)
         if from_id == to_id:
             raise InvalidInput("to_id", f"expected another memory than from_id, found {to_id!r}")
-        at = self._clock() if at is None else v.check_at(at)
+        at = self._now() if at is None else v.check_at(at)
         # Both memories must be on disk to be found; indexes and vectors are not needed.
         await self._store.wait_committed(self._store.next_lsn - 1)
         found = await self._store.read(read_memories_by_id, user_id, [from_id, to_id])
@@ -665,12 +671,13 @@ class Engine:
         if note_id is None:
             note_id = "n_" + new_turn_id()[2:]
         v.check_id("note_id", note_id, self._config.max_id_chars)
-        now = self._clock().astimezone(timezone.utc)
+        tags = v.check_words("tags", tags)
+        now = self._now().astimezone(timezone.utc)
         store = self._store
         await store.reserve(1)
         self._check_open()
         lsn = store.next_lsn
-        note = Note(lsn, note_id, user_id, text, _tags(tags) or (), now, now)
+        note = Note(lsn, note_id, user_id, text, tags, now, now)
         outcome: list[tuple[Note | None, str | None, int]] = []
 
         def committed(result: tuple[Note | None, str | None, int]) -> None:
@@ -746,7 +753,7 @@ class Engine:
         """
         candidate = self._candidate(user_id, category, key, value, text, confidence, importance,
                                     keywords)
-        valid_at = None if valid_at is None else v.check_at(valid_at)
+        valid_at = None if valid_at is None else v.check_at(valid_at, "valid_at")
         outcome = await self._facts.propose(user_id, candidate, origin="api", valid_at=valid_at)
         if outcome.status == "refused":
             rival = outcome.previous
@@ -817,7 +824,7 @@ class Engine:
             v.check_text("text", text, self._config.max_text_chars)
         _check_fraction("confidence", confidence)
         _check_fraction("importance", importance)
-        words = _tags(keywords) or ()
+        words = v.check_words("keywords", keywords)
         return Candidate(category, key, value, text or f"{key}: {value}", float(confidence),
                          float(importance), words)
 
@@ -893,7 +900,7 @@ class Engine:
         memories, newest first; None if no memory mentions it."""
         self._check_open()
         self._check_ids(user_id)
-        v.check_text("name", name, self._config.max_id_chars)
+        v.check_text("name", name, self._config.max_text_chars)
         _check_count("limit", limit, 1, 1000)
         key = name.strip().lower()
         store = self._store
@@ -1069,7 +1076,7 @@ class Engine:
         them) and rebuild its text index if deleted documents linger in its segments.
 
         Raises:
-            EngineClosed: an engine has the store open.
+            InvalidInput: an engine serves the store (in this process or another).
         """
         return await trio.to_thread.run_sync(compact, Path(store_path))
 
@@ -1098,6 +1105,7 @@ class Engine:
         users, sessions, turns, live = self._buffer.counts()
         store = self._store
         data = store.path / "data.mdb"
+        failures = await store.read(count_failures)
         return Stats(
             users=users,
             sessions=sessions,
@@ -1112,9 +1120,32 @@ class Engine:
             model=self._embedder.model.id,
             embedded_lsn=max(self._embedder.embedded_lsn, store.embedded_lsn),
             indexed_lsn=self._fulltext.indexed_lsn,
+            failures=failures,
         )
 
+    async def failures(self, user_id: str | None = None) -> list[Failure]:
+        """The records some part of the engine could not take (a write the store refused, a
+        record the text index or a long-term follower failed on), by lsn. Each part went on
+        without that record; the rest of the store is whole.
+
+        Args:
+            user_id: only this user's (default: everyone's).
+
+        Raises:
+            InvalidInput: a bad user id.
+        """
+        self._check_open()
+        if user_id is not None:
+            self._check_ids(user_id)
+        await self._store.wait_written()
+        return await self._store.read(read_failures, user_id)
+
     # -- helpers -----------------------------------------------------------------------------
+
+    def _now(self) -> datetime:
+        """The engine clock's time, checked as a caller's ``at`` would be: the clock is the
+        caller's too, and a time the text index cannot hold must not reach the store."""
+        return v.check_at(self._clock(), "clock")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1158,7 +1189,11 @@ def _choices(field: str, values: Iterable[str] | None,
         return None
     if isinstance(values, str):
         values = (values,)
-    values = tuple(values)
+    try:
+        values = tuple(values)
+    except TypeError:
+        raise InvalidInput(field, f"expected a list of {', '.join(allowed)}, found "
+                                  f"{type(values).__name__}") from None
     for value in values:
         if value not in allowed:
             raise InvalidInput(field, f"expected values among {', '.join(allowed)}, "
@@ -1167,13 +1202,7 @@ def _choices(field: str, values: Iterable[str] | None,
 
 
 def _tags(tags: Iterable[str] | None) -> tuple[str, ...] | None:
-    if tags is None:
-        return None
-    tags = (tags,) if isinstance(tags, str) else tuple(tags)
-    for i, tag in enumerate(tags):
-        if type(tag) is not str or not tag:
-            raise InvalidInput(f"tags[{i}]", f"expected a non-empty string, found {tag!r}")
-    return tags or None
+    return v.check_words("tags", tags) or None
 
 
 def _reason(exc: InvalidInput) -> str:

@@ -14,7 +14,8 @@ from typing import Any, Literal
 import msgspec
 
 __all__ = ["Turn", "SessionInfo", "NewTurn", "Link", "Note", "SummaryState", "Episode", "Fact",
-           "Entity", "ReviewState", "PendingReview", "Role", "ROLES", "SCHEMA_VERSION"]
+           "Entity", "ReviewState", "PendingReview", "Failure", "Role", "ROLES",
+           "SCHEMA_VERSION"]
 
 # 2: vectors stored as float16 (actors.store migrates 1 -> 2).
 # 3: episodes, facts, entities and review state (new databases: an older build must refuse).
@@ -273,3 +274,25 @@ class PendingReview(msgspec.Struct, frozen=True, array_like=True):
     texts: tuple[str, ...]
     query: str
     shown_at: datetime
+
+
+class Failure(msgspec.Struct, frozen=True, array_like=True):
+    """A record one part of the engine could not take, kept so that it is seen, not lost: the
+    part went on without it. Deleted with its user (``forget_user``) or its session.
+
+    Attributes:
+        lsn: the record's log sequence number (0: a write outside the log).
+        actor: the part that failed: ``store`` (the write was refused), ``fulltext``,
+            ``embedder``, or a long-term follower (``entities``, ``facts``, ``episodic``).
+        user_id: the record's user ("" if not known).
+        memory_id: the record's id ("" if not known).
+        error: what went wrong.
+        at: when it was recorded.
+    """
+
+    lsn: int
+    actor: str
+    user_id: str
+    memory_id: str
+    error: str
+    at: datetime

@@ -35,7 +35,7 @@ from actors.store import DB_NAMES, MAX_DBS
 
 from ._records import SCHEMA_VERSION
 from ._verify import verify_store
-from .errors import EngineClosed, InvalidInput, StoreIncompatible, StoreTampered
+from .errors import InvalidInput, StoreIncompatible, StoreTampered
 
 __all__ = ["Manifest", "take_snapshot", "restore", "compact", "MANIFEST_FORMAT"]
 
@@ -303,7 +303,8 @@ def compact(store: Path, progress: Callable[[int, int], None] | None = None) -> 
     segments still hold deleted documents.
 
     Raises:
-        EngineClosed: an engine has the store open (its text-index writer holds the lock).
+        InvalidInput: no store there, or an engine serves it (its text-index writer holds the
+            lock).
     """
     import fcntl
 
@@ -317,7 +318,9 @@ def compact(store: Path, progress: Callable[[int, int], None] | None = None) -> 
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 fcntl.flock(lock, fcntl.LOCK_UN)
             except BlockingIOError:
-                raise EngineClosed(f"{store} is open in an engine; close it before compacting")
+                raise InvalidInput("store", f"expected a store no engine serves, found {store} "
+                                            "in use by an engine (this process or another); "
+                                            "close it before compacting") from None
     before = (store / "data.mdb").stat().st_size
     fresh = store / "compact.tmp"
     shutil.rmtree(fresh, ignore_errors=True)

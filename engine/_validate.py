@@ -8,15 +8,24 @@ run on what the caller actually passed.
 from __future__ import annotations
 
 import math
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import msgspec
+
+from actors.keys import MAX_ID_BYTES
 
 from ._records import ROLES
 from .errors import InvalidInput
 
 _ROLES = frozenset(ROLES)
+# The dates the text index holds (tantivy keeps nanoseconds in an i64: 1677-09-21 to
+# 2262-04-11), with a margin so that times derived from them (decay, review intervals,
+# focus windows) stay inside too.
+MIN_AT = datetime(1700, 1, 1, tzinfo=timezone.utc)
+MAX_AT = datetime(2199, 12, 31, 23, 59, 59, 999999, tzinfo=timezone.utc)
+MIN_INT, MAX_INT = -(2**63), 2**63 - 1  # what msgpack (and every index) round-trips as an int
+MAX_WORDS = 64  # tags or keywords on one call
 _JSON_SCALARS = (str, int, float, bool, type(None))
 _json_encode = msgspec.json.Encoder().encode
 
@@ -39,21 +48,51 @@ def _check_string(field: str, value: Any, max_chars: int, fix: str) -> str:
             field, f"expected at most {max_chars} characters, found {len(value)}; {fix}"
         )
     if not value.isascii():
-        try:
-            value.encode()
-        except UnicodeEncodeError as exc:
-            raise InvalidInput(
-                field, f"expected text encodable as UTF-8, found {exc.reason} at {exc.start}"
-            ) from None
+        _check_utf8(field, value)
     return value
 
 
-def check_id(field: str, value: Any, max_chars: int) -> str:
+def _check_utf8(field: str, value: str) -> None:
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidInput(
+            field, f"expected text encodable as UTF-8, found {exc.reason} at {exc.start} "
+                   "(a lone surrogate)"
+        ) from None
+
+
+def check_id(field: str, value: Any, max_chars: int, what: str = "id") -> str:
+    """An id: at most ``max_chars`` characters and MAX_ID_BYTES bytes of UTF-8, no NUL (the
+    key separator): two ids and a sequence number must fit in one LMDB key."""
     _check_string(field, value, max_chars,
-                  "use a shorter id (a hash of a long one works) or raise Config.max_id_chars")
+                  f"use a shorter {what} (a hash of a long one works) or raise "
+                  "Config.max_id_chars")
+    size = len(value) if value.isascii() else len(value.encode())
+    if size > MAX_ID_BYTES:
+        raise InvalidInput(field, f"expected at most {MAX_ID_BYTES} bytes in UTF-8, found "
+                                  f"{size}; use a shorter {what} (a hash of a long one works)")
     if "\x00" in value:
         raise InvalidInput(field, f"expected no NUL character, found one in {value!r}")
     return value
+
+
+def check_words(field: str, values: Any) -> tuple[str, ...]:
+    """Tags or keywords: a string or an iterable of non-empty strings, each at most
+    MAX_ID_BYTES bytes of UTF-8, at most MAX_WORDS of them."""
+    if values is None:
+        return ()
+    if isinstance(values, str):
+        values = (values,)
+    try:
+        values = tuple(values)
+    except TypeError:
+        raise InvalidInput(field, f"expected a list of strings, found {_found(values)}") from None
+    if len(values) > MAX_WORDS:
+        raise InvalidInput(field, f"expected at most {MAX_WORDS} {field}, found {len(values)}")
+    for i, value in enumerate(values):
+        check_id(f"{field}[{i}]", value, 4 * MAX_ID_BYTES, what=field.rstrip("s"))
+    return values
 
 
 def check_role(value: Any) -> str:
@@ -68,15 +107,28 @@ def check_text(field: str, value: Any, max_chars: int) -> str:
                          "split it into several turns or raise Config.max_text_chars")
 
 
-def check_at(value: Any) -> datetime:
+def check_at(value: Any, field: str = "at") -> datetime:
+    """A timezone-aware datetime from MIN_AT to MAX_AT (what the text index can hold)."""
     if not isinstance(value, datetime):
-        raise InvalidInput("at", f"expected a timezone-aware datetime, found {_found(value)}")
-    if value.tzinfo is None or value.utcoffset() is None:
+        raise InvalidInput(field, f"expected a timezone-aware datetime, found {_found(value)}")
+    try:
+        offset = value.utcoffset()
+    except Exception as exc:  # a tzinfo of the caller's that fails
+        raise InvalidInput(field, f"expected a timezone-aware datetime, found one whose "
+                                  f"utcoffset() raised {exc!r}") from None
+    if value.tzinfo is None or offset is None:
         raise InvalidInput(
-            "at",
+            field,
             f"expected a timezone-aware datetime, found a naive datetime {value.isoformat()}; "
             "pass tzinfo=timezone.utc (or the user's zone)",
         )
+    try:
+        inside = MIN_AT <= value <= MAX_AT
+    except OverflowError:  # datetime.max/min in a zone that moves it past year 1 or 9999
+        inside = False
+    if not inside:
+        raise InvalidInput(field, f"expected a date from {MIN_AT:%Y-%m-%d} to {MAX_AT:%Y-%m-%d} "
+                                  f"(UTC), the text index's range, found {value.isoformat()}")
     return value
 
 
@@ -86,6 +138,11 @@ def _check_json(value: Any, path: str, depth: int) -> None:
     if isinstance(value, _JSON_SCALARS):
         if isinstance(value, float) and not math.isfinite(value):
             raise InvalidInput(path, f"expected a JSON value, found {value!r} (not valid JSON)")
+        if isinstance(value, int) and not MIN_INT <= value <= MAX_INT:
+            raise InvalidInput(path, f"expected an integer from -2**63 to 2**63-1, found "
+                                     f"{value}; store a larger number as a string")
+        if isinstance(value, str) and not value.isascii():
+            _check_utf8(path, value)
         return
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
@@ -95,6 +152,8 @@ def _check_json(value: Any, path: str, depth: int) -> None:
         for key, item in value.items():
             if type(key) is not str:
                 raise InvalidInput(path, f"expected string keys, found key {_found(key)}")
+            if not key.isascii():
+                _check_utf8(path, key)
             _check_json(item, f"{path}[{key!r}]", depth + 1)
         return
     raise InvalidInput(path, f"expected a JSON-serialisable value, found {_found(value)}")
@@ -110,7 +169,7 @@ def check_meta(value: Any, max_bytes: int) -> dict[str, Any]:
     _check_json(value, "meta", 0)
     try:
         size = len(_json_encode(value))
-    except (msgspec.EncodeError, UnicodeEncodeError) as exc:
+    except (msgspec.EncodeError, UnicodeEncodeError, OverflowError) as exc:
         raise InvalidInput("meta", f"expected a JSON-serialisable dict, found {exc}") from None
     if size > max_bytes:
         raise InvalidInput(

@@ -1,7 +1,8 @@
 """The errors Engram raises, split by who caused them.
 
 - :class:`InvalidInput`: the caller passed something the engine will not store or answer.
-  Nothing was written.
+  Nothing was written. :class:`RecordRefused`: one record passed the checks and the store
+  still could not write it; the rest of its batch was written.
 - :class:`EngineClosed`: the caller used an engine after closing it (or while it closed).
 - :class:`EngineBroken`: the engine failed underneath the caller (disk, native library, a bug).
   The original failure is chained as ``__cause__``.
@@ -20,6 +21,7 @@ from __future__ import annotations
 __all__ = [
     "EngineError",
     "InvalidInput",
+    "RecordRefused",
     "EngineClosed",
     "EngineBroken",
     "StoreIncompatible",
@@ -44,6 +46,20 @@ class InvalidInput(EngineError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class RecordRefused(InvalidInput):
+    """The store could not write one record (it passed the checks at the call, but LMDB or its
+    encoding refused it). Only that record is missing: the rest of its group commit landed, its
+    log position holds an empty tombstone, and the failure is listed by ``Engine.failures``.
+
+    Attributes:
+        lsn: the record's log sequence number (0 for a record outside the log).
+    """
+
+    def __init__(self, lsn: int, message: str) -> None:
+        super().__init__("record", message)
+        self.lsn = lsn
 
 
 class EngineClosed(EngineError):

@@ -219,7 +219,7 @@ async def test_tags_in_turn_meta_filter_every_leg(store_path) -> None:
             "ana", "porto", limit=10, session_id=None, since=None, until=None, roles=None,
             kinds=None, link_depth=0, budget_tokens=None, tags=("food",), legs=("vector",))
         assert [h.text for h in vector_only] == ["porto wine for the party"]
-        with pytest.raises(InvalidInput, match=r"tags\[0\]: expected a non-empty string, found 3"):
+        with pytest.raises(InvalidInput, match=r"tags\[0\]: expected a non-empty string, found int 3"):
             await mem.recall("ana", "porto", tags=[3])
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from engine import Engine, EngineClosed, InvalidInput, Manifest, StoreIncompatible
+from engine import Engine, InvalidInput, Manifest, StoreIncompatible
 
 from .conftest import StepClock, open_engine
 
@@ -110,7 +110,7 @@ async def test_compact_leaves_no_bytes_of_forgotten_users_in_the_live_store(tmp_
     live = tmp_path / "live"
     async with open_engine(live) as mem:
         await _forget_a_user(mem, 20)
-        with pytest.raises(EngineClosed, match=r"is open in an engine; close it before compacting"):
+        with pytest.raises(InvalidInput, match=r"in use by an engine .*; close it before compacting"):
             await Engine.compact(live)
     report = await Engine.compact(live)
     assert report["fulltext_rebuilt"] is True

@@ -1,0 +1,81 @@
+"""Every failure a caller causes is InvalidInput naming the right field, and a refused batch
+writes nothing (case 9 of issue 11)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+
+from engine import Engine, EngineClosed, EngineError, InvalidInput
+
+from ..conftest import open_engine
+
+TURN = {"user_id": "ana", "session_id": "s", "role": "user", "text": "hello"}
+
+
+@pytest.mark.parametrize("n", [2**70, -(2**70), 2**63, -(2**63) - 1])
+async def test_an_integer_msgpack_cannot_hold_is_refused(mem: Engine, n: int) -> None:
+    """meta={"n": 2**70} is InvalidInput naming meta['n'], not an OverflowError."""
+    with pytest.raises(InvalidInput, match=r"expected an integer from -2\*\*63 to 2\*\*63-1") as info:
+        await mem.add_turn("ana", "s", "user", "hi", meta={"n": n})
+    assert info.value.field == "meta['n']"
+    receipt = await mem.add_turn("ana", "s", "user", "hi", meta={"n": 2**63 - 1}, durable=True)
+    assert (await mem.get_turn("ana", receipt.turn_id)).meta == {"n": 2**63 - 1}
+
+
+async def test_add_turns_writes_nothing_when_one_item_is_bad(store_path: Path) -> None:
+    """All or nothing, as its docstring promises: the items before the bad one are not written."""
+    async with open_engine(store_path) as mem:
+        with pytest.raises(InvalidInput) as info:
+            await mem.add_turns([TURN, TURN, {**TURN, "meta": {"deep": [[{"n": 2**70}]]}}])
+        assert info.value.field == "items[2].meta['deep'][0][0]['n']"
+        assert await mem.session_history("ana", "s") == []
+        await mem.flush()
+        assert (await mem.stats()).last_lsn == 0
+    async with open_engine(store_path) as mem:
+        assert (await mem.stats()).turns == 0
+
+
+async def test_meta_too_deep_or_too_large_is_refused(mem: Engine) -> None:
+    """Depth and size are checked before encoding."""
+    deep: dict = {}
+    node = deep
+    for _ in range(40):
+        node["d"] = {}
+        node = node["d"]
+    with pytest.raises(InvalidInput, match="nested at most 32 levels"):
+        await mem.add_turn("ana", "s", "user", "hi", meta=deep)
+    with pytest.raises(InvalidInput, match="expected at most 65536 bytes as JSON"):
+        await mem.add_turn("ana", "s", "user", "hi", meta={"x": "y" * 70_000})
+
+
+async def test_too_many_or_too_long_tags_are_refused(mem: Engine) -> None:
+    """Tags and keywords are bounded in count and bytes."""
+    with pytest.raises(InvalidInput, match="expected at most 64 tags") as info:
+        await mem.store_note("ana", "a note", tags=[f"t{i}" for i in range(65)])
+    assert info.value.field == "tags"
+    with pytest.raises(InvalidInput, match="expected at most 250 bytes in UTF-8") as info:
+        await mem.remember_fact("ana", "c", "k", "v", keywords=["w" * 251])
+    assert info.value.field == "keywords[0]"
+
+
+async def test_compact_of_a_served_store_says_it_is_in_use(store_path: Path) -> None:
+    """compact refuses a store an engine serves with a message that says so, not EngineClosed."""
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("ana", "s", "user", "hello", durable=True)
+        with pytest.raises(EngineError, match="in use") as info:
+            await Engine.compact(store_path)
+        assert not isinstance(info.value, EngineClosed)
+        await mem.add_turn("ana", "s", "user", "still serving", durable=True)
+
+
+async def test_no_exception_group_escapes_a_search(mem: Engine) -> None:
+    """Errors raised inside recall's parallel legs come out as engine errors, never as groups."""
+    await mem.add_turn("ana", "s", "user", "hello there", durable=True)
+    for kwargs in ({"tags": ["\ud800"]}, {"since": "yesterday"}, {"roles": ["bot"]},
+                   {"kinds": [["x"]]}, {"limit": 10**9}, {"tags": [1]}):
+        with pytest.raises(InvalidInput):
+            await mem.recall("ana", "hello", **kwargs)
+    await trio.lowlevel.checkpoint()

@@ -1,0 +1,82 @@
+"""A date the text index cannot hold (case 2 of issue 11) is refused at the call with the
+supported range in the message, for every argument that takes one; nothing is written."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from engine import Engine, InvalidInput
+
+from ..conftest import open_engine
+
+UTC = timezone.utc
+OUTSIDE = [
+    datetime(1500, 1, 1, tzinfo=UTC),
+    datetime(3000, 1, 1, tzinfo=UTC),
+    datetime.max.replace(tzinfo=UTC),
+    datetime.min.replace(tzinfo=UTC),
+    datetime(1699, 12, 31, 23, tzinfo=timezone(timedelta(hours=-5))),  # 1700 in UTC: inside
+]
+RANGE = r"expected a date from 1700-01-01 to 2199-12-31 \(UTC\)"
+
+
+@pytest.mark.parametrize("at", OUTSIDE[:4], ids=["1500", "3000", "max", "min"])
+async def test_add_turn_refuses_a_date_outside_the_range(store_path: Path, at: datetime) -> None:
+    """add_turn and add_turns refuse it; bystanders' turns and the store survive a reopen."""
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("bo", "s", "user", "bystander")
+        with pytest.raises(InvalidInput, match=RANGE) as info:
+            await mem.add_turn("ana", "s1", "user", "hello", at=at)
+        assert info.value.field == "at"
+        with pytest.raises(InvalidInput, match=RANGE) as info:
+            await mem.add_turns([{"user_id": "ana", "session_id": "s1", "role": "user",
+                                  "text": "fine"},
+                                 {"user_id": "ana", "session_id": "s1", "role": "user",
+                                  "text": "bad", "at": at}])
+        assert info.value.field == "items[1].at"
+        await mem.flush()
+    async with open_engine(store_path, config={"long_term": False}) as mem:
+        assert (await mem.stats()).turns == 1
+        assert [h.text for h in await mem.recall("bo", "bystander")] == ["bystander"]
+
+
+async def test_a_date_inside_the_range_in_another_zone_is_taken(mem: Engine) -> None:
+    """The check is made in UTC: 1699-12-31 23:00 at UTC-5 is 1700-01-01 04:00 UTC."""
+    receipt = await mem.add_turn("ana", "s1", "user", "old times", at=OUTSIDE[4], durable=True)
+    turn = await mem.get_turn("ana", receipt.turn_id)
+    assert turn.at == datetime(1700, 1, 1, 4, tzinfo=UTC)
+
+
+@pytest.mark.parametrize("field", ["since", "until"])
+async def test_recall_names_since_and_until(mem: Engine, field: str) -> None:
+    """A bad since/until is InvalidInput naming that field, never an exception group or `at`."""
+    with pytest.raises(InvalidInput, match=RANGE) as info:
+        await mem.recall("ana", "anything", **{field: datetime(1500, 1, 1, tzinfo=UTC)})
+    assert info.value.field == field
+    with pytest.raises(InvalidInput, match="expected a timezone-aware datetime") as info:
+        await mem.recall("ana", "anything", **{field: "yesterday"})
+    assert info.value.field == field
+
+
+async def test_fact_and_link_dates_are_checked(mem: Engine) -> None:
+    """remember_fact(valid_at=) and link(at=) take the same range."""
+    with pytest.raises(InvalidInput, match=RANGE) as info:
+        await mem.remember_fact("ana", "identity", "city", "Lisbon",
+                                valid_at=datetime(3000, 1, 1, tzinfo=UTC))
+    assert info.value.field == "valid_at"
+    a = await mem.add_turn("ana", "s1", "user", "one")
+    b = await mem.add_turn("ana", "s1", "user", "two")
+    with pytest.raises(InvalidInput, match=RANGE) as info:
+        await mem.link("ana", a.turn_id, b.turn_id, at=datetime(1500, 1, 1, tzinfo=UTC))
+    assert info.value.field == "at"
+
+
+async def test_an_engine_clock_outside_the_range_is_refused(store_path: Path) -> None:
+    """A clock that stamps turns outside the range fails the call that uses it, not the store."""
+    async with open_engine(store_path, clock=lambda: datetime(2500, 1, 1, tzinfo=UTC)) as mem:
+        with pytest.raises(InvalidInput, match=RANGE) as info:
+            await mem.add_turn("ana", "s1", "user", "hello")
+        assert info.value.field == "clock"
