@@ -38,9 +38,9 @@ import trio
 
 from engine.errors import EngineBroken, EngineClosed, ModelMissing
 
-from .messages import EmbedRequest, PutVectors
+from .messages import EmbedRequest, PutState, PutVectors, Searchable
 from .ann_index import encode_vector
-from .store import ModelInfo, Store, read_log_range, read_searchables
+from .store import ModelInfo, Store, failure_put, read_log_range, read_searchables
 
 # The Rust tokenizer's own thread pool would compete with onnxruntime and the trio thread for
 # 2 cores; the actor already runs it off the loop. Set before the first encode; a caller's own
@@ -429,8 +429,8 @@ class Embedder:
                 # vectors; the watermark moves with the chunk's last write only.
                 records.sort(key=lambda r: len(r.text))
                 for at in range(0, max(len(records), 1), BACKGROUND_BATCH):
-                    chunk = records[at : at + BACKGROUND_BATCH]
-                    vectors = await self.embed([r.text for r in chunk], query=False)
+                    chunk, vectors = await self._embed_records(
+                        store, records[at : at + BACKGROUND_BATCH])
                     items = [(r.lsn, r.user_id, encode_vector(r, vector))
                              for r, vector in zip(chunk, vectors, strict=True)]
                     final = at + BACKGROUND_BATCH >= len(records)
@@ -471,6 +471,33 @@ class Embedder:
             if not backlog or done % BACKLOG_REPORT < BACKGROUND_BATCH:
                 log.info("embedder: %d of %d records without vectors embedded", done, total)
         self._progress.unpark_all()
+
+
+    async def _embed_records(self, store: Store, chunk: list[Searchable]
+                             ) -> tuple[list[Searchable], list[np.ndarray]]:
+        """The chunk's records and their vectors. If the model fails on the batch, each record
+        is embedded alone: one the model cannot take is kept as a failure in the store and left
+        without a vector (BM25 still finds it), and the others go on."""
+        try:
+            return chunk, list(await self.embed([r.text for r in chunk], query=False))
+        except EngineBroken:
+            if self._closed:
+                raise
+        kept, vectors, failures = [], [], []
+        for record in chunk:
+            try:
+                vectors.append((await self.embed([record.text], query=False))[0])
+                kept.append(record)
+            except EngineBroken as exc:
+                if self._closed:
+                    raise
+                log.warning("embedder: record %d failed and is kept as a failure: %r",
+                            record.lsn, exc.__cause__)
+                failures.append(failure_put(record.lsn, "embedder", record.user_id,
+                                            record.memory_id, exc.__cause__ or exc))
+        if failures:
+            store.submit(PutState(tuple(failures)))
+        return kept, vectors
 
 
 def _take(requests: deque[EmbedRequest], limit: int) -> list[EmbedRequest]:

@@ -193,11 +193,18 @@ class FullText:
                 self._pending += len(records) + len(deleted)
                 failed = await trio.to_thread.run_sync(self._apply, records, deleted)
                 if failed:
-                    # Kept in the store, seen in stats and `engram inspect --failures`; the
-                    # index goes on without those records.
-                    store.submit(PutState(tuple(
-                        failure_put(r.lsn, "fulltext", r.user_id, r.memory_id, exc)
-                        for r, exc in failed)))
+                    # Kept in the store (stats, `engram inspect --failures`) before the index
+                    # can commit past them; the index goes on without those records.
+                    try:
+                        await store.write_unlogged(PutState(tuple(
+                            failure_put(r.lsn, "fulltext", r.user_id, r.memory_id, exc)
+                            for r, exc in failed), (), trio.Event()))
+                    except EngineClosed:
+                        # Closing: drop what is uncommitted, so the next open replays these
+                        # records and keeps their failures then.
+                        await trio.to_thread.run_sync(self._writer.rollback)
+                        self._pending = 0
+                        return
             self._read_lsn = last
             if not self._pending:
                 self.indexed_lsn = last

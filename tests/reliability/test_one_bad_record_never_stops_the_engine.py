@@ -13,7 +13,7 @@ import trio
 
 from actors.messages import PutNote, PutState
 from actors.store import LogFollower, lsn_key
-from engine import Engine, Failure, InvalidInput, Note, RecordRefused
+from engine import Engine, Failure, HashEmbedder, InvalidInput, Note, RecordRefused
 from engine.__main__ import main
 
 from ..conftest import open_engine
@@ -130,3 +130,31 @@ async def test_a_pending_review_for_any_conversation_never_kills_the_engine(mem:
     await mem.add_turn("ana", "c" * 250, "assistant", "green tea it is", durable=True)
     await mem.flush()
     assert await mem.failures() == []
+
+
+class _ChokesOnPoison(HashEmbedder):
+    """An embedding backend (the edge) that fails on any batch holding the word "poison"."""
+
+    def encode(self, texts: list[str]):
+        if any("poison" in text for text in texts):
+            raise RuntimeError("the model cannot take this text")
+        return super().encode(texts)
+
+
+async def test_the_embedder_keeps_a_record_it_cannot_embed_as_a_failure(store_path: Path) -> None:
+    """The batch around it gets its vectors; the record keeps its text-index entry, no vector,
+    and a failure; the engine serves and reopens."""
+    async with Engine.open(store_path, embedder=_ChokesOnPoison(),
+                           config={"long_term": False}) as mem:
+        for text in ("green tea", "poison ivy", "black coffee"):
+            await mem.add_turn("ana", "s", "user", text)
+        await mem.flush()
+        assert [(f.lsn, f.actor) for f in await mem.failures()] == [(2, "embedder")]
+        assert [h.text for h in await mem.recall("ana", "black coffee", limit=1)] == [
+            "black coffee"]
+        assert "poison ivy" in [h.text for h in await mem.recall("ana", "ivy")]
+        assert (await mem.stats()).embedded_lsn == 3
+    async with Engine.open(store_path, embedder=_ChokesOnPoison()) as mem:
+        await mem.add_turn("ana", "s", "user", "still serving", durable=True)
+        await mem.flush()
+        assert (await mem.stats()).failures == 1
