@@ -397,7 +397,7 @@ def _run(argv: list[str] | None) -> int:
                 result = trio.run(_failures, args.store, args.user)
             case "inspect":
                 if args.user is None:
-                    print("engram inspect: give --user USER or --failures", file=sys.stderr)
+                    print(f"{PROG} inspect: give --user USER or --failures", file=sys.stderr)
                     return 2
                 result = trio.run(_inspect, args.store, args.user, args.turns)
                 _print_inspect(result, args.json)
