@@ -475,6 +475,22 @@ class AnnIndex:
         return await trio.to_thread.run_sync(_exact, matrix, lsns, query, k, mask,
                                              limiter=self._search_limiter)
 
+    def similarities(self, user_id: str, query: np.ndarray, lsns: list[int]) -> dict[int, float]:
+        """Cosine of ``query`` with each of these records, for a user already loaded (a search
+        loads it); records without a vector yet, and users not in RAM, are left out."""
+        uv = self._users.get(user_id)
+        if uv is None:
+            return {}
+        rows = [(lsn, uv.row_of[lsn]) for lsn in lsns if lsn in uv.row_of]
+        if not rows:
+            return {}
+        scores = uv.matrix[[row for _, row in rows]] @ query
+        return {lsn: float(x) for (lsn, _), x in zip(rows, scores.tolist(), strict=True)}
+
+    async def count(self, user_id: str) -> int:
+        """The user's live vectors (loading the user, as a search would)."""
+        return len((await self._user(user_id)).row_of)
+
     def loaded(self) -> dict[str, int]:
         """Loaded users and their vector counts (for stats and tests)."""
         return {user_id: int(uv.alive[: uv.n].sum()) for user_id, uv in self._users.items()}

@@ -46,6 +46,21 @@ ANALYZER = "engram_en"
 SEARCH_THREADS = 2  # concurrent searches: one per core
 
 
+# Words a query drops before BM25 (NLTK's 127 English stopwords, plus the auxiliaries of
+# questions): in "What did Caroline research?" only "caroline" and "research" carry signal, and
+# a document rich in "what" and "did" must not outrank one that says "research". Indexed text
+# keeps them (a query made only of these words still searches with them).
+QUERY_STOPWORDS = frozenset(
+    "i me my myself we our ours ourselves you your yours yourself yourselves he him his himself "
+    "she her hers herself it its itself they them their theirs themselves what which who whom "
+    "this that these those am is are was were be been being have has had having do does did "
+    "doing a an the and but if or because as until while of at by for with about against "
+    "between into through during before after above below to from up down in out on off over "
+    "under again further then once here there when where why how all any both each few more "
+    "most other some such no nor not only own same so than too very s t can will just don "
+    "should now would could might likely also ever".split())
+
+
 def _analyzer() -> tantivy.TextAnalyzer:
     return (tantivy.TextAnalyzerBuilder(tantivy.Tokenizer.simple())
             .filter(tantivy.Filter.remove_long(40))
@@ -87,6 +102,8 @@ class FullText:
         self.path = path
         self._store = store
         self._analyzer = _analyzer()
+        # The stopwords as the analyser leaves them (stemmed), to compare with query terms.
+        self._stop = frozenset(self._analyzer.analyze(" ".join(QUERY_STOPWORDS)))
         self._schema = _schema()
         self._index: tantivy.Index | None = None
         self._writer: Any = None
@@ -308,6 +325,13 @@ class FullText:
         """The query's terms, as the index analyses text (deduplicated, in order)."""
         return list(dict.fromkeys(self._analyzer.analyze(text)))
 
+    def query_terms(self, text: str) -> list[str]:
+        """The terms a query searches with: its terms without QUERY_STOPWORDS, or all of them
+        when nothing else is left."""
+        terms = self.terms(text)
+        kept = [t for t in terms if t not in self._stop]
+        return kept or terms
+
     async def search(self, user_id: str, text: str, k: int,
                      filters: TextFilters | None = None) -> list[tuple[int, float]]:
         """The user's k best BM25 matches for ``text``: [(lsn, score)], best first."""
@@ -316,7 +340,7 @@ class FullText:
 
     def _search(self, user_id: str, text: str, k: int,
                 filters: TextFilters | None) -> list[tuple[int, float]]:
-        terms = self.terms(text)
+        terms = self.query_terms(text)
         if not terms or self._index is None:
             return []
         Q, Occur, schema = tantivy.Query, tantivy.Occur, self._schema

@@ -435,8 +435,10 @@ class Engine:
         link_depth: int | None = None,
         budget_tokens: int | None = None,
     ) -> list[Hit]:
-        """The user's memories that best match ``query``: vector and BM25 search fused by
-        reciprocal rank, expanded along links, packed into a token budget.
+        """The user's memories that best match ``query``: vector, BM25, entity and window legs
+        fused by weighted z-scores, neighbouring turns and covering episodes lifting the turns
+        they point at, expanded along links, packed into a token budget. Each hit's
+        ``explain`` says why it ranks where it does.
 
         Args:
             user_id: whose memories; nothing of another user can come back.

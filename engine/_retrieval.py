@@ -1,15 +1,25 @@
 """The retrieval pipeline: what a bot calls before every reply.
 
 1. Embed the query once (an LRU cache keyed by user and text).
-2. In parallel: the vector leg (AnnIndex), the BM25 leg (FullText), the entity leg (memories
-   mentioning an entity the query names, newest first, from the entity registry) and the window
-   leg (turns acknowledged but not yet indexed, from the RAM windows, scored by shared terms).
-3. Fuse the legs by reciprocal rank (k = 60); each leg brings CANDIDATES_PER_LEG candidates, so
-   a keyword-only or vector-only hit still reaches the result.
-4. Re-rank episodes by FSRS retrievability (score x retrievability, seed 001), and drop turns
-   that a higher-ranked episode or fact already stands for.
+2. In parallel: the vector leg (AnnIndex), the BM25 leg (FullText; stopwords and question words
+   left out of the query), the entity leg (memories naming an entity the query names, when that
+   entity is rare among the user's memories: a name in most of them carries no signal) and the
+   window leg (turns acknowledged but not yet indexed, from the RAM windows, by shared terms).
+   Each leg brings ``max(CANDIDATES_PER_LEG, 2 x limit)`` candidates with scores.
+3. Fuse: each leg's scores become z-scores (how far above that leg's typical candidate), summed
+   with LEG_WEIGHTS. A strong head of one leg keeps its lead; the long tail of a weak leg cannot
+   outvote it the way reciprocal-rank fusion lets it. A relevance floor drops candidates only
+   the vector leg found, below MIN_COSINE: a query with no good match returns fewer hits.
+4. Lift, from one store read of every candidate with its neighbouring turns, the turns episodes
+   cover and the episodes' FSRS state: a turn passes a share of its fused score to the turns
+   around it in its session (an answer sits next to its question); an episode lifts its best
+   covered turns, scaled by its FSRS retrievability, instead of taking the slots of the ~10
+   turns it stands for (it is returned itself when ``kinds`` names episodes, or when its turns
+   are gone); facts are returned, at most DERIVED_SHARE of the slots, and a turn a fact ranked
+   above it stands for is dropped.
 5. Expand along links, breadth-first in both directions, to the focus level's depth.
-6. Pack into a token budget and return typed hits (rendered as Markdown by ``retrieve_memory``).
+6. Pack into a token budget and return typed hits (rendered as Markdown by ``retrieve_memory``),
+   each with ``explain``: its rank in each leg, fused score, lift and FSRS factor.
 
 Every leg is restricted to the user inside its index; records are then fetched from the store
 by lsn with the user's key prefix checked once more.
@@ -17,6 +27,7 @@ by lsn with the user's key prefix checked once more.
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -45,11 +56,21 @@ from actors.store import (
 
 from ._records import Episode, Fact, Note, Turn
 
-__all__ = ["Hit", "Message", "EpisodicItem", "SemanticItem", "RetrieveResult", "FOCUS_LEVELS",
-           "Retriever", "estimate_tokens"]
+__all__ = ["Hit", "Explain", "Message", "EpisodicItem", "SemanticItem", "RetrieveResult",
+           "FOCUS_LEVELS", "Retriever", "estimate_tokens"]
 
-RRF_K = 60  # reciprocal rank fusion constant (Cormack et al.; seed 001)
-CANDIDATES_PER_LEG = 100  # per leg before fusion, as in seed 001 (BM25 100, vector 100)
+CANDIDATES_PER_LEG = 100  # per leg before fusion, at least (2 x limit when that is more)
+# Weights of the legs' z-scores. BM25 and vectors weigh the same (chosen on the LoCoMo dev split
+# among 0.3-0.7 for BM25, checked on the generated set); the window leg stands in for BM25 on
+# turns not yet indexed; the entity leg only adds to what names a rare entity.
+LEG_WEIGHTS = {"bm25": 0.5, "vector": 0.5, "window": 0.5, "entity": 0.1}
+MIN_COSINE = 0.2  # a candidate only the vector leg found needs this similarity to the query
+NEIGHBOUR_LIFT = (0.3, 0.1)  # share of a turn's fused score given to turns 1 and 2 seqs away
+EPISODE_LIFT = 0.1  # share of an episode's fused score given to each of its best turns
+EPISODE_TURNS = 3  # covered turns an episode lifts
+DERIVED_SHARE = 0.2  # at most this share of the slots go to facts (and episodes, asked for)
+RARE_ENTITY = 0.05  # an entity named in more than this share of the memories is no evidence
+COMMON_AFTER = 8  # ... once it is named in more memories than this (a new user has few)
 LINK_DECAY = 0.5  # a linked memory scores this fraction of the memory it was reached from
 TAGGED_LIMIT = 100_000  # records a tag filter can admit to the vector leg
 
@@ -69,6 +90,26 @@ def estimate_tokens(text: str) -> int:
     return max(1, (len(text) + 3) // 4)
 
 
+class Explain(msgspec.Struct, frozen=True, kw_only=True):
+    """Why a hit ranks where it does.
+
+    Attributes:
+        ranks: its rank (from 1) in each leg that found it.
+        fused: the weighted sum of its legs' z-scores (0 for a turn only lifted).
+        lift: what neighbouring turns and covering episodes added to ``fused``.
+        lifted_by: the memories (turn or episode ids) that lifted it.
+        fsrs: the FSRS retrievability factor the score was multiplied by (1.0 but episodes).
+        cosine: its similarity to the query, when the vector leg scored it.
+    """
+
+    ranks: dict[str, int]
+    fused: float
+    lift: float = 0.0
+    lifted_by: tuple[str, ...] = ()
+    fsrs: float = 1.0
+    cosine: float | None = None
+
+
 class Hit(msgspec.Struct, frozen=True, kw_only=True):
     """One recalled memory.
 
@@ -76,12 +117,16 @@ class Hit(msgspec.Struct, frozen=True, kw_only=True):
         id: the memory's id (a turn id for a turn).
         kind: turn, episode, fact or note.
         text: its text.
-        score: fused score (higher is better); linked memories get a decayed share.
+        score: relevance in (0, 1), the logistic of fused score plus lift, times the FSRS
+            factor (higher is better); linked memories get a decayed share.
         session_id: the session it belongs to ("" for a note: notes belong to the user).
         at: when it was said or made.
         turn_ids: the turns it stands for (itself, for a turn).
         role: who said it (turns).
-        via: the legs that found it: ``vector``, ``bm25``, ``window``, ``link``.
+        via: what found it: the legs ``vector``, ``bm25``, ``entity``, ``window``; for a turn
+            no leg found, ``neighbour`` / ``episode`` (lifted by a neighbouring turn or a
+            covering episode); ``link`` (reached along a link).
+        explain: per-leg ranks, fused score, lift and FSRS factor (None for a linked memory).
     """
 
     id: str
@@ -93,6 +138,7 @@ class Hit(msgspec.Struct, frozen=True, kw_only=True):
     turn_ids: tuple[str, ...]
     role: str | None = None
     via: tuple[str, ...] = ()
+    explain: Explain | None = None
 
 
 class Message(msgspec.Struct, frozen=True):
@@ -165,35 +211,30 @@ class Retriever:
                      legs: tuple[str, ...] = ("vector", "bm25", "entity", "window")
                      ) -> list[Hit]:
         """The pipeline; arguments are validated by the facade. ``only``: these lsns and no
-        others (the facts a category or importance filter admits), applied in every index."""
-        ranked: dict[str, list[int]] = {}
+        others (the facts a category or importance filter admits), applied in every index.
+        ``legs``: the legs that run (the benchmark measures each alone)."""
+        ranked: dict[str, list[tuple[int, float]]] = {}
         text_filters = TextFilters(session_id, since, until, roles, kinds, tags, only)
+        depth = max(CANDIDATES_PER_LEG, 2 * limit)
+        vector: list[Any] = []
 
         async def vector_leg() -> None:
-            vector = await self.embedder.embed_query(query, user_id)
+            vector.append(await self.embedder.embed_query(query, user_id))
             # Tags live in the text index's term lists; they become the vector search's mask.
             lsns = (None if tags is None
                     else await self.fulltext.tagged(user_id, tags, TAGGED_LIMIT))
             if only is not None:
                 lsns = only if lsns is None else sorted(set(lsns) & set(only))
             filters = Filters(session_id, since, until, roles, kinds, lsns)
-            found = await self.ann.search(user_id, vector, CANDIDATES_PER_LEG, filters)
-            ranked["vector"] = [lsn for lsn, _ in found]
+            ranked["vector"] = await self.ann.search(user_id, vector[0], depth, filters)
 
         async def bm25_leg() -> None:
-            found = await self.fulltext.search(user_id, query, CANDIDATES_PER_LEG, text_filters)
-            ranked["bm25"] = [lsn for lsn, _ in found]
+            ranked["bm25"] = await self.fulltext.search(user_id, query, depth, text_filters)
 
         async def entity_leg() -> None:
-            known = await self.entities.keys(user_id)
-            names = [name for name in _entity_keys(query) if name in known]
-            if not names:
-                return
-            registry = await self.store.read(read_entities, user_id, names)
-            lsns = sorted({lsn for e in registry.values() if e.type != "alias"
-                           for lsn in e.lsns}, reverse=True)
-            if lsns:
-                ranked["entity"] = lsns[:CANDIDATES_PER_LEG]
+            found = await self._entity_leg(user_id, query)
+            if found:
+                ranked["entity"] = found[:depth]
 
         async with trio.open_nursery() as nursery:
             if "vector" in legs:
@@ -205,54 +246,136 @@ class Retriever:
             if "window" in legs:
                 ranked["window"] = self._window_leg(user_id, query, session_id, since, until,
                                                     roles, kinds, tags)
-        fused = fuse(ranked)
-        records = await self.store.read(read_records, user_id,
-                                        [lsn for lsn, _, _ in fused[: limit * 3]])
-        hits: list[Hit] = []
+        # The memories a leg chose from: all the vector leg could rank, up to its depth.
+        fused = fuse(ranked, len(ranked.get("vector", ())) or depth)
+        cosine = dict(ranked.get("vector", ()))
+        # The relevance floor: only the vector leg found it, and not by much.
+        fused = {lsn: f for lsn, f in fused.items()
+                 if len(f[1]) > 1 or "vector" not in f[1] or cosine[lsn] >= MIN_COSINE}
+        order = sorted(fused, key=lambda lsn: (-fused[lsn][0], -lsn))[: limit * 3 + 20]
+        records, around, covered, states = await self.store.read(
+            _read_candidates, user_id, order,
+            len(NEIGHBOUR_LIFT) if kinds is None or "turn" in kinds else 0)
         allowed = None if only is None else set(only)
-        for lsn, score, via in fused:
+        memories: dict[int, Any] = {}
+        for lsn in order:
             memory = records.get(lsn) or self.buffer.recent_turn(user_id, lsn)
-            if (memory is None or (allowed is not None and lsn not in allowed)
-                    or not _matches(memory, session_id, since, until, roles, kinds, tags)):
+            if memory is not None and (allowed is None or lsn in allowed):
+                memories[lsn] = memory
+        scored = self._lift(user_id, memories, fused, around, covered, states, cosine,
+                            vector[0] if vector else None, kinds)
+        hits: list[Hit] = []
+        derived = 0
+        cap = max(1, int(limit * DERIVED_SHARE))
+        mixed = kinds is None or "turn" in kinds
+        for memory, total, explain, via in scored:
+            if not _matches(memory, session_id, since, until, roles, kinds, tags):
                 continue  # deleted since it was indexed, or not quite what the filter asked
-            hits.append(_hit(memory, score, via))
+            if mixed and type(memory) in (Episode, Fact):
+                if derived == cap:
+                    continue
+                derived += 1
+            hits.append(_hit(memory, _logistic(total) * explain.fsrs, via, explain))
             if len(hits) == limit * 2:
                 break
-        hits = _dedupe(await self._rerank(user_id, hits, records))[:limit]
+        hits = _dedupe(hits)[:limit]
         if link_depth > 0 and hits:
             hits += await self._expand(user_id, hits, link_depth)
         return pack(hits, budget_tokens)
 
-    async def _rerank(self, user_id: str, hits: list[Hit], records: dict[int, Any]
-                      ) -> list[Hit]:
-        """Episodes: score x FSRS retrievability (seed 001); others keep their fused score."""
-        shown = {h.id for h in hits}
-        episodes = {m.episode_id: m for m in records.values()
-                    if type(m) is Episode and m.episode_id in shown}
-        if not episodes:
-            return hits
-        states = await self.store.read(read_review_states, user_id, list(episodes))
+    def _lift(self, user_id: str, memories: dict[int, Any],
+              fused: dict[int, tuple[float, dict[str, int]]], around: dict[tuple[str, int], Turn],
+              covered: dict[str, list[Turn]], states: dict[str, Any], cosine: dict[int, float],
+              vector: Any, kinds: tuple[str, ...] | None
+              ) -> list[tuple[Any, float, Explain, tuple[str, ...]]]:
+        """Candidates with lifted scores, best first: a turn lifts its neighbours, an episode
+        its best covered turns (and drops out unless ``kinds`` names episodes or its turns
+        are gone)."""
+        base = {lsn: fused[lsn][0] for lsn in memories}
+        # Where a turn no leg found starts: below every candidate, and never above a leg's
+        # typical candidate (z = 0), however few candidates there are.
+        floor = min([0.0, *base.values()])
+        lift: dict[int, float] = {}
+        lifted_by: dict[int, list[str]] = {}
+        extra: dict[int, Turn] = {}
+        ways: dict[int, set[str]] = {}
+
+        def give(turn: Turn, amount: float, source: str, way: str) -> None:
+            if turn.lsn not in memories:
+                extra[turn.lsn] = turn
+            lift[turn.lsn] = lift.get(turn.lsn, 0.0) + amount
+            lifted_by.setdefault(turn.lsn, []).append(source)
+            ways.setdefault(turn.lsn, set()).add(way)
+
         now = self.clock()
+        fsrs: dict[int, float] = {}
+        standing: set[int] = set()  # episodes returned themselves
+        for lsn, memory in memories.items():
+            score = base[lsn]
+            if type(memory) is Turn and score > 0:
+                for distance, share in enumerate(NEIGHBOUR_LIFT, 1):
+                    for seq in (memory.seq - distance, memory.seq + distance):
+                        other = around.get((memory.session_id, seq))
+                        if other is not None:
+                            give(other, share * score, memory.turn_id, "neighbour")
+            elif type(memory) is Episode:
+                state = states.get(memory.episode_id) or memory_review_state(memory)
+                r = fsrs[lsn] = retrievability(state.stability, state.last_review, now)
+                turns = covered.get(memory.episode_id, [])
+                if not turns or (kinds is not None and "episode" in kinds):
+                    standing.add(lsn)
+                if score > 0 and turns:
+                    sims = (self.ann.similarities(user_id, vector, [t.lsn for t in turns])
+                            if vector is not None else {})
+                    best = sorted(turns, key=lambda t: (t.lsn not in base, -base.get(t.lsn, 0.0),
+                                                        -sims.get(t.lsn, -1.0)))
+                    for turn in best[:EPISODE_TURNS]:
+                        give(turn, EPISODE_LIFT * r * score, memory.episode_id, "episode")
         out = []
-        for hit in hits:
-            episode = episodes.get(hit.id)
-            if episode is not None:
-                state = states.get(hit.id) or memory_review_state(episode)
-                r = retrievability(state.stability, state.last_review, now)
-                hit = msgspec.structs.replace(hit, score=hit.score * r)
-            out.append(hit)
-        out.sort(key=lambda h: -h.score)
+        for lsn, memory in (*memories.items(), *extra.items()):
+            if type(memory) is Episode and lsn not in standing:
+                continue
+            ranks = fused[lsn][1] if lsn in fused and lsn in memories else {}
+            fused_score = base.get(lsn, floor)
+            explain = Explain(ranks=dict(ranks), fused=fused_score if lsn in base else 0.0,
+                              lift=lift.get(lsn, 0.0),
+                              lifted_by=tuple(dict.fromkeys(lifted_by.get(lsn, ()))),
+                              fsrs=fsrs.get(lsn, 1.0), cosine=cosine.get(lsn))
+            # What found it: its legs; a turn no leg found, what lifted it.
+            via = tuple(ranks) or tuple(sorted(ways.get(lsn, ())))
+            out.append((memory, fused_score + lift.get(lsn, 0.0), explain, via))
+        out.sort(key=lambda item: (-_logistic(item[1]) * item[2].fsrs, -item[0].lsn))
         return out
+
+    async def _entity_leg(self, user_id: str, query: str) -> list[tuple[int, float]]:
+        """Memories naming the query's rare entities, scored by the entities' inverse document
+        frequency summed. A name in more than RARE_ENTITY of the user's memories (the user's
+        own, a partner's in a two-person chat) is no evidence and never makes the leg fire
+        (once it is in more than COMMON_AFTER of them)."""
+        known = await self.entities.keys(user_id)
+        names = [name for name in _entity_keys(query) if name in known]
+        if not names:
+            return []
+        registry = await self.store.read(read_entities, user_id, names)
+        total = max(await self.ann.count(user_id), 1)
+        scores: dict[int, float] = {}
+        for entity in {e.name: e for e in registry.values() if e.type != "alias"}.values():
+            if entity.mentions > max(RARE_ENTITY * total, COMMON_AFTER):
+                continue
+            weight = math.log(1 + total / max(entity.mentions, 1))
+            for lsn in entity.lsns:
+                scores[lsn] = scores.get(lsn, 0.0) + weight
+        return sorted(scores.items(), key=lambda pair: (-pair[1], -pair[0]))
 
     def _window_leg(self, user_id: str, query: str, session_id: str | None,
                     since: datetime | None, until: datetime | None,
                     roles: tuple[str, ...] | None, kinds: tuple[str, ...] | None,
-                    tags: tuple[str, ...] | None) -> list[int]:
-        """Turns acknowledged but not yet in the text index, ranked by terms shared with the
+                    tags: tuple[str, ...] | None) -> list[tuple[int, float]]:
+        """Turns acknowledged but not yet in the text index, scored by terms shared with the
         query, then recency: read-your-writes for recall."""
         if kinds is not None and "turn" not in kinds:
             return []
-        terms = set(self.fulltext.terms(query))
+        terms = set(self.fulltext.query_terms(query))
         if not terms:
             return []
         scored = []
@@ -263,7 +386,7 @@ class Retriever:
             if shared:
                 scored.append((-shared, -turn.lsn, turn.lsn))
         scored.sort()
-        return [lsn for _, _, lsn in scored[:CANDIDATES_PER_LEG]]
+        return [(lsn, float(-shared)) for shared, _, lsn in scored[:CANDIDATES_PER_LEG]]
 
     async def _expand(self, user_id: str, hits: list[Hit], depth: int) -> list[Hit]:
         """Breadth-first along links in both directions; memories already found are skipped."""
@@ -324,11 +447,12 @@ class Retriever:
         indexed = self.fulltext.indexed_lsn
         fresh = [f for f in profile if f.lsn > indexed]
         if fresh:
-            terms = set(self.fulltext.terms(query))
+            terms = set(self.fulltext.query_terms(query))
             for fact in fresh:
                 shared = len(terms.intersection(self.fulltext.terms(fact.text)))
                 if shared:
-                    chosen.append((fact, shared / (RRF_K + 1)))
+                    # The share of the query's terms it has, on the hits' (0, 1) scale.
+                    chosen.append((fact, _logistic(shared / len(terms))))
             chosen.sort(key=lambda pair: -pair[1])
         # The deterministic part: standing facts (name, allergies, instructions...) always
         # come along, after the ones the query found.
@@ -345,9 +469,23 @@ class Retriever:
                 for f, score in chosen[:limit]]
 
     async def _episodic(self, user_id: str, query: str, limit: int) -> list[EpisodicItem]:
-        hits = await self.recall(user_id, query, limit=limit, session_id=None, since=None,
-                                 until=None, roles=None, kinds=("episode", "turn"), link_depth=0,
-                                 budget_tokens=None)
+        found = await self.recall(user_id, query, limit=limit * EPISODIC_POOL, session_id=None,
+                                  since=None, until=None, roles=None, kinds=("episode", "turn"),
+                                  link_depth=0, budget_tokens=None)
+        # Up to ``limit`` items in rank order: an episode replaces the turns it covers that were
+        # picked before it, and a turn a picked episode covers is skipped, so the section fills
+        # with memories that each add something.
+        hits: list[Hit] = []
+        shown: set[str] = set()
+        for hit in found:
+            if len(hits) == limit:
+                break
+            if hit.kind == "turn" and hit.id in shown:
+                continue
+            if hit.kind == "episode":
+                shown.update(hit.turn_ids)
+                hits = [h for h in hits if h.kind != "turn" or h.id not in shown]
+            hits.append(hit)
         episode_ids = [h.id for h in hits if h.kind == "episode"]
         turn_ids = [h.id for h in hits if h.kind == "turn"]
         episodes, contexts, states = await self.store.read(
@@ -388,6 +526,7 @@ class Retriever:
 
 
 STANDING_IMPORTANCE = 0.8  # facts at least this important join every semantic section
+EPISODIC_POOL = 3  # hits recall brings per episodic item: covered turns give way to episodes
 
 
 def _read_episodic(txn: Any, dbs: dict[bytes, Any], user_id: str, episode_ids: list[str],
@@ -419,16 +558,70 @@ def _dedupe(hits: list[Hit]) -> list[Hit]:
     return out
 
 
-def fuse(ranked: dict[str, list[int]]) -> list[tuple[int, float, tuple[str, ...]]]:
-    """Reciprocal rank fusion: score = sum over legs of 1 / (RRF_K + rank), rank from 1."""
-    scores: dict[int, float] = {}
-    via: dict[int, list[str]] = {}
-    for leg, lsns in ranked.items():
-        for rank, lsn in enumerate(lsns, 1):
-            scores[lsn] = scores.get(lsn, 0.0) + 1.0 / (RRF_K + rank)
-            via.setdefault(lsn, []).append(leg)
-    order = sorted(scores, key=lambda lsn: (-scores[lsn], -lsn))
-    return [(lsn, scores[lsn], tuple(via[lsn])) for lsn in order]
+def fuse(ranked: dict[str, list[tuple[int, float]]], population: int
+         ) -> dict[int, tuple[float, dict[str, int]]]:
+    """Weighted z-score fusion: per leg, (score - mean) / standard deviation over its
+    candidates, times LEG_WEIGHTS[leg], summed over the legs that found a memory (a leg that
+    did not find it adds nothing). A lexical leg (BM25, entity, window) that found fewer than
+    ``population`` memories counts the others at score 0, as they are: two keyword matches
+    among many memories are both strong, not one above and one below the mean.
+    Returns lsn -> (fused score, {leg: rank from 1})."""
+    out: dict[int, tuple[float, dict[str, int]]] = {}
+    for leg, found in ranked.items():
+        if not found:
+            continue
+        values = [score for _, score in found]
+        n = len(values) if leg == "vector" else max(len(values), population)
+        mean = sum(values) / n
+        spread = math.sqrt((sum((v - mean) ** 2 for v in values)
+                            + (n - len(values)) * mean * mean) / n)
+        weight = LEG_WEIGHTS[leg]
+        for rank, (lsn, score) in enumerate(found, 1):
+            # One candidate, or all alike: each is one deviation above the typical one.
+            z = (score - mean) / spread if spread > 1e-9 else 1.0
+            total, ranks = out.get(lsn, (0.0, {}))
+            ranks[leg] = rank
+            out[lsn] = (total + weight * z, ranks)
+    return out
+
+
+def _logistic(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-max(-50.0, min(50.0, x))))
+
+
+def _read_candidates(txn: Any, dbs: dict[bytes, Any], user_id: str, lsns: list[int], span: int
+                     ) -> tuple[dict[int, Any], dict[tuple[str, int], Turn],
+                                dict[str, list[Turn]], dict[str, Any]]:
+    """What the lift stage needs, in one read: the candidates' records; the turns up to
+    ``span`` seqs around each candidate turn, by (session, seq); each candidate episode's
+    turns; and the episodes' review states."""
+    records = read_records(txn, dbs, user_id, lsns)
+    wanted: dict[str, list[int]] = {}
+    covered: dict[str, list[Turn]] = {}
+    for memory in records.values():
+        if type(memory) is Turn and span:
+            wanted.setdefault(memory.session_id, []).append(memory.seq)
+        elif type(memory) is Episode:
+            covered[memory.episode_id] = read_session_turns(
+                txn, dbs, user_id, memory.session_id, memory.first_seq, memory.last_seq)
+    around: dict[tuple[str, int], Turn] = {}
+    for session_id, seqs in wanted.items():
+        # Overlapping windows merge, so each stretch of the session is read once.
+        seqs.sort()
+        first = last = None
+        for seq in seqs:
+            if first is not None and seq - span <= last + 1:
+                last = seq + span
+                continue
+            if first is not None:
+                for turn in read_session_turns(txn, dbs, user_id, session_id, first, last):
+                    around[(session_id, turn.seq)] = turn
+            first, last = max(0, seq - span), seq + span
+        if first is not None:
+            for turn in read_session_turns(txn, dbs, user_id, session_id, first, last):
+                around[(session_id, turn.seq)] = turn
+    states = read_review_states(txn, dbs, user_id, list(covered))
+    return records, around, covered, states
 
 
 def pack(hits: list[Hit], budget_tokens: int | None) -> list[Hit]:
@@ -472,21 +665,23 @@ def _matches(memory: Turn | Note | Episode | Fact, session_id: str | None,
             and (tags is None or not set(tags).isdisjoint(turn_tags(turn))))
 
 
-def _hit(memory: Turn | Note | Episode | Fact, score: float, via: tuple[str, ...]) -> Hit:
+def _hit(memory: Turn | Note | Episode | Fact, score: float, via: tuple[str, ...],
+         explain: Explain | None = None) -> Hit:
     kind = type(memory)
     if kind is Episode:
         return Hit(id=memory.episode_id, kind="episode", text=f"{memory.title}: {memory.summary}",
                    score=score, session_id=memory.session_id, at=memory.end_at,
-                   turn_ids=memory.turn_ids, via=via)
+                   turn_ids=memory.turn_ids, via=via, explain=explain)
     if kind is Fact:
         return Hit(id=memory.fact_id, kind="fact", text=memory.text, score=score, session_id="",
-                   at=memory.created_at, turn_ids=memory.source_turn_ids, via=via)
+                   at=memory.created_at, turn_ids=memory.source_turn_ids, via=via,
+                   explain=explain)
     if kind is Note:
         return Hit(id=memory.note_id, kind="note", text=memory.text, score=score,
-                   session_id="", at=memory.updated_at, turn_ids=(), via=via)
+                   session_id="", at=memory.updated_at, turn_ids=(), via=via, explain=explain)
     return Hit(id=memory.turn_id, kind="turn", text=memory.text, score=score,
                session_id=memory.session_id, at=memory.at, turn_ids=(memory.turn_id,),
-               role=memory.role, via=via)
+               role=memory.role, via=via, explain=explain)
 
 
 def _entity_keys(query: str) -> list[str]:

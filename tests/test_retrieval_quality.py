@@ -1,0 +1,99 @@
+"""Retrieval quality mechanisms: rare entities, episodes lifting turns, neighbouring turns,
+the relevance floor, explained scores, and retrieve_memory filling its episodic section."""
+
+from __future__ import annotations
+
+from engine import Engine
+
+from .conftest import StepClock, open_engine
+
+TOPICS = ["the weather was grey again", "work was busy with meetings", "we cooked pasta tonight",
+          "the train was late this morning", "a documentary about whales", "the gym was packed"]
+
+
+async def _chat(mem: Engine, session: str, texts: list[str]) -> None:
+    for i, text in enumerate(texts):
+        await mem.add_turn("ana", session, "user" if i % 2 == 0 else "assistant", text)
+
+
+async def test_a_name_in_every_turn_does_not_make_the_entity_leg_fire(store_path) -> None:
+    """Caroline speaks in every turn: her name is no evidence. Sweden, named once, is."""
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        texts = [f"Caroline: {TOPICS[i % len(TOPICS)]} {i}" for i in range(40)]
+        texts[17] = "Caroline: my grandmother was born in Sweden"
+        await _chat(mem, "s", texts)
+        await mem.flush()
+        for hit in await mem.recall("ana", "What did Caroline say?", limit=20):
+            assert "entity" not in hit.explain.ranks, hit
+        hits = await mem.recall("ana", "Which country is Caroline's family from, Sweden?")
+        assert hits[0].text == texts[17] and hits[0].explain.ranks["entity"] == 1
+
+
+async def test_an_episode_lifts_its_best_turns_instead_of_taking_the_slots(store_path) -> None:
+    """Recall over every kind returns the turns an episode stands for, not the episode (which
+    would spend ten turns' slots); asked for by kind, the episode is returned itself."""
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        texts = [f"{TOPICS[i % len(TOPICS)]}, said at {i}" for i in range(20)]
+        texts[2] = "the trip to Porto is booked for June, the festival"
+        texts[4] = "we booked a small hotel near the river in Porto"
+        texts[6] = "Porto in June: the river, the festival and the hotel"
+        await _chat(mem, "trip", texts)
+        await mem.flush()
+        (episode,) = await mem.episodes("ana", "trip")
+        history = await mem.session_history("ana", "trip", limit=100)
+        assert history[4].text == texts[4] and history[4].turn_id in episode.turn_ids
+        hits = await mem.recall("ana", "hotel near the river in Porto", limit=3)
+        assert [h.kind for h in hits] == ["turn"] * len(hits)
+        assert hits[0].text == texts[4] and episode.episode_id in hits[0].explain.lifted_by
+        alone = await mem.recall("ana", "hotel near the river in Porto", kinds=["episode"])
+        assert [h.id for h in alone] == [episode.episode_id]
+        assert 0 < alone[0].explain.fsrs <= 1.0
+
+
+async def test_hit_explain_carries_the_per_leg_ranks_and_fused_score(store_path) -> None:
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        await _chat(mem, "s", [*TOPICS, "my sister Clara plays the cello", *TOPICS])
+        await mem.flush()
+        hits = await mem.recall("ana", "cello Clara", limit=3)
+    best = hits[0]
+    assert best.text == "my sister Clara plays the cello"
+    assert best.explain.ranks["bm25"] == 1 and best.explain.ranks["vector"] == 1
+    assert best.explain.fused > 0 and best.explain.fsrs == 1.0
+    assert best.explain.cosine is not None and 0 < best.score < 1
+    assert set(best.via) == set(best.explain.ranks)
+
+
+async def test_an_answer_next_to_the_question_is_lifted(store_path) -> None:
+    """The reply holds the answer but not the words: its neighbour lifts it."""
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        texts = [*TOPICS, "what did you name the new puppy?", "Biscuit, after the colour.",
+                 *TOPICS]
+        await _chat(mem, "s", texts)
+        await mem.flush()
+        hits = await mem.recall("ana", "name of the puppy", limit=3, kinds=["turn"])
+    by_text = {h.text: h for h in hits}
+    answer = by_text["Biscuit, after the colour."]
+    assert answer.explain.lift > 0 and answer.explain.lifted_by
+
+
+async def test_a_query_with_no_good_match_returns_fewer_hits(store_path) -> None:
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        await _chat(mem, "s", TOPICS * 4)
+        await mem.flush()
+        assert len(await mem.recall("ana", "the train was late", limit=10)) > 0
+        assert await mem.recall("ana", "quixotic zygomorphic xylophones", limit=10) == []
+
+
+async def test_retrieve_memory_fills_its_episodic_section(store_path) -> None:
+    """An episode and the turns it covers compete for the same slots; the section still
+    holds the number of items asked for, and no turn beside the episode that covers it."""
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        texts = [f"the trip to Porto, part {i}: {TOPICS[i % len(TOPICS)]}" for i in range(30)]
+        await _chat(mem, "trip", texts)
+        await mem.flush()
+        raw = await mem.retrieve_memory_raw("ana", "trip to Porto", episodic_limit=6,
+                                            semantic_limit=0)
+    assert len(raw.episodic) == 6
+    assert any(item.kind == "episode" for item in raw.episodic)
+    shown = {m.content for item in raw.episodic if item.kind == "episode" for m in item.messages}
+    assert not [item for item in raw.episodic if item.kind == "turn" and item.summary in shown]
