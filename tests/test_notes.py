@@ -25,9 +25,11 @@ async def test_a_note_is_recalled_updated_and_deleted(store_path) -> None:
         await mem.flush()
         texts = [h.text for h in await mem.recall("ana", "seat on trains", kinds=["note"])]
         assert texts == ["prefers the aisle seat on trains"]
-        # The vector leg answers with the nearest note: the updated one, not the old text.
-        assert [h.text for h in await mem.recall("ana", "window", kinds=["note"])] == [
-            "prefers the aisle seat on trains"]
+        # The old text is gone from both indexes: "window" matches no note well enough to be
+        # returned (the relevance floor), and the vector index holds the updated version only.
+        assert await mem.recall("ana", "window", kinds=["note"]) == []
+        nearest = await mem._ann.search("ana", (await mem.embed(["window"]))[0], 10)
+        assert [lsn for lsn, _ in nearest if lsn in (note.lsn, updated.lsn)] == [updated.lsn]
         assert (await mem.get_note("ana", note.note_id)).text == "prefers the aisle seat on trains"
 
         assert await mem.delete_note("ana", note.note_id) is True

@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import pytest
 
+from actors.ann_index import Filters
 from actors.facts import extract_facts
 from engine import InvalidInput
 
@@ -136,9 +137,12 @@ async def test_confirmed_facts_never_decay_and_inferred_values_cannot_replace_th
         assert report.pruned_facts == 1
         assert [(f.key, f.value) for f in await mem.profile("ana")] == [("location", "Lisbon")]
         assert (await mem.fact_history("ana", "preference", "snack"))[0].status == "pruned"
-        # The vector leg still answers with the nearest active fact; the pruned one is gone.
-        assert [h.text for h in await mem.recall("ana", "crisps snack", kinds=["fact"])] == [
-            "location: Lisbon"]
+        # The pruned fact is gone from both indexes: nothing matches "crisps snack" well enough
+        # to be returned (the relevance floor), and the vector index's only fact is the active one.
+        assert await mem.recall("ana", "crisps snack", kinds=["fact"]) == []
+        nearest = await mem._ann.search("ana", (await mem.embed(["crisps snack"]))[0], 10,
+                                        Filters(kinds=("fact",)))
+        assert [lsn for lsn, _ in nearest] == [f.lsn for f in await mem.profile("ana")]
 
 
 async def test_showing_a_fact_restarts_its_decay(store_path) -> None:
