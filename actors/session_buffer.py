@@ -61,6 +61,7 @@ class Receipt:
         """Return once the turn is committed to LMDB (it then survives ``kill -9``).
 
         Raises:
+            RecordRefused: the store could not write this turn (the rest of its batch landed).
             EngineBroken: the store failed before committing it.
             EngineClosed: the engine closed before committing it.
         """

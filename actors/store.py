@@ -709,6 +709,7 @@ class Store:
         # waiters, by id() for unlogged ops whose writer waits on ``done``.
         self._refused: dict[int, RecordRefused] = {}
         self._refused_ops: dict[int, RecordRefused] = {}
+        self._unreported: dict[int, RecordRefused] = {}  # refused lsns no flush has raised yet
         self._closing = False
         self._readers = 0
         self._exclusive = False  # set while the map grows or the env closes: reads wait
@@ -1002,6 +1003,12 @@ class Store:
         error.__cause__ = self._failure
         return error
 
+    def take_refused(self, upto: int) -> list[RecordRefused]:
+        """The refusals of logged ops up to ``upto`` that no earlier call returned (for
+        ``Engine.flush``, which promises everything acknowledged before it is on disk)."""
+        taken = [lsn for lsn in self._unreported if lsn <= upto]
+        return [self._unreported.pop(lsn) for lsn in taken]
+
     async def wait_written(self) -> None:
         """Return once every op queued before the call is committed, whether it took a log
         position or not (vectors, links, derived state).
@@ -1099,14 +1106,19 @@ class Store:
     def _refuse(self, op: StoreOp, error: BaseException) -> None:
         """Tell the op's caller (trio thread): its waiter raises RecordRefused, nobody else."""
         lsn = op.lsn or 0
-        refusal = RecordRefused(lsn, f"the store refused the record at lsn {lsn} "
+        user_id, memory_id = _op_identity(op)
+        named = f" {memory_id!r} of user {user_id!r}" if memory_id else ""
+        refusal = RecordRefused(lsn, f"the store refused the record at lsn {lsn}{named} "
                                      f"({type(op).__name__}): {type(error).__name__}: {error}; "
-                                     "the rest of its batch was written")
+                                     "the rest of its batch was written", memory_id)
         log.warning("%s", refusal)
         if op.lsn is not None:
             self._refused[op.lsn] = refusal
+            self._unreported[op.lsn] = refusal
             while len(self._refused) > REFUSALS_KEPT:
                 del self._refused[next(iter(self._refused))]
+            while len(self._unreported) > REFUSALS_KEPT:
+                del self._unreported[next(iter(self._unreported))]
         elif getattr(op, "done", None) is not None:
             self._refused_ops[id(op)] = refusal
             op.done.set()

@@ -69,7 +69,14 @@ from ._retrieval import (
 from ._snapshot import Manifest, compact, restore, take_snapshot
 from ._tools import call_tool
 from ._verify import verify_store
-from .errors import EngineBroken, EngineClosed, InvalidInput, StoreCorrupt, StoreTampered
+from .errors import (
+    EngineBroken,
+    EngineClosed,
+    InvalidInput,
+    RecordRefused,
+    StoreCorrupt,
+    StoreTampered,
+)
 
 __all__ = ["Engine", "Stats", "EntityInfo"]
 
@@ -1088,7 +1095,13 @@ class Engine:
         """Return once everything acknowledged before the call is on disk and in every index
         (the vector index too, with background embedding on), and the long-term layer has
         taken it in: its facts extracted, its entities registered, the episodes it completes
-        made, and those indexed too."""
+        made, and those indexed too.
+
+        Raises:
+            RecordRefused: a record logged before the call could not be written (its lsn and
+                id; the others were); raised by one flush only. A record a background part
+                failed on is not raised: it is in :meth:`failures`.
+        """
         self._check_open()
         target = self._store.next_lsn - 1
         await self._store.wait_written()  # logged or not: use counts and reviews too
@@ -1099,6 +1112,11 @@ class Engine:
         await self._fulltext.wait_indexed(target)
         if self._config.background_embedding:
             await self._embedder.wait_embedded(target)
+        refused = self._store.take_refused(target)
+        if refused:
+            first = refused[0]
+            more = f" (and {len(refused) - 1} more: see Engine.failures)" if len(refused) > 1 else ""
+            raise RecordRefused(first.lsn, f"{_reason(first)}{more}", first.memory_id)
 
     async def stats(self) -> Stats:
         """Counts and positions; cheap enough to call from a health check."""

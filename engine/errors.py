@@ -55,11 +55,13 @@ class RecordRefused(InvalidInput):
 
     Attributes:
         lsn: the record's log sequence number (0 for a record outside the log).
+        memory_id: the record's id (a turn's, a note's...), "" if it has none.
     """
 
-    def __init__(self, lsn: int, message: str) -> None:
+    def __init__(self, lsn: int, message: str, memory_id: str = "") -> None:
         super().__init__("record", message)
         self.lsn = lsn
+        self.memory_id = memory_id
 
 
 class EngineClosed(EngineError):

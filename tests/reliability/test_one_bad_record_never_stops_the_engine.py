@@ -110,6 +110,8 @@ async def test_a_group_commit_isolates_the_op_that_fails(store_path: Path) -> No
             await store.write_unlogged(PutState(((b"notes", b"k" * 600, b"v", 0),), (),
                                                 trio.Event()))
         await mem.add_turn("ana", "s", "user", "serving on", durable=True)
+        with pytest.raises(RecordRefused, match=f"lsn {lsn}"):
+            await mem.flush()  # it promises what came before it is on disk: not that note
         await mem.flush()
         assert {f.actor for f in await mem.failures()} == {"store"}
     async with open_engine(store_path) as mem:
@@ -158,3 +160,27 @@ async def test_the_embedder_keeps_a_record_it_cannot_embed_as_a_failure(store_pa
         await mem.add_turn("ana", "s", "user", "still serving", durable=True)
         await mem.flush()
         assert (await mem.stats()).failures == 1
+
+
+async def test_a_refused_turn_reaches_its_receipt_and_the_next_flush_with_its_id(
+        store_path: Path) -> None:
+    """A turn the store refuses (ids over the byte limit, appended behind the facade's checks):
+    its durable receipt raises RecordRefused naming its lsn and turn id, the next flush raises
+    it once, the turns around it land."""
+    async with open_engine(store_path) as mem:
+        before = await mem.add_turn("bo", "s", "user", "before")
+        bad = mem._buffer.append("€" * 200, "€" * 200, "user", "refused",
+                                 datetime(2026, 1, 1, tzinfo=UTC), {})
+        after = await mem.add_turn("bo", "s", "user", "after")
+        with pytest.raises(RecordRefused, match=bad.turn_id) as info:
+            await bad.durable()
+        assert (info.value.lsn, info.value.memory_id) == (bad.lsn, bad.turn_id)
+        await before.durable()
+        await after.durable()
+        with pytest.raises(RecordRefused, match=f"lsn {bad.lsn}"):
+            await mem.flush()
+        await mem.flush()  # reported once
+    async with open_engine(store_path) as mem:
+        assert [t.text for t in await mem.session_history("bo", "s")] == ["before", "after"]
+        (failure,) = await mem.failures()
+        assert (failure.lsn, failure.actor, failure.memory_id) == (bad.lsn, "store", bad.turn_id)
