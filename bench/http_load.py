@@ -146,11 +146,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--recall-share", type=float, default=0.25)
     parser.add_argument("--users", type=int, default=50)
-    parser.add_argument("--history", type=int, default=200, help="turns per user beforehand")
+    parser.add_argument("--history", type=int, default=20,
+                        help="turns per user beforehand (embedded by the real model first)")
     parser.add_argument("--out", default="bench/results/http.json")
     args = parser.parse_args()
     if args.quick:
-        args.seconds, args.history = 5, 40
+        args.seconds, args.history = 5, 10
     root = Path(tempfile.mkdtemp(prefix="engram-bench-http-"))
     rng = random.Random(11)
     queries = [" ".join(rng.choice(WORDS) for _ in range(5)) for _ in range(200)]

@@ -282,6 +282,34 @@ def _not_found(what: str) -> HTTPException:
     return HTTPException(404, f"no {what}")
 
 
+def _example(example: Any, media: str = "application/json") -> dict[str, Any]:
+    return {"content": {media: {"example": example}}}
+
+
+def _error_example(error: str, message: str, field: str | None = None) -> dict[str, Any]:
+    body = {"error": error, "message": message} | ({"field": field} if field else {})
+    return {"description": error, **_example(body)}
+
+
+# Documented on every route (OpenAPI): the JSON error body and when each status comes.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: _error_example("Unauthorized", "expected 'Authorization: Bearer <key>', found none"),
+    403: _error_example("Forbidden", "this key may not act for user 'bo'"),
+    404: _error_example("NotFound", "no note 'n_1' for this user"),
+    413: _error_example("TooLarge", "expected a body of at most 8388608 bytes, found 9000000"),
+    422: _error_example("InvalidInput", "role: expected one of 'user', 'assistant', 'system', "
+                                        "'tool', found str 'bot'", "role"),
+    503: _error_example("EngineClosed", "the engine is closed; open a new one with "
+                                        "Engine.open(path)"),
+}
+_TURN = {"lsn": 12, "turn_id": "t_4f0c2a9e1b7d3c5a8e21", "user_id": "maya", "session_id": "s1",
+         "seq": 3, "role": "user", "text": "I'm moving to Lisbon in January",
+         "at": "2026-03-01T09:00:00Z", "meta": {"channel": "web"}}
+_HIT = {"id": "t_4f0c2a9e1b7d3c5a8e21", "kind": "turn", "text": "I'm moving to Lisbon in January",
+        "score": 0.0328, "session_id": "s1", "at": "2026-03-01T09:00:00Z",
+        "turn_ids": ["t_4f0c2a9e1b7d3c5a8e21"], "role": "user", "via": ["vector", "bm25"]}
+
+
 class _TooLarge(Exception):
     """A request body grew past the limit while it streamed in."""
 
@@ -394,7 +422,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     from . import __version__
 
     app = FastAPI(
-        title="Engram", version=__version__,
+        title="Engram", version=__version__, responses=ERROR_RESPONSES,
         description="An in-process memory engine for chat bots and agents, over HTTP. "
                     "Send `Authorization: Bearer <key>` when the server has an api-keys file.")
     metrics = _Metrics()
@@ -490,8 +518,11 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     # -- turns and sessions ------------------------------------------------------------------
 
     @app.post("/v1/users/{user_id}/sessions/{session_id}/turns", status_code=202,
-              tags=["turns"], responses={201: {"description": "durable: on disk"},
-                                         202: {"description": "buffered: in the window"}})
+              tags=["turns"], responses={
+                  201: {"description": "durable: on disk",
+                        **_example({"turn_id": _TURN["turn_id"], "seq": 3, "durable": True})},
+                  202: {"description": "buffered: in the window",
+                        **_example({"turn_id": _TURN["turn_id"], "seq": 3, "durable": False})}})
     async def add_turn(user_id: User, session_id: str, body: TurnIn) -> Response:
         """Add a turn; 201 once it is on disk (``durable``), else 202 once it is buffered."""
         receipt = await engine.add_turn(user_id, session_id, body.role, body.text, at=body.at,
@@ -499,7 +530,8 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
         return _json({"turn_id": receipt.turn_id, "seq": receipt.seq, "durable": body.durable},
                      201 if body.durable else 202)
 
-    @app.get("/v1/users/{user_id}/sessions/{session_id}/turns", tags=["turns"])
+    @app.get("/v1/users/{user_id}/sessions/{session_id}/turns", tags=["turns"],
+             responses={200: _example([_TURN])})
     async def session_history(user_id: User, session_id: str,
                               limit: Annotated[int, Query(ge=1, le=10_000)] = 50) -> Response:
         """The session's latest ``limit`` turns, oldest first."""
@@ -544,7 +576,8 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
 
     # -- retrieval ---------------------------------------------------------------------------
 
-    @app.post("/v1/users/{user_id}/recall", tags=["retrieval"])
+    @app.post("/v1/users/{user_id}/recall", tags=["retrieval"],
+              responses={200: _example({"hits": [_HIT]})})
     async def recall(user_id: User, body: RecallIn) -> Response:
         """Hits (the engine's ``Hit`` fields), best first."""
         hits = await engine.recall(user_id, body.query, body.limit,
@@ -552,8 +585,11 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
                                                      exclude_none=True))
         return _json({"hits": hits})
 
-    @app.post("/v1/retrieve_memory", tags=["retrieval"],
-              responses={200: {"content": {"text/markdown": {}}}})
+    @app.post("/v1/retrieve_memory", tags=["retrieval"], responses={200: _example(
+        "## Semantic Memory\n- [identity] Lives in Lisbon (sources: 1 conversation)\n\n"
+        "## Episodic Memories\n\n### Moving to Lisbon in January [rank: 1, score: 0.03]\n"
+        "**When:** 2 weeks ago\n**Summary:** Maya is moving to Lisbon in January.\n",
+        "text/markdown")})
     async def retrieve_memory(body: RetrieveIn, who: Who) -> Response:
         """seed 001's ``retrieve_memory``: prompt-ready Markdown."""
         who.check(body.user_id)

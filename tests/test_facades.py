@@ -154,3 +154,47 @@ async def test_add_turn_nowait_on_trio_refuses_when_the_queue_is_full(store_path
             mem.add_turn_nowait("ana", "s1", "user", "does not fit")
         await mem.flush()
         assert [t.text for t in await mem.session_history("ana", "s1")] == ["fits"]
+
+
+CTRL_C_SCRIPT = """
+import asyncio, sys
+from engine import HashEmbedder
+from engine.aio import Engine
+
+async def main():
+    async with Engine.open(sys.argv[1], embedder=HashEmbedder()) as mem:
+        mem.add_turn_nowait("ana", "s1", "user", "said before Ctrl-C")
+        print("ready", flush=True)
+        await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def test_asyncio_facade_closes_cleanly_on_ctrl_c(tmp_path) -> None:
+    """SIGINT to an asyncio program: asyncio cancels the body, the engine drains and closes,
+    and the acknowledged turn is on disk."""
+    import signal
+    import subprocess
+    import sys
+
+    with subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT, str(tmp_path / "s")],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as process:
+        try:
+            assert process.stdout.readline().strip() == "ready"
+            process.send_signal(signal.SIGINT)
+            process.wait(timeout=60)
+            err = process.stderr.read()
+        finally:
+            if process.poll() is None:
+                process.kill()
+    # Python re-raises an uncaught KeyboardInterrupt as death by SIGINT.
+    assert process.returncode in (-signal.SIGINT, 130), err
+    assert "EngineBroken" not in err
+
+    async def reopen() -> list[str]:
+        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+            return [t.text for t in await mem.session_history("ana", "s1")]
+
+    assert asyncio.run(reopen()) == ["said before Ctrl-C"]

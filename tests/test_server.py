@@ -308,6 +308,9 @@ async def test_probes_metrics_and_openapi(engine) -> None:
             assert path in spec["paths"], path
         body = spec["components"]["schemas"]["TurnIn"]["properties"]["text"]
         assert body["examples"]
+        recall = spec["paths"]["/v1/users/{user_id}/recall"]["post"]["responses"]
+        assert recall["200"]["content"]["application/json"]["example"]["hits"][0]["kind"]
+        assert recall["403"]["content"]["application/json"]["example"]["error"] == "Forbidden"
 
 
 async def test_readyz_is_503_while_the_indexes_lag(store_path) -> None:
