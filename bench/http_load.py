@@ -16,8 +16,10 @@ with its own connection, sending back to back: a share of them recall (``POST
 first round), the rest add buffered turns (``POST .../turns``, 202). Client and server share
 the machine's two cores, so the figures are a floor.
 
-Beside them, the same two calls in-process on native trio (same store shape, same process
-as the clients) for the cost of HTTP itself. Prints a table and writes JSON (--out, default
+Two baselines from the same run, because this 2-core machine is shared and absolute figures
+move with its load: a bare FastAPI app on Hypercorn's trio worker with one trivial JSON route
+(the ceiling for any app on this stack), loaded by the same clients for the same time; and the
+same two engine calls in-process on native trio, for what HTTP adds. Prints a table and writes JSON (--out, default
 bench/results/http.json).
 """
 
@@ -50,6 +52,33 @@ WORDS = ("the a to and of I you it my we in for is that on with this was be have
 
 def sentence(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 30))).capitalize() + "."
+
+
+TRIVIAL_SERVER = """
+import sys, trio
+from fastapi import FastAPI
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+app = FastAPI()
+
+@app.post("/v1/users/{user_id}/sessions/{session_id}/turns", status_code=202)
+async def turn(user_id: str, session_id: str, body: dict) -> dict:
+    return {"turn_id": "t_0", "seq": 0, "durable": False}
+
+@app.post("/v1/users/{user_id}/recall")
+async def recall(user_id: str, body: dict) -> dict:
+    return {"hits": []}
+
+@app.get("/healthz")
+async def healthz() -> dict:
+    return {"status": "ok"}
+
+config = Config()
+config.bind = [f"127.0.0.1:{sys.argv[1]}"]
+config.accesslog = None
+trio.run(serve, app, config)
+"""
 
 
 def free_port() -> int:
@@ -161,12 +190,21 @@ def main() -> None:
         trio.run(seed, store, args)
         (root / "keys").write_text(f"{KEY} *\n")
         port = free_port()
+        trivial = subprocess.Popen([sys.executable, "-c", TRIVIAL_SERVER, str(port)],
+                                   stderr=subprocess.DEVNULL)
+        try:
+            trio.run(wait_ready, f"http://127.0.0.1:{port}", trivial)
+            baseline = trio.run(load, f"http://127.0.0.1:{port}", args, queries)
+        finally:
+            trivial.kill()
+            trivial.wait()
+        port = free_port()
         base = f"http://127.0.0.1:{port}"
         process = subprocess.Popen(
             [sys.executable, "-m", "engine", "serve", str(store), "--port", str(port),
              "--api-keys", str(root / "keys")], stderr=subprocess.DEVNULL)
         trio.run(wait_ready, base, process)
-        results = {"http": trio.run(load, base, args, queries)}
+        results = {"http": trio.run(load, base, args, queries), "trivial_app": baseline}
         process.terminate()
         process.wait(30)
         results["in_process"] = trio.run(in_process, store, queries, 500 if args.quick else 2000)
@@ -176,13 +214,18 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     http, native = results["http"], results["in_process"]
     print(f"{args.clients} clients ({round(args.clients * args.recall_share)} recalling), "
-          f"{http['seconds']:.0f} s: {http['req_per_s']:,.0f} req/s, {http['errors']} errors")
-    print(f"{'call':<8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}   in-process p50 / p99 ms")
+          f"{http['seconds']:.0f} s: {http['req_per_s']:,.0f} req/s, {http['errors']} errors; "
+          f"the trivial app, same clients: {baseline['req_per_s']:,.0f} req/s "
+          f"(engram = {http['req_per_s'] / baseline['req_per_s']:.2f}x)")
+    print(f"{'call':<8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}   trivial app p50 / p99 ms"
+          f"   in-process p50 / p99 ms")
     for kind in ("ingest", "recall"):
         if kind in http:
-            h, n = http[kind], native[kind]
+            h, b, n = http[kind], baseline[kind], native[kind]
             print(f"{kind:<8} {h['req_per_s']:>8,.0f} {h['p50_ms']:>8.2f} {h['p99_ms']:>8.2f}"
+                  f"   {b['p50_ms']:>8.2f} / {b['p99_ms']:<8.2f}"
                   f"   {n['p50_ms']:.3f} / {n['p99_ms']:.3f}")
+    results["engram_over_trivial_req_per_s"] = http["req_per_s"] / baseline["req_per_s"]
     results["args"] = vars(args)
     results["machine"] = {"python": sys.version.split()[0], "platform": platform.platform(),
                           "cpus": os.cpu_count()}
