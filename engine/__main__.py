@@ -415,7 +415,12 @@ def _run(argv: list[str] | None) -> int:
             case "verify":
                 result = trio.run(lambda: Engine.verify(args.store, integrity_key=_key(),
                                                         seal=args.seal))
-                _print(result, args.json)
+                if args.json:
+                    _print(result, True)
+                else:
+                    _print({k: v for k, v in result.items() if k != "problems"}, False)
+                    for problem in result["problems"]:  # one a line: where, then what
+                        print(f"  {problem['where']}: {problem['what']}")
                 if not result["ok"]:
                     print(f"{PROG} verify: {args.store} is broken: {result['problem_count']} "
                           "problem(s); restore it from a snapshot", file=sys.stderr)

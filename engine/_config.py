@@ -71,6 +71,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     maintenance_seconds: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
     integrity_key: Annotated[str, msgspec.Meta(min_length=16)] | None = None
 
+    def __repr__(self) -> str:
+        # The integrity key is a secret: a Config in a log line or a traceback must not show it.
+        fields = msgspec.structs.asdict(self)
+        if fields["integrity_key"] is not None:
+            fields["integrity_key"] = "<secret>"
+        return f"Config({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
+
     @classmethod
     def checked(cls, config: "Config | dict | None") -> "Config":
         """Return a validated Config from a Config, a dict of overrides, or None (defaults).

@@ -349,3 +349,10 @@ def test_a_schema_4_store_is_migrated_to_checksums_and_a_chain(store) -> None:
     assert trio.run(reopen) == [f"ana says thing number {i} about lisbon" for i in range(6)]
     report = _verify(store)
     assert report["ok"], _problems(report)
+
+
+def test_the_integrity_key_never_shows_in_a_configs_repr() -> None:
+    """A Config in a log line or traceback hides its key."""
+    from engine import Config
+
+    assert KEY not in repr(Config(integrity_key=KEY)) and "<secret>" in repr(Config(integrity_key=KEY))
