@@ -144,6 +144,7 @@ BATCH_MAX = 4_096  # ops per write transaction, so one commit (and the waiters b
 READ_THREADS = 2  # concurrent read transactions: one per core; the writer has its own limiter
 MAX_DBS = 32  # named databases LMDB reserves room for; later layers add theirs
 TAIL_CHECK = 64  # log positions whose chain opening a store recomputes: the last writes
+PROGRESS_FROM = 100_000  # records from which a migration logs its progress (below: seconds)
 MAX_READERS = 126  # LMDB reader slots: the default, far above the threads we use
 
 DB_NAMES = (b"meta", b"sessions", b"turns", b"ids", b"log", b"vectors", b"links", b"notes",
@@ -250,11 +251,11 @@ class _Progress:
         self._what = what
         self._total = total
         self._done = 0
-        self._every = max(total // 10, 1) if total >= 100_000 else 0
+        self._every = max(total // 10, 1) if total >= PROGRESS_FROM else 0
 
     def step(self) -> None:
         self._done += 1
-        if self._every and self._done % self._every == 0:
+        if self._every and (self._done % self._every == 0 or self._done == self._total):
             log.info("store migration: %s, %d of %d (%.0f%%)", self._what, self._done,
                      self._total, 100 * self._done / self._total)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import msgspec
 import pytest
 import trio
 
+import actors.store as store_mod
 from actors.integrity import seal, unseal
 from engine import Engine, StoreCorrupt, StoreIncompatible, StoreTampered, Turn
 from engine.__main__ import main
@@ -338,15 +340,22 @@ def test_a_snapshot_manifest_edited_without_the_key_is_refused(tmp_path) -> None
     assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
 
 
-def test_a_schema_4_store_is_migrated_to_checksums_and_a_chain(store) -> None:
-    """A store written before checksums opens, verifies, and answers as before."""
+def test_a_schema_4_store_is_migrated_to_checksums_and_a_chain(store, monkeypatch,
+                                                                caplog) -> None:
+    """A store written before checksums opens (logging its progress), verifies, and answers
+    as before."""
     downgrade_to_schema_4(store)
+    monkeypatch.setattr(store_mod, "PROGRESS_FROM", 10)
+    caplog.set_level(logging.INFO, logger="engram.store")
 
     async def reopen() -> list[str]:
         async with open_engine(store, config={"long_term": False}) as mem:
             return [t.text for t in await mem.session_history("ana", "s1")]
 
     assert trio.run(reopen) == [f"ana says thing number {i} about lisbon" for i in range(6)]
+    progress = [r.getMessage() for r in caplog.records]
+    assert any("sealing records" in m and "(100%)" in m for m in progress), progress
+    assert any("building the hash chain" in m and "(100%)" in m for m in progress), progress
     report = _verify(store)
     assert report["ok"], _problems(report)
 
