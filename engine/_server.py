@@ -310,10 +310,6 @@ _HIT = {"id": "t_4f0c2a9e1b7d3c5a8e21", "kind": "turn", "text": "I'm moving to L
         "turn_ids": ["t_4f0c2a9e1b7d3c5a8e21"], "role": "user", "via": ["vector", "bm25"]}
 
 
-class _TooLarge(Exception):
-    """A request body grew past the limit while it streamed in."""
-
-
 # -- metrics ------------------------------------------------------------------------------------
 
 
@@ -375,24 +371,42 @@ class _Edge:
                 self._count(scope, 413, started)
                 return
         seen = 0
+        too_large = False  # the body passed the limit while streaming: answer 413 ourselves
+        started_response = False
 
         async def counted_receive() -> dict:
-            nonlocal seen
+            nonlocal seen, too_large
+            if too_large:
+                return {"type": "http.disconnect"}
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.max_body:
-                raise _TooLarge(seen)
+                # Tell the app the client went away (it stops reading and answers something
+                # we drop), then send the 413 below.
+                too_large = True
+                return {"type": "http.disconnect"}
             return message
 
         async def watched_send(message: dict) -> None:
-            nonlocal status
+            nonlocal status, started_response
+            if too_large:
+                return
             if message["type"] == "http.response.start":
                 status = message["status"]
+                started_response = True
             await send(message)
 
         try:
             await self.app(scope, counted_receive, watched_send)
+        except Exception:
+            if not too_large:
+                raise
         finally:
+            if too_large and not started_response:
+                status = 413
+                response = _error(413, "TooLarge", f"expected a body of at most "
+                                                   f"{self.max_body} bytes, found more")
+                await response(scope, receive, send)
             self._count(scope, status, started)
 
     def _count(self, scope: dict, status: int, started: float) -> None:
@@ -480,10 +494,6 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
         names = {401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 405: "MethodNotAllowed"}
         return _error(exc.status_code, names.get(exc.status_code, "HTTPError"), str(exc.detail),
                       headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(_TooLarge)
-    async def too_large(request: Request, exc: _TooLarge) -> Response:
-        return _error(413, "TooLarge", f"expected a body of at most {max_body_bytes} bytes")
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> Response:

@@ -110,7 +110,17 @@ class Engine:
             done_callback=done.set_result,
             host_uses_signal_set_wakeup_fd=True,
         )
-        await asyncio.wait({ready, done}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait({ready, done}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            # Cancelled while opening: let the open finish, then close what it opened, so no
+            # trio run is left behind on the loop.
+            await asyncio.wait({ready, done}, return_when=asyncio.FIRST_COMPLETED)
+            if ready.done():
+                facade._closed = True
+                facade._token.run_sync_soon(holder["stop"].set)
+                await asyncio.shield(done)
+            raise
         if not ready.done():
             done.result().unwrap()  # the open failed: raise its error here
             raise EngineClosed("the engine stopped before it was ready")

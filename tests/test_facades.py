@@ -198,3 +198,23 @@ def test_asyncio_facade_closes_cleanly_on_ctrl_c(tmp_path) -> None:
             return [t.text for t in await mem.session_history("ana", "s1")]
 
     assert asyncio.run(reopen()) == ["said before Ctrl-C"]
+
+
+def test_asyncio_open_cancelled_midway_closes_what_it_opened(tmp_path) -> None:
+    """A task cancelled while the engine opens does not leave the engine running: the store
+    can be opened again at once (a running engine would hold it)."""
+
+    async def main() -> None:
+        async def open_forever() -> None:
+            async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder()):
+                await asyncio.sleep(3600)
+
+        task = asyncio.ensure_future(open_forever())
+        await asyncio.sleep(0)  # the open has started, not finished
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+            assert await mem.list_sessions("ana") == []
+
+    asyncio.run(main())

@@ -165,7 +165,17 @@ async def test_bad_input_is_422_naming_the_field_and_never_a_traceback(engine) -
         assert (await http.get("/v1/nowhere")).json()["error"] == "NotFound"
         huge = await http.post(url, json={"role": "user", "text": "x" * 20_000})
         assert huge.status_code == 413 and huge.json()["error"] == "TooLarge"
-        for response in (bad_role, naive, empty, extra, huge):
+
+        async def chunks():  # no Content-Length: the limit is counted as the body streams in
+            yield b'{"role": "user", "text": "'
+            for _ in range(30):
+                yield b"x" * 1000
+            yield b'"}'
+
+        streamed = await http.post(url, content=chunks(),
+                                   headers={"content-type": "application/json"})
+        assert streamed.status_code == 413 and streamed.json()["error"] == "TooLarge"
+        for response in (bad_role, naive, empty, extra, huge, streamed):
             assert "Traceback" not in response.text
 
 
