@@ -9,8 +9,10 @@ truth: vectors are never read back from hnswlib) and kept while the loaded total
   matrix (0.16 ms at 5k, 1.5 ms at 20k on this machine).
 - Above it an hnswlib graph is built in the background (~2,200 vectors/s on one thread) while
   exact search serves; then queries use the graph. Graphs are saved at clean close (under
-  ``ann/``, named by a hash of the user id) with the lsn of each row, and reloaded on first
-  use, reconciled with the stored vectors; after a crash they are rebuilt. New vectors are added to it by one writer
+  ``ann/``, named by a hash of the user id) with the lsn of each row and a sha256 of both
+  files written last, and reloaded on first use, reconciled with the stored vectors, only if
+  both files match their checksums (a shuffled ``lsns.npy`` would map rows to the wrong
+  records); after a crash or on a mismatch they are rebuilt while the exact scan serves. New vectors are added to it by one writer
   task; ``add_items`` and ``knn_query`` never overlap: while the writer holds a graph, queries
   take the exact path instead of waiting (the matrix is always complete).
 - Filters (session, time range, role, kind) are applied inside the search: a boolean mask over
@@ -26,6 +28,8 @@ around 1e-7 on unit vectors; searches run on float32 copies in RAM.
 from __future__ import annotations
 
 import hashlib
+import json
+import mmap
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -212,6 +216,19 @@ def _exact(matrix: np.ndarray, lsns: np.ndarray, query: np.ndarray, k: int,
     return [(int(lsns[r]), float(scores[r])) for r in top]
 
 
+def _sha256(path: Path) -> str:
+    """sha256 of a file, hashed from an mmap (the GIL is released while hashing)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return hashlib.sha256(b"").hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            view = memoryview(mm)
+            try:
+                return hashlib.sha256(view).hexdigest()
+            finally:
+                view.release()
+
+
 def _mark_deleted(graph: hnswlib.Index, row: int) -> None:
     """Mark a row deleted; a row saved as deleted and deleted again is no error."""
     try:
@@ -224,9 +241,11 @@ class AnnIndex:
     """The actor. Start ``run`` in the nursery; feed it through ``added`` / ``removed``, which
     the store calls in commit order."""
 
-    def __init__(self, store: Store, dim: int, cache_vectors: int, path: Path) -> None:
+    def __init__(self, store: Store, dim: int, cache_vectors: int, path: Path,
+                 read_only: bool = False) -> None:
         self._store = store
-        self._path = path  # where graphs are saved at close, one pair of files per user
+        self._path = path  # where graphs are saved at close, three files per user
+        self._read_only = read_only  # the graphs belong to another process: never saved
         self._dim = dim
         self._cache_vectors = cache_vectors
         self._users: OrderedDict[str, _UserVectors] = OrderedDict()
@@ -236,6 +255,7 @@ class AnnIndex:
         self._send, self._inbox = trio.open_memory_channel[str](WRITER_INBOX)
         self._graph_limiter = trio.CapacityLimiter(1)  # one graph build or update at a time
         self._search_limiter = trio.CapacityLimiter(2)  # concurrent searches: one per core
+        self.damaged = 0  # saved graphs found damaged or unmatched at load, and rebuilt
 
     # -- the writer: builds and updates graphs ----------------------------------------------
 
@@ -253,23 +273,31 @@ class AnnIndex:
             # (~2,200 vectors/s here). save_index holds the GIL, which only closing can afford.
             with trio.CancelScope(shield=True):
                 for user_id, uv in list(self._users.items()):
+                    if self._read_only:
+                        break
                     if uv.graph is not None and uv.unsaved and not uv.writing:
                         await trio.to_thread.run_sync(self._save_graph, user_id, uv,
                                                       limiter=self._graph_limiter)
 
-    def _graph_files(self, user_id: str) -> tuple[Path, Path]:
-        """A user's graph and the lsn of each of its rows; named by a hash of the user id, so
-        that no file name carries the id."""
+    def _graph_files(self, user_id: str) -> tuple[Path, Path, Path]:
+        """A user's graph, the lsn of each of its rows, and the checksums of both; named by
+        a hash of the user id, so that no file name carries the id."""
         name = hashlib.blake2b(user_id.encode(), digest_size=16).hexdigest()
-        return self._path / f"{name}.hnsw", self._path / f"{name}.lsns.npy"
+        return (self._path / f"{name}.hnsw", self._path / f"{name}.lsns.npy",
+                self._path / f"{name}.sum.json")
 
     def _save_graph(self, user_id: str, uv: _UserVectors) -> None:
-        graph_file, lsns_file = self._graph_files(user_id)
+        graph_file, lsns_file, sum_file = self._graph_files(user_id)
         self._path.mkdir(parents=True, exist_ok=True)
-        np.save(lsns_file.with_suffix(".tmp.npy"), uv.lsns[: uv.graph_rows])
-        uv.graph.save_index(str(graph_file.with_suffix(".tmp")))
-        os.replace(lsns_file.with_suffix(".tmp.npy"), lsns_file)
-        os.replace(graph_file.with_suffix(".tmp"), graph_file)
+        lsns_tmp, graph_tmp = lsns_file.with_suffix(".tmp.npy"), graph_file.with_suffix(".tmp")
+        np.save(lsns_tmp, uv.lsns[: uv.graph_rows])
+        uv.graph.save_index(str(graph_tmp))
+        sums = {"rows": uv.graph_rows, "hnsw": _sha256(graph_tmp), "lsns": _sha256(lsns_tmp)}
+        sum_file.with_suffix(".tmp").write_text(json.dumps(sums))
+        os.replace(lsns_tmp, lsns_file)
+        os.replace(graph_tmp, graph_file)
+        # Last: a crash before this leaves the old checksums, which the new files fail.
+        os.replace(sum_file.with_suffix(".tmp"), sum_file)
         uv.unsaved = False
 
     def _build_user(self, user_id: str, lsns: list[int], values: bytes) -> _UserVectors:
@@ -286,16 +314,21 @@ class AnnIndex:
         """The user's saved graph with rows in its saved order, reconciled with the stored
         vectors: rows deleted since are dead placeholders, new vectors come after. None when
         there is no usable saved graph."""
-        graph_file, lsns_file = self._graph_files(user_id)
+        graph_file, lsns_file, sum_file = self._graph_files(user_id)
         if not graph_file.exists() or not lsns_file.exists():
             return None
         try:
+            sums = json.loads(sum_file.read_text())
+            if (sums["hnsw"] != _sha256(graph_file) or sums["lsns"] != _sha256(lsns_file)):
+                self.damaged += 1
+                return None  # damaged, or not the pair that was saved together: rebuild
             saved = np.load(lsns_file)
             graph = hnswlib.Index(space="ip", dim=self._dim)
             graph.load_index(str(graph_file), max_elements=max(len(saved), len(lsns)) * 2 + 1024)
-        except (OSError, RuntimeError, ValueError):
+        except (OSError, RuntimeError, ValueError, KeyError, TypeError):
+            self.damaged += 1
             return None
-        if graph.get_current_count() != len(saved):
+        if graph.get_current_count() != len(saved) or sums["rows"] != len(saved):
             return None  # the pair was not written together: rebuild instead
         graph.set_num_threads(1)
         meta, matrix = decode_vectors(values, len(lsns), self._dim)

@@ -15,13 +15,27 @@ mandatory term on the user field.
 The index is a derived view. Because commits follow the log in order, the highest lsn in the
 committed index is its watermark: on open the log is replayed from there (re-applying a
 deletion is harmless), and a missing or unreadable index is rebuilt from the start of the log.
+
+Damage is found before the index is used: every file tantivy writes into a segment ends with a
+footer holding a CRC-32 of the file's body (``body | footer JSON | footer length u32 | magic
+1337 u32``, little-endian), and :func:`check_index` verifies it for every file of every
+segment ``meta.json`` lists, so a flipped byte anywhere in a segment is caught. A damaged,
+incomplete or stale index (one covering log positions the store does not have) is deleted and
+rebuilt from the store in the background, logged with its progress; until the rebuild passes
+what the store held at open, :attr:`FullText.catching_up` is True and recall says so. tantivy
+reports some damage by panicking (pyo3's ``PanicException``, a ``BaseException``); it is caught
+here and treated like any other damage.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import mmap
 import shutil
+import struct
+import zlib
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -29,7 +43,7 @@ from typing import Any
 import tantivy
 import trio
 
-from engine.errors import EngineClosed
+from engine.errors import EngineBroken, EngineClosed
 
 from .messages import PutState, Searchable
 from .store import Store, failure_put, read_log_range
@@ -44,6 +58,15 @@ FOLLOW_CHUNK = 2_048  # log records read per step
 WRITER_HEAP = 64_000_000  # tantivy's writer heap: one thread's worth, well above its 3 MB floor
 ANALYZER = "engram_en"
 SEARCH_THREADS = 2  # concurrent searches: one per core
+FOOTER_MAGIC = 1337  # tantivy's footer magic number, the last 4 bytes of every segment file
+# Files every segment has (our schema has fast fields and a stored-nothing doc store);
+# ``.pos`` is left out: which segments have one depends on the fields' options.
+SEGMENT_FILES = ("idx", "term", "store", "fast", "fieldnorm")
+PROGRESS_EVERY = 50_000  # log positions between progress lines of a rebuild
+# Pending documents that trigger a commit while the index catches up with what the store held
+# at open: each commit costs ~0.1-0.2 s and a segment to merge, and nothing of a catch-up is
+# searchable before it ends anyway (recall flags the text leg meanwhile).
+CATCH_UP_COMMIT_DOCS = 65_536
 
 
 # Words a query drops before BM25 (NLTK's 127 English stopwords, plus the auxiliaries of
@@ -98,9 +121,11 @@ class TextFilters:
 class FullText:
     """The actor. Start ``run`` in the nursery; it stops when the store closes."""
 
-    def __init__(self, path: Path, store: Store) -> None:
+    def __init__(self, path: Path, store: Store, read_only: bool = False) -> None:
         self.path = path
         self._store = store
+        # Only search the index as its owner (another process) last committed it.
+        self._read_only = read_only
         self._analyzer = _analyzer()
         # The stopwords as the analyser leaves them (stemmed), to compare with query terms.
         self._stop = frozenset(self._analyzer.analyze(" ".join(QUERY_STOPWORDS)))
@@ -122,10 +147,27 @@ class FullText:
         self._commit_lock = trio.Lock()
         self._closed = False
         self.rebuilt = False  # the index was missing or unreadable and was rebuilt on open
+        self.damage: str | None = None  # why the index found at open was not used
+        self.open_lsn = 0  # what the store held at open; below it the index is incomplete
 
     # -- lifecycle ---------------------------------------------------------------------------
 
+    @property
+    def catching_up(self) -> bool:
+        """True while the index lacks records the store held when the engine opened (a
+        rebuild or a long replay): a search may miss them."""
+        return self.indexed_lsn < self.open_lsn
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.open_lsn = self._store.committed_lsn
+        if self._read_only:
+            await trio.to_thread.run_sync(self._open_read_only)
+            task_status.started()
+            try:
+                await self._store.wait_commit_beyond(self._store.committed_lsn)
+            except EngineClosed:
+                pass
+            return
         await trio.to_thread.run_sync(self._open)
         self._read_lsn = self.indexed_lsn
         behind = self._store.committed_lsn - self.indexed_lsn
@@ -152,17 +194,29 @@ class FullText:
             writer.wait_merging_threads()
 
     def _open(self) -> None:
+        committed = self._store.committed_lsn
         # No index where the store has records: it was lost (or never built) and is rebuilt.
-        self.rebuilt = (not (self.path / "meta.json").exists()
-                        and self._store.committed_lsn > 0)
+        self.rebuilt = (not (self.path / "meta.json").exists() and committed > 0)
+        if self.rebuilt:
+            self.damage = "missing"
         self.path.mkdir(parents=True, exist_ok=True)
         try:
+            if (self.path / "meta.json").exists():
+                check_index(self.path)
             index = tantivy.Index(self._schema, path=str(self.path), reuse=True)
             index.register_tokenizer(ANALYZER, self._analyzer)
             top = self._max_lsn(index)
-        except (ValueError, OSError, RuntimeError) as exc:
-            log.warning("fulltext: the index at %s cannot be read (%s); rebuilding it from the "
-                        "store", self.path, exc)
+            if top > committed:
+                raise IndexDamaged(f"it covers log position {top} and the store ends at "
+                                   f"{committed}: it belongs to another copy of the store")
+        except BaseException as exc:  # PanicException is a BaseException; let the rest pass
+            if not isinstance(exc, (IndexDamaged, ValueError, OSError, RuntimeError)
+                              ) and not _is_panic(exc):
+                raise
+            self.damage = str(exc) or type(exc).__name__
+            log.warning("fulltext: the index at %s is damaged (%s); deleting it and rebuilding "
+                        "it from the store's %d log positions", self.path, self.damage, committed)
+            index = None
             shutil.rmtree(self.path)
             self.path.mkdir(parents=True)
             index = tantivy.Index(self._schema, path=str(self.path), reuse=False)
@@ -175,6 +229,27 @@ class FullText:
         # operations would write the same names (FileAlreadyExists), so they go first.
         self._writer.garbage_collect_files()
         self.indexed_lsn = top
+
+    def _open_read_only(self) -> None:
+        """Open the index its owner last committed, checked, without a writer; a missing or
+        damaged one is left alone (it is the owner's) and searches find nothing."""
+        if not (self.path / "meta.json").exists():
+            self.damage = "missing"
+            return
+        try:
+            with _meta_lock(self.path):  # the owner deletes no listed file meanwhile
+                check_index(self.path)
+            index = tantivy.Index(self._schema, path=str(self.path), reuse=True)
+            index.register_tokenizer(ANALYZER, self._analyzer)
+            self.indexed_lsn = self._max_lsn(index)
+            self._index = index
+        except BaseException as exc:
+            if not isinstance(exc, (IndexDamaged, ValueError, OSError, RuntimeError)
+                              ) and not _is_panic(exc):
+                raise
+            self.damage = str(exc) or type(exc).__name__
+            log.warning("fulltext: the index at %s is damaged (%s); its owner rebuilds it when "
+                        "it next opens the store", self.path, self.damage)
 
     def _max_lsn(self, index: tantivy.Index) -> int:
         searcher = index.searcher()
@@ -222,12 +297,17 @@ class FullText:
                         await trio.to_thread.run_sync(self._writer.rollback)
                         self._pending = 0
                         return
+            if (self._read_lsn < self.open_lsn
+                    and last // PROGRESS_EVERY != self._read_lsn // PROGRESS_EVERY):
+                log.info("fulltext: %s %d of %d log positions", "rebuilding" if self.rebuilt
+                         else "replaying", min(last, self.open_lsn), self.open_lsn)
             self._read_lsn = last
             if not self._pending:
                 self.indexed_lsn = last
                 self._indexed.unpark_all()
-            elif self._pending >= COMMIT_DOCS or self._waiters:
-                await self._commit_now()
+            elif (self._pending >= (CATCH_UP_COMMIT_DOCS if self.catching_up else COMMIT_DOCS)
+                  or self._waiters or (self.catching_up and last >= self.open_lsn)):
+                await self._commit_now()  # caught up: searches need not wait for the timer
 
     async def _wait_for_work(self, deadline: float) -> None:
         """Until the store commits more, a waiter nudges, or the deadline passes.
@@ -282,10 +362,24 @@ class FullText:
             so such a copy could carry a forgotten user's words; build one from the store
             instead (:func:`build_index`).
         """
+        if self._read_only:
+            # The owner (another process) commits as it likes: what the copy covers is read
+            # from the copy itself, under tantivy's meta lock so no listed file goes meanwhile.
+            if self._index is None:
+                return 0, False
+            copied = await trio.to_thread.run_sync(_copy_committed, self.path, dest)
+            if not copied:
+                return 0, False
+            return await trio.to_thread.run_sync(self._covered, dest), True
         async with self._commit_lock:  # no commit of ours lands while the files are linked
             covered = self.indexed_lsn
             copied = await trio.to_thread.run_sync(_copy_committed, self.path, dest)
         return (covered, True) if copied else (0, False)
+
+    def _covered(self, copy: Path) -> int:
+        check_index(copy)
+        index = tantivy.Index(self._schema, path=str(copy), reuse=True)
+        return self._max_lsn(index)
 
     async def wait_indexed(self, lsn: int) -> None:
         """Return once every record up to ``lsn`` is searchable here.
@@ -334,9 +428,19 @@ class FullText:
 
     async def search(self, user_id: str, text: str, k: int,
                      filters: TextFilters | None = None) -> list[tuple[int, float]]:
-        """The user's k best BM25 matches for ``text``: [(lsn, score)], best first."""
-        return await trio.to_thread.run_sync(self._search, user_id, text, k, filters,
-                                             limiter=self._search_limiter)
+        """The user's k best BM25 matches for ``text``: [(lsn, score)], best first.
+
+        Raises:
+            EngineBroken: tantivy failed (a panic in a segment it could not read).
+        """
+        try:
+            return await trio.to_thread.run_sync(self._search, user_id, text, k, filters,
+                                                 limiter=self._search_limiter)
+        except BaseException as exc:
+            if _is_panic(exc):
+                raise EngineBroken(f"the text index at {self.path} failed a search: {exc}; "
+                                   "reopen the store to check and rebuild it") from exc
+            raise
 
     def _search(self, user_id: str, text: str, k: int,
                 filters: TextFilters | None) -> list[tuple[int, float]]:
@@ -399,6 +503,80 @@ def write_records(writer: Any, schema: tantivy.Schema, records: list[Searchable]
             continue
         writer.add_document(doc)
     return failed
+
+
+class IndexDamaged(Exception):
+    """The index on disk is damaged or incomplete; the message says where."""
+
+
+def _is_panic(exc: BaseException) -> bool:
+    """pyo3's PanicException (a BaseException, from module pyo3_runtime): a Rust panic."""
+    return type(exc).__name__ == "PanicException"
+
+
+class _meta_lock:
+    """tantivy's meta lock, held while no writer may garbage-collect listed files."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path / ".tantivy-meta.lock"
+
+    def __enter__(self) -> None:
+        import fcntl
+
+        self._file = open(self._path, "a+b")
+        fcntl.flock(self._file, fcntl.LOCK_EX)  # tantivy takes this lock before it deletes
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()  # closing drops the flock
+
+
+def check_index(path: Path) -> int:
+    """Check every file of every segment ``meta.json`` lists against tantivy's own footer
+    checksum (CRC-32 of the file's body). Returns the number of bytes checked.
+
+    Raises:
+        IndexDamaged: meta.json is unreadable, a listed file is missing, or a checksum, footer
+            or length does not match; the message names the file.
+    """
+    try:
+        segments = json.loads((path / "meta.json").read_bytes())["segments"]
+        expected: list[str] = []
+        for segment in segments:
+            sid = segment["segment_id"].replace("-", "")
+            expected += [f"{sid}.{ext}" for ext in SEGMENT_FILES]
+            if segment.get("deletes"):
+                expected.append(f"{sid}.{segment['deletes']['opstamp']}.del")
+            if (path / f"{sid}.pos").exists():
+                expected.append(f"{sid}.pos")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise IndexDamaged(f"meta.json is unreadable: {exc!r}") from exc
+    checked = 0
+    for name in expected:
+        file = path / name
+        try:
+            size = file.stat().st_size
+            if size < 8:
+                raise IndexDamaged(f"{name} is {size} bytes, shorter than a footer")
+            with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                length, magic = struct.unpack("<II", mm[size - 8 :])
+                if magic != FOOTER_MAGIC or length > size - 8:
+                    raise IndexDamaged(f"{name} has no valid footer")
+                footer = json.loads(mm[size - 8 - length : size - 8])
+                view = memoryview(mm)
+                try:
+                    crc = zlib.crc32(view[: size - 8 - length])  # releases the GIL
+                finally:
+                    view.release()
+        except FileNotFoundError:
+            raise IndexDamaged(f"{name}, listed in meta.json, is missing") from None
+        except (OSError, ValueError) as exc:
+            raise IndexDamaged(f"{name} cannot be checked: {exc!r}") from exc
+        if not isinstance(footer, dict) or footer.get("crc") != crc:
+            raise IndexDamaged(f"{name} fails its checksum (stored "
+                               f"{footer.get('crc') if isinstance(footer, dict) else None}, "
+                               f"computed {crc})")
+        checked += size
+    return checked
 
 
 def _copy_committed(source: Path, dest: Path) -> bool:

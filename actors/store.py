@@ -683,14 +683,17 @@ class Store:
         model: the embedding model the engine runs; a store made with another is refused.
         reembed: adopt ``model`` even if the store's vectors came from another one, dropping
             those vectors so that everything is embedded again.
+        read_only: open an existing store for reading only, as another process's engine may
+            be writing it (LMDB's lock file keeps its readers safe); every write is refused.
     """
 
     def __init__(self, path: Path, config: Config, model: ModelInfo | None = None,
-                 reembed: bool = False) -> None:
+                 reembed: bool = False, read_only: bool = False) -> None:
         self.path = path
         self._config = config
         self._model = model
         self._reembed = reembed
+        self.read_only = read_only  # readers of a store another process may be writing
         self.embedded_lsn = 0  # the persisted embedding watermark, as read at open
         self.embed_backlog: list[int] = []  # lsns behind it still without a vector, at open
         self._env: lmdb.Environment | None = None
@@ -743,7 +746,8 @@ class Store:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Open the environment, then commit queued ops until closed and drained."""
-        self._env = await trio.to_thread.run_sync(self._open_env)
+        self._env = await trio.to_thread.run_sync(
+            self._open_env_read_only if self.read_only else self._open_env)
         task_status.started()
         try:
             with self._drain_scope:
@@ -799,6 +803,53 @@ class Store:
                 backlog = array("Q", txn.get(EMBED_BACKLOG_KEY, db=meta) or b"")
                 backlog.byteswap()
                 self.embed_backlog = backlog.tolist()
+        except BaseException:
+            env.close()
+            raise
+        self._committed_lsn = self._next_lsn - 1
+        return env
+
+    def _open_env_read_only(self) -> lmdb.Environment:
+        """The environment for reading only; nothing is created, migrated or adopted."""
+        if not (self.path / "data.mdb").exists():
+            raise InvalidInput("path", f"expected an Engram store, found no data.mdb in "
+                                       f"{self.path}")
+        check_file(self.path)
+        try:
+            # lock=True: this reader takes a slot in LMDB's reader table, so a writer in
+            # another process never reuses the pages it reads.
+            env = lmdb.open(str(self.path), readonly=True, lock=True, max_dbs=MAX_DBS,
+                            max_readers=MAX_READERS)
+        except lmdb.Error as exc:
+            raise StoreIncompatible(f"cannot open an LMDB store at {self.path}: {exc}") from exc
+        try:
+            try:
+                # Each opened in its own transaction (a handle opened inside a read-only
+                # transaction of py-lmdb dies with it).
+                self._dbs = {name: env.open_db(name, create=False) for name in DB_NAMES}
+            except lmdb.NotFoundError:
+                self._dbs = {}
+            self._names = {handle: name for name, handle in self._dbs.items()}
+            with env.begin() as txn:
+                meta = self._dbs.get(b"meta")
+                stored = None if meta is None else _int(txn.get(_SCHEMA_KEY, db=meta))
+                if stored != SCHEMA_VERSION:
+                    raise StoreIncompatible(
+                        f"{self.path} has schema version {stored} and this build reads "
+                        f"{SCHEMA_VERSION}; a read-only engine migrates nothing: open it once "
+                        "with Engine.open(path) (not read_only) when nobody serves it")
+                raw = txn.get(_MODEL_KEY, db=meta)
+                stored_model = None if raw is None else _decode_model(raw)
+                if (self._model is not None and stored_model is not None
+                        and stored_model != self._model):
+                    raise ModelMismatch(
+                        f"{self.path} holds vectors from {stored_model.id} and this engine runs "
+                        f"{self._model.id}; open it read-only with the model it was built with",
+                        stored_model.id, self._model.id)
+                self._next_lsn = (_int(txn.get(_LAST_LSN_KEY, db=meta)) or 0) + 1
+                self.embedded_lsn = _int(txn.get(_EMBEDDED_KEY, db=meta)) or 0
+                if self._next_lsn > 1:  # an empty store has no chain to check
+                    self._check_chain(txn)
         except BaseException:
             env.close()
             raise
@@ -951,6 +1002,8 @@ class Store:
             self.check_usable()
             await self._room.park()
         self.check_usable()
+        if self.read_only:
+            raise _read_only_error()
 
     def has_room(self, n: int) -> bool:
         """Whether ``n`` more ops fit in the queue now: :meth:`reserve` would not wait.
@@ -964,6 +1017,8 @@ class Store:
     def submit(self, op: StoreOp) -> None:
         """Queue an op whose lsn is :attr:`next_lsn`, or a derived op with none. Synchronous, so
         queue order is lsn order."""
+        if self.read_only:
+            raise _read_only_error()
         if op.lsn is not None:
             if op.lsn != self._next_lsn:
                 raise AssertionError(f"op lsn {op.lsn} submitted, expected {self._next_lsn}")
@@ -1510,15 +1565,28 @@ class Store:
             return await trio.to_thread.run_sync(
                 self._read_in_thread, fn, args, limiter=self._read_limiter
             )
+        except _MapResized:
+            pass
         finally:
             self._readers -= 1
             if not self._readers and self._gate:
                 self._gate.unpark_all()
+        await self._enter_exclusive()
+        try:
+            if self._env is not None:
+                self._env.set_mapsize(0)  # 0: adopt the size the writer set
+        finally:
+            self._leave_exclusive()
+        return await self.read(fn, *args)
 
     def _read_in_thread(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         try:
             with self._env.begin(buffers=False) as txn:
                 return fn(CheckedTxn(txn, self._names), self._dbs, *args)
+        except lmdb.MapResizedError:
+            # The writing process grew the map: a reader adopts the new size (LMDB allows it
+            # only with no transaction open in this process, so the caller does it).
+            raise _MapResized() from None
         except lmdb.Error as exc:
             raise EngineBroken(f"reading the store at {self.path} failed: {exc}") from exc
 
@@ -1550,6 +1618,16 @@ class Store:
 
     def map_size(self) -> int:
         return 0 if self._env is None else self._env.info()["map_size"]
+
+
+class _MapResized(Exception):
+    """A read found the map grown by another process (read-only engines); retried."""
+
+
+def _read_only_error() -> InvalidInput:
+    return InvalidInput("read_only", "expected an engine that owns the store, found one opened "
+                                     "with read_only=True, which writes nothing; open the store "
+                                     "with Engine.open(path) where it is served")
 
 
 class LogFollower:
@@ -1913,7 +1991,9 @@ def stored_model(path: Path) -> ModelInfo | None:
         StoreCorrupt: its data.mdb is shorter than LMDB's header says.
     """
     check_file(path)
-    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=MAX_DBS)
+    # lock=True: another process may be serving the store, and only a reader in LMDB's
+    # reader table is safe from its writer reusing the pages being read.
+    env = lmdb.open(str(path), readonly=True, lock=True, max_dbs=MAX_DBS)
     try:
         with env.begin() as txn:
             meta = env.open_db(b"meta", txn=txn, create=False)

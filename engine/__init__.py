@@ -23,7 +23,15 @@ from ._records import (
 )
 from ._tools import TOOLS
 from ._snapshot import Manifest
-from ._retrieval import FOCUS_LEVELS, EpisodicItem, Hit, Message, RetrieveResult, SemanticItem
+from ._retrieval import (
+    FOCUS_LEVELS,
+    EpisodicItem,
+    Hit,
+    Hits,
+    Message,
+    RetrieveResult,
+    SemanticItem,
+)
 from .errors import (
     EngineBroken,
     EngineClosed,
@@ -35,6 +43,7 @@ from .errors import (
     StoreCorrupt,
     StoreIncompatible,
     StoreTampered,
+    StoreInUse,
 )
 from actors.embedder import EmbeddingBackend, HashEmbedder, OnnxEmbedder
 from actors.session_buffer import Receipt
@@ -57,6 +66,7 @@ __all__ = [
     "Failure",
     "HashEmbedder",
     "Hit",
+    "Hits",
     "InvalidInput",
     "LLMFailed",
     "Link",
@@ -80,6 +90,7 @@ __all__ = [
     "StoreCorrupt",
     "StoreIncompatible",
     "StoreTampered",
+    "StoreInUse",
     "SummaryState",
     "Turn",
 ]

@@ -27,6 +27,7 @@ import trio
 
 from ._config import Config
 from ._engine import Engine
+from ._owner import OwnerLock
 from .errors import EngineError, InvalidInput
 
 MODELS = ("minilm-l6-v2", "minilm-l6-v2-q8")
@@ -55,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = command("demo", "replay the bundled conversation: ingest, recall and timings")
     demo.add_argument("--store", help="store directory (default: a fresh temporary one)")
-    snapshot = command("snapshot", "write a point-in-time snapshot of a store")
+    snapshot = command("snapshot", "write a point-in-time snapshot of a store (served or not)")
     snapshot.add_argument("store")
     snapshot.add_argument("dest", help="a new or empty directory")
     restore = command("restore", "verify a snapshot and install it as a store")
@@ -169,13 +170,17 @@ def _open(store: str, **kwargs: Any):
     return Engine.open(path, config=config, embedder=embedder, **kwargs)
 
 
+# stats, inspect and snapshot read the store without owning it (Engine.open read_only): a bot
+# may be serving it, and one that starts meanwhile must not find it taken by a report.
+
+
 async def _stats(store: str) -> dict[str, Any]:
-    async with _open(store) as mem:
+    async with _open(store, read_only=True) as mem:
         return msgspec.structs.asdict(await mem.stats())
 
 
 async def _inspect(store: str, user: str, turns: int) -> dict[str, Any]:
-    async with _open(store) as mem:
+    async with _open(store, read_only=True) as mem:
         sessions = []
         for info in await mem.list_sessions(user):
             latest = await mem.session_history(user, info.session_id, limit=turns)
@@ -205,7 +210,7 @@ async def _failures(store: str, user: str | None) -> dict[str, Any]:
 
 
 async def _snapshot(store: str, dest: str) -> dict[str, Any]:
-    async with _open(store) as mem:
+    async with _open(store, read_only=True) as mem:
         return msgspec.to_builtins(await mem.snapshot(dest))
 
 
@@ -233,7 +238,7 @@ async def _reindex(store: str, model: str, progress: Callable[..., None] = print
 
     current = stored_model(path)
     if not force and current is not None and current.id == BUILT[model][1]:
-        async with _open(store) as mem:
+        async with _open(store) as mem:  # owns the store: StoreInUse while it is served
             stats = await mem.stats()
         if stats.embedded_lsn >= stats.committed_lsn and stats.indexed_lsn >= stats.committed_lsn:
             progress(f"nothing to do: every record of {path} already has its vector from "
@@ -241,7 +246,8 @@ async def _reindex(store: str, model: str, progress: Callable[..., None] = print
             return {"model": stats.model, "turns": stats.turns, "reindexed": False,
                     "embedded_lsn": stats.embedded_lsn, "indexed_lsn": stats.indexed_lsn,
                     "fulltext_rebuilt": False}
-    await trio.to_thread.run_sync(shutil.rmtree, path / "fulltext", True)
+    with OwnerLock(path, "reindex"):  # a served store's index is not pulled from its engine
+        await trio.to_thread.run_sync(shutil.rmtree, path / "fulltext", True)
     async with Engine.open(store, config=Config(model=model, integrity_key=_key()),
                            reembed=True) as mem:
         show = _progress("re-embedding")

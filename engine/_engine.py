@@ -60,12 +60,14 @@ from ._records import (
 from ._retrieval import (
     FOCUS_LEVELS,
     Hit,
+    Hits,
     RetrieveResult,
     Retriever,
     _hit,
     focus_settings,
     render_markdown,
 )
+from ._owner import OwnerLock, claim_in_process, release_in_process
 from ._snapshot import Manifest, compact, restore, take_snapshot
 from ._tools import call_tool
 from ._verify import verify_store
@@ -102,6 +104,9 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
         indexed_lsn: every record up to here is in the full-text index.
         failures: records some part of the engine could not take and went on without
             (listed by :meth:`Engine.failures` and ``engram inspect STORE --failures``).
+        degraded: the search legs whose index is being rebuilt or caught up with what the
+            store held at open (``bm25``, ``vector``); ``recall`` flags its results meanwhile.
+        read_only: the engine was opened with ``read_only=True``.
     """
 
     users: int
@@ -118,6 +123,8 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
     embedded_lsn: int
     indexed_lsn: int
     failures: int = 0
+    degraded: tuple[str, ...] = ()
+    read_only: bool = False
 
 
 class EntityInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -152,6 +159,8 @@ class Engine:
         self._followers: list[LogFollower] = []  # the long-term layer's, if it runs
         self._forgets = 0  # forget_session / forget_user calls so far
         self._closed = False
+        self._read_only = store.read_only
+        self._open_lsn = store.committed_lsn  # what the store held at open
 
     @classmethod
     @asynccontextmanager
@@ -164,8 +173,13 @@ class Engine:
         embedder: EmbeddingBackend | None = None,
         reembed: bool = False,
         llm: LLM | None = None,
+        read_only: bool = False,
     ) -> AsyncIterator[Engine]:
         """Open (or create) the store at ``path`` and run the engine for the ``async with`` body.
+
+        The engine owns the store while it runs: a second ``Engine.open`` of it, from this
+        process or another, raises :class:`StoreInUse` naming the owner's pid. With
+        ``read_only=True`` it owns nothing and may read a store another process serves.
 
         Args:
             path: a directory; created if missing.
@@ -178,9 +192,15 @@ class Engine:
             llm: an optional language model (:class:`LLM`, e.g. :class:`OpenAICompatibleLLM`)
                 that summarises episodes and extracts facts in the background; without one
                 the offline defaults do (extractive summaries, rules).
+            read_only: read an existing store without owning it (another process may be
+                serving it): no lock is taken, nothing runs in the background, every write
+                raises ``InvalidInput`` (field ``read_only``), and the text index is searched
+                as its owner last committed it. Counts are those at open.
 
         Raises:
             InvalidInput: bad path or config.
+            StoreInUse: another engine owns the store (not raised with ``read_only``, unless
+                this process has it open already).
             StoreIncompatible: the store was written by a newer schema.
             ModelMismatch: the store's vectors come from another model (and not ``reembed``).
             ModelMissing: the model files are not built.
@@ -195,14 +215,43 @@ class Engine:
             raise InvalidInput("llm", "expected an object with an async complete(system, prompt) "
                                       f"method, found {type(llm).__name__}")
         config = Config.checked(dict(config) if isinstance(config, Mapping) else config)
+        if type(read_only) is not bool:
+            raise InvalidInput("read_only", f"expected True or False, found {read_only!r}")
+        if read_only:  # a reader derives nothing: that is the owner's work
+            config = msgspec.structs.replace(config, background_embedding=False,
+                                             long_term=False)
         clock = clock or _utc_now
         tasks = None if llm is None else ModelTasks(llm)
         if embedder is None:
             embedder = OnnxEmbedder(config.model, config.model_dir, config.embed_threads)
         embedding = Embedder(embedder, config.query_cache)
-        store = Store(Path(path), config, embedding.model, reembed)
-        ann = AnnIndex(store, embedding.model.dim, config.ann_cache_vectors, Path(path) / "ann")
-        fulltext = FullText(Path(path) / "fulltext", store)
+        root = Path(path)
+        owner = None if read_only else OwnerLock(root, "serving").acquire()
+        try:
+            claim = claim_in_process(root, "read-only" if read_only else "serving")
+        except BaseException:
+            if owner is not None:
+                owner.release()
+            raise
+        try:
+            async with cls._run(root, config, clock, embedding, reembed, tasks,
+                                read_only) as engine:
+                yield engine
+        finally:
+            release_in_process(claim)
+            if owner is not None:
+                owner.release()
+
+    @classmethod
+    @asynccontextmanager
+    async def _run(cls, root: Path, config: Config, clock: Clock, embedding: Embedder,
+                   reembed: bool, tasks: ModelTasks | None,
+                   read_only: bool) -> AsyncIterator[Engine]:
+        """The engine's lifetime: actors started in order, stopped in reverse."""
+        store = Store(root, config, embedding.model, reembed, read_only)
+        ann = AnnIndex(store, embedding.model.dim, config.ann_cache_vectors, root / "ann",
+                       read_only)
+        fulltext = FullText(root / "fulltext", store, read_only)
         body_error: BaseException | None = None
         raised: BaseException | None = None
         background: list[trio.CancelScope] = []
@@ -441,11 +490,15 @@ class Engine:
         tags: Iterable[str] | None = None,
         link_depth: int | None = None,
         budget_tokens: int | None = None,
-    ) -> list[Hit]:
+    ) -> Hits:
         """The user's memories that best match ``query``: vector, BM25, entity and window legs
         fused by weighted z-scores, neighbouring turns and covering episodes lifting the turns
         they point at, expanded along links, packed into a token budget. Each hit's
         ``explain`` says why it ranks where it does.
+
+        While an index is being rebuilt (a missing or damaged text index, vectors being
+        re-embedded) the answer comes from the other legs at once rather than waiting, and
+        says so: ``hits.degraded`` names the incomplete legs (``hits.partial`` is True).
 
         Args:
             user_id: whose memories; nothing of another user can come back.
@@ -459,7 +512,8 @@ class Engine:
             budget_tokens: keep the best hits whose text fits (~4 characters a token).
 
         Returns:
-            Hits, best first; linked memories follow the hits they were reached from.
+            :class:`Hits` (a list of :class:`Hit`), best first; linked memories follow the
+            hits they were reached from; ``degraded`` names legs whose index was incomplete.
 
         Raises:
             InvalidInput: a bad argument.
@@ -483,11 +537,26 @@ class Engine:
             v.check_id("session_id", session_id, self._config.max_id_chars)
         if budget_tokens is not None:
             _check_count("budget_tokens", budget_tokens, 1, 1_000_000)
-        return await self._retriever.recall(
+        degraded = self._degraded()  # before the search: a leg that completes meanwhile
+        hits = await self._retriever.recall(  # may or may not have served this query
             user_id, query, limit=limit, session_id=session_id, since=since, until=until,
             roles=_choices("roles", roles, ("user", "assistant", "system", "tool")),
             kinds=_choices("kinds", kinds, ("turn", "episode", "fact", "note")),
             link_depth=link_depth, budget_tokens=budget_tokens, tags=_tags(tags))
+        return Hits(hits, degraded + tuple(leg for leg in self._degraded()
+                                           if leg not in degraded))
+
+    def _degraded(self) -> tuple[str, ...]:
+        """The search legs whose index lacks records the store held when the engine opened:
+        a rebuild or a long catch-up is under way (the normal lag of new records is not this;
+        the window leg covers it)."""
+        legs = ()
+        if self._fulltext.catching_up:
+            legs += ("bm25",)
+        embedded = max(self._embedder.embedded_lsn, self._store.embedded_lsn)
+        if embedded < self._open_lsn:
+            legs += ("vector",)
+        return legs
 
     async def retrieve_memory(self, user_id: str, query: str, conversation_id: str | None = None,
                               episodic_limit: int = 5, semantic_limit: int = 20,
@@ -526,10 +595,13 @@ class Engine:
             raise InvalidInput("detail", "expected one of 'auto', 'none', 'low', 'high', "
                                          f"found {detail!r}")
         forgets = self._forgets
+        degraded = self._degraded()
         result = await self._retriever.retrieve(
             user_id, query, conversation_id=conversation_id, episodic_limit=episodic_limit,
             semantic_limit=semantic_limit, category=category, min_importance=min_importance,
             episodic=True)
+        if degraded:
+            result = msgspec.structs.replace(result, degraded=degraded)
         if forgets == self._forgets:  # a deletion meanwhile: what was shown may be gone
             self._record_pending(user_id, conversation_id, query, result)
         self._count_use(user_id, result)
@@ -553,7 +625,7 @@ class Engine:
     def _count_use(self, user_id: str, result: RetrieveResult) -> None:
         """Facts shown in a prompt were used: their decay restarts. Queued, not awaited, so
         the reply does not wait for the write (``flush`` does)."""
-        if result.semantic:
+        if result.semantic and not self._read_only:
             self._facts.touch(user_id, [f.id for f in result.semantic])
 
     def _check_retrieve(self, user_id: str, query: str, conversation_id: str | None,
@@ -894,7 +966,7 @@ class Engine:
                         result: RetrieveResult) -> None:
         """Remember what a retrieval showed, for the review that rates it (seed 001). Not
         awaited: the reply must not wait for this write."""
-        if not result.episodic:
+        if not result.episodic or self._read_only:
             return
         pending = PendingReview(tuple(i.id for i in result.episodic),
                                 tuple(i.summary for i in result.episodic), query,
@@ -1053,6 +1125,7 @@ class Engine:
             StoreIncompatible: the snapshot is damaged (a checksum differs) or too new.
             StoreTampered: its manifest's MAC fails under the key (or it has none), or its
                 store does not verify.
+            StoreInUse: an engine serves the store at ``store_path``; nothing was replaced.
         """
         return await restore(Path(snapshot_dir), Path(store_path), overwrite, progress,
                              integrity_key)
@@ -1085,7 +1158,7 @@ class Engine:
         them) and rebuild its text index if deleted documents linger in its segments.
 
         Raises:
-            InvalidInput: an engine serves the store (in this process or another).
+            StoreInUse: an engine has the store open (the message names its pid).
         """
         return await trio.to_thread.run_sync(compact, Path(store_path))
 
@@ -1103,6 +1176,9 @@ class Engine:
                 failed on is not raised: it is in :meth:`failures`.
         """
         self._check_open()
+        if self._read_only:  # nothing acknowledged here; the owner indexes, not this engine
+            await trio.lowlevel.checkpoint()
+            return
         target = self._store.next_lsn - 1
         await self._store.wait_written()  # logged or not: use counts and reviews too
         for follower in self._followers:
@@ -1141,6 +1217,8 @@ class Engine:
             embedded_lsn=max(self._embedder.embedded_lsn, store.embedded_lsn),
             indexed_lsn=self._fulltext.indexed_lsn,
             failures=failures,
+            degraded=self._degraded(),
+            read_only=self._read_only,
         )
 
     async def failures(self, user_id: str | None = None) -> list[Failure]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
@@ -141,6 +142,29 @@ class Hit(msgspec.Struct, frozen=True, kw_only=True):
     explain: Explain | None = None
 
 
+class Hits(list):
+    """What ``recall`` returns: a list of :class:`Hit`, best first (it is a plain ``list``
+    for every other purpose), that also says which search legs were degraded.
+
+    Attributes:
+        degraded: the legs whose index was being rebuilt (or catching up with what the store
+            held when the engine opened) when the query ran: ``bm25`` (the text index) and/or
+            ``vector`` (the embeddings). Empty when every leg searched a complete index. A
+            degraded leg may miss memories the others then cannot make up for.
+    """
+
+    __slots__ = ("degraded",)
+
+    def __init__(self, hits: Iterable[Hit] = (), degraded: tuple[str, ...] = ()) -> None:
+        super().__init__(hits)
+        self.degraded = degraded
+
+    @property
+    def partial(self) -> bool:
+        """True if a leg was degraded: the answer may lack memories a complete index finds."""
+        return bool(self.degraded)
+
+
 class Message(msgspec.Struct, frozen=True):
     role: str
     content: str
@@ -181,11 +205,14 @@ class EpisodicItem(msgspec.Struct, frozen=True, kw_only=True):
     kind: str = "turn"
 
 
-class RetrieveResult(msgspec.Struct, frozen=True):
-    """What ``retrieve_memory_raw`` returns: seed 001's ``semantic`` and ``episodic`` lists."""
+class RetrieveResult(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What ``retrieve_memory_raw`` returns: seed 001's ``semantic`` and ``episodic`` lists,
+    and ``degraded``: the search legs being rebuilt when it ran (see :class:`Hits`; left out
+    of the JSON when empty)."""
 
     semantic: list[SemanticItem]
     episodic: list[EpisodicItem]
+    degraded: tuple[str, ...] = ()
 
 
 Detail = Literal["auto", "none", "low", "high"]

@@ -589,11 +589,12 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     @app.post("/v1/users/{user_id}/recall", tags=["retrieval"],
               responses={200: _example({"hits": [_HIT]})})
     async def recall(user_id: User, body: RecallIn) -> Response:
-        """Hits (the engine's ``Hit`` fields), best first."""
+        """Hits (the engine's ``Hit`` fields), best first; ``degraded`` names the search legs
+        whose index was being rebuilt (empty when the answer is complete)."""
         hits = await engine.recall(user_id, body.query, body.limit,
                                    **body.model_dump(exclude={"query", "limit"},
                                                      exclude_none=True))
-        return _json({"hits": hits})
+        return _json({"hits": hits, "degraded": hits.degraded})
 
     @app.post("/v1/retrieve_memory", tags=["retrieval"], responses={200: _example(
         "## Semantic Memory\n- [identity] Lives in Lisbon (sources: 1 conversation)\n\n"

@@ -33,6 +33,7 @@ from actors.fulltext import build_index
 from actors.integrity import HEAD_KEY, check_file
 from actors.store import DB_NAMES, MAX_DBS
 
+from ._owner import OwnerLock
 from ._records import SCHEMA_VERSION
 from ._verify import verify_store
 from .errors import InvalidInput, StoreIncompatible, StoreTampered
@@ -243,6 +244,20 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
     if store.exists() and (not store.is_dir() or any(store.iterdir())) and not overwrite:
         raise InvalidInput("store_path", f"expected a new or empty directory, found {store} "
                                          "with files in it; pass overwrite=True to replace it")
+    # Replacing a store another engine serves would pull it from under that engine.
+    owner = OwnerLock(store, "restore").acquire() if store.exists() else None
+    try:
+        await _install(snapshot, store, manifest, progress, integrity_key)
+    finally:
+        if owner is not None:
+            owner.release()
+    return manifest
+
+
+async def _install(snapshot: Path, store: Path, manifest: Manifest,
+                   progress: Callable[[int, int], None] | None,
+                   integrity_key: str | None) -> None:
+    """Verify the snapshot's files and store, then put them in place of ``store``."""
     found = await _checksums(snapshot)
     if found != manifest.files:
         damaged = sorted(set(found.items()) ^ set(manifest.files.items()))
@@ -276,7 +291,6 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
     if store.exists():
         await trio.to_thread.run_sync(shutil.rmtree, store)
     incoming.rename(store)
-    return manifest
 
 
 def _sweep_graphs(store: Path) -> None:
@@ -303,24 +317,17 @@ def compact(store: Path, progress: Callable[[int, int], None] | None = None) -> 
     segments still hold deleted documents.
 
     Raises:
-        InvalidInput: no store there, or an engine serves it (its text-index writer holds the
-            lock).
+        StoreInUse: an engine (or another command) has the store open; the message names
+            its pid.
     """
-    import fcntl
-
     if not (store / "data.mdb").exists():
         raise InvalidInput("store", f"expected an Engram store, found no data.mdb in {store}")
     check_file(store)
-    lock_path = store / "fulltext" / ".tantivy-writer.lock"
-    if lock_path.exists():
-        with open(lock_path, "a+b") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fcntl.flock(lock, fcntl.LOCK_UN)
-            except BlockingIOError:
-                raise InvalidInput("store", f"expected a store no engine serves, found {store} "
-                                            "in use by an engine (this process or another); "
-                                            "close it before compacting") from None
+    with OwnerLock(store, "compact"):
+        return _compact(store, progress)
+
+
+def _compact(store: Path, progress: Callable[[int, int], None] | None) -> dict[str, Any]:
     before = (store / "data.mdb").stat().st_size
     fresh = store / "compact.tmp"
     shutil.rmtree(fresh, ignore_errors=True)

@@ -137,7 +137,10 @@ async def call_tool(engine: Engine, name: str, arguments: Mapping[str, Any] | st
     if name == "search_memory":
         hits = await engine.recall(user_id, args["query"], args.get("limit", 10),
                                    kinds=args.get("kinds"))
-        return {"results": [_plain(h) for h in hits]}
+        found = {"results": [_plain(h) for h in hits]}
+        if hits.degraded:  # a model should know the search was partial
+            found["degraded"] = list(hits.degraded)
+        return found
     if name == "remember_fact":
         fact = await engine.remember_fact(user_id, args["category"], args["key"], args["value"],
                                           text=args.get("text"),

@@ -11,6 +11,7 @@
 - :class:`ModelMissing`: the embedding model files are not where the engine looks for them.
 - :class:`StoreCorrupt`: a record or file of the store fails its checksum or is cut short;
   :class:`StoreTampered` when the store's hash chain says it was edited outside the engine.
+- :class:`StoreInUse`: another engine (in this process or another) owns the store.
 
 Native exceptions (``lmdb.Error``, onnxruntime and tantivy errors) are translated into these at
 the actor edge and chained with ``from``, so callers need to catch only :class:`EngineError`.
@@ -29,6 +30,7 @@ __all__ = [
     "ModelMissing",
     "StoreCorrupt",
     "StoreTampered",
+    "StoreInUse",
 ]
 
 
@@ -124,3 +126,22 @@ class StoreTampered(StoreCorrupt):
                  lsn: int = 0) -> None:
         super().__init__(message, database, key)
         self.lsn = lsn
+
+
+class StoreInUse(EngineError):
+    """Another engine owns the store: one engine (one process) writes a store at a time.
+
+    The owner holds an advisory lock on ``owner.lock`` in the store directory for as long as
+    it runs; the kernel releases it when that process ends, even by ``kill -9``. Read a served
+    store with ``Engine.open(path, read_only=True)`` (what ``engram stats``, ``inspect`` and
+    ``snapshot`` do).
+
+    Attributes:
+        path: the store directory.
+        pid: the owner's process id, or None if it could not be read (it was starting).
+    """
+
+    def __init__(self, message: str, path: str, pid: int | None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.pid = pid

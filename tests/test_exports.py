@@ -12,7 +12,7 @@ def test_public_names_are_exported_and_nothing_private_leaks() -> None:
         "RetrieveResult", "Role", "SemanticItem", "SessionInfo", "Stats", "StoreIncompatible",
         "SummaryState", "Turn", "Entity", "EntityInfo", "Episode", "Fact", "LLM", "LLMFailed",
         "MaintenanceReport", "OpenAICompatibleLLM", "ReviewState", "TOOLS", "StoreCorrupt",
-        "StoreTampered", "Failure", "RecordRefused",
+        "StoreTampered", "Failure", "RecordRefused", "Hits", "StoreInUse",
     }
     for name in engine.__all__:
         assert getattr(engine, name) is not None
@@ -25,6 +25,6 @@ def test_errors_share_one_base() -> None:
     """Callers can catch every engine error with EngineError; InvalidInput is a ValueError."""
     for name in ("InvalidInput", "EngineClosed", "EngineBroken", "StoreIncompatible",
                  "ModelMismatch", "ModelMissing", "LLMFailed", "StoreCorrupt",
-                 "StoreTampered", "RecordRefused"):
+                 "StoreTampered", "RecordRefused", "StoreInUse"):
         assert issubclass(getattr(engine, name), engine.EngineError)
     assert issubclass(engine.InvalidInput, ValueError)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import trio
 
-from engine import Engine, InvalidInput, Manifest, StoreIncompatible
+from engine import Engine, InvalidInput, Manifest, StoreIncompatible, StoreInUse
 
 from .conftest import StepClock, open_engine
 
@@ -110,7 +111,8 @@ async def test_compact_leaves_no_bytes_of_forgotten_users_in_the_live_store(tmp_
     live = tmp_path / "live"
     async with open_engine(live) as mem:
         await _forget_a_user(mem, 20)
-        with pytest.raises(InvalidInput, match=r"in use by an engine .*; close it before compacting"):
+        with pytest.raises(StoreInUse, match=rf"is in use by process {os.getpid()} "
+                                             r"\(this process\), serving"):
             await Engine.compact(live)
     report = await Engine.compact(live)
     assert report["fulltext_rebuilt"] is True

@@ -116,7 +116,7 @@ async def test_graphs_saved_at_close_are_reused_and_reconciled(store_path, monke
         await _graph_ready(mem)
         before = [await mem._ann.search("ana", q, 10) for q in queries]
     files = sorted(p.name for p in (store_path / "ann").iterdir())
-    assert len(files) == 2 and not any("ana" in name for name in files)
+    assert len(files) == 3 and not any("ana" in name for name in files)  # graph, lsns, sums
     async with open_engine(store_path, config=turns_only) as mem:
         again = [await mem._ann.search("ana", q, 10) for q in queries]
         uv = mem._ann._users["ana"]

@@ -1,0 +1,117 @@
+"""One owner per store: an advisory lock that the serving engine holds for its lifetime.
+
+Two engines writing one store break it: LMDB tolerates a second writer process, but the text
+index has one writer, the ANN graphs are saved by whoever closes last, and the session
+counters live in one process's RAM. So ``Engine.open`` and every command that rewrites a store
+(``compact``, ``restore --overwrite``, ``reindex``) first take an exclusive ``flock`` on
+``owner.lock`` in the store directory, without waiting. ``flock`` locks belong to an open file,
+so a second open in the same process is refused like one from another process, and the kernel
+drops the lock when the owner's process ends however it ends (``kill -9`` included): a lock
+file left behind by a crash never blocks anyone.
+
+The file holds the owner's pid and what it is doing, for the message a refused caller gets.
+Readers (``Engine.open(read_only=True)``) take no lock: LMDB serves readers of other processes
+while one writes, and the text index is read as its owner last committed it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from .errors import InvalidInput, StoreInUse
+
+__all__ = ["OwnerLock", "LOCK_NAME", "claim_in_process", "release_in_process"]
+
+LOCK_NAME = "owner.lock"
+
+# Store directories (device, inode) that an engine of this process has open, owner or reader:
+# LMDB must not have one environment open twice in a process (closing either would drop the
+# other's locks on lock.mdb), so a second engine on a store here is refused before LMDB opens.
+_OPEN_HERE: dict[tuple[int, int], str] = {}
+
+
+class OwnerLock:
+    """The exclusive lock on a store; :meth:`acquire` it, :meth:`release` it when done.
+
+    Args:
+        store: the store directory (created if missing).
+        purpose: what the owner does, shown to whoever is refused (``serving``, ``compact``).
+    """
+
+    def __init__(self, store: Path, purpose: str) -> None:
+        self.store = store
+        self.purpose = purpose
+        self._file: int | None = None  # the locked descriptor while held
+
+    def acquire(self) -> OwnerLock:
+        """Take the lock now or raise.
+
+        Raises:
+            InvalidInput: ``store`` is a file, not a directory.
+            StoreInUse: another engine or command holds it (its pid is in the message).
+        """
+        if self.store.exists() and not self.store.is_dir():
+            raise InvalidInput("path", f"expected a store directory, found a file at {self.store}")
+        self.store.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.store / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 256).decode("utf-8", "replace").split()
+            os.close(fd)
+            pid = int(holder[0]) if holder and holder[0].isdigit() else None
+            doing = " ".join(holder[1:]) or "starting"
+            who = f"process {pid}" if pid is not None else "another process (it is starting)"
+            mine = " (this process)" if pid == os.getpid() else ""
+            raise StoreInUse(
+                f"{self.store} is in use by {who}{mine}, {doing}; one engine owns a store at a "
+                "time: close that engine first, or read the store without owning it with "
+                "Engine.open(path, read_only=True) (engram stats, inspect and snapshot do)",
+                str(self.store), pid) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {self.purpose}\n".encode(), 0)
+        self._file = fd
+        return self
+
+    def release(self) -> None:
+        """Give the lock up (closing the descriptor releases it)."""
+        if self._file is not None:
+            fd, self._file = self._file, None
+            os.close(fd)
+
+    def __enter__(self) -> OwnerLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def claim_in_process(store: Path, how: str) -> tuple[int, int] | None:
+    """Note that an engine of this process opens ``store``; None if it does not exist yet.
+
+    Raises:
+        StoreInUse: an engine of this process has it open already.
+    """
+    try:
+        info = store.stat()
+    except FileNotFoundError:
+        return None
+    key = (info.st_dev, info.st_ino)
+    if key in _OPEN_HERE:
+        raise StoreInUse(
+            f"{store} is in use by process {os.getpid()} (this process), {_OPEN_HERE[key]}; "
+            "one engine per store per process: use the engine that has it open",
+            str(store), os.getpid())
+    _OPEN_HERE[key] = how
+    return key
+
+
+def release_in_process(key: tuple[int, int] | None) -> None:
+    """Forget a claim made by :func:`claim_in_process`."""
+    if key is not None:
+        _OPEN_HERE.pop(key, None)
