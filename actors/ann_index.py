@@ -171,6 +171,7 @@ class _UserVectors:
             row = self.row_of.pop(lsn, None)
             if row is not None:
                 self.alive[row] = False
+                self.matrix[row] = 0  # a graph built from the matrix later must not get it
                 if row < self.graph_rows:
                     self.graph_dead.append(row)
 
@@ -237,6 +238,18 @@ def _mark_deleted(graph: hnswlib.Index, row: int) -> None:
         pass
 
 
+def _scrub_rows(graph: hnswlib.Index, rows: list[int], dim: int) -> None:
+    """Overwrite deleted rows' vectors in the graph with zeros, and mark them deleted.
+    hnswlib keeps a deleted element's vector (it still routes searches), so a saved graph
+    would carry a forgotten record's vector; updating the element (which unmarks it) with
+    zeros and marking it again leaves nothing of it."""
+    if not rows:
+        return
+    graph.add_items(np.zeros((len(rows), dim), dtype=np.float32), np.array(rows))
+    for row in rows:
+        _mark_deleted(graph, row)
+
+
 class AnnIndex:
     """The actor. Start ``run`` in the nursery; feed it through ``added`` / ``removed``, which
     the store calls in commit order."""
@@ -287,6 +300,8 @@ class AnnIndex:
                 self._path / f"{name}.sum.json")
 
     def _save_graph(self, user_id: str, uv: _UserVectors) -> None:
+        dead, uv.graph_dead = uv.graph_dead, []
+        _scrub_rows(uv.graph, dead, self._dim)  # deletions the writer had not applied yet
         graph_file, lsns_file, sum_file = self._graph_files(user_id)
         self._path.mkdir(parents=True, exist_ok=True)
         lsns_tmp, graph_tmp = lsns_file.with_suffix(".tmp.npy"), graph_file.with_suffix(".tmp")
@@ -338,10 +353,18 @@ class AnnIndex:
         present = np.array([i >= 0 for i in order], dtype=bool)
         rows = np.array([max(i, 0) for i in order], dtype=np.int64)
         uv.append(saved.astype(np.int64), meta[rows], matrix[rows])
-        for row in np.flatnonzero(~present).tolist():
+        absent = np.flatnonzero(~present).tolist()
+        for row in absent:
             uv.alive[row] = False
             uv.row_of.pop(int(saved[row]), None)
-            _mark_deleted(graph, row)
+            uv.matrix[row] = 0
+        if absent:
+            # Deleted since the save: their vectors leave the graph, and the files holding
+            # them go (the graph is saved again, scrubbed, at close).
+            _scrub_rows(graph, absent, self._dim)
+            for path in (graph_file, lsns_file, sum_file):
+                path.unlink(missing_ok=True)
+            uv.unsaved = True
         uv.graph, uv.graph_rows = graph, len(saved)
         fresh = [i for i, lsn in enumerate(lsns) if lsn not in uv.row_of]
         if fresh:
@@ -379,11 +402,10 @@ class AnnIndex:
                 graph.resize_index(max(rows * 2, graph.get_max_elements() * 2))
         if rows > start:
             graph.add_items(uv.matrix[start:rows], np.arange(start, rows))
-        for row in dead:
-            _mark_deleted(graph, row)
+        _scrub_rows(graph, dead, self._dim)
         for row in range(start, rows):
             if not uv.alive[row]:
-                _mark_deleted(graph, row)
+                _mark_deleted(graph, row)  # added as zeros: remove() cleared its matrix row
         uv.graph = graph
 
     def _schedule(self, uv: _UserVectors, user_id: str) -> None:
@@ -417,14 +439,38 @@ class AnnIndex:
         """Records just deleted from the store."""
         if user_id in self._loading:
             self._loading[user_id].append(("remove", (lsns, whole_user)))
+        self._drop_saved(user_id, lsns, whole_user)
         if whole_user:
             self._users.pop(user_id, None)
-            for path in self._graph_files(user_id):
-                path.unlink(missing_ok=True)
         elif (uv := self._users.get(user_id)) is not None:
             uv.remove(lsns)
+            if uv.graph is not None:
+                uv.unsaved = True
             if uv.graph_dead:
                 self._schedule(uv, user_id)
+
+    def _drop_saved(self, user_id: str, lsns: list[int], whole_user: bool) -> None:
+        """A saved graph holds the vectors it was saved with: one holding a deleted row goes
+        now. (A loaded graph is scrubbed by the writer, or before it is saved, and saved again
+        at close.)"""
+        files = self._graph_files(user_id)
+        lsns_file = files[1]
+        if not whole_user and lsns_file.exists():
+            try:
+                if not np.isin(np.asarray(lsns, dtype=np.int64), np.load(lsns_file)).any():
+                    return
+            except (OSError, ValueError):
+                pass  # unreadable: it goes too
+        for path in files:
+            path.unlink(missing_ok=True)
+
+    def drop_saved_graphs(self) -> None:
+        """Delete every saved graph: after a crash between a forget and its scrub they may
+        hold forgotten vectors (the next use of each user rebuilds its graph)."""
+        if self._path.exists():
+            for path in self._path.iterdir():
+                if path.suffix in (".hnsw", ".npy", ".json", ".tmp"):
+                    path.unlink(missing_ok=True)
 
     def _append(self, user_id: str, uv: _UserVectors, rows: list[tuple[int, bytes]]) -> None:
         lsns = np.array([lsn for lsn, _ in rows], dtype=np.int64)

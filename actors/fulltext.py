@@ -46,7 +46,7 @@ import trio
 from engine.errors import EngineBroken, EngineClosed
 
 from .messages import PutState, Searchable
-from .store import Store, failure_put, read_log_range
+from .store import Store, failure_put, read_log_range, read_searchables
 
 __all__ = ["FullText", "TextFilters"]
 
@@ -67,6 +67,7 @@ PROGRESS_EVERY = 50_000  # log positions between progress lines of a rebuild
 # at open: each commit costs ~0.1-0.2 s and a segment to merge, and nothing of a catch-up is
 # searchable before it ends anyway (recall flags the text leg meanwhile).
 CATCH_UP_COMMIT_DOCS = 65_536
+PURGE_ROUNDS = 3  # re-index passes a purge makes at most (a merge may land between two)
 
 
 # Words a query drops before BM25 (NLTK's 127 English stopwords, plus the auxiliaries of
@@ -149,6 +150,10 @@ class FullText:
         self.rebuilt = False  # the index was missing or unreadable and was rebuilt on open
         self.damage: str | None = None  # why the index found at open was not used
         self.open_lsn = 0  # what the store held at open; below it the index is incomplete
+        self._purge_target = 0  # purge once the index covers this lsn (a deletion's)
+        self._purged = 0  # every purge asked for up to this lsn is done
+        # Parked: callers of purge, until the purge covering their lsn is done.
+        self._purges = trio.lowlevel.ParkingLot()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -180,6 +185,7 @@ class FullText:
         finally:
             self._closed = True
             self._indexed.unpark_all()
+            self._purges.unpark_all()
             with trio.CancelScope(shield=True):
                 if self._pending:
                     await trio.to_thread.run_sync(self._commit)
@@ -264,6 +270,17 @@ class FullText:
     async def _follow(self) -> None:
         store = self._store
         while True:
+            if self._purge_target > self._purged and self._read_lsn >= self._purge_target:
+                if self._pending:
+                    await self._commit_now()
+                target = self._purge_target
+                try:
+                    await self._purge_segments()
+                except EngineClosed:
+                    return  # the store's scrub marker has the next engine purge again
+                self._purged = target
+                self._purges.unpark_all()
+                continue
             if store.committed_lsn <= self._read_lsn:
                 deadline = (self._pending_since + COMMIT_INTERVAL) if self._pending else math.inf
                 if self._pending and (self._waiters or trio.current_time() >= deadline):
@@ -339,6 +356,71 @@ class FullText:
     def _apply(self, records: list[Searchable],
                deleted: list[int]) -> list[tuple[Searchable, Exception]]:
         return write_records(self._writer, self._schema, records, deleted)
+
+    async def purge(self, lsn: int) -> None:
+        """Return once the index covers ``lsn`` and no committed segment holds a deleted
+        document: tantivy only marks deletions, and a deleted document's terms stay in its
+        segment's files until a merge, which tantivy-py cannot ask for. So every live document
+        of such a segment is indexed again from the store (and deleted there); a segment left
+        with no live document is dropped at the commit and its files deleted. Costs a
+        re-index of the segments that held deletions.
+
+        Raises:
+            EngineClosed: the engine closed first.
+        """
+        self._purge_target = max(self._purge_target, lsn)
+        self._nudge.unpark_all()
+        while self._purged < lsn:
+            if self._closed:
+                raise EngineClosed("the engine is closed; open a new one with Engine.open(path)")
+            await self._purges.park()
+        await trio.lowlevel.checkpoint()
+
+    async def _purge_segments(self) -> None:
+        for _ in range(PURGE_ROUNDS):
+            lsns, deletions = await trio.to_thread.run_sync(self._in_segments_with_deletions)
+            if not deletions:
+                return
+            for at in range(0, len(lsns), FOLLOW_CHUNK):
+                chunk = lsns[at : at + FOLLOW_CHUNK]
+                records = await self._store.read(read_searchables, chunk)
+                self._pending += len(chunk)
+                await trio.to_thread.run_sync(self._apply, records, chunk)
+            self._pending += 1  # commit even with nothing to re-add: empty segments drop
+            await self._commit_now()
+        await trio.to_thread.run_sync(self._writer.garbage_collect_files)
+
+    def _in_segments_with_deletions(self) -> tuple[list[int], bool]:
+        """The lsns of the live documents in committed segments that hold deleted ones, and
+        whether there are such segments (worker thread)."""
+        # A merge running now could commit a segment carrying a deletion made meanwhile: let
+        # the merges finish (that takes the writer) and start a fresh writer.
+        self._writer.wait_merging_threads()
+        self._writer = self._index.writer(heap_size=WRITER_HEAP, num_threads=1)
+        self._writer.garbage_collect_files()
+        self._index.reload()
+        searcher = self._index.searcher()
+        segments = json.loads((self.path / "meta.json").read_bytes())["segments"]
+        if not any(segment.get("deletes") for segment in segments):
+            return [], False
+        hits = searcher.search(tantivy.Query.all_query(), limit=max(searcher.num_docs, 1),
+                               count=False).hits
+        by_segment: dict[int, list[Any]] = {}
+        for _, address in hits:
+            by_segment.setdefault(address.segment_ord, []).append(address)
+        live = [segment["max_doc"] - (segment.get("deletes") or {}).get("num_deleted_docs", 0)
+                for segment in segments]
+        # The searcher lists segments in meta.json's order; the live counts confirm it, and
+        # if they do not match, every document is indexed again.
+        if len(segments) == searcher.num_segments and all(
+                len(by_segment.get(i, ())) == n for i, n in enumerate(live)):
+            chosen = [a for i, segment in enumerate(segments) if segment.get("deletes")
+                      for a in by_segment.get(i, ())]
+        else:
+            chosen = [address for _, address in hits]
+        if not chosen:
+            return [], True
+        return [int(v) for v in searcher.fast_field_values("lsn", chosen)], True
 
     async def _commit_now(self) -> None:
         async with self._commit_lock:

@@ -127,6 +127,11 @@ class CheckedCursor:
         self._name = name
         self._sealed = name not in _UNSEALED
 
+    @property
+    def raw(self) -> Any:
+        """The LMDB cursor underneath: values as stored, sealed."""
+        return self._cursor
+
     def key(self) -> bytes:
         return self._cursor.key()
 

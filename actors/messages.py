@@ -15,7 +15,7 @@ from engine._records import Turn
 __all__ = ["AppendTurn", "Forget", "PutVectors", "PutLink", "PutNote", "DeleteNote", "WriteSummary",
            "PutEpisode", "PutFact", "PutState", "Searchable",
            "EmbedRequest",
-           "StoreOp", "EmbedderOp"]
+           "StoreOp", "EmbedderOp", "ScrubFreePages"]
 
 
 class AppendTurn(msgspec.Struct, frozen=True, tag=True):
@@ -52,6 +52,20 @@ class Forget(msgspec.Struct, frozen=True, tag=True):
     user_id: str
     session_id: str | None
     committed: Any = None
+
+
+class ScrubFreePages(msgspec.Struct, frozen=True, tag=True):
+    """One step of scrubbing what deletions left in LMDB's pages (see ``Store.scrub``):
+    ``touch`` rewrites the pages around the deleted users' keys (a page written afresh has
+    nothing in its free space), ``fill`` overwrites every free page LMDB may reuse with zeros,
+    ``clear`` gives the zeroed pages back and clears the scrub marker. ``done`` is set once
+    committed; ``committed`` gets what the writer reported. Derived upkeep: no log position."""
+
+    stage: str
+    done: Any = None
+    committed: Any = None
+
+    lsn = None  # not part of the log
 
 
 class PutVectors(msgspec.Struct, frozen=True, tag=True):
@@ -208,6 +222,6 @@ class EmbedRequest(msgspec.Struct, frozen=True, tag=True):
     reply: Any
 
 
-StoreOp = (AppendTurn | Forget | PutVectors | PutLink | PutNote | DeleteNote
+StoreOp = (AppendTurn | Forget | ScrubFreePages | PutVectors | PutLink | PutNote | DeleteNote
            | WriteSummary | PutEpisode | PutFact | PutState)
 EmbedderOp = EmbedRequest

@@ -40,6 +40,7 @@ from actors.store import (
 
 from . import _validate as v
 from ._config import Config
+from ._forget import Scrubber
 from ._llm import LLM, ModelTasks
 from ._maintenance import Maintenance, MaintenanceReport
 from ._records import (
@@ -157,6 +158,7 @@ class Engine:
         self._clock = clock
         self._nursery = nursery
         self._followers: list[LogFollower] = []  # the long-term layer's, if it runs
+        self._scrubber = Scrubber(store, fulltext, ann)
         self._forgets = 0  # forget_session / forget_user calls so far
         self._closed = False
         self._read_only = store.read_only
@@ -277,6 +279,10 @@ class Engine:
                     entities = Entities(store)
                     engine = cls(store, buffer, embedding, ann, fulltext, facts, compressor,
                                  entities, config, clock, nursery)
+                    if not read_only:  # a reader writes nothing; the owner scrubs
+                        scope = trio.CancelScope()
+                        background.append(scope)
+                        await nursery.start(_in_scope, scope, engine._scrubber.run)
                     if config.long_term:
                         engine._followers = [entities.follower, facts.follower(tasks),
                                              compressor.follower]
@@ -296,6 +302,12 @@ class Engine:
                     # holds; the follower stops where the watermark on disk says it stopped.
                     if engine is not None:
                         engine._closed = True
+                        if engine._scrubber.pending and store.usable():
+                            # What a forget removed leaves the files before the engine
+                            # closes: otherwise the next open scrubs (the marker in the
+                            # store names the users). Bounded by work, like the drain.
+                            with trio.CancelScope(shield=True):
+                                await engine._scrubber.wait()
                     # The long-term layer stops first; its watermarks say where to resume.
                     for scope in background:
                         scope.cancel()
@@ -803,6 +815,8 @@ class Engine:
 
         store.submit(DeleteNote(lsn, user_id, note_id, committed))
         await store.wait_committed(lsn)
+        if deleted[0]:
+            self._scrubber.ask()
         return bool(deleted[0])
 
     # -- structured facts --------------------------------------------------------------------
@@ -1039,6 +1053,7 @@ class Engine:
         self._compressor.forget(user_id, session_id)
         await self._store.forget(
             user_id, session_id, lambda lsns: self._ann.removed(user_id, lsns, False))
+        self._scrubber.ask()
         self._facts.forget(user_id)  # facts extracted from the session went with it
         self._entities.forget(user_id)  # ...and entities only it mentioned
 
@@ -1051,6 +1066,7 @@ class Engine:
         self._embedder.forget_user(user_id)
         self._compressor.forget(user_id, None)
         await self._store.forget(user_id, None, lambda lsns: self._ann.removed(user_id, lsns, True))
+        self._scrubber.ask()
         self._facts.forget(user_id)
         self._entities.forget(user_id)
 
@@ -1188,6 +1204,7 @@ class Engine:
         await self._fulltext.wait_indexed(target)
         if self._config.background_embedding:
             await self._embedder.wait_embedded(target)
+        await self._scrubber.wait()  # what forgets and deleted notes removed left every file
         refused = self._store.take_refused(target)
         if refused:
             first = refused[0]

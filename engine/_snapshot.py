@@ -31,7 +31,7 @@ import trio
 
 from actors.fulltext import build_index
 from actors.integrity import HEAD_KEY, check_file
-from actors.store import DB_NAMES, MAX_DBS
+from actors.store import DB_NAMES, MAX_DBS, clean_copy
 
 from ._owner import OwnerLock
 from ._records import SCHEMA_VERSION
@@ -312,8 +312,8 @@ def _sweep_graphs(store: Path) -> None:
 
 
 def compact(store: Path, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Bring a closed store to the state a snapshot would have: LMDB rewritten without freed
-    pages, saved graphs of users it no longer has deleted, and the text index rebuilt if its
+    """Bring a closed store to the state a snapshot would have: LMDB rewritten record by
+    record into a new environment (no freed pages, no stale bytes in any page), saved graphs of users it no longer has deleted, and the text index rebuilt if its
     segments still hold deleted documents.
 
     Raises:
@@ -334,7 +334,8 @@ def _compact(store: Path, progress: Callable[[int, int], None] | None) -> dict[s
     fresh.mkdir()
     env = lmdb.open(str(store), max_dbs=MAX_DBS)
     try:
-        env.copy(str(fresh), compact=True)
+        with env.begin() as txn:
+            clean_copy(env, txn, fresh)
     finally:
         env.close()
     os.replace(fresh / "data.mdb", store / "data.mdb")

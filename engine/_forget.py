@@ -1,0 +1,83 @@
+"""Forget means gone: after a deletion, the bytes it removed leave every file of the store.
+
+A forget (or a deleted note) commits at once; what it removed can still sit in three places,
+which the Scrubber clears in the background, and which ``Engine.flush`` waits for:
+
+- the text index: tantivy marks a deleted document and keeps its terms in the segment until
+  a merge, so the segments holding deletions are indexed again (``FullText.purge``);
+- LMDB's free pages: the pages that held the records before the deletion's copy-on-write
+  keep their bytes until reused, so they are overwritten with zeros (``Store.scrub``);
+- saved hnswlib graphs: dropped, or scrubbed in memory, by the AnnIndex as the deletion
+  commits (``AnnIndex.removed``), so that is done before the Scrubber runs.
+
+A crash before a scrub finished leaves the store's scrub marker: the next engine scrubs
+again on open, and drops every saved graph (one may hold forgotten vectors).
+"""
+
+from __future__ import annotations
+
+import trio
+
+from actors.ann_index import AnnIndex
+from actors.fulltext import FullText
+from actors.store import Store
+
+from .errors import EngineClosed
+
+__all__ = ["Scrubber"]
+
+
+class Scrubber:
+    """Runs the scrubs that deletions ask for, one at a time, each covering every deletion
+    committed before it started."""
+
+    def __init__(self, store: Store, fulltext: FullText, ann: AnnIndex) -> None:
+        self._store = store
+        self._fulltext = fulltext
+        self._ann = ann
+        self._asked = 0  # scrubs asked for so far
+        self._done = 0  # every scrub asked for up to this count is done
+        # Parked: the scrubber, until a scrub is asked for.
+        self._wake = trio.lowlevel.ParkingLot()
+        # Parked: callers of wait, until a scrub finishes (or the scrubber stops).
+        self._finished = trio.lowlevel.ParkingLot()
+        self._stopped = False
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        if self._store.scrub_pending:  # a crash cut the last scrub short
+            await trio.to_thread.run_sync(self._ann.drop_saved_graphs)
+            self._asked += 1
+        task_status.started()
+        try:
+            while True:
+                while self._done >= self._asked:
+                    await self._wake.park()
+                asked = self._asked
+                await self._fulltext.purge(self._store.committed_lsn)
+                await self._store.scrub()
+                self._done = asked
+                self._finished.unpark_all()
+        except EngineClosed:
+            return  # the store's scrub marker has the next engine scrub again
+        finally:
+            self._stopped = True
+            self._finished.unpark_all()
+
+    def ask(self) -> None:
+        """A deletion committed: scrub what it freed."""
+        self._asked += 1
+        self._wake.unpark_all()
+
+    @property
+    def pending(self) -> bool:
+        """Whether a scrub asked for is not done yet."""
+        return self._done < self._asked and not self._stopped
+
+    async def wait(self) -> None:
+        """Return once every scrub asked for before the call is done (or the scrubber
+        stopped: the engine is closing, and the store's marker says to scrub on next open)."""
+        target = self._asked
+        while self._done < target and not self._stopped:
+            await self._finished.park()
+        await trio.lowlevel.checkpoint()
