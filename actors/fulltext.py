@@ -345,7 +345,10 @@ class FullText:
                 race.cancel_scope.cancel()
 
             async def nudged() -> None:
-                await self._nudge.park()
+                # A purge or a waiter may have arrived after the follower looked and before
+                # this task parked; its nudge would be lost.
+                if not (self._purge_target > self._purged or (self._pending and self._waiters)):
+                    await self._nudge.park()
                 race.cancel_scope.cancel()
 
             race.start_soon(committed)

@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tantivy
+import trio
 
 import actors.ann_index as ann_mod
+from actors.integrity import unseal
 from engine import Engine
 
 from ..conftest import open_engine, raw_databases
@@ -56,8 +58,9 @@ def _needles(vectors: list[bytes]) -> list[bytes]:
 
 
 def _vectors_of(path: Path, user: str, lsns: set[int]) -> list[bytes]:
+    """The user's stored vector values at these lsns (header and vector, without the seal)."""
     prefix = user.encode() + b"\x00"
-    return [value for key, value in raw_databases(path)["vectors"]
+    return [unseal(value, b"vectors", key) for key, value in raw_databases(path)["vectors"]
             if key.startswith(prefix) and int.from_bytes(key[len(prefix):], "big") in lsns]
 
 
@@ -91,6 +94,9 @@ async def test_forgotten_text_and_vectors_leave_every_file(tmp_path: Path, graph
         await mem.flush()
         await mem.recall("ana", "lighthouse")  # builds ana's graph (more than GRAPH_AT vectors)
         await mem.flush()
+        uv = mem._ann._users["ana"]
+        while uv.graph is None or uv.graph_rows < uv.n or uv.writing:
+            await trio.sleep(0.01)  # built in the background; saved at close once built
     vectors = _vectors_of(store, "ana", set(marked))
     assert len(vectors) == len(marked)
     needles = _needles(vectors)
