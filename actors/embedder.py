@@ -5,7 +5,7 @@ timers: a model call takes milliseconds, so whatever queued meanwhile is the nat
 Queries (a caller on the hot path) and background work have separate lanes, so a query never
 waits behind background embedding.
 
-Backends (``encode(texts) -> array``, called from the actor's two lanes at once, so it must be
+Backends (``encode(texts) -> array``, called from the actor's lanes at once, so it must be
 thread-safe, as an onnxruntime session is; see :class:`Embedder`):
 
 - :class:`OnnxEmbedder`: all-MiniLM-L6-v2 as built by native_models/build.py, onnxruntime on one
@@ -14,7 +14,9 @@ thread-safe, as an onnxruntime session is; see :class:`Embedder`):
 - :class:`HashEmbedder`: deterministic feature hashing, for tests that are not about
   embeddings: texts sharing words get similar vectors, and nothing needs the model.
 
-:meth:`Embedder.follow` embeds everything the store commits, in log order, in the background.
+:meth:`Embedder.follow` embeds everything the store commits, in log order, in the background:
+windows of pending texts sorted by token count, cut into batches by padded tokens, identical
+texts embedded once per process.
 """
 
 from __future__ import annotations
@@ -30,31 +32,48 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
+import lmdb
 import numpy as np
 import outcome
 import trio
 
-from engine.errors import EngineBroken, EngineClosed, ModelMissing
+from engine.errors import EngineBroken, EngineClosed, EngineError, ModelMissing
 
 from .messages import EmbedRequest, PutState, PutVectors, Searchable
 from .ann_index import encode_vector
-from .store import ModelInfo, Store, failure_put, read_log_range, read_searchables
+from .store import (ModelInfo, Store, failure_put, read_log_range, read_searchables,
+                    stored_model)
 
 # The Rust tokenizer's own thread pool would compete with onnxruntime and the trio thread for
 # 2 cores; the actor already runs it off the loop. Set before the first encode; a caller's own
 # setting wins.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-__all__ = ["Embedder", "EmbeddingBackend", "OnnxEmbedder", "HashEmbedder", "MODELS"]
+__all__ = ["Embedder", "EmbeddingBackend", "OnnxEmbedder", "HashEmbedder", "MODELS", "DEFAULT_MODEL",
+           "model_for_store"]
 
 INBOX_SIZE = 64  # queued requests before callers wait: the model is far behind by then
 QUERY_BATCH = 32  # texts per model call while queries wait
 log = logging.getLogger("engram.embedder")
 
-BACKGROUND_BATCH = 16  # texts per background call: keeps each vector write (and commit) small
-FOLLOW_CHUNK = 256  # records read from the log per step of the background follower
+# Texts per background call at most: each call's vectors are one write of ~25 KB (float16), so
+# no commit a durable turn waits behind grows large.
+BACKGROUND_BATCH = 32
+# Padded tokens per background call (texts x the longest's tokens). A batch is padded to its
+# longest text, so the follower sorts a window of pending texts by token count and cuts it by
+# this budget: ~16 turns of 30 tokens, 32 short ones ("ok", "thanks!"), one long text alone.
+# Measured on LoCoMo turns (bare onnxruntime, one thread): batches of 8-16 sorted by tokens run
+# 1.6-2.3x the rate of unsorted batches of 16, and batches of 64 lose 10-20% again.
+BATCH_TOKENS = 512
+FOLLOW_CHUNK = 256  # records read from the log per step: the window sorted by token count
+# Model threads serving the background lane. The second one takes work only while no query is
+# in the model, and both run at MODEL_NICE, so they use what the hot path leaves idle.
+BACKGROUND_WORKERS = 2
+# Background texts whose vectors are kept by content hash, so "ok", "thanks!" and every other
+# repeated text is embedded once per process (~1.5 KB each: 8,192 entries are ~12 MB).
+CONTENT_CACHE = 8192
 BACKLOG_REPORT = 1_024  # backlog records between two progress lines in the log
 MAX_TOKENS = 256  # the model's training length (sentence-transformers max_seq_length)
 # The background lane's niceness. On 2 cores the model holds one; at the default priority the
@@ -102,9 +121,35 @@ def default_model_dir() -> Path:
 
 
 
+# The model a new store gets. On the LoCoMo dev split (../shared/quality/, bench/embed.py
+# --quality) turns-only vector recall@10 is 0.4528 for q8 and 0.4528 for fp32 (micro; per
+# question 0.5135 and 0.5120): no loss, and q8 embeds faster. A store keeps the model it was
+# made with (:func:`model_for_store`), so changing this never strands an existing store.
+DEFAULT_MODEL = "minilm-l6-v2-q8"
+
+
+
+def model_for_store(path: Path) -> str:
+    """The :data:`MODELS` name to run on the store at ``path``: the one its vectors came from,
+    else (a new store, or vectors from a model this build does not have, which the store then
+    refuses with ModelMismatch) :data:`DEFAULT_MODEL`."""
+    if not (path / "data.mdb").is_file():
+        return DEFAULT_MODEL
+    try:
+        recorded = stored_model(path)
+    except (lmdb.Error, EngineError):
+        return DEFAULT_MODEL  # the store's own open reports what is wrong with it
+    for name, (_, model_id) in MODELS.items():
+        if recorded is not None and recorded.id == model_id:
+            return name
+    return DEFAULT_MODEL
+
+
 class EmbeddingBackend(Protocol):
     """What the Embedder runs. ``load`` runs once in a worker thread; ``encode`` is called from
-    two threads at once and must be thread-safe."""
+    several threads at once and must be thread-safe. A backend may also offer
+    ``count_tokens(texts) -> list[int]`` (its own tokenizer's counts), by which the follower
+    sorts and cuts its batches; without it, words approximate tokens."""
 
     model_id: str
     dim: int
@@ -125,7 +170,7 @@ class OnnxEmbedder:
 
     dim = 384
 
-    def __init__(self, model: str = "minilm-l6-v2", model_dir: str | Path | None = None,
+    def __init__(self, model: str = DEFAULT_MODEL, model_dir: str | Path | None = None,
                  threads: int = 1) -> None:
         self.file, self.model_id = MODELS[model]
         self.model_dir = Path(model_dir) if model_dir else default_model_dir()
@@ -136,6 +181,7 @@ class OnnxEmbedder:
         self.threads = threads
         self._session = None
         self._tokenizer = None
+        self._counter = None
 
     def load(self) -> None:
         import onnxruntime as ort
@@ -161,6 +207,13 @@ class OnnxEmbedder:
         tok.enable_truncation(MAX_TOKENS)
         tok.enable_padding(pad_id=0, pad_token="[PAD]")  # no length: pad to the batch's longest
         self._tokenizer = tok
+        counter = Tokenizer.from_file(str(tokenizer))  # same rules, unpadded: counts only
+        counter.enable_truncation(MAX_TOKENS)
+        self._counter = counter
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Each text's token count after truncation (no padding): the batching key."""
+        return [len(e.ids) for e in self._counter.encode_batch(texts)]
 
     def tokenize(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         encodings = self._tokenizer.encode_batch(texts)
@@ -191,6 +244,9 @@ class HashEmbedder:
     def load(self) -> None:
         pass
 
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        return [len(_WORD.findall(text)) + 2 for text in texts]
+
     def encode(self, texts: list[str]) -> np.ndarray:
         self.calls.append(len(texts))
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
@@ -204,31 +260,57 @@ class HashEmbedder:
 
 
 class _Lane:
-    """One model thread with its own inbox. Batches what queued while the model ran."""
+    """Model threads sharing one inbox.
 
-    def __init__(self, name: str, nice: int, batch_texts: int) -> None:
+    With ``coalesce`` (the query lane, one thread) a thread batches every request that queued
+    while the model ran. Without it each request is one model call, already sized by its
+    caller (the follower cuts batches by tokens), so several threads can share the inbox: a
+    thread that took everything queued would leave the others idle.
+    """
+
+    def __init__(self, name: str, nice: int, batch_texts: int, workers: int = 1,
+                 coalesce: bool = True) -> None:
         self.name = name
         self.nice = nice
         self.batch_texts = batch_texts
+        self.workers = workers
+        self.coalesce = coalesce
         self.inbox: queue.SimpleQueue[EmbedRequest | None] = queue.SimpleQueue()
 
-    def serve(self, encode: Callable[[list[str]], np.ndarray]) -> None:
-        """The thread's loop; returns after the stop marker, once what queued before it is
-        answered."""
+    def serve(self, encode: Callable[[list[str]], np.ndarray],
+              busy: threading.Event | None = None, idle: threading.Event | None = None) -> None:
+        """One thread's loop; returns after a stop marker, once what queued before it is
+        answered.
+
+        Args:
+            encode: the backend's.
+            busy: cleared while this thread has requests, set when it has none (the query
+                lane tells the background lane when a query is in the model).
+            idle: waited for before taking each request (a second background thread yields
+                the model to queries).
+        """
         if sys.platform == "linux" and self.nice:  # per-thread nice is Linux's
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
         pending: deque[EmbedRequest] = deque()
         stopping = False
         while True:
             if not pending:
+                if busy is not None:
+                    busy.set()
                 if stopping:
                     return
+                if idle is not None:
+                    idle.wait()
                 request = self.inbox.get()
                 if request is None:
                     stopping = True
                     continue
+                if idle is not None:
+                    idle.wait()  # a query may have come while this thread waited for work
                 pending.append(request)
-            while True:
+            if busy is not None:
+                busy.clear()
+            while self.coalesce:
                 try:
                     request = self.inbox.get_nowait()
                 except queue.Empty:
@@ -250,14 +332,16 @@ class _Lane:
 
 
 class Embedder:
-    """The actor: one model, two lanes, each a long-lived thread that batches its own inbox.
+    """The actor: one model, two lanes of long-lived threads that batch their own inboxes.
     Start ``run`` (and ``follow``, for background embedding) in the nursery.
 
-    - The query lane (normal priority) serves callers on the hot path: requests that queued
-      while the model ran form the next batch, up to QUERY_BATCH texts.
-    - The background lane (nice MODEL_NICE) serves the follower, BACKGROUND_BATCH texts a call.
+    - The query lane (one thread, normal priority) serves callers on the hot path: requests
+      that queued while the model ran form the next batch, up to QUERY_BATCH texts.
+    - The background lane (``background_workers`` threads at nice MODEL_NICE) serves the
+      follower one batch a call; every thread past the first waits while a query is in the
+      model, so the second core goes to background work only while the hot path leaves it.
 
-    Both call the same onnxruntime session, whose ``run`` is thread-safe, so a query never
+    All call the same onnxruntime session, whose ``run`` is thread-safe, so a query never
     waits behind a background batch (~160 ms for 16 turns), and on 2 cores the hot path
     preempts background inference instead of queueing behind it for CPU.
 
@@ -267,16 +351,29 @@ class Embedder:
     slower than bare onnxruntime, and ``to_thread.run_sync`` alone ~14%. This shape makes two
     wake-ups per query. The inbox is a thread-safe queue bounded by a trio semaphore; each
     request carries its own one-shot reply.
+
+    Background texts (the follower's, the episode summariser's) go through a bounded cache
+    keyed by a hash of their content: a repeated text ("ok", "thanks!", a one-sentence turn
+    the summariser splits out again) costs no model call.
     """
 
-    def __init__(self, backend: EmbeddingBackend, query_cache: int) -> None:
+    def __init__(self, backend: EmbeddingBackend, query_cache: int,
+                 background_workers: int = BACKGROUND_WORKERS) -> None:
         self.backend = backend
         self.model = ModelInfo(backend.model_id, backend.dim)
         self._lanes = {True: _Lane("query", 0, QUERY_BATCH),
-                       False: _Lane("background", MODEL_NICE, BACKGROUND_BATCH)}
+                       False: _Lane("background", MODEL_NICE, BACKGROUND_BATCH,
+                                    workers=background_workers, coalesce=False)}
+        # Set while no query is in the model: a background thread past the first waits for it.
+        self._query_idle = threading.Event()
+        self._query_idle.set()
         self._slots = trio.Semaphore(INBOX_SIZE)  # a slot per queued request: backpressure
         self._cache: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
         self._cache_size = query_cache
+        self._content: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._content_generation = 0  # moves on each forget: results computed before it are not kept
+        self.cache_hits = 0  # background texts answered without a model call of their own
+        self.texts_embedded = 0  # background texts the model embedded
         self.embedded_lsn = 0
         self.backlog = 0  # records behind the watermark still to embed (a migration's list)
         # Parked: callers of wait_embedded, until the follower passes their lsn.
@@ -286,36 +383,43 @@ class Embedder:
     # -- the actor ---------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Load the model, start both lanes, and live until they stop."""
+        """Load the model, start both lanes, and live until their threads stop."""
         await trio.to_thread.run_sync(self.backend.load)
         token = trio.lowlevel.current_trio_token()
-        stopped = {lane.name: trio.Event() for lane in self._lanes.values()}  # set as each ends
+        threads = [(lane, i) for lane in self._lanes.values() for i in range(lane.workers)]
+        stopped = [trio.Event() for _ in threads]  # set as each thread ends
 
-        def lane_main(lane: _Lane) -> None:
+        def thread_main(lane: _Lane, index: int, done: trio.Event) -> None:
             try:
-                lane.serve(self.backend.encode)
+                if lane.coalesce:
+                    lane.serve(self.backend.encode, busy=self._query_idle)
+                else:
+                    lane.serve(self.backend.encode, idle=self._query_idle if index else None)
             finally:
                 try:
-                    token.run_sync_soon(stopped[lane.name].set)
+                    token.run_sync_soon(done.set)
                 except trio.RunFinishedError:
                     pass  # the engine's trio run is over; nobody is left to tell
 
-        for lane in self._lanes.values():
-            threading.Thread(target=lane_main, args=(lane,), daemon=True,
-                             name=f"engram-embedder-{lane.name}").start()
+        for (lane, index), done in zip(threads, stopped, strict=True):
+            threading.Thread(target=thread_main, args=(lane, index, done), daemon=True,
+                             name=f"engram-embedder-{lane.name}-{index}").start()
         try:
             task_status.started()
-            for event in stopped.values():
+            for event in stopped:
                 await event.wait()
         finally:
-            for lane in self._lanes.values():
-                lane.inbox.put(None)  # after a cancellation too: each ends after its batch
+            self._stop_lanes()  # after a cancellation too: each thread ends after its batch
+
+    def _stop_lanes(self) -> None:
+        for lane in self._lanes.values():
+            for _ in range(lane.workers):
+                lane.inbox.put(None)
 
     def close(self) -> None:
         """Stop taking requests; queued ones are still answered, then the lanes end."""
         self._closed = True
-        for lane in self._lanes.values():
-            lane.inbox.put(None)
+        self._stop_lanes()
         self._progress.unpark_all()
 
     # -- callers -----------------------------------------------------------------------------
@@ -324,12 +428,43 @@ class Embedder:
         """Vectors for ``texts`` (n x dim, float32, unit length), in order.
 
         More than QUERY_BATCH texts are embedded in batches of similar length, since a batch
-        is padded to its longest text.
+        is padded to its longest text. Background texts (``query=False``) are looked up in
+        the content cache first, and each distinct text is embedded once.
 
         Raises:
             EngineBroken: the model failed on this batch (``__cause__`` has why).
             EngineClosed: the engine is closed.
         """
+        if query:
+            return await self._embed_many(texts, True)
+        out = np.empty((len(texts), self.model.dim), dtype=np.float32)
+        missing: dict[bytes, list[int]] = {}
+        content = self._content
+        for row, text in enumerate(texts):
+            key = hashlib.blake2b(text.encode(), digest_size=16).digest()
+            vector = content.get(key)
+            if vector is not None:
+                content.move_to_end(key)
+                out[row] = vector
+            else:
+                missing.setdefault(key, []).append(row)
+        self.cache_hits += len(texts) - len(missing)  # repeats within the call count too
+        if not missing:
+            await trio.lowlevel.checkpoint()
+            return out
+        generation = self._content_generation
+        vectors = await self._embed_many([texts[rows[0]] for rows in missing.values()], False)
+        self.texts_embedded += len(missing)
+        keep = generation == self._content_generation  # a forget meanwhile: keep nothing
+        for (key, rows), vector in zip(missing.items(), vectors, strict=True):
+            out[rows] = vector
+            if keep:
+                content[key] = vector
+        while len(content) > CONTENT_CACHE:
+            content.popitem(last=False)
+        return out
+
+    async def _embed_many(self, texts: list[str], query: bool) -> np.ndarray:
         if len(texts) <= QUERY_BATCH:
             return await self._embed_batch(texts, query)
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
@@ -391,9 +526,18 @@ class Embedder:
         return vector
 
     def forget_user(self, user_id: str) -> None:
-        """Drop the user's cached query embeddings."""
+        """Drop the user's cached query embeddings, and the content cache (see
+        :meth:`forget_texts`)."""
         for key in [k for k in self._cache if k[0] == user_id]:
             del self._cache[key]
+        self.forget_texts()
+
+    def forget_texts(self) -> None:
+        """Empty the content cache. Its entries are not tied to a user (the same "thanks!" is
+        everyone's), so a forget drops them all rather than leave a forgotten text's vector
+        in memory; it refills from the next texts embedded."""
+        self._content.clear()
+        self._content_generation += 1
 
     async def wait_embedded(self, lsn: int) -> None:
         """Return once every searchable record up to ``lsn`` has its vector committed, the
@@ -411,6 +555,13 @@ class Embedder:
                      task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Embed every committed record past the store's watermark, in log order, forever.
 
+        Each step reads up to FOLLOW_CHUNK records, sorts them by token count and cuts them
+        into batches of at most BATCH_TOKENS padded tokens; as many batches are in the model
+        at once as the background lane has threads (plus one queued, so no thread waits for
+        the next), and their vectors are written in order, each batch on its own, so no
+        commit that a durable turn waits behind carries more than ~25 KB of vectors. The
+        watermark moves with the step's last write only.
+
         ``on_vectors`` gets each batch's written vectors on the trio thread, in commit order
         (the ANN index's feed).
         """
@@ -424,23 +575,90 @@ class Embedder:
                 records, _, last = await store.read(
                     read_log_range, self.embedded_lsn, store.committed_lsn, FOLLOW_CHUNK
                 )
-                # Similar lengths batch with little padding. Each model batch is written on its
-                # own, so no commit that a durable turn waits behind carries more than ~24 KB of
-                # vectors; the watermark moves with the chunk's last write only.
-                records.sort(key=lambda r: len(r.text))
-                for at in range(0, max(len(records), 1), BACKGROUND_BATCH):
-                    chunk, vectors = await self._embed_records(
-                        store, records[at : at + BACKGROUND_BATCH])
-                    items = [(r.lsn, r.user_id, encode_vector(r, vector))
-                             for r, vector in zip(chunk, vectors, strict=True)]
-                    final = at + BACKGROUND_BATCH >= len(records)
-                    watermark = last if final else self.embedded_lsn
-                    await store.write_unlogged(
-                        PutVectors(items, watermark, trio.Event(), on_vectors))
+                batches = await self._token_batches(records)
+                await self._embed_in_order(store, batches, last, on_vectors)
                 self.embedded_lsn = last
                 self._progress.unpark_all()
         except EngineClosed:
             return  # the engine is closing; the watermark on disk says where to resume
+
+    async def _token_batches(self, records: list[Searchable]) -> list[list[Searchable]]:
+        """``records`` sorted by token count, cut where a batch would pad past BATCH_TOKENS
+        or hold more than BACKGROUND_BATCH texts."""
+        if not records:
+            return []
+        count = getattr(self.backend, "count_tokens", None)
+        texts = [r.text for r in records]
+        if count is None:  # a backend without a tokenizer of its own: words approximate
+            tokens = [len(t.split()) + 2 for t in texts]
+        else:
+            tokens = await trio.to_thread.run_sync(count, texts)
+        order = sorted(range(len(records)), key=tokens.__getitem__)
+        batches: list[list[Searchable]] = []
+        batch: list[Searchable] = []
+        for i in order:
+            # Sorted ascending, so this text is the batch's longest once added.
+            if batch and (len(batch) == BACKGROUND_BATCH
+                          or (len(batch) + 1) * tokens[i] > BATCH_TOKENS):
+                batches.append(batch)
+                batch = []
+            batch.append(records[i])
+        batches.append(batch)
+        return batches
+
+    async def _embed_in_order(self, store: Store, batches: list[list[Searchable]], last: int,
+                              on_vectors: Any) -> None:
+        """Embed ``batches`` with up to one per background thread in the model (plus one
+        queued), and write each one's vectors in order; the last write moves the watermark
+        to ``last``.
+
+        Raises:
+            EngineClosed / EngineBroken: from the model or the store, in batch order.
+        """
+        if not batches:
+            await store.write_unlogged(PutVectors([], last, trio.Event(), on_vectors))
+            return
+        results: list[Any] = [None] * len(batches)  # each an outcome of (records, vectors)
+        ready = [trio.Event() for _ in batches]  # each set once its batch's outcome is in
+        room = trio.Semaphore(self._lanes[False].workers + 1)  # batches in the model or queued
+
+        async def embed_one(i: int) -> None:
+            try:
+                results[i] = outcome.Value(await self._embed_records(store, batches[i]))
+            except (EngineClosed, EngineBroken) as exc:  # raised in order by the writer
+                results[i] = outcome.Error(exc)
+            finally:
+                room.release()
+                ready[i].set()
+
+        async def feed(nursery: trio.Nursery) -> None:
+            for i in range(len(batches)):
+                await room.acquire()
+                nursery.start_soon(embed_one, i)
+
+        failure: outcome.Outcome | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(feed, nursery)
+            for i in range(len(batches)):
+                await ready[i].wait()
+                result = results[i]
+                if isinstance(result, outcome.Error):
+                    failure = result
+                    nursery.cancel_scope.cancel()
+                    break
+                kept, vectors = result.value
+                items = [(r.lsn, r.user_id, encode_vector(r, vector))
+                         for r, vector in zip(kept, vectors, strict=True)]
+                watermark = last if i == len(batches) - 1 else self.embedded_lsn
+                try:
+                    await store.write_unlogged(PutVectors(items, watermark, trio.Event(),
+                                                          on_vectors))
+                except (EngineClosed, EngineBroken) as exc:
+                    failure = outcome.Error(exc)
+                    nursery.cancel_scope.cancel()
+                    break
+        if failure is not None:
+            failure.unwrap()
 
     async def _embed_backlog(self, store: Store,
                              on_vectors: Callable[[list[tuple[int, str, bytes]]], None] | None

@@ -152,6 +152,8 @@ TAIL_CHECK = 64  # log positions whose chain opening a store recomputes: the las
 PROGRESS_FROM = 100_000  # records from which a migration logs its progress (below: seconds)
 SCRUB_RETRY = 0.05  # seconds between looks while a reader pins the pages a scrub must reuse
 MAX_READERS = 126  # LMDB reader slots: the default, far above the threads we use
+COMMIT_TIME_STEP = 0.1  # seconds one commit-time sample covers: how precise a lag in seconds is
+COMMIT_TIMES = 100_000  # samples kept: ~2.8 hours of constant commits at one per step
 
 DB_NAMES = (b"meta", b"sessions", b"turns", b"ids", b"log", b"vectors", b"links", b"notes",
             b"summaries", b"episodes", b"facts", b"entities", b"reviews", b"pending", b"chain",
@@ -796,6 +798,9 @@ class Store:
         }
         self._write_limiter = trio.CapacityLimiter(1)
         self._read_limiter = trio.CapacityLimiter(READ_THREADS)
+        # (lsn, trio time): every lsn above the previous sample's and up to this one was
+        # committed within COMMIT_TIME_STEP after this time; how far behind a follower is.
+        self._commit_times: deque[tuple[int, float]] = deque(maxlen=COMMIT_TIMES)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -803,6 +808,7 @@ class Store:
         """Open the environment, then commit queued ops until closed and drained."""
         self._env = await trio.to_thread.run_sync(
             self._open_env_read_only if self.read_only else self._open_env)
+        self._commit_times.append((self._committed_lsn, trio.current_time()))
         task_status.started()
         try:
             with self._drain_scope:
@@ -1034,6 +1040,22 @@ class Store:
     def queued(self) -> int:
         return self._queued
 
+    def committed_since(self, lsn: int) -> float:
+        """How long ago (trio time, seconds) ``lsn`` was committed, to within COMMIT_TIME_STEP;
+        0 if it is not committed yet. An lsn committed before this process opened the store
+        counts from the open; past COMMIT_TIMES samples, from the oldest kept."""
+        times = self._commit_times
+        if lsn > self._committed_lsn or not times:
+            return 0.0
+        low, high = 0, len(times) - 1
+        while low < high:  # the first sample covering lsn
+            mid = (low + high) // 2
+            if times[mid][0] < lsn:
+                low = mid + 1
+            else:
+                high = mid
+        return trio.current_time() - times[low][1]
+
     def check_usable(self) -> None:
         """Raise if ops can no longer be taken.
 
@@ -1210,6 +1232,11 @@ class Store:
             if last is None:
                 continue
             self._committed_lsn = last
+            now, times = trio.current_time(), self._commit_times
+            if now - times[-1][1] < COMMIT_TIME_STEP:
+                times[-1] = (last, times[-1][1])
+            else:
+                times.append((last, now))
             waiters = self._waiters
             while waiters and waiters[0][0] <= last:
                 heapq.heappop(waiters)[2].set()

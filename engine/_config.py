@@ -26,12 +26,17 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         fsync: commit with fsync (``True``) or leave flushing to the OS (``False``: a durable
             receipt then survives a process crash but not a power cut).
         initial_map_bytes: the LMDB map size a new store starts with; it doubles when full.
-        model: the embedding model: ``minilm-l6-v2`` (fp32, the default) or ``minilm-l6-v2-q8``
-            (weight-only 8-bit: faster, cosine >= 0.998 to fp32). A store keeps one model.
+        model: the embedding model: ``minilm-l6-v2-q8`` (weight-only 8-bit: faster, cosine >=
+            0.998 to fp32, the same recall) or ``minilm-l6-v2`` (fp32). None (the default):
+            the model the store's vectors came from, ``minilm-l6-v2-q8`` for a new store. A
+            store keeps one model; another needs ``engram-trio reindex``.
         model_dir: where the built model is (default: ``$ENGRAM_MODEL_DIR``, else a checkout's
             native_models/all-MiniLM-L6-v2, else the per-user data directory that
             ``engram-trio model build`` writes to).
         embed_threads: onnxruntime intra-op threads. 1 leaves the other core to the loop.
+        background_embed_threads: model threads embedding what the store commits (nice 19;
+            every one past the first pauses while a query is in the model), so background
+            embedding takes the cores the hot path leaves idle.
         query_cache: query embeddings kept in an LRU cache.
         background_embedding: embed what the store commits as it comes (off: a bulk import
             that leaves embedding to the serving process, which resumes from the watermark).
@@ -58,9 +63,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     max_id_chars: Positive = 256
     fsync: bool = True
     initial_map_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 256 << 20
-    model: Literal["minilm-l6-v2", "minilm-l6-v2-q8"] = "minilm-l6-v2"
+    model: Literal["minilm-l6-v2", "minilm-l6-v2-q8"] | None = None
     model_dir: str | None = None
     embed_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    background_embed_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
     query_cache: Positive = 4096
     background_embedding: bool = True
     ann_cache_vectors: Positive = 1_000_000

@@ -15,7 +15,13 @@ import trio
 import numpy as np
 
 from actors.ann_index import AnnIndex
-from actors.embedder import Embedder, EmbeddingBackend, OnnxEmbedder
+from actors.embedder import (
+    DEFAULT_MODEL,
+    Embedder,
+    EmbeddingBackend,
+    OnnxEmbedder,
+    model_for_store,
+)
 from actors.entities import Entities
 from actors.episodic import RATINGS, EpisodicCompressor, memory_review_state, review_state
 from actors.facts import Candidate, Facts
@@ -103,6 +109,11 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
         schema_version: the store's schema.
         model: the embedding model's id; embedded_lsn: every record up to here has its vector.
         indexed_lsn: every record up to here is in the full-text index.
+        vector_lag_records: records logged and not yet embedded (turns, mostly).
+        vector_lag_seconds: how long ago the oldest record not yet embedded was committed
+            (0: none is waiting; to within 0.1 s).
+        texts_embedded / embed_cache_hits: background texts the model embedded, and those the
+            content cache answered instead, since the engine opened.
         failures: records some part of the engine could not take and went on without
             (listed by :meth:`Engine.failures` and ``engram inspect STORE --failures``).
         degraded: the search legs whose index is being rebuilt or caught up with what the
@@ -126,6 +137,10 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
     failures: int = 0
     degraded: tuple[str, ...] = ()
     read_only: bool = False
+    vector_lag_records: int = 0
+    vector_lag_seconds: float = 0.0
+    texts_embedded: int = 0
+    embed_cache_hits: int = 0
 
 
 class EntityInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -187,7 +202,8 @@ class Engine:
             path: a directory; created if missing.
             config: a :class:`Config`, a dict of overrides, or None for the defaults.
             clock: returns the current timezone-aware time; stamps turns given no ``at``.
-            embedder: the embedding backend (default: the ONNX model ``config.model``); tests
+            embedder: the embedding backend (default: the ONNX model ``config.model``, or the
+                one the store was made with, or ``minilm-l6-v2-q8`` for a new store); tests
                 that are not about embeddings pass a ``HashEmbedder``.
             reembed: adopt the configured model even if the store's vectors came from another,
                 dropping them so that everything is embedded again in the background.
@@ -225,8 +241,12 @@ class Engine:
         clock = clock or _utc_now
         tasks = None if llm is None else ModelTasks(llm)
         if embedder is None:
-            embedder = OnnxEmbedder(config.model, config.model_dir, config.embed_threads)
-        embedding = Embedder(embedder, config.query_cache)
+            model = config.model
+            if model is None:  # the store's own, so an older default never strands a store
+                model = (DEFAULT_MODEL if reembed
+                         else await trio.to_thread.run_sync(model_for_store, Path(path)))
+            embedder = OnnxEmbedder(model, config.model_dir, config.embed_threads)
+        embedding = Embedder(embedder, config.query_cache, config.background_embed_threads)
         root = Path(path)
         owner = None if read_only else OwnerLock(root, "serving").acquire()
         try:
@@ -1050,6 +1070,7 @@ class Engine:
         self._check_ids(user_id, session_id)
         self._forgets += 1
         self._buffer.drop_session(user_id, session_id)
+        self._embedder.forget_texts()
         self._compressor.forget(user_id, session_id)
         await self._store.forget(
             user_id, session_id, lambda lsns: self._ann.removed(user_id, lsns, False))
@@ -1219,6 +1240,7 @@ class Engine:
         store = self._store
         data = store.path / "data.mdb"
         failures = await store.read(count_failures)
+        embedded = max(self._embedder.embedded_lsn, store.embedded_lsn)
         return Stats(
             users=users,
             sessions=sessions,
@@ -1231,11 +1253,15 @@ class Engine:
             map_bytes=store.map_size(),
             schema_version=SCHEMA_VERSION,
             model=self._embedder.model.id,
-            embedded_lsn=max(self._embedder.embedded_lsn, store.embedded_lsn),
+            embedded_lsn=embedded,
             indexed_lsn=self._fulltext.indexed_lsn,
             failures=failures,
             degraded=self._degraded(),
             read_only=self._read_only,
+            vector_lag_records=store.next_lsn - 1 - embedded,
+            vector_lag_seconds=store.committed_since(embedded + 1),
+            texts_embedded=self._embedder.texts_embedded,
+            embed_cache_hits=self._embedder.cache_hits,
         )
 
     async def failures(self, user_id: str | None = None) -> list[Failure]:

@@ -42,7 +42,9 @@ def test_cli_runs_the_demo(tmp_path, capsys, monkeypatch) -> None:
 
 
 def test_cli_reindex_adopts_another_model(tmp_path, capsys) -> None:
-    """`engram reindex STORE --model q8` re-embeds a store built with the default model."""
+    """`engram-trio reindex STORE --model minilm-l6-v2` re-embeds a store built with the default
+    model (q8), and is a no-op run again; the default config then opens it with fp32, its
+    recorded model, and naming q8 explicitly is refused."""
     import trio
 
     from engine import Engine, ModelMismatch
@@ -51,20 +53,23 @@ def test_cli_reindex_adopts_another_model(tmp_path, capsys) -> None:
         async with Engine.open(tmp_path / "s") as mem:
             await mem.add_turn("ana", "s", "user", "I live in Lisbon")
             await mem.flush()
+            assert (await mem.stats()).model.endswith("@q8-block16")
 
     trio.run(build)
-    assert main(["reindex", str(tmp_path / "s"), "--model", "minilm-l6-v2-q8", "--json"]) == 0
+    assert main(["reindex", str(tmp_path / "s"), "--model", "minilm-l6-v2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["model"] == "sentence-transformers/all-MiniLM-L6-v2@q8-block16"
+    assert report["model"] == "sentence-transformers/all-MiniLM-L6-v2"
     # The turn and the fact extracted from it.
     assert report["fulltext_rebuilt"] and report["indexed_lsn"] == report["embedded_lsn"] == 2
-    assert report["previous_model"] == "sentence-transformers/all-MiniLM-L6-v2"
-    assert main(["reindex", str(tmp_path / "s"), "--model", "minilm-l6-v2-q8"]) == 0
+    assert report["previous_model"] == "sentence-transformers/all-MiniLM-L6-v2@q8-block16"
+    assert main(["reindex", str(tmp_path / "s"), "--model", "minilm-l6-v2"]) == 0
     assert capsys.readouterr().out.startswith("nothing to do: every record of ")
 
-    async def reopen_with_default() -> None:
-        async with Engine.open(tmp_path / "s"):
-            pass
+    async def reopen(config=None) -> str:
+        async with Engine.open(tmp_path / "s", config=config) as mem:
+            return (await mem.stats()).model
 
-    with pytest.raises(ModelMismatch, match="@q8-block16"):
-        trio.run(reopen_with_default)
+    assert trio.run(reopen) == "sentence-transformers/all-MiniLM-L6-v2"
+    with pytest.raises(ModelMismatch, match=r"vectors from sentence-transformers/all-MiniLM-L6-v2 "
+                                            r"\(dimension 384\) and this engine runs .*@q8-block16"):
+        trio.run(reopen, {"model": "minilm-l6-v2-q8"})
