@@ -27,14 +27,21 @@ TURNS = 300
 class Served:
     """A child process serving a store."""
 
-    def __init__(self, store: Path) -> None:
+    def __init__(self, store: Path, map_bytes: int = 256 << 20) -> None:
         self.store = store
         self.process = subprocess.Popen(
-            [sys.executable, str(CHILD), str(store), str(TURNS)],
+            [sys.executable, str(CHILD), str(store), str(TURNS), str(map_bytes)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.process.stdout.readline().split()
         assert line[:1] == ["ready"], line
         self.pid = int(line[1])
+
+    def bulk(self, count: int) -> None:
+        """Have it add ``count`` turns of ~1 KB (user ``bulk``) and wait until they are on
+        disk."""
+        self.process.stdin.write(f"bulk {count}\n")
+        self.process.stdin.flush()
+        assert self.process.stdout.readline().split() == ["done"]
 
     def stop(self) -> int:
         """Ask it to close cleanly; the number of turns it acknowledged."""
@@ -175,3 +182,25 @@ def test_stats_inspect_and_snapshot_read_a_served_store(served: Served, tmp_path
             assert len(found) == len({lsn for lsn, _ in found}) == stats.turns - TURNS
 
     trio.run(check)
+
+
+def test_a_reader_follows_the_map_its_owner_grew(tmp_path) -> None:
+    """A read-only engine opened while the owner's LMDB map is 1 MiB (the reader maps
+    py-lmdb's default 10 MiB) still reads after the owner has doubled it past that (LMDB tells
+    the reader MAP_RESIZED; it adopts the new size and reads again)."""
+    child = Served(tmp_path / "store", map_bytes=1 << 20)
+    try:
+        async def read() -> None:
+            async with open_engine(child.store, read_only=True) as mem:
+                before = mem._store.map_size()
+                child.bulk(12_000)  # ~13 MB of turns: the owner's map grows to 16 MiB
+                counts = await mem.memory_stats("bulk")  # read from the store, not at open
+                assert counts["turns"] == 12_000 and mem._store.map_size() > before
+
+        trio.run(read)
+    finally:  # its long-term layer would take a while over 12k new turns: no clean stop
+        if child.process.poll() is None:
+            child.process.kill()
+            child.process.wait()
+        for pipe in (child.process.stdin, child.process.stdout):
+            pipe.close()
