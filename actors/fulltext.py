@@ -698,12 +698,12 @@ def build_index(store_path: Path, dest: Path, progress: Any = None) -> int:
     import lmdb
 
     from .integrity import CheckedTxn, check_file
-    from .store import DB_NAMES, MAX_DBS
+    from .store import MAX_DBS, open_databases
 
     check_file(store_path)
     env = lmdb.open(str(store_path), readonly=True, lock=False, max_dbs=MAX_DBS)
     try:
-        dbs = {name: env.open_db(name, create=False) for name in DB_NAMES}
+        dbs = open_databases(env)
         names = {handle: name for name, handle in dbs.items()}
         with env.begin() as txn:
             raw = txn.get(b"last_lsn", db=dbs[b"meta"])

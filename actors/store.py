@@ -162,6 +162,9 @@ DB_NAMES = (b"meta", b"sessions", b"turns", b"ids", b"log", b"vectors", b"links"
 # alone and the rest of its batch commits. Any other lmdb.Error is the disk's and breaks the store.
 _OP_ERRORS = (lmdb.BadValsizeError, ValueError, TypeError, OverflowError, msgspec.MsgspecError)
 REFUSALS_KEPT = 1024  # refused lsns remembered for their waiters
+# Databases a store of the current schema may lack (written before they were added; an engine
+# that owns the store creates them at open, a read-only one reads them as empty).
+OPTIONAL_DBS = frozenset({b"failures"})
 LOG_TURN = b"T"
 LOG_NOTE = b"N"  # + the lsn this version replaces (8 bytes, 0: none) + the notes key
 LOG_TOMBSTONE = b"D"
@@ -231,6 +234,23 @@ def _backlog_unembedded(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> None:
         missing.byteswap()
         txn.put(EMBED_BACKLOG_KEY, bytes(txn.get(EMBED_BACKLOG_KEY, db=meta) or b"")
                 + missing.tobytes(), db=meta)
+
+
+def open_databases(env: lmdb.Environment, txn: Any = None) -> dict[bytes, Any]:
+    """Every named database of an existing store, for readers that create nothing; one of
+    OPTIONAL_DBS that the store does not have yet is left out (read it as empty).
+
+    Raises:
+        lmdb.NotFoundError: a database every store of this schema has is missing.
+    """
+    dbs = {}
+    for name in DB_NAMES:
+        try:
+            dbs[name] = env.open_db(name, txn=txn, create=False)
+        except lmdb.NotFoundError:
+            if name not in OPTIONAL_DBS:
+                raise
+    return dbs
 
 
 def _seal_and_chain(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> None:
@@ -889,7 +909,7 @@ class Store:
             try:
                 # Each opened in its own transaction (a handle opened inside a read-only
                 # transaction of py-lmdb dies with it).
-                self._dbs = {name: env.open_db(name, create=False) for name in DB_NAMES}
+                self._dbs = open_databases(env)
             except lmdb.NotFoundError:
                 self._dbs = {}
             self._names = {handle: name for name, handle in self._dbs.items()}
@@ -2359,12 +2379,14 @@ def read_pending(txn: lmdb.Transaction, dbs: dict[bytes, Any]
 def read_failures(txn: lmdb.Transaction, dbs: dict[bytes, Any],
                   user_id: str | None = None) -> list[Failure]:
     """The failures kept (of one user, if given), by lsn."""
+    if b"failures" not in dbs:
+        return []  # a store read before its failures database existed: none kept
     found = [decode_failure(v) for _, v in _scan(txn, dbs[b"failures"], b"")]
     return [f for f in found if user_id is None or f.user_id == user_id]
 
 
 def count_failures(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> int:
-    return txn.stat(dbs[b"failures"])["entries"]
+    return txn.stat(dbs[b"failures"])["entries"] if b"failures" in dbs else 0
 
 
 def read_meta_lsn(txn: lmdb.Transaction, dbs: dict[bytes, Any], name: bytes) -> int:

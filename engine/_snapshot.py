@@ -31,7 +31,7 @@ import trio
 
 from actors.fulltext import build_index
 from actors.integrity import HEAD_KEY, check_file
-from actors.store import DB_NAMES, MAX_DBS, clean_copy
+from actors.store import MAX_DBS, clean_copy, open_databases
 
 from ._owner import OwnerLock
 from ._records import SCHEMA_VERSION
@@ -153,8 +153,7 @@ def _counts(store_dir: Path) -> dict[str, int]:
     env = lmdb.open(str(store_dir), readonly=True, lock=False, max_dbs=MAX_DBS)
     try:
         with env.begin() as txn:
-            stat = {n: txn.stat(env.open_db(n, txn=txn, create=False))["entries"]
-                    for n in DB_NAMES}
+            stat = {n: txn.stat(db)["entries"] for n, db in open_databases(env, txn).items()}
             users = len(_users(env, txn))
             meta = env.open_db(b"meta", txn=txn, create=False)
             raw = txn.get(b"embedded_lsn", db=meta)

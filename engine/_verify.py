@@ -22,7 +22,7 @@ import msgspec
 
 from actors.integrity import HEAD_KEY, CheckedTxn, check_file, decode_head, encode_head, \
     head_mac, unseal
-from actors.store import DB_NAMES, LOG_TURN, MAX_DBS, check_chain, lsn_key
+from actors.store import LOG_TURN, MAX_DBS, check_chain, lsn_key, open_databases
 
 from ._records import SessionInfo, Turn
 from .errors import EngineError, InvalidInput, StoreCorrupt
@@ -69,7 +69,7 @@ def verify_store(path: Path, integrity_key: str | None = None, seal: bool = Fals
     env = lmdb.open(str(path), readonly=not seal, lock=seal, max_dbs=MAX_DBS)
     try:
         with env.begin() as raw:
-            dbs = {name: env.open_db(name, txn=raw, create=False) for name in DB_NAMES}
+            dbs = open_databases(env, raw)
             txn = CheckedTxn(raw, {handle: name for name, handle in dbs.items()})
             report["records"] = _checksums(raw, dbs, problems)
             meta = dbs[b"meta"]

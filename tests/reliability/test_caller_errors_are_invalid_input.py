@@ -3,12 +3,13 @@ writes nothing (case 9 of issue 11)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import trio
 
-from engine import Engine, EngineClosed, EngineError, InvalidInput
+from engine import Engine, EngineClosed, InvalidInput, StoreInUse
 
 from ..conftest import open_engine
 
@@ -65,7 +66,7 @@ async def test_compact_of_a_served_store_says_it_is_in_use(store_path: Path) -> 
     """compact refuses a store an engine serves with a message that says so, not EngineClosed."""
     async with open_engine(store_path) as mem:
         await mem.add_turn("ana", "s", "user", "hello", durable=True)
-        with pytest.raises(EngineError, match="in use") as info:
+        with pytest.raises(StoreInUse, match=f"in use by process {os.getpid()}") as info:
             await Engine.compact(store_path)
         assert not isinstance(info.value, EngineClosed)
         await mem.add_turn("ana", "s", "user", "still serving", durable=True)

@@ -184,3 +184,22 @@ async def test_a_refused_turn_reaches_its_receipt_and_the_next_flush_with_its_id
         assert [t.text for t in await mem.session_history("bo", "s")] == ["before", "after"]
         (failure,) = await mem.failures()
         assert (failure.lsn, failure.actor, failure.memory_id) == (bad.lsn, "store", bad.turn_id)
+
+
+async def test_a_store_from_before_failures_were_kept_opens_read_only(store_path: Path) -> None:
+    """A store without the failures database (written before it existed) is read by a
+    read-only engine, which creates nothing: it has no failures; verify and compact read it."""
+    import lmdb
+
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("ana", "s", "user", "hello", durable=True)
+    env = lmdb.open(str(store_path), max_dbs=64)
+    with env.begin(write=True) as txn:
+        txn.drop(env.open_db(b"failures", txn=txn), delete=True)
+    env.close()
+    async with open_engine(store_path, read_only=True) as mem:
+        assert (await mem.stats()).failures == 0
+        assert await mem.failures() == []
+        assert [t.text for t in await mem.session_history("ana", "s")] == ["hello"]
+    assert (await Engine.verify(store_path))["ok"]
+    await Engine.compact(store_path)
