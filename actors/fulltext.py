@@ -486,9 +486,12 @@ class FullText:
     # -- searching ---------------------------------------------------------------------------
 
     async def tagged(self, user_id: str, tags: tuple[str, ...], limit: int) -> list[int]:
-        """The lsns of the user's records carrying any of ``tags`` (for the vector leg's mask)."""
-        return await trio.to_thread.run_sync(self._tagged, user_id, tags, limit,
-                                             limiter=self._search_limiter)
+        """The lsns of the user's records carrying any of ``tags`` (for the vector leg's mask).
+
+        Raises:
+            EngineBroken: tantivy failed (a panic in a segment it could not read).
+        """
+        return await self._searching(self._tagged, user_id, tags, limit)
 
     def _tagged(self, user_id: str, tags: tuple[str, ...], limit: int) -> list[int]:
         Q, Occur, schema = tantivy.Query, tantivy.Occur, self._schema
@@ -518,9 +521,12 @@ class FullText:
         Raises:
             EngineBroken: tantivy failed (a panic in a segment it could not read).
         """
+        return await self._searching(self._search, user_id, text, k, filters)
+
+    async def _searching(self, fn: Any, *args: Any) -> Any:
+        """Run a search in a worker thread; a tantivy panic becomes the engine's own error."""
         try:
-            return await trio.to_thread.run_sync(self._search, user_id, text, k, filters,
-                                                 limiter=self._search_limiter)
+            return await trio.to_thread.run_sync(fn, *args, limiter=self._search_limiter)
         except BaseException as exc:
             if _is_panic(exc):
                 raise EngineBroken(f"the text index at {self.path} failed a search: {exc}; "

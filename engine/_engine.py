@@ -1358,8 +1358,11 @@ def _translate(group: BaseExceptionGroup, body_error: BaseException | None) -> B
     leaves = list(_leaves(real))
     if body_error is not None and all(e is body_error for e in leaves):
         return body_error
-    if all(not isinstance(e, Exception) for e in leaves):
-        return group  # KeyboardInterrupt and the like pass through untouched
+    if all(not isinstance(e, Exception) and type(e).__name__ != "PanicException"
+           for e in leaves):
+        # KeyboardInterrupt and the like pass through untouched; a native library's panic
+        # (pyo3's PanicException, a BaseException) is the engine breaking, not the caller.
+        return group
     damage = [e for e in leaves if isinstance(e, StoreCorrupt)]
     if damage:
         # A part found the store damaged; the other failures are its fallout (the store

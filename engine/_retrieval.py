@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
@@ -56,6 +57,7 @@ from actors.store import (
 )
 
 from ._records import Episode, Fact, Note, Turn
+from .errors import EngineBroken, EngineClosed, EngineError
 
 __all__ = ["Hit", "Explain", "Message", "EpisodicItem", "SemanticItem", "RetrieveResult",
            "FOCUS_LEVELS", "Retriever", "estimate_tokens"]
@@ -219,6 +221,36 @@ Detail = Literal["auto", "none", "low", "high"]
 KEY_MOMENT = 0.7  # surprise at or above which an episode is a "key moment" (seed 001)
 
 
+@contextmanager
+def _one_error() -> Iterator[None]:
+    """The legs run in a nursery, whose failures come as a group: the caller gets one error
+    of the engine's own. A lone engine error is raised as it is, EngineClosed from several
+    legs (the engine closing under them) as one EngineClosed, anything else as EngineBroken
+    with the group as its cause. Cancellation and KeyboardInterrupt pass through."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        real = group.subgroup(lambda e: not isinstance(e, trio.Cancelled))
+        if real is None:
+            raise
+        leaves = list(_leaves(real))
+        if all(not isinstance(e, Exception) for e in leaves):
+            raise
+        if len(leaves) == 1 and isinstance(leaves[0], EngineError):
+            raise leaves[0]  # the one failure, as it was raised (the group is its context)
+        if all(isinstance(e, EngineClosed) for e in leaves):
+            raise EngineClosed(str(leaves[0])) from group
+        raise EngineBroken(f"a search failed: {'; '.join(repr(e) for e in leaves)}") from group
+
+
+def _leaves(group: BaseExceptionGroup) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
+
+
 class Retriever:
     """The pipeline over the engine's actors. Runs in the caller's task; holds no state of its
     own beyond references."""
@@ -263,16 +295,17 @@ class Retriever:
             if found:
                 ranked["entity"] = found[:depth]
 
-        async with trio.open_nursery() as nursery:
-            if "vector" in legs:
-                nursery.start_soon(vector_leg)
-            if "bm25" in legs:
-                nursery.start_soon(bm25_leg)
-            if "entity" in legs and only is None:
-                nursery.start_soon(entity_leg)
-            if "window" in legs:
-                ranked["window"] = self._window_leg(user_id, query, session_id, since, until,
-                                                    roles, kinds, tags)
+        with _one_error():
+            async with trio.open_nursery() as nursery:
+                if "vector" in legs:
+                    nursery.start_soon(vector_leg)
+                if "bm25" in legs:
+                    nursery.start_soon(bm25_leg)
+                if "entity" in legs and only is None:
+                    nursery.start_soon(entity_leg)
+                if "window" in legs:
+                    ranked["window"] = self._window_leg(user_id, query, session_id, since,
+                                                        until, roles, kinds, tags)
         # The memories a leg chose from: all the vector leg could rank, up to its depth.
         fused = fuse(ranked, len(ranked.get("vector", ())) or depth)
         cosine = dict(ranked.get("vector", ()))
@@ -446,16 +479,17 @@ class Retriever:
         and turns no shown episode covers yet, each with its neighbouring turns)."""
         semantic: list[SemanticItem] = []
         items: list[EpisodicItem] = []
-        async with trio.open_nursery() as nursery:
-            if semantic_limit:
-                async def semantic_leg() -> None:
-                    semantic.extend(await self._semantic(user_id, query, semantic_limit,
-                                                         category, min_importance))
-                nursery.start_soon(semantic_leg)
-            if episodic and episodic_limit:
-                async def episodic_leg() -> None:
-                    items.extend(await self._episodic(user_id, query, episodic_limit))
-                nursery.start_soon(episodic_leg)
+        with _one_error():
+            async with trio.open_nursery() as nursery:
+                if semantic_limit:
+                    async def semantic_leg() -> None:
+                        semantic.extend(await self._semantic(user_id, query, semantic_limit,
+                                                             category, min_importance))
+                    nursery.start_soon(semantic_leg)
+                if episodic and episodic_limit:
+                    async def episodic_leg() -> None:
+                        items.extend(await self._episodic(user_id, query, episodic_limit))
+                    nursery.start_soon(episodic_leg)
         return RetrieveResult(semantic, items)
 
     async def _semantic(self, user_id: str, query: str, limit: int, category: str | None,

@@ -17,6 +17,8 @@ import actors.ann_index as ann_mod
 import actors.fulltext as fulltext_mod
 from actors.fulltext import SEGMENT_FILES
 
+from engine import EngineBroken
+
 from ..conftest import open_engine
 
 USERS = ("ana", "bo")
@@ -210,3 +212,40 @@ async def test_a_damaged_graph_file_is_detected_and_rebuilt(graph_store) -> None
     graph_file.write_bytes(bytes(data))
     after, reused, damaged = await _graph_answers(graph_store, queries)
     assert (after, reused, damaged) == (before, False, 1)
+
+
+async def test_a_panic_in_the_text_index_breaks_the_engine_with_its_own_error(
+        tmp_path, monkeypatch, autojump_clock) -> None:
+    """tantivy reports some failures by panicking: pyo3's PanicException, a BaseException
+    that passed through as a raw exception group, as if the caller had pressed Ctrl-C, when
+    nothing else failed with it. It comes out as EngineBroken."""
+    panic = type("PanicException", (BaseException,), {})  # the class pyo3 makes at run time
+
+    def commit(self) -> None:
+        raise panic("called `Option::unwrap()` on a `None` value")
+
+    monkeypatch.setattr(fulltext_mod.FullText, "_commit", commit)
+    with pytest.raises(EngineBroken, match="PanicException") as info:
+        async with open_engine(tmp_path / "store", config=TURNS_ONLY) as mem:
+            await mem.add_turn("ana", "s", "user", "lisbon", durable=True)
+            await trio.sleep_forever()  # the index commits a second later, and panics
+    assert isinstance(info.value.__cause__, BaseExceptionGroup)
+
+
+async def test_a_panic_in_a_text_search_is_the_engines_own_error(tmp_path, monkeypatch) -> None:
+    """A search that panics in tantivy raises EngineBroken in the caller, not a BaseException
+    that no `except Exception` catches."""
+    panic = type("PanicException", (BaseException,), {})
+
+    def search(self, *args) -> None:
+        raise panic("index out of bounds")
+
+    async with open_engine(tmp_path / "store", config=TURNS_ONLY) as mem:
+        await mem.add_turn("ana", "s", "user", "lisbon", durable=True)
+        await mem.flush()
+        monkeypatch.setattr(fulltext_mod.FullText, "_search", search)
+        with pytest.raises(EngineBroken, match="failed a search: index out of bounds"):
+            await mem._fulltext.search("ana", "lisbon", 5)
+        # Through recall, whose legs run in a nursery: the one error, not an exception group.
+        with pytest.raises(EngineBroken, match="failed a search: index out of bounds"):
+            await mem.recall("ana", "lisbon")
