@@ -190,8 +190,8 @@ class Acks:
 
     def feed(self, line: str) -> None:
         words = line.split()
-        if not words:
-            return
+        if not words or not line.endswith("\n"):
+            return  # a line the kill cut short acknowledges nothing
         kind = words[0]
         if kind == "turn":
             self.turns.append((words[1], words[2], int(words[3]), words[4]))

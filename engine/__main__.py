@@ -31,7 +31,7 @@ from ._owner import OwnerLock
 from .errors import EngineError, InvalidInput
 
 MODELS = ("minilm-l6-v2-q8", "minilm-l6-v2")  # the first is what a new store gets
-BENCHES = ("ingest", "embed", "recall", "snapshot", "crash", "bridges", "http")
+BENCHES = ("ingest", "embed", "recall", "snapshot", "crash", "forget", "bridges", "http")
 REPO = Path(__file__).resolve().parent.parent
 KEY_ENV = "ENGRAM_INTEGRITY_KEY"  # where commands take a store's integrity key from
 

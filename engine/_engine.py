@@ -1065,7 +1065,8 @@ class Engine:
     # -- deletion ----------------------------------------------------------------------------
 
     async def forget_session(self, user_id: str, session_id: str) -> None:
-        """Delete a session and all its turns; returns once the deletion is on disk."""
+        """Delete a session and all its turns; returns once the deletion is on disk (the
+        next ``flush`` returns once its bytes have left the index files too)."""
         self._check_open()
         self._check_ids(user_id, session_id)
         self._forgets += 1
@@ -1079,7 +1080,8 @@ class Engine:
         self._entities.forget(user_id)  # ...and entities only it mentioned
 
     async def forget_user(self, user_id: str) -> None:
-        """Delete everything of a user; returns once the deletion is on disk."""
+        """Delete everything of a user; returns once the deletion is on disk (the next
+        ``flush`` returns once its bytes have left the index files too)."""
         self._check_open()
         self._check_ids(user_id)
         self._forgets += 1
@@ -1205,7 +1207,8 @@ class Engine:
         """Return once everything acknowledged before the call is on disk and in every index
         (the vector index too, with background embedding on), and the long-term layer has
         taken it in: its facts extracted, its entities registered, the episodes it completes
-        made, and those indexed too.
+        made, and those indexed too. What forgets and deleted notes removed before the call
+        has left the text index and the saved graphs by then (see ``engine/_forget.py``).
 
         Raises:
             RecordRefused: a record logged before the call could not be written (its lsn and
