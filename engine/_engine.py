@@ -235,6 +235,9 @@ class Engine:
         config = Config.checked(dict(config) if isinstance(config, Mapping) else config)
         if type(read_only) is not bool:
             raise InvalidInput("read_only", f"expected True or False, found {read_only!r}")
+        if read_only and reembed:
+            raise InvalidInput("reembed", "expected False with read_only=True (re-embedding "
+                                          "rewrites every vector), found True")
         if read_only:  # a reader derives nothing: that is the owner's work
             config = msgspec.structs.replace(config, background_embedding=False,
                                              long_term=False)

@@ -103,6 +103,9 @@ async def test_a_read_only_engine_reads_and_refuses_every_write(store_path) -> N
             with pytest.raises(InvalidInput, match="read_only: expected an engine that owns"):
                 await write
         await mem.flush()  # nothing to wait for
+    with pytest.raises(InvalidInput, match="reembed: expected False with read_only=True"):
+        async with open_engine(store_path, read_only=True, reembed=True):
+            pass
     async with open_engine(store_path) as mem:
         assert (await mem.stats()).turns == 20
 
