@@ -1159,14 +1159,16 @@ class Engine:
             overwrite: replace a store already there.
             progress: called with (bytes copied, bytes in all) as files are installed.
             integrity_key: the key the snapshot's store was sealed with: its manifest's MAC
-                must match under it. Either way the snapshot's store is verified whole
-                (checksums, hash chain, sessions) before it is installed.
+                (over every file's sha256 and the chain head) must match under it. Either way
+                the hash chain of the snapshot's store is checked link by link up to the head
+                the manifest names before it is installed (``engram-trio verify`` checks every
+                record as well).
 
         Raises:
             InvalidInput: no snapshot there, or ``store_path`` holds files and not ``overwrite``.
             StoreIncompatible: the snapshot is damaged (a checksum differs) or too new.
             StoreTampered: its manifest's MAC fails under the key (or it has none), or its
-                store does not verify.
+                store's hash chain breaks.
             StoreInUse: an engine serves the store at ``store_path``; nothing was replaced.
         """
         return await restore(Path(snapshot_dir), Path(store_path), overwrite, progress,

@@ -35,7 +35,7 @@ from actors.store import MAX_DBS, clean_copy, open_databases
 
 from ._owner import OwnerLock
 from ._records import SCHEMA_VERSION
-from ._verify import verify_store
+from ._verify import verify_chain
 from .errors import InvalidInput, StoreIncompatible, StoreTampered
 
 __all__ = ["Manifest", "take_snapshot", "restore", "compact", "MANIFEST_FORMAT"]
@@ -264,16 +264,14 @@ async def _install(snapshot: Path, store: Path, manifest: Manifest,
         raise StoreIncompatible(
             f"{snapshot} is damaged: {name} does not match the manifest (size and sha256 of "
             f"{len(manifest.files)} files are recorded); take the snapshot again")
-    report = await trio.to_thread.run_sync(verify_store, snapshot / "store", integrity_key)
-    copied_head = await trio.to_thread.run_sync(_counts, snapshot / "store")
-    if not report["ok"] or (manifest.chain_head and
-                            copied_head["chain_head"] != manifest.chain_head):
-        first = report["problems"][0] if report["problems"] else {
-            "where": "meta chain_head", "what": "differs from the manifest's"}
+    head, problems = await trio.to_thread.run_sync(verify_chain, snapshot / "store",
+                                                   integrity_key)
+    if manifest.chain_head and head.hex() != manifest.chain_head:
+        problems.append("the store's chain head is not the one the manifest records")
+    if problems:
         raise StoreTampered(
-            f"{snapshot} does not verify: {first['where']}: {first['what']} "
-            f"({max(report['problem_count'], 1)} problem(s)); it was edited after it was taken",
-            "manifest.json")
+            f"{snapshot} does not verify: {problems[0]} ({len(problems)} problem(s)); it was "
+            "edited after it was taken: take the snapshot again", "manifest.json")
     incoming = store.with_name(store.name + ".restoring")
     if incoming.exists():
         await trio.to_thread.run_sync(shutil.rmtree, incoming)

@@ -20,14 +20,14 @@ from typing import Any
 import lmdb
 import msgspec
 
-from actors.integrity import HEAD_KEY, CheckedTxn, check_file, decode_head, encode_head, \
-    head_mac, unseal
+from actors.integrity import DIGEST, HEAD_KEY, ZERO, CheckedTxn, check_file, decode_head, \
+    encode_head, head_mac, link, unseal
 from actors.store import LOG_TURN, MAX_DBS, check_chain, lsn_key, open_databases
 
 from ._records import SessionInfo, Turn
 from .errors import EngineError, InvalidInput, StoreCorrupt
 
-__all__ = ["verify_store"]
+__all__ = ["verify_store", "verify_chain"]
 
 MAX_LISTED = 50  # problems listed in the report; the count covers all of them
 
@@ -104,6 +104,57 @@ def verify_store(path: Path, integrity_key: str | None = None, seal: bool = Fals
     finally:
         env.close()
     return _done(report, problems)
+
+
+def verify_chain(path: Path, integrity_key: str | None = None) -> tuple[bytes, list[str]]:
+    """The hash chain's links from the first log position to the head, and the head's MAC
+    (with the key): what ``restore`` checks of a snapshot's store. Cheaper than
+    :func:`verify_store` (one digest a position, no record read): the manifest's sha256s
+    already say every file is as it was written, and its MAC that the manifest is.
+
+    Returns:
+        (the head as stored: lsn + digest, what is wrong: empty if nothing).
+    """
+    try:
+        check_file(path)
+    except StoreCorrupt as exc:
+        return b"", [str(exc)]
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=MAX_DBS)
+    problems: list[str] = []
+    try:
+        with env.begin() as txn:
+            meta = env.open_db(b"meta", txn=txn, create=False)
+            chain = env.open_db(b"chain", txn=txn, create=False)
+            raw = txn.get(HEAD_KEY, db=meta)
+            head = None if raw is None else decode_head(raw)
+            last = int.from_bytes(txn.get(b"last_lsn", db=meta) or bytes(8), "big")
+            if head is None:
+                return b"", ["the hash chain's head is missing or broken"]
+            if integrity_key is not None and not hmac.compare_digest(
+                    head.mac, head_mac(integrity_key.encode(), head.lsn, head.digest)):
+                problems.append("the chain head's MAC does not match under the key")
+            if head.lsn != last:
+                problems.append(f"the chain ends at {head.lsn}, the log at {last}")
+            digest, expected = ZERO, 1
+            for key, value in txn.cursor(chain):
+                lsn = int.from_bytes(key, "big")
+                try:
+                    record = unseal(value, b"chain", key)
+                except StoreCorrupt:
+                    problems.append(f"lsn {lsn}: its chain record fails its checksum")
+                    break
+                if lsn != expected or link(digest, key, record[DIGEST:2 * DIGEST],
+                                           record[2 * DIGEST:]) != record[:DIGEST]:
+                    problems.append(f"lsn {lsn}: the hash chain breaks")
+                    break
+                digest, expected = record[:DIGEST], lsn + 1
+            else:
+                if expected != head.lsn + 1 or digest != head.digest:
+                    problems.append(f"the chain ends at {expected - 1}, not at its head "
+                                    f"({head.lsn})")
+            return raw[:8 + DIGEST], problems
+    finally:
+        env.close()
 
 
 def _done(report: dict[str, Any], problems: list[tuple[str, str]]) -> dict[str, Any]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 import trio
 
 import actors.store as store_mod
-from actors.integrity import seal, unseal
+from actors.integrity import content_digest, seal, unseal
 from engine import Engine, StoreCorrupt, StoreIncompatible, StoreTampered, Turn
 from engine.__main__ import main
 
@@ -311,9 +312,19 @@ def test_a_sealed_store_opens_only_with_its_key(tmp_path) -> None:
     trio.run(functools.partial(_open_and_read, plain, integrity_key=KEY))
 
 
-def test_a_snapshot_manifest_edited_without_the_key_is_refused(tmp_path) -> None:
-    """An attacker edits the snapshot's store and recomputes the manifest's sha256: restore
-    with the key refuses the manifest's MAC; without it, the chain still fails verification."""
+def _reseal_manifest(snapshot: Path) -> None:
+    """What an attacker without the key can do: recompute the manifest's sha256s."""
+    path = snapshot / "manifest.json"
+    manifest = msgspec.json.decode(path.read_bytes())
+    data = (snapshot / "store" / "data.mdb").read_bytes()
+    manifest["files"]["store/data.mdb"] = [len(data), hashlib.sha256(data).hexdigest()]
+    path.write_bytes(msgspec.json.encode(manifest))
+
+
+def test_a_snapshot_edited_without_the_key_is_refused(tmp_path) -> None:
+    """An attacker edits a snapshot's store and recomputes the manifest's sha256s: restore with
+    the key refuses the manifest's MAC; without it, restore refuses a chain record patched to
+    match, and an edit that leaves the chain alone is installed but never served."""
     store = tmp_path / "store"
     _build(store, key=KEY)
 
@@ -322,22 +333,35 @@ def test_a_snapshot_manifest_edited_without_the_key_is_refused(tmp_path) -> None
             await mem.snapshot(tmp_path / "snap")
 
     trio.run(snap)
-    manifest_path = tmp_path / "snap" / "manifest.json"
-    manifest = msgspec.json.decode(manifest_path.read_bytes())
-    assert len(manifest["mac"]) == 64
-    with Raw(tmp_path / "snap" / "store") as raw:
+    snapshot = tmp_path / "snap"
+    assert len(msgspec.json.decode((snapshot / "manifest.json").read_bytes())["mac"]) == 64
+    with Raw(snapshot / "store") as raw:
         key, turn = raw.turn("ana", "s1", 2)
-        raw.put("turns", key, _encode(msgspec.structs.replace(turn, text="planted")))
-    import hashlib
-
-    data = (tmp_path / "snap" / "store" / "data.mdb").read_bytes()
-    manifest["files"]["store/data.mdb"] = [len(data), hashlib.sha256(data).hexdigest()]
-    manifest_path.write_bytes(msgspec.json.encode(manifest))
+        edited = _encode(msgspec.structs.replace(turn, text="planted"))
+        raw.put("turns", key, edited)
+    _reseal_manifest(snapshot)
     with pytest.raises(StoreTampered, match=r"fails its MAC"):
-        trio.run(lambda: Engine.restore(tmp_path / "snap", tmp_path / "r1", integrity_key=KEY))
-    with pytest.raises(StoreTampered, match=rf"lsn {turn.lsn}"):
-        trio.run(lambda: Engine.restore(tmp_path / "snap", tmp_path / "r2"))
-    assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
+        trio.run(lambda: Engine.restore(snapshot, tmp_path / "r1", integrity_key=KEY))
+    assert not (tmp_path / "r1").exists()
+
+    # Without the key: the chain's links are intact, so restore installs; the edit is found
+    # by verify and refused by the read.
+    trio.run(lambda: Engine.restore(snapshot, tmp_path / "r2"))
+    report = _verify(tmp_path / "r2")
+    assert f"lsn {turn.lsn}" in _problems(report)
+    with pytest.raises(StoreTampered, match=rf"log position {turn.lsn}"):
+        trio.run(functools.partial(_open_and_read, tmp_path / "r2", integrity_key=KEY))
+
+    # Patching the chain record's content digest to match breaks the chain's links.
+    with Raw(snapshot / "store") as raw:
+        lsn = turn.lsn.to_bytes(8, "big")
+        record = raw.get("chain", lsn)
+        digest = content_digest(lsn, b"T" + key, edited)
+        raw.put("chain", lsn, record[:16] + digest + record[32:])
+    _reseal_manifest(snapshot)
+    with pytest.raises(StoreTampered, match=rf"lsn {turn.lsn}: the hash chain breaks"):
+        trio.run(lambda: Engine.restore(snapshot, tmp_path / "r3"))
+    assert not (tmp_path / "r3").exists()
 
 
 def test_a_schema_4_store_is_migrated_to_checksums_and_a_chain(store, monkeypatch,
