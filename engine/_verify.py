@@ -66,7 +66,9 @@ def verify_store(path: Path, integrity_key: str | None = None, seal: bool = Fals
     except StoreCorrupt as exc:
         return _done(report, [("data.mdb", str(exc))])
     key = None if integrity_key is None else integrity_key.encode()
-    env = lmdb.open(str(path), readonly=not seal, lock=seal, max_dbs=MAX_DBS)
+    # lock=True: an engine in another process may be writing, and only a reader in LMDB's
+    # reader table is safe from its writer reusing the pages being read.
+    env = lmdb.open(str(path), readonly=not seal, lock=True, max_dbs=MAX_DBS)
     try:
         with env.begin() as raw:
             dbs = open_databases(env, raw)
@@ -119,6 +121,8 @@ def verify_chain(path: Path, integrity_key: str | None = None) -> tuple[bytes, l
         check_file(path)
     except StoreCorrupt as exc:
         return b"", [str(exc)]
+    # lock=False: a snapshot is written by no one, and a lock file would be a file the
+    # manifest does not list.
     env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=MAX_DBS)
     problems: list[str] = []
     try:
