@@ -363,7 +363,14 @@ class _Edge:
             return
         started = time.perf_counter()
         status = 500
-        for name, value in scope.get("headers", ()):
+        headers = scope.get("headers", [])
+        if scope.get("method") in ("POST", "PUT", "PATCH"):
+            # Every body here is JSON: read it as JSON whatever it is labelled, so that
+            # `curl -d '{...}'` (form-encoded by default) works as written.
+            headers = [(n, v) for n, v in headers if n != b"content-type"]
+            headers.append((b"content-type", b"application/json"))
+            scope = {**scope, "headers": headers}
+        for name, value in headers:
             if name == b"content-length" and value.isdigit() and int(value) > self.max_body:
                 response = _error(413, "TooLarge", f"expected a body of at most {self.max_body} "
                                                    f"bytes, found {int(value)}")

@@ -58,6 +58,10 @@ async def test_turns_round_trip_with_201_for_durable_and_202_for_buffered(engine
         assert history[1]["at"] == "2026-03-01T10:00:00Z"
         assert [t["text"] for t in (await http.get(url, params={"limit": 1})).json()] == [
             "Welcome!"]
+        form_labelled = await http.post(url, content=b'{"role": "user", "text": "curl -d"}',
+                                        headers={"content-type":
+                                                 "application/x-www-form-urlencoded"})
+        assert form_labelled.status_code == 202  # curl -d labels JSON as a form: still JSON
         batch = await http.post("/v1/users/ana/turns", json={"durable": True, "turns": [
             {"session_id": "s2", "role": "user", "text": "one"},
             {"session_id": "s2", "role": "user", "text": "two"}]})
