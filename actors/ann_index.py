@@ -416,6 +416,8 @@ class AnnIndex:
             uv.queued = True
         except trio.WouldBlock:
             pass  # the writer is behind; the next add for this user will ask again
+        except trio.ClosedResourceError:
+            pass  # closing: a graph update that ends now saves what it has (or none)
 
     def close(self) -> None:
         self._send.close()
