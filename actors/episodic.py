@@ -70,6 +70,9 @@ RATINGS = {"again": Rating.Again, "hard": Rating.Hard, "good": Rating.Good, "eas
 # cards in a session, every review is a review. No fuzz: tests and benchmarks stay exact.
 _SCHEDULER = Scheduler(learning_steps=(), relearning_steps=(), enable_fuzzing=False)
 _encode = msgspec.msgpack.Encoder().encode
+# Cards are made only to be computed with, never stored: a fixed id, because without one the
+# fsrs package makes one from the clock and sleeps 1 ms so the next differs (2 ms a recall).
+_CARD_ID = 0
 
 STOPWORDS = frozenset(
     "a an the and or but if so of to in on at for from by with about as into over after before "
@@ -95,7 +98,7 @@ def content_words(text: str) -> set[str]:
 def initial_state(surprise: float, at: datetime) -> tuple[float, float]:
     """Stability and difficulty of a new memory: FSRS's first GOOD review, with stability
     boosted by surprise (x1 to x2)."""
-    card, _ = _SCHEDULER.review_card(Card(), Rating.Good, at)
+    card, _ = _SCHEDULER.review_card(Card(card_id=_CARD_ID), Rating.Good, at)
     return card.stability * (1.0 + surprise), card.difficulty
 
 
@@ -103,14 +106,15 @@ def retrievability(stability: float, last_review: datetime, now: datetime) -> fl
     """FSRS-6 probability of recall after ``now - last_review``."""
     if now <= last_review:
         return 1.0
-    card = Card(state=State.Review, stability=stability, difficulty=5.0,
+    card = Card(card_id=_CARD_ID, state=State.Review, stability=stability, difficulty=5.0,
                 last_review=last_review, due=last_review)
     return float(_SCHEDULER.get_card_retrievability(card, now))
 
 
 def review_state(current: ReviewState, rating: Rating, now: datetime) -> ReviewState:
-    card = Card(state=State.Review, stability=current.stability, difficulty=current.difficulty,
-                last_review=current.last_review, due=current.last_review)
+    card = Card(card_id=_CARD_ID, state=State.Review, stability=current.stability,
+                difficulty=current.difficulty, last_review=current.last_review,
+                due=current.last_review)
     after, _ = _SCHEDULER.review_card(card, rating, max(now, current.last_review))
     return ReviewState(after.stability, after.difficulty, max(now, current.last_review),
                        current.reps + 1)

@@ -169,3 +169,21 @@ async def test_forgetting_a_session_takes_its_episodes(store_path) -> None:
         assert await mem.recall("ana", "sourdough rye starter") == []
     everything = b"".join(k + v for rows in raw_databases(store_path).values() for k, v in rows)
     assert b"sourdough" not in everything and episode.episode_id.encode() not in everything
+
+
+def test_fsrs_state_is_computed_without_sleeping(monkeypatch) -> None:
+    """The fsrs package's Card sleeps 1 ms to make a fresh card id; retrieval computes
+    retrievability for every episode it considers, so none of these may make one."""
+    import time as time_module
+
+    from actors.episodic import RATINGS, initial_state, retrievability, review_state
+    from engine._records import ReviewState
+
+    def no_sleep(seconds: float) -> None:
+        raise AssertionError(f"slept {seconds} s")
+
+    monkeypatch.setattr(time_module, "sleep", no_sleep)
+    stability, difficulty = initial_state(0.5, T0)
+    assert 0 < retrievability(stability, T0, T0 + timedelta(days=3)) < 1
+    state = ReviewState(stability, difficulty, T0, 1)
+    assert review_state(state, RATINGS["good"], T0 + timedelta(days=3)).stability > stability
