@@ -28,6 +28,7 @@ by lsn with the user's key prefix checked once more.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -313,8 +314,11 @@ class Retriever:
         fused = {lsn: f for lsn, f in fused.items()
                  if len(f[1]) > 1 or "vector" not in f[1] or cosine[lsn] >= MIN_COSINE}
         order = sorted(fused, key=lambda lsn: (-fused[lsn][0], -lsn))[: limit * 3 + 20]
+        # The candidates that lift others: a positive fused score, near enough to the head
+        # that what they lift can reach the results.
+        lifting = {lsn for lsn in order[: 2 * limit + 10] if fused[lsn][0] > 0}
         records, around, covered, states = await self.store.read(
-            _read_candidates, user_id, order,
+            _read_candidates, user_id, order, lifting,
             len(NEIGHBOUR_LIFT) if kinds is None or "turn" in kinds else 0)
         allowed = None if only is None else set(only)
         memories: dict[int, Any] = {}
@@ -322,20 +326,21 @@ class Retriever:
             memory = records.get(lsn) or self.buffer.recent_turn(user_id, lsn)
             if memory is not None and (allowed is None or lsn in allowed):
                 memories[lsn] = memory
-        scored = self._lift(user_id, memories, fused, around, covered, states, cosine,
-                            vector[0] if vector else None, kinds)
+        scored, explain_of = self._lift(user_id, memories, fused, lifting, around, covered,
+                                        states, cosine, vector[0] if vector else None, kinds)
         hits: list[Hit] = []
         derived = 0
         cap = max(1, int(limit * DERIVED_SHARE))
         mixed = kinds is None or "turn" in kinds
-        for memory, total, explain, via in scored:
+        for score, memory in scored:
             if not _matches(memory, session_id, since, until, roles, kinds, tags):
                 continue  # deleted since it was indexed, or not quite what the filter asked
             if mixed and type(memory) in (Episode, Fact):
                 if derived == cap:
                     continue
                 derived += 1
-            hits.append(_hit(memory, _logistic(total) * explain.fsrs, via, explain))
+            explain, via = explain_of(memory.lsn)
+            hits.append(_hit(memory, score, via, explain))
             if len(hits) == limit * 2:
                 break
         hits = _dedupe(hits)[:limit]
@@ -344,47 +349,50 @@ class Retriever:
         return pack(hits, budget_tokens)
 
     def _lift(self, user_id: str, memories: dict[int, Any],
-              fused: dict[int, tuple[float, dict[str, int]]], around: dict[tuple[str, int], Turn],
-              covered: dict[str, list[Turn]], states: dict[str, Any], cosine: dict[int, float],
-              vector: Any, kinds: tuple[str, ...] | None
-              ) -> list[tuple[Any, float, Explain, tuple[str, ...]]]:
-        """Candidates with lifted scores, best first: a turn lifts its neighbours, an episode
-        its best covered turns (and drops out unless ``kinds`` names episodes or its turns
-        are gone)."""
+              fused: dict[int, tuple[float, dict[str, int]]], lifting: set[int],
+              around: dict[tuple[str, int], Turn], covered: dict[str, list[Turn]],
+              states: dict[str, Any], cosine: dict[int, float], vector: Any,
+              kinds: tuple[str, ...] | None
+              ) -> tuple[list[tuple[float, Any]], Callable[[int], tuple[Explain, tuple[str, ...]]]]:
+        """Candidates with lifted scores, best first: each of ``lifting`` that is a turn lifts
+        its neighbours, each that is an episode its best covered turns (an episode drops out
+        unless ``kinds`` names episodes or its turns are gone). Returns [(score, memory)] and
+        what explains a memory's score and says what found it (made only for the hits)."""
         base = {lsn: fused[lsn][0] for lsn in memories}
         # Where a turn no leg found starts: below every candidate, and never above a leg's
         # typical candidate (z = 0), however few candidates there are.
         floor = min([0.0, *base.values()])
         lift: dict[int, float] = {}
-        lifted_by: dict[int, list[str]] = {}
+        lifted_by: dict[int, list[tuple[str, str]]] = {}
         extra: dict[int, Turn] = {}
-        ways: dict[int, set[str]] = {}
 
         def give(turn: Turn, amount: float, source: str, way: str) -> None:
-            if turn.lsn not in memories:
-                extra[turn.lsn] = turn
-            lift[turn.lsn] = lift.get(turn.lsn, 0.0) + amount
-            lifted_by.setdefault(turn.lsn, []).append(source)
-            ways.setdefault(turn.lsn, set()).add(way)
+            lsn = turn.lsn
+            if lsn not in memories:
+                extra[lsn] = turn
+            lift[lsn] = lift.get(lsn, 0.0) + amount
+            lifted_by.setdefault(lsn, []).append((source, way))
 
         now = self.clock()
         fsrs: dict[int, float] = {}
         standing: set[int] = set()  # episodes returned themselves
         for lsn, memory in memories.items():
-            score = base[lsn]
-            if type(memory) is Turn and score > 0:
+            kind = type(memory)
+            if kind is Turn and lsn in lifting:
+                score = base[lsn]
                 for distance, share in enumerate(NEIGHBOUR_LIFT, 1):
                     for seq in (memory.seq - distance, memory.seq + distance):
                         other = around.get((memory.session_id, seq))
                         if other is not None:
                             give(other, share * score, memory.turn_id, "neighbour")
-            elif type(memory) is Episode:
+            elif kind is Episode:
                 state = states.get(memory.episode_id) or memory_review_state(memory)
                 r = fsrs[lsn] = retrievability(state.stability, state.last_review, now)
                 turns = covered.get(memory.episode_id, [])
                 if not turns or (kinds is not None and "episode" in kinds):
                     standing.add(lsn)
-                if score > 0 and turns:
+                if lsn in lifting and turns:
+                    score = base[lsn]
                     sims = (self.ann.similarities(user_id, vector, [t.lsn for t in turns])
                             if vector is not None else {})
                     best = sorted(turns, key=lambda t: (t.lsn not in base, -base.get(t.lsn, 0.0),
@@ -395,17 +403,21 @@ class Retriever:
         for lsn, memory in (*memories.items(), *extra.items()):
             if type(memory) is Episode and lsn not in standing:
                 continue
-            ranks = fused[lsn][1] if lsn in fused and lsn in memories else {}
-            fused_score = base.get(lsn, floor)
-            explain = Explain(ranks=dict(ranks), fused=fused_score if lsn in base else 0.0,
+            total = base.get(lsn, floor) + lift.get(lsn, 0.0)
+            out.append((_logistic(total) * fsrs.get(lsn, 1.0), memory))
+        out.sort(key=lambda item: (-item[0], -item[1].lsn))
+
+        def explain_of(lsn: int) -> tuple[Explain, tuple[str, ...]]:
+            ranks = fused[lsn][1] if lsn in memories else {}
+            sources = lifted_by.get(lsn, ())
+            explain = Explain(ranks=dict(ranks), fused=base.get(lsn, 0.0),
                               lift=lift.get(lsn, 0.0),
-                              lifted_by=tuple(dict.fromkeys(lifted_by.get(lsn, ()))),
+                              lifted_by=tuple(dict.fromkeys(s for s, _ in sources)),
                               fsrs=fsrs.get(lsn, 1.0), cosine=cosine.get(lsn))
             # What found it: its legs; a turn no leg found, what lifted it.
-            via = tuple(ranks) or tuple(sorted(ways.get(lsn, ())))
-            out.append((memory, fused_score + lift.get(lsn, 0.0), explain, via))
-        out.sort(key=lambda item: (-_logistic(item[1]) * item[2].fsrs, -item[0].lsn))
-        return out
+            return explain, tuple(ranks) or tuple(sorted({w for _, w in sources}))
+
+        return out, explain_of
 
     async def _entity_leg(self, user_id: str, query: str) -> list[tuple[int, float]]:
         """Memories naming the query's rare entities, scored by the entities' inverse document
@@ -650,21 +662,25 @@ def _logistic(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-max(-50.0, min(50.0, x))))
 
 
-def _read_candidates(txn: Any, dbs: dict[bytes, Any], user_id: str, lsns: list[int], span: int
+def _read_candidates(txn: Any, dbs: dict[bytes, Any], user_id: str, lsns: list[int],
+                     lifting: set[int], span: int
                      ) -> tuple[dict[int, Any], dict[tuple[str, int], Turn],
                                 dict[str, list[Turn]], dict[str, Any]]:
     """What the lift stage needs, in one read: the candidates' records; the turns up to
-    ``span`` seqs around each candidate turn, by (session, seq); each candidate episode's
-    turns; and the episodes' review states."""
+    ``span`` seqs around each candidate turn in ``lifting`` (those with a positive fused
+    score: the others lift nothing), by (session, seq); the turns of each episode in
+    ``lifting`` (of any other episode, its first turn: whether its turns are still there);
+    and the episodes' review states."""
     records = read_records(txn, dbs, user_id, lsns)
     wanted: dict[str, list[int]] = {}
     covered: dict[str, list[Turn]] = {}
-    for memory in records.values():
-        if type(memory) is Turn and span:
+    for lsn, memory in records.items():
+        if type(memory) is Turn and span and lsn in lifting:
             wanted.setdefault(memory.session_id, []).append(memory.seq)
         elif type(memory) is Episode:
+            last = memory.last_seq if lsn in lifting else memory.first_seq
             covered[memory.episode_id] = read_session_turns(
-                txn, dbs, user_id, memory.session_id, memory.first_seq, memory.last_seq)
+                txn, dbs, user_id, memory.session_id, memory.first_seq, last)
     around: dict[tuple[str, int], Turn] = {}
     for session_id, seqs in wanted.items():
         # Overlapping windows merge, so each stretch of the session is read once.
