@@ -10,6 +10,13 @@ evidence is the turn (or turns) that answer it:
 - combined:  an answer that needs two turns ("My dog is Pixel" + "Pixel turned 5 today").
 
 Same seed, same conversations, same questions.
+
+``hard=True`` makes the set ``bench/recall.py quality`` measures: 24 sessions of 30 turns per
+user (720 turns), both speakers named in every turn (``"Sam: ..."``, as in LoCoMo, so a name
+carries no signal), the sister's and the pet's names also in small talk, a third of the
+questions paraphrased so they share no content word with their evidence ("Who is my older
+sibling?" for "My sister is called Clara"), and a second two-turn question ("Which city does my
+sister live in?": her name in one turn, her move in another).
 """
 
 from __future__ import annotations
@@ -64,6 +71,28 @@ ASSISTANT = [
 ]
 
 
+# Questions asked without the evidence's words (hard mode), by the plain question.
+PARAPHRASES = {
+    "What is my sister called?": "Who is my older sibling?",
+    "What do I do for a living?": "What is my profession?",
+    "Which hobby did I take up?": "What pastime keeps me busy on Saturdays and Sundays?",
+    "Which city do I live in now?": "Where is home these days?",
+    "What is my favourite food these days?": "Which dish do I crave most at the moment?",
+    "How old is my dog?": "What age did my terrier reach?",
+    "When did I go to the dentist?": "When was my dental appointment?",
+    "When did I run the 10k race?": "When did I do the running competition?",
+    "When did I visit my grandmother?": "When did I see my gran?",
+    "When was my job interview?": "When did I meet the recruiters?",
+    "When did I fix the kitchen sink?": "When did I repair the plumbing?",
+    "When did I see the jazz concert?": "When did I hear live music?",
+    "Which city does my sister live in?": "Where did my sibling relocate?",
+}
+NAME_TALK = ["{sister} called me about the weather, nothing new.",
+             "{pet} chewed a shoe again this morning.",
+             "{sister} says work is busy for her too.",
+             "I took {pet} to the park, it was muddy."]
+
+
 @dataclass
 class Planted:
     """A turn to plant: where, what, and which question it serves as evidence for."""
@@ -89,9 +118,13 @@ class Conversation:
     sessions: list[tuple[str, datetime, list[tuple[str, str]]]]  # id, start, [(role, text)]
 
 
-def generate(users: int = 12, sessions: int = 12, turns: int = 20, seed: int = 7
-             ) -> tuple[list[Conversation], list[Question]]:
-    """Conversations and questions; question evidence is located by (session, turn index)."""
+def generate(users: int = 12, sessions: int = 12, turns: int = 20, seed: int = 7,
+             hard: bool = False) -> tuple[list[Conversation], list[Question]]:
+    """Conversations and questions; question evidence is located by (session, turn index).
+    ``hard``: the harder set (see the module docstring); ``sessions`` and ``turns`` become 24
+    and 30."""
+    if hard:
+        sessions, turns = 24, 30
     rng = random.Random(seed)
     start = datetime(2026, 1, 5, 9, 0, tzinfo=timezone.utc)
     conversations: list[Conversation] = []
@@ -134,6 +167,13 @@ def generate(users: int = 12, sessions: int = 12, turns: int = 20, seed: int = 7
         a = plant(first, f"My dog is called {pet}, a scruffy little terrier.")
         b = plant(second, f"{pet} turned {age} today, we celebrated with a walk on the beach.")
         local_q.append(("combined", "How old is my dog?", [a, b]))
+        if hard:
+            city3 = rng.choice([c for c in CITIES if c not in (city1, city2)])
+            first, second = sorted((s[10], s[11]))
+            a = plant(first, f"My sister is {sister}, the one who paints.")
+            b = plant(second, f"{sister} moved to {city3} last month for a new job.")
+            local_q.append(("combined", "Which city does my sister live in?", [a, b]))
+            me, other = rng.sample([n for n in NAMES if n != sister], 2)
 
         convo_sessions = []
         placed: dict[int, tuple[int, int]] = {}
@@ -146,14 +186,22 @@ def generate(users: int = 12, sessions: int = 12, turns: int = 20, seed: int = 7
             for t in range(turns // 2):
                 if k < len(mine) and slots[k] == t:
                     placed[mine[k][0]] = (si, len(body))
-                    body.append(("user", mine[k][1]))
+                    said = mine[k][1]
                     k += 1
+                elif hard and rng.random() < 0.2:
+                    said = rng.choice(NAME_TALK).format(sister=sister, pet=pet)
                 else:
-                    body.append(("user", rng.choice(SMALL_TALK)))
-                body.append(("assistant", rng.choice(ASSISTANT)))
+                    said = rng.choice(SMALL_TALK)
+                reply = rng.choice(ASSISTANT)
+                if hard:  # both speakers named in every turn, as in LoCoMo's transcripts
+                    said, reply = f"{me}: {said}", f"{other}: {reply}"
+                body.append(("user", said))
+                body.append(("assistant", reply))
             convo_sessions.append((f"s{si:02d}", begin, body))
         conversations.append(Conversation(user_id, convo_sessions))
-        for kind, text, indices in local_q:
+        for n, (kind, text, indices) in enumerate(local_q):
+            if hard and n % 3 == u % 3:  # a third of the questions, a different third per user
+                text = PARAPHRASES[text]
             questions.append(Question(user_id, kind, text,
                                       [(f"s{placed[i][0]:02d}", placed[i][1], 0) for i in indices]))
     return conversations, questions

@@ -1,27 +1,39 @@
 """Retrieval benchmark: quality (recall@k, recall within a token budget) and latency at scale.
 
-    python bench/recall.py quality                     # ~2 min: 12 users, 2,880 turns, real model
+    python bench/recall.py quality                     # ~10 min: LoCoMo dev + generated, both orders
+    python bench/recall.py quality --set locomo --order bulk    # ~2 min
+    python bench/recall.py quality --data /path/to/quality      # a copy of the LoCoMo dev split
     python bench/recall.py latency                     # 10k and 100k memories in one user, ~6 min
     python bench/recall.py latency --across-users 1000000 --memories   # 1M over 1,000 users
 
-quality: bench/convgen.py's conversations (planted facts, later updates, temporal references,
-facts needing two turns) go through the engine with the real model; each question's evidence
-turns are looked for in the results of BM25 only, vectors only, the two fused, the full
-pipeline over turns only, and the full pipeline (``Engine.recall``) over every kind, where an
-episode or a fact counts for the turns it stands for. For questions whose answer was updated
-later: whether ``retrieve_memory``'s semantic section (the facts) names the new value first,
-and whether it shows the old one at all. Also hnswlib's recall@10 against exact search on this corpus's
-real embeddings, with the AnnIndex's own graph parameters.
+quality: two sets of conversations go through the engine with the real model, each in two
+ingest orders (``bulk``: the whole history with ``add_turns``; ``live``: ``add_turn`` one turn
+at a time, as a bot sees it), and every question's evidence turns are looked for in the results
+of each mode: BM25 only, vectors only, the two fused, the entity leg alone, the full pipeline
+over turns only, and the full pipeline (``Engine.recall``) over every kind. A hit counts for the
+turns it stands for (an episode its covered turns, a fact its source turns), de-duplicated in
+rank order: recall@k over the first k turns, and within 500 / 1,000 whitespace tokens of the
+returned text. Per mode, per question category, and the mean query time.
+
+- LoCoMo's development split (3 conversations, 1,451 turns, 383 questions with evidence,
+  adversarial ones left out), measured as its README says (see bench/locomo.py). The data is
+  not in the project: ``--data DIR``, else ``$ENGRAM_QUALITY_DIR``, else ``shared/quality``
+  beside the checkout; without it the generated set is measured alone, and the bench says so.
+- bench/convgen.py's harder set: 720 turns per user, both speakers named in every turn,
+  paraphrased questions, two-turn questions. Also: for questions whose answer was updated
+  later, whether ``retrieve_memory``'s semantic section (the facts) names the new value first
+  and whether it shows the old one; and hnswlib's recall@10 against exact search on this
+  corpus's real embeddings, with the AnnIndex's own graph parameters.
 
 latency: ``Engine.recall`` end to end, query embedding included (distinct queries, so the
 query cache never answers), at 10k and 100k memories in one user and with 1M memories across
 users. At 100k the engine is then closed (saving the graph) and reopened: the time to the
-first answer and the latency after the restart. The corpus vectors are mixtures of three real embeddings of generated turns plus a little
-noise (embedding 1M texts on this machine would take hours); the query is embedded for real. At 100k
-the user is measured twice: on the exact scan that serves while the hnswlib graph is built,
-and on the graph.
+first answer and the latency after the restart. The corpus vectors are mixtures of three real
+embeddings of generated turns plus a little noise (embedding 1M texts on this machine would
+take hours); the query is embedded for real. At 100k the user is measured twice: on the exact
+scan that serves while the hnswlib graph is built, and on the graph.
 
-Prints tables and writes JSON (--out, default bench/results/recall.json).
+Prints tables and writes JSON (--out, default bench/results/recall-<what>.json).
 """
 
 from __future__ import annotations
@@ -32,11 +44,12 @@ import random
 import sys
 import tempfile
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import hnswlib
+import locomo
 import numpy as np
 import trio
 from _report import percentiles, write_results
@@ -45,39 +58,6 @@ from convgen import CITIES, FOODS, generate
 import actors.ann_index as ann_mod
 from actors.messages import PutVectors, Searchable
 from engine import Engine, NewTurn
-from engine._retrieval import pack
-
-KS = (5, 10, 20, 50)
-TURN_GAP = timedelta(seconds=45)
-BUDGETS = (500, 1000)
-MODES = {"bm25 only": ("bm25",), "vectors only": ("vector",), "fused": ("bm25", "vector")}
-
-
-async def ingest_conversations(mem: Engine, conversations) -> dict[tuple[str, str, int], str]:
-    """Every turn in order; returns (user, session, index) -> turn id."""
-    ids = {}
-    for convo in conversations:
-        for session_id, begin, body in convo.sessions:
-            items = [NewTurn(user_id=convo.user_id, session_id=session_id, role=role, text=text,
-                             at=begin + i * TURN_GAP) for i, (role, text) in enumerate(body)]
-            receipts = await mem.add_turns(items)
-            for i, receipt in enumerate(receipts):
-                ids[(convo.user_id, session_id, i)] = receipt.turn_id
-    return ids
-
-
-def _covered(hits) -> set[str]:
-    """The turns hits stand for: a turn itself, an episode or a fact the turns it came from."""
-    return {turn_id for hit in hits for turn_id in hit.turn_ids}
-
-
-def score(hits, evidence: list[str]) -> dict[str, float]:
-    return {f"recall@{k}": len(_covered(hits[:k]) & set(evidence)) / len(evidence) for k in KS}
-
-
-def within_budget(hits, evidence: list[str], budget: int) -> float:
-    """Share of the evidence among the hits the engine's own packing keeps in ``budget``."""
-    return len(_covered(pack(hits, budget)) & set(evidence)) / len(evidence)
 
 
 def _values_in(text: str) -> list[str]:
@@ -109,66 +89,93 @@ async def updated_facts(mem: Engine, questions) -> dict[str, float]:
             "questions": total}
 
 
+def generated_set(users: int, seed: int):
+    """convgen's harder set as dialogues (evidence by "session:index") and its questions."""
+    conversations, questions = generate(users=users, seed=seed, hard=True)
+    texts = {(c.user_id, sid, i): text for c in conversations
+             for sid, _, body in c.sessions for i, (_, text) in enumerate(body)}
+    dialogues = []
+    for c in conversations:
+        qas = [locomo.QA(q.user_id, q.text, q.kind, [f"{s}:{i}" for s, i, _ in q.evidence])
+               for q in questions if q.user_id == c.user_id]
+        sessions = [(sid, begin, [(role, text, f"{sid}:{i}")
+                                  for i, (role, text) in enumerate(body)])
+                    for sid, begin, body in c.sessions]
+        dialogues.append(locomo.Dialogue(c.user_id, {}, sessions, qas))
+    for q in questions:
+        q.evidence_text = texts[(q.user_id, *q.evidence[-1][:2])]
+    return dialogues, conversations, questions
+
+
 async def quality(args: argparse.Namespace) -> dict[str, Any]:
-    conversations, questions = generate(users=args.users, seed=args.seed)
-    path = Path(tempfile.mkdtemp(prefix="engram-bench-")) / "store"
-    turns = sum(len(body) for c in conversations for _, _, body in c.sessions)
-    print(f"quality: {args.users} users, {turns} turns, {len(questions)} questions; embedding...")
-    results: dict[str, Any] = {"users": args.users, "turns": turns, "questions": len(questions)}
-    async with Engine.open(path) as mem:
-        start = time.perf_counter()
-        ids = await ingest_conversations(mem, conversations)
-        await mem.flush()
-        results["ingest_and_index_s"] = time.perf_counter() - start
-        texts = {(c.user_id, sid, i): text for c in conversations
-                 for sid, _, body in c.sessions for i, (_, text) in enumerate(body)}
-        for q in questions:
-            q.evidence_turn_ids = [ids[(q.user_id, s, i)] for s, i, _ in q.evidence]
-            q.evidence_text = texts[(q.user_id, *q.evidence[-1][:2])]
-        episodes = facts = 0
-        for c in conversations:
-            episodes += len(await mem.episodes(c.user_id))
-            facts += len(await mem.profile(c.user_id))
-        results["long_term"] = {"episodes": episodes, "active_facts": facts}
-        table: dict[str, dict[str, list[float]]] = {}
-        by_kind: dict[str, dict[str, list[float]]] = {}
-        for q in questions:
-            runs = {mode: await mem._retriever.recall(
-                q.user_id, q.text, limit=max(KS), session_id=None, since=None, until=None,
-                roles=None, kinds=None, link_depth=0, budget_tokens=None, legs=legs)
-                for mode, legs in MODES.items()}
-            runs["turns only"] = await mem.recall(q.user_id, q.text, limit=max(KS),
-                                                  kinds=["turn"])
-            runs["full pipeline"] = await mem.recall(q.user_id, q.text, limit=max(KS))
-            for mode, hits in runs.items():
-                row = table.setdefault(mode, {})
-                for name, value in score(hits, q.evidence_turn_ids).items():
-                    row.setdefault(name, []).append(value)
-                for budget in BUDGETS:
-                    row.setdefault(f"@{budget} tokens", []).append(
-                        within_budget(hits, q.evidence_turn_ids, budget))
-                if mode == "full pipeline":
-                    kind_row = by_kind.setdefault(q.kind, {})
-                    kind_row.setdefault("recall@10", []).append(
-                        score(hits, q.evidence_turn_ids)["recall@10"])
-        results["recall"] = {m: {k: float(np.mean(v)) for k, v in row.items()} for m, row in table.items()}
-        results["full_pipeline_by_kind"] = {k: float(np.mean(v["recall@10"])) for k, v in by_kind.items()}
-        results["updated_facts"] = await updated_facts(mem, questions)
-        results["hnsw_recall@10"] = await hnsw_recall(mem, conversations, questions)
-    cols = [f"recall@{k}" for k in KS] + [f"@{b} tokens" for b in BUDGETS]
-    print(f"\n{'mode':<16}" + "".join(f"{c:>13}" for c in cols))
-    for mode, row in results["recall"].items():
-        print(f"{mode:<16}" + "".join(f"{row[c]:>13.3f}" for c in cols))
-    print("\nfull pipeline recall@10 by question kind: " + ", ".join(
-        f"{k} {v:.2f}" for k, v in results["full_pipeline_by_kind"].items()))
-    lt, up = results["long_term"], results["updated_facts"]
-    print(f"long-term layer: {lt['episodes']} episodes, {lt['active_facts']} active facts; "
-          f"updated facts ({up['questions']} questions): new value first in the semantic "
-          f"section {up['new value first']:.2f}, old value shown {up['old value shown']:.2f}")
-    print(f"hnswlib recall@10 against exact search on the corpus's distinct real embeddings "
-          f"(ann-benchmarks' definition): "
-          f"{results['hnsw_recall@10']:.3f}")
+    sets: list[tuple[str, list[locomo.Dialogue]]] = []
+    if args.set in ("locomo", "both"):
+        folder = locomo.find_data(args.data)
+        if folder is None:
+            message = ("LoCoMo dev split not found: pass --data DIR or set ENGRAM_QUALITY_DIR "
+                       f"to a folder holding {locomo.FILE}")
+            if args.set == "locomo":
+                raise SystemExit(message)
+            print(f"{message}; measuring the generated set only")
+        else:
+            sets.append(("locomo", locomo.load(folder)))
+    generated: tuple[Any, Any] | None = None
+    if args.set in ("generated", "both"):
+        dialogues, conversations, questions = generated_set(args.users, args.seed)
+        generated = (conversations, questions)
+        sets.append(("generated", dialogues))
+    orders = ("bulk", "live") if args.order == "both" else (args.order,)
+    results: dict[str, Any] = {}
+    for name, dialogues in sets:
+        questions = [q for d in dialogues for q in d.questions]
+        turns = sum(len(body) for d in dialogues for _, _, body in d.sessions)
+        for order in orders:
+            print(f"\n{name}, {order} ingest: {len(dialogues)} conversations, {turns:,} turns, "
+                  f"{len(questions)} questions; ingesting and embedding...", flush=True)
+            path = Path(tempfile.mkdtemp(prefix="engram-bench-")) / "store"
+            async with Engine.open(path) as mem:
+                start = time.perf_counter()
+                await locomo.ingest(mem, dialogues, order)
+                await mem.flush()
+                row: dict[str, Any] = {"turns": turns, "questions": len(questions),
+                                       "ingest_and_index_s": time.perf_counter() - start}
+                episodes = facts = 0
+                for d in dialogues:
+                    episodes += len(await mem.episodes(d.user_id))
+                    facts += len(await mem.profile(d.user_id))
+                row["long_term"] = {"episodes": episodes, "active_facts": facts}
+                row["modes"] = await locomo.evaluate(mem, questions, list(locomo.MODES))
+                if generated is not None and name == "generated" and order == orders[0]:
+                    conversations, plain = generated
+                    for q, qa in zip(plain, questions, strict=True):
+                        q.evidence_turn_ids = qa.evidence_turn_ids
+                    row["updated_facts"] = await updated_facts(mem, plain)
+                    row["hnsw_recall@10"] = await hnsw_recall(mem, conversations, plain)
+            results[f"{name}/{order}"] = row
+            report(name, order, row)
     return results
+
+
+def report(name: str, order: str, row: dict[str, Any]) -> None:
+    cols = locomo.columns()
+    modes = row["modes"]
+    print(f"{name}, {order}: {row['long_term']['episodes']} episodes, "
+          f"{row['long_term']['active_facts']} active facts")
+    print(f"{'mode':<17}" + "".join(f"{c:>10}" for c in cols) + f"{'query ms':>10}")
+    for mode, cell in modes.items():
+        print(f"{mode:<17}" + "".join(f"{cell['all'][c]:>10.3f}" for c in cols)
+              + f"{cell['query_ms']:>10.1f}")
+    groups = [g for g in modes["full pipeline"] if g not in ("all", "query_ms")]
+    print(f"R@10 by category  " + "".join(f"{g[:12]:>13}" for g in groups))
+    for mode, cell in modes.items():
+        print(f"{mode:<17} " + "".join(f"{cell[g]['R@10']:>8.3f} n={cell[g]['n']:<3}"
+                                       for g in groups))
+    if "updated_facts" in row:
+        up = row["updated_facts"]
+        print(f"updated facts ({up['questions']} questions): new value first in the semantic "
+              f"section {up['new value first']:.2f}, old value shown {up['old value shown']:.2f}")
+        print(f"hnswlib recall@10 against exact search on the corpus's distinct real "
+              f"embeddings (ann-benchmarks' definition): {row['hnsw_recall@10']:.3f}")
 
 
 async def hnsw_recall(mem: Engine, conversations, questions) -> float:
@@ -324,7 +331,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=("quality", "latency"))
-    parser.add_argument("--users", type=int, default=12)
+    parser.add_argument("--users", type=int, default=8, help="quality: generated users")
+    parser.add_argument("--set", choices=("locomo", "generated", "both"), default="both",
+                        help="quality: which conversations")
+    parser.add_argument("--order", choices=("bulk", "live", "both"), default="both",
+                        help="quality: ingest order")
+    parser.add_argument("--data", default=None,
+                        help="quality: folder holding locomo-dev.json (default: "
+                             "$ENGRAM_QUALITY_DIR, else shared/quality beside the checkout)")
     parser.add_argument("--memories", type=int, nargs="*", default=[10_000, 100_000])
     parser.add_argument("--across-users", type=int, default=0)
     parser.add_argument("--seed", type=int, default=7)
