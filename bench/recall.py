@@ -13,7 +13,8 @@ of each mode: BM25 only, vectors only, the two fused, the entity leg alone, the 
 over turns only, and the full pipeline (``Engine.recall``) over every kind. A hit counts for the
 turns it stands for (an episode its covered turns, a fact its source turns), de-duplicated in
 rank order: recall@k over the first k turns, and within 500 / 1,000 whitespace tokens of the
-returned text. Per mode, per question category, and the mean query time.
+returned text. Per mode, per question category, and the mean query time; then ``recall`` at
+limit 10 over turns only and over every kind on the same store, interleaved (p50, p99, ratio).
 
 - LoCoMo's development split (3 conversations, 1,451 turns, 383 questions with evidence,
   adversarial ones left out), measured as its README says (see bench/locomo.py). The data is
@@ -145,6 +146,7 @@ async def quality(args: argparse.Namespace) -> dict[str, Any]:
                     facts += len(await mem.profile(d.user_id))
                 row["long_term"] = {"episodes": episodes, "active_facts": facts}
                 row["modes"] = await locomo.evaluate(mem, questions, list(locomo.MODES))
+                row["latency_limit_10"] = await layer_latency(mem, questions)
                 if generated is not None and name == "generated" and order == orders[0]:
                     conversations, plain = generated
                     for q, qa in zip(plain, questions, strict=True):
@@ -154,6 +156,22 @@ async def quality(args: argparse.Namespace) -> dict[str, Any]:
             results[f"{name}/{order}"] = row
             report(name, order, row)
     return results
+
+
+async def layer_latency(mem: Engine, questions) -> dict[str, Any]:
+    """``recall`` at limit 10 over turns only and over every kind, on the same store, the two
+    interleaved question by question (so load on the machine falls on both alike); each query
+    text is new to the embedding cache (a trailing space per mode)."""
+    times: dict[str, list[float]] = {"turns only": [], "full pipeline": []}
+    for i, q in enumerate(questions):
+        modes = [("turns only", ["turn"], " "), ("full pipeline", None, "  ")]
+        for mode, kinds, pad in (modes if i % 2 else modes[::-1]):
+            start = time.perf_counter()
+            await mem.recall(q.user_id, q.text + pad, limit=10, kinds=kinds)
+            times[mode].append(time.perf_counter() - start)
+    out: dict[str, Any] = {mode: percentiles(ts, 1e3, "ms") for mode, ts in times.items()}
+    out["p50_ratio"] = out["full pipeline"]["p50_ms"] / out["turns only"]["p50_ms"]
+    return out
 
 
 def report(name: str, order: str, row: dict[str, Any]) -> None:
@@ -170,6 +188,10 @@ def report(name: str, order: str, row: dict[str, Any]) -> None:
     for mode, cell in modes.items():
         print(f"{mode:<17} " + "".join(f"{cell[g]['R@10']:>8.3f} n={cell[g]['n']:<3}"
                                        for g in groups))
+    lat = row["latency_limit_10"]
+    print("recall at limit 10, same store: " + "; ".join(
+        f"{mode} p50 {lat[mode]['p50_ms']:.1f} ms p99 {lat[mode]['p99_ms']:.1f} ms"
+        for mode in ("turns only", "full pipeline")) + f"; p50 ratio {lat['p50_ratio']:.2f}")
     if "updated_facts" in row:
         up = row["updated_facts"]
         print(f"updated facts ({up['questions']} questions): new value first in the semantic "
