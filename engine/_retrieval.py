@@ -28,9 +28,8 @@ by lsn with the user's key prefix checked once more.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, Literal
