@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import struct
 import zlib
 from collections.abc import Iterator
@@ -244,7 +245,6 @@ def check_file(path: Path) -> None:
     data = path / "data.mdb"
     if not data.exists():
         return
-    size = data.stat().st_size
     with data.open("rb") as f:
         first = f.read(4096)
         if len(first) < _LAST_PAGE_OFFSET + 16:
@@ -262,6 +262,10 @@ def check_file(path: Path) -> None:
                 if magic == _LMDB_MAGIC and (best is None or txnid > best[1]):
                     best = (last, txnid)
             needed = None if best is None or page < 512 else (best[0] + 1) * page
+        # Measured after the meta pages were read: a live owner only ever writes a transaction's
+        # pages before its meta page, so the length taken now covers the meta read above; taken
+        # before, a commit in between looked like a file cut short.
+        size = os.fstat(f.fileno()).st_size
     if size == 0:
         return  # a file LMDB created and never wrote: it will initialise it
     if needed is None:

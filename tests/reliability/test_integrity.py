@@ -389,3 +389,30 @@ def test_the_integrity_key_never_shows_in_a_configs_repr() -> None:
     from engine import Config
 
     assert KEY not in repr(Config(integrity_key=KEY)) and "<secret>" in repr(Config(integrity_key=KEY))
+
+
+def test_a_store_growing_while_its_length_is_checked_is_not_called_cut_short(
+        tmp_path, monkeypatch) -> None:
+    """A live owner committing between the length check's reads (as when `compact` or a
+    read-only reader checks a served store) is no truncation: the file's length is taken after
+    the meta page it is compared with."""
+    from actors import integrity
+
+    env = lmdb.open(str(tmp_path), map_size=1 << 26)
+    with env.begin(write=True) as txn:
+        txn.put(b"a", b"x")
+    real_open = Path.open
+
+    def open_while_the_owner_writes(self, *args, **kwargs):
+        handle = real_open(self, *args, **kwargs)
+        if self.name == "data.mdb":
+            with env.begin(write=True) as txn:  # the owner commits ~4 MB of new pages now
+                for i in range(1000):
+                    txn.put(b"k%06d" % i, b"v" * 4000)
+        return handle
+
+    monkeypatch.setattr(Path, "open", open_while_the_owner_writes)
+    try:
+        integrity.check_file(tmp_path)
+    finally:
+        env.close()
