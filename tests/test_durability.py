@@ -47,4 +47,5 @@ def test_kill_9_keeps_every_durably_acknowledged_turn(store_path: Path) -> None:
 
     last = trio.run(check)
     log_keys = [int.from_bytes(k, "big") for k, _ in raw_databases(store_path)["log"]]
-    assert log_keys == list(range(1, last + 1))
+    # The long-term layer may log an episode after the last turn, before the engine closed.
+    assert log_keys == list(range(1, max(last, log_keys[-1]) + 1))

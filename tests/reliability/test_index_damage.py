@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -120,16 +121,27 @@ async def test_while_a_deleted_text_index_is_rebuilt_recall_says_it_is_partial(
     store = tmp_path / "store"
     shutil.copytree(source, store)
     shutil.rmtree(store / "fulltext")
-    # No commit until a caller waits: the rebuild stays uncommitted while the test looks.
-    monkeypatch.setattr(fulltext_mod, "COMMIT_INTERVAL", 10_000.0)
+    # The rebuild is held at its first batch while the test looks (it commits as soon as it
+    # has caught up, which on a fast machine could come before the first recall).
+    rebuilding = threading.Event()  # set when the test has seen the flags
+    apply = fulltext_mod.FullText._apply
+
+    def held(self, *args):
+        rebuilding.wait(60)
+        return apply(self, *args)
+
+    monkeypatch.setattr(fulltext_mod.FullText, "_apply", held)
     async with open_engine(store, config=TURNS_ONLY) as mem:
-        assert mem._fulltext.damage == "missing"
-        hits = await mem.recall("ana", "lisbon flat", limit=10)
-        assert hits.degraded == ("bm25",) and hits.partial
-        assert all("bm25" not in h.via for h in hits)
-        assert (await mem.stats()).degraded == ("bm25",)
-        raw = await mem.retrieve_memory_raw("ana", "lisbon flat")
-        assert raw.degraded == ("bm25",)
+        try:
+            assert mem._fulltext.damage == "missing"
+            hits = await mem.recall("ana", "lisbon flat", limit=10)
+            assert hits.degraded == ("bm25",) and hits.partial
+            assert all("bm25" not in h.via for h in hits)
+            assert (await mem.stats()).degraded == ("bm25",)
+            raw = await mem.retrieve_memory_raw("ana", "lisbon flat")
+            assert raw.degraded == ("bm25",)
+        finally:
+            rebuilding.set()
         await mem.flush()
         assert (await mem.stats()).degraded == ()
         assert await _answers(mem) == expected
