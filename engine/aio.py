@@ -165,11 +165,15 @@ class Engine:
             except RuntimeError:  # the nursery closed meanwhile
                 future.set_exception(EngineClosed("the engine is closed"))
 
-        self._token.run_sync_soon(start)
+        # Called directly, not through the TrioToken: guest mode runs trio on this thread and
+        # trio is between ticks whenever asyncio code runs, so the spawn only has to wake it
+        # (Runner.reschedule does). The token's queue would cost a trio tick more, an asyncio
+        # loop turn, before the call even starts.
+        start()
         try:
             return await future
         except asyncio.CancelledError:
-            self._token.run_sync_soon(scope.cancel)
+            scope.cancel()
             raise
 
     async def add_turn(self, user_id: str, session_id: str, role: str, text: str,
