@@ -374,13 +374,7 @@ class Engine:
         """
         self._check_open()
         await trio.lowlevel.checkpoint_if_cancelled()
-        config = self._config
-        v.check_id("user_id", user_id, config.max_id_chars)
-        v.check_id("session_id", session_id, config.max_id_chars)
-        v.check_role(role)
-        v.check_text("text", text, config.max_text_chars)
-        at = self._now() if at is None else v.check_at(at)
-        meta = v.check_meta(meta, config.max_meta_bytes)
+        at, meta = self._check_turn(user_id, session_id, role, text, at, meta)
         await self._store.reserve(1)
         self._check_open()
         receipt = self._buffer.append(user_id, session_id, role, text, at, meta)
@@ -409,16 +403,23 @@ class Engine:
             InvalidInput / EngineClosed: as :meth:`add_turn`.
         """
         self._check_open()
+        at, meta = self._check_turn(user_id, session_id, role, text, at, meta)
+        if not self._store.has_room(1):
+            raise trio.WouldBlock
+        return self._buffer.append(user_id, session_id, role, text, at, meta)
+
+    def _check_turn(self, user_id: Any, session_id: Any, role: Any, text: Any, at: Any,
+                    meta: Any) -> tuple[datetime, dict[str, Any] | None]:
+        """One turn's arguments, as :meth:`add_turn` and :meth:`add_turn_nowait` take them;
+        returns the time it is stamped with (the engine clock's, checked, when ``at`` is None)
+        and its meta."""
         config = self._config
         v.check_id("user_id", user_id, config.max_id_chars)
         v.check_id("session_id", session_id, config.max_id_chars)
         v.check_role(role)
         v.check_text("text", text, config.max_text_chars)
-        at = self._clock() if at is None else v.check_at(at)
-        meta = v.check_meta(meta, config.max_meta_bytes)
-        if not self._store.has_room(1):
-            raise trio.WouldBlock
-        return self._buffer.append(user_id, session_id, role, text, at, meta)
+        at = self._now() if at is None else v.check_at(at)
+        return at, v.check_meta(meta, config.max_meta_bytes)
 
     async def add_turns(
         self, items: Iterable[NewTurn | Mapping[str, Any]], *, durable: bool = False

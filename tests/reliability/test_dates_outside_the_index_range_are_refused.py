@@ -80,3 +80,7 @@ async def test_an_engine_clock_outside_the_range_is_refused(store_path: Path) ->
         with pytest.raises(InvalidInput, match=RANGE) as info:
             await mem.add_turn("ana", "s1", "user", "hello")
         assert info.value.field == "clock"
+        with pytest.raises(InvalidInput, match=RANGE) as info:
+            mem.add_turn_nowait("ana", "s1", "user", "hello")
+        assert info.value.field == "clock"
+        assert await mem.session_history("ana", "s1") == []
