@@ -5,10 +5,15 @@
    left out of the query), the entity leg (memories naming an entity the query names, when that
    entity is rare among the user's memories: a name in most of them carries no signal) and the
    window leg (turns acknowledged but not yet indexed, from the RAM windows, by shared terms).
-   Each leg brings ``max(CANDIDATES_PER_LEG, 2 x limit)`` candidates with scores.
+   Each leg brings ``max(CANDIDATES_PER_LEG, 2 x limit)`` candidates with scores. When the
+   query admits turns and other kinds, the vector and BM25 legs search the turns and the other
+   kinds (episodes, facts, notes) as two lists of that depth: the turns' list is exactly what a
+   turns-only recall has, so the other kinds never push a turn out of a leg's candidates nor
+   change how its score is normalised; they only add (their hits, their lifts).
 3. Fuse: each leg's scores become z-scores (how far above that leg's typical candidate), summed
    with LEG_WEIGHTS. A strong head of one leg keeps its lead; the long tail of a weak leg cannot
-   outvote it the way reciprocal-rank fusion lets it. A relevance floor drops candidates only
+   outvote it the way reciprocal-rank fusion lets it (the other kinds' scores are measured
+   against the same leg's turn candidates). A relevance floor drops candidates only
    the vector leg found, below MIN_COSINE: a query with no good match returns fewer hits.
 4. Lift, from one store read of every candidate with its neighbouring turns, the turns episodes
    cover and the episodes' FSRS state: a turn passes a share of its fused score to the turns
@@ -37,7 +42,7 @@ from typing import Any, Literal
 import msgspec
 import trio
 
-from actors.ann_index import AnnIndex, Filters
+from actors.ann_index import KINDS, AnnIndex, Filters
 from actors.embedder import Embedder
 from actors.fulltext import FullText, TextFilters
 from actors.session_buffer import SessionBuffer
@@ -273,9 +278,22 @@ class Retriever:
         others (the facts a category or importance filter admits), applied in every index.
         ``legs``: the legs that run (the benchmark measures each alone)."""
         ranked: dict[str, list[tuple[int, float]]] = {}
-        text_filters = TextFilters(session_id, since, until, roles, kinds, tags, only)
+        # Turns and the other kinds (episodes, facts, notes) are searched as separate candidate
+        # lists when the query admits both: the turns' list, its depth and its statistics are
+        # then exactly what a turns-only recall has, so the other kinds never push a turn out
+        # of a leg's list nor shift how the turns' scores are normalised. They only add: their
+        # own hits and the lifts they give.
+        split = kinds is None or ("turn" in kinds and len(kinds) > 1)
+        searches: dict[str, tuple[str, ...] | None] = {"": ("turn",) if split else kinds}
+        if split:
+            searches["other"] = tuple(k for k in KINDS if k != "turn"
+                                      and (kinds is None or k in kinds))
+        others: dict[str, list[tuple[int, float]]] = {}
         depth = max(CANDIDATES_PER_LEG, 2 * limit)
         vector: list[Any] = []
+
+        def put(leg: str, part: str, found: list[tuple[int, float]]) -> None:
+            (others if part else ranked)[leg] = found
 
         async def vector_leg() -> None:
             vector.append(await self.embedder.embed_query(query, user_id))
@@ -284,11 +302,16 @@ class Retriever:
                     else await self.fulltext.tagged(user_id, tags, TAGGED_LIMIT))
             if only is not None:
                 lsns = only if lsns is None else sorted(set(lsns) & set(only))
-            filters = Filters(session_id, since, until, roles, kinds, lsns)
-            ranked["vector"] = await self.ann.search(user_id, vector[0], depth, filters)
+            async with trio.open_nursery() as parts:
+                for part, part_kinds in searches.items():
+                    parts.start_soon(vector_search, part,
+                                     Filters(session_id, since, until, roles, part_kinds, lsns))
 
-        async def bm25_leg() -> None:
-            ranked["bm25"] = await self.fulltext.search(user_id, query, depth, text_filters)
+        async def vector_search(part: str, filters: Filters) -> None:
+            put("vector", part, await self.ann.search(user_id, vector[0], depth, filters))
+
+        async def bm25_search(part: str, filters: TextFilters) -> None:
+            put("bm25", part, await self.fulltext.search(user_id, query, depth, filters))
 
         async def entity_leg() -> None:
             found = await self._entity_leg(user_id, query)
@@ -300,22 +323,40 @@ class Retriever:
                 if "vector" in legs:
                     nursery.start_soon(vector_leg)
                 if "bm25" in legs:
-                    nursery.start_soon(bm25_leg)
+                    for part, part_kinds in searches.items():
+                        nursery.start_soon(bm25_search, part, TextFilters(
+                            session_id, since, until, roles, part_kinds, tags, only))
                 if "entity" in legs and only is None:
                     nursery.start_soon(entity_leg)
                 if "window" in legs:
                     ranked["window"] = self._window_leg(user_id, query, session_id, since,
                                                         until, roles, kinds, tags)
         # The memories a leg chose from: all the vector leg could rank, up to its depth.
-        fused = fuse(ranked, len(ranked.get("vector", ())) or depth)
-        cosine = dict(ranked.get("vector", ()))
-        # The relevance floor: only the vector leg found it, and not by much.
-        fused = {lsn: f for lsn, f in fused.items()
-                 if len(f[1]) > 1 or "vector" not in f[1] or cosine[lsn] >= MIN_COSINE}
-        order = sorted(fused, key=lambda lsn: (-fused[lsn][0], -lsn))[: limit * 3 + 20]
+        population = len(ranked.get("vector", ())) or depth
+        fused = fuse(ranked, population)
+        # The other kinds, each on the scale of the same leg's (turn) candidates.
+        added = fuse(others, population, ranked)
+        cosine = dict(ranked.get("vector", ())) | dict(others.get("vector", ()))
+
+        def head(scores: dict[int, tuple[float, dict[str, int]]]) -> list[int]:
+            # The relevance floor: only the vector leg found it, and not by much.
+            kept = [lsn for lsn, f in scores.items()
+                    if len(f[1]) > 1 or "vector" not in f[1] or cosine[lsn] >= MIN_COSINE]
+            return sorted(kept, key=lambda lsn: (-scores[lsn][0], -lsn))[: limit * 3 + 20]
+
+        first, second = head(fused), [lsn for lsn in head(added) if lsn not in fused]
         # The candidates that lift others: a positive fused score, near enough to the head
-        # that what they lift can reach the results.
-        lifting = {lsn for lsn in order[: 2 * limit + 10] if fused[lsn][0] > 0}
+        # (of their own list) that what they lift can reach the results.
+        lifting = ({lsn for lsn in first[: 2 * limit + 10] if fused[lsn][0] > 0}
+                   | {lsn for lsn in second[: 2 * limit + 10] if added[lsn][0] > 0})
+        primary = {lsn: fused[lsn][0] for lsn in first}
+        # A memory both lists found (the entity leg's are in the turns' list) sums its legs.
+        for lsn, (score, ranks) in added.items():
+            if lsn in fused:
+                fused[lsn] = (fused[lsn][0] + score, fused[lsn][1] | ranks)
+            else:
+                fused[lsn] = (score, ranks)
+        order = first + second
         records, around, covered, states = await self.store.read(
             _read_candidates, user_id, order, lifting,
             len(NEIGHBOUR_LIFT) if kinds is None or "turn" in kinds else 0)
@@ -326,7 +367,8 @@ class Retriever:
             if memory is not None and (allowed is None or lsn in allowed):
                 memories[lsn] = memory
         scored, explain_of = self._lift(user_id, memories, fused, lifting, around, covered,
-                                        states, cosine, vector[0] if vector else None, kinds)
+                                        states, cosine, vector[0] if vector else None, kinds,
+                                        primary)
         hits: list[Hit] = []
         derived = 0
         cap = max(1, int(limit * DERIVED_SHARE))
@@ -351,16 +393,18 @@ class Retriever:
               fused: dict[int, tuple[float, dict[str, int]]], lifting: set[int],
               around: dict[tuple[str, int], Turn], covered: dict[str, list[Turn]],
               states: dict[str, Any], cosine: dict[int, float], vector: Any,
-              kinds: tuple[str, ...] | None
+              kinds: tuple[str, ...] | None, primary: dict[int, float]
               ) -> tuple[list[tuple[float, Any]], Callable[[int], tuple[Explain, tuple[str, ...]]]]:
         """Candidates with lifted scores, best first: each of ``lifting`` that is a turn lifts
         its neighbours, each that is an episode its best covered turns (an episode drops out
-        unless ``kinds`` names episodes or its turns are gone). Returns [(score, memory)] and
-        what explains a memory's score and says what found it (made only for the hits)."""
+        unless ``kinds`` names episodes or its turns are gone). ``primary``: the fused scores
+        from the turns' lists alone (see ``recall``). Returns [(score, memory)] and what
+        explains a memory's score and says what found it (made only for the hits)."""
         base = {lsn: fused[lsn][0] for lsn in memories}
-        # Where a turn no leg found starts: below every candidate, and never above a leg's
+        # Where a turn no leg found starts: below every candidate of the turns' lists (the
+        # other kinds' lists leave it where turns-only has it), and never above a leg's
         # typical candidate (z = 0), however few candidates there are.
-        floor = min([0.0, *base.values()])
+        floor = min([0.0, *(primary[lsn] for lsn in memories if lsn in primary)])
         lift: dict[int, float] = {}
         lifted_by: dict[int, list[tuple[str, str]]] = {}
         extra: dict[int, Turn] = {}
@@ -390,7 +434,7 @@ class Retriever:
                 turns = covered.get(memory.episode_id, [])
                 if not turns or (kinds is not None and "episode" in kinds):
                     standing.add(lsn)
-                if lsn in lifting and turns:
+                if lsn in lifting and turns and base[lsn] > 0:
                     score = base[lsn]
                     sims = (self.ann.similarities(user_id, vector, [t.lsn for t in turns])
                             if vector is not None else {})
@@ -630,19 +674,29 @@ def _dedupe(hits: list[Hit]) -> list[Hit]:
     return out
 
 
-def fuse(ranked: dict[str, list[tuple[int, float]]], population: int
+def fuse(ranked: dict[str, list[tuple[int, float]]], population: int,
+         scale: dict[str, list[tuple[int, float]]] | None = None
          ) -> dict[int, tuple[float, dict[str, int]]]:
     """Weighted z-score fusion: per leg, (score - mean) / standard deviation over its
     candidates, times LEG_WEIGHTS[leg], summed over the legs that found a memory (a leg that
     did not find it adds nothing). A lexical leg (BM25, entity, window) that found fewer than
     ``population`` memories counts the others at score 0, as they are: two keyword matches
     among many memories are both strong, not one above and one below the mean.
-    Returns lsn -> (fused score, {leg: rank from 1})."""
+
+    Args:
+        ranked: leg -> [(lsn, score)], best first.
+        population: the memories the legs chose from (see above).
+        scale: leg -> the candidates whose mean and spread the leg's scores are measured
+            against (the turns' list, for the other kinds' list); by default ``ranked``'s own.
+
+    Returns:
+        lsn -> (fused score, {leg: rank from 1 in the list that found it}).
+    """
     out: dict[int, tuple[float, dict[str, int]]] = {}
     for leg, found in ranked.items():
         if not found:
             continue
-        values = [score for _, score in found]
+        values = [score for _, score in ((scale.get(leg) or found) if scale else found)]
         n = len(values) if leg == "vector" else max(len(values), population)
         mean = sum(values) / n
         spread = math.sqrt((sum((v - mean) ** 2 for v in values)

@@ -97,3 +97,24 @@ async def test_retrieve_memory_fills_its_episodic_section(store_path) -> None:
     assert any(item.kind == "episode" for item in raw.episodic)
     shown = {m.content for item in raw.episodic if item.kind == "episode" for m in item.messages}
     assert not [item for item in raw.episodic if item.kind == "turn" and item.summary in shown]
+
+
+async def test_other_kinds_never_change_how_turns_are_scored(store_path) -> None:
+    """Notes (like episodes and facts) that match the query better than the turns do are
+    searched in lists of their own: every turn keeps the per-leg ranks and the fused score it
+    has in a turns-only recall, so the other kinds can add hits but never push a turn down."""
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        texts = [f"{TOPICS[i % len(TOPICS)]}, and the sailing club at {i}" for i in range(12)]
+        await _chat(mem, "s", texts)
+        for i in range(8):
+            await mem.store_note("ana", f"sailing club sailing lessons sailing boat {i}")
+        await mem.flush()
+        query = "the sailing club"
+        turns = {h.id: h for h in await mem.recall("ana", query, limit=12, kinds=["turn"])}
+        mixed = await mem.recall("ana", query, limit=30, kinds=["turn", "note"])
+    assert {h.kind for h in mixed} == {"turn", "note"}
+    assert [h.id for h in mixed if h.kind == "turn"] == list(turns)
+    for hit in mixed:
+        if hit.kind == "turn":
+            assert hit.explain.ranks == turns[hit.id].explain.ranks
+            assert hit.explain.fused == turns[hit.id].explain.fused
