@@ -344,11 +344,20 @@ class Retriever:
                     if len(f[1]) > 1 or "vector" not in f[1] or cosine[lsn] >= MIN_COSINE]
             return sorted(kept, key=lambda lsn: (-scores[lsn][0], -lsn))[: limit * 3 + 20]
 
-        first, second = head(fused), [lsn for lsn in head(added) if lsn not in fused]
+        first = head(fused)
+
+        def above(n: int) -> float:
+            # The score a memory of another kind needs to rank among the first n of one
+            # ranking with the turns (whose places it does not take).
+            return fused[first[n - 1]][0] if len(first) >= n else -math.inf
+
+        second = [lsn for lsn in head(added)
+                  if lsn not in fused and added[lsn][0] >= above(limit * 3 + 20)]
         # The candidates that lift others: a positive fused score, near enough to the head
-        # (of their own list) that what they lift can reach the results.
+        # that what they lift can reach the results.
         lifting = ({lsn for lsn in first[: 2 * limit + 10] if fused[lsn][0] > 0}
-                   | {lsn for lsn in second[: 2 * limit + 10] if added[lsn][0] > 0})
+                   | {lsn for lsn in second
+                      if added[lsn][0] > 0 and added[lsn][0] >= above(2 * limit + 10)})
         primary = {lsn: fused[lsn][0] for lsn in first}
         # A memory both lists found (the entity leg's are in the turns' list) sums its legs.
         for lsn, (score, ranks) in added.items():
