@@ -27,3 +27,24 @@ def mirror(cls: type, make: Callable[[str, Callable[..., Any]], Callable[..., An
         method = functools.wraps(native)(make(name, native))
         setattr(cls, name, method)
     return cls
+
+
+class BridgedReceipt:
+    """A facade's receipt: the native receipt's identity, and its ``durable()`` called through
+    the facade (awaited on asyncio, blocking in engine.sync; the subclass says which).
+
+    Attributes:
+        turn_id / seq / lsn: as the native :class:`engine.Receipt`'s.
+    """
+
+    __slots__ = ("turn_id", "seq", "lsn", "_native", "_engine")
+
+    def __init__(self, native: Any, engine: Any) -> None:
+        self.turn_id = native.turn_id
+        self.seq = native.seq
+        self.lsn = native.lsn
+        self._native = native
+        self._engine = engine
+
+    def __repr__(self) -> str:
+        return f"Receipt(turn_id={self.turn_id!r}, seq={self.seq}, lsn={self.lsn})"

@@ -34,28 +34,14 @@ from .errors import EngineClosed
 __all__ = ["Engine", "Receipt"]
 
 
-class Receipt:
-    """What ``add_turn`` returns here: the turn's identity, and a blocking ``durable()``.
+class Receipt(_bridge.BridgedReceipt):
+    """What ``add_turn`` returns here: the turn's identity, and a blocking ``durable()``."""
 
-    Attributes:
-        turn_id / seq / lsn: as the native :class:`engine.Receipt`'s.
-    """
-
-    __slots__ = ("turn_id", "seq", "lsn", "_native", "_engine")
-
-    def __init__(self, native: Any, engine: Engine) -> None:
-        self.turn_id = native.turn_id
-        self.seq = native.seq
-        self.lsn = native.lsn
-        self._native = native
-        self._engine = engine
+    __slots__ = ()
 
     def durable(self) -> None:
         """Block until the turn is committed to disk (it then survives ``kill -9``)."""
         self._engine._call(self._native.durable)
-
-    def __repr__(self) -> str:
-        return f"Receipt(turn_id={self.turn_id!r}, seq={self.seq}, lsn={self.lsn})"
 
 
 class Engine:
