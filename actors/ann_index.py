@@ -40,7 +40,7 @@ import hnswlib
 import numpy as np
 import trio
 
-from .messages import Searchable
+from .base.messages import Searchable
 from .store import Store, read_user_vectors
 
 __all__ = ["AnnIndex", "HEADER", "encode_vector", "decode_vectors", "session_code", "KINDS"]

@@ -39,9 +39,9 @@ import numpy as np
 import outcome
 import trio
 
-from engine.errors import EngineBroken, EngineClosed, EngineError, ModelMissing
+from .base.errors import EngineBroken, EngineClosed, EngineError, ModelMissing
 
-from .messages import EmbedRequest, PutState, PutVectors, Searchable
+from .base.messages import EmbedRequest, PutState, PutVectors, Searchable
 from .ann_index import encode_vector
 from .store import (ModelInfo, Store, failure_put, read_log_range, read_searchables,
                     stored_model)

@@ -18,9 +18,9 @@ from datetime import datetime, timezone
 import msgspec
 import trio
 
-from engine._records import Entity, Link
+from .base.records import Entity, Link
 
-from .messages import Searchable
+from .base.messages import Searchable
 from .store import LogFollower, Store, entity_key, read_entities, read_entity_keys
 
 __all__ = ["Entities", "extract_entities", "MEMORIES_PER_ENTITY"]

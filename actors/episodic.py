@@ -30,11 +30,11 @@ import numpy as np
 import trio
 from fsrs import Card, Rating, Scheduler, State
 
-from engine._records import Episode, Link, PendingReview, ReviewState, Turn
+from .base.records import Episode, Link, PendingReview, ReviewState, Turn
 
 from .ann_index import AnnIndex, Filters
 from .embedder import Embedder
-from .messages import PutEpisode, Searchable
+from .base.messages import PutEpisode, Searchable
 from .store import (
     LogFollower,
     Store,

@@ -32,9 +32,9 @@ from typing import Any
 import msgspec
 import trio
 
-from engine._records import Fact, Link
+from .base.records import Fact, Link
 
-from .messages import PutFact, PutState, Searchable
+from .base.messages import PutFact, PutState, Searchable
 from .store import LogFollower, Store, fact_key, read_facts
 
 __all__ = ["Facts", "Candidate", "extract_facts", "effective_confidence", "DECAY_RATES",

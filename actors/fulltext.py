@@ -43,9 +43,9 @@ from typing import Any
 import tantivy
 import trio
 
-from engine.errors import EngineBroken, EngineClosed
+from .base.errors import EngineBroken, EngineClosed
 
-from .messages import PutState, Searchable
+from .base.messages import PutState, Searchable
 from .store import Store, failure_put, read_log_range, read_searchables
 
 __all__ = ["FullText", "TextFilters"]

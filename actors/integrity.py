@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.errors import StoreCorrupt
+from .base.errors import StoreCorrupt
 
 __all__ = ["CheckedTxn", "seal", "unseal", "check_file", "content_digest", "link", "ABSENT",
            "DIGEST", "ZERO", "Head", "encode_head", "decode_head", "head_mac", "HEAD_KEY"]

@@ -18,10 +18,10 @@ from typing import Any
 
 import msgspec
 
-from engine._config import Config
-from engine._records import SessionInfo, Turn
+from .base.config import Config
+from .base.records import SessionInfo, Turn
 
-from .messages import AppendTurn
+from .base.messages import AppendTurn
 from .store import Store, read_session_tail, read_sessions, session_prefix, user_prefix
 
 __all__ = ["SessionBuffer", "Receipt"]

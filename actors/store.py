@@ -78,8 +78,8 @@ import lmdb
 import msgspec
 import trio
 
-from engine._config import Config
-from engine._records import (
+from .base.config import Config
+from .base.records import (
     SCHEMA_VERSION,
     Entity,
     Episode,
@@ -93,7 +93,7 @@ from engine._records import (
     SummaryState,
     Turn,
 )
-from engine.errors import (
+from .base.errors import (
     EngineBroken,
     EngineClosed,
     EngineError,
@@ -121,9 +121,9 @@ from .integrity import (
     unseal,
 )
 
-from .keys import MAX_KEY_BYTES, fit, is_fitted
+from .base.keys import MAX_KEY_BYTES, fit, is_fitted
 
-from .messages import (
+from .base.messages import (
     AppendTurn,
     DeleteNote,
     Forget,

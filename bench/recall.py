@@ -57,7 +57,7 @@ from _report import percentiles, write_results
 from convgen import CITIES, FOODS, generate
 
 import actors.ann_index as ann_mod
-from actors.messages import PutVectors, Searchable
+from actors.base.messages import PutVectors, Searchable
 from engine import Engine, NewTurn
 
 

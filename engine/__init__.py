@@ -3,11 +3,11 @@
 Everything public is re-exported here; the modules behind it are private.
 """
 
-from ._config import Config
+from actors.base.config import Config
 from ._engine import Engine, EntityInfo, Stats
 from ._llm import LLM, LLMFailed, OpenAICompatibleLLM
 from ._maintenance import MaintenanceReport
-from ._records import (
+from actors.base.records import (
     Entity,
     Episode,
     Fact,

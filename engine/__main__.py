@@ -25,10 +25,10 @@ from typing import Any
 import msgspec
 import trio
 
-from ._config import Config
+from actors.base.config import Config
 from ._engine import Engine
 from ._owner import OwnerLock
-from .errors import EngineError, InvalidInput
+from actors.base.errors import EngineError, InvalidInput
 
 MODELS = ("minilm-l6-v2-q8", "minilm-l6-v2")  # the first is what a new store gets
 BENCHES = ("ingest", "embed", "recall", "snapshot", "crash", "forget", "bridges", "http")

@@ -17,7 +17,7 @@ from typing import Any
 import trio
 
 from ._engine import Engine
-from ._records import NewTurn
+from actors.base.records import NewTurn
 
 BULK_COPIES = 200  # copies of the conversation replayed under synthetic users for the bulk figure
 QUESTIONS = (

@@ -26,7 +26,7 @@ from actors.entities import Entities
 from actors.episodic import RATINGS, EpisodicCompressor, memory_review_state, review_state
 from actors.facts import Candidate, Facts
 from actors.fulltext import FullText
-from actors.messages import DeleteNote, PutLink, PutNote, PutState, WriteSummary
+from actors.base.messages import DeleteNote, PutLink, PutNote, PutState, WriteSummary
 from actors.session_buffer import Receipt, SessionBuffer, new_turn_id
 from actors.store import (
     LogFollower,
@@ -44,12 +44,12 @@ from actors.store import (
     user_prefix,
 )
 
-from . import _validate as v
-from ._config import Config
+from actors.base import validate as v
+from actors.base.config import Config
 from ._forget import Scrubber
 from ._llm import LLM, ModelTasks
 from ._maintenance import Maintenance, MaintenanceReport
-from ._records import (
+from actors.base.records import (
     SCHEMA_VERSION,
     Entity,
     Episode,
@@ -78,7 +78,7 @@ from ._owner import OwnerLock, claim_in_process, release_in_process
 from ._snapshot import Manifest, compact, restore, take_snapshot
 from ._tools import call_tool
 from ._verify import verify_store
-from .errors import (
+from actors.base.errors import (
     EngineBroken,
     EngineClosed,
     InvalidInput,

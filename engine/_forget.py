@@ -22,7 +22,7 @@ from actors.ann_index import AnnIndex
 from actors.fulltext import FullText
 from actors.store import Store
 
-from .errors import EngineClosed
+from actors.base.errors import EngineClosed
 
 __all__ = ["Scrubber"]
 

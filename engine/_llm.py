@@ -15,7 +15,7 @@ import msgspec
 
 from actors.facts import MIN_CONFIDENCE, MIN_IMPORTANCE, Candidate
 
-from .errors import EngineError
+from actors.base.errors import EngineError
 
 __all__ = ["LLM", "OpenAICompatibleLLM", "ModelTasks", "LLMFailed"]
 

@@ -26,7 +26,7 @@ import msgspec
 import trio
 
 from actors.episodic import keyphrases
-from actors.messages import PutState
+from actors.base.messages import PutState
 from actors.store import read_episodes, read_facts, read_pending, user_prefix
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from mcp.server.stdio import stdio_server
 
 from ._engine import Engine
 from ._tools import TOOLS
-from .errors import EngineError
+from actors.base.errors import EngineError
 
 __all__ = ["create_server", "run_stdio"]
 
@@ -92,7 +92,7 @@ async def run_stdio(store: str | Path, user: str | None = None, config: Any = No
         InvalidInput: a bad config or user id.
     """
     if user is not None:
-        from . import _validate
+        from actors.base import validate as _validate
 
         _validate.check_id("user", user, 256)
     async with Engine.open(store, config=config) as mem:

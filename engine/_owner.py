@@ -20,7 +20,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from .errors import InvalidInput, StoreInUse
+from actors.base.errors import InvalidInput, StoreInUse
 
 __all__ = ["OwnerLock", "LOCK_NAME", "claim_in_process", "release_in_process"]
 

@@ -61,8 +61,8 @@ from actors.store import (
     turn_tags,
 )
 
-from ._records import Episode, Fact, Note, Turn
-from .errors import EngineBroken, EngineClosed, EngineError
+from actors.base.records import Episode, Fact, Note, Turn
+from actors.base.errors import EngineBroken, EngineClosed, EngineError
 
 __all__ = ["Hit", "Explain", "Message", "EpisodicItem", "SemanticItem", "RetrieveResult",
            "FOCUS_LEVELS", "Retriever", "estimate_tokens"]

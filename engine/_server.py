@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException
 
 from ._engine import Engine
 from ._tools import TOOLS
-from .errors import EngineError, InvalidInput
+from actors.base.errors import EngineError, InvalidInput
 
 __all__ = ["create_app", "serve", "load_api_keys", "ApiKeys", "STATUS_BY_ERROR"]
 

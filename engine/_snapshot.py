@@ -34,9 +34,9 @@ from actors.integrity import HEAD_KEY, check_file
 from actors.store import MAX_DBS, clean_copy, open_databases
 
 from ._owner import OwnerLock
-from ._records import SCHEMA_VERSION
+from actors.base.records import SCHEMA_VERSION
 from ._verify import verify_chain
-from .errors import InvalidInput, StoreIncompatible, StoreTampered
+from actors.base.errors import InvalidInput, StoreIncompatible, StoreTampered
 
 __all__ = ["Manifest", "take_snapshot", "restore", "compact", "MANIFEST_FORMAT"]
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import jsonschema
 import msgspec
 
-from .errors import InvalidInput
+from actors.base.errors import InvalidInput
 
 if TYPE_CHECKING:
     from ._engine import Engine

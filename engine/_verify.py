@@ -24,8 +24,8 @@ from actors.integrity import DIGEST, HEAD_KEY, ZERO, CheckedTxn, check_file, dec
     encode_head, head_mac, link, unseal
 from actors.store import LOG_TURN, MAX_DBS, check_chain, lsn_key, open_databases
 
-from ._records import SessionInfo, Turn
-from .errors import EngineError, InvalidInput, StoreCorrupt
+from actors.base.records import SessionInfo, Turn
+from actors.base.errors import EngineError, InvalidInput, StoreCorrupt
 
 __all__ = ["verify_store", "verify_chain"]
 

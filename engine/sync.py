@@ -29,7 +29,7 @@ import trio
 
 from . import _bridge
 from ._engine import Engine as TrioEngine
-from .errors import EngineClosed
+from actors.base.errors import EngineClosed
 
 __all__ = ["Engine", "Receipt"]
 

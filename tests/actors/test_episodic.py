@@ -177,7 +177,7 @@ def test_fsrs_state_is_computed_without_sleeping(monkeypatch) -> None:
     import time as time_module
 
     from actors.episodic import RATINGS, initial_state, retrievability, review_state
-    from engine._records import ReviewState
+    from actors.base.records import ReviewState
 
     def no_sleep(seconds: float) -> None:
         raise AssertionError(f"slept {seconds} s")

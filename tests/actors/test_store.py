@@ -12,7 +12,7 @@ import trio
 import actors.store as store_mod
 from actors.integrity import unseal
 from engine import EngineBroken, HashEmbedder, StoreIncompatible
-from engine._records import SCHEMA_VERSION
+from actors.base.records import SCHEMA_VERSION
 
 from ..conftest import downgrade_to_schema_4, open_engine, raw_databases
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from actors.messages import PutNote, PutState
+from actors.base.messages import PutNote, PutState
 from actors.store import LogFollower, lsn_key
 from engine import Engine, Failure, HashEmbedder, InvalidInput, Note, RecordRefused
 from engine.__main__ import main

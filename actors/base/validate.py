@@ -13,9 +13,9 @@ from typing import Any
 
 import msgspec
 
-from actors.keys import MAX_ID_BYTES
+from .keys import MAX_ID_BYTES
 
-from ._records import ROLES
+from .records import ROLES
 from .errors import InvalidInput
 
 _ROLES = frozenset(ROLES)

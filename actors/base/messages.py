@@ -1,6 +1,6 @@
 """The messages actors exchange: frozen, tagged Structs, one union per actor.
 
-Persisted records live in ``engine._records``; nothing here is ever written to disk as is.
+Persisted records live in ``actors.base.records``; nothing here is ever written to disk as is.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from engine._records import Turn
+from .records import Turn
 
 __all__ = ["AppendTurn", "Forget", "PutVectors", "PutLink", "PutNote", "DeleteNote", "WriteSummary",
            "PutEpisode", "PutFact", "PutState", "Searchable",
@@ -97,7 +97,7 @@ class PutLink(msgspec.Struct, frozen=True, tag=True):
     """Store a typed link between two memories of one user (both directions are indexed)."""
 
     user_id: str
-    link: Any  # engine._records.Link
+    link: Any  # records.Link
     done: Any = None
     committed: Any = None
 
@@ -109,7 +109,7 @@ class PutNote(msgspec.Struct, frozen=True, tag=True):
     leaves the log and, through this op's log entry, the indexes."""
 
     lsn: int
-    note: Any  # engine._records.Note
+    note: Any  # records.Note
     replaces: int  # -1: a new note (its id must be free); 1: an update (the note must exist)
     committed: Any = None  # gets (stored note, None, replaced lsn) or (None, why not, 0)
 
@@ -130,7 +130,7 @@ class WriteSummary(msgspec.Struct, frozen=True, tag=True):
 
     user_id: str
     session_id: str
-    state: Any  # engine._records.SummaryState, epoch already expected_epoch + 1
+    state: Any  # records.SummaryState, epoch already expected_epoch + 1
     expected_epoch: int
     done: Any = None
     committed: Any = None
@@ -143,8 +143,8 @@ class PutEpisode(msgspec.Struct, frozen=True, tag=True):
     ``committed`` gets the stored episode, or None if its session was forgotten meanwhile."""
 
     lsn: int
-    episode: Any  # engine._records.Episode
-    links: tuple[Any, ...]  # engine._records.Link, written in both directions
+    episode: Any  # records.Episode
+    links: tuple[Any, ...]  # records.Link, written in both directions
     committed: Any = None
 
 
@@ -166,7 +166,7 @@ class PutFact(msgspec.Struct, frozen=True, tag=True):
 
     lsn: int
     user_id: str
-    fact: Any  # engine._records.Fact | None
+    fact: Any  # records.Fact | None
     retired: tuple[Any, ...]
     links: tuple[Any, ...] = ()
     committed: Any = None

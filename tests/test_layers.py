@@ -1,0 +1,162 @@
+"""The floor plan, checked from the source: layers import only downwards.
+
+Every module is parsed (never imported), and every import statement counts, including those
+inside functions, so that a lazy import cannot hide an upward dependency. The layers, bottom up:
+
+- ``actors/base/``: records, messages, errors, config, validation, key limits. Standard library
+  and third-party packages only, plus each other.
+- ``actors/``: one module per actor, over ``actors.base``; never the engine, and never another
+  actor's private (``_x``) names.
+- ``engine/``: the facade, retrieval, snapshots, maintenance, tools and the faces.
+- ``bench/`` and ``examples/``: the public API only (``engine``'s exported names and its public
+  modules); bench may also drive an actor bare, to measure the engine against it.
+
+A new rule is one more test function over :func:`imports_of` (or :func:`all_imports`).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import engine
+
+ROOT = Path(__file__).resolve().parent.parent
+FIRST_PARTY = ("actors", "engine", "bench", "examples", "tests")
+PUBLIC_ENGINE_MODULES = frozenset({"engine", "engine.errors", "engine.aio", "engine.sync"})
+# bench/ is owned by its own work; these two private imports are known and named here so that
+# no third one creeps in. Each is checked to still exist, so the list cannot go stale.
+BENCH_PRIVATE_IMPORTS = {
+    ("bench/embed.py", "engine._demo"): "the demo's bundled conversation as NewTurns",
+    ("bench/crash.py", "engine.__main__"): "the CLI's reindex, crashed in a child process",
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement, resolved to absolute module names.
+
+    Attributes:
+        path: the importing file, relative to the repository root.
+        line: its line number.
+        target: the module imported, or imported from (``engine.errors``).
+        names: the names taken from it (``from X import a, b``); empty for ``import X``.
+    """
+
+    path: str
+    line: int
+    target: str
+    names: tuple[str, ...]
+
+    def within(self, package: str) -> bool:
+        """Whether the imported module is ``package`` or inside it."""
+        return self.target == package or self.target.startswith(package + ".")
+
+
+def module_name(path: Path) -> str:
+    """The dotted name of a source file (``actors/base/__init__.py`` -> ``actors.base``)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def sources(*packages: str) -> list[Path]:
+    """Every .py file under the given top-level directories, sorted."""
+    return sorted(p for package in packages for p in (ROOT / package).rglob("*.py"))
+
+
+def imports_of(path: Path) -> Iterator[Import]:
+    """Every import in a file, at any depth, with relative imports made absolute."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    rel = str(path.relative_to(ROOT))
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), rel)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Import(rel, node.lineno, alias.name, ())
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            yield Import(rel, node.lineno, target, tuple(a.name for a in node.names))
+
+
+def all_imports(*packages: str) -> list[Import]:
+    """Every import of every file under the given top-level directories."""
+    return [imp for path in sources(*packages) for imp in imports_of(path)]
+
+
+def test_the_rules_see_the_tree() -> None:
+    """The walk finds the layers' files and their imports (a rule over nothing proves nothing)."""
+    found = {str(p.relative_to(ROOT)) for p in sources("actors", "engine", "bench")}
+    assert {"actors/base/records.py", "actors/session_buffer.py", "engine/__init__.py",
+            "bench/ingest.py"} <= found
+    assert any(i.target == "actors.base.records" for i in all_imports("actors"))
+
+
+def test_actors_never_import_the_engine() -> None:
+    """No module under actors/ imports engine, not even lazily inside a function."""
+    bad = [i for i in all_imports("actors") if i.within("engine")]
+    assert bad == []
+
+
+def test_the_bottom_layer_imports_only_itself_and_outside_packages() -> None:
+    """actors/base/ imports the standard library, third-party packages and actors.base only."""
+    bad = [i for i in all_imports("actors/base")
+           if i.target.split(".")[0] in FIRST_PARTY and not i.within("actors.base")]
+    assert bad == []
+
+
+def test_actors_do_not_reach_into_each_others_privates() -> None:
+    """An actor module takes only public names from another: its internals stay its own."""
+    bad = []
+    for path in sources("actors"):
+        own = module_name(path)
+        aliases = set()
+        for imp in imports_of(path):
+            if not imp.within("actors") or imp.target == own:
+                continue
+            bad += [imp for n in imp.names if n.startswith("_")]
+            if not imp.names:
+                aliases.add(imp.target)
+        # ``import actors.x as x`` then ``x._y``: the same reach, spelt as an attribute.
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        bound = {a.asname: a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for a in node.names if a.asname and a.name in aliases}
+        bad += [Import(str(path.relative_to(ROOT)), n.lineno, bound[n.value.id], (n.attr,))
+                for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                and isinstance(n.value, ast.Name) and n.value.id in bound
+                and n.attr.startswith("_")]
+    assert bad == []
+
+
+def _engine_imports_outside_the_public_api(package: str) -> list[Import]:
+    public_names = set(engine.__all__) | {"errors", "aio", "sync"}
+    bad = []
+    for imp in all_imports(package):
+        if not imp.within("engine"):
+            continue
+        if imp.target not in PUBLIC_ENGINE_MODULES:
+            bad.append(imp)
+        elif imp.target == "engine" and not set(imp.names) <= public_names:
+            bad.append(imp)
+        elif any(n.startswith("_") for n in imp.names):
+            bad.append(imp)
+    return bad
+
+
+def test_bench_uses_only_the_public_engine_api() -> None:
+    """bench/ imports only engine's exported names and public modules (two named exceptions)."""
+    bad = _engine_imports_outside_the_public_api("bench")
+    assert {(i.path, i.target) for i in bad} == set(BENCH_PRIVATE_IMPORTS)
+
+
+def test_examples_use_only_the_public_engine_api() -> None:
+    """examples/ are what users copy: public names only, no exception."""
+    assert _engine_imports_outside_the_public_api("examples") == []
