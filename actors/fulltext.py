@@ -703,7 +703,7 @@ def build_index(store_path: Path, dest: Path, progress: Any = None) -> int:
     ``dest``. Returns the lsn it covers. Runs in a worker thread or offline."""
     import lmdb
 
-    from .integrity import CheckedTxn, check_file
+    from .store.integrity import CheckedTxn, check_file
     from .store import MAX_DBS, open_databases
 
     check_file(store_path)

@@ -30,7 +30,7 @@ import msgspec
 import trio
 
 from actors.fulltext import build_index
-from actors.integrity import HEAD_KEY, check_file
+from actors.store.integrity import HEAD_KEY, check_file
 from actors.store import MAX_DBS, clean_copy, open_databases
 
 from ._owner import OwnerLock

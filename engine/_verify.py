@@ -20,7 +20,7 @@ from typing import Any
 import lmdb
 import msgspec
 
-from actors.integrity import DIGEST, HEAD_KEY, ZERO, CheckedTxn, check_file, decode_head, \
+from actors.store.integrity import DIGEST, HEAD_KEY, ZERO, CheckedTxn, check_file, decode_head, \
     encode_head, head_mac, link, unseal
 from actors.store import LOG_TURN, MAX_DBS, check_chain, lsn_key, open_databases
 

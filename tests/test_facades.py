@@ -148,7 +148,7 @@ async def test_add_turn_nowait_on_trio_refuses_when_the_queue_is_full(store_path
     import actors.store as store_mod
 
     async with open_engine(store_path) as mem:
-        monkeypatch.setattr(store_mod, "QUEUE_LIMIT", 1)
+        monkeypatch.setattr(store_mod.writer, "QUEUE_LIMIT", 1)
         mem.add_turn_nowait("ana", "s1", "user", "fits")
         with pytest.raises(trio.WouldBlock):
             mem.add_turn_nowait("ana", "s1", "user", "does not fit")

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 import actors.store as store_mod
-from actors.integrity import unseal
+from actors.store.integrity import unseal
 from engine import EngineBroken, HashEmbedder, StoreIncompatible
 from actors.base.records import SCHEMA_VERSION
 
@@ -135,7 +135,7 @@ async def test_durable_writers_share_commits(store_path, monkeypatch) -> None:
 
 async def test_a_cancelled_caller_leaves_no_hole_in_the_log(store_path, monkeypatch) -> None:
     """Callers cancelled while waiting for queue room take no sequence number with them."""
-    monkeypatch.setattr(store_mod, "QUEUE_LIMIT", 4)
+    monkeypatch.setattr(store_mod.writer, "QUEUE_LIMIT", 4)
     gate = threading.Event()
     original = store_mod.Store._write
 

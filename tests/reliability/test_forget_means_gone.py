@@ -12,7 +12,7 @@ import tantivy
 import trio
 
 import actors.ann_index as ann_mod
-from actors.integrity import unseal
+from actors.store.integrity import unseal
 from engine import Engine
 
 from ..conftest import open_engine, raw_databases

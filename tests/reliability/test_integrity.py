@@ -16,7 +16,7 @@ import pytest
 import trio
 
 import actors.store as store_mod
-from actors.integrity import content_digest, seal, unseal
+from actors.store.integrity import content_digest, seal, unseal
 from engine import Engine, StoreCorrupt, StoreIncompatible, StoreTampered, Turn
 from engine.__main__ import main
 
@@ -369,7 +369,7 @@ def test_a_schema_4_store_is_migrated_to_checksums_and_a_chain(store, monkeypatc
     """A store written before checksums opens (logging its progress), verifies, and answers
     as before."""
     downgrade_to_schema_4(store)
-    monkeypatch.setattr(store_mod, "PROGRESS_FROM", 10)
+    monkeypatch.setattr(store_mod.migrate, "PROGRESS_FROM", 10)
     caplog.set_level(logging.INFO, logger="engram.store")
 
     async def reopen() -> list[str]:
@@ -396,7 +396,7 @@ def test_a_store_growing_while_its_length_is_checked_is_not_called_cut_short(
     """A live owner committing between the length check's reads (as when `compact` or a
     read-only reader checks a served store) is no truncation: the file's length is taken after
     the meta page it is compared with."""
-    from actors import integrity
+    from actors.store import integrity
 
     env = lmdb.open(str(tmp_path), map_size=1 << 26)
     with env.begin(write=True) as txn:

@@ -36,7 +36,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .base.errors import StoreCorrupt
+from ..base.errors import StoreCorrupt
+from .layout import HEAD_KEY
 
 __all__ = ["CheckedTxn", "seal", "unseal", "check_file", "content_digest", "link", "ABSENT",
            "DIGEST", "ZERO", "Head", "encode_head", "decode_head", "head_mac", "HEAD_KEY"]
@@ -45,7 +46,6 @@ SEAL = 4  # bytes of CRC-32 at the end of every sealed value
 DIGEST = 16  # blake2b digest size: 128 bits, ample against accidental and forged collisions
 ZERO = bytes(DIGEST)  # the digest before lsn 1
 ABSENT = b"\xff" * DIGEST  # content digest of a position already missing when the chain began
-HEAD_KEY = b"chain_head"  # meta key: last lsn (8) + its digest (16) + MAC (32, if keyed)
 _MAC_LABEL = b"engram chain head\x00"
 _UNSEALED = frozenset({b"meta"})  # small integers and the model id, read raw by offline tools
 

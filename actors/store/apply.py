@@ -1,0 +1,170 @@
+"""How the writer applies each op other than appends and deletions, inside the batch's write
+transaction (worker thread); what an applier returns goes to the op's ``committed``."""
+
+from __future__ import annotations
+
+from array import array
+
+import lmdb
+import msgspec
+
+from ..base.records import Episode, Note
+from ..base.messages import (
+    PutEpisode,
+    PutFact,
+    PutLink,
+    PutNote,
+    PutState,
+    PutVectors,
+    WriteSummary,
+)
+from .layout import (
+    EMBED_BACKLOG_KEY,
+    IDS_EPISODE,
+    IDS_FACT,
+    LOG_EPISODE,
+    LOG_FACT,
+    LOG_NOTE,
+    LOG_TOMBSTONE,
+    _EMBEDDED_KEY,
+    _fact_entry_lsns,
+    entry_record_key,
+    episode_key,
+    fact_key,
+    link_keys,
+    lsn_key,
+    session_prefix,
+    user_prefix,
+)
+from .codecs import _decode_note, _decode_summary, _encode
+
+
+class Appliers:
+    """How :class:`~.store.Store`'s writer applies each kind of op that neither appends nor
+    deletes (see ``Store._appliers``)."""
+
+    def _put_note_in(self, txn: lmdb.Transaction, op: PutNote
+                     ) -> tuple[Note | None, str | None, int]:
+        """Store a note version. ``op.replaces`` says what the caller expects: -1 a new note
+        (its id must be free), 1 an update (the note must exist). Returns (stored note, None,
+        the lsn it replaced) or (None, why not, 0); a refused op still takes its lsn, as an
+        empty tombstone, so the log stays gapless."""
+        dbs = self._dbs
+        key = user_prefix(op.note.user_id) + op.note.note_id.encode()
+        raw = txn.get(key, db=dbs[b"notes"])
+        current = None if raw is None else _decode_note(raw)
+        if (op.replaces < 0) != (current is None):
+            txn.put(lsn_key(op.lsn), LOG_TOMBSTONE, db=dbs[b"log"], append=True)
+            return None, "exists" if current is not None else "missing", 0
+        note = op.note
+        replaces = 0
+        if current is not None:
+            replaces = current.lsn
+            note = msgspec.structs.replace(note, created_at=current.created_at)
+            txn.delete(lsn_key(replaces), db=dbs[b"log"])
+            txn.delete(user_prefix(note.user_id) + lsn_key(replaces), db=dbs[b"vectors"])
+        txn.put(key, _encode(note), db=dbs[b"notes"])
+        txn.put(lsn_key(op.lsn), LOG_NOTE + lsn_key(replaces) + key, db=dbs[b"log"], append=True)
+        return note, None, replaces
+
+    def _write_summary_in(self, txn: lmdb.Transaction, op: WriteSummary) -> bool:
+        key = user_prefix(op.user_id) + op.session_id.encode()
+        raw = txn.get(key, db=self._dbs[b"summaries"])
+        epoch = 0 if raw is None else _decode_summary(raw).epoch
+        if epoch != op.expected_epoch:
+            return False  # a newer summary landed since the writer read: discard this one
+        txn.put(key, _encode(op.state), db=self._dbs[b"summaries"])
+        return True
+
+    def _put_episode_in(self, txn: lmdb.Transaction, op: PutEpisode) -> Episode | None:
+        dbs = self._dbs
+        episode = op.episode
+        if txn.get(session_prefix(episode.user_id, episode.session_id)[:-1],
+                   db=dbs[b"sessions"]) is None:
+            # The session was forgotten while the episode was being made: drop it, and keep
+            # the log gapless with an empty tombstone.
+            txn.put(lsn_key(op.lsn), LOG_TOMBSTONE, db=dbs[b"log"], append=True)
+            return None
+        key = episode_key(episode)
+        txn.put(key, _encode(episode), db=dbs[b"episodes"])
+        txn.put(user_prefix(episode.user_id) + episode.episode_id.encode(), IDS_EPISODE + key,
+                db=dbs[b"ids"])
+        txn.put(lsn_key(op.lsn), LOG_EPISODE + key, db=dbs[b"log"], append=True)
+        for link in op.links:
+            for link_key in link_keys(episode.user_id, link):
+                txn.put(link_key, _encode(link), db=dbs[b"links"])
+        return episode
+
+    def _put_fact_in(self, txn: lmdb.Transaction, op: PutFact) -> list[int] | None:
+        dbs = self._dbs
+        log, ids = dbs[b"log"], dbs[b"ids"]
+        uprefix = user_prefix(op.user_id)
+        if op.requires and txn.get(lsn_key(op.requires), db=log) is None:
+            txn.put(lsn_key(op.lsn), LOG_TOMBSTONE, db=log, append=True)
+            return None  # its source was forgotten while the fact was being decided
+        left: list[int] = []
+        for old in op.retired:
+            key = fact_key(old)
+            txn.put(key, _encode(old), db=dbs[b"facts"])
+            entry = txn.get(lsn_key(old.lsn), db=log)
+            if entry is not None:
+                # Carry what the retired entry retired: an index that never read it still
+                # has to drop those versions.
+                left.extend(_fact_entry_lsns(entry)[0])
+                left.append(old.lsn)
+                txn.delete(lsn_key(old.lsn), db=log)
+                txn.delete(uprefix + lsn_key(old.lsn), db=dbs[b"vectors"])
+        if op.fact is None:
+            gone = array("Q", left)
+            gone.byteswap()
+            txn.put(lsn_key(op.lsn), LOG_TOMBSTONE + gone.tobytes(), db=log, append=True)
+            return left
+        fact = op.fact
+        key = fact_key(fact)
+        txn.put(key, _encode(fact), db=dbs[b"facts"])
+        txn.put(uprefix + fact.fact_id.encode(), IDS_FACT + key, db=ids)
+        entry = LOG_FACT + len(left).to_bytes(2, "big") + b"".join(map(lsn_key, left)) + key
+        txn.put(lsn_key(op.lsn), entry, db=log, append=True)
+        for link in op.links:
+            for link_key in link_keys(op.user_id, link):
+                txn.put(link_key, _encode(link), db=dbs[b"links"])
+        return left
+
+    def _put_link_in(self, txn: lmdb.Transaction, op: PutLink) -> None:
+        for key in link_keys(op.user_id, op.link):
+            txn.put(key, _encode(op.link), db=self._dbs[b"links"])
+
+    def _put_state_in(self, txn: lmdb.Transaction, op: PutState) -> None:
+        dbs = self._dbs
+        log = dbs[b"log"]
+        for name, key, value, guard in op.puts:
+            if guard and txn.get(lsn_key(guard), db=log) is None:
+                continue
+            if value is None:
+                txn.delete(key, db=dbs[name])
+            else:
+                txn.put(key, value, db=dbs[name])
+        for user_id, link, guard in op.links:
+            if guard and txn.get(lsn_key(guard), db=log) is None:
+                continue
+            for link_key in link_keys(user_id, link):
+                txn.put(link_key, _encode(link), db=dbs[b"links"])
+
+    def _put_vectors_in(self, txn: lmdb.Transaction, op: PutVectors) -> list[tuple[int, str, bytes]]:
+        log, vectors = self._dbs[b"log"], self._dbs[b"vectors"]
+        written = []
+        for item in op.items:
+            lsn, user_id, value = item
+            entry = txn.get(lsn_key(lsn), db=log)
+            if entry is not None and entry_record_key(entry).startswith(user_prefix(user_id)):
+                txn.put(user_prefix(user_id) + lsn_key(lsn), value, db=vectors)
+                written.append(item)
+            # else: forgotten while it was being embedded; it must not come back
+        meta = self._dbs[b"meta"]
+        txn.put(_EMBEDDED_KEY, lsn_key(op.watermark), db=meta)
+        if op.backlog is not None:
+            if op.backlog:
+                txn.put(EMBED_BACKLOG_KEY, op.backlog, db=meta)
+            else:
+                txn.delete(EMBED_BACKLOG_KEY, db=meta)
+        return written

@@ -1,0 +1,191 @@
+"""The store's key schema and byte layout: the one place that knows every database, key
+prefix, log-entry tag and meta key.
+
+Layout (named databases; every key that belongs to a user starts with ``user_id + NUL`` so one
+user's records are contiguous and a prefix scan finds all of them):
+
+=========  ======================================  ===========================================
+database   key                                     value
+=========  ======================================  ===========================================
+meta       ``schema`` / ``last_lsn`` /             8-byte big-endian integers
+           ``embedded_lsn``
+meta       ``model``                               ModelInfo (msgpack): id and dimension
+meta       ``embed_backlog``                       8-byte lsns behind ``embedded_lsn`` still
+                                                   without a vector (schema 4's migration)
+meta       ``scrub_pending``                       msgpack list of the key prefixes of users
+                                                   deleted from since the last scrub
+meta       ``chain_head``                          the hash chain's head (:mod:`.integrity`)
+sessions   user NUL session                        SessionInfo (msgpack)
+turns      user NUL session NUL seq(8 bytes)       Turn (msgpack)
+ids        user NUL turn_id                        the turn's key in ``turns``
+log        lsn (8 bytes, big-endian)               ``T`` + turn key; ``N`` + replaced lsn +
+                                                   notes key; ``D`` + deleted lsns; ``E``, ``F``
+vectors    user NUL lsn(8 bytes)                   ANN header + the embedding, float32 bytes
+links      user NUL from NUL to / user NUL to NUL  Link (msgpack), once per direction
+           from
+notes      user NUL note_id                        Note (msgpack), its latest version
+summaries  user NUL session                        SummaryState (msgpack)
+episodes   user NUL session NUL first seq(8)       Episode (msgpack)
+facts      user NUL category NUL key NUL lsn(8)    Fact (msgpack), every version kept
+entities   user NUL lower-case name                Entity (msgpack)
+reviews    user NUL memory id                      ReviewState (msgpack): FSRS after reviews
+pending    user NUL conversation id                PendingReview (msgpack)
+chain      lsn (8 bytes, big-endian)               chain digest + content digest + removed lsns
+failures   lsn(8) actor                            Failure (msgpack): a record a part skipped
+=========  ======================================  ===========================================
+
+Every value but ``meta``'s ends with a CRC-32 of the rest, sealed and checked in one place
+(:class:`.integrity.CheckedTxn`): a damaged record is ``StoreCorrupt``, never a value. The
+``chain`` database is the log's hash chain, its head in ``meta`` under ``chain_head`` (see
+:mod:`.integrity` and :mod:`.chain`); opening a store checks the chain's tail against the head.
+
+Entity names, a fact's category and key, and both ends of a link go through ``keys.fit`` when
+the key would pass LMDB's 511 bytes: a readable head, 0xFF, a digest (the full value is in the
+record). Ids a caller chooses are at most 250 bytes (checked at the call).
+
+``ids`` maps ``user NUL id`` of a turn, an episode or a fact to its key (in ``turns``, or
+after the tag ``NUL E`` / ``NUL F`` in ``episodes`` / ``facts``). Log entries: ``E`` + episode key; ``F`` + count(2) + the lsns that
+left the indexes with it (8 bytes each) + fact key.
+
+A deletion leaves a tombstone that lists the deleted sequence numbers and nothing of the user.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lmdb
+
+from ..base.records import Episode, Fact, Link
+from ..base.keys import MAX_KEY_BYTES, fit
+
+MAX_DBS = 32  # named databases LMDB reserves room for; later layers add theirs
+MAX_READERS = 126  # LMDB reader slots: the default, far above the threads we use
+
+DB_NAMES = (b"meta", b"sessions", b"turns", b"ids", b"log", b"vectors", b"links", b"notes",
+            b"summaries", b"episodes", b"facts", b"entities", b"reviews", b"pending", b"chain",
+            b"failures")
+# Databases a store of the current schema may lack (written before they were added; an engine
+# that owns the store creates them at open, a read-only one reads them as empty).
+OPTIONAL_DBS = frozenset({b"failures"})
+LOG_TURN = b"T"
+LOG_NOTE = b"N"  # + the lsn this version replaces (8 bytes, 0: none) + the notes key
+LOG_TOMBSTONE = b"D"
+LOG_EPISODE = b"E"  # + the episodes key
+LOG_FACT = b"F"  # + count (2 bytes) + lsns that left the indexes (8 bytes each) + the facts key
+# ``ids`` values: a turn's key as is; an episode's or a fact's behind a tag no turn key starts
+# with (a turn key starts with its non-empty user id).
+IDS_EPISODE = b"\x00E"
+IDS_FACT = b"\x00F"
+
+_SCHEMA_KEY = b"schema"
+_LAST_LSN_KEY = b"last_lsn"
+_EMBEDDED_KEY = b"embedded_lsn"
+_MODEL_KEY = b"model"
+# Records behind the embedding watermark that still need a vector (8-byte lsns): what a
+# migration found missing; the embedder embeds them before following the log.
+EMBED_BACKLOG_KEY = b"embed_backlog"
+HEAD_KEY = b"chain_head"  # the chain's head: last lsn (8) + digest (16) + MAC (32, if keyed)
+# Set in the transaction of every forget, cleared once the free pages were overwritten: a
+# crash in between leaves it, and the next engine scrubs again.
+SCRUB_KEY = b"scrub_pending"
+_SCRUB_FILL = b"\xffscrub"  # + 8-byte counter: the zero values a fill writes, in meta
+
+
+def open_databases(env: lmdb.Environment, txn: Any = None) -> dict[bytes, Any]:
+    """Every named database of an existing store, for readers that create nothing; one of
+    OPTIONAL_DBS that the store does not have yet is left out (read it as empty).
+
+    Raises:
+        lmdb.NotFoundError: a database every store of this schema has is missing.
+    """
+    dbs = {}
+    for name in DB_NAMES:
+        try:
+            dbs[name] = env.open_db(name, txn=txn, create=False)
+        except lmdb.NotFoundError:
+            if name not in OPTIONAL_DBS:
+                raise
+    return dbs
+
+
+def user_prefix(user_id: str) -> bytes:
+    return user_id.encode() + b"\x00"
+
+
+def session_prefix(user_id: str, session_id: str) -> bytes:
+    return user_id.encode() + b"\x00" + session_id.encode() + b"\x00"
+
+
+def lsn_key(lsn: int) -> bytes:
+    return lsn.to_bytes(8, "big")
+
+
+def fact_key(fact: Fact) -> bytes:
+    """user NUL category NUL key NUL lsn; category and key shortened (keys.fit) if long."""
+    prefix = user_prefix(fact.user_id)
+    name = fit(fact.category.encode() + b"\x00" + fact.key.encode(),
+               MAX_KEY_BYTES - len(prefix) - 9)
+    return prefix + name + b"\x00" + lsn_key(fact.lsn)
+
+
+def entity_key(user_id: str, name: str) -> bytes:
+    """user NUL lower-case name; the name shortened (keys.fit) if long."""
+    prefix = user_prefix(user_id)
+    return prefix + fit(name.encode(), MAX_KEY_BYTES - len(prefix))
+
+
+def failure_key(lsn: int, actor: str) -> bytes:
+    """lsn, actor: one failure per record and actor; writes outside the log (lsn 0) add the
+    time, so that each is kept."""
+    key = lsn_key(lsn) + actor.encode()
+    return key if lsn else key + b"\x00" + time.time_ns().to_bytes(8, "big")
+
+
+def episode_key(episode: Episode) -> bytes:
+    return session_prefix(episode.user_id, episode.session_id) + lsn_key(episode.first_seq)
+
+
+def _fact_entry_lsns(entry: bytes) -> tuple[list[int], bytes]:
+    """The lsns an ``F`` log entry retired, and the fact's key."""
+    n = int.from_bytes(entry[1:3], "big")
+    retired = [int.from_bytes(entry[3 + 8 * i: 11 + 8 * i], "big") for i in range(n)]
+    return retired, entry[3 + 8 * n:]
+
+
+def _int(raw: bytes | None) -> int | None:
+    return None if raw is None else int.from_bytes(raw, "big")
+
+
+def entry_record_key(entry: bytes) -> bytes:
+    """The key of the record a log entry names (in turns, notes, episodes or facts; it starts
+    with the user's prefix), or b"" for a tombstone."""
+    kind = entry[:1]
+    if kind == LOG_NOTE:
+        return entry[9:]
+    if kind == LOG_FACT:
+        return _fact_entry_lsns(entry)[1]
+    if kind == LOG_TOMBSTONE:
+        return b""
+    return entry[1:]
+
+
+def link_keys(user_id: str, link: Link) -> tuple[bytes, bytes]:
+    """The link's key from its source, and from its target (for walking it backwards): user
+    NUL one end NUL the other, both ends shortened (keys.fit) when that is too long."""
+    prefix = user_prefix(user_id)
+    a, b = link.from_id.encode(), link.to_id.encode()
+    if len(prefix) + len(a) + 1 + len(b) > MAX_KEY_BYTES:
+        room = (MAX_KEY_BYTES - len(prefix) - 1) // 2
+        a, b = fit(a, room), fit(b, room)
+    return prefix + a + b"\x00" + b, prefix + b + b"\x00" + a
+
+
+def link_prefixes(user_id: str, memory_id: str) -> set[bytes]:
+    """The key prefixes of the links from a memory: with its id whole, and shortened (the
+    form a link takes when both ends together are too long)."""
+    prefix = user_prefix(user_id)
+    whole = memory_id.encode()
+    short = fit(whole, (MAX_KEY_BYTES - len(prefix) - 1) // 2)
+    return {prefix + whole + b"\x00", prefix + short + b"\x00"}

@@ -1,0 +1,216 @@
+"""The log read back in order: what the derived views (the ANN and full-text indexes, the
+embedder, the long-term layer) replay from their watermarks, and :class:`LogFollower`, which
+feeds it to them and persists how far they got."""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import lmdb
+import trio
+
+from ..base.records import Episode, Fact, Turn
+from ..base.errors import EngineBroken, EngineClosed
+from ..base.messages import PutState, Searchable
+from .layout import (
+    LOG_EPISODE,
+    LOG_FACT,
+    LOG_NOTE,
+    LOG_TOMBSTONE,
+    LOG_TURN,
+    _fact_entry_lsns,
+    lsn_key,
+)
+from .codecs import _decode_turn, decode_episode, decode_fact, failure_put
+from .chain import _check_logged
+from .reads import _note_version, read_meta_lsn
+
+if TYPE_CHECKING:  # annotations only: the store imports this module
+    from .store import Store
+
+log = logging.getLogger("engram.store")
+
+
+class LogFollower:
+    """Feeds every committed record past a persisted watermark to ``handle(records, last)``,
+    in log order, forever (until the store closes). ``handle`` returns the puts and links to
+    commit together with the new watermark, so what it derived and where it got to land in one
+    transaction: nothing is derived twice or skipped across crashes.
+
+    :meth:`wait` lets ``Engine.flush`` wait until the follower has passed an lsn.
+    """
+
+    def __init__(self, store: Store, watermark_key: bytes, chunk: int,
+                 handle: Callable[[list[Searchable], int], Any]) -> None:
+        self._store = store
+        self._key = watermark_key
+        self.name = watermark_key.decode().removesuffix("_lsn")  # in its failure records
+        self._chunk = chunk
+        self._handle = handle
+        self.watermark = 0
+        self._stopped = False
+        # Parked: callers of wait, until the watermark moves or the follower stops.
+        self._progress = trio.lowlevel.ParkingLot()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        store = self._store
+        try:
+            self.watermark = await store.read(read_meta_lsn, self._key)
+            task_status.started()
+            while True:
+                await store.wait_commit_beyond(self.watermark)
+                records, _, last = await store.read(read_log_range, self.watermark,
+                                                    store.committed_lsn, self._chunk)
+                try:
+                    await self._step(records, last)
+                except (EngineClosed, EngineBroken):
+                    raise
+                except Exception:
+                    if not store.usable():
+                        raise
+                    await self._one_by_one(records, last)
+                self.watermark = last
+                self._progress.unpark_all()
+        except EngineClosed:
+            return  # the watermark on disk says where to resume
+        finally:
+            self._stopped = True
+            self._progress.unpark_all()
+
+    async def _step(self, records: list[Searchable], last: int) -> None:
+        puts, links = await self._handle(records, last)
+        puts = (*puts, (b"meta", self._key, lsn_key(last), 0))
+        await self._store.write_unlogged(PutState(puts, links, trio.Event()))
+
+    async def _one_by_one(self, records: list[Searchable], last: int) -> None:
+        """A step failed: handle its records one at a time, so that the one that fails is
+        kept as a failure (with the watermark past it) and the others are taken in."""
+        store = self._store
+        for record in records:
+            try:
+                await self._step([record], record.lsn)
+            except (EngineClosed, EngineBroken):
+                raise
+            except Exception as exc:
+                if not store.usable():
+                    raise
+                log.warning("%s: record %d failed and is kept as a failure: %r", self.name,
+                            record.lsn, exc)
+                put = failure_put(record.lsn, self.name, record.user_id, record.memory_id, exc)
+                watermark = (b"meta", self._key, lsn_key(record.lsn), 0)
+                await store.write_unlogged(PutState((put, watermark), (), trio.Event()))
+        await store.write_unlogged(PutState(((b"meta", self._key, lsn_key(last), 0),), (),
+                                            trio.Event()))
+
+    async def wait(self, lsn: int) -> None:
+        """Return once every record up to ``lsn`` was handled (or the follower stopped)."""
+        while self.watermark < lsn and not self._stopped:
+            await self._progress.park()
+
+
+def read_log_range(
+    txn: lmdb.Transaction, dbs: dict[bytes, Any], after: int, upto: int, limit: int
+) -> tuple[list[Searchable], list[int], int]:
+    """What was logged in (after, upto], in log order, at most ``limit`` records.
+
+    Returns:
+        (searchable records, lsns deleted by tombstones in the range, the last lsn looked at).
+        Records deleted since they were logged are skipped.
+    """
+    found: list[Searchable] = []
+    deleted: list[int] = []
+    last = after
+    cursor = txn.cursor(dbs[b"log"])
+    if cursor.set_range(lsn_key(after + 1)):
+        for key, entry in cursor:
+            lsn = int.from_bytes(key, "big")
+            if lsn > upto or len(found) >= limit:
+                break
+            last = lsn
+            kind = entry[:1]
+            if kind == LOG_TOMBSTONE:
+                lsns = array("Q", entry[1:])
+                lsns.byteswap()
+                deleted.extend(lsns)
+                continue
+            if kind == LOG_NOTE:
+                replaces = int.from_bytes(entry[1:9], "big")
+                if replaces:
+                    deleted.append(replaces)
+            elif kind == LOG_FACT:
+                deleted.extend(_fact_entry_lsns(entry)[0])
+            record = searchable_at(txn, dbs, lsn, entry)
+            if record is not None:
+                found.append(record)
+    if len(found) < limit:
+        last = max(last, upto)
+    return found, deleted, last
+
+
+def searchable_at(txn: lmdb.Transaction, dbs: dict[bytes, Any], lsn: int,
+                  entry: bytes) -> Searchable | None:
+    """What the indexes see of the record the log entry at ``lsn`` names; None for a
+    tombstone, a record deleted since, a note version replaced since, or a retired fact."""
+    kind = entry[:1]
+    if kind == LOG_TURN:
+        raw = txn.get(entry[1:], db=dbs[b"turns"])
+        if raw is None:
+            return None
+        t = _decode_turn(raw)
+        return Searchable(lsn, "turn", t.user_id, t.session_id, t.role, t.at, t.text,
+                          turn_tags(t), t.turn_id, t.seq)
+    if kind == LOG_NOTE:
+        note = _note_version(txn, dbs, entry, lsn)
+        if note is None:
+            return None
+        return Searchable(lsn, "note", note.user_id, "", "", note.updated_at, note.text,
+                          note.tags, note.note_id)
+    if kind == LOG_EPISODE:
+        raw = txn.get(entry[1:], db=dbs[b"episodes"])
+        return None if raw is None else episode_searchable(decode_episode(raw))
+    if kind == LOG_FACT:
+        raw = txn.get(_fact_entry_lsns(entry)[1], db=dbs[b"facts"])
+        fact = None if raw is None else decode_fact(raw)
+        return fact_searchable(fact) if fact is not None and fact.status == "active" else None
+    return None
+
+
+def read_searchables(txn: lmdb.Transaction, dbs: dict[bytes, Any],
+                     lsns: list[int]) -> list[Searchable]:
+    """What the indexes see of the records at these lsns, those still there, in order."""
+    log = dbs[b"log"]
+    found = []
+    for lsn in lsns:
+        entry = txn.get(lsn_key(lsn), db=log)
+        record = None if entry is None else searchable_at(txn, dbs, lsn, entry)
+        if record is not None:
+            _check_logged(txn, dbs, lsn_key(lsn), entry)
+            found.append(record)
+    return found
+
+
+def episode_searchable(e: Episode) -> Searchable:
+    """What the indexes see of an episode: its title, summary and keywords."""
+    text = f"{e.title}\n{e.summary}\n{' '.join(e.keywords)}"
+    return Searchable(e.lsn, "episode", e.user_id, e.session_id, "", e.end_at, text, (),
+                      e.episode_id)
+
+
+def fact_searchable(f: Fact) -> Searchable:
+    """What the indexes see of a fact: its sentence and keywords (seed 001's search text)."""
+    return Searchable(f.lsn, "fact", f.user_id, "", "", f.created_at,
+                      f"{f.text}\n{' '.join(f.keywords)}", (f.category,), f.fact_id)
+
+
+def turn_tags(turn: Turn) -> tuple[str, ...]:
+    """A turn's tags: the strings in ``meta["tags"]`` (the documented convention)."""
+    tags = turn.meta.get("tags") if turn.meta else None
+    if isinstance(tags, str):
+        return (tags,)
+    if isinstance(tags, list):
+        return tuple(t for t in tags if isinstance(t, str))
+    return ()

@@ -1,0 +1,458 @@
+"""The Store actor: LMDB, the single source of truth. Its lifecycle, opening (schema, model and
+hash-chain checks), and reads.
+
+Reads run in worker threads through :meth:`Store.read`, each in its own read transaction.
+Growing the map and closing the environment need no transaction open in the process, so both
+wait for in-flight reads to finish and hold new ones back meanwhile. The writes are
+:class:`.writer.Writer`'s, the ops' effects :class:`.apply.Appliers`' and
+:class:`.forget.Forgetting`'s: one object, its methods kept by concern in those modules.
+"""
+
+from __future__ import annotations
+
+import hmac
+from array import array
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import lmdb
+import trio
+
+from ..base.config import Config
+from ..base.records import SCHEMA_VERSION
+from ..base.errors import (
+    EngineBroken,
+    EngineClosed,
+    InvalidInput,
+    ModelMismatch,
+    RecordRefused,
+    StoreIncompatible,
+    StoreTampered,
+)
+from ..base.messages import (
+    DeleteNote,
+    Forget,
+    PutEpisode,
+    PutFact,
+    PutLink,
+    PutNote,
+    PutState,
+    PutVectors,
+    ScrubFreePages,
+    StoreOp,
+    WriteSummary,
+)
+from .layout import (
+    DB_NAMES,
+    EMBED_BACKLOG_KEY,
+    HEAD_KEY,
+    MAX_DBS,
+    MAX_READERS,
+    SCRUB_KEY,
+    _EMBEDDED_KEY,
+    _LAST_LSN_KEY,
+    _MODEL_KEY,
+    _SCHEMA_KEY,
+    _int,
+    lsn_key,
+    open_databases,
+)
+from .codecs import _encode
+from .integrity import CheckedTxn, ZERO, check_file, decode_head, encode_head, head_mac
+from .vectors import ModelInfo, _decode_model
+from .chain import check_chain
+from .migrate import MIGRATIONS
+from .compact import clean_copy
+from .apply import Appliers
+from .forget import Forgetting
+from .writer import COMMIT_TIMES, Writer
+
+READ_THREADS = 2  # concurrent read transactions: one per core; the writer has its own limiter
+TAIL_CHECK = 64  # log positions whose chain opening a store recomputes: the last writes
+
+T = TypeVar("T")
+
+
+class Store(Writer, Appliers, Forgetting):
+    """The LMDB store. Start with ``await nursery.start(store.run)``; stop with :meth:`close`.
+
+    Args:
+        path: the store directory (created if missing).
+        config: the engine's config.
+        model: the embedding model the engine runs; a store made with another is refused.
+        reembed: adopt ``model`` even if the store's vectors came from another one, dropping
+            those vectors so that everything is embedded again.
+        read_only: open an existing store for reading only, as another process's engine may
+            be writing it (LMDB's lock file keeps its readers safe); every write is refused.
+    """
+
+    def __init__(self, path: Path, config: Config, model: ModelInfo | None = None,
+                 reembed: bool = False, read_only: bool = False) -> None:
+        self.path = path
+        self._config = config
+        self._model = model
+        self._reembed = reembed
+        self.read_only = read_only  # readers of a store another process may be writing
+        self.embedded_lsn = 0  # the persisted embedding watermark, as read at open
+        self.embed_backlog: list[int] = []  # lsns behind it still without a vector, at open
+        self.scrub_pending = False  # a forget's freed pages may still hold its bytes (at open)
+        # The last transaction that freed pages holding deleted records: a reader holding a
+        # snapshot from before it keeps LMDB from reusing (and so overwriting) those pages.
+        self._freed_txnid = 0
+        self._touched: list[bytes] = []  # the users' key prefixes the last touch rewrote
+        self._touch_plan: list[tuple[bytes, bytes]] | None = None  # (prefix, db) left to touch
+        self._touch_from: bytes | None = None  # where the touch of the plan's first resumes
+        self._env: lmdb.Environment | None = None
+        self._dbs: dict[bytes, Any] = {}
+        self._names: dict[Any, bytes] = {}  # database handle -> name, for CheckedTxn
+        key = config.integrity_key
+        self._key = None if key is None else key.encode()
+        self._head = (0, ZERO)  # the chain's last lsn and digest, as committed
+        self._queue: deque[StoreOp] = deque()
+        self._queued = 0  # ops taken and not yet committed (queued or in the writer)
+        self._next_lsn = 1
+        self._committed_lsn = 0
+        self._waiters: list[tuple[int, int, trio.Event]] = []  # heap of (lsn, tiebreak, event)
+        self._tiebreak = 0
+        self._failure: BaseException | None = None  # why the commit loop died, if it did
+        # Ops the writer refused alone (their batch committed without them): by lsn for their
+        # waiters, by id() for unlogged ops whose writer waits on ``done``.
+        self._refused: dict[int, RecordRefused] = {}
+        self._refused_ops: dict[int, RecordRefused] = {}
+        self._unreported: dict[int, RecordRefused] = {}  # refused lsns no flush has raised yet
+        self._closing = False
+        self._readers = 0
+        self._exclusive = False  # set while the map grows or the env closes: reads wait
+        # Parked: the commit loop, while the queue is empty.
+        self._wakeup = trio.lowlevel.ParkingLot()
+        # Parked: callers waiting for queue room (backpressure).
+        self._room = trio.lowlevel.ParkingLot()
+        # Parked: readers waiting out an exclusive section, and the section waiting for readers.
+        self._gate = trio.lowlevel.ParkingLot()
+        # Parked: followers of the log (the embedder) waiting for the next commit.
+        self._commits = trio.lowlevel.ParkingLot()
+        self._submitted = 0  # ops ever queued, logged or not
+        self._written = 0  # ops ever committed: the queue is FIFO, so the first _written of them
+        # Parked: callers of wait_written, until the next batch commits.
+        self._batches = trio.lowlevel.ParkingLot()
+        # Shielded from close() on, so queued turns reach the disk even when the body failed.
+        self._drain_scope = trio.CancelScope()
+        # How the writer applies each kind of op other than appends (batched apart, see _plan),
+        # inside the batch's write transaction; what it returns goes to the op's ``committed``.
+        self._appliers: dict[type, Callable[[lmdb.Transaction, Any], Any]] = {
+            Forget: self._forget_in, PutVectors: self._put_vectors_in, PutNote: self._put_note_in,
+            DeleteNote: self._delete_note_in, WriteSummary: self._write_summary_in,
+            PutEpisode: self._put_episode_in, PutFact: self._put_fact_in,
+            PutState: self._put_state_in, PutLink: self._put_link_in,
+            ScrubFreePages: self._scrub_in,
+        }
+        self._write_limiter = trio.CapacityLimiter(1)
+        self._read_limiter = trio.CapacityLimiter(READ_THREADS)
+        # (lsn, trio time): every lsn above the previous sample's and up to this one was
+        # committed within COMMIT_TIME_STEP after this time; how far behind a follower is.
+        self._commit_times: deque[tuple[int, float]] = deque(maxlen=COMMIT_TIMES)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Open the environment, then commit queued ops until closed and drained."""
+        self._env = await trio.to_thread.run_sync(
+            self._open_env_read_only if self.read_only else self._open_env)
+        self._commit_times.append((self._committed_lsn, trio.current_time()))
+        task_status.started()
+        try:
+            with self._drain_scope:
+                await self._commit_loop()
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._close_env()
+
+    def close(self) -> None:
+        """Stop taking ops; the loop commits what is queued and ends.
+
+        The drain is shielded from cancellation and bounded by work, not by a timer: at most
+        QUEUE_LIMIT turns, a few commits. A timer could not tell a slow fsync from a dead disk,
+        and giving up would lose turns that callers were told are in memory.
+        """
+        self._closing = True
+        self._drain_scope.shield = True
+        self._wakeup.unpark_all()
+        self._room.unpark_all()
+        self._commits.unpark_all()
+
+    def _open_env(self) -> lmdb.Environment:
+        if self.path.exists() and not self.path.is_dir():
+            raise InvalidInput("path", f"expected a store directory, found a file at {self.path}")
+        self.path.mkdir(parents=True, exist_ok=True)
+        check_file(self.path)
+        try:
+            env = lmdb.open(
+                str(self.path),
+                map_size=self._config.initial_map_bytes,
+                max_dbs=MAX_DBS,
+                max_readers=MAX_READERS,
+                sync=self._config.fsync,
+                metasync=self._config.fsync,
+                writemap=False,
+                map_async=False,
+            )
+        except lmdb.Error as exc:
+            raise StoreIncompatible(f"cannot open an LMDB store at {self.path}: {exc}") from exc
+        try:
+            with env.begin(write=True) as txn:
+                self._dbs = {name: env.open_db(name, txn=txn) for name in DB_NAMES}
+                self._names = {handle: name for name, handle in self._dbs.items()}
+                self._check_schema(txn)
+                self._check_model(txn)
+                self._check_chain(txn)
+                meta = self._dbs[b"meta"]
+                self._next_lsn = (_int(txn.get(_LAST_LSN_KEY, db=meta)) or 0) + 1
+                self.embedded_lsn = _int(txn.get(_EMBEDDED_KEY, db=meta)) or 0
+                self.scrub_pending = txn.get(SCRUB_KEY, db=meta) is not None
+                self._freed_txnid = txn.id()
+                backlog = array("Q", txn.get(EMBED_BACKLOG_KEY, db=meta) or b"")
+                backlog.byteswap()
+                self.embed_backlog = backlog.tolist()
+        except BaseException:
+            env.close()
+            raise
+        self._committed_lsn = self._next_lsn - 1
+        return env
+
+    def _open_env_read_only(self) -> lmdb.Environment:
+        """The environment for reading only; nothing is created, migrated or adopted."""
+        if not (self.path / "data.mdb").exists():
+            raise InvalidInput("path", f"expected an Engram store, found no data.mdb in "
+                                       f"{self.path}")
+        check_file(self.path)
+        try:
+            # lock=True: this reader takes a slot in LMDB's reader table, so a writer in
+            # another process never reuses the pages it reads.
+            env = lmdb.open(str(self.path), readonly=True, lock=True, max_dbs=MAX_DBS,
+                            max_readers=MAX_READERS)
+        except lmdb.Error as exc:
+            raise StoreIncompatible(f"cannot open an LMDB store at {self.path}: {exc}") from exc
+        try:
+            try:
+                # Each opened in its own transaction (a handle opened inside a read-only
+                # transaction of py-lmdb dies with it).
+                self._dbs = open_databases(env)
+            except lmdb.NotFoundError:
+                self._dbs = {}
+            self._names = {handle: name for name, handle in self._dbs.items()}
+            with env.begin() as txn:
+                meta = self._dbs.get(b"meta")
+                stored = None if meta is None else _int(txn.get(_SCHEMA_KEY, db=meta))
+                if stored != SCHEMA_VERSION:
+                    raise StoreIncompatible(
+                        f"{self.path} has schema version {stored} and this build reads "
+                        f"{SCHEMA_VERSION}; a read-only engine migrates nothing: open it once "
+                        "with Engine.open(path) (not read_only) when nobody serves it")
+                raw = txn.get(_MODEL_KEY, db=meta)
+                stored_model = None if raw is None else _decode_model(raw)
+                if (self._model is not None and stored_model is not None
+                        and stored_model != self._model):
+                    raise ModelMismatch(
+                        f"{self.path} holds vectors from {stored_model.id} and this engine runs "
+                        f"{self._model.id}; open it read-only with the model it was built with",
+                        stored_model.id, self._model.id)
+                self._next_lsn = (_int(txn.get(_LAST_LSN_KEY, db=meta)) or 0) + 1
+                self.embedded_lsn = _int(txn.get(_EMBEDDED_KEY, db=meta)) or 0
+                if self._next_lsn > 1:  # an empty store has no chain to check
+                    self._check_chain(txn)
+        except BaseException:
+            env.close()
+            raise
+        self._committed_lsn = self._next_lsn - 1
+        return env
+
+    def _check_schema(self, txn: lmdb.Transaction) -> None:
+        meta = self._dbs[b"meta"]
+        stored = _int(txn.get(_SCHEMA_KEY, db=meta))
+        if stored is None:
+            if txn.stat(self._dbs[b"log"])["entries"] or txn.stat(meta)["entries"]:
+                raise StoreIncompatible(
+                    f"{self.path} holds LMDB data without an Engram schema version; "
+                    "point Engine.open at an empty directory or an Engram store"
+                )
+            txn.put(_SCHEMA_KEY, SCHEMA_VERSION.to_bytes(8, "big"), db=meta)
+            return
+        if stored > SCHEMA_VERSION:
+            raise StoreIncompatible(
+                f"{self.path} has schema version {stored}, newer than this build reads "
+                f"({SCHEMA_VERSION}); upgrade engram to open it"
+            )
+        for version in range(stored, SCHEMA_VERSION):
+            if version not in MIGRATIONS:
+                raise StoreIncompatible(
+                    f"{self.path} has schema version {stored} and this build has no migration "
+                    f"from {version} to {version + 1}"
+                )
+            MIGRATIONS[version](txn, self._dbs)
+        if stored != SCHEMA_VERSION:
+            txn.put(_SCHEMA_KEY, SCHEMA_VERSION.to_bytes(8, "big"), db=meta)
+
+    def _check_chain(self, txn: lmdb.Transaction) -> None:
+        """Check the chain's head (and its MAC, with a key) and recompute its last TAIL_CHECK
+        links: a cut, a forged append or an edit among the latest writes refuses the store."""
+        meta = self._dbs[b"meta"]
+        last = _int(txn.get(_LAST_LSN_KEY, db=meta)) or 0
+        raw = txn.get(HEAD_KEY, db=meta)
+        if raw is None and not last and not txn.stat(self._dbs[b"log"])["entries"]:
+            txn.put(HEAD_KEY, encode_head(0, ZERO, self._key), db=meta)  # a new store
+            return
+        head = None if raw is None else decode_head(raw)
+        if head is None:
+            raise StoreTampered(
+                f"{self.path} has a log of {last} entries but {'no' if raw is None else 'a broken'}"
+                f" hash-chain head (meta {HEAD_KEY!r}); it was edited outside the engine: run "
+                f"`engram-trio verify {self.path}` and restore from a snapshot", "meta", HEAD_KEY)
+        if self._key is None and head.mac:
+            raise StoreIncompatible(
+                f"{self.path} is sealed with an integrity key (its chain head carries a MAC); "
+                "open it with Config(integrity_key=...) set to that key")
+        if self._key is not None and not head.mac:
+            if head.lsn:
+                raise StoreIncompatible(
+                    f"{self.path} was written without an integrity key, so nothing vouches for "
+                    f"what it holds so far; check it and seal it with `engram-trio verify {self.path} "
+                    "--seal` (the key in ENGRAM_INTEGRITY_KEY), then open it with the key")
+            txn.put(HEAD_KEY, encode_head(0, ZERO, self._key), db=meta)
+            head = decode_head(encode_head(0, ZERO, self._key))
+        if self._key is not None and not hmac.compare_digest(
+                head.mac, head_mac(self._key, head.lsn, head.digest)):
+            raise StoreTampered(
+                f"{self.path}: the MAC of the hash-chain head does not match under the "
+                "configured integrity_key: the store was edited by someone without the key, or "
+                "the key is not the one it was written with", "meta", HEAD_KEY)
+        if head.lsn != last:
+            raise StoreTampered(
+                f"{self.path}: the hash chain ends at log position {head.lsn} and the store "
+                f"says its log ends at {last}: records were cut or added outside the engine; "
+                f"run `engram-trio verify {self.path}`", "meta", _LAST_LSN_KEY, min(head.lsn, last))
+        problems = check_chain(CheckedTxn(txn, self._names), self._dbs,
+                               max(1, last - TAIL_CHECK + 1), last, head.digest)
+        if problems:
+            lsn, what = problems[0]
+            raise StoreTampered(
+                f"{self.path}: at log position {lsn}, {what} ({len(problems)} problem(s) in the "
+                f"last {min(TAIL_CHECK, last)} positions); run `engram-trio verify {self.path}` for "
+                "every break, and restore from a snapshot", "log", lsn_key(lsn), lsn)
+        self._head = (last, head.digest)
+
+    def _check_model(self, txn: lmdb.Transaction) -> None:
+        if self._model is None:
+            return
+        meta = self._dbs[b"meta"]
+        raw = txn.get(_MODEL_KEY, db=meta)
+        stored = None if raw is None else _decode_model(raw)
+        if stored == self._model:
+            return
+        if stored is not None and not self._reembed:
+            raise ModelMismatch(
+                f"{self.path} holds vectors from {stored.id} (dimension {stored.dim}) and this "
+                f"engine runs {self._model.id} (dimension {self._model.dim}); re-embed the store "
+                f"with `engram-trio reindex {self.path} --model <name>` (or "
+                "Engine.open(..., reembed=True)), or open it with the model it was built with",
+                stored.id, self._model.id,
+            )
+        if stored is not None:
+            txn.drop(self._dbs[b"vectors"], delete=False)
+            txn.put(_EMBEDDED_KEY, lsn_key(0), db=meta)
+        txn.put(_MODEL_KEY, _encode(self._model), db=meta)
+
+    async def _close_env(self) -> None:
+        await self._enter_exclusive()
+        try:
+            if self._env is not None:
+                self._env.close()
+                self._env = None
+        finally:
+            self._leave_exclusive()
+        self._wake_all_waiters()
+
+    async def _grow_map(self) -> None:
+        await self._enter_exclusive()
+        try:
+            size = self._env.info()["map_size"] * 2
+            self._env.set_mapsize(size)
+        finally:
+            self._leave_exclusive()
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def read(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(txn, dbs, *args)`` in a worker thread inside one read transaction.
+
+        Raises:
+            EngineClosed: the store is closed.
+        """
+        while self._exclusive:
+            await self._gate.park()
+        if self._env is None:
+            raise EngineClosed("the engine is closed; open a new one with Engine.open(path)")
+        self._readers += 1
+        try:
+            return await trio.to_thread.run_sync(
+                self._read_in_thread, fn, args, limiter=self._read_limiter
+            )
+        except _MapResized:
+            pass
+        finally:
+            self._readers -= 1
+            if not self._readers and self._gate:
+                self._gate.unpark_all()
+        await self._enter_exclusive()
+        try:
+            if self._env is not None:
+                self._env.set_mapsize(0)  # 0: adopt the size the writer set
+        finally:
+            self._leave_exclusive()
+        return await self.read(fn, *args)
+
+    def _read_in_thread(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        try:
+            with self._env.begin(buffers=False) as txn:
+                return fn(CheckedTxn(txn, self._names), self._dbs, *args)
+        except lmdb.MapResizedError:
+            # The writing process grew the map: a reader adopts the new size (LMDB allows it
+            # only with no transaction open in this process, so the caller does it).
+            raise _MapResized() from None
+        except lmdb.Error as exc:
+            raise EngineBroken(f"reading the store at {self.path} failed: {exc}") from exc
+
+    async def copy_to(self, dest: Path) -> int:
+        """A record-by-record copy of the environment into the empty directory ``dest``
+        (:func:`clean_copy`), from a worker thread in one read transaction (so never from the
+        writer's thread with its transaction open); ingestion goes on meanwhile. No byte of a
+        deleted record travels. Returns the last lsn the copy holds."""
+
+        def copy(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> int:
+            clean_copy(self._env, txn.raw, dest)
+            return _int(txn.get(_LAST_LSN_KEY, db=dbs[b"meta"])) or 0
+
+        dest.mkdir(parents=True)
+        return await self.read(copy)
+
+    async def _enter_exclusive(self) -> None:
+        while self._exclusive:
+            await self._gate.park()
+        self._exclusive = True
+        while self._readers:
+            await self._gate.park()
+
+    def _leave_exclusive(self) -> None:
+        self._exclusive = False
+        self._gate.unpark_all()
+
+    def map_size(self) -> int:
+        return 0 if self._env is None else self._env.info()["map_size"]
+
+
+class _MapResized(Exception):
+    """A read found the map grown by another process (read-only engines); retried."""

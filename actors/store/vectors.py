@@ -1,0 +1,60 @@
+"""The vectors a store holds and the embedding model they come from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import msgspec
+
+from .layout import MAX_DBS, _MODEL_KEY, user_prefix
+from .integrity import check_file
+
+
+class ModelInfo(msgspec.Struct, frozen=True, array_like=True):
+    """The embedding model whose vectors a store holds."""
+
+    id: str
+    dim: int
+
+
+_decode_model = msgspec.msgpack.Decoder(ModelInfo).decode
+
+
+def read_user_vectors(
+    txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str
+) -> tuple[list[int], bytes]:
+    """A user's vector lsns in order, and their values concatenated (parsed by the ANN)."""
+    prefix = user_prefix(user_id)
+    cursor = txn.cursor(dbs[b"vectors"])
+    lsns: list[int] = []
+    values: list[bytes] = []
+    if cursor.set_range(prefix):
+        for key, value in cursor:
+            if not key.startswith(prefix):
+                break
+            lsns.append(int.from_bytes(key[len(prefix):], "big"))
+            values.append(value)
+    return lsns, b"".join(values)
+
+
+def stored_model(path: Path) -> ModelInfo | None:
+    """The embedding model recorded in a store on disk (None: none recorded yet).
+
+    Raises:
+        StoreCorrupt: its data.mdb is shorter than LMDB's header says.
+    """
+    check_file(path)
+    # lock=True: another process may be serving the store, and only a reader in LMDB's
+    # reader table is safe from its writer reusing the pages being read.
+    env = lmdb.open(str(path), readonly=True, lock=True, max_dbs=MAX_DBS)
+    try:
+        with env.begin() as txn:
+            meta = env.open_db(b"meta", txn=txn, create=False)
+            raw = txn.get(_MODEL_KEY, db=meta)
+        return None if raw is None else _decode_model(raw)
+    except lmdb.NotFoundError:
+        return None
+    finally:
+        env.close()

@@ -1,0 +1,498 @@
+"""The writer: the op queue, group commit, and the waits for a commit.
+
+py-lmdb binds a write transaction to the thread that began it, so:
+
+- Writes are group-committed: everything queued while one commit runs becomes the next batch,
+  and each batch is one write transaction begun and committed inside one ``to_thread.run_sync``
+  call. The queue is appended to synchronously on the trio thread, so log order is call order
+  and a cancelled caller can never leave a hole in the sequence; backpressure happens *before*
+  a sequence number is taken (:meth:`Writer.reserve`).
+- One op that cannot be written (a key LMDB refuses, a value that does not encode) is refused
+  alone: the batch is written again with each op in a nested transaction, and the refused op's
+  log position gets an empty tombstone.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import lmdb
+import msgspec
+import trio
+
+from ..base.records import SessionInfo
+from ..base.errors import EngineBroken, EngineClosed, EngineError, InvalidInput, RecordRefused
+from ..base.messages import (
+    AppendTurn,
+    DeleteNote,
+    Forget,
+    PutEpisode,
+    PutFact,
+    PutLink,
+    PutNote,
+    PutState,
+    PutVectors,
+    StoreOp,
+    WriteSummary,
+)
+from .layout import HEAD_KEY, LOG_TURN, _LAST_LSN_KEY, lsn_key
+from .codecs import _encode, failure_put
+from .integrity import CheckedTxn, encode_head
+from .chain import _chain_in, _chain_turns, _tombstone_in
+
+log = logging.getLogger("engram.store")
+
+QUEUE_LIMIT = 16_384  # queued turns before callers wait: ~4 full batches means the disk is behind
+BATCH_MAX = 4_096  # ops per write transaction, so one commit (and the waiters behind it) stays short
+COMMIT_TIME_STEP = 0.1  # seconds one commit-time sample covers: how precise a lag in seconds is
+COMMIT_TIMES = 100_000  # samples kept: ~2.8 hours of constant commits at one per step
+# Errors of one op (a key LMDB cannot hold, a value that cannot be encoded): the op is refused
+# alone and the rest of its batch commits. Any other lmdb.Error is the disk's and breaks the store.
+_OP_ERRORS = (lmdb.BadValsizeError, ValueError, TypeError, OverflowError, msgspec.MsgspecError)
+REFUSALS_KEPT = 1024  # refused lsns remembered for their waiters
+
+
+class _Puts:
+    """One run of appends between deletions, grouped per database for ``putmulti``."""
+
+    __slots__ = ("turns", "ids", "log", "sessions", "ops")
+
+    def __init__(self) -> None:
+        self.ops: list[AppendTurn] = []  # for writing them one by one if the run fails
+        self.turns: list[tuple[bytes, bytes]] = []
+        self.ids: list[tuple[bytes, bytes]] = []
+        self.log: list[tuple[bytes, bytes]] = []
+        self.sessions: list[tuple[bytes, bytes]] = []
+
+
+def _plan(ops: list[StoreOp]) -> list[Any]:
+    """Cut a batch into runs of appends and other ops, in order. Runs on the trio thread."""
+    segments: list[Any] = []
+    puts = _Puts()
+    latest: dict[bytes, AppendTurn] = {}
+
+    def close_run() -> None:
+        for key, op in latest.items():
+            t = op.turn
+            info = SessionInfo(t.user_id, t.session_id, op.started_at, t.at, t.seq + 1)
+            puts.sessions.append((key, _encode(info)))
+        segments.append(puts)
+
+    for op in ops:
+        if type(op) is AppendTurn:
+            t = op.turn
+            puts.ops.append(op)
+            puts.turns.append((op.key, op.value))
+            puts.ids.append((op.id_key, op.key))
+            puts.log.append((lsn_key(t.lsn), LOG_TURN + op.key))
+            latest[op.key[:-9]] = op  # the turn key less NUL + seq is the sessions key
+        else:
+            if puts.turns:
+                close_run()
+                puts, latest = _Puts(), {}
+            segments.append(op)
+    if puts.turns:
+        close_run()
+    return segments
+
+
+def _put_run(txn: lmdb.Transaction, dbs: dict[bytes, Any], seg: _Puts) -> None:
+    """A run of appends, one putmulti per database."""
+    added = txn.cursor(dbs[b"turns"]).putmulti(seg.turns)[1]
+    txn.cursor(dbs[b"ids"]).putmulti(seg.ids)
+    txn.cursor(dbs[b"sessions"]).putmulti(seg.sessions)
+    logged = txn.cursor(dbs[b"log"]).putmulti(seg.log, append=True)[1]
+    if added != len(seg.turns) or logged != len(seg.log):
+        raise AssertionError(
+            f"store invariant broken: {len(seg.turns)} turns to write, "
+            f"{added} new keys, {logged} of {len(seg.log)} log entries appended"
+        )
+
+
+def _put_one(txn: lmdb.Transaction, dbs: dict[bytes, Any], op: AppendTurn) -> None:
+    """One append on its own (a run that failed is written again turn by turn)."""
+    t = op.turn
+    txn.put(op.key, op.value, db=dbs[b"turns"])
+    txn.put(op.id_key, op.key, db=dbs[b"ids"])
+    txn.put(lsn_key(t.lsn), LOG_TURN + op.key, db=dbs[b"log"])
+    info = SessionInfo(t.user_id, t.session_id, op.started_at, t.at, t.seq + 1)
+    txn.put(op.key[:-9], _encode(info), db=dbs[b"sessions"])
+
+
+def _op_identity(op: Any) -> tuple[str, str]:
+    """(user id, memory id) of an op, as far as it names them, for its failure record."""
+    match op:
+        case AppendTurn():
+            return op.turn.user_id, op.turn.turn_id
+        case PutNote():
+            return op.note.user_id, op.note.note_id
+        case PutEpisode():
+            return op.episode.user_id, op.episode.episode_id
+        case PutFact():
+            return op.user_id, op.fact.fact_id if op.fact is not None else ""
+        case DeleteNote():
+            return op.user_id, op.note_id
+    return getattr(op, "user_id", None) or "", ""
+
+
+def _read_only_error() -> InvalidInput:
+    return InvalidInput("read_only", "expected an engine that owns the store, found one opened "
+                                     "with read_only=True, which writes nothing; open the store "
+                                     "with Engine.open(path) where it is served")
+
+
+class Writer:
+    """The writing side of :class:`~.store.Store`: the op queue, group commit, refusals and
+    the waits for a commit. Its state is set up in ``Store.__init__``."""
+
+    # -- writes ------------------------------------------------------------------------------
+
+    @property
+    def next_lsn(self) -> int:
+        """The sequence number the next queued op will get."""
+        return self._next_lsn
+
+    @property
+    def committed_lsn(self) -> int:
+        """Every op up to this sequence number is committed."""
+        return self._committed_lsn
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def committed_since(self, lsn: int) -> float:
+        """How long ago (trio time, seconds) ``lsn`` was committed, to within COMMIT_TIME_STEP;
+        0 if it is not committed yet. An lsn committed before this process opened the store
+        counts from the open; past COMMIT_TIMES samples, from the oldest kept."""
+        times = self._commit_times
+        if lsn > self._committed_lsn or not times:
+            return 0.0
+        low, high = 0, len(times) - 1
+        while low < high:  # the first sample covering lsn
+            mid = (low + high) // 2
+            if times[mid][0] < lsn:
+                low = mid + 1
+            else:
+                high = mid
+        return trio.current_time() - times[low][1]
+
+    def check_usable(self) -> None:
+        """Raise if ops can no longer be taken.
+
+        Raises:
+            EngineBroken: the store failed.
+            EngineClosed: the store is closing.
+        """
+        if self._failure is not None:
+            raise EngineBroken("the store failed; reopen it to go on") from self._failure
+        if self._closing:
+            raise EngineClosed("the engine is closed; open a new one with Engine.open(path)")
+
+    def usable(self) -> bool:
+        """Whether ops can still be taken (see :meth:`check_usable`)."""
+        return self._failure is None and not self._closing
+
+    async def reserve(self, n: int) -> None:
+        """Wait until ``n`` more ops fit in the queue. Cancel-safe: nothing is taken yet.
+
+        Returns at once, without a checkpoint, when there is room: this is the hot path.
+        """
+        while self._queued and self._queued + n > QUEUE_LIMIT:
+            self.check_usable()
+            await self._room.park()
+        self.check_usable()
+        if self.read_only:
+            raise _read_only_error()
+
+    def has_room(self, n: int) -> bool:
+        """Whether ``n`` more ops fit in the queue now: :meth:`reserve` would not wait.
+
+        Raises:
+            EngineBroken / EngineClosed: as :meth:`check_usable`.
+        """
+        self.check_usable()
+        return not (self._queued and self._queued + n > QUEUE_LIMIT)
+
+    def submit(self, op: StoreOp) -> None:
+        """Queue an op whose lsn is :attr:`next_lsn`, or a derived op with none. Synchronous, so
+        queue order is lsn order."""
+        if self.read_only:
+            raise _read_only_error()
+        if op.lsn is not None:
+            if op.lsn != self._next_lsn:
+                raise AssertionError(f"op lsn {op.lsn} submitted, expected {self._next_lsn}")
+            self._next_lsn += 1
+        self._queue.append(op)
+        self._queued += 1
+        self._submitted += 1
+        if self._wakeup:
+            self._wakeup.unpark_all()
+
+    async def wait_committed(self, lsn: int) -> None:
+        """Return once every op up to ``lsn`` is committed.
+
+        Raises:
+            EngineBroken: the store failed before committing it.
+            EngineClosed: the engine closed before committing it.
+        """
+        if lsn <= self._committed_lsn:
+            await trio.lowlevel.checkpoint()
+            if lsn in self._refused:
+                raise self._refused[lsn]
+            return
+        if self._failure is not None or self._env is None:
+            raise self._not_committed_error()
+        self._tiebreak += 1
+        event = trio.Event()  # set once the commit covering lsn lands, or the store fails
+        heapq.heappush(self._waiters, (lsn, self._tiebreak, event))
+        await event.wait()
+        if lsn > self._committed_lsn:
+            raise self._not_committed_error()
+        if lsn in self._refused:
+            raise self._refused[lsn]
+
+    def _not_committed_error(self) -> EngineError:
+        if self._failure is None:
+            return EngineClosed("the engine closed before this turn was committed")
+        error = EngineBroken("the store failed before committing this turn; reopen it to go on")
+        error.__cause__ = self._failure
+        return error
+
+    def take_refused(self, upto: int) -> list[RecordRefused]:
+        """The refusals of logged ops up to ``upto`` that no earlier call returned (for
+        ``Engine.flush``, which promises everything acknowledged before it is on disk)."""
+        taken = [lsn for lsn in self._unreported if lsn <= upto]
+        return [self._unreported.pop(lsn) for lsn in taken]
+
+    async def wait_written(self) -> None:
+        """Return once every op queued before the call is committed, whether it took a log
+        position or not (vectors, links, derived state).
+
+        Raises:
+            EngineBroken: the store failed first.
+            EngineClosed: the store closed first.
+        """
+        target = self._submitted
+        while self._written < target:
+            if self._failure is not None or self._env is None:
+                raise self._not_committed_error()
+            await self._batches.park()
+        await trio.lowlevel.checkpoint()
+
+    async def wait_commit_beyond(self, lsn: int) -> None:
+        """Return once the committed log passes ``lsn`` (at once if it already has).
+
+        Raises:
+            EngineClosed: the store closed first.
+        """
+        while self._committed_lsn <= lsn:
+            if self._closing:
+                raise EngineClosed("the store is closing")
+            await self._commits.park()
+        await trio.lowlevel.checkpoint()
+
+    async def write_unlogged(self, op: PutVectors | PutLink | WriteSummary | PutState) -> None:
+        """Queue an op that takes no log position and wait for its commit.
+
+        Raises:
+            RecordRefused: the store could not write this op (the rest of its batch landed).
+            EngineBroken / EngineClosed: the store failed or closed first.
+        """
+        self.check_usable()
+        self.submit(op)
+        await op.done.wait()
+        refused = self._refused_ops.pop(id(op), None)
+        if refused is not None:
+            raise refused
+        if self._failure is not None:
+            raise self._not_committed_error()
+
+    async def forget(self, user_id: str, session_id: str | None,
+                     committed: Callable[[list[int]], None] | None = None) -> None:
+        """Delete a session or a user and wait until that is committed. ``committed`` gets the
+        deleted lsns on the trio thread, in commit order with every other op."""
+        await self.reserve(1)
+        lsn = self._next_lsn
+        self.submit(Forget(lsn, user_id, session_id, committed))
+        await self.wait_committed(lsn)
+
+    async def _commit_loop(self) -> None:
+        while True:
+            if not self._queue:
+                if self._closing:
+                    return
+                await self._wakeup.park()
+                continue
+            n = min(len(self._queue), BATCH_MAX)
+            ops = [self._queue.popleft() for _ in range(n)]
+            segments = _plan(ops)
+            last = max((op.lsn for op in ops if op.lsn is not None), default=None)
+            while (written := await trio.to_thread.run_sync(
+                self._write, segments, last, limiter=self._write_limiter
+            )) is None:
+                await self._grow_map()
+            results, refused = written
+            for op, error in refused:
+                self._refuse(op, error)
+            self._queued -= n
+            self._written += n
+            if self._room:
+                self._room.unpark_all()
+            if self._batches:
+                self._batches.unpark_all()
+            # Derived views learn of each op here, on the trio thread and in commit order, so
+            # none can apply a deletion before the write it deletes.
+            for op, result in results:
+                committed = getattr(op, "committed", None)
+                if committed is not None:
+                    committed(result)
+                done = getattr(op, "done", None)
+                if done is not None:
+                    done.set()
+            if last is None:
+                continue
+            self._committed_lsn = last
+            now, times = trio.current_time(), self._commit_times
+            if now - times[-1][1] < COMMIT_TIME_STEP:
+                times[-1] = (last, times[-1][1])
+            else:
+                times.append((last, now))
+            waiters = self._waiters
+            while waiters and waiters[0][0] <= last:
+                heapq.heappop(waiters)[2].set()
+            if self._commits:
+                self._commits.unpark_all()
+
+    def _refuse(self, op: StoreOp, error: BaseException) -> None:
+        """Tell the op's caller (trio thread): its waiter raises RecordRefused, nobody else."""
+        lsn = op.lsn or 0
+        user_id, memory_id = _op_identity(op)
+        named = f" {memory_id!r} of user {user_id!r}" if memory_id else ""
+        refusal = RecordRefused(lsn, f"the store refused the record at lsn {lsn}{named} "
+                                     f"({type(op).__name__}): {type(error).__name__}: {error}; "
+                                     "the rest of its batch was written", memory_id)
+        log.warning("%s", refusal)
+        if op.lsn is not None:
+            self._refused[op.lsn] = refusal
+            self._unreported[op.lsn] = refusal
+            while len(self._refused) > REFUSALS_KEPT:
+                del self._refused[next(iter(self._refused))]
+            while len(self._unreported) > REFUSALS_KEPT:
+                del self._unreported[next(iter(self._unreported))]
+        elif getattr(op, "done", None) is not None:
+            self._refused_ops[id(op)] = refusal
+            op.done.set()
+
+    def _write(self, segments: list[Any], last_lsn: int | None
+               ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, BaseException]]] | None:
+        """One write transaction (worker thread). If one op cannot be written, the batch is
+        written again with each op in a nested transaction, so only that op is left out.
+
+        Returns:
+            ((op, result) for every op that is not an append, in order; (op, error) for every
+            op refused); None if the map was full and nothing was written.
+        """
+        try:
+            try:
+                return self._write_batch(segments, last_lsn, False)
+            except _OP_ERRORS:
+                pass  # some op of the batch cannot be written: find it, write the others
+            return self._write_batch(segments, last_lsn, True)
+        except lmdb.MapFullError:
+            return None
+        except lmdb.Error as exc:
+            raise EngineBroken(f"writing to the store at {self.path} failed: {exc}") from exc
+
+    def _write_batch(self, segments: list[Any], last_lsn: int | None, isolate: bool
+                     ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, BaseException]]]:
+        """The batch in one transaction; with ``isolate``, each op (or run of appends, then
+        each append of a run that fails) in a nested one, and a refused op's log position
+        gets an empty tombstone, chained like any entry."""
+        dbs = self._dbs
+        results: list[tuple[Any, Any]] = []
+        refused: list[tuple[Any, BaseException]] = []
+        digest = self._head[1]
+        with self._env.begin(write=True) as raw_txn:
+            txn = CheckedTxn(raw_txn, self._names)
+            for seg in segments:
+                if type(seg) is _Puts:
+                    if not isolate:
+                        _put_run(txn, dbs, seg)
+                    elif self._nested(txn, _put_run, dbs, seg)[1] is not None:
+                        for op in seg.ops:
+                            error = self._nested(txn, _put_one, dbs, op)[1]
+                            if error is None:
+                                digest = _chain_turns(txn, dbs, [(lsn_key(op.lsn), LOG_TURN
+                                                                  + op.key)], [op.value], digest)
+                            else:
+                                refused.append((op, error))
+                                digest = _tombstone_in(txn, dbs, op.lsn, digest)
+                        continue
+                    # The chain, here in the writer thread: hashing stays off the loop.
+                    digest = _chain_turns(txn, dbs, seg.log, [v for _, v in seg.turns], digest)
+                    continue
+                txn.removed = []
+                if not isolate:
+                    result, error = self._appliers[type(seg)](txn, seg), None
+                else:
+                    result, error = self._nested(txn, self._appliers[type(seg)], seg)
+                if error is not None:
+                    refused.append((seg, error))
+                    if seg.lsn is not None:
+                        digest = _tombstone_in(txn, dbs, seg.lsn, digest)
+                    continue
+                results.append((seg, result))
+                if seg.lsn is not None:
+                    digest = _chain_in(txn, dbs, seg.lsn, digest)
+                elif txn.removed:
+                    raise AssertionError(f"{type(seg).__name__} took no log position and "
+                                         f"removed log entries {txn.removed}")
+            for op, error in refused:
+                _, key, value, _ = failure_put(op.lsn or 0, "store", *_op_identity(op), error)
+                txn.put(key, value, db=dbs[b"failures"])
+            if last_lsn is not None:
+                txn.put(_LAST_LSN_KEY, lsn_key(last_lsn), db=dbs[b"meta"])
+                txn.put(HEAD_KEY, encode_head(last_lsn, digest, self._key), db=dbs[b"meta"])
+        if last_lsn is not None:
+            self._head = (last_lsn, digest)
+        return results, refused
+
+    def _nested(self, txn: CheckedTxn, apply: Callable[..., Any], *args: Any
+                ) -> tuple[Any, BaseException | None]:
+        """``apply(child, *args)`` in a transaction nested in ``txn``: kept if it succeeds,
+        rolled back alone if it raises one op's error."""
+        child = CheckedTxn(self._env.begin(write=True, parent=txn.raw), self._names)
+        try:
+            result = apply(child, *args)
+        except _OP_ERRORS as exc:
+            child.raw.abort()
+            return None, exc
+        except BaseException:
+            child.raw.abort()
+            raise
+        child.raw.commit()
+        txn.removed.extend(child.removed)
+        return result, None
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+        self._closing = True
+        self._wake_all_waiters()
+        self._room.unpark_all()
+        self._commits.unpark_all()
+
+    def _wake_all_waiters(self) -> None:
+        # Woken waiters compare their lsn with committed_lsn (or look at _failure) and raise
+        # if theirs did not land.
+        while self._waiters:
+            heapq.heappop(self._waiters)[2].set()
+        self._batches.unpark_all()
+        for op in self._queue:
+            done = getattr(op, "done", None)  # unlogged ops carry an event for their writer
+            if done is not None:
+                done.set()
