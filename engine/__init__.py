@@ -4,9 +4,10 @@ Everything public is re-exported here; the modules behind it are private.
 """
 
 from actors.base.config import Config
-from ._engine import Engine, EntityInfo, Stats
+from ._engine import Engine
 from ._llm import LLM, LLMFailed, OpenAICompatibleLLM
 from ._maintenance import MaintenanceReport
+from ._memory import EntityInfo
 from actors.base.records import (
     Entity,
     Episode,
@@ -22,9 +23,11 @@ from actors.base.records import (
     Turn,
 )
 from ._tools import TOOLS
+from ._version import __version__
 from ._snapshot import Manifest
-from ._retrieval import (
-    FOCUS_LEVELS,
+from ._stats import Stats
+from ._retrieval import FOCUS_LEVELS
+from ._hits import (
     EpisodicItem,
     Hit,
     Hits,
@@ -94,5 +97,3 @@ __all__ = [
     "SummaryState",
     "Turn",
 ]
-
-__version__ = "0.1.0"

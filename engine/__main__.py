@@ -42,7 +42,7 @@ PROG = "engram-trio"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from ._version import __version__
 
     parser = argparse.ArgumentParser(prog=PROG, description="Engram memory engine")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")

@@ -1,4 +1,19 @@
-"""The Engine facade: owns the nursery, starts the actors, hides every channel."""
+"""The Engine facade: the lifecycle, and one method per public call that checks the engine is
+open and hands the call to the module that owns its concern. Nothing here touches a channel.
+
+Where each call goes (one module per concern, named for it):
+
+- ``_wiring.py``: the actors started in order, stopped in reverse; failures as one error;
+- ``_ingest.py``: ``add_turn(s)``, the history reads, ``flush``;
+- ``_recall.py``: ``recall``, ``retrieve_memory(_raw)``, ``context_pre_retrieve`` (the pipeline
+  is ``_retrieval.py``, seed 001's sections ``_briefing.py``, the result types ``_hits.py``);
+- ``_memory.py``: facts, notes, session summaries, episodes, reviews, entities;
+- ``_links.py``: ``link`` and ``links``;
+- ``_forget.py``: ``forget_session`` / ``forget_user`` and the scrub that follows them;
+- ``_snapshot.py``: snapshot, restore, compact; ``_verify.py``: verify;
+- ``_stats.py``: ``stats``, ``failures``, ``memory_stats``;
+- ``_maintenance.py`` and ``_tools.py``: the periodic passes and seed 004's agent tools.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +29,6 @@ import trio
 
 import numpy as np
 
-from actors.ann_index import AnnIndex
 from actors.embedder import (
     DEFAULT_MODEL,
     Embedder,
@@ -22,162 +36,69 @@ from actors.embedder import (
     OnnxEmbedder,
     model_for_store,
 )
-from actors.entities import Entities
-from actors.episodic import RATINGS, EpisodicCompressor, memory_review_state, review_state
-from actors.facts import Candidate, Facts
-from actors.fulltext import FullText
-from actors.base.messages import DeleteNote, PutLink, PutNote, PutState, WriteSummary
-from actors.session_buffer import Receipt, SessionBuffer, new_turn_id
-from actors.store import (
-    LogFollower,
-    Store,
-    count_failures,
-    read_failures,
-    read_entities,
-    read_episodes,
-    read_links,
-    read_memories_by_id,
-    read_records,
-    read_review_states,
-    read_summary,
-    read_user_counts,
-    user_prefix,
-)
+from actors.session_buffer import Receipt
 
-from actors.base import validate as v
+from . import _stats
+from ._args import check_texts
+from ._briefing import Briefing
 from actors.base.config import Config
-from ._forget import Scrubber
+from ._forget import Forgetting
+from ._hits import Hits, RetrieveResult
+from ._ingest import Ingest
+from ._links import Links
 from ._llm import LLM, ModelTasks
 from ._maintenance import Maintenance, MaintenanceReport
+from ._memory import EntityInfo, Memory
+from ._owner import OwnerLock, claim_in_process, release_in_process
+from ._parts import Clock
+from ._recall import Recall
 from actors.base.records import (
-    SCHEMA_VERSION,
-    Entity,
     Episode,
     Fact,
     Failure,
     Link,
     NewTurn,
     Note,
-    PendingReview,
     ReviewState,
     SessionInfo,
     SummaryState,
     Turn,
 )
-from ._retrieval import (
-    FOCUS_LEVELS,
-    Hit,
-    Hits,
-    RetrieveResult,
-    Retriever,
-    _hit,
-    focus_settings,
-    render_markdown,
-)
-from ._owner import OwnerLock, claim_in_process, release_in_process
+from ._retrieval import Retriever
 from ._snapshot import Manifest, compact, restore, take_snapshot
+from ._stats import Stats
 from ._tools import call_tool
 from ._verify import verify_store
-from actors.base.errors import (
-    EngineBroken,
-    EngineClosed,
-    InvalidInput,
-    RecordRefused,
-    StoreCorrupt,
-    StoreTampered,
-)
+from ._wiring import Running, running
+from actors.base.errors import InvalidInput
 
-__all__ = ["Engine", "Stats", "EntityInfo"]
-
-Clock = Callable[[], datetime]
+__all__ = ["Engine"]
 
 
 def _utc_now() -> datetime:
     return datetime.now(timezone.utc)
 
 
-class Stats(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``Engine.stats`` reports.
-
-    Attributes:
-        users / sessions / turns: what the engine holds (turns include those not yet on disk).
-        last_lsn: the newest log sequence number handed out.
-        committed_lsn: everything up to here is on disk.
-        queued: turns and deletions waiting for the disk.
-        live_windows: sessions whose short-term window is in RAM.
-        store_bytes: size of the LMDB data file; map_bytes: its current map size.
-        schema_version: the store's schema.
-        model: the embedding model's id; embedded_lsn: every record up to here has its vector.
-        indexed_lsn: every record up to here is in the full-text index.
-        vector_lag_records: records logged and not yet embedded (turns, mostly).
-        vector_lag_seconds: how long ago the oldest record not yet embedded was committed
-            (0: none is waiting; to within 0.1 s).
-        texts_embedded / embed_cache_hits: background texts the model embedded, and those the
-            content cache answered instead, since the engine opened.
-        failures: records some part of the engine could not take and went on without
-            (listed by :meth:`Engine.failures` and ``engram inspect STORE --failures``).
-        degraded: the search legs whose index is being rebuilt or caught up with what the
-            store held at open (``bm25``, ``vector``); ``recall`` flags its results meanwhile.
-        read_only: the engine was opened with ``read_only=True``.
-    """
-
-    users: int
-    sessions: int
-    turns: int
-    last_lsn: int
-    committed_lsn: int
-    queued: int
-    live_windows: int
-    store_bytes: int
-    map_bytes: int
-    schema_version: int
-    model: str
-    embedded_lsn: int
-    indexed_lsn: int
-    failures: int = 0
-    degraded: tuple[str, ...] = ()
-    read_only: bool = False
-    vector_lag_records: int = 0
-    vector_lag_seconds: float = 0.0
-    texts_embedded: int = 0
-    embed_cache_hits: int = 0
-
-
-class EntityInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``entity_info`` returns: the entity and the memories that mention it, newest
-    first."""
-
-    entity: Entity
-    memories: list[Hit]
-
-
 class Engine:
     """An open memory engine. Get one with ``async with Engine.open(path) as mem``."""
 
-    def __init__(self, store: Store, buffer: SessionBuffer, embedder: Embedder, ann: AnnIndex,
-                 fulltext: FullText, facts: Facts, compressor: EpisodicCompressor,
-                 entities: Entities, config: Config, clock: Clock,
-                 nursery: trio.Nursery) -> None:
-        self._store = store
-        self._buffer = buffer
-        self._embedder = embedder
-        self._ann = ann
-        self._fulltext = fulltext
-        self._facts = facts
-        self._compressor = compressor
-        self._entities = entities
-        self._retriever = Retriever(store, buffer, embedder, ann, fulltext, facts, entities,
-                                    clock)
-        self._maintenance = Maintenance(self)
-        self._config = config
-        self._clock = clock
-        self._nursery = nursery
-        self._followers: list[LogFollower] = []  # the long-term layer's, if it runs
-        self._scrubber = Scrubber(store, fulltext, ann)
-        self._forgets = 0  # forget_session / forget_user calls so far
-        self._closed = False
-        self._read_only = store.read_only
-        self._open_lsn = store.committed_lsn  # what the store held at open
+    def __init__(self, run: Running) -> None:
+        parts = self._parts = run.parts
+        # The actors, by name: the lifecycle owns them (and tests and benches look at them).
+        self._store, self._buffer, self._embedder = parts.store, parts.buffer, parts.embedder
+        self._ann, self._fulltext = parts.ann, parts.fulltext
+        self._facts, self._compressor = parts.facts, parts.compressor
+        self._followers = parts.followers
+        self._retriever = Retriever(parts.store, parts.buffer, parts.embedder, parts.ann,
+                                    parts.fulltext, parts.facts, parts.entities, parts.clock)
+        self._briefing = Briefing(self._retriever)
+        # One service per concern; each method below hands its call to one of them.
+        self._ingest = Ingest(parts, run.scrubber)
+        self._recall = Recall(parts, self._retriever, self._briefing)
+        self._memory = Memory(parts, run.scrubber)
+        self._links = Links(parts)
+        self._forgetting = Forgetting(parts, run.scrubber)
+        self._maintenance = Maintenance(parts, self._memory)
 
     @classmethod
     @asynccontextmanager
@@ -259,88 +180,17 @@ class Engine:
                 owner.release()
             raise
         try:
-            async with cls._run(root, config, clock, embedding, reembed, tasks,
-                                read_only) as engine:
+            async with running(root, config, clock, embedding, reembed, tasks,
+                               read_only) as run:
+                engine = cls(run)
+                if config.long_term:
+                    await run.start_background(engine._maintenance.run,
+                                               config.maintenance_seconds)
                 yield engine
         finally:
             release_in_process(claim)
             if owner is not None:
                 owner.release()
-
-    @classmethod
-    @asynccontextmanager
-    async def _run(cls, root: Path, config: Config, clock: Clock, embedding: Embedder,
-                   reembed: bool, tasks: ModelTasks | None,
-                   read_only: bool) -> AsyncIterator[Engine]:
-        """The engine's lifetime: actors started in order, stopped in reverse."""
-        store = Store(root, config, embedding.model, reembed, read_only)
-        ann = AnnIndex(store, embedding.model.dim, config.ann_cache_vectors, root / "ann",
-                       read_only)
-        fulltext = FullText(root / "fulltext", store, read_only)
-        body_error: BaseException | None = None
-        raised: BaseException | None = None
-        background: list[trio.CancelScope] = []
-        try:
-            async with trio.open_nursery() as nursery:
-                engine: Engine | None = None
-                try:
-                    await nursery.start(store.run)
-                    await nursery.start(embedding.run)
-                    await nursery.start(ann.run)
-                    await nursery.start(fulltext.run)
-                    buffer = SessionBuffer(store, config)
-                    await buffer.load()
-                    if config.background_embedding:
-                        await nursery.start(embedding.follow, store, ann.added)
-                    facts = Facts(store, lambda user, lsns: ann.removed(user, lsns, False),
-                                  clock, lambda: new_turn_id()[2:])
-                    compressor = EpisodicCompressor(
-                        store, embedding, ann, clock, lambda: new_turn_id()[2:],
-                        after_turns=config.episode_after_turns,
-                        keep_turns=config.episode_keep_turns, llm=tasks,
-                        vectors_follow=config.background_embedding)
-                    entities = Entities(store)
-                    engine = cls(store, buffer, embedding, ann, fulltext, facts, compressor,
-                                 entities, config, clock, nursery)
-                    if not read_only:  # a reader writes nothing; the owner scrubs
-                        scope = trio.CancelScope()
-                        background.append(scope)
-                        await nursery.start(_in_scope, scope, engine._scrubber.run)
-                    if config.long_term:
-                        engine._followers = [entities.follower, facts.follower(tasks),
-                                             compressor.follower]
-                        tasks_to_run = [(f.run, ()) for f in engine._followers]
-                        tasks_to_run.append((engine._maintenance.run,
-                                             (config.maintenance_seconds,)))
-                        for task, args in tasks_to_run:
-                            scope = trio.CancelScope()
-                            background.append(scope)
-                            await nursery.start(_in_scope, scope, task, *args)
-                    yield engine
-                except BaseException as exc:
-                    body_error = exc
-                    raise
-                finally:
-                    # The store drains what is queued, shielded; the embedder answers what it
-                    # holds; the follower stops where the watermark on disk says it stopped.
-                    if engine is not None:
-                        engine._closed = True
-                        if engine._scrubber.pending and store.usable():
-                            # What a forget removed leaves the files before the engine
-                            # closes: otherwise the next open scrubs (the marker in the
-                            # store names the users). Bounded by work, like the drain.
-                            with trio.CancelScope(shield=True):
-                                await engine._scrubber.wait()
-                    # The long-term layer stops first; its watermarks say where to resume.
-                    for scope in background:
-                        scope.cancel()
-                    embedding.close()
-                    ann.close()
-                    store.close()
-        except BaseExceptionGroup as group:
-            raised = _translate(group, body_error)
-        if raised is not None:
-            raise raised
 
     # -- ingest ------------------------------------------------------------------------------
 
@@ -372,15 +222,7 @@ class Engine:
             InvalidInput: a bad argument; nothing was written.
             EngineClosed: the engine is closed.
         """
-        self._check_open()
-        await trio.lowlevel.checkpoint_if_cancelled()
-        at, meta = self._check_turn(user_id, session_id, role, text, at, meta)
-        await self._store.reserve(1)
-        self._check_open()
-        receipt = self._buffer.append(user_id, session_id, role, text, at, meta)
-        if durable:
-            await receipt.durable()
-        return receipt
+        return await self._ingest.add_turn(user_id, session_id, role, text, at, meta, durable)
 
     def add_turn_nowait(
         self,
@@ -402,24 +244,7 @@ class Engine:
                 written; ``await add_turn(...)`` waits for room instead.
             InvalidInput / EngineClosed: as :meth:`add_turn`.
         """
-        self._check_open()
-        at, meta = self._check_turn(user_id, session_id, role, text, at, meta)
-        if not self._store.has_room(1):
-            raise trio.WouldBlock
-        return self._buffer.append(user_id, session_id, role, text, at, meta)
-
-    def _check_turn(self, user_id: Any, session_id: Any, role: Any, text: Any, at: Any,
-                    meta: Any) -> tuple[datetime, dict[str, Any] | None]:
-        """One turn's arguments, as :meth:`add_turn` and :meth:`add_turn_nowait` take them;
-        returns the time it is stamped with (the engine clock's, checked, when ``at`` is None)
-        and its meta."""
-        config = self._config
-        v.check_id("user_id", user_id, config.max_id_chars)
-        v.check_id("session_id", session_id, config.max_id_chars)
-        v.check_role(role)
-        v.check_text("text", text, config.max_text_chars)
-        at = self._now() if at is None else v.check_at(at)
-        return at, v.check_meta(meta, config.max_meta_bytes)
+        return self._ingest.add_turn_nowait(user_id, session_id, role, text, at, meta)
 
     async def add_turns(
         self, items: Iterable[NewTurn | Mapping[str, Any]], *, durable: bool = False
@@ -438,45 +263,7 @@ class Engine:
                 nothing was written.
             EngineClosed: the engine is closed.
         """
-        self._check_open()
-        await trio.lowlevel.checkpoint_if_cancelled()
-        checked = [self._check_item(i, item) for i, item in enumerate(items)]
-        receipts: list[Receipt] = []
-        buffer, store = self._buffer, self._store
-        # Each chunk is appended without yielding, so its turns stay contiguous in a session.
-        for start in range(0, len(checked), _BULK_CHUNK):
-            chunk = checked[start : start + _BULK_CHUNK]
-            await store.reserve(len(chunk))
-            self._check_open()
-            receipts.extend(buffer.append(*item) for item in chunk)
-        if durable and receipts:
-            await receipts[-1].durable()
-        return receipts
-
-    def _check_item(self, index: int, item: NewTurn | Mapping[str, Any]) -> tuple[Any, ...]:
-        config = self._config
-        if isinstance(item, Mapping):
-            try:
-                item = NewTurn(**item)  # fields are checked below, as add_turn checks them
-            except TypeError as exc:
-                raise InvalidInput(
-                    f"items[{index}]", f"expected the fields of a NewTurn, found {exc}"
-                ) from None
-        elif not isinstance(item, NewTurn):
-            raise InvalidInput(
-                f"items[{index}]", f"expected a NewTurn or a mapping, found {type(item).__name__}"
-            )
-        try:
-            return (
-                v.check_id("user_id", item.user_id, config.max_id_chars),
-                v.check_id("session_id", item.session_id, config.max_id_chars),
-                v.check_role(item.role),
-                v.check_text("text", item.text, config.max_text_chars),
-                self._now() if item.at is None else v.check_at(item.at),
-                v.check_meta(item.meta, config.max_meta_bytes),
-            )
-        except InvalidInput as exc:
-            raise InvalidInput(f"items[{index}].{exc.field}", _reason(exc)) from None
+        return await self._ingest.add_turns(items, durable)
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -487,27 +274,15 @@ class Engine:
             InvalidInput: bad ids or limit.
             EngineClosed: the engine is closed.
         """
-        self._check_open()
-        self._check_ids(user_id, session_id)
-        _check_count("limit", limit, 1, 1_000_000)
-        return await self._buffer.history(user_id, session_id, limit)
+        return await self._ingest.session_history(user_id, session_id, limit)
 
     async def list_sessions(self, user_id: str) -> list[SessionInfo]:
         """The user's sessions, most recently active first (unknown user: empty)."""
-        self._check_open()
-        self._check_ids(user_id)
-        await trio.lowlevel.checkpoint()
-        return self._buffer.sessions(user_id)
+        return await self._ingest.list_sessions(user_id)
 
     async def get_turn(self, user_id: str, turn_id: str) -> Turn | None:
         """One turn by id, with its ``meta``; None if the user has no such turn."""
-        self._check_open()
-        self._check_ids(user_id)
-        v.check_id("turn_id", turn_id, self._config.max_id_chars)
-        store = self._store
-        await store.wait_committed(store.next_lsn - 1)
-        found = (await store.read(read_memories_by_id, user_id, [turn_id])).get(turn_id)
-        return found if type(found) is Turn else None
+        return await self._ingest.get_turn(user_id, turn_id)
 
     # -- retrieval ---------------------------------------------------------------------------
 
@@ -554,45 +329,9 @@ class Engine:
         Raises:
             InvalidInput: a bad argument.
         """
-        self._check_open()
-        self._check_ids(user_id)
-        v.check_text("query", query, self._config.max_text_chars)
-        if focus is not None and (type(focus) is not int or focus not in FOCUS_LEVELS):
-            raise InvalidInput("focus", f"expected an integer from 0 to 5, found {focus!r}")
-        settings = focus_settings(focus, self._clock())
-        limit = settings["limit"] if limit is None else _check_count("limit", limit, 1, 1000)
-        link_depth = (settings["link_depth"] if link_depth is None
-                      else _check_count("link_depth", link_depth, 0, 5))
-        if since is None:
-            since = settings["since"]
-        else:
-            v.check_at(since, "since")
-        if until is not None:
-            v.check_at(until, "until")
-        if session_id is not None:
-            v.check_id("session_id", session_id, self._config.max_id_chars)
-        if budget_tokens is not None:
-            _check_count("budget_tokens", budget_tokens, 1, 1_000_000)
-        degraded = self._degraded()  # before the search: a leg that completes meanwhile
-        hits = await self._retriever.recall(  # may or may not have served this query
-            user_id, query, limit=limit, session_id=session_id, since=since, until=until,
-            roles=_choices("roles", roles, ("user", "assistant", "system", "tool")),
-            kinds=_choices("kinds", kinds, ("turn", "episode", "fact", "note")),
-            link_depth=link_depth, budget_tokens=budget_tokens, tags=_tags(tags))
-        return Hits(hits, degraded + tuple(leg for leg in self._degraded()
-                                           if leg not in degraded))
-
-    def _degraded(self) -> tuple[str, ...]:
-        """The search legs whose index lacks records the store held when the engine opened:
-        a rebuild or a long catch-up is under way (the normal lag of new records is not this;
-        the window leg covers it)."""
-        legs = ()
-        if self._fulltext.catching_up:
-            legs += ("bm25",)
-        embedded = max(self._embedder.embedded_lsn, self._store.embedded_lsn)
-        if embedded < self._open_lsn:
-            legs += ("vector",)
-        return legs
+        return await self._recall.recall(
+            user_id, query, limit, focus=focus, session_id=session_id, since=since, until=until,
+            roles=roles, kinds=kinds, tags=tags, link_depth=link_depth, budget_tokens=budget_tokens)
 
     async def retrieve_memory(self, user_id: str, query: str, conversation_id: str | None = None,
                               episodic_limit: int = 5, semantic_limit: int = 20,
@@ -612,9 +351,9 @@ class Engine:
         Raises:
             InvalidInput: a bad argument (``episodic_limit`` must be 1-100).
         """
-        result = await self.retrieve_memory_raw(user_id, query, conversation_id, episodic_limit,
-                                                semantic_limit, detail, category, min_importance)
-        return render_markdown(result, self._clock(), detail)
+        return await self._recall.retrieve_memory(user_id, query, conversation_id,
+                                                   episodic_limit, semantic_limit, detail, category,
+                                                   min_importance)
 
     async def retrieve_memory_raw(self, user_id: str, query: str,
                                   conversation_id: str | None = None, episodic_limit: int = 5,
@@ -624,24 +363,9 @@ class Engine:
         """seed 001's raw endpoint: typed ``semantic`` and ``episodic`` lists (no embeddings).
         Encode with ``msgspec.json.encode`` for the seed's JSON shape. Records a pending
         review, as :meth:`retrieve_memory` does."""
-        self._check_retrieve(user_id, query, conversation_id, semantic_limit, category,
-                             min_importance)
-        _check_count("episodic_limit", episodic_limit, 1, 100)
-        if detail not in ("auto", "none", "low", "high"):
-            raise InvalidInput("detail", "expected one of 'auto', 'none', 'low', 'high', "
-                                         f"found {detail!r}")
-        forgets = self._forgets
-        degraded = self._degraded()
-        result = await self._retriever.retrieve(
-            user_id, query, conversation_id=conversation_id, episodic_limit=episodic_limit,
-            semantic_limit=semantic_limit, category=category, min_importance=min_importance,
-            episodic=True)
-        if degraded:
-            result = msgspec.structs.replace(result, degraded=degraded)
-        if forgets == self._forgets:  # a deletion meanwhile: what was shown may be gone
-            self._record_pending(user_id, conversation_id, query, result)
-        self._count_use(user_id, result)
-        return result
+        return await self._recall.retrieve_memory_raw(user_id, query, conversation_id,
+                                                       episodic_limit, semantic_limit, detail,
+                                                       category, min_importance)
 
     async def context_pre_retrieve(self, user_id: str, query: str,
                                    conversation_id: str | None = None, semantic_limit: int = 20,
@@ -649,33 +373,8 @@ class Engine:
                                    min_importance: float = 0.0) -> str:
         """seed 001's ``context_pre_retrieve``: semantic facts only, as Markdown for a system
         prompt; records no pending review."""
-        self._check_retrieve(user_id, query, conversation_id, semantic_limit, category,
-                             min_importance)
-        result = await self._retriever.retrieve(
-            user_id, query, conversation_id=conversation_id, episodic_limit=0,
-            semantic_limit=semantic_limit, category=category, min_importance=min_importance,
-            episodic=False)
-        self._count_use(user_id, result)
-        return render_markdown(result, self._clock(), "none", episodic=False)
-
-    def _count_use(self, user_id: str, result: RetrieveResult) -> None:
-        """Facts shown in a prompt were used: their decay restarts. Queued, not awaited, so
-        the reply does not wait for the write (``flush`` does)."""
-        if result.semantic and not self._read_only:
-            self._facts.touch(user_id, [f.id for f in result.semantic])
-
-    def _check_retrieve(self, user_id: str, query: str, conversation_id: str | None,
-                        semantic_limit: int, category: str | None,
-                        min_importance: float = 0.0) -> None:
-        self._check_open()
-        self._check_ids(user_id)
-        v.check_text("query", query, self._config.max_text_chars)
-        if conversation_id is not None:
-            v.check_id("conversation_id", conversation_id, self._config.max_id_chars)
-        _check_count("semantic_limit", semantic_limit, 0, 100)
-        if category is not None:
-            v.check_id("category", category, self._config.max_id_chars)
-        _check_fraction("min_importance", min_importance)
+        return await self._recall.context_pre_retrieve(user_id, query, conversation_id,
+                                                        semantic_limit, category, min_importance)
 
     # -- links -------------------------------------------------------------------------------
 
@@ -686,41 +385,18 @@ class Engine:
         Raises:
             InvalidInput: an id is not a memory of this user, or the two are the same.
         """
-        self._check_open()
-        self._check_ids(user_id)
-        for field, memory_id in (("from_id", from_id), ("to_id", to_id)):
-            v.check_id(field, memory_id, self._config.max_id_chars)
-        v.check_id("type", type, self._config.max_id_chars)
-        if from_id == to_id:
-            raise InvalidInput("to_id", f"expected another memory than from_id, found {to_id!r}")
-        at = self._now() if at is None else v.check_at(at)
-        # Both memories must be on disk to be found; indexes and vectors are not needed.
-        await self._store.wait_committed(self._store.next_lsn - 1)
-        found = await self._store.read(read_memories_by_id, user_id, [from_id, to_id])
-        for field, memory_id in (("from_id", from_id), ("to_id", to_id)):
-            if memory_id not in found:
-                raise InvalidInput(field, f"expected the id of a memory of user {user_id!r}, "
-                                          f"found none with id {memory_id!r}")
-        link = Link(from_id, to_id, type, at.astimezone(timezone.utc))
-        await self._store.write_unlogged(PutLink(user_id, link, trio.Event()))
-        return link
+        return await self._links.link(user_id, from_id, to_id, type, at)
 
     async def links(self, user_id: str, memory_id: str) -> list[Link]:
         """Every link touching a memory, in either direction."""
-        self._check_open()
-        self._check_ids(user_id)
-        v.check_id("memory_id", memory_id, self._config.max_id_chars)
-        return (await self._store.read(read_links, user_id, [memory_id]))[memory_id]
+        return await self._links.links(user_id, memory_id)
 
     # -- rolling session summaries -----------------------------------------------------------
 
     async def session_summary(self, user_id: str, session_id: str) -> SummaryState | None:
         """The session's rolling summary (seed 003), or None before the first write. Pass its
         ``epoch`` to :meth:`write_session_summary`."""
-        self._check_open()
-        self._check_ids(user_id, session_id)
-        await self._store.wait_committed(self._store.next_lsn - 1)
-        return await self._store.read(read_summary, user_id, session_id)
+        return await self._memory.session_summary(user_id, session_id)
 
     async def write_session_summary(self, user_id: str, session_id: str, summary: str,
                                     upper_seq: int, expected_epoch: int) -> bool:
@@ -740,21 +416,8 @@ class Engine:
         Raises:
             InvalidInput: unknown session, bad text, or ``upper_seq`` beyond the session.
         """
-        self._check_open()
-        self._check_ids(user_id, session_id)
-        v.check_text("summary", summary, self._config.max_text_chars)
-        turns = self._buffer.next_seq(user_id, session_id)
-        if turns is None:
-            raise InvalidInput("session_id", f"expected a session of user {user_id!r}, found "
-                                             f"none called {session_id!r}")
-        _check_count("upper_seq", upper_seq, 0, turns)
-        _check_count("expected_epoch", expected_epoch, 0, 2**62)
-        state = SummaryState(expected_epoch + 1, summary, upper_seq,
-                             self._clock().astimezone(timezone.utc))
-        applied: list[bool] = []
-        await self._store.write_unlogged(WriteSummary(user_id, session_id, state, expected_epoch,
-                                                      trio.Event(), applied.append))
-        return applied[0]
+        return await self._memory.write_session_summary(user_id, session_id, summary,
+                                                         upper_seq, expected_epoch)
 
     # -- notes -------------------------------------------------------------------------------
 
@@ -769,7 +432,7 @@ class Engine:
         Raises:
             InvalidInput: bad text or tags, or ``note_id`` is taken (use update_note).
         """
-        return await self._put_note(user_id, text, note_id, tags, replace=False)
+        return await self._memory.put_note(user_id, text, note_id, tags, replace=False)
 
     async def update_note(self, user_id: str, note_id: str, text: str, *,
                           tags: Iterable[str] | None = None) -> Note:
@@ -778,70 +441,15 @@ class Engine:
         Raises:
             InvalidInput: the user has no such note.
         """
-        return await self._put_note(user_id, text, note_id, tags, replace=True)
-
-    async def _put_note(self, user_id: str, text: str, note_id: str | None,
-                        tags: Iterable[str] | None, replace: bool) -> Note:
-        self._check_open()
-        self._check_ids(user_id)
-        v.check_text("text", text, self._config.max_text_chars)
-        if note_id is None:
-            note_id = "n_" + new_turn_id()[2:]
-        v.check_id("note_id", note_id, self._config.max_id_chars)
-        tags = v.check_words("tags", tags)
-        now = self._now().astimezone(timezone.utc)
-        store = self._store
-        await store.reserve(1)
-        self._check_open()
-        lsn = store.next_lsn
-        note = Note(lsn, note_id, user_id, text, tags, now, now)
-        outcome: list[tuple[Note | None, str | None, int]] = []
-
-        def committed(result: tuple[Note | None, str | None, int]) -> None:
-            outcome.append(result)
-            if result[2]:  # the replaced version leaves the vector index in commit order
-                self._ann.removed(user_id, [result[2]], False)
-
-        store.submit(PutNote(lsn, note, 1 if replace else -1, committed))
-        await store.wait_committed(lsn)
-        stored, refused, _ = outcome[0]
-        if refused == "exists":
-            raise InvalidInput("note_id", f"expected a new note id, found {note_id!r} in use; "
-                                          "call update_note to change it")
-        if refused == "missing":
-            raise InvalidInput("note_id", f"expected the id of a note of user {user_id!r}, "
-                                          f"found none with id {note_id!r}")
-        return stored
+        return await self._memory.put_note(user_id, text, note_id, tags, replace=True)
 
     async def get_note(self, user_id: str, note_id: str) -> Note | None:
         """A note by id; None if the user has no such note."""
-        self._check_open()
-        self._check_ids(user_id)
-        v.check_id("note_id", note_id, self._config.max_id_chars)
-        await self._store.wait_committed(self._store.next_lsn - 1)
-        found = (await self._store.read(read_memories_by_id, user_id, [note_id])).get(note_id)
-        return found if type(found) is Note else None
+        return await self._memory.get_note(user_id, note_id)
 
     async def delete_note(self, user_id: str, note_id: str) -> bool:
         """Delete a note from the store and both indexes; False if there was none."""
-        self._check_open()
-        self._check_ids(user_id)
-        v.check_id("note_id", note_id, self._config.max_id_chars)
-        store = self._store
-        await store.reserve(1)
-        self._check_open()
-        lsn = store.next_lsn
-        deleted: list[list[int]] = []
-
-        def committed(lsns: list[int]) -> None:
-            deleted.append(lsns)
-            self._ann.removed(user_id, lsns, False)
-
-        store.submit(DeleteNote(lsn, user_id, note_id, committed))
-        await store.wait_committed(lsn)
-        if deleted[0]:
-            self._scrubber.ask()
-        return bool(deleted[0])
+        return await self._memory.delete_note(user_id, note_id)
 
     # -- structured facts --------------------------------------------------------------------
 
@@ -870,17 +478,9 @@ class Engine:
             InvalidInput: a bad argument, or an active value with higher confidence exists
                 (call :meth:`correct_fact` to replace it anyway).
         """
-        candidate = self._candidate(user_id, category, key, value, text, confidence, importance,
-                                    keywords)
-        valid_at = None if valid_at is None else v.check_at(valid_at, "valid_at")
-        outcome = await self._facts.propose(user_id, candidate, origin="api", valid_at=valid_at)
-        if outcome.status == "refused":
-            rival = outcome.previous
-            raise InvalidInput("confidence", f"expected at least the active value's confidence "
-                                             f"({rival.confidence:.2f} for {rival.value!r}), "
-                                             f"found {confidence:.2f}; call correct_fact to "
-                                             "replace it")
-        return outcome.fact
+        return await self._memory.remember_fact(
+            user_id, category, key, value, text=text, confidence=confidence, importance=importance,
+            keywords=keywords, valid_at=valid_at)
 
     async def correct_fact(self, user_id: str, category: str, key: str, value: str, *,
                            text: str | None = None, importance: float = 0.7,
@@ -888,10 +488,8 @@ class Engine:
         """Replace a fact's value whatever the old one's confidence (seed 004's correct_fact):
         the old version is retired with ``invalid_at`` now and kept in the history; the new
         one has confidence 1."""
-        candidate = self._candidate(user_id, category, key, value, text, 1.0, importance,
-                                    keywords)
-        outcome = await self._facts.propose(user_id, candidate, origin="api", force=True)
-        return outcome.fact
+        return await self._memory.correct_fact(user_id, category, key, value, text=text,
+                                                importance=importance, keywords=keywords)
 
     async def confirm_fact(self, user_id: str, category: str, key: str) -> Fact:
         """Protect the active fact (seed 004's confirm_fact): confidence 1, never decays, and
@@ -900,61 +498,28 @@ class Engine:
         Raises:
             InvalidInput: the user has no active fact with that category and key.
         """
-        self._check_fact_key(user_id, category, key)
-        fact = await self._facts.confirm(user_id, category, key)
-        if fact is None:
-            raise InvalidInput("key", f"expected an active fact ({category!r}, {key!r}) of user "
-                                      f"{user_id!r}, found none")
-        return fact
+        return await self._memory.confirm_fact(user_id, category, key)
 
     async def forget_fact(self, user_id: str, category: str, key: str) -> bool:
         """Retract the active fact: it leaves recall and the profile, and stays in the history
         as ``retracted``. False if there was none."""
-        self._check_fact_key(user_id, category, key)
-        return bool(await self._facts.retire(user_id, [(category, key)], "retracted"))
+        return await self._memory.forget_fact(user_id, category, key)
 
     async def profile(self, user_id: str, *, category: str | None = None,
                       min_importance: float = 0.0) -> list[Fact]:
         """The user's active facts, most important first: the deterministic lookup that
         never misses a standing fact (no search involved)."""
-        self._check_open()
-        self._check_ids(user_id)
-        if category is not None:
-            v.check_id("category", category, self._config.max_id_chars)
-        _check_fraction("min_importance", min_importance)
-        return await self._facts.profile(user_id, category, min_importance)
+        return await self._memory.profile(user_id, category, min_importance)
 
     async def fact_history(self, user_id: str, category: str, key: str) -> list[Fact]:
         """Every version of a fact, oldest first, with their validity and status."""
-        self._check_fact_key(user_id, category, key)
-        return await self._facts.history(user_id, category, key)
-
-    def _check_fact_key(self, user_id: str, category: str, key: str) -> None:
-        self._check_open()
-        self._check_ids(user_id)
-        v.check_id("category", category, self._config.max_id_chars)
-        v.check_id("key", key, self._config.max_id_chars)
-
-    def _candidate(self, user_id: str, category: str, key: str, value: str, text: str | None,
-                   confidence: float, importance: float, keywords: Iterable[str]) -> Candidate:
-        self._check_fact_key(user_id, category, key)
-        v.check_text("value", value, self._config.max_text_chars)
-        if text is not None:
-            v.check_text("text", text, self._config.max_text_chars)
-        _check_fraction("confidence", confidence)
-        _check_fraction("importance", importance)
-        words = v.check_words("keywords", keywords)
-        return Candidate(category, key, value, text or f"{key}: {value}", float(confidence),
-                         float(importance), words)
+        return await self._memory.fact_history(user_id, category, key)
 
     # -- episodes and reviews ----------------------------------------------------------------
 
     async def episodes(self, user_id: str, session_id: str | None = None) -> list[Episode]:
         """The user's episodes (of one session), by session and position."""
-        self._check_open()
-        self._check_ids(user_id, session_id)
-        await self._store.wait_committed(self._store.next_lsn - 1)
-        return await self._store.read(read_episodes, user_id, session_id)
+        return await self._memory.episodes(user_id, session_id)
 
     async def close_session(self, user_id: str, session_id: str) -> bool:
         """The session is over: make an episode of its turns not yet in one, now (otherwise
@@ -963,13 +528,7 @@ class Engine:
         Returns:
             True if an episode was made.
         """
-        self._check_open()
-        self._check_ids(user_id, session_id)
-        turns = self._buffer.next_seq(user_id, session_id)
-        if turns is None:
-            raise InvalidInput("session_id", f"expected a session of user {user_id!r}, found "
-                                             f"none called {session_id!r}")
-        return await self._compressor.consolidate(user_id, session_id, turns)
+        return await self._memory.close_session(user_id, session_id)
 
     async def review(self, user_id: str, memory_id: str, rating: str | int) -> ReviewState:
         """Rate how well a shown memory served (FSRS): ``again``/1, ``hard``/2, ``good``/3 or
@@ -980,74 +539,25 @@ class Engine:
             InvalidInput: a bad rating, or no episode or turn of the user has that id (facts
                 do not follow FSRS: confirm or correct them).
         """
-        self._check_open()
-        self._check_ids(user_id)
-        v.check_id("memory_id", memory_id, self._config.max_id_chars)
-        if isinstance(rating, bool) or rating not in RATINGS:
-            raise InvalidInput("rating", "expected again/hard/good/easy or 1-4, found "
-                                         f"{rating!r}")
-        store = self._store
-        await store.wait_committed(store.next_lsn - 1)
-        memory = (await store.read(read_memories_by_id, user_id, [memory_id])).get(memory_id)
-        if type(memory) not in (Episode, Turn):
-            raise InvalidInput("memory_id", f"expected the id of an episode or turn of user "
-                                            f"{user_id!r}, found {memory_id!r}")
-        current = (await store.read(read_review_states, user_id, [memory_id])).get(memory_id)
-        state = review_state(current or memory_review_state(memory), RATINGS[rating],
-                             self._clock().astimezone(timezone.utc))
-        key = user_prefix(user_id) + memory_id.encode()
-        await store.write_unlogged(PutState(((b"reviews", key, _ENCODE(state), memory.lsn),),
-                                            (), trio.Event()))
-        return state
-
-    def _record_pending(self, user_id: str, conversation_id: str | None, query: str,
-                        result: RetrieveResult) -> None:
-        """Remember what a retrieval showed, for the review that rates it (seed 001). Not
-        awaited: the reply must not wait for this write."""
-        if not result.episodic or self._read_only:
-            return
-        pending = PendingReview(tuple(i.id for i in result.episodic),
-                                tuple(i.summary for i in result.episodic), query,
-                                self._clock().astimezone(timezone.utc))
-        key = user_prefix(user_id) + (conversation_id or "").encode()
-        self._store.submit(PutState(((b"pending", key, _ENCODE(pending), 0),)))
+        return await self._memory.review(user_id, memory_id, rating)
 
     # -- entities ----------------------------------------------------------------------------
 
     async def entity_info(self, user_id: str, name: str, limit: int = 20) -> EntityInfo | None:
         """An entity the user's memories mention (by name or alias, any case) and those
         memories, newest first; None if no memory mentions it."""
-        self._check_open()
-        self._check_ids(user_id)
-        v.check_text("name", name, self._config.max_text_chars)
-        _check_count("limit", limit, 1, 1000)
-        key = name.strip().lower()
-        store = self._store
-        registry = await store.read(read_entities, user_id, [key])
-        found = registry.get(key)
-        if found is not None and found.type == "alias":
-            found = registry.get(found.aliases[0])
-        if found is None:
-            return None
-        lsns = sorted(found.lsns, reverse=True)
-        records = await store.read(read_records, user_id, lsns[: limit * 2])
-        memories = [_hit(records[lsn], 1.0, ("entity",)) for lsn in lsns if lsn in records]
-        return EntityInfo(entity=found, memories=memories[:limit])
+        return await self._memory.entity_info(user_id, name, limit)
 
     async def memory_stats(self, user_id: str) -> dict[str, Any]:
         """Counts of the user's memories by kind (turns, episodes, active facts, notes,
         entities) and when the latest turn was said (seed 004's memory_stats)."""
-        self._check_open()
-        self._check_ids(user_id)
-        await self._store.wait_committed(self._store.next_lsn - 1)
-        counts = await self._store.read(read_user_counts, user_id)
-        return msgspec.to_builtins(counts)
+        return await _stats.memory_stats(self._parts, user_id)
 
     # -- maintenance and tools ---------------------------------------------------------------
 
     async def maintain(self) -> MaintenanceReport:
         """Run one maintenance pass now (it also runs every ``Config.maintenance_seconds``)."""
-        self._check_open()
+        self._parts.check_open()
         return await self._maintenance.run_once()
 
     async def call_tool(self, name: str, arguments: Mapping[str, Any] | str) -> dict[str, Any]:
@@ -1063,7 +573,7 @@ class Engine:
         Raises:
             InvalidInput: an unknown tool, or arguments that do not fit its schema.
         """
-        self._check_open()
+        self._parts.check_open()
         return await call_tool(self, name, arguments)
 
     # -- deletion ----------------------------------------------------------------------------
@@ -1071,31 +581,12 @@ class Engine:
     async def forget_session(self, user_id: str, session_id: str) -> None:
         """Delete a session and all its turns; returns once the deletion is on disk (the
         next ``flush`` returns once its bytes have left the index files too)."""
-        self._check_open()
-        self._check_ids(user_id, session_id)
-        self._forgets += 1
-        self._buffer.drop_session(user_id, session_id)
-        self._embedder.forget_texts()
-        self._compressor.forget(user_id, session_id)
-        await self._store.forget(
-            user_id, session_id, lambda lsns: self._ann.removed(user_id, lsns, False))
-        self._scrubber.ask()
-        self._facts.forget(user_id)  # facts extracted from the session went with it
-        self._entities.forget(user_id)  # ...and entities only it mentioned
+        await self._forgetting.forget_session(user_id, session_id)
 
     async def forget_user(self, user_id: str) -> None:
         """Delete everything of a user; returns once the deletion is on disk (the next
         ``flush`` returns once its bytes have left the index files too)."""
-        self._check_open()
-        self._check_ids(user_id)
-        self._forgets += 1
-        self._buffer.drop_user(user_id)
-        self._embedder.forget_user(user_id)
-        self._compressor.forget(user_id, None)
-        await self._store.forget(user_id, None, lambda lsns: self._ann.removed(user_id, lsns, True))
-        self._scrubber.ask()
-        self._facts.forget(user_id)
-        self._entities.forget(user_id)
+        await self._forgetting.forget_user(user_id)
 
     # -- embeddings --------------------------------------------------------------------------
 
@@ -1112,15 +603,8 @@ class Engine:
             InvalidInput: ``texts`` is not a list of strings.
             EngineBroken: the model failed.
         """
-        self._check_open()
-        if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
-            raise InvalidInput("texts", f"expected a list of strings, found {type(texts).__name__}"
-                               + ("; wrap one text in a list: [text]" if isinstance(texts, str)
-                                  else ""))
-        for i, text in enumerate(texts):
-            if type(text) is not str:
-                raise InvalidInput(f"texts[{i}]", f"expected a string, found {type(text).__name__}")
-        return await self._embedder.embed(list(texts))
+        self._parts.check_open()
+        return await self._embedder.embed(check_texts(texts))
 
     # -- snapshots ---------------------------------------------------------------------------
 
@@ -1141,10 +625,10 @@ class Engine:
         Raises:
             InvalidInput: ``dest`` has files in it.
         """
-        self._check_open()
+        self._parts.check_open()
         if not isinstance(dest, (str, os.PathLike)):
             raise InvalidInput("dest", f"expected a directory path, found {type(dest).__name__}")
-        return await take_snapshot(self, Path(dest))
+        return await take_snapshot(self._parts, Path(dest))
 
     @staticmethod
     async def restore(snapshot_dir: str | os.PathLike[str], store_path: str | os.PathLike[str],
@@ -1221,57 +705,11 @@ class Engine:
                 id; the others were); raised by one flush only. A record a background part
                 failed on is not raised: it is in :meth:`failures`.
         """
-        self._check_open()
-        if self._read_only:  # nothing acknowledged here; the owner indexes, not this engine
-            await trio.lowlevel.checkpoint()
-            return
-        target = self._store.next_lsn - 1
-        await self._store.wait_written()  # logged or not: use counts and reviews too
-        for follower in self._followers:
-            await follower.wait(target)
-        target = self._store.next_lsn - 1  # what the long-term layer derived meanwhile
-        await self._store.wait_written()
-        await self._fulltext.wait_indexed(target)
-        if self._config.background_embedding:
-            await self._embedder.wait_embedded(target)
-        await self._scrubber.wait()  # what forgets and deleted notes removed left every file
-        refused = self._store.take_refused(target)
-        if refused:
-            first = refused[0]
-            more = f" (and {len(refused) - 1} more: see Engine.failures)" if len(refused) > 1 else ""
-            raise RecordRefused(first.lsn, f"{_reason(first)}{more}", first.memory_id)
+        await self._ingest.flush()
 
     async def stats(self) -> Stats:
         """Counts and positions; cheap enough to call from a health check."""
-        self._check_open()
-        await trio.lowlevel.checkpoint()
-        users, sessions, turns, live = self._buffer.counts()
-        store = self._store
-        data = store.path / "data.mdb"
-        failures = await store.read(count_failures)
-        embedded = max(self._embedder.embedded_lsn, store.embedded_lsn)
-        return Stats(
-            users=users,
-            sessions=sessions,
-            turns=turns,
-            last_lsn=store.next_lsn - 1,
-            committed_lsn=store.committed_lsn,
-            queued=store.queued,
-            live_windows=live,
-            store_bytes=data.stat().st_size if data.exists() else 0,
-            map_bytes=store.map_size(),
-            schema_version=SCHEMA_VERSION,
-            model=self._embedder.model.id,
-            embedded_lsn=embedded,
-            indexed_lsn=self._fulltext.indexed_lsn,
-            failures=failures,
-            degraded=self._degraded(),
-            read_only=self._read_only,
-            vector_lag_records=store.next_lsn - 1 - embedded,
-            vector_lag_seconds=store.committed_since(embedded + 1),
-            texts_embedded=self._embedder.texts_embedded,
-            embed_cache_hits=self._embedder.cache_hits,
-        )
+        return await _stats.stats(self._parts)
 
     async def failures(self, user_id: str | None = None) -> list[Failure]:
         """The records some part of the engine could not take (a write the store refused, a
@@ -1284,112 +722,4 @@ class Engine:
         Raises:
             InvalidInput: a bad user id.
         """
-        self._check_open()
-        if user_id is not None:
-            self._check_ids(user_id)
-        await self._store.wait_written()
-        return await self._store.read(read_failures, user_id)
-
-    # -- helpers -----------------------------------------------------------------------------
-
-    def _now(self) -> datetime:
-        """The engine clock's time, checked as a caller's ``at`` would be: the clock is the
-        caller's too, and a time the text index cannot hold must not reach the store."""
-        return v.check_at(self._clock(), "clock")
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineClosed("the engine is closed; open a new one with Engine.open(path)")
-        self._store.check_usable()
-
-    def _check_ids(self, user_id: Any, session_id: Any = None) -> None:
-        v.check_id("user_id", user_id, self._config.max_id_chars)
-        if session_id is not None:
-            v.check_id("session_id", session_id, self._config.max_id_chars)
-
-
-_BULK_CHUNK = 1024  # turns appended per step of add_turns: under ~10 ms of loop time each
-
-
-async def _in_scope(scope: trio.CancelScope, task: Callable[..., Any], *args: Any,
-                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    """Run a background task under its own cancel scope, so close can stop it first."""
-    with scope:
-        await task(*args, task_status=task_status)
-
-
-_ENCODE = msgspec.msgpack.Encoder().encode
-
-
-def _check_fraction(field: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise InvalidInput(field, f"expected a number from 0 to 1, found {value!r}")
-    return float(value)
-
-
-def _check_count(field: str, value: Any, low: int, high: int) -> int:
-    if type(value) is not int or not low <= value <= high:
-        raise InvalidInput(field, f"expected an integer from {low} to {high}, found {value!r}")
-    return value
-
-
-def _choices(field: str, values: Iterable[str] | None,
-             allowed: tuple[str, ...]) -> tuple[str, ...] | None:
-    if values is None:
-        return None
-    if isinstance(values, str):
-        values = (values,)
-    try:
-        values = tuple(values)
-    except TypeError:
-        raise InvalidInput(field, f"expected a list of {', '.join(allowed)}, found "
-                                  f"{type(values).__name__}") from None
-    for value in values:
-        if value not in allowed:
-            raise InvalidInput(field, f"expected values among {', '.join(allowed)}, "
-                                      f"found {value!r}")
-    return values or None
-
-
-def _tags(tags: Iterable[str] | None) -> tuple[str, ...] | None:
-    return v.check_words("tags", tags) or None
-
-
-def _reason(exc: InvalidInput) -> str:
-    return str(exc).split(": ", 1)[1]
-
-
-def _translate(group: BaseExceptionGroup, body_error: BaseException | None) -> BaseException:
-    """One error out of the engine's nursery: the caller's own, or EngineBroken from the group."""
-    real = group.subgroup(lambda e: not isinstance(e, trio.Cancelled))
-    if real is None:
-        return group  # pure cancellation: trio's cancel scopes take it from here
-    leaves = list(_leaves(real))
-    if body_error is not None and all(e is body_error for e in leaves):
-        return body_error
-    if all(not isinstance(e, Exception) and type(e).__name__ != "PanicException"
-           for e in leaves):
-        # KeyboardInterrupt and the like pass through untouched; a native library's panic
-        # (pyo3's PanicException, a BaseException) is the engine breaking, not the caller.
-        return group
-    damage = [e for e in leaves if isinstance(e, StoreCorrupt)]
-    if damage:
-        # A part found the store damaged; the other failures are its fallout (the store
-        # closing under them). Say that, naming the first place; the group is the cause.
-        first = damage[0]
-        damaged = (StoreTampered(str(first), first.database, first.key, first.lsn)
-                   if isinstance(first, StoreTampered)
-                   else StoreCorrupt(str(first), first.database, first.key))
-        damaged.__cause__ = group
-        return damaged
-    broken = EngineBroken(f"the engine failed: {'; '.join(repr(e) for e in leaves)}")
-    broken.__cause__ = group
-    return broken
-
-
-def _leaves(group: BaseExceptionGroup) -> Iterable[BaseException]:
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            yield from _leaves(exc)
-        else:
-            yield exc
+        return await _stats.failures(self._parts, user_id)

@@ -12,9 +12,15 @@ which the Scrubber clears in the background, and which ``Engine.flush`` waits fo
 
 A crash before a scrub finished leaves the store's scrub marker: the next engine scrubs
 again on open, and drops every saved graph (one may hold forgotten vectors).
+
+``Forgetting`` is the facade's ``forget_session`` / ``forget_user``: each part that holds the
+user's data is told (the session buffer, the embedder's caches, the compressor, the store with
+the vector index in commit order, the facts and entities), then the Scrubber is asked.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import trio
 
@@ -22,9 +28,10 @@ from actors.ann_index import AnnIndex
 from actors.fulltext import FullText
 from actors.store import Store
 
+from ._parts import Parts
 from actors.base.errors import EngineClosed
 
-__all__ = ["Scrubber"]
+__all__ = ["Forgetting", "Scrubber"]
 
 
 class Scrubber:
@@ -81,3 +88,39 @@ class Scrubber:
         while self._done < target and not self._stopped:
             await self._finished.park()
         await trio.lowlevel.checkpoint()
+
+
+class Forgetting:
+    """The facade's deletions of a session or a whole user."""
+
+    def __init__(self, parts: Parts, scrubber: Scrubber) -> None:
+        self._parts = parts
+        self._scrubber = scrubber
+
+    async def forget_session(self, user_id: Any, session_id: Any) -> None:
+        parts = self._parts
+        parts.check_open()
+        parts.check_ids(user_id, session_id)
+        parts.forgets += 1
+        parts.buffer.drop_session(user_id, session_id)
+        parts.embedder.forget_texts()
+        parts.compressor.forget(user_id, session_id)
+        await parts.store.forget(
+            user_id, session_id, lambda lsns: parts.ann.removed(user_id, lsns, False))
+        self._scrubber.ask()
+        parts.facts.forget(user_id)  # facts extracted from the session went with it
+        parts.entities.forget(user_id)  # ...and entities only it mentioned
+
+    async def forget_user(self, user_id: Any) -> None:
+        parts = self._parts
+        parts.check_open()
+        parts.check_ids(user_id)
+        parts.forgets += 1
+        parts.buffer.drop_user(user_id)
+        parts.embedder.forget_user(user_id)
+        parts.compressor.forget(user_id, None)
+        await parts.store.forget(user_id, None,
+                                 lambda lsns: parts.ann.removed(user_id, lsns, True))
+        self._scrubber.ask()
+        parts.facts.forget(user_id)
+        parts.entities.forget(user_id)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import trio
@@ -29,8 +29,8 @@ from actors.episodic import keyphrases
 from actors.base.messages import PutState
 from actors.store import read_episodes, read_facts, read_pending, user_prefix
 
-if TYPE_CHECKING:
-    from ._engine import Engine
+from ._memory import Memory
+from ._parts import Parts
 
 __all__ = ["Maintenance", "MaintenanceReport"]
 
@@ -51,8 +51,11 @@ class MaintenanceReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Maintenance:
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
+    """The passes, over the actors they tend and the notes service the reflections go to."""
+
+    def __init__(self, parts: Parts, memory: Memory) -> None:
+        self._parts = parts
+        self._memory = memory
         # Held by a pass: the timer and an explicit ``Engine.maintain`` never overlap.
         self._lock = trio.Lock()
 
@@ -64,23 +67,23 @@ class Maintenance:
             try:
                 await self.run_once()
             except Exception as exc:  # a failed pass is retried at the next tick
-                if self._engine._closed:
+                if self._parts.closed:
                     return
                 log.warning("maintenance pass failed: %r", exc)
 
     async def run_once(self) -> MaintenanceReport:
         async with self._lock:
-            engine = self._engine
-            now = engine._clock().astimezone(timezone.utc)
-            users = engine._buffer.users()
-            pruned = await engine._facts.decay_and_prune(users)
+            parts = self._parts
+            now = parts.clock().astimezone(timezone.utc)
+            users = parts.buffer.users()
+            pruned = await parts.facts.decay_and_prune(users)
             consolidated = 0
-            idle = engine._buffer.idle_sessions(
-                now - timedelta(seconds=engine._config.session_idle_seconds))
-            await engine._compressor.prefetch([(i.user_id, i.session_id) for i in idle])
+            idle = parts.buffer.idle_sessions(
+                now - timedelta(seconds=parts.config.session_idle_seconds))
+            await parts.compressor.prefetch([(i.user_id, i.session_id) for i in idle])
             for info in idle:
-                if await engine._compressor.consolidate(info.user_id, info.session_id,
-                                                        info.turn_count):
+                if await parts.compressor.consolidate(info.user_id, info.session_id,
+                                                      info.turn_count):
                     consolidated += 1
             dropped = await self._drop_stale_reviews(now)
             reflections = 0
@@ -91,7 +94,7 @@ class Maintenance:
                                      dropped_reviews=dropped, reflections=reflections)
 
     async def _drop_stale_reviews(self, now: datetime) -> int:
-        store = self._engine._store
+        store = self._parts.store
         stale = [(b"pending", user_prefix(u) + c.encode(), None, 0)
                  for u, c, p in await store.read(read_pending) if now - p.shown_at > PENDING_TTL]
         if stale:
@@ -99,20 +102,20 @@ class Maintenance:
         return len(stale)
 
     async def _reflect(self, user_id: str, now: datetime) -> bool:
-        engine = self._engine
         year, week, _ = now.isocalendar()
         note_id = f"reflection-{year}-W{week:02d}"
-        if await engine.get_note(user_id, note_id) is not None:
+        if await self._memory.get_note(user_id, note_id) is not None:
             return False
         since = now - REFLECTION_WINDOW
-        store = engine._store
+        store = self._parts.store
         facts = [f for f in await store.read(read_facts, user_id, False) if f.created_at >= since]
         episodes = [e for e in await store.read(read_episodes, user_id, None)
                     if e.created_at >= since]
         if len(facts) + len(episodes) < REFLECTION_MIN_ITEMS:
             return False
         text = reflection_text(now, facts, episodes)
-        await engine.store_note(user_id, text, note_id=note_id, tags=("reflection", "weekly"))
+        await self._memory.put_note(user_id, text, note_id, ("reflection", "weekly"),
+                                    replace=False)
         return True
 
 

@@ -48,7 +48,7 @@ def create_server(engine: Engine, user: str | None = None) -> Server:
     Returns:
         An ``mcp`` low-level :class:`Server`; run it on any MCP transport.
     """
-    from . import __version__
+    from ._version import __version__
 
     schemas = _schemas(user)
 

@@ -23,8 +23,9 @@
    are gone); facts are returned, at most DERIVED_SHARE of the slots, and a turn a fact ranked
    above it stands for is dropped.
 5. Expand along links, breadth-first in both directions, to the focus level's depth.
-6. Pack into a token budget and return typed hits (rendered as Markdown by ``retrieve_memory``),
-   each with ``explain``: its rank in each leg, fused score, lift and FSRS factor.
+6. Pack into a token budget and return typed hits (``_hits.py``), each with ``explain``: its
+   rank in each leg, fused score, lift and FSRS factor. seed 001's sections over this
+   pipeline, and their Markdown, are ``_briefing.py``.
 
 Every leg is restricted to the user inside its index; records are then fetched from the store
 by lsn with the user's key prefix checked once more.
@@ -34,12 +35,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Any
 
-import msgspec
 import trio
 
 from actors.ann_index import KINDS, AnnIndex, Filters
@@ -57,15 +57,14 @@ from actors.store import (
     read_records,
     read_review_states,
     read_session_turns,
-    read_turn_contexts,
     turn_tags,
 )
 
+from ._hits import Explain, Hit, estimate_tokens, hit_for
 from actors.base.records import Episode, Fact, Note, Turn
 from actors.base.errors import EngineBroken, EngineClosed, EngineError
 
-__all__ = ["Hit", "Explain", "Message", "EpisodicItem", "SemanticItem", "RetrieveResult",
-           "FOCUS_LEVELS", "Retriever", "estimate_tokens"]
+__all__ = ["FOCUS_LEVELS", "Retriever", "focus_settings", "fuse", "one_error", "pack"]
 
 CANDIDATES_PER_LEG = 100  # per leg before fusion, at least (2 x limit when that is more)
 # Weights of the legs' z-scores. BM25 and vectors weigh the same (chosen on the LoCoMo dev split
@@ -93,141 +92,8 @@ FOCUS_LEVELS = {
 }
 
 
-def estimate_tokens(text: str) -> int:
-    """Prompt tokens a text costs: ~4 characters a token for English with a BPE tokenizer."""
-    return max(1, (len(text) + 3) // 4)
-
-
-class Explain(msgspec.Struct, frozen=True, kw_only=True):
-    """Why a hit ranks where it does.
-
-    Attributes:
-        ranks: its rank (from 1) in each leg that found it.
-        fused: the weighted sum of its legs' z-scores (0 for a turn only lifted).
-        lift: what neighbouring turns and covering episodes added to ``fused``.
-        lifted_by: the memories (turn or episode ids) that lifted it.
-        fsrs: the FSRS retrievability factor the score was multiplied by (1.0 but episodes).
-        cosine: its similarity to the query, when the vector leg scored it.
-    """
-
-    ranks: dict[str, int]
-    fused: float
-    lift: float = 0.0
-    lifted_by: tuple[str, ...] = ()
-    fsrs: float = 1.0
-    cosine: float | None = None
-
-
-class Hit(msgspec.Struct, frozen=True, kw_only=True):
-    """One recalled memory.
-
-    Attributes:
-        id: the memory's id (a turn id for a turn).
-        kind: turn, episode, fact or note.
-        text: its text.
-        score: relevance in (0, 1), the logistic of fused score plus lift, times the FSRS
-            factor (higher is better); linked memories get a decayed share.
-        session_id: the session it belongs to ("" for a note: notes belong to the user).
-        at: when it was said or made.
-        turn_ids: the turns it stands for (itself, for a turn).
-        role: who said it (turns).
-        via: what found it: the legs ``vector``, ``bm25``, ``entity``, ``window``; for a turn
-            no leg found, ``neighbour`` / ``episode`` (lifted by a neighbouring turn or a
-            covering episode); ``link`` (reached along a link).
-        explain: per-leg ranks, fused score, lift and FSRS factor (None for a linked memory).
-    """
-
-    id: str
-    kind: str
-    text: str
-    score: float
-    session_id: str
-    at: datetime
-    turn_ids: tuple[str, ...]
-    role: str | None = None
-    via: tuple[str, ...] = ()
-    explain: Explain | None = None
-
-
-class Hits(list):
-    """What ``recall`` returns: a list of :class:`Hit`, best first (it is a plain ``list``
-    for every other purpose), that also says which search legs were degraded.
-
-    Attributes:
-        degraded: the legs whose index was being rebuilt (or catching up with what the store
-            held when the engine opened) when the query ran: ``bm25`` (the text index) and/or
-            ``vector`` (the embeddings). Empty when every leg searched a complete index. A
-            degraded leg may miss memories the others then cannot make up for.
-    """
-
-    __slots__ = ("degraded",)
-
-    def __init__(self, hits: Iterable[Hit] = (), degraded: tuple[str, ...] = ()) -> None:
-        super().__init__(hits)
-        self.degraded = degraded
-
-    @property
-    def partial(self) -> bool:
-        """True if a leg was degraded: the answer may lack memories a complete index finds."""
-        return bool(self.degraded)
-
-
-class Message(msgspec.Struct, frozen=True):
-    role: str
-    content: str
-
-
-class SemanticItem(msgspec.Struct, frozen=True, kw_only=True):
-    """A structured fact, in seed 001's raw shape (facts arrive with the long-term layer)."""
-
-    id: str
-    conversation_id: str | None
-    category: str
-    fact: str
-    keywords: list[str]
-    source_episodic_ids: list[str]
-    valid_at: datetime | None
-    invalid_at: datetime | None
-    score: float
-
-
-class EpisodicItem(msgspec.Struct, frozen=True, kw_only=True):
-    """An episodic memory in seed 001's raw shape (no embedding). Until episodes exist, each
-    recalled turn is one, with its neighbouring turns as ``messages``."""
-
-    id: str
-    conversation_id: str
-    messages: list[Message]
-    title: str
-    summary: str
-    stability: float
-    difficulty: float
-    surprise: float
-    start_at: datetime
-    end_at: datetime
-    created_at: datetime
-    last_reviewed_at: datetime | None
-    consolidated_at: datetime | None
-    score: float
-    kind: str = "turn"
-
-
-class RetrieveResult(msgspec.Struct, frozen=True, omit_defaults=True):
-    """What ``retrieve_memory_raw`` returns: seed 001's ``semantic`` and ``episodic`` lists,
-    and ``degraded``: the search legs being rebuilt when it ran (see :class:`Hits`; left out
-    of the JSON when empty)."""
-
-    semantic: list[SemanticItem]
-    episodic: list[EpisodicItem]
-    degraded: tuple[str, ...] = ()
-
-
-Detail = Literal["auto", "none", "low", "high"]
-KEY_MOMENT = 0.7  # surprise at or above which an episode is a "key moment" (seed 001)
-
-
 @contextmanager
-def _one_error() -> Iterator[None]:
+def one_error() -> Iterator[None]:
     """The legs run in a nursery, whose failures come as a group: the caller gets one error
     of the engine's own. A lone engine error is raised as it is, EngineClosed from several
     legs (the engine closing under them) as one EngineClosed, anything else as EngineBroken
@@ -318,7 +184,7 @@ class Retriever:
             if found:
                 ranked["entity"] = found[:depth]
 
-        with _one_error():
+        with one_error():
             async with trio.open_nursery() as nursery:
                 if "vector" in legs:
                     nursery.start_soon(vector_leg)
@@ -390,7 +256,7 @@ class Retriever:
                     continue
                 derived += 1
             explain, via = explain_of(memory.lsn)
-            hits.append(_hit(memory, score, via, explain))
+            hits.append(hit_for(memory, score, via, explain))
             if len(hits) == limit * 2:
                 break
         hits = _dedupe(hits)[:limit]
@@ -456,7 +322,7 @@ class Retriever:
             if type(memory) is Episode and lsn not in standing:
                 continue
             total = base.get(lsn, floor) + lift.get(lsn, 0.0)
-            out.append((_logistic(total) * fsrs.get(lsn, 1.0), memory))
+            out.append((logistic(total) * fsrs.get(lsn, 1.0), memory))
         out.sort(key=lambda item: (-item[0], -item[1].lsn))
 
         def explain_of(lsn: int) -> tuple[Explain, tuple[str, ...]]:
@@ -533,141 +399,7 @@ class Retriever:
             if not frontier:
                 break
         memories = await self.store.read(read_memories_by_id, user_id, [i for i, _ in found])
-        return [_hit(memories[i], score, ("link",)) for i, score in found if i in memories]
-
-    async def retrieve(self, user_id: str, query: str, *, conversation_id: str | None,
-                       episodic_limit: int, semantic_limit: int, category: str | None,
-                       min_importance: float, episodic: bool) -> RetrieveResult:
-        """seed 001's retrieval: the semantic leg (active facts matching the query, then the
-        user's most important standing facts) and the episodic leg (episodes, FSRS-re-ranked,
-        and turns no shown episode covers yet, each with its neighbouring turns)."""
-        semantic: list[SemanticItem] = []
-        items: list[EpisodicItem] = []
-        with _one_error():
-            async with trio.open_nursery() as nursery:
-                if semantic_limit:
-                    async def semantic_leg() -> None:
-                        semantic.extend(await self._semantic(user_id, query, semantic_limit,
-                                                             category, min_importance))
-                    nursery.start_soon(semantic_leg)
-                if episodic and episodic_limit:
-                    async def episodic_leg() -> None:
-                        items.extend(await self._episodic(user_id, query, episodic_limit))
-                    nursery.start_soon(episodic_leg)
-        return RetrieveResult(semantic, items)
-
-    async def _semantic(self, user_id: str, query: str, limit: int, category: str | None,
-                        min_importance: float) -> list[SemanticItem]:
-        profile = await self.facts.profile(user_id, category, min_importance)
-        if not profile:
-            return []
-        by_lsn = {f.lsn: f for f in profile}
-        hits = await self.recall(user_id, query, limit=limit, session_id=None, since=None,
-                                 until=None, roles=None, kinds=("fact",), link_depth=0,
-                                 budget_tokens=None, only=sorted(by_lsn), legs=("vector", "bm25"))
-        by_id = {f.fact_id: f for f in profile}
-        chosen: list[tuple[Fact, float]] = [(by_id[h.id], h.score) for h in hits
-                                            if h.id in by_id]
-        # Read-your-writes: facts stored but not yet in the text index, by shared terms.
-        indexed = self.fulltext.indexed_lsn
-        fresh = [f for f in profile if f.lsn > indexed]
-        if fresh:
-            terms = set(self.fulltext.query_terms(query))
-            for fact in fresh:
-                shared = len(terms.intersection(self.fulltext.terms(fact.text)))
-                if shared:
-                    # The share of the query's terms it has, on the hits' (0, 1) scale.
-                    chosen.append((fact, _logistic(shared / len(terms))))
-            chosen.sort(key=lambda pair: -pair[1])
-        # The deterministic part: standing facts (name, allergies, instructions...) always
-        # come along, after the ones the query found.
-        seen = {f.fact_id for f, _ in chosen}
-        for fact in profile:
-            if len(chosen) >= limit:
-                break
-            if fact.fact_id not in seen and fact.importance >= STANDING_IMPORTANCE:
-                chosen.append((fact, 0.0))
-        return [SemanticItem(id=f.fact_id, conversation_id=f.session_id or None,
-                             category=f.category, fact=f.text, keywords=list(f.keywords),
-                             source_episodic_ids=list(f.source_episode_ids or f.source_turn_ids),
-                             valid_at=f.valid_at, invalid_at=f.invalid_at, score=score)
-                for f, score in chosen[:limit]]
-
-    async def _episodic(self, user_id: str, query: str, limit: int) -> list[EpisodicItem]:
-        found = await self.recall(user_id, query, limit=limit * EPISODIC_POOL, session_id=None,
-                                  since=None, until=None, roles=None, kinds=("episode", "turn"),
-                                  link_depth=0, budget_tokens=None)
-        # Up to ``limit`` items in rank order: an episode replaces the turns it covers that were
-        # picked before it, and a turn a picked episode covers is skipped, so the section fills
-        # with memories that each add something.
-        hits: list[Hit] = []
-        shown: set[str] = set()
-        for hit in found:
-            if len(hits) == limit:
-                break
-            if hit.kind == "turn" and hit.id in shown:
-                continue
-            if hit.kind == "episode":
-                shown.update(hit.turn_ids)
-                hits = [h for h in hits if h.kind != "turn" or h.id not in shown]
-            hits.append(hit)
-        episode_ids = [h.id for h in hits if h.kind == "episode"]
-        turn_ids = [h.id for h in hits if h.kind == "turn"]
-        episodes, contexts, states = await self.store.read(
-            _read_episodic, user_id, episode_ids, turn_ids)
-        covered = {t for e, _ in episodes.values() for t in e.turn_ids}
-        items: list[EpisodicItem] = []
-        for hit in hits:
-            if hit.kind == "episode" and hit.id in episodes:
-                episode, turns = episodes[hit.id]
-                reviewed = states.get(hit.id)
-                state = reviewed or memory_review_state(episode)
-                items.append(EpisodicItem(
-                    id=episode.episode_id, conversation_id=episode.session_id,
-                    messages=[Message(t.role, t.text) for t in turns], title=episode.title,
-                    summary=episode.summary,
-                    stability=state.stability, difficulty=state.difficulty,
-                    surprise=episode.surprise, start_at=episode.start_at, end_at=episode.end_at,
-                    created_at=episode.created_at,
-                    last_reviewed_at=reviewed.last_review if reviewed else None,
-                    consolidated_at=episode.consolidated_at, score=hit.score, kind="episode"))
-            elif hit.kind == "turn" and hit.id not in covered:
-                # A turn found in the RAM window may not be on disk yet: it stands alone.
-                context = contexts.get(hit.id)
-                messages = ([Message(t.role, t.text) for t in context] if context
-                            else [Message(hit.role or "user", hit.text)])
-                times = [t.at for t in context or ()] or [hit.at]
-                # The state review() would start from, until the turn is first reviewed.
-                reviewed = states.get(hit.id)
-                state = reviewed or memory_review_state(hit)
-                items.append(EpisodicItem(
-                    id=hit.id, conversation_id=hit.session_id, messages=messages,
-                    title=_title(hit.text), summary=hit.text,
-                    stability=state.stability, difficulty=state.difficulty, surprise=0.0,
-                    start_at=times[0], end_at=times[-1], created_at=hit.at,
-                    last_reviewed_at=reviewed.last_review if reviewed else None,
-                    consolidated_at=None, score=hit.score))
-        return items
-
-
-STANDING_IMPORTANCE = 0.8  # facts at least this important join every semantic section
-EPISODIC_POOL = 3  # hits recall brings per episodic item: covered turns give way to episodes
-
-
-def _read_episodic(txn: Any, dbs: dict[bytes, Any], user_id: str, episode_ids: list[str],
-                   turn_ids: list[str]) -> tuple[dict[str, tuple[Episode, list[Turn]]],
-                                                 dict[str, list[Turn]], dict[str, Any]]:
-    """Episodes with their turns, turns with their neighbours, and review states: one read."""
-    episodes = {}
-    for memory_id, memory in read_memories_by_id(txn, dbs, user_id, episode_ids).items():
-        if type(memory) is Episode:
-            turns = read_session_turns(txn, dbs, user_id, memory.session_id, memory.first_seq,
-                                       memory.last_seq)
-            episodes[memory_id] = (memory, turns)
-    contexts = read_turn_contexts(txn, dbs, user_id, turn_ids)
-    states = read_review_states(txn, dbs, user_id, episode_ids + turn_ids)
-    return episodes, contexts, states
-
+        return [hit_for(memories[i], score, ("link",)) for i, score in found if i in memories]
 
 def _dedupe(hits: list[Hit]) -> list[Hit]:
     """Drop a turn that an episode or a fact ranked above it already stands for: its slot
@@ -720,7 +452,7 @@ def fuse(ranked: dict[str, list[tuple[int, float]]], population: int,
     return out
 
 
-def _logistic(x: float) -> float:
+def logistic(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-max(-50.0, min(50.0, x))))
 
 
@@ -804,25 +536,6 @@ def _matches(memory: Turn | Note | Episode | Fact, session_id: str | None,
             and (tags is None or not set(tags).isdisjoint(turn_tags(turn))))
 
 
-def _hit(memory: Turn | Note | Episode | Fact, score: float, via: tuple[str, ...],
-         explain: Explain | None = None) -> Hit:
-    kind = type(memory)
-    if kind is Episode:
-        return Hit(id=memory.episode_id, kind="episode", text=f"{memory.title}: {memory.summary}",
-                   score=score, session_id=memory.session_id, at=memory.end_at,
-                   turn_ids=memory.turn_ids, via=via, explain=explain)
-    if kind is Fact:
-        return Hit(id=memory.fact_id, kind="fact", text=memory.text, score=score, session_id="",
-                   at=memory.created_at, turn_ids=memory.source_turn_ids, via=via,
-                   explain=explain)
-    if kind is Note:
-        return Hit(id=memory.note_id, kind="note", text=memory.text, score=score,
-                   session_id="", at=memory.updated_at, turn_ids=(), via=via, explain=explain)
-    return Hit(id=memory.turn_id, kind="turn", text=memory.text, score=score,
-               session_id=memory.session_id, at=memory.at, turn_ids=(memory.turn_id,),
-               role=memory.role, via=via, explain=explain)
-
-
 def _entity_keys(query: str) -> list[str]:
     """Registry keys a query may name: its entities, and its words and word pairs lower-cased
     (people ask "what did maya say", not "Maya")."""
@@ -831,73 +544,6 @@ def _entity_keys(query: str) -> list[str]:
     words = [w.strip(".'") for w in words]
     keys += words + [f"{a} {b}" for a, b in zip(words, words[1:])]
     return sorted(set(k for k in keys if k))[:64]
-
-
-def _title(text: str, words: int = 8) -> str:
-    first = text.strip().split("\n", 1)[0].split()
-    return " ".join(first[:words]) + ("..." if len(first) > words else "")
-
-
-# -- rendering ---------------------------------------------------------------------------------
-
-
-def relative_time(at: datetime, now: datetime) -> str:
-    """'just now', '5 minutes ago', 'yesterday', '3 weeks ago'..., as a person says it."""
-    seconds = (now - at).total_seconds()
-    if seconds < 0:
-        return "in the future"
-    for limit, unit, size in ((60, None, 1), (3600, "minute", 60), (86400, "hour", 3600)):
-        if seconds < limit:
-            if unit is None:
-                return "just now"
-            n = int(seconds // size)
-            return f"{n} {unit}{'s' if n != 1 else ''} ago"
-    days = int(seconds // 86400)
-    if days == 1:
-        return "yesterday"
-    for limit, unit, size in ((14, "day", 1), (60, "week", 7), (730, "month", 30)):
-        if days < limit:
-            n = days // size
-            return f"{n} {unit}{'s' if n != 1 else ''} ago"
-    return f"{days // 365} years ago"
-
-
-def render_markdown(result: RetrieveResult, now: datetime, detail: Detail,
-                    episodic: bool = True) -> str:
-    """seed 001's Markdown: semantic facts with [category], then ranked episodes."""
-    lines: list[str] = []
-    if result.semantic:
-        lines.append("## Semantic Memory")
-        for fact in result.semantic:
-            sources = len(fact.source_episodic_ids)
-            lines.append(f"- [{fact.category}] {fact.fact} "
-                         f"(sources: {sources} conversation{'s' if sources != 1 else ''})")
-    if episodic:
-        if lines:
-            lines.append("")
-        lines.append("## Episodic Memories")
-        if not result.episodic:
-            lines += ["", "No matching memories."]
-        for rank, item in enumerate(result.episodic, 1):
-            key = item.surprise >= KEY_MOMENT
-            lines += ["", f"### {item.title} [rank: {rank}, score: {item.score:.2f}"
-                          f"{', key moment' if key else ''}]",
-                      f"**When:** {relative_time(item.end_at, now)}",
-                      f"**Summary:** {item.summary}"]
-            if _show_details(detail, rank, key):
-                lines += ["", "**Details:**"]
-                lines += [f'- {m.role}: "{" ".join(m.content.split())}"' for m in item.messages]
-    return "\n".join(lines) + ("\n" if lines else "")
-
-
-def _show_details(detail: Detail, rank: int, key: bool) -> bool:
-    if detail == "high":
-        return True
-    if detail == "none":
-        return False
-    if detail == "low":
-        return rank == 1 and key
-    return rank <= 2 and key  # auto
 
 
 def focus_settings(focus: int | None, now: datetime) -> dict[str, Any]:

@@ -440,7 +440,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     Returns:
         A FastAPI (ASGI) app; serve it with Hypercorn's trio worker on the engine's loop.
     """
-    from . import __version__
+    from ._version import __version__
 
     app = FastAPI(
         title="Engram", version=__version__, responses=ERROR_RESPONSES,

@@ -34,8 +34,10 @@ from actors.store.integrity import HEAD_KEY, check_file
 from actors.store import MAX_DBS, clean_copy, open_databases
 
 from ._owner import OwnerLock
+from ._parts import Parts
 from actors.base.records import SCHEMA_VERSION
 from ._verify import verify_chain
+from ._version import __version__
 from actors.base.errors import InvalidInput, StoreIncompatible, StoreTampered
 
 __all__ = ["Manifest", "take_snapshot", "restore", "compact", "MANIFEST_FORMAT"]
@@ -166,10 +168,8 @@ def _counts(store_dir: Path) -> dict[str, int]:
         env.close()
 
 
-async def take_snapshot(engine: Any, dest: Path) -> Manifest:
+async def take_snapshot(parts: Parts, dest: Path) -> Manifest:
     """See ``Engine.snapshot``."""
-    from . import __version__
-
     started = trio.current_time()
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise InvalidInput("dest", f"expected a new or empty directory, found {dest} with "
@@ -179,8 +179,8 @@ async def take_snapshot(engine: Any, dest: Path) -> Manifest:
         await trio.to_thread.run_sync(shutil.rmtree, partial)
     partial.mkdir(parents=True)
     try:
-        fulltext_lsn, copied = await engine._fulltext.copy_to(partial / "fulltext")
-        lsn = await engine._store.copy_to(partial / "store")
+        fulltext_lsn, copied = await parts.fulltext.copy_to(partial / "fulltext")
+        lsn = await parts.store.copy_to(partial / "store")
         if not copied:
             if (partial / "fulltext").exists():
                 await trio.to_thread.run_sync(shutil.rmtree, partial / "fulltext")
@@ -192,12 +192,12 @@ async def take_snapshot(engine: Any, dest: Path) -> Manifest:
         files = await _checksums(partial, sync=True)  # durable before it is called done
         manifest = Manifest(
             format=MANIFEST_FORMAT, engine_version=__version__, schema_version=SCHEMA_VERSION,
-            model=engine._embedder.model.id, dim=engine._embedder.model.dim, lsn=lsn,
+            model=parts.embedder.model.id, dim=parts.embedder.model.dim, lsn=lsn,
             fulltext_lsn=fulltext_lsn, fulltext="copied" if copied else "rebuilt",
             embedded_lsn=embedded_lsn, counts=counts, files=files,
             created_at=datetime.now(timezone.utc), seconds=trio.current_time() - started,
             chain_head=chain_head)
-        key = engine._config.integrity_key
+        key = parts.config.integrity_key
         if key is not None:
             manifest = msgspec.structs.replace(manifest, mac=manifest_mac(manifest, key))
         (partial / "manifest.json").write_bytes(msgspec.json.format(msgspec.json.encode(manifest)))

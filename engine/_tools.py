@@ -9,18 +9,48 @@ anything runs, so the schema a model sees is the rule the engine enforces.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 import jsonschema
 import msgspec
 
+from ._hits import Hits
+from ._memory import EntityInfo
+from actors.base.records import Fact, Note
 from actors.base.errors import InvalidInput
 
-if TYPE_CHECKING:
-    from ._engine import Engine
+__all__ = ["TOOLS", "ToolHost", "call_tool"]
 
-__all__ = ["TOOLS", "call_tool"]
+
+class ToolHost(Protocol):
+    """What the tools call: these public methods of the facade, and nothing else (``Engine``
+    is one; the tools never see its parts)."""
+
+    async def recall(self, user_id: str, query: str, limit: int | None = None, *,
+                     kinds: Iterable[str] | None = None) -> Hits: ...
+
+    async def remember_fact(self, user_id: str, category: str, key: str, value: str, *,
+                            text: str | None = None, importance: float = 0.7) -> Fact: ...
+
+    async def correct_fact(self, user_id: str, category: str, key: str, value: str, *,
+                           text: str | None = None) -> Fact: ...
+
+    async def confirm_fact(self, user_id: str, category: str, key: str) -> Fact: ...
+
+    async def memory_stats(self, user_id: str) -> dict[str, Any]: ...
+
+    async def retrieve_memory(self, user_id: str, query: str,
+                              conversation_id: str | None = None, episodic_limit: int = 5, *,
+                              detail: str = "auto") -> str: ...
+
+    async def store_note(self, user_id: str, text: str, *,
+                         tags: Iterable[str] | None = None) -> Note: ...
+
+    async def delete_note(self, user_id: str, note_id: str) -> bool: ...
+
+    async def entity_info(self, user_id: str, name: str,
+                          limit: int = 20) -> EntityInfo | None: ...
 
 
 def _tool(name: str, description: str, properties: dict[str, Any],
@@ -119,7 +149,7 @@ def _plain(value: msgspec.Struct) -> dict[str, Any]:
     return msgspec.to_builtins(msgspec.structs.asdict(value))
 
 
-async def call_tool(engine: Engine, name: str, arguments: Mapping[str, Any] | str
+async def call_tool(engine: ToolHost, name: str, arguments: Mapping[str, Any] | str
                     ) -> dict[str, Any]:
     schema = _SCHEMAS.get(name)
     if schema is None:

@@ -51,14 +51,14 @@ async def test_a_retrieval_racing_forget_user_leaves_no_pending_review(store_pat
     async with open_engine(store_path) as mem:
         await mem.add_turn("ana", "s", "user", "My secret plan involves a yellow submarine.")
         await mem.flush()
-        retrieve = mem._retriever.retrieve
+        retrieve = mem._briefing.retrieve
 
         async def retrieve_then_forget(*args, **kwargs):
             result = await retrieve(*args, **kwargs)
             await mem.forget_user("ana")
             return result
 
-        mem._retriever.retrieve = retrieve_then_forget
+        mem._briefing.retrieve = retrieve_then_forget
         shown = await mem.retrieve_memory_raw("ana", "yellow submarine", conversation_id="c")
         assert shown.episodic
         await mem.flush()

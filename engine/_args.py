@@ -1,0 +1,65 @@
+"""Argument checks the engine's concerns share, beyond the record layer's (``actors.base.validate``):
+counts, fractions, choices and text lists as the public methods take them. Each raises
+``InvalidInput`` naming the argument, what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from actors.base import validate as v
+from actors.base.errors import InvalidInput
+
+__all__ = ["check_count", "check_fraction", "check_texts", "choices", "reason", "tags"]
+
+
+def check_fraction(field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise InvalidInput(field, f"expected a number from 0 to 1, found {value!r}")
+    return float(value)
+
+
+def check_count(field: str, value: Any, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise InvalidInput(field, f"expected an integer from {low} to {high}, found {value!r}")
+    return value
+
+
+def choices(field: str, values: Iterable[str] | None,
+            allowed: tuple[str, ...]) -> tuple[str, ...] | None:
+    if values is None:
+        return None
+    if isinstance(values, str):
+        values = (values,)
+    try:
+        values = tuple(values)
+    except TypeError:
+        raise InvalidInput(field, f"expected a list of {', '.join(allowed)}, found "
+                                  f"{type(values).__name__}") from None
+    for value in values:
+        if value not in allowed:
+            raise InvalidInput(field, f"expected values among {', '.join(allowed)}, "
+                                      f"found {value!r}")
+    return values or None
+
+
+def tags(values: Iterable[str] | None) -> tuple[str, ...] | None:
+    return v.check_words("tags", values) or None
+
+
+def check_texts(texts: Any) -> list[str]:
+    """What ``Engine.embed`` takes: a list (or tuple) of strings, never a lone string."""
+    if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
+        raise InvalidInput("texts", f"expected a list of strings, found {type(texts).__name__}"
+                           + ("; wrap one text in a list: [text]" if isinstance(texts, str)
+                              else ""))
+    for i, text in enumerate(texts):
+        if type(text) is not str:
+            raise InvalidInput(f"texts[{i}]", f"expected a string, found {type(text).__name__}")
+    return list(texts)
+
+
+def reason(exc: InvalidInput) -> str:
+    """An error's message without its field, to be raised again under another field name."""
+    return str(exc).split(": ", 1)[1]

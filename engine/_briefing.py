@@ -1,0 +1,239 @@
+"""seed 001's retrieve: what a prompt shows before a reply, and its Markdown.
+
+Two sections, searched in parallel through the recall pipeline (``_retrieval.py``):
+
+- **semantic**: the user's active facts the query matches (vector and BM25 over facts alone,
+  facts not yet indexed by shared terms), then the standing facts (importance at least
+  STANDING_IMPORTANCE) that every prompt should carry;
+- **episodic**: episodes and turns, an episode replacing the turns it covers, each with the
+  messages it stands for and its FSRS state.
+
+``render_markdown`` turns a :class:`RetrieveResult` into seed 001's Markdown.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+import trio
+
+from actors.episodic import memory_review_state
+from actors.store import (
+    read_memories_by_id,
+    read_review_states,
+    read_session_turns,
+    read_turn_contexts,
+)
+
+from ._hits import EpisodicItem, Hit, Message, RetrieveResult, SemanticItem
+from actors.base.records import Episode, Fact, Turn
+from ._retrieval import Retriever, logistic, one_error
+
+__all__ = ["Briefing", "Detail", "render_markdown", "relative_time"]
+
+Detail = Literal["auto", "none", "low", "high"]
+KEY_MOMENT = 0.7  # surprise at or above which an episode is a "key moment" (seed 001)
+STANDING_IMPORTANCE = 0.8  # facts at least this important join every semantic section
+EPISODIC_POOL = 3  # hits recall brings per episodic item: covered turns give way to episodes
+
+
+class Briefing:
+    """seed 001's sections over the recall pipeline. Runs in the caller's task; holds no state
+    of its own beyond the retriever."""
+
+    def __init__(self, retriever: Retriever) -> None:
+        self.retriever = retriever
+
+    async def retrieve(self, user_id: str, query: str, *, conversation_id: str | None,
+                       episodic_limit: int, semantic_limit: int, category: str | None,
+                       min_importance: float, episodic: bool) -> RetrieveResult:
+        """seed 001's retrieval: the semantic leg (active facts matching the query, then the
+        user's most important standing facts) and the episodic leg (episodes, FSRS-re-ranked,
+        and turns no shown episode covers yet, each with its neighbouring turns)."""
+        semantic: list[SemanticItem] = []
+        items: list[EpisodicItem] = []
+        with one_error():
+            async with trio.open_nursery() as nursery:
+                if semantic_limit:
+                    async def semantic_leg() -> None:
+                        semantic.extend(await self._semantic(user_id, query, semantic_limit,
+                                                             category, min_importance))
+                    nursery.start_soon(semantic_leg)
+                if episodic and episodic_limit:
+                    async def episodic_leg() -> None:
+                        items.extend(await self._episodic(user_id, query, episodic_limit))
+                    nursery.start_soon(episodic_leg)
+        return RetrieveResult(semantic, items)
+
+    async def _semantic(self, user_id: str, query: str, limit: int, category: str | None,
+                        min_importance: float) -> list[SemanticItem]:
+        profile = await self.retriever.facts.profile(user_id, category, min_importance)
+        if not profile:
+            return []
+        by_lsn = {f.lsn: f for f in profile}
+        hits = await self.retriever.recall(user_id, query, limit=limit, session_id=None, since=None,
+                                 until=None, roles=None, kinds=("fact",), link_depth=0,
+                                 budget_tokens=None, only=sorted(by_lsn), legs=("vector", "bm25"))
+        by_id = {f.fact_id: f for f in profile}
+        chosen: list[tuple[Fact, float]] = [(by_id[h.id], h.score) for h in hits
+                                            if h.id in by_id]
+        # Read-your-writes: facts stored but not yet in the text index, by shared terms.
+        indexed = self.retriever.fulltext.indexed_lsn
+        fresh = [f for f in profile if f.lsn > indexed]
+        if fresh:
+            terms = set(self.retriever.fulltext.query_terms(query))
+            for fact in fresh:
+                shared = len(terms.intersection(self.retriever.fulltext.terms(fact.text)))
+                if shared:
+                    # The share of the query's terms it has, on the hits' (0, 1) scale.
+                    chosen.append((fact, logistic(shared / len(terms))))
+            chosen.sort(key=lambda pair: -pair[1])
+        # The deterministic part: standing facts (name, allergies, instructions...) always
+        # come along, after the ones the query found.
+        seen = {f.fact_id for f, _ in chosen}
+        for fact in profile:
+            if len(chosen) >= limit:
+                break
+            if fact.fact_id not in seen and fact.importance >= STANDING_IMPORTANCE:
+                chosen.append((fact, 0.0))
+        return [SemanticItem(id=f.fact_id, conversation_id=f.session_id or None,
+                             category=f.category, fact=f.text, keywords=list(f.keywords),
+                             source_episodic_ids=list(f.source_episode_ids or f.source_turn_ids),
+                             valid_at=f.valid_at, invalid_at=f.invalid_at, score=score)
+                for f, score in chosen[:limit]]
+
+    async def _episodic(self, user_id: str, query: str, limit: int) -> list[EpisodicItem]:
+        found = await self.retriever.recall(user_id, query, limit=limit * EPISODIC_POOL, session_id=None,
+                                  since=None, until=None, roles=None, kinds=("episode", "turn"),
+                                  link_depth=0, budget_tokens=None)
+        # Up to ``limit`` items in rank order: an episode replaces the turns it covers that were
+        # picked before it, and a turn a picked episode covers is skipped, so the section fills
+        # with memories that each add something.
+        hits: list[Hit] = []
+        shown: set[str] = set()
+        for hit in found:
+            if len(hits) == limit:
+                break
+            if hit.kind == "turn" and hit.id in shown:
+                continue
+            if hit.kind == "episode":
+                shown.update(hit.turn_ids)
+                hits = [h for h in hits if h.kind != "turn" or h.id not in shown]
+            hits.append(hit)
+        episode_ids = [h.id for h in hits if h.kind == "episode"]
+        turn_ids = [h.id for h in hits if h.kind == "turn"]
+        episodes, contexts, states = await self.retriever.store.read(
+            _read_episodic, user_id, episode_ids, turn_ids)
+        covered = {t for e, _ in episodes.values() for t in e.turn_ids}
+        items: list[EpisodicItem] = []
+        for hit in hits:
+            if hit.kind == "episode" and hit.id in episodes:
+                episode, turns = episodes[hit.id]
+                reviewed = states.get(hit.id)
+                state = reviewed or memory_review_state(episode)
+                items.append(EpisodicItem(
+                    id=episode.episode_id, conversation_id=episode.session_id,
+                    messages=[Message(t.role, t.text) for t in turns], title=episode.title,
+                    summary=episode.summary,
+                    stability=state.stability, difficulty=state.difficulty,
+                    surprise=episode.surprise, start_at=episode.start_at, end_at=episode.end_at,
+                    created_at=episode.created_at,
+                    last_reviewed_at=reviewed.last_review if reviewed else None,
+                    consolidated_at=episode.consolidated_at, score=hit.score, kind="episode"))
+            elif hit.kind == "turn" and hit.id not in covered:
+                # A turn found in the RAM window may not be on disk yet: it stands alone.
+                context = contexts.get(hit.id)
+                messages = ([Message(t.role, t.text) for t in context] if context
+                            else [Message(hit.role or "user", hit.text)])
+                times = [t.at for t in context or ()] or [hit.at]
+                # The state review() would start from, until the turn is first reviewed.
+                reviewed = states.get(hit.id)
+                state = reviewed or memory_review_state(hit)
+                items.append(EpisodicItem(
+                    id=hit.id, conversation_id=hit.session_id, messages=messages,
+                    title=_title(hit.text), summary=hit.text,
+                    stability=state.stability, difficulty=state.difficulty, surprise=0.0,
+                    start_at=times[0], end_at=times[-1], created_at=hit.at,
+                    last_reviewed_at=reviewed.last_review if reviewed else None,
+                    consolidated_at=None, score=hit.score))
+        return items
+
+
+def _read_episodic(txn: Any, dbs: dict[bytes, Any], user_id: str, episode_ids: list[str],
+                   turn_ids: list[str]) -> tuple[dict[str, tuple[Episode, list[Turn]]],
+                                                 dict[str, list[Turn]], dict[str, Any]]:
+    """Episodes with their turns, turns with their neighbours, and review states: one read."""
+    episodes = {}
+    for memory_id, memory in read_memories_by_id(txn, dbs, user_id, episode_ids).items():
+        if type(memory) is Episode:
+            turns = read_session_turns(txn, dbs, user_id, memory.session_id, memory.first_seq,
+                                       memory.last_seq)
+            episodes[memory_id] = (memory, turns)
+    contexts = read_turn_contexts(txn, dbs, user_id, turn_ids)
+    states = read_review_states(txn, dbs, user_id, episode_ids + turn_ids)
+    return episodes, contexts, states
+
+
+def _title(text: str, words: int = 8) -> str:
+    first = text.strip().split("\n", 1)[0].split()
+    return " ".join(first[:words]) + ("..." if len(first) > words else "")
+
+
+def relative_time(at: datetime, now: datetime) -> str:
+    """'just now', '5 minutes ago', 'yesterday', '3 weeks ago'..., as a person says it."""
+    seconds = (now - at).total_seconds()
+    if seconds < 0:
+        return "in the future"
+    for limit, unit, size in ((60, None, 1), (3600, "minute", 60), (86400, "hour", 3600)):
+        if seconds < limit:
+            if unit is None:
+                return "just now"
+            n = int(seconds // size)
+            return f"{n} {unit}{'s' if n != 1 else ''} ago"
+    days = int(seconds // 86400)
+    if days == 1:
+        return "yesterday"
+    for limit, unit, size in ((14, "day", 1), (60, "week", 7), (730, "month", 30)):
+        if days < limit:
+            n = days // size
+            return f"{n} {unit}{'s' if n != 1 else ''} ago"
+    return f"{days // 365} years ago"
+
+
+def render_markdown(result: RetrieveResult, now: datetime, detail: Detail,
+                    episodic: bool = True) -> str:
+    """seed 001's Markdown: semantic facts with [category], then ranked episodes."""
+    lines: list[str] = []
+    if result.semantic:
+        lines.append("## Semantic Memory")
+        for fact in result.semantic:
+            sources = len(fact.source_episodic_ids)
+            lines.append(f"- [{fact.category}] {fact.fact} "
+                         f"(sources: {sources} conversation{'s' if sources != 1 else ''})")
+    if episodic:
+        if lines:
+            lines.append("")
+        lines.append("## Episodic Memories")
+        if not result.episodic:
+            lines += ["", "No matching memories."]
+        for rank, item in enumerate(result.episodic, 1):
+            key = item.surprise >= KEY_MOMENT
+            lines += ["", f"### {item.title} [rank: {rank}, score: {item.score:.2f}"
+                          f"{', key moment' if key else ''}]",
+                      f"**When:** {relative_time(item.end_at, now)}",
+                      f"**Summary:** {item.summary}"]
+            if _show_details(detail, rank, key):
+                lines += ["", "**Details:**"]
+                lines += [f'- {m.role}: "{" ".join(m.content.split())}"' for m in item.messages]
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def _show_details(detail: Detail, rank: int, key: bool) -> bool:
+    if detail == "high":
+        return True
+    if detail == "none":
+        return False
+    if detail == "low":
+        return rank == 1 and key
+    return rank <= 2 and key  # auto

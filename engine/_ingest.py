@@ -1,0 +1,160 @@
+"""Ingest and history: a turn from the caller into the session buffer, and back out.
+
+``add_turn`` checks the turn, waits for room in the store's queue (backpressure when the disk
+falls behind) and appends it to the session buffer (``actors/session_buffer.py``), which
+assigns its id and seq, keeps it in the session's RAM window and submits it to the store's
+group commit. Everything after that (the log, the embedder, both indexes, the long-term
+followers) follows the store's log; ``flush`` waits for all of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any
+
+import trio
+
+from actors.session_buffer import Receipt
+from actors.store import read_memories_by_id
+
+from actors.base import validate as v
+from ._args import check_count, reason
+from ._forget import Scrubber
+from ._parts import Parts
+from actors.base.records import NewTurn, SessionInfo, Turn
+from actors.base.errors import InvalidInput, RecordRefused
+
+__all__ = ["Ingest"]
+
+BULK_CHUNK = 1024  # turns appended per step of add_turns: under ~10 ms of loop time each
+
+
+class Ingest:
+    """``add_turn`` and friends, the history reads, and ``flush``."""
+
+    def __init__(self, parts: Parts, scrubber: Scrubber) -> None:
+        self._parts = parts
+        self._scrubber = scrubber
+
+    async def add_turn(self, user_id: Any, session_id: Any, role: Any, text: Any, at: Any,
+                       meta: Any, durable: bool) -> Receipt:
+        parts = self._parts
+        parts.check_open()
+        await trio.lowlevel.checkpoint_if_cancelled()
+        at, meta = self.check_turn(user_id, session_id, role, text, at, meta)
+        await parts.store.reserve(1)
+        parts.check_open()
+        receipt = parts.buffer.append(user_id, session_id, role, text, at, meta)
+        if durable:
+            await receipt.durable()
+        return receipt
+
+    def add_turn_nowait(self, user_id: Any, session_id: Any, role: Any, text: Any, at: Any,
+                        meta: Any) -> Receipt:
+        parts = self._parts
+        parts.check_open()
+        at, meta = self.check_turn(user_id, session_id, role, text, at, meta)
+        if not parts.store.has_room(1):
+            raise trio.WouldBlock
+        return parts.buffer.append(user_id, session_id, role, text, at, meta)
+
+    def check_turn(self, user_id: Any, session_id: Any, role: Any, text: Any, at: Any,
+                   meta: Any) -> tuple[datetime, dict[str, Any] | None]:
+        """One turn's arguments, as ``add_turn`` and ``add_turn_nowait`` take them; returns
+        the time it is stamped with (the engine clock's, checked, when ``at`` is None) and its
+        meta."""
+        parts = self._parts
+        parts.check_id("user_id", user_id)
+        parts.check_id("session_id", session_id)
+        v.check_role(role)
+        parts.check_text("text", text)
+        at = parts.now() if at is None else v.check_at(at)
+        return at, v.check_meta(meta, parts.config.max_meta_bytes)
+
+    async def add_turns(self, items: Iterable[NewTurn | Mapping[str, Any]],
+                        durable: bool) -> list[Receipt]:
+        parts = self._parts
+        parts.check_open()
+        await trio.lowlevel.checkpoint_if_cancelled()
+        checked = [self._check_item(i, item) for i, item in enumerate(items)]
+        receipts: list[Receipt] = []
+        buffer, store = parts.buffer, parts.store
+        # Each chunk is appended without yielding, so its turns stay contiguous in a session.
+        for start in range(0, len(checked), BULK_CHUNK):
+            chunk = checked[start : start + BULK_CHUNK]
+            await store.reserve(len(chunk))
+            parts.check_open()
+            receipts.extend(buffer.append(*item) for item in chunk)
+        if durable and receipts:
+            await receipts[-1].durable()
+        return receipts
+
+    def _check_item(self, index: int, item: NewTurn | Mapping[str, Any]) -> tuple[Any, ...]:
+        if isinstance(item, Mapping):
+            try:
+                item = NewTurn(**item)  # fields are checked below, as add_turn checks them
+            except TypeError as exc:
+                raise InvalidInput(
+                    f"items[{index}]", f"expected the fields of a NewTurn, found {exc}"
+                ) from None
+        elif not isinstance(item, NewTurn):
+            raise InvalidInput(
+                f"items[{index}]", f"expected a NewTurn or a mapping, found {type(item).__name__}"
+            )
+        try:
+            at, meta = self.check_turn(item.user_id, item.session_id, item.role, item.text,
+                                       item.at, item.meta)
+        except InvalidInput as exc:
+            raise InvalidInput(f"items[{index}].{exc.field}", reason(exc)) from None
+        return item.user_id, item.session_id, item.role, item.text, at, meta
+
+    # -- history -----------------------------------------------------------------------------
+
+    async def session_history(self, user_id: Any, session_id: Any, limit: Any) -> list[Turn]:
+        parts = self._parts
+        parts.check_open()
+        parts.check_ids(user_id, session_id)
+        check_count("limit", limit, 1, 1_000_000)
+        return await parts.buffer.history(user_id, session_id, limit)
+
+    async def list_sessions(self, user_id: Any) -> list[SessionInfo]:
+        parts = self._parts
+        parts.check_open()
+        parts.check_ids(user_id)
+        await trio.lowlevel.checkpoint()
+        return parts.buffer.sessions(user_id)
+
+    async def get_turn(self, user_id: Any, turn_id: Any) -> Turn | None:
+        parts = self._parts
+        parts.check_open()
+        parts.check_ids(user_id)
+        parts.check_id("turn_id", turn_id)
+        await parts.committed()
+        found = (await parts.store.read(read_memories_by_id, user_id, [turn_id])).get(turn_id)
+        return found if type(found) is Turn else None
+
+    # -- everything acknowledged, through every part -----------------------------------------
+
+    async def flush(self) -> None:
+        parts = self._parts
+        parts.check_open()
+        if parts.read_only:  # nothing acknowledged here; the owner indexes, not this engine
+            await trio.lowlevel.checkpoint()
+            return
+        store = parts.store
+        target = store.next_lsn - 1
+        await store.wait_written()  # logged or not: use counts and reviews too
+        for follower in parts.followers:
+            await follower.wait(target)
+        target = store.next_lsn - 1  # what the long-term layer derived meanwhile
+        await store.wait_written()
+        await parts.fulltext.wait_indexed(target)
+        if parts.config.background_embedding:
+            await parts.embedder.wait_embedded(target)
+        await self._scrubber.wait()  # what forgets and deleted notes removed left every file
+        refused = store.take_refused(target)
+        if refused:
+            first = refused[0]
+            more = f" (and {len(refused) - 1} more: see Engine.failures)" if len(refused) > 1 else ""
+            raise RecordRefused(first.lsn, f"{reason(first)}{more}", first.memory_id)

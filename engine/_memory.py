@@ -1,0 +1,290 @@
+"""Long-term memory as the facade offers it: facts, notes, rolling session summaries,
+episodes and their FSRS reviews, entities.
+
+Facts go to the Facts actor (``actors/facts.py``: supersede by rule, history kept); episodes
+to the EpisodicCompressor (``actors/episodic.py``); notes, summaries and review states are
+written through the store's group commit (``actors/store.py``), notes logged (so they are
+embedded and indexed like turns), summaries and review states not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import timezone
+from typing import Any
+
+import msgspec
+import trio
+
+from actors.episodic import RATINGS, memory_review_state, review_state
+from actors.facts import Candidate
+from actors.base.messages import DeleteNote, PutNote, PutState, WriteSummary
+from actors.session_buffer import new_turn_id
+from actors.store import (
+    read_entities,
+    read_episodes,
+    read_memories_by_id,
+    read_records,
+    read_review_states,
+    read_summary,
+    user_prefix,
+)
+
+from actors.base import validate as v
+from ._args import check_count, check_fraction
+from ._forget import Scrubber
+from ._hits import Hit, hit_for
+from ._parts import Parts
+from actors.base.records import Entity, Episode, Fact, Note, ReviewState, SummaryState, Turn
+from actors.base.errors import InvalidInput
+
+__all__ = ["EntityInfo", "Memory"]
+
+_ENCODE = msgspec.msgpack.Encoder().encode
+
+
+class EntityInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``entity_info`` returns: the entity and the memories that mention it, newest
+    first."""
+
+    entity: Entity
+    memories: list[Hit]
+
+
+class Memory:
+    """The facade's long-term methods. Each checks its arguments, then asks the owning actor."""
+
+    def __init__(self, parts: Parts, scrubber: Scrubber) -> None:
+        self._parts = parts
+        self._scrubber = scrubber  # a deleted note's bytes leave the files in the background
+
+    # -- structured facts --------------------------------------------------------------------
+
+    async def remember_fact(self, user_id: Any, category: Any, key: Any, value: Any, *,
+                            text: Any, confidence: Any, importance: Any, keywords: Any,
+                            valid_at: Any) -> Fact:
+        candidate = self._candidate(user_id, category, key, value, text, confidence, importance,
+                                    keywords)
+        valid_at = None if valid_at is None else v.check_at(valid_at, "valid_at")
+        outcome = await self._parts.facts.propose(user_id, candidate, origin="api",
+                                                  valid_at=valid_at)
+        if outcome.status == "refused":
+            rival = outcome.previous
+            raise InvalidInput("confidence", f"expected at least the active value's confidence "
+                                             f"({rival.confidence:.2f} for {rival.value!r}), "
+                                             f"found {confidence:.2f}; call correct_fact to "
+                                             "replace it")
+        return outcome.fact
+
+    async def correct_fact(self, user_id: Any, category: Any, key: Any, value: Any, *,
+                           text: Any, importance: Any, keywords: Any) -> Fact:
+        candidate = self._candidate(user_id, category, key, value, text, 1.0, importance,
+                                    keywords)
+        outcome = await self._parts.facts.propose(user_id, candidate, origin="api", force=True)
+        return outcome.fact
+
+    async def confirm_fact(self, user_id: Any, category: Any, key: Any) -> Fact:
+        self._check_fact_key(user_id, category, key)
+        fact = await self._parts.facts.confirm(user_id, category, key)
+        if fact is None:
+            raise InvalidInput("key", f"expected an active fact ({category!r}, {key!r}) of user "
+                                      f"{user_id!r}, found none")
+        return fact
+
+    async def forget_fact(self, user_id: Any, category: Any, key: Any) -> bool:
+        self._check_fact_key(user_id, category, key)
+        return bool(await self._parts.facts.retire(user_id, [(category, key)], "retracted"))
+
+    async def profile(self, user_id: Any, category: Any, min_importance: Any) -> list[Fact]:
+        parts = self._parts
+        parts.check_open()
+        parts.check_ids(user_id)
+        if category is not None:
+            parts.check_id("category", category)
+        check_fraction("min_importance", min_importance)
+        return await parts.facts.profile(user_id, category, min_importance)
+
+    async def fact_history(self, user_id: Any, category: Any, key: Any) -> list[Fact]:
+        self._check_fact_key(user_id, category, key)
+        return await self._parts.facts.history(user_id, category, key)
+
+    def _check_fact_key(self, user_id: Any, category: Any, key: Any) -> None:
+        parts = self._parts
+        parts.check_open()
+        parts.check_ids(user_id)
+        parts.check_id("category", category)
+        parts.check_id("key", key)
+
+    def _candidate(self, user_id: Any, category: Any, key: Any, value: Any, text: Any,
+                   confidence: Any, importance: Any, keywords: Iterable[str]) -> Candidate:
+        parts = self._parts
+        self._check_fact_key(user_id, category, key)
+        parts.check_text("value", value)
+        if text is not None:
+            parts.check_text("text", text)
+        check_fraction("confidence", confidence)
+        check_fraction("importance", importance)
+        words = v.check_words("keywords", keywords)
+        return Candidate(category, key, value, text or f"{key}: {value}", float(confidence),
+                         float(importance), words)
+
+    # -- notes -------------------------------------------------------------------------------
+
+    async def put_note(self, user_id: Any, text: Any, note_id: Any,
+                       tags: Iterable[str] | None, replace: bool) -> Note:
+        """Store a new note (``replace`` False: the id must be free) or replace one (True:
+        it must exist)."""
+        parts = self._parts
+        parts.check_open()
+        parts.check_ids(user_id)
+        parts.check_text("text", text)
+        if note_id is None:
+            note_id = "n_" + new_turn_id()[2:]
+        parts.check_id("note_id", note_id)
+        tags = v.check_words("tags", tags)
+        now = parts.now().astimezone(timezone.utc)
+        store = parts.store
+        await store.reserve(1)
+        parts.check_open()
+        lsn = store.next_lsn
+        note = Note(lsn, note_id, user_id, text, tags, now, now)
+        outcome: list[tuple[Note | None, str | None, int]] = []
+
+        def committed(result: tuple[Note | None, str | None, int]) -> None:
+            outcome.append(result)
+            if result[2]:  # the replaced version leaves the vector index in commit order
+                parts.ann.removed(user_id, [result[2]], False)
+
+        store.submit(PutNote(lsn, note, 1 if replace else -1, committed))
+        await store.wait_committed(lsn)
+        stored, refused, _ = outcome[0]
+        if refused == "exists":
+            raise InvalidInput("note_id", f"expected a new note id, found {note_id!r} in use; "
+                                          "call update_note to change it")
+        if refused == "missing":
+            raise InvalidInput("note_id", f"expected the id of a note of user {user_id!r}, "
+                                          f"found none with id {note_id!r}")
+        return stored
+
+    async def get_note(self, user_id: Any, note_id: Any) -> Note | None:
+        parts = self._parts
+        parts.check_open()
+        parts.check_ids(user_id)
+        parts.check_id("note_id", note_id)
+        await parts.committed()
+        found = (await parts.store.read(read_memories_by_id, user_id, [note_id])).get(note_id)
+        return found if type(found) is Note else None
+
+    async def delete_note(self, user_id: Any, note_id: Any) -> bool:
+        parts = self._parts
+        parts.check_open()
+        parts.check_ids(user_id)
+        parts.check_id("note_id", note_id)
+        store = parts.store
+        await store.reserve(1)
+        parts.check_open()
+        lsn = store.next_lsn
+        deleted: list[list[int]] = []
+
+        def committed(lsns: list[int]) -> None:
+            deleted.append(lsns)
+            parts.ann.removed(user_id, lsns, False)
+
+        store.submit(DeleteNote(lsn, user_id, note_id, committed))
+        await store.wait_committed(lsn)
+        if deleted[0]:
+            self._scrubber.ask()
+        return bool(deleted[0])
+
+    # -- rolling session summaries -----------------------------------------------------------
+
+    async def session_summary(self, user_id: Any, session_id: Any) -> SummaryState | None:
+        parts = self._parts
+        parts.check_open()
+        parts.check_ids(user_id, session_id)
+        await parts.committed()
+        return await parts.store.read(read_summary, user_id, session_id)
+
+    async def write_session_summary(self, user_id: Any, session_id: Any, summary: Any,
+                                    upper_seq: Any, expected_epoch: Any) -> bool:
+        parts = self._parts
+        parts.check_open()
+        parts.check_ids(user_id, session_id)
+        parts.check_text("summary", summary)
+        turns = self._session_turns(user_id, session_id)
+        check_count("upper_seq", upper_seq, 0, turns)
+        check_count("expected_epoch", expected_epoch, 0, 2**62)
+        state = SummaryState(expected_epoch + 1, summary, upper_seq,
+                             parts.clock().astimezone(timezone.utc))
+        applied: list[bool] = []
+        await parts.store.write_unlogged(WriteSummary(user_id, session_id, state,
+                                                      expected_epoch, trio.Event(),
+                                                      applied.append))
+        return applied[0]
+
+    def _session_turns(self, user_id: str, session_id: str) -> int:
+        """How many turns the session has; InvalidInput if the user has no such session."""
+        turns = self._parts.buffer.next_seq(user_id, session_id)
+        if turns is None:
+            raise InvalidInput("session_id", f"expected a session of user {user_id!r}, found "
+                                             f"none called {session_id!r}")
+        return turns
+
+    # -- episodes and reviews ----------------------------------------------------------------
+
+    async def episodes(self, user_id: Any, session_id: Any) -> list[Episode]:
+        parts = self._parts
+        parts.check_open()
+        parts.check_ids(user_id, session_id)
+        await parts.committed()
+        return await parts.store.read(read_episodes, user_id, session_id)
+
+    async def close_session(self, user_id: Any, session_id: Any) -> bool:
+        parts = self._parts
+        parts.check_open()
+        parts.check_ids(user_id, session_id)
+        turns = self._session_turns(user_id, session_id)
+        return await parts.compressor.consolidate(user_id, session_id, turns)
+
+    async def review(self, user_id: Any, memory_id: Any, rating: Any) -> ReviewState:
+        parts = self._parts
+        parts.check_open()
+        parts.check_ids(user_id)
+        parts.check_id("memory_id", memory_id)
+        if isinstance(rating, bool) or rating not in RATINGS:
+            raise InvalidInput("rating", "expected again/hard/good/easy or 1-4, found "
+                                         f"{rating!r}")
+        store = parts.store
+        await parts.committed()
+        memory = (await store.read(read_memories_by_id, user_id, [memory_id])).get(memory_id)
+        if type(memory) not in (Episode, Turn):
+            raise InvalidInput("memory_id", f"expected the id of an episode or turn of user "
+                                            f"{user_id!r}, found {memory_id!r}")
+        current = (await store.read(read_review_states, user_id, [memory_id])).get(memory_id)
+        state = review_state(current or memory_review_state(memory), RATINGS[rating],
+                             parts.clock().astimezone(timezone.utc))
+        key = user_prefix(user_id) + memory_id.encode()
+        await store.write_unlogged(PutState(((b"reviews", key, _ENCODE(state), memory.lsn),),
+                                            (), trio.Event()))
+        return state
+
+    # -- entities ----------------------------------------------------------------------------
+
+    async def entity_info(self, user_id: Any, name: Any, limit: Any) -> EntityInfo | None:
+        parts = self._parts
+        parts.check_open()
+        parts.check_ids(user_id)
+        parts.check_text("name", name)
+        check_count("limit", limit, 1, 1000)
+        key = name.strip().lower()
+        store = parts.store
+        registry = await store.read(read_entities, user_id, [key])
+        found = registry.get(key)
+        if found is not None and found.type == "alias":
+            found = registry.get(found.aliases[0])
+        if found is None:
+            return None
+        lsns = sorted(found.lsns, reverse=True)
+        records = await store.read(read_records, user_id, lsns[: limit * 2])
+        memories = [hit_for(records[lsn], 1.0, ("entity",)) for lsn in lsns if lsn in records]
+        return EntityInfo(entity=found, memories=memories[:limit])

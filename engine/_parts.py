@@ -1,0 +1,102 @@
+"""What the engine's concerns share: its running actors, its settings, and whether it still
+serves calls. The wiring (``_wiring.py``) builds one once every actor has started; each concern
+module (ingest, recall, memory, links, forgetting, stats, snapshots, maintenance) is given it
+and sends its requests to the actors through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from actors.ann_index import AnnIndex
+from actors.embedder import Embedder
+from actors.entities import Entities
+from actors.episodic import EpisodicCompressor
+from actors.facts import Facts
+from actors.fulltext import FullText
+from actors.session_buffer import SessionBuffer
+from actors.store import LogFollower, Store
+
+from actors.base import validate as v
+from actors.base.config import Config
+from actors.base.errors import EngineClosed
+
+__all__ = ["Clock", "Parts"]
+
+Clock = Callable[[], datetime]
+
+
+class Parts:
+    """The actors of one running engine and the state its concerns share.
+
+    Attributes:
+        store / buffer / embedder / ann / fulltext / facts / compressor / entities: the
+            actors (see DESIGN.md's map); each owns its state, the concerns only send to them.
+        followers: the long-term layer's log followers, when it runs.
+        config / clock: the engine's settings and clock.
+        read_only: opened with ``read_only=True``: every write is refused.
+        open_lsn: what the store held at open (a leg whose index lacks it is degraded).
+        closed: set when the engine begins to close; every later call raises EngineClosed.
+        forgets: forget_session / forget_user calls so far (a retrieval that raced one does
+            not record what it showed).
+    """
+
+    def __init__(self, store: Store, buffer: SessionBuffer, embedder: Embedder, ann: AnnIndex,
+                 fulltext: FullText, facts: Facts, compressor: EpisodicCompressor,
+                 entities: Entities, config: Config, clock: Clock) -> None:
+        self.store = store
+        self.buffer = buffer
+        self.embedder = embedder
+        self.ann = ann
+        self.fulltext = fulltext
+        self.facts = facts
+        self.compressor = compressor
+        self.entities = entities
+        self.followers: list[LogFollower] = []
+        self.config = config
+        self.clock = clock
+        self.read_only = store.read_only
+        self.open_lsn = store.committed_lsn
+        self.closed = False
+        self.forgets = 0
+
+    def check_open(self) -> None:
+        """Raise EngineClosed if the caller closed the engine, the store's own error if it
+        broke underneath."""
+        if self.closed:
+            raise EngineClosed("the engine is closed; open a new one with Engine.open(path)")
+        self.store.check_usable()
+
+    def check_ids(self, user_id: Any, session_id: Any = None) -> None:
+        v.check_id("user_id", user_id, self.config.max_id_chars)
+        if session_id is not None:
+            v.check_id("session_id", session_id, self.config.max_id_chars)
+
+    def check_id(self, field: str, value: Any) -> str:
+        return v.check_id(field, value, self.config.max_id_chars)
+
+    def check_text(self, field: str, value: Any) -> str:
+        return v.check_text(field, value, self.config.max_text_chars)
+
+    def now(self) -> datetime:
+        """The engine clock's time, checked as a caller's ``at`` would be: the clock is the
+        caller's too, and a time the text index cannot hold must not reach the store."""
+        return v.check_at(self.clock(), "clock")
+
+    async def committed(self) -> None:
+        """Wait until everything logged before the call is on disk: a read by id finds it
+        then (indexes and vectors are not needed)."""
+        await self.store.wait_committed(self.store.next_lsn - 1)
+
+    def degraded(self) -> tuple[str, ...]:
+        """The search legs whose index lacks records the store held when the engine opened:
+        a rebuild or a long catch-up is under way (the normal lag of new records is not this;
+        the window leg covers it)."""
+        legs: tuple[str, ...] = ()
+        if self.fulltext.catching_up:
+            legs += ("bm25",)
+        if max(self.embedder.embedded_lsn, self.store.embedded_lsn) < self.open_lsn:
+            legs += ("vector",)
+        return legs

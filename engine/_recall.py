@@ -1,0 +1,146 @@
+"""The retrieval entry points: ``recall``, ``retrieve_memory(_raw)`` and ``context_pre_retrieve``
+as the facade takes them. Each checks its arguments, resolves the focus level, runs the
+pipeline (``_retrieval.py``) or seed 001's sections over it (``_briefing.py``), flags the legs
+whose index was incomplete, and records what it showed: a pending review of the episodes, a
+use of the facts (both queued, never awaited: the reply does not wait for a write).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import timezone
+from typing import Any
+
+import msgspec
+
+from actors.base.messages import PutState
+from actors.store import user_prefix
+
+from actors.base import validate as v
+from ._args import check_count, check_fraction, choices, tags as check_tags
+from ._briefing import Briefing, render_markdown
+from ._hits import Hits, RetrieveResult
+from ._parts import Parts
+from actors.base.records import PendingReview
+from ._retrieval import FOCUS_LEVELS, Retriever, focus_settings
+from actors.base.errors import InvalidInput
+
+__all__ = ["Recall"]
+
+_ENCODE = msgspec.msgpack.Encoder().encode
+ROLES = ("user", "assistant", "system", "tool")
+KINDS = ("turn", "episode", "fact", "note")
+
+
+class Recall:
+    """The facade's retrieval methods, over one retriever and its briefing."""
+
+    def __init__(self, parts: Parts, retriever: Retriever, briefing: Briefing) -> None:
+        self._parts = parts
+        self._retriever = retriever
+        self._briefing = briefing
+
+    async def recall(self, user_id: Any, query: Any, limit: Any, *, focus: Any,
+                     session_id: Any, since: Any, until: Any, roles: Iterable[str] | None,
+                     kinds: Iterable[str] | None, tags: Iterable[str] | None, link_depth: Any,
+                     budget_tokens: Any) -> Hits:
+        parts = self._parts
+        parts.check_open()
+        parts.check_ids(user_id)
+        parts.check_text("query", query)
+        if focus is not None and (type(focus) is not int or focus not in FOCUS_LEVELS):
+            raise InvalidInput("focus", f"expected an integer from 0 to 5, found {focus!r}")
+        settings = focus_settings(focus, parts.clock())
+        limit = settings["limit"] if limit is None else check_count("limit", limit, 1, 1000)
+        link_depth = (settings["link_depth"] if link_depth is None
+                      else check_count("link_depth", link_depth, 0, 5))
+        if since is None:
+            since = settings["since"]
+        else:
+            v.check_at(since, "since")
+        if until is not None:
+            v.check_at(until, "until")
+        if session_id is not None:
+            parts.check_id("session_id", session_id)
+        if budget_tokens is not None:
+            check_count("budget_tokens", budget_tokens, 1, 1_000_000)
+        degraded = parts.degraded()  # before the search: a leg that completes meanwhile
+        hits = await self._retriever.recall(  # may or may not have served this query
+            user_id, query, limit=limit, session_id=session_id, since=since, until=until,
+            roles=choices("roles", roles, ROLES), kinds=choices("kinds", kinds, KINDS),
+            link_depth=link_depth, budget_tokens=budget_tokens, tags=check_tags(tags))
+        return Hits(hits, degraded + tuple(leg for leg in parts.degraded()
+                                           if leg not in degraded))
+
+    async def retrieve_memory(self, user_id: Any, query: Any, conversation_id: Any,
+                              episodic_limit: Any, semantic_limit: Any, detail: Any,
+                              category: Any, min_importance: Any) -> str:
+        result = await self.retrieve_memory_raw(user_id, query, conversation_id,
+                                                episodic_limit, semantic_limit, detail,
+                                                category, min_importance)
+        return render_markdown(result, self._parts.clock(), detail)
+
+    async def retrieve_memory_raw(self, user_id: Any, query: Any, conversation_id: Any,
+                                  episodic_limit: Any, semantic_limit: Any, detail: Any,
+                                  category: Any, min_importance: Any) -> RetrieveResult:
+        parts = self._parts
+        self._check(user_id, query, conversation_id, semantic_limit, category, min_importance)
+        check_count("episodic_limit", episodic_limit, 1, 100)
+        if detail not in ("auto", "none", "low", "high"):
+            raise InvalidInput("detail", "expected one of 'auto', 'none', 'low', 'high', "
+                                         f"found {detail!r}")
+        forgets = parts.forgets
+        degraded = parts.degraded()
+        result = await self._briefing.retrieve(
+            user_id, query, conversation_id=conversation_id, episodic_limit=episodic_limit,
+            semantic_limit=semantic_limit, category=category, min_importance=min_importance,
+            episodic=True)
+        if degraded:
+            result = msgspec.structs.replace(result, degraded=degraded)
+        if forgets == parts.forgets:  # a deletion meanwhile: what was shown may be gone
+            self._record_pending(user_id, conversation_id, query, result)
+        self._count_use(user_id, result)
+        return result
+
+    async def context_pre_retrieve(self, user_id: Any, query: Any, conversation_id: Any,
+                                   semantic_limit: Any, category: Any,
+                                   min_importance: Any) -> str:
+        self._check(user_id, query, conversation_id, semantic_limit, category, min_importance)
+        result = await self._briefing.retrieve(
+            user_id, query, conversation_id=conversation_id, episodic_limit=0,
+            semantic_limit=semantic_limit, category=category, min_importance=min_importance,
+            episodic=False)
+        self._count_use(user_id, result)
+        return render_markdown(result, self._parts.clock(), "none", episodic=False)
+
+    def _check(self, user_id: Any, query: Any, conversation_id: Any, semantic_limit: Any,
+               category: Any, min_importance: Any) -> None:
+        parts = self._parts
+        parts.check_open()
+        parts.check_ids(user_id)
+        parts.check_text("query", query)
+        if conversation_id is not None:
+            parts.check_id("conversation_id", conversation_id)
+        check_count("semantic_limit", semantic_limit, 0, 100)
+        if category is not None:
+            parts.check_id("category", category)
+        check_fraction("min_importance", min_importance)
+
+    def _count_use(self, user_id: str, result: RetrieveResult) -> None:
+        """Facts shown in a prompt were used: their decay restarts. Queued, not awaited, so
+        the reply does not wait for the write (``flush`` does)."""
+        if result.semantic and not self._parts.read_only:
+            self._parts.facts.touch(user_id, [f.id for f in result.semantic])
+
+    def _record_pending(self, user_id: str, conversation_id: str | None, query: str,
+                        result: RetrieveResult) -> None:
+        """Remember what a retrieval showed, for the review that rates it (seed 001). Not
+        awaited: the reply must not wait for this write."""
+        parts = self._parts
+        if not result.episodic or parts.read_only:
+            return
+        pending = PendingReview(tuple(i.id for i in result.episodic),
+                                tuple(i.summary for i in result.episodic), query,
+                                parts.clock().astimezone(timezone.utc))
+        key = user_prefix(user_id) + (conversation_id or "").encode()
+        parts.store.submit(PutState(((b"pending", key, _ENCODE(pending), 0),)))

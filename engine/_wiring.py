@@ -1,0 +1,164 @@
+"""The engine's lifetime: its actors started in dependency order inside one nursery, stopped in
+reverse, and whatever fails in that nursery raised as one engine error.
+
+Order of start: the store (it replays and recovers the log), the embedder, the vector index,
+the text index (both catch up with the log from their watermarks), the session buffer
+(loaded from the store), the embedder's log follower, then the long-term layer (entities,
+facts, episodes) and the scrubber in the background. Close runs the other way: the background
+stops first (its watermarks say where to resume), then the embedder, the vector index and the
+store, which drains what is queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from actors.ann_index import AnnIndex
+from actors.embedder import Embedder
+from actors.entities import Entities
+from actors.episodic import EpisodicCompressor
+from actors.facts import Facts
+from actors.fulltext import FullText
+from actors.session_buffer import SessionBuffer, new_turn_id
+from actors.store import Store
+
+from actors.base.config import Config
+from ._forget import Scrubber
+from ._llm import ModelTasks
+from ._parts import Clock, Parts
+from actors.base.errors import EngineBroken, StoreCorrupt, StoreTampered
+
+__all__ = ["Running", "running"]
+
+
+class Running:
+    """One running engine, as the facade gets it: its parts, its scrubber, and a way to start
+    more background work that close stops first."""
+
+    def __init__(self, parts: Parts, scrubber: Scrubber, nursery: trio.Nursery) -> None:
+        self.parts = parts
+        self.scrubber = scrubber
+        self._nursery = nursery
+        self.background: list[trio.CancelScope] = []  # stopped first, in close
+
+    async def start_background(self, task: Callable[..., Any], *args: Any) -> None:
+        """Start a task that runs until the engine closes (cancelled before the actors stop)."""
+        scope = trio.CancelScope()
+        self.background.append(scope)
+        await self._nursery.start(_in_scope, scope, task, *args)
+
+
+@asynccontextmanager
+async def running(root: Path, config: Config, clock: Clock, embedding: Embedder,
+                  reembed: bool, tasks: ModelTasks | None,
+                  read_only: bool) -> AsyncIterator[Running]:
+    """Start the actors, yield the running engine, stop them in reverse."""
+    store = Store(root, config, embedding.model, reembed, read_only)
+    ann = AnnIndex(store, embedding.model.dim, config.ann_cache_vectors, root / "ann",
+                   read_only)
+    fulltext = FullText(root / "fulltext", store, read_only)
+    body_error: BaseException | None = None
+    raised: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            run: Running | None = None
+            try:
+                await nursery.start(store.run)
+                await nursery.start(embedding.run)
+                await nursery.start(ann.run)
+                await nursery.start(fulltext.run)
+                buffer = SessionBuffer(store, config)
+                await buffer.load()
+                if config.background_embedding:
+                    await nursery.start(embedding.follow, store, ann.added)
+                facts = Facts(store, lambda user, lsns: ann.removed(user, lsns, False),
+                              clock, lambda: new_turn_id()[2:])
+                compressor = EpisodicCompressor(
+                    store, embedding, ann, clock, lambda: new_turn_id()[2:],
+                    after_turns=config.episode_after_turns,
+                    keep_turns=config.episode_keep_turns, llm=tasks,
+                    vectors_follow=config.background_embedding)
+                entities = Entities(store)
+                parts = Parts(store, buffer, embedding, ann, fulltext, facts, compressor,
+                              entities, config, clock)
+                run = Running(parts, Scrubber(store, fulltext, ann), nursery)
+                if not read_only:  # a reader writes nothing; the owner scrubs
+                    await run.start_background(run.scrubber.run)
+                if config.long_term:
+                    parts.followers = [entities.follower, facts.follower(tasks),
+                                       compressor.follower]
+                    for follower in parts.followers:
+                        await run.start_background(follower.run)
+                yield run
+            except BaseException as exc:
+                body_error = exc
+                raise
+            finally:
+                # The store drains what is queued, shielded; the embedder answers what it
+                # holds; the follower stops where the watermark on disk says it stopped.
+                if run is not None:
+                    run.parts.closed = True
+                    if run.scrubber.pending and store.usable():
+                        # What a forget removed leaves the files before the engine
+                        # closes: otherwise the next open scrubs (the marker in the
+                        # store names the users). Bounded by work, like the drain.
+                        with trio.CancelScope(shield=True):
+                            await run.scrubber.wait()
+                    # The long-term layer stops first; its watermarks say where to resume.
+                    for scope in run.background:
+                        scope.cancel()
+                embedding.close()
+                ann.close()
+                store.close()
+    except BaseExceptionGroup as group:
+        raised = _translate(group, body_error)
+    if raised is not None:
+        raise raised
+
+
+async def _in_scope(scope: trio.CancelScope, task: Callable[..., Any], *args: Any,
+                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Run a background task under its own cancel scope, so close can stop it first."""
+    with scope:
+        await task(*args, task_status=task_status)
+
+
+def _translate(group: BaseExceptionGroup, body_error: BaseException | None) -> BaseException:
+    """One error out of the engine's nursery: the caller's own, or EngineBroken from the group."""
+    real = group.subgroup(lambda e: not isinstance(e, trio.Cancelled))
+    if real is None:
+        return group  # pure cancellation: trio's cancel scopes take it from here
+    leaves = list(_leaves(real))
+    if body_error is not None and all(e is body_error for e in leaves):
+        return body_error
+    if all(not isinstance(e, Exception) and type(e).__name__ != "PanicException"
+           for e in leaves):
+        # KeyboardInterrupt and the like pass through untouched; a native library's panic
+        # (pyo3's PanicException, a BaseException) is the engine breaking, not the caller.
+        return group
+    damage = [e for e in leaves if isinstance(e, StoreCorrupt)]
+    if damage:
+        # A part found the store damaged; the other failures are its fallout (the store
+        # closing under them). Say that, naming the first place; the group is the cause.
+        first = damage[0]
+        damaged = (StoreTampered(str(first), first.database, first.key, first.lsn)
+                   if isinstance(first, StoreTampered)
+                   else StoreCorrupt(str(first), first.database, first.key))
+        damaged.__cause__ = group
+        return damaged
+    broken = EngineBroken(f"the engine failed: {'; '.join(repr(e) for e in leaves)}")
+    broken.__cause__ = group
+    return broken
+
+
+def _leaves(group: BaseExceptionGroup) -> Iterable[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
