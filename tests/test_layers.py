@@ -189,3 +189,79 @@ def test_actor_tests_use_only_the_bottom_layer_and_their_actor() -> None:
                                                      or imp.within(actor))):
                 through_the_engine.add(imp.path)
     assert through_the_engine == ACTOR_TESTS_THROUGH_THE_ENGINE
+
+
+def _module_graph(*packages: str) -> dict[str, set[str]]:
+    """Module -> the first-party modules it imports, from every import statement at any depth
+    (``from pkg import sub`` names the submodule ``pkg.sub`` when there is one)."""
+    files = {module_name(p): p for p in sources(*packages)}
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        for imp in imports_of(path):
+            subs = [f"{imp.target}.{n}" for n in imp.names if f"{imp.target}.{n}" in files]
+            targets = subs or ([imp.target] if imp.target in files else [])
+            # A submodule taken from a package still runs the package's __init__ first, but
+            # that is not an edge of this module: the package imports its own modules.
+            graph[name].update(t for t in targets if t != name)
+    return graph
+
+
+def _a_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle, as the modules along it (first repeated at the end); [] if none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done, no cycle through it
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return []
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start)
+            if found:
+                return found
+    return []
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    """The check itself: a planted circle is found, a straight line is not."""
+    assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+# Imports for annotations only (under ``if TYPE_CHECKING:``) that close a circle, each named
+# with its reason; each is checked to still exist, so the list cannot go stale. A new one fails.
+KNOWN_TYPE_ONLY_CIRCLES = {
+    ("actors.store.replay", "actors.store.store"):
+        "LogFollower's Store annotation; store -> migrate -> replay imports it back",
+}
+
+
+def test_no_import_cycle_among_the_engine_and_the_actors() -> None:
+    """No module of engine/ or actors/ imports, at any depth or lazily, a module that imports
+    it back (the package ``engine`` counts: its ``__init__`` imports every public module)."""
+    graph = _module_graph("engine", "actors")
+    assert len(graph) > 30 and "engine._engine" in graph["engine"]
+    for module, target in KNOWN_TYPE_ONLY_CIRCLES:
+        assert target in graph[module], f"{module} no longer imports {target}: drop it above"
+        graph[module].discard(target)
+    assert _a_cycle(graph) == []
+
+
+def test_the_engine_imports_the_actors_and_never_the_reverse() -> None:
+    """Edges between the two layers only run downwards: engine -> actors (and actors.base)."""
+    graph = _module_graph("engine", "actors")
+    up = sorted((m, t) for m, targets in graph.items() for t in targets
+                if m.startswith("actors") and t.split(".")[0] == "engine")
+    assert up == []
+    assert any(t.startswith("actors.base") for t in graph["engine._engine"])
