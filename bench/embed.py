@@ -51,16 +51,15 @@ import numpy as np
 import trio
 from _report import percentiles, progress, write_results
 
-from actors.embedder import Embedder, OnnxEmbedder
-from engine import Engine, NewTurn
-from engine._demo import conversation_turns, load_conversation
+from actors.embedder import Embedder
+from engine import Engine, NewTurn, OnnxEmbedder, demo_turns
 
 BATCH = 32
 
 
 def corpus(seed: int) -> tuple[list[str], list[str]]:
     """Queries (short, like a user's question) and passages (whole turns) from the demo data."""
-    turns = [t.text for t in conversation_turns(load_conversation())]
+    turns = [t.text for t in demo_turns()]
     rng = random.Random(seed)
     queries = [" ".join(t.split()[: rng.randint(4, 12)]) for t in turns]
     passages = [rng.choice(turns) for _ in range(BATCH * 16)]

@@ -4,6 +4,7 @@ Everything public is re-exported here; the modules behind it are private.
 """
 
 from actors.base.config import Config
+from ._demo import demo_turns
 from ._engine import Engine
 from ._llm import LLM, LLMFailed, OpenAICompatibleLLM
 from ._maintenance import MaintenanceReport
@@ -96,4 +97,5 @@ __all__ = [
     "StoreInUse",
     "SummaryState",
     "Turn",
+    "demo_turns",
 ]

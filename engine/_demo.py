@@ -48,6 +48,17 @@ def conversation_turns(data: dict[str, Any], user_suffix: str = "") -> list[NewT
     return turns
 
 
+def demo_turns() -> list[NewTurn]:
+    """The conversation ``engram-trio demo`` replays, as turns ready for ``Engine.add_turns``:
+    several users over several sessions, in order, with their times. For trying the engine and
+    for benchmarks that want realistic chat text without a download.
+
+    Returns:
+        Every turn of the bundled conversation (engine/demo_data/conversation.json).
+    """
+    return conversation_turns(load_conversation())
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
