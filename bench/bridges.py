@@ -195,7 +195,7 @@ def main() -> None:
           + ", ".join(f"{k} {v:+.0f} us" for k, v in over.items()) + " (target < 150 us)")
     results["machine"] = {"python": sys.version.split()[0], "platform": platform.platform(),
                           "model": "minilm-l6-v2" if args.model else "HashEmbedder"}
-    write_results(args.out, results)
+    write_results(args.out, results, "bridges")
 
 
 if __name__ == "__main__":

@@ -358,7 +358,7 @@ def main() -> None:
               f"{s['snapshots_restored']:<6}")
     print(f"{time.perf_counter() - start:.0f} s")
     write_results(args.out, {"seed": args.seed, "runs": args.runs, "summary": summary,
-                             "each": runs})
+                             "each": runs}, "crash")
 
 
 if __name__ == "__main__":

@@ -348,7 +348,8 @@ def main() -> None:
     parser.add_argument("--lag-seconds", type=float, default=20)
     args = parser.parse_args()
     if args.throughput:
-        write_results(args.out.replace(".json", "-throughput.json"), throughput(args))
+        write_results(args.out.replace(".json", "-throughput.json"), throughput(args),
+                      "embed-throughput")
         return
     if args.quality:
         results = quality(args.variants, locomo_path())
@@ -356,7 +357,7 @@ def main() -> None:
         for variant, r in results.items():
             print(f"{variant:<18}{r['recall@10_micro']:>19.4f}{r['recall@10_mean']:>14.4f}"
                   f"{r['questions']:>11}")
-        write_results(args.out.replace(".json", "-quality.json"), results)
+        write_results(args.out.replace(".json", "-quality.json"), results, "embed-quality")
         return
     rounds = 2 if args.quick else args.rounds
     queries, passages = corpus(args.seed)
@@ -374,7 +375,7 @@ def main() -> None:
         print(f"{variant:<18}{qb['p50_ms']:>11.2f} /{qb['p99_ms']:>6.2f} ms"
               f"{qa['p50_ms']:>8.2f} /{qa['p99_ms']:>6.2f} ms{r['query_overhead']:>+9.1%}"
               f"{r['batch_bare_per_s']:>14.0f}{r['batch_actor_per_s']:>10.0f}{r['batch_ratio']:>8.2f}")
-    write_results(args.out, results)
+    write_results(args.out, results, "embed")
 
 
 if __name__ == "__main__":

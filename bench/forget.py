@@ -91,7 +91,7 @@ def main() -> None:
     print(f"forget + flush  p50 {f['p50_ms']:8.1f} ms  max {f['max_ms']:8.1f} ms  "
           f"({f['p50_ms'] / a['p50_ms']:.1f}x the plain flush at p50)")
     print(f"data.mdb {result['data_mdb_bytes_before']:,} -> {result['data_mdb_bytes_after']:,} bytes")
-    write_results(args.out, result)
+    write_results(args.out, result, "forget")
 
 
 if __name__ == "__main__":

@@ -229,7 +229,7 @@ def main() -> None:
     results["args"] = vars(args)
     results["machine"] = {"python": sys.version.split()[0], "platform": platform.platform(),
                           "cpus": os.cpu_count()}
-    write_results(args.out, results)
+    write_results(args.out, results, "http")
 
 
 if __name__ == "__main__":

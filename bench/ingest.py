@@ -217,7 +217,7 @@ def main() -> None:
     print(f"\nbulk add_turns: {b['turns']:,} turns in {b['seconds']:.2f} s = "
           f"{b['turns_per_s']:,.0f} turns/s; {b['ratio_to_bare_lmdb']:.2f}x of bare LMDB doing the "
           f"same writes ({results['baseline_lmdb_turns_per_s']:,.0f} turns/s, same process)")
-    write_results(args.out, results)
+    write_results(args.out, results, "ingest")
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ def main() -> None:
         row = results[name]
         print(f"  {name:<17} open {row['open_s']:6.2f} s, bm25 complete after "
               f"{row['ready_s']:6.2f} s ({row['flagged_recalls']} recalls flagged meanwhile)")
-    write_results(args.out, results)
+    write_results(args.out, results, "rebuild")
 
 
 if __name__ == "__main__":

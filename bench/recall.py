@@ -369,7 +369,8 @@ def main() -> None:
     print(f"seed {args.seed}; {os.cpu_count()} cores")
     results = trio.run(quality if args.what == "quality" else latency, args)
     results.update(cores=os.cpu_count(), seed=args.seed)
-    write_results(args.out or f"bench/results/recall-{args.what}.json", results)
+    write_results(args.out or f"bench/results/recall-{args.what}.json", results,
+                  f"recall-{args.what}")
 
 
 if __name__ == "__main__":

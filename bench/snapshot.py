@@ -2,8 +2,11 @@
 
     python bench/snapshot.py                       # 1M memories over 1,000 users, ~3 min
     python bench/snapshot.py --memories 100000     # smaller
+    python bench/snapshot.py --memories 25000 50000 100000 200000   # time against store size
 
-1. Build a store of --memories turns with vectors (bench/recall.py's corpus: real embeddings
+For each size in --memories, on a store of its own:
+
+1. Build a store of that many turns with vectors (bench/recall.py's corpus: real embeddings
    mixed, so no hours of embedding) and its text index.
 2. Baseline: buffered add_turn at --rate turns/s for --seconds; latency percentiles.
 3. The same ingest again while ``Engine.snapshot`` runs; its duration, and the ingest
@@ -11,7 +14,8 @@
 4. ``Engine.restore`` into a new directory, ``Engine.open``, first ``recall``: the time from
    the start of the restore to the first answer.
 
-Prints a table and writes JSON (--out, default bench/results/snapshot.json).
+Prints a table per size and writes JSON (--out, default bench/results/snapshot.json): one
+entry per size under ``sizes``, smallest first.
 """
 
 from __future__ import annotations
@@ -53,22 +57,32 @@ async def ingest(mem: Engine, rate: float, seconds: float, stop: trio.Event | No
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="engram-snap-"))
     texts, pool, queries = await corpus_pool(args.seed)
+    sizes = []
+    for memories in sorted(args.memories):
+        print(f"{memories:,} memories")
+        sizes.append(await one_size(args, memories, texts, pool, queries))
+        report(args, sizes[-1])
+    return {"sizes": sizes}
+
+
+async def one_size(args: argparse.Namespace, memories: int, texts: list[str], pool: np.ndarray,
+                   queries: list[str]) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="engram-snap-"))
     rng = np.random.default_rng(args.seed)
     first_at = datetime(2026, 1, 1, tzinfo=timezone.utc)
-    users = max(1, args.memories // 1000)
-    results: dict[str, Any] = {"memories": args.memories, "users": users}
+    users = max(1, memories // 1000)
+    results: dict[str, Any] = {"memories": memories, "users": users}
     try:
         # Turns with vectors written directly, and no long-term layer: this measures bytes.
         config = {"background_embedding": False, "long_term": False}
         async with Engine.open(work / "store", config=config) as mem:
             start = time.perf_counter()
             for i in range(users):
-                await load_user(mem, f"u{i:05d}", args.memories // users, texts, pool, rng,
+                await load_user(mem, f"u{i:05d}", memories // users, texts, pool, rng,
                                 first_at)
                 if i % 100 == 99:
-                    print(f"\r  building: {(i + 1) * (args.memories // users):,}", end="",
+                    print(f"\r  building: {(i + 1) * (memories // users):,}", end="",
                           flush=True)
             await mem.flush()
             results["build_s"] = time.perf_counter() - start
@@ -106,27 +120,32 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--memories", type=int, default=1_000_000)
-    parser.add_argument("--rate", type=float, default=2000)
-    parser.add_argument("--seconds", type=float, default=10)
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--out", default="bench/results/snapshot.json")
-    args = parser.parse_args()
-    print(f"seed {args.seed}; {os.cpu_count()} cores; {args.memories:,} memories")
-    r = trio.run(run, args)
-    r.update(cores=os.cpu_count(), seed=args.seed)
+def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
     b, d = r["baseline_ingest"], r["ingest_during_snapshot"]
-    print(f"\nsnapshot of {r['memories']:,} memories ({r['snapshot_bytes'] / 1e9:.2f} GB, text "
+    print(f"snapshot of {r['memories']:,} memories ({r['snapshot_bytes'] / 1e9:.2f} GB, text "
           f"index {r['snapshot_fulltext']}): {r['snapshot_s']:.1f} s")
     print(f"add_turn @{args.rate:g}/s before: p50 {b['p50_us']:.0f} µs p99 {b['p99_us']:.0f} µs; "
           f"during the snapshot: p50 {d['p50_us']:.0f} µs p99 {d['p99_us']:.0f} µs "
           f"({r['p99_ratio']:.2f}x)")
     print(f"restore {r['restore_s']:.1f} s + open {r['open_s']:.1f} s -> first answer "
-          f"{r['first_answer_s']:.1f} s after the restore began ({r['first_answer_hits']} hits)")
-    write_results(args.out, r)
+          f"{r['first_answer_s']:.1f} s after the restore began ({r['first_answer_hits']} hits)\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--memories", type=int, nargs="+", default=[1_000_000],
+                        help="store sizes, one run each (default 1,000,000)")
+    parser.add_argument("--rate", type=float, default=2000)
+    parser.add_argument("--seconds", type=float, default=10)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--out", default="bench/results/snapshot.json")
+    args = parser.parse_args()
+    print(f"seed {args.seed}; {os.cpu_count()} cores; "
+          f"{', '.join(f'{n:,}' for n in sorted(args.memories))} memories")
+    r = trio.run(run, args)
+    r.update(cores=os.cpu_count(), seed=args.seed, args=vars(args))
+    write_results(args.out, r, "snapshot")
 
 
 if __name__ == "__main__":
