@@ -25,8 +25,11 @@ phases and kill delays (not the same kill points: the machine's timing moves the
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import random
+import runpy
 import shutil
 import signal
 import subprocess
@@ -120,15 +123,29 @@ async def child_compact(path: Path) -> None:
         await Engine.compact(path)
 
 
-async def child_reindex(path: Path) -> None:
-    from engine.__main__ import _reindex
-
+async def _warm_with_model(path: Path) -> None:
     async with Engine.open(path, config={"model": MODELS[0]}) as mem:
         await _warm(mem, 4)
         await mem.flush()
+
+
+def child_reindex(path: Path) -> None:
+    """`python -m engine reindex` over and over, switching models, run in this process (so
+    the kill lands inside it): the public command, as a user runs it."""
+    trio.run(_warm_with_model, path)
     _say("ready")
     for k in range(1, 1_000_000):
-        await _reindex(str(path), MODELS[k % 2], lambda *a: None)
+        argv, sys.argv = sys.argv, ["engram-trio", "reindex", str(path), "--model",
+                                    MODELS[k % 2], "--json"]
+        try:
+            # Its JSON goes to a buffer: the parent reads this stdout for acknowledgements.
+            with contextlib.redirect_stdout(io.StringIO()):
+                runpy.run_module("engine", run_name="__main__", alter_sys=True)
+        except SystemExit as done:
+            if done.code not in (0, None):
+                raise SystemExit(f"engram-trio reindex exited {done.code}") from None
+        finally:
+            sys.argv = argv
         _say("reindexed", MODELS[k % 2])
 
 
@@ -154,9 +171,11 @@ async def child_forget(path: Path) -> None:
 
 
 def child_main(phase: str, path: Path, work: Path) -> None:
+    if phase == "reindex":
+        child_reindex(path)
+        return
     runners = {"ingest": lambda: child_ingest(path), "snapshot": lambda: child_snapshot(path, work),
-               "compact": lambda: child_compact(path), "reindex": lambda: child_reindex(path),
-               "forget": lambda: child_forget(path)}
+               "compact": lambda: child_compact(path), "forget": lambda: child_forget(path)}
     trio.run(runners[phase])
 
 

@@ -27,8 +27,6 @@ import engine
 ROOT = Path(__file__).resolve().parent.parent
 FIRST_PARTY = ("actors", "engine", "bench", "examples", "tests")
 PUBLIC_ENGINE_MODULES = frozenset({"engine", "engine.errors", "engine.aio", "engine.sync"})
-# bench/ is owned by its own work; these two private imports are known and named here so that
-# no third one creeps in. Each is checked to still exist, so the list cannot go stale.
 # Actor tests that still drive their actor through the Engine (tests/conftest.open_engine) or
 # use another actor: written before the layers were drawn. A file leaves this list when it is
 # rewritten over actors.base and its actor alone (the test fails while a listed file is clean).
@@ -37,10 +35,6 @@ ACTOR_TESTS_THROUGH_THE_ENGINE = frozenset({
     "tests/actors/test_entities.py", "tests/actors/test_episodic.py",
     "tests/actors/test_facts.py", "tests/actors/test_fulltext.py", "tests/actors/test_store.py",
 })
-BENCH_PRIVATE_IMPORTS = {
-    ("bench/embed.py", "engine._demo"): "the demo's bundled conversation as NewTurns",
-    ("bench/crash.py", "engine.__main__"): "the CLI's reindex, crashed in a child process",
-}
 
 
 @dataclass(frozen=True)
@@ -167,9 +161,8 @@ def _engine_imports_outside_the_public_api(package: str) -> list[Import]:
 
 
 def test_bench_uses_only_the_public_engine_api() -> None:
-    """bench/ imports only engine's exported names and public modules (two named exceptions)."""
-    bad = _engine_imports_outside_the_public_api("bench")
-    assert {(i.path, i.target) for i in bad} == set(BENCH_PRIVATE_IMPORTS)
+    """bench/ imports only engine's exported names and public modules, no exception."""
+    assert _engine_imports_outside_the_public_api("bench") == []
 
 
 def test_examples_use_only_the_public_engine_api() -> None:
