@@ -1,6 +1,6 @@
-"""Argument checks the engine's concerns share, beyond the record layer's (``actors.base.validate``):
-counts, fractions, choices and text lists as the public methods take them. Each raises
-``InvalidInput`` naming the argument, what was expected and what was found.
+"""Argument checks the engine's concerns share, beyond those of the bottom layer
+(``actors.base.validate``): counts, fractions, choices and text lists as the public methods
+take them. Each raises ``InvalidInput`` naming the argument, what was expected and found.
 """
 
 from __future__ import annotations

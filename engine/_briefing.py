@@ -72,9 +72,10 @@ class Briefing:
         if not profile:
             return []
         by_lsn = {f.lsn: f for f in profile}
-        hits = await self.retriever.recall(user_id, query, limit=limit, session_id=None, since=None,
-                                 until=None, roles=None, kinds=("fact",), link_depth=0,
-                                 budget_tokens=None, only=sorted(by_lsn), legs=("vector", "bm25"))
+        hits = await self.retriever.recall(user_id, query, limit=limit, session_id=None,
+                                           since=None, until=None, roles=None, kinds=("fact",),
+                                           link_depth=0, budget_tokens=None, only=sorted(by_lsn),
+                                           legs=("vector", "bm25"))
         by_id = {f.fact_id: f for f in profile}
         chosen: list[tuple[Fact, float]] = [(by_id[h.id], h.score) for h in hits
                                             if h.id in by_id]
@@ -104,9 +105,10 @@ class Briefing:
                 for f, score in chosen[:limit]]
 
     async def _episodic(self, user_id: str, query: str, limit: int) -> list[EpisodicItem]:
-        found = await self.retriever.recall(user_id, query, limit=limit * EPISODIC_POOL, session_id=None,
-                                  since=None, until=None, roles=None, kinds=("episode", "turn"),
-                                  link_depth=0, budget_tokens=None)
+        found = await self.retriever.recall(user_id, query, limit=limit * EPISODIC_POOL,
+                                            session_id=None, since=None, until=None, roles=None,
+                                            kinds=("episode", "turn"), link_depth=0,
+                                            budget_tokens=None)
         # Up to ``limit`` items in rank order: an episode replaces the turns it covers that were
         # picked before it, and a turn a picked episode covers is skipped, so the section fills
         # with memories that each add something.

@@ -222,7 +222,16 @@ class Engine:
             InvalidInput: a bad argument; nothing was written.
             EngineClosed: the engine is closed.
         """
-        return await self._ingest.add_turn(user_id, session_id, role, text, at, meta, durable)
+        check_open = self._parts.check_open
+        check_open()
+        await trio.lowlevel.checkpoint_if_cancelled()
+        at, meta = self._ingest.check_turn(user_id, session_id, role, text, at, meta)
+        await self._store.reserve(1)  # backpressure: the disk's queue has room
+        check_open()
+        receipt = self._buffer.append(user_id, session_id, role, text, at, meta)
+        if durable:
+            await receipt.durable()
+        return receipt
 
     def add_turn_nowait(
         self,
@@ -244,7 +253,11 @@ class Engine:
                 written; ``await add_turn(...)`` waits for room instead.
             InvalidInput / EngineClosed: as :meth:`add_turn`.
         """
-        return self._ingest.add_turn_nowait(user_id, session_id, role, text, at, meta)
+        self._parts.check_open()
+        at, meta = self._ingest.check_turn(user_id, session_id, role, text, at, meta)
+        if not self._store.has_room(1):
+            raise trio.WouldBlock
+        return self._buffer.append(user_id, session_id, role, text, at, meta)
 
     async def add_turns(
         self, items: Iterable[NewTurn | Mapping[str, Any]], *, durable: bool = False
