@@ -8,33 +8,54 @@ Auth: with an api-keys file every ``/v1`` route needs ``Authorization: Bearer <k
 lists the users it may read and write (``*``: all, the admin key). Without a file there is no
 auth and the server binds to 127.0.0.1 only. Errors are JSON ``{"error", "message", "field"}``
 with the status the cause deserves (:data:`STATUS_BY_ERROR`); no traceback reaches a client.
+
+Here: the app's error handlers, its routes (by concern: probes, turns, forgetting, retrieval,
+notes, facts, long-term, tools, admin) and serving. The keys and what every request passes
+through are ``_http_edge.py``; the request bodies and responses ``_http_wire.py``.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route signatures at run time, and
 # the dependency aliases (User, Who) are local to create_app.
-import hashlib
-import hmac
 import ipaddress
 import logging
 import signal
 import sys
-import time
-from collections.abc import Awaitable, Callable
-from datetime import datetime
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 import trio
 from fastapi import Body, Depends, FastAPI, Path as PathParam, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from ._engine import Engine
+from ._http_edge import ApiKeys, Caller, Edge, Metrics, load_api_keys
+from ._http_wire import (
+    ERROR_RESPONSES,
+    HIT_EXAMPLE,
+    TURN_EXAMPLE,
+    BatchIn,
+    FactCorrection,
+    FactIn,
+    LinkIn,
+    NoteIn,
+    NoteUpdate,
+    PreRetrieveIn,
+    RecallIn,
+    RetrieveIn,
+    ReviewIn,
+    SnapshotIn,
+    TurnIn,
+    error_response,
+    example,
+    json_response,
+    markdown_response,
+    not_found,
+)
 from ._tools import TOOLS
 from actors.base.errors import EngineError, InvalidInput
 
@@ -55,375 +76,6 @@ STATUS_BY_ERROR = {
     "LLMFailed": 502,
     "EngineError": 500,
 }
-ADMIN = "*"
-
-
-# -- auth ---------------------------------------------------------------------------------------
-
-
-class ApiKeys:
-    """Keys by their sha256, each with the users it may act for (``None``: every user).
-
-    Args:
-        grants: sha256 hex digest of a key -> frozenset of user ids, or None for an admin key.
-    """
-
-    def __init__(self, grants: dict[str, frozenset[str] | None]) -> None:
-        self.grants = grants
-
-    def lookup(self, key: str) -> tuple[bool, frozenset[str] | None]:
-        """(known, users) for a presented key; compares digests in constant time."""
-        digest = hashlib.sha256(key.encode()).hexdigest()
-        for known, users in self.grants.items():
-            if hmac.compare_digest(known, digest):
-                return True, users
-        return False, frozenset()
-
-
-def load_api_keys(path: str | Path) -> ApiKeys:
-    """Read an api-keys file: one ``<key> <user_id>[,<user_id>...]`` or ``<key> *`` a line;
-    ``sha256:<hex>`` may stand for the key; blank lines and ``#`` comments are skipped.
-
-    Raises:
-        InvalidInput: the file is missing, empty, or a line is malformed (the message names it).
-    """
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise InvalidInput("api_keys", f"expected a readable keys file, found {exc}") from None
-    grants: dict[str, frozenset[str] | None] = {}
-    for number, line in enumerate(lines, 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        parts = line.split()
-        where = f"{path}:{number}"
-        if len(parts) != 2:
-            raise InvalidInput("api_keys", f"expected '<key> <user_id>[,...]' or '<key> *' at "
-                                           f"{where}, found {len(parts)} fields")
-        key, scope = parts
-        if key.startswith("sha256:"):
-            digest = key.removeprefix("sha256:").lower()
-            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-                raise InvalidInput("api_keys", f"expected sha256: and 64 hex digits at {where}, "
-                                               f"found {len(digest)} characters")
-        else:
-            digest = hashlib.sha256(key.encode()).hexdigest()
-        users = None if scope == ADMIN else frozenset(u for u in scope.split(",") if u)
-        if users is not None and not users:
-            raise InvalidInput("api_keys", f"expected user ids after the key at {where}")
-        if digest in grants:
-            raise InvalidInput("api_keys", f"expected each key once, found it again at {where}")
-        grants[digest] = users
-    if not grants:
-        raise InvalidInput("api_keys", f"expected at least one key in {path}, found none")
-    return ApiKeys(grants)
-
-
-class Caller:
-    """Who is calling: the users this request may touch (``None``: all)."""
-
-    def __init__(self, users: frozenset[str] | None) -> None:
-        self.users = users
-
-    def check(self, user_id: str) -> None:
-        if self.users is not None and user_id not in self.users:
-            raise HTTPException(403, f"this key may not act for user {user_id!r}")
-
-    def check_admin(self) -> None:
-        if self.users is not None:
-            raise HTTPException(403, "this route needs an admin key ('<key> *')")
-
-
-# -- request bodies -----------------------------------------------------------------------------
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-Role = Literal["user", "assistant", "system", "tool"]
-
-
-class TurnIn(_Body):
-    role: Role = Field(examples=["user"])
-    text: str = Field(examples=["I'm moving to Lisbon in January"])
-    at: datetime | None = Field(None, description="timezone-aware; default: now",
-                                examples=["2026-03-01T09:00:00Z"])
-    meta: dict[str, Any] | None = Field(None, examples=[{"channel": "web"}])
-    durable: bool = Field(False, description="answer 201 once on disk, not 202 once buffered")
-
-
-class BatchTurn(_Body):
-    session_id: str = Field(examples=["s1"])
-    role: Role = Field(examples=["user"])
-    text: str = Field(examples=["I'm moving to Lisbon in January"])
-    at: datetime | None = None
-    meta: dict[str, Any] | None = None
-
-
-class BatchIn(_Body):
-    turns: list[BatchTurn]
-    durable: bool = False
-
-
-class RecallIn(_Body):
-    query: str = Field(examples=["where is she moving?"])
-    limit: int | None = Field(None, ge=1, le=1000, examples=[5])
-    focus: int | None = Field(None, ge=0, le=5)
-    session_id: str | None = None
-    since: datetime | None = None
-    until: datetime | None = None
-    roles: list[str] | None = None
-    kinds: list[str] | None = Field(None, examples=[["turn", "fact"]])
-    tags: list[str] | None = None
-    link_depth: int | None = Field(None, ge=0)
-    budget_tokens: int | None = Field(None, ge=1)
-
-
-class RetrieveIn(_Body):
-    """seed 001's body, with the user it is for."""
-
-    user_id: str = Field(examples=["maya"])
-    query: str = Field(examples=["what did the user say about Rust"])
-    conversation_id: str | None = Field(None, examples=["550e8400-e29b-41d4-a716-446655440001"])
-    episodic_limit: int = 5
-    semantic_limit: int = 20
-    detail: Literal["auto", "none", "low", "high"] = "auto"
-    category: str | None = None
-    min_importance: float = 0.0
-
-
-class PreRetrieveIn(_Body):
-    user_id: str = Field(examples=["maya"])
-    query: str = Field(examples=["User is asking about career decisions"])
-    conversation_id: str | None = None
-    semantic_limit: int = 20
-    category: str | None = None
-    min_importance: float = 0.0
-
-
-class NoteIn(_Body):
-    text: str = Field(examples=["Prefers answers in Portuguese"])
-    tags: list[str] | None = Field(None, examples=[["language"]])
-    note_id: str | None = None
-
-
-class NoteUpdate(_Body):
-    text: str
-    tags: list[str] | None = None
-
-
-class FactIn(_Body):
-    category: str = Field(examples=["identity"])
-    key: str = Field(examples=["location"])
-    value: str = Field(examples=["Lisbon"])
-    text: str | None = Field(None, examples=["Lives in Lisbon"])
-    confidence: float = 0.9
-    importance: float = 0.7
-    keywords: list[str] = []
-
-
-class FactCorrection(_Body):
-    value: str = Field(examples=["Porto"])
-    text: str | None = None
-    importance: float = 0.7
-    keywords: list[str] = []
-
-
-class LinkIn(_Body):
-    from_id: str
-    to_id: str
-    type: str = "relates_to"
-
-
-class ReviewIn(_Body):
-    rating: Literal["again", "hard", "good", "easy", 1, 2, 3, 4] = Field(examples=["good"])
-
-
-class SnapshotIn(_Body):
-    dest: str = Field(description="a new or empty directory on the server",
-                      examples=["/backups/2026-11-22"])
-
-
-# -- responses ----------------------------------------------------------------------------------
-
-
-def _plain(value: Any) -> Any:
-    """Records as JSON-ready values by field name (stored records are array_like Structs)."""
-    if isinstance(value, msgspec.Struct):
-        return {f: _plain(getattr(value, f)) for f in value.__struct_fields__}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
-def _json(value: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(_plain(value)), status, media_type="application/json")
-
-
-def _markdown(text: str) -> Response:
-    return Response(text, media_type="text/markdown; charset=utf-8")
-
-
-def _error(status: int, error: str, message: str, field: str | None = None,
-           headers: dict[str, str] | None = None) -> Response:
-    body = {"error": error, "message": message}
-    if field is not None:
-        body["field"] = field
-    return Response(msgspec.json.encode(body), status, headers=headers,
-                    media_type="application/json")
-
-
-def _not_found(what: str) -> HTTPException:
-    return HTTPException(404, f"no {what}")
-
-
-def _example(example: Any, media: str = "application/json") -> dict[str, Any]:
-    return {"content": {media: {"example": example}}}
-
-
-def _error_example(error: str, message: str, field: str | None = None) -> dict[str, Any]:
-    body = {"error": error, "message": message} | ({"field": field} if field else {})
-    return {"description": error, **_example(body)}
-
-
-# Documented on every route (OpenAPI): the JSON error body and when each status comes.
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    401: _error_example("Unauthorized", "expected 'Authorization: Bearer <key>', found none"),
-    403: _error_example("Forbidden", "this key may not act for user 'bo'"),
-    404: _error_example("NotFound", "no note 'n_1' for this user"),
-    413: _error_example("TooLarge", "expected a body of at most 8388608 bytes, found 9000000"),
-    422: _error_example("InvalidInput", "role: expected one of 'user', 'assistant', 'system', "
-                                        "'tool', found str 'bot'", "role"),
-    503: _error_example("EngineClosed", "the engine is closed; open a new one with "
-                                        "Engine.open(path)"),
-}
-_TURN = {"lsn": 12, "turn_id": "t_4f0c2a9e1b7d3c5a8e21", "user_id": "maya", "session_id": "s1",
-         "seq": 3, "role": "user", "text": "I'm moving to Lisbon in January",
-         "at": "2026-03-01T09:00:00Z", "meta": {"channel": "web"}}
-_HIT = {"id": "t_4f0c2a9e1b7d3c5a8e21", "kind": "turn", "text": "I'm moving to Lisbon in January",
-        "score": 0.0328, "session_id": "s1", "at": "2026-03-01T09:00:00Z",
-        "turn_ids": ["t_4f0c2a9e1b7d3c5a8e21"], "role": "user", "via": ["vector", "bm25"]}
-
-
-# -- metrics ------------------------------------------------------------------------------------
-
-
-class _Metrics:
-    """Prometheus metrics of one app, in a registry of its own (two apps in one process, as in
-    tests, never share counts)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("engram_http_requests", "HTTP requests answered",
-                                ["method", "route", "status"], registry=r)
-        self.latency = Histogram(
-            "engram_http_request_seconds", "time to answer, by route", ["method", "route"],
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-            registry=r)
-        self.gauges = {name: Gauge(f"engram_{name}", doc, registry=r) for name, doc in (
-            ("users", "users in the store"),
-            ("sessions", "sessions in the store"),
-            ("turns", "turns in the store, buffered ones included"),
-            ("queued", "turns and deletions waiting for the disk"),
-            ("live_windows", "sessions whose short-term window is in RAM"),
-            ("store_bytes", "size of the LMDB data file"),
-            ("committed_lsn", "log position on disk"),
-            ("embedding_lag", "committed records not yet embedded"),
-            ("fulltext_lag", "committed records not yet in the text index"),
-        )}
-
-    async def render(self, engine: Engine) -> bytes:
-        stats = await engine.stats()
-        values = msgspec.structs.asdict(stats)
-        values["embedding_lag"] = max(0, stats.committed_lsn - stats.embedded_lsn)
-        values["fulltext_lag"] = max(0, stats.committed_lsn - stats.indexed_lsn)
-        for name, gauge in self.gauges.items():
-            gauge.set(values[name])
-        return generate_latest(self.registry)
-
-
-class _Edge:
-    """Pure ASGI middleware: the body size limit and the request metrics, around every route."""
-
-    def __init__(self, app: Callable[..., Awaitable[None]], metrics: _Metrics,
-                 max_body: int) -> None:
-        self.app = app
-        self.metrics = metrics
-        self.max_body = max_body
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        status = 500
-        headers = scope.get("headers", [])
-        if scope.get("method") in ("POST", "PUT", "PATCH"):
-            # Every body here is JSON: read it as JSON whatever it is labelled, so that
-            # `curl -d '{...}'` (form-encoded by default) works as written.
-            headers = [(n, v) for n, v in headers if n != b"content-type"]
-            headers.append((b"content-type", b"application/json"))
-            scope = {**scope, "headers": headers}
-        for name, value in headers:
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_body:
-                response = _error(413, "TooLarge", f"expected a body of at most {self.max_body} "
-                                                   f"bytes, found {int(value)}")
-                await response(scope, receive, send)
-                self._count(scope, 413, started)
-                return
-        seen = 0
-        too_large = False  # the body passed the limit while streaming: answer 413 ourselves
-        started_response = False
-
-        async def counted_receive() -> dict:
-            nonlocal seen, too_large
-            if too_large:
-                return {"type": "http.disconnect"}
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_body:
-                # Tell the app the client went away (it stops reading and answers something
-                # we drop), then send the 413 below.
-                too_large = True
-                return {"type": "http.disconnect"}
-            return message
-
-        async def watched_send(message: dict) -> None:
-            nonlocal status, started_response
-            if too_large:
-                return
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                started_response = True
-            await send(message)
-
-        try:
-            await self.app(scope, counted_receive, watched_send)
-        except Exception:
-            if not too_large:
-                raise
-        finally:
-            if too_large and not started_response:
-                status = 413
-                response = _error(413, "TooLarge", f"expected a body of at most "
-                                                   f"{self.max_body} bytes, found more")
-                await response(scope, receive, send)
-            self._count(scope, status, started)
-
-    def _count(self, scope: dict, status: int, started: float) -> None:
-        route = scope.get("route")
-        # Route templates, never raw paths: user ids must not become label values.
-        name = getattr(route, "path", None) or "unmatched"
-        method = scope.get("method", "")
-        self.metrics.requests.labels(method, name, str(status)).inc()
-        self.metrics.latency.labels(method, name).observe(time.perf_counter() - started)
-
 
 # -- the app ------------------------------------------------------------------------------------
 
@@ -446,8 +98,8 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
         title="Engram", version=__version__, responses=ERROR_RESPONSES,
         description="An in-process memory engine for chat bots and agents, over HTTP. "
                     "Send `Authorization: Bearer <key>` when the server has an api-keys file.")
-    metrics = _Metrics()
-    app.add_middleware(_Edge, metrics=metrics, max_body=max_body_bytes)
+    metrics = Metrics()
+    app.add_middleware(Edge, metrics=metrics, max_body=max_body_bytes)
 
     async def caller(request: Request) -> Caller:
         if keys is None:
@@ -483,7 +135,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
         if status >= 500:
             log.warning("%s %s: %s: %s", request.method, request.url.path,
                         type(exc).__name__, exc)
-        return _error(status, type(exc).__name__, str(exc), getattr(exc, "field", None))
+        return error_response(status, type(exc).__name__, str(exc), getattr(exc, "field", None))
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> Response:
@@ -494,19 +146,19 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
         message = f"{field}: {first.get('msg', 'invalid')}"
         if not isinstance(found, (dict, list)) and found is not None:
             message += f", found {str(found)[:80]!r}"
-        return _error(422, "InvalidInput", message, field)
+        return error_response(422, "InvalidInput", message, field)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         names = {401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 405: "MethodNotAllowed"}
-        return _error(exc.status_code, names.get(exc.status_code, "HTTPError"), str(exc.detail),
-                      headers=getattr(exc, "headers", None))
+        return error_response(exc.status_code, names.get(exc.status_code, "HTTPError"),
+                              str(exc.detail), headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> Response:
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return _error(500, "InternalError", "the server failed answering this request; its "
-                                            "log has the details")
+        return error_response(500, "InternalError", "the server failed answering this request; its "
+                                                    "log has the details")
 
     # -- probes ------------------------------------------------------------------------------
 
@@ -514,7 +166,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     async def healthz() -> Response:
         """The process answers and the engine is open."""
         await engine.stats()
-        return _json({"status": "ok"})
+        return json_response({"status": "ok"})
 
     @app.get("/readyz", tags=["probes"])
     async def readyz() -> Response:
@@ -523,8 +175,8 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
         lag = {"embedding": max(0, stats.committed_lsn - stats.embedded_lsn),
                "fulltext": max(0, stats.committed_lsn - stats.indexed_lsn)}
         ready = not any(lag.values())
-        return _json({"status": "ready" if ready else "catching up", "lag": lag},
-                     200 if ready else 503)
+        return json_response({"status": "ready" if ready else "catching up", "lag": lag},
+                             200 if ready else 503)
 
     @app.get("/metrics", tags=["probes"])
     async def prometheus(who: Who) -> Response:
@@ -537,22 +189,23 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     @app.post("/v1/users/{user_id}/sessions/{session_id}/turns", status_code=202,
               tags=["turns"], responses={
                   201: {"description": "durable: on disk",
-                        **_example({"turn_id": _TURN["turn_id"], "seq": 3, "durable": True})},
+                        **example({"turn_id": TURN_EXAMPLE["turn_id"], "seq": 3, "durable": True})},
                   202: {"description": "buffered: in the window",
-                        **_example({"turn_id": _TURN["turn_id"], "seq": 3, "durable": False})}})
+                        **example({"turn_id": TURN_EXAMPLE["turn_id"], "seq": 3,
+                                   "durable": False})}})
     async def add_turn(user_id: User, session_id: str, body: TurnIn) -> Response:
         """Add a turn; 201 once it is on disk (``durable``), else 202 once it is buffered."""
         receipt = await engine.add_turn(user_id, session_id, body.role, body.text, at=body.at,
                                         meta=body.meta, durable=body.durable)
-        return _json({"turn_id": receipt.turn_id, "seq": receipt.seq, "durable": body.durable},
-                     201 if body.durable else 202)
+        return json_response({"turn_id": receipt.turn_id, "seq": receipt.seq,
+                              "durable": body.durable}, 201 if body.durable else 202)
 
     @app.get("/v1/users/{user_id}/sessions/{session_id}/turns", tags=["turns"],
-             responses={200: _example([_TURN])})
+             responses={200: example([TURN_EXAMPLE])})
     async def session_history(user_id: User, session_id: str,
                               limit: Annotated[int, Query(ge=1, le=10_000)] = 50) -> Response:
         """The session's latest ``limit`` turns, oldest first."""
-        return _json(await engine.session_history(user_id, session_id, limit))
+        return json_response(await engine.session_history(user_id, session_id, limit))
 
     @app.post("/v1/users/{user_id}/turns", status_code=202, tags=["turns"])
     async def add_turns(user_id: User, body: BatchIn) -> Response:
@@ -560,50 +213,50 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
         receipts = await engine.add_turns(
             [{"user_id": user_id, **t.model_dump(exclude_none=True)} for t in body.turns],
             durable=body.durable)
-        return _json({"turns": [{"turn_id": r.turn_id, "seq": r.seq} for r in receipts],
-                      "durable": body.durable}, 201 if body.durable else 202)
+        return json_response({"turns": [{"turn_id": r.turn_id, "seq": r.seq} for r in receipts],
+                              "durable": body.durable}, 201 if body.durable else 202)
 
     @app.get("/v1/users/{user_id}/turns/{turn_id}", tags=["turns"])
     async def get_turn(user_id: User, turn_id: str) -> Response:
         turn = await engine.get_turn(user_id, turn_id)
         if turn is None:
-            raise _not_found(f"turn {turn_id!r} for this user")
-        return _json(turn)
+            raise not_found(f"turn {turn_id!r} for this user")
+        return json_response(turn)
 
     @app.get("/v1/users/{user_id}/sessions", tags=["turns"])
     async def list_sessions(user_id: User) -> Response:
         """The user's sessions, most recent first."""
-        return _json(await engine.list_sessions(user_id))
+        return json_response(await engine.list_sessions(user_id))
 
     @app.post("/v1/users/{user_id}/sessions/{session_id}/close", tags=["turns"])
     async def close_session(user_id: User, session_id: str) -> Response:
         """The session is over: its remaining turns become an episode now."""
-        return _json({"consolidated": await engine.close_session(user_id, session_id)})
+        return json_response({"consolidated": await engine.close_session(user_id, session_id)})
 
     @app.delete("/v1/users/{user_id}/sessions/{session_id}", tags=["forget"])
     async def forget_session(user_id: User, session_id: str) -> Response:
         await engine.forget_session(user_id, session_id)
-        return _json({"forgotten": session_id})
+        return json_response({"forgotten": session_id})
 
     @app.delete("/v1/users/{user_id}", tags=["forget"])
     async def forget_user(user_id: User) -> Response:
         """Delete everything of the user; answers once the deletion is on disk."""
         await engine.forget_user(user_id)
-        return _json({"forgotten": user_id})
+        return json_response({"forgotten": user_id})
 
     # -- retrieval ---------------------------------------------------------------------------
 
     @app.post("/v1/users/{user_id}/recall", tags=["retrieval"],
-              responses={200: _example({"hits": [_HIT]})})
+              responses={200: example({"hits": [HIT_EXAMPLE]})})
     async def recall(user_id: User, body: RecallIn) -> Response:
         """Hits (the engine's ``Hit`` fields), best first; ``degraded`` names the search legs
         whose index was being rebuilt (empty when the answer is complete)."""
         hits = await engine.recall(user_id, body.query, body.limit,
                                    **body.model_dump(exclude={"query", "limit"},
                                                      exclude_none=True))
-        return _json({"hits": hits, "degraded": hits.degraded})
+        return json_response({"hits": hits, "degraded": hits.degraded})
 
-    @app.post("/v1/retrieve_memory", tags=["retrieval"], responses={200: _example(
+    @app.post("/v1/retrieve_memory", tags=["retrieval"], responses={200: example(
         "## Semantic Memory\n- [identity] Lives in Lisbon (sources: 1 conversation)\n\n"
         "## Episodic Memories\n\n### Moving to Lisbon in January [rank: 1, score: 0.03]\n"
         "**When:** 2 weeks ago\n**Summary:** Maya is moving to Lisbon in January.\n",
@@ -611,7 +264,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     async def retrieve_memory(body: RetrieveIn, who: Who) -> Response:
         """seed 001's ``retrieve_memory``: prompt-ready Markdown."""
         who.check(body.user_id)
-        return _markdown(await engine.retrieve_memory(**body.model_dump()))
+        return markdown_response(await engine.retrieve_memory(**body.model_dump()))
 
     @app.post("/v1/retrieve_memory/raw", tags=["retrieval"])
     async def retrieve_memory_raw(body: RetrieveIn, who: Who) -> Response:
@@ -625,33 +278,33 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     async def context_pre_retrieve(body: PreRetrieveIn, who: Who) -> Response:
         """seed 001's semantic-only Markdown for a system prompt."""
         who.check(body.user_id)
-        return _markdown(await engine.context_pre_retrieve(**body.model_dump()))
+        return markdown_response(await engine.context_pre_retrieve(**body.model_dump()))
 
     # -- notes -------------------------------------------------------------------------------
 
     @app.post("/v1/users/{user_id}/notes", status_code=201, tags=["notes"])
     async def store_note(user_id: User, body: NoteIn) -> Response:
-        return _json(await engine.store_note(user_id, body.text, note_id=body.note_id,
-                                             tags=body.tags), 201)
+        return json_response(await engine.store_note(user_id, body.text, note_id=body.note_id,
+                                                     tags=body.tags), 201)
 
     @app.get("/v1/users/{user_id}/notes/{note_id}", tags=["notes"])
     async def get_note(user_id: User, note_id: str) -> Response:
         note = await engine.get_note(user_id, note_id)
         if note is None:
-            raise _not_found(f"note {note_id!r} for this user")
-        return _json(note)
+            raise not_found(f"note {note_id!r} for this user")
+        return json_response(note)
 
     @app.put("/v1/users/{user_id}/notes/{note_id}", tags=["notes"])
     async def update_note(user_id: User, note_id: str, body: NoteUpdate) -> Response:
         if await engine.get_note(user_id, note_id) is None:
-            raise _not_found(f"note {note_id!r} for this user")
-        return _json(await engine.update_note(user_id, note_id, body.text, tags=body.tags))
+            raise not_found(f"note {note_id!r} for this user")
+        return json_response(await engine.update_note(user_id, note_id, body.text, tags=body.tags))
 
     @app.delete("/v1/users/{user_id}/notes/{note_id}", tags=["notes"])
     async def delete_note(user_id: User, note_id: str) -> Response:
         if not await engine.delete_note(user_id, note_id):
-            raise _not_found(f"note {note_id!r} for this user")
-        return _json({"deleted": note_id})
+            raise not_found(f"note {note_id!r} for this user")
+        return json_response({"deleted": note_id})
 
     # -- facts -------------------------------------------------------------------------------
 
@@ -659,73 +312,73 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     async def profile(user_id: User, category: str | None = None,
                       min_importance: Annotated[float, Query(ge=0, le=1)] = 0.0) -> Response:
         """Active facts, most important first."""
-        return _json(await engine.profile(user_id, category=category,
-                                          min_importance=min_importance))
+        return json_response(await engine.profile(user_id, category=category,
+                                                  min_importance=min_importance))
 
     @app.post("/v1/users/{user_id}/facts", status_code=201, tags=["facts"])
     async def remember_fact(user_id: User, body: FactIn) -> Response:
-        return _json(await engine.remember_fact(
+        return json_response(await engine.remember_fact(
             user_id, body.category, body.key, body.value, text=body.text,
             confidence=body.confidence, importance=body.importance, keywords=body.keywords), 201)
 
     @app.put("/v1/users/{user_id}/facts/{category}/{key}", tags=["facts"])
     async def correct_fact(user_id: User, category: str, key: str,
                            body: FactCorrection) -> Response:
-        return _json(await engine.correct_fact(user_id, category, key, body.value,
-                                               text=body.text, importance=body.importance,
-                                               keywords=body.keywords))
+        return json_response(await engine.correct_fact(user_id, category, key, body.value,
+                                                       text=body.text, importance=body.importance,
+                                                       keywords=body.keywords))
 
     @app.post("/v1/users/{user_id}/facts/{category}/{key}/confirm", tags=["facts"])
     async def confirm_fact(user_id: User, category: str, key: str) -> Response:
-        return _json(await engine.confirm_fact(user_id, category, key))
+        return json_response(await engine.confirm_fact(user_id, category, key))
 
     @app.delete("/v1/users/{user_id}/facts/{category}/{key}", tags=["facts"])
     async def forget_fact(user_id: User, category: str, key: str) -> Response:
         if not await engine.forget_fact(user_id, category, key):
-            raise _not_found(f"active fact {category}/{key} for this user")
-        return _json({"forgotten": f"{category}/{key}"})
+            raise not_found(f"active fact {category}/{key} for this user")
+        return json_response({"forgotten": f"{category}/{key}"})
 
     @app.get("/v1/users/{user_id}/facts/{category}/{key}/history", tags=["facts"])
     async def fact_history(user_id: User, category: str, key: str) -> Response:
-        return _json(await engine.fact_history(user_id, category, key))
+        return json_response(await engine.fact_history(user_id, category, key))
 
     # -- episodes, entities, links, review ---------------------------------------------------
 
     @app.get("/v1/users/{user_id}/episodes", tags=["long-term"])
     async def episodes(user_id: User, session_id: str | None = None) -> Response:
-        return _json(await engine.episodes(user_id, session_id))
+        return json_response(await engine.episodes(user_id, session_id))
 
     @app.get("/v1/users/{user_id}/entities/{name}", tags=["long-term"])
     async def entity_info(user_id: User, name: str,
                           limit: Annotated[int, Query(ge=1, le=1000)] = 20) -> Response:
         info = await engine.entity_info(user_id, name, limit)
         if info is None:
-            raise _not_found(f"entity {name!r} in this user's memories")
-        return _json(info)
+            raise not_found(f"entity {name!r} in this user's memories")
+        return json_response(info)
 
     @app.post("/v1/users/{user_id}/links", status_code=201, tags=["long-term"])
     async def link(user_id: User, body: LinkIn) -> Response:
-        return _json(await engine.link(user_id, body.from_id, body.to_id, body.type), 201)
+        return json_response(await engine.link(user_id, body.from_id, body.to_id, body.type), 201)
 
     @app.get("/v1/users/{user_id}/memories/{memory_id}/links", tags=["long-term"])
     async def links(user_id: User, memory_id: str) -> Response:
-        return _json(await engine.links(user_id, memory_id))
+        return json_response(await engine.links(user_id, memory_id))
 
     @app.post("/v1/users/{user_id}/memories/{memory_id}/review", tags=["long-term"])
     async def review(user_id: User, memory_id: str, body: ReviewIn) -> Response:
         """Rate how well a shown memory served (FSRS)."""
-        return _json(await engine.review(user_id, memory_id, body.rating))
+        return json_response(await engine.review(user_id, memory_id, body.rating))
 
     @app.get("/v1/users/{user_id}/stats", tags=["long-term"])
     async def memory_stats(user_id: User) -> Response:
-        return _json(await engine.memory_stats(user_id))
+        return json_response(await engine.memory_stats(user_id))
 
     # -- tools -------------------------------------------------------------------------------
 
     @app.get("/v1/tools", tags=["tools"])
     async def tools(who: Who) -> Response:
         """The agent tools as JSON-schema function definitions (OpenAI's shape)."""
-        return _json(TOOLS)
+        return json_response(TOOLS)
 
     @app.post("/v1/tools/{name}", tags=["tools"])
     async def call_tool(name: str, who: Who,
@@ -738,14 +391,14 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
         elif who.users is not None:
             raise InvalidInput("arguments.user_id", "expected a string user id, found "
                                                     f"{type(user_id).__name__}")
-        return _json(await engine.call_tool(name, arguments))
+        return json_response(await engine.call_tool(name, arguments))
 
     # -- the whole store: admin keys only ----------------------------------------------------
 
     @app.get("/v1/stats", tags=["admin"])
     async def stats(who: Who) -> Response:
         who.check_admin()
-        return _json(await engine.stats())
+        return json_response(await engine.stats())
 
     @app.post("/v1/snapshot", tags=["admin"])
     async def snapshot(body: SnapshotIn, who: Who) -> Response:

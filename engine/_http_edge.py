@@ -1,0 +1,214 @@
+"""The HTTP API's edge: who may call (api keys, the users each may act for) and what every
+request passes through before a route (the body size limit, the Prometheus metrics).
+"""
+
+# No `from __future__ import annotations`: as in _server.py, FastAPI may read these at run time.
+import hashlib
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException
+
+from ._engine import Engine
+from ._http_wire import error_response
+from actors.base.errors import InvalidInput
+
+ADMIN = "*"  # the scope of a key that may act for every user
+
+
+# -- auth ---------------------------------------------------------------------------------------
+
+
+class ApiKeys:
+    """Keys by their sha256, each with the users it may act for (``None``: every user).
+
+    Args:
+        grants: sha256 hex digest of a key -> frozenset of user ids, or None for an admin key.
+    """
+
+    def __init__(self, grants: dict[str, frozenset[str] | None]) -> None:
+        self.grants = grants
+
+    def lookup(self, key: str) -> tuple[bool, frozenset[str] | None]:
+        """(known, users) for a presented key; compares digests in constant time."""
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        for known, users in self.grants.items():
+            if hmac.compare_digest(known, digest):
+                return True, users
+        return False, frozenset()
+
+
+def load_api_keys(path: str | Path) -> ApiKeys:
+    """Read an api-keys file: one ``<key> <user_id>[,<user_id>...]`` or ``<key> *`` a line;
+    ``sha256:<hex>`` may stand for the key; blank lines and ``#`` comments are skipped.
+
+    Raises:
+        InvalidInput: the file is missing, empty, or a line is malformed (the message names it).
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise InvalidInput("api_keys", f"expected a readable keys file, found {exc}") from None
+    grants: dict[str, frozenset[str] | None] = {}
+    for number, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        where = f"{path}:{number}"
+        if len(parts) != 2:
+            raise InvalidInput("api_keys", f"expected '<key> <user_id>[,...]' or '<key> *' at "
+                                           f"{where}, found {len(parts)} fields")
+        key, scope = parts
+        if key.startswith("sha256:"):
+            digest = key.removeprefix("sha256:").lower()
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise InvalidInput("api_keys", f"expected sha256: and 64 hex digits at {where}, "
+                                               f"found {len(digest)} characters")
+        else:
+            digest = hashlib.sha256(key.encode()).hexdigest()
+        users = None if scope == ADMIN else frozenset(u for u in scope.split(",") if u)
+        if users is not None and not users:
+            raise InvalidInput("api_keys", f"expected user ids after the key at {where}")
+        if digest in grants:
+            raise InvalidInput("api_keys", f"expected each key once, found it again at {where}")
+        grants[digest] = users
+    if not grants:
+        raise InvalidInput("api_keys", f"expected at least one key in {path}, found none")
+    return ApiKeys(grants)
+
+
+class Caller:
+    """Who is calling: the users this request may touch (``None``: all)."""
+
+    def __init__(self, users: frozenset[str] | None) -> None:
+        self.users = users
+
+    def check(self, user_id: str) -> None:
+        if self.users is not None and user_id not in self.users:
+            raise HTTPException(403, f"this key may not act for user {user_id!r}")
+
+    def check_admin(self) -> None:
+        if self.users is not None:
+            raise HTTPException(403, "this route needs an admin key ('<key> *')")
+
+
+# -- metrics ------------------------------------------------------------------------------------
+
+
+class Metrics:
+    """Prometheus metrics of one app, in a registry of its own (two apps in one process, as in
+    tests, never share counts)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("engram_http_requests", "HTTP requests answered",
+                                ["method", "route", "status"], registry=r)
+        self.latency = Histogram(
+            "engram_http_request_seconds", "time to answer, by route", ["method", "route"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r)
+        self.gauges = {name: Gauge(f"engram_{name}", doc, registry=r) for name, doc in (
+            ("users", "users in the store"),
+            ("sessions", "sessions in the store"),
+            ("turns", "turns in the store, buffered ones included"),
+            ("queued", "turns and deletions waiting for the disk"),
+            ("live_windows", "sessions whose short-term window is in RAM"),
+            ("store_bytes", "size of the LMDB data file"),
+            ("committed_lsn", "log position on disk"),
+            ("embedding_lag", "committed records not yet embedded"),
+            ("fulltext_lag", "committed records not yet in the text index"),
+        )}
+
+    async def render(self, engine: Engine) -> bytes:
+        stats = await engine.stats()
+        values = msgspec.structs.asdict(stats)
+        values["embedding_lag"] = max(0, stats.committed_lsn - stats.embedded_lsn)
+        values["fulltext_lag"] = max(0, stats.committed_lsn - stats.indexed_lsn)
+        for name, gauge in self.gauges.items():
+            gauge.set(values[name])
+        return generate_latest(self.registry)
+
+
+class Edge:
+    """Pure ASGI middleware: the body size limit and the request metrics, around every route."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], metrics: Metrics,
+                 max_body: int) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.max_body = max_body
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+        headers = scope.get("headers", [])
+        if scope.get("method") in ("POST", "PUT", "PATCH"):
+            # Every body here is JSON: read it as JSON whatever it is labelled, so that
+            # `curl -d '{...}'` (form-encoded by default) works as written.
+            headers = [(n, v) for n, v in headers if n != b"content-type"]
+            headers.append((b"content-type", b"application/json"))
+            scope = {**scope, "headers": headers}
+        for name, value in headers:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_body:
+                response = error_response(413, "TooLarge", "expected a body of at most "
+                                                           f"{self.max_body} bytes, found "
+                                                           f"{int(value)}")
+                await response(scope, receive, send)
+                self._count(scope, 413, started)
+                return
+        seen = 0
+        too_large = False  # the body passed the limit while streaming: answer 413 ourselves
+        started_response = False
+
+        async def counted_receive() -> dict:
+            nonlocal seen, too_large
+            if too_large:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body:
+                # Tell the app the client went away (it stops reading and answers something
+                # we drop), then send the 413 below.
+                too_large = True
+                return {"type": "http.disconnect"}
+            return message
+
+        async def watched_send(message: dict) -> None:
+            nonlocal status, started_response
+            if too_large:
+                return
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                started_response = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, watched_send)
+        except Exception:
+            if not too_large:
+                raise
+        finally:
+            if too_large and not started_response:
+                status = 413
+                response = error_response(413, "TooLarge", f"expected a body of at most "
+                                                           f"{self.max_body} bytes, found more")
+                await response(scope, receive, send)
+            self._count(scope, status, started)
+
+    def _count(self, scope: dict, status: int, started: float) -> None:
+        route = scope.get("route")
+        # Route templates, never raw paths: user ids must not become label values.
+        name = getattr(route, "path", None) or "unmatched"
+        method = scope.get("method", "")
+        self.metrics.requests.labels(method, name, str(status)).inc()
+        self.metrics.latency.labels(method, name).observe(time.perf_counter() - started)

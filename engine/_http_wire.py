@@ -1,0 +1,188 @@
+"""What crosses the HTTP API's wire: the request bodies (pydantic, so FastAPI validates and
+documents them), the JSON, Markdown and error responses, and the examples its OpenAPI shows.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads these models' annotations at run time.
+from datetime import datetime
+from typing import Any, Literal
+
+import msgspec
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+
+# -- request bodies -----------------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+Role = Literal["user", "assistant", "system", "tool"]
+
+
+class TurnIn(_Body):
+    role: Role = Field(examples=["user"])
+    text: str = Field(examples=["I'm moving to Lisbon in January"])
+    at: datetime | None = Field(None, description="timezone-aware; default: now",
+                                examples=["2026-03-01T09:00:00Z"])
+    meta: dict[str, Any] | None = Field(None, examples=[{"channel": "web"}])
+    durable: bool = Field(False, description="answer 201 once on disk, not 202 once buffered")
+
+
+class BatchTurn(_Body):
+    session_id: str = Field(examples=["s1"])
+    role: Role = Field(examples=["user"])
+    text: str = Field(examples=["I'm moving to Lisbon in January"])
+    at: datetime | None = None
+    meta: dict[str, Any] | None = None
+
+
+class BatchIn(_Body):
+    turns: list[BatchTurn]
+    durable: bool = False
+
+
+class RecallIn(_Body):
+    query: str = Field(examples=["where is she moving?"])
+    limit: int | None = Field(None, ge=1, le=1000, examples=[5])
+    focus: int | None = Field(None, ge=0, le=5)
+    session_id: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    roles: list[str] | None = None
+    kinds: list[str] | None = Field(None, examples=[["turn", "fact"]])
+    tags: list[str] | None = None
+    link_depth: int | None = Field(None, ge=0)
+    budget_tokens: int | None = Field(None, ge=1)
+
+
+class RetrieveIn(_Body):
+    """seed 001's body, with the user it is for."""
+
+    user_id: str = Field(examples=["maya"])
+    query: str = Field(examples=["what did the user say about Rust"])
+    conversation_id: str | None = Field(None, examples=["550e8400-e29b-41d4-a716-446655440001"])
+    episodic_limit: int = 5
+    semantic_limit: int = 20
+    detail: Literal["auto", "none", "low", "high"] = "auto"
+    category: str | None = None
+    min_importance: float = 0.0
+
+
+class PreRetrieveIn(_Body):
+    user_id: str = Field(examples=["maya"])
+    query: str = Field(examples=["User is asking about career decisions"])
+    conversation_id: str | None = None
+    semantic_limit: int = 20
+    category: str | None = None
+    min_importance: float = 0.0
+
+
+class NoteIn(_Body):
+    text: str = Field(examples=["Prefers answers in Portuguese"])
+    tags: list[str] | None = Field(None, examples=[["language"]])
+    note_id: str | None = None
+
+
+class NoteUpdate(_Body):
+    text: str
+    tags: list[str] | None = None
+
+
+class FactIn(_Body):
+    category: str = Field(examples=["identity"])
+    key: str = Field(examples=["location"])
+    value: str = Field(examples=["Lisbon"])
+    text: str | None = Field(None, examples=["Lives in Lisbon"])
+    confidence: float = 0.9
+    importance: float = 0.7
+    keywords: list[str] = []
+
+
+class FactCorrection(_Body):
+    value: str = Field(examples=["Porto"])
+    text: str | None = None
+    importance: float = 0.7
+    keywords: list[str] = []
+
+
+class LinkIn(_Body):
+    from_id: str
+    to_id: str
+    type: str = "relates_to"
+
+
+class ReviewIn(_Body):
+    rating: Literal["again", "hard", "good", "easy", 1, 2, 3, 4] = Field(examples=["good"])
+
+
+class SnapshotIn(_Body):
+    dest: str = Field(description="a new or empty directory on the server",
+                      examples=["/backups/2026-11-22"])
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+def plain(value: Any) -> Any:
+    """Records as JSON-ready values by field name (stored records are array_like Structs)."""
+    if isinstance(value, msgspec.Struct):
+        return {f: plain(getattr(value, f)) for f in value.__struct_fields__}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return value
+
+
+def json_response(value: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(plain(value)), status, media_type="application/json")
+
+
+def markdown_response(text: str) -> Response:
+    return Response(text, media_type="text/markdown; charset=utf-8")
+
+
+def error_response(status: int, error: str, message: str, field: str | None = None,
+                   headers: dict[str, str] | None = None) -> Response:
+    body = {"error": error, "message": message}
+    if field is not None:
+        body["field"] = field
+    return Response(msgspec.json.encode(body), status, headers=headers,
+                    media_type="application/json")
+
+
+def not_found(what: str) -> HTTPException:
+    return HTTPException(404, f"no {what}")
+
+
+def example(value: Any, media: str = "application/json") -> dict[str, Any]:
+    return {"content": {media: {"example": value}}}
+
+
+def error_example(error: str, message: str, field: str | None = None) -> dict[str, Any]:
+    body = {"error": error, "message": message} | ({"field": field} if field else {})
+    return {"description": error, **example(body)}
+
+
+# Documented on every route (OpenAPI): the JSON error body and when each status comes.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: error_example("Unauthorized", "expected 'Authorization: Bearer <key>', found none"),
+    403: error_example("Forbidden", "this key may not act for user 'bo'"),
+    404: error_example("NotFound", "no note 'n_1' for this user"),
+    413: error_example("TooLarge", "expected a body of at most 8388608 bytes, found 9000000"),
+    422: error_example("InvalidInput", "role: expected one of 'user', 'assistant', 'system', "
+                                       "'tool', found str 'bot'", "role"),
+    503: error_example("EngineClosed", "the engine is closed; open a new one with "
+                                       "Engine.open(path)"),
+}
+TURN_EXAMPLE = {"lsn": 12, "turn_id": "t_4f0c2a9e1b7d3c5a8e21", "user_id": "maya",
+                "session_id": "s1", "seq": 3, "role": "user",
+                "text": "I'm moving to Lisbon in January", "at": "2026-03-01T09:00:00Z",
+                "meta": {"channel": "web"}}
+HIT_EXAMPLE = {"id": "t_4f0c2a9e1b7d3c5a8e21", "kind": "turn",
+               "text": "I'm moving to Lisbon in January", "score": 0.0328, "session_id": "s1",
+               "at": "2026-03-01T09:00:00Z", "turn_ids": ["t_4f0c2a9e1b7d3c5a8e21"],
+               "role": "user", "via": ["vector", "bm25"]}
