@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -34,14 +33,21 @@ import trio
 
 from .base.records import Fact, Link
 
+from .extraction import STOPWORDS as _STOP
+from .extraction import (
+    Candidate,
+    Extractor,
+    RuleExtractor,
+    checked_candidates,
+    extract_facts,
+    jaccard,
+)
+from .extraction import words as _words
 from .base.messages import PutFact, PutState, Searchable
 from .store import LogFollower, Store, fact_key, read_facts
 
-__all__ = ["Facts", "Candidate", "extract_facts", "effective_confidence", "DECAY_RATES",
-           "MIN_CONFIDENCE", "MIN_IMPORTANCE", "DEDUP_JACCARD", "PRUNE_BELOW"]
+__all__ = ["Facts", "effective_confidence", "DECAY_RATES", "DEDUP_JACCARD", "PRUNE_BELOW"]
 
-MIN_CONFIDENCE = 0.4  # extracted candidates below this are dropped (seed 002)
-MIN_IMPORTANCE = 0.2  # ... and below this importance
 DEDUP_JACCARD = 0.75  # word-set similarity at which two fact sentences are one fact (seed 004)
 CONTRADICTION_JACCARD = 0.5  # content-word overlap at which opposite polarity is a contradiction
 PRUNE_BELOW = 0.05  # effective confidence under which maintenance retires a fact (seed 004)
@@ -54,23 +60,12 @@ log = logging.getLogger("engram.facts")
 # Per-day decay of confidence without use, by category: standing facts about who someone is and
 # what they must avoid fade slowly; passing preferences faster. Confirmed facts: 0.
 DECAY_RATES = {"identity": 0.002, "constraint": 0.002, "instruction": 0.005,
-               "relationship": 0.003, "schedule": 0.02, "preference": 0.02}
+               "relationship": 0.003, "pet": 0.003, "schedule": 0.02, "preference": 0.02}
 DEFAULT_DECAY = 0.05
 
 _encode = msgspec.msgpack.Encoder().encode
-_WORD = re.compile(r"[a-z0-9']+")
 _NEGATIONS = frozenset({"not", "no", "never", "don't", "doesn't", "dont", "isn't", "aren't",
                         "won't", "can't", "cannot", "longer", "anymore", "stopped", "quit"})
-_STOP = frozenset("a an the i i'm my me is am are was be to of in on at for and or but it this "
-                  "that with as so do does really very now user".split())
-
-
-def _words(text: str) -> set[str]:
-    return set(_WORD.findall(text.lower()))
-
-
-def jaccard(a: set[str], b: set[str]) -> float:
-    return len(a & b) / len(a | b) if a or b else 0.0
 
 
 def effective_confidence(fact: Fact, now: datetime) -> float:
@@ -80,228 +75,6 @@ def effective_confidence(fact: Fact, now: datetime) -> float:
     since = fact.last_access_at or fact.created_at
     days = max(0.0, (now - since).total_seconds() / 86400)
     return fact.confidence * math.exp(-DECAY_RATES.get(fact.category, DEFAULT_DECAY) * days)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A fact proposed by an extractor or a caller, before the conflict rules run."""
-
-    category: str
-    key: str
-    value: str
-    text: str
-    confidence: float
-    importance: float
-    keywords: tuple[str, ...] = ()
-
-
-# -- the offline extractor -----------------------------------------------------------------------
-
-_NAME = r"([A-Z][\w'-]+(?: [A-Z][\w'-]+)?)"
-_PLACE = r"([A-Z][\w'.-]+(?: [A-Z][\w'.-]+){0,2})"
-_THING = r"([\w' -]{2,40}?)"
-_END = r"(?=\s*(?:[,.!?;]|$|\band\b|\bbut\b|\bnow\b|\bthese days\b|\blately\b|\btoo\b))"
-
-
-@dataclass(frozen=True)
-class _Rule:
-    pattern: re.Pattern[str]
-    build: Callable[[re.Match[str]], Candidate | None]
-
-
-def _slug(text: str) -> str:
-    return " ".join(w for w in _WORD.findall(text.lower()) if w not in _STOP)[:60] or "general"
-
-
-def _rule(pattern: str, build: Callable[[re.Match[str]], Candidate | None],
-          flags: int = re.IGNORECASE) -> _Rule:
-    return _Rule(re.compile(pattern, flags), build)
-
-
-def _identity(key: str, phrase: str, confidence: float = 0.85, importance: float = 0.8
-              ) -> Callable[[re.Match[str]], Candidate]:
-    return lambda m: Candidate("identity", key, m.group(1).strip(),
-                               phrase.format(m.group(1).strip()), confidence, importance,
-                               (key, m.group(1).strip().lower()))
-
-
-def _preference(polarity: str) -> Callable[[re.Match[str]], Candidate | None]:
-    def build(m: re.Match[str]) -> Candidate | None:
-        thing = m.group(1).strip()
-        slug = _slug(thing)
-        if slug == "general" or len(slug.split()) > 5:
-            return None
-        return Candidate("preference", f"likes:{slug}", polarity,
-                         f"{'Likes' if polarity == 'likes' else 'Dislikes'} {thing}", 0.7, 0.5,
-                         tuple(slug.split()))
-    return build
-
-
-_FILLER = re.compile(r"^(?:(?:honestly|actually|really|well|so|ok|okay|now|lately|these days|"
-                     r"i think|i guess|i'd say),?\s+)+", re.IGNORECASE)
-
-
-def _favourite(m: re.Match[str]) -> Candidate:
-    what = m.group("what").strip().lower()
-    value = _FILLER.sub("", m.group("value").strip())
-    return Candidate("preference", f"favourite {what}", value, f"Favourite {what}: {value}",
-                     0.8, 0.6, (what, value.lower()))
-
-
-def _relation(m: re.Match[str]) -> Candidate:
-    who, name = m.group("who").lower(), m.group("name").strip()
-    return Candidate("relationship", who, name, f"Their {who} is called {name}", 0.85, 0.7,
-                     (who, name.lower()))
-
-
-def _allergy(m: re.Match[str]) -> Candidate | None:
-    thing = m.group(1).strip()
-    slug = _slug(thing)
-    if slug == "general":
-        return None
-    return Candidate("constraint", f"allergy:{slug}", "allergic", f"Allergic to {thing}",
-                     0.9, 1.0, ("allergy", "allergic", *slug.split()))
-
-
-def _diet(m: re.Match[str]) -> Candidate:
-    diet = m.group(1).lower().replace(" ", "-")
-    return Candidate("constraint", "diet", diet, f"Diet: {diet}", 0.85, 0.9, ("diet", diet))
-
-
-def _avoids(m: re.Match[str]) -> Candidate | None:
-    thing = m.group(1).strip()
-    slug = _slug(thing)
-    if slug == "general":
-        return None
-    return Candidate("constraint", f"avoids:{slug}", "avoids", f"Does not eat {thing}", 0.7, 0.8,
-                     ("diet", *slug.split()))
-
-
-def _schedule(m: re.Match[str]) -> Candidate:
-    when, what = m.group("when").lower().rstrip("s"), m.group("what").strip()
-    return Candidate("schedule", when, what, f"Every {when}: {what}", 0.7, 0.5,
-                     (when, *_slug(what).split()[:4]))
-
-
-def _routine(m: re.Match[str]) -> Candidate:
-    what, time = m.group("what").lower(), m.group("time").strip()
-    return Candidate("schedule", what, time, f"Usually {what} at {time}", 0.7, 0.5,
-                     (what, time))
-
-
-def _instruction(m: re.Match[str]) -> Candidate | None:
-    lead = m.group("lead").lower()
-    body = re.sub(r"[,\s]+please$", "", m.group("body").strip(), flags=re.IGNORECASE)
-    words = _WORD.findall(body.lower())
-    if len(words) < 2:
-        return None
-    polarity = "never" if lead == "never" else "always"
-    if lead == "please":
-        body = body[0].lower() + body[1:]
-    text = f"{'Never' if polarity == 'never' else 'Always'} {body}"
-    # The key is the instruction's first two words ("answer in", "call me"), so a later
-    # instruction about the same thing supersedes an earlier one.
-    return Candidate("instruction", " ".join(words[:2]), f"{polarity} {body}", text, 0.8, 0.9,
-                     tuple(w for w in words if w not in _STOP)[:6])
-
-
-_JOBS = r"(?:an? )?(?P<job>[a-z][a-z -]{2,40}?)"
-_JOB_END = r"(?=\s*(?:[,.!?;]|$|\band\b|\bbut\b|\b(?:at|for|in|with|from|there)\b))"
-_RULES: tuple[_Rule, ...] = (
-    _rule(r"\b(?i:my name is) " + _NAME, _identity("name", "Name: {}", 0.9, 0.9), 0),
-    _rule(r"(?<![Nn]ever )(?<!not )(?<!n't )\b(?i:i'm called|i am called|call me) " + _NAME,
-          _identity("name", "Name: {}", 0.85, 0.9), 0),
-    _rule(r"\b(?i:i (?:live|am living|'m living|'m based|am based) in) " + _PLACE,
-          _identity("location", "Lives in {}", 0.8, 0.8), 0),
-    _rule(r"\b(?i:i(?:'ve| have)? (?:just |recently |finally )?(?:moved|relocated) to) "
-          + _PLACE, _identity("location", "Lives in {}", 0.85, 0.8), 0),
-    _rule(r"\b(?i:i(?:'m| am) (?:moving|relocating)(?: from [A-Z][\w'.-]+(?: [A-Z][\w'.-]+)?)? "
-          r"to) " + _PLACE,
-          _identity("location", "Lives in {}", 0.85, 0.8), 0),
-    _rule(r"\b(?i:i(?:'m| am) (?:originally )?from) " + _PLACE,
-          _identity("hometown", "Comes from {}", 0.75, 0.6), 0),
-    _rule(r"\bi (?:work|am working|'m working|(?:'ll|will) be(?: working)?)"
-          r"(?: remotely| full[- ]time| part[- ]time| freelance)? as " + _JOBS
-          + r"(?: (?:at|for) (?P<org>[A-Z][\w&.' -]+?))?" + _JOB_END,
-          lambda m: Candidate("identity", "job", m.group("job").strip(),
-                              f"Works as a {m.group('job').strip()}"
-                              + (f" at {m.group('org')}" if m.group("org") else ""),
-                              0.8, 0.7, ("job", "work", *m.group("job").split()))),
-    _rule(r"\b(?i:i work (?:at|for)) (?P<org>[A-Z][\w&.'-]+(?: [A-Z][\w&.'-]+){0,3})",
-          lambda m: Candidate("identity", "employer", m.group("org").rstrip("."),
-                              f"Works at {m.group('org').rstrip('.')}", 0.75, 0.6, ("work", "employer")), 0),
-    _rule(r"\b(?i:i speak) (?P<langs>[A-Z][a-z]+(?:(?:, | and | & )[A-Z][a-z]+)*)",
-          lambda m: Candidate("identity", "languages", m.group("langs"),
-                              f"Speaks {m.group('langs')}", 0.8, 0.6,
-                              ("language", *m.group("langs").lower().replace(",", "").split())),
-          0),
-    _rule(r"\bmy (?:native|first|mother) (?:language|tongue) is ([A-Z][a-z]+)",
-          _identity("native_language", "Native language: {}", 0.85, 0.6)),
-    _rule(r"\bmy time ?zone is ([\w/+:-]+)", _identity("timezone", "Time zone: {}", 0.85, 0.6)),
-    _rule(r"\bi(?:'m| am) (?:in|on) ((?:UTC|GMT)[+-]\d{1,2}(?::\d\d)?|[A-Z]{2,4}T) time",
-          _identity("timezone", "Time zone: {}", 0.8, 0.6)),
-    _rule(r"\bi(?:'m| am) (\d{1,3}) years old", _identity("age", "Is {} years old", 0.8, 0.5)),
-    _rule(r"\bmy birthday is (?:on )?([\w ]+?)" + _END,
-          _identity("birthday", "Birthday: {}", 0.8, 0.6)),
-    _rule(r"\bmy favou?rite (?P<what>[a-z]+(?: [a-z]+)?) is (?:still )?(?P<value>[\w' -]+?)" + _END,
-          _favourite),
-    _rule(r"\b(?P<value>[\w' -]+?) (?:has|have) become my favou?rite (?P<what>[a-z]+)\b", _favourite),
-    _rule(r"\bmy (?P<who>wife|husband|partner|girlfriend|boyfriend|sister|brother|mother|mum|mom|"
-          r"father|dad|son|daughter|dog|cat|boss|best friend)(?:'s name)? is (?:called |named )?"
-          r"(?P<name>[A-Z][\w'-]+)", _relation),
-    _rule(r"\bi have an? (?P<who>dog|cat|son|daughter|sister|brother) (?:called|named) "
-          r"(?P<name>[A-Z][\w'-]+)", _relation),
-    _rule(r"\b(?i:my) (?P<who>dog|cat|puppy|kitten|son|daughter|wife|husband|partner) "
-          r"(?P<name>[A-Z][\w'-]+)\b", _relation, 0),
-    _rule(r"\bi(?:'m| am) (?:severely |very |really |deathly |mildly |a bit )?allergic to "
-          + _THING + _END, _allergy),
-    _rule(r"\bi have an? ([\w -]{2,30}?) allergy", _allergy),
-    _rule(r"\bi(?:'m| am|'m now| am now| went| became| have become|'ve become|'ve gone) "
-          r"(?:a |an |fully )?(vegetarian|vegan|pescatarian|gluten[- ]free|"
-          r"lactose[- ]intolerant|coeliac|celiac|keto|halal|kosher)\b", _diet),
-    _rule(r"\bi (?:don't|do not|never|no longer|can't|cannot) eat " + _THING + _END, _avoids),
-    _rule(r"\bi (?:really |absolutely |totally )?(?:love|like|enjoy|adore) " + _THING + _END,
-          _preference("likes")),
-    _rule(r"\bi(?:'ve| have) taken up " + _THING + _END
-          + r"", _preference("likes")),
-    _rule(r"\bi (?:really |absolutely )?(?:hate|dislike|can't stand|cannot stand|don't like|"
-          r"do not like|no longer like) " + _THING + _END, _preference("dislikes")),
-    _rule(r"\b(?:every|each|on) (?P<when>monday|tuesday|wednesday|thursday|friday|saturday|"
-          r"sunday|weekday|weekend|morning|evening)s?,? i (?P<what>[^.!?]{3,60})", _schedule),
-    _rule(r"\bi (?:usually |always |normally )?(?P<what>wake up|get up|go to bed|start work|"
-          r"finish work|go to the gym) (?:at|around) (?P<time>\d{1,2}(?:[:.]\d\d)?\s*(?:am|pm)?)",
-          _routine),
-    _rule(r"(?:^|[.!?]\s+|,\s*|please\s+)(?P<lead>always|never|from now on|going forward|"
-          r"in future|in the future),?\s+(?:please\s+)?(?P<body>[^.!?]{4,120})", _instruction),
-    _rule(r"^\s*(?P<lead>please) (?P<body>(?:keep|make) (?:your |the )?(?:answers|replies|"
-          r"responses|messages) [^.!?,]{2,60})", _instruction),
-)
-
-_QUESTION = re.compile(r"\?\s*$")
-# "Hi! I'm Maya.": a lone "I'm <Name>" is a name only right after a greeting.
-_GREETING_NAME = re.compile(r"\b(?i:hi|hello|hey|good (?:morning|afternoon|evening))\b[!,.]*\s+"
-                            r"(?i:i'm|i am|this is|it's) ([A-Z][a-z]+)\b(?! [a-z])")
-
-
-def extract_facts(text: str) -> list[Candidate]:
-    """The facts a user turn states, by rule; questions and hypotheticals are skipped."""
-    found: dict[tuple[str, str], Candidate] = {}
-    greeting = _GREETING_NAME.search(text)
-    if greeting:
-        found[("identity", "name")] = Candidate("identity", "name", greeting.group(1),
-                                                f"Name: {greeting.group(1)}", 0.8, 0.9,
-                                                ("name", greeting.group(1).lower()))
-    for sentence in re.split(r"(?<=[.!?])\s+|\n+", text):
-        if not sentence or _QUESTION.search(sentence) or re.match(
-                r"\s*(?:if|what if|suppose|maybe|do you|can you|could you)\b", sentence, re.I):
-            continue
-        for rule in _RULES:
-            for m in rule.pattern.finditer(sentence):
-                candidate = rule.build(m)
-                if candidate is not None:
-                    found[(candidate.category, candidate.key)] = candidate
-    return [c for c in found.values()
-            if c.confidence >= MIN_CONFIDENCE and c.importance >= MIN_IMPORTANCE]
 
 
 # -- the actor -----------------------------------------------------------------------------------
@@ -528,22 +301,24 @@ class Facts:
 
     # -- the extraction follower ---------------------------------------------------------------
 
-    def follower(self, llm: Any = None) -> LogFollower:
-        """The follower that extracts facts from every committed user turn, in log order
-        (rules, or ``llm``)."""
+    def follower(self, extractor: Extractor) -> LogFollower:
+        """The follower that extracts facts from every committed user turn, in log order,
+        with ``extractor``; the rules stand in for a turn it fails on."""
+        rules = isinstance(extractor, RuleExtractor)  # no fallback needed: run them inline
 
         async def handle(records: list[Searchable], last: int) -> tuple[tuple, tuple]:
             for i, r in enumerate(records):
                 if r.kind != "turn" or r.role != "user":
                     continue
-                candidates, origin = None, "rules"
-                if llm is not None:
+                candidates, origin = None, extractor.name
+                if not rules:
                     try:
-                        candidates, origin = await llm.extract_facts(r.text), "llm"
-                    except Exception as exc:  # the rules stand in for a failing model
-                        log.warning("LLM fact extraction failed, using the rules: %r", exc)
+                        candidates = checked_candidates(await extractor.extract(r.text))
+                    except Exception as exc:  # the rules stand in for a failing extractor
+                        log.warning("fact extraction by %s failed, using the rules: %r",
+                                    extractor.name, exc)
                 if candidates is None:
-                    candidates = extract_facts(r.text)
+                    candidates, origin = extract_facts(r.text), "rules"
                     if i % 8 == 7:
                         await trio.lowlevel.checkpoint()  # regex work in small steps
                 for c in candidates:

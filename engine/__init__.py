@@ -50,12 +50,14 @@ from .errors import (
     StoreInUse,
 )
 from actors.embedder import EmbeddingBackend, HashEmbedder, OnnxEmbedder
+from actors.extraction import Candidate, Extractor, RuleExtractor
 from actors.session_buffer import Receipt
 
 __all__ = [
     "FOCUS_LEVELS",
     "LLM",
     "TOOLS",
+    "Candidate",
     "Config",
     "EmbeddingBackend",
     "Engine",
@@ -66,6 +68,7 @@ __all__ = [
     "EntityInfo",
     "Episode",
     "EpisodicItem",
+    "Extractor",
     "Fact",
     "Failure",
     "HashEmbedder",
@@ -86,6 +89,7 @@ __all__ = [
     "Receipt",
     "RecordRefused",
     "RetrieveResult",
+    "RuleExtractor",
     "ReviewState",
     "Role",
     "SemanticItem",

@@ -17,6 +17,7 @@ Where each call goes (one module per concern, named for it):
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
@@ -36,6 +37,7 @@ from actors.embedder import (
     OnnxEmbedder,
     model_for_store,
 )
+from actors.extraction import Extractor, RuleExtractor
 from actors.session_buffer import Receipt
 
 from . import _stats
@@ -112,6 +114,7 @@ class Engine:
         reembed: bool = False,
         llm: LLM | None = None,
         read_only: bool = False,
+        extractor: Extractor | None = None,
     ) -> AsyncIterator[Engine]:
         """Open (or create) the store at ``path`` and run the engine for the ``async with`` body.
 
@@ -131,6 +134,10 @@ class Engine:
             llm: an optional language model (:class:`LLM`, e.g. :class:`OpenAICompatibleLLM`)
                 that summarises episodes and extracts facts in the background; without one
                 the offline defaults do (extractive summaries, rules).
+            extractor: what extracts facts from user turns in the background (an
+                :class:`Extractor`: spaCy, your own prompt, a service); default: the
+                ``llm``'s prompt if one is given, else the offline rules. The rules stand in
+                for a turn it fails on.
             read_only: read an existing store without owning it (another process may be
                 serving it): no lock is taken, nothing runs in the background, every write
                 raises ``InvalidInput`` (field ``read_only``), and the text index is searched
@@ -153,6 +160,16 @@ class Engine:
         if llm is not None and not isinstance(llm, LLM):
             raise InvalidInput("llm", "expected an object with an async complete(system, prompt) "
                                       f"method, found {type(llm).__name__}")
+        if extractor is not None and not (isinstance(extractor, Extractor)
+                                          and not isinstance(extractor, type)
+                                          and isinstance(extractor.name, str)
+                                          and extractor.name.strip()
+                                          and inspect.iscoroutinefunction(extractor.extract)):
+            raise InvalidInput("extractor", "expected an object with a non-empty str name and "
+                                            "an async extract(text) method, found "
+                                            + (f"the class {extractor.__name__}: pass an "
+                                               "instance" if isinstance(extractor, type)
+                                               else type(extractor).__name__))
         config = Config.checked(dict(config) if isinstance(config, Mapping) else config)
         if type(read_only) is not bool:
             raise InvalidInput("read_only", f"expected True or False, found {read_only!r}")
@@ -164,6 +181,8 @@ class Engine:
                                              long_term=False)
         clock = clock or _utc_now
         tasks = None if llm is None else ModelTasks(llm)
+        if extractor is None:
+            extractor = RuleExtractor() if tasks is None else tasks
         if embedder is None:
             model = config.model
             if model is None:  # the store's own, so an older default never strands a store
@@ -180,7 +199,7 @@ class Engine:
                 owner.release()
             raise
         try:
-            async with running(root, config, clock, embedding, reembed, tasks,
+            async with running(root, config, clock, embedding, reembed, tasks, extractor,
                                read_only) as run:
                 engine = cls(run)
                 if config.long_term:

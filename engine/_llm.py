@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 import httpx
 import msgspec
 
-from actors.facts import MIN_CONFIDENCE, MIN_IMPORTANCE, Candidate
+from actors.extraction import MIN_CONFIDENCE, MIN_IMPORTANCE, Candidate
 
 from actors.base.errors import EngineError
 
@@ -78,7 +78,11 @@ def _json_object(text: str) -> bytes:
 
 
 class ModelTasks:
-    """The engine's prompts, over any :class:`LLM`; replies are validated before use."""
+    """The engine's prompts, over any :class:`LLM`; replies are validated before use. It is
+    also the :class:`~actors.extraction.Extractor` the engine uses when given an LLM and no
+    extractor of its own."""
+
+    name = "llm"  # what facts it extracts carry as their origin
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
@@ -113,6 +117,10 @@ class ModelTasks:
                                  f.value.strip()[:500], f.fact.strip()[:1000] or f.value,
                                  confidence, importance, tuple(k.lower() for k in f.keywords)[:8]))
         return out
+
+    async def extract(self, text: str) -> list[Candidate]:
+        """The :class:`~actors.extraction.Extractor` method: the model's facts of one turn."""
+        return await self.extract_facts(text)
 
 
 class OpenAICompatibleLLM:

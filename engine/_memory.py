@@ -17,7 +17,7 @@ import msgspec
 import trio
 
 from actors.episodic import RATINGS, memory_review_state, review_state
-from actors.facts import Candidate
+from actors.extraction import Candidate
 from actors.base.messages import DeleteNote, PutNote, PutState, WriteSummary
 from actors.session_buffer import new_turn_id
 from actors.store import (

@@ -22,6 +22,7 @@ from actors.ann_index import AnnIndex
 from actors.embedder import Embedder
 from actors.entities import Entities
 from actors.episodic import EpisodicCompressor
+from actors.extraction import Extractor
 from actors.facts import Facts
 from actors.fulltext import FullText
 from actors.session_buffer import SessionBuffer, new_turn_id
@@ -55,7 +56,7 @@ class Running:
 
 @asynccontextmanager
 async def running(root: Path, config: Config, clock: Clock, embedding: Embedder,
-                  reembed: bool, tasks: ModelTasks | None,
+                  reembed: bool, tasks: ModelTasks | None, extractor: Extractor,
                   read_only: bool) -> AsyncIterator[Running]:
     """Start the actors, yield the running engine, stop them in reverse."""
     store = Store(root, config, embedding.model, reembed, read_only)
@@ -90,7 +91,7 @@ async def running(root: Path, config: Config, clock: Clock, embedding: Embedder,
                 if not read_only:  # a reader writes nothing; the owner scrubs
                     await run.start_background(run.scrubber.run)
                 if config.long_term:
-                    parts.followers = [entities.follower, facts.follower(tasks),
+                    parts.followers = [entities.follower, facts.follower(extractor),
                                        compressor.follower]
                     for follower in parts.followers:
                         await run.start_background(follower.run)

@@ -28,7 +28,7 @@ def test_entities_are_extracted_by_kind(text, expected) -> None:
 
 async def test_a_first_name_is_an_alias_of_the_full_name(mem) -> None:
     """'Maya' after 'Maya Lindqvist' counts for the same entity; any case finds it."""
-    first = await mem.add_turn("ana", "s", "user", "My friend Maya Lindqvist moved to Lisbon.")
+    first = await mem.add_turn("ana", "s", "user", "Maya Lindqvist, an old friend, moved to Lisbon.")
     second = await mem.add_turn("ana", "s", "user", "maya sent a postcard. Maya loves trams.")
     third = await mem.add_turn("ana", "s2", "user", "Dinner with Maya on Friday.")
     await mem.flush()

@@ -1,0 +1,123 @@
+"""Fact extraction through the engine: a plugged-in Extractor, its failures, and text in other
+languages, which is stored and searchable whether or not a rule extracts from it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from engine import Candidate, Engine, Extractor, InvalidInput, RuleExtractor
+
+from .conftest import open_engine
+
+
+class PetExtractor:
+    """A stand-in for spaCy or a model: finds what the rules do not ("Kiwi the parrot")."""
+
+    name = "pets"
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    async def extract(self, text: str) -> Sequence[Candidate]:
+        self.seen.append(text)
+        if "Kiwi" not in text:
+            return []
+        return [Candidate("pet", "parrot:kiwi", "Kiwi", "Has a parrot called Kiwi", 0.9, 0.6),
+                Candidate("pet", "", "nameless", "dropped: no key", 0.9, 0.6),
+                Candidate("pet", "x", "y", "dropped: confidence over 1", 1.5, 0.6),
+                "not a candidate"]
+
+
+class BrokenExtractor:
+    name = "broken"
+
+    async def extract(self, text: str) -> Sequence[Candidate]:
+        raise RuntimeError("the model server is down")
+
+
+async def test_a_plugged_in_extractor_is_what_the_engine_extracts_with(store_path, clock) -> None:
+    """The follower gives every user turn to the caller's extractor; its facts carry its name
+    as their origin, and whatever it returns that is not a valid candidate is dropped."""
+    extractor = PetExtractor()
+    assert isinstance(extractor, Extractor)
+    async with open_engine(store_path, clock=clock, extractor=extractor) as mem:
+        await mem.add_turn("ana", "s1", "user", "Kiwi the parrot sings all morning.")
+        await mem.add_turn("ana", "s1", "assistant", "Kiwi sounds lovely.")
+        await mem.add_turn("ana", "s1", "user", "I live in Lisbon.")
+        await mem.flush()
+        profile = await mem.profile("ana")
+    assert [(f.category, f.key, f.value, f.origin) for f in profile] == [
+        ("pet", "parrot:kiwi", "Kiwi", "pets")]
+    # Only user turns, in log order; the rules did not run (no Lisbon).
+    assert extractor.seen == ["Kiwi the parrot sings all morning.", "I live in Lisbon."]
+
+
+async def test_the_rules_stand_in_for_an_extractor_that_fails(store_path, clock) -> None:
+    """A failing extractor costs nothing the rules would have found, and the engine goes on."""
+    async with open_engine(store_path, clock=clock, extractor=BrokenExtractor()) as mem:
+        await mem.add_turn("ana", "s1", "user", "My sister Ana lives in Porto. I'm allergic to "
+                                                "peanuts.")
+        await mem.flush()
+        found = {(f.key, f.origin) for f in await mem.profile("ana")}
+    assert found == {("sister:ana", "rules"), ("allergy:peanuts", "rules")}
+
+
+async def test_the_default_extractor_is_the_rules(mem) -> None:
+    """Without an extractor or an LLM, the offline rules extract: preferences, instructions,
+    relations and pets each land in their own category."""
+    for text in ("I'd rather have tea than coffee.", "Don't use emojis.",
+                 "My sister Ana called.", "My dog Pixel is coming with me."):
+        await mem.add_turn("maya", "s1", "user", text)
+    await mem.flush()
+    found = {(f.category, f.key, f.text, f.origin) for f in await mem.profile("maya")}
+    assert found == {
+        ("preference", "likes:tea", "Would rather have tea than coffee", "rules"),
+        ("instruction", "use emojis", "Never use emojis", "rules"),
+        ("relationship", "sister:ana", "Their sister is called Ana", "rules"),
+        ("pet", "dog:pixel", "Has a dog called Pixel", "rules"),
+    }
+
+
+async def test_two_friends_are_two_facts_and_a_new_partner_replaces_the_old(mem) -> None:
+    """People one may have several of keep one fact each; a partner's new name supersedes."""
+    for text in ("My friend Tom is a chef.", "My friend Sara is a pilot.",
+                 "My partner is called Luis.", "My partner is called Marta."):
+        await mem.add_turn("maya", "s1", "user", text)
+    await mem.flush()
+    active = {(f.key, f.value) for f in await mem.profile("maya", category="relationship")}
+    assert active == {("friend:tom", "Tom"), ("friend:sara", "Sara"), ("partner", "Marta")}
+    assert [f.value for f in await mem.fact_history("maya", "relationship", "partner")] == [
+        "Luis", "Marta"]
+
+
+@pytest.mark.parametrize("extractor", [object(), RuleExtractor, type("NoName", (), {
+    "name": "", "extract": lambda self, text: []})()])
+async def test_open_refuses_what_is_not_an_extractor(store_path, extractor) -> None:
+    """Something without a name and an extract method is refused before anything opens."""
+    with pytest.raises(InvalidInput, match="expected an object with a non-empty str name") as e:
+        async with Engine.open(store_path, extractor=extractor):
+            pass
+    assert e.value.field == "extractor"
+    assert not store_path.exists()
+
+
+async def test_text_in_other_languages_is_stored_and_found(mem) -> None:
+    """Turns no rule understands are kept exactly and found by their words: accented Latin,
+    Cyrillic and Greek alike; a rule in the speaker's language still extracts."""
+    said = ["Amanhã vou à praia com a minha irmã, se não chover.",
+            "Завтра будет дождь, возьми зонтик.",
+            "Η θάλασσα ήταν πολύ ήρεμη σήμερα το πρωί.",
+            "Me llamo Sofía y vivo en Madrid."]
+    for text in said:
+        await mem.add_turn("maya", "s1", "user", text)
+    await mem.flush()
+    assert [t.text for t in await mem.session_history("maya", "s1")] == said
+    for query, expected in (("praia irmã", said[0]), ("зонтик", said[1]),
+                            ("θάλασσα", said[2]), ("Sofía", said[3])):
+        hits = await mem.recall("maya", query, limit=3, kinds=["turn"])
+        assert hits[0].text == expected, query
+        assert "bm25" in hits[0].via
+    assert {(f.key, f.value) for f in await mem.profile("maya")} == {
+        ("name", "Sofía"), ("location", "Madrid")}
