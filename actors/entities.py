@@ -21,6 +21,7 @@ import trio
 from .base.records import Entity, Link
 
 from .base.messages import Searchable
+from .imported import Imported
 from .store import LogFollower, Store, entity_key, read_entities, read_entity_keys
 
 __all__ = ["Entities", "extract_entities", "MEMORIES_PER_ENTITY"]
@@ -94,8 +95,10 @@ def extract_entities(text: str) -> list[tuple[str, str]]:
 class Entities:
     """The actor: a log follower that owns the registry's writes."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, imported: Imported | None = None) -> None:
         self._store = store
+        # Log positions of imported records: they came with their registry entries.
+        self._imported = imported if imported is not None else Imported()
         self.follower = LogFollower(store, WATERMARK, FOLLOW_CHUNK, self._handle)
         # Per user, the registry's keys (names and aliases, lower case): a query that names
         # none of them skips the registry read entirely.
@@ -126,6 +129,8 @@ class Entities:
         for i, record in enumerate(records):
             if i % 16 == 15:
                 await trio.lowlevel.checkpoint()  # ~30 us of regex a record: ~0.5 ms steps
+            if record.lsn in self._imported:
+                continue
             for name, kind in extract_entities(record.text):
                 mentions.setdefault(record.user_id, []).append((record, name, kind))
         puts: list[tuple[bytes, bytes, bytes | None, int]] = []

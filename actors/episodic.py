@@ -34,6 +34,7 @@ from .base.records import Episode, Link, PendingReview, ReviewState, Turn
 
 from .ann_index import AnnIndex, Filters
 from .embedder import Embedder
+from .imported import Imported
 from .base.messages import PutEpisode, Searchable
 from .store import (
     LogFollower,
@@ -221,7 +222,7 @@ class EpisodicCompressor:
     def __init__(self, store: Store, embedder: Embedder, ann: AnnIndex,
                  clock: Callable[[], datetime], new_id: Callable[[], str], *,
                  after_turns: int, keep_turns: int, llm: Any = None,
-                 vectors_follow: bool = True) -> None:
+                 vectors_follow: bool = True, imported: Imported | None = None) -> None:
         self._store = store
         self._embedder = embedder
         self._ann = ann
@@ -232,6 +233,8 @@ class EpisodicCompressor:
         self._llm = llm
         self._next_seq: dict[tuple[str, str], int] = {}  # first seq not yet in an episode
         self._vectors_follow = vectors_follow  # background embedding runs
+        # Log positions of imported records: they came with their episodes and ratings.
+        self._imported = imported if imported is not None else Imported()
         self._last_episode: dict[str, int] = {}  # per user, the lsn of the last episode made
         # Held while a session is being compressed: the follower and maintenance never make
         # two episodes of the same turns.
@@ -243,7 +246,7 @@ class EpisodicCompressor:
         counts: dict[tuple[str, str], int] = {}
         replies: dict[tuple[str, str], list[str]] = {}
         for r in records:
-            if r.kind != "turn":
+            if r.kind != "turn" or r.lsn in self._imported:
                 continue
             key = (r.user_id, r.session_id)
             counts[key] = max(counts.get(key, 0), r.seq + 1)

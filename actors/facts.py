@@ -44,6 +44,7 @@ from .extraction import (
 )
 from .extraction import words as _words
 from .base.messages import PutFact, PutState, Searchable
+from .imported import Imported
 from .store import LogFollower, Store, fact_key, read_facts
 
 __all__ = ["Facts", "effective_confidence", "DECAY_RATES", "DEDUP_JACCARD", "PRUNE_BELOW"]
@@ -301,14 +302,15 @@ class Facts:
 
     # -- the extraction follower ---------------------------------------------------------------
 
-    def follower(self, extractor: Extractor) -> LogFollower:
+    def follower(self, extractor: Extractor, imported: Imported) -> LogFollower:
         """The follower that extracts facts from every committed user turn, in log order,
-        with ``extractor``; the rules stand in for a turn it fails on."""
+        with ``extractor``; the rules stand in for a turn it fails on. Imported turns came
+        with their facts: they are skipped."""
         rules = isinstance(extractor, RuleExtractor)  # no fallback needed: run them inline
 
         async def handle(records: list[Searchable], last: int) -> tuple[tuple, tuple]:
             for i, r in enumerate(records):
-                if r.kind != "turn" or r.role != "user":
+                if r.kind != "turn" or r.role != "user" or r.lsn in imported:
                     continue
                 candidates, origin = None, extractor.name
                 if not rules:

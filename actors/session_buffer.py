@@ -121,10 +121,11 @@ class SessionBuffer:
     # -- the hot path ------------------------------------------------------------------------
 
     def append(self, user_id: str, session_id: str, role: str, text: str, at: datetime,
-               meta: dict[str, Any]) -> Receipt:
+               meta: dict[str, Any], turn_id: str | None = None) -> Receipt:
         """Append a validated turn: window, counters, and the Store's queue. Synchronous.
 
         The turn is encoded before any state changes, so a failure leaves nothing behind.
+        ``turn_id`` keeps an id made elsewhere (an import); by default a new one is made.
         """
         if at.tzinfo is not _UTC:
             at = at.astimezone(_UTC)
@@ -133,7 +134,8 @@ class SessionBuffer:
         seq = 0 if state is None else state.next_seq
         store = self._store
         lsn = store.next_lsn
-        turn = Turn(lsn, new_turn_id(), user_id, session_id, seq, role, text, at, meta)
+        turn = Turn(lsn, new_turn_id() if turn_id is None else turn_id, user_id, session_id,
+                    seq, role, text, at, meta)
         value = _encode(turn)
         if state is None:
             state = _Session(user_id, session_id, at)

@@ -72,6 +72,16 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--failures", action="store_true",
                          help="list the records a part of the engine failed on and skipped")
     inspect.add_argument("--turns", type=int, default=3, help="latest turns per session shown")
+    export = command("export", "write every record of one user as JSON Lines (docs/EXPORT.md) "
+                               "to stdout or --out; the store may be served meanwhile", False)
+    export.add_argument("store")
+    export.add_argument("--user", required=True, help="the user whose memory is exported")
+    export.add_argument("--out", metavar="FILE", help="write here (atomically), not to stdout")
+    load = command("import", "read a user's export into a store (records it has are skipped)")
+    load.add_argument("store")
+    load.add_argument("file", help="an export written by `export` ('-': stdin)")
+    load.add_argument("--as", dest="as_user", metavar="USER",
+                      help="import under this user id instead of the exported one")
     compact = command("compact", "rewrite a closed store without freed pages or tombstones")
     compact.add_argument("store")
     reindex = command("reindex", "rebuild the text index and re-embed every record with a model")
@@ -212,6 +222,17 @@ async def _failures(store: str, user: str | None) -> dict[str, Any]:
 async def _snapshot(store: str, dest: str) -> dict[str, Any]:
     async with _open(store, read_only=True) as mem:
         return msgspec.to_builtins(await mem.snapshot(dest))
+
+
+async def _export(store: str, user: str, out: str | None) -> dict[str, int]:
+    async with _open(store, read_only=True) as mem:
+        return await mem.export_user(user, out if out is not None else sys.stdout.buffer)
+
+
+async def _import(store: str, source: str, as_user: str | None) -> dict[str, int]:
+    async with _open(store) as mem:
+        return await mem.import_user(sys.stdin.buffer if source == "-" else source,
+                                     as_user=as_user)
 
 
 async def _restore(snapshot: str, store: str, overwrite: bool) -> dict[str, Any]:
@@ -408,6 +429,14 @@ def _run(argv: list[str] | None) -> int:
                 result = trio.run(_inspect, args.store, args.user, args.turns)
                 _print_inspect(result, args.json)
                 return 0
+            case "export":
+                counts = trio.run(_export, args.store, args.user, args.out)
+                # stdout carries the export itself: the counts go to stderr.
+                print(f"{PROG} export: {args.user}: "
+                      + ", ".join(f"{n} {kind}" for kind, n in counts.items()), file=sys.stderr)
+                return 0
+            case "import":
+                result = trio.run(_import, args.store, args.file, args.as_user)
             case "compact":
                 result = trio.run(Engine.compact, args.store)
             case "reindex":

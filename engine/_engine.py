@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import msgspec
 import trio
@@ -43,6 +43,7 @@ from actors.session_buffer import Receipt
 from . import _stats
 from ._args import check_texts
 from ._briefing import Briefing
+from ._export import export_user, import_user
 from actors.base.config import Config
 from ._forget import Forgetting
 from ._hits import Hits, RetrieveResult
@@ -586,6 +587,52 @@ class Engine:
         return await _stats.memory_stats(self._parts, user_id)
 
     # -- maintenance and tools ---------------------------------------------------------------
+
+    async def export_user(self, user_id: str,
+                          dest: str | os.PathLike[str] | IO[bytes]) -> dict[str, int]:
+        """Write every record of a user (turns, notes, episodes, every fact version, links,
+        review states, session summaries, entities) as versioned JSON Lines (docs/EXPORT.md).
+
+        Args:
+            user_id: whose memory.
+            dest: a file path (written atomically) or a binary file (``sys.stdout.buffer``).
+
+        Returns:
+            How many lines of each kind were written (``turn``, ``fact``, ...).
+
+        Raises:
+            InvalidInput: a bad user id or destination.
+        """
+        self._parts.check_open()
+        self._parts.check_ids(user_id)
+        if not isinstance(dest, (str, os.PathLike)) and not hasattr(dest, "write"):
+            raise InvalidInput("dest", "expected a file path or a binary file, found "
+                                       f"{type(dest).__name__}")
+        return await export_user(self._parts, user_id, dest)
+
+    async def import_user(self, source: str | os.PathLike[str] | bytes | IO[bytes], *,
+                          as_user: str | None = None) -> dict[str, int]:
+        """Read a user's export into this store: records keep their ids, times, history and
+        derivations, so the store answers as the exporting one did. Records the user already
+        has (by id) are skipped: importing the same file twice changes nothing.
+
+        Args:
+            source: an export's path, its bytes, or a binary file.
+            as_user: import under this user id instead of the exported one.
+
+        Returns:
+            How many records of each kind were written (``turns``, ``facts``, ...), and
+            ``skipped``.
+
+        Raises:
+            InvalidInput: the source is not an export this build reads (the message names the
+                line), it is cut short, or a session here holds other turns than the export's;
+                nothing was written.
+        """
+        self._parts.check_open()
+        if as_user is not None:
+            self._parts.check_ids(as_user)
+        return await import_user(self._parts, source, as_user)
 
     async def maintain(self) -> MaintenanceReport:
         """Run one maintenance pass now (it also runs every ``Config.maintenance_seconds``)."""

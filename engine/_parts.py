@@ -16,6 +16,7 @@ from actors.entities import Entities
 from actors.episodic import EpisodicCompressor
 from actors.facts import Facts
 from actors.fulltext import FullText
+from actors.imported import Imported
 from actors.session_buffer import SessionBuffer
 from actors.store import LogFollower, Store
 
@@ -35,6 +36,7 @@ class Parts:
         store / buffer / embedder / ann / fulltext / facts / compressor / entities: the
             actors (see DESIGN.md's map); each owns its state, the concerns only send to them.
         followers: the long-term layer's log followers, when it runs.
+        imported: log positions of imported records, which the followers do not derive from.
         config / clock: the engine's settings and clock.
         read_only: opened with ``read_only=True``: every write is refused.
         open_lsn: what the store held at open (a leg whose index lacks it is degraded).
@@ -45,7 +47,8 @@ class Parts:
 
     def __init__(self, store: Store, buffer: SessionBuffer, embedder: Embedder, ann: AnnIndex,
                  fulltext: FullText, facts: Facts, compressor: EpisodicCompressor,
-                 entities: Entities, config: Config, clock: Clock) -> None:
+                 entities: Entities, config: Config, clock: Clock,
+                 imported: Imported | None = None) -> None:
         self.store = store
         self.buffer = buffer
         self.embedder = embedder
@@ -55,6 +58,7 @@ class Parts:
         self.compressor = compressor
         self.entities = entities
         self.followers: list[LogFollower] = []
+        self.imported = imported if imported is not None else Imported()
         self.config = config
         self.clock = clock
         self.read_only = store.read_only

@@ -25,6 +25,7 @@ from actors.episodic import EpisodicCompressor
 from actors.extraction import Extractor
 from actors.facts import Facts
 from actors.fulltext import FullText
+from actors.imported import Imported
 from actors.session_buffer import SessionBuffer, new_turn_id
 from actors.store import Store
 
@@ -75,6 +76,8 @@ async def running(root: Path, config: Config, clock: Clock, embedding: Embedder,
                 await nursery.start(fulltext.run)
                 buffer = SessionBuffer(store, config)
                 await buffer.load()
+                imported = Imported()
+                await imported.load(store)
                 if config.background_embedding:
                     await nursery.start(embedding.follow, store, ann.added)
                 facts = Facts(store, lambda user, lsns: ann.removed(user, lsns, False),
@@ -83,15 +86,15 @@ async def running(root: Path, config: Config, clock: Clock, embedding: Embedder,
                     store, embedding, ann, clock, lambda: new_turn_id()[2:],
                     after_turns=config.episode_after_turns,
                     keep_turns=config.episode_keep_turns, llm=tasks,
-                    vectors_follow=config.background_embedding)
-                entities = Entities(store)
+                    vectors_follow=config.background_embedding, imported=imported)
+                entities = Entities(store, imported)
                 parts = Parts(store, buffer, embedding, ann, fulltext, facts, compressor,
-                              entities, config, clock)
+                              entities, config, clock, imported)
                 run = Running(parts, Scrubber(store, fulltext, ann), nursery)
                 if not read_only:  # a reader writes nothing; the owner scrubs
                     await run.start_background(run.scrubber.run)
                 if config.long_term:
-                    parts.followers = [entities.follower, facts.follower(extractor),
+                    parts.followers = [entities.follower, facts.follower(extractor, imported),
                                        compressor.follower]
                     for follower in parts.followers:
                         await run.start_background(follower.run)

@@ -1,0 +1,574 @@
+"""Per-user export and import: every record of one user as versioned JSON Lines.
+
+``Engine.export_user`` writes a header line, then the user's turns, notes, episodes, fact
+versions (the whole history), links, review states, session summaries and entities, then an
+end line that counts them; docs/EXPORT.md documents the format. ``Engine.import_user`` reads
+it into another store (or under another user id) so that the store answers as the first did:
+records keep their ids, times and derivations. Importing the same file twice changes nothing:
+every record whose id the user already has is skipped.
+
+An imported record arrives with what was derived from it (facts, episodes, entities, links),
+so the long-term followers must not derive it again: each block of imported records takes a
+contiguous range of log positions, recorded in ``actors.imported.Imported`` (in RAM and in the
+store's meta, ahead of the block), and the followers skip those positions. The text index and
+the embedder take imported records like any other.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Union
+
+import msgspec
+import trio
+
+from actors.base import validate as v
+from actors.base.messages import PutEpisode, PutFact, PutNote, PutState, WriteSummary
+from actors.base.records import (
+    ROLES,
+    Entity,
+    Episode,
+    Fact,
+    Link,
+    Note,
+    ReviewState,
+    SummaryState,
+    Turn,
+)
+from actors.imported import Imported
+from actors.store import (
+    entity_key,
+    fact_key,
+    read_entity_keys,
+    read_links,
+    read_memories_by_id,
+    user_prefix,
+)
+from actors.store.layout import IDS_FACT
+
+from .errors import InvalidInput
+
+if TYPE_CHECKING:
+    from ._parts import Parts
+
+__all__ = ["export_user", "import_user", "FORMAT", "VERSION"]
+
+FORMAT = "engram-user-export"
+VERSION = 1  # bumped when a reader of the previous version could not read the lines
+IMPORT_CHUNK = 1_024  # logged records per import block: one queue burst, well under QUEUE_LIMIT
+
+
+# -- the lines (docs/EXPORT.md) -----------------------------------------------------------------
+
+class _Line(msgspec.Struct, kw_only=True, tag_field="record", forbid_unknown_fields=True):
+    pass
+
+
+class Header(_Line, tag="header"):
+    format: str
+    version: int
+    user_id: str
+    exported_at: datetime
+    engine: str
+
+
+class TurnLine(_Line, tag="turn"):
+    lsn: int
+    turn_id: str
+    session_id: str
+    seq: int
+    role: str
+    text: str
+    at: datetime
+    meta: dict[str, Any] = {}
+
+
+class NoteLine(_Line, tag="note"):
+    lsn: int
+    note_id: str
+    text: str
+    tags: list[str]
+    created_at: datetime
+    updated_at: datetime
+
+
+class EpisodeLine(_Line, tag="episode"):
+    lsn: int
+    episode_id: str
+    session_id: str
+    first_seq: int
+    last_seq: int
+    turn_ids: list[str]
+    title: str
+    summary: str
+    keywords: list[str]
+    start_at: datetime
+    end_at: datetime
+    surprise: float
+    stability: float
+    difficulty: float
+    created_at: datetime
+    consolidated_at: datetime | None = None
+
+
+class FactLine(_Line, tag="fact"):
+    lsn: int
+    fact_id: str
+    category: str
+    key: str
+    value: str
+    text: str
+    confidence: float
+    importance: float
+    keywords: list[str]
+    source_turn_ids: list[str]
+    source_episode_ids: list[str]
+    session_id: str
+    valid_at: datetime
+    invalid_at: datetime | None
+    created_at: datetime
+    expired_at: datetime | None
+    status: str
+    protected: bool
+    origin: str
+    access_count: int
+    last_access_at: datetime | None
+
+
+class LinkLine(_Line, tag="link"):
+    from_id: str
+    to_id: str
+    type: str
+    at: datetime
+
+
+class ReviewLine(_Line, tag="review"):
+    memory_id: str
+    stability: float
+    difficulty: float
+    last_review: datetime
+    reps: int
+
+
+class SummaryLine(_Line, tag="summary"):
+    session_id: str
+    epoch: int
+    summary: str
+    upper_seq: int
+    updated_at: datetime
+
+
+class EntityLine(_Line, tag="entity"):
+    name: str
+    type: str
+    aliases: list[str]
+    mentions: int
+    first_seen: datetime
+    last_seen: datetime
+    lsns: list[int]
+    last_id: str
+
+
+class End(_Line, tag="end"):
+    records: int
+
+
+Line = Union[Header, TurnLine, NoteLine, EpisodeLine, FactLine, LinkLine, ReviewLine,
+             SummaryLine, EntityLine, End]
+_encode_line = msgspec.json.Encoder().encode
+_decode_line = msgspec.json.Decoder(Line).decode
+
+# Stored values decode with their own record types (the store's are private to it).
+_DECODERS = {b"turns": msgspec.msgpack.Decoder(Turn).decode,
+             b"notes": msgspec.msgpack.Decoder(Note).decode,
+             b"episodes": msgspec.msgpack.Decoder(Episode).decode,
+             b"facts": msgspec.msgpack.Decoder(Fact).decode,
+             b"links": msgspec.msgpack.Decoder(Link).decode,
+             b"reviews": msgspec.msgpack.Decoder(ReviewState).decode,
+             b"summaries": msgspec.msgpack.Decoder(SummaryState).decode,
+             b"entities": msgspec.msgpack.Decoder(Entity).decode}
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def _fields(record: msgspec.Struct, drop: tuple[str, ...] = ("user_id",)) -> dict[str, Any]:
+    return {k: v for k, v in msgspec.structs.asdict(record).items() if k not in drop}
+
+
+# -- export ------------------------------------------------------------------------------------
+
+def _read_user(txn: Any, dbs: dict[bytes, Any], user_id: str
+               ) -> dict[bytes, list[tuple[bytes, Any]]]:
+    """Every record of the user in the databases an export carries, in key order."""
+    prefix = user_prefix(user_id)
+    out: dict[bytes, list[tuple[bytes, Any]]] = {}
+    for name, decode in _DECODERS.items():
+        rows = out[name] = []
+        cursor = txn.cursor(dbs[name])
+        if cursor.set_range(prefix):
+            for key, value in cursor:
+                if not key.startswith(prefix):
+                    break
+                rows.append((key[len(prefix):], decode(value)))
+    return out
+
+
+def _lines(user_id: str, found: dict[bytes, list[tuple[bytes, Any]]], now: datetime,
+           engine_version: str) -> Iterable[_Line]:
+    yield Header(format=FORMAT, version=VERSION, user_id=user_id, exported_at=now,
+                 engine=engine_version)
+    for _, turn in found[b"turns"]:
+        yield TurnLine(**_fields(turn))
+    for _, note in found[b"notes"]:
+        yield NoteLine(**_fields(note))
+    for _, episode in found[b"episodes"]:
+        yield EpisodeLine(**_fields(episode))
+    for _, fact in sorted(found[b"facts"], key=lambda row: row[1].lsn):
+        yield FactLine(**_fields(fact))
+    seen: set[tuple[str, str]] = set()
+    for _, link in found[b"links"]:  # each link is stored under both of its ends
+        if (link.from_id, link.to_id) not in seen:
+            seen.add((link.from_id, link.to_id))
+            yield LinkLine(**_fields(link, ()))
+    for key, state in found[b"reviews"]:
+        yield ReviewLine(memory_id=key.decode(), **_fields(state, ()))
+    for key, state in found[b"summaries"]:
+        yield SummaryLine(session_id=key.decode(), **_fields(state, ()))
+    for _, entity in found[b"entities"]:
+        yield EntityLine(**_fields(entity, ()))
+
+
+async def export_user(parts: Parts, user_id: str,
+                      dest: str | os.PathLike[str] | IO[bytes]) -> dict[str, int]:
+    """Write every record of ``user_id`` to ``dest`` (a path, written atomically, or a
+    binary file); returns the count of each kind of line."""
+    from ._version import __version__
+
+    store = parts.store
+    await store.wait_committed(store.next_lsn - 1)  # everything acknowledged is in it
+    found = await store.read(_read_user, user_id)
+    now = parts.clock().astimezone(timezone.utc)
+    counts: dict[str, int] = {}
+    chunks: list[bytes] = []
+    for line in _lines(user_id, found, now, __version__):
+        record = type(line).__struct_config__.tag
+        counts[record] = counts.get(record, 0) + 1
+        chunks.append(_encode_line(line) + b"\n")
+    total = sum(counts.values()) - 1  # the header is not a record
+    chunks.append(_encode_line(End(records=total)) + b"\n")
+    data = b"".join(chunks)
+    if isinstance(dest, (str, os.PathLike)):
+        await trio.to_thread.run_sync(_write_atomically, Path(dest), data)
+    else:
+        await trio.to_thread.run_sync(dest.write, data)
+    counts.pop("header")
+    return counts
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# -- import ------------------------------------------------------------------------------------
+
+class _Parsed(msgspec.Struct):
+    user_id: str
+    turns: list[TurnLine]
+    notes: list[NoteLine]
+    episodes: list[EpisodeLine]
+    facts: list[FactLine]
+    links: list[LinkLine]
+    reviews: list[ReviewLine]
+    summaries: list[SummaryLine]
+    entities: list[EntityLine]
+
+
+def _bad(where: str, reason: str) -> InvalidInput:
+    return InvalidInput("source", f"{where}: {reason}")
+
+
+def parse(data: bytes) -> _Parsed:
+    """Decode and check an export, line by line.
+
+    Raises:
+        InvalidInput: the text is not an export of a version this build reads, a line does not
+            fit its record's schema, or the file is cut short (no end line, or a wrong count).
+    """
+    lines = data.splitlines()
+    if not lines or not lines[0].strip():
+        raise _bad("line 1", "expected the export's header line, found nothing")
+    try:
+        head = msgspec.json.decode(lines[0])
+    except msgspec.DecodeError as exc:
+        raise _bad("line 1", f"expected a JSON header line, found {exc}") from None
+    if not isinstance(head, dict) or head.get("format") != FORMAT:
+        raise _bad("line 1", f"expected format {FORMAT!r}, found "
+                             f"{head.get('format') if isinstance(head, dict) else head!r}")
+    if head.get("version") != VERSION:
+        raise _bad("line 1", f"expected format version {VERSION}, found "
+                             f"{head.get('version')!r} (written by another engram-trio "
+                             "version: export again with this one)")
+    parsed = _Parsed("", [], [], [], [], [], [], [], [])
+    by_kind: dict[type, list[Any]] = {
+        TurnLine: parsed.turns, NoteLine: parsed.notes, EpisodeLine: parsed.episodes,
+        FactLine: parsed.facts, LinkLine: parsed.links, ReviewLine: parsed.reviews,
+        SummaryLine: parsed.summaries, EntityLine: parsed.entities}
+    end: End | None = None
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        if end is not None:
+            raise _bad(f"line {n}", "expected nothing after the end line, found more")
+        try:
+            line = _decode_line(raw)
+        except msgspec.DecodeError as exc:
+            raise _bad(f"line {n}", f"expected a record of the export format, found {exc}"
+                       ) from None
+        if isinstance(line, Header):
+            if n != 1:
+                raise _bad(f"line {n}", "expected one header, on the first line, found another")
+            parsed.user_id = line.user_id
+        elif isinstance(line, End):
+            end = line
+        else:
+            by_kind[type(line)].append(line)
+    records = sum(len(found) for found in by_kind.values())
+    if end is None:
+        raise _bad("the file", f"expected an end line, found none after {records} records: the "
+                               "export was cut short")
+    if end.records != records:
+        raise _bad("the file", f"expected {end.records} records as its end line says, found "
+                               f"{records}: the export was cut short or edited")
+    return parsed
+
+
+def _check(parsed: _Parsed, parts: Parts) -> None:
+    """What must hold before anything is written: ids, turn order, one active fact per key."""
+    config = parts.config
+    limit = config.max_id_chars
+    ids: set[str] = set()
+
+    def new_id(kind: str, memory_id: str) -> None:
+        v.check_id(f"source.{kind}", memory_id, limit)
+        if memory_id in ids:
+            raise _bad(kind, f"expected unique ids, found {memory_id!r} twice")
+        ids.add(memory_id)
+
+    sessions: dict[str, list[TurnLine]] = {}
+    for turn in parsed.turns:
+        new_id("turn_id", turn.turn_id)
+        v.check_id("source.session_id", turn.session_id, limit)
+        if turn.role not in ROLES:
+            raise _bad(f"turn {turn.turn_id}", f"expected a role among {', '.join(ROLES)}, "
+                                               f"found {turn.role!r}")
+        v.check_text("source.text", turn.text, config.max_text_chars)
+        v.check_at(turn.at, "source.at")
+        v.check_meta(turn.meta, config.max_meta_bytes)
+        sessions.setdefault(turn.session_id, []).append(turn)
+    for session_id, turns in sessions.items():
+        turns.sort(key=lambda t: t.seq)
+        if [t.seq for t in turns] != list(range(len(turns))):
+            raise _bad(f"session {session_id}", "expected turns numbered 0, 1, 2... without gaps, "
+                                                f"found {[t.seq for t in turns][:10]}...")
+    for note in parsed.notes:
+        new_id("note_id", note.note_id)
+        v.check_text("source.text", note.text, config.max_text_chars)
+    for episode in parsed.episodes:
+        new_id("episode_id", episode.episode_id)
+    active: set[tuple[str, str]] = set()
+    for fact in parsed.facts:
+        new_id("fact_id", fact.fact_id)
+        if fact.status == "active":
+            if (fact.category, fact.key) in active:
+                raise _bad(f"fact {fact.fact_id}", "expected one active version per category "
+                                                   f"and key, found two for {fact.key!r}")
+            active.add((fact.category, fact.key))
+
+
+async def import_user(parts: Parts, source: str | os.PathLike[str] | bytes | IO[bytes],
+                      as_user: str | None) -> dict[str, int]:
+    """Read an export into the engine's store; returns what was written and what skipped."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise InvalidInput("source", f"expected an export file, found nothing at {path}")
+        data = await trio.to_thread.run_sync(path.read_bytes)
+    elif isinstance(source, (bytes, bytearray)):
+        data = bytes(source)
+    elif hasattr(source, "read"):
+        data = await trio.to_thread.run_sync(source.read)
+    else:
+        raise InvalidInput("source", "expected a path, bytes or a binary file, found "
+                                     f"{type(source).__name__}")
+    parsed = await trio.to_thread.run_sync(parse, data)
+    user_id = as_user if as_user is not None else parsed.user_id
+    v.check_id("as_user" if as_user is not None else "source.user_id", user_id,
+               parts.config.max_id_chars)
+    _check(parsed, parts)
+    return await _write(parts, parsed, user_id)
+
+
+async def _write(parts: Parts, parsed: _Parsed, user_id: str) -> dict[str, int]:
+    store, buffer = parts.store, parts.buffer
+    await store.wait_committed(store.next_lsn - 1)
+    every_id = ([t.turn_id for t in parsed.turns] + [n.note_id for n in parsed.notes]
+                + [e.episode_id for e in parsed.episodes] + [f.fact_id for f in parsed.facts])
+    have = await store.read(read_memories_by_id, user_id, every_id)
+    # Where a record is already in this store (an earlier import of the same file, or a part
+    # of one a crash cut short), its position here stands for the exported one.
+    lsn_map: dict[int, int] = {}
+    skipped = 0
+    todo: list[Any] = []
+    sessions: dict[str, list[TurnLine]] = {}
+    for turn in parsed.turns:
+        sessions.setdefault(turn.session_id, []).append(turn)
+    for session_id, turns in sessions.items():
+        present = buffer.next_seq(user_id, session_id) or 0
+        for turn in turns[:present]:
+            there = have.get(turn.turn_id)
+            if type(there) is not Turn or there.session_id != session_id or there.seq != turn.seq:
+                raise _bad(f"session {session_id}", f"expected its {present} turns here to be "
+                                                    "the export's first ones, found others: "
+                                                    "import under another user (as_user)")
+            lsn_map[turn.lsn] = there.lsn
+        skipped += min(present, len(turns))
+        todo.extend(turns[present:])
+    for line in (*parsed.notes, *parsed.episodes, *parsed.facts):
+        there = have.get(_id_of(line))
+        if there is None:
+            todo.append(line)
+        else:
+            lsn_map[line.lsn] = there.lsn
+            skipped += 1
+    todo.sort(key=lambda line: line.lsn)  # the source's log order, so entities' stay in order
+    written: dict[str, int] = {}
+    imported = parts.imported
+    last = 0
+    for start in range(0, len(todo), IMPORT_CHUNK):
+        chunk = todo[start:start + IMPORT_CHUNK]
+        await store.reserve(len(chunk) + 1)
+        parts.check_open()
+        # From here to the end of the block nothing yields: its positions are contiguous.
+        first = store.next_lsn
+        last = first + len(chunk) - 1
+        imported.add(first, last)
+        store.submit(PutState((Imported.marker(first, last),)))
+        for line in chunk:
+            lsn_map[line.lsn] = store.next_lsn
+            _submit(parts, user_id, line)
+            kind = type(line).__struct_config__.tag
+            written[kind + "s"] = written.get(kind + "s", 0) + 1
+    if last:
+        await store.wait_committed(last)
+    written.update(await _write_unlogged(parts, parsed, user_id, lsn_map, have))
+    # Caches that read the user before the import: they read again.
+    parts.facts.forget(user_id)
+    parts.compressor.forget(user_id, None)
+    parts.entities.forget(user_id)
+    written["skipped"] = skipped
+    return written
+
+
+def _id_of(line: Any) -> str:
+    return getattr(line, "turn_id", None) or getattr(line, "note_id", None) or getattr(
+        line, "episode_id", None) or line.fact_id
+
+
+def _submit(parts: Parts, user_id: str, line: Any) -> None:
+    """Queue one logged record at the store's next position (synchronous)."""
+    store = parts.store
+    lsn = store.next_lsn
+    if isinstance(line, TurnLine):
+        if (parts.buffer.next_seq(user_id, line.session_id) or 0) != line.seq:
+            raise _bad(f"session {line.session_id}", "expected no other turns while importing "
+                                                     "it, found some: import it again")
+        parts.buffer.append(user_id, line.session_id, line.role, line.text, line.at,
+                              line.meta, turn_id=line.turn_id)
+    elif isinstance(line, NoteLine):
+        store.submit(PutNote(lsn, _note(line, lsn, user_id), -1))
+    elif isinstance(line, EpisodeLine):
+        fields = _fields(line, ("lsn",))
+        fields["turn_ids"], fields["keywords"] = tuple(line.turn_ids), tuple(line.keywords)
+        store.submit(PutEpisode(lsn, Episode(lsn=lsn, user_id=user_id, **fields), ()))
+    else:
+        fact = _fact(line, lsn, user_id)
+        if fact.status == "active":
+            store.submit(PutFact(lsn, user_id, fact, ()))
+        else:  # a past version: stored as history, never searchable
+            store.submit(PutFact(lsn, user_id, None, (fact,)))
+
+
+def _note(line: NoteLine, lsn: int, user_id: str) -> Note:
+    return Note(lsn, line.note_id, user_id, line.text, tuple(line.tags), line.created_at,
+                line.updated_at)
+
+
+def _fact(line: FactLine, lsn: int, user_id: str) -> Fact:
+    fields = _fields(line, ("lsn",))
+    for name in ("keywords", "source_turn_ids", "source_episode_ids"):
+        fields[name] = tuple(fields[name])
+    return Fact(lsn=lsn, user_id=user_id, **fields)
+
+
+async def _write_unlogged(parts: Parts, parsed: _Parsed, user_id: str,
+                          lsn_map: dict[int, int], have: dict[str, Any]) -> dict[str, int]:
+    """Links, review states, entities, past fact versions' ids and summaries: records without
+    a log position, written once the records they belong to are."""
+    store = parts.store
+    prefix = user_prefix(user_id)
+    puts: list[tuple[bytes, bytes, bytes | None, int]] = []
+    counts: dict[str, int] = {}
+    for fact in parsed.facts:
+        if fact.status != "active" and fact.fact_id not in have:
+            version = _fact(fact, lsn_map[fact.lsn], user_id)
+            puts.append((b"ids", prefix + fact.fact_id.encode(), IDS_FACT + fact_key(version),
+                         0))
+    by_id = {_id_of(line): line.lsn
+             for line in (*parsed.turns, *parsed.notes, *parsed.episodes, *parsed.facts)}
+    for review in parsed.reviews:
+        lsn = lsn_map.get(by_id.get(review.memory_id, -1))
+        if lsn is not None and review.memory_id not in have:  # the memory is new here
+            state = ReviewState(review.stability, review.difficulty, review.last_review,
+                                review.reps)
+            puts.append((b"reviews", prefix + review.memory_id.encode(), _encode(state), lsn))
+            counts["reviews"] = counts.get("reviews", 0) + 1
+    known = set(await store.read(read_entity_keys, user_id))
+    for entity in parsed.entities:
+        key = entity.name.lower()
+        if key in known:
+            continue  # the registry here has it already (an earlier import): keep it
+        lsns = tuple(sorted(lsn_map[lsn] for lsn in entity.lsns if lsn in lsn_map))
+        record = Entity(entity.name, entity.type, tuple(entity.aliases), entity.mentions,
+                        entity.first_seen, entity.last_seen, lsns, entity.last_id)
+        puts.append((b"entities", entity_key(user_id, key), _encode(record), 0))
+        counts["entities"] = counts.get("entities", 0) + 1
+    there = await store.read(read_links, user_id, sorted({l.from_id for l in parsed.links}))
+    present = {(l.from_id, l.to_id, l.type) for found in there.values() for l in found}
+    links = tuple((user_id, Link(link.from_id, link.to_id, link.type, link.at), 0)
+                  for link in parsed.links
+                  if (link.from_id, link.to_id, link.type) not in present)
+    if puts or links:
+        await store.write_unlogged(PutState(tuple(puts), links, trio.Event()))
+    if links:
+        counts["links"] = len(links)
+    for summary in parsed.summaries:
+        state = SummaryState(summary.epoch, summary.summary, summary.upper_seq,
+                             summary.updated_at)
+        applied: list[bool] = []
+        await store.write_unlogged(WriteSummary(user_id, summary.session_id, state, 0,
+                                                trio.Event(), applied.append))
+        if applied and applied[0]:
+            counts["summaries"] = counts.get("summaries", 0) + 1
+    return counts
