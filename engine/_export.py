@@ -472,6 +472,10 @@ async def _write(parts: Parts, parsed: _Parsed, user_id: str) -> dict[str, int]:
             written[kind + "s"] = written.get(kind + "s", 0) + 1
     if last:
         await store.wait_committed(last)
+    if parts.notes_md is not None:
+        for line in todo:
+            if isinstance(line, NoteLine):
+                await parts.notes_md.write(_note(line, lsn_map[line.lsn], user_id))
     written.update(await _write_unlogged(parts, parsed, user_id, lsn_map, have))
     # Caches that read the user before the import: they read again.
     parts.facts.forget(user_id)

@@ -124,3 +124,5 @@ class Forgetting:
         self._scrubber.ask()
         parts.facts.forget(user_id)
         parts.entities.forget(user_id)
+        if parts.notes_md is not None:
+            await parts.notes_md.remove_user(user_id)

@@ -164,6 +164,8 @@ class Memory:
         if refused == "missing":
             raise InvalidInput("note_id", f"expected the id of a note of user {user_id!r}, "
                                           f"found none with id {note_id!r}")
+        if parts.notes_md is not None:
+            await parts.notes_md.write(stored)
         return stored
 
     async def get_note(self, user_id: Any, note_id: Any) -> Note | None:
@@ -194,6 +196,8 @@ class Memory:
         await store.wait_committed(lsn)
         if deleted[0]:
             self._scrubber.ask()
+            if parts.notes_md is not None:
+                await parts.notes_md.remove(user_id, note_id)
         return bool(deleted[0])
 
     # -- rolling session summaries -----------------------------------------------------------

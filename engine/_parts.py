@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from actors.ann_index import AnnIndex
@@ -21,6 +22,7 @@ from actors.session_buffer import SessionBuffer
 from actors.store import LogFollower, Store
 
 from actors.base import validate as v
+from ._notes_md import NotesMirror
 from actors.base.config import Config
 from actors.base.errors import EngineClosed
 
@@ -37,6 +39,7 @@ class Parts:
             actors (see DESIGN.md's map); each owns its state, the concerns only send to them.
         followers: the long-term layer's log followers, when it runs.
         imported: log positions of imported records, which the followers do not derive from.
+        notes_md: the notes' Markdown mirror (``Config.notes_markdown_dir``), if any.
         config / clock: the engine's settings and clock.
         read_only: opened with ``read_only=True``: every write is refused.
         open_lsn: what the store held at open (a leg whose index lacks it is degraded).
@@ -59,6 +62,9 @@ class Parts:
         self.entities = entities
         self.followers: list[LogFollower] = []
         self.imported = imported if imported is not None else Imported()
+        self.notes_md = (NotesMirror(Path(config.notes_markdown_dir))
+                         if config.notes_markdown_dir is not None and not store.read_only
+                         else None)
         self.config = config
         self.clock = clock
         self.read_only = store.read_only

@@ -91,6 +91,8 @@ async def running(root: Path, config: Config, clock: Clock, embedding: Embedder,
                 parts = Parts(store, buffer, embedding, ann, fulltext, facts, compressor,
                               entities, config, clock, imported)
                 run = Running(parts, Scrubber(store, fulltext, ann), nursery)
+                if parts.notes_md is not None:  # a crash may have left stale files behind
+                    await parts.notes_md.sync(store)
                 if not read_only:  # a reader writes nothing; the owner scrubs
                     await run.start_background(run.scrubber.run)
                 if config.long_term:

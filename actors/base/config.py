@@ -50,6 +50,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             makes an episode of its remaining turns.
         maintenance_seconds: how often maintenance runs (decay and pruning of facts,
             consolidation of finished sessions, weekly reflections), on the engine's trio clock.
+        notes_markdown_dir: a directory where every note is mirrored as a Markdown file with
+            front matter (seed 000): ``<dir>/<user>/<note>.md``, written atomically when the
+            note is stored or updated, removed when it is deleted or its user forgotten, and
+            made to match the store when the engine opens. None (the default): no files.
         integrity_key: a secret (16 characters or more) under which the store's hash-chain head
             and its snapshots' manifests carry an HMAC-SHA256, so that an edit by someone
             without the key is detected (None: the chain still catches edits that do not
@@ -76,6 +80,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     session_idle_seconds: Annotated[float, msgspec.Meta(gt=0)] = 1800.0
     maintenance_seconds: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
     integrity_key: Annotated[str, msgspec.Meta(min_length=16)] | None = None
+    notes_markdown_dir: Annotated[str, msgspec.Meta(min_length=1)] | None = None
 
     def __repr__(self) -> str:
         # The integrity key is a secret: a Config in a log line or a traceback must not show it.

@@ -1,0 +1,126 @@
+"""Notes mirrored as Markdown files (seed 000): ``Config(notes_markdown_dir=...)``.
+
+One file per note, ``DIR/<user>/<note>.md``, with YAML front matter (id, user, tags, times)
+and the note's text as the body: written when a note is stored, rewritten when it is updated,
+removed when it is deleted or its user forgotten. The store stays the source of truth: the
+files are a view for people and tools that read Markdown (an editor, a static site, grep).
+
+Every write goes to a temporary file in the same directory, is fsynced and renamed over the
+note's file, so a reader never sees half a note. Ids become file names by percent-encoding
+every byte that is not an ASCII letter, digit, ``-`` or ``_`` (so ``.``, ``/`` and ``..`` can
+never leave the directory or hide a file), cut to a length every filesystem takes, with a hash
+of the whole id when cut. A crash between the store's commit and the file's rename leaves a
+stale or missing file: ``sync``, run when the engine opens, makes the directory match the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+
+from actors.base.records import Note
+
+__all__ = ["NotesMirror", "safe_name"]
+
+MAX_NAME = 180  # bytes of a file name before ".md": ext4 and most others allow 255
+_SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+_decode_note = msgspec.msgpack.Decoder(Note).decode
+
+
+def safe_name(identifier: str) -> str:
+    """A file name for an id: percent-encoded, never ``.``-led, at most ``MAX_NAME`` bytes."""
+    name = "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in identifier.encode())
+    if len(name) > MAX_NAME:
+        digest = hashlib.sha256(identifier.encode()).hexdigest()[:16]
+        name = f"{name[:MAX_NAME - 17]}~{digest}"
+    return name
+
+
+def render(note: Note) -> str:
+    """The note as Markdown with front matter (JSON strings are valid YAML scalars)."""
+    head = [
+        "---",
+        f"id: {json.dumps(note.note_id, ensure_ascii=False)}",
+        f"user: {json.dumps(note.user_id, ensure_ascii=False)}",
+        f"tags: {json.dumps(list(note.tags), ensure_ascii=False)}",
+        f"created_at: {note.created_at.isoformat()}",
+        f"updated_at: {note.updated_at.isoformat()}",
+        "---",
+        "",
+    ]
+    return "\n".join(head) + "\n" + note.text.rstrip("\n") + "\n"
+
+
+class NotesMirror:
+    """Writes and removes the Markdown files; every file operation runs in a worker thread."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def path(self, user_id: str, note_id: str) -> Path:
+        return self.root / safe_name(user_id) / f"{safe_name(note_id)}.md"
+
+    async def write(self, note: Note) -> None:
+        await trio.to_thread.run_sync(self._write, note)
+
+    async def remove(self, user_id: str, note_id: str) -> None:
+        await trio.to_thread.run_sync(self._remove, user_id, note_id)
+
+    async def remove_user(self, user_id: str) -> None:
+        await trio.to_thread.run_sync(
+            lambda: shutil.rmtree(self.root / safe_name(user_id), ignore_errors=True))
+
+    async def sync(self, store: Any) -> int:
+        """Make the directory match the store's notes; returns the files written or removed."""
+        notes = await store.read(_read_all_notes)
+        return await trio.to_thread.run_sync(self._sync, notes)
+
+    def _write(self, note: Note) -> None:
+        path = self.path(note.user_id, note.note_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                out.write(render(note))
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def _remove(self, user_id: str, note_id: str) -> None:
+        self.path(user_id, note_id).unlink(missing_ok=True)
+
+    def _sync(self, notes: Iterable[Note]) -> int:
+        changed = 0
+        wanted: set[Path] = set()
+        for note in notes:
+            path = self.path(note.user_id, note.note_id)
+            wanted.add(path)
+            try:
+                current = path.read_text(encoding="utf-8")
+            except FileNotFoundError:
+                current = None
+            if current != render(note):
+                self._write(note)
+                changed += 1
+        if self.root.is_dir():
+            for path in self.root.glob("*/*.md"):
+                if path not in wanted:
+                    path.unlink(missing_ok=True)
+                    changed += 1
+        return changed
+
+
+def _read_all_notes(txn: Any, dbs: dict[bytes, Any]) -> list[Note]:
+    return [_decode_note(value) for _, value in txn.cursor(dbs[b"notes"])]

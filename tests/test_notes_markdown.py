@@ -1,0 +1,113 @@
+"""Notes mirrored as Markdown files (seed 000) with Config(notes_markdown_dir=...)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import InvalidInput
+
+from .conftest import open_engine
+
+
+def _files(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): p.read_text(encoding="utf-8")
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+async def test_each_note_is_one_markdown_file_kept_in_step_with_the_store(store_path, clock,
+                                                                          tmp_path) -> None:
+    """Stored: a file with front matter; updated: rewritten; deleted: removed; the user
+    forgotten: their directory goes. No temporary file is ever left behind."""
+    root = tmp_path / "notes"
+    async with open_engine(store_path, clock=clock,
+                           config={"notes_markdown_dir": str(root)}) as mem:
+        note = await mem.store_note("maya", "Planning a trip to Madeira.\nIn May.",
+                                    note_id="trip", tags=["travel", "café"])
+        assert _files(root) == {"maya/trip.md": (
+            '---\nid: "trip"\nuser: "maya"\ntags: ["travel", "café"]\n'
+            f"created_at: {note.created_at.isoformat()}\n"
+            f"updated_at: {note.updated_at.isoformat()}\n---\n\n"
+            "Planning a trip to Madeira.\nIn May.\n")}
+        updated = await mem.update_note("maya", "trip", "Booked Madeira for May.")
+        text = (root / "maya" / "trip.md").read_text(encoding="utf-8")
+        assert text.endswith("---\n\nBooked Madeira for May.\n") and "tags: []" in text
+        assert f"created_at: {note.created_at.isoformat()}" in text
+        assert f"updated_at: {updated.updated_at.isoformat()}" in text
+        await mem.store_note("maya", "Second note", note_id="other")
+        assert await mem.delete_note("maya", "trip")
+        assert list(_files(root)) == ["maya/other.md"]
+        await mem.store_note("ana", "Ana's note", note_id="n1")
+        await mem.forget_user("maya")
+        assert list(_files(root)) == ["ana/n1.md"]
+        assert not (root / "maya").exists()
+
+
+async def test_ids_cannot_escape_or_hide_and_long_ids_fit(store_path, clock, tmp_path) -> None:
+    """Every id becomes one safe file name inside the user's directory: no path separators,
+    no dot files, no '..', letters outside ASCII encoded, long ids cut with a hash."""
+    root = tmp_path / "notes"
+    ids = ["../../escape", "a/b\\c", ".hidden", "..", "ünïcode note", "x" * 250, "x" * 249 + "y",
+           "é" * 125]
+    async with open_engine(store_path, clock=clock,
+                           config={"notes_markdown_dir": str(root)}) as mem:
+        for note_id in ids:
+            await mem.store_note("../maya", f"note {note_id}", note_id=note_id)
+    files = list((root).rglob("*"))
+    names = sorted(p.name for p in files if p.is_file())
+    assert len(names) == len(ids)  # nothing overwrote anything
+    assert all(p.resolve().is_relative_to(root.resolve()) for p in files)
+    assert [p.name for p in root.iterdir()] == ["%2E%2E%2Fmaya"]
+    assert "%2E%2E%2F%2E%2E%2Fescape.md" in names and "%2E%2E.md" in names
+    assert "%C3%BCn%C3%AFcode%20note.md" in names
+    assert all(not n.startswith(".") and len(n.encode()) <= 255 for n in names)
+
+
+async def test_opening_makes_the_directory_match_the_store(store_path, clock, tmp_path) -> None:
+    """A file lost (a crash between commit and rename) is written again at open, a stale one
+    rewritten, and one whose note is gone removed."""
+    root = tmp_path / "notes"
+    config = {"notes_markdown_dir": str(root)}
+    async with open_engine(store_path, clock=clock) as mem:  # no mirror yet
+        await mem.store_note("maya", "Kept before the mirror existed", note_id="old")
+    async with open_engine(store_path, clock=clock, config=config) as mem:
+        assert list(_files(root)) == ["maya/old.md"]
+        await mem.store_note("maya", "Second", note_id="two")
+    (root / "maya" / "old.md").unlink()
+    (root / "maya" / "two.md").write_text("edited by hand")
+    (root / "maya" / "gone.md").write_text("no such note")
+    async with open_engine(store_path, clock=clock, config=config) as mem:
+        files = _files(root)
+        assert sorted(files) == ["maya/old.md", "maya/two.md"]
+        assert files["maya/two.md"].endswith("\nSecond\n")
+        await mem.store_note("maya", "Imported later", note_id="three")
+        assert (root / "maya" / "three.md").exists()
+
+
+async def test_a_read_only_engine_writes_no_files_and_the_option_is_checked(
+        store_path, clock, tmp_path) -> None:
+    """A reader never writes the mirror; an empty directory name is refused."""
+    root = tmp_path / "notes"
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.store_note("maya", "a note", note_id="n")
+    async with open_engine(store_path, read_only=True,
+                           config={"notes_markdown_dir": str(root)}):
+        pass
+    assert not root.exists()
+    with pytest.raises(InvalidInput, match="notes_markdown_dir"):
+        async with open_engine(store_path, config={"notes_markdown_dir": ""}):
+            pass
+
+
+async def test_imported_notes_are_mirrored_too(clock, tmp_path) -> None:
+    """A note that arrives by import_user gets its file like one stored directly."""
+    async with open_engine(tmp_path / "a", clock=clock) as mem:
+        await mem.store_note("maya", "From the other store", note_id="n1", tags=["moved"])
+        await mem.export_user("maya", tmp_path / "maya.jsonl")
+    root = tmp_path / "notes"
+    async with open_engine(tmp_path / "b", clock=clock,
+                           config={"notes_markdown_dir": str(root)}) as mem:
+        await mem.import_user(tmp_path / "maya.jsonl")
+        text = (root / "maya" / "n1.md").read_text(encoding="utf-8")
+    assert 'tags: ["moved"]' in text and text.endswith("\nFrom the other store\n")
