@@ -98,11 +98,25 @@ class Briefing:
                 break
             if fact.fact_id not in seen and fact.importance >= STANDING_IMPORTANCE:
                 chosen.append((fact, 0.0))
+        chosen = chosen[:limit]
+        # Conversations, not sources: a fact restated three times in one session came from
+        # one conversation. One read finds the sessions of every shown fact's sources.
+        sources = sorted({s for f, _ in chosen for s in (f.source_episode_ids
+                                                          or f.source_turn_ids)})
+        found = (await self.retriever.store.read(read_memories_by_id, user_id, sources)
+                 if sources else {})
+
+        def conversations(f: Fact) -> int:
+            sessions = {found[s].session_id for s in (f.source_episode_ids or f.source_turn_ids)
+                        if s in found}
+            return len(sessions or ({f.session_id} - {""}))
+
         return [SemanticItem(id=f.fact_id, conversation_id=f.session_id or None,
                              category=f.category, fact=f.text, keywords=list(f.keywords),
                              source_episodic_ids=list(f.source_episode_ids or f.source_turn_ids),
-                             valid_at=f.valid_at, invalid_at=f.invalid_at, score=score)
-                for f, score in chosen[:limit]]
+                             valid_at=f.valid_at, invalid_at=f.invalid_at, score=score,
+                             conversations=conversations(f))
+                for f, score in chosen]
 
     async def _episodic(self, user_id: str, query: str, limit: int) -> list[EpisodicItem]:
         found = await self.retriever.recall(user_id, query, limit=limit * EPISODIC_POOL,
@@ -210,9 +224,9 @@ def render_markdown(result: RetrieveResult, now: datetime, detail: Detail,
     if result.semantic:
         lines.append("## Semantic Memory")
         for fact in result.semantic:
-            sources = len(fact.source_episodic_ids)
+            n = fact.conversations
             lines.append(f"- [{fact.category}] {fact.fact} "
-                         f"(sources: {sources} conversation{'s' if sources != 1 else ''})")
+                         f"(sources: {n} conversation{'s' if n != 1 else ''})")
     if episodic:
         if lines:
             lines.append("")

@@ -111,6 +111,7 @@ class SemanticItem(msgspec.Struct, frozen=True, kw_only=True):
     valid_at: datetime | None
     invalid_at: datetime | None
     score: float
+    conversations: int = 0  # sessions its sources were said in ("sources: N conversations")
 
 
 class EpisodicItem(msgspec.Struct, frozen=True, kw_only=True):
