@@ -41,8 +41,9 @@ from actors.extraction import Extractor, RuleExtractor
 from actors.session_buffer import Receipt
 
 from . import _stats
-from ._args import check_texts
+from ._args import check_count, check_texts
 from ._briefing import Briefing
+from ._context import context_for_prompt
 from ._export import export_user, import_user
 from actors.base.config import Config
 from ._forget import Forgetting
@@ -408,6 +409,35 @@ class Engine:
         prompt; records no pending review."""
         return await self._recall.context_pre_retrieve(user_id, query, conversation_id,
                                                         semantic_limit, category, min_importance)
+
+    async def context_for_prompt(self, user_id: str, session_id: str, *,
+                                 budget_tokens: int = 400, query: str | None = None) -> str:
+        """What a bot should know as a session starts (seed 004's context injection, seed
+        002's prompt shape): Markdown with "What I know about you" (active facts, most
+        important first), the latest weekly reflection, and episodes of the user's *other*
+        sessions (the relevant ones first, then the most recent), never this session's own.
+
+        Args:
+            session_id: the session the prompt is for (it may have no turns yet).
+            budget_tokens: the most the text may cost (~4 characters a token); what does not
+                fit is left out, line by line, in the order above.
+            query: what relevance is measured against (default: the session's latest turns;
+                with none, the most recent episodes are shown).
+
+        Returns:
+            The Markdown; empty when nothing is known about the user.
+
+        Raises:
+            InvalidInput: a bad id, budget or query.
+        """
+        parts = self._parts
+        parts.check_open()
+        parts.check_ids(user_id, session_id)
+        check_count("budget_tokens", budget_tokens, 1, 1_000_000)
+        if query is not None:
+            parts.check_text("query", query)
+        return await context_for_prompt(parts, self._retriever, user_id, session_id,
+                                        budget_tokens, query)
 
     # -- links -------------------------------------------------------------------------------
 

@@ -3,6 +3,10 @@ for a new session (seed 004's injection, in seed 002's shape)."""
 
 from __future__ import annotations
 
+import pytest
+
+from engine import InvalidInput
+
 from .conftest import open_engine
 
 
@@ -21,3 +25,63 @@ async def test_sources_count_conversations_not_turns(store_path, clock) -> None:
     assert len(jazz.source_episodic_ids) == 4 and jazz.conversations == 2
     assert "- [preference] Likes jazz (sources: 2 conversations)" in text
     assert "- [constraint] Allergic to peanuts (sources: 1 conversation)" in text
+
+
+async def _history(mem) -> None:
+    for text in ("I'm moving to Lisbon in January.", "The flat in Alfama has a view.",
+                 "Movers come on the 3rd."):
+        await mem.add_turn("maya", "s1", "user", text)
+    for text in ("My dog Pixel hates the vet.", "Pixel needs his vaccine in March.",
+                 "The vet is near the park."):
+        await mem.add_turn("maya", "s2", "user", text)
+    await mem.add_turn("maya", "s3", "user", "Pixel was sick today, the vet again.")
+    await mem.add_turn("maya", "s3", "user", "He is better now, the vet gave him pills.")
+    await mem.flush()
+    for session in ("s1", "s2", "s3"):
+        assert await mem.close_session("maya", session)
+    await mem.store_note("maya", "This week: moving plans and Pixel's health.",
+                         note_id="reflection-2026-W09", tags=["reflection", "weekly"])
+    await mem.flush()
+
+
+async def test_a_new_session_gets_facts_the_reflection_and_other_sessions(store_path,
+                                                                         clock) -> None:
+    """Seed 004's injection: standing facts, the latest reflection, and episodes of other
+    sessions, the relevant one first; never an episode of the session itself."""
+    async with open_engine(store_path, clock=clock) as mem:
+        await _history(mem)
+        episodes = {e.session_id: e for e in await mem.episodes("maya")}
+        text = await mem.context_for_prompt("maya", "s3", budget_tokens=400)
+        assert text.startswith("## What I know about you\n- ")
+        assert "- Has a dog called Pixel" in text and "- Lives in Lisbon" in text
+        assert "## Latest reflection\nThis week: moving plans and Pixel's health." in text
+        section = text.split("## From earlier conversations\n")[1]
+        assert episodes["s2"].title in section.splitlines()[0]  # about the vet: most relevant
+        assert episodes["s1"].title in section
+        assert episodes["s3"].title not in section  # this session's own: the prompt has it
+        # A session with no turns yet: the most recent episodes of the others.
+        fresh = await mem.context_for_prompt("maya", "s4")
+        assert episodes["s3"].title in fresh.split("## From earlier conversations\n")[1]
+        # An explicit query decides relevance instead.
+        moving = await mem.context_for_prompt("maya", "s3", query="moving flat Alfama")
+        assert episodes["s1"].title in moving.split("## From earlier conversations\n")[1
+                                                                                 ].splitlines()[0]
+
+
+async def test_the_context_fits_its_budget_in_order_of_priority(store_path, clock) -> None:
+    """A small budget keeps the facts and drops what does not fit, line by line; nothing
+    known is an empty string; arguments are checked."""
+    async with open_engine(store_path, clock=clock) as mem:
+        assert await mem.context_for_prompt("maya", "s1") == ""
+        await _history(mem)
+        full = await mem.context_for_prompt("maya", "s3", budget_tokens=10_000)
+        for budget in (12, 30, 60, 120):
+            text = await mem.context_for_prompt("maya", "s3", budget_tokens=budget)
+            assert (len(text) + 3) // 4 <= budget + 1  # the final newline is not counted
+            assert all(line in full.splitlines() for line in text.splitlines())
+        small = await mem.context_for_prompt("maya", "s3", budget_tokens=30)
+        assert small.startswith("## What I know about you") and "earlier" not in small
+        for kwargs, message in (({"budget_tokens": 0}, "budget_tokens: expected an integer"),
+                                ({"query": " "}, "query: expected a non-empty string")):
+            with pytest.raises(InvalidInput, match=message):
+                await mem.context_for_prompt("maya", "s3", **kwargs)
