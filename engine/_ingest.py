@@ -96,22 +96,22 @@ class Ingest:
     async def session_history(self, user_id: Any, session_id: Any, limit: Any) -> list[Turn]:
         parts = self._parts
         parts.check_open()
-        parts.check_ids(user_id, session_id)
+        parts.check_lookup_ids(user_id, session_id)
         check_count("limit", limit, 1, 1_000_000)
         return await parts.buffer.history(user_id, session_id, limit)
 
     async def list_sessions(self, user_id: Any) -> list[SessionInfo]:
         parts = self._parts
         parts.check_open()
-        parts.check_ids(user_id)
+        parts.check_lookup_ids(user_id)
         await trio.lowlevel.checkpoint()
         return parts.buffer.sessions(user_id)
 
     async def get_turn(self, user_id: Any, turn_id: Any) -> Turn | None:
         parts = self._parts
         parts.check_open()
-        parts.check_ids(user_id)
-        parts.check_id("turn_id", turn_id)
+        parts.check_lookup_ids(user_id)
+        parts.check_lookup_id("turn_id", turn_id)
         await parts.committed()
         found = (await parts.store.read(read_memories_by_id, user_id, [turn_id])).get(turn_id)
         return found if type(found) is Turn else None

@@ -51,6 +51,6 @@ class Links:
     async def links(self, user_id: Any, memory_id: Any) -> list[Link]:
         parts = self._parts
         parts.check_open()
-        parts.check_ids(user_id)
-        parts.check_id("memory_id", memory_id)
+        parts.check_lookup_ids(user_id)
+        parts.check_lookup_id("memory_id", memory_id)
         return (await parts.store.read(read_links, user_id, [memory_id]))[memory_id]

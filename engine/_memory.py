@@ -98,7 +98,7 @@ class Memory:
     async def profile(self, user_id: Any, category: Any, min_importance: Any) -> list[Fact]:
         parts = self._parts
         parts.check_open()
-        parts.check_ids(user_id)
+        parts.check_lookup_ids(user_id)
         if category is not None:
             parts.check_id("category", category)
         check_fraction("min_importance", min_importance)
@@ -171,8 +171,8 @@ class Memory:
     async def get_note(self, user_id: Any, note_id: Any) -> Note | None:
         parts = self._parts
         parts.check_open()
-        parts.check_ids(user_id)
-        parts.check_id("note_id", note_id)
+        parts.check_lookup_ids(user_id)
+        parts.check_lookup_id("note_id", note_id)
         await parts.committed()
         found = (await parts.store.read(read_memories_by_id, user_id, [note_id])).get(note_id)
         return found if type(found) is Note else None
@@ -180,8 +180,8 @@ class Memory:
     async def delete_note(self, user_id: Any, note_id: Any) -> bool:
         parts = self._parts
         parts.check_open()
-        parts.check_ids(user_id)
-        parts.check_id("note_id", note_id)
+        parts.check_lookup_ids(user_id)
+        parts.check_lookup_id("note_id", note_id)
         store = parts.store
         await store.reserve(1)
         parts.check_open()
@@ -205,7 +205,7 @@ class Memory:
     async def session_summary(self, user_id: Any, session_id: Any) -> SummaryState | None:
         parts = self._parts
         parts.check_open()
-        parts.check_ids(user_id, session_id)
+        parts.check_lookup_ids(user_id, session_id)
         await parts.committed()
         return await parts.store.read(read_summary, user_id, session_id)
 
@@ -239,7 +239,7 @@ class Memory:
     async def episodes(self, user_id: Any, session_id: Any) -> list[Episode]:
         parts = self._parts
         parts.check_open()
-        parts.check_ids(user_id, session_id)
+        parts.check_lookup_ids(user_id, session_id)
         await parts.committed()
         return await parts.store.read(read_episodes, user_id, session_id)
 
@@ -277,7 +277,7 @@ class Memory:
     async def entity_info(self, user_id: Any, name: Any, limit: Any) -> EntityInfo | None:
         parts = self._parts
         parts.check_open()
-        parts.check_ids(user_id)
+        parts.check_lookup_ids(user_id)
         parts.check_text("name", name)
         check_count("limit", limit, 1, 1000)
         key = name.strip().lower()

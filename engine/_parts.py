@@ -87,6 +87,16 @@ class Parts:
     def check_id(self, field: str, value: Any) -> str:
         return v.check_id(field, value, self.config.max_id_chars)
 
+    def check_lookup_ids(self, user_id: Any, session_id: Any = None) -> None:
+        """:meth:`check_ids` for a call that only reads or forgets: ids of the length stores
+        written before the byte limit may hold are accepted (never on a write)."""
+        v.check_id("user_id", user_id, self.config.max_id_chars, lookup=True)
+        if session_id is not None:
+            v.check_id("session_id", session_id, self.config.max_id_chars, lookup=True)
+
+    def check_lookup_id(self, field: str, value: Any) -> str:
+        return v.check_id(field, value, self.config.max_id_chars, lookup=True)
+
     def check_text(self, field: str, value: Any) -> str:
         return v.check_text(field, value, self.config.max_text_chars)
 

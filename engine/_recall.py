@@ -46,7 +46,7 @@ class Recall:
                      budget_tokens: Any) -> Hits:
         parts = self._parts
         parts.check_open()
-        parts.check_ids(user_id)
+        parts.check_lookup_ids(user_id)
         parts.check_text("query", query)
         if focus is not None and (type(focus) is not int or focus not in FOCUS_LEVELS):
             raise InvalidInput("focus", f"expected an integer from 0 to 5, found {focus!r}")
@@ -61,7 +61,7 @@ class Recall:
         if until is not None:
             v.check_at(until, "until")
         if session_id is not None:
-            parts.check_id("session_id", session_id)
+            parts.check_lookup_id("session_id", session_id)
         if budget_tokens is not None:
             check_count("budget_tokens", budget_tokens, 1, 1_000_000)
         degraded = parts.degraded()  # before the search: a leg that completes meanwhile

@@ -101,7 +101,7 @@ async def failures(parts: Parts, user_id: Any) -> list[Failure]:
     """See ``Engine.failures``."""
     parts.check_open()
     if user_id is not None:
-        parts.check_ids(user_id)
+        parts.check_lookup_ids(user_id)
     await parts.store.wait_written()
     return await parts.store.read(read_failures, user_id)
 
@@ -109,7 +109,7 @@ async def failures(parts: Parts, user_id: Any) -> list[Failure]:
 async def memory_stats(parts: Parts, user_id: Any) -> dict[str, Any]:
     """See ``Engine.memory_stats``."""
     parts.check_open()
-    parts.check_ids(user_id)
+    parts.check_lookup_ids(user_id)
     await parts.committed()
     counts = await parts.store.read(read_user_counts, user_id)
     return msgspec.to_builtins(counts)

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["MAX_KEY_BYTES", "MAX_ID_BYTES", "fit", "is_fitted"]
+__all__ = ["MAX_KEY_BYTES", "MAX_ID_BYTES", "LEGACY_ID_BYTES", "fit", "is_fitted"]
 
 MAX_KEY_BYTES = 511  # LMDB's MDB_MAXKEYSIZE in the lmdb wheel
 MAX_ID_BYTES = (MAX_KEY_BYTES - 11) // 2  # user NUL session NUL seq(8) fits: 250
+# Stores written before MAX_ID_BYTES held ids up to Config.max_id_chars's default (256 ASCII
+# characters) where their keys fit: the calls that only read or forget accept them.
+LEGACY_ID_BYTES = 256
 _DIGEST = 16  # bytes of blake2b: collisions are out of reach (2^64 work for a birthday)
 _MARK = b"\xff"  # never in UTF-8: tells a shortened part from one kept whole
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from .keys import MAX_ID_BYTES
+from .keys import LEGACY_ID_BYTES, MAX_ID_BYTES
 
 from .records import ROLES
 from .errors import InvalidInput
@@ -62,16 +62,25 @@ def _check_utf8(field: str, value: str) -> None:
         ) from None
 
 
-def check_id(field: str, value: Any, max_chars: int, what: str = "id") -> str:
+def check_id(field: str, value: Any, max_chars: int, what: str = "id",
+             lookup: bool = False) -> str:
     """An id: at most ``max_chars`` characters and MAX_ID_BYTES bytes of UTF-8, no NUL (the
-    key separator): two ids and a sequence number must fit in one LMDB key."""
+    key separator): two ids and a sequence number must fit in one LMDB key.
+
+    Args:
+        lookup: the call only reads or forgets what is stored: ids up to LEGACY_ID_BYTES,
+            which stores written before the byte limit may hold, are accepted too.
+    """
     _check_string(field, value, max_chars,
                   f"use a shorter {what} (a hash of a long one works) or raise "
                   "Config.max_id_chars")
     size = len(value) if value.isascii() else len(value.encode())
-    if size > MAX_ID_BYTES:
+    if size > MAX_ID_BYTES and not (lookup and size <= LEGACY_ID_BYTES):
+        fix = (f"ids of up to {LEGACY_ID_BYTES} bytes, which stores written before this limit "
+               "may hold, can still be read and forgotten" if lookup
+               else f"use a shorter {what} (a hash of a long one works)")
         raise InvalidInput(field, f"expected at most {MAX_ID_BYTES} bytes in UTF-8, found "
-                                  f"{size}; use a shorter {what} (a hash of a long one works)")
+                                  f"{size}; {fix}")
     if "\x00" in value:
         raise InvalidInput(field, f"expected no NUL character, found one in {value!r}")
     return value
