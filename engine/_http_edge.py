@@ -123,6 +123,8 @@ class Metrics:
             ("store_bytes", "size of the LMDB data file"),
             ("committed_lsn", "log position on disk"),
             ("embedding_lag", "committed records not yet embedded"),
+            ("vector_lag_seconds", "seconds since the oldest committed record not yet embedded "
+                                   "was committed (0: every one has its vector)"),
             ("fulltext_lag", "committed records not yet in the text index"),
         )}
 

@@ -300,6 +300,21 @@ def test_an_api_keys_file_is_checked_line_by_line(tmp_path) -> None:
         load_api_keys(bad)
 
 
+async def test_metrics_show_how_far_vectors_lag_in_seconds(store_path, mock_clock) -> None:
+    """With nothing embedding, /metrics shows the records behind and how long ago the oldest of
+    them was committed, on the engine's trio clock."""
+    mock_clock.autojump_threshold = 0.05  # jump only when idle: waits on threads stay real
+    async with open_engine(store_path, config={"background_embedding": False}) as mem:
+        async with client(create_app(mem)) as http:
+            await mem.add_turn("ana", "s1", "user", "not embedded yet", durable=True)
+            await trio.sleep(30)
+            text = (await http.get("/metrics")).text
+    lag = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+           if line.startswith(("engram_embedding_lag ", "engram_vector_lag_seconds "))}
+    assert lag["engram_embedding_lag"] == 1.0
+    assert 30 <= lag["engram_vector_lag_seconds"] < 60
+
+
 async def test_probes_metrics_and_openapi(engine) -> None:
     """readyz is 503 while an index lags and 200 once caught up; metrics count requests by
     route template (no user ids in labels); the OpenAPI document lists the issue's routes."""
@@ -315,6 +330,7 @@ async def test_probes_metrics_and_openapi(engine) -> None:
                 'route="/v1/users/{user_id}/sessions/{session_id}/turns",status="202"} 1.0'
                 in text)
         assert "engram_http_request_seconds_bucket" in text and "engram_turns 1.0" in text
+        assert "engram_vector_lag_seconds 0.0" in text
         assert "ana" not in text
         spec = (await http.get("/openapi.json")).json()
         for path in ("/v1/users/{user_id}/sessions/{session_id}/turns",
