@@ -441,9 +441,23 @@ def http(r: dict[str, Any]) -> Figure:
     return fig
 
 
+def durable(r: dict[str, Any]) -> Figure:
+    a = r["args"]
+    fig, (steady, burst) = _panels(2, "Durable add_turn against bare LMDB commits + fsync "
+                                      "measured just before it")
+    _cdf(steady, r["steady"], f"add_turn durable, {a['writers']} writers", "us")
+    _cdf(steady, r["steady_floor"], "bare LMDB commit + fsync (floor)", "us", **BASELINE)
+    steady.set_title(f"steady, {a['rate']:g} turns/s in all: p99 {r['steady']['ratio_p99']:.2f}x")
+    _cdf(burst, r["burst"], f"{a['burst_writers']} durable right after {a['burst_turns']:,} "
+                            "buffered", "us")
+    _cdf(burst, r["burst_floor"], "bare LMDB commit + fsync (floor)", "us", **BASELINE)
+    burst.set_title(f"after bursts ({a['bursts']}): p99 {r['burst']['ratio_p99']:.2f}x")
+    return fig
+
+
 DRAWERS: dict[str, Callable[[dict[str, Any]], Figure]] = {
     "ingest": ingest, "recall-quality": recall_quality, "recall-latency": recall_latency,
     "embed": embed, "embed-throughput": embed_throughput, "embed-quality": embed_quality,
     "snapshot": snapshot, "crash": crash, "forget": forget, "rebuild": rebuild,
-    "bridges": bridges, "http": http,
+    "bridges": bridges, "http": http, "durable": durable,
 }

@@ -95,6 +95,12 @@ def fixtures() -> dict[str, dict]:
                                  "recall": dist(rng, 12, "ms")},
                  "in_process": {"ingest": dist(rng, 0.03, "ms"), "recall": dist(rng, 1, "ms")},
                  "engram_over_trivial_req_per_s": 0.27, "args": {"clients": 16, "seconds": 5}},
+        "durable": {"args": {"rate": 500, "writers": 8, "bursts": 5, "burst_turns": 3000,
+                             "burst_writers": 25},
+                    "steady_floor": dist(rng, 400, "us"),
+                    "steady": {**dist(rng, 900, "us"), "ratio_p99": 2.2},
+                    "burst_floor": dist(rng, 400, "us"),
+                    "burst": {**dist(rng, 9000, "us"), "ratio_p99": 20.0}},
     }
 
 

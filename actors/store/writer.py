@@ -366,6 +366,12 @@ class Writer:
                 heapq.heappop(waiters)[2].set()
             if self._commits:
                 self._commits.unpark_all()
+            # The callers just released run before the next batch is planned on this thread
+            # (up to BATCH_MAX ops of Python): no receipt waits on work that came after it.
+            # Twice: trio runs the tasks of one scheduling batch in random order, so the first
+            # resumption may come before theirs; by the second, each of them has run.
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            await trio.lowlevel.cancel_shielded_checkpoint()
 
     def _refuse(self, op: StoreOp, error: BaseException) -> None:
         """Tell the op's caller (trio thread): its waiter raises RecordRefused, nobody else."""

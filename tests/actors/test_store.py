@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import threading
 from array import array
+from datetime import datetime, timezone
 
 import lmdb
+import msgspec
 import pytest
 import trio
 
 import actors.store as store_mod
 from actors.store.integrity import unseal
 from engine import EngineBroken, HashEmbedder, StoreIncompatible
-from actors.base.records import SCHEMA_VERSION
+from actors.base.config import Config
+from actors.base.messages import AppendTurn
+from actors.base.records import SCHEMA_VERSION, Turn
 
 from ..conftest import downgrade_to_schema_4, open_engine, raw_databases
 
@@ -174,3 +178,52 @@ async def test_forget_logs_a_tombstone_with_the_deleted_sequence_numbers(store_p
     lsns.byteswap()
     assert sorted(lsns) == [r.lsn for r in gone]
     assert sorted(int.from_bytes(k, "big") for k in log) == [kept.lsn, kept.lsn + 4]
+
+
+def _append(store: store_mod.Store, session: str, seq: int) -> AppendTurn:
+    """An AppendTurn for the store's next lsn, built as the session buffer builds one."""
+    at = datetime(2026, 3, 1, tzinfo=timezone.utc)
+    turn = Turn(store.next_lsn, f"t{store.next_lsn}", "ana", session, seq, "user", "hi", at)
+    key = store_mod.session_prefix("ana", session) + seq.to_bytes(8, "big")
+    return AppendTurn(turn, key, msgspec.msgpack.encode(turn), at,
+                      store_mod.user_prefix("ana") + turn.turn_id.encode())
+
+
+async def test_a_released_receipt_runs_before_the_next_batch_is_planned(store_path,
+                                                                      monkeypatch) -> None:
+    """A caller whose commit landed is woken before the writer plans the batch queued behind
+    it (planning is Python on the trio thread: up to BATCH_MAX ops), so its receipt never
+    waits on work that came after it."""
+    events: list[str] = []
+    original_plan = store_mod.writer._plan
+    gate = threading.Event()  # set once the second batch is queued: the first commit may end
+    original_write = store_mod.Store._write
+
+    def recording_plan(ops):
+        events.append(f"plan {ops[0].lsn}..{ops[-1].lsn}")
+        return original_plan(ops)
+
+    def gated_write(self, segments, last_lsn):
+        gate.wait(10)
+        return original_write(self, segments, last_lsn)
+
+    monkeypatch.setattr(store_mod.writer, "_plan", recording_plan)
+    monkeypatch.setattr(store_mod.Store, "_write", gated_write)
+
+    async def durable_caller(lsn: int) -> None:
+        await store.wait_committed(lsn)
+        events.append(f"receipt {lsn}")
+
+    store = store_mod.Store(store_path, Config())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        first = _append(store, "s1", 0)
+        store.submit(first)
+        nursery.start_soon(durable_caller, first.lsn)
+        await trio.testing.wait_all_tasks_blocked()  # the writer holds batch 1 in its thread
+        for seq in range(1, 4):
+            store.submit(_append(store, "s1", seq))
+        gate.set()
+        await store.wait_committed(4)
+        store.close()
+    assert events == ["plan 1..1", "receipt 1", "plan 2..4"]

@@ -1,0 +1,164 @@
+"""Durable receipts against the disk's floor: add_turn(durable=True) next to bare LMDB commits.
+
+    python bench/durable.py                # ~1 minute on 2 cores
+    python bench/durable.py --quick        # a few seconds, for a smoke run
+
+Phases, each on a fresh store with fsync on (the engine default) and the real model embedding
+in the background, each preceded by its own floor measured in the same process:
+  floor      bare LMDB, one small put per transaction, fsync on, sequential: the least a
+             durable receipt can cost on this disk.
+  steady     add_turn(durable=True) from --writers concurrent tasks sharing --rate turns/s.
+  burst      --bursts times: --burst-turns buffered turns at once (add_turns), then at once
+             --burst-writers concurrent durable add_turns, while the long-term followers and
+             the embedder catch up on the burst: does a durable receipt wait behind that work?
+
+Each durable figure is reported as a ratio to the floor's measured just before it (issue 16's
+target: p99 <= 2x, p99.9 <= 3x). Prints a table and writes JSON (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import trio
+from _report import percentiles, progress, write_results
+
+from engine import Engine, NewTurn
+
+WORDS = ("the a to and of I you it my we in for is that on with this was be have at but so "
+         "flat dog Lisbon Porto train vet run river job team data pipeline allergy peanut "
+         "morning lesson Portuguese weekend dinner market sardines coffee meeting plan").split()
+
+
+def sentence(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 30))).capitalize() + "."
+
+
+def floor(path: Path, n: int) -> dict[str, float]:
+    """Bare LMDB: one 200-byte put per transaction, fsync on (LMDB's defaults), sequential."""
+    env = lmdb.open(str(path), map_size=1 << 28, max_dbs=2, sync=True)
+    db = env.open_db(b"t")
+    latencies = []
+    for i in range(n):
+        start = time.perf_counter_ns()
+        with env.begin(write=True) as txn:
+            txn.put(i.to_bytes(8, "big"), b"x" * 200, db=db)
+        latencies.append(time.perf_counter_ns() - start)
+    env.close()
+    shutil.rmtree(path)
+    return percentiles(latencies, 1e-3, "us")
+
+
+async def steady(path: Path, rate: float, seconds: float, writers: int,
+                 texts: list[str]) -> dict[str, Any]:
+    latencies: list[int] = []
+    n_each = int(rate * seconds / writers)
+    interval = writers / rate
+
+    async def writer(w: int, mem: Engine) -> None:
+        due = trio.current_time()
+        for i in range(n_each):
+            if trio.current_time() < due:
+                await trio.sleep_until(due)
+            start = time.perf_counter_ns()
+            await mem.add_turn(f"user{(w * 7 + i) % 100}", f"s{i % 5}", "user",
+                               texts[(w * n_each + i) % len(texts)], durable=True)
+            latencies.append(time.perf_counter_ns() - start)
+            due += interval
+        if w == 0:
+            progress("steady", 1, 1)
+
+    async with Engine.open(path) as mem:
+        async with trio.open_nursery() as nursery:
+            for w in range(writers):
+                nursery.start_soon(writer, w, mem)
+    return percentiles(latencies, 1e-3, "us")
+
+
+async def burst(path: Path, bursts: int, burst_turns: int, writers: int,
+                texts: list[str]) -> dict[str, Any]:
+    latencies: list[int] = []
+
+    async def durable_one(mem: Engine, b: int, w: int) -> None:
+        start = time.perf_counter_ns()
+        await mem.add_turn(f"writer{w}", f"b{b}", "user", texts[(b * writers + w) % len(texts)],
+                           durable=True)
+        latencies.append(time.perf_counter_ns() - start)
+
+    async with Engine.open(path) as mem:
+        for b in range(bursts):
+            items = [NewTurn(user_id=f"user{(b * burst_turns + i) % 50}", session_id=f"s{b}",
+                             role=("user", "assistant")[i % 2], text=texts[i % len(texts)])
+                     for i in range(burst_turns)]
+            await mem.add_turns(items)
+            async with trio.open_nursery() as nursery:
+                for w in range(writers):
+                    nursery.start_soon(durable_one, mem, b, w)
+            progress("burst", b + 1, bursts)
+            await trio.sleep(0.2)  # the followers keep working on the burst between rounds
+    return percentiles(latencies, 1e-3, "us")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate", type=float, default=500, help="durable turns/s in all")
+    parser.add_argument("--seconds", type=float, default=15, help="length of the steady phase")
+    parser.add_argument("--writers", type=int, default=8, help="concurrent durable writers")
+    parser.add_argument("--bursts", type=int, default=20)
+    parser.add_argument("--burst-turns", type=int, default=3000)
+    parser.add_argument("--burst-writers", type=int, default=25)
+    parser.add_argument("--floor-commits", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="short phases, for a smoke run")
+    parser.add_argument("--out", default="bench/results/durable.json")
+    args = parser.parse_args()
+    if args.quick:
+        args.seconds, args.bursts, args.floor_commits = 2, 5, 500
+    print(f"seed {args.seed}; {os.cpu_count()} cores; python {platform.python_version()}; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    rng = random.Random(args.seed)
+    texts = [sentence(rng) for _ in range(5000)]
+    work = Path(tempfile.mkdtemp(prefix="engram-bench-"))
+    results: dict[str, Any] = {"cores": os.cpu_count(), "seed": args.seed, "args": vars(args)}
+    try:
+        results["steady_floor"] = floor(work / "floor1", args.floor_commits)
+        results["steady"] = trio.run(steady, work / "steady", args.rate, args.seconds,
+                                     args.writers, texts)
+        results["burst_floor"] = floor(work / "floor2", args.floor_commits)
+        results["burst"] = trio.run(burst, work / "burst", args.bursts, args.burst_turns,
+                                    args.burst_writers, texts)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    print(f"\n{'phase':<44}{'n':>6}{'p50':>11}{'p99':>11}{'p99.9':>11}")
+    for name, label in (
+            ("steady_floor", "bare LMDB commit, fsync (floor)"),
+            ("steady", f"durable add_turn @{args.rate:g}/s x{args.writers}"),
+            ("burst_floor", "bare LMDB commit, fsync (floor)"),
+            ("burst", f"durable x{args.burst_writers} after {args.burst_turns} buffered")):
+        r = results[name]
+        print(f"{label:<44}{r['n']:>6}{r['p50_us']:>9.0f}µs{r['p99_us']:>9.0f}µs"
+              f"{r['p999_us']:>9.0f}µs")
+    for name in ("steady", "burst"):
+        r, f = results[name], results[f"{name}_floor"]
+        r["ratio_p50"] = r["p50_us"] / f["p50_us"]
+        r["ratio_p99"] = r["p99_us"] / f["p99_us"]
+        r["ratio_p999"] = r["p999_us"] / f["p999_us"]
+        print(f"{name}: durable / floor  p50 {r['ratio_p50']:.2f}x  p99 {r['ratio_p99']:.2f}x  "
+              f"p99.9 {r['ratio_p999']:.2f}x")
+    write_results(args.out, results, "durable")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
