@@ -36,6 +36,8 @@ from .ann_index import AnnIndex, Filters
 from .embedder import Embedder
 from .imported import Imported
 from .base.messages import PutEpisode, Searchable
+from .base.messages import WriteSummary
+from .base.records import SessionInfo, SummaryState
 from .store import (
     LogFollower,
     Store,
@@ -44,6 +46,7 @@ from .store import (
     read_last_episode_seqs,
     read_memories_by_id,
     read_session_turns,
+    read_summary,
     user_prefix,
 )
 
@@ -63,6 +66,7 @@ USED_WORDS = 2  # content words a reply must share with a shown memory to have u
 # is further behind than this (a burst): then it compares with the episodes embedded so far,
 # rather than holding every episode behind the whole embedding backlog.
 SURPRISE_WAIT_BACKLOG = 512
+ROLLING_SENTENCES = 5  # sentences a rolling session summary keeps
 
 RATINGS = {"again": Rating.Again, "hard": Rating.Hard, "good": Rating.Good, "easy": Rating.Easy,
            1: Rating.Again, 2: Rating.Hard, 3: Rating.Good, 4: Rating.Easy}
@@ -160,6 +164,25 @@ def keyphrases(texts: list[str], limit: int = KEYWORDS) -> tuple[str, ...]:
     return tuple(ranked[:limit])
 
 
+def mmr(vectors: np.ndarray, weights: np.ndarray, k: int) -> list[int]:
+    """Maximal marginal relevance over unit ``vectors``: relevance is a sentence's mean cosine
+    to the others (its centrality) times its weight; ``k`` picks, in the order picked."""
+    sims = vectors @ vectors.T
+    n = len(vectors)
+    centrality = (sims.sum(axis=1) - 1.0) / max(1, n - 1) if n > 1 else np.ones(1)
+    relevance = centrality * weights
+    picked: list[int] = []
+    while len(picked) < min(k, n):
+        if picked:
+            redundancy = sims[:, picked].max(axis=1)
+            score = MMR_LAMBDA * relevance - (1 - MMR_LAMBDA) * redundancy
+            score[picked] = -np.inf
+        else:
+            score = relevance.copy()
+        picked.append(int(np.argmax(score)))
+    return picked
+
+
 def summarise(turns: list[Turn], vectors: np.ndarray, sentences: list[tuple[int, str]]
               ) -> tuple[str, str, tuple[str, ...], np.ndarray]:
     """Title, summary, keywords and the episode's centroid vector.
@@ -174,15 +197,7 @@ def summarise(turns: list[Turn], vectors: np.ndarray, sentences: list[tuple[int,
     # Users' sentences carry what the episode is about; the assistant's mostly echo them.
     roles = np.array([1.0 if turns[i].role == "user" else 0.8 for i, _ in sentences])
     relevance = centrality * roles
-    picked: list[int] = []
-    while len(picked) < min(SUMMARY_SENTENCES, n):
-        if picked:
-            redundancy = sims[:, picked].max(axis=1)
-            score = MMR_LAMBDA * relevance - (1 - MMR_LAMBDA) * redundancy
-            score[picked] = -np.inf
-        else:
-            score = relevance.copy()
-        picked.append(int(np.argmax(score)))
+    picked = mmr(vectors, roles, SUMMARY_SENTENCES)
     order = sorted(picked)
     summary = " ".join(sentences[i][1] for i in order)
     # The title: the most relevant sentence that says something (four content words or more).
@@ -222,7 +237,9 @@ class EpisodicCompressor:
     def __init__(self, store: Store, embedder: Embedder, ann: AnnIndex,
                  clock: Callable[[], datetime], new_id: Callable[[], str], *,
                  after_turns: int, keep_turns: int, llm: Any = None,
-                 vectors_follow: bool = True, imported: Imported | None = None) -> None:
+                 vectors_follow: bool = True, imported: Imported | None = None,
+                 sessions: Callable[[str], list[SessionInfo]] | None = None,
+                 summary_every: int = 0) -> None:
         self._store = store
         self._embedder = embedder
         self._ann = ann
@@ -235,6 +252,11 @@ class EpisodicCompressor:
         self._vectors_follow = vectors_follow  # background embedding runs
         # Log positions of imported records: they came with their episodes and ratings.
         self._imported = imported if imported is not None else Imported()
+        # A user's sessions (the session buffer's view), to consolidate the earlier ones when
+        # a new one starts; None: only maintenance and close_session consolidate.
+        self._sessions = sessions
+        self._summary_every = summary_every
+        self._summarised: dict[tuple[str, str], int] = {}  # upper_seq of the stored summary
         self._last_episode: dict[str, int] = {}  # per user, the lsn of the last episode made
         # Held while a session is being compressed: the follower and maintenance never make
         # two episodes of the same turns.
@@ -245,11 +267,14 @@ class EpisodicCompressor:
     async def _handle(self, records: list[Searchable], last: int) -> tuple[tuple, tuple]:
         counts: dict[tuple[str, str], int] = {}
         replies: dict[tuple[str, str], list[str]] = {}
+        started: list[tuple[str, str, datetime]] = []  # sessions whose first turn this is
         for r in records:
             if r.kind != "turn" or r.lsn in self._imported:
                 continue
             key = (r.user_id, r.session_id)
             counts[key] = max(counts.get(key, 0), r.seq + 1)
+            if r.seq == 0 and self._sessions is not None:
+                started.append((r.user_id, r.session_id, r.at))
             if r.role == "assistant":
                 replies.setdefault(key, []).append(r.text)
         puts = await self._rate_replies(replies) if replies else ()
@@ -261,7 +286,70 @@ class EpisodicCompressor:
                 last_seq = start + self._after - self._keep - 1
                 await self.compress(key[0], key[1], start, last_seq, consolidated=False)
                 start = last_seq + 1
+            if self._summary_every and turn_count >= self._summary_every:
+                await self._roll_summary(key[0], key[1],
+                                         turn_count - turn_count % self._summary_every)
+        for user_id, session_id, at in started:
+            await self._consolidate_earlier(user_id, session_id, at)
         return puts, ()
+
+    async def _consolidate_earlier(self, user_id: str, session_id: str, at: datetime) -> None:
+        """A new session started (seed 004): the user's sessions begun before it are over as
+        far as memory goes; their remaining turns become episodes now. Sessions begun later
+        are left alone, so replaying the log after a restart consolidates only what had
+        ended by then."""
+        earlier = [info for info in self._sessions(user_id)
+                   if info.session_id != session_id and info.started_at <= at]
+        await self.prefetch([(user_id, info.session_id) for info in earlier])
+        for info in earlier:
+            await self.consolidate(user_id, info.session_id, info.turn_count)
+
+    async def _roll_summary(self, user_id: str, session_id: str, upper: int) -> None:
+        """Bring the session's rolling summary (seed 003) up to turn ``upper``: the previous
+        summary's sentences and the new turns', the most central kept. Written with the epoch
+        it read, so a summary someone wrote meanwhile is never overwritten by a late one."""
+        key = (user_id, session_id)
+        if self._summarised.get(key, -1) >= upper:
+            return
+        store = self._store
+        state = await store.read(read_summary, user_id, session_id)
+        if state is not None and state.upper_seq >= upper:
+            self._summarised[key] = state.upper_seq
+            return
+        first = 0 if state is None else state.upper_seq
+        await store.wait_committed(store.next_lsn - 1)
+        turns = await store.read(read_session_turns, user_id, session_id, first, upper - 1)
+        if not turns:
+            return  # forgotten meanwhile
+        previous = "" if state is None else state.summary
+        text = await self._rolling_text(user_id, previous, turns)
+        epoch = 0 if state is None else state.epoch
+        now = self._clock().astimezone(timezone.utc)
+        applied: list[bool] = []
+        await store.write_unlogged(WriteSummary(
+            user_id, session_id, SummaryState(epoch + 1, text, upper, now), epoch,
+            trio.Event(), applied.append))
+        if applied and applied[0]:
+            self._summarised[key] = upper
+
+    async def _rolling_text(self, user_id: str, previous: str, turns: list[Turn]) -> str:
+        if self._llm is not None:
+            try:
+                _, summary, _ = await self._llm.summarise(
+                    ([("summary so far", previous)] if previous else [])
+                    + [(t.role, t.text) for t in turns])
+                return summary
+            except Exception as exc:  # the extractive summary stands in for a failing model
+                log.warning("LLM rolling summary failed, keeping the extractive one: %r", exc)
+        sentences = [(-1, s.strip()) for s in _SENTENCE.split(previous) if s.strip()]
+        sentences += _sentences(turns)
+        if len(sentences) <= ROLLING_SENTENCES:
+            return " ".join(s for _, s in sentences)
+        vectors = await self._embedder.embed([s for _, s in sentences], query=False)
+        weights = np.array([1.0 if i < 0 or turns[i].role == "user" else 0.8
+                            for i, _ in sentences])
+        picked = sorted(mmr(vectors, weights, ROLLING_SENTENCES))
+        return " ".join(sentences[i][1] for i in picked)
 
     async def prefetch(self, keys: list[tuple[str, str]]) -> None:
         """Learn where many sessions' episodes end in one read (maintenance's sweep)."""
@@ -280,9 +368,10 @@ class EpisodicCompressor:
     def forget(self, user_id: str, session_id: str | None) -> None:
         if session_id is None:
             self._last_episode.pop(user_id, None)
-        for key in [k for k in self._next_seq
-                    if k[0] == user_id and (session_id is None or k[1] == session_id)]:
-            del self._next_seq[key]
+        for cache in (self._next_seq, self._summarised):
+            for key in [k for k in cache
+                        if k[0] == user_id and (session_id is None or k[1] == session_id)]:
+                del cache[key]
 
     async def consolidate(self, user_id: str, session_id: str, turn_count: int) -> bool:
         """Make an episode of a finished session's remaining turns (maintenance)."""

@@ -86,7 +86,9 @@ async def running(root: Path, config: Config, clock: Clock, embedding: Embedder,
                     store, embedding, ann, clock, lambda: new_turn_id()[2:],
                     after_turns=config.episode_after_turns,
                     keep_turns=config.episode_keep_turns, llm=tasks,
-                    vectors_follow=config.background_embedding, imported=imported)
+                    vectors_follow=config.background_embedding, imported=imported,
+                    sessions=buffer.sessions if config.consolidate_on_new_session else None,
+                    summary_every=config.summary_every_turns)
                 entities = Entities(store, imported)
                 parts = Parts(store, buffer, embedding, ann, fulltext, facts, compressor,
                               entities, config, clock, imported)

@@ -50,6 +50,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             makes an episode of its remaining turns.
         maintenance_seconds: how often maintenance runs (decay and pruning of facts,
             consolidation of finished sessions, weekly reflections), on the engine's trio clock.
+        consolidate_on_new_session: when a user's new session starts, consolidate their
+            earlier sessions at once (seed 004): their remaining turns become episodes, as
+            maintenance makes them once idle. Off by default: the retrieval figures in the
+            README were measured without it (a bulk import then makes an episode of every
+            session's tail at once).
+        summary_every_turns: keep each session's rolling summary (seed 003) up to date every
+            this many turns, in the background (0: only callers write summaries).
         notes_markdown_dir: a directory where every note is mirrored as a Markdown file with
             front matter (seed 000): ``<dir>/<user>/<note>.md``, written atomically when the
             note is stored or updated, removed when it is deleted or its user forgotten, and
@@ -81,6 +88,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     maintenance_seconds: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
     integrity_key: Annotated[str, msgspec.Meta(min_length=16)] | None = None
     notes_markdown_dir: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    consolidate_on_new_session: bool = False
+    summary_every_turns: Annotated[int, msgspec.Meta(ge=0)] = 10
 
     def __repr__(self) -> str:
         # The integrity key is a secret: a Config in a log line or a traceback must not show it.
