@@ -47,7 +47,7 @@ from .base.messages import PutFact, PutState, Searchable
 from .imported import Imported
 from .store import LogFollower, Store, fact_key, read_facts
 
-__all__ = ["Facts", "effective_confidence", "DECAY_RATES", "DEDUP_JACCARD", "PRUNE_BELOW"]
+__all__ = ["Facts", "effective_confidence", "known_at", "DECAY_RATES", "DEDUP_JACCARD", "PRUNE_BELOW"]
 
 DEDUP_JACCARD = 0.75  # word-set similarity at which two fact sentences are one fact (seed 004)
 CONTRADICTION_JACCARD = 0.5  # content-word overlap at which opposite polarity is a contradiction
@@ -76,6 +76,14 @@ def effective_confidence(fact: Fact, now: datetime) -> float:
     since = fact.last_access_at or fact.created_at
     days = max(0.0, (now - since).total_seconds() / 86400)
     return fact.confidence * math.exp(-DECAY_RATES.get(fact.category, DEFAULT_DECAY) * days)
+
+
+def known_at(fact: Fact, when: datetime) -> bool:
+    """Whether the store held this version as true at ``when``: recorded by then and not yet
+    retired (transaction time), and in force by then (valid time). Its ``invalid_at`` is
+    learned when it is retired (``expired_at``), so before that the store did not know it."""
+    return (fact.created_at <= when and (fact.expired_at is None or fact.expired_at > when)
+            and fact.valid_at <= when)
 
 
 # -- the actor -----------------------------------------------------------------------------------
@@ -130,10 +138,18 @@ class Facts:
         return list((await self._user(user_id)).values())
 
     async def profile(self, user_id: str, category: str | None = None,
-                      min_importance: float = 0.0) -> list[Fact]:
-        """Active facts by importance, then effective confidence."""
-        now = self._clock()
-        facts = [f for f in (await self._user(user_id)).values()
+                      min_importance: float = 0.0, as_of: datetime | None = None
+                      ) -> list[Fact]:
+        """Active facts by importance, then effective confidence. With ``as_of``: the
+        versions the store held as true then (see :func:`known_at`), as they were stored."""
+        now = self._clock() if as_of is None else as_of
+        if as_of is None:
+            found = list((await self._user(user_id)).values())
+        else:
+            await self._store.wait_committed(self._store.next_lsn - 1)
+            found = [f for f in await self._store.read(read_facts, user_id, False)
+                     if known_at(f, as_of)]
+        facts = [f for f in found
                  if (category is None or f.category == category)
                  and f.importance >= min_importance]
         facts.sort(key=lambda f: (-f.importance, -effective_confidence(f, now), f.category, f.key))

@@ -569,10 +569,20 @@ class Engine:
         return await self._memory.forget_fact(user_id, category, key)
 
     async def profile(self, user_id: str, *, category: str | None = None,
-                      min_importance: float = 0.0) -> list[Fact]:
+                      min_importance: float = 0.0, as_of: datetime | None = None) -> list[Fact]:
         """The user's active facts, most important first: the deterministic lookup that
-        never misses a standing fact (no search involved)."""
-        return await self._memory.profile(user_id, category, min_importance)
+        never misses a standing fact (no search involved).
+
+        Args:
+            category / min_importance: which facts.
+            as_of: answer as the store knew it then (time travel over both time axes): the
+                versions recorded by then and not yet retired (``created_at`` /
+                ``expired_at``) that were true then (``valid_at`` / ``invalid_at``).
+
+        Raises:
+            InvalidInput: a bad argument (``as_of`` must be timezone-aware).
+        """
+        return await self._memory.profile(user_id, category, min_importance, as_of)
 
     async def fact_history(self, user_id: str, category: str, key: str) -> list[Fact]:
         """Every version of a fact, oldest first, with their validity and status."""

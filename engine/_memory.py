@@ -95,14 +95,17 @@ class Memory:
         self._check_fact_key(user_id, category, key)
         return bool(await self._parts.facts.retire(user_id, [(category, key)], "retracted"))
 
-    async def profile(self, user_id: Any, category: Any, min_importance: Any) -> list[Fact]:
+    async def profile(self, user_id: Any, category: Any, min_importance: Any,
+                      as_of: Any = None) -> list[Fact]:
         parts = self._parts
         parts.check_open()
         parts.check_lookup_ids(user_id)
         if category is not None:
             parts.check_id("category", category)
         check_fraction("min_importance", min_importance)
-        return await parts.facts.profile(user_id, category, min_importance)
+        if as_of is not None:
+            as_of = v.check_at(as_of, "as_of")
+        return await parts.facts.profile(user_id, category, min_importance, as_of)
 
     async def fact_history(self, user_id: Any, category: Any, key: Any) -> list[Fact]:
         self._check_fact_key(user_id, category, key)
