@@ -17,7 +17,8 @@ import msgspec
 import trio
 
 from actors.episodic import RATINGS, memory_review_state, review_state
-from actors.extraction import Candidate
+from actors.extraction import Candidate, jaccard, words
+from actors.facts import DEDUP_JACCARD
 from actors.base.messages import DeleteNote, PutNote, PutState, WriteSummary
 from actors.session_buffer import new_turn_id
 from actors.store import (
@@ -56,6 +57,9 @@ class Memory:
 
     def __init__(self, parts: Parts, scrubber: Scrubber) -> None:
         self._parts = parts
+        # Held while a new note is checked against the user's notes and written: the same
+        # note stored twice at once is still one note.
+        self._new_notes = trio.Lock()
         self._scrubber = scrubber  # a deleted note's bytes leave the files in the background
 
     # -- structured facts --------------------------------------------------------------------
@@ -136,15 +140,31 @@ class Memory:
     async def put_note(self, user_id: Any, text: Any, note_id: Any,
                        tags: Iterable[str] | None, replace: bool) -> Note:
         """Store a new note (``replace`` False: the id must be free) or replace one (True:
-        it must exist)."""
+        it must exist). A new note without an id of its own that repeats one of the user's
+        notes (the same text: skipped) or nearly does (word Jaccard >= DEDUP_JACCARD: merged,
+        the new wording and both notes' tags) is not stored twice (seeds 003 and 004)."""
         parts = self._parts
         parts.check_open()
         parts.check_ids(user_id)
         parts.check_text("text", text)
-        if note_id is None:
-            note_id = "n_" + new_turn_id()[2:]
-        parts.check_id("note_id", note_id)
+        if note_id is not None:
+            parts.check_id("note_id", note_id)
         tags = v.check_words("tags", tags)
+        if note_id is not None or replace:
+            return await self._write_note(user_id, text, note_id, tags, replace)
+        async with self._new_notes:
+            twin = await parts.store.read(_twin_note, user_id, text)
+            if twin is None:
+                return await self._write_note(user_id, text, "n_" + new_turn_id()[2:], tags,
+                                              False)
+            merged = tuple(dict.fromkeys((*twin.tags, *tags)))
+            if _normal(twin.text) == _normal(text) and merged == twin.tags:
+                return twin  # said before: nothing new to keep
+            return await self._write_note(user_id, text, twin.note_id, merged, True)
+
+    async def _write_note(self, user_id: str, text: str, note_id: str, tags: tuple[str, ...],
+                          replace: bool) -> Note:
+        parts = self._parts
         now = parts.now().astimezone(timezone.utc)
         store = parts.store
         await store.reserve(1)
@@ -295,3 +315,31 @@ class Memory:
         records = await store.read(read_records, user_id, lsns[: limit * 2])
         memories = [hit_for(records[lsn], 1.0, ("entity",)) for lsn in lsns if lsn in records]
         return EntityInfo(entity=found, memories=memories[:limit])
+
+
+_decode_note = msgspec.msgpack.Decoder(Note).decode
+
+
+def _normal(text: str) -> str:
+    """A note's text as its duplicates share it: case and spacing aside."""
+    return " ".join(text.casefold().split())
+
+
+def _twin_note(txn: Any, dbs: dict[bytes, Any], user_id: str, text: str) -> Note | None:
+    """The user's note that ``text`` repeats: the same text, else the one whose words it
+    shares most if at least DEDUP_JACCARD of them (seed 004's threshold for facts)."""
+    prefix = user_prefix(user_id)
+    wanted, mine = _normal(text), words(text)
+    best, best_score = None, DEDUP_JACCARD
+    cursor = txn.cursor(dbs[b"notes"])
+    if cursor.set_range(prefix):
+        for key, value in cursor:
+            if not key.startswith(prefix):
+                break
+            note = _decode_note(value)
+            if _normal(note.text) == wanted:
+                return note
+            score = jaccard(mine, words(note.text))
+            if score >= best_score:
+                best, best_score = note, score
+    return best

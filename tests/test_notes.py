@@ -71,3 +71,24 @@ async def test_forget_user_removes_notes_everywhere(store_path) -> None:
     for name, items in raw_databases(store_path).items():
         for key, value in items:
             assert b"zed-user" not in key + value and b"xyzzy" not in value, name
+
+
+async def test_a_repeated_note_is_kept_once_and_a_near_repeat_merged(mem) -> None:
+    """The same note again (case and spacing aside) is skipped: the existing one comes back;
+    one sharing at least 3/4 of its words is merged into it (new wording, both tags); other
+    notes, and notes given an id of their own, are stored as they are (seeds 003 and 004)."""
+    first = await mem.store_note("maya", "Maya is planning a trip to Madeira in May",
+                                 tags=["travel"])
+    again = await mem.store_note("maya", "maya is planning a trip to  Madeira in May")
+    assert again == first
+    near = await mem.store_note("maya", "Maya is planning a trip to Madeira in late May",
+                                tags=["may"])
+    assert near.note_id == first.note_id and near.tags == ("travel", "may")
+    assert near.text == "Maya is planning a trip to Madeira in late May"
+    other = await mem.store_note("maya", "Maya's sister Ana lives in Porto")
+    named = await mem.store_note("maya", "Maya is planning a trip to Madeira in May",
+                                 note_id="mine")
+    assert len({first.note_id, other.note_id, named.note_id}) == 3
+    assert (await mem.memory_stats("maya"))["notes"] == 3
+    elsewhere = await mem.store_note("ana", "Maya is planning a trip to Madeira in May")
+    assert elsewhere.note_id != first.note_id  # per user
