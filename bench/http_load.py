@@ -19,8 +19,10 @@ the machine's two cores, so the figures are a floor.
 Two baselines from the same run, because this 2-core machine is shared and absolute figures
 move with its load: a bare FastAPI app on Hypercorn's trio worker with one trivial JSON route
 (the ceiling for any app on this stack), loaded by the same clients for the same time; and the
-same two engine calls in-process on native trio, for what HTTP adds. Prints a table and writes JSON (--out, default
-bench/results/http.json).
+same two engine calls in-process on native trio, for what HTTP adds. Beside the rates, the CPU
+each side spent per request (the clients; the server's loop thread, its model threads and its
+worker threads, from /proc), which a shared machine's load moves much less than req/s. Prints a
+table and writes JSON (--out, default bench/results/http.json).
 """
 
 from __future__ import annotations
@@ -79,6 +81,48 @@ config.bind = [f"127.0.0.1:{sys.argv[1]}"]
 config.accesslog = None
 trio.run(serve, app, config)
 """
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of a process's threads, grouped: ``loop`` (the main thread, where
+    trio, Hypercorn, the app and the engine's Python run), ``model`` (threads that kept the
+    process's own name: Python threads never renamed, i.e. the embedder's model lanes here),
+    ``workers`` (trio's worker threads, named for their job, and native pools such as
+    tantivy's). Linux only (/proc); empty elsewhere."""
+    groups = {"loop": 0.0, "model": 0.0, "workers": 0.0}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        own = Path(f"/proc/{pid}/comm").read_text().strip()
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue  # the thread ended meanwhile
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        seconds = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        group = "loop" if tid == str(pid) else "model" if name == own else "workers"
+        groups[group] += seconds
+    return groups
+
+
+async def measured(base: str, args: argparse.Namespace, queries: list[str],
+                   server: subprocess.Popen) -> dict[str, Any]:
+    """:func:`load`, plus the CPU each side spent per request and the load average: on a
+    shared machine req/s moves with the neighbours' load, CPU per request much less."""
+    before, client, load_before = thread_cpu(server.pid), time.process_time(), os.getloadavg()
+    result = await load(base, args, queries)
+    after = thread_cpu(server.pid)
+    n = max(result["requests"], 1)
+    result["cpu_ms_per_request"] = {
+        "client": (time.process_time() - client) * 1e3 / n,
+        **{f"server_{group}": (after[group] - before.get(group, 0.0)) * 1e3 / n
+           for group in after}}
+    result["load_average"] = [load_before[0], os.getloadavg()[0]]
+    return result
 
 
 def free_port() -> int:
@@ -194,7 +238,7 @@ def main() -> None:
                                    stderr=subprocess.DEVNULL)
         try:
             trio.run(wait_ready, f"http://127.0.0.1:{port}", trivial)
-            baseline = trio.run(load, f"http://127.0.0.1:{port}", args, queries)
+            baseline = trio.run(measured, f"http://127.0.0.1:{port}", args, queries, trivial)
         finally:
             trivial.kill()
             trivial.wait()
@@ -204,7 +248,8 @@ def main() -> None:
             [sys.executable, "-m", "engine", "serve", str(store), "--port", str(port),
              "--api-keys", str(root / "keys")], stderr=subprocess.DEVNULL)
         trio.run(wait_ready, base, process)
-        results = {"http": trio.run(load, base, args, queries), "trivial_app": baseline}
+        results = {"http": trio.run(measured, base, args, queries, process),
+                   "trivial_app": baseline}
         process.terminate()
         process.wait(30)
         results["in_process"] = trio.run(in_process, store, queries, 500 if args.quick else 2000)
@@ -225,6 +270,13 @@ def main() -> None:
             print(f"{kind:<8} {h['req_per_s']:>8,.0f} {h['p50_ms']:>8.2f} {h['p99_ms']:>8.2f}"
                   f"   {b['p50_ms']:>8.2f} / {b['p99_ms']:<8.2f}"
                   f"   {n['p50_ms']:.3f} / {n['p99_ms']:.3f}")
+    print("CPU ms per request      " + "".join(f"{k:>16}" for k in http["cpu_ms_per_request"]))
+    for name, side in (("engram-trio serve", http), ("trivial app", baseline)):
+        print(f"{name:<23}" + "".join(f"{side['cpu_ms_per_request'].get(k, 0.0):>16.3f}"
+                                      for k in http["cpu_ms_per_request"]))
+    print(f"load average (1 min) at start / end: engram {http['load_average'][0]:.1f} / "
+          f"{http['load_average'][1]:.1f}, trivial {baseline['load_average'][0]:.1f} / "
+          f"{baseline['load_average'][1]:.1f}")
     results["engram_over_trivial_req_per_s"] = http["req_per_s"] / baseline["req_per_s"]
     results["args"] = vars(args)
     results["machine"] = {"python": sys.version.split()[0], "platform": platform.platform(),

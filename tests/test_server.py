@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import socket
 from collections.abc import AsyncIterator
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import trio
 
+from actors.base.records import Turn
 from engine import Engine, EngineClosed
+from engine._retrieval import Explain, Hit
+from engine._http_wire import json_response, plain
 from engine._server import STATUS_BY_ERROR, create_app, load_api_keys, serve
 from engine.errors import EngineError, InvalidInput
 
@@ -391,3 +398,29 @@ async def test_serve_answers_on_a_real_loopback_socket(tmp_path, keys_file) -> N
         assert binds[0].startswith("http://127.0.0.1:")
         nursery.cancel_scope.cancel()
     assert "binding to 127.0.0.1 instead of 0.0.0.0" in said[0]
+
+
+class Page(msgspec.Struct):
+    turns: list[Turn]
+    note: str = ""
+
+
+class Loose(msgspec.Struct):
+    anything: Any
+
+
+def test_json_bodies_name_fields_at_every_depth_and_pass_plain_structs_as_they_are() -> None:
+    """A stored record (an array_like Struct) comes out by field name even nested in an answer
+    msgspec could otherwise encode itself; an answer with none reachable is passed through."""
+    class Local(msgspec.Struct):  # annotations msgspec cannot resolve: walked by hand
+        turn: Turn
+
+    at = datetime(2026, 3, 1, 9, tzinfo=timezone.utc)
+    turn = Turn(3, "t_1", "ana", "s1", 0, "user", "hi", at, None)
+    hit = Hit(id="t_1", kind="turn", text="hi", score=0.5, session_id="s1", at=at,
+              turn_ids=("t_1",), explain=Explain(ranks={"bm25": 1}, fused=0.2))
+    assert json.loads(json_response(Page([turn])).body)["turns"][0]["text"] == "hi"
+    assert json.loads(json_response(Loose(turn)).body)["anything"]["session_id"] == "s1"
+    assert json.loads(json_response(Local(turn)).body)["turn"]["seq"] == 0
+    assert plain(hit) is hit
+    assert json.loads(json_response([hit]).body)[0]["explain"]["ranks"] == {"bm25": 1}
