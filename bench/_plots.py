@@ -406,13 +406,13 @@ def rebuild(r: dict[str, Any]) -> Figure:
 
 
 def bridges(r: dict[str, Any]) -> Figure:
-    facades = [f for f in ("native", "asyncio", "sync") if f in r]
+    facades = [f for f in ("native", "asyncio", "aio-thread", "sync") if f in r]
     calls = [c for c in ("add_turn", "add_turn_nowait", "history", "recall")
              if any(c in r[f] for f in facades)]
     fig, axes = _panels(len(calls), "The asyncio and blocking facades against native trio "
                                     "(dashed), same calls, fresh stores")
-    names = {"native": "native trio (baseline)", "asyncio": "engine.aio",
-             "sync": "engine.sync"}
+    names = {"native": "native trio (baseline)", "asyncio": "engine.aio (guest mode)",
+             "aio-thread": "engine.aio (trio on its own thread)", "sync": "engine.sync"}
     for ax, call in zip(axes, calls, strict=True):
         for j, facade in enumerate(facades):
             if call in r[facade]:

@@ -1,7 +1,11 @@
 """The engine on asyncio: ``engine.aio.Engine``, the same methods as awaitables.
 
-The engine's trio loop runs in trio's *guest mode* on the running asyncio loop: one thread,
-no second event loop in another thread, and the engine's tasks interleave with yours.
+By default the engine's trio loop runs in trio's *guest mode* on the running asyncio loop: one
+thread, no second event loop in another thread, and the engine's tasks interleave with yours.
+Where guest mode cannot be used (a trio run already lives in this thread: a second engine on the
+same loop, or asyncio itself hosted by trio), the engine runs trio on a thread of its own, as
+``engine.sync`` does, and bridges each call to an asyncio future: ``Engine.open(path,
+trio_loop="thread")`` asks for that explicitly.
 
     import asyncio
     from engine.aio import Engine
@@ -15,29 +19,38 @@ no second event loop in another thread, and the engine's tasks interleave with y
     asyncio.run(main())
 
 Each awaited call hands the native coroutine to the trio loop and waits on an asyncio future;
-cancelling the awaiting task cancels the trio call. ``add_turn_nowait`` is synchronous: it runs
-the engine's hot path directly (trio and asyncio share the thread, and trio is between steps
-whenever asyncio code runs; trio's guest mode wakes itself when that makes a task runnable),
-so it costs about what the native call costs. Works with any asyncio loop that has ``call_soon_threadsafe`` (uvloop too).
+cancelling the awaiting task cancels the trio call. ``add_turn_nowait`` is synchronous. In guest
+mode it runs the engine's hot path directly (trio and asyncio share the thread, and trio is
+between steps whenever asyncio code runs; trio's guest mode wakes itself when that makes a task
+runnable), so it costs about what the native call costs. On a trio thread of its own it is one
+blocking round trip to that thread (tens of µs): the session window belongs to the engine's
+loop. Guest mode works with any asyncio loop that has ``call_soon_threadsafe`` (uvloop too).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 import outcome
 import trio
 
 from . import _bridge
 from ._engine import Engine as TrioEngine
-from actors.base.errors import EngineClosed
+from actors.base.errors import EngineClosed, InvalidInput
 
-__all__ = ["Engine", "Receipt"]
+__all__ = ["Engine", "Receipt", "TrioLoop"]
+
+# Where the engine's trio loop runs: "guest" (trio's guest mode on this asyncio loop, one
+# thread), "thread" (trio.run on a thread of its own), "auto" (guest unless a trio run already
+# lives in this thread, which guest mode cannot join).
+TrioLoop = Literal["auto", "guest", "thread"]
+TRIO_LOOPS = ("auto", "guest", "thread")
 
 
 class Receipt(_bridge.BridgedReceipt):
@@ -51,11 +64,21 @@ class Receipt(_bridge.BridgedReceipt):
         await self._engine._call(self._native.durable)
 
 
+def _closed_error() -> EngineClosed:
+    return EngineClosed("the engine is closed; open a new one with Engine.open(path)")
+
+
 class Engine:
     """An open engine on asyncio. Get one with ``async with engine.aio.Engine.open(path)``;
-    every coroutine method of :class:`engine.Engine` is here with the same arguments."""
+    every coroutine method of :class:`engine.Engine` is here with the same arguments.
 
-    def __init__(self) -> None:
+    Attributes:
+        trio_loop: where the engine's trio loop runs: ``"guest"`` or ``"thread"``.
+    """
+
+    def __init__(self, trio_loop: str) -> None:
+        self.trio_loop = trio_loop
+        self._guest = trio_loop == "guest"
         self._native: TrioEngine | None = None
         self._nursery: trio.Nursery | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -64,19 +87,40 @@ class Engine:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, path: str | os.PathLike[str], **kwargs: Any) -> AsyncIterator[Engine]:
-        """Open the store at ``path`` for the ``async with`` body; the arguments are
-        :meth:`engine.Engine.open`'s.
+    async def open(cls, path: str | os.PathLike[str], *, trio_loop: TrioLoop = "auto",
+                   **kwargs: Any) -> AsyncIterator[Engine]:
+        """Open the store at ``path`` for the ``async with`` body.
+
+        Args:
+            path / kwargs: as :meth:`engine.Engine.open` takes them.
+            trio_loop: ``"guest"`` runs the engine's trio loop in guest mode on this asyncio
+                loop; ``"thread"`` on a thread of its own; ``"auto"`` (default) picks guest
+                mode unless a trio run already lives in this thread (another guest-mode engine
+                on this loop, or asyncio hosted by trio), where guest mode cannot be used.
 
         Raises:
+            InvalidInput: ``trio_loop`` is not one of the three, or ``"guest"`` where a trio
+                run already lives in this thread.
             The errors of :meth:`engine.Engine.open`, on the asyncio side.
         """
+        if trio_loop not in TRIO_LOOPS:
+            raise InvalidInput("trio_loop", f"expected one of {', '.join(map(repr, TRIO_LOOPS))}"
+                                            f", found {trio_loop!r}")
+        taken = trio.lowlevel.in_trio_run()
+        if trio_loop == "guest" and taken:
+            raise InvalidInput("trio_loop", "expected 'thread' or 'auto' where a trio run already "
+                                            "lives in this thread (another engine in guest mode "
+                                            "on this loop?), found 'guest'")
+        mode = "thread" if trio_loop == "thread" or (trio_loop == "auto" and taken) else "guest"
         loop = asyncio.get_running_loop()
-        facade = cls()
+        facade = cls(mode)
         facade._loop = loop
         ready: asyncio.Future[None] = loop.create_future()
         done: asyncio.Future[outcome.Outcome] = loop.create_future()
         holder: dict[str, trio.Event] = {}
+        # How the trio side runs a callback on the asyncio loop: directly in guest mode (same
+        # thread, and trio is inside the asyncio loop's callback), else through its queue.
+        to_asyncio = (lambda fn, *args: fn(*args)) if facade._guest else loop.call_soon_threadsafe
 
         async def trio_main() -> None:
             # Set by close: the asyncio side is done with the engine.
@@ -85,22 +129,32 @@ class Engine:
                 async with trio.open_nursery() as nursery:
                     facade._native, facade._nursery = native, nursery
                     facade._token = trio.lowlevel.current_trio_token()
-                    ready.set_result(None)
+                    to_asyncio(ready.set_result, None)
                     await stop.wait()
                     nursery.cancel_scope.cancel()  # calls still running end as EngineClosed
 
-        trio.lowlevel.start_guest_run(
-            trio_main,
-            run_sync_soon_threadsafe=loop.call_soon_threadsafe,
-            run_sync_soon_not_threadsafe=loop.call_soon,
-            done_callback=done.set_result,
-            host_uses_signal_set_wakeup_fd=True,
-        )
+        thread = None
+        if facade._guest:
+            trio.lowlevel.start_guest_run(
+                trio_main,
+                run_sync_soon_threadsafe=loop.call_soon_threadsafe,
+                run_sync_soon_not_threadsafe=loop.call_soon,
+                done_callback=done.set_result,
+                host_uses_signal_set_wakeup_fd=True,
+            )
+        else:
+            def thread_main() -> None:
+                result = outcome.capture(trio.run, trio_main)
+                with suppress(RuntimeError):  # the asyncio loop closed: nobody waits for it
+                    loop.call_soon_threadsafe(done.set_result, result)
+
+            thread = threading.Thread(target=thread_main, name="engram-trio-aio", daemon=True)
+            thread.start()
         try:
             await asyncio.wait({ready, done}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             # Cancelled while opening: let the open finish, then close what it opened, so no
-            # trio run is left behind on the loop.
+            # trio run is left behind on the loop or its thread.
             await asyncio.wait({ready, done}, return_when=asyncio.FIRST_COMPLETED)
             if ready.done():
                 facade._closed = True
@@ -114,8 +168,11 @@ class Engine:
             yield facade
         finally:
             facade._closed = True
-            facade._token.run_sync_soon(holder["stop"].set)
+            with suppress(trio.RunFinishedError):  # it stopped already (it broke): see below
+                facade._token.run_sync_soon(holder["stop"].set)
             result = await asyncio.shield(done)
+            if thread is not None:
+                thread.join()  # done is its last act: this returns at once
             result.unwrap()
 
     # -- calls -------------------------------------------------------------------------------
@@ -123,43 +180,69 @@ class Engine:
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``await fn(*args, **kwargs)`` as a task on the trio loop; await its result."""
         if self._closed:
-            raise EngineClosed("the engine is closed; open a new one with Engine.open(path)")
-        future = self._loop.create_future()
+            raise _closed_error()
+        loop = self._loop
+        future = loop.create_future()
         scope = trio.CancelScope()
+
+        def settle(result: outcome.Outcome | None) -> None:
+            """On the asyncio loop: the call's outcome into its future (None: cancelled)."""
+            if future.done():  # the awaiting task was cancelled meanwhile
+                return
+            if result is None:
+                future.cancel()
+            elif isinstance(result, outcome.Error):
+                future.set_exception(result.error)
+            else:
+                future.set_result(result.value)
+
+        def hand(result: outcome.Outcome | None) -> None:
+            """On the trio loop: pass the outcome to the asyncio side."""
+            if self._guest:
+                settle(result)
+            else:
+                with suppress(RuntimeError):  # the asyncio loop closed: nobody waits
+                    loop.call_soon_threadsafe(settle, result)
 
         async def run() -> None:
             with scope:
                 try:
                     result = await fn(*args, **kwargs)
                 except trio.Cancelled:
-                    if not future.done():
-                        future.set_exception(EngineClosed(
-                            "the engine closed while this call ran"))
+                    hand(outcome.Error(EngineClosed("the engine closed while this call ran")))
                     raise
                 except BaseException as exc:
-                    if not future.done():
-                        future.set_exception(exc)
+                    hand(outcome.Error(exc))
                     return
-                if not future.done():
-                    future.set_result(result)
-            if not future.done():  # cancelled from the asyncio side before it finished
-                future.cancel()
+                hand(outcome.Value(result))
+                return
+            hand(None)  # cancelled from the asyncio side before it finished
 
         def start() -> None:
             try:
                 self._nursery.start_soon(run)
             except RuntimeError:  # the nursery closed meanwhile
-                future.set_exception(EngineClosed("the engine is closed"))
+                hand(outcome.Error(EngineClosed("the engine is closed")))
 
-        # Called directly, not through the TrioToken: guest mode runs trio on this thread and
-        # trio is between ticks whenever asyncio code runs, so the spawn only has to wake it
-        # (Runner.reschedule does). The token's queue would cost a trio tick more, an asyncio
-        # loop turn, before the call even starts.
-        start()
+        if self._guest:
+            # Called directly, not through the TrioToken: guest mode runs trio on this thread
+            # and trio is between ticks whenever asyncio code runs, so the spawn only has to
+            # wake it (Runner.reschedule does). The token's queue would cost a trio tick more,
+            # an asyncio loop turn, before the call even starts.
+            start()
+        else:
+            try:
+                self._token.run_sync_soon(start)
+            except trio.RunFinishedError:
+                raise _closed_error() from None
         try:
             return await future
         except asyncio.CancelledError:
-            scope.cancel()
+            if self._guest:
+                scope.cancel()
+            else:
+                with suppress(trio.RunFinishedError):  # a scope is cancelled on its own loop
+                    self._token.run_sync_soon(scope.cancel)
             raise
 
     async def add_turn(self, user_id: str, session_id: str, role: str, text: str,
@@ -175,19 +258,29 @@ class Engine:
                         ) -> Receipt:
         """Add a turn without awaiting: it is in the session's window when this returns.
 
-        Call it from the asyncio loop's thread (any coroutine or callback of that loop).
+        Call it from the asyncio loop's thread (any coroutine or callback of that loop). In
+        guest mode it costs what the native call costs; on a trio thread of its own
+        (``trio_loop="thread"``) it blocks for one round trip to that thread.
 
         Raises:
             trio.WouldBlock: the store's queue is full; ``await add_turn(...)`` waits instead.
             InvalidInput / EngineClosed: as :meth:`engine.Engine.add_turn`.
         """
         if self._closed:
-            raise EngineClosed("the engine is closed; open a new one with Engine.open(path)")
-        # No wake-up call needed: if this reschedules the store's writer while trio waits for
-        # I/O, trio's guest mode forces a tick itself (Runner.reschedule), and if the writer
-        # is busy committing it takes the turn with its next batch.
-        return Receipt(self._native.add_turn_nowait(user_id, session_id, role, text, at, meta),
-                       self)
+            raise _closed_error()
+        if self._guest:
+            # No wake-up call needed: if this reschedules the store's writer while trio waits
+            # for I/O, trio's guest mode forces a tick itself (Runner.reschedule), and if the
+            # writer is busy committing it takes the turn with its next batch.
+            native = self._native.add_turn_nowait(user_id, session_id, role, text, at, meta)
+        else:
+            try:  # the window and the store's queue belong to the engine's thread
+                native = trio.from_thread.run_sync(
+                    self._native.add_turn_nowait, user_id, session_id, role, text, at, meta,
+                    trio_token=self._token)
+            except trio.RunFinishedError:
+                raise _closed_error() from None
+        return Receipt(native, self)
 
     @staticmethod
     async def restore(snapshot_dir: str | os.PathLike[str], store_path: str | os.PathLike[str],

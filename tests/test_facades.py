@@ -1,5 +1,6 @@
-"""The asyncio facade (trio in guest mode on asyncio) and the blocking facade (trio in a
-thread): same methods, errors raised on the caller's side, clean close."""
+"""The asyncio facade (trio in guest mode on asyncio, or on a thread of its own) and the
+blocking facade (trio in a thread): same methods, errors raised on the caller's side, clean
+close. The asyncio tests run once per way of hosting trio."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from engine._bridge import MIRRORED
 
 from .conftest import open_engine
 
+# Every asyncio test runs with trio in guest mode on the loop and with trio on its own thread.
+trio_loops = pytest.mark.parametrize("trio_loop", ["guest", "thread"])
+
 
 def test_both_facades_mirror_every_coroutine_method() -> None:
     """Every public coroutine method of the trio Engine is on both facades, with its docs."""
@@ -24,12 +28,15 @@ def test_both_facades_mirror_every_coroutine_method() -> None:
     assert aio.Engine.recall.__doc__ == sync.Engine.recall.__doc__ is not None
 
 
-def test_asyncio_facade_ingests_recalls_and_closes(tmp_path) -> None:
+@trio_loops
+def test_asyncio_facade_ingests_recalls_and_closes(tmp_path, trio_loop) -> None:
     """Under asyncio.run: add_turn_nowait and awaited calls, durable receipts, errors of the
     engine's own types, concurrent calls, and the store intact on reopen."""
 
     async def main() -> None:
-        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder(),
+                                   trio_loop=trio_loop) as mem:
+            assert mem.trio_loop == trio_loop
             receipt = mem.add_turn_nowait("ana", "s1", "user", "I moved to Lisbon")
             assert receipt.seq == 0
             await receipt.durable()
@@ -51,18 +58,21 @@ def test_asyncio_facade_ingests_recalls_and_closes(tmp_path) -> None:
             await mem.recall("ana", "dog")
         with pytest.raises(EngineClosed):
             mem.add_turn_nowait("ana", "s1", "user", "late")
-        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as again:
+        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder(),
+                                   trio_loop=trio_loop) as again:
             assert len(await again.session_history("ana", "s1")) == 2
 
     asyncio.run(main())
 
 
+@trio_loops
 def test_asyncio_cancellation_cancels_the_trio_call_and_leaves_the_engine_usable(
-        tmp_path) -> None:
+        tmp_path, trio_loop) -> None:
     """A timed-out awaited call is cancelled on the trio side too; the engine goes on."""
 
     async def main() -> None:
-        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder(),
+                                   trio_loop=trio_loop) as mem:
             receipt = mem.add_turn_nowait("ana", "s1", "user", "hello")
             task = asyncio.ensure_future(mem.flush())
             task.cancel()
@@ -74,27 +84,32 @@ def test_asyncio_cancellation_cancels_the_trio_call_and_leaves_the_engine_usable
     asyncio.run(main())
 
 
-def test_asyncio_open_failure_raises_on_the_asyncio_side(tmp_path) -> None:
+@trio_loops
+def test_asyncio_open_failure_raises_on_the_asyncio_side(tmp_path, trio_loop) -> None:
     """A bad config fails the open with the engine's error, and no trio run is left behind."""
 
     async def main() -> None:
         with pytest.raises(InvalidInput, match="config"):
             async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder(),
-                                       config={"window_turns": 0}):
+                                       config={"window_turns": 0}, trio_loop=trio_loop):
                 pass
 
     asyncio.run(main())
 
 
-def test_an_exception_in_the_asyncio_body_comes_out_and_the_store_is_closed(tmp_path) -> None:
+@trio_loops
+def test_an_exception_in_the_asyncio_body_comes_out_and_the_store_is_closed(
+        tmp_path, trio_loop) -> None:
     """The body's own error propagates unchanged after the engine drained and closed."""
 
     async def main() -> None:
         with pytest.raises(KeyError):
-            async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+            async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder(),
+                                       trio_loop=trio_loop) as mem:
                 mem.add_turn_nowait("ana", "s1", "user", "kept")
                 raise KeyError("boom")
-        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder(),
+                                   trio_loop=trio_loop) as mem:
             assert [t.text for t in await mem.session_history("ana", "s1")] == ["kept"]
 
     asyncio.run(main())
@@ -162,7 +177,7 @@ from engine import HashEmbedder
 from engine.aio import Engine
 
 async def main():
-    async with Engine.open(sys.argv[1], embedder=HashEmbedder()) as mem:
+    async with Engine.open(sys.argv[1], embedder=HashEmbedder(), trio_loop=sys.argv[2]) as mem:
         mem.add_turn_nowait("ana", "s1", "user", "said before Ctrl-C")
         print("ready", flush=True)
         await asyncio.sleep(3600)
@@ -171,14 +186,15 @@ asyncio.run(main())
 """
 
 
-def test_asyncio_facade_closes_cleanly_on_ctrl_c(tmp_path) -> None:
+@trio_loops
+def test_asyncio_facade_closes_cleanly_on_ctrl_c(tmp_path, trio_loop) -> None:
     """SIGINT to an asyncio program: asyncio cancels the body, the engine drains and closes,
     and the acknowledged turn is on disk."""
     import signal
     import subprocess
     import sys
 
-    with subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT, str(tmp_path / "s")],
+    with subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT, str(tmp_path / "s"), trio_loop],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True) as process:
         try:
@@ -194,19 +210,22 @@ def test_asyncio_facade_closes_cleanly_on_ctrl_c(tmp_path) -> None:
     assert "EngineBroken" not in err
 
     async def reopen() -> list[str]:
-        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder(),
+                                   trio_loop=trio_loop) as mem:
             return [t.text for t in await mem.session_history("ana", "s1")]
 
     assert asyncio.run(reopen()) == ["said before Ctrl-C"]
 
 
-def test_asyncio_open_cancelled_midway_closes_what_it_opened(tmp_path) -> None:
+@trio_loops
+def test_asyncio_open_cancelled_midway_closes_what_it_opened(tmp_path, trio_loop) -> None:
     """A task cancelled while the engine opens does not leave the engine running: the store
     can be opened again at once (a running engine would hold it)."""
 
     async def main() -> None:
         async def open_forever() -> None:
-            async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder()):
+            async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder(),
+                                       trio_loop=trio_loop):
                 await asyncio.sleep(3600)
 
         task = asyncio.ensure_future(open_forever())
@@ -214,7 +233,45 @@ def test_asyncio_open_cancelled_midway_closes_what_it_opened(tmp_path) -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder(),
+                                   trio_loop=trio_loop) as mem:
             assert await mem.list_sessions("ana") == []
+
+    asyncio.run(main())
+
+
+def test_a_second_asyncio_engine_on_one_loop_runs_trio_on_its_own_thread(tmp_path) -> None:
+    """Guest mode hosts one trio run per thread: a second engine on the same loop runs trio
+    on a thread of its own by itself, and both serve their stores side by side."""
+
+    async def main() -> None:
+        async with aio.Engine.open(tmp_path / "a", embedder=HashEmbedder()) as first:
+            with pytest.raises(InvalidInput, match="trio_loop: expected 'thread' or 'auto'"):
+                async with aio.Engine.open(tmp_path / "b", embedder=HashEmbedder(),
+                                           trio_loop="guest"):
+                    pass
+            async with aio.Engine.open(tmp_path / "b", embedder=HashEmbedder()) as second:
+                assert (first.trio_loop, second.trio_loop) == ("guest", "thread")
+                first.add_turn_nowait("ana", "s1", "user", "to the first store")
+                await second.add_turn("ana", "s1", "user", "to the second store", durable=True)
+                second.add_turn_nowait("ana", "s1", "user", "and once more")
+                assert [t.text for t in await first.session_history("ana", "s1")] == [
+                    "to the first store"]
+                assert [t.text for t in await second.session_history("ana", "s1")] == [
+                    "to the second store", "and once more"]
+            assert not [t for t in threading.enumerate() if t.name == "engram-trio-aio"]
+
+    asyncio.run(main())
+
+
+def test_asyncio_open_refuses_an_unknown_trio_loop(tmp_path) -> None:
+    """trio_loop names where trio runs; anything else is refused before a store is opened."""
+
+    async def main() -> None:
+        with pytest.raises(InvalidInput, match="trio_loop: expected one of 'auto', 'guest', "
+                                               "'thread', found 'process'"):
+            async with aio.Engine.open(tmp_path / "s", trio_loop="process"):
+                pass
+        assert not (tmp_path / "s").exists()
 
     asyncio.run(main())
