@@ -172,10 +172,16 @@ FACADES = {
 }
 
 
-def median_of(rounds: list[dict[str, Any]], facade: str, call: str) -> dict[str, float]:
-    """A call's figures, each the median of that figure over the rounds."""
+def median_of(rounds: list[dict[str, Any]], facade: str, call: str) -> dict[str, Any]:
+    """A call's figures, each the median of that figure over the rounds (the CDF's level by
+    level)."""
     keys = rounds[0][facade][call]
-    return {k: statistics.median(r[facade][call][k] for r in rounds) for k in keys}
+    figures: dict[str, Any] = {}
+    for key in keys:
+        values = [r[facade][call][key] for r in rounds]
+        figures[key] = ([statistics.median(level) for level in zip(*values, strict=True)]
+                        if isinstance(values[0], list) else statistics.median(values))  # cdf
+    return figures
 
 
 def targets(result: dict[str, Any]) -> dict[str, Any]:
