@@ -43,8 +43,8 @@ from .base.errors import EngineBroken, EngineClosed, EngineError, ModelMissing
 
 from .base.messages import EmbedRequest, PutState, PutVectors, Searchable
 from .ann_index import encode_vector
-from .store import (ModelInfo, Store, failure_put, read_log_range, read_searchables,
-                    stored_model)
+from .store import (Damaged, ModelInfo, Store, damage_puts, failure_put, read_log_range,
+                    read_searchables, stored_model)
 
 # The Rust tokenizer's own thread pool would compete with onnxruntime and the trio thread for
 # 2 cores; the actor already runs it off the loop. Set before the first encode; a caller's own
@@ -572,9 +572,13 @@ class Embedder:
             await self._embed_backlog(store, on_vectors)
             while True:
                 await store.wait_commit_beyond(self.embedded_lsn)
+                damaged: list[Damaged] = []
                 records, _, last = await store.read(
-                    read_log_range, self.embedded_lsn, store.committed_lsn, FOLLOW_CHUNK
+                    read_log_range, self.embedded_lsn, store.committed_lsn, FOLLOW_CHUNK, damaged
                 )
+                if damaged:  # kept as failures; the vectors go on without those records
+                    await store.write_unlogged(PutState(damage_puts("embedder", damaged), (),
+                                                        trio.Event()))
                 batches = await self._token_batches(records)
                 await self._embed_in_order(store, batches, last, on_vectors)
                 self.embedded_lsn = last

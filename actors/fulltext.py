@@ -46,7 +46,7 @@ import trio
 from .base.errors import EngineBroken, EngineClosed
 
 from .base.messages import PutState, Searchable
-from .store import Store, failure_put, read_log_range, read_searchables
+from .store import Damaged, Store, damage_puts, failure_put, read_log_range, read_searchables
 
 __all__ = ["FullText", "TextFilters"]
 
@@ -291,9 +291,13 @@ class FullText:
                 except EngineClosed:
                     return
                 continue
+            damaged: list[Damaged] = []
             try:
                 records, deleted, last = await store.read(
-                    read_log_range, self._read_lsn, store.committed_lsn, FOLLOW_CHUNK)
+                    read_log_range, self._read_lsn, store.committed_lsn, FOLLOW_CHUNK, damaged)
+                if damaged:  # kept as failures; the index goes on without those records
+                    await store.write_unlogged(PutState(damage_puts("fulltext", damaged), (),
+                                                        trio.Event()))
             except EngineClosed:
                 return
             if records or deleted:

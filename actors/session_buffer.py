@@ -21,6 +21,7 @@ import msgspec
 from .base.config import Config
 from .base.records import SessionInfo, Turn
 
+from .base.errors import StoreCorrupt
 from .base.messages import AppendTurn
 from .store import Store, read_session_tail, read_sessions, session_prefix, user_prefix
 
@@ -116,7 +117,8 @@ class SessionBuffer:
         warm = [(i.user_id, i.session_id) for i in infos[: self._live_windows]]
         tails = await self._store.read(_read_tails, warm, self._window_turns)
         for (user_id, session_id), tail in zip(reversed(warm), reversed(tails), strict=True):
-            self._set_window(self._users[user_id][session_id], tail)
+            if tail is not None:  # a damaged tail stays on disk: its reader gets the error
+                self._set_window(self._users[user_id][session_id], tail)
 
     # -- the hot path ------------------------------------------------------------------------
 
@@ -253,5 +255,14 @@ class SessionBuffer:
         return len(self._users), sessions, turns, len(self._live)
 
 
-def _read_tails(txn: Any, dbs: Any, keys: list[tuple[str, str]], limit: int) -> list[list[Turn]]:
-    return [read_session_tail(txn, dbs, u, s, limit, None) for u, s in keys]
+def _read_tails(txn: Any, dbs: Any, keys: list[tuple[str, str]],
+                limit: int) -> list[list[Turn] | None]:
+    """The sessions' latest turns; None for a session whose tail holds a record that fails its
+    check (the engine opens all the same; reading that session raises StoreCorrupt)."""
+    tails: list[list[Turn] | None] = []
+    for user_id, session_id in keys:
+        try:
+            tails.append(read_session_tail(txn, dbs, user_id, session_id, limit, None))
+        except StoreCorrupt:
+            tails.append(None)
+    return tails

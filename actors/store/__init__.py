@@ -56,13 +56,21 @@ from .reads import (
     read_turn_contexts,
     read_user_counts,
 )
-from .replay import LogFollower, read_log_range, read_searchables, searchable_at, turn_tags
+from .replay import (
+    Damaged,
+    LogFollower,
+    damage_puts,
+    read_log_range,
+    read_searchables,
+    searchable_at,
+    turn_tags,
+)
 from .store import Store
 from .vectors import ModelInfo, read_user_vectors, stored_model
 
 __all__ = [
     "LOG_EPISODE", "LOG_FACT", "LOG_NOTE", "LOG_TOMBSTONE", "LOG_TURN", "MAX_DBS", "MIGRATIONS",
-    "LogFollower", "Memory", "ModelInfo", "Store", "check_chain", "clean_copy", "count_failures",
+    "Damaged", "LogFollower", "damage_puts", "Memory", "ModelInfo", "Store", "check_chain", "clean_copy", "count_failures",
     "decode_entity", "decode_episode", "decode_fact", "decode_failure", "decode_pending",
     "decode_review", "entity_key", "episode_key", "fact_key", "failure_put", "lsn_key",
     "open_databases", "read_entities", "read_entity_keys", "read_episodes", "read_facts",

@@ -7,13 +7,13 @@ from __future__ import annotations
 import logging
 from array import array
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import lmdb
 import trio
 
 from ..base.records import Episode, Fact, Turn
-from ..base.errors import EngineBroken, EngineClosed
+from ..base.errors import EngineBroken, EngineClosed, StoreCorrupt
 from ..base.messages import PutState, Searchable
 from .layout import (
     LOG_EPISODE,
@@ -63,8 +63,12 @@ class LogFollower:
             task_status.started()
             while True:
                 await store.wait_commit_beyond(self.watermark)
+                damaged: list[Damaged] = []
                 records, _, last = await store.read(read_log_range, self.watermark,
-                                                    store.committed_lsn, self._chunk)
+                                                    store.committed_lsn, self._chunk, damaged)
+                if damaged:  # kept as failures; the step goes on without them
+                    await store.write_unlogged(PutState(damage_puts(self.name, damaged), (),
+                                                        trio.Event()))
                 try:
                     await self._step(records, last)
                 except (EngineClosed, EngineBroken):
@@ -113,9 +117,14 @@ class LogFollower:
 
 
 def read_log_range(
-    txn: lmdb.Transaction, dbs: dict[bytes, Any], after: int, upto: int, limit: int
+    txn: lmdb.Transaction, dbs: dict[bytes, Any], after: int, upto: int, limit: int,
+    damaged: list[Damaged] | None = None,
 ) -> tuple[list[Searchable], list[int], int]:
     """What was logged in (after, upto], in log order, at most ``limit`` records.
+
+    Args:
+        damaged: if given, a record that fails its check (StoreCorrupt, StoreTampered) is
+            skipped and listed here, for the follower to keep as a failure; else it raises.
 
     Returns:
         (searchable records, lsns deleted by tombstones in the range, the last lsn looked at).
@@ -143,12 +152,40 @@ def read_log_range(
                     deleted.append(replaces)
             elif kind == LOG_FACT:
                 deleted.extend(_fact_entry_lsns(entry)[0])
-            record = searchable_at(txn, dbs, lsn, entry)
+            try:
+                record = searchable_at(txn, dbs, lsn, entry)
+            except StoreCorrupt as exc:
+                if damaged is None:
+                    raise
+                damaged.append(Damaged(lsn, _owner(exc.key), exc))
+                continue
             if record is not None:
                 found.append(record)
     if len(found) < limit:
         last = max(last, upto)
     return found, deleted, last
+
+
+class Damaged(NamedTuple):
+    """A logged record a follower could not read: its lsn, the user its key names (records are
+    keyed user first), and the error saying what is wrong with it."""
+
+    lsn: int
+    user_id: str
+    error: StoreCorrupt
+
+
+def _owner(key: bytes | None) -> str:
+    return "" if key is None else key.split(b"\x00", 1)[0].decode("utf-8", "replace")
+
+
+def damage_puts(follower: str,
+                damaged: list[Damaged]) -> tuple[tuple[bytes, bytes, bytes, int], ...]:
+    """The failures a follower keeps for the records it skipped as damaged."""
+    for d in damaged:
+        log.warning("%s: record %d is damaged and is kept as a failure: %s", follower, d.lsn,
+                    d.error)
+    return tuple(failure_put(d.lsn, follower, d.user_id, "", d.error) for d in damaged)
 
 
 def searchable_at(txn: lmdb.Transaction, dbs: dict[bytes, Any], lsn: int,
