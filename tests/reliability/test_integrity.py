@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -288,6 +289,32 @@ def test_a_truncated_data_file_is_refused_without_a_crash(store, tmp_path) -> No
     cli = subprocess.run([sys.executable, "-m", "engine", "verify", str(store)],
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode == 1 and "cut short" in cli.stdout
+
+
+def test_a_read_only_open_checks_the_heads_mac(tmp_path) -> None:
+    """A reader (Engine.open read_only, as `engram-trio stats`, `inspect` and `snapshot` open a
+    store another process serves) checks the chain head's MAC as the owner does: a cut tail
+    behind a head rebuilt without the key is refused, and so is a sealed store without the key."""
+    store = tmp_path / "store"
+    _build(store, key=KEY)
+    with Raw(store) as raw:
+        last = int.from_bytes(raw.txn.get(b"last_lsn", db=raw.db("meta")), "big")
+        digest = raw.get("chain", (last - 1).to_bytes(8, "big"))[:16]
+        raw.put("meta", b"chain_head", (last - 1).to_bytes(8, "big") + digest + b"\0" * 32)
+        raw.put("meta", b"last_lsn", (last - 1).to_bytes(8, "big"))
+
+    async def read_only(**config) -> None:
+        async with open_engine(store, read_only=True, config=config) as mem:
+            await mem.session_history("ana", "s1")
+
+    with pytest.raises(StoreTampered, match=r"MAC of the hash-chain head does not match"):
+        trio.run(functools.partial(read_only, integrity_key=KEY))
+    with pytest.raises(StoreIncompatible, match=r"sealed with an integrity key"):
+        trio.run(read_only)
+    cli = subprocess.run([sys.executable, "-m", "engine", "stats", str(store)], text=True,
+                         capture_output=True, timeout=120,
+                         env={**os.environ, "ENGRAM_INTEGRITY_KEY": KEY})
+    assert cli.returncode != 0 and "MAC of the hash-chain head does not match" in cli.stderr
 
 
 def test_a_sealed_store_opens_only_with_its_key(tmp_path) -> None:
