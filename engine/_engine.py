@@ -40,7 +40,7 @@ from actors.embedder import (
 from actors.extraction import Extractor, RuleExtractor
 from actors.session_buffer import Receipt
 
-from . import _stats
+from . import _browse, _stats
 from ._args import check_count, check_texts
 from ._briefing import Briefing
 from ._context import context_for_prompt
@@ -57,6 +57,7 @@ from ._owner import OwnerLock, claim_in_process, release_in_process
 from ._parts import Clock
 from ._recall import Recall
 from actors.base.records import (
+    Entity,
     Episode,
     Fact,
     Failure,
@@ -335,6 +336,7 @@ class Engine:
         tags: Iterable[str] | None = None,
         link_depth: int | None = None,
         budget_tokens: int | None = None,
+        legs: Iterable[str] | None = None,
     ) -> Hits:
         """The user's memories that best match ``query``: vector, BM25, entity and window legs
         fused by weighted z-scores, neighbouring turns and covering episodes lifting the turns
@@ -355,6 +357,8 @@ class Engine:
             tags: keep memories carrying any of these tags (a turn's ``meta["tags"]``).
             link_depth: hops along links, both directions (default: the focus level's, else 0).
             budget_tokens: keep the best hits whose text fits (~4 characters a token).
+            legs: the search legs that run, among ``vector``, ``bm25``, ``entity`` and
+                ``window`` (default: all), to see what each finds alone or without another.
 
         Returns:
             :class:`Hits` (a list of :class:`Hit`), best first; linked memories follow the
@@ -365,7 +369,8 @@ class Engine:
         """
         return await self._recall.recall(
             user_id, query, limit, focus=focus, session_id=session_id, since=since, until=until,
-            roles=roles, kinds=kinds, tags=tags, link_depth=link_depth, budget_tokens=budget_tokens)
+            roles=roles, kinds=kinds, tags=tags, link_depth=link_depth, budget_tokens=budget_tokens,
+            legs=legs)
 
     async def retrieve_memory(self, user_id: str, query: str, conversation_id: str | None = None,
                               episodic_limit: int = 5, semantic_limit: int = 20,
@@ -625,6 +630,44 @@ class Engine:
         """Counts of the user's memories by kind (turns, episodes, active facts, notes,
         entities) and when the latest turn was said (seed 004's memory_stats)."""
         return await _stats.memory_stats(self._parts, user_id)
+
+    # -- listings (engine/_browse.py: what the inspector and operators browse) ---------------
+
+    @property
+    def path(self) -> Path:
+        """The store directory this engine serves (for ``Engine.verify`` beside it)."""
+        return self._parts.store.path
+
+    async def list_users(self) -> list[str]:
+        """Every user with at least one session, sorted."""
+        return await _browse.list_users(self._parts)
+
+    async def list_notes(self, user_id: str) -> list[Note]:
+        """The user's notes (current versions), most recently updated first.
+
+        Raises:
+            InvalidInput: a bad user id.
+        """
+        return await _browse.list_notes(self._parts, user_id)
+
+    async def list_entities(self, user_id: str) -> list[Entity]:
+        """The entities the user's memories mention, most mentioned first (details and the
+        memories mentioning one: :meth:`entity_info`).
+
+        Raises:
+            InvalidInput: a bad user id.
+        """
+        return await _browse.list_entities(self._parts, user_id)
+
+    async def fact_versions(self, user_id: str) -> list[Fact]:
+        """Every version of every fact of the user, superseded, pruned and retracted ones
+        included, by category and key and each key's versions oldest first (one key's:
+        :meth:`fact_history`).
+
+        Raises:
+            InvalidInput: a bad user id.
+        """
+        return await _browse.fact_versions(self._parts, user_id)
 
     # -- maintenance and tools ---------------------------------------------------------------
 

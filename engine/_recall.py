@@ -22,7 +22,7 @@ from ._briefing import Briefing, render_markdown
 from ._hits import Hits, RetrieveResult
 from ._parts import Parts
 from actors.base.records import PendingReview
-from ._retrieval import FOCUS_LEVELS, Retriever, focus_settings
+from ._retrieval import FOCUS_LEVELS, LEGS, Retriever, focus_settings
 from actors.base.errors import InvalidInput
 
 __all__ = ["Recall"]
@@ -43,7 +43,7 @@ class Recall:
     async def recall(self, user_id: Any, query: Any, limit: Any, *, focus: Any,
                      session_id: Any, since: Any, until: Any, roles: Iterable[str] | None,
                      kinds: Iterable[str] | None, tags: Iterable[str] | None, link_depth: Any,
-                     budget_tokens: Any) -> Hits:
+                     budget_tokens: Any, legs: Iterable[str] | None = None) -> Hits:
         parts = self._parts
         parts.check_open()
         parts.check_lookup_ids(user_id)
@@ -68,7 +68,8 @@ class Recall:
         hits = await self._retriever.recall(  # may or may not have served this query
             user_id, query, limit=limit, session_id=session_id, since=since, until=until,
             roles=choices("roles", roles, ROLES), kinds=choices("kinds", kinds, KINDS),
-            link_depth=link_depth, budget_tokens=budget_tokens, tags=check_tags(tags))
+            link_depth=link_depth, budget_tokens=budget_tokens, tags=check_tags(tags),
+            legs=choices("legs", legs, LEGS) or LEGS)
         return Hits(hits, degraded + tuple(leg for leg in parts.degraded()
                                            if leg not in degraded))
 

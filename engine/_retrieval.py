@@ -64,13 +64,14 @@ from ._hits import Explain, Hit, estimate_tokens, hit_for
 from actors.base.records import Episode, Fact, Note, Turn
 from actors.base.errors import EngineBroken, EngineClosed, EngineError
 
-__all__ = ["FOCUS_LEVELS", "Retriever", "focus_settings", "fuse", "one_error", "pack"]
+__all__ = ["FOCUS_LEVELS", "LEGS", "Retriever", "focus_settings", "fuse", "one_error", "pack"]
 
 CANDIDATES_PER_LEG = 100  # per leg before fusion, at least (2 x limit when that is more)
 # Weights of the legs' z-scores. BM25 and vectors weigh the same (chosen on the LoCoMo dev split
 # among 0.3-0.7 for BM25, checked on the generated set); the window leg stands in for BM25 on
 # turns not yet indexed; the entity leg only adds to what names a rare entity.
 LEG_WEIGHTS = {"bm25": 0.5, "vector": 0.5, "window": 0.5, "entity": 0.1}
+LEGS = ("vector", "bm25", "entity", "window")  # the search legs; recall(legs=) picks some
 MIN_COSINE = 0.2  # a candidate only the vector leg found needs this similarity to the query
 NEIGHBOUR_LIFT = (0.3, 0.1)  # share of a turn's fused score given to turns 1 and 2 seqs away
 EPISODE_LIFT = 0.1  # share of an episode's fused score given to each of its best turns
@@ -138,7 +139,7 @@ class Retriever:
                      link_depth: int, budget_tokens: int | None,
                      tags: tuple[str, ...] | None = None,
                      only: list[int] | None = None,
-                     legs: tuple[str, ...] = ("vector", "bm25", "entity", "window")
+                     legs: tuple[str, ...] = LEGS
                      ) -> list[Hit]:
         """The pipeline; arguments are validated by the facade. ``only``: these lsns and no
         others (the facts a category or importance filter admits), applied in every index.

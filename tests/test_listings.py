@@ -1,0 +1,57 @@
+"""What the inspector browses through the public API: users, a user's notes, entities and
+every fact version, and recall restricted to some of its legs."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import InvalidInput
+
+
+async def test_listings_show_each_users_own_records_and_nothing_else(mem) -> None:
+    """list_users names every user with a session; list_notes, list_entities and
+    fact_versions list one user's records only, retired fact versions included."""
+    await mem.add_turn("ana", "s1", "user", "I met Bruno in Lisbon yesterday")
+    await mem.add_turn("ana", "s1", "user", "Bruno loves Lisbon and Porto")
+    await mem.add_turn("bo", "s9", "user", "Carla lives in Madrid")
+    older = await mem.store_note("ana", "likes jazz", tags=["music"])
+    newer = await mem.store_note("ana", "plays the piano")
+    await mem.store_note("bo", "bo's note")
+    await mem.remember_fact("ana", "identity", "location", "Lisbon")
+    await mem.correct_fact("ana", "identity", "location", "Porto")
+    await mem.remember_fact("ana", "preference", "drink", "tea")
+    await mem.forget_fact("ana", "preference", "drink")
+    await mem.flush()
+
+    assert await mem.list_users() == ["ana", "bo"]
+    assert (mem.path / "data.mdb").exists()
+    assert [n.note_id for n in await mem.list_notes("ana")] == [newer.note_id, older.note_id]
+    assert (await mem.list_notes("ana"))[1].tags == ("music",)
+    names = [e.name.lower() for e in await mem.list_entities("ana")]
+    assert names[0] in {"bruno", "lisbon"} and {"bruno", "lisbon", "porto"} <= set(names)
+    assert "carla" not in names and "madrid" not in names
+    versions = await mem.fact_versions("ana")
+    assert [(f.key, f.value, f.status) for f in versions if f.key == "location"] == [
+        ("location", "Lisbon", "superseded"), ("location", "Porto", "active")]
+    assert [(f.value, f.status) for f in versions if f.key == "drink"] == [
+        ("tea", "retracted")]
+    assert [f.user_id for f in await mem.fact_versions("bo")] == []
+    assert await mem.list_notes("nobody") == [] and await mem.list_entities("nobody") == []
+    with pytest.raises(InvalidInput, match="user_id"):
+        await mem.list_notes("")
+
+
+async def test_recall_runs_only_the_legs_asked_for(mem) -> None:
+    """legs= runs those legs alone: each hit's explain ranks only them; an unknown leg is
+    refused naming the field."""
+    await mem.add_turn("ana", "s1", "user", "my dog Pixel chases the postman")
+    await mem.add_turn("ana", "s1", "user", "the weather was grey all week")
+    await mem.flush()
+    both = await mem.recall("ana", "dog Pixel", kinds=["turn"])
+    assert {"bm25", "vector"} <= set(both[0].explain.ranks)
+    only_bm25 = await mem.recall("ana", "dog Pixel", kinds=["turn"], legs=["bm25"])
+    assert only_bm25 and all(set(h.explain.ranks) <= {"bm25"} for h in only_bm25
+                             if h.explain is not None)
+    assert only_bm25[0].via == ("bm25",)
+    with pytest.raises(InvalidInput, match=r"legs: expected values among .*found 'bm26'"):
+        await mem.recall("ana", "dog", legs=["bm26"])
