@@ -154,9 +154,11 @@ class Edge:
         started = time.perf_counter()
         status = 500
         headers = scope.get("headers", [])
-        if scope.get("method") in ("POST", "PUT", "PATCH"):
-            # Every body here is JSON: read it as JSON whatever it is labelled, so that
-            # `curl -d '{...}'` (form-encoded by default) works as written.
+        if scope.get("method") in ("POST", "PUT", "PATCH") and not scope.get(
+                "path", "").startswith("/ui/"):
+            # Every API body is JSON: read it as JSON whatever it is labelled, so that
+            # `curl -d '{...}'` (form-encoded by default) works as written. The inspector's
+            # pages (/ui) post real forms.
             headers = [(n, v) for n, v in headers if n != b"content-type"]
             headers.append((b"content-type", b"application/json"))
             scope = {**scope, "headers": headers}

@@ -56,6 +56,8 @@ class RecallIn(_Body):
     tags: list[str] | None = None
     link_depth: int | None = Field(None, ge=0)
     budget_tokens: int | None = Field(None, ge=1)
+    legs: list[Literal["vector", "bm25", "entity", "window"]] | None = Field(
+        None, description="the search legs that run (default: all)", examples=[["bm25"]])
 
 
 class RetrieveIn(_Body):

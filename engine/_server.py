@@ -2,7 +2,8 @@
 inside the engine's own ``async with`` (one process, one trio loop, no thread hops).
 
 ``engram-trio serve STORE`` runs :func:`serve`; :func:`create_app` builds the app around an
-engine you already opened (tests drive it with httpx's ASGI transport).
+engine you already opened (tests drive it with httpx's ASGI transport). The inspector's pages
+(``engine/ui``) are mounted at ``/ui`` on the same engine and keys.
 
 Auth: with an api-keys file every ``/v1`` route needs ``Authorization: Bearer <key>``; a key
 lists the users it may read and write (``*``: all, the admin key). Without a file there is no
@@ -59,6 +60,7 @@ from ._http_wire import (
 )
 from ._tools import TOOLS
 from actors.base.errors import EngineError, InvalidInput
+from .ui import create_ui
 
 __all__ = ["create_app", "serve", "load_api_keys", "ApiKeys", "STATUS_BY_ERROR"]
 
@@ -101,6 +103,9 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
                     "Send `Authorization: Bearer <key>` when the server has an api-keys file.")
     metrics = Metrics()
     app.add_middleware(Edge, metrics=metrics, max_body=max_body_bytes)
+    # The inspector's pages, on the same engine and keys (engine/ui).
+    ui = create_ui(engine, keys)
+    app.mount("/ui", ui)
 
     async def caller(request: Request) -> Caller:
         if keys is None:
@@ -405,8 +410,9 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     async def snapshot(body: SnapshotIn, who: Who) -> Response:
         """A point-in-time snapshot to a directory on the server, taken while serving."""
         who.check_admin()
-        return Response(msgspec.json.encode(await engine.snapshot(body.dest)),
-                        media_type="application/json")
+        manifest = await engine.snapshot(body.dest)
+        ui.state.journal.snapshot_taken(body.dest, manifest)  # the operator view lists it
+        return Response(msgspec.json.encode(manifest), media_type="application/json")
 
     return app
 

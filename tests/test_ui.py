@@ -1,0 +1,220 @@
+"""The inspector's pages (engine/ui) over the ASGI app: the API's keys, sign-in by cookie,
+cross-site protection of every action, escaping, and what each page shows."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine import Engine
+from engine._server import create_app, load_api_keys
+
+from .conftest import open_engine
+
+ANA_KEY, BO_KEY, ADMIN_KEY = "ana-secret", "bo-secret", "admin-secret"
+HOSTILE = "<script>alert('boo')</script> & <b>bold</b>"
+
+
+@pytest.fixture
+async def engine(store_path, clock) -> AsyncIterator[Engine]:
+    async with open_engine(store_path, clock=clock) as mem:
+        yield mem
+
+
+@pytest.fixture
+def keys(tmp_path: Path):
+    path = tmp_path / "keys"
+    hashed = hashlib.sha256(BO_KEY.encode()).hexdigest()
+    path.write_text(f"{ANA_KEY} ana\nsha256:{hashed} bo\n{ADMIN_KEY} *\n")
+    return load_api_keys(path)
+
+
+def browser(app, key: str | None = None, **headers: str) -> httpx.AsyncClient:
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engram",
+                             headers=headers)
+
+
+def csrf_of(html: str) -> str:
+    return re.search(r'name="csrf" value="([0-9a-f]+)"', html).group(1)
+
+
+async def seed(mem: Engine) -> dict[str, str]:
+    """Two users; ana with a hostile turn, a closed session (an episode), facts, a note."""
+    first = await mem.add_turn("ana", "s1", "user", "I live in Lisbon with my dog Pixel")
+    await mem.add_turn("ana", "s1", "user", HOSTILE)
+    for i in range(6):
+        await mem.add_turn("ana", "s2", "user", f"practising the piano, scale {i}")
+    await mem.close_session("ana", "s2")
+    await mem.add_turn("bo", "b1", "user", "bo's own secret turn")
+    note = await mem.store_note("ana", "likes jazz", tags=["music"])
+    await mem.link("ana", note.note_id, first.turn_id, "about")
+    await mem.remember_fact("ana", "preference", "drink", "tea")
+    await mem.correct_fact("ana", "preference", "drink", "coffee")
+    await mem.flush()
+    return {"turn": first.turn_id, "note": note.note_id}
+
+
+async def test_no_key_is_401_with_sign_in_another_users_key_403_and_admin_sees_all(
+        engine, keys) -> None:
+    """Every page needs a key the API would accept: none (or an unknown one) gets 401 and the
+    sign-in form; another user's key 403; a user key sees only its users; the operator view
+    is the admin key's."""
+    await seed(engine)
+    app = create_app(engine, keys)
+    pages = ["/ui/", "/ui/users/ana", "/ui/users/ana/memory", "/ui/users/ana/why?q=dog",
+             "/ui/operator", "/ui/users/ana/do/forget-user"]
+    async with browser(app) as anon, browser(app, "nope") as stranger, \
+            browser(app, BO_KEY) as bo, browser(app, ANA_KEY) as ana, \
+            browser(app, ADMIN_KEY) as admin:
+        for url in pages:
+            for who in (anon, stranger):
+                response = await who.get(url)
+                assert response.status_code == 401, url
+                assert 'action="/ui/login"' in response.text and "bo&#39;s own" not in response.text
+            if url != "/ui/":
+                assert (await bo.get(url)).status_code == 403, url
+        for url in pages[1:4]:
+            page = await ana.get(url)
+            assert page.status_code == 200, url
+            assert "bo&#39;s own secret" not in page.text
+        assert "/ui/users/bo" not in (await ana.get("/ui/")).text
+        assert "/ui/users/ana" not in (await bo.get("/ui/")).text
+        listing = (await admin.get("/ui/")).text
+        assert "/ui/users/ana" in listing and "/ui/users/bo" in listing
+        assert (await ana.get("/ui/operator")).status_code == 403
+        assert "Failed records held aside" in (await admin.get("/ui/operator")).text
+        page = await admin.get("/ui/users/ana")
+        assert page.headers["content-security-policy"].startswith("default-src 'none'")
+        assert page.headers["cache-control"] == "no-store"
+
+
+async def test_sign_in_keeps_the_key_in_an_httponly_samesite_cookie(engine, keys) -> None:
+    """The sign-in form sets an HttpOnly, SameSite=Strict cookie scoped to /ui that opens the
+    pages; an unknown key is refused; signing out clears it."""
+    await seed(engine)
+    app = create_app(engine, keys)
+    async with browser(app, origin="http://engram") as http:
+        refused = await http.post("/ui/login", data={"key": "nope"})
+        assert refused.status_code == 401 and "not in the server" in refused.text
+        signed = await http.post("/ui/login", data={"key": ANA_KEY})
+        assert signed.status_code == 303 and signed.headers["location"] == "/ui/"
+        cookie = signed.headers["set-cookie"].lower()
+        assert "httponly" in cookie and "samesite=strict" in cookie and "path=/ui" in cookie
+        timeline = await http.get("/ui/users/ana")
+        assert timeline.status_code == 200
+        assert (await http.get("/ui/users/bo")).status_code == 403
+        out = await http.post("/ui/logout", data={"csrf": csrf_of(timeline.text)})
+        assert out.status_code == 303
+        assert (await http.get("/ui/users/ana")).status_code == 401
+    async with browser(app, origin="http://evil.example") as evil:
+        assert (await evil.post("/ui/login", data={"key": ANA_KEY})).status_code == 403
+
+
+async def test_actions_need_a_confirmation_the_forms_token_and_this_origin(engine, keys) -> None:
+    """A cookie-authenticated POST without the form's token, or from another origin, changes
+    nothing (403); with both it forgets the session, which then is gone from every page."""
+    await seed(engine)
+    app = create_app(engine, keys)
+    async with browser(app, origin="http://engram") as http:
+        await http.post("/ui/login", data={"key": ANA_KEY})
+        confirm = await http.get("/ui/users/ana/do/forget-session", params={"session": "s1"})
+        assert confirm.status_code == 200 and "Forget session &#39;s1&#39;" in confirm.text
+        token = csrf_of(confirm.text)
+        url = "/ui/users/ana/do/forget-session"
+        assert (await http.post(url, data={"session": "s1"})).status_code == 403
+        assert (await http.post(url, data={"session": "s1", "csrf": "0" * 64})).status_code == 403
+        cross = await http.post(url, data={"session": "s1", "csrf": token},
+                                headers={"origin": "http://evil.example"})
+        assert cross.status_code == 403 and "Cross-site" in cross.text
+        assert [s.session_id for s in await engine.list_sessions("ana")] == ["s2", "s1"]
+        done = await http.post(url, data={"session": "s1", "csrf": token})
+        assert done.status_code == 303 and done.headers["location"].startswith("/ui/users/ana?")
+        assert [s.session_id for s in await engine.list_sessions("ana")] == ["s2"]
+        page = await http.get(done.headers["location"])
+        assert "forgot session s1" in page.text and "dog Pixel" not in page.text
+    async with browser(app, BO_KEY) as bo:  # a Bearer key needs no token, but its own user
+        assert (await bo.post("/ui/users/ana/do/forget-user")).status_code == 403
+        assert await engine.list_sessions("ana")
+
+
+async def test_correct_confirm_and_delete_through_the_pages(engine, keys) -> None:
+    """Correcting and confirming a fact and deleting a note go through the engine: the old
+    value shows struck through with what changed it; the note is gone."""
+    ids = await seed(engine)
+    app = create_app(engine, keys)
+    async with browser(app, ADMIN_KEY) as admin:
+        memory = (await admin.get("/ui/users/ana/memory")).text
+        assert "<s>tea</s>" in memory and "<strong>coffee</strong>" in memory
+        fields = {"category": "preference", "key": "drink", "value": "matcha"}
+        asked = await admin.get("/ui/users/ana/do/correct-fact", params=fields)
+        assert "from &#39;coffee&#39; to &#39;matcha&#39;" in asked.text
+        assert (await admin.post("/ui/users/ana/do/correct-fact", data=fields)).status_code == 303
+        assert (await admin.post("/ui/users/ana/do/confirm-fact",
+                                 data={"category": "preference", "key": "drink"})
+                ).status_code == 303
+        [fact] = [f for f in await engine.profile("ana") if f.key == "drink"]
+        assert (fact.value, fact.protected) == ("matcha", True)
+        memory = (await admin.get("/ui/users/ana/memory")).text
+        assert "<s>coffee</s>" in memory and "confirmed" in memory
+        graph = (await admin.get("/ui/users/ana/memory",
+                                 params={"node": ids["note"], "depth": 1})).text
+        assert "<svg" in graph and ">about<" in graph and ids["turn"] in graph
+        assert (await admin.post("/ui/users/ana/do/delete-note",
+                                 data={"note": ids["note"]})).status_code == 303
+        assert await engine.get_note("ana", ids["note"]) is None
+        missing = await admin.get("/ui/users/ana/do/delete-note", params={"note": ids["note"]})
+        assert missing.status_code == 404
+
+
+async def test_pages_escape_user_text_and_show_why_a_memory_was_recalled(engine, keys) -> None:
+    """A turn holding markup is shown as text on every page; the query page shows each hit's
+    rank per leg, fused score, FSRS factor and the Markdown a bot gets with its token count;
+    switching a leg off changes the ranks shown."""
+    await seed(engine)
+    app = create_app(engine, keys)
+    async with browser(app, ANA_KEY) as ana:
+        for url in ("/ui/users/ana", "/ui/users/ana/why?q=script+alert+boo"):
+            html = (await ana.get(url)).text
+            assert "<script>" not in html and "<b>bold</b>" not in html
+            assert "&lt;script&gt;alert(&#39;boo&#39;)&lt;/script&gt; &amp; &lt;b&gt;" in html
+        timeline = (await ana.get("/ui/users/ana")).text
+        assert 'class="band"' in timeline and "grid-row: 1 / 7" in timeline
+        why = (await ana.get("/ui/users/ana/why", params={"q": "where is the dog Pixel",
+                                                          "kinds": "turn"})).text
+        row = why.split("dog Pixel</a>")[1].split("</tr>")[0]
+        ranks = re.findall(r'data-leg="(\w+)">([^<]*)<', row)
+        assert dict(ranks)["bm25"] == "1" and dict(ranks)["vector"].isdigit()
+        assert re.search(r"(\d+) tokens", why) and "## " in why
+        bm25_only = (await ana.get("/ui/users/ana/why", params=[
+            ("q", "where is the dog Pixel"), ("run", "1"), ("legs", "bm25"), ("kinds", "turn")])).text
+        row = bm25_only.split("dog Pixel</a>")[1].split("</tr>")[0]
+        assert dict(re.findall(r'data-leg="(\w+)">([^<]*)<', row))["vector"] == "—"
+        bad = await ana.get("/ui/users/ana/why", params={"q": "dog", "limit": "lots"})
+        assert bad.status_code == 422 and "limit: expected an integer" in bad.text
+
+
+async def test_operator_view_runs_the_integrity_check_and_lists_snapshots(
+        engine, keys, tmp_path) -> None:
+    """The operator view shows counts and lag, runs the integrity check on the served store,
+    and lists snapshots taken through the pages and through the API."""
+    await seed(engine)
+    app = create_app(engine, keys)
+    async with browser(app, ADMIN_KEY) as admin:
+        page = (await admin.get("/ui/operator")).text
+        assert "Not run since this server started" in page and "text index lag" in page
+        checked = await admin.post("/ui/operator/verify")
+        assert checked.status_code == 303 and "integrity+check%3A+ok" in checked.headers[
+            "location"]
+        assert await admin.post("/v1/snapshot", json={"dest": str(tmp_path / "api")})
+        assert (await admin.post("/ui/operator/snapshot",
+                                 data={"dest": str(tmp_path / "ui")})).status_code == 303
+        page = (await admin.get("/ui/operator")).text
+        assert "<strong>ok</strong>" in page
+        assert str(tmp_path / "api") in page and str(tmp_path / "ui") in page
