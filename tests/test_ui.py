@@ -166,6 +166,7 @@ async def test_correct_confirm_and_delete_through_the_pages(engine, keys) -> Non
         graph = (await admin.get("/ui/users/ana/memory",
                                  params={"node": ids["note"], "depth": 1})).text
         assert "<svg" in graph and ">about<" in graph and ids["turn"] in graph
+        assert "I live in Lisbon with my dog Pixel" in graph  # the turn's text labels it
         assert (await admin.post("/ui/users/ana/do/delete-note",
                                  data={"note": ids["note"]})).status_code == 303
         assert await engine.get_note("ana", ids["note"]) is None

@@ -24,7 +24,8 @@ LABEL = 28  # characters of a memory's text under its node
 class Node:
     id: str
     kind: str
-    label: str
+    label: str  # under the node: the text's start (or the id)
+    text: str  # on hover: the whole text
     hop: int
     x: float = 0.0
     y: float = 0.0
@@ -49,16 +50,29 @@ class Graph:
     size: int = SIZE
 
 
-async def _describe(engine: Engine, user_id: str, memory_id: str) -> tuple[str, str]:
-    """(kind, short text) of a memory, read through the public API."""
-    turn = await engine.get_turn(user_id, memory_id)
-    if turn is not None:
-        return "turn", turn.text
-    note = await engine.get_note(user_id, memory_id)
-    if note is not None:
-        return "note", note.text
-    kind = {"e_": "episode", "f_": "fact"}.get(memory_id[:2], "memory")
-    return kind, ""
+class _Describer:
+    """(kind, short text) of a memory, read through the public API; a user's facts and
+    episodes are read once, when the first one is met."""
+
+    def __init__(self, engine: Engine, user_id: str) -> None:
+        self.engine = engine
+        self.user_id = user_id
+        self.derived: dict[str, tuple[str, str]] | None = None
+
+    async def __call__(self, memory_id: str) -> tuple[str, str]:
+        engine, user_id = self.engine, self.user_id
+        turn = await engine.get_turn(user_id, memory_id)
+        if turn is not None:
+            return "turn", turn.text
+        note = await engine.get_note(user_id, memory_id)
+        if note is not None:
+            return "note", note.text
+        if self.derived is None:
+            self.derived = {f.fact_id: ("fact", f"{f.category}/{f.key} = {f.value}")
+                            for f in await engine.fact_versions(user_id)}
+            self.derived.update((e.episode_id, ("episode", e.title))
+                                for e in await engine.episodes(user_id))
+        return self.derived.get(memory_id, ("memory", ""))
 
 
 async def neighbourhood(engine: Engine, user_id: str, start: str, depth: int) -> Graph:
@@ -69,11 +83,12 @@ async def neighbourhood(engine: Engine, user_id: str, start: str, depth: int) ->
     """
     graph = Graph()
     nodes: dict[str, Node] = {}
+    describe = _Describer(engine, user_id)
 
     async def add(memory_id: str, hop: int) -> Node:
-        kind, text = await _describe(engine, user_id, memory_id)
+        kind, text = await describe(memory_id)
         label = text if len(text) <= LABEL else text[: LABEL - 1] + "…"
-        node = nodes[memory_id] = Node(memory_id, kind, label or memory_id, hop)
+        node = nodes[memory_id] = Node(memory_id, kind, label or memory_id, text, hop)
         graph.nodes.append(node)
         return node
 
