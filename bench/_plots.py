@@ -455,9 +455,27 @@ def durable(r: dict[str, Any]) -> Figure:
     return fig
 
 
+def memory(r: dict[str, Any]) -> Figure:
+    rows = r["results"]
+    fig, (ax,) = _panels(1, "Resident memory growth of a loaded engine against raw (vectors as "
+                            "float32 + texts)", width=8)
+    labels = [f"{x['memories']:,} memories\n{x['users']:,} user(s)" for x in rows]
+    width, mib = 0.25, 1 << 20
+    for i, (key, name) in enumerate((("raw_bytes", "raw"), ("anon_growth", "RSS: anonymous"),
+                                     ("file_growth", "RSS: file pages (maps)"))):
+        xs = [j + (i - 1) * width for j in range(len(rows))]
+        bars = ax.bar(xs, [x[key] / mib for x in rows], width,
+                      color=BASELINE["color"] if i == 0 else f"C{i - 1}", label=name)
+        ax.bar_label(bars, labels=[_num(x[key] / mib) for x in rows], fontsize=7)
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylabel("MiB")
+    ax.legend(fontsize=7)
+    return fig
+
+
 DRAWERS: dict[str, Callable[[dict[str, Any]], Figure]] = {
     "ingest": ingest, "recall-quality": recall_quality, "recall-latency": recall_latency,
     "embed": embed, "embed-throughput": embed_throughput, "embed-quality": embed_quality,
     "snapshot": snapshot, "crash": crash, "forget": forget, "rebuild": rebuild,
-    "bridges": bridges, "http": http, "durable": durable,
+    "bridges": bridges, "http": http, "durable": durable, "memory": memory,
 }

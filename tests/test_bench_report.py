@@ -101,6 +101,9 @@ def fixtures() -> dict[str, dict]:
                     "steady": {**dist(rng, 900, "us"), "ratio_p99": 2.2},
                     "burst_floor": dist(rng, 400, "us"),
                     "burst": {**dist(rng, 9000, "us"), "ratio_p99": 20.0}},
+        "memory": {"results": [{"memories": n, "users": users, "raw_bytes": n * 1640,
+                                "anon_growth": n * 2000, "file_growth": n * 900}
+                               for n in (10_000, 100_000) for users in (1, 1000)]},
     }
 
 
