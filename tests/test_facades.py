@@ -171,10 +171,14 @@ async def test_add_turn_nowait_on_trio_refuses_when_the_queue_is_full(store_path
         assert [t.text for t in await mem.session_history("ana", "s1")] == ["fits"]
 
 
+# The child takes Ctrl-C as a terminal's program does even when the suite runs as a background
+# job (CI, nohup): there the shell starts it with SIGINT ignored, which Python then keeps.
 CTRL_C_SCRIPT = """
-import asyncio, sys
+import asyncio, signal, sys
 from engine import HashEmbedder
 from engine.aio import Engine
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 async def main():
     async with Engine.open(sys.argv[1], embedder=HashEmbedder(), trio_loop=sys.argv[2]) as mem:
