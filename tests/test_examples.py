@@ -42,9 +42,13 @@ def test_fastapi_app_embeds_the_engine(tmp_path) -> None:
             first = await http.post("/chat", json={"user_id": "maya", "session_id": "s1",
                                                    "text": "I live in Lisbon"})
             assert first.status_code == 200
+            # Indexed and extracted before the next message, so what recall can rank is the
+            # same on every run (under load the followers could be anywhere behind).
+            await app.state.mem.flush()
             second = (await http.post("/chat", json={"user_id": "maya", "session_id": "s1",
                                                      "text": "Lisbon is sunny"})).json()
-            assert "I live in Lisbon" in second["memories"]
+            # The first message comes back as the turn itself or as the fact drawn from it.
+            assert {"I live in Lisbon", "Lives in Lisbon"} & set(second["memories"])
             assert (await http.post("/chat", json={"user_id": "maya", "session_id": "s1",
                                                    "text": ""})).status_code == 422
             await app.state.mem.flush()
