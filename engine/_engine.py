@@ -337,6 +337,7 @@ class Engine:
         link_depth: int | None = None,
         budget_tokens: int | None = None,
         legs: Iterable[str] | None = None,
+        link_types: Iterable[str] | None = None,
     ) -> Hits:
         """The user's memories that best match ``query``: vector, BM25, entity and window legs
         fused by weighted z-scores, neighbouring turns and covering episodes lifting the turns
@@ -359,6 +360,8 @@ class Engine:
             budget_tokens: keep the best hits whose text fits (~4 characters a token).
             legs: the search legs that run, among ``vector``, ``bm25``, ``entity`` and
                 ``window`` (default: all), to see what each finds alone or without another.
+            link_types: follow only links of these types (``derived_from``, ``summarises``,
+                ``shares_entity``, your own; default: every type).
 
         Returns:
             :class:`Hits` (a list of :class:`Hit`), best first; linked memories follow the
@@ -370,7 +373,7 @@ class Engine:
         return await self._recall.recall(
             user_id, query, limit, focus=focus, session_id=session_id, since=since, until=until,
             roles=roles, kinds=kinds, tags=tags, link_depth=link_depth, budget_tokens=budget_tokens,
-            legs=legs)
+            legs=legs, link_types=link_types)
 
     async def retrieve_memory(self, user_id: str, query: str, conversation_id: str | None = None,
                               episodic_limit: int = 5, semantic_limit: int = 20,

@@ -228,10 +228,10 @@ def _lines(user_id: str, found: dict[bytes, list[tuple[bytes, Any]]], now: datet
         yield EpisodeLine(**_fields(episode))
     for _, fact in sorted(found[b"facts"], key=lambda row: row[1].lsn):
         yield FactLine(**_fields(fact))
-    seen: set[tuple[str, str]] = set()
+    seen: set[tuple[str, str, str]] = set()
     for _, link in found[b"links"]:  # each link is stored under both of its ends
-        if (link.from_id, link.to_id) not in seen:
-            seen.add((link.from_id, link.to_id))
+        if (link.from_id, link.to_id, link.type) not in seen:
+            seen.add((link.from_id, link.to_id, link.type))
             yield LinkLine(**_fields(link, ()))
     for key, state in found[b"reviews"]:
         yield ReviewLine(memory_id=key.decode(), **_fields(state, ()))

@@ -43,7 +43,8 @@ class Recall:
     async def recall(self, user_id: Any, query: Any, limit: Any, *, focus: Any,
                      session_id: Any, since: Any, until: Any, roles: Iterable[str] | None,
                      kinds: Iterable[str] | None, tags: Iterable[str] | None, link_depth: Any,
-                     budget_tokens: Any, legs: Iterable[str] | None = None) -> Hits:
+                     budget_tokens: Any, legs: Iterable[str] | None = None,
+                     link_types: Iterable[str] | None = None) -> Hits:
         parts = self._parts
         parts.check_open()
         parts.check_lookup_ids(user_id)
@@ -69,7 +70,8 @@ class Recall:
             user_id, query, limit=limit, session_id=session_id, since=since, until=until,
             roles=choices("roles", roles, ROLES), kinds=choices("kinds", kinds, KINDS),
             link_depth=link_depth, budget_tokens=budget_tokens, tags=check_tags(tags),
-            legs=choices("legs", legs, LEGS) or LEGS)
+            legs=choices("legs", legs, LEGS) or LEGS,
+            link_types=v.check_words("link_types", link_types) or None)
         return Hits(hits, degraded + tuple(leg for leg in parts.degraded()
                                            if leg not in degraded))
 

@@ -137,6 +137,7 @@ class Retriever:
                      since: datetime | None, until: datetime | None,
                      roles: tuple[str, ...] | None, kinds: tuple[str, ...] | None,
                      link_depth: int, budget_tokens: int | None,
+                     link_types: tuple[str, ...] | None = None,
                      tags: tuple[str, ...] | None = None,
                      only: list[int] | None = None,
                      legs: tuple[str, ...] = LEGS
@@ -262,7 +263,7 @@ class Retriever:
                 break
         hits = _dedupe(hits)[:limit]
         if link_depth > 0 and hits:
-            hits += await self._expand(user_id, hits, link_depth)
+            hits += await self._expand(user_id, hits, link_depth, link_types)
         return pack(hits, budget_tokens)
 
     def _lift(self, user_id: str, memories: dict[int, Any],
@@ -379,8 +380,10 @@ class Retriever:
         scored.sort()
         return [(lsn, float(-shared)) for shared, _, lsn in scored[:CANDIDATES_PER_LEG]]
 
-    async def _expand(self, user_id: str, hits: list[Hit], depth: int) -> list[Hit]:
-        """Breadth-first along links in both directions; memories already found are skipped."""
+    async def _expand(self, user_id: str, hits: list[Hit], depth: int,
+                      types: tuple[str, ...] | None = None) -> list[Hit]:
+        """Breadth-first along links in both directions (of ``types`` only, if given);
+        memories already found are skipped."""
         seen = {h.id for h in hits}
         score_of = {h.id: h.score for h in hits}
         frontier = [h.id for h in hits]
@@ -390,6 +393,8 @@ class Retriever:
             next_frontier = []
             for source in frontier:
                 for link in links.get(source, []):
+                    if types is not None and link.type not in types:
+                        continue
                     other = link.to_id if link.from_id == source else link.from_id
                     if other not in seen:
                         seen.add(other)

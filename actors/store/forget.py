@@ -15,6 +15,7 @@ from .layout import (
     LOG_TOMBSTONE,
     SCRUB_KEY,
     _SCRUB_FILL,
+    legacy_link_keys,
     link_keys,
     link_prefixes,
     lsn_key,
@@ -72,12 +73,15 @@ def _delete_prefix(txn: lmdb.Transaction, db: Any, prefix: bytes) -> None:
 
 
 def _delete_links_of(txn: lmdb.Transaction, db: Any, user_id: str, memory_id: str) -> None:
-    """Every link touching one memory, in both directions."""
-    found = [value for prefix in link_prefixes(user_id, memory_id)
-             for _, value in _scan(txn, db, prefix)]
-    for value in found:
-        for key in link_keys(user_id, _decode_link(value)):
-            _wipe_key(txn, key, db)
+    """Every link touching one memory, in both directions, in either key form (links written
+    before they carried their type in the key too)."""
+    found = [(key, value) for prefix in link_prefixes(user_id, memory_id)
+             for key, value in _scan(txn, db, prefix)]
+    for key, value in found:
+        _wipe_key(txn, key, db)
+        link = _decode_link(value)
+        for other in (*link_keys(user_id, link), *legacy_link_keys(user_id, link)):
+            _wipe_key(txn, other, db)
 
 
 def _reader_txnids(env: lmdb.Environment) -> list[int]:

@@ -171,9 +171,28 @@ def entry_record_key(entry: bytes) -> bytes:
     return entry[1:]
 
 
+LINK_TYPE_ROOM = 64  # bytes of a link's type its key keeps (longer types are shortened, keys.fit)
+
+
 def link_keys(user_id: str, link: Link) -> tuple[bytes, bytes]:
     """The link's key from its source, and from its target (for walking it backwards): user
-    NUL one end NUL the other, both ends shortened (keys.fit) when that is too long."""
+    NUL one end NUL the other NUL the type, so one pair holds a link of each type (a derived
+    link never replaces a provenance link). Both ends are shortened (keys.fit) when the key
+    would be too long, to a room that does not depend on the type, so a memory's shortened
+    id is one prefix whatever its links' types."""
+    prefix = user_prefix(user_id)
+    a, b = link.from_id.encode(), link.to_id.encode()
+    kind = fit(link.type.encode(), LINK_TYPE_ROOM)
+    if len(prefix) + len(a) + len(b) + len(kind) + 2 > MAX_KEY_BYTES:
+        room = _link_end_room(prefix)
+        a, b = fit(a, room), fit(b, room)
+    return (prefix + a + b"\x00" + b + b"\x00" + kind,
+            prefix + b + b"\x00" + a + b"\x00" + kind)
+
+
+def legacy_link_keys(user_id: str, link: Link) -> tuple[bytes, bytes]:
+    """The keys links had before they carried their type (one link per pair): still read,
+    and deleted with their memories."""
     prefix = user_prefix(user_id)
     a, b = link.from_id.encode(), link.to_id.encode()
     if len(prefix) + len(a) + 1 + len(b) > MAX_KEY_BYTES:
@@ -182,10 +201,15 @@ def link_keys(user_id: str, link: Link) -> tuple[bytes, bytes]:
     return prefix + a + b"\x00" + b, prefix + b + b"\x00" + a
 
 
+def _link_end_room(prefix: bytes) -> int:
+    return (MAX_KEY_BYTES - len(prefix) - LINK_TYPE_ROOM - 2) // 2
+
+
 def link_prefixes(user_id: str, memory_id: str) -> set[bytes]:
     """The key prefixes of the links from a memory: with its id whole, and shortened (the
-    form a link takes when both ends together are too long)."""
+    form a link takes when its key would be too long; as typed links and as older links)."""
     prefix = user_prefix(user_id)
     whole = memory_id.encode()
-    short = fit(whole, (MAX_KEY_BYTES - len(prefix) - 1) // 2)
-    return {prefix + whole + b"\x00", prefix + short + b"\x00"}
+    return {prefix + end + b"\x00" for end in (
+        whole, fit(whole, _link_end_room(prefix)),
+        fit(whole, (MAX_KEY_BYTES - len(prefix) - 1) // 2))}

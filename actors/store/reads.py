@@ -155,12 +155,16 @@ def read_records(
 def read_links(
     txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str, memory_ids: list[str]
 ) -> dict[str, list[Link]]:
-    """Every link touching each memory (either direction), by memory id."""
+    """Every link touching each memory (either direction), by memory id; each (from, to,
+    type) once, though a store may hold one in both key forms (see ``layout.link_keys``)."""
     out: dict[str, list[Link]] = {}
     for memory_id in memory_ids:
-        links = out.setdefault(memory_id, [])
-        for prefix in link_prefixes(user_id, memory_id):
-            links.extend(_decode_link(value) for _, value in _scan(txn, dbs[b"links"], prefix))
+        found: dict[tuple[str, str, str], Link] = {}
+        for prefix in sorted(link_prefixes(user_id, memory_id)):
+            for _, value in _scan(txn, dbs[b"links"], prefix):
+                link = _decode_link(value)
+                found.setdefault((link.from_id, link.to_id, link.type), link)
+        out[memory_id] = list(found.values())
     return out
 
 

@@ -1,0 +1,88 @@
+"""Links carry several types per pair; derived links never overwrite provenance; expansion can
+follow chosen types only."""
+
+from __future__ import annotations
+
+import lmdb
+import pytest
+
+from actors.store import MAX_DBS
+from actors.store.layout import legacy_link_keys, link_keys
+from engine import InvalidInput
+
+from .conftest import open_engine, raw_databases
+
+
+async def test_a_fact_keeps_its_provenance_beside_the_entity_link(mem) -> None:
+    """A fact derived from a turn that names the same entity: the entity follower's
+    shares_entity link between the two must not replace the derived_from link."""
+    turn = await mem.add_turn("maya", "s1", "user", "My dog Pixel loves the beach.")
+    await mem.flush()
+    (fact,) = [f for f in await mem.profile("maya") if f.key == "dog:pixel"]
+    types = {(link.from_id, link.to_id, link.type) for link in await mem.links("maya",
+                                                                               fact.fact_id)}
+    assert (fact.fact_id, turn.turn_id, "derived_from") in types
+    assert (fact.fact_id, turn.turn_id, "shares_entity") in types
+
+
+async def test_one_pair_holds_several_types_each_once(mem) -> None:
+    """link() with a second type adds a link; the same type again replaces itself."""
+    a = await mem.add_turn("maya", "s1", "user", "We booked the flat.")
+    b = await mem.add_turn("maya", "s1", "user", "We paid the deposit.")
+    await mem.flush()
+    await mem.link("maya", a.turn_id, b.turn_id, "relates_to")
+    await mem.link("maya", a.turn_id, b.turn_id, "follows")
+    await mem.link("maya", a.turn_id, b.turn_id, "follows")
+    found = sorted((l.from_id, l.to_id, l.type) for l in await mem.links("maya", a.turn_id))
+    assert found == [(a.turn_id, b.turn_id, "follows"), (a.turn_id, b.turn_id, "relates_to")]
+    assert sorted(l.type for l in await mem.links("maya", b.turn_id)) == ["follows",
+                                                                         "relates_to"]
+    await mem.forget_session("maya", "s1")
+    assert await mem.links("maya", a.turn_id) == []
+
+
+async def test_expansion_follows_only_the_types_asked_for(mem) -> None:
+    """recall(link_types=[...]) walks links of those types only."""
+    a = await mem.add_turn("maya", "s1", "user", "zebra crossing near the school")
+    b = await mem.add_turn("maya", "s2", "user", "the school bus schedule changed")
+    c = await mem.add_turn("maya", "s3", "user", "groceries for the weekend")
+    await mem.flush()
+    await mem.link("maya", a.turn_id, b.turn_id, "relates_to")
+    await mem.link("maya", a.turn_id, c.turn_id, "mentions")
+    everything = {h.id for h in await mem.recall("maya", "zebra", limit=1, link_depth=1)}
+    assert everything >= {a.turn_id, b.turn_id, c.turn_id}
+    only = {h.id for h in await mem.recall("maya", "zebra", limit=1, link_depth=1,
+                                           link_types=["mentions"])}
+    assert c.turn_id in only and b.turn_id not in only
+    with pytest.raises(InvalidInput, match="link_types"):
+        await mem.recall("maya", "zebra", link_types=[""])
+
+
+async def test_links_stored_before_they_carried_their_type_are_read_and_forgotten(
+        store_path, clock) -> None:
+    """A store written when a pair held one link (keys without the type): its links are
+    found once, a new link of the same type does not double them, and a forget removes
+    both key forms."""
+    async with open_engine(store_path, clock=clock) as mem:
+        a = await mem.add_turn("maya", "s1", "user", "We booked the flat.")
+        b = await mem.add_turn("maya", "s1", "user", "We paid the deposit.")
+        await mem.flush()
+        link = await mem.link("maya", a.turn_id, b.turn_id, "relates_to")
+    env = lmdb.open(str(store_path), max_dbs=MAX_DBS)
+    try:
+        with env.begin(write=True) as txn:
+            db = env.open_db(b"links", txn=txn)
+            value = txn.get(link_keys("maya", link)[0], db=db)
+            for key in link_keys("maya", link):
+                assert txn.delete(key, db=db)
+            for key in legacy_link_keys("maya", link):
+                txn.put(key, value, db=db)
+    finally:
+        env.close()
+    async with open_engine(store_path, clock=clock) as mem:
+        assert await mem.links("maya", a.turn_id) == [link]
+        await mem.link("maya", a.turn_id, b.turn_id, "relates_to", at=link.at)
+        assert await mem.links("maya", b.turn_id) == [link]
+        await mem.forget_session("maya", "s1")
+        await mem.flush()
+    assert raw_databases(store_path).get("links", []) == []
