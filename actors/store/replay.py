@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from array import array
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import lmdb
 import trio
@@ -28,8 +28,23 @@ from .codecs import _decode_turn, decode_episode, decode_fact, failure_put
 from .chain import _check_logged
 from .reads import _note_version, read_meta_lsn
 
-if TYPE_CHECKING:  # annotations only: the store imports this module
-    from .store import Store
+T = TypeVar("T")
+
+
+class FollowedStore(Protocol):
+    """What a :class:`LogFollower` needs of the store: reads, the commit position and its wait,
+    and unlogged writes. A protocol rather than ``Store`` itself, which imports this module."""
+
+    @property
+    def committed_lsn(self) -> int: ...
+
+    def usable(self) -> bool: ...
+
+    async def read(self, fn: Callable[..., T], *args: Any) -> T: ...
+
+    async def wait_commit_beyond(self, lsn: int) -> None: ...
+
+    async def write_unlogged(self, op: PutState) -> None: ...
 
 log = logging.getLogger("engram.store")
 
@@ -43,7 +58,7 @@ class LogFollower:
     :meth:`wait` lets ``Engine.flush`` wait until the follower has passed an lsn.
     """
 
-    def __init__(self, store: Store, watermark_key: bytes, chunk: int,
+    def __init__(self, store: FollowedStore, watermark_key: bytes, chunk: int,
                  handle: Callable[[list[Searchable], int], Any]) -> None:
         self._store = store
         self._key = watermark_key
