@@ -33,7 +33,7 @@ PUBLIC_ENGINE_MODULES = frozenset({"engine", "engine.errors", "engine.aio", "eng
 ACTOR_TESTS_THROUGH_THE_ENGINE = frozenset({
     "tests/actors/test_ann_index.py", "tests/actors/test_embedder.py",
     "tests/actors/test_entities.py", "tests/actors/test_episodic.py",
-    "tests/actors/test_facts.py", "tests/actors/test_fulltext.py", "tests/actors/test_store.py",
+    "tests/actors/test_facts.py", "tests/actors/test_fulltext.py",
 })
 
 

@@ -1,24 +1,69 @@
-"""The Store actor: schema, group commit, failures, cancellation and the log it keeps."""
+"""The Store actor: schema, group commit, failures, cancellation and the log it keeps.
+
+Driven bare (``Store.run`` in a nursery, ops built as the session buffer builds them), over a real
+LMDB store; what a store fault means for the engine around it is in tests/test_store_in_engine.py.
+"""
 
 from __future__ import annotations
 
 import threading
 from array import array
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import datetime, timezone
+from pathlib import Path
 
 import lmdb
 import msgspec
+import numpy as np
 import pytest
 import trio
 
 import actors.store as store_mod
-from actors.store.integrity import unseal
-from engine import EngineBroken, HashEmbedder, StoreIncompatible
 from actors.base.config import Config
-from actors.base.messages import AppendTurn
+from actors.base.errors import EngineBroken, StoreIncompatible
+from actors.base.messages import AppendTurn, PutVectors
 from actors.base.records import SCHEMA_VERSION, Turn
+from actors.store.integrity import unseal
 
-from ..conftest import downgrade_to_schema_4, open_engine, raw_databases
+from ..conftest import downgrade_to_schema_4, raw_databases
+
+
+@asynccontextmanager
+async def running_store(path: Path) -> AsyncIterator[store_mod.Store]:
+    """A Store running in a nursery of its own; closed (and drained) on leaving."""
+    store = store_mod.Store(path, Config())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        try:
+            yield store
+        finally:
+            store.close()
+
+
+class Ingest:
+    """Appends turns of user ``ana`` as ingest does: room first, then the op with the store's
+    next lsn and the session's next sequence number (counted here, as the session buffer does)."""
+
+    def __init__(self, store: store_mod.Store) -> None:
+        self.store = store
+        self.seqs: dict[str, int] = {}
+
+    async def add_turn(self, session: str, text: str, durable: bool = False) -> int:
+        """Append one turn; its lsn, once committed if ``durable``."""
+        await self.store.reserve(1)
+        seq = self.seqs.get(session, 0)
+        self.seqs[session] = seq + 1
+        op = _append(self.store, session, seq, text)
+        self.store.submit(op)
+        if durable:
+            await self.store.wait_committed(op.lsn)
+        return op.lsn
+
+
+async def session_turns(store: store_mod.Store, session: str) -> list[Turn]:
+    """Every turn of ``ana``'s session, read through the store."""
+    return await store.read(store_mod.read_session_turns, "ana", session, 0, 2**63)
 
 
 def _set_schema(path, version: int) -> None:
@@ -34,18 +79,19 @@ def _set_schema(path, version: int) -> None:
 ], ids=["newer", "no-migration"])
 async def test_a_schema_this_build_cannot_bring_up_to_date_is_refused(store_path, version, message) -> None:
     """A newer schema (upgrade engram) or an old one with no migration path is not opened."""
-    async with open_engine(store_path):
+    async with running_store(store_path):
         pass
     _set_schema(store_path, version)
-    with pytest.raises(StoreIncompatible, match=message):
-        async with open_engine(store_path):
+    # The refusal ends Store.run before it started: the nursery around it reports it.
+    with pytest.RaisesGroup(pytest.RaisesExc(StoreIncompatible, match=message)):
+        async with running_store(store_path):
             pass
 
 
 async def test_an_old_schema_is_migrated_in_order(store_path, monkeypatch) -> None:
     """Opening an older store runs each migration once, then records the current version."""
-    async with open_engine(store_path, config={"background_embedding": False}) as mem:
-        await mem.add_turn("ana", "s1", "user", "kept through the migration")
+    async with running_store(store_path) as store:
+        await Ingest(store).add_turn("s1", "kept through the migration")
     _set_schema(store_path, SCHEMA_VERSION - 1)
     ran: list[int] = []
 
@@ -54,9 +100,9 @@ async def test_an_old_schema_is_migrated_in_order(store_path, monkeypatch) -> No
         txn.put(b"migrated", b"yes", db=dbs[b"meta"])
 
     monkeypatch.setitem(store_mod.MIGRATIONS, SCHEMA_VERSION - 1, migrate)
-    async with open_engine(store_path) as mem:
-        assert [t.text for t in await mem.session_history("ana", "s1")] == ["kept through the migration"]
-    async with open_engine(store_path):
+    async with running_store(store_path) as store:
+        assert [t.text for t in await session_turns(store, "s1")] == ["kept through the migration"]
+    async with running_store(store_path):
         pass
     assert ran == [0]
     meta = dict(raw_databases(store_path)["meta"])
@@ -64,13 +110,16 @@ async def test_an_old_schema_is_migrated_in_order(store_path, monkeypatch) -> No
 
 
 async def test_schema_1_float32_vectors_are_migrated_to_float16(store_path) -> None:
-    """A schema-1 store (float32 vectors) opens as the current schema with the same vectors,
-    searchable."""
-    import numpy as np
-
-    async with open_engine(store_path) as mem:
-        r = await mem.add_turn("ana", "s", "user", "lisbon dog walk")
-        await mem.flush()
+    """A schema-1 store (float32 vectors) opens as the current schema with the same vectors, as
+    float16 behind the same header (that the engine's recall then finds the turn is in
+    tests/test_store_in_engine.py)."""
+    vector = np.random.default_rng(7).standard_normal(384).astype("<f4")
+    vector /= np.linalg.norm(vector)
+    header = bytes(range(16))  # the ANN's header: opaque to the store, kept as it is
+    async with running_store(store_path) as store:
+        lsn = await Ingest(store).add_turn("s", "lisbon dog walk", durable=True)
+        await store.write_unlogged(PutVectors(
+            [(lsn, "ana", header + vector.astype("<f2").tobytes())], lsn, trio.Event()))
     downgrade_to_schema_4(store_path)
     env = lmdb.open(str(store_path), max_dbs=32)
     with env.begin(write=True) as txn:
@@ -80,11 +129,11 @@ async def test_schema_1_float32_vectors_are_migrated_to_float16(store_path) -> N
             txn.put(key, value[:16] + old.tobytes(), db=vectors)
         txn.put(b"schema", (1).to_bytes(8, "big"), db=env.open_db(b"meta", txn=txn))
     env.close()
-    async with open_engine(store_path) as mem:
-        hits = await mem.recall("ana", "lisbon dog walk", limit=1, kinds=["turn"])
-        found = await mem._ann.search("ana", HashEmbedder().encode(["lisbon dog walk"])[0], 1)
-    assert [h.id for h in hits] == [r.turn_id]
-    assert found[0][0] == r.lsn and found[0][1] > 0.999
+    async with running_store(store_path) as store:
+        lsns, values = await store.read(store_mod.read_user_vectors, "ana")
+    assert lsns == [lsn] and values[:16] == header
+    stored = np.frombuffer(values[16:], dtype="<f2").astype("<f4")
+    assert stored.shape == (384,) and float(stored @ vector) > 0.999
 
 
 async def test_foreign_lmdb_data_is_refused(store_path) -> None:
@@ -93,28 +142,29 @@ async def test_foreign_lmdb_data_is_refused(store_path) -> None:
     with env.begin(write=True) as txn:
         txn.put(b"k", b"v", db=env.open_db(b"meta", txn=txn))
     env.close()
-    with pytest.raises(StoreIncompatible, match=r"without an Engram schema version"):
-        async with open_engine(store_path):
+    with pytest.RaisesGroup(pytest.RaisesExc(StoreIncompatible,
+                                             match=r"without an Engram schema version")):
+        async with running_store(store_path):
             pass
 
 
-async def test_a_failing_disk_breaks_the_engine_loudly(store_path, monkeypatch) -> None:
-    """A write error fails pending durable receipts and surfaces as one EngineBroken."""
+async def test_a_failing_disk_fails_receipts_and_the_store_loudly(store_path, monkeypatch) -> None:
+    """A write error fails pending durable receipts, ends the store's run with that error and
+    refuses every later op (the engine's one EngineBroken around it: tests/test_store_in_engine.py)."""
     outcomes: list[BaseException] = []
 
     def broken_write(self, segments, last_lsn):
         raise EngineBroken("writing to the store failed: No space left on device") from OSError(28, "ENOSPC")
 
-    with pytest.raises(EngineBroken, match=r"the engine failed") as info:
-        async with open_engine(store_path) as mem:
+    with pytest.RaisesGroup(pytest.RaisesExc(EngineBroken, match=r"No space left on device")):
+        async with running_store(store_path) as store:
             monkeypatch.setattr(store_mod.Store, "_write", broken_write)
-            r = await mem.add_turn("ana", "s1", "user", "lost")
             try:
-                await r.durable()
+                await Ingest(store).add_turn("s1", "lost", durable=True)
             except EngineBroken as exc:
                 outcomes.append(exc)
-            await trio.sleep_forever()
-    assert isinstance(info.value.__cause__, BaseExceptionGroup)
+            with pytest.raises(EngineBroken, match=r"the store failed; reopen it"):
+                store.check_usable()
     (failure,) = outcomes
     assert "store failed before committing" in str(failure)
 
@@ -129,10 +179,11 @@ async def test_durable_writers_share_commits(store_path, monkeypatch) -> None:
         return original(self, segments, last_lsn)
 
     monkeypatch.setattr(store_mod.Store, "_write", counting_write)
-    async with open_engine(store_path) as mem:
+    async with running_store(store_path) as store:
+        ingest = Ingest(store)
         async with trio.open_nursery() as nursery:
             for i in range(200):
-                nursery.start_soon(mem.add_turn, "ana", f"s{i % 10}", "user", f"t{i}", None, None, True)
+                nursery.start_soon(ingest.add_turn, f"s{i % 10}", f"t{i}", True)
     assert commits[-1] == 200
     assert len(commits) < 20
 
@@ -148,42 +199,44 @@ async def test_a_cancelled_caller_leaves_no_hole_in_the_log(store_path, monkeypa
         return original(self, segments, last_lsn)
 
     monkeypatch.setattr(store_mod.Store, "_write", gated_write)
-    async with open_engine(store_path) as mem:
+    async with running_store(store_path) as store:
+        ingest = Ingest(store)
         async with trio.open_nursery() as nursery:
             for i in range(12):
-                nursery.start_soon(mem.add_turn, "ana", "s1", "user", f"t{i}")
+                nursery.start_soon(ingest.add_turn, "s1", f"t{i}")
             await trio.testing.wait_all_tasks_blocked()
             nursery.cancel_scope.cancel()
         gate.set()
-        r = await mem.add_turn("ana", "s1", "user", "after the cancellations", durable=True)
-        history = await mem.session_history("ana", "s1", limit=100)
+        lsn = await ingest.add_turn("s1", "after the cancellations", durable=True)
+        history = await session_turns(store, "s1")
     # Four fit the queue (one in the blocked writer); the eight that waited were cancelled.
     assert [t.seq for t in history] == [0, 1, 2, 3, 4]
-    assert history[-1].lsn == r.lsn == 5
+    assert history[-1].lsn == lsn == 5
     log_keys = [int.from_bytes(k, "big") for k, _ in raw_databases(store_path)["log"]]
-    assert log_keys == list(range(1, r.lsn + 1))
+    assert log_keys == list(range(1, lsn + 1))
 
 
 async def test_forget_logs_a_tombstone_with_the_deleted_sequence_numbers(store_path) -> None:
     """The tombstone lists exactly the forgotten turns' lsns, for indexes to replay."""
-    async with open_engine(store_path) as mem:
-        kept = await mem.add_turn("ana", "s1", "user", "stays")
-        gone = [await mem.add_turn("ana", "s2", "user", f"goes {i}") for i in range(3)]
-        await mem.forget_session("ana", "s2")
+    async with running_store(store_path) as store:
+        ingest = Ingest(store)
+        kept = await ingest.add_turn("s1", "stays")
+        gone = [await ingest.add_turn("s2", f"goes {i}") for i in range(3)]
+        await store.forget("ana", "s2")
     log = dict(raw_databases(store_path)["log"])
-    key = (kept.lsn + 4).to_bytes(8, "big")
+    key = (kept + 4).to_bytes(8, "big")
     tombstone = unseal(log[key], b"log", key)
     assert tombstone[:1] == store_mod.LOG_TOMBSTONE
     lsns = array("Q", tombstone[1:])
     lsns.byteswap()
-    assert sorted(lsns) == [r.lsn for r in gone]
-    assert sorted(int.from_bytes(k, "big") for k in log) == [kept.lsn, kept.lsn + 4]
+    assert sorted(lsns) == gone
+    assert sorted(int.from_bytes(k, "big") for k in log) == [kept, kept + 4]
 
 
-def _append(store: store_mod.Store, session: str, seq: int) -> AppendTurn:
+def _append(store: store_mod.Store, session: str, seq: int, text: str = "hi") -> AppendTurn:
     """An AppendTurn for the store's next lsn, built as the session buffer builds one."""
     at = datetime(2026, 3, 1, tzinfo=timezone.utc)
-    turn = Turn(store.next_lsn, f"t{store.next_lsn}", "ana", session, seq, "user", "hi", at)
+    turn = Turn(store.next_lsn, f"t{store.next_lsn}", "ana", session, seq, "user", text, at)
     key = store_mod.session_prefix("ana", session) + seq.to_bytes(8, "big")
     return AppendTurn(turn, key, msgspec.msgpack.encode(turn), at,
                       store_mod.user_prefix("ana") + turn.turn_id.encode())

@@ -1,0 +1,58 @@
+"""The Store actor as the engine wires it: what a store-level fault or migration means for the
+engine around it (the store alone is tested in tests/actors/test_store.py)."""
+
+from __future__ import annotations
+
+import lmdb
+import pytest
+import trio
+
+import actors.store as store_mod
+from engine import EngineBroken, HashEmbedder
+
+from .conftest import downgrade_to_schema_4, open_engine
+
+
+async def test_schema_1_float32_vectors_are_migrated_to_float16(store_path) -> None:
+    """A schema-1 store (float32 vectors) opens as the current schema with the same vectors,
+    searchable."""
+    import numpy as np
+
+    async with open_engine(store_path) as mem:
+        r = await mem.add_turn("ana", "s", "user", "lisbon dog walk")
+        await mem.flush()
+    downgrade_to_schema_4(store_path)
+    env = lmdb.open(str(store_path), max_dbs=32)
+    with env.begin(write=True) as txn:
+        vectors = env.open_db(b"vectors", txn=txn)
+        for key, value in list(txn.cursor(vectors)):
+            old = np.frombuffer(value[16:], dtype="<f2").astype("<f4")  # as schema 1 stored it
+            txn.put(key, value[:16] + old.tobytes(), db=vectors)
+        txn.put(b"schema", (1).to_bytes(8, "big"), db=env.open_db(b"meta", txn=txn))
+    env.close()
+    async with open_engine(store_path) as mem:
+        hits = await mem.recall("ana", "lisbon dog walk", limit=1, kinds=["turn"])
+        found = await mem._ann.search("ana", HashEmbedder().encode(["lisbon dog walk"])[0], 1)
+    assert [h.id for h in hits] == [r.turn_id]
+    assert found[0][0] == r.lsn and found[0][1] > 0.999
+
+
+async def test_a_failing_disk_breaks_the_engine_loudly(store_path, monkeypatch) -> None:
+    """A write error fails pending durable receipts and surfaces as one EngineBroken."""
+    outcomes: list[BaseException] = []
+
+    def broken_write(self, segments, last_lsn):
+        raise EngineBroken("writing to the store failed: No space left on device") from OSError(28, "ENOSPC")
+
+    with pytest.raises(EngineBroken, match=r"the engine failed") as info:
+        async with open_engine(store_path) as mem:
+            monkeypatch.setattr(store_mod.Store, "_write", broken_write)
+            r = await mem.add_turn("ana", "s1", "user", "lost")
+            try:
+                await r.durable()
+            except EngineBroken as exc:
+                outcomes.append(exc)
+            await trio.sleep_forever()
+    assert isinstance(info.value.__cause__, BaseExceptionGroup)
+    (failure,) = outcomes
+    assert "store failed before committing" in str(failure)
