@@ -10,7 +10,9 @@ inside functions, so that a lazy import cannot hide an upward dependency. The la
 - ``engine/``: the facade, retrieval, snapshots, maintenance, tools and the faces.
 - ``bench/`` and ``examples/``: the public API only (``engine``'s exported names and its public
   modules); bench may also drive an actor bare, to measure the engine against it.
-- ``tests/actors/``: the tests of one actor use only ``actors.base`` and that actor.
+- ``tests/actors/``: the tests of one actor use only ``actors.base``, that actor, and
+  ``actors.store``: the log every other actor follows, run bare under it as under the engine
+  (``tests/actors/ground.py``).
 
 A new rule is one more test function over :func:`imports_of` (or :func:`all_imports`).
 """
@@ -33,7 +35,7 @@ PUBLIC_ENGINE_MODULES = frozenset({"engine", "engine.errors", "engine.aio", "eng
 ACTOR_TESTS_THROUGH_THE_ENGINE = frozenset({
     "tests/actors/test_ann_index.py", "tests/actors/test_embedder.py",
     "tests/actors/test_entities.py", "tests/actors/test_episodic.py",
-    "tests/actors/test_facts.py", "tests/actors/test_fulltext.py",
+    "tests/actors/test_facts.py",
 })
 
 
@@ -171,14 +173,16 @@ def test_examples_use_only_the_public_engine_api() -> None:
 
 
 def test_actor_tests_use_only_the_bottom_layer_and_their_actor() -> None:
-    """tests/actors/test_X.py imports actors.base and actors.X only: no engine, no other actor
-    (the files written before the rule are listed, and must leave the list once clean)."""
+    """tests/actors/test_X.py imports actors.base, actors.X and the store it stands on only: no
+    engine, no other actor (the files written before the rule are listed, and must leave the
+    list once clean)."""
     through_the_engine = set()
     for path in sources("tests/actors"):
         actor = "actors." + path.stem.removeprefix("test_")
         for imp in imports_of(path):
             if (imp.within("engine") or imp.within("tests.conftest") and "open_engine" in imp.names
                     or imp.within("actors") and not (imp.within("actors.base")
+                                                     or imp.within("actors.store")
                                                      or imp.within(actor))):
                 through_the_engine.add(imp.path)
     assert through_the_engine == ACTOR_TESTS_THROUGH_THE_ENGINE

@@ -1,0 +1,78 @@
+"""The ground an actor test stands on: a real Store, running bare, and turns appended to it as
+ingest appends them (room first, then the op), without the engine above."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+
+import actors.store as store_mod
+from actors.base.config import Config
+from actors.base.messages import AppendTurn
+from actors.base.records import Turn
+
+T0 = datetime(2026, 3, 1, 9, 0, tzinfo=timezone.utc)
+
+
+class Ground:
+    """A running Store, the nursery it runs in, and the sessions' next sequence numbers.
+
+    Attributes:
+        store: the Store.
+        nursery: where the store runs; start the actor under test here (it stops when the store
+            closes, as under the engine).
+    """
+
+    def __init__(self, store: store_mod.Store, nursery: trio.Nursery) -> None:
+        self.store = store
+        self.nursery = nursery
+        self._seqs: dict[tuple[str, str], int] = {}  # the session buffer's count, per session
+
+    async def start(self, run: Callable[..., Any]) -> None:
+        """Start an actor's ``run`` next to the store's, and wait until it has started."""
+        await self.nursery.start(run)
+
+    async def add_turn(self, user_id: str, session_id: str, text: str, durable: bool = False,
+                       role: str = "user") -> int:
+        """Append one turn as ingest does; its lsn, once committed if ``durable``."""
+        store = self.store
+        if (user_id, session_id) not in self._seqs:  # a session a previous run wrote goes on
+            turns = await store.read(store_mod.read_session_turns, user_id, session_id, 0, 2**63)
+            # setdefault: a concurrent first append to the same session may have counted already.
+            self._seqs.setdefault((user_id, session_id), turns[-1].seq + 1 if turns else 0)
+        await store.reserve(1)
+        seq = self._seqs[user_id, session_id]
+        self._seqs[user_id, session_id] = seq + 1
+        lsn = store.next_lsn
+        at = T0 + timedelta(seconds=lsn)  # distinct and known, as the tests' StepClock gives
+        turn = Turn(lsn, f"t{lsn}", user_id, session_id, seq, role, text, at)
+        key = store_mod.session_prefix(user_id, session_id) + seq.to_bytes(8, "big")
+        store.submit(AppendTurn(turn, key, msgspec.msgpack.encode(turn), at,
+                                store_mod.user_prefix(user_id) + turn.turn_id.encode()))
+        if durable:
+            await store.wait_committed(lsn)
+        return lsn
+
+    async def texts(self, user_id: str, session_id: str) -> dict[int, str]:
+        """A session's turns as stored: lsn -> text."""
+        turns = await self.store.read(store_mod.read_session_turns, user_id, session_id, 0, 2**63)
+        return {t.lsn: t.text for t in turns}
+
+
+@asynccontextmanager
+async def running_store(path: Path, config: Config | None = None) -> AsyncIterator[Ground]:
+    """A Store running in a nursery of its own; closed (and drained) on leaving, which also
+    ends the actors started next to it."""
+    store = store_mod.Store(path, config or Config())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        try:
+            yield Ground(store, nursery)
+        finally:
+            store.close()
