@@ -1,12 +1,42 @@
-"""Entities: extraction, the registry with aliases, entity_info, the entity leg and links."""
+"""The Entities actor: extraction, the registry with aliases, links, and forgetting.
+
+Driven bare over a real Store (tests/actors/ground.py); entity_info, the entity leg of recall
+and the engine's forgetting are tested through the engine in tests/test_entities_in_engine.py.
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from actors.entities import extract_entities
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 
-from ..conftest import open_engine, raw_databases
+import actors.store as store_mod
+from actors.entities import Entities, extract_entities
+
+from ..conftest import raw_databases
+from .ground import Ground, running_store
+
+
+@asynccontextmanager
+async def running_entities(path: Path) -> AsyncIterator[tuple[Ground, Entities]]:
+    """A store at ``path`` and the entities follower on its log, both running."""
+    async with running_store(path) as ground:
+        entities = Entities(ground.store)
+        await ground.start(entities.follower.run)
+        yield ground, entities
+
+
+async def flush(ground: Ground, entities: Entities) -> None:
+    """Wait until everything queued is committed and the follower has filed it."""
+    await ground.store.wait_written()
+    await entities.follower.wait(ground.store.committed_lsn)
+
+
+async def registry(ground: Ground, user_id: str, *names: str) -> dict:
+    """The user's registry records under these lower-case keys (and what aliases point to)."""
+    return await ground.store.read(store_mod.read_entities, user_id, list(names))
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -26,46 +56,51 @@ def test_entities_are_extracted_by_kind(text, expected) -> None:
     assert extract_entities(text) == expected
 
 
-async def test_a_first_name_is_an_alias_of_the_full_name(mem) -> None:
-    """'Maya' after 'Maya Lindqvist' counts for the same entity; any case finds it."""
-    first = await mem.add_turn("ana", "s", "user", "Maya Lindqvist, an old friend, moved to Lisbon.")
-    second = await mem.add_turn("ana", "s", "user", "maya sent a postcard. Maya loves trams.")
-    third = await mem.add_turn("ana", "s2", "user", "Dinner with Maya on Friday.")
-    await mem.flush()
-    info = await mem.entity_info("ana", "MAYA")
-    assert info is not None and info.entity.name == "Maya Lindqvist"
-    assert info.entity.type == "person" and info.entity.mentions == 3
-    assert "Maya" in info.entity.aliases
-    assert [h.id for h in info.memories] == [third.turn_id, second.turn_id, first.turn_id]
-    assert await mem.entity_info("ana", "nobody") is None
-    assert await mem.entity_info("bob", "maya") is None  # another user's registry is empty
+async def test_a_first_name_is_an_alias_of_the_full_name(store_path) -> None:
+    """'Maya' after 'Maya Lindqvist' counts for the same entity, filed under the full name with
+    the first name pointing to it; another user's registry is untouched."""
+    async with running_entities(store_path) as (ground, entities):
+        first = await ground.add_turn("ana", "s", "Maya Lindqvist, an old friend, moved to Lisbon.")
+        second = await ground.add_turn("ana", "s", "maya sent a postcard. Maya loves trams.")
+        third = await ground.add_turn("ana", "s2", "Dinner with Maya on Friday.")
+        await flush(ground, entities)
+        found = await registry(ground, "ana", "maya")
+        assert found["maya"].type == "alias" and found["maya"].aliases == ("maya lindqvist",)
+        entity = found["maya lindqvist"]
+        assert entity.name == "Maya Lindqvist"
+        assert entity.type == "person" and entity.mentions == 3
+        assert "Maya" in entity.aliases
+        assert entity.lsns == (first, second, third)
+        assert {"maya", "maya lindqvist"} <= await entities.keys("ana")
+        assert await registry(ground, "ana", "nobody") == {}
+        assert await registry(ground, "bob", "maya") == {}  # another user's registry is empty
 
 
-async def test_memories_sharing_an_entity_are_linked_and_found_by_the_entity_leg(mem) -> None:
-    """A later mention links to the previous one; a lower-case query naming the entity finds
-    its memories through the entity leg."""
-    a = await mem.add_turn("ana", "s1", "user", "Tomás is my climbing partner.")
-    await mem.add_turn("ana", "s1", "user", "The weather was grey all week.")
-    b = await mem.add_turn("ana", "s2", "user", "Booked a gym session with Tomás for Monday.")
-    await mem.flush()
-    links = await mem.links("ana", b.turn_id)
-    assert [(link.to_id, link.type) for link in links] == [(a.turn_id, "shares_entity")]
-    hits = await mem.recall("ana", "what about tomás", kinds=["turn"])
-    assert {h.id for h in hits[:2]} == {a.turn_id, b.turn_id}
-    assert all("entity" in h.via for h in hits[:2])
+async def test_memories_sharing_an_entity_are_linked(store_path) -> None:
+    """A later mention links to the previous memory that mentioned the same entity."""
+    async with running_entities(store_path) as (ground, entities):
+        a = await ground.add_turn("ana", "s1", "Tomás is my climbing partner.")
+        await ground.add_turn("ana", "s1", "The weather was grey all week.")
+        b = await ground.add_turn("ana", "s2", "Booked a gym session with Tomás for Monday.")
+        await flush(ground, entities)
+        links = await ground.store.read(store_mod.read_links, "ana", [f"t{b}"])
+    assert [(link.from_id, link.to_id, link.type) for link in links[f"t{b}"]] == [
+        (f"t{b}", f"t{a}", "shares_entity")]
 
 
 async def test_forgetting_removes_entities(store_path) -> None:
     """A forgotten session's mentions leave the registry; an entity only it mentioned goes."""
-    async with open_engine(store_path) as mem:
-        await mem.add_turn("ana", "s1", "user", "Zebulon visited Reykjavik.")
-        await mem.add_turn("ana", "s2", "user", "Reykjavik was cold.")
-        await mem.flush()
-        await mem.forget_session("ana", "s1")
-        await mem.flush()
-        assert await mem.entity_info("ana", "zebulon") is None
-        info = await mem.entity_info("ana", "reykjavik")
-        assert info is not None and len(info.memories) == 1
-        assert (await mem.memory_stats("ana"))["entities"] == 1
+    async with running_entities(store_path) as (ground, entities):
+        await ground.add_turn("ana", "s1", "Zebulon visited Reykjavik.")
+        await ground.add_turn("ana", "s2", "Reykjavik was cold.")
+        await flush(ground, entities)
+        assert "zebulon" in await entities.keys("ana")
+        await ground.store.forget("ana", "s1")
+        entities.forget("ana")
+        await flush(ground, entities)
+        assert await registry(ground, "ana", "zebulon") == {}
+        assert len((await registry(ground, "ana", "reykjavik"))["reykjavik"].lsns) == 1
+        assert await ground.store.read(store_mod.read_entity_keys, "ana") == ["reykjavik"]
+        assert await entities.keys("ana") == {"reykjavik"}
     everything = b"".join(k + v for rows in raw_databases(store_path).values() for k, v in rows)
     assert b"Zebulon" not in everything

@@ -1,0 +1,51 @@
+"""Entities as the engine serves them: entity_info over the registry, the links and the
+entity leg of recall, and what forgetting leaves (the actor alone: tests/actors/test_entities.py)."""
+
+from __future__ import annotations
+
+from .conftest import open_engine, raw_databases
+
+
+async def test_a_first_name_is_an_alias_of_the_full_name(mem) -> None:
+    """'Maya' after 'Maya Lindqvist' counts for the same entity; any case finds it."""
+    first = await mem.add_turn("ana", "s", "user", "Maya Lindqvist, an old friend, moved to Lisbon.")
+    second = await mem.add_turn("ana", "s", "user", "maya sent a postcard. Maya loves trams.")
+    third = await mem.add_turn("ana", "s2", "user", "Dinner with Maya on Friday.")
+    await mem.flush()
+    info = await mem.entity_info("ana", "MAYA")
+    assert info is not None and info.entity.name == "Maya Lindqvist"
+    assert info.entity.type == "person" and info.entity.mentions == 3
+    assert "Maya" in info.entity.aliases
+    assert [h.id for h in info.memories] == [third.turn_id, second.turn_id, first.turn_id]
+    assert await mem.entity_info("ana", "nobody") is None
+    assert await mem.entity_info("bob", "maya") is None  # another user's registry is empty
+
+
+async def test_memories_sharing_an_entity_are_linked_and_found_by_the_entity_leg(mem) -> None:
+    """A later mention links to the previous one; a lower-case query naming the entity finds
+    its memories through the entity leg."""
+    a = await mem.add_turn("ana", "s1", "user", "Tomás is my climbing partner.")
+    await mem.add_turn("ana", "s1", "user", "The weather was grey all week.")
+    b = await mem.add_turn("ana", "s2", "user", "Booked a gym session with Tomás for Monday.")
+    await mem.flush()
+    links = await mem.links("ana", b.turn_id)
+    assert [(link.to_id, link.type) for link in links] == [(a.turn_id, "shares_entity")]
+    hits = await mem.recall("ana", "what about tomás", kinds=["turn"])
+    assert {h.id for h in hits[:2]} == {a.turn_id, b.turn_id}
+    assert all("entity" in h.via for h in hits[:2])
+
+
+async def test_forgetting_removes_entities(store_path) -> None:
+    """A forgotten session's mentions leave the registry; an entity only it mentioned goes."""
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("ana", "s1", "user", "Zebulon visited Reykjavik.")
+        await mem.add_turn("ana", "s2", "user", "Reykjavik was cold.")
+        await mem.flush()
+        await mem.forget_session("ana", "s1")
+        await mem.flush()
+        assert await mem.entity_info("ana", "zebulon") is None
+        info = await mem.entity_info("ana", "reykjavik")
+        assert info is not None and len(info.memories) == 1
+        assert (await mem.memory_stats("ana"))["entities"] == 1
+    everything = b"".join(k + v for rows in raw_databases(store_path).values() for k, v in rows)
+    assert b"Zebulon" not in everything
