@@ -252,13 +252,16 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=5000)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--hot-rounds", type=int, default=7,
-                        help="alternating rounds of the add_turn_nowait target alone")
+    parser.add_argument("--hot-rounds", type=int, default=None,
+                        help="alternating rounds of the add_turn_nowait target alone "
+                             "(default 7, 3 with --quick)")
     parser.add_argument("--hot-turns", type=int, default=3000)
     parser.add_argument("--out", default="bench/results/bridges.json")
     args = parser.parse_args()
     if args.quick:
-        args.turns, args.calls, args.rounds, args.hot_rounds = 500, 200, 1, 3
+        args.turns, args.calls, args.rounds = 500, 200, 1
+    if args.hot_rounds is None:
+        args.hot_rounds = 3 if args.quick else 7
     root = Path(tempfile.mkdtemp(prefix="engram-bench-bridges-"))
     rounds: list[dict[str, Any]] = []
     loads: list[float] = []
