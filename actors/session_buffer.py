@@ -127,7 +127,8 @@ class SessionBuffer:
         """Append a validated turn: window, counters, and the Store's queue. Synchronous.
 
         The turn is encoded before any state changes, so a failure leaves nothing behind.
-        ``turn_id`` keeps an id made elsewhere (an import); by default a new one is made.
+        ``turn_id`` keeps an id made elsewhere (an import, a cluster's log); by default a new
+        one is made.
         """
         if at.tzinfo is not _UTC:
             at = at.astimezone(_UTC)

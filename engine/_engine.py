@@ -10,6 +10,7 @@ Where each call goes (one module per concern, named for it):
 - ``_memory.py``: facts, notes, session summaries, episodes, reviews, entities;
 - ``_links.py``: ``link`` and ``links``;
 - ``_forget.py``: ``forget_session`` / ``forget_user`` and the scrub that follows them;
+- ``_logbatch.py``: ``apply_log_batch``, a cluster's replicated log applied (engine.cluster);
 - ``_snapshot.py``: snapshot, restore, compact; ``_verify.py``: verify;
 - ``_stats.py``: ``stats``, ``failures``, ``memory_stats``;
 - ``_maintenance.py`` and ``_tools.py``: the periodic passes and seed 004's agent tools.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -50,6 +51,7 @@ from ._forget import Forgetting
 from ._hits import Hits, RetrieveResult
 from ._ingest import Ingest
 from ._links import Links
+from ._logbatch import PartitionLog
 from ._llm import LLM, ModelTasks
 from ._maintenance import Maintenance, MaintenanceReport
 from ._memory import EntityInfo, Memory
@@ -103,6 +105,7 @@ class Engine:
         self._memory = Memory(parts, run.scrubber)
         self._links = Links(parts)
         self._forgetting = Forgetting(parts, run.scrubber)
+        self._partition_log = PartitionLog(parts, self._forgetting, self._logged_call)
         self._maintenance = Maintenance(parts, self._memory)
 
     @classmethod
@@ -742,6 +745,30 @@ class Engine:
         return await call_tool(self, name, arguments)
 
     # -- deletion ----------------------------------------------------------------------------
+
+    async def apply_log_batch(self, partition: int, entries: Sequence[tuple[int, Any]],
+                              results: dict[int, Any] | None = None) -> int:
+        """Apply a batch of a cluster's replicated log (``engine.cluster`` drives this).
+
+        Args:
+            partition: the log partition the entries come from.
+            entries: ``(log_seq, entry)`` pairs in log order (``engine._logbatch.LogTurn`` /
+                ``LogForget`` / ``LogCall``); an empty batch just reads the watermark.
+            results: if given, what each ``LogCall`` returned (or the error it raised), by
+                its log sequence.
+
+        Returns:
+            The partition's watermark after the batch (its last log sequence applied).
+
+        Raises:
+            InvalidInput: a malformed batch; nothing was written.
+            EngineClosed / EngineBroken: as any write.
+        """
+        return await self._partition_log.apply(partition, entries, results)
+
+    async def _logged_call(self, method: str, user_id: str, args: dict[str, Any]) -> Any:
+        # A LogCall's method, by name (the log batch checked it against its list).
+        return await getattr(self, method)(user_id, **args)
 
     async def forget_session(self, user_id: str, session_id: str) -> None:
         """Delete a session and all its turns; returns once the deletion is on disk (the

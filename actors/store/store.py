@@ -134,6 +134,9 @@ class Store(Writer, Appliers, Forgetting):
         # Parked: followers of the log (the embedder) waiting for the next commit.
         self._commits = trio.lowlevel.ParkingLot()
         self._submitted = 0  # ops ever queued, logged or not
+        # (first, end) submit numbers of op runs that must commit in one transaction
+        # (hold_together), oldest first; dropped once written.
+        self._groups: deque[tuple[int, int]] = deque()
         self._written = 0  # ops ever committed: the queue is FIFO, so the first _written of them
         # Parked: callers of wait_written, until the next batch commits.
         self._batches = trio.lowlevel.ParkingLot()

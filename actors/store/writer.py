@@ -232,6 +232,27 @@ class Writer:
         if self._wakeup:
             self._wakeup.unpark_all()
 
+    def hold_together(self, count: int) -> None:
+        """Make the next ``count`` ops queued commit in one write transaction: the commit loop
+        never cuts a batch inside them (a batch may then pass BATCH_MAX by their number).
+        Queue them without a checkpoint in between. A cluster's applier writes turns and the
+        partition's watermark this way."""
+        if count > 1:
+            self._groups.append((self._submitted, self._submitted + count))
+
+    def _batch_size(self) -> int:
+        """Ops the next write transaction takes: up to BATCH_MAX, never cutting a group."""
+        groups, written = self._groups, self._written
+        while groups and groups[0][1] <= written:
+            groups.popleft()
+        end = written + min(len(self._queue), BATCH_MAX)
+        for first, last in groups:
+            if first >= end:
+                break
+            if first < end < last:
+                end = last
+        return min(end - written, len(self._queue))
+
     async def wait_committed(self, lsn: int) -> None:
         """Return once every op up to ``lsn`` is committed.
 
@@ -327,7 +348,7 @@ class Writer:
                     return
                 await self._wakeup.park()
                 continue
-            n = min(len(self._queue), BATCH_MAX)
+            n = self._batch_size()
             ops = [self._queue.popleft() for _ in range(n)]
             segments = _plan(ops)
             last = max((op.lsn for op in ops if op.lsn is not None), default=None)

@@ -1,0 +1,278 @@
+"""Applying a replicated log to the store: the one entry point a cluster node drives.
+
+A cluster (``engine.cluster``) keeps its users' writes in a replicated log cut into
+partitions; the node that owns a partition reads it in order and hands each batch to
+:meth:`Engine.apply_log_batch`. Here a batch becomes ordinary engine writes, with two
+promises the log needs:
+
+- **Exactly once.** The partition's watermark (the last log sequence applied) is written in
+  the same LMDB transaction as the batch's turns (``Store.hold_together``), and entries at
+  or below it are skipped, so a crash anywhere and a replay from the watermark leave every
+  entry applied once. A turn id already in the store is skipped too (a publisher that
+  retried past the log's duplicate window), and counted.
+- **Same log, same memory.** Per-session ``seq`` is assigned here, in log order, so two nodes
+  that apply the same log hold the same sessions.
+
+The entries are plain records of this module: the engine knows nothing of NATS.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime
+from typing import Any
+
+import msgspec
+import trio
+
+from actors.base.messages import PutState
+from actors.store import read_meta_lsn, user_prefix
+
+from actors.base import validate as v
+
+from ._forget import Forgetting
+from ._parts import Parts
+from .errors import EngineError, InvalidInput
+
+__all__ = ["LogTurn", "LogForget", "LogCall", "CALLS", "LogEntry", "encode_entry", "decode_entry",
+           "PartitionLog", "watermark_key"]
+
+RECENT_IDS = 65_536  # turn ids applied lately, checked before the store (commits in flight)
+MAX_BATCH = 1_024  # entries per call: one transaction, and a few ms of loop time
+
+
+class LogTurn(msgspec.Struct, frozen=True, tag="turn", omit_defaults=True):
+    """A turn as the log carries it: its id was made by the writer, its seq is made here."""
+
+    user_id: str
+    session_id: str
+    turn_id: str
+    role: str
+    text: str
+    at: datetime
+    meta: dict[str, Any] | None = None
+
+
+class LogForget(msgspec.Struct, frozen=True, tag="forget", omit_defaults=True):
+    """A tombstone: forget the user, or one of their sessions."""
+
+    user_id: str
+    session_id: str | None = None
+
+
+class LogCall(msgspec.Struct, frozen=True, tag="call", omit_defaults=True):
+    """Any other write a caller makes (notes, facts, links, reviews, summaries, closing a
+    session): the engine method of that name, called on the owner with these arguments.
+    Ids a call would make (a new note's) are made by the writer and carried here, so every
+    node that applies the entry makes the same record."""
+
+    user_id: str
+    method: str
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+# The engine methods a LogCall may name: every write a caller makes that is not a turn or a
+# forget. What the engine derives by itself (episodes, extracted facts, entities, vectors) is
+# recomputed by each node from the turns, so it is never logged.
+CALLS = frozenset({
+    "store_note", "update_note", "delete_note", "remember_fact", "correct_fact",
+    "confirm_fact", "forget_fact", "link", "review", "write_session_summary", "close_session",
+})
+
+LogEntry = LogTurn | LogForget | LogCall
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(LogEntry)
+
+
+def encode_entry(entry: LogEntry) -> bytes:
+    """The entry's bytes in the log (msgpack, tagged)."""
+    return _encoder.encode(entry)
+
+
+def decode_entry(data: bytes) -> LogEntry:
+    """An entry from its bytes.
+
+    Raises:
+        InvalidInput: the bytes are not an entry of this version (the message says why).
+    """
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise InvalidInput("entry", f"expected a log entry (msgpack, tagged), found: {exc}"
+                           ) from None
+
+
+def watermark_key(partition: int) -> bytes:
+    """Where a partition's watermark lives in the store's ``meta`` database."""
+    return b"cluster:partition:%d" % partition
+
+
+class PartitionLog:
+    """The watermarks of one engine's partitions and the code that applies batches.
+
+    Args:
+        parts: the running engine's actors and settings.
+        forgetting: the engine's forget_user / forget_session (a tombstone applies as one).
+        call: runs a :class:`LogCall` (method name, user id, arguments) on the engine.
+    """
+
+    def __init__(self, parts: Parts, forgetting: Forgetting,
+                 call: Callable[[str, str, dict[str, Any]], Awaitable[Any]]) -> None:
+        self._parts = parts
+        self._forgetting = forgetting
+        self._call = call
+        self._marks: dict[int, int] = {}
+        # One batch at a time per partition: a batch reads the watermark and moves it.
+        self._locks: dict[int, trio.Lock] = {}
+        self._recent: OrderedDict[str, None] = OrderedDict()
+        self.duplicates = 0  # turns skipped because their id was already applied
+        self.invalid = 0  # entries skipped because they failed the engine's checks
+
+    async def watermark(self, partition: int) -> int:
+        """The last log sequence applied to ``partition`` (0: none)."""
+        mark = self._marks.get(partition)
+        if mark is None:
+            mark = await self._parts.store.read(read_meta_lsn, watermark_key(partition))
+            self._marks.setdefault(partition, mark)
+            mark = self._marks[partition]
+        return mark
+
+    def known_watermark(self, partition: int) -> int | None:
+        """The watermark if this engine has read it already (no store read)."""
+        return self._marks.get(partition)
+
+    async def reset(self, partition: int) -> None:
+        """Forget the partition's watermark on disk (its users' records were dropped here)."""
+        async with self._lock(partition):
+            await self._put_mark(partition, 0)
+            self._marks[partition] = 0
+
+    def _lock(self, partition: int) -> trio.Lock:
+        lock = self._locks.get(partition)
+        if lock is None:
+            lock = self._locks[partition] = trio.Lock()
+        return lock
+
+    async def apply(self, partition: int, entries: Sequence[tuple[int, LogEntry]],
+                    results: dict[int, Any] | None = None) -> int:
+        """Apply ``(log_seq, entry)`` pairs in order; return the new watermark. What each
+        :class:`LogCall` returned (or the engine error it raised) goes to ``results`` by its
+        log sequence, for the caller that published it.
+
+        Raises:
+            InvalidInput: the batch is malformed (sequences not increasing, too many entries,
+                a partition out of range); nothing was written.
+            EngineClosed / EngineBroken: as any write.
+        """
+        self._parts.check_open()
+        if type(partition) is not int or partition < 0:
+            raise InvalidInput("partition", f"expected a partition number >= 0, found "
+                                            f"{partition!r}")
+        if len(entries) > MAX_BATCH:
+            raise InvalidInput("entries", f"expected at most {MAX_BATCH} entries a batch, "
+                                          f"found {len(entries)}; split the batch")
+        last = 0
+        for index, (seq, _) in enumerate(entries):
+            if type(seq) is not int or seq <= last:
+                raise InvalidInput(f"entries[{index}]", f"expected log sequences increasing "
+                                                        f"from 1, found {seq!r} after {last}")
+            last = seq
+        async with self._lock(partition):
+            mark = await self.watermark(partition)
+            turns: list[tuple[int, LogTurn]] = []
+            for seq, entry in entries:
+                if seq <= mark:
+                    continue
+                if type(entry) is not LogTurn:
+                    if turns:
+                        mark = await self._write_turns(partition, turns)
+                        turns = []
+                    if type(entry) is LogForget:
+                        await self._forget(entry)
+                    else:
+                        result = await self._apply_call(entry)
+                        if results is not None:
+                            results[seq] = result
+                    await self._put_mark(partition, seq)
+                    mark = self._marks[partition] = seq
+                else:
+                    turns.append((seq, entry))
+            if turns:
+                mark = await self._write_turns(partition, turns)
+            return mark
+
+    async def _apply_call(self, entry: LogCall) -> Any:
+        """Run the call; its engine error is its result (the log goes on: every node that
+        replays the entry gets the same error)."""
+        if entry.method not in CALLS:
+            self.invalid += 1
+            return InvalidInput("method", f"expected one of {sorted(CALLS)}, found "
+                                          f"{entry.method!r}")
+        try:
+            return await self._call(entry.method, entry.user_id, entry.args)
+        except (EngineError, TypeError) as exc:
+            # TypeError: arguments the method does not take (a newer writer's entry).
+            self.invalid += 1
+            return exc if isinstance(exc, EngineError) else InvalidInput("args", str(exc))
+
+    async def _forget(self, entry: LogForget) -> None:
+        try:
+            if entry.session_id is None:
+                await self._forgetting.forget_user(entry.user_id)
+            else:
+                await self._forgetting.forget_session(entry.user_id, entry.session_id)
+        except InvalidInput:
+            self.invalid += 1
+
+    async def _write_turns(self, partition: int, turns: list[tuple[int, LogTurn]]) -> int:
+        """The turns and the watermark, submitted back to back so one commit takes them."""
+        parts = self._parts
+        store, buffer, config = parts.store, parts.buffer, parts.config
+        known = await store.read(_known_ids, [t for _, t in turns])
+        last_seq = turns[-1][0]
+        checked = []
+        for seq, turn in turns:
+            if turn.turn_id in self._recent or turn.turn_id in known:
+                self.duplicates += 1
+                continue
+            try:
+                v.check_id("user_id", turn.user_id, config.max_id_chars)
+                v.check_id("session_id", turn.session_id, config.max_id_chars)
+                v.check_id("turn_id", turn.turn_id, config.max_id_chars)
+                v.check_role(turn.role)
+                v.check_text("text", turn.text, config.max_text_chars)
+                at = v.check_at(turn.at)
+                meta = v.check_meta(turn.meta, config.max_meta_bytes)
+            except InvalidInput:
+                self.invalid += 1
+                continue
+            checked.append((turn, at, meta))
+            self._recent[turn.turn_id] = None
+            if len(self._recent) > RECENT_IDS:
+                self._recent.popitem(last=False)
+        await store.reserve(len(checked) + 1)
+        parts.check_open()
+        # No checkpoint from here to the watermark's submit: the turns and the watermark sit
+        # next to each other in the store's queue, and the writer keeps them in one commit.
+        store.hold_together(len(checked) + 1)
+        for turn, at, meta in checked:
+            buffer.append(turn.user_id, turn.session_id, turn.role, turn.text, at, meta,
+                          turn.turn_id)
+        await self._put_mark(partition, last_seq)
+        self._marks[partition] = last_seq
+        return last_seq
+
+    async def _put_mark(self, partition: int, seq: int) -> None:
+        done = trio.Event()  # set by the store once the watermark (and what precedes it) commits
+        op = PutState(((b"meta", watermark_key(partition), seq.to_bytes(8, "big"), 0),),
+                      done=done)
+        await self._parts.store.write_unlogged(op)
+
+
+def _known_ids(txn: Any, dbs: dict[bytes, Any], turns: list[LogTurn]) -> set[str]:
+    """The turn ids of ``turns`` the store already holds."""
+    ids = dbs[b"ids"]
+    return {t.turn_id for t in turns
+            if txn.get(user_prefix(t.user_id) + t.turn_id.encode(), db=ids) is not None}

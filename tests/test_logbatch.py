@@ -1,0 +1,122 @@
+"""apply_log_batch: a cluster's log applied exactly once, with its watermark, in log order."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from engine import InvalidInput
+from engine._logbatch import LogForget, LogTurn, decode_entry, encode_entry
+
+from .conftest import T0, open_engine
+
+
+def turn(n: int, user: str = "ana", session: str = "s1") -> LogTurn:
+    return LogTurn(user, session, f"t_{n:020x}", "user", f"turn number {n}",
+                   T0 + timedelta(seconds=n))
+
+
+async def test_batch_applies_turns_in_log_order_and_moves_the_watermark(store_path: Path) -> None:
+    """Turns land with seqs in log order; the watermark is the batch's last sequence."""
+    async with open_engine(store_path) as mem:
+        mark = await mem.apply_log_batch(3, [(1, turn(1)), (2, turn(2)), (5, turn(5))])
+        assert mark == 5
+        history = await mem.session_history("ana", "s1")
+        assert [(t.seq, t.turn_id) for t in history] == [
+            (0, turn(1).turn_id), (1, turn(2).turn_id), (2, turn(5).turn_id)]
+    async with open_engine(store_path) as mem:
+        assert await mem.apply_log_batch(3, [(4, turn(4)), (5, turn(5))]) == 5
+        assert len(await mem.session_history("ana", "s1")) == 3
+
+
+async def test_entries_at_or_below_the_watermark_are_skipped_after_a_reopen(
+        store_path: Path) -> None:
+    """A replay from an older position (a consumer re-read) applies nothing twice."""
+    async with open_engine(store_path) as mem:
+        await mem.apply_log_batch(0, [(n, turn(n)) for n in range(1, 11)])
+    async with open_engine(store_path) as mem:
+        mark = await mem.apply_log_batch(0, [(n, turn(n)) for n in range(1, 16)])
+        assert mark == 15
+        history = await mem.session_history("ana", "s1", limit=100)
+        assert [t.turn_id for t in history] == [turn(n).turn_id for n in range(1, 16)]
+        assert [t.seq for t in history] == list(range(15))
+
+
+async def test_a_turn_id_seen_before_is_skipped_and_counted(store_path: Path) -> None:
+    """A publisher's retry beyond the log's duplicate window does not make a second turn."""
+    async with open_engine(store_path) as mem:
+        await mem.apply_log_batch(1, [(1, turn(1)), (2, turn(2))])
+        await mem.apply_log_batch(1, [(3, turn(1))])
+        assert len(await mem.session_history("ana", "s1")) == 2
+        assert mem._partition_log.duplicates == 1
+    async with open_engine(store_path) as mem:
+        await mem.apply_log_batch(1, [(4, turn(2)), (5, turn(6))])  # the store remembers it
+        assert [t.turn_id for t in await mem.session_history("ana", "s1")] == [
+            turn(1).turn_id, turn(2).turn_id, turn(6).turn_id]
+
+
+async def test_a_forget_tombstone_applies_in_log_order(store_path: Path) -> None:
+    """Turns before the tombstone are forgotten, turns after it stay."""
+    async with open_engine(store_path) as mem:
+        await mem.apply_log_batch(2, [(1, turn(1)), (2, turn(2, session="s2")),
+                                      (3, LogForget("ana", "s1")), (4, turn(4))])
+        assert [t.turn_id for t in await mem.session_history("ana", "s1")] == [turn(4).turn_id]
+        assert len(await mem.session_history("ana", "s2")) == 1
+        await mem.apply_log_batch(2, [(5, LogForget("ana"))])
+        assert await mem.list_sessions("ana") == []
+
+
+async def test_malformed_batches_are_refused_before_anything_is_written(
+        store_path: Path) -> None:
+    """Sequences must increase; the partition must be a number; nothing lands otherwise."""
+    async with open_engine(store_path) as mem:
+        with pytest.raises(InvalidInput, match="increasing"):
+            await mem.apply_log_batch(0, [(2, turn(2)), (2, turn(3))])
+        with pytest.raises(InvalidInput, match="partition"):
+            await mem.apply_log_batch(-1, [(1, turn(1))])
+        assert await mem.list_sessions("ana") == []
+
+
+async def test_an_entry_that_fails_the_engines_checks_is_skipped_not_fatal(
+        store_path: Path) -> None:
+    """A bad entry in the log cannot block its partition: it is counted and passed over."""
+    async with open_engine(store_path) as mem:
+        bad = LogTurn("ana", "s1", "t_bad", "robot", "hello", T0)
+        assert await mem.apply_log_batch(0, [(1, bad), (2, turn(2))]) == 2
+        assert [t.turn_id for t in await mem.session_history("ana", "s1")] == [turn(2).turn_id]
+        assert mem._partition_log.invalid == 1
+
+
+def test_entries_round_trip_through_their_bytes() -> None:
+    """What a publisher encodes, the applier decodes; garbage is an InvalidInput."""
+    for entry in (turn(1), LogForget("ana"), LogForget("ana", "s1")):
+        assert decode_entry(encode_entry(entry)) == entry
+    with pytest.raises(InvalidInput, match="log entry"):
+        decode_entry(b"\x93garbage")
+
+
+async def test_turns_and_watermark_commit_in_one_transaction_even_past_the_batch_limit(
+        store_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer never cuts a batch between a log batch's turns and its watermark: with a
+    batch limit of 3 ops, ten turns and the watermark still go in one write transaction."""
+    from actors.store import writer
+
+    monkeypatch.setattr(writer, "BATCH_MAX", 3)
+    async with open_engine(store_path, config={"long_term": False}) as mem:
+        store = mem._store
+        seen: list[list[str]] = []
+        real = store._write
+
+        def spy(segments, last):
+            kinds = []
+            for seg in segments:
+                kinds += ["turn"] * len(seg.ops) if hasattr(seg, "ops") else [type(seg).__name__]
+            seen.append(kinds)
+            return real(segments, last)
+
+        monkeypatch.setattr(store, "_write", spy)
+        await mem.apply_log_batch(0, [(n, turn(n)) for n in range(1, 11)])
+        together = [kinds for kinds in seen if "PutState" in kinds and "turn" in kinds]
+        assert together and together[-1].count("turn") == 10, seen
