@@ -31,7 +31,8 @@ from ._owner import OwnerLock
 from actors.base.errors import EngineError, InvalidInput
 
 MODELS = ("minilm-l6-v2-q8", "minilm-l6-v2")  # the first is what a new store gets
-BENCHES = ("ingest", "embed", "recall", "snapshot", "crash", "forget", "bridges", "http")
+BENCHES = ("ingest", "embed", "recall", "snapshot", "crash", "forget", "bridges", "http",
+           "cluster")
 REPO = Path(__file__).resolve().parent.parent
 KEY_ENV = "ENGRAM_INTEGRITY_KEY"  # where commands take a store's integrity key from
 
@@ -113,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="where to write (default: $ENGRAM_MODEL_DIR, else the per-user "
                             "data directory)")
     model.add_argument("--force", action="store_true", help="rebuild even if verified")
+    from .cluster._cli import add_commands as cluster_commands
+
+    cluster_commands(command)  # node, cluster init|status
     bench = command("bench", "run a benchmark from bench/ (its own options follow)", False)
     bench.add_argument("name", choices=BENCHES)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
@@ -467,6 +471,12 @@ def _run(argv: list[str] | None) -> int:
                 signum = trio.run(lambda: serve(args.store, host=args.host, port=args.port,
                                                 api_keys=args.api_keys))
                 return 130 if signum == signal.SIGINT else 0
+            case "node" | "cluster":
+                from .cluster._cli import run as cluster_run
+
+                code, result = cluster_run(args)
+                if result is None:
+                    return code
             case "mcp":
                 from ._mcp import run_stdio
 

@@ -77,6 +77,8 @@ STATUS_BY_ERROR = {
     "EngineClosed": 503,
     "EngineBroken": 503,
     "LLMFailed": 502,
+    "NotInCluster": 501,
+    "LogUnavailable": 503,
     "EngineError": 500,
 }
 
@@ -203,8 +205,11 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
         """Add a turn; 201 once it is on disk (``durable``), else 202 once it is buffered."""
         receipt = await engine.add_turn(user_id, session_id, body.role, body.text, at=body.at,
                                         meta=body.meta, durable=body.durable)
-        return json_response({"turn_id": receipt.turn_id, "seq": receipt.seq,
-                              "durable": body.durable}, 201 if body.durable else 202)
+        answer = {"turn_id": receipt.turn_id, "seq": receipt.seq, "durable": body.durable}
+        if getattr(receipt, "log_seq", None) is not None:
+            # A cluster node's receipt: the log's sequence, for a later read's ?min_seq=.
+            answer["log_seq"] = receipt.log_seq
+        return json_response(answer, 201 if body.durable else 202)
 
     @app.get("/v1/users/{user_id}/sessions/{session_id}/turns", tags=["turns"],
              responses={200: example([TURN_EXAMPLE])})
@@ -219,7 +224,10 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
         receipts = await engine.add_turns(
             [{"user_id": user_id, **t.model_dump(exclude_none=True)} for t in body.turns],
             durable=body.durable)
-        return json_response({"turns": [{"turn_id": r.turn_id, "seq": r.seq} for r in receipts],
+        return json_response({"turns": [{"turn_id": r.turn_id, "seq": r.seq}
+                                        | ({"log_seq": r.log_seq}
+                                           if getattr(r, "log_seq", None) is not None else {})
+                                        for r in receipts],
                               "durable": body.durable}, 201 if body.durable else 202)
 
     @app.get("/v1/users/{user_id}/turns/{turn_id}", tags=["turns"])

@@ -17,9 +17,10 @@ def test_public_names_are_exported_and_nothing_private_leaks() -> None:
     }
     for name in engine.__all__:
         assert getattr(engine, name) is not None
-    # Public modules, not names: errors, the asyncio and blocking facades and the inspector's
-    # pages (ui), once imported.
-    public = {n for n in vars(engine) if not n.startswith("_")} - {"errors", "aio", "sync", "ui"}
+    # Public modules, not names: errors, the asyncio and blocking facades, the inspector's
+    # pages (ui) and the cluster layer, once imported.
+    public = {n for n in vars(engine) if not n.startswith("_")} - {"errors", "aio", "sync", "ui",
+                                                                  "cluster"}
     assert public <= set(engine.__all__)
 
 

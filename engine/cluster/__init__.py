@@ -1,0 +1,39 @@
+"""Cluster mode: Engram as N nodes over a replicated NATS JetStream log, partitioned by user.
+
+A layer above the engine, like the HTTP server: it drives :class:`engine.Engine` through its
+public API plus one entry point, :meth:`engine.Engine.apply_log_batch`. The single-process
+engine never imports it. ``engram-trio node`` runs a node; ``engram-trio cluster init|status``
+manages the log.
+"""
+
+from .._logbatch import LogForget, LogTurn, decode_entry, encode_entry
+from ._leases import Leases, plan
+from ._local import LocalNats
+from ._log import ClusterConfig, Log, LogUnavailable
+from ._loop import AsyncioThread
+from ._node import ClusterEngine, ClusterReceipt, Node, NotInCluster, Router
+from ._partition import DEFAULT_PARTITIONS, partition_of, subject_of
+from ._serve import serve_node
+
+__all__ = [
+    "DEFAULT_PARTITIONS",
+    "AsyncioThread",
+    "ClusterConfig",
+    "ClusterEngine",
+    "ClusterReceipt",
+    "Leases",
+    "LocalNats",
+    "Log",
+    "LogForget",
+    "LogTurn",
+    "LogUnavailable",
+    "Node",
+    "NotInCluster",
+    "Router",
+    "decode_entry",
+    "encode_entry",
+    "partition_of",
+    "plan",
+    "serve_node",
+    "subject_of",
+]

@@ -1,0 +1,299 @@
+"""Who owns which partition: leases in a JetStream KV bucket, renewed by their holders.
+
+A lease is the key ``partition.<p>`` whose value names the holder (node id and incarnation).
+Claim = ``create`` (fails if anyone holds it), renew = ``update`` on the revision the holder
+last wrote, release = ``delete`` on that revision: every change is a compare-and-set, so two
+nodes never both believe they hold a partition after a write succeeded. The bucket's TTL is the
+lease TTL, so a lease nobody renews expires by itself; holders renew every TTL/5. Membership is
+the live ``node.<id>`` heartbeat keys (same TTL). Each tick a node aims at
+``ceil(partitions / nodes)``: it claims free partitions while below, hands one back while above.
+
+A renewal that fails because the log had no leader (an election after a server died) is not a
+loss: the holder keeps trying, and if the lease expired meanwhile and nobody took it, the next
+``create`` re-acquires it. A node restarted within the TTL finds its own node id on its
+leases and adopts them (an ``update`` on their revision), so its partitions do not move.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.js.errors
+import trio
+
+from ._log import TRANSIENT, Log
+
+__all__ = ["Leases", "LeaseValue", "Beat", "plan", "LEASE_PREFIX", "NODE_PREFIX"]
+
+log = logging.getLogger("engine.cluster")
+
+LEASE_PREFIX = "partition."
+NODE_PREFIX = "node."
+# Errors that say the bucket could not answer (no quorum, no leader, connection down): the
+# lease's fate is unknown, so nothing is concluded from them.
+_UNSURE = (nats.errors.TimeoutError, nats.errors.NoRespondersError,
+           nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
+           nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError,
+           TimeoutError)
+
+
+# The key is not at the revision this node wrote (or not there at all): someone else's now.
+_MOVED = (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError,
+          nats.js.errors.KeyDeletedError)
+
+
+class LeaseValue(msgspec.Struct, frozen=True):
+    """What a lease holds: its holder."""
+
+    node: str
+    incarnation: str
+
+
+class Beat(msgspec.Struct, frozen=True):
+    """A node's heartbeat: it is alive, and where its HTTP API answers."""
+
+    node: str
+    incarnation: str
+    http: str
+
+
+_lease_decode = msgspec.json.Decoder(LeaseValue).decode
+_beat_decode = msgspec.json.Decoder(Beat).decode
+_encode = msgspec.json.encode
+
+
+def plan(me: str, partitions: int, owners: dict[int, str], members: set[str]
+         ) -> tuple[list[int], int | None]:
+    """What a node does this tick to reach its fair share.
+
+    Args:
+        me: this node's id.
+        partitions: the cluster's partition count.
+        owners: partition -> holder node id, for every held lease.
+        members: the live nodes (this one included).
+
+    Returns:
+        (free partitions to claim, lowest first, up to the share; a partition to hand back,
+        or None). Claims and a hand-back never come together.
+    """
+    members = members | {me}
+    share = math.ceil(partitions / len(members))
+    mine = sorted(p for p, node in owners.items() if node == me)
+    if len(mine) > share:
+        # Hand back the highest: claims take the lowest, so one partition moves once.
+        return [], mine[-1]
+    free = [p for p in range(partitions) if p not in owners]
+    return free[: max(0, share - len(mine))], None
+
+
+class Leases:
+    """This node's leases and its view of everyone's. ``await nursery.start(leases.run)``.
+
+    Args:
+        log: the cluster's log (its KV bucket holds the leases).
+        node: this node's id (stable across restarts).
+        incarnation: unique per process start.
+        http: this node's HTTP base URL, published in its heartbeat.
+        acquired / lost: called (awaited, in this task) when a partition becomes this node's
+            or stops being it.
+        clock: seconds, monotonic (tests may inject one).
+    """
+
+    def __init__(self, log: Log, node: str, incarnation: str, http: str,
+                 acquired: Callable[[int], Awaitable[None]],
+                 lost: Callable[[int], Awaitable[None]],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.log = log
+        self.config = log.config
+        self.node = node
+        self.incarnation = incarnation
+        self.http = http
+        self._acquired = acquired
+        self._lost = lost
+        self._clock = clock
+        self.held: dict[int, int] = {}  # partition -> revision this node last wrote
+        self.confirmed: dict[int, float] = {}  # partition -> clock time of its last write
+        self.owners: dict[int, LeaseValue] = {}  # everyone's, as last seen
+        self.members: dict[str, Beat] = {}  # live nodes, as last seen
+        self.counts = {"claimed": 0, "lost": 0, "reacquired": 0, "released": 0, "adopted": 0,
+                       "unsure": 0}
+        self._adoptable: dict[int, int] = {}  # leases of an earlier incarnation of this node
+        self._value = _encode(LeaseValue(node, incarnation))
+        self.ready = trio.Event()  # set after the first tick: the view of owners is filled
+
+    # -- the view (any task) -----------------------------------------------------------------
+
+    def owner(self, partition: int) -> LeaseValue | None:
+        return self.owners.get(partition)
+
+    def url_of(self, node: str) -> str | None:
+        beat = self.members.get(node)
+        return None if beat is None else beat.http
+
+    def serving(self, partition: int) -> bool:
+        """Whether this node holds the partition and confirmed that within the TTL."""
+        at = self.confirmed.get(partition)
+        return (partition in self.held and at is not None
+                and self._clock() - at < self.config.lease_ttl)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Tick every TTL/5 until cancelled; releases every held lease on the way out."""
+        await self._tick_once()
+        self.ready.set()
+        task_status.started()
+        try:
+            while True:
+                await trio.sleep(self.config.lease_ttl / 5)
+                await self._tick_once()
+        finally:
+            with trio.CancelScope(shield=True) as scope:
+                scope.deadline = trio.current_time() + 5
+                await self.release_all()
+
+    async def _tick_once(self) -> None:
+        try:
+            await self.tick()
+        except TRANSIENT as exc:
+            # The bucket failed in a way the steps below did not expect: nothing is concluded,
+            # the next tick tries again (a lease this node holds stays until it expires).
+            self.counts["unsure"] += 1
+            log.warning("lease tick failed: %r", exc)
+
+    async def tick(self) -> None:
+        """One round: heartbeat, refresh the view, renew, then claim or hand back."""
+        try:
+            await self._beat()
+            snapshot = await self.log.kv_snapshot()
+        except _UNSURE as exc:
+            self.counts["unsure"] += 1
+            log.info("lease bucket unavailable this tick (%s); renewing what we hold",
+                     type(exc).__name__)
+            await self._renew_all()
+            return
+        self._read(snapshot)
+        await self._renew_all()
+        owners = {p: v.node for p, v in self.owners.items()}
+        claims, release = plan(self.node, self.config.partitions, owners, set(self.members))
+        if release is not None:
+            await self.release(release)
+        for p in claims:
+            await self._claim(p)
+
+    def _read(self, snapshot: dict[str, tuple[bytes, int]]) -> None:
+        owners: dict[int, LeaseValue] = {}
+        members: dict[str, Beat] = {}
+        for key, (value, revision) in snapshot.items():
+            try:
+                if key.startswith(LEASE_PREFIX):
+                    lease = _lease_decode(value)
+                    p = int(key[len(LEASE_PREFIX):])
+                    owners[p] = lease
+                    if lease.node == self.node and p not in self.held:
+                        self._adoptable[p] = revision
+                elif key.startswith(NODE_PREFIX):
+                    beat = _beat_decode(value)
+                    members[beat.node] = beat
+            except (msgspec.DecodeError, ValueError):
+                log.warning("ignoring a malformed key in the lease bucket: %r", key)
+        self.owners, self.members = owners, members
+
+    async def _beat(self) -> None:
+        key = NODE_PREFIX + self.node
+        value = _encode(Beat(self.node, self.incarnation, self.http))
+        await self.log.kv("put", key, value)
+
+    async def _renew_all(self) -> None:
+        for p, revision in list(self._adoptable.items()):
+            await self._adopt(p, revision)
+        self._adoptable = {}
+        for p in list(self.held):
+            await self._renew(p)
+
+    async def _adopt(self, p: int, revision: int) -> None:
+        """A lease with this node's id from an earlier incarnation: take it over."""
+        try:
+            self.held[p] = await self.log.kv("update", LEASE_PREFIX + str(p), self._value,
+                                             last=revision)
+        except _MOVED:
+            return
+        except _UNSURE:
+            self.counts["unsure"] += 1
+            return
+        self.confirmed[p] = self._clock()
+        self.owners[p] = LeaseValue(self.node, self.incarnation)
+        self.counts["adopted"] += 1
+        await self._acquired(p)
+
+    async def _renew(self, p: int) -> None:
+        key = LEASE_PREFIX + str(p)
+        try:
+            self.held[p] = await self.log.kv("update", key, self._value, last=self.held[p])
+            self.confirmed[p] = self._clock()
+            return
+        except _UNSURE:
+            self.counts["unsure"] += 1
+            return  # unknown: keep it, try again next tick
+        except _MOVED:
+            pass
+        # The revision moved: either the lease expired (no key) and nobody took it, so take
+        # it again, or someone else holds it now.
+        try:
+            self.held[p] = await self.log.kv("create", key, self._value)
+            self.confirmed[p] = self._clock()
+            self.counts["reacquired"] += 1
+            log.info("partition %d: lease expired while unconfirmed; re-acquired", p)
+            return
+        except _UNSURE:
+            self.counts["unsure"] += 1
+            return
+        except _MOVED:
+            pass
+        await self._drop(p, "lost")
+
+    async def _claim(self, p: int) -> None:
+        try:
+            self.held[p] = await self.log.kv("create", LEASE_PREFIX + str(p), self._value)
+        except (*_MOVED, *_UNSURE):
+            return  # someone was faster, or the bucket is unavailable: next tick decides
+        self.confirmed[p] = self._clock()
+        self.owners[p] = LeaseValue(self.node, self.incarnation)
+        self.counts["claimed"] += 1
+        await self._acquired(p)
+
+    async def release(self, p: int) -> None:
+        """Hand a partition back (delete on the revision this node wrote)."""
+        revision = self.held.get(p)
+        if revision is None:
+            return
+        await self._drop(p, "released")
+        try:
+            await self.log.kv("delete", LEASE_PREFIX + str(p), last=revision)
+        except (*_MOVED, *_UNSURE):
+            pass  # it moved on, or it expires by itself within the TTL
+        self.owners.pop(p, None)
+
+    async def release_all(self) -> None:
+        for p in list(self.held):
+            await self.release(p)
+        try:
+            await self.log.kv("delete", NODE_PREFIX + self.node)
+        except (nats.js.errors.Error, *_UNSURE):
+            pass
+
+    async def _drop(self, p: int, why: str) -> None:
+        self.held.pop(p, None)
+        self.confirmed.pop(p, None)
+        self.counts[why] += 1
+        await self._lost(p)
+
+    def figures(self) -> dict[str, Any]:
+        return {"held": sorted(self.held), **self.counts}

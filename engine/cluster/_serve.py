@@ -1,0 +1,115 @@
+"""``engram-trio node``: one cluster node, its engine, its leases and its HTTP API."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from .._engine import Engine
+from .._server import LOOPBACK, _is_loopback, create_app, load_api_keys
+from ._log import ClusterConfig, Log
+from ._node import ClusterEngine, Node, Router
+
+__all__ = ["serve_node", "node_engine_options"]
+
+
+def node_engine_options(store: Path, config: Any) -> dict[str, Any]:
+    """How a node opens its store: without fsync (the log is the durable copy and the
+    watermark makes recovery exact), and with the embedding backend the store's vectors came
+    from (a store made with the test embedder keeps it)."""
+    from actors.embedder import HashEmbedder
+    from actors.store import stored_model
+
+    overrides = dict(config or {})
+    overrides.setdefault("fsync", False)
+    options: dict[str, Any] = {"config": overrides}
+    model = stored_model(store) if (store / "data.mdb").exists() else None
+    if model is not None and model.id == HashEmbedder().model_id:
+        options["embedder"] = HashEmbedder(dim=model.dim)
+    return options
+
+
+async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id: str, *,
+                     api_keys: str | Path | None = None,
+                     cluster_config: ClusterConfig | dict | None = None,
+                     config: Any = None,
+                     say: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+                     handle_signals: bool = True,
+                     task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> int | None:
+    """Run a node until SIGINT / SIGTERM (or cancellation).
+
+    Args:
+        store: the node's own store directory.
+        nats: the log servers' URLs.
+        http: ``HOST:PORT`` to serve the API on.
+        node_id: this node's stable id (a restart with the same id keeps its leases).
+        api_keys: the api-keys file (every node of a cluster uses the same).
+        cluster_config / config: the cluster's and the engine's overrides.
+
+    Returns:
+        The signal that stopped the node, or None.
+
+    Raises:
+        InvalidInput: bad flags; StoreInUse: another process serves the store;
+        LogUnavailable: the log could not be reached.
+    """
+    from hypercorn.config import Config as HypercornConfig
+    from hypercorn.trio import serve as hypercorn_serve
+
+    from ..errors import InvalidInput
+
+    host, _, port = http.rpartition(":")
+    if not host or not port.isdigit():
+        raise InvalidInput("http", f"expected HOST:PORT, found {http!r}")
+    keys = load_api_keys(api_keys) if api_keys is not None else None
+    if keys is None and not _is_loopback(host):
+        say(f"warning: no --api-keys file, so no auth: binding to {LOOPBACK} instead of {host}")
+        host = LOOPBACK
+    store = Path(store)
+    hc = HypercornConfig()
+    hc.bind = [f"{host}:{port}"]
+    hc.accesslog = None
+    hc.graceful_timeout = 5.0
+    shutdown = trio.Event()  # set by SIGINT/SIGTERM: stop serving, release leases, close
+    received: list[int] = []
+
+    async def on_signal() -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                received.append(signum)
+                shutdown.set()
+                return
+
+    async with Engine.open(store, **node_engine_options(store, config)) as engine:
+        log = await Log.connect(nats, cluster_config, name=node_id)
+        try:
+            node = Node(engine, log, node_id, f"http://{host}:{port}")
+            app = Router(create_app(ClusterEngine(engine, log, node), keys), node)
+            async with trio.open_nursery() as nursery:
+                if handle_signals:
+                    nursery.start_soon(on_signal)
+                node_scope = trio.CancelScope()  # the node's leases and appliers
+
+                async def run_node(task_status: trio.TaskStatus[None]) -> None:
+                    with node_scope:
+                        await node.run(task_status=task_status)
+
+                await nursery.start(run_node)
+                binds = await nursery.start(
+                    lambda task_status: hypercorn_serve(app, hc, shutdown_trigger=shutdown.wait,
+                                                        task_status=task_status))
+                say(f"engram-trio node {node_id} serving {store} on {', '.join(binds)}, "
+                    f"log at {', '.join(nats)}")
+                task_status.started(node)
+                await shutdown.wait()
+                node_scope.cancel()  # hands its leases back at once (the run's finally)
+                nursery.cancel_scope.deadline = trio.current_time() + hc.graceful_timeout + 1
+        finally:
+            with trio.CancelScope(shield=True):
+                await log.close()
+    return received[0] if received else None

