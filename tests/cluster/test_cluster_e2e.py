@@ -177,3 +177,14 @@ def test_cluster_status_lists_owner_watermark_and_lag(nodes: list[NodeProcess],
     assert [p["owner"] for p in status["partitions"]] == ["node0"] * cluster_config.partitions
     assert all(p["lag"] is not None and p["lease_age_seconds"] is not None
                for p in status["partitions"])
+
+
+def test_a_second_node_process_on_the_same_store_is_refused(nodes: list[NodeProcess],
+                                                           tmp_path: Any) -> None:
+    """One owner per store holds for nodes too: the second exits 1 naming the first's pid."""
+    first = nodes[0].start()
+    second = NodeProcess(first.store, first.urls, "intruder", first.config, tmp_path)
+    with pytest.raises(AssertionError, match="exited with 1"):
+        second.start()
+    assert f"in use by process {first.proc.pid}" in second.log_path.read_text()
+    assert first.figures()["node"] == "node0"  # the first serves on, untouched
