@@ -4,6 +4,7 @@ import importlib
 import json
 import random
 import re
+import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -152,6 +153,20 @@ def test_report_on_an_empty_or_missing_folder_says_what_it_expected(tmp_path) ->
         bench_main.report([tmp_path])
     with pytest.raises(SystemExit, match="found no folder at"):
         bench_main.report([tmp_path / "missing"])
+
+
+def test_the_published_results_draw_and_the_readme_shows_each_picture(tmp_path) -> None:
+    """docs/bench holds real bench JSON, each with its picture, and the README shows every
+    one; the JSON draws (a copy, so the committed pictures stay as they are)."""
+    published = sorted((REPO / "docs" / "bench").glob("*.json"))
+    assert published, "docs/bench/ holds no bench JSON"
+    readme = (REPO / "README.md").read_text()
+    for source in published:
+        assert source.with_suffix(".svg").is_file(), f"{source} has no picture beside it"
+        assert f"docs/bench/{source.stem}.svg" in readme, f"README does not show {source.stem}"
+        shutil.copy(source, tmp_path / source.name)
+    for path in bench_main.report([tmp_path]):
+        assert_svg(path)
 
 
 def test_the_command_line_answers_help_and_draws_a_folder(tmp_path) -> None:
