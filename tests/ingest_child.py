@@ -1,6 +1,6 @@
 """Child process for the crash test: ingests until killed, printing each durable receipt.
 
-Usage: python ingest_child.py STORE_DIR
+Usage: python -m tests.ingest_child STORE_DIR (from the repository's root)
 Each line printed is ``seq turn_id`` of a turn whose durable receipt resolved. Buffered turns
 go in between, so commits are in flight when the parent's SIGKILL lands.
 """

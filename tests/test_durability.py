@@ -14,14 +14,17 @@ from engine import Engine
 
 from .conftest import raw_databases
 
-CHILD = Path(__file__).with_name("ingest_child.py")
+REPO = Path(__file__).resolve().parents[1]
+# Run as a module from the repository's root: as a script its folder, tests/, would come first
+# on sys.path, and tests/actors/ would stand in for the real actors package.
+CHILD = ["-m", "tests.ingest_child"]
 
 
 def test_kill_9_keeps_every_durably_acknowledged_turn(store_path: Path) -> None:
     """After SIGKILL mid-ingest, every durable turn is there in order and the log has no gaps."""
     acked: list[tuple[int, str]] = []
     with subprocess.Popen(
-        [sys.executable, str(CHILD), str(store_path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, *CHILD, str(store_path)], cwd=REPO, stdout=subprocess.PIPE, text=True
     ) as child:
         try:
             for line in child.stdout:
