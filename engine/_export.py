@@ -17,7 +17,6 @@ the embedder take imported records like any other.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -50,6 +49,7 @@ from actors.store import (
 )
 from actors.store.layout import IDS_FACT
 
+from ._files import write_atomically
 from .errors import InvalidInput
 
 if TYPE_CHECKING:
@@ -261,24 +261,11 @@ async def export_user(parts: Parts, user_id: str,
     chunks.append(_encode_line(End(records=total)) + b"\n")
     data = b"".join(chunks)
     if isinstance(dest, (str, os.PathLike)):
-        await trio.to_thread.run_sync(_write_atomically, Path(dest), data)
+        await trio.to_thread.run_sync(write_atomically, Path(dest), data)
     else:
         await trio.to_thread.run_sync(dest.write, data)
     counts.pop("header")
     return counts
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # -- import ------------------------------------------------------------------------------------

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,8 @@ import msgspec
 import trio
 
 from actors.base.records import Note
+
+from ._files import write_atomically
 
 __all__ = ["NotesMirror", "safe_name"]
 
@@ -87,16 +87,7 @@ class NotesMirror:
     def _write(self, note: Note) -> None:
         path = self.path(note.user_id, note.note_id)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as out:
-                out.write(render(note))
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(path, render(note).encode("utf-8"))
 
     def _remove(self, user_id: str, note_id: str) -> None:
         self.path(user_id, note_id).unlink(missing_ok=True)

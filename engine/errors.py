@@ -6,30 +6,5 @@ them without importing the engine; this module re-exports them under the path ca
     from engine.errors import InvalidInput
 """
 
-from actors.base.errors import (
-    EngineBroken,
-    EngineClosed,
-    EngineError,
-    InvalidInput,
-    ModelMismatch,
-    ModelMissing,
-    RecordRefused,
-    StoreCorrupt,
-    StoreIncompatible,
-    StoreInUse,
-    StoreTampered,
-)
-
-__all__ = [
-    "EngineError",
-    "InvalidInput",
-    "RecordRefused",
-    "EngineClosed",
-    "EngineBroken",
-    "StoreIncompatible",
-    "ModelMismatch",
-    "ModelMissing",
-    "StoreCorrupt",
-    "StoreTampered",
-    "StoreInUse",
-]
+from actors.base.errors import *  # noqa: F403  (every public name; the list is __all__ there)
+from actors.base.errors import __all__
