@@ -18,7 +18,7 @@
 4. Lift, from one store read of every candidate with its neighbouring turns, the turns episodes
    cover and the episodes' FSRS state: a turn passes a share of its fused score to the turns
    around it in its session (an answer sits next to its question); an episode lifts its best
-   covered turns, scaled by its FSRS retrievability, instead of taking the slots of the ~10
+   covered turn, scaled by its FSRS retrievability, instead of taking the slots of the ~10
    turns it stands for (it is returned itself when ``kinds`` names episodes, or when its turns
    are gone); facts are returned, at most DERIVED_SHARE of the slots, and a turn a fact ranked
    above it stands for is dropped.
@@ -74,8 +74,14 @@ LEG_WEIGHTS = {"bm25": 0.5, "vector": 0.5, "window": 0.5, "entity": 0.1}
 LEGS = ("vector", "bm25", "entity", "window")  # the search legs; recall(legs=) picks some
 MIN_COSINE = 0.2  # a candidate only the vector leg found needs this similarity to the query
 NEIGHBOUR_LIFT = (0.3, 0.1)  # share of a turn's fused score given to turns 1 and 2 seqs away
-EPISODE_LIFT = 0.1  # share of an episode's fused score given to each of its best turns
-EPISODE_TURNS = 3  # covered turns an episode lifts
+EPISODE_LIFT = 0.1  # share of an episode's fused score given to its best covered turn
+# An episode lifts one covered turn, the one that matches the query best: an episode matched
+# because of what one of its turns says, the rest of it shares the topic only. Lifting more
+# spends one match several times and lets one episode push several turns out of a cut (on the
+# LoCoMo dev split lifting three cost half a question at R@20 against turns-only): with one,
+# each prefix of the results differs from the turns-only ranking by at most one turn per
+# lifting episode, as if the episode held a slot.
+EPISODE_TURNS = 1
 DERIVED_SHARE = 0.2  # at most this share of the slots go to facts (and episodes, asked for)
 RARE_ENTITY = 0.05  # an entity named in more than this share of the memories is no evidence
 COMMON_AFTER = 8  # ... once it is named in more memories than this (a new user has few)
@@ -273,7 +279,7 @@ class Retriever:
               kinds: tuple[str, ...] | None, primary: dict[int, float]
               ) -> tuple[list[tuple[float, Any]], Callable[[int], tuple[Explain, tuple[str, ...]]]]:
         """Candidates with lifted scores, best first: each of ``lifting`` that is a turn lifts
-        its neighbours, each that is an episode its best covered turns (an episode drops out
+        its neighbours, each that is an episode its best covered turn (an episode drops out
         unless ``kinds`` names episodes or its turns are gone). ``primary``: the fused scores
         from the turns' lists alone (see ``recall``). Returns [(score, memory)] and what
         explains a memory's score and says what found it (made only for the hits)."""

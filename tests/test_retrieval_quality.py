@@ -50,6 +50,32 @@ async def test_an_episode_lifts_its_best_turns_instead_of_taking_the_slots(store
         assert 0 < alone[0].explain.fsrs <= 1.0
 
 
+async def test_an_episode_lifts_one_turn_so_it_displaces_at_most_one(store_path) -> None:
+    """An episode whose turns all match lifts only the best of them: each prefix of the
+    results then differs from the turns-only ranking's by at most one turn per lifting
+    episode, as if the episode held one slot (lifting three let one episode push three
+    turns the turns-only ranking had out of a cut)."""
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        texts = [f"{TOPICS[i % len(TOPICS)]}, said at {i}" for i in range(20)]
+        texts[2] = "the trip to Porto is booked for June, the festival"
+        texts[4] = "we booked a small hotel near the river in Porto"
+        texts[6] = "Porto in June: the river, the festival and the hotel"
+        await _chat(mem, "trip", texts)
+        await _chat(mem, "later", ["a hotel by the river would be nice",
+                                   "Porto or Lisbon, we will see", "the river walk was long"])
+        await mem.flush()
+        (episode,) = await mem.episodes("ana", "trip")
+        query = "hotel near the river in Porto"
+        alone = [h.id for h in await mem.recall("ana", query, limit=20, kinds=["turn"])]
+        full = await mem.recall("ana", query, limit=20)
+    lifted = [h for h in full if episode.episode_id in h.explain.lifted_by]
+    assert [h.text for h in lifted] == [texts[4]]
+    lifting = {s for h in full for s in h.explain.lifted_by if s.startswith("e_")}
+    ids = [h.id for h in full if h.kind == "turn"]
+    for k in range(1, len(alone) + 1):
+        assert len(set(alone[:k]) - set(ids[:k])) <= len(lifting), k
+
+
 async def test_hit_explain_carries_the_per_leg_ranks_and_fused_score(store_path) -> None:
     async with open_engine(store_path, clock=StepClock()) as mem:
         await _chat(mem, "s", [*TOPICS, "my sister Clara plays the cello", *TOPICS])
