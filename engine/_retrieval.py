@@ -4,7 +4,8 @@
 2. In parallel: the vector leg (AnnIndex), the BM25 leg (FullText; stopwords and question words
    left out of the query), the entity leg (memories naming an entity the query names, when that
    entity is rare among the user's memories: a name in most of them carries no signal) and the
-   window leg (turns acknowledged but not yet indexed, from the RAM windows, by shared terms).
+   window leg (what the text index does not hold yet, by terms shared with the query: turns
+   acknowledged, from the RAM windows; notes and facts stored, from the log's newest end).
    Each leg brings ``max(CANDIDATES_PER_LEG, 2 x limit)`` candidates with scores. When the
    query admits turns and other kinds, the vector and BM25 legs search the turns and the other
    kinds (episodes, facts, notes) as two lists of that depth: the turns' list is exactly what a
@@ -49,7 +50,11 @@ from actors.session_buffer import SessionBuffer
 from actors.entities import Entities, extract_entities
 from actors.episodic import memory_review_state, retrievability
 from actors.facts import Facts
+from actors.store.integrity import unseal
 from actors.store import (
+    LOG_FACT,
+    LOG_NOTE,
+    lsn_key,
     Store,
     read_entities,
     read_links,
@@ -57,6 +62,7 @@ from actors.store import (
     read_records,
     read_review_states,
     read_session_turns,
+    searchable_at,
     turn_tags,
 )
 
@@ -87,6 +93,11 @@ RARE_ENTITY = 0.05  # an entity named in more than this share of the memories is
 COMMON_AFTER = 8  # ... once it is named in more memories than this (a new user has few)
 LINK_DECAY = 0.5  # a linked memory scores this fraction of the memory it was reached from
 TAGGED_LIMIT = 100_000  # records a tag filter can admit to the vector leg
+# Log positions the window leg looks back over for notes and facts the text index does not hold
+# yet: what a steady text index leaves uncommitted at most (fulltext.COMMIT_DOCS). Further
+# behind (a bulk import, a rebuild) the newest writes are still covered. Read only while the
+# text index is behind; a full look back costs ~1-2 ms of a worker thread here.
+FRESH_SCAN = 4_096
 
 # Seed 000's focus levels: results, time window, link depth.
 FOCUS_LEVELS = {
@@ -187,6 +198,11 @@ class Retriever:
         async def bm25_search(part: str, filters: TextFilters) -> None:
             put("bm25", part, await self.fulltext.search(user_id, query, depth, filters))
 
+        async def fresh_leg(part: str, fresh: tuple[str, ...]) -> None:
+            found = await self._fresh_leg(user_id, query, fresh)
+            if found:
+                put("window", part, found)
+
         async def entity_leg() -> None:
             found = await self._entity_leg(user_id, query)
             if found:
@@ -205,6 +221,12 @@ class Retriever:
                 if "window" in legs:
                     ranked["window"] = self._window_leg(user_id, query, session_id, since,
                                                         until, roles, kinds, tags)
+                    # Notes and facts: in the other kinds' list, or the only list when the
+                    # query admits no turns (then the turns' window above is empty).
+                    part = "other" if split else ""
+                    fresh = tuple(k for k in (searches[part] or KINDS) if k in ("note", "fact"))
+                    if fresh and self.fulltext.indexed_lsn < self.store.committed_lsn:
+                        nursery.start_soon(fresh_leg, part, fresh)
         # The memories a leg chose from: all the vector leg could rank, up to its depth.
         population = len(ranked.get("vector", ())) or depth
         fused = fuse(ranked, population)
@@ -386,6 +408,24 @@ class Retriever:
         scored.sort()
         return [(lsn, float(-shared)) for shared, _, lsn in scored[:CANDIDATES_PER_LEG]]
 
+    async def _fresh_leg(self, user_id: str, query: str, kinds: tuple[str, ...]
+                         ) -> list[tuple[int, float]]:
+        """Notes and facts stored but not yet in the text index, scored by terms shared with
+        the query, then recency: read-your-writes for what the RAM windows do not hold. The
+        filters other than ``kinds`` apply to the records read for the results."""
+        terms = set(self.fulltext.query_terms(query))
+        if not terms:
+            return []
+        records = await self.store.read(_read_fresh, user_id, kinds, self.fulltext.indexed_lsn,
+                                        self.store.committed_lsn)
+        scored = []
+        for record in records:
+            shared = len(terms.intersection(self.fulltext.terms(record.text)))
+            if shared:
+                scored.append((-shared, -record.lsn, record.lsn))
+        scored.sort()
+        return [(lsn, float(-shared)) for shared, _, lsn in scored[:CANDIDATES_PER_LEG]]
+
     async def _expand(self, user_id: str, hits: list[Hit], depth: int,
                       types: tuple[str, ...] | None = None) -> list[Hit]:
         """Breadth-first along links in both directions (of ``types`` only, if given);
@@ -412,6 +452,32 @@ class Retriever:
                 break
         memories = await self.store.read(read_memories_by_id, user_id, [i for i, _ in found])
         return [hit_for(memories[i], score, ("link",)) for i, score in found if i in memories]
+
+def _read_fresh(txn: Any, dbs: dict[bytes, Any], user_id: str, kinds: tuple[str, ...],
+                after: int, upto: int) -> list[Any]:
+    """The user's notes and facts of ``kinds`` logged in (after, upto] and still current (a
+    note's latest version, an active fact), newest first, among the last FRESH_SCAN log
+    positions at most; turns are passed over by their log entry's first byte."""
+    cursor = txn.cursor(dbs[b"log"])
+    # The newest position at or below ``upto``.
+    if cursor.set_range(lsn_key(upto + 1)):
+        if not cursor.prev():
+            return []
+    elif not cursor.last():
+        return []
+    marks = {{"note": LOG_NOTE, "fact": LOG_FACT}[k] for k in kinds}
+    found = []
+    # Raw values: a sealed entry's first byte is its kind; only notes' and facts' are checked.
+    for looked, (key, raw) in enumerate(cursor.raw.iterprev()):
+        lsn = int.from_bytes(key, "big")
+        if lsn <= after or looked == FRESH_SCAN:
+            break
+        if raw[:1] in marks:
+            record = searchable_at(txn, dbs, lsn, unseal(raw, b"log", key))
+            if record is not None and record.user_id == user_id:
+                found.append(record)
+    return found
+
 
 def _dedupe(hits: list[Hit]) -> list[Hit]:
     """Drop a turn that an episode or a fact ranked above it already stands for: its slot

@@ -49,6 +49,48 @@ async def test_a_turn_is_recallable_before_any_index_has_it(store_path) -> None:
     assert hits[0].via == ("window",)
 
 
+async def test_a_note_and_a_fact_are_recallable_before_the_text_index_has_them(
+        store_path, monkeypatch) -> None:
+    """Read-your-writes for notes and facts: with the text index's commits held back and no
+    vectors made, recall finds a note and a fact stored a moment ago (the window leg); an
+    updated note is found by its new text only, a deleted one not at all."""
+    import threading
+
+    import actors.fulltext as fulltext_mod
+
+    gate = threading.Event()  # set: the text index may commit again
+    original = fulltext_mod.FullText._commit
+
+    def held_commit(self):
+        gate.wait(10)
+        return original(self)
+
+    async with open_engine(store_path, config={"background_embedding": False}) as mem:
+        monkeypatch.setattr(fulltext_mod.FullText, "_commit", held_commit)
+        try:
+            await mem.add_turn("ana", "s", "user", "we talked about the weather")
+            note = await mem.store_note("ana", "the spare key is under the blue flowerpot")
+            fact = await mem.remember_fact("ana", "identity", "employer", "Acme Robotics",
+                                           text="works at Acme Robotics")
+            assert mem._fulltext.indexed_lsn < fact.lsn
+            hits = await mem.recall("ana", "where is the spare key?")
+            assert [(h.id, h.kind) for h in hits] == [(note.note_id, "note")]
+            assert "window" in hits[0].via
+            # The entity leg may find the fact too, once the entities follower has its name.
+            hits = await mem.recall("ana", "which company, Acme Robotics?", kinds=["fact"])
+            assert [h.id for h in hits] == [fact.fact_id] and "window" in hits[0].via
+            assert await mem.recall("ana", "spare key", kinds=["turn"]) == []
+
+            await mem.update_note("ana", note.note_id, "the spare key hangs in the garage")
+            assert [h.text for h in await mem.recall("ana", "spare key garage flowerpot")] == [
+                "the spare key hangs in the garage"]
+            await mem.delete_note("ana", note.note_id)
+            assert await mem.recall("ana", "spare key") == []
+            assert mem._fulltext.indexed_lsn < fact.lsn
+        finally:
+            gate.set()
+
+
 async def test_filters_restrict_every_leg(store_path) -> None:
     """session_id, since/until and roles hold for vector, BM25 and window hits alike."""
     clock = StepClock()
