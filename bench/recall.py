@@ -5,6 +5,7 @@
     python bench/recall.py quality --data /path/to/quality      # a copy of the LoCoMo dev split
     python bench/recall.py latency                     # 10k and 100k memories in one user, ~6 min
     python bench/recall.py latency --across-users 1000000 --memories   # 1M over 1,000 users
+    nice python bench/recall.py latency --memories 100000 --long-term  # layer on, ~1 hour
 
 quality: two sets of conversations go through the engine with the real model, each in two
 ingest orders (``bulk``: the whole history with ``add_turns``; ``live``: ``add_turn`` one turn
@@ -32,7 +33,10 @@ users. At 100k the engine is then closed (saving the graph) and reopened: the ti
 first answer and the latency after the restart. The corpus vectors are mixtures of three real
 embeddings of generated turns plus a little noise (embedding 1M texts on this machine would
 take hours); the query is embedded for real. At 100k the user is measured twice: on the exact
-scan that serves while the hnswlib graph is built, and on the graph.
+scan that serves while the hnswlib graph is built, and on the graph. With ``--long-term`` the
+long-term layer runs too: the engine's own followers make episodes, facts and entities of the
+turns as they are written (most of the hour goes there); the episodes and facts are embedded
+for real; then recall over turns only and over every kind are timed interleaved on that store.
 
 Prints tables and writes JSON (--out, default bench/results/recall-<what>.json).
 """
@@ -58,6 +62,7 @@ from convgen import CITIES, FOODS, generate
 
 import actors.ann_index as ann_mod
 from actors.base.messages import PutVectors, Searchable
+from actors.store.replay import episode_searchable, fact_searchable
 from engine import Engine, NewTurn
 
 
@@ -270,6 +275,63 @@ async def load_user(mem: Engine, user_id: str, n: int, texts: list[str], pool: n
             receipts[-1].lsn, trio.Event(), mem._ann.added))
 
 
+async def embed_derived(mem: Engine, user_id: str) -> dict[str, int]:
+    """The episodes and facts the long-term layer made of the user's turns, embedded for real
+    (as the background lane would, from the text the indexes see) and their vectors written
+    like the turns': background embedding is off in this bench, or it would embed the 100k
+    turns too."""
+    episodes = await mem.episodes(user_id)
+    facts = await mem.profile(user_id)
+    records = [episode_searchable(e) for e in episodes] + [fact_searchable(f) for f in facts]
+    for at in range(0, len(records), 512):
+        chunk = records[at : at + 512]
+        vectors = await mem.embed([r.text for r in chunk])
+        done = trio.Event()  # set once the vectors are committed
+        await mem._store.write_unlogged(PutVectors(
+            [(r.lsn, user_id, ann_mod.encode_vector(r, v)) for r, v in zip(chunk, vectors)],
+            mem._store.committed_lsn, done, mem._ann.added))
+        await done.wait()
+    return {"episodes": len(episodes), "active_facts": len(facts)}
+
+
+async def time_pair(mem: Engine, users: list[str], queries: list[str]) -> dict[str, Any]:
+    """``recall`` over turns only and over every kind (the full pipeline, the long-term
+    layer's episodes and facts included), interleaved query by query so load on the machine
+    falls on both alike; each query text is new to the embedding cache in each mode."""
+    times: dict[str, list[float]] = {"turns only": [], "full pipeline": []}
+    for i, query in enumerate(queries):
+        modes = [("turns only", ["turn"], " "), ("full pipeline", None, "  ")]
+        for mode, kinds, pad in (modes if i % 2 else modes[::-1]):
+            start = time.perf_counter()
+            await mem.recall(users[i % len(users)], query + pad, limit=10, kinds=kinds)
+            times[mode].append(time.perf_counter() - start)
+    out: dict[str, Any] = {mode: percentiles(ts, 1e3, "ms") for mode, ts in times.items()}
+    out["p50_ratio"] = out["full pipeline"]["p50_ms"] / out["turns only"]["p50_ms"]
+    return out
+
+
+def put_timing(row: dict[str, Any], key: str, timed: dict[str, Any]) -> None:
+    """One timing into a result row; a pair (``time_pair``) as the full pipeline under
+    ``key``, turns-only under ``key, turns only`` and their p50 ratio, so every distribution
+    stays a flat entry of the row (as the report's pictures read them)."""
+    if "p50_ratio" not in timed:
+        row[key] = timed
+        return
+    row[key] = timed["full pipeline"]
+    row[f"{key}, turns only"] = timed["turns only"]
+    row[f"{key}, p50 ratio"] = timed["p50_ratio"]
+
+
+def _line(row: dict[str, Any]) -> str:
+    parts = []
+    for k, v in row.items():
+        if isinstance(v, dict) and "p50_ms" in v:
+            parts.append(f"{k} p50 {v['p50_ms']:.1f} ms p99 {v['p99_ms']:.1f} ms")
+        elif k.endswith("p50 ratio"):
+            parts.append(f"{k} {v:.2f}")
+    return "; ".join(parts)
+
+
 async def time_queries(mem: Engine, users: list[str], queries: list[str]) -> dict[str, float]:
     latencies = []
     for i, query in enumerate(queries):
@@ -286,10 +348,19 @@ async def latency(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     first_at = datetime(2026, 1, 1, tzinfo=timezone.utc)
     results: dict[str, Any] = {}
-    # Index scale, not the long-term layer: vectors are written directly and the followers
-    # would spend an hour making episodes of 100k turns. The entity leg still runs (on an
-    # empty registry: one LMDB read in a worker thread, beside the vector leg).
-    config = {"background_embedding": False, "long_term": False}
+    if args.reuse:
+        row = await measure_reused(Path(args.reuse), queries)
+        results[f"one_user_{row['vectors']}"] = row
+        return results
+    # Vectors are written directly (embedding 100k turns would take hours here). Without
+    # --long-term the long-term layer is off: index scale alone (the entity leg still runs, on
+    # an empty registry). With it the engine's own followers make episodes, facts and entities
+    # of the turns as they are written (the summariser's sentence vectors come from the
+    # embedder's content cache: the corpus repeats its texts); the episodes and facts are then
+    # embedded for real, and turns-only and full recall are timed interleaved on that store.
+    layer = args.long_term
+    config = {"background_embedding": False, "long_term": layer}
+    timing = time_pair if layer else time_queries
     for n in args.memories:
         path = Path(tempfile.mkdtemp(prefix="engram-lat-")) / "store"
         async with Engine.open(path, config=config) as mem:
@@ -297,29 +368,36 @@ async def latency(args: argparse.Namespace) -> dict[str, Any]:
             await load_user(mem, "big", n, texts, pool, rng, first_at)
             await mem._fulltext.wait_indexed(mem._store.committed_lsn)
             setup = time.perf_counter() - start
-            await mem.recall("big", "warm up the index", limit=10)
             row: dict[str, Any] = {"setup_s": setup}
+            if layer:
+                start = time.perf_counter()
+                await mem.flush()  # the long-term layer has taken in every turn
+                row["long_term_s"] = time.perf_counter() - start
+                start = time.perf_counter()
+                row["long_term"] = await embed_derived(mem, "big")
+                row["long_term_embed_s"] = time.perf_counter() - start
+                print(f"  {n:,} turns: {row['long_term']}, made in {row['long_term_s']:.0f} s, "
+                      f"embedded in {row['long_term_embed_s']:.0f} s", flush=True)
+            await mem.recall("big", "warm up the index", limit=10)
             uv = mem._ann._users["big"]
             if n >= ann_mod.HNSW_THRESHOLD:
-                row["exact_scan"] = await time_queries(mem, ["big"], queries[:100])
+                put_timing(row, "exact_scan", await timing(mem, ["big"], queries[:100]))
                 start = time.perf_counter()
                 while uv.graph is None or uv.graph_rows < uv.n or uv.writing:
                     await trio.sleep(0.2)
                 row["graph_build_s"] = time.perf_counter() - start
-                row["graph"] = await time_queries(mem, ["big"], queries[100:])
+                put_timing(row, "graph", await timing(mem, ["big"], queries[100:]))
                 row["graph_recall@10"] = graph_recall(uv, await mem.embed(queries[:100]))
             else:
-                row["exact_scan"] = await time_queries(mem, ["big"], queries)
+                put_timing(row, "exact_scan", await timing(mem, ["big"], queries))
         if n >= ann_mod.HNSW_THRESHOLD:  # closing saved the graph; a restart reuses it
             start = time.perf_counter()
             async with Engine.open(path, config=config) as mem:
                 await mem.recall("big", queries[0], limit=10)
                 row["restart_first_answer_s"] = time.perf_counter() - start
-                row["after_restart"] = await time_queries(mem, ["big"], queries[1:101])
+                put_timing(row, "after_restart", await timing(mem, ["big"], queries[1:101]))
         results[f"one_user_{n}"] = row
-        print(f"  {n:>9,} memories in one user: " + "; ".join(
-            f"{k} p50 {v['p50_ms']:.1f} ms p99 {v['p99_ms']:.1f} ms" for k, v in row.items()
-            if isinstance(v, dict)))
+        print(f"  {n:>9,} memories in one user: " + _line(row))
     if args.across_users:
         total, per = args.across_users, 1000
         users = [f"u{i:05d}" for i in range(total // per)]
@@ -343,6 +421,28 @@ async def latency(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+async def measure_reused(path: Path, queries: list[str]) -> dict[str, Any]:
+    """A store a ``--long-term`` run left behind (stopped before its followers caught up: the
+    fact extractor is the slow one), measured as it is: opened with the followers off, its
+    episodes and active facts embedded for real, then turns-only and full recall interleaved
+    on the graph."""
+    config = {"background_embedding": False, "long_term": False}
+    async with Engine.open(path, config=config) as mem:
+        await mem._fulltext.wait_indexed(mem._store.committed_lsn)
+        start = time.perf_counter()
+        row: dict[str, Any] = {"long_term": await embed_derived(mem, "big")}
+        row["long_term_embed_s"] = time.perf_counter() - start
+        await mem.recall("big", "warm up the index", limit=10)
+        uv = mem._ann._users["big"]
+        row["vectors"] = uv.n  # turns, episodes and active facts
+        print(f"  reused store: {row['vectors']:,} vectors, {row['long_term']}", flush=True)
+        while uv.graph is None or uv.graph_rows < uv.n or uv.writing:
+            await trio.sleep(0.2)
+        put_timing(row, "graph", await time_pair(mem, ["big"], queries[100:]))
+    print("  " + _line(row))
+    return row
+
+
 def graph_recall(uv, queries: np.ndarray) -> float:
     """The user's graph against exact search over the same rows (ann-benchmarks' recall)."""
     labels = np.array([[uv.row_of[lsn] for lsn, _ in uv.knn(q, 10, None)] for q in queries])
@@ -363,6 +463,12 @@ def main() -> None:
                              "$ENGRAM_QUALITY_DIR, else shared/quality beside the checkout)")
     parser.add_argument("--memories", type=int, nargs="*", default=[10_000, 100_000])
     parser.add_argument("--across-users", type=int, default=0)
+    parser.add_argument("--reuse", default=None,
+                        help="latency: measure the store a stopped --long-term run left "
+                             "(printed as engram-lat-*/store) as it is, followers off")
+    parser.add_argument("--long-term", action="store_true",
+                        help="latency: the long-term layer on (episodes, facts, entities made "
+                             "by the engine's followers); turns-only and full timed interleaved")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
