@@ -385,7 +385,8 @@ async def test_serve_answers_on_a_real_loopback_socket(tmp_path, keys_file) -> N
             handle_signals=False, config={"background_embedding": False},
             task_status=task_status))
         base = binds[0]
-        async with httpx.AsyncClient(base_url=base, headers={
+        # httpx's 5 s default is shorter than a durable commit can take on a loaded machine.
+        async with httpx.AsyncClient(base_url=base, timeout=60, headers={
                 "Authorization": f"Bearer {ANA_KEY}"}) as http:
             added = await http.post("/v1/users/ana/sessions/s1/turns",
                                     json={"role": "user", "text": "over the wire",
