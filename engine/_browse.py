@@ -25,10 +25,11 @@ _decode_note = msgspec.msgpack.Decoder(Note).decode
 
 async def list_users(parts: Parts) -> list[str]:
     """See ``Engine.list_users``: the session buffer knows every user with a session from open
-    on, so this reads no disk."""
+    on; users with only notes or facts are read from those two tables, one seek per user."""
     parts.check_open()
     await parts.committed()
-    return sorted(parts.buffer.users())
+    others = await parts.store.read(_users_with, (b"notes", b"facts"))
+    return sorted(set(parts.buffer.users()) | others)
 
 
 async def list_notes(parts: Parts, user_id: Any) -> list[Note]:
@@ -57,6 +58,20 @@ async def fact_versions(parts: Parts, user_id: Any) -> list[Fact]:
     facts = await parts.store.read(read_facts, user_id, False)
     facts.sort(key=lambda f: (f.category, f.key, f.lsn))
     return facts
+
+
+def _users_with(txn: Any, dbs: dict[bytes, Any], tables: tuple[bytes, ...]) -> set[str]:
+    """The users holding a key in any of ``tables`` (keys start ``user NUL``): after each user
+    found, the cursor jumps past all of that user's keys."""
+    users: set[str] = set()
+    for table in tables:
+        cursor = txn.cursor(dbs[table])
+        found = cursor.first()
+        while found:
+            user = bytes(cursor.key()).split(b"\x00", 1)[0]
+            users.add(user.decode())
+            found = cursor.set_range(user + b"\x01")
+    return users
 
 
 def _read_notes(txn: Any, dbs: dict[bytes, Any], user_id: str) -> list[Note]:

@@ -645,7 +645,7 @@ class Engine:
         return self._parts.store.path
 
     async def list_users(self) -> list[str]:
-        """Every user with at least one session, sorted."""
+        """Every user with a session, a note or a fact, sorted."""
         return await _browse.list_users(self._parts)
 
     async def list_notes(self, user_id: str) -> list[Note]:

@@ -7,6 +7,8 @@ import pytest
 
 from engine import InvalidInput
 
+from .conftest import open_engine
+
 
 async def test_listings_show_each_users_own_records_and_nothing_else(mem) -> None:
     """list_users names every user with a session; list_notes, list_entities and
@@ -39,6 +41,20 @@ async def test_listings_show_each_users_own_records_and_nothing_else(mem) -> Non
     assert await mem.list_notes("nobody") == [] and await mem.list_entities("nobody") == []
     with pytest.raises(InvalidInput, match="user_id"):
         await mem.list_notes("")
+
+
+async def test_list_users_names_users_with_only_notes_or_facts(store_path) -> None:
+    """A user whose memory holds notes or facts but no conversation is still a user: the
+    inspector lists them, also after a reopen (the session buffer knows sessions only)."""
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("ana", "s1", "user", "hello")
+        await mem.store_note("cy", "a note without a conversation")
+        await mem.remember_fact("dee", "identity", "name", "Dee")
+        assert await mem.list_users() == ["ana", "cy", "dee"]
+    async with open_engine(store_path) as mem:
+        assert await mem.list_users() == ["ana", "cy", "dee"]
+        await mem.forget_user("cy")
+        assert await mem.list_users() == ["ana", "dee"]
 
 
 async def test_recall_runs_only_the_legs_asked_for(mem) -> None:
