@@ -39,8 +39,9 @@ class Ground:
         await self.nursery.start(run)
 
     async def add_turn(self, user_id: str, session_id: str, text: str, durable: bool = False,
-                       role: str = "user") -> int:
-        """Append one turn as ingest does; its lsn, once committed if ``durable``."""
+                       role: str = "user", at_offset: timedelta | None = None) -> int:
+        """Append one turn as ingest does; its lsn, once committed if ``durable``. It was said
+        at T0 plus ``at_offset``, or by default at T0 plus its lsn in seconds."""
         store = self.store
         if (user_id, session_id) not in self._seqs:  # a session a previous run wrote goes on
             turns = await store.read(store_mod.read_session_turns, user_id, session_id, 0, 2**63)
@@ -50,7 +51,8 @@ class Ground:
         seq = self._seqs[user_id, session_id]
         self._seqs[user_id, session_id] = seq + 1
         lsn = store.next_lsn
-        at = T0 + timedelta(seconds=lsn)  # distinct and known, as the tests' StepClock gives
+        # Distinct and known by default, as the tests' StepClock gives.
+        at = T0 + (timedelta(seconds=lsn) if at_offset is None else at_offset)
         turn = Turn(lsn, f"t{lsn}", user_id, session_id, seq, role, text, at)
         key = store_mod.session_prefix(user_id, session_id) + seq.to_bytes(8, "big")
         store.submit(AppendTurn(turn, key, msgspec.msgpack.encode(turn), at,

@@ -1,19 +1,34 @@
-"""The AnnIndex actor: per-user search, exact and graph paths, deletions, filters."""
+"""The AnnIndex actor: per-user search, exact and graph paths, deletions, filters.
+
+Driven bare over a real Store (tests/actors/ground.py): turns are appended to the store, their
+vectors (a deterministic hash embedding) written as the embedder writes them, with the index's
+``added`` as the commit callback, and forgets passed to its ``removed``, as the engine wires it.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import re
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import trio
 
 import actors.ann_index as ann_mod
-from actors.ann_index import Filters
-from engine import HashEmbedder
+import actors.store as store_mod
+from actors.ann_index import AnnIndex, Filters, encode_vector
+from actors.base.config import Config
+from actors.base.messages import PutVectors
 
-from ..conftest import T0, open_engine
+from .ground import T0, Ground, running_store
 
 WORDS = "lisbon porto dog cat train river job team flat vet run lunch coffee sardine".split()
+DIM = 384
+_WORD = re.compile(r"\w+")
 
 
 def _texts(n: int, seed: int) -> list[str]:
@@ -21,19 +36,82 @@ def _texts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS, size=4)) + f" n{i}" for i in range(n)]
 
 
+def embed(texts: list[str]) -> np.ndarray:
+    """A deterministic hash embedding: each word hashes to a signed position, the sum is
+    normalised (texts sharing words have positive cosine, unrelated ones near zero)."""
+    out = np.zeros((len(texts), DIM), dtype=np.float32)
+    for row, text in enumerate(texts):
+        for word in _WORD.findall(text.lower()) or [text]:
+            h = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "big")
+            out[row, h % DIM] += 1.0 if (h >> 32) & 1 else -1.0
+    norms = np.linalg.norm(out, axis=1, keepdims=True)
+    norms[norms == 0] = 1.0
+    return out / norms
+
+
 async def _vector(text: str) -> np.ndarray:
-    return HashEmbedder().encode([text])[0]
+    return embed([text])[0]
+
+
+class Vectors:
+    """A store and the index over its vectors, running; turns are embedded as they are added."""
+
+    def __init__(self, ground: Ground, ann: AnnIndex) -> None:
+        self.ground = ground
+        self.ann = ann
+
+    async def add_turn(self, user_id: str, session_id: str, text: str, role: str = "user",
+                       at_offset: timedelta | None = None) -> int:
+        """Append a turn, then write its vector (the index hears of it at the commit)."""
+        lsn = await self.ground.add_turn(user_id, session_id, text, durable=True, role=role,
+                                         at_offset=at_offset)
+        await self.embed([lsn])
+        return lsn
+
+    async def add_turns(self, user_id: str, items: list[tuple[str, str]]) -> list[int]:
+        """Append (session, text) turns, then write their vectors in one batch."""
+        lsns = [await self.ground.add_turn(user_id, s, t) for s, t in items]
+        await self.ground.store.wait_committed(lsns[-1])
+        await self.embed(lsns)
+        return lsns
+
+    async def embed(self, lsns: list[int]) -> None:
+        store = self.ground.store
+        records = await store.read(store_mod.read_searchables, lsns)
+        vectors = embed([r.text for r in records])
+        items = [(r.lsn, r.user_id, encode_vector(r, v)) for r, v in zip(records, vectors)]
+        await store.write_unlogged(PutVectors(items, max(lsns), trio.Event(), self.ann.added))
+
+    async def forget(self, user_id: str, session_id: str | None) -> None:
+        """The engine's forget_session / forget_user, as the index sees it."""
+        await self.ground.store.forget(
+            user_id, session_id, lambda lsns: self.ann.removed(user_id, lsns, session_id is None))
+
+    async def history(self, session_id: str) -> set[int]:
+        return set(await self.ground.texts("ana", session_id))
+
+
+@asynccontextmanager
+async def running_index(path: Path) -> AsyncIterator[Vectors]:
+    """A store at ``path`` and its vector index (graphs saved in ``path/ann``), running; the
+    index is closed (saving its graphs) before the store, as the engine closes them."""
+    async with running_store(path) as ground:
+        ann = AnnIndex(ground.store, DIM, Config().ann_cache_vectors, path / "ann")
+        await ground.start(ann.run)
+        try:
+            yield Vectors(ground, ann)
+        finally:
+            ann.close()
 
 
 async def test_search_sees_only_the_users_own_vectors(store_path) -> None:
     """Identical texts under another user never come back."""
-    async with open_engine(store_path) as mem:
-        mine = await mem.add_turn("ana", "s", "user", "lisbon dog")
-        await mem.add_turn("an", "s", "user", "lisbon dog")
-        await mem.add_turn("anab", "s", "user", "lisbon dog")
-        await mem.flush()
-        found = await mem._ann.search("ana", await _vector("lisbon dog"), 10)
-    assert [lsn for lsn, _ in found] == [mine.lsn]
+    async with running_index(store_path) as v:
+        mine = await v.add_turn("ana", "s", "lisbon dog")
+        await v.add_turn("an", "s", "lisbon dog")
+        await v.add_turn("anab", "s", "lisbon dog")
+        found = await v.ann.search("ana", await _vector("lisbon dog"), 10)
+    assert [lsn for lsn, _ in found] == [mine]
 
 
 async def test_graph_search_agrees_with_exact_search_and_honours_deletions(store_path, monkeypatch) -> None:
@@ -41,11 +119,9 @@ async def test_graph_search_agrees_with_exact_search_and_honours_deletions(store
     forgotten records leave both."""
     monkeypatch.setattr(ann_mod, "HNSW_THRESHOLD", 200)
     texts = _texts(600, seed=3)
-    async with open_engine(store_path) as mem:
-        await mem.add_turns([{"user_id": "ana", "session_id": f"s{i % 3}", "role": "user",
-                              "text": t} for i, t in enumerate(texts)])
-        await mem.flush()
-        ann = mem._ann
+    async with running_index(store_path) as v:
+        await v.add_turns("ana", [(f"s{i % 3}", t) for i, t in enumerate(texts)])
+        ann = v.ann
         await ann.search("ana", await _vector("dog"), 1)  # loads the user; schedules the graph
         uv = ann._users["ana"]
         while uv.graph is None or uv.graph_rows < uv.n or uv.writing:
@@ -60,87 +136,79 @@ async def test_graph_search_agrees_with_exact_search_and_honours_deletions(store
             tenth = exact[-1][1] - 1e-6
             recalls.append(sum(score >= tenth for _, score in graph) / 10)
         assert np.mean(recalls) >= 0.95
-        await mem.forget_session("ana", "s1")
-        gone = {t.lsn for t in await mem.session_history("ana", "s2", limit=1000)}
+        await v.forget("ana", "s1")
+        gone = await v.history("s2")
         everything = await ann.search("ana", await _vector("dog lisbon"), 600,
                                       ann_mod.Filters(kinds=("turn",)))
-        history = {t.lsn for s in ("s0", "s2") for t in await mem.session_history("ana", s, limit=1000)}
+        history = await v.history("s0") | await v.history("s2")
     assert {lsn for lsn, _ in everything} <= history and gone <= history
 
 
-async def test_filters_apply_inside_the_search(store_path, clock) -> None:
+async def test_filters_apply_inside_the_search(store_path) -> None:
     """Session, time and role filters pick among the user's vectors before ranking."""
-    async with open_engine(store_path, clock=clock) as mem:
-        early = await mem.add_turn("ana", "a", "user", "dog lisbon", at=T0)
-        late = await mem.add_turn("ana", "b", "assistant", "dog lisbon", at=T0 + timedelta(days=3))
-        await mem.flush()
-        ann, query = mem._ann, await _vector("dog lisbon")
-        assert [l for l, _ in await ann.search("ana", query, 5, Filters(session_id="b"))] == [late.lsn]
+    async with running_index(store_path) as v:
+        early = await v.add_turn("ana", "a", "dog lisbon", at_offset=timedelta(0))
+        late = await v.add_turn("ana", "b", "dog lisbon", role="assistant",
+                                at_offset=timedelta(days=3))
+        ann, query = v.ann, await _vector("dog lisbon")
+        assert [l for l, _ in await ann.search("ana", query, 5, Filters(session_id="b"))] == [late]
         since = Filters(since=T0 + timedelta(days=1))
-        assert [l for l, _ in await ann.search("ana", query, 5, since)] == [late.lsn]
-        assert [l for l, _ in await ann.search("ana", query, 5, Filters(roles=("user",)))] == [early.lsn]
+        assert [l for l, _ in await ann.search("ana", query, 5, since)] == [late]
+        assert [l for l, _ in await ann.search("ana", query, 5, Filters(roles=("user",)))] == [early]
         assert await ann.search("ana", query, 5, Filters(kinds=("fact",))) == []
 
 
 async def test_vectors_committed_while_a_user_loads_are_not_lost(store_path) -> None:
     """Adds that commit between the load's read and its install are replayed into the index."""
-    async with open_engine(store_path) as mem:
-        await mem.add_turn("ana", "s", "user", "dog one")
-        await mem.flush()
+    async with running_index(store_path) as v:
+        await v.add_turn("ana", "s", "dog one")
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(mem._ann.search, "ana", await _vector("dog"), 5)
-            await mem.add_turn("ana", "s", "user", "dog two")
-            await mem.flush()
-        found = await mem._ann.search("ana", await _vector("dog"), 5)
+            nursery.start_soon(v.ann.search, "ana", await _vector("dog"), 5)
+            await v.add_turn("ana", "s", "dog two")
+        found = await v.ann.search("ana", await _vector("dog"), 5)
     assert len(found) == 2
 
 
-async def _graph_ready(mem) -> None:
-    uv = mem._ann._users["ana"]
+async def _graph_ready(ann: AnnIndex) -> None:
+    uv = ann._users["ana"]
     while uv.graph is None or uv.graph_rows < uv.n or uv.writing:
         await trio.sleep(0.01)
 
 
 async def test_graphs_saved_at_close_are_reused_and_reconciled(store_path, monkeypatch) -> None:
-    """A reopened engine searches the saved graph at once, with the same answers; turns
-    forgotten and added since it was saved are honoured; forget_user deletes its files."""
+    """A reopened index searches the saved graph at once, with the same answers; turns
+    forgotten and added since it was saved are honoured; forgetting the user deletes its files."""
     monkeypatch.setattr(ann_mod, "HNSW_THRESHOLD", 200)
     texts = _texts(500, seed=5)
     queries = [await _vector(t) for t in _texts(10, seed=11)]
-    turns_only = {"long_term": False}  # no episodes: the vector counts below are turns
-    async with open_engine(store_path, config=turns_only) as mem:
-        await mem.add_turns([{"user_id": "ana", "session_id": f"s{i % 5}", "role": "user",
-                              "text": t} for i, t in enumerate(texts)])
-        await mem.flush()
-        await mem._ann.search("ana", queries[0], 1)
-        await _graph_ready(mem)
-        before = [await mem._ann.search("ana", q, 10) for q in queries]
+    async with running_index(store_path) as v:
+        await v.add_turns("ana", [(f"s{i % 5}", t) for i, t in enumerate(texts)])
+        await v.ann.search("ana", queries[0], 1)
+        await _graph_ready(v.ann)
+        before = [await v.ann.search("ana", q, 10) for q in queries]
     files = sorted(p.name for p in (store_path / "ann").iterdir())
     assert len(files) == 3 and not any("ana" in name for name in files)  # graph, lsns, sums
-    async with open_engine(store_path, config=turns_only) as mem:
-        again = [await mem._ann.search("ana", q, 10) for q in queries]
-        uv = mem._ann._users["ana"]
+    async with running_index(store_path) as v:
+        again = [await v.ann.search("ana", q, 10) for q in queries]
+        uv = v.ann._users["ana"]
         assert uv.graph is not None and uv.graph_rows == uv.n == 500  # no rebuild
         assert again == before
-        gone = {t.lsn for t in await mem.session_history("ana", "s3", limit=500)}
-        await mem.forget_session("ana", "s3")
-        await mem.add_turn("ana", "s9", "user", "brand new note lisbon")
-        await mem.flush()
-    async with open_engine(store_path, config=turns_only) as mem:
-        found = {lsn for q in queries for lsn, _ in await mem._ann.search("ana", q, 50)}
+        gone = await v.history("s3")
+        await v.forget("ana", "s3")
+        await v.add_turn("ana", "s9", "brand new note lisbon")
+    async with running_index(store_path) as v:
+        found = {lsn for q in queries for lsn, _ in await v.ann.search("ana", q, 50)}
         assert not found & gone
-        await _graph_ready(mem)
-        uv = mem._ann._users["ana"]
+        await _graph_ready(v.ann)
+        uv = v.ann._users["ana"]
         assert int(uv.alive[: uv.n].sum()) == 401
-        await mem.forget_user("ana")
+        await v.forget("ana", None)
         assert list((store_path / "ann").iterdir()) == []
 
 
 async def test_rows_appended_during_a_search_do_not_break_it(store_path, monkeypatch) -> None:
     """A vector committed while a filtered exact scan runs in its thread leaves that scan
     consistent (it sees the rows it was started with) and the next search sees the new row."""
-    import threading
-
     gate, entered = threading.Event(), threading.Event()
     original = ann_mod._exact
 
@@ -151,24 +219,22 @@ async def test_rows_appended_during_a_search_do_not_break_it(store_path, monkeyp
 
     monkeypatch.setattr(ann_mod, "_exact", held)
     monkeypatch.setattr(ann_mod, "EXACT_IN_THREAD", 0)
-    async with open_engine(store_path) as mem:
+    async with running_index(store_path) as v:
         for i in range(3):
-            await mem.add_turn("ana", "s", "user", f"dog walk {i}")
-        await mem.flush()
+            await v.add_turn("ana", "s", f"dog walk {i}")
         found = []
 
         async def search() -> None:
-            found.extend(await mem._ann.search("ana", await _vector("dog walk"), 10,
-                                               Filters(roles=("user",))))
+            found.extend(await v.ann.search("ana", await _vector("dog walk"), 10,
+                                            Filters(roles=("user",))))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(search)
             await trio.to_thread.run_sync(entered.wait, 10)
-            await mem.add_turn("ana", "s", "user", "dog walk 3")
-            await mem.flush()  # its vector is appended to the index while the scan is held
-            assert mem._ann._users["ana"].n == 4
+            await v.add_turn("ana", "s", "dog walk 3")  # appended while the scan is held
+            assert v.ann._users["ana"].n == 4
             gate.set()
         assert len(found) == 3
         monkeypatch.setattr(ann_mod, "_exact", original)
-        assert len(await mem._ann.search("ana", await _vector("dog walk"), 10,
-                                         Filters(roles=("user",)))) == 4
+        assert len(await v.ann.search("ana", await _vector("dog walk"), 10,
+                                      Filters(roles=("user",)))) == 4
