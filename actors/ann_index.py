@@ -32,8 +32,8 @@ import json
 import mmap
 import os
 from collections import OrderedDict
-from pathlib import Path
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import hnswlib

@@ -39,12 +39,19 @@ import numpy as np
 import outcome
 import trio
 
-from .base.errors import EngineBroken, EngineClosed, EngineError, ModelMissing
-
-from .base.messages import EmbedRequest, PutState, PutVectors, Searchable
 from .ann_index import encode_vector
-from .store import (Damaged, ModelInfo, Store, damage_puts, failure_put, read_log_range,
-                    read_searchables, stored_model)
+from .base.errors import EngineBroken, EngineClosed, EngineError, ModelMissing
+from .base.messages import EmbedRequest, PutState, PutVectors, Searchable
+from .store import (
+    Damaged,
+    ModelInfo,
+    Store,
+    damage_puts,
+    failure_put,
+    read_log_range,
+    read_searchables,
+    stored_model,
+)
 
 # The Rust tokenizer's own thread pool would compete with onnxruntime and the trio thread for
 # 2 cores; the actor already runs it off the loop. Set before the first encode; a caller's own

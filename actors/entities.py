@@ -18,9 +18,8 @@ from datetime import datetime, timezone
 import msgspec
 import trio
 
-from .base.records import Entity, Link
-
 from .base.messages import Searchable
+from .base.records import Entity, Link
 from .imported import Imported
 from .store import LogFollower, Store, entity_key, read_entities, read_entity_keys
 

@@ -30,14 +30,11 @@ import numpy as np
 import trio
 from fsrs import Card, Rating, Scheduler, State
 
-from .base.records import Episode, Link, PendingReview, ReviewState, Turn
-
 from .ann_index import AnnIndex, Filters
+from .base.messages import PutEpisode, Searchable, WriteSummary
+from .base.records import Episode, Link, PendingReview, ReviewState, SessionInfo, SummaryState, Turn
 from .embedder import Embedder
 from .imported import Imported
-from .base.messages import PutEpisode, Searchable
-from .base.messages import WriteSummary
-from .base.records import SessionInfo, SummaryState
 from .store import (
     LogFollower,
     Store,

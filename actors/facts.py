@@ -31,8 +31,8 @@ from typing import Any
 import msgspec
 import trio
 
+from .base.messages import PutFact, PutState, Searchable
 from .base.records import Fact, Link
-
 from .extraction import STOPWORDS as _STOP
 from .extraction import (
     Candidate,
@@ -43,7 +43,6 @@ from .extraction import (
     jaccard,
 )
 from .extraction import words as _words
-from .base.messages import PutFact, PutState, Searchable
 from .imported import Imported
 from .store import LogFollower, Store, fact_key, read_facts
 

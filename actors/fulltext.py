@@ -44,7 +44,6 @@ import tantivy
 import trio
 
 from .base.errors import EngineBroken, EngineClosed
-
 from .base.messages import PutState, Searchable
 from .store import Damaged, Store, damage_puts, failure_put, read_log_range, read_searchables
 
@@ -707,8 +706,8 @@ def build_index(store_path: Path, dest: Path, progress: Any = None) -> int:
     ``dest``. Returns the lsn it covers. Runs in a worker thread or offline."""
     import lmdb
 
-    from .store.integrity import CheckedTxn, check_file
     from .store import MAX_DBS, open_databases
+    from .store.integrity import CheckedTxn, check_file
 
     check_file(store_path)
     env = lmdb.open(str(store_path), readonly=True, lock=False, max_dbs=MAX_DBS)

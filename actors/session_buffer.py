@@ -19,10 +19,9 @@ from typing import Any
 import msgspec
 
 from .base.config import Config
-from .base.records import SessionInfo, Turn
-
 from .base.errors import StoreCorrupt
 from .base.messages import AppendTurn
+from .base.records import SessionInfo, Turn
 from .store import Store, read_session_tail, read_sessions, session_prefix, user_prefix
 
 __all__ = ["SessionBuffer", "Receipt"]

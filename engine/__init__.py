@@ -4,11 +4,6 @@ Everything public is re-exported here; the modules behind it are private.
 """
 
 from actors.base.config import Config
-from ._demo import demo_turns
-from ._engine import Engine
-from ._llm import LLM, LLMFailed, OpenAICompatibleLLM
-from ._maintenance import MaintenanceReport
-from ._memory import EntityInfo
 from actors.base.records import (
     Entity,
     Episode,
@@ -23,11 +18,12 @@ from actors.base.records import (
     SummaryState,
     Turn,
 )
-from ._tools import TOOLS
-from ._version import __version__
-from ._snapshot import Manifest
-from ._stats import Stats
-from ._retrieval import FOCUS_LEVELS
+from actors.embedder import EmbeddingBackend, HashEmbedder, OnnxEmbedder
+from actors.extraction import Candidate, Extractor, RuleExtractor
+from actors.session_buffer import Receipt
+
+from ._demo import demo_turns
+from ._engine import Engine
 from ._hits import (
     EpisodicItem,
     Hit,
@@ -36,6 +32,14 @@ from ._hits import (
     RetrieveResult,
     SemanticItem,
 )
+from ._llm import LLM, LLMFailed, OpenAICompatibleLLM
+from ._maintenance import MaintenanceReport
+from ._memory import EntityInfo
+from ._retrieval import FOCUS_LEVELS
+from ._snapshot import Manifest
+from ._stats import Stats
+from ._tools import TOOLS
+from ._version import __version__
 from .errors import (
     EngineBroken,
     EngineClosed,
@@ -46,12 +50,9 @@ from .errors import (
     RecordRefused,
     StoreCorrupt,
     StoreIncompatible,
-    StoreTampered,
     StoreInUse,
+    StoreTampered,
 )
-from actors.embedder import EmbeddingBackend, HashEmbedder, OnnxEmbedder
-from actors.extraction import Candidate, Extractor, RuleExtractor
-from actors.session_buffer import Receipt
 
 __all__ = [
     "FOCUS_LEVELS",

@@ -26,9 +26,10 @@ import msgspec
 import trio
 
 from actors.base.config import Config
+from actors.base.errors import EngineError, InvalidInput
+
 from ._engine import Engine
 from ._owner import OwnerLock
-from actors.base.errors import EngineError, InvalidInput
 
 MODELS = ("minilm-l6-v2-q8", "minilm-l6-v2")  # the first is what a new store gets
 BENCHES = ("ingest", "embed", "recall", "snapshot", "crash", "forget", "bridges", "http",
@@ -128,8 +129,14 @@ def _progress(label: str) -> Callable[[int, int], None]:
     (a pipe, a CI log) no redrawn lines, just the final state. Call ``show(done, total)``; it
     ends when done reaches total."""
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TimeElapsedColumn
-    from rich.progress import TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     bar = Progress(TextColumn(label), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
                    TimeRemainingColumn(), console=Console(stderr=True), transient=False)
@@ -166,7 +173,8 @@ def _open(store: str, **kwargs: Any):
     path = Path(store)
     if not (path / "data.mdb").exists():
         raise InvalidInput("store", f"expected an Engram store, found no data.mdb in {path}")
-    from actors.embedder import MODELS as BUILT, HashEmbedder
+    from actors.embedder import MODELS as BUILT
+    from actors.embedder import HashEmbedder
     from actors.store import stored_model
 
     model = stored_model(path)

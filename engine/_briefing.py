@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import trio
 
+from actors.base.records import Episode, Fact, Turn
 from actors.episodic import memory_review_state
 from actors.store import (
     read_memories_by_id,
@@ -27,7 +28,6 @@ from actors.store import (
 )
 
 from ._hits import EpisodicItem, Hit, Message, RetrieveResult, SemanticItem
-from actors.base.records import Episode, Fact, Turn
 from ._retrieval import Retriever, logistic, one_error
 
 __all__ = ["Briefing", "Detail", "render_markdown", "relative_time"]

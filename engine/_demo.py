@@ -16,8 +16,9 @@ from typing import Any
 
 import trio
 
-from ._engine import Engine
 from actors.base.records import NewTurn
+
+from ._engine import Engine
 
 BULK_COPIES = 200  # copies of the conversation replayed under synthetic users for the bulk figure
 QUESTIONS = (

@@ -27,10 +27,24 @@ from pathlib import Path
 from typing import IO, Any
 
 import msgspec
+import numpy as np
 import trio
 
-import numpy as np
-
+from actors.base.config import Config
+from actors.base.errors import InvalidInput
+from actors.base.records import (
+    Entity,
+    Episode,
+    Fact,
+    Failure,
+    Link,
+    NewTurn,
+    Note,
+    ReviewState,
+    SessionInfo,
+    SummaryState,
+    Turn,
+)
 from actors.embedder import (
     DEFAULT_MODEL,
     Embedder,
@@ -46,38 +60,23 @@ from ._args import check_count, check_texts
 from ._briefing import Briefing
 from ._context import context_for_prompt
 from ._export import export_user, import_user
-from actors.base.config import Config
 from ._forget import Forgetting
 from ._hits import Hits, RetrieveResult
 from ._ingest import Ingest
 from ._links import Links
-from ._logbatch import PartitionLog
 from ._llm import LLM, ModelTasks
+from ._logbatch import PartitionLog
 from ._maintenance import Maintenance, MaintenanceReport
 from ._memory import EntityInfo, Memory
 from ._owner import OwnerLock, claim_in_process, release_in_process
 from ._parts import Clock
 from ._recall import Recall
-from actors.base.records import (
-    Entity,
-    Episode,
-    Fact,
-    Failure,
-    Link,
-    NewTurn,
-    Note,
-    ReviewState,
-    SessionInfo,
-    SummaryState,
-    Turn,
-)
 from ._retrieval import Retriever
 from ._snapshot import Manifest, compact, restore, take_snapshot
 from ._stats import Stats
 from ._tools import call_tool
 from ._verify import verify_store
 from ._wiring import Running, running
-from actors.base.errors import InvalidInput
 
 __all__ = ["Engine"]
 

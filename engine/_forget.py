@@ -25,12 +25,12 @@ from typing import Any
 import trio
 
 from actors.ann_index import AnnIndex
+from actors.base.errors import EngineClosed
 from actors.base.keys import MAX_KEY_BYTES
 from actors.fulltext import FullText
 from actors.store import Store
 
 from ._parts import Parts
-from actors.base.errors import EngineClosed
 
 __all__ = ["Forgetting", "Scrubber"]
 

@@ -13,9 +13,10 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException
 
+from actors.base.errors import InvalidInput
+
 from ._engine import Engine
 from ._http_wire import error_response
-from actors.base.errors import InvalidInput
 
 ADMIN = "*"  # the scope of a key that may act for every user
 

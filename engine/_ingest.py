@@ -17,15 +17,15 @@ from typing import Any
 
 import trio
 
+from actors.base import validate as v
+from actors.base.errors import InvalidInput, RecordRefused
+from actors.base.records import NewTurn, SessionInfo, Turn
 from actors.session_buffer import Receipt
 from actors.store import read_memories_by_id
 
-from actors.base import validate as v
 from ._args import check_count, reason
 from ._forget import Scrubber
 from ._parts import Parts
-from actors.base.records import NewTurn, SessionInfo, Turn
-from actors.base.errors import InvalidInput, RecordRefused
 
 __all__ = ["Ingest"]
 

@@ -10,13 +10,13 @@ from typing import Any
 
 import trio
 
+from actors.base import validate as v
+from actors.base.errors import InvalidInput
 from actors.base.messages import PutLink
+from actors.base.records import Link
 from actors.store import read_links, read_memories_by_id
 
-from actors.base import validate as v
 from ._parts import Parts
-from actors.base.records import Link
-from actors.base.errors import InvalidInput
 
 __all__ = ["Links"]
 

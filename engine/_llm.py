@@ -13,9 +13,8 @@ from typing import Protocol, runtime_checkable
 import httpx
 import msgspec
 
-from actors.extraction import MIN_CONFIDENCE, MIN_IMPORTANCE, Candidate
-
 from actors.base.errors import EngineError
+from actors.extraction import MIN_CONFIDENCE, MIN_IMPORTANCE, Candidate
 
 __all__ = ["LLM", "OpenAICompatibleLLM", "ModelTasks", "LLMFailed"]
 

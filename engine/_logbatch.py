@@ -26,10 +26,9 @@ from typing import Any
 import msgspec
 import trio
 
+from actors.base import validate as v
 from actors.base.messages import PutState
 from actors.store import read_meta_lsn, user_prefix
-
-from actors.base import validate as v
 
 from ._forget import Forgetting
 from ._parts import Parts

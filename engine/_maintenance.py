@@ -25,8 +25,8 @@ from typing import Any
 import msgspec
 import trio
 
-from actors.episodic import keyphrases
 from actors.base.messages import PutState
+from actors.episodic import keyphrases
 from actors.store import read_episodes, read_facts, read_pending, user_prefix
 
 from ._memory import Memory

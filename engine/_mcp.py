@@ -18,9 +18,10 @@ import msgspec
 from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
 
+from actors.base.errors import EngineError
+
 from ._engine import Engine
 from ._tools import TOOLS
-from actors.base.errors import EngineError
 
 __all__ = ["create_server", "run_stdio"]
 

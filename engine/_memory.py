@@ -16,10 +16,13 @@ from typing import Any
 import msgspec
 import trio
 
+from actors.base import validate as v
+from actors.base.errors import InvalidInput
+from actors.base.messages import DeleteNote, PutNote, PutState, WriteSummary
+from actors.base.records import Entity, Episode, Fact, Note, ReviewState, SummaryState, Turn
 from actors.episodic import RATINGS, memory_review_state, review_state
 from actors.extraction import Candidate, jaccard, words
 from actors.facts import DEDUP_JACCARD
-from actors.base.messages import DeleteNote, PutNote, PutState, WriteSummary
 from actors.session_buffer import new_turn_id
 from actors.store import (
     read_entities,
@@ -31,13 +34,10 @@ from actors.store import (
     user_prefix,
 )
 
-from actors.base import validate as v
 from ._args import check_count, check_fraction
 from ._forget import Scrubber
 from ._hits import Hit, hit_for
 from ._parts import Parts
-from actors.base.records import Entity, Episode, Fact, Note, ReviewState, SummaryState, Turn
-from actors.base.errors import InvalidInput
 
 __all__ = ["EntityInfo", "Memory"]
 

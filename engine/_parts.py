@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from actors.ann_index import AnnIndex
+from actors.base import validate as v
+from actors.base.config import Config
+from actors.base.errors import EngineClosed
 from actors.embedder import Embedder
 from actors.entities import Entities
 from actors.episodic import EpisodicCompressor
@@ -21,10 +24,7 @@ from actors.imported import Imported
 from actors.session_buffer import SessionBuffer
 from actors.store import LogFollower, Store
 
-from actors.base import validate as v
 from ._notes_md import NotesMirror
-from actors.base.config import Config
-from actors.base.errors import EngineClosed
 
 __all__ = ["Clock", "Parts"]
 

@@ -13,17 +13,18 @@ from typing import Any
 
 import msgspec
 
+from actors.base import validate as v
+from actors.base.errors import InvalidInput
 from actors.base.messages import PutState
+from actors.base.records import PendingReview
 from actors.store import user_prefix
 
-from actors.base import validate as v
-from ._args import check_count, check_fraction, choices, tags as check_tags
+from ._args import check_count, check_fraction, choices
+from ._args import tags as check_tags
 from ._briefing import Briefing, render_markdown
 from ._hits import Hits, RetrieveResult
 from ._parts import Parts
-from actors.base.records import PendingReview
 from ._retrieval import FOCUS_LEVELS, LEGS, Retriever, focus_settings
-from actors.base.errors import InvalidInput
 
 __all__ = ["Recall"]
 

@@ -44,18 +44,19 @@ from typing import Any
 import trio
 
 from actors.ann_index import KINDS, AnnIndex, Filters
+from actors.base.errors import EngineBroken, EngineClosed, EngineError
+from actors.base.records import Episode, Fact, Note, Turn
 from actors.embedder import Embedder
-from actors.fulltext import FullText, TextFilters
-from actors.session_buffer import SessionBuffer
 from actors.entities import Entities, extract_entities
 from actors.episodic import memory_review_state, retrievability
 from actors.facts import Facts
-from actors.store.integrity import unseal
+from actors.fulltext import FullText, TextFilters
+from actors.session_buffer import SessionBuffer
 from actors.store import (
     LOG_FACT,
     LOG_NOTE,
-    lsn_key,
     Store,
+    lsn_key,
     read_entities,
     read_links,
     read_memories_by_id,
@@ -65,10 +66,9 @@ from actors.store import (
     searchable_at,
     turn_tags,
 )
+from actors.store.integrity import unseal
 
 from ._hits import Explain, Hit, estimate_tokens, hit_for
-from actors.base.records import Episode, Fact, Note, Turn
-from actors.base.errors import EngineBroken, EngineClosed, EngineError
 
 __all__ = ["FOCUS_LEVELS", "LEGS", "Retriever", "focus_settings", "fuse", "one_error", "pack"]
 

@@ -28,11 +28,14 @@ from typing import Annotated, Any
 
 import msgspec
 import trio
-from fastapi import Body, Depends, FastAPI, Path as PathParam, Query, Request
+from fastapi import Body, Depends, FastAPI, Query, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+
+from actors.base.errors import EngineError, InvalidInput
 
 from ._engine import Engine
 from ._http_edge import ApiKeys, Caller, Edge, Metrics, load_api_keys
@@ -59,7 +62,6 @@ from ._http_wire import (
     not_found,
 )
 from ._tools import TOOLS
-from actors.base.errors import EngineError, InvalidInput
 from .ui import create_ui
 
 __all__ = ["create_app", "serve", "load_api_keys", "ApiKeys", "STATUS_BY_ERROR"]

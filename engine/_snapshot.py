@@ -29,16 +29,16 @@ import lmdb
 import msgspec
 import trio
 
+from actors.base.errors import InvalidInput, StoreIncompatible, StoreTampered
+from actors.base.records import SCHEMA_VERSION
 from actors.fulltext import build_index
-from actors.store.integrity import HEAD_KEY, check_file
 from actors.store import MAX_DBS, clean_copy, open_databases
+from actors.store.integrity import HEAD_KEY, check_file
 
 from ._owner import OwnerLock
 from ._parts import Parts
-from actors.base.records import SCHEMA_VERSION
 from ._verify import verify_chain
 from ._version import __version__
-from actors.base.errors import InvalidInput, StoreIncompatible, StoreTampered
 
 __all__ = ["Manifest", "take_snapshot", "restore", "compact", "MANIFEST_FORMAT"]
 

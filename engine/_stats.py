@@ -9,10 +9,10 @@ from typing import Any
 import msgspec
 import trio
 
+from actors.base.records import SCHEMA_VERSION, Failure
 from actors.store import count_failures, read_failures, read_user_counts
 
 from ._parts import Parts
-from actors.base.records import SCHEMA_VERSION, Failure
 
 __all__ = ["Stats", "failures", "memory_stats", "stats"]
 

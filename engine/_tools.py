@@ -15,10 +15,11 @@ from typing import Any, Protocol
 import jsonschema
 import msgspec
 
+from actors.base.errors import InvalidInput
+from actors.base.records import Fact, Note
+
 from ._hits import Hits
 from ._memory import EntityInfo
-from actors.base.records import Fact, Note
-from actors.base.errors import InvalidInput
 
 __all__ = ["TOOLS", "ToolHost", "call_tool"]
 

@@ -20,12 +20,21 @@ from typing import Any
 import lmdb
 import msgspec
 
-from actors.store.integrity import DIGEST, HEAD_KEY, ZERO, CheckedTxn, check_file, decode_head, \
-    encode_head, head_mac, link, unseal
-from actors.store import LOG_TURN, MAX_DBS, check_chain, lsn_key, open_databases
-
-from actors.base.records import SessionInfo, Turn
 from actors.base.errors import EngineError, InvalidInput, StoreCorrupt
+from actors.base.records import SessionInfo, Turn
+from actors.store import LOG_TURN, MAX_DBS, check_chain, lsn_key, open_databases
+from actors.store.integrity import (
+    DIGEST,
+    HEAD_KEY,
+    ZERO,
+    CheckedTxn,
+    check_file,
+    decode_head,
+    encode_head,
+    head_mac,
+    link,
+    unseal,
+)
 
 __all__ = ["verify_store", "verify_chain"]
 

@@ -19,6 +19,8 @@ from typing import Any
 import trio
 
 from actors.ann_index import AnnIndex
+from actors.base.config import Config
+from actors.base.errors import EngineBroken, StoreCorrupt, StoreTampered
 from actors.embedder import Embedder
 from actors.entities import Entities
 from actors.episodic import EpisodicCompressor
@@ -29,11 +31,9 @@ from actors.imported import Imported
 from actors.session_buffer import SessionBuffer, new_turn_id
 from actors.store import Store
 
-from actors.base.config import Config
 from ._forget import Scrubber
 from ._llm import ModelTasks
 from ._parts import Clock, Parts
-from actors.base.errors import EngineBroken, StoreCorrupt, StoreTampered
 
 __all__ = ["Running", "running"]
 

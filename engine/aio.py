@@ -40,9 +40,10 @@ from typing import Any, Literal
 import outcome
 import trio
 
+from actors.base.errors import EngineClosed, InvalidInput
+
 from . import _bridge
 from ._engine import Engine as TrioEngine
-from actors.base.errors import EngineClosed, InvalidInput
 
 __all__ = ["Engine", "Receipt", "TrioLoop"]
 

@@ -27,9 +27,10 @@ from typing import Any
 import outcome
 import trio
 
+from actors.base.errors import EngineClosed
+
 from . import _bridge
 from ._engine import Engine as TrioEngine
-from actors.base.errors import EngineClosed
 
 __all__ = ["Engine", "Receipt"]
 

@@ -13,10 +13,9 @@ from typing import Any
 
 import msgspec
 
-from .keys import LEGACY_ID_BYTES, MAX_ID_BYTES
-
-from .records import ROLES
 from .errors import InvalidInput
+from .keys import LEGACY_ID_BYTES, MAX_ID_BYTES
+from .records import ROLES
 
 _ROLES = frozenset(ROLES)
 # The dates the text index holds (tantivy keeps nanoseconds in an i64: 1677-09-21 to

@@ -8,7 +8,6 @@ from array import array
 import lmdb
 import msgspec
 
-from ..base.records import Episode, Note
 from ..base.messages import (
     PutEpisode,
     PutFact,
@@ -18,7 +17,10 @@ from ..base.messages import (
     PutVectors,
     WriteSummary,
 )
+from ..base.records import Episode, Note
+from .codecs import _decode_note, _decode_summary, _encode
 from .layout import (
+    _EMBEDDED_KEY,
     EMBED_BACKLOG_KEY,
     IDS_EPISODE,
     IDS_FACT,
@@ -26,7 +28,6 @@ from .layout import (
     LOG_FACT,
     LOG_NOTE,
     LOG_TOMBSTONE,
-    _EMBEDDED_KEY,
     _fact_entry_lsns,
     entry_record_key,
     episode_key,
@@ -36,7 +37,6 @@ from .layout import (
     session_prefix,
     user_prefix,
 )
-from .codecs import _decode_note, _decode_summary, _encode
 
 
 class Appliers:

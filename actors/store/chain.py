@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..base.records import Fact
 from ..base.errors import EngineError, StoreTampered
+from ..base.records import Fact
+from .codecs import _encode, decode_fact
+from .integrity import ABSENT, DIGEST, ZERO, CheckedTxn, content_digest, link, unseal
 from .layout import (
     LOG_EPISODE,
     LOG_FACT,
@@ -16,8 +18,6 @@ from .layout import (
     _fact_entry_lsns,
     lsn_key,
 )
-from .codecs import _encode, decode_fact
-from .integrity import ABSENT, CheckedTxn, DIGEST, ZERO, content_digest, link, unseal
 
 
 def _fact_core(fact: Fact) -> bytes:

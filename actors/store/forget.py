@@ -11,17 +11,6 @@ import msgspec
 import trio
 
 from ..base.messages import DeleteNote, Forget, PutState, ScrubFreePages
-from .layout import (
-    LOG_TOMBSTONE,
-    SCRUB_KEY,
-    _SCRUB_FILL,
-    legacy_link_keys,
-    link_keys,
-    link_prefixes,
-    lsn_key,
-    session_prefix,
-    user_prefix,
-)
 from .codecs import (
     _decode_head,
     _decode_link,
@@ -33,6 +22,17 @@ from .codecs import (
     decode_failure,
 )
 from .integrity import CheckedCursor, CheckedTxn
+from .layout import (
+    _SCRUB_FILL,
+    LOG_TOMBSTONE,
+    SCRUB_KEY,
+    legacy_link_keys,
+    link_keys,
+    link_prefixes,
+    lsn_key,
+    session_prefix,
+    user_prefix,
+)
 from .reads import _scan
 
 SCRUB_RETRY = 0.05  # seconds between looks while a reader pins the pages a scrub must reuse

@@ -57,8 +57,8 @@ from typing import Any
 
 import lmdb
 
-from ..base.records import Episode, Fact, Link
 from ..base.keys import MAX_KEY_BYTES, fit
+from ..base.records import Episode, Fact, Link
 
 MAX_DBS = 32  # named databases LMDB reserves room for; later layers add theirs
 MAX_READERS = 126  # LMDB reader slots: the default, far above the threads we use

@@ -10,20 +10,20 @@ from typing import Any
 
 import lmdb
 
+from .chain import content_of
+from .integrity import ABSENT, ZERO, CheckedTxn, content_digest, encode_head, link, seal
 from .layout import (
+    _EMBEDDED_KEY,
+    _LAST_LSN_KEY,
     DB_NAMES,
     EMBED_BACKLOG_KEY,
     HEAD_KEY,
     LOG_FACT,
     LOG_NOTE,
-    _EMBEDDED_KEY,
-    _LAST_LSN_KEY,
     _int,
     lsn_key,
     user_prefix,
 )
-from .integrity import ABSENT, CheckedTxn, ZERO, content_digest, encode_head, link, seal
-from .chain import content_of
 from .replay import searchable_at
 
 log = logging.getLogger("engram.store")

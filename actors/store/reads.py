@@ -8,6 +8,8 @@ from typing import Any
 
 import lmdb
 
+from ..base.errors import StoreTampered
+from ..base.keys import is_fitted
 from ..base.records import (
     Entity,
     Episode,
@@ -21,21 +23,7 @@ from ..base.records import (
     SummaryState,
     Turn,
 )
-from ..base.errors import StoreTampered
-from ..base.keys import is_fitted
-from .layout import (
-    LOG_EPISODE,
-    LOG_FACT,
-    LOG_NOTE,
-    LOG_TURN,
-    _fact_entry_lsns,
-    _int,
-    entity_key,
-    link_prefixes,
-    lsn_key,
-    session_prefix,
-    user_prefix,
-)
+from .chain import _check_content, _fact_core, content_of
 from .codecs import (
     _IDS_TARGETS,
     _decode_link,
@@ -50,7 +38,19 @@ from .codecs import (
     decode_pending,
     decode_review,
 )
-from .chain import _check_content, _fact_core, content_of
+from .layout import (
+    LOG_EPISODE,
+    LOG_FACT,
+    LOG_NOTE,
+    LOG_TURN,
+    _fact_entry_lsns,
+    _int,
+    entity_key,
+    link_prefixes,
+    lsn_key,
+    session_prefix,
+    user_prefix,
+)
 
 # -- read functions: run by Store.read in a worker thread -------------------------------------
 

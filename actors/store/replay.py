@@ -12,9 +12,11 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import lmdb
 import trio
 
-from ..base.records import Episode, Fact, Turn
 from ..base.errors import EngineBroken, EngineClosed, StoreCorrupt
 from ..base.messages import PutState, Searchable
+from ..base.records import Episode, Fact, Turn
+from .chain import _check_logged
+from .codecs import _decode_turn, decode_episode, decode_fact, failure_put
 from .layout import (
     LOG_EPISODE,
     LOG_FACT,
@@ -24,8 +26,6 @@ from .layout import (
     _fact_entry_lsns,
     lsn_key,
 )
-from .codecs import _decode_turn, decode_episode, decode_fact, failure_put
-from .chain import _check_logged
 from .reads import _note_version, read_meta_lsn
 
 T = TypeVar("T")

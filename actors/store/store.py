@@ -21,7 +21,6 @@ import lmdb
 import trio
 
 from ..base.config import Config
-from ..base.records import SCHEMA_VERSION
 from ..base.errors import (
     EngineBroken,
     EngineClosed,
@@ -44,29 +43,30 @@ from ..base.messages import (
     StoreOp,
     WriteSummary,
 )
+from ..base.records import SCHEMA_VERSION
+from .apply import Appliers
+from .chain import check_chain
+from .codecs import _encode
+from .compact import clean_copy
+from .forget import Forgetting
+from .integrity import ZERO, CheckedTxn, check_file, decode_head, encode_head, head_mac
 from .layout import (
+    _EMBEDDED_KEY,
+    _LAST_LSN_KEY,
+    _MODEL_KEY,
+    _SCHEMA_KEY,
     DB_NAMES,
     EMBED_BACKLOG_KEY,
     HEAD_KEY,
     MAX_DBS,
     MAX_READERS,
     SCRUB_KEY,
-    _EMBEDDED_KEY,
-    _LAST_LSN_KEY,
-    _MODEL_KEY,
-    _SCHEMA_KEY,
     _int,
     lsn_key,
     open_databases,
 )
-from .codecs import _encode
-from .integrity import CheckedTxn, ZERO, check_file, decode_head, encode_head, head_mac
-from .vectors import ModelInfo, _decode_model
-from .chain import check_chain
 from .migrate import MIGRATIONS
-from .compact import clean_copy
-from .apply import Appliers
-from .forget import Forgetting
+from .vectors import ModelInfo, _decode_model
 from .writer import COMMIT_TIMES, Writer
 
 READ_THREADS = 2  # concurrent read transactions: one per core; the writer has its own limiter

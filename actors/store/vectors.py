@@ -8,8 +8,8 @@ from typing import Any
 import lmdb
 import msgspec
 
-from .layout import MAX_DBS, _MODEL_KEY, user_prefix
 from .integrity import check_file
+from .layout import _MODEL_KEY, MAX_DBS, user_prefix
 
 
 class ModelInfo(msgspec.Struct, frozen=True, array_like=True):

@@ -23,7 +23,6 @@ import lmdb
 import msgspec
 import trio
 
-from ..base.records import SessionInfo
 from ..base.errors import EngineBroken, EngineClosed, EngineError, InvalidInput, RecordRefused
 from ..base.messages import (
     AppendTurn,
@@ -38,10 +37,11 @@ from ..base.messages import (
     StoreOp,
     WriteSummary,
 )
-from .layout import HEAD_KEY, LOG_TURN, _LAST_LSN_KEY, lsn_key
+from ..base.records import SessionInfo
+from .chain import _chain_in, _chain_turns, _tombstone_in
 from .codecs import _encode, failure_put
 from .integrity import CheckedTxn, encode_head
-from .chain import _chain_in, _chain_turns, _tombstone_in
+from .layout import _LAST_LSN_KEY, HEAD_KEY, LOG_TURN, lsn_key
 
 log = logging.getLogger("engram.store")
 

@@ -26,16 +26,16 @@ import httpx
 import msgspec
 import trio
 
+from actors.base import validate as v
+from actors.base.records import NewTurn
 from actors.session_buffer import new_turn_id
 
-from actors.base import validate as v
 from .._engine import Engine
 from .._logbatch import CALLS, LogCall, LogEntry, LogForget, LogTurn, decode_entry, encode_entry
-from actors.base.records import NewTurn
 from ..errors import EngineError, InvalidInput
-from ._loop import wait_future
 from ._leases import Leases
 from ._log import TRANSIENT, Log, LogUnavailable
+from ._loop import wait_future
 from ._partition import partition_of, subject_of
 
 __all__ = ["Node", "ClusterEngine", "ClusterReceipt", "Router", "NotInCluster"]
