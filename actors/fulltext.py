@@ -33,6 +33,7 @@ import json
 import logging
 import math
 import mmap
+import os
 import shutil
 import struct
 import zlib
@@ -54,6 +55,7 @@ log = logging.getLogger("engram.fulltext")
 COMMIT_DOCS = 4_096  # pending documents that trigger a commit
 COMMIT_INTERVAL = 1.0  # seconds a document may wait for its commit when nobody is waiting
 FOLLOW_CHUNK = 2_048  # log records read per step
+DAMAGED_SUFFIX = ".damaged-"  # a damaged index moved aside before it is removed
 WRITER_HEAP = 64_000_000  # tantivy's writer heap: one thread's worth, well above its 3 MB floor
 ANALYZER = "engram_en"
 SEARCH_THREADS = 2  # concurrent searches: one per core
@@ -200,6 +202,8 @@ class FullText:
 
     def _open(self) -> None:
         committed = self._store.committed_lsn
+        for left in self.path.parent.glob(f"{self.path.name}{DAMAGED_SUFFIX}*"):
+            shutil.rmtree(left, ignore_errors=True)
         # No index where the store has records: it was lost (or never built) and is rebuilt.
         self.rebuilt = (not (self.path / "meta.json").exists() and committed > 0)
         if self.rebuilt:
@@ -222,7 +226,13 @@ class FullText:
             log.warning("fulltext: the index at %s is damaged (%s); deleting it and rebuilding "
                         "it from the store's %d log positions", self.path, self.damage, committed)
             index = None
-            shutil.rmtree(self.path)
+            # Moved aside first, then removed: a thread of the damaged index (tantivy's meta
+            # watcher) can still put a file in it, which made a plain rmtree fail now and then
+            # with "Directory not empty"; what is left aside goes at the next open.
+            aside = self.path.with_name(f"{self.path.name}{DAMAGED_SUFFIX}{os.getpid()}")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(self.path, aside)
+            shutil.rmtree(aside, ignore_errors=True)
             self.path.mkdir(parents=True)
             index = tantivy.Index(self._schema, path=str(self.path), reuse=False)
             index.register_tokenizer(ANALYZER, self._analyzer)
