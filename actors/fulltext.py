@@ -46,6 +46,7 @@ import trio
 
 from .base.errors import EngineBroken, EngineClosed
 from .base.messages import PutState, Searchable
+from .base.where import Node, regex_escape, string_leaves
 from .store import Damaged, Store, damage_puts, failure_put, read_log_range, read_searchables
 
 __all__ = ["FullText", "TextFilters"]
@@ -103,21 +104,37 @@ def _schema() -> tantivy.Schema:
     # Term frequencies without positions: BM25 needs no more, and no phrase query is offered
     # (a third less index to write, copy and snapshot).
     b.add_text_field("text", stored=False, tokenizer_name=ANALYZER, index_option="freq")
+    # What recall's ``where`` filters see (``base.where.attributes``): the record's own fields
+    # and a turn's meta as one JSON document (terms for equality, a fast column for ranges),
+    # and each string attribute as one "path NUL value" term, which ``contains`` matches with
+    # a regular expression (tantivy-py's regex query takes no JSON path).
+    b.add_json_field("attrs", stored=False, tokenizer_name="raw", index_option="basic",
+                     fast=True)
+    b.add_text_field("attr_str", stored=False, tokenizer_name="raw", index_option="basic")
     return b.build()
+
+
+SCHEMA_FIELDS = ("lsn", "user", "session", "role", "kind", "tags", "at", "text", "attrs",
+                 "attr_str")  # _schema's, in order: an index with others is rebuilt
+# Attributes a filter finds in the text index's own columns rather than in ``attrs``.
+COLUMNS = {"kind": "kind", "role": "role", "session_id": "session", "tags": "tags"}
+_IN_COLUMNS = frozenset(COLUMNS)
 
 
 class TextFilters:
     """What a text search may return, beyond its user."""
 
-    __slots__ = ("session_id", "since", "until", "roles", "kinds", "tags", "lsns")
+    __slots__ = ("session_id", "since", "until", "roles", "kinds", "tags", "lsns", "where")
 
     def __init__(self, session_id: str | None = None, since: datetime | None = None,
                  until: datetime | None = None, roles: tuple[str, ...] | None = None,
                  kinds: tuple[str, ...] | None = None,
-                 tags: tuple[str, ...] | None = None, lsns: list[int] | None = None) -> None:
+                 tags: tuple[str, ...] | None = None, lsns: list[int] | None = None,
+                 where: Node | None = None) -> None:
         self.session_id, self.since, self.until = session_id, since, until
         self.roles, self.kinds, self.tags = roles, kinds, tags
         self.lsns = lsns  # only these records (e.g. the facts a category filter admits)
+        self.where = where  # a compiled ``where`` filter (``base.where.parse``)
 
 
 class FullText:
@@ -212,6 +229,7 @@ class FullText:
         try:
             if (self.path / "meta.json").exists():
                 check_index(self.path)
+                _check_schema(self.path)
             index = tantivy.Index(self._schema, path=str(self.path), reuse=True)
             index.register_tokenizer(ANALYZER, self._analyzer)
             top = self._max_lsn(index)
@@ -498,18 +516,27 @@ class FullText:
 
     # -- searching ---------------------------------------------------------------------------
 
-    async def tagged(self, user_id: str, tags: tuple[str, ...], limit: int) -> list[int]:
-        """The lsns of the user's records carrying any of ``tags`` (for the vector leg's mask).
+    async def tagged(self, user_id: str, tags: tuple[str, ...] | None, limit: int,
+                     where: Node | None = None) -> list[int]:
+        """The lsns of the user's records carrying any of ``tags`` and passing ``where``
+        (either may be None), for the vector leg's mask; at most ``limit`` of them.
 
         Raises:
             EngineBroken: tantivy failed (a panic in a segment it could not read).
         """
-        return await self._searching(self._tagged, user_id, tags, limit)
+        return await self._searching(self._tagged, user_id, tags, limit, where)
 
-    def _tagged(self, user_id: str, tags: tuple[str, ...], limit: int) -> list[int]:
+    def _tagged(self, user_id: str, tags: tuple[str, ...] | None, limit: int,
+                where: Node | None) -> list[int]:
+        if self._index is None:
+            return []
         Q, Occur, schema = tantivy.Query, tantivy.Occur, self._schema
-        query = Q.boolean_query([(Occur.Must, Q.term_query(schema, "user", user_id)),
-                                 (Occur.Must, Q.term_set_query(schema, "tags", list(tags)))])
+        scope = [(Occur.Must, Q.term_query(schema, "user", user_id))]
+        if tags is not None:
+            scope.append((Occur.Must, Q.term_set_query(schema, "tags", list(tags))))
+        if where is not None:
+            scope.append((Occur.Must, self._where_query(where)))
+        query = Q.boolean_query(scope)
         searcher = self._index.searcher()
         hits = searcher.search(query, limit=limit, count=False).hits
         if not hits:
@@ -568,6 +595,8 @@ class FullText:
             if filters.since is not None or filters.until is not None:
                 scope.append((Occur.Must, Q.range_query(
                     schema, "at", tantivy.FieldType.Date, filters.since, filters.until)))
+            if filters.where is not None:
+                scope.append((Occur.Must, self._where_query(filters.where)))
         # The scope only filters: a constant score of zero leaves the ranking to BM25.
         query = Q.boolean_query([(Occur.Must, words),
                                  (Occur.Must, Q.const_score_query(Q.boolean_query(scope), 0.0))])
@@ -577,6 +606,46 @@ class FullText:
             return []
         lsns = searcher.fast_field_values("lsn", [address for _, address in hits])
         return [(int(lsn), float(score)) for (score, _), lsn in zip(hits, lsns, strict=True)]
+
+    def _where_query(self, node: Node) -> tantivy.Query:
+        """A compiled ``where`` filter as a tantivy query that matches exactly the documents
+        whose attributes ``node.matches`` (values and field names were checked by
+        ``where.parse``: the range grammar below only ever sees a checked path and a number)."""
+        Q, Occur, schema = tantivy.Query, tantivy.Occur, self._schema
+        op = node.op
+        if op == "and":
+            return Q.boolean_query([(Occur.Must, self._where_query(c)) for c in node.children])
+        if op == "or":
+            return Q.boolean_query([(Occur.Should, self._where_query(c))
+                                    for c in node.children])
+        if op in ("not", "ne", "nin"):
+            inner = (node.children[0] if op == "not"
+                     else Node("eq" if op == "ne" else "in", node.path, node.value))
+            return Q.boolean_query([(Occur.Must, Q.all_query()),
+                                    (Occur.MustNot, self._where_query(inner))])
+        space, *rest = node.path
+        column = COLUMNS.get(rest[0]) if space == "f" else None
+        value = node.value
+        if op == "contains":
+            if column is not None:
+                return Q.regex_query(schema, column, f"(?s).*{regex_escape(value)}.*")
+            prefix = regex_escape(".".join(node.path))
+            return Q.regex_query(schema, "attr_str", f"(?s){prefix}\x00.*{regex_escape(value)}.*")
+        if op in ("eq", "in"):
+            values = (value,) if op == "eq" else value
+            if column is not None:  # text columns: only strings can match
+                strings = [v for v in values if type(v) is str]
+                return (Q.term_set_query(schema, column, strings) if strings
+                        else Q.empty_query())
+            path = "attrs." + ".".join(node.path)
+            terms = [Q.term_query(schema, path, v) for v in values]
+            return terms[0] if len(terms) == 1 else Q.boolean_query(
+                [(Occur.Should, t) for t in terms])
+        if column is not None:  # a range over a text column matches nothing
+            return Q.empty_query()
+        bound = {"gt": ">", "gte": ">=", "lt": "<", "lte": "<="}[op]
+        return self._index.parse_query(f"attrs.{'.'.join(node.path)}:{bound}{float(value)!r}",
+                                       ["attrs"])
 
 
 def write_records(writer: Any, schema: tantivy.Schema, records: list[Searchable],
@@ -602,6 +671,11 @@ def write_records(writer: Any, schema: tantivy.Schema, records: list[Searchable]
             doc.add_text("text", r.text)
             for tag in r.tags:
                 doc.add_text("tags", tag)
+            if r.attrs:
+                fields = {k: v for k, v in r.attrs["f"].items() if k not in _IN_COLUMNS}
+                doc.add_json("attrs", {"f": fields, "m": r.attrs["m"]})
+                for path, value in string_leaves(r.attrs, _IN_COLUMNS):
+                    doc.add_text("attr_str", f"{path}\x00{value}")
         except (ValueError, OverflowError) as exc:
             failed.append((r, exc))
             continue
@@ -611,6 +685,18 @@ def write_records(writer: Any, schema: tantivy.Schema, records: list[Searchable]
 
 class IndexDamaged(Exception):
     """The index on disk is damaged or incomplete; the message says where."""
+
+
+def _check_schema(path: Path) -> None:
+    """An index written with other fields (by an older engine: before ``attrs`` came for
+    recall's filters) is rebuilt with this schema; tantivy itself would refuse to open it."""
+    try:
+        fields = tuple(f["name"] for f in json.loads((path / "meta.json").read_bytes())["schema"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise IndexDamaged(f"meta.json is unreadable: {exc!r}") from exc
+    if fields != SCHEMA_FIELDS:
+        raise IndexDamaged(f"it was written with the fields {', '.join(fields)} and this engine "
+                           f"indexes {', '.join(SCHEMA_FIELDS)} (an older engine's index)")
 
 
 def _is_panic(exc: BaseException) -> bool:

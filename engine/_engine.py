@@ -340,6 +340,7 @@ class Engine:
         budget_tokens: int | None = None,
         legs: Iterable[str] | None = None,
         link_types: Iterable[str] | None = None,
+        where: Mapping[str, Any] | None = None,
     ) -> Hits:
         """The user's memories that best match ``query``: vector, BM25, entity and window legs
         fused by weighted z-scores, neighbouring turns and covering episodes lifting the turns
@@ -364,6 +365,14 @@ class Engine:
                 ``window`` (default: all), to see what each finds alone or without another.
             link_types: follow only links of these types (``derived_from``, ``summarises``,
                 ``shares_entity``, your own; default: every type).
+            where: a metadata filter in mem0's shape, applied inside every search leg (never
+                by discarding after the limit): ``{"channel": "web", "priority": {"gte": 2},
+                "lang": {"in": ["en", "pt"]}, "title": {"contains": "trip"}}``, operators
+                ``eq ne gt gte lt lte in nin contains``, ``AND`` / ``OR`` / ``NOT`` nesting,
+                over a turn's ``meta`` and the records' own fields (``kind``, ``role``,
+                ``session_id``, ``tags``, ``category``, ``key``, ``value``, ``importance``,
+                ``confidence``, ``origin``; ``meta.NAME`` for a meta key they shadow).
+                Linked memories pass it too.
 
         Returns:
             :class:`Hits` (a list of :class:`Hit`), best first; linked memories follow the
@@ -375,7 +384,7 @@ class Engine:
         return await self._recall.recall(
             user_id, query, limit, focus=focus, session_id=session_id, since=since, until=until,
             roles=roles, kinds=kinds, tags=tags, link_depth=link_depth, budget_tokens=budget_tokens,
-            legs=legs, link_types=link_types)
+            legs=legs, link_types=link_types, where=where)
 
     async def retrieve_memory(self, user_id: str, query: str, conversation_id: str | None = None,
                               episodic_limit: int = 5, semantic_limit: int = 20,

@@ -57,6 +57,10 @@ class RecallIn(_Body):
     budget_tokens: int | None = Field(None, ge=1)
     legs: list[Literal["vector", "bm25", "entity", "window"]] | None = Field(
         None, description="the search legs that run (default: all)", examples=[["bm25"]])
+    where: dict[str, Any] | None = Field(
+        None, description="metadata filter (mem0's shape): operators eq ne gt gte lt lte in nin "
+                          "contains, AND / OR / NOT nesting, over turn meta and record fields",
+        examples=[{"channel": "web", "priority": {"gte": 2}}])
 
 
 class RetrieveIn(_Body):

@@ -17,6 +17,7 @@ from actors.base import validate as v
 from actors.base.errors import InvalidInput
 from actors.base.messages import PutState
 from actors.base.records import PendingReview
+from actors.base.where import parse as parse_where
 from actors.store import user_prefix
 
 from ._args import check_count, check_fraction, choices
@@ -45,7 +46,7 @@ class Recall:
                      session_id: Any, since: Any, until: Any, roles: Iterable[str] | None,
                      kinds: Iterable[str] | None, tags: Iterable[str] | None, link_depth: Any,
                      budget_tokens: Any, legs: Iterable[str] | None = None,
-                     link_types: Iterable[str] | None = None) -> Hits:
+                     link_types: Iterable[str] | None = None, where: Any = None) -> Hits:
         parts = self._parts
         parts.check_open()
         parts.check_lookup_ids(user_id)
@@ -66,13 +67,14 @@ class Recall:
             parts.check_lookup_id("session_id", session_id)
         if budget_tokens is not None:
             check_count("budget_tokens", budget_tokens, 1, 1_000_000)
+        compiled = None if where is None else parse_where(where)
         degraded = parts.degraded()  # before the search: a leg that completes meanwhile
         hits = await self._retriever.recall(  # may or may not have served this query
             user_id, query, limit=limit, session_id=session_id, since=since, until=until,
             roles=choices("roles", roles, ROLES), kinds=choices("kinds", kinds, KINDS),
             link_depth=link_depth, budget_tokens=budget_tokens, tags=check_tags(tags),
             legs=choices("legs", legs, LEGS) or LEGS,
-            link_types=v.check_words("link_types", link_types) or None)
+            link_types=v.check_words("link_types", link_types) or None, where=compiled)
         return Hits(hits, degraded + tuple(leg for leg in parts.degraded()
                                            if leg not in degraded))
 

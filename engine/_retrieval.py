@@ -46,6 +46,7 @@ import trio
 from actors.ann_index import KINDS, AnnIndex, Filters
 from actors.base.errors import EngineBroken, EngineClosed, EngineError
 from actors.base.records import Episode, Fact, Note, Turn
+from actors.base.where import Node, attributes
 from actors.embedder import Embedder
 from actors.entities import Entities, extract_entities
 from actors.episodic import memory_review_state, retrievability
@@ -157,11 +158,15 @@ class Retriever:
                      link_types: tuple[str, ...] | None = None,
                      tags: tuple[str, ...] | None = None,
                      only: list[int] | None = None,
-                     legs: tuple[str, ...] = LEGS
+                     legs: tuple[str, ...] = LEGS,
+                     where: Node | None = None
                      ) -> list[Hit]:
         """The pipeline; arguments are validated by the facade. ``only``: these lsns and no
         others (the facts a category or importance filter admits), applied in every index.
-        ``legs``: the legs that run (the benchmark measures each alone)."""
+        ``legs``: the legs that run (the benchmark measures each alone). ``where``: a
+        compiled metadata filter, applied inside every leg (a tantivy query in BM25's, the
+        lsns it admits as the vector and entity legs' mask, the record itself in the window
+        legs')."""
         ranked: dict[str, list[tuple[int, float]]] = {}
         # Turns and the other kinds (episodes, facts, notes) are searched as separate candidate
         # lists when the query admits both: the turns' list, its depth and its statistics are
@@ -180,11 +185,22 @@ class Retriever:
         def put(leg: str, part: str, found: list[tuple[int, float]]) -> None:
             (others if part else ranked)[leg] = found
 
+        # Tags and ``where`` live in the text index's terms; the records they admit become
+        # the vector and entity legs' mask.
+        masked = tags is not None or where is not None
+        mask: list[list[int]] = []
+        mask_ready = trio.Event()  # set once ``mask`` holds what tags and ``where`` admit
+
+        async def mask_leg() -> None:
+            mask.append(await self._mask(user_id, tags, where))
+            mask_ready.set()
+
         async def vector_leg() -> None:
             vector.append(await self.embedder.embed_query(query, user_id))
-            # Tags live in the text index's term lists; they become the vector search's mask.
-            lsns = (None if tags is None
-                    else await self.fulltext.tagged(user_id, tags, TAGGED_LIMIT))
+            lsns = None
+            if masked:
+                await mask_ready.wait()
+                lsns = mask[0]
             if only is not None:
                 lsns = only if lsns is None else sorted(set(lsns) & set(only))
             async with trio.open_nursery() as parts:
@@ -199,28 +215,34 @@ class Retriever:
             put("bm25", part, await self.fulltext.search(user_id, query, depth, filters))
 
         async def fresh_leg(part: str, fresh: tuple[str, ...]) -> None:
-            found = await self._fresh_leg(user_id, query, fresh)
+            found = await self._fresh_leg(user_id, query, fresh, where)
             if found:
                 put("window", part, found)
 
         async def entity_leg() -> None:
             found = await self._entity_leg(user_id, query)
+            if masked:
+                await mask_ready.wait()
+                admitted = set(mask[0])
+                found = [pair for pair in found if pair[0] in admitted]
             if found:
                 ranked["entity"] = found[:depth]
 
         with one_error():
             async with trio.open_nursery() as nursery:
+                if masked and ("vector" in legs or "entity" in legs):
+                    nursery.start_soon(mask_leg)
                 if "vector" in legs:
                     nursery.start_soon(vector_leg)
                 if "bm25" in legs:
                     for part, part_kinds in searches.items():
                         nursery.start_soon(bm25_search, part, TextFilters(
-                            session_id, since, until, roles, part_kinds, tags, only))
+                            session_id, since, until, roles, part_kinds, tags, only, where))
                 if "entity" in legs and only is None:
                     nursery.start_soon(entity_leg)
                 if "window" in legs:
                     ranked["window"] = self._window_leg(user_id, query, session_id, since,
-                                                        until, roles, kinds, tags)
+                                                        until, roles, kinds, tags, where)
                     # Notes and facts: in the other kinds' list, or the only list when the
                     # query admits no turns (then the turns' window above is empty).
                     part = "other" if split else ""
@@ -279,7 +301,7 @@ class Retriever:
         cap = max(1, int(limit * DERIVED_SHARE))
         mixed = kinds is None or "turn" in kinds
         for score, memory in scored:
-            if not _matches(memory, session_id, since, until, roles, kinds, tags):
+            if not _matches(memory, session_id, since, until, roles, kinds, tags, where):
                 continue  # deleted since it was indexed, or not quite what the filter asked
             if mixed and type(memory) in (Episode, Fact):
                 if derived == cap:
@@ -291,8 +313,27 @@ class Retriever:
                 break
         hits = _dedupe(hits)[:limit]
         if link_depth > 0 and hits:
-            hits += await self._expand(user_id, hits, link_depth, link_types)
+            hits += await self._expand(user_id, hits, link_depth, link_types, where)
         return pack(hits, budget_tokens)
+
+    async def _mask(self, user_id: str, tags: tuple[str, ...] | None,
+                    where: Node | None) -> list[int]:
+        """The lsns of the user's records that carry one of ``tags`` and pass ``where``: those
+        the text index holds (at most TAGGED_LIMIT), and with a ``where`` those it does not hold
+        yet, judged on the records themselves (turns from the RAM windows, notes and facts
+        from the log's newest end)."""
+        indexed = self.fulltext.indexed_lsn  # before the search: its searcher covers this much
+        lsns = await self.fulltext.tagged(user_id, tags, TAGGED_LIMIT, where)
+        if where is None:
+            return lsns
+        fresh = [turn.lsn for turn in self.buffer.turns_after(user_id, indexed)
+                 if _matches(turn, None, None, None, None, None, tags, where)]
+        if indexed < self.store.committed_lsn:
+            records = await self.store.read(_read_fresh, user_id, ("note", "fact"), indexed,
+                                            self.store.committed_lsn)
+            fresh += [r.lsn for r in records
+                      if _matches(r, None, None, None, None, None, tags, where)]
+        return lsns + fresh if fresh else lsns
 
     def _lift(self, user_id: str, memories: dict[int, Any],
               fused: dict[int, tuple[float, dict[str, int]]], lifting: set[int],
@@ -390,7 +431,8 @@ class Retriever:
     def _window_leg(self, user_id: str, query: str, session_id: str | None,
                     since: datetime | None, until: datetime | None,
                     roles: tuple[str, ...] | None, kinds: tuple[str, ...] | None,
-                    tags: tuple[str, ...] | None) -> list[tuple[int, float]]:
+                    tags: tuple[str, ...] | None, where: Node | None = None
+                    ) -> list[tuple[int, float]]:
         """Turns acknowledged but not yet in the text index, scored by terms shared with the
         query, then recency: read-your-writes for recall."""
         if kinds is not None and "turn" not in kinds:
@@ -400,7 +442,7 @@ class Retriever:
             return []
         scored = []
         for turn in self.buffer.turns_after(user_id, self.fulltext.indexed_lsn):
-            if not _matches(turn, session_id, since, until, roles, None, tags):
+            if not _matches(turn, session_id, since, until, roles, None, tags, where):
                 continue
             shared = len(terms.intersection(self.fulltext.terms(turn.text)))
             if shared:
@@ -408,11 +450,12 @@ class Retriever:
         scored.sort()
         return [(lsn, float(-shared)) for shared, _, lsn in scored[:CANDIDATES_PER_LEG]]
 
-    async def _fresh_leg(self, user_id: str, query: str, kinds: tuple[str, ...]
-                         ) -> list[tuple[int, float]]:
+    async def _fresh_leg(self, user_id: str, query: str, kinds: tuple[str, ...],
+                         where: Node | None = None) -> list[tuple[int, float]]:
         """Notes and facts stored but not yet in the text index, scored by terms shared with
-        the query, then recency: read-your-writes for what the RAM windows do not hold. The
-        filters other than ``kinds`` apply to the records read for the results."""
+        the query, then recency: read-your-writes for what the RAM windows do not hold.
+        ``where`` applies here; the other filters but ``kinds`` to the records read for the
+        results."""
         terms = set(self.fulltext.query_terms(query))
         if not terms:
             return []
@@ -420,6 +463,8 @@ class Retriever:
                                         self.store.committed_lsn)
         scored = []
         for record in records:
+            if where is not None and not where.matches(attributes(record)):
+                continue
             shared = len(terms.intersection(self.fulltext.terms(record.text)))
             if shared:
                 scored.append((-shared, -record.lsn, record.lsn))
@@ -427,9 +472,11 @@ class Retriever:
         return [(lsn, float(-shared)) for shared, _, lsn in scored[:CANDIDATES_PER_LEG]]
 
     async def _expand(self, user_id: str, hits: list[Hit], depth: int,
-                      types: tuple[str, ...] | None = None) -> list[Hit]:
+                      types: tuple[str, ...] | None = None,
+                      where: Node | None = None) -> list[Hit]:
         """Breadth-first along links in both directions (of ``types`` only, if given);
-        memories already found are skipped."""
+        memories already found are skipped, and with ``where`` those it does not admit (they
+        still lead on to the memories linked to them)."""
         seen = {h.id for h in hits}
         score_of = {h.id: h.score for h in hits}
         frontier = [h.id for h in hits]
@@ -451,7 +498,8 @@ class Retriever:
             if not frontier:
                 break
         memories = await self.store.read(read_memories_by_id, user_id, [i for i, _ in found])
-        return [hit_for(memories[i], score, ("link",)) for i, score in found if i in memories]
+        return [hit_for(memories[i], score, ("link",)) for i, score in found if i in memories
+                and (where is None or where.matches(attributes(memories[i])))]
 
 def _read_fresh(txn: Any, dbs: dict[bytes, Any], user_id: str, kinds: tuple[str, ...],
                 after: int, upto: int) -> list[Any]:
@@ -588,7 +636,10 @@ def pack(hits: list[Hit], budget_tokens: int | None) -> list[Hit]:
 
 def _matches(memory: Turn | Note | Episode | Fact, session_id: str | None,
              since: datetime | None, until: datetime | None, roles: tuple[str, ...] | None,
-             kinds: tuple[str, ...] | None, tags: tuple[str, ...] | None) -> bool:
+             kinds: tuple[str, ...] | None, tags: tuple[str, ...] | None,
+             where: Node | None = None) -> bool:
+    if where is not None and not where.matches(attributes(memory)):
+        return False
     kind = type(memory)
     if kind is Episode:  # a session's, no role, no tags
         return ((session_id is None or memory.session_id == session_id)

@@ -29,7 +29,8 @@ class ToolHost(Protocol):
     is one; the tools never see its parts)."""
 
     async def recall(self, user_id: str, query: str, limit: int | None = None, *,
-                     kinds: Iterable[str] | None = None) -> Hits: ...
+                     kinds: Iterable[str] | None = None,
+                     where: Mapping[str, Any] | None = None) -> Hits: ...
 
     async def remember_fact(self, user_id: str, category: str, key: str, value: str, *,
                             text: str | None = None, importance: float = 0.7) -> Fact: ...
@@ -73,7 +74,12 @@ TOOLS: list[dict[str, Any]] = [
           "turns, episodes, facts and notes. The main retrieval tool.",
           {"user_id": _USER, "query": {"type": "string"},
            "limit": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10},
-           "kinds": {"type": "array", "items": {"enum": ["turn", "episode", "fact", "note"]}}},
+           "kinds": {"type": "array", "items": {"enum": ["turn", "episode", "fact", "note"]}},
+           "where": {"type": "object", "description": "Only memories passing this filter, e.g. "
+                     "{\"channel\": \"web\", \"priority\": {\"gte\": 2}}: operators eq ne "
+                     "gt gte lt lte in nin contains; AND / OR / NOT take lists of filters; "
+                     "fields are a turn's meta keys and category, key, value, importance, "
+                     "tags, kind, role, session_id."}},
           ["user_id", "query"]),
     _tool("remember_fact", "Save a fact the user stated. A new value for the same category "
           "and key replaces the old one (kept in history).",
@@ -167,7 +173,7 @@ async def call_tool(engine: ToolHost, name: str, arguments: Mapping[str, Any] | 
     user_id = args.pop("user_id")
     if name == "search_memory":
         hits = await engine.recall(user_id, args["query"], args.get("limit", 10),
-                                   kinds=args.get("kinds"))
+                                   kinds=args.get("kinds"), where=args.get("where"))
         found = {"results": [_plain(h) for h in hits]}
         if hits.degraded:  # a model should know the search was partial
             found["degraded"] = list(hits.degraded)

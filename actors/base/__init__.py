@@ -6,6 +6,7 @@
 - :mod:`.config`: the engine's configuration Struct.
 - :mod:`.validate`: the input checks of the public API.
 - :mod:`.keys`: the byte limits of LMDB keys.
+- :mod:`.where`: recall's metadata filters (checked, compiled, judged on a record).
 
 Modules here import only the standard library, third-party packages and each other: never an
 actor, never the engine.

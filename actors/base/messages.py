@@ -206,6 +206,7 @@ class Searchable(msgspec.Struct, frozen=True):
     tags: tuple[str, ...] = ()
     memory_id: str = ""
     seq: int = -1  # a turn's position in its session
+    attrs: dict[str, Any] = {}  # what a recall filter sees of it (``where.attributes``)
 
 
 class EmbedRequest(msgspec.Struct, frozen=True, tag=True):

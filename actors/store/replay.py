@@ -15,6 +15,7 @@ import trio
 from ..base.errors import EngineBroken, EngineClosed, StoreCorrupt
 from ..base.messages import PutState, Searchable
 from ..base.records import Episode, Fact, Turn
+from ..base.where import attributes, turn_tags
 from .chain import _check_logged
 from .codecs import _decode_turn, decode_episode, decode_fact, failure_put
 from .layout import (
@@ -214,13 +215,13 @@ def searchable_at(txn: lmdb.Transaction, dbs: dict[bytes, Any], lsn: int,
             return None
         t = _decode_turn(raw)
         return Searchable(lsn, "turn", t.user_id, t.session_id, t.role, t.at, t.text,
-                          turn_tags(t), t.turn_id, t.seq)
+                          turn_tags(t), t.turn_id, t.seq, attributes(t))
     if kind == LOG_NOTE:
         note = _note_version(txn, dbs, entry, lsn)
         if note is None:
             return None
         return Searchable(lsn, "note", note.user_id, "", "", note.updated_at, note.text,
-                          note.tags, note.note_id)
+                          note.tags, note.note_id, attrs=attributes(note))
     if kind == LOG_EPISODE:
         raw = txn.get(entry[1:], db=dbs[b"episodes"])
         return None if raw is None else episode_searchable(decode_episode(raw))
@@ -249,20 +250,13 @@ def episode_searchable(e: Episode) -> Searchable:
     """What the indexes see of an episode: its title, summary and keywords."""
     text = f"{e.title}\n{e.summary}\n{' '.join(e.keywords)}"
     return Searchable(e.lsn, "episode", e.user_id, e.session_id, "", e.end_at, text, (),
-                      e.episode_id)
+                      e.episode_id, attrs=attributes(e))
 
 
 def fact_searchable(f: Fact) -> Searchable:
     """What the indexes see of a fact: its sentence and keywords (seed 001's search text)."""
     return Searchable(f.lsn, "fact", f.user_id, "", "", f.created_at,
-                      f"{f.text}\n{' '.join(f.keywords)}", (f.category,), f.fact_id)
+                      f"{f.text}\n{' '.join(f.keywords)}", (f.category,), f.fact_id,
+                      attrs=attributes(f))
 
 
-def turn_tags(turn: Turn) -> tuple[str, ...]:
-    """A turn's tags: the strings in ``meta["tags"]`` (the documented convention)."""
-    tags = turn.meta.get("tags") if turn.meta else None
-    if isinstance(tags, str):
-        return (tags,)
-    if isinstance(tags, list):
-        return tuple(t for t in tags if isinstance(t, str))
-    return ()
