@@ -5,19 +5,53 @@ take them. Each raises ``InvalidInput`` naming the argument, what was expected a
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
 from actors.base import validate as v
 from actors.base.errors import InvalidInput
 
-__all__ = ["check_count", "check_fraction", "check_texts", "choices", "reason", "tags"]
+__all__ = ["check_count", "check_fraction", "check_label", "check_labels", "check_texts",
+           "choices", "reason", "tags"]
+
+MAX_LABEL_CHARS = 64  # a note's emotion: a word or two
+_LABEL = re.compile(r"[^\W_][\w -]*\Z")
 
 
 def check_fraction(field: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise InvalidInput(field, f"expected a number from 0 to 1, found {value!r}")
     return float(value)
+
+
+def check_label(field: str, value: Any) -> str:
+    """A free label (a note's emotion): letters, digits, spaces, '-' and '_', at most
+    MAX_LABEL_CHARS, returned lower-case with its spacing tidied; "" stays "" (none)."""
+    if type(value) is not str:
+        raise InvalidInput(field, f"expected a string, found {type(value).__name__} {value!r}")
+    label = " ".join(value.split()).lower()
+    if len(label) > MAX_LABEL_CHARS:
+        raise InvalidInput(field, f"expected at most {MAX_LABEL_CHARS} characters, found "
+                                  f"{len(label)}")
+    if label and not _LABEL.match(label):
+        raise InvalidInput(field, "expected a label of letters, digits, spaces, '-' and '_' "
+                                  f"(e.g. 'joy', 'mild worry'), found {value!r}")
+    return label
+
+
+def check_labels(field: str, values: Any) -> tuple[str, ...] | None:
+    """One label or a list of them (recall's ``emotion``), none of them empty."""
+    if values is None:
+        return None
+    items = [values] if isinstance(values, str) else values
+    if not isinstance(items, list | tuple) or not items:
+        raise InvalidInput(field, f"expected a label or a non-empty list of labels, found "
+                                  f"{values!r}")
+    labels = tuple(check_label(field, item) for item in items)
+    if not all(labels):
+        raise InvalidInput(field, "expected a label (e.g. 'joy'), found an empty one")
+    return labels
 
 
 def check_count(field: str, value: Any, low: int, high: int) -> int:

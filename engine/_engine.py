@@ -341,6 +341,9 @@ class Engine:
         legs: Iterable[str] | None = None,
         link_types: Iterable[str] | None = None,
         where: Mapping[str, Any] | None = None,
+        category: str | Iterable[str] | None = None,
+        min_importance: float | None = None,
+        emotion: str | Iterable[str] | None = None,
     ) -> Hits:
         """The user's memories that best match ``query``: vector, BM25, entity and window legs
         fused by weighted z-scores, neighbouring turns and covering episodes lifting the turns
@@ -371,8 +374,13 @@ class Engine:
                 ``eq ne gt gte lt lte in nin contains``, ``AND`` / ``OR`` / ``NOT`` nesting,
                 over a turn's ``meta`` and the records' own fields (``kind``, ``role``,
                 ``session_id``, ``tags``, ``category``, ``key``, ``value``, ``importance``,
-                ``confidence``, ``origin``; ``meta.NAME`` for a meta key they shadow).
+                ``confidence``, ``origin``, ``emotion``; ``meta.NAME`` for a meta key they
+                shadow).
                 Linked memories pass it too.
+            category / min_importance / emotion: seed 000's filters, each a ``where``
+                condition: notes' and facts' category (one or any of a list), importance at
+                least this, notes' emotion label (one or any of a list). Turns and episodes
+                have none of these, so any of them keeps notes and facts only.
 
         Returns:
             :class:`Hits` (a list of :class:`Hit`), best first; linked memories follow the
@@ -384,7 +392,8 @@ class Engine:
         return await self._recall.recall(
             user_id, query, limit, focus=focus, session_id=session_id, since=since, until=until,
             roles=roles, kinds=kinds, tags=tags, link_depth=link_depth, budget_tokens=budget_tokens,
-            legs=legs, link_types=link_types, where=where)
+            legs=legs, link_types=link_types, where=where, category=category,
+            min_importance=min_importance, emotion=emotion)
 
     async def retrieve_memory(self, user_id: str, query: str, conversation_id: str | None = None,
                               episodic_limit: int = 5, semantic_limit: int = 20,
@@ -504,26 +513,37 @@ class Engine:
     # -- notes -------------------------------------------------------------------------------
 
     async def store_note(self, user_id: str, text: str, *, note_id: str | None = None,
-                         tags: Iterable[str] | None = None) -> Note:
+                         tags: Iterable[str] | None = None, importance: float | None = None,
+                         emotion: str | None = None, category: str | None = None) -> Note:
         """Keep a note about the user (seed 003); recall finds it like any other memory.
 
         Args:
             note_id: the note's id (default: a new one); refused if the user has it already.
             tags: for the recall ``tags`` filter.
+            importance: 0-1 (default 0.5), for recall's ``min_importance`` (seed 000).
+            emotion: a free label (``joy``, ``curiosity``, ``positive``...), stored
+                lower-case, for recall's ``emotion`` (seed 000).
+            category: seed 000's category (``travel``), for recall's ``category``.
 
         Raises:
-            InvalidInput: bad text or tags, or ``note_id`` is taken (use update_note).
+            InvalidInput: bad text, tags or fields, or ``note_id`` is taken (use update_note).
         """
-        return await self._memory.put_note(user_id, text, note_id, tags, replace=False)
+        return await self._memory.put_note(user_id, text, note_id, tags, replace=False,
+                                           importance=importance, emotion=emotion,
+                                           category=category)
 
     async def update_note(self, user_id: str, note_id: str, text: str, *,
-                          tags: Iterable[str] | None = None) -> Note:
-        """Replace a note's text (and tags), keeping its id and creation time.
+                          tags: Iterable[str] | None = None, importance: float | None = None,
+                          emotion: str | None = None, category: str | None = None) -> Note:
+        """Replace a note's text (and tags), keeping its id and creation time; importance,
+        emotion and category change when given ("" clears a label) and are kept otherwise.
 
         Raises:
-            InvalidInput: the user has no such note.
+            InvalidInput: the user has no such note, or a bad argument.
         """
-        return await self._memory.put_note(user_id, text, note_id, tags, replace=True)
+        return await self._memory.put_note(user_id, text, note_id, tags, replace=True,
+                                           importance=importance, emotion=emotion,
+                                           category=category)
 
     async def get_note(self, user_id: str, note_id: str) -> Note | None:
         """A note by id; None if the user has no such note."""

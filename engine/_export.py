@@ -58,7 +58,8 @@ if TYPE_CHECKING:
 __all__ = ["export_user", "import_user", "FORMAT", "VERSION"]
 
 FORMAT = "engram-user-export"
-VERSION = 1  # bumped when a reader of the previous version could not read the lines
+VERSION = 2  # bumped when a reader of the previous version could not read the lines
+READS = (1, 2)  # versions this build imports (1: notes without seed 000's fields)
 IMPORT_CHUNK = 1_024  # logged records per import block: one queue burst, well under QUEUE_LIMIT
 
 
@@ -94,6 +95,9 @@ class NoteLine(_Line, tag="note"):
     tags: list[str]
     created_at: datetime
     updated_at: datetime
+    importance: float = 0.5  # version 2 on
+    emotion: str = ""
+    category: str = ""
 
 
 class EpisodeLine(_Line, tag="episode"):
@@ -303,8 +307,8 @@ def parse(data: bytes) -> _Parsed:
     if not isinstance(head, dict) or head.get("format") != FORMAT:
         raise _bad("line 1", f"expected format {FORMAT!r}, found "
                              f"{head.get('format') if isinstance(head, dict) else head!r}")
-    if head.get("version") != VERSION:
-        raise _bad("line 1", f"expected format version {VERSION}, found "
+    if head.get("version") not in READS:
+        raise _bad("line 1", f"expected format version {' or '.join(map(str, READS))}, found "
                              f"{head.get('version')!r} (written by another engram-trio "
                              "version: export again with this one)")
     parsed = _Parsed("", [], [], [], [], [], [], [], [])
@@ -372,6 +376,9 @@ def _check(parsed: _Parsed, parts: Parts) -> None:
     for note in parsed.notes:
         new_id("note_id", note.note_id)
         v.check_text("source.text", note.text, config.max_text_chars)
+        if not 0 <= note.importance <= 1:
+            raise _bad(f"note {note.note_id}", "expected an importance from 0 to 1, found "
+                                               f"{note.importance!r}")
     for episode in parsed.episodes:
         new_id("episode_id", episode.episode_id)
     active: set[tuple[str, str]] = set()
@@ -503,7 +510,7 @@ def _submit(parts: Parts, user_id: str, line: Any) -> None:
 
 def _note(line: NoteLine, lsn: int, user_id: str) -> Note:
     return Note(lsn, line.note_id, user_id, line.text, tuple(line.tags), line.created_at,
-                line.updated_at)
+                line.updated_at, line.importance, line.emotion, line.category)
 
 
 def _fact(line: FactLine, lsn: int, user_id: str) -> Fact:

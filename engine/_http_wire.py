@@ -61,6 +61,9 @@ class RecallIn(_Body):
         None, description="metadata filter (mem0's shape): operators eq ne gt gte lt lte in nin "
                           "contains, AND / OR / NOT nesting, over turn meta and record fields",
         examples=[{"channel": "web", "priority": {"gte": 2}}])
+    category: str | list[str] | None = Field(None, description="notes' and facts' category")
+    min_importance: float | None = Field(None, ge=0, le=1)
+    emotion: str | list[str] | None = Field(None, description="notes' emotion label")
 
 
 class RetrieveIn(_Body):
@@ -89,11 +92,17 @@ class NoteIn(_Body):
     text: str = Field(examples=["Prefers answers in Portuguese"])
     tags: list[str] | None = Field(None, examples=[["language"]])
     note_id: str | None = None
+    importance: float | None = Field(None, ge=0, le=1, description="default 0.5")
+    emotion: str | None = Field(None, examples=["joy"])
+    category: str | None = Field(None, examples=["language"])
 
 
 class NoteUpdate(_Body):
     text: str
     tags: list[str] | None = None
+    importance: float | None = Field(None, ge=0, le=1, description="default: kept")
+    emotion: str | None = Field(None, description="default: kept; \"\" clears it")
+    category: str | None = Field(None, description="default: kept; \"\" clears it")
 
 
 class FactIn(_Body):

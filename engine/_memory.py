@@ -34,7 +34,7 @@ from actors.store import (
     user_prefix,
 )
 
-from ._args import check_count, check_fraction
+from ._args import check_count, check_fraction, check_label
 from ._forget import Scrubber
 from ._hits import Hit, hit_for
 from ._parts import Parts
@@ -42,6 +42,7 @@ from ._parts import Parts
 __all__ = ["EntityInfo", "Memory"]
 
 _ENCODE = msgspec.msgpack.Encoder().encode
+NOTE_FIELDS = ("importance", "emotion", "category")  # seed 000's; an update keeps those unnamed
 
 
 class EntityInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -138,11 +139,14 @@ class Memory:
     # -- notes -------------------------------------------------------------------------------
 
     async def put_note(self, user_id: Any, text: Any, note_id: Any,
-                       tags: Iterable[str] | None, replace: bool) -> Note:
+                       tags: Iterable[str] | None, replace: bool, importance: Any = None,
+                       emotion: Any = None, category: Any = None) -> Note:
         """Store a new note (``replace`` False: the id must be free) or replace one (True:
         it must exist). A new note without an id of its own that repeats one of the user's
         notes (the same text: skipped) or nearly does (word Jaccard >= DEDUP_JACCARD: merged,
-        the new wording and both notes' tags) is not stored twice (seeds 003 and 004)."""
+        the new wording and both notes' tags) is not stored twice (seeds 003 and 004).
+        ``importance`` / ``emotion`` / ``category`` None: a new note's defaults, an update
+        keeps the note's (a merge too, and keeps the higher importance)."""
         parts = self._parts
         parts.check_open()
         parts.check_ids(user_id)
@@ -150,27 +154,40 @@ class Memory:
         if note_id is not None:
             parts.check_id("note_id", note_id)
         tags = v.check_words("tags", tags)
+        given: dict[str, Any] = {}
+        if importance is not None:
+            given["importance"] = check_fraction("importance", importance)
+        if emotion is not None:
+            given["emotion"] = check_label("emotion", emotion)
+        if category is not None:
+            given["category"] = category if category == "" else parts.check_id("category",
+                                                                                  category)
         if note_id is not None or replace:
-            return await self._write_note(user_id, text, note_id, tags, replace)
+            return await self._write_note(user_id, text, note_id, tags, replace, given)
         async with self._new_notes:
             twin = await parts.store.read(_twin_note, user_id, text)
             if twin is None:
                 return await self._write_note(user_id, text, "n_" + new_turn_id()[2:], tags,
-                                              False)
+                                              False, given)
             merged = tuple(dict.fromkeys((*twin.tags, *tags)))
-            if _normal(twin.text) == _normal(text) and merged == twin.tags:
+            if "importance" in given:
+                given["importance"] = max(given["importance"], twin.importance)
+            if (_normal(twin.text) == _normal(text) and merged == twin.tags
+                    and all(getattr(twin, f) == value for f, value in given.items())):
                 return twin  # said before: nothing new to keep
-            return await self._write_note(user_id, text, twin.note_id, merged, True)
+            return await self._write_note(user_id, text, twin.note_id, merged, True, given)
 
     async def _write_note(self, user_id: str, text: str, note_id: str, tags: tuple[str, ...],
-                          replace: bool) -> Note:
+                          replace: bool, given: dict[str, Any]) -> Note:
         parts = self._parts
         now = parts.now().astimezone(timezone.utc)
         store = parts.store
         await store.reserve(1)
         parts.check_open()
         lsn = store.next_lsn
-        note = Note(lsn, note_id, user_id, text, tags, now, now)
+        note = Note(lsn, note_id, user_id, text, tags, now, now, **given)
+        # An update keeps what it does not name (read in the write transaction).
+        keep = tuple(f for f in NOTE_FIELDS if f not in given) if replace else ()
         outcome: list[tuple[Note | None, str | None, int]] = []
 
         def committed(result: tuple[Note | None, str | None, int]) -> None:
@@ -178,7 +195,7 @@ class Memory:
             if result[2]:  # the replaced version leaves the vector index in commit order
                 parts.ann.removed(user_id, [result[2]], False)
 
-        store.submit(PutNote(lsn, note, 1 if replace else -1, committed))
+        store.submit(PutNote(lsn, note, 1 if replace else -1, committed, keep))
         await store.wait_committed(lsn)
         stored, refused, _ = outcome[0]
         if refused == "exists":

@@ -17,10 +17,11 @@ from actors.base import validate as v
 from actors.base.errors import InvalidInput
 from actors.base.messages import PutState
 from actors.base.records import PendingReview
+from actors.base.where import Node, conjunction
 from actors.base.where import parse as parse_where
 from actors.store import user_prefix
 
-from ._args import check_count, check_fraction, choices
+from ._args import check_count, check_fraction, check_labels, choices
 from ._args import tags as check_tags
 from ._briefing import Briefing, render_markdown
 from ._hits import Hits, RetrieveResult
@@ -46,7 +47,9 @@ class Recall:
                      session_id: Any, since: Any, until: Any, roles: Iterable[str] | None,
                      kinds: Iterable[str] | None, tags: Iterable[str] | None, link_depth: Any,
                      budget_tokens: Any, legs: Iterable[str] | None = None,
-                     link_types: Iterable[str] | None = None, where: Any = None) -> Hits:
+                     link_types: Iterable[str] | None = None, where: Any = None,
+                     category: Any = None, min_importance: Any = None,
+                     emotion: Any = None) -> Hits:
         parts = self._parts
         parts.check_open()
         parts.check_lookup_ids(user_id)
@@ -67,7 +70,8 @@ class Recall:
             parts.check_lookup_id("session_id", session_id)
         if budget_tokens is not None:
             check_count("budget_tokens", budget_tokens, 1, 1_000_000)
-        compiled = None if where is None else parse_where(where)
+        compiled = conjunction(None if where is None else parse_where(where),
+                               *self._seed_filters(category, min_importance, emotion))
         degraded = parts.degraded()  # before the search: a leg that completes meanwhile
         hits = await self._retriever.recall(  # may or may not have served this query
             user_id, query, limit=limit, session_id=session_id, since=since, until=until,
@@ -77,6 +81,25 @@ class Recall:
             link_types=v.check_words("link_types", link_types) or None, where=compiled)
         return Hits(hits, degraded + tuple(leg for leg in parts.degraded()
                                            if leg not in degraded))
+
+    def _seed_filters(self, category: Any, min_importance: Any, emotion: Any) -> list[Node]:
+        """Seed 000's filters as ``where`` conditions (importance filters, never ranks: seed
+        000 ranks by similarity alone)."""
+        nodes = []
+        if category is not None:
+            items = [category] if isinstance(category, str) else category
+            if not isinstance(items, list | tuple) or not items:
+                raise InvalidInput("category", "expected a category or a non-empty list of "
+                                               f"them, found {category!r}")
+            values = tuple(self._parts.check_lookup_id("category", c) for c in items)
+            nodes.append(Node("in", ("f", "category"), values))
+        if min_importance is not None:
+            nodes.append(Node("gte", ("f", "importance"),
+                              check_fraction("min_importance", min_importance)))
+        labels = check_labels("emotion", emotion)
+        if labels is not None:
+            nodes.append(Node("in", ("f", "emotion"), labels))
+        return nodes
 
     async def retrieve_memory(self, user_id: Any, query: Any, conversation_id: Any,
                               episodic_limit: Any, semantic_limit: Any, detail: Any,

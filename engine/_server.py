@@ -300,8 +300,8 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
 
     @app.post("/v1/users/{user_id}/notes", status_code=201, tags=["notes"])
     async def store_note(user_id: User, body: NoteIn) -> Response:
-        return json_response(await engine.store_note(user_id, body.text, note_id=body.note_id,
-                                                     tags=body.tags), 201)
+        return json_response(await engine.store_note(
+            user_id, body.text, **body.model_dump(exclude={"text"}, exclude_none=True)), 201)
 
     @app.get("/v1/users/{user_id}/notes/{note_id}", tags=["notes"])
     async def get_note(user_id: User, note_id: str) -> Response:
@@ -314,7 +314,8 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     async def update_note(user_id: User, note_id: str, body: NoteUpdate) -> Response:
         if await engine.get_note(user_id, note_id) is None:
             raise not_found(f"note {note_id!r} for this user")
-        return json_response(await engine.update_note(user_id, note_id, body.text, tags=body.tags))
+        return json_response(await engine.update_note(
+            user_id, note_id, body.text, **body.model_dump(exclude={"text"}, exclude_none=True)))
 
     @app.delete("/v1/users/{user_id}/notes/{note_id}", tags=["notes"])
     async def delete_note(user_id: User, note_id: str) -> Response:

@@ -30,7 +30,9 @@ class ToolHost(Protocol):
 
     async def recall(self, user_id: str, query: str, limit: int | None = None, *,
                      kinds: Iterable[str] | None = None,
-                     where: Mapping[str, Any] | None = None) -> Hits: ...
+                     where: Mapping[str, Any] | None = None,
+                     category: str | None = None, min_importance: float | None = None,
+                     emotion: str | None = None) -> Hits: ...
 
     async def remember_fact(self, user_id: str, category: str, key: str, value: str, *,
                             text: str | None = None, importance: float = 0.7) -> Fact: ...
@@ -47,7 +49,8 @@ class ToolHost(Protocol):
                               detail: str = "auto") -> str: ...
 
     async def store_note(self, user_id: str, text: str, *,
-                         tags: Iterable[str] | None = None) -> Note: ...
+                         tags: Iterable[str] | None = None, importance: float | None = None,
+                         emotion: str | None = None, category: str | None = None) -> Note: ...
 
     async def delete_note(self, user_id: str, note_id: str) -> bool: ...
 
@@ -79,7 +82,13 @@ TOOLS: list[dict[str, Any]] = [
                      "{\"channel\": \"web\", \"priority\": {\"gte\": 2}}: operators eq ne "
                      "gt gte lt lte in nin contains; AND / OR / NOT take lists of filters; "
                      "fields are a turn's meta keys and category, key, value, importance, "
-                     "tags, kind, role, session_id."}},
+                     "tags, kind, role, session_id."},
+           "category": {"type": "string", "description": "Only notes and facts of this "
+                        "category."},
+           "min_importance": {"type": "number", "minimum": 0, "maximum": 1,
+                              "description": "Only notes and facts at least this important."},
+           "emotion": {"type": "string", "description": "Only notes with this emotion "
+                       "label, e.g. joy."}},
           ["user_id", "query"]),
     _tool("remember_fact", "Save a fact the user stated. A new value for the same category "
           "and key replaces the old one (kept in history).",
@@ -113,7 +122,12 @@ TOOLS: list[dict[str, Any]] = [
           ["user_id", "query"]),
     _tool("store_note", "Keep a note about the user (recall finds it like any memory).",
           {"user_id": _USER, "text": {"type": "string"},
-           "tags": {"type": "array", "items": {"type": "string"}}},
+           "tags": {"type": "array", "items": {"type": "string"}},
+           "importance": {"type": "number", "minimum": 0, "maximum": 1,
+                          "description": "How much it matters, 0-1 (default 0.5)."},
+           "emotion": {"type": "string", "description": "The feeling it carries, one or two "
+                       "words: joy, curiosity, frustration..."},
+           "category": {"type": "string", "description": "What it is about: travel, work..."}},
           ["user_id", "text"]),
     _tool("delete_note", "Delete one of the user's notes by id.",
           {"user_id": _USER, "note_id": {"type": "string"}}, ["user_id", "note_id"]),
@@ -173,7 +187,10 @@ async def call_tool(engine: ToolHost, name: str, arguments: Mapping[str, Any] | 
     user_id = args.pop("user_id")
     if name == "search_memory":
         hits = await engine.recall(user_id, args["query"], args.get("limit", 10),
-                                   kinds=args.get("kinds"), where=args.get("where"))
+                                   kinds=args.get("kinds"), where=args.get("where"),
+                                   category=args.get("category"),
+                                   min_importance=args.get("min_importance"),
+                                   emotion=args.get("emotion"))
         found = {"results": [_plain(h) for h in hits]}
         if hits.degraded:  # a model should know the search was partial
             found["degraded"] = list(hits.degraded)
@@ -197,8 +214,9 @@ async def call_tool(engine: ToolHost, name: str, arguments: Mapping[str, Any] | 
             user_id, args["query"], args.get("conversation_id"), args.get("episodic_limit", 5),
             detail=args.get("detail", "auto"))}
     if name == "store_note":
-        return {"note": _plain(await engine.store_note(user_id, args["text"],
-                                                       tags=args.get("tags")))}
+        return {"note": _plain(await engine.store_note(
+            user_id, args["text"], tags=args.get("tags"), importance=args.get("importance"),
+            emotion=args.get("emotion"), category=args.get("category")))}
     if name == "delete_note":
         return {"deleted": await engine.delete_note(user_id, args["note_id"])}
     info = await engine.entity_info(user_id, args["name"], args.get("limit", 20))

@@ -27,6 +27,7 @@ async def test_each_note_is_one_markdown_file_kept_in_step_with_the_store(store_
                                     note_id="trip", tags=["travel", "café"])
         assert _files(root) == {"maya/trip.md": (
             '---\nid: "trip"\nuser: "maya"\ntags: ["travel", "café"]\n'
+            'category: ""\nimportance: 0.5\nemotion: ""\n'
             f"created_at: {note.created_at.isoformat()}\n"
             f"updated_at: {note.updated_at.isoformat()}\n---\n\n"
             "Planning a trip to Madeira.\nIn May.\n")}

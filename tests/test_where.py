@@ -94,7 +94,7 @@ async def test_notes_and_facts_are_filtered_by_their_own_fields(store_path) -> N
             return {h.text for h in await mem.recall("ana", "Lisbon", limit=20, where=where)}
 
         assert await texts({"category": "identity"}) == {"lives in Lisbon"}
-        assert await texts({"importance": {"gte": 0.5}}) == {"lives in Lisbon"}
+        assert await texts({"importance": {"gte": 0.6}}) == {"lives in Lisbon"}
         assert await texts({"kind": "fact", "value": {"contains": "trips"}}) == {
             "likes city trips to Lisbon"}
         assert await texts({"origin": "api", "key": {"in": ["location"]}}) == {"lives in Lisbon"}

@@ -112,6 +112,7 @@ class PutNote(msgspec.Struct, frozen=True, tag=True):
     note: Any  # records.Note
     replaces: int  # -1: a new note (its id must be free); 1: an update (the note must exist)
     committed: Any = None  # gets (stored note, None, replaced lsn) or (None, why not, 0)
+    keep: tuple[str, ...] = ()  # fields an update takes from the version it replaces
 
 
 class DeleteNote(msgspec.Struct, frozen=True, tag=True):

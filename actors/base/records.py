@@ -110,6 +110,10 @@ class Note(msgspec.Struct, frozen=True, array_like=True):
         tags: the caller's tags (the recall ``tags`` filter sees them).
         created_at: when the note was first stored.
         updated_at: when this version was stored.
+        importance: 0-1 (seed 000's; recall's ``min_importance`` filters by it, never ranks).
+        emotion: a free label, lower-case (seed 000's emotion: ``joy``, ``curiosity``, or a
+            valence such as ``positive``); "" for none.
+        category: the note's category (seed 000's, like a fact's: ``travel``); "" for none.
     """
 
     lsn: int
@@ -119,6 +123,9 @@ class Note(msgspec.Struct, frozen=True, array_like=True):
     tags: tuple[str, ...]
     created_at: datetime
     updated_at: datetime
+    importance: float = 0.5
+    emotion: str = ""
+    category: str = ""
 
 
 class SummaryState(msgspec.Struct, frozen=True, array_like=True):

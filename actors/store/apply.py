@@ -60,7 +60,10 @@ class Appliers:
         replaces = 0
         if current is not None:
             replaces = current.lsn
-            note = msgspec.structs.replace(note, created_at=current.created_at)
+            # In the write transaction: an update naming no importance, emotion or category
+            # keeps the current version's, whatever was written since the caller read.
+            note = msgspec.structs.replace(note, created_at=current.created_at,
+                                           **{f: getattr(current, f) for f in op.keep})
             txn.delete(lsn_key(replaces), db=dbs[b"log"])
             txn.delete(user_prefix(note.user_id) + lsn_key(replaces), db=dbs[b"vectors"])
         txn.put(key, _encode(note), db=dbs[b"notes"])
