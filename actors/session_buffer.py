@@ -58,7 +58,8 @@ class Receipt:
         self._store = store
 
     async def durable(self) -> None:
-        """Return once the turn is committed to LMDB (it then survives ``kill -9``).
+        """Return once the turn is committed to LMDB and flushed (it then survives ``kill -9``,
+        and with ``fsync`` on, the default, a power cut).
 
         Raises:
             RecordRefused: the store could not write this turn (the rest of its batch landed).

@@ -67,7 +67,7 @@ from .layout import (
 )
 from .migrate import MIGRATIONS
 from .vectors import ModelInfo, _decode_model
-from .writer import COMMIT_TIMES, Writer
+from .writer import COMMIT_TIMES, Writer, _Landing
 
 READ_THREADS = 2  # concurrent read transactions: one per core; the writer has its own limiter
 TAIL_CHECK = 64  # log positions whose chain opening a store recomputes: the last writes
@@ -137,9 +137,24 @@ class Store(Writer, Appliers, Forgetting):
         # (first, end) submit numbers of op runs that must commit in one transaction
         # (hold_together), oldest first; dropped once written.
         self._groups: deque[tuple[int, int]] = deque()
-        self._written = 0  # ops ever committed: the queue is FIFO, so the first _written of them
-        # Parked: callers of wait_written, until the next batch commits.
+        self._taken = 0  # ops ever taken off the queue into a batch: the first _taken queued
+        self._written = 0  # ops ever landed (on disk): the first _written queued
+        # Parked: callers of wait_written, until the next batch lands; the commit loop at the
+        # end, until the last one has.
         self._batches = trio.lowlevel.ParkingLot()
+        # With fsync on, LMDB leaves each commit's meta page to the next flush (MDB_NOMETASYNC),
+        # and a batch lands once a flush that began after its commit returned has returned.
+        self._meta_deferred = config.fsync and not read_only
+        self._landings: deque[_Landing] = deque()  # committed batches not landed yet, in order
+        self._commit_count = 0  # write transactions this process committed
+        self._writer_done = False  # the commit loop has drained the queue at close
+        self._sync_requested = False  # a committed batch waits for the sync loop's next flush
+        self._sync_waited = False  # a caller waits for the flush under way
+        # Parked: background steps yielding to a caller's receipt, until the next landing.
+        self._landed = trio.lowlevel.ParkingLot()
+        # Parked: the sync loop, until a flush is requested (or the writer is done).
+        self._sync_kick = trio.lowlevel.ParkingLot()
+        self._sync_limiter = trio.CapacityLimiter(1)  # one flush at a time, on its own thread
         # Shielded from close() on, so queued turns reach the disk even when the body failed.
         self._drain_scope = trio.CancelScope()
         # How the writer applies each kind of op other than appends (batched apart, see _plan),
@@ -167,7 +182,9 @@ class Store(Writer, Appliers, Forgetting):
         task_status.started()
         try:
             with self._drain_scope:
-                await self._commit_loop()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._sync_loop)
+                    await self._commit_loop()
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -187,6 +204,8 @@ class Store(Writer, Appliers, Forgetting):
         self._wakeup.unpark_all()
         self._room.unpark_all()
         self._commits.unpark_all()
+        self._sync_kick.unpark_all()
+        self._landed.unpark_all()
 
     def _open_env(self) -> lmdb.Environment:
         if self.path.exists() and not self.path.is_dir():
@@ -199,8 +218,12 @@ class Store(Writer, Appliers, Forgetting):
                 map_size=self._config.initial_map_bytes,
                 max_dbs=MAX_DBS,
                 max_readers=MAX_READERS,
+                # Data pages are fdatasynced before the meta page that points at them is
+                # written; the meta page waits for the next flush (writer.py: batches land
+                # after it). LMDB: "maintains database integrity, but a system crash may undo
+                # the last committed transaction" -- one whose receipts were not released.
                 sync=self._config.fsync,
-                metasync=self._config.fsync,
+                metasync=False,
                 writemap=False,
                 map_async=False,
             )

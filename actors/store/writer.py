@@ -10,6 +10,14 @@ py-lmdb binds a write transaction to the thread that began it, so:
 - One op that cannot be written (a key LMDB refuses, a value that does not encode) is refused
   alone: the batch is written again with each op in a nested transaction, and the refused op's
   log position gets an empty tombstone.
+- With fsync on, the environment runs with LMDB's MDB_NOMETASYNC: each commit writes its pages
+  and fdatasyncs them *before* it writes the meta page that makes them the current tree, and
+  leaves that meta page to the next flush. A batch *lands* (its receipts are released, derived
+  views learn of it, ``committed_lsn`` passes it) once a flush that began after its commit
+  returned has returned: an ``env.sync()`` on the sync task's own thread, or the next commit's
+  own fdatasync, whichever ends first. So the writer commits the next batch while the last one's
+  meta page is flushed, and a power cut can undo only a batch that has not landed (LMDB keeps
+  the previous meta page and every page it points to intact), never corrupt the store.
 """
 
 from __future__ import annotations
@@ -53,6 +61,24 @@ COMMIT_TIMES = 100_000  # samples kept: ~2.8 hours of constant commits at one pe
 # alone and the rest of its batch commits. Any other lmdb.Error is the disk's and breaks the store.
 _OP_ERRORS = (lmdb.BadValsizeError, ValueError, TypeError, OverflowError, msgspec.MsgspecError)
 REFUSALS_KEPT = 1024  # refused lsns remembered for their waiters
+# Ops the writer takes into a batch planned while a flush that callers wait on is under way:
+# planning is Python on the trio thread, and the flush's callers are released on that thread.
+BATCH_MAX_WHILE_WAITED = 256
+
+
+class _Landing:
+    """A committed batch on its way to landing: what its ops return, what was refused, the last
+    lsn it logged and how many ops it took."""
+
+    __slots__ = ("results", "refused", "last", "count", "number")
+
+    def __init__(self, results: list[tuple[Any, Any]], refused: list[tuple[Any, BaseException]],
+                 last: int | None, count: int, number: int) -> None:
+        self.results = results
+        self.refused = refused
+        self.last = last
+        self.count = count
+        self.number = number  # commits ever made by this process, this one included
 
 
 class _Puts:
@@ -242,10 +268,11 @@ class Writer:
 
     def _batch_size(self) -> int:
         """Ops the next write transaction takes: up to BATCH_MAX, never cutting a group."""
-        groups, written = self._groups, self._written
+        groups, written = self._groups, self._taken
         while groups and groups[0][1] <= written:
             groups.popleft()
-        end = written + min(len(self._queue), BATCH_MAX)
+        limit = BATCH_MAX_WHILE_WAITED if self._sync_waited else BATCH_MAX
+        end = written + min(len(self._queue), limit)
         for first, last in groups:
             if first >= end:
                 break
@@ -316,6 +343,22 @@ class Writer:
             await self._commits.park()
         await trio.lowlevel.checkpoint()
 
+    @property
+    def receipts_waiting(self) -> bool:
+        """Whether a caller waits for a commit to land (background loops check it cheaply)."""
+        return bool(self._waiters)
+
+    async def yield_to_receipts(self) -> None:
+        """Background work (the log's followers) calls this before each step: while a caller
+        waits for a commit to land (a durable receipt, a forget), wait until the next batch
+        lands, so a step's Python and its GIL-holding reads do not run in front of that
+        caller's release. One landing at most: a steady stream of receipts slows the followers,
+        never starves them. Otherwise a checkpoint."""
+        if self._waiters and self.usable():
+            await self._landed.park()
+        else:
+            await trio.lowlevel.checkpoint()
+
     async def write_unlogged(self, op: PutVectors | PutLink | WriteSummary | PutState) -> None:
         """Queue an op that takes no log position and wait for its commit.
 
@@ -342,57 +385,134 @@ class Writer:
         await self.wait_committed(lsn)
 
     async def _commit_loop(self) -> None:
+        """Commit queued ops, one write transaction per batch, until closed and drained; then
+        wait for the last batch to land."""
         while True:
             if not self._queue:
                 if self._closing:
-                    return
+                    break
                 await self._wakeup.park()
                 continue
             n = self._batch_size()
             ops = [self._queue.popleft() for _ in range(n)]
+            self._taken += n
             segments = _plan(ops)
             last = max((op.lsn for op in ops if op.lsn is not None), default=None)
             while (written := await trio.to_thread.run_sync(
                 self._write, segments, last, limiter=self._write_limiter
             )) is None:
                 await self._grow_map()
-            results, refused = written
-            for op, error in refused:
-                self._refuse(op, error)
+            (results, refused), synced = written
             self._queued -= n
-            self._written += n
             if self._room:
                 self._room.unpark_all()
-            if self._batches:
-                self._batches.unpark_all()
-            # Derived views learn of each op here, on the trio thread and in commit order, so
-            # none can apply a deletion before the write it deletes.
-            for op, result in results:
-                committed = getattr(op, "committed", None)
-                if committed is not None:
-                    committed(result)
-                done = getattr(op, "done", None)
-                if done is not None:
-                    done.set()
-            if last is None:
-                continue
-            self._committed_lsn = last
-            now, times = trio.current_time(), self._commit_times
-            if now - times[-1][1] < COMMIT_TIME_STEP:
-                times[-1] = (last, times[-1][1])
+            self._commit_count += 1
+            landing = _Landing(results, refused, last, n, self._commit_count)
+            if not self._meta_deferred:
+                self._land(landing)  # fsync off: no flush to wait for (kill -9 safe only)
             else:
-                times.append((last, now))
-            waiters = self._waiters
-            while waiters and waiters[0][0] <= last:
-                heapq.heappop(waiters)[2].set()
-            if self._commits:
-                self._commits.unpark_all()
-            # The callers just released run before the next batch is planned on this thread
-            # (up to BATCH_MAX ops of Python): no receipt waits on work that came after it.
+                if synced:
+                    # This commit's fdatasync ran after every earlier commit's meta page was
+                    # written: they are all on disk now.
+                    self._land_upto(self._commit_count - 1)
+                self._landings.append(landing)
+                if not self._queue or self._waited(landing):
+                    self._want_sync()
+            # The callers just released (by this commit's own fdatasync) run before the next
+            # batch is planned on this thread (up to BATCH_MAX ops of Python; BATCH_MAX_WHILE_
+            # WAITED while the sync loop's flush has callers): no receipt waits on work that
+            # came after it.
             # Twice: trio runs the tasks of one scheduling batch in random order, so the first
             # resumption may come before theirs; by the second, each of them has run.
             await trio.lowlevel.cancel_shielded_checkpoint()
             await trio.lowlevel.cancel_shielded_checkpoint()
+        self._writer_done = True
+        self._want_sync()  # the last batches land, or the sync loop sees it may end
+        while self._landings and self._failure is None:
+            await self._batches.park()
+
+    def _waited(self, landing: _Landing) -> bool:
+        """Whether a caller waits for ``landing`` now: a receipt or a forget on one of its
+        lsns, an unlogged op's writer, or a ``flush``."""
+        if self._waiters and landing.last is not None and self._waiters[0][0] <= landing.last:
+            return True
+        if self._batches:
+            return True
+        return any(getattr(op, "done", None) is not None for op, _ in landing.results)
+
+    def _want_sync(self) -> None:
+        self._sync_requested = True
+        self._sync_kick.unpark_all()
+
+    async def _sync_loop(self) -> None:
+        """Flush the environment whenever a committed batch waits to land, on a thread of its
+        own, so the writer commits the next batch meanwhile; land what the flush covered.
+
+        A flush covers every commit that had returned when it began (LMDB: mdb_env_sync is
+        fdatasync of the data file, and may run beside a write transaction)."""
+        while True:
+            while not self._sync_requested:
+                if self._writer_done and not self._landings:
+                    return
+                await self._sync_kick.park()
+            self._sync_requested = False
+            covered = self._commit_count
+            if not self._landings or self._landings[-1].number > covered:
+                continue  # a later commit's own fdatasync landed them meanwhile
+            self._sync_waited = self._waited(self._landings[-1])
+            try:
+                await trio.to_thread.run_sync(self._sync, limiter=self._sync_limiter)
+            finally:
+                self._sync_waited = False
+            self._land_upto(covered)
+
+    def _sync(self) -> None:
+        """fdatasync of the data file (worker thread)."""
+        try:
+            self._env.sync(True)
+        except lmdb.Error as exc:
+            raise EngineBroken(f"flushing the store at {self.path} failed: {exc}") from exc
+
+    def _land_upto(self, number: int) -> None:
+        landings = self._landings
+        while landings and landings[0].number <= number:
+            self._land(landings.popleft())
+
+    def _land(self, landing: _Landing) -> None:
+        """A batch is on disk: release its callers, tell the derived views. Trio thread, in
+        commit order."""
+        last = landing.last
+        if last is not None:
+            # The waiters first: they have the least Python between the flush and them.
+            self._committed_lsn = last
+            waiters = self._waiters
+            while waiters and waiters[0][0] <= last:
+                heapq.heappop(waiters)[2].set()
+        for op, error in landing.refused:
+            self._refuse(op, error)
+        self._written += landing.count
+        if self._batches:
+            self._batches.unpark_all()
+        if self._landed:
+            self._landed.unpark_all()
+        # Derived views learn of each op here, on the trio thread and in commit order, so
+        # none can apply a deletion before the write it deletes.
+        for op, result in landing.results:
+            committed = getattr(op, "committed", None)
+            if committed is not None:
+                committed(result)
+            done = getattr(op, "done", None)
+            if done is not None:
+                done.set()
+        if last is None:
+            return
+        now, times = trio.current_time(), self._commit_times
+        if now - times[-1][1] < COMMIT_TIME_STEP:
+            times[-1] = (last, times[-1][1])
+        else:
+            times.append((last, now))
+        if self._commits:
+            self._commits.unpark_all()
 
     def _refuse(self, op: StoreOp, error: BaseException) -> None:
         """Tell the op's caller (trio thread): its waiter raises RecordRefused, nobody else."""
@@ -415,24 +535,30 @@ class Writer:
             op.done.set()
 
     def _write(self, segments: list[Any], last_lsn: int | None
-               ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, BaseException]]] | None:
+               ) -> tuple[tuple[list[tuple[Any, Any]], list[tuple[Any, BaseException]]],
+                          bool] | None:
         """One write transaction (worker thread). If one op cannot be written, the batch is
         written again with each op in a nested transaction, so only that op is left out.
 
         Returns:
-            ((op, result) for every op that is not an append, in order; (op, error) for every
-            op refused); None if the map was full and nothing was written.
+            (((op, result) for every op that is not an append, in order; (op, error) for every
+            op refused), whether the commit wrote (and so fdatasynced) anything: LMDB commits
+            an empty transaction without touching the file); None if the map was full and
+            nothing was written.
         """
+        env = self._env
+        before = env.info()["last_txnid"]
         try:
             try:
-                return self._write_batch(segments, last_lsn, False)
+                written = self._write_batch(segments, last_lsn, False)
             except _OP_ERRORS:
-                pass  # some op of the batch cannot be written: find it, write the others
-            return self._write_batch(segments, last_lsn, True)
+                # some op of the batch cannot be written: find it, write the others
+                written = self._write_batch(segments, last_lsn, True)
         except lmdb.MapFullError:
             return None
         except lmdb.Error as exc:
             raise EngineBroken(f"writing to the store at {self.path} failed: {exc}") from exc
+        return written, env.info()["last_txnid"] != before
 
     def _write_batch(self, segments: list[Any], last_lsn: int | None, isolate: bool
                      ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, BaseException]]]:
@@ -512,6 +638,7 @@ class Writer:
         self._wake_all_waiters()
         self._room.unpark_all()
         self._commits.unpark_all()
+        self._landed.unpark_all()
 
     def _wake_all_waiters(self) -> None:
         # Woken waiters compare their lsn with committed_lsn (or look at _failure) and raise

@@ -156,7 +156,8 @@ async def test_a_failing_disk_fails_receipts_and_the_store_loudly(store_path, mo
     def broken_write(self, segments, last_lsn):
         raise EngineBroken("writing to the store failed: No space left on device") from OSError(28, "ENOSPC")
 
-    with pytest.RaisesGroup(pytest.RaisesExc(EngineBroken, match=r"No space left on device")):
+    with pytest.RaisesGroup(pytest.RaisesExc(EngineBroken, match=r"No space left on device"),
+                            flatten_subgroups=True):
         async with running_store(store_path) as store:
             monkeypatch.setattr(store_mod.Store, "_write", broken_write)
             try:
@@ -242,41 +243,148 @@ def _append(store: store_mod.Store, session: str, seq: int, text: str = "hi") ->
                       store_mod.user_prefix("ana") + turn.turn_id.encode())
 
 
-async def test_a_released_receipt_runs_before_the_next_batch_is_planned(store_path,
-                                                                      monkeypatch) -> None:
-    """A caller whose commit landed is woken before the writer plans the batch queued behind
-    it (planning is Python on the trio thread: up to BATCH_MAX ops), so its receipt never
-    waits on work that came after it."""
-    events: list[str] = []
-    original_plan = store_mod.writer._plan
-    gate = threading.Event()  # set once the second batch is queued: the first commit may end
-    original_write = store_mod.Store._write
+async def test_a_receipt_is_released_by_a_flush_begun_after_its_commit(store_path,
+                                                                       monkeypatch) -> None:
+    """With fsync on, LMDB leaves each commit's meta page to the next flush (MDB_NOMETASYNC):
+    the receipt waits for a flush that began after its commit returned, and not a moment less."""
+    flushing = threading.Event()  # set when the sync loop's flush has begun
+    gate = threading.Event()  # set by the test: the flush may return
+    original = store_mod.Store._sync
 
-    def recording_plan(ops):
-        events.append(f"plan {ops[0].lsn}..{ops[-1].lsn}")
-        return original_plan(ops)
+    def gated_sync(self):
+        flushing.set()
+        gate.wait(10)
+        original(self)
+
+    monkeypatch.setattr(store_mod.Store, "_sync", gated_sync)
+    released: list[int] = []
+    async with running_store(store_path) as store:
+        flags = store._env.flags()
+        assert (flags["sync"], flags["metasync"]) == (True, False)
+        ingest = Ingest(store)
+        async with trio.open_nursery() as nursery:
+
+            async def durable() -> None:
+                released.append(await ingest.add_turn("s1", "on disk", durable=True))
+
+            nursery.start_soon(durable)
+            await trio.to_thread.run_sync(flushing.wait, 10)
+            await trio.testing.wait_all_tasks_blocked()
+            assert released == []
+            assert store.committed_lsn == 0
+            gate.set()
+        assert released == [1]
+        assert store.committed_lsn == 1
+
+
+async def test_the_next_commit_lands_the_batch_before_it(store_path, monkeypatch) -> None:
+    """A commit fdatasyncs its pages after the previous commit wrote its meta page, so it lands
+    that batch even while the sync loop's own flush is still under way."""
+    gate = threading.Event()  # set by the test: the sync loop's flushes may return
+    first_written = threading.Event()  # set once the first batch's commit has returned
+    original_sync, original_write = store_mod.Store._sync, store_mod.Store._write
+
+    def gated_sync(self):
+        gate.wait(10)
+        original_sync(self)
+
+    def recorded_write(self, segments, last_lsn):
+        written = original_write(self, segments, last_lsn)
+        if last_lsn == 1:
+            first_written.set()
+        return written
+
+    monkeypatch.setattr(store_mod.Store, "_sync", gated_sync)
+    monkeypatch.setattr(store_mod.Store, "_write", recorded_write)
+    released = {1: trio.Event(), 2: trio.Event()}  # set when that lsn's receipt resolves
+    async with running_store(store_path) as store:
+        ingest = Ingest(store)
+
+        async def durable(text: str) -> None:
+            released[await ingest.add_turn("s1", text, durable=True)].set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(durable, "first")
+            await trio.to_thread.run_sync(first_written.wait, 10)
+            await trio.testing.wait_all_tasks_blocked()  # its flush has begun, and is held
+            assert not released[1].is_set()
+            nursery.start_soon(durable, "second")
+            with trio.fail_after(30):
+                await released[1].wait()  # landed by the second commit, the flush still held
+            assert store.committed_lsn == 1
+            assert not released[2].is_set()
+            gate.set()
+        assert released[2].is_set()
+
+
+async def test_a_receipt_does_not_wait_for_the_batch_queued_behind_it(store_path,
+                                                                      monkeypatch) -> None:
+    """While the next batch is being written, the flush that covers the previous commit runs on
+    its own thread and releases that commit's callers."""
+    writing = threading.Event()  # set once the first batch's write has begun
+    gate = threading.Event()  # set by the test: later batches may be written
+    original = store_mod.Store._write
 
     def gated_write(self, segments, last_lsn):
-        gate.wait(10)
-        return original_write(self, segments, last_lsn)
+        if last_lsn is not None and last_lsn > 1:
+            gate.wait(10)
+        writing.set()
+        return original(self, segments, last_lsn)
 
-    monkeypatch.setattr(store_mod.writer, "_plan", recording_plan)
     monkeypatch.setattr(store_mod.Store, "_write", gated_write)
-
-    async def durable_caller(lsn: int) -> None:
-        await store.wait_committed(lsn)
-        events.append(f"receipt {lsn}")
-
-    store = store_mod.Store(store_path, Config())
-    async with trio.open_nursery() as nursery:
-        await nursery.start(store.run)
+    async with running_store(store_path) as store:
         first = _append(store, "s1", 0)
         store.submit(first)
-        nursery.start_soon(durable_caller, first.lsn)
-        await trio.testing.wait_all_tasks_blocked()  # the writer holds batch 1 in its thread
+        await trio.to_thread.run_sync(writing.wait, 10)
         for seq in range(1, 4):
             store.submit(_append(store, "s1", seq))
+        with trio.fail_after(30):
+            await store.wait_committed(first.lsn)  # batch 2..4 is held in its write meanwhile
+        assert store.committed_lsn == 1
         gate.set()
         await store.wait_committed(4)
+
+
+async def test_without_fsync_a_commit_lands_at_once(store_path, monkeypatch) -> None:
+    """fsync=False: LMDB syncs nothing (a receipt survives kill -9, not a power cut) and the
+    sync loop never flushes."""
+    flushes: list[int] = []
+    monkeypatch.setattr(store_mod.Store, "_sync", lambda self: flushes.append(1))
+    store = store_mod.Store(store_path, Config(fsync=False))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        flags = store._env.flags()
+        assert (flags["sync"], flags["metasync"]) == (False, False)
+        assert await Ingest(store).add_turn("s1", "in the page cache", durable=True) == 1
         store.close()
-    assert events == ["plan 1..1", "receipt 1", "plan 2..4"]
+    assert flushes == []
+
+
+async def test_background_steps_yield_to_a_receipt_on_its_way(store_path, monkeypatch) -> None:
+    """A follower's step waits while a caller waits for its commit to land, until the next
+    landing; with nobody waiting it goes on at once."""
+    gate = threading.Event()  # set by the test: the sync loop's flushes may return
+    original = store_mod.Store._sync
+
+    def gated_sync(self):
+        gate.wait(10)
+        original(self)
+
+    monkeypatch.setattr(store_mod.Store, "_sync", gated_sync)
+    stepped_at: list[int] = []
+    async with running_store(store_path) as store:
+        ingest = Ingest(store)
+        await store.yield_to_receipts()  # nobody waits: at once
+
+        async def follower_step() -> None:
+            await store.yield_to_receipts()
+            stepped_at.append(store.committed_lsn)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ingest.add_turn, "s1", "on its way", True)
+            await trio.testing.wait_all_tasks_blocked()  # its flush is held
+            nursery.start_soon(follower_step)
+            await trio.testing.wait_all_tasks_blocked()
+            assert stepped_at == []
+            gate.set()
+        assert stepped_at == [1]
