@@ -336,8 +336,8 @@ class Facts:
                                     extractor.name, exc)
                 if candidates is None:
                     candidates, origin = extract_facts(r.text), "rules"
-                    if i % 8 == 7:
-                        await trio.lowlevel.checkpoint()  # regex work in small steps
+                    if i % 8 == 7 or self._store.receipts_waiting:
+                        await self._store.yield_to_receipts()  # regex work in small steps
                 for c in candidates:
                     await self.propose(r.user_id, c, origin=origin, source_turn_ids=(r.memory_id,),
                                        session_id=r.session_id, valid_at=r.at, requires=r.lsn)

@@ -320,6 +320,7 @@ class FullText:
                 continue
             damaged: list[Damaged] = []
             try:
+                await store.yield_to_receipts()
                 records, deleted, last = await store.read(
                     read_log_range, self._read_lsn, store.committed_lsn, FOLLOW_CHUNK, damaged)
                 if damaged:  # kept as failures; the index goes on without those records

@@ -45,6 +45,8 @@ class FollowedStore(Protocol):
 
     async def wait_commit_beyond(self, lsn: int) -> None: ...
 
+    async def yield_to_receipts(self) -> None: ...
+
     async def write_unlogged(self, op: PutState) -> None: ...
 
 log = logging.getLogger("engram.store")
@@ -79,6 +81,7 @@ class LogFollower:
             task_status.started()
             while True:
                 await store.wait_commit_beyond(self.watermark)
+                await store.yield_to_receipts()
                 damaged: list[Damaged] = []
                 records, _, last = await store.read(read_log_range, self.watermark,
                                                     store.committed_lsn, self._chunk, damaged)
@@ -86,6 +89,7 @@ class LogFollower:
                     await store.write_unlogged(PutState(damage_puts(self.name, damaged), (),
                                                         trio.Event()))
                 try:
+                    await store.yield_to_receipts()
                     await self._step(records, last)
                 except (EngineClosed, EngineBroken):
                     raise
