@@ -457,7 +457,7 @@ class Writer:
                 await self._sync_kick.park()
             self._sync_requested = False
             covered = self._commit_count
-            if not self._landings or self._landings[-1].number > covered:
+            if not self._landings:
                 continue  # a later commit's own fdatasync landed them meanwhile
             self._sync_waited = self._waited(self._landings[-1])
             try:
