@@ -59,7 +59,8 @@ class Ingest:
         parts = self._parts
         parts.check_open()
         await trio.lowlevel.checkpoint_if_cancelled()
-        checked = [self._check_item(i, item) for i, item in enumerate(items)]
+        sessions: set[tuple[str, str]] = set()  # (user, session) pairs whose ids passed
+        checked = [self._check_item(i, item, sessions) for i, item in enumerate(items)]
         receipts: list[Receipt] = []
         buffer, store = parts.buffer, parts.store
         # Each chunk is appended without yielding, so its turns stay contiguous in a session.
@@ -72,7 +73,11 @@ class Ingest:
             await receipts[-1].durable()
         return receipts
 
-    def _check_item(self, index: int, item: NewTurn | Mapping[str, Any]) -> tuple[Any, ...]:
+    def _check_item(self, index: int, item: NewTurn | Mapping[str, Any],
+                    sessions: set[tuple[str, str]]) -> tuple[Any, ...]:
+        """One item of ``add_turns``, checked as ``add_turn`` checks its arguments; a user and
+        session id pair already in ``sessions`` (an import repeats them turn after turn) is
+        not checked again."""
         if isinstance(item, Mapping):
             try:
                 item = NewTurn(**item)  # fields are checked below, as add_turn checks them
@@ -84,12 +89,22 @@ class Ingest:
             raise InvalidInput(
                 f"items[{index}]", f"expected a NewTurn or a mapping, found {type(item).__name__}"
             )
+        user_id, session_id = item.user_id, item.session_id
         try:
-            at, meta = self.check_turn(item.user_id, item.session_id, item.role, item.text,
-                                       item.at, item.meta)
+            if type(user_id) is str and type(session_id) is str and (
+                    (user_id, session_id) in sessions):
+                config = self._config
+                v.check_role(item.role)
+                v.check_text("text", item.text, config.max_text_chars)
+                at = self._parts.now() if item.at is None else v.check_at(item.at)
+                meta = v.check_meta(item.meta, config.max_meta_bytes)
+            else:
+                at, meta = self.check_turn(user_id, session_id, item.role, item.text, item.at,
+                                           item.meta)
+                sessions.add((user_id, session_id))
         except InvalidInput as exc:
             raise InvalidInput(f"items[{index}].{exc.field}", reason(exc)) from None
-        return item.user_id, item.session_id, item.role, item.text, at, meta
+        return user_id, session_id, item.role, item.text, at, meta
 
     # -- history -----------------------------------------------------------------------------
 

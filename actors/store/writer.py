@@ -394,10 +394,19 @@ class Writer:
                 await self._wakeup.park()
                 continue
             n = self._batch_size()
-            ops = [self._queue.popleft() for _ in range(n)]
+            queue = self._queue
+            if n == len(queue):
+                ops = list(queue)
+                queue.clear()
+            else:
+                ops = [queue.popleft() for _ in range(n)]
             self._taken += n
             segments = _plan(ops)
-            last = max((op.lsn for op in ops if op.lsn is not None), default=None)
+            last = None  # logged ops are queued in lsn order: the batch's last is its highest
+            for op in reversed(ops):
+                if op.lsn is not None:
+                    last = op.lsn
+                    break
             while (written := await trio.to_thread.run_sync(
                 self._write, segments, last, limiter=self._write_limiter
             )) is None:
