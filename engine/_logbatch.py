@@ -6,8 +6,8 @@ partitions; the node that owns a partition reads it in order and hands each batc
 promises the log needs:
 
 - **Exactly once.** The partition's watermark (the last log sequence applied) is written in
-  the same LMDB transaction as the batch's turns (``Store.hold_together``), and entries at
-  or below it are skipped, so a crash anywhere and a replay from the watermark leave every
+  the same LMDB transaction as the batch's turns (``Store.hold_together``), and as each
+  forget's or call's write (``Store.attached``); entries at or below it are skipped, so a crash anywhere and a replay from the watermark leave every
   entry applied once. A turn id already in the store is skipped too (a publisher that
   retried past the log's duplicate window), and counted.
 - **Same log, same memory.** Per-session ``seq`` is assigned here, in log order, so two nodes
@@ -128,6 +128,9 @@ class PartitionLog:
         self._recent: OrderedDict[str, None] = OrderedDict()
         self.duplicates = 0  # turns skipped because their id was already applied
         self.invalid = 0  # entries skipped because they failed the engine's checks
+        # Entries whose apply wrote more than one op: only the first is in the watermark's
+        # transaction (each call writes one op today; a test holds every call to that).
+        self.split = 0
 
     async def watermark(self, partition: int) -> int:
         """The last log sequence applied to ``partition`` (0: none)."""
@@ -188,19 +191,32 @@ class PartitionLog:
                     if turns:
                         mark = await self._write_turns(partition, turns)
                         turns = []
-                    if type(entry) is LogForget:
-                        await self._forget(entry)
-                    else:
-                        result = await self._apply_call(entry)
-                        if results is not None:
-                            results[seq] = result
-                    await self._put_mark(partition, seq)
+                    result = await self._apply_one(partition, seq, entry)
+                    if results is not None and type(entry) is LogCall:
+                        results[seq] = result
                     mark = self._marks[partition] = seq
                 else:
                     turns.append((seq, entry))
             if turns:
                 mark = await self._write_turns(partition, turns)
             return mark
+
+    async def _apply_one(self, partition: int, seq: int, entry: LogForget | LogCall) -> Any:
+        """A forget or a call, with the watermark moved to ``seq`` in the transaction of the
+        write it makes (:meth:`Store.attached`): a crash leaves both or neither, so a replay
+        neither loses the entry nor applies it twice. A call that wrote nothing (refused,
+        or nothing to change) moves the watermark in a commit of its own."""
+        store = self._parts.store
+        with store.attached(_mark_puts(partition, seq)) as attached:
+            if type(entry) is LogForget:
+                result = await self._forget(entry)
+            else:
+                result = await self._apply_call(entry)
+        if attached.ops == 0:
+            await self._put_mark(partition, seq)
+        elif attached.ops > 1:
+            self.split += 1
+        return result
 
     async def _apply_call(self, entry: LogCall) -> Any:
         """Run the call; its engine error is its result (the log goes on: every node that
@@ -265,9 +281,12 @@ class PartitionLog:
 
     async def _put_mark(self, partition: int, seq: int) -> None:
         done = trio.Event()  # set by the store once the watermark (and what precedes it) commits
-        op = PutState(((b"meta", watermark_key(partition), seq.to_bytes(8, "big"), 0),),
-                      done=done)
-        await self._parts.store.write_unlogged(op)
+        await self._parts.store.write_unlogged(PutState(_mark_puts(partition, seq), done=done))
+
+
+def _mark_puts(partition: int, seq: int) -> tuple[tuple[bytes, bytes, bytes, int]]:
+    """The ``PutState`` put that moves a partition's watermark to ``seq``."""
+    return ((b"meta", watermark_key(partition), seq.to_bytes(8, "big"), 0),)
 
 
 def _known_ids(txn: Any, dbs: dict[bytes, Any], turns: list[LogTurn]) -> set[str]:

@@ -120,3 +120,71 @@ async def test_turns_and_watermark_commit_in_one_transaction_even_past_the_batch
         await mem.apply_log_batch(0, [(n, turn(n)) for n in range(1, 11)])
         together = [kinds for kinds in seen if "PutState" in kinds and "turn" in kinds]
         assert together and together[-1].count("turn") == 10, seen
+
+
+async def test_each_logged_call_and_forget_commits_in_the_transaction_of_its_watermark(
+        store_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every kind of call (and a forget) writes one op, and that op commits in the same write
+    transaction as the watermark moved to its log sequence: a crash keeps both or neither."""
+    from engine._logbatch import LogCall, watermark_key
+
+    async with open_engine(store_path, config={"long_term": False}) as mem:
+        await mem.apply_log_batch(0, [(n, turn(n)) for n in range(1, 4)])
+        await mem.flush()
+        store = mem._store
+        batches: list[list[tuple[str, int | None]]] = []  # (op kind, watermark) per commit
+        real = store._write
+
+        def spy(segments, last):
+            ops: list[tuple[str, int | None]] = []
+            for seg in segments:
+                if hasattr(seg, "ops"):
+                    ops += [("AppendTurn", None)] * len(seg.ops)
+                    continue
+                mark = None
+                for db, key, value, _ in getattr(seg, "puts", ()):
+                    if db == b"meta" and key == watermark_key(0):
+                        mark = int.from_bytes(value, "big")
+                ops.append((type(seg).__name__, mark))
+            batches.append(ops)
+            return real(segments, last)
+
+        def written_with(seq: int) -> str:
+            """The op just before the put of watermark ``seq``, in the same commit."""
+            found = [ops[i - 1][0] for ops in batches for i, (_, mark) in enumerate(ops)
+                     if mark == seq and i > 0]
+            assert len(found) == 1, batches
+            return found[0]
+
+        monkeypatch.setattr(store, "_write", spy)
+        t1, t2 = turn(1).turn_id, turn(2).turn_id
+        calls = [  # (method, arguments, the op it writes)
+            ("store_note", {"text": "likes tea", "note_id": "n_1", "tags": ["drinks"]},
+             "PutNote"),
+            ("update_note", {"note_id": "n_1", "text": "likes green tea"}, "PutNote"),
+            ("remember_fact", {"category": "pets", "key": "cat", "value": "Miso",
+                               "valid_at": T0}, "PutFact"),
+            ("remember_fact", {"category": "pets", "key": "cat", "value": "Miso",
+                               "valid_at": T0}, "PutState"),  # reinforced: rewritten in place
+            ("correct_fact", {"category": "pets", "key": "cat", "value": "Mochi"}, "PutFact"),
+            ("confirm_fact", {"category": "pets", "key": "cat"}, "PutState"),
+            ("forget_fact", {"category": "pets", "key": "cat"}, "PutFact"),
+            ("link", {"from_id": t1, "to_id": t2, "type": "about", "at": T0}, "PutLink"),
+            ("review", {"memory_id": t1, "rating": "good"}, "PutState"),
+            ("write_session_summary", {"session_id": "s1", "summary": "tea talk",
+                                       "upper_seq": 2, "expected_epoch": 0}, "WriteSummary"),
+            ("close_session", {"session_id": "s1"}, "PutEpisode"),
+            ("delete_note", {"note_id": "n_1"}, "DeleteNote"),
+        ]
+        seq = 3
+        for method, args, op in calls:
+            seq += 1
+            results: dict = {}
+            assert await mem.apply_log_batch(0, [(seq, LogCall("ana", method, args))],
+                                             results) == seq
+            assert not isinstance(results[seq], BaseException), (method, results[seq])
+            assert written_with(seq) == op, method
+        seq += 1
+        await mem.apply_log_batch(0, [(seq, LogForget("ana", "s1"))])
+        assert written_with(seq) == "Forget"
+        assert mem._partition_log.split == 0 and mem._partition_log.invalid == 0

@@ -22,9 +22,11 @@ py-lmdb binds a write transaction to the thread that began it, so:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import heapq
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lmdb
@@ -79,6 +81,28 @@ class _Landing:
         self.last = last
         self.count = count
         self.number = number  # commits ever made by this process, this one included
+
+
+class Attached:
+    """Puts that ride along with the ops one task queues (:meth:`Writer.attached`).
+
+    Attributes:
+        puts: ``PutState`` puts written in the same transaction as each op.
+        ops: how many ops took them so far.
+    """
+
+    __slots__ = ("puts", "ops")
+
+    def __init__(self, puts: tuple[tuple[bytes, bytes, bytes | None, int], ...]) -> None:
+        self.puts = puts
+        self.ops = 0
+
+
+# The puts attached to every op the current task queues (None: none). A context variable, so
+# the ops of other tasks queued meanwhile (the embedder's, a retrieval's use counts) are not
+# taken into the group.
+_ATTACHED: contextvars.ContextVar[Attached | None] = contextvars.ContextVar(
+    "engram_store_attached", default=None)
 
 
 class _Puts:
@@ -252,11 +276,39 @@ class Writer:
             if op.lsn != self._next_lsn:
                 raise AssertionError(f"op lsn {op.lsn} submitted, expected {self._next_lsn}")
             self._next_lsn += 1
+        attached = _ATTACHED.get()
+        if attached is not None:
+            # The op and its attached puts, next to each other and in one transaction.
+            attached.ops += 1
+            self._groups.append((self._submitted, self._submitted + 2))
+            self._enqueue(op)
+            op = PutState(attached.puts)
+        self._enqueue(op)
+
+    def _enqueue(self, op: StoreOp) -> None:
         self._queue.append(op)
         self._queued += 1
         self._submitted += 1
         if self._wakeup:
             self._wakeup.unpark_all()
+
+    @contextlib.contextmanager
+    def attached(self, puts: tuple[tuple[bytes, bytes, bytes | None, int], ...]
+                 ) -> Iterator[Attached]:
+        """Within the block, every op the current task queues commits in one write
+        transaction with ``puts`` (a ``PutState``'s), which follow it. A cluster's applier
+        runs a logged call this way, with the partition's watermark: the call's write and the
+        watermark land together or not at all. The yielded :class:`Attached` counts the ops
+        that took the puts (0: the call wrote nothing, and the caller writes them itself).
+
+        Reserve one extra queue slot for each op: the puts take one.
+        """
+        attached = Attached(puts)
+        token = _ATTACHED.set(attached)
+        try:
+            yield attached
+        finally:
+            _ATTACHED.reset(token)
 
     def hold_together(self, count: int) -> None:
         """Make the next ``count`` ops queued commit in one write transaction: the commit loop

@@ -29,6 +29,7 @@ from engine.cluster._log import ClusterConfig, Log
 
 from ..conftest import open_engine
 
+ROOT = Path(__file__).resolve().parents[2]  # children run python -m from the repository
 NODE_START_SECONDS = 90.0  # a node process answers on its port within this (loaded CI)
 _names = itertools.count(1)
 
@@ -101,16 +102,18 @@ class NodeProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> NodeProcess:
+    def start(self, child: list[str] | None = None) -> NodeProcess:
+        """Start the process (``child``: run ``python -m`` that module with those arguments
+        before the node's, instead of ``python -m engine``) and wait until it answers."""
         overrides = {k: v for k, v in json.loads(json.dumps(
             __import__("msgspec").structs.asdict(self.config))).items()}
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "engine", "node", "--store", str(self.store),
+                [sys.executable, "-m", *(child or ["engine"]), "node", "--store", str(self.store),
                  "--nats", ",".join(self.urls), "--http", f"127.0.0.1:{self.port}",
                  "--node-id", self.node_id, "--cluster-config", json.dumps(overrides),
                  "--config", json.dumps({"long_term": False})],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT)
         deadline = time.monotonic() + NODE_START_SECONDS
         while True:
             if self.proc.poll() is not None:

@@ -149,3 +149,34 @@ async def test_kill_9_of_the_stream_leader_and_of_a_node_loses_no_acknowledged_t
            for f in figures])
     # The leader's death shows somewhere: writers saw 503s, or publishes were retried.
     assert failures["count"] + sum(f["publish_retries"] for f in figures) > 0
+
+
+async def test_a_kill_9_right_after_a_call_is_applied_neither_loses_nor_repeats_it(
+        nodes: list[NodeProcess], cluster_config: Any) -> None:
+    """The node dies by SIGKILL the moment a logged call's write has committed; restarted, it
+    replays from its watermark, which moved in that same transaction: the call is there, once
+    (a second apply of remember_fact would reinforce the fact: access_count 1)."""
+    node = nodes[0]
+    node.start(["tests.cluster.node_child", "remember_fact"])
+    await wait_for(lambda: len(node.figures()["leases"]["held"]) == cluster_config.partitions,
+                   60, "every partition held")
+    async with httpx.AsyncClient(timeout=30) as client:
+        turn = await client.post(f"{node.url}/v1/users/ana/sessions/s/turns",
+                                 json={"role": "user", "text": "I have a cat", "durable": True})
+        assert turn.status_code == 201, turn.text
+        with pytest.raises(httpx.HTTPError):  # the node died answering it
+            await client.post(f"{node.url}/v1/users/ana/facts",
+                              json={"category": "pets", "key": "cat", "value": "Miso"})
+        assert await trio.to_thread.run_sync(node.proc.wait, 30) == -9
+        node.start()
+        await wait_for(lambda: len(node.figures()["leases"]["held"])
+                       == cluster_config.partitions, 60, "every partition held again")
+        for _ in range(100):
+            answer = await client.get(f"{node.url}/v1/users/ana/facts/pets/cat/history")
+            if answer.status_code == 200 and answer.json():
+                break
+            await trio.sleep(0.2)
+        history = answer.json()
+        assert [(f["value"], f["status"], f["access_count"]) for f in history] == [
+            ("Miso", "active", 0)], history
+        assert node.figures()["watermarks"]
