@@ -105,6 +105,10 @@ class NodeProcess:
     def start(self, child: list[str] | None = None) -> NodeProcess:
         """Start the process (``child``: run ``python -m`` that module with those arguments
         before the node's, instead of ``python -m engine``) and wait until it answers."""
+        return self.launch(child).wait_ready()
+
+    def launch(self, child: list[str] | None = None) -> NodeProcess:
+        """Start the process without waiting for it (see :meth:`start`)."""
         overrides = {k: v for k, v in json.loads(json.dumps(
             __import__("msgspec").structs.asdict(self.config))).items()}
         with open(self.log_path, "ab") as out:
@@ -114,6 +118,11 @@ class NodeProcess:
                  "--node-id", self.node_id, "--cluster-config", json.dumps(overrides),
                  "--config", json.dumps({"long_term": False})],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT)
+        return self
+
+    def wait_ready(self) -> NodeProcess:
+        """Wait until the launched process answers on its port."""
+        assert self.proc is not None
         deadline = time.monotonic() + NODE_START_SECONDS
         while True:
             if self.proc.poll() is not None:
@@ -150,6 +159,35 @@ def nodes(nats_servers: LocalNats, cluster_config: ClusterConfig, tmp_path: Path
             node.kill()
 
 
+RETRY_SECONDS = 60.0  # how long a test keeps retrying a 503 (leases moving under load)
+
+
+async def retrying(client: httpx.AsyncClient, method: str, url: str, **kwargs: Any
+                   ) -> httpx.Response:
+    """A request to a node, repeated while it answers 503 as a client must (the contract:
+    503 means no confirmed owner yet, or the owner not caught up: retry), for up to
+    RETRY_SECONDS; the last answer otherwise. The pause is a quarter of Retry-After (its
+    one second is the most a client should wait), else a quarter second.
+
+    The router's 503s served nothing, so repeating them is safe; the tests retry writes only
+    where one can meet such a 503 while leases move.
+    """
+    deadline = time.monotonic() + RETRY_SECONDS
+    while True:
+        answer = await client.request(method, url, **kwargs)
+        if answer.status_code != 503 or time.monotonic() > deadline:
+            return answer
+        await trio.sleep(float(answer.headers.get("retry-after", "1")) / 4)
+
+
+def start_all(nodes: list[NodeProcess]) -> None:
+    """Start the nodes side by side (their imports and opens overlap) and wait for each."""
+    for node in nodes:
+        node.launch()
+    for node in nodes:
+        node.wait_ready()
+
+
 async def wait_for(predicate: Any, seconds: float, what: str, step: float = 0.2) -> None:
     """Poll ``predicate`` (a sync callable) on the real clock until true, or fail saying what."""
     deadline = time.monotonic() + seconds
@@ -159,4 +197,5 @@ async def wait_for(predicate: Any, seconds: float, what: str, step: float = 0.2)
         await trio.sleep(step)
 
 
-__all__ = ["AsyncIterator", "connect", "make_store", "NodeProcess", "wait_for"]
+__all__ = ["AsyncIterator", "connect", "make_store", "NodeProcess", "retrying", "start_all",
+           "wait_for"]

@@ -20,7 +20,7 @@ import pytest
 
 from engine.cluster._partition import partition_of
 
-from .conftest import NodeProcess, wait_for
+from .conftest import NodeProcess, retrying, start_all, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -42,8 +42,8 @@ def all_held(nodes: list[NodeProcess], partitions: int) -> bool:
 
 async def write(client: httpx.AsyncClient, node: NodeProcess, user: str, text: str
                 ) -> dict[str, Any]:
-    answer = await client.post(f"{node.url}/v1/users/{user}/sessions/s1/turns",
-                               json={"role": "user", "text": text, "durable": True})
+    answer = await retrying(client, "POST", f"{node.url}/v1/users/{user}/sessions/s1/turns",
+                            json={"role": "user", "text": text, "durable": True})
     assert answer.status_code == 201, answer.text
     return answer.json()
 
@@ -52,17 +52,10 @@ async def history(client: httpx.AsyncClient, node: NodeProcess, user: str, min_s
                   ) -> list[dict[str, Any]]:
     """The user's session through ``node``, read-your-writes; retried on 503 as a client
     is told to (Retry-After)."""
-    for _ in range(100):
-        answer = await client.get(f"{node.url}/v1/users/{user}/sessions/s1/turns",
-                                  params={"limit": 1000, "min_seq": min_seq})
-        if answer.status_code == 200:
-            return answer.json()
-        assert answer.status_code == 503, answer.text
-        assert answer.headers["retry-after"] == "1"
-        import trio
-
-        await trio.sleep(0.2)
-    raise AssertionError(f"{user}: no answer through {node.node_id}: {answer.text}")
+    answer = await retrying(client, "GET", f"{node.url}/v1/users/{user}/sessions/s1/turns",
+                            params={"limit": 1000, "min_seq": min_seq})
+    assert answer.status_code == 200, f"{user}: no answer through {node.node_id}: {answer.text}"
+    return answer.json()
 
 
 async def test_write_anywhere_read_your_writes_anywhere_and_kill_9_loses_nothing(
@@ -72,8 +65,7 @@ async def test_write_anywhere_read_your_writes_anywhere_and_kill_9_loses_nothing
     seed = random.randrange(1 << 30)
     print("seed", seed)
     rng = random.Random(seed)
-    for node in nodes:
-        node.start()
+    start_all(nodes)
     await wait_for(lambda: all_held(nodes, cluster_config.partitions), 60,
                    "every partition held")
     users = [f"user-{i}" for i in range(12)]
@@ -89,12 +81,12 @@ async def test_write_anywhere_read_your_writes_anywhere_and_kill_9_loses_nothing
             assert [t["seq"] for t in turns] == list(range(len(acked[user])))
 
         # A note through any node: the owner logs it, applies it and answers with it.
-        answer = await client.post(f"{rng.choice(nodes).url}/v1/users/user-1/notes",
-                                   json={"text": "likes kestrels", "tags": ["birds"]})
+        answer = await retrying(client, "POST", f"{rng.choice(nodes).url}/v1/users/user-1/notes",
+                                json={"text": "likes kestrels", "tags": ["birds"]})
         assert answer.status_code == 201, answer.text
         note = answer.json()
-        got = await client.get(f"{rng.choice(nodes).url}/v1/users/user-1/notes/"
-                               f"{note['note_id']}")
+        got = await retrying(client, "GET", f"{rng.choice(nodes).url}/v1/users/user-1/notes/"
+                                            f"{note['note_id']}")
         assert got.status_code == 200 and got.json()["text"] == "likes kestrels"
 
         # kill -9 one node: its partitions move; every acknowledged turn is still there.
@@ -113,8 +105,8 @@ async def test_write_anywhere_read_your_writes_anywhere_and_kill_9_loses_nothing
             ids = [t["turn_id"] for t in turns]
             assert ids == acked[user], user
             assert len(set(ids)) == len(ids)
-        got = await client.get(f"{rng.choice(others).url}/v1/users/user-1/notes/"
-                               f"{note['note_id']}")
+        got = await retrying(client, "GET", f"{rng.choice(others).url}/v1/users/user-1/notes/"
+                                            f"{note['note_id']}")
         assert got.status_code == 200 and got.json()["tags"] == ["birds"]  # replayed
 
         # Restart the node under the same id: it rejoins and catches up from its watermark.

@@ -21,9 +21,15 @@ def test_partition_does_not_depend_on_the_process_hash_seed() -> None:
     """Python's salted hash() would differ between two nodes; crc32 does not."""
     code = ("from engine.cluster._partition import partition_of;"
             "print([partition_of(f'u{i}') for i in range(50)])")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env={"PYTHONHASHSEED": seed}, check=True).stdout
-            for seed in ("1", "2", "random")}
+    # Side by side: each child spends its time importing the package.
+    children = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                 text=True, env={"PYTHONHASHSEED": seed})
+                for seed in ("1", "2", "random")]
+    outs = set()
+    for child in children:
+        out, _ = child.communicate(timeout=120)
+        assert child.returncode == 0
+        outs.add(out)
     assert len(outs) == 1
     assert outs.pop().strip() == str([partition_of(f"u{i}") for i in range(50)])
 
