@@ -104,11 +104,13 @@ class LogUnavailable(EngineError):
 
 
 class Delivery(msgspec.Struct, frozen=True):
-    """One entry as a consumer delivered it."""
+    """One entry as a consumer delivered it; ``pending``: the entries of its partition the
+    log held after it when it was sent (the partition's lag, in entries)."""
 
     stream_seq: int
     consumer_seq: int
     data: bytes
+    pending: int = 0
 
 
 # Errors after which a publish is retried with the same message id: the PubAck was lost or
@@ -252,7 +254,8 @@ class _Client:
         out = []
         for msg in msgs:
             meta = msg.metadata
-            out.append(Delivery(meta.sequence.stream, meta.sequence.consumer, msg.data))
+            out.append(Delivery(meta.sequence.stream, meta.sequence.consumer, msg.data,
+                                meta.num_pending or 0))
         return out
 
     async def drop(self, sub: Any) -> None:

@@ -33,6 +33,7 @@ from actors.session_buffer import new_turn_id
 from .._engine import Engine
 from .._logbatch import CALLS, LogCall, LogEntry, LogForget, LogTurn, decode_entry, encode_entry
 from ..errors import EngineError, InvalidInput
+from ._figures import NodeStats, PartitionCounts, PartitionStats, render_metrics
 from ._leases import Leases
 from ._log import TRANSIENT, Log, LogUnavailable
 from ._loop import wait_future
@@ -112,6 +113,7 @@ class Node:
         self.counts = {"gaps": 0, "consumers": 0, "batches": 0, "entries": 0,
                        "undecodable": 0, "replays": 0, "log_errors": 0}
         self.replay_seconds: list[float] = []
+        self.partitions: dict[int, PartitionCounts] = {}  # every partition applied here
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -139,7 +141,14 @@ class Node:
 
     # -- applying ----------------------------------------------------------------------------
 
+    def _counts(self, p: int) -> PartitionCounts:
+        counts = self.partitions.get(p)
+        if counts is None:
+            counts = self.partitions[p] = PartitionCounts()
+        return counts
+
     async def _apply_loop(self, p: int, scope: trio.CancelScope) -> None:
+        counts = self._counts(p)
         with scope:
             mark = await self.engine.apply_log_batch(p, [])
             self._moved(p, mark)
@@ -147,11 +156,13 @@ class Node:
             caught_up = False
             while True:
                 self.counts["consumers"] += 1
+                counts.consumers += 1
                 name = f"{self.node_id}-{self.incarnation}-p{p}-{self.counts['consumers']}"
                 try:
                     sub = await self.log.subscribe(p, mark + 1, _consumer_name(name))
                 except (*TRANSIENT, LogUnavailable) as exc:
                     self.counts["log_errors"] += 1
+                    counts.log_errors += 1
                     log.info("partition %d: no consumer now (%r); trying again", p, exc)
                     await trio.sleep(RETRY_SECONDS)
                     continue
@@ -161,6 +172,7 @@ class Node:
                     # The log failed mid-read: a fresh consumer from the watermark (the
                     # position is ours, so nothing is skipped or applied twice).
                     self.counts["log_errors"] += 1
+                    counts.log_errors += 1
                     log.info("partition %d: reading failed (%r); re-reading from %d", p, exc,
                              self.marks.get(p, mark) + 1)
                     mark = self.marks.get(p, mark)
@@ -174,17 +186,25 @@ class Node:
                        ) -> tuple[int, bool]:
         """Apply what ``sub`` delivers until a consumer-sequence gap; return the watermark."""
         expected = 1
+        counts = self._counts(p)
         while True:
             deliveries = await self.log.fetch(sub, self.config.fetch_batch, FETCH_SECONDS)
+            if deliveries:
+                counts.lag = deliveries[-1].pending
+            elif counts.lag is None:
+                counts.lag = 0  # nothing after the watermark
             if not deliveries and not caught_up:
                 caught_up = True
                 self.counts["replays"] += 1
-                self.replay_seconds.append(time.monotonic() - started)
+                counts.replays += 1
+                counts.replay_seconds = time.monotonic() - started
+                self.replay_seconds.append(counts.replay_seconds)
             entries: list[tuple[int, LogEntry]] = []
             for d in deliveries:
                 if d.consumer_seq != expected:
                     # A delivery was lost between the server and us: never skip forward.
                     self.counts["gaps"] += 1
+                    counts.gaps += 1
                     log.warning("partition %d: consumer sequence %d after %d; re-reading "
                                 "from %d", p, d.consumer_seq, expected - 1, mark + 1)
                     if entries:
@@ -205,6 +225,9 @@ class Node:
             self.results.popitem(last=False)
         self.counts["batches"] += 1
         self.counts["entries"] += len(entries)
+        counts = self._counts(p)
+        counts.batches += 1
+        counts.entries += len(entries)
         self._moved(p, mark)
         return mark
 
@@ -225,11 +248,39 @@ class Node:
             return True
         return False
 
+    def stats(self, router: Router | None = None) -> NodeStats:
+        """This node's figures: each partition it owns or has applied (owned, watermark,
+        lag, gaps, replays and bootstraps with their durations), lease events, retries.
+
+        Args:
+            router: the node's router, for its forwarded / unavailable counts.
+        """
+        owned = sorted(p for p in self.leases.held if self.owns(p))
+        partitions = []
+        for p in sorted(set(self.partitions) | set(self.leases.held)):
+            c = self.partitions.get(p) or PartitionCounts()
+            partitions.append(PartitionStats(
+                partition=p, owned=self.owns(p), watermark=self.marks.get(p),
+                lag=c.lag if p in self._scopes else None, gaps=c.gaps, consumers=c.consumers,
+                batches=c.batches, entries=c.entries, replays=c.replays,
+                replay_seconds=c.replay_seconds, bootstraps=c.bootstraps,
+                bootstrap_seconds=c.bootstrap_seconds, log_errors=c.log_errors))
+        applied = self.engine._partition_log
+        routed = router.counts if router is not None else {}
+        return NodeStats(node=self.node_id, incarnation=self.incarnation, owned=owned,
+                         partitions=partitions,
+                         leases={k: v for k, v in self.leases.counts.items()},
+                         publish_retries=self.log.retries, duplicates=applied.duplicates,
+                         invalid=applied.invalid, undecodable=self.counts["undecodable"],
+                         forwarded=routed.get("forwarded", 0),
+                         unavailable=routed.get("unavailable", 0))
+
     def figures(self) -> dict[str, Any]:
         return {"node": self.node_id, "incarnation": self.incarnation,
                 "watermarks": dict(sorted(self.marks.items())), **self.counts,
                 "publish_retries": self.log.retries, "leases": self.leases.figures(),
-                "replay_seconds": self.replay_seconds[-16:]}
+                "replay_seconds": self.replay_seconds[-16:],
+                "partitions": msgspec.to_builtins(self.stats().partitions)}
 
 
 async def _quietly(call: Any) -> None:
@@ -437,6 +488,9 @@ class Router:
                 # No user data: partitions, watermarks and counters (engram cluster status).
                 await _respond(send, 200, self.node.figures() | {"router": self.counts})
                 return
+            if scope["type"] == "http" and scope["path"] == "/metrics":
+                await self._metrics(scope, receive, send)
+                return
             await self.app(scope, receive, send)
             return
         path, method = scope["path"], scope["method"]
@@ -484,6 +538,27 @@ class Router:
         if body is None:
             body = await _read_body(receive)
         await self._forward(scope, url, body, send)
+
+    async def _metrics(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """The app's ``/metrics`` with the node's cluster families after them."""
+        start: dict = {}
+        chunks: list[bytes] = []
+
+        async def keep(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                start.update(message)
+            else:
+                chunks.append(message.get("body", b""))
+
+        await self.app(scope, receive, keep)
+        body = b"".join(chunks)
+        if start.get("status") == 200:
+            body += render_metrics(self.node.stats(self))
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": start.get("status", 500),
+                    "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
     async def _forward(self, scope: dict, url: str, body: bytes, send: Callable) -> None:
         self.counts["forwarded"] += 1

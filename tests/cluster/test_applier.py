@@ -56,6 +56,12 @@ async def test_a_lost_delivery_is_re_read_from_the_watermark_never_skipped(
                                "the partition applied")
                 nursery.cancel_scope.cancel()
             assert dropping.dropped and node.counts["gaps"] == 1
+            stats = node.stats()
+            [part] = stats.partitions
+            assert (part.partition, part.owned, part.gaps, part.watermark) == (
+                0, False, 1, receipts[-1].log_seq)  # cancelled: no longer served
+            assert part.consumers == 2 and part.entries >= 10 and part.batches >= 2
+            assert stats.owned == [] and stats.leases["claimed"] == 1
             turns = await engine.session_history("ana", "s1", limit=100)
             assert [t.turn_id for t in turns] == [r.turn_id for r in receipts]
             assert [t.seq for t in turns] == list(range(10))

@@ -156,8 +156,27 @@ def test_cluster_status_lists_owner_watermark_and_lag(nodes: list[NodeProcess],
     while time.monotonic() < deadline and not deadline_ok:
         deadline_ok = len(node.figures()["leases"]["held"]) == cluster_config.partitions
         time.sleep(0.2)
-    httpx.post(f"{node.url}/v1/users/bo/sessions/s/turns",
-               json={"role": "user", "text": "hi", "durable": True}, timeout=30)
+    receipt = httpx.post(f"{node.url}/v1/users/bo/sessions/s/turns",
+                         json={"role": "user", "text": "hi", "durable": True}, timeout=30).json()
+    p = partition_of("bo", cluster_config.partitions)
+    # The node's figures, per partition, on /cluster/node and in /metrics beside the app's.
+    def applied() -> dict[int, dict]:
+        return {s["partition"]: s for s in node.figures()["partitions"]}
+
+    deadline = time.monotonic() + 60
+    while (applied()[p]["watermark"] or 0) < receipt["log_seq"] or not applied()[p]["replays"]:
+        assert time.monotonic() < deadline, applied()[p]
+        time.sleep(0.1)
+    parts = applied()
+    assert sorted(parts) == list(range(cluster_config.partitions))
+    assert parts[p]["owned"] and parts[p]["watermark"] == receipt["log_seq"]
+    assert parts[p]["lag"] == 0 and parts[p]["replays"] == 1 and parts[p]["gaps"] == 0
+    metrics = httpx.get(f"{node.url}/metrics", timeout=30).text
+    assert "engram_http_requests_total" in metrics  # the app's own families stay
+    assert f'engram_cluster_partition_watermark{{partition="{p}"}} {receipt["log_seq"]}.0' in metrics
+    assert f'engram_cluster_partition_owned{{partition="{p}"}} 1.0' in metrics
+    assert f"engram_cluster_owned_partitions {cluster_config.partitions}.0" in metrics
+    assert 'engram_cluster_leases_total{event="claimed"} ' in metrics
     out = subprocess.run(
         [sys.executable, "-m", "engine", "cluster", "status", "--json", "--nats",
          ",".join(node.urls), "--cluster-config",

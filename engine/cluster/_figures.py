@@ -1,0 +1,148 @@
+"""What a node reports about itself: per-partition figures (``Node.stats``) and their
+Prometheus form, added to the node's ``/metrics``.
+
+No user data: partition numbers, log sequences and counters only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+__all__ = ["PartitionStats", "NodeStats", "PartitionCounts", "render_metrics"]
+
+
+class PartitionCounts:
+    """A partition's running counters on this node (mutable; :class:`PartitionStats` is the
+    frozen view). Kept after the partition leaves, so the counts of a process never go back."""
+
+    __slots__ = ("lag", "gaps", "consumers", "batches", "entries", "replays",
+                 "replay_seconds", "bootstraps", "bootstrap_seconds", "log_errors")
+
+    def __init__(self) -> None:
+        self.lag: int | None = None  # entries after the watermark, as the last fetch said
+        self.gaps = 0  # consumer-sequence jumps (lost deliveries), each re-read
+        self.consumers = 0  # consumers made (one per ownership, plus one per re-read)
+        self.batches = 0
+        self.entries = 0  # entries applied (or skipped as already applied)
+        self.replays = 0  # catch-ups finished: the log read to its end after an acquire
+        self.replay_seconds: float | None = None  # the last catch-up's duration
+        self.bootstraps = 0  # snapshots restored before replaying
+        self.bootstrap_seconds: float | None = None  # the last restore's duration
+        self.log_errors = 0  # reads of the log that failed (retried from the watermark)
+
+
+class PartitionStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One partition as this node sees it.
+
+    Attributes:
+        partition: its number.
+        owned: this node holds its lease and confirmed it within the TTL (it serves it).
+        watermark: the last log sequence applied to this node's store (None: never read).
+        lag: entries of the partition in the log after the watermark, as the last fetch
+            counted them (None: not applied here by this process).
+        gaps / consumers / batches / entries / replays / bootstraps / log_errors: counts
+            since the process started (see :class:`PartitionCounts`).
+        replay_seconds / bootstrap_seconds: the last catch-up's and restore's durations.
+    """
+
+    partition: int
+    owned: bool
+    watermark: int | None
+    lag: int | None
+    gaps: int = 0
+    consumers: int = 0
+    batches: int = 0
+    entries: int = 0
+    replays: int = 0
+    replay_seconds: float | None = None
+    bootstraps: int = 0
+    bootstrap_seconds: float | None = None
+    log_errors: int = 0
+
+
+class NodeStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A node's figures (``Node.stats``).
+
+    Attributes:
+        node / incarnation: who and which process.
+        owned: the partitions this node serves now.
+        partitions: every partition this process has applied or owns, by number.
+        leases: lease events (claimed, lost, reacquired, released, adopted, unsure).
+        publish_retries: publishes sent again with the same id (lost PubAcks, elections).
+        duplicates / invalid / undecodable: entries skipped as already applied, as failing
+            the engine's checks, as unreadable.
+        forwarded / unavailable: requests the router sent to an owner, and answered 503.
+    """
+
+    node: str
+    incarnation: str
+    owned: list[int]
+    partitions: list[PartitionStats]
+    leases: dict[str, int]
+    publish_retries: int
+    duplicates: int
+    invalid: int
+    undecodable: int
+    forwarded: int = 0
+    unavailable: int = 0
+
+
+class _Collector:
+    """A node's figures as Prometheus families."""
+
+    def __init__(self, stats: NodeStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats
+        per = [("owned", GaugeMetricFamily, "1 if this node serves the partition",
+                lambda s: int(s.owned)),
+               ("watermark", GaugeMetricFamily, "last log sequence applied here",
+                lambda s: s.watermark),
+               ("lag", GaugeMetricFamily, "entries in the log after the watermark",
+                lambda s: s.lag),
+               ("gaps", CounterMetricFamily, "lost deliveries detected and re-read",
+                lambda s: s.gaps),
+               ("consumers", CounterMetricFamily, "consumers made", lambda s: s.consumers),
+               ("entries", CounterMetricFamily, "log entries applied", lambda s: s.entries),
+               ("replays", CounterMetricFamily, "catch-ups to the end of the log",
+                lambda s: s.replays),
+               ("replay_seconds", GaugeMetricFamily, "the last catch-up's duration",
+                lambda s: s.replay_seconds),
+               ("bootstraps", CounterMetricFamily, "snapshots restored", lambda s: s.bootstraps),
+               ("bootstrap_seconds", GaugeMetricFamily, "the last restore's duration",
+                lambda s: s.bootstrap_seconds),
+               ("log_errors", CounterMetricFamily, "failed reads of the log",
+                lambda s: s.log_errors)]
+        for name, family, doc, value in per:
+            metric = family(f"engram_cluster_partition_{name}", doc, labels=["partition"])
+            for s in stats.partitions:
+                got = value(s)
+                if got is not None:
+                    metric.add_metric([str(s.partition)], got)
+            yield metric
+        leases = CounterMetricFamily("engram_cluster_leases", "lease events",
+                                     labels=["event"])
+        for event, count in sorted(stats.leases.items()):
+            leases.add_metric([event], count)
+        yield leases
+        yield GaugeMetricFamily("engram_cluster_owned_partitions", "partitions served here",
+                                value=len(stats.owned))
+        for name, doc in (("publish_retries", "publishes sent again with the same id"),
+                          ("duplicates", "entries skipped as already applied"),
+                          ("invalid", "entries skipped as failing the engine's checks"),
+                          ("undecodable", "entries skipped as unreadable"),
+                          ("forwarded", "requests forwarded to a partition's owner"),
+                          ("unavailable", "requests answered 503 (no owner, not caught up)")):
+            yield CounterMetricFamily(f"engram_cluster_{name}", doc, value=getattr(stats, name))
+
+
+def render_metrics(stats: NodeStats) -> bytes:
+    """A node's figures in Prometheus text (appended to the app's ``/metrics``)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(stats))
+    return generate_latest(registry)
