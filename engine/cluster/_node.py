@@ -32,6 +32,7 @@ from actors.session_buffer import new_turn_id
 
 from .._engine import Engine
 from .._logbatch import CALLS, LogCall, LogEntry, LogForget, LogTurn, decode_entry, encode_entry
+from .._tools import call_tool
 from ..errors import EngineError, InvalidInput
 from ._figures import NodeStats, PartitionCounts, PartitionStats, render_metrics
 from ._leases import Leases
@@ -416,12 +417,21 @@ class ClusterEngine:
             raise result
         return result
 
-    async def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotInCluster("this call is not carried by the cluster's log (tools run engine "
-                           "writes directly; snapshots are per node); run it on a "
-                           "single-process engine")
+    async def call_tool(self, name: str, arguments: Mapping[str, Any] | str) -> dict[str, Any]:
+        """:meth:`Engine.call_tool` on the owner of the tool's user: its writes (facts, notes)
+        go through the log like the same calls made directly, its reads are the local
+        engine's (the :class:`Router` sends a tool call to the owner of its ``user_id``).
 
-    call_tool = snapshot = _refuse
+        Raises:
+            InvalidInput: an unknown tool, or arguments that do not fit its schema.
+            LogUnavailable: this node is not the user's partition's owner (any more).
+        """
+        self._engine._parts.check_open()
+        return await call_tool(self, name, arguments)
+
+    async def snapshot(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotInCluster("a node's store is one partition set's copy, rebuilt from the "
+                           "log; snapshot a single-process engine instead")
 
 
 def _logged_method(name: str) -> Callable[..., Awaitable[Any]]:
@@ -462,8 +472,9 @@ for _name in sorted(CALLS):
 
 # -- routing ------------------------------------------------------------------------------------
 
-# Routes whose user is in the JSON body.
+# Routes whose user is in the JSON body (an agent tool's arguments name it too).
 _BODY_USER = ("/v1/retrieve_memory", "/v1/retrieve_memory/raw", "/v1/context_pre_retrieve")
+_TOOLS = "/v1/tools/"
 
 
 class Router:
@@ -496,7 +507,8 @@ class Router:
         path, method = scope["path"], scope["method"]
         body: bytes | None = None
         user = _path_user(path)
-        if user is None and method == "POST" and path in _BODY_USER:
+        if user is None and method == "POST" and (path in _BODY_USER
+                                                  or path.startswith(_TOOLS)):
             body = await _read_body(receive)
             try:
                 user = msgspec.json.decode(body).get("user_id")

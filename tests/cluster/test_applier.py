@@ -142,6 +142,11 @@ async def test_notes_facts_links_and_summaries_go_through_the_log_and_replay_the
                 with pytest.raises(InvalidInput):
                     await writer.review("ana", note.note_id, "superb")
                 assert fact.value == "Miso"
+                told = await writer.call_tool("store_note", {"user_id": "ana",
+                                                             "text": "allergic to peanuts"})
+                found = await writer.call_tool("search_memory", {"user_id": "ana",
+                                                                 "query": "peanuts"})
+                assert told["note"]["note_id"] in [h["id"] for h in found["results"]]
                 nursery.cancel_scope.cancel()
             first = await _memory_of(a)
         async with open_engine(tmp_path / "b", config={"long_term": False}) as b:

@@ -89,6 +89,17 @@ async def test_write_anywhere_read_your_writes_anywhere_and_kill_9_loses_nothing
                                             f"{note['note_id']}")
         assert got.status_code == 200 and got.json()["text"] == "likes kestrels"
 
+        # Agent tools through any node: run on the owner of their user, writes logged.
+        answer = await retrying(client, "POST", f"{rng.choice(nodes).url}/v1/tools/remember_fact",
+                                json={"user_id": "user-2", "category": "home", "key": "city",
+                                      "value": "Lisbon"})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["fact"]["value"] == "Lisbon"
+        answer = await retrying(client, "POST", f"{rng.choice(nodes).url}/v1/tools/search_memory",
+                                json={"user_id": "user-1", "query": "kestrels"})
+        assert answer.status_code == 200, answer.text
+        assert note["note_id"] in [h["id"] for h in answer.json()["results"]]
+
         # kill -9 one node: its partitions move; every acknowledged turn is still there.
         victim, others = nodes[0], nodes[1:]
         victim.kill()
@@ -108,6 +119,8 @@ async def test_write_anywhere_read_your_writes_anywhere_and_kill_9_loses_nothing
         got = await retrying(client, "GET", f"{rng.choice(others).url}/v1/users/user-1/notes/"
                                             f"{note['note_id']}")
         assert got.status_code == 200 and got.json()["tags"] == ["birds"]  # replayed
+        got = await retrying(client, "GET", f"{rng.choice(others).url}/v1/users/user-2/facts")
+        assert [f["value"] for f in got.json()] == ["Lisbon"]  # the tool's write, replayed
 
         # Restart the node under the same id: it rejoins and catches up from its watermark.
         victim.start()
