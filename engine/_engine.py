@@ -794,6 +794,16 @@ class Engine:
         """
         return await self._partition_log.apply(partition, entries, results)
 
+    async def set_log_watermark(self, partition: int, seq: int) -> None:
+        """Set a partition's watermark (``engine.cluster``: 0 before a copy of the partition
+        is dropped, a snapshot's sequence once its users are restored from it).
+
+        Raises:
+            InvalidInput: a sequence below 0.
+        """
+        self._parts.check_open()
+        await self._partition_log.set_watermark(partition, seq)
+
     async def _logged_call(self, method: str, user_id: str, args: dict[str, Any]) -> Any:
         # A LogCall's method, by name (the log batch checked it against its list).
         return await getattr(self, method)(user_id, **args)

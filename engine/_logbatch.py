@@ -145,11 +145,14 @@ class PartitionLog:
         """The watermark if this engine has read it already (no store read)."""
         return self._marks.get(partition)
 
-    async def reset(self, partition: int) -> None:
-        """Forget the partition's watermark on disk (its users' records were dropped here)."""
+    async def set_watermark(self, partition: int, seq: int) -> None:
+        """Set the partition's watermark on disk: 0 before its users' records are dropped
+        here, a snapshot's once its records are restored."""
+        if type(seq) is not int or seq < 0:
+            raise InvalidInput("seq", f"expected a log sequence >= 0, found {seq!r}")
         async with self._lock(partition):
-            await self._put_mark(partition, 0)
-            self._marks[partition] = 0
+            await self._put_mark(partition, seq)
+            self._marks[partition] = seq
 
     def _lock(self, partition: int) -> trio.Lock:
         lock = self._locks.get(partition)

@@ -7,6 +7,8 @@ manages the log.
 """
 
 from .._logbatch import LogForget, LogTurn, decode_entry, encode_entry
+from ._bootstrap import PartitionSnapshot
+from ._figures import NodeStats, PartitionStats
 from ._leases import Leases, plan
 from ._local import LocalNats
 from ._log import ClusterConfig, Log, LogUnavailable
@@ -28,7 +30,10 @@ __all__ = [
     "LogTurn",
     "LogUnavailable",
     "Node",
+    "NodeStats",
     "NotInCluster",
+    "PartitionSnapshot",
+    "PartitionStats",
     "Router",
     "decode_entry",
     "encode_entry",

@@ -79,7 +79,8 @@ async def _init(servers: list[str], overrides: dict | None) -> dict[str, Any]:
     log = await Log.connect(servers, overrides, name="engram-cli")
     try:
         return {"stream": log.config.stream, "bucket": log.config.bucket,
-                "partitions": log.config.partitions, "replicas": log.config.replicas}
+                "objects": log.config.objects, "partitions": log.config.partitions,
+                "replicas": log.config.replicas}
     finally:
         await log.close()
 

@@ -20,7 +20,9 @@ class PartitionCounts:
     frozen view). Kept after the partition leaves, so the counts of a process never go back."""
 
     __slots__ = ("lag", "gaps", "consumers", "batches", "entries", "replays",
-                 "replay_seconds", "bootstraps", "bootstrap_seconds", "log_errors")
+                 "replay_seconds", "bootstraps", "bootstrap_seconds", "log_errors",
+                 "snapshots", "snapshot_seconds", "snapshot_bytes", "snapshot_watermark",
+                 "dropped")
 
     def __init__(self) -> None:
         self.lag: int | None = None  # entries after the watermark, as the last fetch said
@@ -33,6 +35,11 @@ class PartitionCounts:
         self.bootstraps = 0  # snapshots restored before replaying
         self.bootstrap_seconds: float | None = None  # the last restore's duration
         self.log_errors = 0  # reads of the log that failed (retried from the watermark)
+        self.snapshots = 0  # snapshots published to the object store
+        self.snapshot_seconds: float | None = None  # the last one's taking and storing
+        self.snapshot_bytes: int | None = None  # the last one's size
+        self.snapshot_watermark = 0  # the newest snapshot's watermark known here
+        self.dropped = 0  # copies deleted after the grace period
 
 
 class PartitionStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -44,9 +51,12 @@ class PartitionStats(msgspec.Struct, frozen=True, kw_only=True):
         watermark: the last log sequence applied to this node's store (None: never read).
         lag: entries of the partition in the log after the watermark, as the last fetch
             counted them (None: not applied here by this process).
-        gaps / consumers / batches / entries / replays / bootstraps / log_errors: counts
-            since the process started (see :class:`PartitionCounts`).
-        replay_seconds / bootstrap_seconds: the last catch-up's and restore's durations.
+        gaps / consumers / batches / entries / replays / bootstraps / log_errors /
+            snapshots / dropped: counts since the process started (see
+            :class:`PartitionCounts`).
+        replay_seconds / bootstrap_seconds / snapshot_seconds: the last catch-up's,
+            restore's and snapshot's durations; snapshot_bytes: the last snapshot's size.
+        snapshot_watermark: the newest snapshot's watermark known here.
     """
 
     partition: int
@@ -62,6 +72,11 @@ class PartitionStats(msgspec.Struct, frozen=True, kw_only=True):
     bootstraps: int = 0
     bootstrap_seconds: float | None = None
     log_errors: int = 0
+    snapshots: int = 0
+    snapshot_seconds: float | None = None
+    snapshot_bytes: int | None = None
+    snapshot_watermark: int = 0
+    dropped: int = 0
 
 
 class NodeStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -117,7 +132,14 @@ class _Collector:
                ("bootstrap_seconds", GaugeMetricFamily, "the last restore's duration",
                 lambda s: s.bootstrap_seconds),
                ("log_errors", CounterMetricFamily, "failed reads of the log",
-                lambda s: s.log_errors)]
+                lambda s: s.log_errors),
+               ("snapshots", CounterMetricFamily, "snapshots published", lambda s: s.snapshots),
+               ("snapshot_seconds", GaugeMetricFamily, "the last snapshot's duration",
+                lambda s: s.snapshot_seconds),
+               ("snapshot_bytes", GaugeMetricFamily, "the last snapshot's size",
+                lambda s: s.snapshot_bytes),
+               ("dropped", CounterMetricFamily, "copies deleted after the grace period",
+                lambda s: s.dropped)]
         for name, family, doc, value in per:
             metric = family(f"engram_cluster_partition_{name}", doc, labels=["partition"])
             for s in stats.partitions:

@@ -16,6 +16,7 @@ import asyncio
 import collections
 import concurrent.futures
 import functools
+import io
 import logging
 import time
 from collections.abc import Sequence
@@ -51,9 +52,15 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         publish_retry_seconds: how long a publish is retried (same message id) before the
             write fails; below ``duplicate_window`` so a retry is always deduplicated.
         duplicate_window: seconds the stream remembers message ids.
-        max_age: seconds the stream keeps entries (longer than two snapshot intervals).
+        max_age: seconds the stream keeps entries (more than two snapshot intervals, so a
+            new owner always finds the log after the newest snapshot).
         fetch_batch: entries an owner pulls and applies at a time.
-        stream / bucket: names of the stream and the lease bucket.
+        snapshot_interval: seconds between an owner's snapshots of a partition that moved
+            (a new owner restores the newest and replays only the log after it).
+        grace: seconds a node keeps its copy of a partition it no longer owns (a fast
+            resume if the partition comes back), before deleting it.
+        stream / bucket / objects: names of the stream, the lease bucket and the object
+            store of snapshots.
     """
 
     partitions: int = DEFAULT_PARTITIONS
@@ -64,8 +71,11 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     duplicate_window: float = 120.0
     max_age: float = 7 * 24 * 3600.0
     fetch_batch: int = 256
+    snapshot_interval: float = 900.0
+    grace: float = 600.0
     stream: str = "ENGRAM"
     bucket: str = "engram_leases"
+    objects: str = "engram_snapshots"
 
     @classmethod
     def checked(cls, config: ClusterConfig | dict | None) -> ClusterConfig:
@@ -86,7 +96,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                 raise InvalidInput(f"cluster_config.{name}", "expected at least 1, found "
                                                              f"{getattr(config, name)}")
         for name in ("lease_ttl", "read_wait", "publish_retry_seconds", "duplicate_window",
-                     "max_age"):
+                     "max_age", "snapshot_interval", "grace"):
             if not getattr(config, name) > 0:
                 raise InvalidInput(f"cluster_config.{name}", "expected seconds above 0, found "
                                                              f"{getattr(config, name)}")
@@ -96,6 +106,11 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                                f"({config.duplicate_window} s), found "
                                f"{config.publish_retry_seconds}: a retry past the window "
                                "would be stored twice")
+        if config.max_age <= 2 * config.snapshot_interval:
+            raise InvalidInput("cluster_config.max_age",
+                               f"expected more than two snapshot intervals "
+                               f"({2 * config.snapshot_interval} s), found {config.max_age}: a "
+                               "new owner must find the log after the newest snapshot")
         return config
 
 
@@ -148,6 +163,7 @@ class _Client:
         self.nc: Any = None
         self.js: Any = None
         self.kv: Any = None
+        self.objects: Any = None
         self.retries = 0  # publish attempts after the first, over the client's life
 
     async def connect(self, servers: Sequence[str], name: str) -> None:
@@ -189,6 +205,13 @@ class _Client:
         except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
             self.kv = await self.js.create_key_value(api.KeyValueConfig(
                 bucket=c.bucket, history=1, ttl=c.lease_ttl, replicas=c.replicas,
+                storage=api.StorageType.FILE))
+            made = True
+        try:
+            self.objects = await self.js.object_store(c.objects)
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
+            self.objects = await self.js.create_object_store(c.objects, api.ObjectStoreConfig(
+                description="engram partition snapshots", replicas=c.replicas,
                 storage=api.StorageType.FILE))
             made = True
         return made
@@ -294,6 +317,26 @@ class _Client:
         info = await self.js.stream_info(self.config.stream)
         return info.state.last_seq
 
+    async def snapshot_mark(self, partition: int) -> int | None:
+        try:
+            info = await self.objects.get_info(_snapshot_name(partition))
+        except nats.js.errors.ObjectNotFoundError:
+            return None
+        return _mark_of(info)
+
+    async def get_snapshot(self, partition: int) -> tuple[int, bytes] | None:
+        out = io.BytesIO()
+        try:
+            result = await self.objects.get(_snapshot_name(partition), writeinto=out)
+        except nats.js.errors.ObjectNotFoundError:
+            return None
+        return _mark_of(result.info), out.getvalue()
+
+    async def put_snapshot(self, partition: int, watermark: int, data: bytes) -> None:
+        name = _snapshot_name(partition)
+        await self.objects.put(name, data, meta=api.ObjectMeta(
+            name=name, description=msgspec.json.encode({"watermark": watermark}).decode()))
+
     async def purge(self, subject: str, before: int | None) -> None:
         await self.js.purge_stream(self.config.stream, subject=subject, seq=before)
 
@@ -303,6 +346,18 @@ class _Client:
                 await asyncio.wait_for(self.nc.drain(), 5)
             except (asyncio.TimeoutError, nats.errors.Error):
                 await self.nc.close()
+
+
+def _snapshot_name(partition: int) -> str:
+    return f"partition.{partition}"
+
+
+def _mark_of(info: Any) -> int:
+    """The watermark a snapshot object was tagged with (0: not one of ours)."""
+    try:
+        return int(msgspec.json.decode(info.description or "{}").get("watermark", 0))
+    except (msgspec.DecodeError, AttributeError, TypeError, ValueError):
+        return 0
 
 
 async def _quiet(exc: Exception) -> None:
@@ -396,6 +451,20 @@ class Log:
 
     async def last_seq(self) -> int:
         return await self.thread.run(self._client.last_seq)
+
+    async def snapshot_mark(self, partition: int) -> int | None:
+        """The watermark of the partition's newest snapshot in the object store (None:
+        there is none)."""
+        return await self.thread.run(self._client.snapshot_mark, partition)
+
+    async def get_snapshot(self, partition: int) -> tuple[int, bytes] | None:
+        """The partition's newest snapshot: (its watermark, its bytes), or None."""
+        return await self.thread.run(self._client.get_snapshot, partition)
+
+    async def put_snapshot(self, partition: int, watermark: int, data: bytes) -> None:
+        """Store a snapshot of the partition, tagged with its watermark (it replaces the
+        previous one)."""
+        await self.thread.run(self._client.put_snapshot, partition, watermark, data)
 
     async def purge(self, subject: str, before: int | None = None) -> None:
         """Remove a subject's entries from the stream (those below ``before`` if given)."""

@@ -34,6 +34,9 @@ from .._engine import Engine
 from .._logbatch import CALLS, LogCall, LogEntry, LogForget, LogTurn, decode_entry, encode_entry
 from .._tools import call_tool
 from ..errors import EngineError, InvalidInput
+from ._bootstrap import decode as decode_snapshot
+from ._bootstrap import drop_local, restore
+from ._bootstrap import take as take_snapshot
 from ._figures import NodeStats, PartitionCounts, PartitionStats, render_metrics
 from ._leases import Leases
 from ._log import TRANSIENT, Log, LogUnavailable
@@ -115,6 +118,10 @@ class Node:
                        "undecodable": 0, "replays": 0, "log_errors": 0}
         self.replay_seconds: list[float] = []
         self.partitions: dict[int, PartitionCounts] = {}  # every partition applied here
+        # Held while a partition's copy changes (a batch applied, a restore, a deletion) or
+        # is exported for a snapshot: a snapshot is the memory at exactly its watermark.
+        self._guards: dict[int, trio.Lock] = {}
+        self._lost_at: dict[int, float] = {}  # trio time each partition last left this node
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -122,6 +129,8 @@ class Node:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.leases.run)
+            nursery.start_soon(self._snapshots)
+            nursery.start_soon(self._retire_unowned)
             task_status.started()
 
     # -- ownership ---------------------------------------------------------------------------
@@ -136,6 +145,38 @@ class Node:
         scope = self._scopes.pop(p, None)
         if scope is not None:
             scope.cancel()
+            self._lost_at[p] = trio.current_time()
+            if self._nursery is not None:
+                self._nursery.start_soon(self._retire, p)
+
+    async def _retire(self, p: int) -> None:
+        """Delete the copy of a partition this node no longer owns, once it has been gone
+        for the grace period (unless it came back meanwhile)."""
+        await trio.sleep(self.config.grace)
+        async with self._guard(p):
+            lost = self._lost_at.get(p)
+            if (p in self._scopes or lost is None
+                    or trio.current_time() - lost < self.config.grace):
+                return  # back here, or lost again later: that loss's own task decides
+            users = await drop_local(self.engine, p, self.config.partitions)
+            self.marks.pop(p, None)
+            self._counts(p).dropped += 1
+            log.info("partition %d: copy deleted after the grace period (%d users)", p, users)
+
+    async def _retire_unowned(self) -> None:
+        """Copies this store holds of partitions that moved away while the node was down
+        go the way of any partition lost: deleted after the grace period."""
+        now = trio.current_time()
+        for p in range(self.config.partitions):
+            if p not in self._scopes and await self.engine.apply_log_batch(p, []) > 0:
+                self._lost_at.setdefault(p, now)
+                self._nursery.start_soon(self._retire, p)
+
+    def _guard(self, p: int) -> trio.Lock:
+        guard = self._guards.get(p)
+        if guard is None:
+            guard = self._guards[p] = trio.Lock()
+        return guard
 
     def owns(self, p: int) -> bool:
         return self.leases.serving(p)
@@ -151,7 +192,10 @@ class Node:
     async def _apply_loop(self, p: int, scope: trio.CancelScope) -> None:
         counts = self._counts(p)
         with scope:
-            mark = await self.engine.apply_log_batch(p, [])
+            async with self._guard(p):
+                mark = await self.engine.apply_log_batch(p, [])
+                if mark == 0:
+                    mark = await self._bootstrap(p, counts)
             self._moved(p, mark)
             started = time.monotonic()
             caught_up = False
@@ -220,8 +264,76 @@ class Node:
             if entries:
                 mark = await self._apply(p, entries)
 
+    async def _bootstrap(self, p: int, counts: PartitionCounts) -> int:
+        """Start a copy that holds nothing of the partition from its newest snapshot, if
+        there is one; return the watermark to replay from (0: the whole log)."""
+        started = time.monotonic()
+        partitions = self.config.partitions
+        await drop_local(self.engine, p, partitions)  # what a half-done restore left
+        while True:
+            try:
+                found = await self.log.get_snapshot(p)
+                break
+            except (*TRANSIENT, LogUnavailable) as exc:
+                counts.log_errors += 1
+                log.info("partition %d: no snapshot now (%r); trying again", p, exc)
+                await trio.sleep(RETRY_SECONDS)
+        if found is None:
+            return 0
+        try:
+            snapshot = decode_snapshot(found[1], p, partitions)
+        except InvalidInput as exc:
+            log.warning("partition %d: snapshot refused (%s); replaying the whole log", p, exc)
+            return 0
+        await restore(self.engine, snapshot)
+        counts.bootstraps += 1
+        counts.bootstrap_seconds = time.monotonic() - started
+        counts.snapshot_watermark = max(counts.snapshot_watermark, snapshot.watermark)
+        log.info("partition %d: restored %d users at log sequence %d in %.2f s", p,
+                 len(snapshot.users), snapshot.watermark, counts.bootstrap_seconds)
+        return snapshot.watermark
+
+    async def _snapshots(self) -> None:
+        """Publish a snapshot of each owned partition that moved since its last one, every
+        ``snapshot_interval``."""
+        while True:
+            await trio.sleep(self.config.snapshot_interval)
+            for p in sorted(self._scopes):
+                try:
+                    await self.snapshot(p)
+                except (*TRANSIENT, LogUnavailable) as exc:
+                    self._counts(p).log_errors += 1
+                    log.info("partition %d: snapshot not stored (%r); next round", p, exc)
+
+    async def snapshot(self, p: int) -> int | None:
+        """Take and store a snapshot of partition ``p`` if it moved past the newest stored
+        one; return its watermark (None: not owned here, or nothing new).
+
+        Raises:
+            LogUnavailable (or a transient NATS error): the object store did not take it.
+        """
+        counts = self._counts(p)
+        if p not in self._scopes or self.marks.get(p, 0) <= counts.snapshot_watermark:
+            return None
+        stored = await self.log.snapshot_mark(p)
+        counts.snapshot_watermark = max(counts.snapshot_watermark, stored or 0)
+        started = time.monotonic()
+        async with self._guard(p):
+            mark = self.marks.get(p, 0)
+            if p not in self._scopes or mark <= counts.snapshot_watermark:
+                return None
+            data = await take_snapshot(self.engine, p, self.config.partitions, mark,
+                                       self.node_id)
+        await self.log.put_snapshot(p, mark, data)
+        counts.snapshots += 1
+        counts.snapshot_seconds = time.monotonic() - started
+        counts.snapshot_bytes = len(data)
+        counts.snapshot_watermark = mark
+        return mark
+
     async def _apply(self, p: int, entries: list[tuple[int, LogEntry]]) -> int:
-        mark = await self.engine.apply_log_batch(p, entries, self.results)
+        async with self._guard(p):
+            mark = await self.engine.apply_log_batch(p, entries, self.results)
         while len(self.results) > RESULTS_KEPT:
             self.results.popitem(last=False)
         self.counts["batches"] += 1
@@ -265,7 +377,10 @@ class Node:
                 lag=c.lag if p in self._scopes else None, gaps=c.gaps, consumers=c.consumers,
                 batches=c.batches, entries=c.entries, replays=c.replays,
                 replay_seconds=c.replay_seconds, bootstraps=c.bootstraps,
-                bootstrap_seconds=c.bootstrap_seconds, log_errors=c.log_errors))
+                bootstrap_seconds=c.bootstrap_seconds, log_errors=c.log_errors,
+                snapshots=c.snapshots, snapshot_seconds=c.snapshot_seconds,
+                snapshot_bytes=c.snapshot_bytes, snapshot_watermark=c.snapshot_watermark,
+                dropped=c.dropped))
         applied = self.engine._partition_log
         routed = router.counts if router is not None else {}
         return NodeStats(node=self.node_id, incarnation=self.incarnation, owned=owned,

@@ -53,7 +53,7 @@ def cluster_config(nats_servers: LocalNats) -> Iterator[ClusterConfig]:
     """A stream and a bucket of this test's own (8 partitions, a 3 s lease TTL)."""
     n = next(_names)
     config = ClusterConfig(partitions=8, lease_ttl=3.0, stream=f"T{n}", bucket=f"t{n}",
-                           publish_retry_seconds=30.0)
+                           objects=f"o{n}", publish_retry_seconds=30.0)
     yield config
     asyncio.run(_drop_stream(nats_servers.urls, config))
 
@@ -64,7 +64,7 @@ async def _drop_stream(urls: list[str], config: ClusterConfig) -> None:
     nc = await nats.connect(servers=urls, connect_timeout=5)
     try:
         js = nc.jetstream()
-        for name in (config.stream, f"KV_{config.bucket}"):
+        for name in (config.stream, f"KV_{config.bucket}", f"OBJ_{config.objects}"):
             try:
                 await js.delete_stream(name)
             except Exception:

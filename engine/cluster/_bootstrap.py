@@ -1,0 +1,105 @@
+"""Partition snapshots: what an owner publishes to the object store, and how a new owner
+starts from one instead of replaying the whole log.
+
+A snapshot is every user of one partition as the engine exports them (``export_user``'s
+JSON Lines: records with their ids, times, history and derivations), tagged with the
+partition's watermark, taken while nothing is applied to the partition: it is the memory
+after exactly the log up to that watermark. A new owner whose copy starts from nothing
+(watermark 0) drops whatever a half-done earlier restore or deletion left of the partition,
+imports the users, then sets the watermark in the store; a crash before that leaves the
+watermark at 0, and the next owner starts over. It then replays the log after the watermark.
+"""
+
+from __future__ import annotations
+
+import io
+import zlib
+from datetime import datetime, timezone
+
+import msgspec
+
+from .._engine import Engine
+from ..errors import InvalidInput
+from ._partition import partition_of
+
+__all__ = ["PartitionSnapshot", "take", "restore", "drop_local", "users_of"]
+
+LEVEL = 1  # zlib level: exports are text and shrink several times even at the fastest
+
+
+class PartitionSnapshot(msgspec.Struct, frozen=True, tag="engram-partition-snapshot"):
+    """One partition's users at one watermark.
+
+    Attributes:
+        partition / partitions: which partition, of how many (a snapshot of another
+            partition count is refused: its users belong elsewhere).
+        watermark: the last log sequence its memory includes.
+        node / taken_at: who took it, and when.
+        users: (user id, the user's export) pairs.
+    """
+
+    partition: int
+    partitions: int
+    watermark: int
+    node: str
+    taken_at: datetime
+    users: list[tuple[str, bytes]]
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(PartitionSnapshot).decode
+
+
+async def users_of(engine: Engine, partition: int, partitions: int) -> list[str]:
+    """The users of ``partition`` this store holds anything of."""
+    return [u for u in await engine.list_users() if partition_of(u, partitions) == partition]
+
+
+async def take(engine: Engine, partition: int, partitions: int, watermark: int, node: str
+               ) -> bytes:
+    """The partition's snapshot at ``watermark``: the caller holds the partition still (no
+    batch applied meanwhile). Everything applied is first taken in by every index and by the
+    long-term layer (``flush``), so the exports carry what the engine derived from it."""
+    await engine.flush()
+    users = []
+    for user in await users_of(engine, partition, partitions):
+        out = io.BytesIO()
+        await engine.export_user(user, out)
+        users.append((user, out.getvalue()))
+    snapshot = PartitionSnapshot(partition, partitions, watermark, node,
+                                 datetime.now(timezone.utc), users)
+    return zlib.compress(_encode(snapshot), LEVEL)
+
+
+def decode(data: bytes, partition: int, partitions: int) -> PartitionSnapshot:
+    """A snapshot from its bytes, checked to be of this partition.
+
+    Raises:
+        InvalidInput: not a snapshot, or one of another partition or partition count.
+    """
+    try:
+        snapshot = _decode(zlib.decompress(data))
+    except (zlib.error, msgspec.DecodeError) as exc:
+        raise InvalidInput("snapshot", f"expected a partition snapshot, found: {exc}") from None
+    if (snapshot.partition, snapshot.partitions) != (partition, partitions):
+        raise InvalidInput("snapshot", f"expected partition {partition} of {partitions}, found "
+                                       f"{snapshot.partition} of {snapshot.partitions}")
+    return snapshot
+
+
+async def drop_local(engine: Engine, partition: int, partitions: int) -> int:
+    """Delete this store's copy of the partition: its watermark first (so a crash midway
+    leaves a copy that starts over), then each of its users. Returns the users dropped."""
+    await engine.set_log_watermark(partition, 0)
+    users = await users_of(engine, partition, partitions)
+    for user in users:
+        await engine.forget_user(user)
+    return len(users)
+
+
+async def restore(engine: Engine, snapshot: PartitionSnapshot) -> None:
+    """Import the snapshot's users into a copy of the partition that holds nothing (the
+    caller dropped it), then set the partition's watermark to the snapshot's."""
+    for _, export in snapshot.users:
+        await engine.import_user(export)
+    await engine.set_log_watermark(snapshot.partition, snapshot.watermark)

@@ -1,0 +1,135 @@
+"""Snapshots in the object store: a new owner starts from the newest and replays only the
+log after it; a copy the node no longer owns is deleted after the grace period."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+import trio
+
+from engine.cluster._bootstrap import decode, drop_local, restore, take
+from engine.cluster._node import ClusterEngine, Node
+from engine.cluster._partition import partition_of
+
+from engine._logbatch import LogTurn
+
+from ..conftest import T0, open_engine
+from .conftest import connect, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _users(partitions: int) -> tuple[str, str]:
+    """A user of partition 0 and one of partition 1."""
+    found = {}
+    for i in range(100):
+        found.setdefault(partition_of(f"user-{i}", partitions), f"user-{i}")
+    return found[0], found[1]
+
+
+async def _memory(engine, user: str) -> list:
+    return ([(s.session_id, s.turn_count) for s in await engine.list_sessions(user)]
+            + [(t.turn_id, t.seq, t.text) for t in await engine.session_history(user, "s",
+                                                                                 limit=1000)]
+            + [(n.note_id, n.text) for n in await engine.list_notes(user)]
+            + [(f.value, f.status) for f in await engine.fact_versions(user)])
+
+
+async def test_a_snapshot_restores_into_an_empty_store_as_the_memory_at_its_watermark(
+        tmp_path: Path) -> None:
+    """take then restore, in-process: the same turns, seqs, notes and facts, and the
+    partition's watermark is the snapshot's; a snapshot of another partition is refused."""
+    from engine import InvalidInput
+    from engine._logbatch import LogCall
+
+    at = T0
+    async with open_engine(tmp_path / "a", config={"long_term": False}) as a:
+        entries = [(i + 1, LogTurn("ana", "s", f"t_{i:020x}", "user", f"turn {i}", at))
+                   for i in range(20)]
+        entries.append((21, LogCall("ana", "store_note", {"text": "tea", "note_id": "n_1"})))
+        entries.append((22, LogCall("ana", "remember_fact", {"category": "pets", "key": "cat",
+                                                             "value": "Miso", "valid_at": at})))
+        p = partition_of("ana", 4)
+        assert await a.apply_log_batch(p, entries) == 22
+        data = await take(a, p, 4, 22, "a")
+        expected = await _memory(a, "ana")
+    snapshot = decode(data, p, 4)
+    with pytest.raises(InvalidInput, match="partition"):
+        decode(data, (p + 1) % 4, 4)
+    async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
+        await restore(b, snapshot)
+        assert await b.apply_log_batch(p, []) == 22
+        assert await _memory(b, "ana") == expected
+        assert await drop_local(b, p, 4) == 1
+        assert await b.apply_log_batch(p, []) == 0 and await b.list_users() == []
+
+
+async def test_a_new_owner_restores_the_newest_snapshot_and_the_old_copy_goes_after_grace(
+        nats_servers, cluster_config, tmp_path: Path) -> None:
+    """Node a owns both partitions and publishes their snapshots; node b joins, takes one,
+    restores it and applies only the entries after its watermark, ending with a's memory;
+    a deletes its copy of the partition it handed over once the grace period is past."""
+    config = msgspec.structs.replace(cluster_config, partitions=2, snapshot_interval=0.5,
+                                     grace=1.0)
+    mine, moved = _users(2)
+    log_a = await connect(nats_servers, config, "a")
+    log_b = await connect(nats_servers, config, "b")
+    try:
+        async with open_engine(tmp_path / "a", config={"long_term": False}) as a, \
+                open_engine(tmp_path / "b", config={"long_term": False}) as b:
+            node_a = Node(a, log_a, "a", "http://127.0.0.1:1")
+            writer = ClusterEngine(a, log_a, node_a)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(node_a.run)
+                await wait_for(lambda: node_a.owns(0) and node_a.owns(1), 30, "both held")
+                for i in range(30):
+                    await writer.add_turn(mine, "s", "user", f"mine {i}", durable=True)
+                    last = await writer.add_turn(moved, "s", "user", f"moved {i}",
+                                                 durable=True)
+                await writer.store_note(moved, "keeps bees")
+                mark = (await writer.add_turn(moved, "s", "user", "last before", durable=True)
+                        ).log_seq
+                await wait_for(lambda: node_a.partitions[1].snapshot_watermark >= mark, 60,
+                               "the moved partition's snapshot")
+                assert await log_a.snapshot_mark(1) >= mark
+                tail = [await writer.add_turn(moved, "s", "user", f"after {i}", durable=True)
+                        for i in range(5)]
+                await wait_for(lambda: node_a.marks.get(1, 0) >= tail[-1].log_seq, 30,
+                               "the tail applied on a")
+                expected = await _memory(a, moved)
+
+                node_b = Node(b, log_b, "b", "http://127.0.0.1:2")
+                await nursery.start(node_b.run)
+                await wait_for(lambda: node_b.owns(1) and node_b.marks.get(1, 0)
+                               >= tail[-1].log_seq, 60, "b holding the moved partition")
+                stats = {s.partition: s for s in node_b.stats().partitions}
+                assert stats[1].bootstraps == 1 and stats[1].bootstrap_seconds is not None
+                assert stats[1].entries <= len(tail)  # only the log after the snapshot
+                assert await _memory(b, moved) == expected
+                assert len(expected) > 30 and last.log_seq < mark
+
+                await wait_for(lambda: node_a.partitions[1].dropped == 1, 60,
+                               "a's copy of the moved partition deleted")
+                assert 1 not in node_a.marks
+                assert await a.apply_log_batch(1, []) == 0
+                assert await a.list_sessions(moved) == []
+                assert len(await a.session_history(mine, "s", limit=100)) == 30  # kept
+
+                # A node that starts with a copy of a partition held elsewhere (it moved
+                # while the node was down) deletes it after the grace period too.
+                async with open_engine(tmp_path / "c", config={"long_term": False}) as c:
+                    await c.apply_log_batch(1, [(1, LogTurn(moved, "s", "t_old", "user",
+                                                            "stale", T0))])
+                    node_c = Node(c, log_b, "c", "http://127.0.0.1:3")
+                    await nursery.start(node_c.run)
+                    await wait_for(lambda: node_c.partitions.get(1) is not None
+                                   and node_c.partitions[1].dropped == 1, 60,
+                                   "c's stale copy deleted")
+                    assert not node_c.owns(1) and await c.list_users() == []
+                    nursery.cancel_scope.cancel()
+                nursery.cancel_scope.cancel()
+    finally:
+        await log_a.close()
+        await log_b.close()
