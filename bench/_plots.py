@@ -478,9 +478,73 @@ def memory(r: dict[str, Any]) -> Figure:
     return fig
 
 
+def cluster(r: dict[str, Any]) -> Figure:
+    fig, (ack, lag, rate) = _panels(3, f"Cluster mode: writes and reads through a node against "
+                                       f"the bare log and the single process (sync_interval "
+                                       f"{r['sync']}), same run")
+    _cdf(ack, r["bare_puback"], "bare R3 PubAck (baseline)", "ms", **BASELINE)
+    _cdf(ack, r["bridge_puback"], "publish from trio via the asyncio thread", "ms", color="C0")
+    _cdf(ack, r["durable_add_turn"], "add_turn(durable=True) via a node", "ms", color="C1")
+    _cdf(ack, r["single_durable"], "single process, durable (fsynced LMDB)", "ms", color="C2")
+    ack.set_title(f"durable ack: p50 {r['durable_over_bare_p50_ms']:+.2f} ms, p99 "
+                  f"{r['durable_over_bare_p99_ratio']:.2f}x the bare PubAck", fontsize=9)
+    _cdf(lag, r["ryw_single"], "single process: write + recall (baseline)", "ms", **BASELINE)
+    _cdf(lag, r["write_to_applied"], f"publish -> applied on the owner, {r['rate']:g}/s", "ms",
+         color="C0")
+    _cdf(lag, r["ryw_cluster"], "write -> recall after the owner's watermark", "ms",
+         color="C1")
+    lag.set_title("read-your-writes", fontsize=9)
+    _bars(rate, ["R3 publishes in flight", "buffered add_turn via a node", "single process"],
+          [r["bare_async_rate"], r["buffered_rate"], r["single_rate"]], "turns/s", baseline=0)
+    rate.set_title(f"ingest: buffered {r['buffered_over_bare_async']:.2f}x the in-flight "
+                   "publishes", fontsize=9)
+    return fig
+
+
+def cluster_faults(r: dict[str, Any]) -> Figure:
+    s, a = r["summary"], r["args"]
+    panels = 3 if "ryw" in r else 2
+    fig, axes = _panels(panels, f"Cluster faults: {s['runs']} runs of {a['writers']} writers at "
+                                f"{a['rate']:g} turns/s for {a['seconds']:g} s, kill -9 of log "
+                                f"servers and nodes (lease TTL {a['ttl']:g} s)")
+    times, runs = axes[0], axes[1]
+    kinds = [("writes_back_s", "leader kill:\nwrites back"),
+             ("claimed_s", "owner kill:\nclaimed"), ("caught_up_s", "owner kill:\ncaught up"),
+             ("restart_s", "restart\n(within TTL?)")]
+    for i, (key, label) in enumerate(kinds):
+        values = s.get(key) or []
+        times.scatter([i] * len(values), values, color=f"C{i}", alpha=0.7, s=18)
+        if values:
+            times.annotate(f"max {max(values):.1f}", (i, max(values)), fontsize=7,
+                           textcoords="offset points", xytext=(6, 0))
+    times.axhline(a["ttl"], **BASELINE, label=f"lease TTL {a['ttl']:g} s")
+    times.set_xticks(range(len(kinds)), [label for _, label in kinds], fontsize=7)
+    times.set_ylabel("seconds")
+    times.legend(fontsize=7)
+    times.set_title("failover times, one dot per run", fontsize=9)
+    each = r["each"]
+    xs = [e["run"] for e in each]
+    runs.bar(xs, [e["acked_turns"] for e in each],
+             color=["C0" if e["kind"] == "leader" else "C1" for e in each])
+    runs.set_xticks(xs, [str(x) for x in xs])
+    runs.set_xlabel("run (blue: leader server killed, orange: owner node killed)")
+    runs.set_ylabel("acknowledged turns")
+    runs.set_title(f"{s['acked_turns']:,} acknowledged: {s['lost']} lost, {s['duplicated']} "
+                   f"duplicated, {s['users_unlike_log']} users unlike the log", fontsize=9)
+    if "ryw" in r:
+        w = r["ryw"]
+        _cdf(axes[2], w["read_plain"], "read without min_seq (baseline)", "ms", **BASELINE)
+        _cdf(axes[2], w["read_min_seq"], "read with min_seq = the write's log_seq", "ms",
+             color="C0")
+        axes[2].set_title(f"read-your-writes: {w['found']:,} of {w['pairs']:,} found, "
+                          f"{w['retried']} reads repeated", fontsize=9)
+    return fig
+
+
 DRAWERS: dict[str, Callable[[dict[str, Any]], Figure]] = {
     "ingest": ingest, "recall-quality": recall_quality, "recall-latency": recall_latency,
     "embed": embed, "embed-throughput": embed_throughput, "embed-quality": embed_quality,
     "snapshot": snapshot, "crash": crash, "forget": forget, "rebuild": rebuild,
     "bridges": bridges, "http": http, "durable": durable, "memory": memory,
+    "cluster": cluster, "cluster-faults": cluster_faults,
 }

@@ -21,14 +21,14 @@ Measured, in order (one publisher):
   ryw                a durable write then recall(min_seq=...) through the node's HTTP router
                      on the owner, against the single-process write + recall
 
-Prints a table and writes JSON (--out, default bench/results/cluster.json).
+Prints a table and writes JSON and its picture (--out, default
+bench/results/cluster.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import sys
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from _report import machine, percentiles
+from _report import percentiles, write_results
 
 from engine import Engine, HashEmbedder
 from engine.cluster import ClusterConfig, ClusterEngine, LocalNats, Log, Node
@@ -47,10 +47,6 @@ from engine.cluster import LogTurn, encode_entry, partition_of, subject_of
 
 CONFIG = {"long_term": False}  # the log path, not the background layer, is under test
 PARTITIONS = 8
-
-
-def ms(values: list[float]) -> dict[str, float]:
-    return percentiles(values, 1e3, "ms")
 
 
 def entry(i: int, tag: str) -> tuple[str, bytes, str]:
@@ -98,14 +94,14 @@ async def through_node(urls: list[str], config: ClusterConfig, store: Path, n: i
                 subject, payload, msg_id = entry(i, "bridge")
                 await log.publish(subject, payload, msg_id)
                 times.append(time.perf_counter() - t)
-            out["bridge_puback"] = ms(times)
+            out["bridge_puback"] = percentiles(times, 1e3, "ms")
             times = []
             for i in range(n):
                 t = time.perf_counter()
                 await writer.add_turn(f"user-{i % 50}", "s1", "user",
                                       f"durable turn number {i} about Lisbon", durable=True)
                 times.append(time.perf_counter() - t)
-            out["durable_add_turn"] = ms(times)
+            out["durable_add_turn"] = percentiles(times, 1e3, "ms")
             total = n * 5
             t = time.perf_counter()
             receipts = [await writer.add_turn(f"user-{i % 50}", "s2", "user",
@@ -135,7 +131,7 @@ async def through_node(urls: list[str], config: ClusterConfig, store: Path, n: i
                     lags.append(time.perf_counter() - t)
                     i += 1
                     await trio.sleep(max(0.0, gap - (time.perf_counter() - t)))
-                out["write_to_applied"] = ms(lags)
+                out["write_to_applied"] = percentiles(lags, 1e3, "ms")
                 # Read-your-writes: durable write, then recall once the owner's watermark
                 # passed it (what the router does for ?min_seq=), against single-process.
                 times = []
@@ -149,7 +145,7 @@ async def through_node(urls: list[str], config: ClusterConfig, store: Path, n: i
                     hits = await engine.recall(user, f"zq{i}kestrel", limit=10)
                     times.append(time.perf_counter() - t)
                     assert any(receipt.turn_id == h.id for h in hits), "read-your-writes missed"
-                out["ryw_cluster"] = ms(times)
+                out["ryw_cluster"] = percentiles(times, 1e3, "ms")
                 nursery.cancel_scope.cancel()
             out["figures"] = {k: v for k, v in node.figures().items() if k != "watermarks"}
             out["figures"]["last_buffered_seq"] = last
@@ -182,7 +178,7 @@ async def single_process(store: Path, n: int) -> dict[str, Any]:
             await engine.add_turn(f"user-{i % 50}", "s1", "user",
                                   f"durable turn number {i} about Lisbon", durable=True)
             times.append(time.perf_counter() - t)
-        out["single_durable"] = ms(times)
+        out["single_durable"] = percentiles(times, 1e3, "ms")
         total = n * 5
         t = time.perf_counter()
         for i in range(total):
@@ -198,7 +194,7 @@ async def single_process(store: Path, n: int) -> dict[str, Any]:
             hits = await engine.recall(user, f"zq{i}kestrel", limit=10)
             times.append(time.perf_counter() - t)
             assert any(receipt.turn_id == h.id for h in hits), "read-your-writes missed"
-        out["ryw_single"] = ms(times)
+        out["ryw_single"] = percentiles(times, 1e3, "ms")
     return out
 
 
@@ -220,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             log_setup = trio.run(_setup, servers.urls, config)
             results["stream"] = log_setup
             times, rate = asyncio.run(bare_puback(servers.urls, config.stream, n))
-            results["bare_puback"] = ms(times)
+            results["bare_puback"] = percentiles(times, 1e3, "ms")
             results["bare_async_rate"] = rate
             results.update(trio.run(through_node, servers.urls, config, base / "node", n,
                                     args.rate, seconds))
@@ -232,13 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["durable_over_bare_p99_ratio"] = durable["p99_ms"] / bare["p99_ms"]
     results["buffered_over_bare_async"] = results["buffered_rate"] / results["bare_async_rate"]
     report(results)
-    # The JSON only: bench/_plots.py has no drawer for this bench yet (write_results would
-    # refuse the bench name when it draws).
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bench": "cluster", **results, "machine": machine()}, indent=2)
-                   + "\n")
-    print(f"wrote {out}")
+    write_results(args.out, results, "cluster")
     return results
 
 

@@ -105,6 +105,25 @@ def fixtures() -> dict[str, dict]:
         "memory": {"results": [{"memories": n, "users": users, "raw_bytes": n * 1640,
                                 "anon_growth": n * 2000, "file_growth": n * 900}
                                for n in (10_000, 100_000) for users in (1, 1000)]},
+        "cluster": {"sync": "always", "n": 300, "rate": 500.0,
+                    "bare_puback": dist(rng, 1.4, "ms"), "bridge_puback": dist(rng, 1.6, "ms"),
+                    "durable_add_turn": dist(rng, 1.6, "ms"),
+                    "single_durable": dist(rng, 2.0, "ms"),
+                    "write_to_applied": dist(rng, 6, "ms"), "ryw_cluster": dist(rng, 14, "ms"),
+                    "ryw_single": dist(rng, 9, "ms"), "bare_async_rate": 7000.0,
+                    "buffered_rate": 3000.0, "single_rate": 1700.0,
+                    "durable_over_bare_p50_ms": 0.2, "durable_over_bare_p99_ratio": 1.4,
+                    "buffered_over_bare_async": 0.43},
+        "cluster-faults": {
+            "args": {"writers": 8, "rate": 750.0, "seconds": 40.0, "ttl": 5.0},
+            "each": [{"run": i, "kind": ("leader", "owner")[i % 2], "acked_turns": 29_000}
+                     for i in range(4)],
+            "summary": {"runs": 4, "acked_turns": 116_000, "lost": 0, "duplicated": 0,
+                        "users_unlike_log": 0, "writes_back_s": [5.1, 6.2],
+                        "claimed_s": [5.4, 5.9], "caught_up_s": [6.0, 6.3],
+                        "restart_s": [3.0, 3.5, 4.1, 4.0]},
+            "ryw": {"pairs": 1000, "found": 1000, "retried": 3,
+                    "read_min_seq": dist(rng, 8, "ms"), "read_plain": dist(rng, 7, "ms")}},
     }
 
 

