@@ -14,7 +14,8 @@ Measured, in order (one publisher):
   single_durable     the single-process engine's add_turn(durable=True) (fsynced LMDB)
   bare_async_rate    publishes in flight (nats-py publish_async), turns/s
   buffered_rate      ClusterEngine.add_turn(durable=False) as fast as it goes, then every
-                     PubAck awaited: turns/s (target >= 0.6x bare_async_rate)
+                     PubAck awaited: turns/s (target >= 0.6x bare_async_rate); both rates
+                     with this process's CPU per turn (*_cpu_us), which load moves less
   single_rate        the single-process engine's buffered add_turn, turns/s
   apply_lag          publish -> applied on the owner (the node's watermark passes it) at
                      --rate turns/s
@@ -57,8 +58,10 @@ def entry(i: int, tag: str) -> tuple[str, bytes, str]:
     return subject_of(turn.user_id, PARTITIONS), encode_entry(turn), turn.turn_id
 
 
-async def bare_puback(urls: list[str], stream: str, n: int) -> tuple[list[float], float]:
-    """Sequential R3 publishes on a plain asyncio loop; then the in-flight rate."""
+async def bare_puback(urls: list[str], stream: str, n: int
+                      ) -> tuple[list[float], float, float]:
+    """Sequential R3 publishes on a plain asyncio loop; then the in-flight rate and this
+    process's CPU microseconds per publish (a figure the machine's load barely moves)."""
     import nats
 
     nc = await nats.connect(servers=urls)
@@ -71,13 +74,14 @@ async def bare_puback(urls: list[str], stream: str, n: int) -> tuple[list[float]
         times.append(time.perf_counter() - t)
     total = n * 5
     prepared = [entry(i, "bare-async") for i in range(total)]
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     for subject, payload, msg_id in prepared:
         await js.publish_async(subject, payload, headers={"Nats-Msg-Id": msg_id})
     await js.publish_async_completed()
     rate = total / (time.perf_counter() - t)
+    cpu_us = (time.process_time() - cpu) / total * 1e6
     await nc.close()
-    return times, rate
+    return times, rate, cpu_us
 
 
 async def through_node(urls: list[str], config: ClusterConfig, store: Path, n: int,
@@ -103,12 +107,13 @@ async def through_node(urls: list[str], config: ClusterConfig, store: Path, n: i
                 times.append(time.perf_counter() - t)
             out["durable_add_turn"] = percentiles(times, 1e3, "ms")
             total = n * 5
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.process_time()
             receipts = [await writer.add_turn(f"user-{i % 50}", "s2", "user",
                                               f"buffered turn {i}") for i in range(total)]
             for receipt in receipts:
                 await receipt.durable()
             out["buffered_rate"] = total / (time.perf_counter() - t)
+            out["buffered_cpu_us"] = (time.process_time() - cpu) / total * 1e6
 
             node = Node(engine, log, "bench", "http://127.0.0.1:1")
             async with trio.open_nursery() as nursery:
@@ -215,9 +220,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with LocalNats(base / "nats", 3, sync_always=args.sync == "always") as servers:
             log_setup = trio.run(_setup, servers.urls, config)
             results["stream"] = log_setup
-            times, rate = asyncio.run(bare_puback(servers.urls, config.stream, n))
+            times, rate, cpu_us = asyncio.run(bare_puback(servers.urls, config.stream, n))
             results["bare_puback"] = percentiles(times, 1e3, "ms")
             results["bare_async_rate"] = rate
+            results["bare_async_cpu_us"] = cpu_us
             results.update(trio.run(through_node, servers.urls, config, base / "node", n,
                                     args.rate, seconds))
         results.update(trio.run(single_process, base / "single", n))
@@ -248,6 +254,8 @@ def report(r: dict[str, Any]) -> None:
           f"p99 x{r['durable_over_bare_p99_ratio']:.2f}")
     for name in ("bare_async_rate", "buffered_rate", "single_rate"):
         print(f"  {name:<18} {r[name]:9.0f} turns/s")
+    print(f"  this process's CPU per turn: bare publish_async {r['bare_async_cpu_us']:.1f} us, "
+          f"buffered add_turn {r['buffered_cpu_us']:.1f} us")
     print(f"  buffered / bare async: {r['buffered_over_bare_async']:.2f}x")
 
 

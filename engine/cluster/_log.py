@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import functools
 import io
 import logging
@@ -26,13 +25,14 @@ import msgspec
 import nats
 import nats.errors
 import nats.js.errors
+import trio
 from nats.js import api
 
 from ..errors import EngineClosed, EngineError, InvalidInput
 from ._loop import AsyncioThread
 from ._partition import DEFAULT_PARTITIONS, SUBJECT_ROOT, partition_subjects
 
-__all__ = ["ClusterConfig", "Log", "LogUnavailable", "Delivery", "TRANSIENT"]
+__all__ = ["ClusterConfig", "Log", "LogUnavailable", "Delivery", "Pending", "TRANSIENT"]
 
 log = logging.getLogger("engine.cluster")
 
@@ -141,13 +141,43 @@ PUBLISH_TIMEOUT = 2.0  # seconds one attempt waits for its PubAck
 RETRY_PAUSE = (0.05, 0.1, 0.2, 0.4, 0.5)  # seconds between attempts, the last one repeated
 
 
-def _settle(future: concurrent.futures.Future, task: asyncio.Task) -> None:
-    if task.cancelled():
-        future.cancel()
-    elif task.exception() is not None:
-        future.set_exception(task.exception())
-    else:
-        future.set_result(task.result())
+class Pending:
+    """A buffered publish's outcome, as trio waits for it: filled on the trio thread, many
+    at a time (one wake-up of trio per batch of PubAcks, not one per publish)."""
+
+    __slots__ = ("result", "error", "done", "_event")
+
+    def __init__(self) -> None:
+        self.result: tuple[int, bool] | None = None
+        self.error: BaseException | None = None
+        self.done = False
+        self._event: trio.Event | None = None  # made by a waiter; set once done
+
+    async def wait(self) -> tuple[int, bool]:
+        """``(stream sequence, was a duplicate)`` once the log acknowledged the entry.
+
+        Raises:
+            LogUnavailable (or what the retrying publish raised): no PubAck in time.
+        """
+        if self.done:
+            await trio.lowlevel.checkpoint()
+        else:
+            if self._event is None:
+                self._event = trio.Event()
+            await self._event.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+def _settle_all(batch: list[tuple[Pending, tuple[int, bool] | None, BaseException | None]]
+                ) -> None:
+    """Runs on the trio thread: the outcomes the asyncio thread gathered."""
+    for pending, result, error in batch:
+        pending.result, pending.error, pending.done = result, error, True
+        if pending._event is not None:
+            pending._event.set()
 
 
 class _Client:
@@ -158,8 +188,14 @@ class _Client:
         self.config = config
         # Buffered publishes queued from trio, taken by flush_buffered on the asyncio thread:
         # one cross-thread wake-up per burst instead of one per turn.
-        self.buffered: collections.deque[tuple[str, bytes, str, Any]] = collections.deque()
+        self.buffered: collections.deque[tuple[str, bytes, str, Pending]] = collections.deque()
         self.flush_scheduled = False
+        self.sending = False  # a task is sending the buffered publishes (asyncio thread)
+        # Outcomes of buffered publishes not yet handed to trio, and whether a hand-over is
+        # scheduled (both on the asyncio thread).
+        self.settled: list[tuple[Pending, tuple[int, bool] | None, BaseException | None]] = []
+        self.deliver_scheduled = False
+        self.trio_token: trio.lowlevel.TrioToken | None = None  # where outcomes are handed
         self.nc: Any = None
         self.js: Any = None
         self.kv: Any = None
@@ -237,26 +273,70 @@ class _Client:
             await asyncio.sleep(RETRY_PAUSE[min(attempt, len(RETRY_PAUSE) - 1)])
             attempt += 1
 
-    async def publish_pipelined(self, subject: str, payload: bytes, msg_id: str
-                                ) -> tuple[int, bool]:
-        """``publish`` without waiting for each PubAck before the next publish goes out
-        (nats-py's publish_async); on any failure, the retrying ``publish`` with the same id."""
-        try:
-            ack = await (await self.js.publish_async(subject, payload,
-                                                     headers={"Nats-Msg-Id": msg_id}))
-            return ack.seq, bool(ack.duplicate)
-        except (*_RETRY, nats.js.errors.APIError):
-            return await self.publish(subject, payload, msg_id)
-
     def flush_buffered(self) -> None:
-        """Start a pipelined publish for every entry queued by :meth:`Log.publish_soon`
-        (runs on the asyncio thread, once per wake-up however many are queued)."""
+        """Send every entry queued by :meth:`Log.publish_soon` (runs on the asyncio thread,
+        once per wake-up however many are queued): one task sends them all in order."""
         self.flush_scheduled = False
+        if not self.sending:
+            self.sending = True
+            asyncio.ensure_future(self._send_buffered())
+
+    async def _send_buffered(self) -> None:
+        """Pipelined publishes (nats-py's publish_async, no wait for each PubAck before the
+        next goes out, no task per publish); a publish that fails, or whose PubAck does, is
+        retried by the retrying ``publish`` with the same id."""
         queue = self.buffered
-        while queue:
-            subject, payload, msg_id, future = queue.popleft()
-            task = asyncio.ensure_future(self.publish_pipelined(subject, payload, msg_id))
-            task.add_done_callback(functools.partial(_settle, future))
+        try:
+            while queue:
+                subject, payload, msg_id, pending = queue.popleft()
+                try:
+                    ack = await self.js.publish_async(subject, payload,
+                                                      headers={"Nats-Msg-Id": msg_id})
+                except (*_RETRY, nats.js.errors.APIError):
+                    self._retry(subject, payload, msg_id, pending)
+                    continue
+                ack.add_done_callback(functools.partial(self._acked, subject, payload, msg_id,
+                                                        pending))
+        finally:
+            self.sending = False
+
+    def _acked(self, subject: str, payload: bytes, msg_id: str, pending: Pending,
+               ack: asyncio.Future) -> None:
+        if ack.cancelled() or ack.exception() is not None:
+            self._retry(subject, payload, msg_id, pending)
+            return
+        result = ack.result()
+        self._settle(pending, (result.seq, bool(result.duplicate)), None)
+
+    def _retry(self, subject: str, payload: bytes, msg_id: str, pending: Pending) -> None:
+        self.retries += 1
+        task = asyncio.ensure_future(self.publish(subject, payload, msg_id))
+
+        def done(task: asyncio.Task) -> None:
+            if task.cancelled():
+                self._settle(pending, None, EngineClosed("the log closed before the PubAck"))
+            else:
+                error = task.exception()
+                self._settle(pending, None if error else task.result(), error)
+
+        task.add_done_callback(done)
+
+    def _settle(self, pending: Pending, result: tuple[int, bool] | None,
+                error: BaseException | None) -> None:
+        """Gather an outcome; those of one turn of the asyncio loop go to trio together."""
+        self.settled.append((pending, result, error))
+        if not self.deliver_scheduled:
+            self.deliver_scheduled = True
+            asyncio.get_running_loop().call_soon(self._deliver)
+
+    def _deliver(self) -> None:
+        batch, self.settled, self.deliver_scheduled = self.settled, [], False
+        if self.trio_token is None:
+            return
+        try:
+            self.trio_token.run_sync_soon(_settle_all, batch)
+        except trio.RunFinishedError:
+            pass  # the trio run ended: nobody waits for these any more
 
     async def subscribe(self, partition: int, start: int, name: str) -> Any:
         """A fresh pull consumer on one partition from stream sequence ``start``: ephemeral,
@@ -420,25 +500,27 @@ class Log:
         """
         return await self.thread.run(self._client.publish, subject, payload, msg_id)
 
-    def publish_soon(self, subject: str, payload: bytes, msg_id: str
-                     ) -> concurrent.futures.Future:
-        """Start a publish without waiting; returns its ``concurrent.futures.Future`` of
-        ``(stream sequence, was a duplicate)``. Publishes queued together go out pipelined,
-        after one wake-up of the asyncio thread.
+    def publish_soon(self, subject: str, payload: bytes, msg_id: str) -> Pending:
+        """Start a publish without waiting (from trio); returns its :class:`Pending`, whose
+        ``wait()`` gives ``(stream sequence, was a duplicate)``. Publishes queued together go
+        out pipelined, after one wake-up of the asyncio thread; their PubAcks come back to
+        trio in batches.
 
         Raises:
             EngineClosed: the log's loop is stopped.
         """
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        pending = Pending()
         client = self._client
-        client.buffered.append((subject, payload, msg_id, future))
+        if client.trio_token is None:
+            client.trio_token = trio.lowlevel.current_trio_token()
+        client.buffered.append((subject, payload, msg_id, pending))
         if not client.flush_scheduled:
             client.flush_scheduled = True
             loop = self.thread.loop
             if loop is None:
                 raise EngineClosed("the NATS client's loop is stopped")
             loop.call_soon_threadsafe(client.flush_buffered)
-        return future
+        return pending
 
     async def subscribe(self, partition: int, start: int, name: str) -> Any:
         return await self.thread.run(self._client.subscribe, partition, start, name)

@@ -39,8 +39,7 @@ from ._bootstrap import drop_local, restore
 from ._bootstrap import take as take_snapshot
 from ._figures import NodeStats, PartitionCounts, PartitionStats, render_metrics
 from ._leases import Leases
-from ._log import TRANSIENT, Log, LogUnavailable
-from ._loop import wait_future
+from ._log import TRANSIENT, Log, LogUnavailable, Pending
 from ._partition import partition_of, subject_of
 
 __all__ = ["Node", "ClusterEngine", "ClusterReceipt", "Router", "NotInCluster"]
@@ -70,13 +69,14 @@ class ClusterReceipt:
         log_seq: the stream sequence, once the log acknowledged it (None before).
     """
 
-    __slots__ = ("turn_id", "seq", "log_seq", "_future")
+    __slots__ = ("turn_id", "seq", "log_seq", "_pending")
 
-    def __init__(self, turn_id: str, log_seq: int | None = None, future: Any = None) -> None:
+    def __init__(self, turn_id: str, log_seq: int | None = None,
+                 pending: Pending | None = None) -> None:
         self.turn_id = turn_id
         self.seq = None
         self.log_seq = log_seq
-        self._future = future
+        self._pending = pending
 
     async def durable(self) -> None:
         """Return once the log's quorum holds the turn (``log_seq`` is then set).
@@ -85,7 +85,8 @@ class ClusterReceipt:
             LogUnavailable: the log took no PubAck within the retry time.
         """
         if self.log_seq is None:
-            self.log_seq = (await wait_future(self._future))[0]
+            assert self._pending is not None
+            self.log_seq = (await self._pending.wait())[0]
 
     def __repr__(self) -> str:
         return f"ClusterReceipt(turn_id={self.turn_id!r}, log_seq={self.log_seq})"

@@ -201,3 +201,44 @@ async def test_buffered_writes_go_out_pipelined_in_order_and_all_resolve(
             assert [t.turn_id for t in turns] == [r.turn_id for r in receipts]
     finally:
         await log.close()
+
+
+async def test_a_buffered_publish_whose_puback_is_lost_is_retried_under_its_id(
+        nats_servers, cluster_config, tmp_path: Path) -> None:
+    """The log stores a buffered turn but its PubAck never arrives: the publish is sent
+    again with the same id, the stream keeps one copy, and the receipt resolves with the
+    first copy's sequence like every other."""
+    import asyncio
+
+    import nats.errors
+
+    config = msgspec.structs.replace(cluster_config, partitions=1)
+    log = await connect(nats_servers, config)
+    lost: list[str] = []
+    js = log._client.js
+    real = js.publish_async
+
+    async def losing_one_ack(subject, payload, **kwargs):
+        ack = await real(subject, payload, **kwargs)
+        if lost:
+            return ack
+        lost.append(kwargs["headers"]["Nats-Msg-Id"])
+        await ack  # stored on a quorum; only the answer goes missing
+        missing = asyncio.get_running_loop().create_future()
+        missing.set_exception(nats.errors.TimeoutError())
+        return missing
+
+    js.publish_async = losing_one_ack
+    try:
+        async with open_engine(tmp_path / "store", config={"long_term": False}) as engine:
+            writer = ClusterEngine(engine, log)
+            receipts = [await writer.add_turn("ana", "s1", "user", f"buffered {i}")
+                        for i in range(50)]
+            for receipt in receipts:
+                await receipt.durable()
+            assert lost and log.retries >= 1
+            seqs = [r.log_seq for r in receipts]
+            assert seqs == sorted(seqs) and len(set(seqs)) == 50
+            assert await log.last_seq() == seqs[-1] == 50  # one copy each
+    finally:
+        await log.close()
