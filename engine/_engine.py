@@ -809,13 +809,18 @@ class Engine:
         return await getattr(self, method)(user_id, **args)
 
     async def forget_session(self, user_id: str, session_id: str) -> None:
-        """Delete a session and all its turns; returns once the deletion is on disk (the
-        next ``flush`` returns once its bytes have left the index files too)."""
+        """Delete a session and all its turns; returns once the deletion is on disk.
+
+        Once the next ``flush`` (or a clean close) returns, no byte of what it removed (its
+        text, ids and vectors) is in any file of the store: ``data.mdb`` (free pages and the
+        free space inside pages included), the text index, saved graphs, or a snapshot taken
+        after. ``flush`` waits meanwhile for a reader of another process holding a snapshot
+        from before the deletion; after a crash, the next open finishes it."""
         await self._forgetting.forget_session(user_id, session_id)
 
     async def forget_user(self, user_id: str) -> None:
-        """Delete everything of a user; returns once the deletion is on disk (the next
-        ``flush`` returns once its bytes have left the index files too)."""
+        """Delete everything of a user; returns once the deletion is on disk. What is
+        promised once the next ``flush`` returns: as for :meth:`forget_session`."""
         await self._forgetting.forget_user(user_id)
 
     # -- embeddings --------------------------------------------------------------------------
@@ -928,7 +933,7 @@ class Engine:
         (the vector index too, with background embedding on), and the long-term layer has
         taken it in: its facts extracted, its entities registered, the episodes it completes
         made, and those indexed too. What forgets and deleted notes removed before the call
-        has left the text index and the saved graphs by then (see ``engine/_forget.py``).
+        has left every file of the store by then (see ``engine/_forget.py``).
 
         Raises:
             RecordRefused: a record logged before the call could not be written (its lsn and

@@ -1,12 +1,16 @@
 """Forget means gone: after a deletion, the bytes it removed leave every file of the store.
 
 A forget (or a deleted note) commits at once; what it removed can still sit in three places,
-which the Scrubber clears in the background, and which ``Engine.flush`` waits for:
+which the Scrubber clears in the background, and which ``Engine.flush`` (and a clean close)
+waits for:
 
 - the text index: tantivy marks a deleted document and keeps its terms in the segment until
   a merge, so the segments holding deletions are indexed again (``FullText.purge``);
-- LMDB's free pages: the pages that held the records before the deletion's copy-on-write
-  keep their bytes until reused, so they are overwritten with zeros (``Store.scrub``);
+- LMDB's file: the old copies of the pages the deletion changed (free pages), the free space
+  inside pages, overflow tails and padding, where LMDB leaves bytes of any record it wrote
+  from a reused page buffer; ``Store.scrub`` opens the environment afresh (no old buffers)
+  and overwrites all of that with zeros in place (``actors/store/pages.py``), honouring the
+  snapshots readers of any process hold, so it waits for a reader older than the deletion;
 - saved hnswlib graphs: dropped, or scrubbed in memory, by the AnnIndex as the deletion
   commits (``AnnIndex.removed``), so that is done before the Scrubber runs.
 

@@ -15,7 +15,7 @@ from .records import Turn
 __all__ = ["AppendTurn", "Forget", "PutVectors", "PutLink", "PutNote", "DeleteNote", "WriteSummary",
            "PutEpisode", "PutFact", "PutState", "Searchable",
            "EmbedRequest",
-           "StoreOp", "EmbedderOp", "ScrubFreePages"]
+           "StoreOp", "EmbedderOp", "ScrubDone"]
 
 
 class AppendTurn(msgspec.Struct, frozen=True, tag=True):
@@ -54,16 +54,14 @@ class Forget(msgspec.Struct, frozen=True, tag=True):
     committed: Any = None
 
 
-class ScrubFreePages(msgspec.Struct, frozen=True, tag=True):
-    """One step of scrubbing what deletions left in LMDB's pages (see ``Store.scrub``):
-    ``touch`` rewrites the pages around the deleted users' keys (a page written afresh has
-    nothing in its free space), ``fill`` overwrites every free page LMDB may reuse with zeros,
-    ``clear`` gives the zeroed pages back and clears the scrub marker. ``done`` is set once
-    committed; ``committed`` gets what the writer reported. Derived upkeep: no log position."""
+class ScrubDone(msgspec.Struct, frozen=True, tag=True):
+    """A scrub (``Store.scrub``) took out of the store's file what the deletions before it
+    removed: clear the scrub marker if it still reads ``marker`` (a deletion since changed
+    it, and asks for a scrub of its own). ``done`` is set once committed. Derived upkeep: no
+    log position."""
 
-    stage: str
+    marker: bytes
     done: Any = None
-    committed: Any = None
 
     lsn = None  # not part of the log
 
@@ -224,6 +222,6 @@ class EmbedRequest(msgspec.Struct, frozen=True, tag=True):
     reply: Any
 
 
-StoreOp = (AppendTurn | Forget | ScrubFreePages | PutVectors | PutLink | PutNote | DeleteNote
+StoreOp = (AppendTurn | Forget | ScrubDone | PutVectors | PutLink | PutNote | DeleteNote
            | WriteSummary | PutEpisode | PutFact | PutState)
 EmbedderOp = EmbedRequest

@@ -12,8 +12,8 @@ meta       ``schema`` / ``last_lsn`` /             8-byte big-endian integers
 meta       ``model``                               ModelInfo (msgpack): id and dimension
 meta       ``embed_backlog``                       8-byte lsns behind ``embedded_lsn`` still
                                                    without a vector (schema 4's migration)
-meta       ``scrub_pending``                       msgpack list of the key prefixes of users
-                                                   deleted from since the last scrub
+meta       ``scrub_pending``                       8-byte count of the deletions since the last
+                                                   scrub (older builds: a list of user prefixes)
 meta       ``chain_head``                          the hash chain's head (:mod:`.integrity`)
 sessions   user NUL session                        SessionInfo (msgpack)
 turns      user NUL session NUL seq(8 bytes)       Turn (msgpack)
@@ -87,10 +87,11 @@ _MODEL_KEY = b"model"
 # migration found missing; the embedder embeds them before following the log.
 EMBED_BACKLOG_KEY = b"embed_backlog"
 HEAD_KEY = b"chain_head"  # the chain's head: last lsn (8) + digest (16) + MAC (32, if keyed)
-# Set in the transaction of every forget, cleared once the free pages were overwritten: a
-# crash in between leaves it, and the next engine scrubs again.
+# Set in the transaction of every forget, cleared once the file was scrubbed: a crash in
+# between leaves it, and the next engine scrubs again.
 SCRUB_KEY = b"scrub_pending"
-_SCRUB_FILL = b"\xffscrub"  # + 8-byte counter: the zero values a fill writes, in meta
+SCRUB_STEP_KEY = b"scrub_step"  # written and deleted in one transaction: a commit, no record
+_SCRUB_FILL = b"\xffscrub"  # + 8-byte counter: zero values an older build's scrub wrote
 
 
 def open_databases(env: lmdb.Environment, txn: Any = None) -> dict[bytes, Any]:

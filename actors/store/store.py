@@ -39,7 +39,7 @@ from ..base.messages import (
     PutNote,
     PutState,
     PutVectors,
-    ScrubFreePages,
+    ScrubDone,
     StoreOp,
     WriteSummary,
 )
@@ -98,12 +98,6 @@ class Store(Writer, Appliers, Forgetting):
         self.embedded_lsn = 0  # the persisted embedding watermark, as read at open
         self.embed_backlog: list[int] = []  # lsns behind it still without a vector, at open
         self.scrub_pending = False  # a forget's freed pages may still hold its bytes (at open)
-        # The last transaction that freed pages holding deleted records: a reader holding a
-        # snapshot from before it keeps LMDB from reusing (and so overwriting) those pages.
-        self._freed_txnid = 0
-        self._touched: list[bytes] = []  # the users' key prefixes the last touch rewrote
-        self._touch_plan: list[tuple[bytes, bytes]] | None = None  # (prefix, db) left to touch
-        self._touch_from: bytes | None = None  # where the touch of the plan's first resumes
         self._env: lmdb.Environment | None = None
         self._dbs: dict[bytes, Any] = {}
         self._names: dict[Any, bytes] = {}  # database handle -> name, for CheckedTxn
@@ -164,7 +158,7 @@ class Store(Writer, Appliers, Forgetting):
             DeleteNote: self._delete_note_in, WriteSummary: self._write_summary_in,
             PutEpisode: self._put_episode_in, PutFact: self._put_fact_in,
             PutState: self._put_state_in, PutLink: self._put_link_in,
-            ScrubFreePages: self._scrub_in,
+            ScrubDone: self._scrub_done_in,
         }
         self._write_limiter = trio.CapacityLimiter(1)
         self._read_limiter = trio.CapacityLimiter(READ_THREADS)
@@ -213,20 +207,7 @@ class Store(Writer, Appliers, Forgetting):
         self.path.mkdir(parents=True, exist_ok=True)
         check_file(self.path)
         try:
-            env = lmdb.open(
-                str(self.path),
-                map_size=self._config.initial_map_bytes,
-                max_dbs=MAX_DBS,
-                max_readers=MAX_READERS,
-                # Data pages are fdatasynced before the meta page that points at them is
-                # written; the meta page waits for the next flush (writer.py: batches land
-                # after it). LMDB: "maintains database integrity, but a system crash may undo
-                # the last committed transaction" -- one whose receipts were not released.
-                sync=self._config.fsync,
-                metasync=False,
-                writemap=False,
-                map_async=False,
-            )
+            env = self._lmdb_open(self._config.initial_map_bytes)
         except lmdb.Error as exc:
             raise StoreIncompatible(f"cannot open an LMDB store at {self.path}: {exc}") from exc
         try:
@@ -240,7 +221,6 @@ class Store(Writer, Appliers, Forgetting):
                 self._next_lsn = (_int(txn.get(_LAST_LSN_KEY, db=meta)) or 0) + 1
                 self.embedded_lsn = _int(txn.get(_EMBEDDED_KEY, db=meta)) or 0
                 self.scrub_pending = txn.get(SCRUB_KEY, db=meta) is not None
-                self._freed_txnid = txn.id()
                 backlog = array("Q", txn.get(EMBED_BACKLOG_KEY, db=meta) or b"")
                 backlog.byteswap()
                 self.embed_backlog = backlog.tolist()
@@ -249,6 +229,55 @@ class Store(Writer, Appliers, Forgetting):
             raise
         self._committed_lsn = self._next_lsn - 1
         return env
+
+    def _lmdb_open(self, map_size: int) -> lmdb.Environment:
+        return lmdb.open(
+            str(self.path),
+            map_size=map_size,
+            max_dbs=MAX_DBS,
+            max_readers=MAX_READERS,
+            # Data pages are fdatasynced before the meta page that points at them is
+            # written; the meta page waits for the next flush (writer.py: batches land
+            # after it). LMDB: "maintains database integrity, but a system crash may undo
+            # the last committed transaction" -- one whose receipts were not released.
+            sync=self._config.fsync,
+            metasync=False,
+            writemap=False,
+            map_async=False,
+        )
+
+    async def _reopen_env(self) -> None:
+        """Close the environment and open it again, with the writer, the flush and every read
+        waiting (none may use it meanwhile; a flush after it covers what the old handle
+        committed: the file is the same). What for: LMDB keeps the page buffers of this
+        process's past write transactions, uncleared, for its next ones; opened afresh it
+        has none (see :meth:`scrub`).
+
+        Raises:
+            EngineBroken: the store could not be opened again.
+        """
+        # The commit loop and the flush loop wait: no write transaction, no env.sync.
+        async with self._write_limiter, self._sync_limiter:
+            await self._enter_exclusive()
+            try:
+                self.check_usable()
+                await trio.to_thread.run_sync(self._reopen_in_thread)
+            finally:
+                self._leave_exclusive()
+
+    def _reopen_in_thread(self) -> None:
+        size = self._env.info()["map_size"]
+        self._env.close()
+        self._env = None
+        try:
+            env = self._lmdb_open(size)
+            with env.begin(write=True) as txn:  # every database exists: this creates none
+                dbs = {name: env.open_db(name, txn=txn) for name in DB_NAMES}
+        except lmdb.Error as exc:
+            raise EngineBroken(f"opening the store at {self.path} again failed: {exc}") from exc
+        self._dbs = dbs
+        self._names = {handle: name for name, handle in dbs.items()}
+        self._env = env
 
     def _open_env_read_only(self) -> lmdb.Environment:
         """The environment for reading only; nothing is created, migrated or adopted."""

@@ -44,6 +44,7 @@ from ..base.messages import (
     PutNote,
     PutState,
     PutVectors,
+    ScrubDone,
     StoreOp,
     WriteSummary,
 )
@@ -411,7 +412,8 @@ class Writer:
         else:
             await trio.lowlevel.checkpoint()
 
-    async def write_unlogged(self, op: PutVectors | PutLink | WriteSummary | PutState) -> None:
+    async def write_unlogged(self, op: PutVectors | PutLink | WriteSummary | PutState
+                             | ScrubDone) -> None:
         """Queue an op that takes no log position and wait for its commit.
 
         Raises:

@@ -4,6 +4,9 @@ snapshot taken after, without waiting for a compact."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,15 +28,10 @@ def _files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file()]
 
 
-def _holding(root: Path, needles: list[bytes], live_lmdb: bool = False) -> list[str]:
-    """The files under ``root`` whose raw bytes contain any of ``needles``; with
-    ``live_lmdb``, leaving out the data file of an LMDB environment the engine wrote in place
-    (LMDB reuses page buffers without clearing them, so a page's free space can keep stale
-    bytes; the engine's scrub removes nearly all, a snapshot or compact all of them)."""
+def _holding(root: Path, needles: list[bytes]) -> list[str]:
+    """The files under ``root`` whose raw bytes contain any of ``needles``."""
     found = []
     for path in _files(root):
-        if live_lmdb and path.name == "data.mdb":
-            continue
         data = path.read_bytes()
         if any(needle in data for needle in needles):
             found.append(str(path.relative_to(root)))
@@ -114,7 +112,7 @@ async def test_forgotten_text_and_vectors_leave_every_file(tmp_path: Path, graph
         else:
             await mem.forget_user("ana")
         await mem.flush()
-        assert _holding(store, needles, live_lmdb=True) == []
+        assert _holding(store, needles) == []
         assert _index_docs_with_marker(store / "fulltext") == 0
         await mem.snapshot(tmp_path / "snap")
         assert _holding(tmp_path / "snap", needles) == []
@@ -124,12 +122,186 @@ async def test_forgotten_text_and_vectors_leave_every_file(tmp_path: Path, graph
         if scope == "session":
             assert len(await mem.session_history("ana", "s2")) == 24
             assert await mem.recall("ana", "weather garden")
-    assert _holding(store, needles, live_lmdb=True) == []
+    assert _holding(store, needles) == []
     assert _index_docs_with_marker(store / "fulltext") == 0
     async with open_engine(store) as mem:
         await mem.flush()
         assert not [h for h in await mem.recall("ana", f"{MARKER} lighthouse keeper")
                     if MARKER in h.text]
-    assert _holding(store, needles, live_lmdb=True) == []
+    assert _holding(store, needles) == []
     await Engine.compact(store)
     assert _holding(store, needles) == []
+
+
+
+VICTIM = "victimqzx"  # a user id found nowhere else, so its bytes can be looked for too
+SESSION = "sessqzx1"  # likewise a session id
+
+
+async def _bystanders(mem: Engine, round_: int, n: int) -> None:
+    for j in range(n):
+        await mem.add_turn(f"by{j % 7}", f"s{round_}-{j % 11}", "user",
+                           f"bystander {round_}.{j} talks about the weather and the garden")
+
+
+async def _marked(mem: Engine, first: int, n: int) -> list[int]:
+    """Turns of the victim's session holding the marker, ten bystander turns after each;
+    every fourth ~3 KB long, so it lands on an overflow page of LMDB. Returns their lsns."""
+    lsns = []
+    for i in range(first, first + n):
+        long = " and the lamp was lit again" * 120 if i % 4 == 0 else ""
+        receipt = await mem.add_turn(VICTIM, SESSION, "user",
+                                     f"{MARKER} was said in turn {i}{long}")
+        lsns.append(receipt.lsn)
+        await _bystanders(mem, i, 10)
+    return lsns
+
+
+async def _live_vectors(mem: Engine, lsns: list[int]) -> list[bytes]:
+    """The victim's stored vector values at these lsns, read through the serving store."""
+    keys = [VICTIM.encode() + b"\x00" + lsn.to_bytes(8, "big") for lsn in lsns]
+
+    def read(txn, dbs):
+        return [txn.get(key, db=dbs[b"vectors"]) for key in keys]
+
+    return await mem._store.read(read)
+
+
+@pytest.mark.parametrize("scope", ["session", "user"])
+async def test_forgotten_bytes_leave_the_live_data_file_among_bystanders(
+        tmp_path: Path, graphs, scope) -> None:
+    """With a few hundred turns of other users written around the forgotten ones by the same
+    process (long ones too, on LMDB's overflow pages), no byte of the marker, of a forgotten
+    vector or of the forgotten ids is in any file of the store, the live data.mdb included,
+    once flush returns after the forget, nor after more ingestion, nor after close."""
+    store = tmp_path / "store"
+    async with open_engine(store) as mem:
+        marked = await _marked(mem, 0, 12)
+        await mem.store_note(VICTIM, f"a note that says {MARKER} too")
+        await _fill(mem, VICTIM, "s2", 20, marked=False)
+        await mem.flush()
+        await mem.recall(VICTIM, "lighthouse")  # a graph for the user, saved at close
+        uv = mem._ann._users[VICTIM]
+        while uv.graph is None or uv.graph_rows < uv.n or uv.writing:
+            await trio.sleep(0.01)
+    ids = [SESSION.encode()] + ([VICTIM.encode()] if scope == "user" else [])
+    needles = [*_needles(_vectors_of(store, VICTIM, set(marked))), *ids]
+    assert any(p.startswith("ann/") for p in _holding(store, needles))
+
+    async with open_engine(store) as mem:
+        await mem.recall(VICTIM, "lighthouse")  # the saved graph is loaded and in use
+        marked = await _marked(mem, 12, 18)  # the forgotten bytes pass through this process
+        await mem.flush()
+        vectors = await _live_vectors(mem, marked)
+        assert None not in vectors
+        live = _needles(vectors)[1:]
+        data = (store / "data.mdb").read_bytes()
+        for needle in [MARKER.encode(), *ids, *live[::2]]:  # the premise: in the live file
+            assert needle in data, needle  # are the marker, the ids and the float16 vectors
+        needles += live
+        if scope == "session":
+            await mem.forget_session(VICTIM, SESSION)
+            note = await mem.recall(VICTIM, MARKER, kinds=["note"])
+            await mem.delete_note(VICTIM, note[0].id)
+        else:
+            await mem.forget_user(VICTIM)
+        await mem.flush()
+        assert _holding(store, needles) == []
+        for round_ in range(100, 103):  # ingestion goes on: nothing comes back
+            await _bystanders(mem, round_, 60)
+            await mem.flush()
+        assert _holding(store, needles) == []
+        assert _index_docs_with_marker(store / "fulltext") == 0
+        if scope == "session":
+            assert len(await mem.session_history(VICTIM, "s2")) == 20
+    assert _holding(store, needles) == []
+    async with open_engine(store) as mem:
+        assert len(await mem.session_history("by3", "s0-3")) == 1
+        assert await mem.recall("by3", "weather garden")
+    assert _holding(store, needles) == []
+
+
+REPO = Path(__file__).resolve().parents[2]
+# As a module from the repository's root: as a script, tests/reliability/ would come first on
+# sys.path and tests/actors/ would stand in for the real actors package.
+CHILD = [sys.executable, "-m", "tests.reliability.scrub_child"]
+
+
+async def test_a_reader_in_another_process_keeps_its_snapshot_while_the_bytes_go(
+        tmp_path: Path) -> None:
+    """A reader in another process holding a snapshot from before the forget reads the
+    forgotten turns intact after the scrub's pass over the file (the pages it reads are left
+    to it); flush waits for it, and once it ends the bytes are gone from every file."""
+    store = tmp_path / "store"
+    async with open_engine(store) as mem:
+        for i in range(30):
+            await mem.add_turn(VICTIM, "s1", "user", f"{MARKER} was said in turn {i}")
+            await _bystanders(mem, i, 8)
+        await mem.flush()
+        reader = subprocess.Popen([*CHILD, "hold", str(store)], cwd=REPO, text=True,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            line = await trio.to_thread.run_sync(reader.stdout.readline)
+            assert line.split() == ["holding", "30"]
+            passes = []
+            zero = mem._store._zero_stale
+            passed = trio.Event()  # set once the scrub's first pass over the file returned
+
+            async def spied(*args):
+                result = await zero(*args)
+                passes.append(result)
+                passed.set()
+                return result
+
+            mem._store._zero_stale = spied
+            await mem.forget_user(VICTIM)
+            async with trio.open_nursery() as nursery:
+                flushed = trio.Event()  # set once flush returned
+
+                async def flush() -> None:
+                    await mem.flush()
+                    flushed.set()
+
+                nursery.start_soon(flush)
+                await passed.wait()
+                reader.stdin.write("check\n")
+                reader.stdin.flush()
+                line = await trio.to_thread.run_sync(reader.stdout.readline)
+                assert line.strip() == "intact"
+                assert not flushed.is_set()  # the scrub cannot end while the snapshot lives
+                assert passes[0][2].kept_pages > 0
+                reader.stdin.write("release\n")
+                reader.stdin.flush()
+                line = await trio.to_thread.run_sync(reader.stdout.readline)
+                assert line.strip() == "released"
+            assert _holding(store, [MARKER.encode(), VICTIM.encode()]) == []
+        finally:
+            reader.stdin.close()
+            reader.stdout.close()
+            reader.wait(timeout=60)
+        assert await mem.recall("by3", "weather garden")
+
+
+@pytest.mark.parametrize("point", ["reopen", "zeroing"])
+async def test_kill_9_during_the_scrub_loses_nothing(tmp_path: Path, point: str) -> None:
+    """SIGKILL in the middle of the scrub (the environment closed and not yet opened again,
+    or zeros half written): the store opens, every durable turn is there, the chain verifies,
+    and the next engine finishes the scrub: no byte of the forgotten user is left."""
+    store = tmp_path / "store"
+    child = subprocess.run([*CHILD, "crash", str(store), point], cwd=REPO, text=True,
+                           capture_output=True, timeout=300)
+    lines = child.stdout.splitlines()
+    assert child.returncode == -signal.SIGKILL, (child.returncode, child.stderr[-2000:])
+    assert "forgotten" in lines and "survived" not in lines
+    acked = [line.split()[1:] for line in lines if line.startswith("acked")]
+    assert len(acked) == 240
+    assert _holding(store, [MARKER.encode()])  # the kill left forgotten bytes behind
+    async with open_engine(store) as mem:
+        await mem.flush()
+        for user, session, turn_id in acked:
+            turn = await mem.get_turn(user, turn_id)
+            assert turn is not None and turn.session_id == session
+        assert await mem.session_history(VICTIM, "s1") == []
+    assert _holding(store, [MARKER.encode(), VICTIM.encode()]) == []
+    report = await Engine.verify(store)
+    assert report["ok"], report["problems"]

@@ -1,0 +1,145 @@
+"""actors/store/pages.py on bare LMDB environments: what it zeroes, what it must leave."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+
+from actors.store.forget import _reader_txnids
+from actors.store.pages import PageFormatError, read_meta, zero_stale_bytes
+
+MARKER = b"qzxjstalemarker"
+NAMES = (b"small", b"big")
+
+
+def _open(path: Path) -> lmdb.Environment:
+    return lmdb.open(str(path), map_size=64 << 20, max_dbs=4)
+
+
+def _fill(env: lmdb.Environment, seed: int) -> None:
+    """Records of two databases, some holding the marker, some long (overflow pages), written
+    over many transactions so that pages are copied, split and freed."""
+    rng = random.Random(seed)
+    for batch in range(40):
+        with env.begin(write=True) as txn:
+            for name in NAMES:
+                db = env.open_db(name, txn=txn)
+                for i in range(25):
+                    size = rng.choice([20, 200, 3000 if name == b"big" else 60])
+                    marked = rng.random() < 0.3
+                    key = b"%s-%04d-%02d" % (b"m" if marked else b"k", batch, i)
+                    body = (MARKER if marked else b"kept") + rng.randbytes(size)
+                    txn.put(key, body, db=db)
+
+
+def _forget_marked(env: lmdb.Environment) -> None:
+    with env.begin(write=True) as txn:
+        for name in NAMES:
+            db = env.open_db(name, txn=txn)
+            doomed = [k for k, _ in txn.cursor(db) if k.startswith(b"m-")]
+            for key in doomed:
+                txn.delete(key, db=db)
+
+
+def _records(env: lmdb.Environment) -> dict[bytes, list[tuple[bytes, bytes]]]:
+    with env.begin() as txn:
+        return {name: list(txn.cursor(env.open_db(name, txn=txn))) for name in NAMES}
+
+
+def _commit(env: lmdb.Environment) -> None:
+    with env.begin(write=True) as txn:
+        txn.put(b"tick", b"", db=env.open_db(b"small", txn=txn))
+        txn.delete(b"tick", db=env.open_db(b"small", txn=txn))
+
+
+def _zero(env: lmdb.Environment, path: Path, **kwargs):
+    txn = env.begin(write=True)
+    try:
+        oldest = min([txn.id() - 1, *_reader_txnids(env)])
+        return txn.id(), oldest, zero_stale_bytes(path / "data.mdb", txn.id(), oldest,
+                                                  **kwargs)
+    finally:
+        txn.abort()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_zeroing_keeps_every_record_and_no_deleted_byte(tmp_path: Path, seed: int) -> None:
+    """After the deletion, a fresh open, the zeroing, a commit and the zeroing of what the
+    commit before it freed, the file holds no byte of a deleted record, every live record
+    reads the same, and the environment goes on writing and reading."""
+    env = _open(tmp_path)
+    _fill(env, seed)
+    _forget_marked(env)
+    kept = _records(env)
+    assert MARKER in (tmp_path / "data.mdb").read_bytes()
+    env.close()  # the page buffers this process wrote the records from go with it
+    env = _open(tmp_path)
+    try:
+        first, oldest, done = _zero(env, tmp_path)
+        assert done.bytes_zeroed > 0 and done.kept_pages > 0  # the last commit's: kept
+        _commit(env)
+        _, reached, done = _zero(env, tmp_path, live=False, freed=(oldest, first))
+        assert reached >= first and done.kept_pages == 0
+        assert (tmp_path / "data.mdb").read_bytes().count(MARKER) == 0
+        assert _records(env) == kept
+        with env.begin(write=True) as txn:
+            txn.put(b"after", b"written after", db=env.open_db(b"small", txn=txn))
+        assert dict(_records(env)[b"small"])[b"after"] == b"written after"
+    finally:
+        env.close()
+    env = _open(tmp_path)
+    try:
+        assert _records(env)[b"big"] == kept[b"big"]
+    finally:
+        env.close()
+
+
+def test_a_readers_snapshot_keeps_the_pages_it_reads(tmp_path: Path) -> None:
+    """Pages a reader's snapshot from before the deletion still reads are left whole until
+    it ends: it reads the deleted records as they were; after it, they go."""
+    env = _open(tmp_path)
+    try:
+        _fill(env, 7)
+        reader = env.begin()
+        before = {name: list(reader.cursor(env.open_db(name, txn=reader))) for name in NAMES}
+        _forget_marked(env)
+        _commit(env)
+        _, _, done = _zero(env, tmp_path)
+        assert done.kept_pages > 0
+        again = {name: list(reader.cursor(env.open_db(name, txn=reader))) for name in NAMES}
+        assert again == before
+        assert any(k.startswith(b"m-") for k, _ in again[b"big"])
+        reader.abort()
+        env.close()
+        env = _open(tmp_path)
+        first, oldest, _ = _zero(env, tmp_path)
+        _commit(env)
+        _zero(env, tmp_path, live=False, freed=(oldest, first))
+        assert (tmp_path / "data.mdb").read_bytes().count(MARKER) == 0
+    finally:
+        env.close()
+
+
+def test_a_page_it_cannot_read_leaves_the_file_untouched(tmp_path: Path) -> None:
+    """A branch or leaf page whose header does not name it is PageFormatError, and not one
+    byte of the file was written."""
+    env = _open(tmp_path)
+    try:
+        _fill(env, 5)
+        _forget_marked(env)
+        data = tmp_path / "data.mdb"
+        meta = read_meta(np.frombuffer(data.read_bytes(), dtype=np.uint8))
+        with data.open("r+b") as f:  # in place: LMDB has the file mapped
+            # The main database's root page: renumbered in its own header.
+            f.seek(meta.main_root * meta.psize)
+            f.write((meta.main_root + 1).to_bytes(8, "little"))
+        damaged = data.read_bytes()
+        with pytest.raises(PageFormatError, match="not a branch or leaf page"):
+            _zero(env, tmp_path)
+        assert data.read_bytes() == damaged
+    finally:
+        env.close()
