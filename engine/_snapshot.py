@@ -1,15 +1,17 @@
 """Snapshots: point-in-time copies of a live store, their manifest, restore and compaction.
 
-A snapshot directory holds ``store/data.mdb`` (a compacting LMDB copy), ``fulltext/`` (the
+A snapshot directory holds ``store/data.mdb`` (a clean copy: LMDB's compacting copy with what
+it carries beside the live records zeroed, ``actors/store/compact.py``), ``fulltext/`` (the
 text index) and ``manifest.json``. The text index is taken first and covers lsn W; the LMDB
 copy is taken second and covers lsn L >= W, the snapshot's sequence. An engine opened on the
 restored store replays (W, L] into the text index and embeds whatever the copy had not
 embedded yet, so it answers as the source did at L. ANN graphs are never copied: they are
 rebuilt from the stored vectors.
 
-Forgotten users stay forgotten: LMDB's compacting copy leaves freed pages behind, and a text
-index whose segments still hold deleted documents is not copied but built afresh from the
-LMDB copy.
+Forgotten users stay forgotten: the clean copy holds no byte of a deleted record (taken
+before a forget's scrub ran, too), and a text index whose segments still hold deleted
+documents is not copied but built afresh from the LMDB copy. Restore copies each file while
+it checks its checksum (each byte read once), then checks the copy's hash chain.
 """
 
 from __future__ import annotations
@@ -126,14 +128,15 @@ async def _checksums(root: Path, sync: bool = False) -> dict[str, tuple[int, str
             for offset in range(0, max(sizes[path], 1), CHUNK):
                 if sizes[path]:
                     nursery.start_soon(one, path, offset)
-    out: dict[str, tuple[int, str]] = {}
-    for path in files:
-        parts = [chunks[(path, o)] for o in range(0, sizes[path], CHUNK)]
-        digest = (parts[0] if len(parts) == 1
-                  else hashlib.sha256("".join(parts).encode()).hexdigest() if parts
-                  else hashlib.sha256(b"").hexdigest())
-        out[path.relative_to(root).as_posix()] = (sizes[path], digest)
-    return dict(sorted(out.items()))
+    return dict(sorted((path.relative_to(root).as_posix(), (sizes[path], _file_digest(
+        [chunks[(path, o)] for o in range(0, sizes[path], CHUNK)]))) for path in files))
+
+
+def _file_digest(chunks: list[str]) -> str:
+    """A file's checksum from its chunks' sha256s (see :func:`_checksums`)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    return hashlib.sha256("".join(chunks).encode() if chunks else b"").hexdigest()
 
 
 def manifest_mac(manifest: Manifest, key: str) -> str:
@@ -180,7 +183,7 @@ async def take_snapshot(parts: Parts, dest: Path) -> Manifest:
     partial.mkdir(parents=True)
     try:
         fulltext_lsn, copied = await parts.fulltext.copy_to(partial / "fulltext")
-        lsn = await parts.store.copy_to(partial / "store")
+        lsn = await parts.store.copy_to(partial / "store", sync=False)  # fsynced below
         if not copied:
             if (partial / "fulltext").exists():
                 await trio.to_thread.run_sync(shutil.rmtree, partial / "fulltext")
@@ -256,38 +259,91 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
 async def _install(snapshot: Path, store: Path, manifest: Manifest,
                    progress: Callable[[int, int], None] | None,
                    integrity_key: str | None) -> None:
-    """Verify the snapshot's files and store, then put them in place of ``store``."""
-    found = await _checksums(snapshot)
-    if found != manifest.files:
-        damaged = sorted(set(found.items()) ^ set(manifest.files.items()))
-        name = damaged[0][0] if damaged else "?"
-        raise StoreIncompatible(
-            f"{snapshot} is damaged: {name} does not match the manifest (size and sha256 of "
-            f"{len(manifest.files)} files are recorded); take the snapshot again")
-    head, problems = await trio.to_thread.run_sync(verify_chain, snapshot / "store",
-                                                   integrity_key)
-    if manifest.chain_head and head.hex() != manifest.chain_head:
-        problems.append("the store's chain head is not the one the manifest records")
-    if problems:
-        raise StoreTampered(
-            f"{snapshot} does not verify: {problems[0]} ({len(problems)} problem(s)); it was "
-            "edited after it was taken: take the snapshot again", "manifest.json")
+    """Copy the snapshot's files next to ``store`` while checking their checksums (one read
+    of each byte), check the copy's hash chain, then put it in place of ``store``."""
     incoming = store.with_name(store.name + ".restoring")
     if incoming.exists():
         await trio.to_thread.run_sync(shutil.rmtree, incoming)
-    total = sum(size for size, _ in manifest.files.values())
-    done = 0
-    for name, (size, _) in manifest.files.items():
-        # store/data.mdb is the live store's own data.mdb; fulltext/ keeps its place.
-        target = incoming / (name.split("/", 1)[1] if name.startswith("store/") else name)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        await trio.to_thread.run_sync(shutil.copy2, snapshot / name, target)
-        done += size
-        if progress is not None:
-            progress(done, total)
+    try:
+        found = await _copy_checked(snapshot, incoming, manifest, progress)
+        if found != manifest.files:
+            damaged = sorted(set(found.items()) ^ set(manifest.files.items()))
+            name = damaged[0][0] if damaged else "?"
+            raise StoreIncompatible(
+                f"{snapshot} is damaged: {name} does not match the manifest (size and sha256 "
+                f"of {len(manifest.files)} files are recorded); take the snapshot again")
+        # The copy: the same bytes as the snapshot's, now checked, and in the page cache.
+        head, problems = await trio.to_thread.run_sync(verify_chain, incoming, integrity_key)
+        if manifest.chain_head and head.hex() != manifest.chain_head:
+            problems.append("the store's chain head is not the one the manifest records")
+        if problems:
+            raise StoreTampered(
+                f"{snapshot} does not verify: {problems[0]} ({len(problems)} problem(s)); it "
+                "was edited after it was taken: take the snapshot again", "manifest.json")
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(shutil.rmtree, incoming, True)
+        raise
     if store.exists():
         await trio.to_thread.run_sync(shutil.rmtree, store)
     incoming.rename(store)
+
+
+def _copy_chunk(source: Path, target: Path, offset: int) -> str:
+    """Copy one CHUNK of a file (the target already has its size) and return its sha256:
+    each byte read once, the GIL released for the read, the hash and the write."""
+    src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.pread(src, CHUNK, offset)
+    finally:
+        os.close(src)
+    digest = hashlib.sha256(data).hexdigest()
+    dst = os.open(target, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.pwrite(dst, view, offset + len(data) - len(view)):]
+    finally:
+        os.close(dst)
+    return digest
+
+
+async def _copy_checked(snapshot: Path, incoming: Path, manifest: Manifest,
+                        progress: Callable[[int, int], None] | None
+                        ) -> dict[str, tuple[int, str]]:
+    """Copy the files the manifest lists into ``incoming`` (the store's ``data.mdb`` at the
+    top, ``fulltext/`` where it is), two chunks at a time, and return what
+    :func:`_checksums` would say of the snapshot's files: one read of each byte instead of a
+    read to check and another to copy."""
+    total = sum(size for size, _ in manifest.files.values())
+    done = 0
+    sizes: dict[str, int] = {}
+    chunks: dict[tuple[str, int], str] = {}
+    limiter = trio.CapacityLimiter(2)
+
+    async def one(name: str, source: Path, target: Path, offset: int) -> None:
+        nonlocal done
+        chunks[(name, offset)] = await trio.to_thread.run_sync(
+            _copy_chunk, source, target, offset, limiter=limiter)
+        done += min(CHUNK, sizes[name] - offset)
+        if progress is not None:
+            progress(done, total)
+
+    async with trio.open_nursery() as nursery:
+        for name in manifest.files:
+            source = snapshot / name
+            if not source.is_file():
+                continue
+            # store/data.mdb is the live store's own data.mdb; fulltext/ keeps its place.
+            target = incoming / (name.split("/", 1)[1] if name.startswith("store/") else name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            sizes[name] = source.stat().st_size
+            with target.open("wb") as f:
+                f.truncate(sizes[name])
+            for offset in range(0, sizes[name], CHUNK):
+                nursery.start_soon(one, name, source, target, offset)
+    return dict(sorted((name, (size, _file_digest(
+        [chunks[(name, o)] for o in range(0, size, CHUNK)]))) for name, size in sizes.items()))
 
 
 def _sweep_graphs(store: Path) -> None:

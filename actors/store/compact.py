@@ -1,43 +1,51 @@
-"""A clean copy of a store: every live record into a new environment, and nothing else (what
-snapshots and ``Engine.compact`` write)."""
+"""A clean copy of a store: its live records and nothing else (what snapshots and
+``Engine.compact`` write).
+
+LMDB's compacting copy (in C: live pages only, renumbered) copies each page whole, and a
+page's free space, an overflow page's tail and a node's padding hold whatever the page buffer
+LMDB wrote it from held before (it reuses them without clearing): bytes of deleted records,
+forgotten ones too. So a clean copy is that copy (:func:`copy_pages`, inside the reader's
+transaction) with those bytes then overwritten with zeros (:func:`clear_copy`, after it,
+before anyone opens the copy): only live records' bytes remain. It goes through the page
+cache (not LMDB's own file copy, which writes with O_DIRECT), so that pass, and a snapshot's
+checksums after it, read it from memory.
+"""
 
 from __future__ import annotations
 
-import itertools
+import os
 from pathlib import Path
 
 import lmdb
 
-from .layout import MAX_DBS, MAX_READERS
+from .pages import zero_stale_bytes
 
-CLEAN_COPY_CHUNK = 65_536  # records per write transaction of a clean copy (LMDB caps dirty pages)
+
+def copy_pages(env: lmdb.Environment, txn: lmdb.Transaction, dest: Path) -> None:
+    """LMDB's compacting copy of ``env`` as ``txn`` sees it, into ``dest/data.mdb``
+    (``dest`` an existing empty directory)."""
+    fd = os.open(dest / "data.mdb", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                 0o644)
+    try:
+        env.copyfd(fd, compact=True, txn=txn)
+    finally:
+        os.close(fd)
+
+
+def clear_copy(dest: Path, sync: bool = True) -> None:
+    """Zero what a copy by :func:`copy_pages` carried beside the live records; with
+    ``sync``, fsync it (a snapshot fsyncs it with its other files)."""
+    path = dest / "data.mdb"
+    zero_stale_bytes(path, None, None, sync=False)
+    if sync:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def clean_copy(env: lmdb.Environment, txn: lmdb.Transaction, dest: Path) -> None:
-    """Copy every named database of ``env`` as ``txn`` sees it, record by record, into a new
-    environment in the existing empty directory ``dest``, and flush it to disk.
-
-    Why not LMDB's compacting copy: it copies pages whole, and a page's free space can hold
-    bytes of deleted records (a deletion moves the page's other records over the deleted one;
-    LMDB reuses page buffers without clearing them). A new environment that only ever held
-    the live records writes nothing else. Costs more than a page copy: every record passes
-    through Python's iterator (still C calls, no decoding)."""
-    out = lmdb.open(str(dest), map_size=env.info()["map_size"], max_dbs=MAX_DBS,
-                    max_readers=MAX_READERS, sync=False, metasync=False, writemap=False)
-    try:
-        names = [key for key, _ in txn.cursor()]  # the main database lists the named ones
-        for name in names:
-            source = txn.cursor(env.open_db(name, txn=txn, create=False))
-            records = source.iternext()
-            with out.begin(write=True) as wtxn:
-                target = out.open_db(name, txn=wtxn)
-            while True:
-                with out.begin(write=True) as wtxn:
-                    cursor = wtxn.cursor(target)
-                    _, added = cursor.putmulti(itertools.islice(records, CLEAN_COPY_CHUNK),
-                                               append=True)
-                if added < CLEAN_COPY_CHUNK:
-                    break
-        out.sync(True)
-    finally:
-        out.close()
+    """:func:`copy_pages` then :func:`clear_copy`, flushed to disk."""
+    copy_pages(env, txn, dest)
+    clear_copy(dest)

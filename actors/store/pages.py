@@ -216,11 +216,13 @@ def _dirty(buf: np.ndarray, ranges: np.ndarray) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in ranges if b > a and buf[a:b].any()]
 
 
-def zero_stale_bytes(path: Path, txnid: int, oldest: int, *, live: bool = True,
-                     freed: tuple[int, int | None] = (0, None), sync: bool = True) -> Scrubbed:
+def zero_stale_bytes(path: Path, txnid: int | None, oldest: int | None, *,
+                     live: bool = True, freed: tuple[int, int | None] = (0, None),
+                     sync: bool = True) -> Scrubbed:
     """Overwrite with zeros the bytes LMDB keeps but no transaction reads (module docstring).
 
-    Call it from inside a write transaction of the environment that has written nothing.
+    Call it from inside a write transaction of the environment that has written nothing, or
+    on a file no process has open (a copy being made: ``txnid`` and ``oldest`` None).
 
     Args:
         path: the environment's ``data.mdb``.
@@ -263,9 +265,11 @@ def zero_stale_bytes(path: Path, txnid: int, oldest: int, *, live: bool = True,
         os.close(fd)
 
 
-def _plan(buf: np.ndarray, txnid: int, oldest: int, live: bool,
+def _plan(buf: np.ndarray, txnid: int | None, oldest: int | None, live: bool,
           freed: tuple[int, int | None]) -> tuple[list[tuple[int, int]], int, int]:
     meta = read_meta(buf)
+    if txnid is None:  # nobody else has the file: as from the next write, with no reader
+        txnid, oldest = meta.txnid + 1, meta.txnid
     if meta.txnid != txnid - 1:
         raise PageFormatError(f"the newest meta page commits transaction {meta.txnid}, "
                               f"expected {txnid - 1} (the one before the caller's)")

@@ -47,7 +47,7 @@ from ..base.records import SCHEMA_VERSION
 from .apply import Appliers
 from .chain import check_chain
 from .codecs import _encode
-from .compact import clean_copy
+from .compact import clear_copy, copy_pages
 from .forget import Forgetting
 from .integrity import ZERO, CheckedTxn, check_file, decode_head, encode_head, head_mac
 from .layout import (
@@ -481,18 +481,22 @@ class Store(Writer, Appliers, Forgetting):
         except lmdb.Error as exc:
             raise EngineBroken(f"reading the store at {self.path} failed: {exc}") from exc
 
-    async def copy_to(self, dest: Path) -> int:
-        """A record-by-record copy of the environment into the empty directory ``dest``
-        (:func:`clean_copy`), from a worker thread in one read transaction (so never from the
-        writer's thread with its transaction open); ingestion goes on meanwhile. No byte of a
-        deleted record travels. Returns the last lsn the copy holds."""
+    async def copy_to(self, dest: Path, sync: bool = True) -> int:
+        """A copy of the environment into the empty directory ``dest`` holding its live
+        records and nothing else (:mod:`.compact`): LMDB's compacting copy from a worker
+        thread in one read transaction (so never from the writer's thread with its
+        transaction open; ingestion goes on meanwhile), then, outside it, the zeroing of
+        what that copy carries beside the records. No byte of a deleted record travels.
+        With ``sync``, flushed to disk. Returns the last lsn the copy holds."""
 
         def copy(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> int:
-            clean_copy(self._env, txn.raw, dest)
+            copy_pages(self._env, txn.raw, dest)
             return _int(txn.get(_LAST_LSN_KEY, db=dbs[b"meta"])) or 0
 
         dest.mkdir(parents=True)
-        return await self.read(copy)
+        lsn = await self.read(copy)
+        await trio.to_thread.run_sync(clear_copy, dest, sync, limiter=self._read_limiter)
+        return lsn
 
     async def _enter_exclusive(self) -> None:
         while self._exclusive:

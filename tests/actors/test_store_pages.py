@@ -9,6 +9,7 @@ import lmdb
 import numpy as np
 import pytest
 
+from actors.store.compact import clean_copy, copy_pages
 from actors.store.forget import _reader_txnids
 from actors.store.pages import PageFormatError, read_meta, zero_stale_bytes
 
@@ -143,3 +144,28 @@ def test_a_page_it_cannot_read_leaves_the_file_untouched(tmp_path: Path) -> None
         assert data.read_bytes() == damaged
     finally:
         env.close()
+
+
+def test_a_clean_copy_holds_the_live_records_and_nothing_else(tmp_path: Path) -> None:
+    """LMDB's compacting copy of a store right after a deletion carries deleted bytes in
+    its pages' free space; the clean copy (that copy, then zeroed) holds none, and every live
+    record reads the same from it."""
+    env = _open(tmp_path / "live")
+    try:
+        _fill(env, 11)
+        _forget_marked(env)
+        kept = _records(env)
+        for name in ("bare", "clean"):
+            (tmp_path / name).mkdir()
+        with env.begin() as txn:
+            copy_pages(env, txn, tmp_path / "bare")
+            clean_copy(env, txn, tmp_path / "clean")
+    finally:
+        env.close()
+    assert MARKER in (tmp_path / "bare" / "data.mdb").read_bytes()
+    assert MARKER not in (tmp_path / "clean" / "data.mdb").read_bytes()
+    copy = _open(tmp_path / "clean")
+    try:
+        assert _records(copy) == kept
+    finally:
+        copy.close()
