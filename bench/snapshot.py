@@ -13,6 +13,10 @@ For each size in --memories, on a store of its own:
    percentiles during it (ratio of p99 to the baseline's, same process).
 4. ``Engine.restore`` into a new directory, ``Engine.open``, first ``recall``: the time from
    the start of the restore to the first answer.
+5. Baselines in the same run, on the same store: LMDB's bare compacting copy (``env.copy``,
+   in C) and a plain ``cp`` of data.mdb, each fsynced; the snapshot's and the restore's
+   ratios to them hold on a quieter or busier machine where the seconds do not. The load
+   average is recorded before and after.
 
 Prints a table per size and writes JSON (--out, default bench/results/snapshot.json): one
 entry per size under ``sizes``, smallest first.
@@ -30,6 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import numpy as np
 import trio
 from _report import percentiles, write_results
@@ -72,7 +77,8 @@ async def one_size(args: argparse.Namespace, memories: int, texts: list[str], po
     rng = np.random.default_rng(args.seed)
     first_at = datetime(2026, 1, 1, tzinfo=timezone.utc)
     users = max(1, memories // 1000)
-    results: dict[str, Any] = {"memories": memories, "users": users}
+    results: dict[str, Any] = {"memories": memories, "users": users,
+                               "load_before": os.getloadavg()}
     try:
         # Turns with vectors written directly, and no long-term layer: this measures bytes.
         config = {"background_embedding": False, "long_term": False}
@@ -107,6 +113,7 @@ async def one_size(args: argparse.Namespace, memories: int, texts: list[str], po
             results["ingest_during_snapshot"] = percentiles(during, 1e6, "us")
             results["p99_ratio"] = (results["ingest_during_snapshot"]["p99_us"]
                                     / results["baseline_ingest"]["p99_us"])
+        results.update(await trio.to_thread.run_sync(baselines, work))
         start = time.perf_counter()
         await Engine.restore(work / "snap", work / "restored")
         results["restore_s"] = time.perf_counter() - start
@@ -117,7 +124,38 @@ async def one_size(args: argparse.Namespace, memories: int, texts: list[str], po
             results["first_answer_hits"] = len(hits)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    results["load_after"] = os.getloadavg()
     return results
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def baselines(work: Path) -> dict[str, float]:
+    """Bare copies of the closed store's data.mdb, each fsynced: LMDB's compacting copy (what
+    a snapshot's LMDB part is made of) and a plain file copy (what a restore must write)."""
+    out = {}
+    for name in ("envcopy", "cp"):
+        dest = work / f"bare-{name}"
+        dest.mkdir()
+        start = time.perf_counter()
+        if name == "cp":
+            shutil.copyfile(work / "store" / "data.mdb", dest / "data.mdb")
+        else:
+            env = lmdb.open(str(work / "store"), readonly=True, max_dbs=64)  # room for all
+            try:
+                env.copy(str(dest), compact=True)
+            finally:
+                env.close()
+        _fsync(dest / "data.mdb")
+        out[f"bare_{name}_s"] = time.perf_counter() - start
+        shutil.rmtree(dest)
+    return out
 
 
 def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
@@ -128,7 +166,11 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
           f"during the snapshot: p50 {d['p50_us']:.0f} µs p99 {d['p99_us']:.0f} µs "
           f"({r['p99_ratio']:.2f}x)")
     print(f"restore {r['restore_s']:.1f} s + open {r['open_s']:.1f} s -> first answer "
-          f"{r['first_answer_s']:.1f} s after the restore began ({r['first_answer_hits']} hits)\n")
+          f"{r['first_answer_s']:.1f} s after the restore began ({r['first_answer_hits']} hits)")
+    print(f"same run, same store: bare env.copy(compact) {r['bare_envcopy_s']:.1f} s (snapshot "
+          f"{r['snapshot_s'] / r['bare_envcopy_s']:.2f}x), cp {r['bare_cp_s']:.1f} s (restore "
+          f"{r['restore_s'] / r['bare_cp_s']:.2f}x); load average {r['load_before'][0]:.1f} "
+          f"before, {r['load_after'][0]:.1f} after\n")
 
 
 def main() -> None:

@@ -44,7 +44,8 @@ F_BIGDATA, F_SUBDATA, F_DUPDATA = 0x01, 0x02, 0x04  # leaf node flags
 META_MAGIC = 0xBEEFC0DE
 P_INVALID = 2 ** 64 - 1  # the root of an empty tree
 CHUNK = 65_536  # pages one vectorised step of a walk parses (bounds its temporary arrays)
-ZEROS = bytes(1 << 20)  # what overwrites stale bytes, up to 1 MiB a write
+DIRTY_ONE_BY_ONE = 1024  # fewer ranges than this are looked at one by one, not in one pass
+PAST_STEP = 1 << 20  # bytes past the last page looked at (and zeroed) at a time
 
 
 class PageFormatError(Exception):
@@ -70,11 +71,11 @@ class Scrubbed(NamedTuple):
 
 
 def _le(buf: np.ndarray, offsets: np.ndarray, width: int) -> np.ndarray:
-    """Little-endian unsigned integers of ``width`` bytes at each of ``offsets``."""
-    out = np.zeros(len(offsets), dtype=np.uint64)
-    for i in range(width):
-        out |= buf[offsets + i].astype(np.uint64) << np.uint64(8 * i)
-    return out
+    """Little-endian unsigned integers of ``width`` (2, 4 or 8) bytes at each of
+    ``offsets``: one gather of every byte, then a view."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    raw = buf[offsets[:, None] + np.arange(width)]
+    return raw.view(f"<u{width}").reshape(len(offsets)).astype(np.uint64)
 
 
 def read_meta(buf: np.ndarray) -> Meta:
@@ -212,8 +213,18 @@ def _subdb_roots(buf: np.ndarray, main: _Tree) -> list[int]:
 
 
 def _dirty(buf: np.ndarray, ranges: np.ndarray) -> list[tuple[int, int]]:
-    """The (start, end) ranges that hold a byte other than zero."""
-    return [(int(a), int(b)) for a, b in ranges if b > a and buf[a:b].any()]
+    """The (start, end) ranges (disjoint) that hold a byte other than zero. Many ranges are
+    looked at in one pass over the span they cover (one reduction in C), a few one by one."""
+    ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+    ranges = ranges[ranges[:, 1] > ranges[:, 0]]
+    if len(ranges) < DIRTY_ONE_BY_ONE:
+        return [(int(a), int(b)) for a, b in ranges if buf[a:b].any()]
+    ranges = ranges[np.argsort(ranges[:, 0], kind="stable")]
+    bounds = ranges.reshape(-1)  # start, end, start, end...: the odd segments lie between
+    if bounds[-1] == len(buf):  # reduceat takes the last segment to the end by itself
+        bounds = bounds[:-1]
+    held = np.bitwise_or.reduceat(buf, bounds)[0::2] != 0
+    return [(int(a), int(b)) for a, b in ranges[held]]
 
 
 def zero_stale_bytes(path: Path, txnid: int | None, oldest: int | None, *,
@@ -245,28 +256,33 @@ def zero_stale_bytes(path: Path, txnid: int | None, oldest: int | None, *,
     try:
         size = os.fstat(fd).st_size
         problem = None
-        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as view:
+        # Written through a shared mapping (the page cache LMDB's own map and writes share):
+        # millions of scattered bytes (padding) cost a store each, not a system call each.
+        with mmap.mmap(fd, size, access=mmap.ACCESS_WRITE) as view:
             buf = np.frombuffer(view, dtype=np.uint8)
             try:
-                ranges, free, kept = _plan(buf, txnid, oldest, live, freed)
+                ranges, pads, free, kept = _plan(buf, txnid, oldest, live, freed)
+                for start, end in ranges:
+                    buf[start:end] = 0
+                buf[pads] = 0
             except (PageFormatError, IndexError, ValueError) as exc:  # an offset past the end
                 problem = f"{exc}"  # not the exception: its frames hold views of the map
             del buf  # the map closes only once no array views it
+            zeroed = 0 if problem else sum(end - start for start, end in ranges) + len(pads)
+            if zeroed and sync:
+                view.flush()
         if problem is not None:
             raise PageFormatError(problem)
-        zeroed = 0
-        for start, end in ranges:
-            for at in range(start, end, len(ZEROS)):
-                zeroed += os.pwrite(fd, ZEROS[:min(len(ZEROS), end - at)], at)
-        if zeroed and sync:
-            os.fsync(fd)
         return Scrubbed(zeroed, free, kept)
     finally:
         os.close(fd)
 
 
 def _plan(buf: np.ndarray, txnid: int | None, oldest: int | None, live: bool,
-          freed: tuple[int, int | None]) -> tuple[list[tuple[int, int]], int, int]:
+          freed: tuple[int, int | None]
+          ) -> tuple[list[tuple[int, int]], np.ndarray, int, int]:
+    """What to zero: byte ranges, and single bytes (padding), each holding something; how
+    many free pages among them; how many free pages were left."""
     meta = read_meta(buf)
     if txnid is None:  # nobody else has the file: as from the next write, with no reader
         txnid, oldest = meta.txnid + 1, meta.txnid
@@ -292,6 +308,7 @@ def _plan(buf: np.ndarray, txnid: int | None, oldest: int | None, live: bool,
         asked &= freed_by < end
     reusable = asked & (freed_by < oldest)
     ranges: list[tuple[int, int]] = []
+    pads: list[np.ndarray] = [np.zeros(0, np.int64)]
     starts = np.sort(pgnos[reusable]) * psize
     ranges += _dirty(buf, np.stack([starts, starts + psize], axis=1))
     free = len(ranges)
@@ -299,11 +316,10 @@ def _plan(buf: np.ndarray, txnid: int | None, oldest: int | None, live: bool,
         for tree in trees:
             for gaps in (*tree.gaps, *tree.tails):
                 ranges += _dirty(buf, gaps)
-            for pads in tree.pads:
-                ranges += [(int(at), int(at) + 1) for at in pads[buf[pads] != 0]]
+            pads += [p[buf[p] != 0] for p in tree.pads]
         # Past the last page: what a transaction that spilled pages there and then aborted
         # wrote (no tree reaches it; a later write takes it as new pages).
         past = (meta.last_pgno + 1) * psize
-        ranges += _dirty(buf, np.array([[at, min(at + len(ZEROS), len(buf))]
-                                        for at in range(past, len(buf), len(ZEROS))]))
-    return ranges, free, int((asked & ~reusable).sum())
+        ranges += _dirty(buf, np.array([[at, min(at + PAST_STEP, len(buf))]
+                                        for at in range(past, len(buf), PAST_STEP)]))
+    return ranges, np.concatenate(pads), free, int((asked & ~reusable).sum())

@@ -11,7 +11,7 @@ prints ``released``.
 ``crash``: ingests the victim's marked turns among durable turns of other users (printing
 ``acked USER SESSION TURN_ID`` for each of those), forgets the victim (``forgotten``), then
 flushes with a SIGKILL of itself armed at POINT of the scrub: ``reopen`` (the environment
-closed, not yet opened again) or ``zeroing`` (after the second write of zeros).
+closed, not yet opened again) or ``zeroing`` (half the zeros written).
 """
 
 import os
@@ -21,7 +21,7 @@ import sys
 import lmdb
 import trio
 
-from actors.store import Store
+from actors.store import Store, pages
 from engine import Engine, HashEmbedder
 
 VICTIM = "victimqzx"
@@ -60,15 +60,14 @@ def arm(point: str) -> None:
             _die()
         Store._lmdb_open = killed_open  # only the scrub opens the environment again
     else:
-        real, writes = os.pwrite, [0]
+        plan = pages._plan
 
-        def pwrite(fd, data, offset):  # only the scrub writes with os.pwrite (LMDB: in C)
-            written = real(fd, data, offset)
-            writes[0] += 1
-            if writes[0] == 2:
-                _die()
-            return written
-        os.pwrite = pwrite
+        def half_then_die(buf, *args):  # the scrub's zeroing loop, cut at its middle
+            ranges, pads, free, kept = plan(buf, *args)
+            for start, end in ranges[:len(ranges) // 2]:
+                buf[start:end] = 0
+            _die()
+        pages._plan = half_then_die
 
 
 async def crash(path: str, point: str) -> None:
