@@ -1,16 +1,20 @@
 """AnnIndex actor: vector search restricted to one user inside the index.
 
 Every user has an index of their own, so a search can only ever see that user's vectors. A
-user's index is loaded on first use from the store's ``vectors`` database (the source of
+user's index holds two partitions, each with its own matrix and graph: the turns, and the other
+kinds (episodes, facts, notes), which are few beside the turns (100k turns make ~10k episodes).
+A search of episodes scans their rows only, and a search of turns never pays for the others: a
+kind filter over one shared matrix made an episode search an exact scan of every row (97.6 ms
+against 0.9 ms for turns on the graph, at 100k turns and 10k episodes). A user's index is loaded on first use from the store's ``vectors`` database (the source of
 truth: vectors are never read back from hnswlib) and kept while the loaded total stays under
 ``Config.ann_cache_vectors``, least recently used first out.
 
-- Below HNSW_THRESHOLD vectors a user is searched exactly: one matrix product over a float32
+- Below HNSW_THRESHOLD vectors a partition is searched exactly: one matrix product over a float32
   matrix (0.16 ms at 5k, 1.5 ms at 20k on this machine).
 - Above it an hnswlib graph is built in the background (~2,200 vectors/s on one thread) while
   exact search serves; then queries use the graph. Graphs are saved at clean close (under
   ``ann/``, named by a hash of the user id) with the lsn of each row and a sha256 of both
-  files written last, and reloaded on first use, reconciled with the stored vectors, only if
+  files written last (a graph per partition), and reloaded on first use, reconciled with the stored vectors, only if
   both files match their checksums (a shuffled ``lsns.npy`` would map rows to the wrong
   records); after a crash or on a mismatch they are rebuilt while the exact scan serves. New vectors are added to it by one writer
   task; ``add_items`` and ``knn_query`` never overlap: while the writer holds a graph, queries
@@ -27,6 +31,7 @@ around 1e-7 on unit vectors; searches run on float32 copies in RAM.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import mmap
@@ -43,7 +48,8 @@ import trio
 from .base.messages import Searchable
 from .store import Store, read_user_vectors
 
-__all__ = ["AnnIndex", "HEADER", "encode_vector", "decode_vectors", "session_code", "KINDS"]
+__all__ = ["AnnIndex", "HEADER", "encode_vector", "decode_vectors", "session_code", "KINDS",
+           "PARTS"]
 
 HNSW_THRESHOLD = 20_000  # vectors per user above which a graph beats the exact scan here
 HNSW_M = 16  # graph degree: recall@10 >= 0.98 on the bench corpus with HNSW_EF_SEARCH
@@ -57,6 +63,14 @@ HEADER = np.dtype([("at_ms", "<i8"), ("kind", "u1"), ("role", "u1"), ("_pad", "<
 KINDS = {"turn": 0, "episode": 1, "fact": 2, "note": 3}
 STORED = np.dtype("<f2")  # vectors on disk (schema 2; schema 1 stored float32)
 ROLE_CODES = {"user": 0, "assistant": 1, "system": 2, "tool": 3}
+# A user's partitions and the kinds each holds: turns, and every other kind.
+PARTS = {"turn": ("turn",), "other": tuple(k for k in KINDS if k != "turn")}
+KIND_AT = HEADER.fields["kind"][1]  # the byte of a stored value that holds its kind
+
+
+def part_of(value: bytes) -> str:
+    """The partition a stored vector value belongs to, by its header's kind."""
+    return "turn" if value[KIND_AT] == KINDS["turn"] else "other"
 
 
 def session_code(session_id: str) -> int:
@@ -102,6 +116,20 @@ class Filters:
 
     def any(self) -> bool:
         return any(getattr(self, name) is not None for name in self.__slots__)
+
+    def admits(self, part: str) -> bool:
+        """Whether any kind of this partition may be returned."""
+        return self.kinds is None or any(KINDS[k] in self.kinds for k in PARTS[part])
+
+    def within(self, part: str) -> Filters:
+        """These filters for a search of one partition: without the kind filter when it
+        admits every kind the partition holds (a mask that keeps every row would keep the
+        graph from searching unfiltered)."""
+        if self.kinds is None or not all(KINDS[k] in self.kinds for k in PARTS[part]):
+            return self
+        out = copy.copy(self)
+        out.kinds = None
+        return out
 
     def mask(self, meta: np.ndarray, lsns: np.ndarray) -> np.ndarray:
         keep = np.ones(len(meta), dtype=bool)
@@ -166,14 +194,18 @@ class _UserVectors:
         self.row_of.update(zip(lsns.tolist(), range(self.n, need)))
         self.n = need
 
-    def remove(self, lsns: list[int]) -> None:
+    def remove(self, lsns: list[int]) -> bool:
+        """Rows of these records leave the matrix; whether any was here."""
+        found = False
         for lsn in lsns:
             row = self.row_of.pop(lsn, None)
             if row is not None:
+                found = True
                 self.alive[row] = False
                 self.matrix[row] = 0  # a graph built from the matrix later must not get it
                 if row < self.graph_rows:
                     self.graph_dead.append(row)
+        return found
 
     def exact(self, query: np.ndarray, k: int, keep: np.ndarray) -> list[tuple[int, float]]:
         """Exact scan over the first ``len(keep)`` rows. The views are taken together, before
@@ -200,6 +232,24 @@ class _UserVectors:
             return _exact(matrix, lsns, query, k, allowed)
         return [(int(lsns[row]), 1.0 - distance)
                 for row, distance in zip(labels[0].tolist(), distances[0].tolist(), strict=True)]
+
+
+class _User:
+    """One user's vectors, as two partitions searched and graphed apart (see the module's
+    docstring): ``turn`` and ``other``."""
+
+    __slots__ = ("turn", "other")
+
+    def __init__(self, dim: int) -> None:
+        self.turn = _UserVectors(dim)
+        self.other = _UserVectors(dim)
+
+    def parts(self) -> tuple[tuple[str, _UserVectors], ...]:
+        return (("turn", self.turn), ("other", self.other))
+
+    @property
+    def n(self) -> int:
+        return self.turn.n + self.other.n
 
 
 def _exact(matrix: np.ndarray, lsns: np.ndarray, query: np.ndarray, k: int,
@@ -261,11 +311,12 @@ class AnnIndex:
         self._read_only = read_only  # the graphs belong to another process: never saved
         self._dim = dim
         self._cache_vectors = cache_vectors
-        self._users: OrderedDict[str, _UserVectors] = OrderedDict()
+        self._users: OrderedDict[str, _User] = OrderedDict()
         # Users being loaded: the adds and removals that commit meanwhile, replayed after.
         self._loading: dict[str, list[tuple[str, Any]]] = {}
         self._load_done: dict[str, trio.Event] = {}  # set when that user's load has finished
-        self._send, self._inbox = trio.open_memory_channel[str](WRITER_INBOX)
+        # (user, partition) pairs whose graph has work waiting.
+        self._send, self._inbox = trio.open_memory_channel[tuple[str, str]](WRITER_INBOX)
         self._graph_limiter = trio.CapacityLimiter(1)  # one graph build or update at a time
         self._search_limiter = trio.CapacityLimiter(2)  # concurrent searches: one per core
         self.damaged = 0  # saved graphs found damaged or unmatched at load, and rebuilt
@@ -276,33 +327,39 @@ class AnnIndex:
         task_status.started()
         try:
             async with self._inbox:
-                async for user_id in self._inbox:
-                    uv = self._users.get(user_id)
-                    if uv is not None:
+                async for user_id, part in self._inbox:
+                    user = self._users.get(user_id)
+                    if user is not None:
+                        uv = getattr(user, part)
                         uv.queued = False
-                        await self._update_graph(user_id, uv)
+                        await self._update_graph(user_id, part, uv)
         finally:
             # Closing: save the graphs that changed, so that a restart need not rebuild them
             # (~2,200 vectors/s here). save_index holds the GIL, which only closing can afford.
             with trio.CancelScope(shield=True):
-                for user_id, uv in list(self._users.items()):
+                for user_id, user in list(self._users.items()):
                     if self._read_only:
                         break
-                    if uv.graph is not None and uv.unsaved and not uv.writing:
-                        await trio.to_thread.run_sync(self._save_graph, user_id, uv,
-                                                      limiter=self._graph_limiter)
+                    for part, uv in user.parts():
+                        if uv.graph is not None and uv.unsaved and not uv.writing:
+                            await trio.to_thread.run_sync(self._save_graph, user_id, part, uv,
+                                                          limiter=self._graph_limiter)
 
-    def _graph_files(self, user_id: str) -> tuple[Path, Path, Path]:
-        """A user's graph, the lsn of each of its rows, and the checksums of both; named by
-        a hash of the user id, so that no file name carries the id."""
+    def _graph_files(self, user_id: str, part: str) -> tuple[Path, Path, Path]:
+        """A partition's graph, the lsn of each of its rows, and the checksums of both; named
+        by a hash of the user id, so that no file name carries the id. The turns' files keep
+        the name a user's one graph had before partitions: such a graph loads as the turns'
+        one, its rows of other kinds dead (the other kinds' graph is then built anew)."""
         name = hashlib.blake2b(user_id.encode(), digest_size=16).hexdigest()
+        if part != "turn":
+            name = f"{name}-{part}"
         return (self._path / f"{name}.hnsw", self._path / f"{name}.lsns.npy",
                 self._path / f"{name}.sum.json")
 
-    def _save_graph(self, user_id: str, uv: _UserVectors) -> None:
+    def _save_graph(self, user_id: str, part: str, uv: _UserVectors) -> None:
         dead, uv.graph_dead = uv.graph_dead, []
         _scrub_rows(uv.graph, dead, self._dim)  # deletions the writer had not applied yet
-        graph_file, lsns_file, sum_file = self._graph_files(user_id)
+        graph_file, lsns_file, sum_file = self._graph_files(user_id, part)
         self._path.mkdir(parents=True, exist_ok=True)
         lsns_tmp, graph_tmp = lsns_file.with_suffix(".tmp.npy"), graph_file.with_suffix(".tmp")
         np.save(lsns_tmp, uv.lsns[: uv.graph_rows])
@@ -315,21 +372,26 @@ class AnnIndex:
         os.replace(sum_file.with_suffix(".tmp"), sum_file)
         uv.unsaved = False
 
-    def _build_user(self, user_id: str, lsns: list[int], values: bytes) -> _UserVectors:
+    def _build_user(self, user_id: str, lsns: list[int], values: bytes) -> _User:
         """A user's index from their stored vectors (worker thread: ~100k rows of work)."""
-        uv = self._load_graph(user_id, lsns, values)
-        if uv is None:
-            uv = _UserVectors(self._dim)
-            uv.append(np.array(lsns, dtype=np.int64),
-                      *decode_vectors(values, len(lsns), self._dim))
-        return uv
+        user = _User(self._dim)
+        every = np.array(lsns, dtype=np.int64)
+        meta, matrix = decode_vectors(values, len(lsns), self._dim)
+        turns = meta["kind"] == KINDS["turn"]
+        for part, rows in (("turn", turns), ("other", ~turns)):
+            uv = self._load_graph(user_id, part, every[rows], meta[rows], matrix[rows])
+            if uv is None:
+                uv = _UserVectors(self._dim)
+                uv.append(every[rows], meta[rows], matrix[rows])
+            setattr(user, part, uv)
+        return user
 
-    def _load_graph(self, user_id: str, lsns: list[int], values: bytes
-                    ) -> _UserVectors | None:
-        """The user's saved graph with rows in its saved order, reconciled with the stored
-        vectors: rows deleted since are dead placeholders, new vectors come after. None when
-        there is no usable saved graph."""
-        graph_file, lsns_file, sum_file = self._graph_files(user_id)
+    def _load_graph(self, user_id: str, part: str, lsns: np.ndarray, meta: np.ndarray,
+                    matrix: np.ndarray) -> _UserVectors | None:
+        """The partition's saved graph with rows in its saved order, reconciled with its
+        stored vectors: rows deleted since are dead placeholders, new vectors come after.
+        None when there is no usable saved graph."""
+        graph_file, lsns_file, sum_file = self._graph_files(user_id, part)
         if not graph_file.exists() or not lsns_file.exists():
             return None
         try:
@@ -346,11 +408,15 @@ class AnnIndex:
         if graph.get_current_count() != len(saved) or sums["rows"] != len(saved):
             return None  # the pair was not written together: rebuild instead
         graph.set_num_threads(1)
-        meta, matrix = decode_vectors(values, len(lsns), self._dim)
-        position = {lsn: i for i, lsn in enumerate(lsns)}
-        uv = _UserVectors(self._dim)
+        position = {lsn: i for i, lsn in enumerate(lsns.tolist())}
         order = [position.get(int(lsn), -1) for lsn in saved]
         present = np.array([i >= 0 for i in order], dtype=bool)
+        if not present.any():
+            # Nothing it holds is stored any more: its files go, the partition starts anew.
+            for path in (graph_file, lsns_file, sum_file):
+                path.unlink(missing_ok=True)
+            return None
+        uv = _UserVectors(self._dim)
         rows = np.array([max(i, 0) for i in order], dtype=np.int64)
         uv.append(saved.astype(np.int64), meta[rows], matrix[rows])
         absent = np.flatnonzero(~present).tolist()
@@ -359,20 +425,20 @@ class AnnIndex:
             uv.row_of.pop(int(saved[row]), None)
             uv.matrix[row] = 0
         if absent:
-            # Deleted since the save: their vectors leave the graph, and the files holding
-            # them go (the graph is saved again, scrubbed, at close).
+            # Deleted since the save (or, in a graph saved before partitions, of another
+            # partition): their vectors leave the graph, and the files holding them go (the
+            # graph is saved again, scrubbed, at close).
             _scrub_rows(graph, absent, self._dim)
             for path in (graph_file, lsns_file, sum_file):
                 path.unlink(missing_ok=True)
             uv.unsaved = True
         uv.graph, uv.graph_rows = graph, len(saved)
-        fresh = [i for i, lsn in enumerate(lsns) if lsn not in uv.row_of]
+        fresh = [i for i, lsn in enumerate(lsns.tolist()) if lsn not in uv.row_of]
         if fresh:
-            uv.append(np.array([lsns[i] for i in fresh], dtype=np.int64), meta[fresh],
-                      matrix[fresh])
+            uv.append(lsns[fresh], meta[fresh], matrix[fresh])
         return uv
 
-    async def _update_graph(self, user_id: str, uv: _UserVectors) -> None:
+    async def _update_graph(self, user_id: str, part: str, uv: _UserVectors) -> None:
         uv.writing = True  # from here on queries take the exact path
         try:
             while uv.readers:
@@ -385,8 +451,9 @@ class AnnIndex:
             uv.unsaved = True
         finally:
             uv.writing = False
-        if self._users.get(user_id) is uv and (uv.n > uv.graph_rows or uv.graph_dead):
-            self._schedule(uv, user_id)
+        if (getattr(self._users.get(user_id), part, None) is uv
+                and (uv.n > uv.graph_rows or uv.graph_dead)):
+            self._schedule(uv, user_id, part)
 
     def _write_graph(self, uv: _UserVectors, rows: int, dead: list[int]) -> None:
         if uv.graph is None:
@@ -408,11 +475,11 @@ class AnnIndex:
                 _mark_deleted(graph, row)  # added as zeros: remove() cleared its matrix row
         uv.graph = graph
 
-    def _schedule(self, uv: _UserVectors, user_id: str) -> None:
+    def _schedule(self, uv: _UserVectors, user_id: str, part: str) -> None:
         if uv.queued or uv.writing:
             return
         try:
-            self._send.send_nowait(user_id)
+            self._send.send_nowait((user_id, part))
             uv.queued = True
         except trio.WouldBlock:
             pass  # the writer is behind; the next add for this user will ask again
@@ -433,9 +500,9 @@ class AnnIndex:
             if user_id in self._loading:
                 self._loading[user_id].append(("add", rows))
                 continue
-            uv = self._users.get(user_id)
-            if uv is not None:
-                self._append(user_id, uv, rows)
+            user = self._users.get(user_id)
+            if user is not None:
+                self._append(user_id, user, rows)
 
     def removed(self, user_id: str, lsns: list[int], whole_user: bool) -> None:
         """Records just deleted from the store."""
@@ -444,27 +511,30 @@ class AnnIndex:
         self._drop_saved(user_id, lsns, whole_user)
         if whole_user:
             self._users.pop(user_id, None)
-        elif (uv := self._users.get(user_id)) is not None:
-            uv.remove(lsns)
-            if uv.graph is not None:
-                uv.unsaved = True
-            if uv.graph_dead:
-                self._schedule(uv, user_id)
+        elif (user := self._users.get(user_id)) is not None:
+            for part, uv in user.parts():
+                if not uv.remove(lsns):
+                    continue
+                if uv.graph is not None:
+                    uv.unsaved = True
+                if uv.graph_dead:
+                    self._schedule(uv, user_id, part)
 
     def _drop_saved(self, user_id: str, lsns: list[int], whole_user: bool) -> None:
         """A saved graph holds the vectors it was saved with: one holding a deleted row goes
         now. (A loaded graph is scrubbed by the writer, or before it is saved, and saved again
         at close.)"""
-        files = self._graph_files(user_id)
-        lsns_file = files[1]
-        if not whole_user and lsns_file.exists():
-            try:
-                if not np.isin(np.asarray(lsns, dtype=np.int64), np.load(lsns_file)).any():
-                    return
-            except (OSError, ValueError):
-                pass  # unreadable: it goes too
-        for path in files:
-            path.unlink(missing_ok=True)
+        for part in PARTS:
+            files = self._graph_files(user_id, part)
+            lsns_file = files[1]
+            if not whole_user and lsns_file.exists():
+                try:
+                    if not np.isin(np.asarray(lsns, dtype=np.int64), np.load(lsns_file)).any():
+                        continue
+                except (OSError, ValueError):
+                    pass  # unreadable: it goes too
+            for path in files:
+                path.unlink(missing_ok=True)
 
     def drop_saved_graphs(self) -> None:
         """Delete every saved graph: after a crash between a forget and its scrub they may
@@ -474,20 +544,26 @@ class AnnIndex:
                 if path.suffix in (".hnsw", ".npy", ".json", ".tmp"):
                     path.unlink(missing_ok=True)
 
-    def _append(self, user_id: str, uv: _UserVectors, rows: list[tuple[int, bytes]]) -> None:
-        lsns = np.array([lsn for lsn, _ in rows], dtype=np.int64)
-        meta, matrix = decode_vectors(b"".join(v for _, v in rows), len(rows), self._dim)
-        uv.append(lsns, meta, matrix)
-        if uv.graph is not None or uv.n >= HNSW_THRESHOLD:
-            self._schedule(uv, user_id)
+    def _append(self, user_id: str, user: _User, rows: list[tuple[int, bytes]]) -> None:
+        """Rows into their partitions (by each value's kind), a graph update asked for where
+        one is due."""
+        for part, uv in user.parts():
+            mine = [row for row in rows if part_of(row[1]) == part]
+            if not mine:
+                continue
+            lsns = np.array([lsn for lsn, _ in mine], dtype=np.int64)
+            meta, matrix = decode_vectors(b"".join(v for _, v in mine), len(mine), self._dim)
+            uv.append(lsns, meta, matrix)
+            if uv.graph is not None or uv.n >= HNSW_THRESHOLD:
+                self._schedule(uv, user_id, part)
 
     # -- searching ---------------------------------------------------------------------------
 
-    async def _user(self, user_id: str) -> _UserVectors:
-        uv = self._users.get(user_id)
-        if uv is not None:
+    async def _user(self, user_id: str) -> _User:
+        user = self._users.get(user_id)
+        if user is not None:
             self._users.move_to_end(user_id)
-            return uv
+            return user
         if user_id in self._load_done:
             await self._load_done[user_id].wait()
             return await self._user(user_id)
@@ -497,40 +573,60 @@ class AnnIndex:
             lsns, values = await self._store.read(read_user_vectors, user_id)
             # The search limiter, not the graph writer's: a first query must not wait behind
             # another user's graph build.
-            uv = await trio.to_thread.run_sync(self._build_user, user_id, lsns, values,
-                                               limiter=self._search_limiter)
+            user = await trio.to_thread.run_sync(self._build_user, user_id, lsns, values,
+                                                 limiter=self._search_limiter)
             forgotten = False
             for what, payload in self._loading[user_id]:
                 if what == "add":
-                    uv.append(np.array([lsn for lsn, _ in payload], dtype=np.int64),
-                              *decode_vectors(b"".join(v for _, v in payload), len(payload),
-                                              self._dim))
+                    for part, uv in user.parts():
+                        mine = [row for row in payload if part_of(row[1]) == part]
+                        if mine:
+                            uv.append(np.array([lsn for lsn, _ in mine], dtype=np.int64),
+                                      *decode_vectors(b"".join(v for _, v in mine), len(mine),
+                                                      self._dim))
                 else:
                     removed, whole = payload
                     forgotten = forgotten or whole
-                    uv.remove(removed)
+                    user.turn.remove(removed)
+                    user.other.remove(removed)
             if forgotten:
-                uv = _UserVectors(self._dim)
-            self._users[user_id] = uv
+                user = _User(self._dim)
+            self._users[user_id] = user
             self._evict()
-            if uv.n > uv.graph_rows and (uv.graph is not None or uv.n >= HNSW_THRESHOLD):
-                self._schedule(uv, user_id)
-            return uv
+            for part, uv in user.parts():
+                if uv.n > uv.graph_rows and (uv.graph is not None or uv.n >= HNSW_THRESHOLD):
+                    self._schedule(uv, user_id, part)
+            return user
         finally:
             del self._loading[user_id]
             del self._load_done[user_id]
             done.set()
 
     def _evict(self) -> None:
-        total = sum(uv.n for uv in self._users.values())
+        total = sum(user.n for user in self._users.values())
         while total > self._cache_vectors and len(self._users) > 1:
-            _, uv = self._users.popitem(last=False)
-            total -= uv.n
+            _, user = self._users.popitem(last=False)
+            total -= user.n
 
     async def search(self, user_id: str, query: np.ndarray, k: int,
                      filters: Filters = NO_FILTERS) -> list[tuple[int, float]]:
-        """The user's k nearest records to ``query`` (unit length): [(lsn, cosine)], best first."""
-        uv = await self._user(user_id)
+        """The user's k nearest records to ``query`` (unit length): [(lsn, cosine)], best
+        first. Each partition the kind filter admits is searched on its own; when both are,
+        their lists merge (equal scores by lsn)."""
+        user = await self._user(user_id)
+        found = [await self._search(uv, query, k, filters.within(part))
+                 for part, uv in user.parts() if filters.admits(part)]
+        if not found:
+            await trio.lowlevel.checkpoint()
+            return []
+        if len(found) == 1:
+            return found[0]
+        return sorted(found[0] + found[1], key=lambda hit: (-hit[1], hit[0]))[:k]
+
+    async def _search(self, uv: _UserVectors, query: np.ndarray, k: int,
+                      filters: Filters) -> list[tuple[int, float]]:
+        """One partition's k nearest: its graph when it has a complete one and the filters
+        leave enough rows, else an exact scan of its rows."""
         if uv.n == 0:
             await trio.lowlevel.checkpoint()
             return []
@@ -559,19 +655,24 @@ class AnnIndex:
     def similarities(self, user_id: str, query: np.ndarray, lsns: list[int]) -> dict[int, float]:
         """Cosine of ``query`` with each of these records, for a user already loaded (a search
         loads it); records without a vector yet, and users not in RAM, are left out."""
-        uv = self._users.get(user_id)
-        if uv is None:
+        user = self._users.get(user_id)
+        if user is None:
             return {}
-        rows = [(lsn, uv.row_of[lsn]) for lsn in lsns if lsn in uv.row_of]
-        if not rows:
-            return {}
-        scores = uv.matrix[[row for _, row in rows]] @ query
-        return {lsn: float(x) for (lsn, _), x in zip(rows, scores.tolist(), strict=True)}
+        out: dict[int, float] = {}
+        for _, uv in user.parts():
+            rows = [(lsn, uv.row_of[lsn]) for lsn in lsns if lsn in uv.row_of]
+            if rows:
+                scores = uv.matrix[[row for _, row in rows]] @ query
+                out.update((lsn, float(x))
+                           for (lsn, _), x in zip(rows, scores.tolist(), strict=True))
+        return out
 
     async def count(self, user_id: str) -> int:
         """The user's live vectors (loading the user, as a search would)."""
-        return len((await self._user(user_id)).row_of)
+        user = await self._user(user_id)
+        return len(user.turn.row_of) + len(user.other.row_of)
 
     def loaded(self) -> dict[str, int]:
         """Loaded users and their vector counts (for stats and tests)."""
-        return {user_id: int(uv.alive[: uv.n].sum()) for user_id, uv in self._users.items()}
+        return {user_id: sum(int(uv.alive[: uv.n].sum()) for _, uv in user.parts())
+                for user_id, user in self._users.items()}

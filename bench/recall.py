@@ -379,7 +379,7 @@ async def latency(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"  {n:,} turns: {row['long_term']}, made in {row['long_term_s']:.0f} s, "
                       f"embedded in {row['long_term_embed_s']:.0f} s", flush=True)
             await mem.recall("big", "warm up the index", limit=10)
-            uv = mem._ann._users["big"]
+            uv = mem._ann._users["big"].turn  # the turns' partition: the one with a graph
             if n >= ann_mod.HNSW_THRESHOLD:
                 put_timing(row, "exact_scan", await timing(mem, ["big"], queries[:100]))
                 start = time.perf_counter()
@@ -433,8 +433,8 @@ async def measure_reused(path: Path, queries: list[str]) -> dict[str, Any]:
         row: dict[str, Any] = {"long_term": await embed_derived(mem, "big")}
         row["long_term_embed_s"] = time.perf_counter() - start
         await mem.recall("big", "warm up the index", limit=10)
-        uv = mem._ann._users["big"]
-        row["vectors"] = uv.n  # turns, episodes and active facts
+        row["vectors"] = mem._ann._users["big"].n  # turns, episodes and active facts
+        uv = mem._ann._users["big"].turn  # the turns' partition: the one with a graph
         print(f"  reused store: {row['vectors']:,} vectors, {row['long_term']}", flush=True)
         while uv.graph is None or uv.graph_rows < uv.n or uv.writing:
             await trio.sleep(0.2)

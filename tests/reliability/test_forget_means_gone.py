@@ -92,7 +92,7 @@ async def test_forgotten_text_and_vectors_leave_every_file(tmp_path: Path, graph
         await mem.flush()
         await mem.recall("ana", "lighthouse")  # builds ana's graph (more than GRAPH_AT vectors)
         await mem.flush()
-        uv = mem._ann._users["ana"]
+        uv = mem._ann._users["ana"].turn
         while uv.graph is None or uv.graph_rows < uv.n or uv.writing:
             await trio.sleep(0.01)  # built in the background; saved at close once built
     vectors = _vectors_of(store, "ana", set(marked))

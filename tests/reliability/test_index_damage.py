@@ -172,7 +172,7 @@ def graph_store(tmp_path, monkeypatch) -> Path:
 async def _graph_ready(mem) -> bool:
     """Load the user and wait for the graph; True if it came from the saved files."""
     await mem._ann.search("ana", np.ones(mem._ann._dim, dtype=np.float32), 1)
-    uv = mem._ann._users["ana"]
+    uv = mem._ann._users["ana"].turn
     reused = uv.graph is not None
     while uv.graph is None or uv.graph_rows < uv.n or uv.writing:
         await trio.sleep(0.01)
