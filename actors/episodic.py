@@ -281,7 +281,8 @@ class EpisodicCompressor:
             # far behind the follower was.
             while turn_count - start >= self._after:
                 last_seq = start + self._after - self._keep - 1
-                await self.compress(key[0], key[1], start, last_seq, consolidated=False)
+                await self.compress(key[0], key[1], start, last_seq, consolidated=False,
+                                    queued=True)
                 start = last_seq + 1
             if self._summary_every and turn_count >= self._summary_every:
                 await self._roll_summary(key[0], key[1],
@@ -378,14 +379,19 @@ class EpisodicCompressor:
         return await self.compress(user_id, session_id, start, turn_count - 1, consolidated=True)
 
     async def compress(self, user_id: str, session_id: str, first_seq: int, last_seq: int, *,
-                       consolidated: bool) -> bool:
+                       consolidated: bool, queued: bool = False) -> bool:
         """Make one episode of the session's turns first_seq..last_seq; False if they are gone
-        (forgotten meanwhile) or already in an episode."""
+        (forgotten meanwhile) or already in an episode. ``queued``: the follower's call, whose
+        turns are committed (it read them from the log); the episode's write is queued, not
+        awaited (the step's watermark commits after it, in queue order), and True means
+        queued. Two commit waits an episode made a bulk import's episodes ~8 a second on a
+        loaded machine; the store still drops the episode if its session is forgotten first."""
         async with self._lock:
             if await self._mark((user_id, session_id)) > first_seq:
                 return False
             store = self._store
-            await store.wait_committed(store.next_lsn - 1)
+            if not queued:  # turns counted from the session buffer may not be committed yet
+                await store.wait_committed(store.next_lsn - 1)
             turns = await store.read(read_session_turns, user_id, session_id, first_seq, last_seq)
             if not turns:
                 return False
@@ -400,11 +406,21 @@ class EpisodicCompressor:
                 turns[-1].at, surprise, stability, difficulty, now, now if consolidated else None)
             links = tuple(Link(episode.episode_id, t.turn_id, "summarises", now) for t in turns)
             stored: list[Episode | None] = []
-            store.submit(PutEpisode(lsn, episode, links, stored.append))
-            await store.wait_committed(lsn)
+
+            def committed(episode: Episode | None) -> None:
+                stored.append(episode)
+                if episode is not None:
+                    self.episodes_made += 1
+
+            store.submit(PutEpisode(lsn, episode, links, committed))
             self._next_seq[(user_id, session_id)] = turns[-1].seq + 1
+            if queued:
+                # Surprise waits for this one's vector next: a dropped episode's position is
+                # passed by the embedder as any other.
+                self._last_episode[user_id] = lsn
+                return True
+            await store.wait_committed(lsn)
             if stored[0] is not None:
-                self.episodes_made += 1
                 self._last_episode[user_id] = lsn
             return stored[0] is not None
 

@@ -102,6 +102,20 @@ class Outcome:
 Active = dict[tuple[str, str], Fact]  # a user's active facts by (category, key)
 
 
+@dataclass(frozen=True)
+class Proposal:
+    """A fact the extraction follower proposes: the candidate, and the user turn it came from
+    (``requires``: that turn's lsn, without which the fact is dropped)."""
+
+    user_id: str
+    candidate: Candidate
+    origin: str
+    sources: tuple[str, ...]
+    session_id: str
+    valid_at: datetime
+    requires: int
+
+
 class Facts:
     """The Facts actor. Decisions run one at a time under ``_lock``; ``removed`` is called with
     the lsns that left the indexes, on the trio thread in commit order (the ANN's feed)."""
@@ -173,20 +187,40 @@ class Facts:
             return await self._propose(user_id, candidate, origin, source_turn_ids, session_id,
                                        valid_at, force, requires)
 
+    async def propose_all(self, proposals: list[Proposal]) -> None:
+        """Apply the rules to proposed facts in order, as ``propose`` one by one would, with
+        one wait for the store at the end instead of one per fact: the extraction follower
+        taking in a bulk import waited for a commit per fact (~11 turns a second on a loaded
+        machine). Each decision sees those before it (the cache changes as each is queued).
+        A fact the store refuses (its source turn forgotten meanwhile) drops the user's
+        cached facts, to be read again; a later decision that retired it retires nothing
+        (the store skips a version it does not hold), one that reinforced it writes nothing
+        (the rewrite is guarded by its lsn)."""
+        if not proposals:
+            return
+        async with self._lock:
+            for p in proposals:
+                await self._propose(p.user_id, p.candidate, p.origin, p.sources, p.session_id,
+                                    p.valid_at, False, p.requires, wait=False)
+            await self._store.wait_written()
+
     async def _propose(self, user_id: str, c: Candidate, origin: str,
                        sources: tuple[str, ...], session_id: str, valid_at: datetime | None,
-                       force: bool, requires: int) -> Outcome:
+                       force: bool, requires: int, wait: bool = True) -> Outcome:
+        """One decision, applied. With ``wait`` False the write is queued, not awaited: the
+        outcome is the one the store will apply unless it refuses the fact (see
+        ``propose_all``)."""
         state = await self._user(user_id)
         now = self._clock().astimezone(timezone.utc)
         valid_at = (valid_at or now).astimezone(timezone.utc)
         current = state.get((c.category, c.key))
         if current is not None and _same_value(current.value, c.value):
-            return await self._reinforce(current, c, sources, now)
+            return await self._reinforce(current, c, sources, now, wait)
         if not force:
             words = _words(c.text)
             for other in state.values():
                 if other is not current and jaccard(words, _words(other.text)) >= DEDUP_JACCARD:
-                    return await self._reinforce(other, c, sources, now)
+                    return await self._reinforce(other, c, sources, now, wait)
         rivals = [current] if current is not None else []
         rivals += [f for f in _contradicted(state, c) if f is not current]
         for rival in rivals:
@@ -206,8 +240,10 @@ class Facts:
                                                 expired_at=now) for r in rivals)
         links = tuple(Link(fact.fact_id, s, "derived_from", now) for s in sources)
         links += tuple(Link(fact.fact_id, r.fact_id, "supersedes", now) for r in rivals)
-        if not await self._apply(user_id, PutFact(lsn, user_id, fact, retired, links,
-                                                  requires=requires)):
+        op = PutFact(lsn, user_id, fact, retired, links, requires=requires)
+        if not wait:
+            self._queue(user_id, op)
+        elif not await self._apply(user_id, op):
             return Outcome("refused", None, None, "its source was forgotten")
         for r in rivals:
             state.pop((r.category, r.key), None)
@@ -215,13 +251,17 @@ class Facts:
         return Outcome("superseded" if rivals else "created", fact, rivals[0] if rivals else None)
 
     async def _reinforce(self, fact: Fact, c: Candidate, sources: tuple[str, ...],
-                         now: datetime) -> Outcome:
+                         now: datetime, wait: bool = True) -> Outcome:
         merged = tuple(dict.fromkeys(fact.source_turn_ids + sources))
         updated = msgspec.structs.replace(
             fact, confidence=max(fact.confidence, c.confidence),
             importance=max(fact.importance, c.importance), source_turn_ids=merged,
             access_count=fact.access_count + 1, last_access_at=now)
-        await self._rewrite([updated])
+        if wait:
+            await self._rewrite([updated])
+        else:
+            self._store.check_usable()
+            self._queue_rewrite([updated])
         return Outcome("reinforced", updated)
 
     async def confirm(self, user_id: str, category: str, key: str) -> Fact | None:
@@ -302,6 +342,19 @@ class Facts:
         self._queue_rewrite(facts)
         await self._store.wait_written()
 
+    def _queue(self, user_id: str, op: PutFact) -> None:
+        """Queue a decision's write without waiting for it: what it retires leaves the
+        indexes at its commit; if the store refuses it, the user's cached facts (which
+        already hold it) are dropped, to be read again."""
+
+        def committed(left: list[int] | None) -> None:
+            if left is None:
+                self._cache.pop(user_id, None)
+            elif left:
+                self._removed(user_id, left)
+
+        self._store.submit(msgspec.structs.replace(op, committed=committed))
+
     async def _apply(self, user_id: str, op: PutFact) -> bool:
         applied: list[bool] = []
 
@@ -324,6 +377,10 @@ class Facts:
         rules = isinstance(extractor, RuleExtractor)  # no fallback needed: run them inline
 
         async def handle(records: list[Searchable], last: int) -> tuple[tuple, tuple]:
+            # The step's facts are decided in order and written with one wait at its end (by
+            # the rules, ~512 turns); a plugged-in extractor's after each turn, so a slow
+            # model's facts land as it finds them.
+            proposals: list[Proposal] = []
             for i, r in enumerate(records):
                 if r.kind != "turn" or r.role != "user" or r.lsn in imported:
                     continue
@@ -338,9 +395,12 @@ class Facts:
                     candidates, origin = extract_facts(r.text), "rules"
                     if i % 8 == 7 or self._store.receipts_waiting:
                         await self._store.yield_to_receipts()  # regex work in small steps
-                for c in candidates:
-                    await self.propose(r.user_id, c, origin=origin, source_turn_ids=(r.memory_id,),
-                                       session_id=r.session_id, valid_at=r.at, requires=r.lsn)
+                proposals += [Proposal(r.user_id, c, origin, (r.memory_id,), r.session_id,
+                                       r.at, r.lsn) for c in candidates]
+                if not rules:
+                    await self.propose_all(proposals)
+                    proposals = []
+            await self.propose_all(proposals)
             return (), ()
 
         return LogFollower(self._store, WATERMARK, FOLLOW_CHUNK, handle)

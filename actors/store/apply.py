@@ -108,6 +108,10 @@ class Appliers:
         left: list[int] = []
         for old in op.retired:
             key = fact_key(old)
+            if txn.get(key, db=dbs[b"facts"]) is None:
+                # Never stored (refused: its source was forgotten after a queued decision
+                # counted on it) or forgotten since: retiring it must not write it.
+                continue
             txn.put(key, _encode(old), db=dbs[b"facts"])
             entry = txn.get(lsn_key(old.lsn), db=log)
             if entry is not None:
