@@ -31,6 +31,7 @@ from .layout import (
     _fact_entry_lsns,
     entry_record_key,
     episode_key,
+    fact_entry,
     fact_key,
     link_keys,
     lsn_key,
@@ -108,9 +109,11 @@ class Appliers:
         left: list[int] = []
         for old in op.retired:
             key = fact_key(old)
-            if txn.get(key, db=dbs[b"facts"]) is None:
-                # Never stored (refused: its source was forgotten after a queued decision
-                # counted on it) or forgotten since: retiring it must not write it.
+            if old.lsn != op.lsn and txn.get(key, db=dbs[b"facts"]) is None:
+                # A version an earlier op made that is not stored (refused: its source was
+                # forgotten after a queued decision counted on it; or forgotten since):
+                # retiring it must not write it. (A version at this op's own lsn is history
+                # an import writes.)
                 continue
             txn.put(key, _encode(old), db=dbs[b"facts"])
             entry = txn.get(lsn_key(old.lsn), db=log)
@@ -130,8 +133,7 @@ class Appliers:
         key = fact_key(fact)
         txn.put(key, _encode(fact), db=dbs[b"facts"])
         txn.put(uprefix + fact.fact_id.encode(), IDS_FACT + key, db=ids)
-        entry = LOG_FACT + len(left).to_bytes(2, "big") + b"".join(map(lsn_key, left)) + key
-        txn.put(lsn_key(op.lsn), entry, db=log, append=True)
+        txn.put(lsn_key(op.lsn), fact_entry(left, key), db=log, append=True)
         for link in op.links:
             for link_key in link_keys(op.user_id, link):
                 txn.put(link_key, _encode(link), db=dbs[b"links"])

@@ -53,6 +53,7 @@ A deletion leaves a tombstone that lists the deleted sequence numbers and nothin
 from __future__ import annotations
 
 import time
+from array import array
 from typing import Any
 
 import lmdb
@@ -149,10 +150,20 @@ def episode_key(episode: Episode) -> bytes:
 
 
 def _fact_entry_lsns(entry: bytes) -> tuple[list[int], bytes]:
-    """The lsns an ``F`` log entry retired, and the fact's key."""
+    """The lsns an ``F`` log entry retired, and the fact's key. Decoded in one call: a key
+    superseded often carries thousands (each entry carries what the one it retired did), and
+    the writer and every reader of the entry decode them, the writer holding the GIL."""
     n = int.from_bytes(entry[1:3], "big")
-    retired = [int.from_bytes(entry[3 + 8 * i: 11 + 8 * i], "big") for i in range(n)]
-    return retired, entry[3 + 8 * n:]
+    retired = array("Q", entry[3: 3 + 8 * n])
+    retired.byteswap()
+    return retired.tolist(), entry[3 + 8 * n:]
+
+
+def fact_entry(left: list[int], key: bytes) -> bytes:
+    """An ``F`` log entry: the lsns that left the indexes, then the fact's key."""
+    lsns = array("Q", left)
+    lsns.byteswap()
+    return LOG_FACT + len(left).to_bytes(2, "big") + lsns.tobytes() + key
 
 
 def _int(raw: bytes | None) -> int | None:
