@@ -209,8 +209,8 @@ async def hnsw_recall(mem: Engine, conversations, questions) -> float:
     """The AnnIndex's graph parameters over every corpus vector, against exact search."""
     blocks = []
     for convo in conversations:
-        uv = await mem._ann._user(convo.user_id)
-        blocks.append(uv.matrix[: uv.n])
+        user = await mem._ann._user(convo.user_id)  # both partitions: turns and other kinds
+        blocks += [uv.matrix[: uv.n] for _, uv in user.parts()]
     # The generator repeats its small-talk lines verbatim; HNSW graphs degrade on mass
     # duplicates (and exact top-k is then all ties), so the check runs on distinct vectors.
     matrix = np.unique(np.concatenate(blocks), axis=0)
