@@ -151,7 +151,7 @@ class FullText:
         self._schema = _schema()
         self._index: tantivy.Index | None = None
         self._writer: Any = None
-        self.indexed_lsn = 0  # every log record up to here is searchable
+        self._indexed_lsn = 0  # every log record up to here is searchable (indexed_lsn)
         self._read_lsn = 0  # every log record up to here has been handed to the writer
         self._pending = 0  # documents and deletions not yet committed
         self._pending_since = 0.0
@@ -174,6 +174,18 @@ class FullText:
         self._purges = trio.lowlevel.ParkingLot()
 
     # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def indexed_lsn(self) -> int:
+        """Every log record up to here is searchable, and applied to the index durably."""
+        return self._indexed_lsn
+
+    @indexed_lsn.setter
+    def indexed_lsn(self, lsn: int) -> None:
+        self._indexed_lsn = lsn
+        if not self._read_only:
+            # What the store's fact entries need not carry any more (Store's attribute).
+            self._store.retirements_applied_lsn = lsn
 
     @property
     def catching_up(self) -> bool:

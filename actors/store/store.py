@@ -98,6 +98,10 @@ class Store(Writer, Appliers, Forgetting):
         self.embedded_lsn = 0  # the persisted embedding watermark, as read at open
         self.embed_backlog: list[int] = []  # lsns behind it still without a vector, at open
         self.scrub_pending = False  # a forget's freed pages may still hold its bytes (at open)
+        # The log position up to which the follower that drops the records a fact entry
+        # retired (the text index) has applied the log durably: a fact entry then need not
+        # carry what a retired entry at or below it carried. 0 (carry all) until it says.
+        self.retirements_applied_lsn = 0
         self._env: lmdb.Environment | None = None
         self._dbs: dict[bytes, Any] = {}
         self._names: dict[Any, bytes] = {}  # database handle -> name, for CheckedTxn

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import pytest
 
+import actors.fulltext as fulltext_mod
 from actors.ann_index import Filters
 from actors.extraction import Candidate, extract_facts
 from actors.facts import Proposal
@@ -307,6 +309,52 @@ async def test_a_queued_fact_whose_source_is_forgotten_leaves_nothing(store_path
         await mem.flush()
     everything = b"".join(k + v for rows in raw_databases(store_path).values() for k, v in rows)
     assert b"Qwzxville" not in everything
+
+
+def _fact_entries(path) -> list[int]:
+    """How many retired lsns each fact entry in the log carries."""
+    return [int.from_bytes(value[1:3], "big") for _, value in raw_databases(path)["log"]
+            if value[:1] == b"F"]
+
+
+async def test_a_fact_entry_carries_only_what_the_text_index_may_still_hold(store_path) -> None:
+    """A key superseded again and again: once the text index has applied a retired entry, the
+    next entry need not carry what that one retired. Carried always, the entry grew by one
+    lsn per new value (16,000 in a 100k-turn import; past 65,535 it could not be written)."""
+    async with open_engine(store_path) as mem:
+        for i in range(30):
+            await mem.remember_fact("ana", "identity", "location", f"City{i}", confidence=0.9)
+            await mem.flush()  # the text index commits what it has read
+        assert [f.value for f in await mem.profile("ana")] == ["City29"]
+        assert len(await mem.fact_history("ana", "identity", "location")) == 30
+    assert max(_fact_entries(store_path)) <= 1
+
+
+async def test_a_lagging_text_index_still_drops_every_retired_version(store_path,
+                                                                     monkeypatch) -> None:
+    """With the text index's commits held back, new values keep carrying the versions it may
+    hold; once it catches up, no old value is left in it."""
+    gate = threading.Event()  # set: the text index may commit again
+    original = fulltext_mod.FullText._commit
+
+    def held_commit(self):
+        gate.wait(10)
+        return original(self)
+
+    async with open_engine(store_path, config={"background_embedding": False}) as mem:
+        await mem.remember_fact("ana", "identity", "location", "Qwzxzero", confidence=0.9)
+        await mem.flush()
+        monkeypatch.setattr(fulltext_mod.FullText, "_commit", held_commit)
+        try:
+            for name in ("Qwzxone", "Qwzxtwo", "Qwzxthree"):
+                await mem.remember_fact("ana", "identity", "location", name, confidence=0.9)
+        finally:
+            gate.set()
+        await mem.flush()
+        for old in ("qwzxzero", "qwzxone", "qwzxtwo"):
+            assert await mem._fulltext.search("ana", old, 10) == [], old
+        assert len(await mem._fulltext.search("ana", "qwzxthree", 10)) == 1
+    assert max(_fact_entries(store_path)) >= 2  # carried while the index lagged
 
 
 @pytest.mark.parametrize(("call", "message"), [
