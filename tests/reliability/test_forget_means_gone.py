@@ -181,7 +181,7 @@ async def test_forgotten_bytes_leave_the_live_data_file_among_bystanders(
         await _fill(mem, VICTIM, "s2", 20, marked=False)
         await mem.flush()
         await mem.recall(VICTIM, "lighthouse")  # a graph for the user, saved at close
-        uv = mem._ann._users[VICTIM]
+        uv = mem._ann._users[VICTIM].turn
         while uv.graph is None or uv.graph_rows < uv.n or uv.writing:
             await trio.sleep(0.01)
     ids = [SESSION.encode()] + ([VICTIM.encode()] if scope == "user" else [])
