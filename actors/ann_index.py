@@ -101,11 +101,12 @@ def decode_vectors(values: bytes, count: int, dim: int) -> tuple[np.ndarray, np.
 class Filters:
     """What a vector search may return, beyond its user."""
 
-    __slots__ = ("session", "since_ms", "until_ms", "roles", "kinds", "lsns")
+    __slots__ = ("session", "since_ms", "until_ms", "roles", "kinds", "lsns", "exclude")
 
     def __init__(self, session_id: str | None = None, since: datetime | None = None,
                  until: datetime | None = None, roles: tuple[str, ...] | None = None,
-                 kinds: tuple[str, ...] | None = None, lsns: list[int] | None = None) -> None:
+                 kinds: tuple[str, ...] | None = None, lsns: list[int] | None = None,
+                 exclude: list[int] | None = None) -> None:
         self.session = None if session_id is None else session_code(session_id)
         self.since_ms = None if since is None else _ms(since)
         self.until_ms = None if until is None else _ms(until)
@@ -113,6 +114,8 @@ class Filters:
         self.kinds = None if kinds is None else np.array([KINDS[k] for k in kinds])
         # Only these records (e.g. those with a tag, from the full-text index's term lists).
         self.lsns = None if lsns is None else np.array(lsns, dtype=np.int64)
+        # Never these records (e.g. what a time-travelling recall's store did not know yet).
+        self.exclude = None if not exclude else np.array(exclude, dtype=np.int64)
 
     def any(self) -> bool:
         return any(getattr(self, name) is not None for name in self.__slots__)
@@ -135,6 +138,8 @@ class Filters:
         keep = np.ones(len(meta), dtype=bool)
         if self.lsns is not None:
             keep &= np.isin(lsns, self.lsns)
+        if self.exclude is not None:
+            keep &= ~np.isin(lsns, self.exclude)
         if self.session is not None:
             keep &= meta["session"] == self.session
         if self.since_ms is not None:

@@ -124,17 +124,19 @@ _IN_COLUMNS = frozenset(COLUMNS)
 class TextFilters:
     """What a text search may return, beyond its user."""
 
-    __slots__ = ("session_id", "since", "until", "roles", "kinds", "tags", "lsns", "where")
+    __slots__ = ("session_id", "since", "until", "roles", "kinds", "tags", "lsns", "where",
+                 "exclude")
 
     def __init__(self, session_id: str | None = None, since: datetime | None = None,
                  until: datetime | None = None, roles: tuple[str, ...] | None = None,
                  kinds: tuple[str, ...] | None = None,
                  tags: tuple[str, ...] | None = None, lsns: list[int] | None = None,
-                 where: Node | None = None) -> None:
+                 where: Node | None = None, exclude: list[int] | None = None) -> None:
         self.session_id, self.since, self.until = session_id, since, until
         self.roles, self.kinds, self.tags = roles, kinds, tags
         self.lsns = lsns  # only these records (e.g. the facts a category filter admits)
         self.where = where  # a compiled ``where`` filter (``base.where.parse``)
+        self.exclude = exclude  # never these (what a time-travelling recall's store lacked)
 
 
 class FullText:
@@ -605,6 +607,9 @@ class FullText:
                 scope.append((Occur.Must, Q.term_set_query(schema, "tags", list(filters.tags))))
             if filters.lsns is not None:
                 scope.append((Occur.Must, Q.term_set_query(schema, "lsn", list(filters.lsns))))
+            if filters.exclude:
+                scope.append((Occur.MustNot,
+                              Q.term_set_query(schema, "lsn", list(filters.exclude))))
             if filters.since is not None or filters.until is not None:
                 scope.append((Occur.Must, Q.range_query(
                     schema, "at", tantivy.FieldType.Date, filters.since, filters.until)))

@@ -344,6 +344,7 @@ class Engine:
         category: str | Iterable[str] | None = None,
         min_importance: float | None = None,
         emotion: str | Iterable[str] | None = None,
+        as_of: datetime | None = None,
     ) -> Hits:
         """The user's memories that best match ``query``: vector, BM25, entity and window legs
         fused by weighted z-scores, neighbouring turns and covering episodes lifting the turns
@@ -381,6 +382,9 @@ class Engine:
                 condition: notes' and facts' category (one or any of a list), importance at
                 least this, notes' emotion label (one or any of a list). Turns and episodes
                 have none of these, so any of them keeps notes and facts only.
+            as_of: answer as the store knew it then (timezone-aware): turns said and note
+                versions written by then, episodes made by then, fact versions recorded, in
+                force and not yet retired then (both time axes), links made by then.
 
         Returns:
             :class:`Hits` (a list of :class:`Hit`), best first; linked memories follow the
@@ -393,7 +397,7 @@ class Engine:
             user_id, query, limit, focus=focus, session_id=session_id, since=since, until=until,
             roles=roles, kinds=kinds, tags=tags, link_depth=link_depth, budget_tokens=budget_tokens,
             legs=legs, link_types=link_types, where=where, category=category,
-            min_importance=min_importance, emotion=emotion)
+            min_importance=min_importance, emotion=emotion, as_of=as_of)
 
     async def retrieve_memory(self, user_id: str, query: str, conversation_id: str | None = None,
                               episodic_limit: int = 5, semantic_limit: int = 20,

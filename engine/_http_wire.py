@@ -64,6 +64,9 @@ class RecallIn(_Body):
     category: str | list[str] | None = Field(None, description="notes' and facts' category")
     min_importance: float | None = Field(None, ge=0, le=1)
     emotion: str | list[str] | None = Field(None, description="notes' emotion label")
+    as_of: datetime | None = Field(
+        None, description="answer as the store knew it then (a time with its zone)",
+        examples=["2026-01-15T09:00:00Z"])
 
 
 class RetrieveIn(_Body):

@@ -49,7 +49,7 @@ class Recall:
                      budget_tokens: Any, legs: Iterable[str] | None = None,
                      link_types: Iterable[str] | None = None, where: Any = None,
                      category: Any = None, min_importance: Any = None,
-                     emotion: Any = None) -> Hits:
+                     emotion: Any = None, as_of: Any = None) -> Hits:
         parts = self._parts
         parts.check_open()
         parts.check_lookup_ids(user_id)
@@ -66,6 +66,8 @@ class Recall:
             v.check_at(since, "since")
         if until is not None:
             v.check_at(until, "until")
+        if as_of is not None:
+            v.check_at(as_of, "as_of")
         if session_id is not None:
             parts.check_lookup_id("session_id", session_id)
         if budget_tokens is not None:
@@ -78,7 +80,8 @@ class Recall:
             roles=choices("roles", roles, ROLES), kinds=choices("kinds", kinds, KINDS),
             link_depth=link_depth, budget_tokens=budget_tokens, tags=check_tags(tags),
             legs=choices("legs", legs, LEGS) or LEGS,
-            link_types=v.check_words("link_types", link_types) or None, where=compiled)
+            link_types=v.check_words("link_types", link_types) or None, where=compiled,
+            as_of=as_of)
         return Hits(hits, degraded + tuple(leg for leg in parts.degraded()
                                            if leg not in degraded))
 

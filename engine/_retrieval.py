@@ -50,7 +50,7 @@ from actors.base.where import Node, attributes
 from actors.embedder import Embedder
 from actors.entities import Entities, extract_entities
 from actors.episodic import memory_review_state, retrievability
-from actors.facts import Facts
+from actors.facts import Facts, known_at
 from actors.fulltext import FullText, TextFilters
 from actors.session_buffer import SessionBuffer
 from actors.store import (
@@ -59,6 +59,8 @@ from actors.store import (
     Store,
     lsn_key,
     read_entities,
+    read_episodes,
+    read_facts,
     read_links,
     read_memories_by_id,
     read_records,
@@ -68,6 +70,7 @@ from actors.store import (
     turn_tags,
 )
 from actors.store.integrity import unseal
+from actors.store.replay import fact_searchable
 
 from ._hits import Explain, Hit, estimate_tokens, hit_for
 
@@ -159,15 +162,24 @@ class Retriever:
                      tags: tuple[str, ...] | None = None,
                      only: list[int] | None = None,
                      legs: tuple[str, ...] = LEGS,
-                     where: Node | None = None
+                     where: Node | None = None,
+                     as_of: datetime | None = None
                      ) -> list[Hit]:
         """The pipeline; arguments are validated by the facade. ``only``: these lsns and no
         others (the facts a category or importance filter admits), applied in every index.
         ``legs``: the legs that run (the benchmark measures each alone). ``where``: a
         compiled metadata filter, applied inside every leg (a tantivy query in BM25's, the
         lsns it admits as the vector and entity legs' mask, the record itself in the window
-        legs')."""
+        legs'). ``as_of``: answer as the store knew it then (see :meth:`_past`)."""
         ranked: dict[str, list[tuple[int, float]]] = {}
+        hidden: list[int] = []
+        past: dict[int, Fact] = {}
+        if as_of is not None:
+            # Every kind's index time is at or before when the store learned of it (a turn's
+            # time, a note version's, an episode's end, a fact's recording), so the time range
+            # does most of it inside each index; what it cannot tell is excluded by lsn.
+            until = as_of if until is None else min(until, as_of)
+            hidden, past = await self._past(user_id, as_of, kinds)
         # Turns and the other kinds (episodes, facts, notes) are searched as separate candidate
         # lists when the query admits both: the turns' list, its depth and its statistics are
         # then exactly what a turns-only recall has, so the other kinds never push a turn out
@@ -205,11 +217,30 @@ class Retriever:
                 lsns = only if lsns is None else sorted(set(lsns) & set(only))
             async with trio.open_nursery() as parts:
                 for part, part_kinds in searches.items():
-                    parts.start_soon(vector_search, part,
-                                     Filters(session_id, since, until, roles, part_kinds, lsns))
+                    parts.start_soon(vector_search, part, Filters(
+                        session_id, since, until, roles, part_kinds, lsns, hidden))
 
         async def vector_search(part: str, filters: Filters) -> None:
             put("vector", part, await self.ann.search(user_id, vector[0], depth, filters))
+
+        async def past_leg() -> None:
+            # Fact versions retired since as_of left both indexes: scored here, by meaning
+            # and by the query's terms (the window leg's score), in the facts' list.
+            facts = [f for f in past.values() if (only is None or f.lsn in only)
+                     and _matches(f, session_id, since, until, roles, kinds, tags, where)]
+            if not facts:
+                return
+            texts = [fact_searchable(f).text for f in facts]
+            query_vector = await self.embedder.embed_query(query, user_id)
+            vectors = await self.embedder.embed(texts, query=True)
+            terms = set(self.fulltext.query_terms(query))
+            part = "other" if split else ""
+            cosines = [(f.lsn, float(x)) for f, x in zip(facts, (vectors @ query_vector).tolist(),
+                                                          strict=True)]
+            shared = [(f.lsn, float(len(terms.intersection(self.fulltext.terms(text)))))
+                      for f, text in zip(facts, texts, strict=True)]
+            retired["vector"] = (part, cosines)
+            retired["window"] = (part, [(lsn, n) for lsn, n in shared if n > 0])
 
         async def bm25_search(part: str, filters: TextFilters) -> None:
             put("bm25", part, await self.fulltext.search(user_id, query, depth, filters))
@@ -228,16 +259,20 @@ class Retriever:
             if found:
                 ranked["entity"] = found[:depth]
 
+        retired: dict[str, tuple[str, list[tuple[int, float]]]] = {}
         with one_error():
             async with trio.open_nursery() as nursery:
                 if masked and ("vector" in legs or "entity" in legs):
                     nursery.start_soon(mask_leg)
                 if "vector" in legs:
                     nursery.start_soon(vector_leg)
+                if past and legs != ("entity",):
+                    nursery.start_soon(past_leg)
                 if "bm25" in legs:
                     for part, part_kinds in searches.items():
                         nursery.start_soon(bm25_search, part, TextFilters(
-                            session_id, since, until, roles, part_kinds, tags, only, where))
+                            session_id, since, until, roles, part_kinds, tags, only, where,
+                            hidden))
                 if "entity" in legs and only is None:
                     nursery.start_soon(entity_leg)
                 if "window" in legs:
@@ -249,6 +284,10 @@ class Retriever:
                     fresh = tuple(k for k in (searches[part] or KINDS) if k in ("note", "fact"))
                     if fresh and self.fulltext.indexed_lsn < self.store.committed_lsn:
                         nursery.start_soon(fresh_leg, part, fresh)
+        for leg, (part, found) in retired.items():
+            if leg in legs or (leg == "window" and "bm25" in legs):
+                into = others if part else ranked
+                into[leg] = sorted([*into.get(leg, ()), *found], key=lambda p: (-p[1], -p[0]))
         # The memories a leg chose from: all the vector leg could rank, up to its depth.
         population = len(ranked.get("vector", ())) or depth
         fused = fuse(ranked, population)
@@ -290,8 +329,9 @@ class Retriever:
         allowed = None if only is None else set(only)
         memories: dict[int, Any] = {}
         for lsn in order:
-            memory = records.get(lsn) or self.buffer.recent_turn(user_id, lsn)
-            if memory is not None and (allowed is None or lsn in allowed):
+            memory = records.get(lsn) or past.get(lsn) or self.buffer.recent_turn(user_id, lsn)
+            if (memory is not None and (allowed is None or lsn in allowed)
+                    and (as_of is None or known_then(memory, as_of))):
                 memories[lsn] = memory
         scored, explain_of = self._lift(user_id, memories, fused, lifting, around, covered,
                                         states, cosine, vector[0] if vector else None, kinds,
@@ -301,7 +341,8 @@ class Retriever:
         cap = max(1, int(limit * DERIVED_SHARE))
         mixed = kinds is None or "turn" in kinds
         for score, memory in scored:
-            if not _matches(memory, session_id, since, until, roles, kinds, tags, where):
+            if (not _matches(memory, session_id, since, until, roles, kinds, tags, where)
+                    or (as_of is not None and not known_then(memory, as_of))):
                 continue  # deleted since it was indexed, or not quite what the filter asked
             if mixed and type(memory) in (Episode, Fact):
                 if derived == cap:
@@ -313,7 +354,7 @@ class Retriever:
                 break
         hits = _dedupe(hits)[:limit]
         if link_depth > 0 and hits:
-            hits += await self._expand(user_id, hits, link_depth, link_types, where)
+            hits += await self._expand(user_id, hits, link_depth, link_types, where, as_of)
         return pack(hits, budget_tokens)
 
     async def _mask(self, user_id: str, tags: tuple[str, ...] | None,
@@ -334,6 +375,28 @@ class Retriever:
             fresh += [r.lsn for r in records
                       if _matches(r, None, None, None, None, None, tags, where)]
         return lsns + fresh if fresh else lsns
+
+    async def _past(self, user_id: str, as_of: datetime, kinds: tuple[str, ...] | None
+                    ) -> tuple[list[int], dict[int, Fact]]:
+        """What a recall ``as_of`` must exclude from the indexes that their time range lets
+        through, and the fact versions it must add that the indexes no longer hold.
+
+        Excluded: facts recorded by ``as_of`` but not yet in force then (``valid_at`` later),
+        and episodes of turns before ``as_of`` made after it. Added: fact versions the store
+        held as true at ``as_of`` (:func:`known_at`) and retired since, by lsn."""
+        facts: list[Fact] = []
+        episodes: list[Episode] = []
+        if kinds is None or "fact" in kinds:
+            await self.store.wait_committed(self.store.next_lsn - 1)
+            facts = await self.store.read(read_facts, user_id, False)
+        if kinds is None or "episode" in kinds:
+            episodes = await self.store.read(read_episodes, user_id, None)
+        # Only what the time range lets through (index time at or before as_of) needs it.
+        hidden = [f.lsn for f in facts
+                  if f.status == "active" and f.created_at <= as_of < f.valid_at]
+        hidden += [e.lsn for e in episodes if e.end_at <= as_of < e.created_at]
+        past = {f.lsn: f for f in facts if f.status != "active" and known_at(f, as_of)}
+        return hidden, past
 
     def _lift(self, user_id: str, memories: dict[int, Any],
               fused: dict[int, tuple[float, dict[str, int]]], lifting: set[int],
@@ -473,10 +536,12 @@ class Retriever:
 
     async def _expand(self, user_id: str, hits: list[Hit], depth: int,
                       types: tuple[str, ...] | None = None,
-                      where: Node | None = None) -> list[Hit]:
+                      where: Node | None = None,
+                      as_of: datetime | None = None) -> list[Hit]:
         """Breadth-first along links in both directions (of ``types`` only, if given);
         memories already found are skipped, and with ``where`` those it does not admit (they
-        still lead on to the memories linked to them)."""
+        still lead on to the memories linked to them); with ``as_of``, links and memories
+        made later too."""
         seen = {h.id for h in hits}
         score_of = {h.id: h.score for h in hits}
         frontier = [h.id for h in hits]
@@ -486,7 +551,8 @@ class Retriever:
             next_frontier = []
             for source in frontier:
                 for link in links.get(source, []):
-                    if types is not None and link.type not in types:
+                    if ((types is not None and link.type not in types)
+                            or (as_of is not None and link.at > as_of)):
                         continue
                     other = link.to_id if link.from_id == source else link.from_id
                     if other not in seen:
@@ -499,7 +565,8 @@ class Retriever:
                 break
         memories = await self.store.read(read_memories_by_id, user_id, [i for i, _ in found])
         return [hit_for(memories[i], score, ("link",)) for i, score in found if i in memories
-                and (where is None or where.matches(attributes(memories[i])))]
+                and (where is None or where.matches(attributes(memories[i])))
+                and (as_of is None or known_then(memories[i], as_of))]
 
 def _read_fresh(txn: Any, dbs: dict[bytes, Any], user_id: str, kinds: tuple[str, ...],
                 after: int, upto: int) -> list[Any]:
@@ -663,6 +730,20 @@ def _matches(memory: Turn | Note | Episode | Fact, session_id: str | None,
             and (since is None or turn.at >= since) and (until is None or turn.at <= until)
             and (roles is None or turn.role in roles) and (kinds is None or "turn" in kinds)
             and (tags is None or not set(tags).isdisjoint(turn_tags(turn))))
+
+
+def known_then(memory: Turn | Note | Episode | Fact, as_of: datetime) -> bool:
+    """Whether the store knew this memory, as it is, at ``as_of``: a turn said by then, a
+    note version written by then (earlier versions are not kept), an episode made by then,
+    a fact version held as true then (recorded, in force and not yet retired)."""
+    kind = type(memory)
+    if kind is Fact:
+        return known_at(memory, as_of)
+    if kind is Episode:
+        return memory.created_at <= as_of
+    if kind is Note:
+        return memory.updated_at <= as_of
+    return memory.at <= as_of
 
 
 def _entity_keys(query: str) -> list[str]:

@@ -10,6 +10,7 @@ anything runs, so the schema a model sees is the rule the engine enforces.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from datetime import datetime
 from typing import Any, Protocol
 
 import jsonschema
@@ -32,7 +33,8 @@ class ToolHost(Protocol):
                      kinds: Iterable[str] | None = None,
                      where: Mapping[str, Any] | None = None,
                      category: str | None = None, min_importance: float | None = None,
-                     emotion: str | None = None) -> Hits: ...
+                     emotion: str | None = None,
+                     as_of: datetime | None = None) -> Hits: ...
 
     async def remember_fact(self, user_id: str, category: str, key: str, value: str, *,
                             text: str | None = None, importance: float = 0.7) -> Fact: ...
@@ -88,7 +90,9 @@ TOOLS: list[dict[str, Any]] = [
            "min_importance": {"type": "number", "minimum": 0, "maximum": 1,
                               "description": "Only notes and facts at least this important."},
            "emotion": {"type": "string", "description": "Only notes with this emotion "
-                       "label, e.g. joy."}},
+                       "label, e.g. joy."},
+           "as_of": {"type": "string", "description": "Answer as memory stood then: an ISO "
+                     "8601 time with its zone, e.g. 2026-01-15T09:00:00Z."}},
           ["user_id", "query"]),
     _tool("remember_fact", "Save a fact the user stated. A new value for the same category "
           "and key replaces the old one (kept in history).",
@@ -165,6 +169,19 @@ def _check_arguments(name: str, args: Mapping[str, Any]) -> None:
                                        f"found {error.instance!r} ({error.message})")
 
 
+def _time(args: Mapping[str, Any], name: str) -> datetime | None:
+    """An ISO 8601 argument as a datetime (the engine checks it has a zone)."""
+    value = args.get(name)
+    if value is None:
+        return None
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        raise InvalidInput(f"arguments.{name}", "expected an ISO 8601 time with its zone, "
+                                                f"e.g. 2026-01-15T09:00:00Z, found {value!r}"
+                           ) from None
+
+
 def _plain(value: msgspec.Struct) -> dict[str, Any]:
     """A record as a JSON-ready dict (stored records encode as arrays, so go by field)."""
     return msgspec.to_builtins(msgspec.structs.asdict(value))
@@ -190,7 +207,7 @@ async def call_tool(engine: ToolHost, name: str, arguments: Mapping[str, Any] | 
                                    kinds=args.get("kinds"), where=args.get("where"),
                                    category=args.get("category"),
                                    min_importance=args.get("min_importance"),
-                                   emotion=args.get("emotion"))
+                                   emotion=args.get("emotion"), as_of=_time(args, "as_of"))
         found = {"results": [_plain(h) for h in hits]}
         if hits.degraded:  # a model should know the search was partial
             found["degraded"] = list(hits.degraded)

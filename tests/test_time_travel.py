@@ -6,7 +6,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from engine import InvalidInput
+from engine import InvalidInput, NewTurn
 
 from .conftest import T0, open_engine
 
@@ -51,3 +51,97 @@ async def test_profile_as_of_answers_as_the_store_knew_it_then(store_path) -> No
             ("Porto", T0 + timedelta(days=31), None, T0 + timedelta(days=61), None)]
         with pytest.raises(InvalidInput, match="as_of"):
             await mem.profile("maya", as_of=datetime(2026, 3, 1))
+
+
+async def test_recall_as_of_answers_as_the_store_knew_it_then(store_path) -> None:
+    """recall(as_of=) sees, on both of a fact's time axes, the version held as true then (a
+    retired one included), no fact not yet in force, and no turn, note, episode or link made
+    later."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.add_turn("maya", "s1", "user", "Training for the Lisbon marathon in spring",
+                           at=T0)
+        await mem.add_turn("maya", "s1", "assistant", "Good luck with the training!", at=T0)
+        await mem.remember_fact("maya", "identity", "location", "Lisbon", valid_at=T0)
+        # Recorded on 1 March, in force from 1 April only.
+        await mem.remember_fact("maya", "work", "employer", "Acme Lisbon",
+                                valid_at=T0 + timedelta(days=31))
+        clock.now = T0 + timedelta(days=61)                                      # 1 May
+        await mem.correct_fact("maya", "identity", "location", "Porto Lisbon")
+        await mem.add_turn("maya", "s2", "user", "The Lisbon marathon went well",
+                           at=clock.now)
+        note = await mem.store_note("maya", "Maya's Lisbon cafe is Fabrica")
+        clock.now = T0 + timedelta(days=70)
+        assert await mem.close_session("maya", "s1")  # an episode of March's turn, made now
+        await mem.flush()
+
+        async def found(days: float, **kwargs) -> set[str]:
+            hits = await mem.recall("maya", "Lisbon", limit=20, as_of=T0 + timedelta(days=days),
+                                    **kwargs)
+            return {h.text for h in hits}
+
+        march = await found(10)
+        assert "Training for the Lisbon marathon in spring" in march
+        assert any("Lisbon" in t and "Porto" not in t for t in await found(10, kinds=["fact"]))
+        assert not any("Porto" in t or "Acme" in t for t in march)
+        assert not any("went well" in t or "Fabrica" in t for t in march)
+        assert not await found(10, kinds=["episode"])
+        april = await found(40, kinds=["fact"])
+        assert any("Acme" in t for t in april) and not any("Porto" in t for t in april)
+        may = await found(65)
+        assert "The Lisbon marathon went well" in may and "Maya's Lisbon cafe is Fabrica" in may
+        assert any("Porto" in t for t in may)
+        assert not await found(65, kinds=["episode"])
+        assert await found(75, kinds=["episode"])
+        now = {h.text for h in await mem.recall("maya", "Lisbon", limit=20, kinds=["fact"])}
+        assert any("Porto" in t for t in now)
+        with pytest.raises(InvalidInput, match="as_of"):
+            await mem.recall("maya", "Lisbon", as_of=datetime(2026, 3, 1))
+
+
+async def test_recall_as_of_filters_inside_the_legs_not_after_their_limit(store_path) -> None:
+    """One early turn among 150 later ones that match the query better: with as_of before the
+    later ones, the early turn comes back (a filter after each leg's 100 candidates would
+    leave nothing)."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.add_turn("maya", "s1", "user", "a note about the marathon", at=T0)
+        await mem.add_turns([NewTurn(user_id="maya", session_id="s2", role="user",
+                                     text=f"marathon marathon training plan {i}",
+                                     at=T0 + timedelta(days=5, minutes=i))
+                             for i in range(150)])
+        await mem.flush()
+        for legs in (["bm25"], ["vector"], None):
+            hits = await mem.recall("maya", "marathon training", limit=1, kinds=["turn"],
+                                    legs=legs, as_of=T0 + timedelta(days=1))
+            assert [h.text for h in hits] == ["a note about the marathon"], legs
+
+
+async def test_recall_as_of_over_http_and_the_search_memory_tool(store_path) -> None:
+    """The HTTP recall body and the search_memory tool take as_of as an ISO time; a time
+    without a zone is refused naming the argument."""
+    import httpx
+
+    from engine._server import create_app
+
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.add_turn("maya", "s1", "user", "I adopted a cat called Pixel", at=T0)
+        await mem.add_turn("maya", "s1", "user", "Pixel the cat learned to fetch",
+                           at=T0 + timedelta(days=3))
+        await mem.flush()
+        early = (T0 + timedelta(days=1)).isoformat()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(mem)),
+                                     base_url="http://engram") as http:
+            body = {"query": "Pixel cat", "as_of": early}
+            hits = (await http.post("/v1/users/maya/recall", json=body)).json()["hits"]
+            assert [h["text"] for h in hits] == ["I adopted a cat called Pixel"]
+            naive = await http.post("/v1/users/maya/recall",
+                                    json={"query": "Pixel", "as_of": "2026-03-02T09:00:00"})
+            assert naive.status_code == 422 and "as_of" in naive.text
+        found = await mem.call_tool("search_memory", {"user_id": "maya", "query": "Pixel cat",
+                                                      "as_of": early})
+        assert [h["text"] for h in found["results"]] == ["I adopted a cat called Pixel"]
+        with pytest.raises(InvalidInput, match="as_of"):
+            await mem.call_tool("search_memory", {"user_id": "maya", "query": "Pixel",
+                                                  "as_of": "last tuesday"})
