@@ -216,6 +216,8 @@ class OnnxEmbedder:
         self._tokenizer = tok
         counter = Tokenizer.from_file(str(tokenizer))  # same rules, unpadded: counts only
         counter.enable_truncation(MAX_TOKENS)
+        # tokenizer.json pads every text to 128 tokens: a count must not include padding.
+        counter.no_padding()
         self._counter = counter
 
     def count_tokens(self, texts: list[str]) -> list[int]:

@@ -451,3 +451,13 @@ async def test_a_store_keeps_its_model_when_the_default_changes(tmp_path) -> Non
     assert first @ second > 0.9999  # the same model embedded both
     async with Engine.open(tmp_path / "new", config={"long_term": False}) as mem:
         assert (await mem.stats()).model == embedder_mod.MODELS[embedder_mod.DEFAULT_MODEL][1]
+
+
+def test_token_counts_do_not_include_padding() -> None:
+    """The follower sorts and cuts its batches by token count: a count must be the text's own
+    (the model's tokenizer.json pads every text to 128, which made every turn count 128 and
+    cut batches of short turns at 4)."""
+    model = OnnxEmbedder("minilm-l6-v2")
+    model.load()
+    assert model.count_tokens(["hello", "hello there my friend"]) == [3, 6]
+    assert model.count_tokens(["word " * 400]) == [embedder_mod.MAX_TOKENS]
