@@ -255,6 +255,11 @@ class EpisodicCompressor:
         self._summary_every = summary_every
         self._summarised: dict[tuple[str, str], int] = {}  # upper_seq of the stored summary
         self._last_episode: dict[str, int] = {}  # per user, the lsn of the last episode made
+        # Users whose earlier sessions a new session consolidated, each with the lsn of the
+        # new session's first turn: waiting for their reflection (``switches``).
+        self._switched: dict[str, int] = {}
+        # Parked: the reflection writer, until a new session consolidates earlier ones.
+        self._switch = trio.lowlevel.ParkingLot()
         # Held while a session is being compressed: the follower and maintenance never make
         # two episodes of the same turns.
         self._lock = trio.Lock()
@@ -264,14 +269,15 @@ class EpisodicCompressor:
     async def _handle(self, records: list[Searchable], last: int) -> tuple[tuple, tuple]:
         counts: dict[tuple[str, str], int] = {}
         replies: dict[tuple[str, str], list[str]] = {}
-        started: list[tuple[str, str, datetime]] = []  # sessions whose first turn this is
+        # Sessions whose first turn this is, with its time and lsn.
+        started: list[tuple[str, str, datetime, int]] = []
         for r in records:
             if r.kind != "turn" or r.lsn in self._imported:
                 continue
             key = (r.user_id, r.session_id)
             counts[key] = max(counts.get(key, 0), r.seq + 1)
             if r.seq == 0 and self._sessions is not None:
-                started.append((r.user_id, r.session_id, r.at))
+                started.append((r.user_id, r.session_id, r.at, r.lsn))
             if r.role == "assistant":
                 replies.setdefault(key, []).append(r.text)
         puts = await self._rate_replies(replies) if replies else ()
@@ -287,20 +293,38 @@ class EpisodicCompressor:
             if self._summary_every and turn_count >= self._summary_every:
                 await self._roll_summary(key[0], key[1],
                                          turn_count - turn_count % self._summary_every)
-        for user_id, session_id, at in started:
-            await self._consolidate_earlier(user_id, session_id, at)
+        for user_id, session_id, at, lsn in started:
+            if await self._consolidate_earlier(user_id, session_id, at):
+                self._switched[user_id] = lsn
+                self._switch.unpark_all()
         return puts, ()
 
-    async def _consolidate_earlier(self, user_id: str, session_id: str, at: datetime) -> None:
+    @property
+    def switched(self) -> bool:
+        """Whether a switch is waiting to be taken by ``switches``."""
+        return bool(self._switched)
+
+    async def switches(self) -> dict[str, int]:
+        """Wait until a new session has consolidated a user's earlier ones; then every such
+        user so far, each with the lsn of the first turn of the session that started (the
+        reflection on what came before, seed 004, is written from what was derived up to
+        there)."""
+        while not self._switched:
+            await self._switch.park()
+        switched, self._switched = self._switched, {}
+        return switched
+
+    async def _consolidate_earlier(self, user_id: str, session_id: str, at: datetime) -> bool:
         """A new session started (seed 004): the user's sessions begun before it are over as
         far as memory goes; their remaining turns become episodes now. Sessions begun later
         are left alone, so replaying the log after a restart consolidates only what had
-        ended by then."""
+        ended by then. Returns whether there were earlier sessions."""
         earlier = [info for info in self._sessions(user_id)
                    if info.session_id != session_id and info.started_at <= at]
         await self.prefetch([(user_id, info.session_id) for info in earlier])
         for info in earlier:
             await self.consolidate(user_id, info.session_id, info.turn_count)
+        return bool(earlier)
 
     async def _roll_summary(self, user_id: str, session_id: str, upper: int) -> None:
         """Bring the session's rolling summary (seed 003) up to turn ``upper``: the previous

@@ -210,6 +210,8 @@ class Engine:
                 if config.long_term:
                     await run.start_background(engine._maintenance.run,
                                                config.maintenance_seconds)
+                    if config.consolidate_on_new_session:
+                        await run.start_background(engine._maintenance.follow_switches)
                 yield engine
         finally:
             release_in_process(claim)

@@ -144,6 +144,8 @@ class Ingest:
         await store.wait_written()  # logged or not: use counts and reviews too
         for follower in parts.followers:
             await follower.wait(target)
+        for settle in parts.settling:
+            await settle()
         target = store.next_lsn - 1  # what the long-term layer derived meanwhile
         await store.wait_written()
         await parts.fulltext.wait_indexed(target)

@@ -68,6 +68,13 @@ _FACTS_SYSTEM = (
     '{"facts": []} when there are none.')
 
 
+_REFLECTION_SYSTEM = (
+    "You keep a short reflection about a user for an assistant's next conversations: what "
+    "matters to them lately, what changed, what recurs. Given their recent facts and the "
+    "episodes of their recent conversations, reply with 2-4 sentences of plain text, third "
+    "person, concrete, nothing invented.")
+
+
 def _json_object(text: str) -> bytes:
     """The JSON object in a reply, tolerating code fences and prose around it."""
     start, end = text.find("{"), text.rfind("}")
@@ -116,6 +123,15 @@ class ModelTasks:
                                  f.value.strip()[:500], f.fact.strip()[:1000] or f.value,
                                  confidence, importance, tuple(k.lower() for k in f.keywords)[:8]))
         return out
+
+    async def reflect(self, facts: list[str], episodes: list[str]) -> str:
+        """A reflection on a user's recent facts and episodes (seed 004's reflection agent)."""
+        prompt = ("Facts:\n" + "\n".join(f"- {f}" for f in facts)
+                  + "\n\nEpisodes:\n" + "\n".join(f"- {e}" for e in episodes))
+        reply = " ".join((await self.llm.complete(_REFLECTION_SYSTEM, prompt)).split())
+        if not reply:
+            raise LLMFailed("the model's reflection is empty")
+        return reply[:MAX_SUMMARY_CHARS]
 
     async def extract(self, text: str) -> list[Candidate]:
         """The :class:`~actors.extraction.Extractor` method: the model's facts of one turn."""

@@ -12,6 +12,13 @@ Every ``Config.maintenance_seconds`` of the engine's trio clock (so tests with t
    facts or episodes in the past seven days, an extractive note tagged ``reflection`` and
    ``weekly``; notes never decay.
 
+Besides the timer, with ``Config.consolidate_on_new_session`` a new session's consolidation of
+the user's earlier ones updates the user's session reflection (``follow_switches``): one note,
+``reflection-latest``, tagged ``reflection`` and ``session``, rewritten from the facts and
+episodes of the past seven days once every follower has passed the switch; extractive, or the
+LLM's when the engine has one (its failure falls back to the extractive text). It runs in the
+background, never on ``add_turn``'s path.
+
 Index checkpoints need no timer: the text index commits on its own size/time threshold and the
 vector watermark moves with every batch.
 """
@@ -25,6 +32,7 @@ from typing import Any
 import msgspec
 import trio
 
+from actors.base.errors import EngineClosed
 from actors.base.messages import PutState
 from actors.episodic import keyphrases
 from actors.store import read_episodes, read_facts, read_pending, user_prefix
@@ -39,6 +47,7 @@ log = logging.getLogger("engram.maintenance")
 PENDING_TTL = timedelta(days=1)  # a pending review nobody rated by then is dropped
 REFLECTION_MIN_ITEMS = 3  # new facts + episodes in a week before a reflection is worth writing
 REFLECTION_WINDOW = timedelta(days=7)
+SESSION_REFLECTION = "reflection-latest"  # the note a session switch rewrites, per user
 
 
 class MaintenanceReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -58,6 +67,11 @@ class Maintenance:
         self._memory = memory
         # Held by a pass: the timer and an explicit ``Engine.maintain`` never overlap.
         self._lock = trio.Lock()
+        self._reflecting = False  # follow_switches holds switches it has not written yet
+        self._following = False  # follow_switches runs
+        # Parked: callers of wait_reflected, until follow_switches has written what it took.
+        self._reflected = trio.lowlevel.ParkingLot()
+        parts.settling.append(self.wait_reflected)
 
     async def run(self, interval: float, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -93,6 +107,78 @@ class Maintenance:
             return MaintenanceReport(pruned_facts=pruned, consolidated_sessions=consolidated,
                                      dropped_reviews=dropped, reflections=reflections)
 
+    async def follow_switches(self, *,
+                              task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                              ) -> None:
+        """Update a user's session reflection each time a new session consolidates their
+        earlier ones (the compressor reports it), until the engine closes."""
+        compressor = self._parts.compressor
+        self._following = True
+        task_status.started()
+        try:
+            while True:
+                switched = await compressor.switches()
+                self._reflecting = True
+                for user_id, lsn in switched.items():
+                    try:
+                        await self.reflect_on_switch(user_id, lsn)
+                    except EngineClosed:
+                        return
+                    except Exception as exc:  # the next switch writes it again
+                        if self._parts.closed:
+                            return
+                        log.warning("reflection for a new session failed: %r", exc)
+                self._reflecting = False
+                self._reflected.unpark_all()
+        finally:
+            self._following = self._reflecting = False
+            self._reflected.unpark_all()
+
+    async def wait_reflected(self) -> None:
+        """Return once every session switch reported so far has its reflection written
+        (``Engine.flush`` waits for it, as for the followers)."""
+        while self._following and (self._reflecting or self._parts.compressor.switched):
+            await self._reflected.park()
+        await trio.lowlevel.checkpoint()
+
+    async def reflect_on_switch(self, user_id: str, lsn: int) -> bool:
+        """Rewrite the user's session reflection from what the followers derived before the
+        log position ``lsn`` (the new session's first turn). Returns whether one was written
+        (nothing is, for a user with no facts or episodes in the window)."""
+        parts = self._parts
+        for follower in parts.followers:
+            if follower is not parts.compressor.follower:  # it reported the switch itself
+                await follower.wait(lsn - 1)
+        now = parts.clock().astimezone(timezone.utc)
+        facts, episodes = await self._recent(user_id, now)
+        if not facts and not episodes:
+            return False
+        text = None
+        if parts.tasks is not None:
+            try:
+                text = await parts.tasks.reflect(
+                    [f.text for f in facts if f.status == "active"],
+                    [f"{e.title}: {e.summary}" for e in episodes])
+            except Exception as exc:  # the offline text stands in, as for summaries
+                log.warning("the model's reflection failed, writing the extractive one: %r",
+                            exc)
+        if text is None:
+            text = reflection_text(now, facts, episodes,
+                                   f"Reflection after a conversation, {now.date().isoformat()}.")
+        exists = await self._memory.get_note(user_id, SESSION_REFLECTION) is not None
+        await self._memory.put_note(user_id, text, SESSION_REFLECTION, ("reflection", "session"),
+                                    replace=exists)
+        return True
+
+    async def _recent(self, user_id: str, now: datetime) -> tuple[list[Any], list[Any]]:
+        """The user's facts and episodes made in the past REFLECTION_WINDOW."""
+        since = now - REFLECTION_WINDOW
+        store = self._parts.store
+        facts = [f for f in await store.read(read_facts, user_id, False) if f.created_at >= since]
+        episodes = [e for e in await store.read(read_episodes, user_id, None)
+                    if e.created_at >= since]
+        return facts, episodes
+
     async def _drop_stale_reviews(self, now: datetime) -> int:
         store = self._parts.store
         stale = [(b"pending", user_prefix(u) + c.encode(), None, 0)
@@ -106,11 +192,7 @@ class Maintenance:
         note_id = f"reflection-{year}-W{week:02d}"
         if await self._memory.get_note(user_id, note_id) is not None:
             return False
-        since = now - REFLECTION_WINDOW
-        store = self._parts.store
-        facts = [f for f in await store.read(read_facts, user_id, False) if f.created_at >= since]
-        episodes = [e for e in await store.read(read_episodes, user_id, None)
-                    if e.created_at >= since]
+        facts, episodes = await self._recent(user_id, now)
         if len(facts) + len(episodes) < REFLECTION_MIN_ITEMS:
             return False
         text = reflection_text(now, facts, episodes)
@@ -119,9 +201,10 @@ class Maintenance:
         return True
 
 
-def reflection_text(now: datetime, facts: list[Any], episodes: list[Any]) -> str:
+def reflection_text(now: datetime, facts: list[Any], episodes: list[Any],
+                    heading: str | None = None) -> str:
     """The offline reflection: the week's key moments, what was learned, recurring topics."""
-    lines = [f"Weekly reflection, week ending {now.date().isoformat()}."]
+    lines = [heading or f"Weekly reflection, week ending {now.date().isoformat()}."]
     moments = sorted(episodes, key=lambda e: -e.surprise)[:3]
     if moments:
         lines.append("Key moments: " + "; ".join(e.title for e in moments) + ".")

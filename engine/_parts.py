@@ -6,7 +6,7 @@ and sends its requests to the actors through it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ class Parts:
             actors (see DESIGN.md's map); each owns its state, the concerns only send to them.
         followers: the long-term layer's log followers, when it runs.
         imported: log positions of imported records, which the followers do not derive from.
+        tasks: the LLM's prompts (``ModelTasks``) when ``Engine.open`` got an ``llm``.
         notes_md: the notes' Markdown mirror (``Config.notes_markdown_dir``), if any.
         config / clock: the engine's settings and clock.
         read_only: opened with ``read_only=True``: every write is refused.
@@ -51,7 +52,7 @@ class Parts:
     def __init__(self, store: Store, buffer: SessionBuffer, embedder: Embedder, ann: AnnIndex,
                  fulltext: FullText, facts: Facts, compressor: EpisodicCompressor,
                  entities: Entities, config: Config, clock: Clock,
-                 imported: Imported | None = None) -> None:
+                 imported: Imported | None = None, tasks: Any = None) -> None:
         self.store = store
         self.buffer = buffer
         self.embedder = embedder
@@ -62,6 +63,10 @@ class Parts:
         self.entities = entities
         self.followers: list[LogFollower] = []
         self.imported = imported if imported is not None else Imported()
+        self.tasks = tasks  # the LLM's tasks (engine._llm.ModelTasks), when one was given
+        # What flush waits for besides the followers and the indexes (background work that
+        # follows them, e.g. the reflection a session switch asks for).
+        self.settling: list[Callable[[], Awaitable[None]]] = []
         self.notes_md = (NotesMirror(Path(config.notes_markdown_dir))
                          if config.notes_markdown_dir is not None and not store.read_only
                          else None)

@@ -91,7 +91,7 @@ async def running(root: Path, config: Config, clock: Clock, embedding: Embedder,
                     summary_every=config.summary_every_turns)
                 entities = Entities(store, imported)
                 parts = Parts(store, buffer, embedding, ann, fulltext, facts, compressor,
-                              entities, config, clock, imported)
+                              entities, config, clock, imported, tasks)
                 run = Running(parts, Scrubber(store, fulltext, ann), nursery)
                 if parts.notes_md is not None:  # a crash may have left stale files behind
                     await parts.notes_md.sync(store)

@@ -7,6 +7,8 @@ from datetime import timedelta
 
 import trio
 
+from engine import RuleExtractor
+
 from .conftest import T0, open_engine
 
 
@@ -88,3 +90,64 @@ async def test_a_late_background_summary_loses_to_a_newer_one(store_path, clock)
         # The follower read epoch 1 (the caller's) and moved it on; it never lowered it.
         assert state.epoch == 2 and state.upper_seq == 2
         assert "Written first by the caller." in state.summary
+
+
+async def test_a_new_session_updates_the_reflection_context_for_prompt_shows(store_path,
+                                                                           clock) -> None:
+    """With consolidation on a switch, the user's session reflection is rewritten from their
+    recent facts and episodes (extractive: no LLM), and context_for_prompt shows it as the
+    latest reflection; a later switch rewrites the same note."""
+    async with open_engine(store_path, clock=clock,
+                           config={"consolidate_on_new_session": True}) as mem:
+        for text in ("My name is Maya and I live in Lisbon.", "I work as a nurse.",
+                     "We planned the Lisbon move with the movers."):
+            await mem.add_turn("maya", "s1", "user", text)
+        await mem.flush()
+        assert await mem.get_note("maya", "reflection-latest") is None
+        await mem.add_turn("maya", "s2", "user", "New day, new topic: my dog Pixel.")
+        await mem.flush()
+        first = await mem.get_note("maya", "reflection-latest")
+        assert first is not None and set(first.tags) == {"reflection", "session"}
+        assert "Lisbon" in first.text and "Key moments" in first.text
+        context = await mem.context_for_prompt("maya", "s3")
+        assert "## Latest reflection" in context and "Lisbon" in context.split(
+            "## Latest reflection")[1]
+        await mem.add_turn("maya", "s2", "user", "Pixel is a beagle.")
+        await mem.add_turn("maya", "s3", "user", "Back again.")
+        await mem.flush()
+        second = await mem.get_note("maya", "reflection-latest")
+        assert second.updated_at > first.updated_at
+        assert [n.note_id for n in await mem.list_notes("maya")] == ["reflection-latest"]
+
+
+async def test_the_reflection_on_a_switch_is_the_models_when_there_is_one(store_path,
+                                                                         clock) -> None:
+    """Given an LLM, the reflection is its text; when it fails, the extractive one stands in."""
+
+    class Model:
+        def __init__(self) -> None:
+            self.fail = False
+
+        async def complete(self, system: str, prompt: str) -> str:
+            if "reflection" not in system:
+                return '{"facts": []}' if "facts" in system else (
+                    '{"title": "Moving", "summary": "Maya moves to Lisbon.", "keywords": []}')
+            if self.fail:
+                raise RuntimeError("model down")
+            assert "Lisbon" in prompt
+            return "Maya is settling into Lisbon and cares about the move."
+
+    model = Model()
+    async with open_engine(store_path, clock=clock, llm=model, extractor=RuleExtractor(),
+                           config={"consolidate_on_new_session": True}) as mem:
+        for text in ("My name is Maya and I live in Lisbon.", "We planned the move."):
+            await mem.add_turn("maya", "s1", "user", text)
+        await mem.add_turn("maya", "s2", "user", "Hello again.")
+        await mem.flush()
+        note = await mem.get_note("maya", "reflection-latest")
+        assert note.text == "Maya is settling into Lisbon and cares about the move."
+        model.fail = True
+        await mem.add_turn("maya", "s3", "user", "And again.")
+        await mem.flush()
+        assert "Lisbon" in (await mem.get_note("maya", "reflection-latest")).text
+        assert (await mem.get_note("maya", "reflection-latest")).text != note.text
