@@ -139,7 +139,9 @@ async def quality(args: argparse.Namespace) -> dict[str, Any]:
             print(f"\n{name}, {order} ingest: {len(dialogues)} conversations, {turns:,} turns, "
                   f"{len(questions)} questions; ingesting and embedding...", flush=True)
             path = Path(tempfile.mkdtemp(prefix="engram-bench-")) / "store"
-            async with Engine.open(path) as mem:
+            config = ({"consolidate_on_new_session": args.consolidate_on_switch}
+                      if args.consolidate_on_switch is not None else None)
+            async with Engine.open(path, config=config) as mem:
                 start = time.perf_counter()
                 await locomo.ingest(mem, dialogues, order)
                 await mem.flush()
@@ -469,12 +471,17 @@ def main() -> None:
     parser.add_argument("--long-term", action="store_true",
                         help="latency: the long-term layer on (episodes, facts, entities made "
                              "by the engine's followers); turns-only and full timed interleaved")
+    parser.add_argument("--consolidate-on-switch", default=None,
+                        action=argparse.BooleanOptionalAction,
+                        help="quality: Config.consolidate_on_new_session on or off (default: "
+                             "the engine's default)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     print(f"seed {args.seed}; {os.cpu_count()} cores")
     results = trio.run(quality if args.what == "quality" else latency, args)
-    results.update(cores=os.cpu_count(), seed=args.seed)
+    results.update(cores=os.cpu_count(), seed=args.seed,
+                   consolidate_on_switch=args.consolidate_on_switch)
     write_results(args.out or f"bench/results/recall-{args.what}.json", results,
                   f"recall-{args.what}")
 
