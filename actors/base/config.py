@@ -52,9 +52,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             consolidation of finished sessions, weekly reflections), on the engine's trio clock.
         consolidate_on_new_session: when a user's new session starts, consolidate their
             earlier sessions at once (seed 004): their remaining turns become episodes, as
-            maintenance makes them once idle. Off by default: the retrieval figures in the
-            README were measured without it (a bulk import then makes an episode of every
-            session's tail at once).
+            maintenance makes them once idle, and rewrite the user's session reflection.
+            Off by default: on the LoCoMo dev split it lost a little at R@10, R@50 and in
+            multi-hop questions (the README has the figures).
         summary_every_turns: keep each session's rolling summary (seed 003) up to date every
             this many turns, in the background (0: only callers write summaries).
         notes_markdown_dir: a directory where every note is mirrored as a Markdown file with
