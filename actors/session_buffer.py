@@ -74,11 +74,13 @@ class Receipt:
 
 class _Session:
     __slots__ = ("user_id", "session_id", "prefix", "user_prefix", "started_at", "last_at",
-                 "next_seq", "last_lsn", "window")
+                 "next_seq", "last_lsn", "window", "agent_id", "run_id")
 
-    def __init__(self, user_id: str, session_id: str, started_at: datetime) -> None:
+    def __init__(self, user_id: str, session_id: str, started_at: datetime,
+                 agent_id: str = "", run_id: str = "") -> None:
         self.user_id = user_id
         self.session_id = session_id
+        self.agent_id, self.run_id = agent_id, run_id  # the scope of all its turns
         self.prefix = session_prefix(user_id, session_id)
         self.user_prefix = user_prefix(user_id)
         self.started_at = started_at
@@ -90,7 +92,7 @@ class _Session:
 
     def info(self) -> SessionInfo:
         return SessionInfo(self.user_id, self.session_id, self.started_at, self.last_at,
-                           self.next_seq)
+                           self.next_seq, self.agent_id, self.run_id)
 
 
 class SessionBuffer:
@@ -109,7 +111,8 @@ class SessionBuffer:
         recently active ``live_windows`` sessions."""
         infos = await self._store.read(read_sessions)
         for info in infos:
-            state = _Session(info.user_id, info.session_id, info.started_at)
+            state = _Session(info.user_id, info.session_id, info.started_at, info.agent_id,
+                             info.run_id)
             state.last_at = info.last_at
             state.next_seq = info.turn_count
             self._users.setdefault(info.user_id, {})[info.session_id] = state
@@ -123,12 +126,14 @@ class SessionBuffer:
     # -- the hot path ------------------------------------------------------------------------
 
     def append(self, user_id: str, session_id: str, role: str, text: str, at: datetime,
-               meta: dict[str, Any], turn_id: str | None = None) -> Receipt:
+               meta: dict[str, Any], turn_id: str | None = None, agent_id: str | None = None,
+               run_id: str | None = None) -> Receipt:
         """Append a validated turn: window, counters, and the Store's queue. Synchronous.
 
         The turn is encoded before any state changes, so a failure leaves nothing behind.
         ``turn_id`` keeps an id made elsewhere (an import, a cluster's log); by default a new
-        one is made.
+        one is made. ``agent_id`` / ``run_id`` scope a new session; a turn of an existing
+        session takes the session's (the facade refused a turn naming another).
         """
         if at.tzinfo is not _UTC:
             at = at.astimezone(_UTC)
@@ -137,11 +142,15 @@ class SessionBuffer:
         seq = 0 if state is None else state.next_seq
         store = self._store
         lsn = store.next_lsn
+        if state is not None:
+            agent, run = state.agent_id, state.run_id
+        else:
+            agent, run = agent_id or "", run_id or ""
         turn = Turn(lsn, new_turn_id() if turn_id is None else turn_id, user_id, session_id,
-                    seq, role, text, at, meta)
+                    seq, role, text, at, meta, agent, run)
         value = _encode(turn)
         if state is None:
-            state = _Session(user_id, session_id, at)
+            state = _Session(user_id, session_id, at, agent, run)
             if sessions is None:
                 sessions = self._users[user_id] = {}
             sessions[session_id] = state
@@ -193,6 +202,18 @@ class SessionBuffer:
         ) is state:
             self._set_window(state, turns[-self._window_turns:])
         return turns
+
+    def scope(self, user_id: str, session_id: str) -> tuple[str, str] | None:
+        """The session's (agent_id, run_id); None for an unknown session."""
+        state = self._lookup(user_id, session_id)
+        return None if state is None else (state.agent_id, state.run_id)
+
+    def sessions_in_scope(self, user_id: str, agent_id: str | None,
+                          run_id: str | None) -> list[str]:
+        """The user's sessions of this scope (a None part matches any)."""
+        return [s.session_id for s in self._users.get(user_id, {}).values()
+                if (agent_id is None or s.agent_id == agent_id)
+                and (run_id is None or s.run_id == run_id)]
 
     def next_seq(self, user_id: str, session_id: str) -> int | None:
         """The session's next seq (its turn count); None for an unknown session."""

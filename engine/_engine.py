@@ -229,6 +229,9 @@ class Engine:
         at: datetime | None = None,
         meta: dict[str, Any] | None = None,
         durable: bool = False,
+        *,
+        agent_id: str | None = None,
+        run_id: str | None = None,
     ) -> Receipt:
         """Add one turn to a session; return once it is in the short-term window.
 
@@ -240,6 +243,9 @@ class Engine:
             at: when; timezone-aware. Default: the engine clock.
             meta: a JSON-serialisable dict kept with the turn.
             durable: also wait until the turn is committed to disk.
+            agent_id / run_id: the session's scope below the user (mem0's), set by its first
+                turn; a later turn may leave them out, and naming another is refused.
+                recall filters by them; ``forget_scope`` forgets one.
 
         Returns:
             A :class:`Receipt` with ``turn_id``, ``seq`` and ``await durable()``.
@@ -254,7 +260,12 @@ class Engine:
         at, meta = self._ingest.check_turn(user_id, session_id, role, text, at, meta)
         await self._store.reserve(1)  # backpressure: the disk's queue has room
         check_open()
-        receipt = self._buffer.append(user_id, session_id, role, text, at, meta)
+        if agent_id is None and run_id is None:  # the hot path: as it was before scopes
+            receipt = self._buffer.append(user_id, session_id, role, text, at, meta)
+        else:  # checked with the append, no await between: the session cannot change
+            self._ingest.check_scope(user_id, session_id, agent_id, run_id)
+            receipt = self._buffer.append(user_id, session_id, role, text, at, meta, None,
+                                          agent_id, run_id)
         if durable:
             await receipt.durable()
         return receipt
@@ -267,6 +278,9 @@ class Engine:
         text: str,
         at: datetime | None = None,
         meta: dict[str, Any] | None = None,
+        *,
+        agent_id: str | None = None,
+        run_id: str | None = None,
     ) -> Receipt:
         """:meth:`add_turn` without waiting: synchronous, for hot paths and for callers outside
         a trio task (the asyncio facade calls it straight from the asyncio loop).
@@ -281,9 +295,12 @@ class Engine:
         """
         self._parts.check_open()
         at, meta = self._ingest.check_turn(user_id, session_id, role, text, at, meta)
+        if agent_id is not None or run_id is not None:
+            self._ingest.check_scope(user_id, session_id, agent_id, run_id)
         if not self._store.has_room(1):
             raise trio.WouldBlock
-        return self._buffer.append(user_id, session_id, role, text, at, meta)
+        return self._buffer.append(user_id, session_id, role, text, at, meta, None, agent_id,
+                                   run_id)
 
     async def add_turns(
         self, items: Iterable[NewTurn | Mapping[str, Any]], *, durable: bool = False
@@ -347,6 +364,8 @@ class Engine:
         min_importance: float | None = None,
         emotion: str | Iterable[str] | None = None,
         as_of: datetime | None = None,
+        agent_id: str | None = None,
+        run_id: str | None = None,
     ) -> Hits:
         """The user's memories that best match ``query``: vector, BM25, entity and window legs
         fused by weighted z-scores, neighbouring turns and covering episodes lifting the turns
@@ -387,6 +406,8 @@ class Engine:
             as_of: answer as the store knew it then (timezone-aware): turns said and note
                 versions written by then, episodes made by then, fact versions recorded, in
                 force and not yet retired then (both time axes), links made by then.
+            agent_id / run_id: only turns and notes of this scope (mem0's); facts and
+                episodes belong to the user and have none.
 
         Returns:
             :class:`Hits` (a list of :class:`Hit`), best first; linked memories follow the
@@ -399,7 +420,8 @@ class Engine:
             user_id, query, limit, focus=focus, session_id=session_id, since=since, until=until,
             roles=roles, kinds=kinds, tags=tags, link_depth=link_depth, budget_tokens=budget_tokens,
             legs=legs, link_types=link_types, where=where, category=category,
-            min_importance=min_importance, emotion=emotion, as_of=as_of)
+            min_importance=min_importance, emotion=emotion, as_of=as_of, agent_id=agent_id,
+            run_id=run_id)
 
     async def retrieve_memory(self, user_id: str, query: str, conversation_id: str | None = None,
                               episodic_limit: int = 5, semantic_limit: int = 20,
@@ -520,7 +542,8 @@ class Engine:
 
     async def store_note(self, user_id: str, text: str, *, note_id: str | None = None,
                          tags: Iterable[str] | None = None, importance: float | None = None,
-                         emotion: str | None = None, category: str | None = None) -> Note:
+                         emotion: str | None = None, category: str | None = None,
+                         agent_id: str | None = None, run_id: str | None = None) -> Note:
         """Keep a note about the user (seed 003); recall finds it like any other memory.
 
         Args:
@@ -530,17 +553,21 @@ class Engine:
             emotion: a free label (``joy``, ``curiosity``, ``positive``...), stored
                 lower-case, for recall's ``emotion`` (seed 000).
             category: seed 000's category (``travel``), for recall's ``category``.
+            agent_id / run_id: the note's scope below the user (mem0's), for recall's filters
+                and ``forget_scope``; a repeat is merged only into a note of the same scope.
 
         Raises:
             InvalidInput: bad text, tags or fields, or ``note_id`` is taken (use update_note).
         """
         return await self._memory.put_note(user_id, text, note_id, tags, replace=False,
                                            importance=importance, emotion=emotion,
-                                           category=category)
+                                           category=category, agent_id=agent_id,
+                                           run_id=run_id)
 
     async def update_note(self, user_id: str, note_id: str, text: str, *,
                           tags: Iterable[str] | None = None, importance: float | None = None,
-                          emotion: str | None = None, category: str | None = None) -> Note:
+                          emotion: str | None = None, category: str | None = None,
+                          agent_id: str | None = None, run_id: str | None = None) -> Note:
         """Replace a note's text (and tags), keeping its id and creation time; importance,
         emotion and category change when given ("" clears a label) and are kept otherwise.
 
@@ -549,7 +576,8 @@ class Engine:
         """
         return await self._memory.put_note(user_id, text, note_id, tags, replace=True,
                                            importance=importance, emotion=emotion,
-                                           category=category)
+                                           category=category, agent_id=agent_id,
+                                           run_id=run_id)
 
     async def get_note(self, user_id: str, note_id: str) -> Note | None:
         """A note by id; None if the user has no such note."""
@@ -828,6 +856,23 @@ class Engine:
         """Delete everything of a user; returns once the deletion is on disk. What is
         promised once the next ``flush`` returns: as for :meth:`forget_session`."""
         await self._forgetting.forget_user(user_id)
+
+    async def forget_scope(self, user_id: str, *, agent_id: str | None = None,
+                           run_id: str | None = None) -> dict[str, int]:
+        """Delete one scope of a user: every session whose turns carry this ``agent_id`` and
+        ``run_id`` (either alone matches any of the other), with what was derived from them,
+        and every note of that scope; nothing of another scope or user. Each session and note
+        goes in a transaction of its own: a crash midway leaves the rest, and calling again
+        finishes. Returns once on disk (the next ``flush``, once the bytes left the indexes).
+
+        Returns:
+            ``{"sessions": n, "notes": m}`` forgotten.
+
+        Raises:
+            InvalidInput: neither ``agent_id`` nor ``run_id`` given, or a bad id.
+        """
+        return await self._forgetting.forget_scope(user_id, agent_id, run_id,
+                                                   self._memory.delete_note)
 
     # -- embeddings --------------------------------------------------------------------------
 

@@ -58,8 +58,9 @@ if TYPE_CHECKING:
 __all__ = ["export_user", "import_user", "FORMAT", "VERSION"]
 
 FORMAT = "engram-user-export"
-VERSION = 2  # bumped when a reader of the previous version could not read the lines
-READS = (1, 2)  # versions this build imports (1: notes without seed 000's fields)
+VERSION = 3  # bumped when a reader of the previous version could not read the lines
+# Versions this build imports (1: notes without seed 000's fields; 2: no scopes).
+READS = (1, 2, 3)
 IMPORT_CHUNK = 1_024  # logged records per import block: one queue burst, well under QUEUE_LIMIT
 
 
@@ -86,6 +87,8 @@ class TurnLine(_Line, tag="turn"):
     text: str
     at: datetime
     meta: dict[str, Any] = {}
+    agent_id: str = ""  # version 3 on
+    run_id: str = ""
 
 
 class NoteLine(_Line, tag="note"):
@@ -98,6 +101,8 @@ class NoteLine(_Line, tag="note"):
     importance: float = 0.5  # version 2 on
     emotion: str = ""
     category: str = ""
+    agent_id: str = ""  # version 3 on
+    run_id: str = ""
 
 
 class EpisodeLine(_Line, tag="episode"):
@@ -308,7 +313,8 @@ def parse(data: bytes) -> _Parsed:
         raise _bad("line 1", f"expected format {FORMAT!r}, found "
                              f"{head.get('format') if isinstance(head, dict) else head!r}")
     if head.get("version") not in READS:
-        raise _bad("line 1", f"expected format version {' or '.join(map(str, READS))}, found "
+        known = f"{', '.join(map(str, READS[:-1]))} or {READS[-1]}"
+        raise _bad("line 1", f"expected format version {known}, found "
                              f"{head.get('version')!r} (written by another engram-trio "
                              "version: export again with this one)")
     parsed = _Parsed("", [], [], [], [], [], [], [], [])
@@ -367,6 +373,9 @@ def _check(parsed: _Parsed, parts: Parts) -> None:
         v.check_text("source.text", turn.text, config.max_text_chars)
         v.check_at(turn.at, "source.at")
         v.check_meta(turn.meta, config.max_meta_bytes)
+        for field in ("agent_id", "run_id"):
+            if getattr(turn, field):
+                v.check_id(f"source.{field}", getattr(turn, field), config.max_id_chars)
         sessions.setdefault(turn.session_id, []).append(turn)
     for session_id, turns in sessions.items():
         turns.sort(key=lambda t: t.seq)
@@ -493,7 +502,8 @@ def _submit(parts: Parts, user_id: str, line: Any) -> None:
             raise _bad(f"session {line.session_id}", "expected no other turns while importing "
                                                      "it, found some: import it again")
         parts.buffer.append(user_id, line.session_id, line.role, line.text, line.at,
-                              line.meta, turn_id=line.turn_id)
+                              line.meta, turn_id=line.turn_id, agent_id=line.agent_id,
+                              run_id=line.run_id)
     elif isinstance(line, NoteLine):
         store.submit(PutNote(lsn, _note(line, lsn, user_id), -1))
     elif isinstance(line, EpisodeLine):
@@ -510,7 +520,8 @@ def _submit(parts: Parts, user_id: str, line: Any) -> None:
 
 def _note(line: NoteLine, lsn: int, user_id: str) -> Note:
     return Note(lsn, line.note_id, user_id, line.text, tuple(line.tags), line.created_at,
-                line.updated_at, line.importance, line.emotion, line.category)
+                line.updated_at, line.importance, line.emotion, line.category, line.agent_id,
+                line.run_id)
 
 
 def _fact(line: FactLine, lsn: int, user_id: str) -> Fact:

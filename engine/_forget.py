@@ -29,11 +29,12 @@ from typing import Any
 import trio
 
 from actors.ann_index import AnnIndex
-from actors.base.errors import EngineClosed
+from actors.base.errors import EngineClosed, InvalidInput
 from actors.base.keys import MAX_KEY_BYTES
 from actors.fulltext import FullText
 from actors.store import Store
 
+from ._browse import list_notes
 from ._parts import Parts
 
 __all__ = ["Forgetting", "Scrubber"]
@@ -120,6 +121,26 @@ class Forgetting:
         self._scrubber.ask()
         parts.facts.forget(user_id)  # facts extracted from the session went with it
         parts.entities.forget(user_id)  # ...and entities only it mentioned
+
+    async def forget_scope(self, user_id: Any, agent_id: Any, run_id: Any,
+                           delete_note: Any) -> dict[str, int]:
+        parts = self._parts
+        parts.check_open()
+        parts.check_lookup_ids(user_id)
+        if agent_id is None and run_id is None:
+            raise InvalidInput("agent_id", "expected agent_id or run_id (or both), found "
+                                           "neither; forget_user forgets the whole user")
+        for field, value in (("agent_id", agent_id), ("run_id", run_id)):
+            if value is not None:
+                parts.check_lookup_id(field, value)
+        sessions = parts.buffer.sessions_in_scope(user_id, agent_id, run_id)
+        for session_id in sessions:
+            await self.forget_session(user_id, session_id)
+        notes = [n.note_id for n in await list_notes(parts, user_id)
+                 if (agent_id is None or n.agent_id == agent_id)
+                 and (run_id is None or n.run_id == run_id)]
+        gone = [note_id for note_id in notes if await delete_note(user_id, note_id)]
+        return {"sessions": len(sessions), "notes": len(gone)}
 
     async def forget_user(self, user_id: Any) -> None:
         parts = self._parts

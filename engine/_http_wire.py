@@ -28,6 +28,8 @@ class TurnIn(_Body):
                                 examples=["2026-03-01T09:00:00Z"])
     meta: dict[str, Any] | None = Field(None, examples=[{"channel": "web"}])
     durable: bool = Field(False, description="answer 201 once on disk, not 202 once buffered")
+    agent_id: str | None = Field(None, description="the session's scope (its first turn's)")
+    run_id: str | None = None
 
 
 class BatchTurn(_Body):
@@ -36,6 +38,8 @@ class BatchTurn(_Body):
     text: str = Field(examples=["I'm moving to Lisbon in January"])
     at: datetime | None = None
     meta: dict[str, Any] | None = None
+    agent_id: str | None = None
+    run_id: str | None = None
 
 
 class BatchIn(_Body):
@@ -67,6 +71,8 @@ class RecallIn(_Body):
     as_of: datetime | None = Field(
         None, description="answer as the store knew it then (a time with its zone)",
         examples=["2026-01-15T09:00:00Z"])
+    agent_id: str | None = Field(None, description="only turns and notes of this agent")
+    run_id: str | None = Field(None, description="only turns and notes of this run")
 
 
 class RetrieveIn(_Body):
@@ -98,6 +104,8 @@ class NoteIn(_Body):
     importance: float | None = Field(None, ge=0, le=1, description="default 0.5")
     emotion: str | None = Field(None, examples=["joy"])
     category: str | None = Field(None, examples=["language"])
+    agent_id: str | None = None
+    run_id: str | None = None
 
 
 class NoteUpdate(_Body):

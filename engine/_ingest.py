@@ -54,13 +54,40 @@ class Ingest:
         at = self._parts.now() if at is None else v.check_at(at)
         return at, v.check_meta(meta, config.max_meta_bytes)
 
+    def check_scope(self, user_id: str, session_id: str, agent_id: Any, run_id: Any,
+                    fresh: dict[tuple[str, str], tuple[str, str]] | None = None) -> None:
+        """A turn's scope: valid ids, and its session's if the session exists (a session
+        belongs to one agent and run, its first turn's: forgetting a scope forgets whole
+        sessions, and nothing of another scope goes with them). ``fresh``: the scopes of
+        sessions a batch begins, by its earlier items."""
+        config = self._config
+        if agent_id is not None:
+            v.check_id("agent_id", agent_id, config.max_id_chars)
+        if run_id is not None:
+            v.check_id("run_id", run_id, config.max_id_chars)
+        held = self._parts.buffer.scope(user_id, session_id)
+        if held is None and fresh is not None:
+            held = fresh.get((user_id, session_id))
+            if held is None:
+                fresh[(user_id, session_id)] = (agent_id or "", run_id or "")
+                return
+        if held is None:
+            return
+        for field, given, own in (("agent_id", agent_id, held[0]), ("run_id", run_id, held[1])):
+            if given is not None and given != own:
+                raise InvalidInput(field, f"expected {own!r}, the {field} of session "
+                                          f"{session_id!r} (a session belongs to one agent and "
+                                          f"run: its first turn's), found {given!r}; start "
+                                          "another session for another scope")
+
     async def add_turns(self, items: Iterable[NewTurn | Mapping[str, Any]],
                         durable: bool) -> list[Receipt]:
         parts = self._parts
         parts.check_open()
         await trio.lowlevel.checkpoint_if_cancelled()
         sessions: set[tuple[str, str]] = set()  # (user, session) pairs whose ids passed
-        checked = [self._check_item(i, item, sessions) for i, item in enumerate(items)]
+        fresh: dict[tuple[str, str], tuple[str, str]] = {}  # scopes of the sessions it begins
+        checked = [self._check_item(i, item, sessions, fresh) for i, item in enumerate(items)]
         receipts: list[Receipt] = []
         buffer, store = parts.buffer, parts.store
         # Each chunk is appended without yielding, so its turns stay contiguous in a session.
@@ -74,10 +101,12 @@ class Ingest:
         return receipts
 
     def _check_item(self, index: int, item: NewTurn | Mapping[str, Any],
-                    sessions: set[tuple[str, str]]) -> tuple[Any, ...]:
+                    sessions: set[tuple[str, str]],
+                    fresh: dict[tuple[str, str], tuple[str, str]]) -> tuple[Any, ...]:
         """One item of ``add_turns``, checked as ``add_turn`` checks its arguments; a user and
         session id pair already in ``sessions`` (an import repeats them turn after turn) is
-        not checked again."""
+        not checked again, nor its scope unless the item names one (``fresh``: the scopes of
+        the sessions the call begins)."""
         if isinstance(item, Mapping):
             try:
                 item = NewTurn(**item)  # fields are checked below, as add_turn checks them
@@ -98,13 +127,17 @@ class Ingest:
                 v.check_text("text", item.text, config.max_text_chars)
                 at = self._parts.now() if item.at is None else v.check_at(item.at)
                 meta = v.check_meta(item.meta, config.max_meta_bytes)
+                if item.agent_id is not None or item.run_id is not None:
+                    self.check_scope(user_id, session_id, item.agent_id, item.run_id, fresh)
             else:
                 at, meta = self.check_turn(user_id, session_id, item.role, item.text, item.at,
                                            item.meta)
+                self.check_scope(user_id, session_id, item.agent_id, item.run_id, fresh)
                 sessions.add((user_id, session_id))
         except InvalidInput as exc:
             raise InvalidInput(f"items[{index}].{exc.field}", reason(exc)) from None
-        return user_id, session_id, item.role, item.text, at, meta
+        return (user_id, session_id, item.role, item.text, at, meta, None, item.agent_id,
+                item.run_id)
 
     # -- history -----------------------------------------------------------------------------
 

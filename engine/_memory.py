@@ -42,7 +42,8 @@ from ._parts import Parts
 __all__ = ["EntityInfo", "Memory"]
 
 _ENCODE = msgspec.msgpack.Encoder().encode
-NOTE_FIELDS = ("importance", "emotion", "category")  # seed 000's; an update keeps those unnamed
+# Seed 000's fields and the scope: an update keeps those it does not name.
+NOTE_FIELDS = ("importance", "emotion", "category", "agent_id", "run_id")
 
 
 class EntityInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -140,7 +141,8 @@ class Memory:
 
     async def put_note(self, user_id: Any, text: Any, note_id: Any,
                        tags: Iterable[str] | None, replace: bool, importance: Any = None,
-                       emotion: Any = None, category: Any = None) -> Note:
+                       emotion: Any = None, category: Any = None, agent_id: Any = None,
+                       run_id: Any = None) -> Note:
         """Store a new note (``replace`` False: the id must be free) or replace one (True:
         it must exist). A new note without an id of its own that repeats one of the user's
         notes (the same text: skipped) or nearly does (word Jaccard >= DEDUP_JACCARD: merged,
@@ -162,10 +164,14 @@ class Memory:
         if category is not None:
             given["category"] = category if category == "" else parts.check_id("category",
                                                                                   category)
+        for field, value in (("agent_id", agent_id), ("run_id", run_id)):
+            if value is not None:
+                given[field] = parts.check_id(field, value)
         if note_id is not None or replace:
             return await self._write_note(user_id, text, note_id, tags, replace, given)
         async with self._new_notes:
-            twin = await parts.store.read(_twin_note, user_id, text)
+            twin = await parts.store.read(_twin_note, user_id, text,
+                                          (given.get("agent_id", ""), given.get("run_id", "")))
             if twin is None:
                 return await self._write_note(user_id, text, "n_" + new_turn_id()[2:], tags,
                                               False, given)
@@ -342,9 +348,11 @@ def _normal(text: str) -> str:
     return " ".join(text.casefold().split())
 
 
-def _twin_note(txn: Any, dbs: dict[bytes, Any], user_id: str, text: str) -> Note | None:
-    """The user's note that ``text`` repeats: the same text, else the one whose words it
-    shares most if at least DEDUP_JACCARD of them (seed 004's threshold for facts)."""
+def _twin_note(txn: Any, dbs: dict[bytes, Any], user_id: str, text: str,
+               scope: tuple[str, str]) -> Note | None:
+    """The user's note of this scope (agent_id, run_id) that ``text`` repeats: the same text,
+    else the one whose words it shares most if at least DEDUP_JACCARD of them (seed 004's
+    threshold for facts)."""
     prefix = user_prefix(user_id)
     wanted, mine = _normal(text), words(text)
     best, best_score = None, DEDUP_JACCARD
@@ -354,6 +362,8 @@ def _twin_note(txn: Any, dbs: dict[bytes, Any], user_id: str, text: str) -> Note
             if not key.startswith(prefix):
                 break
             note = _decode_note(value)
+            if (note.agent_id, note.run_id) != scope:
+                continue
             if _normal(note.text) == wanted:
                 return note
             score = jaccard(mine, words(note.text))

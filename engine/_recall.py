@@ -49,7 +49,8 @@ class Recall:
                      budget_tokens: Any, legs: Iterable[str] | None = None,
                      link_types: Iterable[str] | None = None, where: Any = None,
                      category: Any = None, min_importance: Any = None,
-                     emotion: Any = None, as_of: Any = None) -> Hits:
+                     emotion: Any = None, as_of: Any = None, agent_id: Any = None,
+                     run_id: Any = None) -> Hits:
         parts = self._parts
         parts.check_open()
         parts.check_lookup_ids(user_id)
@@ -73,7 +74,8 @@ class Recall:
         if budget_tokens is not None:
             check_count("budget_tokens", budget_tokens, 1, 1_000_000)
         compiled = conjunction(None if where is None else parse_where(where),
-                               *self._seed_filters(category, min_importance, emotion))
+                               *self._seed_filters(category, min_importance, emotion),
+                               *self._scope_filters(agent_id, run_id))
         degraded = parts.degraded()  # before the search: a leg that completes meanwhile
         hits = await self._retriever.recall(  # may or may not have served this query
             user_id, query, limit=limit, session_id=session_id, since=since, until=until,
@@ -84,6 +86,12 @@ class Recall:
             as_of=as_of)
         return Hits(hits, degraded + tuple(leg for leg in parts.degraded()
                                            if leg not in degraded))
+
+    def _scope_filters(self, agent_id: Any, run_id: Any) -> list[Node]:
+        """mem0's scopes as ``where`` conditions (inside every leg, like any filter)."""
+        return [Node("eq", ("f", field), self._parts.check_lookup_id(field, value))
+                for field, value in (("agent_id", agent_id), ("run_id", run_id))
+                if value is not None]
 
     def _seed_filters(self, category: Any, min_importance: Any, emotion: Any) -> list[Node]:
         """Seed 000's filters as ``where`` conditions (importance filters, never ranks: seed

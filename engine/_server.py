@@ -206,7 +206,9 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     async def add_turn(user_id: User, session_id: str, body: TurnIn) -> Response:
         """Add a turn; 201 once it is on disk (``durable``), else 202 once it is buffered."""
         receipt = await engine.add_turn(user_id, session_id, body.role, body.text, at=body.at,
-                                        meta=body.meta, durable=body.durable)
+                                        meta=body.meta, durable=body.durable,
+                                        **body.model_dump(include={"agent_id", "run_id"},
+                                                          exclude_none=True))
         answer = {"turn_id": receipt.turn_id, "seq": receipt.seq, "durable": body.durable}
         if getattr(receipt, "log_seq", None) is not None:
             # A cluster node's receipt: the log's sequence, for a later read's ?min_seq=.
@@ -253,6 +255,14 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     async def forget_session(user_id: User, session_id: str) -> Response:
         await engine.forget_session(user_id, session_id)
         return json_response({"forgotten": session_id})
+
+    @app.delete("/v1/users/{user_id}/scopes", tags=["forget"])
+    async def forget_scope(user_id: User, agent_id: str | None = None,
+                           run_id: str | None = None) -> Response:
+        """Delete the user's sessions and notes of one scope (``?agent_id=``, ``?run_id=``,
+        or both); answers the counts once the deletion is on disk."""
+        return json_response(await engine.forget_scope(user_id, agent_id=agent_id,
+                                                       run_id=run_id))
 
     @app.delete("/v1/users/{user_id}", tags=["forget"])
     async def forget_user(user_id: User) -> Response:

@@ -34,7 +34,8 @@ class ToolHost(Protocol):
                      where: Mapping[str, Any] | None = None,
                      category: str | None = None, min_importance: float | None = None,
                      emotion: str | None = None,
-                     as_of: datetime | None = None) -> Hits: ...
+                     as_of: datetime | None = None, agent_id: str | None = None,
+                     run_id: str | None = None) -> Hits: ...
 
     async def remember_fact(self, user_id: str, category: str, key: str, value: str, *,
                             text: str | None = None, importance: float = 0.7) -> Fact: ...
@@ -52,7 +53,8 @@ class ToolHost(Protocol):
 
     async def store_note(self, user_id: str, text: str, *,
                          tags: Iterable[str] | None = None, importance: float | None = None,
-                         emotion: str | None = None, category: str | None = None) -> Note: ...
+                         emotion: str | None = None, category: str | None = None,
+                         agent_id: str | None = None, run_id: str | None = None) -> Note: ...
 
     async def delete_note(self, user_id: str, note_id: str) -> bool: ...
 
@@ -71,6 +73,10 @@ def _tool(name: str, description: str, properties: dict[str, Any],
 _USER = {"type": "string", "description": "The user whose memory this is."}
 _CATEGORY = {"type": "string", "description": "identity, preference, constraint, instruction, "
                                               "relationship, schedule, or another category."}
+_AGENT = {"type": "string", "description": "The agent whose memories these are (a scope "
+                                           "within the user)."}
+_RUN = {"type": "string", "description": "The run (one conversation or task) whose memories "
+                                         "these are."}
 _KEY = {"type": "string", "description": "What the fact is about within its category, e.g. "
                                          "location, likes:jazz, allergy:peanuts."}
 
@@ -92,7 +98,8 @@ TOOLS: list[dict[str, Any]] = [
            "emotion": {"type": "string", "description": "Only notes with this emotion "
                        "label, e.g. joy."},
            "as_of": {"type": "string", "description": "Answer as memory stood then: an ISO "
-                     "8601 time with its zone, e.g. 2026-01-15T09:00:00Z."}},
+                     "8601 time with its zone, e.g. 2026-01-15T09:00:00Z."},
+           "agent_id": _AGENT, "run_id": _RUN},
           ["user_id", "query"]),
     _tool("remember_fact", "Save a fact the user stated. A new value for the same category "
           "and key replaces the old one (kept in history).",
@@ -131,7 +138,8 @@ TOOLS: list[dict[str, Any]] = [
                           "description": "How much it matters, 0-1 (default 0.5)."},
            "emotion": {"type": "string", "description": "The feeling it carries, one or two "
                        "words: joy, curiosity, frustration..."},
-           "category": {"type": "string", "description": "What it is about: travel, work..."}},
+           "category": {"type": "string", "description": "What it is about: travel, work..."},
+           "agent_id": _AGENT, "run_id": _RUN},
           ["user_id", "text"]),
     _tool("delete_note", "Delete one of the user's notes by id.",
           {"user_id": _USER, "note_id": {"type": "string"}}, ["user_id", "note_id"]),
@@ -207,7 +215,8 @@ async def call_tool(engine: ToolHost, name: str, arguments: Mapping[str, Any] | 
                                    kinds=args.get("kinds"), where=args.get("where"),
                                    category=args.get("category"),
                                    min_importance=args.get("min_importance"),
-                                   emotion=args.get("emotion"), as_of=_time(args, "as_of"))
+                                   emotion=args.get("emotion"), as_of=_time(args, "as_of"),
+                                   agent_id=args.get("agent_id"), run_id=args.get("run_id"))
         found = {"results": [_plain(h) for h in hits]}
         if hits.degraded:  # a model should know the search was partial
             found["degraded"] = list(hits.degraded)
@@ -233,7 +242,8 @@ async def call_tool(engine: ToolHost, name: str, arguments: Mapping[str, Any] | 
     if name == "store_note":
         return {"note": _plain(await engine.store_note(
             user_id, args["text"], tags=args.get("tags"), importance=args.get("importance"),
-            emotion=args.get("emotion"), category=args.get("category")))}
+            emotion=args.get("emotion"), category=args.get("category"),
+            agent_id=args.get("agent_id"), run_id=args.get("run_id")))}
     if name == "delete_note":
         return {"deleted": await engine.delete_note(user_id, args["note_id"])}
     info = await engine.entity_info(user_id, args["name"], args.get("limit", 20))

@@ -126,7 +126,7 @@ async def test_an_imported_user_answers_as_in_the_store_it_came_from(tmp_path) -
     assert counts["turn"] == 13 and counts["fact"] >= 6 and counts["note"] == 1
     assert counts["episode"] >= 2 and counts["summary"] == 1 and counts["review"] >= 1
     lines = [json.loads(line) for line in export.read_bytes().splitlines()]
-    assert lines[0]["format"] == "engram-user-export" and lines[0]["version"] == 2
+    assert lines[0]["format"] == "engram-user-export" and lines[0]["version"] == 3
     assert lines[-1] == {"record": "end", "records": len(lines) - 2}
     assert "user_id" not in lines[1]  # records name no user: import may rename
 
@@ -181,13 +181,13 @@ async def test_bad_sources_are_refused_and_nothing_is_written(tmp_path) -> None:
         await mem.add_turn("ana", "s1", "user", "not Maya's session")
         await mem.flush()
         stats = await mem.stats()
-        newer = json.loads(good[0]) | {"version": 3}
+        newer = json.loads(good[0]) | {"version": 4}
         broken = json.loads(good[1]) | {"seq": "first"}
         cases = {
             b"hello\n": "line 1: expected a JSON header line",
             b'{"format": "other"}\n': "expected format 'engram-user-export'",
             json.dumps(newer).encode() + b"\n" + b"\n".join(good[1:]):
-                "expected format version 1 or 2, found 3",
+                "expected format version 1, 2 or 3, found 4",
             b"\n".join(good[:-1]): "expected an end line, found none after",
             b"\n".join(good[:-2] + good[-1:]): "the export was cut short or edited",
             b"\n".join([good[0], json.dumps(broken).encode(), *good[2:]]):

@@ -106,7 +106,7 @@ async def test_recall_filters_by_category_importance_and_emotion(store_path) -> 
 
 async def test_export_import_and_the_markdown_mirror_carry_the_fields(store_path,
                                                                       tmp_path) -> None:
-    """The export's note lines (format version 2) carry the fields and import keeps them; a
+    """The export's note lines (format version 2 on) carry the fields and import keeps them; a
     version 1 export still imports, with the defaults; the front matter shows them."""
     root = tmp_path / "notes"
     export = tmp_path / "ana.jsonl"
@@ -117,7 +117,7 @@ async def test_export_import_and_the_markdown_mirror_carry_the_fields(store_path
         assert 'category: "places"\nimportance: 0.8\nemotion: "joy"\n' in text
         await mem.export_user("ana", export)
     lines = [json.loads(line) for line in export.read_bytes().splitlines()]
-    assert lines[0]["version"] == 2
+    assert lines[0]["version"] == 3
     assert [(l["importance"], l["emotion"], l["category"]) for l in lines
             if l["record"] == "note"] == [(0.8, "joy", "places")]
     async with open_engine(tmp_path / "copy") as other:

@@ -41,6 +41,7 @@ class Turn(msgspec.Struct, frozen=True, array_like=True):
         text: what was said.
         at: when it was said, timezone-aware (stored and returned as UTC).
         meta: the caller's JSON-serialisable extras.
+        agent_id / run_id: its scope below the user (mem0's), its session's; "" for none.
     """
 
     lsn: int
@@ -52,6 +53,8 @@ class Turn(msgspec.Struct, frozen=True, array_like=True):
     text: str
     at: datetime
     meta: dict[str, Any] = {}
+    agent_id: str = ""
+    run_id: str = ""
 
 
 class SessionInfo(msgspec.Struct, frozen=True, array_like=True):
@@ -63,6 +66,7 @@ class SessionInfo(msgspec.Struct, frozen=True, array_like=True):
         started_at: time of its first turn.
         last_at: time of its latest turn (by seq).
         turn_count: number of turns (the next seq).
+        agent_id / run_id: the scope every turn of the session has (its first turn's).
     """
 
     user_id: str
@@ -70,6 +74,8 @@ class SessionInfo(msgspec.Struct, frozen=True, array_like=True):
     started_at: datetime
     last_at: datetime
     turn_count: int
+    agent_id: str = ""
+    run_id: str = ""
 
 
 class NewTurn(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,6 +87,8 @@ class NewTurn(msgspec.Struct, frozen=True, kw_only=True):
     text: str
     at: datetime | None = None
     meta: dict[str, Any] | None = None
+    agent_id: str | None = None
+    run_id: str | None = None
 
 
 class Link(msgspec.Struct, frozen=True, array_like=True):
@@ -114,6 +122,7 @@ class Note(msgspec.Struct, frozen=True, array_like=True):
         emotion: a free label, lower-case (seed 000's emotion: ``joy``, ``curiosity``, or a
             valence such as ``positive``); "" for none.
         category: the note's category (seed 000's, like a fact's: ``travel``); "" for none.
+        agent_id / run_id: its scope below the user (mem0's); "" for none.
     """
 
     lsn: int
@@ -126,6 +135,8 @@ class Note(msgspec.Struct, frozen=True, array_like=True):
     importance: float = 0.5
     emotion: str = ""
     category: str = ""
+    agent_id: str = ""
+    run_id: str = ""
 
 
 class SummaryState(msgspec.Struct, frozen=True, array_like=True):

@@ -128,7 +128,8 @@ def _plan(ops: list[StoreOp]) -> list[Any]:
     def close_run() -> None:
         for key, op in latest.items():
             t = op.turn
-            info = SessionInfo(t.user_id, t.session_id, op.started_at, t.at, t.seq + 1)
+            info = SessionInfo(t.user_id, t.session_id, op.started_at, t.at, t.seq + 1,
+                               t.agent_id, t.run_id)
             puts.sessions.append((key, _encode(info)))
         segments.append(puts)
 
@@ -169,7 +170,8 @@ def _put_one(txn: lmdb.Transaction, dbs: dict[bytes, Any], op: AppendTurn) -> No
     txn.put(op.key, op.value, db=dbs[b"turns"])
     txn.put(op.id_key, op.key, db=dbs[b"ids"])
     txn.put(lsn_key(t.lsn), LOG_TURN + op.key, db=dbs[b"log"])
-    info = SessionInfo(t.user_id, t.session_id, op.started_at, t.at, t.seq + 1)
+    info = SessionInfo(t.user_id, t.session_id, op.started_at, t.at, t.seq + 1, t.agent_id,
+                       t.run_id)
     txn.put(op.key[:-9], _encode(info), db=dbs[b"sessions"])
 
 

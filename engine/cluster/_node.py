@@ -451,7 +451,8 @@ class ClusterEngine:
 
     async def add_turn(self, user_id: str, session_id: str, role: str, text: str,
                        at: datetime | None = None, meta: dict[str, Any] | None = None,
-                       durable: bool = False) -> ClusterReceipt:
+                       durable: bool = False, *, agent_id: str | None = None,
+                       run_id: str | None = None) -> ClusterReceipt:
         """:meth:`Engine.add_turn` through the log: the turn is published to the user's
         partition; ``durable`` waits for the PubAck (a quorum of the log holds it).
 
@@ -459,6 +460,10 @@ class ClusterEngine:
             InvalidInput: a bad argument; nothing was published.
             LogUnavailable: (durable) no PubAck within the retry time.
         """
+        for field, value in (("agent_id", agent_id), ("run_id", run_id)):
+            if value is not None:
+                raise InvalidInput(field, "expected no scope on a cluster node (its log does "
+                                          f"not carry one yet), found {value!r}")
         turn = self._turn("", user_id, session_id, role, text, at, meta)
         return await self._publish(turn, turn.turn_id, durable)
 
@@ -548,6 +553,10 @@ class ClusterEngine:
     async def snapshot(self, *args: Any, **kwargs: Any) -> Any:
         raise NotInCluster("a node's store is one partition set's copy, rebuilt from the "
                            "log; snapshot a single-process engine instead")
+
+    async def forget_scope(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotInCluster("the cluster's log carries no scope (agent_id, run_id) yet, so a "
+                           "node cannot forget one; run it on a single-process engine")
 
 
 def _logged_method(name: str) -> Callable[..., Awaitable[Any]]:
