@@ -68,10 +68,13 @@ class Ground:
 
 
 @asynccontextmanager
-async def running_store(path: Path, config: Config | None = None) -> AsyncIterator[Ground]:
+async def running_store(path: Path, config: Config | None = None,
+                        model: store_mod.ModelInfo | None = None,
+                        reembed: bool = False) -> AsyncIterator[Ground]:
     """A Store running in a nursery of its own; closed (and drained) on leaving, which also
-    ends the actors started next to it."""
-    store = store_mod.Store(path, config or Config())
+    ends the actors started next to it. ``model`` and ``reembed`` as the engine passes them
+    (the embedding model the vectors must come from; drop the vectors of another)."""
+    store = store_mod.Store(path, config or Config(), model, reembed)
     async with trio.open_nursery() as nursery:
         await nursery.start(store.run)
         try:

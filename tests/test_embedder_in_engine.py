@@ -1,0 +1,223 @@
+"""The Embedder as the engine wires it: ``add_turn`` never waiting for vectors, ``embed``'s
+arguments, the model a store is opened with (and refused with), what ``stats`` says of the
+vectors, and forgetting through the facade (the actor alone: tests/actors/test_embedder.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import trio
+
+import actors.embedder as embedder_mod
+from actors.ann_index import decode_vectors
+from actors.store import read_user_vectors
+from engine import (
+    Engine,
+    HashEmbedder,
+    InvalidInput,
+    ModelMismatch,
+    ModelMissing,
+    OnnxEmbedder,
+)
+
+from .conftest import open_engine
+
+
+async def stored_vectors(mem: Engine, user_id: str, dim: int = 384) -> dict[int, np.ndarray]:
+    """The user's vectors as stored, by lsn, without their index headers."""
+    lsns, values = await mem._store.read(read_user_vectors, user_id)
+    if not lsns:
+        return {}
+    _, matrix = decode_vectors(values, len(lsns), dim)
+    return dict(zip(lsns, matrix, strict=True))
+
+
+class GatedEmbedder(HashEmbedder):
+    """A HashEmbedder whose calls wait for the test to open the gate, recording each batch."""
+
+    def __init__(self, only: str = "") -> None:
+        super().__init__()
+        self.only = only  # gate only batches with a text starting with this
+        self.gate = threading.Event()
+        self.running = threading.Event()  # set once a gated call is inside the model
+        self.batches: list[list[str]] = []
+
+    def encode(self, texts):
+        self.batches.append(list(texts))
+        if any(t.startswith(self.only) for t in texts):
+            self.running.set()
+            self.gate.wait(10)
+        return super().encode(texts)
+
+    async def wait_running(self) -> None:
+        await trio.to_thread.run_sync(self.running.wait, 10)
+
+
+@pytest.mark.parametrize(("model", "min_cosine"), [("minilm-l6-v2", 0.99999),
+                                                   ("minilm-l6-v2-q8", 0.999)])
+async def test_real_model_embeds_committed_turns_in_the_background(tmp_path, model,
+                                                                   min_cosine) -> None:
+    """Turns get the same vector in the store as mem.embed gives for their text (q8's 8-bit
+    activations vary a little with the batch a text shares)."""
+    async with Engine.open(tmp_path / "s", config={"model": model}) as mem:
+        receipts = [await mem.add_turn("ana", "s1", "user", text)
+                    for text in ("I moved to Lisbon", "My dog is called Pixel")]
+        await mem.flush()
+        stored = await stored_vectors(mem, "ana")
+        direct = await mem.embed(["I moved to Lisbon", "My dog is called Pixel"])
+        assert (await mem.stats()).model == embedder_mod.MODELS[model][1]
+    for receipt, vector in zip(receipts, direct):
+        assert stored[receipt.lsn] @ vector > min_cosine
+
+
+async def test_add_turn_never_waits_for_embedding(tmp_path) -> None:
+    """With the model stuck, turns are still acknowledged and durable; vectors follow later,
+    and stored vectors are exactly the backend's for each text."""
+    backend = GatedEmbedder()
+    async with open_engine(tmp_path / "s", embedder=backend) as mem:
+        receipts = [await mem.add_turn("ana", "s1", "user", f"note number {i}", durable=True)
+                    for i in range(40)]
+        assert (await mem.stats()).embedded_lsn == 0
+        backend.gate.set()
+        await mem.flush()
+        # Past the turns: also the episodes the long-term layer made of them.
+        assert (await mem.stats()).embedded_lsn >= receipts[-1].lsn
+        stored = await stored_vectors(mem, "ana")
+    expected = HashEmbedder().encode([f"note number {i}" for i in range(40)])
+    for receipt, vector in zip(receipts, expected):
+        assert np.allclose(stored[receipt.lsn], vector, atol=1e-3)  # stored as float16
+
+
+async def test_a_store_from_another_model_is_refused_until_reembedded(tmp_path) -> None:
+    """Opening with another model names both and the fix; reembed adopts it and re-embeds."""
+    path = tmp_path / "s"
+    async with open_engine(path, embedder=HashEmbedder(model_id="model-a")) as mem:
+        await mem.add_turn("ana", "s", "user", "hello")
+        await mem.flush()
+    with pytest.raises(ModelMismatch, match=r"vectors from model-a .* engine runs model-b .*`engram-trio reindex") as info:
+        async with open_engine(path, embedder=HashEmbedder(model_id="model-b")):
+            pass
+    assert (info.value.stored, info.value.configured) == ("model-a", "model-b")
+    backend = HashEmbedder(dim=64, model_id="model-b")
+    async with open_engine(path, embedder=backend, reembed=True) as mem:
+        await mem.flush()
+        (vector,) = (await stored_vectors(mem, "ana", dim=64)).values()
+        assert vector.shape == (64,) and (await mem.stats()).model == "model-b"
+    async with open_engine(path, embedder=HashEmbedder(dim=64, model_id="model-b")):
+        pass
+
+
+async def test_embed_input_is_checked(tmp_path) -> None:
+    """embed takes a list of strings; a lone string gets a hint."""
+    async with open_engine(tmp_path / "s", config={"background_embedding": False}) as mem:
+        with pytest.raises(InvalidInput, match=r"texts: expected a list of strings, found str; wrap one text in a list"):
+            await mem.embed("hello")
+        with pytest.raises(InvalidInput, match=r"texts\[1\]: expected a string, found int"):
+            await mem.embed(["a", 1])
+        assert (await mem.embed([])).shape == (0, 384)
+
+
+async def test_a_missing_model_names_the_build_command(tmp_path) -> None:
+    """Without built model files the engine refuses to open and says the one command that
+    builds them where it looked."""
+    where = tmp_path / "none"
+    with pytest.raises(ModelMissing, match=rf"`engram-trio model build --dir {where}`"):
+        async with Engine.open(tmp_path / "s", embedder=OnnxEmbedder(model_dir=where)):
+            pass
+
+
+async def test_an_installed_engine_looks_where_model_build_writes(tmp_path, monkeypatch) -> None:
+    """With no model in a checkout, the engine looks in the per-user data directory (or
+    $ENGRAM_MODEL_DIR), the place `engram-trio model build` writes to by default."""
+    monkeypatch.setattr(embedder_mod, "CHECKOUT_MODEL_DIR", tmp_path / "no-checkout")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.delenv(embedder_mod.MODEL_ENV, raising=False)
+    expected = tmp_path / "data" / "engram-trio" / "models" / "all-MiniLM-L6-v2"
+    assert embedder_mod.default_model_dir() == expected == embedder_mod.build_target()
+    with pytest.raises(ModelMissing, match=r"found nothing; build it with `engram-trio model build`$"):
+        async with Engine.open(tmp_path / "s"):
+            pass
+    monkeypatch.setenv(embedder_mod.MODEL_ENV, str(tmp_path / "elsewhere"))
+    assert embedder_mod.default_model_dir() == tmp_path / "elsewhere" == embedder_mod.build_target()
+
+
+class RecordingEmbedder(HashEmbedder):
+    """A HashEmbedder that records each batch's texts and the thread that ran it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[tuple[str, list[str]]] = []
+
+    def encode(self, texts):
+        self.batches.append((threading.current_thread().name, list(texts)))
+        return super().encode(texts)
+
+
+async def test_repeated_texts_are_embedded_once_until_a_forget(tmp_path) -> None:
+    """"ok" said by many users costs one model call; forgetting anyone empties the content
+    cache, so the forgotten text's vector does not stay in memory."""
+    backend = RecordingEmbedder()
+    async with open_engine(tmp_path / "s", embedder=backend, config={"long_term": False}) as mem:
+        for user in ("ana", "bo", "cy"):
+            for i in range(5):
+                await mem.add_turn(user, "s", "user", "ok")
+                await mem.add_turn(user, "s", "user", f"{user} says {i}")
+        await mem.flush()
+        embedded = [t for _, batch in backend.batches for t in batch]
+        assert embedded.count("ok") == 1 and len(embedded) == 16
+        stats = await mem.stats()
+        assert (stats.texts_embedded, stats.embed_cache_hits) == (16, 14)
+        for user in ("ana", "bo", "cy"):
+            vectors = await stored_vectors(mem, user)
+            assert len(vectors) == 10
+        await mem.forget_session("cy", "s")
+        await mem.add_turn("ana", "s", "user", "ok")
+        await mem.flush()
+        embedded = [t for _, batch in backend.batches for t in batch]
+        assert embedded.count("ok") == 2
+
+
+async def test_stats_report_how_far_vectors_lag(tmp_path, mock_clock) -> None:
+    """With the model stuck, the lag in records and seconds grows with the trio clock; once
+    the model runs again and everything is embedded, both are zero."""
+    mock_clock.autojump_threshold = 0.05  # jump only when idle: waits on threads stay real
+    backend = GatedEmbedder()
+    async with open_engine(tmp_path / "s", embedder=backend, config={"long_term": False}) as mem:
+        before = trio.current_time()
+        for i in range(10):
+            await mem.add_turn("ana", "s", "user", f"note {i}", durable=True)
+        await backend.wait_running()
+        await trio.sleep(30)
+        stats = await mem.stats()
+        assert stats.vector_lag_records == 10
+        # At least the 30 s slept; at most since before the first commit (the clock may also
+        # jump while a commit's thread runs), to within a commit-time sample's step.
+        assert 30 <= stats.vector_lag_seconds <= trio.current_time() - before + 0.1
+        backend.gate.set()
+        await mem.flush()
+        stats = await mem.stats()
+        assert (stats.vector_lag_records, stats.vector_lag_seconds) == (0, 0.0)
+
+
+async def test_a_store_keeps_its_model_when_the_default_changes(tmp_path) -> None:
+    """A store made with fp32 (the default before q8) opens with fp32 under the default
+    config and its vectors stay; a new store gets the default, q8."""
+    old = tmp_path / "old"
+    async with Engine.open(old, config={"model": "minilm-l6-v2", "long_term": False}) as mem:
+        await mem.add_turn("ana", "s", "user", "I moved to Lisbon")
+        await mem.flush()
+        before = await stored_vectors(mem, "ana")
+    async with Engine.open(old, config={"long_term": False}) as mem:
+        assert (await mem.stats()).model == "sentence-transformers/all-MiniLM-L6-v2"
+        await mem.add_turn("ana", "s", "user", "I moved to Lisbon")
+        await mem.flush()
+        after = await stored_vectors(mem, "ana")
+    assert set(before) < set(after)
+    first, second = after.values()
+    assert first @ second > 0.9999  # the same model embedded both
+    async with Engine.open(tmp_path / "new", config={"long_term": False}) as mem:
+        assert (await mem.stats()).model == embedder_mod.MODELS[embedder_mod.DEFAULT_MODEL][1]
+
+
