@@ -34,7 +34,6 @@ PUBLIC_ENGINE_MODULES = frozenset({"engine", "engine.errors", "engine.aio", "eng
 # use another actor: written before the layers were drawn. A file leaves this list when it is
 # rewritten over actors.base and its actor alone (the test fails while a listed file is clean).
 ACTOR_TESTS_THROUGH_THE_ENGINE = frozenset({
-    "tests/actors/test_episodic.py",
     "tests/actors/test_facts.py",
 })
 

@@ -3,6 +3,8 @@ ingest appends them (room first, then the op), without the engine above."""
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime, timedelta, timezone
@@ -10,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import trio
 
 import actors.store as store_mod
@@ -18,6 +21,22 @@ from actors.base.messages import AppendTurn
 from actors.base.records import Turn
 
 T0 = datetime(2026, 3, 1, 9, 0, tzinfo=timezone.utc)
+DIM = 384  # the vectors' dimension, as the engine's model gives them
+_WORD = re.compile(r"\w+")
+
+
+def hash_vectors(texts: list[str], dim: int = DIM) -> np.ndarray:
+    """A deterministic hash embedding (the engine's HashEmbedder, for actors that consume
+    vectors without the embedder): each word hashes to a signed position, the sum is
+    normalised, so texts sharing words have positive cosine and unrelated ones near zero."""
+    out = np.zeros((len(texts), dim), dtype=np.float32)
+    for row, text in enumerate(texts):
+        for word in _WORD.findall(text.lower()) or [text]:
+            h = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "big")
+            out[row, h % dim] += 1.0 if (h >> 32) & 1 else -1.0
+    norms = np.linalg.norm(out, axis=1, keepdims=True)
+    norms[norms == 0] = 1.0
+    return out / norms
 
 
 class Ground:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,11 +25,9 @@ from actors.ann_index import AnnIndex, Filters, encode_vector
 from actors.base.config import Config
 from actors.base.messages import PutVectors
 
-from .ground import T0, Ground, running_store
+from .ground import DIM, T0, Ground, hash_vectors, running_store
 
 WORDS = "lisbon porto dog cat train river job team flat vet run lunch coffee sardine".split()
-DIM = 384
-_WORD = re.compile(r"\w+")
 
 
 def _texts(n: int, seed: int) -> list[str]:
@@ -38,21 +35,8 @@ def _texts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS, size=4)) + f" n{i}" for i in range(n)]
 
 
-def embed(texts: list[str]) -> np.ndarray:
-    """A deterministic hash embedding: each word hashes to a signed position, the sum is
-    normalised (texts sharing words have positive cosine, unrelated ones near zero)."""
-    out = np.zeros((len(texts), DIM), dtype=np.float32)
-    for row, text in enumerate(texts):
-        for word in _WORD.findall(text.lower()) or [text]:
-            h = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "big")
-            out[row, h % DIM] += 1.0 if (h >> 32) & 1 else -1.0
-    norms = np.linalg.norm(out, axis=1, keepdims=True)
-    norms[norms == 0] = 1.0
-    return out / norms
-
-
 async def _vector(text: str) -> np.ndarray:
-    return embed([text])[0]
+    return hash_vectors([text])[0]
 
 
 class Vectors:
@@ -84,7 +68,7 @@ class Vectors:
         store = self.ground.store
         records = [msgspec.structs.replace(r, kind=kind)
                    for r in await store.read(store_mod.read_searchables, lsns)]
-        vectors = embed([r.text for r in records])
+        vectors = hash_vectors([r.text for r in records])
         items = [(r.lsn, r.user_id, encode_vector(r, v)) for r, v in zip(records, vectors)]
         await store.write_unlogged(PutVectors(items, max(lsns), trio.Event(), self.ann.added))
 

@@ -1,16 +1,35 @@
-"""Episodes: compression at 20 turns, consolidation, surprise, pending reviews and FSRS."""
+"""The EpisodicCompressor actor: compression at 20 turns, consolidation, surprise, the review of
+what a retrieval showed, and FSRS.
+
+Driven bare over a real Store (tests/actors/ground.py): its follower reads the turns appended
+to the log; the sentence vectors it asks for and the nearest earlier episode it looks up come
+from ground.py's hash embedding (what the engine's embedder and vector index give it with the
+HashEmbedder). Recall, close_session, maintenance, review and forgetting through the engine
+are in tests/test_episodes_in_engine.py.
+"""
 
 from __future__ import annotations
 
+import itertools
 import re
-from datetime import timedelta
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
 
-import pytest
+import msgspec
+import numpy as np
 import trio
 
-from engine import InvalidInput
+import actors.store as store_mod
+from actors.base.config import Config
+from actors.base.messages import PutState
+from actors.base.records import Episode, PendingReview
+from actors.episodic import EpisodicCompressor
 
-from ..conftest import T0, StepClock, open_engine, raw_databases
+from ..conftest import T0, StepClock
+from .ground import Ground, hash_vectors, running_store
 
 TRIP = ["We booked the train to Porto for the festival in June.",
         "Great, the festival in Porto sounds fun. Did you find a hotel?",
@@ -22,23 +41,76 @@ COOKING = ["I baked sourdough bread with rye flour this weekend.",
            "Feed the starter twice a day and the bread will rise better."]
 
 
-async def _session(mem, session: str, texts: list[str], turns: int) -> None:
+class HashVectors:
+    """The vectors the compressor asks for, without the embedder or the vector index: its
+    sentences' vectors (the embedder's background lane), and the nearest of the user's stored
+    episodes (the vector index, which holds each episode's searchable text embedded), both by
+    ground.py's hash embedding. Holds episodes only, so every search is an episode search."""
+
+    embedded_lsn = 0  # the compressor is told vectors do not follow: it never waits on this
+
+    def __init__(self, store: store_mod.Store) -> None:
+        self.store = store
+
+    async def embed(self, texts: list[str], *, query: bool = True) -> np.ndarray:
+        await trio.lowlevel.checkpoint()
+        return hash_vectors(texts)
+
+    async def search(self, user_id: str, vector: np.ndarray, k: int, filters: Any = None
+                     ) -> list[tuple[int, float]]:
+        episodes = await self.store.read(store_mod.read_episodes, user_id, None)
+        records = await self.store.read(store_mod.read_searchables, [e.lsn for e in episodes])
+        if not records:
+            return []
+        scores = hash_vectors([r.text for r in records]) @ vector
+        return [(records[i].lsn, float(scores[i])) for i in np.argsort(-scores)[:k]]
+
+
+@asynccontextmanager
+async def running_compressor(path: Path, clock: Callable[[], datetime] | None = None
+                             ) -> AsyncIterator[tuple[Ground, EpisodicCompressor]]:
+    """A store at ``path`` and the compressor's follower on its log, both running, with the
+    engine's default window (Config: 20 turns, the newest 10 kept)."""
+    config = Config()
+    ids = itertools.count(1)
+    async with running_store(path) as ground:
+        vectors = HashVectors(ground.store)
+        compressor = EpisodicCompressor(
+            ground.store, vectors, vectors, clock or StepClock(), lambda: f"{next(ids):016x}",
+            after_turns=config.episode_after_turns, keep_turns=config.episode_keep_turns,
+            vectors_follow=False, summary_every=config.summary_every_turns)
+        await ground.start(compressor.follower.run)
+        yield ground, compressor
+
+
+async def flush(ground: Ground, compressor: EpisodicCompressor) -> None:
+    """Wait until everything queued is committed and the follower has taken it in."""
+    await ground.store.wait_written()
+    await compressor.follower.wait(ground.store.committed_lsn)
+
+
+async def _session(ground: Ground, session: str, texts: list[str], turns: int) -> None:
     for i in range(turns):
-        await mem.add_turn("ana", session, "user" if i % 2 == 0 else "assistant",
-                           texts[i % len(texts)])
+        await ground.add_turn("ana", session, texts[i % len(texts)],
+                              role="user" if i % 2 == 0 else "assistant")
+
+
+async def episodes(ground: Ground, user_id: str, session_id: str | None = None
+                   ) -> list[Episode]:
+    return await ground.store.read(store_mod.read_episodes, user_id, session_id)
 
 
 async def test_twenty_turns_make_an_episode_of_the_oldest_ten(store_path) -> None:
     """Seed 002's window: at 20 unepisoded turns the oldest 10 become an episode, linked to
-    its turns and searchable; the turns stay searchable too."""
-    async with open_engine(store_path, clock=StepClock()) as mem:
-        await _session(mem, "trip", TRIP, 19)
-        await mem.flush()
-        assert await mem.episodes("ana") == []
-        await _session(mem, "trip", TRIP, 1)
-        await mem.flush()
-        (episode,) = await mem.episodes("ana", "trip")
-        turns = await mem.session_history("ana", "trip", limit=100)
+    its turns; ten more make the next."""
+    async with running_compressor(store_path) as (ground, compressor):
+        await _session(ground, "trip", TRIP, 19)
+        await flush(ground, compressor)
+        assert await episodes(ground, "ana") == []
+        await _session(ground, "trip", TRIP, 1)
+        await flush(ground, compressor)
+        (episode,) = await episodes(ground, "ana", "trip")
+        turns = await ground.store.read(store_mod.read_session_turns, "ana", "trip", 0, 2**63)
         assert (episode.first_seq, episode.last_seq) == (0, 9)
         assert episode.turn_ids == tuple(t.turn_id for t in turns[:10])
         assert (episode.start_at, episode.end_at) == (turns[0].at, turns[9].at)
@@ -46,135 +118,62 @@ async def test_twenty_turns_make_an_episode_of_the_oldest_ten(store_path) -> Non
         assert 1 <= len(sentences) <= 3 and all(s in " ".join(TRIP) for s in sentences)
         assert "porto" in episode.keywords and episode.title
         assert episode.surprise == 0.5 and episode.stability > 0 and episode.consolidated_at is None
-        links = await mem.links("ana", episode.episode_id)
+        links = (await ground.store.read(store_mod.read_links, "ana",
+                                         [episode.episode_id]))[episode.episode_id]
         assert {link.to_id for link in links if link.type == "summarises"} == set(episode.turn_ids)
-        hits = await mem.recall("ana", "hotel near the river in Porto", kinds=["episode"])
-        assert [h.id for h in hits] == [episode.episode_id]
-        assert hits[0].turn_ids == episode.turn_ids
-        assert await mem.recall("ana", "hotel near the river", kinds=["turn"])
-        await _session(mem, "trip", TRIP, 10)
-        await mem.flush()
-        assert [(e.first_seq, e.last_seq) for e in await mem.episodes("ana")] == [(0, 9), (10, 19)]
+        assert compressor.episodes_made == 1
+        await _session(ground, "trip", TRIP, 10)
+        await flush(ground, compressor)
+        assert [(e.first_seq, e.last_seq) for e in await episodes(ground, "ana")] == [(0, 9), (10, 19)]
 
 
-async def test_closing_a_session_makes_an_episode_of_the_rest(mem) -> None:
-    """close_session consolidates the turns no episode covers yet, once."""
-    await _session(mem, "cook", COOKING, 6)
-    assert await mem.close_session("ana", "cook") is True
-    assert await mem.close_session("ana", "cook") is False
-    (episode,) = await mem.episodes("ana")
+async def test_consolidating_a_session_makes_an_episode_of_the_rest(store_path) -> None:
+    """consolidate makes one episode of the turns no episode covers yet, once."""
+    async with running_compressor(store_path) as (ground, compressor):
+        await _session(ground, "cook", COOKING, 6)
+        assert await compressor.consolidate("ana", "cook", 6) is True
+        assert await compressor.consolidate("ana", "cook", 6) is False
+        (episode,) = await episodes(ground, "ana")
     assert (episode.first_seq, episode.last_seq) == (0, 5)
     assert episode.consolidated_at is not None
-    with pytest.raises(InvalidInput, match=r"session_id: expected a session of user 'ana', found "
-                                           r"none called 'nope'"):
-        await mem.close_session("ana", "nope")
 
 
-async def test_maintenance_consolidates_idle_sessions_on_the_trio_clock(store_path,
-                                                                        mock_clock) -> None:
-    """With maintenance every minute and sessions idle after ten, a quiet session becomes an
-    episode as trio's clock runs on; nothing sleeps for a minute for real."""
-    # The clock jumps whenever every task waits, worker threads included, so how far it has
-    # run at a given line depends on the machine's load. The test therefore asks *when* the
-    # episode was made (by its stamp, on the same clock), not whether it exists at a moment.
-    mock_clock.autojump_threshold = 0.05
-
-    def clock():
-        return T0 + timedelta(seconds=trio.current_time())
-
-    config = {"maintenance_seconds": 60, "session_idle_seconds": 600}
-    async with open_engine(store_path, clock=clock, config=config) as mem:
-        await _session(mem, "cook", COOKING, 4)
-        await mem.flush()
-        last_turn = (await mem.session_history("ana", "cook"))[-1].at
-        episodes = []
-        for _ in range(60):  # an hour of trio's clock, a maintenance pass every minute
-            await trio.sleep(60)
-            if episodes := await mem.episodes("ana"):
-                break
-        (episode,) = episodes
-        assert episode.consolidated_at is not None and episode.last_seq == 3
-        idle = (episode.consolidated_at - last_turn).total_seconds()
-        assert 600 <= idle <= 600 + 2 * 60  # once idle, at the next pass or so, not before
-
-
-async def test_surprise_measures_novelty_and_raises_stability(mem) -> None:
+async def test_surprise_measures_novelty_and_raises_stability(store_path) -> None:
     """The same topic again is no surprise; a new topic is, and starts more stable."""
-    for session, texts in (("trip1", TRIP), ("trip2", TRIP), ("bread", COOKING)):
-        await _session(mem, session, texts, 4)
-        await mem.close_session("ana", session)
-    first, again, new = sorted(await mem.episodes("ana"), key=lambda e: e.created_at)
+    async with running_compressor(store_path) as (ground, compressor):
+        for session, texts in (("trip1", TRIP), ("trip2", TRIP), ("bread", COOKING)):
+            await _session(ground, session, texts, 4)
+            await compressor.consolidate("ana", session, 4)
+        first, again, new = sorted(await episodes(ground, "ana"), key=lambda e: e.created_at)
     assert first.surprise == 0.5
     assert again.surprise == 0.0 and new.surprise > 0.3
     assert new.stability > again.stability
 
 
 async def test_a_pending_review_is_rated_by_the_next_assistant_turn(store_path) -> None:
-    """retrieve_memory records what it showed; the reply that uses it rates it GOOD."""
+    """A retrieval's pending review (as retrieve_memory records it) is rated by the next
+    assistant turn of that conversation: GOOD when the reply uses what was shown, and the
+    pending review is gone."""
     clock = StepClock(step=timedelta(days=1))  # a review on a later day: GOOD grows stability
-    async with open_engine(store_path, clock=clock) as mem:
-        await _session(mem, "trip", TRIP, 4)
-        await mem.close_session("ana", "trip")
-        (episode,) = await mem.episodes("ana")
-        await mem.add_turn("ana", "chat", "user", "When is the Porto festival?")
-        await mem.flush()
-        shown = await mem.retrieve_memory_raw("ana", "Porto festival train", conversation_id="chat")
-        item = next(i for i in shown.episodic if i.id == episode.episode_id)
-        assert item.last_reviewed_at is None
-        await mem.add_turn("ana", "chat", "assistant",
-                           "You booked the train to Porto for the festival in June.")
-        await mem.flush()
-        after = await mem.retrieve_memory_raw("ana", "Porto festival train")
-        rated = next(i for i in after.episodic if i.id == episode.episode_id)
-    assert rated.last_reviewed_at is not None and rated.stability > item.stability
-    pending = raw_databases(store_path)["pending"]
-    assert [k for k, _ in pending] == [b"ana\x00"]  # the second, conversation-less retrieval
-
-
-async def test_reviews_change_the_ranking_through_retrievability(store_path) -> None:
-    """Two equal episodes: the one reviewed EASY stays retrievable and overtakes the other."""
-    clock = StepClock(step=timedelta(seconds=1))
-    async with open_engine(store_path, clock=clock) as mem:
-        for session in ("a", "b"):
-            await _session(mem, session, TRIP, 4)
-            await mem.close_session("ana", session)
-        await mem.flush()
-        before = [h.id for h in await mem.recall("ana", "festival in Porto", kinds=["episode"])]
-        clock.now += timedelta(days=10)
-        state = await mem.review("ana", before[1], "easy")
-        assert state.reps == 1 and state.last_review == clock.now - timedelta(seconds=1)
-        clock.now += timedelta(days=10)
-        after = await mem.recall("ana", "festival in Porto", kinds=["episode"])
-    assert [h.id for h in after] == [before[1], before[0]]
-    assert after[0].score > after[1].score
-
-
-@pytest.mark.parametrize(("memory", "rating", "message"), [
-    ("turn", "great", r"rating: expected again/hard/good/easy or 1-4, found 'great'"),
-    ("fact", "good", r"memory_id: expected the id of an episode or turn of user 'ana'"),
-])
-async def test_review_arguments_are_checked(mem, memory, rating, message) -> None:
-    """A bad rating, or a memory that does not follow FSRS, is refused with what was expected."""
-    receipt = await mem.add_turn("ana", "s", "user", "hello there")
-    fact = await mem.remember_fact("ana", "identity", "name", "Ana")
-    memory_id = receipt.turn_id if memory == "turn" else fact.fact_id
-    with pytest.raises(InvalidInput, match=message):
-        await mem.review("ana", memory_id, rating)
-
-
-async def test_forgetting_a_session_takes_its_episodes(store_path) -> None:
-    """Episodes go with their session: the store, both indexes and review state."""
-    async with open_engine(store_path) as mem:
-        await _session(mem, "bread", COOKING, 4)
-        await mem.close_session("ana", "bread")
-        (episode,) = await mem.episodes("ana")
-        await mem.review("ana", episode.episode_id, "good")
-        await mem.forget_session("ana", "bread")
-        await mem.flush()
-        assert await mem.episodes("ana") == []
-        assert await mem.recall("ana", "sourdough rye starter") == []
-    everything = b"".join(k + v for rows in raw_databases(store_path).values() for k, v in rows)
-    assert b"sourdough" not in everything and episode.episode_id.encode() not in everything
+    async with running_compressor(store_path, clock) as (ground, compressor):
+        await _session(ground, "trip", TRIP, 4)
+        await compressor.consolidate("ana", "trip", 4)
+        (episode,) = await episodes(ground, "ana")
+        shown = PendingReview((episode.episode_id,), (episode.summary,), "Porto festival train",
+                              T0)
+        key = store_mod.user_prefix("ana") + b"chat"
+        ground.store.submit(PutState(((b"pending", key, msgspec.msgpack.encode(shown), 0),)))
+        await ground.add_turn("ana", "chat", "When is the Porto festival?")
+        await ground.add_turn("ana", "chat",
+                              "You booked the train to Porto for the festival in June.",
+                              role="assistant")
+        await flush(ground, compressor)
+        states = await ground.store.read(store_mod.read_review_states, "ana",
+                                         [episode.episode_id])
+        pending = await ground.store.read(store_mod.read_pending)
+    rated = states[episode.episode_id]
+    assert rated.reps == 1 and rated.stability > episode.stability
+    assert pending == []
 
 
 def test_fsrs_state_is_computed_without_sleeping(monkeypatch) -> None:
