@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from .base.messages import Candidate
+
 __all__ = ["Candidate", "Extractor", "RuleExtractor", "extract_facts", "checked_candidates",
            "MIN_CONFIDENCE", "MIN_IMPORTANCE", "MAX_CANDIDATES", "STOPWORDS", "jaccard", "words"]
 
@@ -49,31 +51,6 @@ def words(text: str) -> set[str]:
 
 def jaccard(a: set[str], b: set[str]) -> float:
     return len(a & b) / len(a | b) if a or b else 0.0
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A fact proposed by an extractor or a caller, before the Facts actor's rules run.
-
-    Attributes:
-        category: ``identity``, ``preference``, ``constraint``, ``instruction``,
-            ``relationship``, ``pet``, ``schedule``, or an extractor's own.
-        key: what it is about within the category (``location``, ``likes:jazz``,
-            ``sister:ana``); one value is active per (category, key).
-        value: the value (``Lisbon``, ``likes``, ``Ana``).
-        text: the fact as one sentence, what prompts show and the indexes search.
-        confidence / importance: 0-1; below ``MIN_CONFIDENCE`` / ``MIN_IMPORTANCE`` it is
-            dropped.
-        keywords: extra search words.
-    """
-
-    category: str
-    key: str
-    value: str
-    text: str
-    confidence: float
-    importance: float
-    keywords: tuple[str, ...] = ()
 
 
 @runtime_checkable

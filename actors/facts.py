@@ -370,10 +370,14 @@ class Facts:
 
     # -- the extraction follower ---------------------------------------------------------------
 
-    def follower(self, extractor: Extractor, imported: Imported) -> LogFollower:
+    def follower(self, extractor: Extractor | None = None,
+                 imported: Imported | None = None) -> LogFollower:
         """The follower that extracts facts from every committed user turn, in log order,
-        with ``extractor``; the rules stand in for a turn it fails on. Imported turns came
-        with their facts: they are skipped."""
+        with ``extractor`` (default: the rules); the rules stand in for a turn it fails on.
+        Imported turns (``imported``; default: none) came with their facts: they are
+        skipped."""
+        extractor = RuleExtractor() if extractor is None else extractor
+        imported = Imported() if imported is None else imported
         rules = isinstance(extractor, RuleExtractor)  # no fallback needed: run them inline
 
         async def handle(records: list[Searchable], last: int) -> tuple[tuple, tuple]:

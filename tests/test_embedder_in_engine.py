@@ -219,5 +219,3 @@ async def test_a_store_keeps_its_model_when_the_default_changes(tmp_path) -> Non
     assert first @ second > 0.9999  # the same model embedded both
     async with Engine.open(tmp_path / "new", config={"long_term": False}) as mem:
         assert (await mem.stats()).model == embedder_mod.MODELS[embedder_mod.DEFAULT_MODEL][1]
-
-

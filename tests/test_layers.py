@@ -30,12 +30,6 @@ ROOT = Path(__file__).resolve().parent.parent
 FIRST_PARTY = ("actors", "engine", "bench", "examples", "tests")
 PUBLIC_ENGINE_MODULES = frozenset({"engine", "engine.errors", "engine.aio", "engine.sync",
                                    "engine.cluster"})
-# Actor tests that still drive their actor through the Engine (tests/conftest.open_engine) or
-# use another actor: written before the layers were drawn. A file leaves this list when it is
-# rewritten over actors.base and its actor alone (the test fails while a listed file is clean).
-ACTOR_TESTS_THROUGH_THE_ENGINE = frozenset({
-    "tests/actors/test_facts.py",
-})
 
 
 @dataclass(frozen=True)
@@ -173,8 +167,7 @@ def test_examples_use_only_the_public_engine_api() -> None:
 
 def test_actor_tests_use_only_the_bottom_layer_and_their_actor() -> None:
     """tests/actors/test_X.py imports actors.base, actors.X and the store it stands on only: no
-    engine, no other actor (the files written before the rule are listed, and must leave the
-    list once clean)."""
+    engine, no other actor; what is the engine's goes in tests/test_X_in_engine.py."""
     through_the_engine = set()
     for path in sources("tests/actors"):
         actor = "actors." + path.stem.removeprefix("test_")
@@ -184,7 +177,7 @@ def test_actor_tests_use_only_the_bottom_layer_and_their_actor() -> None:
                                                      or imp.within("actors.store")
                                                      or imp.within(actor))):
                 through_the_engine.add(imp.path)
-    assert through_the_engine == ACTOR_TESTS_THROUGH_THE_ENGINE
+    assert through_the_engine == set()
 
 
 def _module_graph(*packages: str) -> dict[str, set[str]]:

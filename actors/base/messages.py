@@ -5,6 +5,7 @@ Persisted records live in ``actors.base.records``; nothing here is ever written 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -14,7 +15,7 @@ from .records import Turn
 
 __all__ = ["AppendTurn", "Forget", "PutVectors", "PutLink", "PutNote", "DeleteNote", "WriteSummary",
            "PutEpisode", "PutFact", "PutState", "Searchable",
-           "EmbedRequest",
+           "EmbedRequest", "Candidate",
            "StoreOp", "EmbedderOp", "ScrubDone"]
 
 
@@ -220,6 +221,34 @@ class EmbedRequest(msgspec.Struct, frozen=True, tag=True):
     texts: tuple[str, ...]
     query: bool
     reply: Any
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A fact proposed by an extractor or a caller, before the Facts actor's rules run: what
+    the extractors (actors.extraction, an LLM's) and the facade hand the Facts actor. A plain
+    dataclass rather than a Struct: it is public (``engine.Candidate``), built by users'
+    extractors, and never crosses a channel.
+
+    Attributes:
+        category: ``identity``, ``preference``, ``constraint``, ``instruction``,
+            ``relationship``, ``pet``, ``schedule``, or an extractor's own.
+        key: what it is about within the category (``location``, ``likes:jazz``,
+            ``sister:ana``); one value is active per (category, key).
+        value: the value (``Lisbon``, ``likes``, ``Ana``).
+        text: the fact as one sentence, what prompts show and the indexes search.
+        confidence / importance: 0-1; below ``MIN_CONFIDENCE`` / ``MIN_IMPORTANCE`` it is
+            dropped.
+        keywords: extra search words.
+    """
+
+    category: str
+    key: str
+    value: str
+    text: str
+    confidence: float
+    importance: float
+    keywords: tuple[str, ...] = ()
 
 
 StoreOp = (AppendTurn | Forget | ScrubDone | PutVectors | PutLink | PutNote | DeleteNote

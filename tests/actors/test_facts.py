@@ -1,19 +1,27 @@
-"""Structured facts: extraction rules, one active value per key, history, protection, decay."""
+"""The Facts actor: one active value per key, history, duplicates, contradictions, protection,
+decay, retraction, and the extraction follower.
+
+Driven bare over a real Store (tests/actors/ground.py): its follower extracts facts from the
+turns appended to the log with the rules (tests/actors/test_extraction.py), proposals come as
+Candidates (as the facade and extractors make them), and what leaves the indexes is what its
+``removed`` callback hears. The facade's calls, their argument checks and the facts in
+retrieval are in tests/test_facts_in_engine.py.
+"""
 
 from __future__ import annotations
 
-import threading
-from datetime import timedelta
+import itertools
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from datetime import datetime, timedelta
+from pathlib import Path
 
-import pytest
+import actors.store as store_mod
+from actors.base.messages import Candidate
+from actors.facts import Facts
 
-import actors.fulltext as fulltext_mod
-from actors.ann_index import Filters
-from actors.extraction import Candidate, extract_facts
-from actors.facts import Proposal
-from engine import InvalidInput
-
-from ..conftest import T0, StepClock, open_engine, raw_databases
+from ..conftest import T0, StepClock, raw_databases
+from .ground import Ground, running_store
 
 
 class ManualClock:
@@ -26,92 +34,58 @@ class ManualClock:
         return self.now
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("My name is Maya Lindqvist and I live in Lisbon now.",
-     {("identity", "name", "Maya Lindqvist"), ("identity", "location", "Lisbon")}),
-    ("Big change: I moved to Porto, the flat is much brighter.",
-     {("identity", "location", "Porto")}),
-    ("I work as a data engineer, it's tiring but I like it.", {("identity", "job", "data engineer")}),
-    ("Honestly ramen has become my favourite food lately, more than paella.",
-     {("preference", "favourite food", "ramen")}),
-    ("My sister is called Ines, she is two years older than me.",
-     {("relationship", "sister:ines", "Ines")}),
-    ("I'm allergic to peanuts.", {("constraint", "allergy:peanuts", "allergic")}),
-    ("I'm vegetarian.", {("constraint", "diet", "vegetarian")}),
-    ("From now on, answer in Spanish please.",
-     {("instruction", "answer in", "always answer in Spanish")}),
-    ("Never call me Tom.", {("instruction", "call me", "never call me Tom")}),
-    ("I love jazz but I hate cilantro.",
-     {("preference", "likes:jazz", "likes"), ("preference", "likes:cilantro", "dislikes")}),
-    ("I speak Portuguese and English.", {("identity", "languages", "Portuguese and English")}),
-    ("My timezone is Europe/Lisbon.", {("identity", "timezone", "Europe/Lisbon")}),
-    ("Every Tuesday I go climbing with Ana.", {("schedule", "tuesday", "go climbing with Ana")}),
-    ("I usually wake up at 6:30 am.", {("schedule", "wake up", "6:30 am")}),
-    ("Hi! I'm Maya. I'm moving from Berlin to Lisbon at the end of the month.",
-     {("identity", "name", "Maya"), ("identity", "location", "Lisbon")}),
-    ("I work remotely as a data engineer for a logistics startup in Hamburg.",
-     {("identity", "job", "data engineer")}),
-    ("One more thing: I'm severely allergic to peanuts, so I'm nervous.",
-     {("constraint", "allergy:peanuts", "allergic")}),
-    ("Also, my dog Pixel is coming with me.", {("pet", "dog:pixel", "Pixel")}),
-    ("Please keep answers short, by the way.",
-     {("instruction", "keep answers", "always keep answers short")}),
-    ("Also I went vegetarian last year.", {("constraint", "diet", "vegetarian")}),
-    ("Hi! I'm Portuguese too.", set()),
-    ("Do you like jazz?", set()),
-    ("What if I moved to Porto?", set()),
-    ("I tried a new coffee place near the station.", set()),
-    ("I moved to Lisbon.", {("identity", "location", "Lisbon")}),
-    # preferences
-    ("I prefer tea over coffee.", {("preference", "likes:tea", "likes")}),
-    ("I'd rather have tea than coffee.", {("preference", "likes:tea", "likes")}),
-    ("I'd rather not talk about my ex.", {("preference", "likes:talk about ex", "dislikes")}),
-    ("I can't stand cilantro.", {("preference", "likes:cilantro", "dislikes")}),
-    ("I'm a big fan of jazz.", {("preference", "likes:jazz", "likes")}),
-    ("I love café au lait.", {("preference", "likes:café au lait", "likes")}),
-    # constraints and instructions
-    ("I'm intolerant to gluten.", {("constraint", "intolerance:gluten", "intolerant")}),
-    ("I can't drink milk.", {("constraint", "avoids:milk", "avoids")}),
-    ("Don't use emojis.", {("instruction", "use emojis", "never use emojis")}),
-    ("Please don't call me Tom.", {("instruction", "call me", "never call me Tom")}),
-    ("I want you to answer in Portuguese.",
-     {("instruction", "answer in", "always answer in Portuguese")}),
-    ("Don't book it yet.", set()),
-    ("Don't worry about it.", set()),
-    ("I need you to write an email to my boss.", set()),
-    # relations: people one has one of, people one has several of, and pets
-    ("My wife is called Ines.", {("relationship", "wife", "Ines")}),
-    ("My sister Ana lives in Porto.", {("relationship", "sister:ana", "Ana")}),
-    ("Ana is my sister.", {("relationship", "sister:ana", "Ana")}),
-    ("My friend Tom and my friend Sara came over.",
-     {("relationship", "friend:tom", "Tom"), ("relationship", "friend:sara", "Sara")}),
-    ("I have a cat named Mochi.", {("pet", "cat:mochi", "Mochi")}),
-    ("My puppy Biscuit chewed my shoe.", {("pet", "dog:biscuit", "Biscuit")}),
-    ("My dog is tired.", set()),
-    ("This is my sister.", set()),
-    # a few other languages' names and homes
-    ("Me llamo Sofía y vivo en Madrid.",
-     {("identity", "name", "Sofía"), ("identity", "location", "Madrid")}),
-    ("Je m'appelle Élodie.", {("identity", "name", "Élodie")}),
-    ("Ich heiße Jürgen und ich wohne in München.",
-     {("identity", "name", "Jürgen"), ("identity", "location", "München")}),
-])
-def test_the_rules_extract_the_common_facts_and_skip_questions(text, expected) -> None:
-    """Each rule turns its phrasing into (category, key, value); questions and hypotheticals
-    state nothing."""
-    assert {(c.category, c.key, c.value) for c in extract_facts(text)} == expected
+class Running:
+    """A store, the Facts actor over it with its extraction follower running, and what the
+    actor told the vector index to drop (user, lsns), in order."""
+
+    def __init__(self, ground: Ground, facts: Facts, follower: store_mod.LogFollower,
+                 removed: list[tuple[str, list[int]]]) -> None:
+        self.ground = ground
+        self.facts = facts
+        self.follower = follower
+        self.removed = removed
+
+    async def flush(self) -> None:
+        """Wait until everything queued is committed and the follower has taken it in."""
+        await self.ground.store.wait_written()
+        await self.follower.wait(self.ground.store.committed_lsn)
+
+    async def remember(self, category: str, key: str, value: str, text: str | None = None,
+                       confidence: float = 0.9, importance: float = 0.7, **kwargs):
+        """Propose a fact as the facade's remember_fact does (origin ``api``, its defaults)."""
+        candidate = Candidate(category, key, value, text or f"{key}: {value}", confidence,
+                              importance)
+        return await self.facts.propose("ana", candidate, origin="api", **kwargs)
+
+    async def values(self, category: str | None = None) -> list[tuple[str, str]]:
+        return [(f.key, f.value) for f in await self.facts.profile("ana", category)]
+
+
+@asynccontextmanager
+async def running_facts(path: Path, clock: Callable[[], datetime] | None = None
+                        ) -> AsyncIterator[Running]:
+    """A store at ``path``, the Facts actor and its extraction follower (the rules), running."""
+    ids = itertools.count(1)
+    removed: list[tuple[str, list[int]]] = []
+    async with running_store(path) as ground:
+        facts = Facts(ground.store, lambda user, lsns: removed.append((user, lsns)),
+                      clock or StepClock(), lambda: f"{next(ids):016x}")
+        running = Running(ground, facts, facts.follower(), removed)
+        await ground.start(running.follower.run)
+        yield running
 
 
 async def test_a_new_value_supersedes_the_old_one_and_history_keeps_both(store_path) -> None:
-    """Moving city: the new location is active, the old one is kept with invalid_at set."""
+    """Moving city, as the rules extract it from turns: the new location is active, the old
+    one is kept with invalid_at set."""
     clock = StepClock(step=timedelta(days=1))
-    async with open_engine(store_path, clock=clock) as mem:
-        await mem.add_turn("ana", "s1", "user", "I live in Lisbon, near the old market.")
-        await mem.flush()
-        await mem.add_turn("ana", "s2", "user", "Big change: I moved to Porto last week.")
-        await mem.flush()
-        (location,) = [f for f in await mem.profile("ana") if f.key == "location"]
-        history = await mem.fact_history("ana", "identity", "location")
+    async with running_facts(store_path, clock) as f:
+        await f.ground.add_turn("ana", "s1", "I live in Lisbon, near the old market.")
+        await f.flush()
+        await f.ground.add_turn("ana", "s2", "Big change: I moved to Porto last week.")
+        await f.flush()
+        (location,) = [fact for fact in await f.facts.profile("ana") if fact.key == "location"]
+        history = await f.facts.history("ana", "identity", "location")
     assert location.value == "Porto" and location.status == "active"
     old, new = history
     assert (old.value, old.status, new.value) == ("Lisbon", "superseded", "Porto")
@@ -119,136 +93,128 @@ async def test_a_new_value_supersedes_the_old_one_and_history_keeps_both(store_p
     assert new.invalid_at is None and new.source_turn_ids and new.origin == "rules"
 
 
-async def test_a_less_confident_value_does_not_supersede(mem) -> None:
-    """Seed 002's rule: a lower-confidence value loses; correct_fact replaces regardless."""
-    await mem.remember_fact("ana", "identity", "location", "Lisbon", confidence=0.9)
-    with pytest.raises(InvalidInput, match=r"confidence: expected at least the active value's "
-                                           r"confidence \(0.90 for 'Lisbon'\), found 0.50; call "
-                                           r"correct_fact"):
-        await mem.remember_fact("ana", "identity", "location", "Porto", confidence=0.5)
-    assert [f.value for f in await mem.profile("ana")] == ["Lisbon"]
-    corrected = await mem.correct_fact("ana", "identity", "location", "Porto")
-    assert corrected.confidence == 1.0
-    assert [f.value for f in await mem.profile("ana")] == ["Porto"]
-    assert [f.status for f in await mem.fact_history("ana", "identity", "location")] == [
-        "superseded", "active"]
+async def test_a_less_confident_value_does_not_supersede(store_path) -> None:
+    """Seed 002's rule: a lower-confidence value is refused; a forced one (a correction)
+    replaces the active value regardless."""
+    async with running_facts(store_path) as f:
+        await f.remember("identity", "location", "Lisbon", confidence=0.9)
+        refused = await f.remember("identity", "location", "Porto", confidence=0.5)
+        assert (refused.status, refused.fact, refused.previous.value) == ("refused", None, "Lisbon")
+        assert refused.reason == "lower confidence than the active value"
+        assert await f.values() == [("location", "Lisbon")]
+        corrected = await f.remember("identity", "location", "Porto", confidence=0.5, force=True)
+        assert corrected.status == "superseded" and corrected.previous.value == "Lisbon"
+        assert await f.values() == [("location", "Porto")]
+        history = await f.facts.history("ana", "identity", "location")
+    assert [fact.status for fact in history] == ["superseded", "active"]
 
 
-async def test_duplicates_reinforce_instead_of_adding(mem) -> None:
+async def test_duplicates_reinforce_instead_of_adding(store_path) -> None:
     """The same value again, or a sentence with Jaccard >= 0.75 to an active fact, is one fact."""
-    first = await mem.remember_fact("ana", "preference", "coffee", "flat white",
-                                    text="Drinks her coffee as a flat white every morning",
-                                    confidence=0.6)
-    again = await mem.remember_fact("ana", "preference", "coffee", "Flat  White", confidence=0.8)
-    near = await mem.remember_fact("ana", "preference", "morning coffee", "flat white",
-                                   text="Drinks her coffee as a flat white every single morning")
-    assert again.fact_id == first.fact_id == near.fact_id
-    assert again.confidence == 0.8 and near.access_count == 2
-    assert len(await mem.profile("ana")) == 1
+    async with running_facts(store_path) as f:
+        first = await f.remember("preference", "coffee", "flat white",
+                                 text="Drinks her coffee as a flat white every morning",
+                                 confidence=0.6)
+        again = await f.remember("preference", "coffee", "Flat  White", confidence=0.8)
+        near = await f.remember("preference", "morning coffee", "flat white",
+                                text="Drinks her coffee as a flat white every single morning")
+        assert (first.status, again.status, near.status) == ("created", "reinforced", "reinforced")
+        assert again.fact.fact_id == first.fact.fact_id == near.fact.fact_id
+        assert again.fact.confidence == 0.8 and near.fact.access_count == 2
+        assert len(await f.facts.profile("ana")) == 1
 
 
-async def test_a_contradiction_without_a_shared_key_is_resolved_by_the_same_rule(mem) -> None:
+async def test_a_contradiction_without_a_shared_key_is_resolved_by_the_same_rule(store_path) -> None:
     """'Likes jazz' and 'No longer likes jazz' under different keys: the newer supersedes."""
-    await mem.remember_fact("ana", "preference", "music", "jazz", text="Likes jazz music",
-                            confidence=0.7)
-    await mem.remember_fact("ana", "preference", "music taste", "not jazz",
-                            text="No longer likes jazz music", confidence=0.8)
-    assert [f.text for f in await mem.profile("ana")] == ["No longer likes jazz music"]
-    assert (await mem.fact_history("ana", "preference", "music"))[0].status == "superseded"
+    async with running_facts(store_path) as f:
+        await f.remember("preference", "music", "jazz", text="Likes jazz music", confidence=0.7)
+        await f.remember("preference", "music taste", "not jazz",
+                         text="No longer likes jazz music", confidence=0.8)
+        assert [fact.text for fact in await f.facts.profile("ana")] == ["No longer likes jazz music"]
+        assert (await f.facts.history("ana", "preference", "music"))[0].status == "superseded"
 
 
 async def test_confirmed_facts_never_decay_and_inferred_values_cannot_replace_them(store_path) -> None:
-    """A jumped clock prunes an unused fact but not a confirmed one; a rule-extracted value
-    does not supersede a confirmed fact."""
+    """A jumped clock prunes an unused fact but not a confirmed one, and the pruned fact
+    leaves the vector index; a rule-extracted value does not supersede a confirmed fact."""
     clock = ManualClock()
-    async with open_engine(store_path, clock=clock) as mem:
-        await mem.remember_fact("ana", "preference", "snack", "crisps", confidence=0.6)
-        await mem.remember_fact("ana", "identity", "location", "Lisbon", confidence=0.5)
-        confirmed = await mem.confirm_fact("ana", "identity", "location")
+    async with running_facts(store_path, clock) as f:
+        snack = (await f.remember("preference", "snack", "crisps", confidence=0.6)).fact
+        await f.remember("identity", "location", "Lisbon", confidence=0.5)
+        confirmed = await f.facts.confirm("ana", "identity", "location")
         assert confirmed.protected and confirmed.confidence == 1.0
-        await mem.add_turn("ana", "s", "user", "I live in Braga now.")
-        await mem.flush()
-        assert [f.value for f in await mem.profile("ana", category="identity")] == ["Lisbon"]
+        await f.ground.add_turn("ana", "s", "I live in Braga now.")
+        await f.flush()
+        assert await f.values("identity") == [("location", "Lisbon")]
         clock.now = T0 + timedelta(days=200)  # 0.6 x exp(-0.02 x 200) = 0.011 < 0.05
-        report = await mem.maintain()
-        assert report.pruned_facts == 1
-        assert [(f.key, f.value) for f in await mem.profile("ana")] == [("location", "Lisbon")]
-        assert (await mem.fact_history("ana", "preference", "snack"))[0].status == "pruned"
-        # The pruned fact is gone from both indexes: nothing matches "crisps snack" well enough
-        # to be returned (the relevance floor), and the vector index's only fact is the active one.
-        assert await mem.recall("ana", "crisps snack", kinds=["fact"]) == []
-        nearest = await mem._ann.search("ana", (await mem.embed(["crisps snack"]))[0], 10,
-                                        Filters(kinds=("fact",)))
-        assert [lsn for lsn, _ in nearest] == [f.lsn for f in await mem.profile("ana")]
+        assert await f.facts.decay_and_prune(["ana"]) == 1
+        assert await f.values() == [("location", "Lisbon")]
+        assert (await f.facts.history("ana", "preference", "snack"))[0].status == "pruned"
+        assert f.removed == [("ana", [snack.lsn])]
 
 
 async def test_showing_a_fact_restarts_its_decay(store_path) -> None:
-    """A fact retrieve_memory showed counts a use: maintenance measures decay from then."""
+    """A use (touch: a retrieval showed it) counts: decay is measured from then."""
     clock = ManualClock()
-    async with open_engine(store_path, clock=clock) as mem:
-        await mem.remember_fact("ana", "preference", "tea", "green tea", text="Likes green tea",
-                                confidence=0.6)
+    async with running_facts(store_path, clock) as f:
+        tea = (await f.remember("preference", "tea", "green tea", text="Likes green tea",
+                                confidence=0.6)).fact
         clock.now = T0 + timedelta(days=100)
-        await mem.retrieve_memory("ana", "green tea")
-        await mem.flush()
+        f.facts.touch("ana", [tea.fact_id])
+        await f.ground.store.wait_written()
         clock.now = T0 + timedelta(days=160)  # 60 days after the use: 0.6 x e^-1.2 = 0.18
-        assert (await mem.maintain()).pruned_facts == 0
-        (tea,) = await mem.profile("ana")
-        assert tea.access_count == 1 and tea.last_access_at == T0 + timedelta(days=100)
+        assert await f.facts.decay_and_prune(["ana"]) == 0
+        f.facts.forget("ana")  # read back from the store, not the cache
+        (tea,) = await f.facts.profile("ana")
+    assert tea.access_count == 1 and tea.last_access_at == T0 + timedelta(days=100)
 
 
-async def test_forget_fact_retracts_it_from_recall_and_profile(mem) -> None:
-    """A retracted fact is gone from search and the profile, and kept as history."""
-    await mem.remember_fact("ana", "constraint", "allergy:peanuts", "allergic",
-                            text="Allergic to peanuts", importance=1.0)
-    await mem.flush()
-    assert [h.kind for h in await mem.recall("ana", "peanuts allergy")] == ["fact"]
-    assert await mem.forget_fact("ana", "constraint", "allergy:peanuts") is True
-    assert await mem.forget_fact("ana", "constraint", "allergy:peanuts") is False
-    await mem.flush()
-    assert await mem.recall("ana", "peanuts allergy") == []
-    assert await mem.profile("ana") == []
-    (old,) = await mem.fact_history("ana", "constraint", "allergy:peanuts")
+async def test_a_retracted_fact_leaves_the_profile_and_the_index_and_stays_in_history(
+        store_path) -> None:
+    """Retiring a fact as retracted: gone from the profile and the vector index, once, and
+    kept as history."""
+    async with running_facts(store_path) as f:
+        fact = (await f.remember("constraint", "allergy:peanuts", "allergic",
+                                 text="Allergic to peanuts", importance=1.0)).fact
+        retired = await f.facts.retire("ana", [("constraint", "allergy:peanuts")], "retracted")
+        assert [r.fact_id for r in retired] == [fact.fact_id]
+        assert await f.facts.retire("ana", [("constraint", "allergy:peanuts")], "retracted") == []
+        assert await f.facts.profile("ana") == []
+        assert f.removed == [("ana", [fact.lsn])]
+        (old,) = await f.facts.history("ana", "constraint", "allergy:peanuts")
     assert old.status == "retracted"
 
 
-async def test_retrieve_memory_shows_the_new_value_and_standing_facts(mem) -> None:
-    """The semantic section holds the updated value, never the old one, plus standing facts;
-    category and min_importance filter it."""
-    await mem.remember_fact("ana", "identity", "location", "Lisbon", text="Lives in Lisbon")
-    await mem.remember_fact("ana", "identity", "location", "Porto", text="Lives in Porto")
-    await mem.remember_fact("ana", "constraint", "allergy:peanuts", "allergic",
-                            text="Allergic to peanuts", importance=1.0)
-    await mem.remember_fact("ana", "preference", "likes:jazz", "likes", text="Likes jazz",
-                            importance=0.3)
-    await mem.flush()
-    markdown = await mem.retrieve_memory("ana", "which city do I live in?")
-    assert "- [identity] Lives in Porto" in markdown and "Lisbon" not in markdown
-    assert "- [constraint] Allergic to peanuts" in markdown
-    assert markdown.index("Porto") < markdown.index("peanuts")
-    raw = await mem.retrieve_memory_raw("ana", "jazz", category="preference")
-    assert [s.fact for s in raw.semantic] == ["Likes jazz"]
-    raw = await mem.retrieve_memory_raw("ana", "jazz", min_importance=0.5)
-    assert "Likes jazz" not in [s.fact for s in raw.semantic]
-    prompt = await mem.context_pre_retrieve("ana", "where do I live")
-    assert prompt.startswith("## Semantic Memory\n- [identity] Lives in Porto")
+async def test_profile_filters_by_category_and_importance_and_orders_by_importance(
+        store_path) -> None:
+    """Standing facts first (importance), then the rest; category and min_importance filter."""
+    async with running_facts(store_path) as f:
+        await f.remember("identity", "location", "Porto", text="Lives in Porto", importance=0.5)
+        await f.remember("constraint", "allergy:peanuts", "allergic", text="Allergic to peanuts",
+                         importance=1.0)
+        await f.remember("preference", "likes:jazz", "likes", text="Likes jazz", importance=0.3)
+        assert [x.text for x in await f.facts.profile("ana")] == [
+            "Allergic to peanuts", "Lives in Porto", "Likes jazz"]
+        assert [x.text for x in await f.facts.profile("ana", "preference")] == ["Likes jazz"]
+        assert "Likes jazz" not in [x.text for x in await f.facts.profile("ana", None, 0.5)]
 
 
 async def test_forgetting_a_session_takes_the_facts_extracted_from_it(store_path) -> None:
     """Facts the rules took from a forgotten session go with it; others stay."""
-    async with open_engine(store_path) as mem:
-        await mem.add_turn("ana", "s1", "user", "I'm allergic to shellfish.")
-        await mem.add_turn("ana", "s2", "user", "I'm vegetarian.")
-        await mem.remember_fact("ana", "identity", "name", "Ana")
-        await mem.flush()
-        assert len(await mem.profile("ana")) == 3
-        await mem.forget_session("ana", "s1")
-        await mem.flush()
-        assert sorted(f.key for f in await mem.profile("ana")) == ["diet", "name"]
-        assert not [h for h in await mem.recall("ana", "shellfish allergy")
-                    if "shellfish" in h.text.lower()]
+    async with running_facts(store_path) as f:
+        await f.ground.add_turn("ana", "s1", "I'm allergic to shellfish.")
+        await f.ground.add_turn("ana", "s2", "I'm vegetarian.")
+        await f.remember("identity", "name", "Ana")
+        await f.flush()
+        assert len(await f.facts.profile("ana")) == 3
+        await f.ground.store.forget("ana", "s1")
+        f.facts.forget("ana")
+        assert sorted(fact.key for fact in await f.facts.profile("ana")) == ["diet", "name"]
+        history = await f.ground.store.read(store_mod.read_facts, "ana", False)
+        assert sorted(fact.key for fact in history) == ["diet", "name"]
     everything = b"".join(k + v for rows in raw_databases(store_path).values() for k, v in rows)
     assert b"shellfish" not in everything
+<<<<<<< HEAD
 
 
 async def test_facts_decided_together_match_facts_decided_one_by_one(tmp_path) -> None:
@@ -370,3 +336,5 @@ async def test_fact_arguments_are_checked(mem, call, message) -> None:
     """Bad fact arguments name the field, what was expected and what was found."""
     with pytest.raises(InvalidInput, match=message):
         await call(mem)
+=======
+>>>>>>> 592c6d0 (tests/actors/test_facts.py drives the Facts actor bare over a running Store (proposals as Candidates, the rules' follower on the log, removals heard through its callback), and the extraction rules' table moves to tests/actors/test_extraction.py beside the module it tests; the facade's fact calls, their checks and facts in retrieval moved unchanged to tests/test_facts_in_engine.py. Candidate moves to actors.base.messages (re-exported by actors.extraction and engine as before): it is what extractors and the facade hand the Facts actor, a type two actors share, so it belongs to the bottom layer; Facts.follower defaults to the rules and no imported ranges, as the engine's defaults. The layer rule's exception list is empty, so the rule now simply says no actor test stands on the engine)

@@ -1,0 +1,199 @@
+"""Facts as the engine serves them: remember/correct/confirm/forget_fact and their argument
+checks, profile and fact_history, extraction from add_turn, maintenance's pruning, the facts in
+retrieve_memory and recall, and forgetting a session (the actor alone: tests/actors/test_facts.py)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from actors.ann_index import Filters
+from actors.base.messages import Candidate
+from actors.facts import Proposal
+from engine import InvalidInput
+
+from .conftest import T0, StepClock, open_engine, raw_databases
+
+
+class ManualClock:
+    """An engine clock that stays put until a test moves it."""
+
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self):
+        return self.now
+
+
+async def test_a_new_value_supersedes_the_old_one_and_history_keeps_both(store_path) -> None:
+    """Moving city: the new location is active, the old one is kept with invalid_at set."""
+    clock = StepClock(step=timedelta(days=1))
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.add_turn("ana", "s1", "user", "I live in Lisbon, near the old market.")
+        await mem.flush()
+        await mem.add_turn("ana", "s2", "user", "Big change: I moved to Porto last week.")
+        await mem.flush()
+        (location,) = [f for f in await mem.profile("ana") if f.key == "location"]
+        history = await mem.fact_history("ana", "identity", "location")
+    assert location.value == "Porto" and location.status == "active"
+    old, new = history
+    assert (old.value, old.status, new.value) == ("Lisbon", "superseded", "Porto")
+    assert old.invalid_at == new.valid_at and old.expired_at is not None
+    assert new.invalid_at is None and new.source_turn_ids and new.origin == "rules"
+
+
+async def test_a_less_confident_value_does_not_supersede(mem) -> None:
+    """Seed 002's rule: a lower-confidence value loses; correct_fact replaces regardless."""
+    await mem.remember_fact("ana", "identity", "location", "Lisbon", confidence=0.9)
+    with pytest.raises(InvalidInput, match=r"confidence: expected at least the active value's "
+                                           r"confidence \(0.90 for 'Lisbon'\), found 0.50; call "
+                                           r"correct_fact"):
+        await mem.remember_fact("ana", "identity", "location", "Porto", confidence=0.5)
+    assert [f.value for f in await mem.profile("ana")] == ["Lisbon"]
+    corrected = await mem.correct_fact("ana", "identity", "location", "Porto")
+    assert corrected.confidence == 1.0
+    assert [f.value for f in await mem.profile("ana")] == ["Porto"]
+    assert [f.status for f in await mem.fact_history("ana", "identity", "location")] == [
+        "superseded", "active"]
+
+
+async def test_duplicates_reinforce_instead_of_adding(mem) -> None:
+    """The same value again, or a sentence with Jaccard >= 0.75 to an active fact, is one fact."""
+    first = await mem.remember_fact("ana", "preference", "coffee", "flat white",
+                                    text="Drinks her coffee as a flat white every morning",
+                                    confidence=0.6)
+    again = await mem.remember_fact("ana", "preference", "coffee", "Flat  White", confidence=0.8)
+    near = await mem.remember_fact("ana", "preference", "morning coffee", "flat white",
+                                   text="Drinks her coffee as a flat white every single morning")
+    assert again.fact_id == first.fact_id == near.fact_id
+    assert again.confidence == 0.8 and near.access_count == 2
+    assert len(await mem.profile("ana")) == 1
+
+
+async def test_a_contradiction_without_a_shared_key_is_resolved_by_the_same_rule(mem) -> None:
+    """'Likes jazz' and 'No longer likes jazz' under different keys: the newer supersedes."""
+    await mem.remember_fact("ana", "preference", "music", "jazz", text="Likes jazz music",
+                            confidence=0.7)
+    await mem.remember_fact("ana", "preference", "music taste", "not jazz",
+                            text="No longer likes jazz music", confidence=0.8)
+    assert [f.text for f in await mem.profile("ana")] == ["No longer likes jazz music"]
+    assert (await mem.fact_history("ana", "preference", "music"))[0].status == "superseded"
+
+
+async def test_confirmed_facts_never_decay_and_inferred_values_cannot_replace_them(store_path) -> None:
+    """A jumped clock prunes an unused fact but not a confirmed one; a rule-extracted value
+    does not supersede a confirmed fact."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.remember_fact("ana", "preference", "snack", "crisps", confidence=0.6)
+        await mem.remember_fact("ana", "identity", "location", "Lisbon", confidence=0.5)
+        confirmed = await mem.confirm_fact("ana", "identity", "location")
+        assert confirmed.protected and confirmed.confidence == 1.0
+        await mem.add_turn("ana", "s", "user", "I live in Braga now.")
+        await mem.flush()
+        assert [f.value for f in await mem.profile("ana", category="identity")] == ["Lisbon"]
+        clock.now = T0 + timedelta(days=200)  # 0.6 x exp(-0.02 x 200) = 0.011 < 0.05
+        report = await mem.maintain()
+        assert report.pruned_facts == 1
+        assert [(f.key, f.value) for f in await mem.profile("ana")] == [("location", "Lisbon")]
+        assert (await mem.fact_history("ana", "preference", "snack"))[0].status == "pruned"
+        # The pruned fact is gone from both indexes: nothing matches "crisps snack" well enough
+        # to be returned (the relevance floor), and the vector index's only fact is the active one.
+        assert await mem.recall("ana", "crisps snack", kinds=["fact"]) == []
+        nearest = await mem._ann.search("ana", (await mem.embed(["crisps snack"]))[0], 10,
+                                        Filters(kinds=("fact",)))
+        assert [lsn for lsn, _ in nearest] == [f.lsn for f in await mem.profile("ana")]
+
+
+async def test_showing_a_fact_restarts_its_decay(store_path) -> None:
+    """A fact retrieve_memory showed counts a use: maintenance measures decay from then."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.remember_fact("ana", "preference", "tea", "green tea", text="Likes green tea",
+                                confidence=0.6)
+        clock.now = T0 + timedelta(days=100)
+        await mem.retrieve_memory("ana", "green tea")
+        await mem.flush()
+        clock.now = T0 + timedelta(days=160)  # 60 days after the use: 0.6 x e^-1.2 = 0.18
+        assert (await mem.maintain()).pruned_facts == 0
+        (tea,) = await mem.profile("ana")
+        assert tea.access_count == 1 and tea.last_access_at == T0 + timedelta(days=100)
+
+
+async def test_forget_fact_retracts_it_from_recall_and_profile(mem) -> None:
+    """A retracted fact is gone from search and the profile, and kept as history."""
+    await mem.remember_fact("ana", "constraint", "allergy:peanuts", "allergic",
+                            text="Allergic to peanuts", importance=1.0)
+    await mem.flush()
+    assert [h.kind for h in await mem.recall("ana", "peanuts allergy")] == ["fact"]
+    assert await mem.forget_fact("ana", "constraint", "allergy:peanuts") is True
+    assert await mem.forget_fact("ana", "constraint", "allergy:peanuts") is False
+    await mem.flush()
+    assert await mem.recall("ana", "peanuts allergy") == []
+    assert await mem.profile("ana") == []
+    (old,) = await mem.fact_history("ana", "constraint", "allergy:peanuts")
+    assert old.status == "retracted"
+
+
+async def test_retrieve_memory_shows_the_new_value_and_standing_facts(mem) -> None:
+    """The semantic section holds the updated value, never the old one, plus standing facts;
+    category and min_importance filter it."""
+    await mem.remember_fact("ana", "identity", "location", "Lisbon", text="Lives in Lisbon")
+    await mem.remember_fact("ana", "identity", "location", "Porto", text="Lives in Porto")
+    await mem.remember_fact("ana", "constraint", "allergy:peanuts", "allergic",
+                            text="Allergic to peanuts", importance=1.0)
+    await mem.remember_fact("ana", "preference", "likes:jazz", "likes", text="Likes jazz",
+                            importance=0.3)
+    await mem.flush()
+    markdown = await mem.retrieve_memory("ana", "which city do I live in?")
+    assert "- [identity] Lives in Porto" in markdown and "Lisbon" not in markdown
+    assert "- [constraint] Allergic to peanuts" in markdown
+    assert markdown.index("Porto") < markdown.index("peanuts")
+    raw = await mem.retrieve_memory_raw("ana", "jazz", category="preference")
+    assert [s.fact for s in raw.semantic] == ["Likes jazz"]
+    raw = await mem.retrieve_memory_raw("ana", "jazz", min_importance=0.5)
+    assert "Likes jazz" not in [s.fact for s in raw.semantic]
+    prompt = await mem.context_pre_retrieve("ana", "where do I live")
+    assert prompt.startswith("## Semantic Memory\n- [identity] Lives in Porto")
+
+
+async def test_forgetting_a_session_takes_the_facts_extracted_from_it(store_path) -> None:
+    """Facts the rules took from a forgotten session go with it; others stay."""
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("ana", "s1", "user", "I'm allergic to shellfish.")
+        await mem.add_turn("ana", "s2", "user", "I'm vegetarian.")
+        await mem.remember_fact("ana", "identity", "name", "Ana")
+        await mem.flush()
+        assert len(await mem.profile("ana")) == 3
+        await mem.forget_session("ana", "s1")
+        await mem.flush()
+        assert sorted(f.key for f in await mem.profile("ana")) == ["diet", "name"]
+        assert not [h for h in await mem.recall("ana", "shellfish allergy")
+                    if "shellfish" in h.text.lower()]
+    everything = b"".join(k + v for rows in raw_databases(store_path).values() for k, v in rows)
+    assert b"shellfish" not in everything
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda m: m.remember_fact("ana", "identity", "name", "Ana", confidence=1.5),
+     r"confidence: expected a number from 0 to 1, found 1.5"),
+    (lambda m: m.remember_fact("ana", "", "name", "Ana"), r"category: expected a non-empty"),
+    (lambda m: m.remember_fact("ana", "identity", "name", ""), r"value: expected a non-empty"),
+    (lambda m: m.confirm_fact("ana", "identity", "nothing"),
+     r"key: expected an active fact \('identity', 'nothing'\) of user 'ana', found none"),
+    (lambda m: m.profile("ana", min_importance=-1), r"min_importance: expected a number"),
+])
+async def test_fact_arguments_are_checked(mem, call, message) -> None:
+    """Bad fact arguments name the field, what was expected and what was found."""
+    with pytest.raises(InvalidInput, match=message):
+        await call(mem)
+import actors.fulltext as fulltext_mod
+from actors.ann_index import Filters
+from actors.base.messages import Candidate
+from actors.facts import Proposal
+from actors.extraction import Candidate, extract_facts
+from actors.facts import Proposal
+from engine import InvalidInput
+
+from ..conftest import T0, StepClock, open_engine, raw_databases
