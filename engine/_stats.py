@@ -35,6 +35,14 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
             (0: none is waiting; to within 0.1 s).
         texts_embedded / embed_cache_hits: background texts the model embedded, and those the
             content cache answered instead, since the engine opened.
+        long_term_lsn: how far each long-term follower has taken in the log, by name
+            (``entities``, ``facts``, ``episodic``); empty with the long-term layer off.
+        episodes_made: episodes the compressor made since the engine opened.
+        text_index_rebuilt: why the text index found at open was not used and is rebuilt
+            from the store (``missing``, or the damage its check found); None if it was used.
+        vector_graphs_behind: users whose vector searches run on the exact scan while their
+            hnswlib graph is built or brought up to date (a large user's first search after
+            open, or a burst of new vectors).
         failures: records some part of the engine could not take and went on without
             (listed by :meth:`Engine.failures` and ``engram inspect STORE --failures``).
         degraded: the search legs whose index is being rebuilt or caught up with what the
@@ -62,6 +70,10 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
     vector_lag_seconds: float = 0.0
     texts_embedded: int = 0
     embed_cache_hits: int = 0
+    long_term_lsn: dict[str, int] = {}
+    episodes_made: int = 0
+    text_index_rebuilt: str | None = None
+    vector_graphs_behind: int = 0
 
 
 async def stats(parts: Parts) -> Stats:
@@ -94,6 +106,10 @@ async def stats(parts: Parts) -> Stats:
         vector_lag_seconds=store.committed_since(embedded + 1),
         texts_embedded=embedder.texts_embedded,
         embed_cache_hits=embedder.cache_hits,
+        long_term_lsn={follower.name: follower.watermark for follower in parts.followers},
+        episodes_made=parts.compressor.episodes_made,
+        text_index_rebuilt=parts.fulltext.damage,
+        vector_graphs_behind=parts.ann.graphs_behind(),
     )
 
 

@@ -152,6 +152,47 @@ async def test_stats_counts_what_is_held(mem: Engine) -> None:
     assert stats.queued == 0 and stats.store_bytes > 0
 
 
+async def test_stats_say_how_far_the_long_term_layer_and_both_indexes_have_got(
+        store_path, monkeypatch) -> None:
+    """stats names each long-term follower's position and the episodes made, the users whose
+    vector graph is still being built (searches meanwhile take the exact scan), and why a
+    text index found missing at open is being rebuilt."""
+    import shutil
+    import threading
+
+    import actors.ann_index as ann_mod
+
+    monkeypatch.setattr(ann_mod, "HNSW_THRESHOLD", 50)
+    gate = threading.Event()  # set by the test: until then graph builds wait in their thread
+    build = ann_mod.AnnIndex._write_graph
+
+    def held(self, *args):
+        gate.wait(10)
+        return build(self, *args)
+
+    monkeypatch.setattr(ann_mod.AnnIndex, "_write_graph", held)
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        stats = await mem.stats()
+        assert (stats.episodes_made, stats.text_index_rebuilt, stats.vector_graphs_behind) == (
+            0, None, 0)
+        receipts = [await mem.add_turn("ana", "s", "user", f"note {i} about the trip")
+                    for i in range(60)]
+        await mem.flush()
+        await mem.recall("ana", "the trip")  # loads the user's 65 vectors: a graph is due
+        stats = await mem.stats()
+        assert set(stats.long_term_lsn) == {"entities", "facts", "episodic"}
+        assert min(stats.long_term_lsn.values()) >= receipts[-1].lsn
+        assert stats.episodes_made == 5  # at 20, 30, ... 60 turns, the oldest 10 not in one
+        assert stats.vector_graphs_behind == 1
+        gate.set()
+    shutil.rmtree(store_path / "fulltext")
+    async with open_engine(store_path, config={"long_term": False}) as mem:
+        await mem.recall("ana", "the trip")  # the graph saved at close: nothing to build
+        stats = await mem.stats()
+    assert (stats.long_term_lsn, stats.episodes_made) == ({}, 0)
+    assert (stats.text_index_rebuilt, stats.vector_graphs_behind) == ("missing", 0)
+
+
 async def test_reopen_keeps_turns_and_continues_sequences(store_path) -> None:
     """After a clean close and reopen, every turn is there and seq and lsn carry on."""
     clock = StepClock()
