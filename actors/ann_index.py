@@ -661,9 +661,10 @@ class AnnIndex:
         """Users in memory who need a graph (HNSW_THRESHOLD vectors, or one already built)
         whose graph is missing, being written, or behind their rows: their searches take the
         exact scan until the writer has caught up."""
-        return sum(1 for uv in self._users.values()
-                   if (uv.graph is not None or uv.n >= HNSW_THRESHOLD)
-                   and (uv.graph is None or uv.writing or uv.graph_rows < uv.n))
+        return sum(1 for user in self._users.values()
+                   if any((uv.graph is not None or uv.n >= HNSW_THRESHOLD)
+                          and (uv.graph is None or uv.writing or uv.graph_rows < uv.n)
+                          for _, uv in user.parts()))
 
     def similarities(self, user_id: str, query: np.ndarray, lsns: list[int]) -> dict[int, float]:
         """Cosine of ``query`` with each of these records, for a user already loaded (a search

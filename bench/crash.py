@@ -182,16 +182,13 @@ def child_main(phase: str, path: Path, work: Path) -> None:
 # -- the parent -------------------------------------------------------------------------------
 
 
-def _open(path: Path):
-    """Open a store with the model its vectors come from (a reindex may have switched it)."""
-    from actors.embedder import MODELS as BUILT
-    from actors.store import stored_model
-
-    model = stored_model(path)
-    if model is not None and model.id == HashEmbedder().model_id:
-        return Engine.open(path, embedder=HashEmbedder(dim=model.dim))
-    names = {model_id: name for name, (_, model_id) in BUILT.items()}
-    return Engine.open(path, config={"model": names.get(model.id, MODELS[0]) if model else MODELS[0]})
+def _open(path: Path, phase: str):
+    """Open a store with the model its vectors come from: the HashEmbedder of every phase but
+    reindex; after a reindex, whichever model it had switched to, which ``Engine.open`` finds
+    by itself when no model is configured."""
+    if phase == "reindex":
+        return Engine.open(path)
+    return Engine.open(path, embedder=HashEmbedder())
 
 
 class Acks:
@@ -240,11 +237,11 @@ class Acks:
         return fate
 
 
-async def _check_store(path: Path, acks: Acks, upto: int) -> dict[str, int]:
-    """Open the store; count the first ``upto`` acknowledged turns found and lost, and the
-    forgotten ones still there."""
+async def _check_store(path: Path, acks: Acks, upto: int, phase: str) -> dict[str, int]:
+    """Open the store ``phase`` left; count the first ``upto`` acknowledged turns found and
+    lost, and the forgotten ones still there."""
     found = lost = residue = 0
-    async with _open(path) as mem:
+    async with _open(path, phase) as mem:
         with trio.fail_after(300):
             await mem.flush()
         histories: dict[tuple[str, str], set[str]] = {}
@@ -272,7 +269,7 @@ async def _check_snapshots(acks: Acks, work: Path) -> dict[str, int]:
     for snap, _, acked_before in acks.snapshots[-SNAPSHOTS_CHECKED:]:
         target = work / f"restored-{snap.name}"
         await Engine.restore(snap, target)
-        result = await _check_store(target, acks, acked_before)
+        result = await _check_store(target, acks, acked_before, "snapshot")
         restored += 1
         bad += result["lost"] > 0
     return {"snapshots_restored": restored, "snapshots_missing_turns": bad}
@@ -312,7 +309,7 @@ def one_run(phase: str, delay: float, work: Path) -> dict[str, Any]:
     if not killed_alive or not started:
         result["child_error"] = "".join(errors[-20:])
     try:
-        result |= trio.run(_check_store, store, acks, len(acks.turns))
+        result |= trio.run(_check_store, store, acks, len(acks.turns), phase)
         result["opened"] = True
         if acks.snapshots:
             result |= trio.run(_check_snapshots, acks, work)

@@ -185,9 +185,8 @@ async def vector_recall(variant: str, conversations: list[dict[str, Any]], work:
                                                               strict=True)}
             await mem.flush()
             for question, evidence in convo["questions"]:
-                hits = await mem._retriever.recall(
-                    "u", question, limit=QUALITY_K, session_id=None, since=None, until=None,
-                    roles=None, kinds=None, link_depth=0, budget_tokens=None, legs=("vector",))
+                hits = await mem.recall("u", question, limit=QUALITY_K, link_depth=0,
+                                        legs=["vector"])
                 got = {dia_of[t] for hit in hits for t in hit.turn_ids if t in dia_of}
                 found += len(got & evidence)
                 total += len(evidence)

@@ -136,12 +136,10 @@ async def sustained(path: Path, rate: float, seconds: float, writers: int, durab
         elapsed = time.perf_counter() - start
         for receipt in last:
             await receipt.durable()
-        embedded = (await mem.stats()).embedded_lsn
+        stats = await mem.stats()
+        embedded = stats.embedded_lsn
         # How far the long-term layer (entities, fact extraction, episodes) got meanwhile.
-        followed = {name: f.watermark for name, f in
-                    zip(("entities", "facts", "episodes"), mem._followers, strict=True)
-                    } if long_term else {}
-        episodes = mem._compressor.episodes_made
+        followed, episodes = stats.long_term_lsn, stats.episodes_made
     return {**pct(latencies), "achieved_rate": len(latencies) / elapsed,
             "embedded_meanwhile": embedded, "long_term_lsn_meanwhile": followed,
             "episodes_meanwhile": episodes, "last_lsn": last[-1].lsn if last else 0}

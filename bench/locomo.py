@@ -178,15 +178,11 @@ MODES: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
 
 
 async def run_mode(mem: Engine, mode: str, user_id: str, query: str, limit: int) -> list[Any]:
-    """The hits one mode returns: the full pipeline is ``Engine.recall``; the single legs go
-    through the same pipeline with the other legs switched off."""
+    """The hits one mode returns: ``Engine.recall``, over every leg (the full pipeline) or
+    with the other legs switched off (``legs``), over every kind or turns only."""
     legs, kinds = MODES[mode]
-    if legs is None:
-        return await mem.recall(user_id, query, limit=limit,
-                                kinds=list(kinds) if kinds else None)
-    return await mem._retriever.recall(
-        user_id, query, limit=limit, session_id=None, since=None, until=None, roles=None,
-        kinds=kinds, link_depth=0, budget_tokens=None, legs=legs)
+    return await mem.recall(user_id, query, limit=limit, kinds=list(kinds) if kinds else None,
+                            legs=list(legs) if legs else None)
 
 
 def columns() -> list[str]:

@@ -62,7 +62,7 @@ async def open_until_ready(path: Path) -> dict[str, Any]:
             flagged += 1
             await trio.sleep(0.05)
         ready = time.perf_counter() - started
-        damage = mem._fulltext.damage
+        damage = (await mem.stats()).text_index_rebuilt
     return {"open_s": round(opened, 3), "ready_s": round(ready, 3),
             "flagged_recalls": flagged, "damage": damage}
 

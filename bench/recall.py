@@ -32,11 +32,15 @@ query cache never answers), at 10k and 100k memories in one user and with 1M mem
 users. At 100k the engine is then closed (saving the graph) and reopened: the time to the
 first answer and the latency after the restart. The corpus vectors are mixtures of three real
 embeddings of generated turns plus a little noise (embedding 1M texts on this machine would
-take hours); the query is embedded for real. At 100k the user is measured twice: on the exact
-scan that serves while the hnswlib graph is built, and on the graph. With ``--long-term`` the
-long-term layer runs too: the engine's own followers make episodes, facts and entities of the
-turns as they are written (most of the hour goes there); the episodes and facts are embedded
-for real; then recall over turns only and over every kind are timed interleaved on that store.
+take hours), given to the turns by the embedding backend the engine is opened with
+(``Mixtures``), so they reach the store and the index through the engine's own background
+lane; the query is embedded for real. At 100k the user is measured twice: on the exact scan
+that serves while the hnswlib graph is built (``stats().vector_graphs_behind``), and on the
+graph; then an hnswlib graph with the AnnIndex's parameters over the same vectors against exact
+search (recall@10). With ``--long-term`` the long-term layer runs too: the engine's own
+followers make episodes, facts and entities of the turns as they are written (most of the hour
+goes there); the episodes and facts are embedded for real; then recall over turns only and over
+every kind are timed interleaved on that store.
 
 Prints tables and writes JSON (--out, default bench/results/recall-<what>.json).
 """
@@ -44,6 +48,7 @@ Prints tables and writes JSON (--out, default bench/results/recall-<what>.json).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import random
 import sys
@@ -60,10 +65,8 @@ import trio
 from _report import percentiles, write_results
 from convgen import CITIES, FOODS, generate
 
-import actors.ann_index as ann_mod
-from actors.base.messages import PutVectors, Searchable
-from actors.store.replay import episode_searchable, fact_searchable
-from engine import Engine, NewTurn
+from actors.ann_index import HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH, HNSW_M, HNSW_THRESHOLD
+from engine import Engine, NewTurn, OnnxEmbedder
 
 
 def _values_in(text: str) -> list[str]:
@@ -208,24 +211,15 @@ def report(name: str, order: str, row: dict[str, Any]) -> None:
 
 
 async def hnsw_recall(mem: Engine, conversations, questions) -> float:
-    """The AnnIndex's graph parameters over every corpus vector, against exact search."""
-    blocks = []
-    for convo in conversations:
-        user = await mem._ann._user(convo.user_id)  # both partitions: turns and other kinds
-        blocks += [uv.matrix[: uv.n] for _, uv in user.parts()]
+    """The AnnIndex's graph parameters over the corpus's turns, embedded by the engine's
+    model, against exact search."""
     # The generator repeats its small-talk lines verbatim; HNSW graphs degrade on mass
-    # duplicates (and exact top-k is then all ties), so the check runs on distinct vectors.
-    matrix = np.unique(np.concatenate(blocks), axis=0)
+    # duplicates (and exact top-k is then all ties), so the check runs on distinct texts.
+    texts = sorted({text for c in conversations for _, _, body in c.sessions
+                    for _, text in body})
+    matrix = await mem.embed(texts)
     queries = await mem.embed([q.text for q in questions])
-
-    graph = hnswlib.Index(space="ip", dim=matrix.shape[1])
-    graph.init_index(max_elements=len(matrix), M=ann_mod.HNSW_M,
-                     ef_construction=ann_mod.HNSW_EF_CONSTRUCTION)
-    graph.set_num_threads(1)
-    graph.add_items(matrix, np.arange(len(matrix)))
-    graph.set_ef(ann_mod.HNSW_EF_SEARCH)
-    labels, _ = graph.knn_query(queries, k=10)
-    return recall_at_k(queries, matrix, labels, 10)
+    return graph_recall(matrix, queries)
 
 
 def recall_at_k(queries: np.ndarray, matrix: np.ndarray, labels: np.ndarray, k: int) -> float:
@@ -254,46 +248,91 @@ async def corpus_pool(seed: int) -> tuple[list[str], np.ndarray, list[str]]:
     return texts, vectors, queries
 
 
-async def load_user(mem: Engine, user_id: str, n: int, texts: list[str], pool: np.ndarray,
-                    rng: np.random.Generator, first_at) -> None:
-    """n turns for a user, with vectors near the pool's real embeddings, written directly."""
+class Mixtures:
+    """The embedding backend of the latency runs (``Engine.open(embedder=...)``): a turn the
+    bench generated (a pool text, then `` (#n)``) gets a mixture of three of the pool's real
+    embeddings plus a little noise, spread over the model's space like distinct memories are,
+    not 183 tight clusters of near-copies; embedding 1M texts on this machine would take
+    hours. The mixture is drawn from a seed and the text alone, so a text has the same vector
+    whenever it is asked for. Every other text (the queries, the episodes and facts of
+    ``--long-term``) is embedded for real by the model the pool came from."""
+
+    def __init__(self, texts: list[str], pool: np.ndarray, seed: int) -> None:
+        self.real = OnnxEmbedder()
+        self.model_id, self.dim = self.real.model_id, self.real.dim
+        self.index = {text: i for i, text in enumerate(texts)}
+        self.pool = pool
+        self.seed = seed
+
+    def load(self) -> None:
+        self.real.load()
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        return self.real.count_tokens(texts)
+
+    def mixture(self, text: str) -> np.ndarray | None:
+        """A generated turn's vector (None: not one of the bench's turns)."""
+        base, mark, tail = text.rpartition(" (#")
+        j = self.index.get(base) if mark and tail.endswith(")") else None
+        if j is None:
+            return None
+        digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+        rng = np.random.default_rng([self.seed, int.from_bytes(digest, "big")])
+        mix = rng.integers(0, len(self.pool), 2)
+        vector = (self.pool[j] + 0.7 * self.pool[mix[0]] + 0.4 * self.pool[mix[1]]
+                  + rng.normal(0, 0.02, self.dim))
+        return (vector / np.linalg.norm(vector)).astype(np.float32)
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        real = []
+        for row, text in enumerate(texts):
+            vector = self.mixture(text)
+            if vector is None:
+                real.append(row)
+            else:
+                out[row] = vector
+        if real:
+            out[real] = self.real.encode([texts[row] for row in real])
+        return out
+
+
+async def load_user(mem: Engine, user_id: str, n: int, texts: list[str],
+                    rng: np.random.Generator, first_at) -> list[str]:
+    """n turns for a user, each a pool text made distinct; the engine's background lane
+    embeds them through :class:`Mixtures`. Returns their texts."""
     picks = rng.integers(0, len(texts), n)
+    added = []
     for at in range(0, n, 4096):
         chunk = picks[at : at + 4096]
         items = [NewTurn(user_id=user_id, session_id=f"s{(at + i) // 50}", role="user",
                          text=f"{texts[j]} (#{at + i})", at=first_at) for i, j in enumerate(chunk)]
-        receipts = await mem.add_turns(items)
-        # A mixture of three real embeddings plus noise: spread over the model's space like
-        # distinct memories are, not 183 tight clusters of near-copies.
-        mix = rng.integers(0, len(pool), (len(chunk), 2))
-        noisy = (pool[chunk] + 0.7 * pool[mix[:, 0]] + 0.4 * pool[mix[:, 1]]
-                 + rng.normal(0, 0.02, (len(chunk), pool.shape[1]))).astype(np.float32)
-        noisy /= np.linalg.norm(noisy, axis=1, keepdims=True)
-        records = [Searchable(r.lsn, "turn", user_id, it.session_id, "user", first_at, it.text)
-                   for r, it in zip(receipts, items)]
-        await receipts[-1].durable()
-        await mem._store.write_unlogged(PutVectors(
-            [(r.lsn, user_id, ann_mod.encode_vector(rec, v)) for r, rec, v in zip(receipts, records, noisy)],
-            receipts[-1].lsn, trio.Event(), mem._ann.added))
+        await mem.add_turns(items)
+        added += [item.text for item in items]
+    return added
 
 
-async def embed_derived(mem: Engine, user_id: str) -> dict[str, int]:
-    """The episodes and facts the long-term layer made of the user's turns, embedded for real
-    (as the background lane would, from the text the indexes see) and their vectors written
-    like the turns': background embedding is off in this bench, or it would embed the 100k
-    turns too."""
-    episodes = await mem.episodes(user_id)
-    facts = await mem.profile(user_id)
-    records = [episode_searchable(e) for e in episodes] + [fact_searchable(f) for f in facts]
-    for at in range(0, len(records), 512):
-        chunk = records[at : at + 512]
-        vectors = await mem.embed([r.text for r in chunk])
-        done = trio.Event()  # set once the vectors are committed
-        await mem._store.write_unlogged(PutVectors(
-            [(r.lsn, user_id, ann_mod.encode_vector(r, v)) for r, v in zip(chunk, vectors)],
-            mem._store.committed_lsn, done, mem._ann.added))
-        await done.wait()
-    return {"episodes": len(episodes), "active_facts": len(facts)}
+async def caught_up(mem: Engine) -> None:
+    """Wait until both indexes hold everything logged so far (``stats``: the text index's
+    and the vectors' positions), without waiting for the long-term layer as ``flush`` does."""
+    target = (await mem.stats()).last_lsn
+    while True:
+        stats = await mem.stats()
+        if stats.indexed_lsn >= target and stats.embedded_lsn >= target:
+            return
+        await trio.sleep(0.1)
+
+
+async def graphs_built(mem: Engine) -> None:
+    """Wait until no user's vector graph is being built or behind its rows (``stats``)."""
+    while (await mem.stats()).vector_graphs_behind:
+        await trio.sleep(0.2)
+
+
+async def derived(mem: Engine, user_id: str) -> dict[str, int]:
+    """The episodes and active facts the long-term layer made of the user's turns."""
+    return {"episodes": len(await mem.episodes(user_id)),
+            "active_facts": len(await mem.profile(user_id))}
 
 
 async def time_pair(mem: Engine, users: list[str], queries: list[str]) -> dict[str, Any]:
@@ -349,52 +388,53 @@ async def latency(args: argparse.Namespace) -> dict[str, Any]:
     print(f"latency: pool of {len(texts)} real embeddings, {len(queries)} distinct queries")
     rng = np.random.default_rng(args.seed)
     first_at = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    backend = Mixtures(texts, pool, args.seed)
     results: dict[str, Any] = {}
     if args.reuse:
-        row = await measure_reused(Path(args.reuse), queries)
+        row = await measure_reused(Path(args.reuse), queries, backend)
         results[f"one_user_{row['vectors']}"] = row
         return results
-    # Vectors are written directly (embedding 100k turns would take hours here). Without
-    # --long-term the long-term layer is off: index scale alone (the entity leg still runs, on
-    # an empty registry). With it the engine's own followers make episodes, facts and entities
-    # of the turns as they are written (the summariser's sentence vectors come from the
-    # embedder's content cache: the corpus repeats its texts); the episodes and facts are then
-    # embedded for real, and turns-only and full recall are timed interleaved on that store.
+    # The turns' vectors come from Mixtures through the engine's own background lane (embedding
+    # 100k turns for real would take hours here). Without --long-term the long-term layer is
+    # off: index scale alone (the entity leg still runs, on an empty registry). With it the
+    # engine's own followers make episodes, facts and entities of the turns as they are
+    # written (the summariser's sentence vectors come from the embedder's content cache: the
+    # corpus repeats its texts), the background lane embeds the episodes and facts for real,
+    # and turns-only and full recall are timed interleaved on that store.
     layer = args.long_term
-    config = {"background_embedding": False, "long_term": layer}
+    config = {"long_term": layer}
     timing = time_pair if layer else time_queries
     for n in args.memories:
         path = Path(tempfile.mkdtemp(prefix="engram-lat-")) / "store"
-        async with Engine.open(path, config=config) as mem:
+        async with Engine.open(path, config=config, embedder=backend) as mem:
             start = time.perf_counter()
-            await load_user(mem, "big", n, texts, pool, rng, first_at)
-            await mem._fulltext.wait_indexed(mem._store.committed_lsn)
+            added = await load_user(mem, "big", n, texts, rng, first_at)
+            await caught_up(mem)
             setup = time.perf_counter() - start
             row: dict[str, Any] = {"setup_s": setup}
             if layer:
                 start = time.perf_counter()
-                await mem.flush()  # the long-term layer has taken in every turn
+                await mem.flush()  # the long-term layer has taken in every turn, embedded
                 row["long_term_s"] = time.perf_counter() - start
-                start = time.perf_counter()
-                row["long_term"] = await embed_derived(mem, "big")
-                row["long_term_embed_s"] = time.perf_counter() - start
-                print(f"  {n:,} turns: {row['long_term']}, made in {row['long_term_s']:.0f} s, "
-                      f"embedded in {row['long_term_embed_s']:.0f} s", flush=True)
+                row["long_term"] = await derived(mem, "big")
+                print(f"  {n:,} turns: {row['long_term']}, made and embedded in "
+                      f"{row['long_term_s']:.0f} s", flush=True)
             await mem.recall("big", "warm up the index", limit=10)
-            uv = mem._ann._users["big"].turn  # the turns' partition: the one with a graph
-            if n >= ann_mod.HNSW_THRESHOLD:
+            if n >= HNSW_THRESHOLD:
                 put_timing(row, "exact_scan", await timing(mem, ["big"], queries[:100]))
                 start = time.perf_counter()
-                while uv.graph is None or uv.graph_rows < uv.n or uv.writing:
-                    await trio.sleep(0.2)
+                await graphs_built(mem)
                 row["graph_build_s"] = time.perf_counter() - start
                 put_timing(row, "graph", await timing(mem, ["big"], queries[100:]))
-                row["graph_recall@10"] = graph_recall(uv, await mem.embed(queries[:100]))
+                # The turns' vectors as stored (float16), and the queries as the engine embeds them.
+                stored = np.stack([backend.mixture(t) for t in added]).astype(np.float16)
+                row["graph_recall@10"] = graph_recall(stored.astype(np.float32),
+                                                      await mem.embed(queries[:100]))
             else:
                 put_timing(row, "exact_scan", await timing(mem, ["big"], queries))
-        if n >= ann_mod.HNSW_THRESHOLD:  # closing saved the graph; a restart reuses it
+        if n >= HNSW_THRESHOLD:  # closing saved the graph; a restart reuses it
             start = time.perf_counter()
-            async with Engine.open(path, config=config) as mem:
+            async with Engine.open(path, config=config, embedder=backend) as mem:
                 await mem.recall("big", queries[0], limit=10)
                 row["restart_first_answer_s"] = time.perf_counter() - start
                 put_timing(row, "after_restart", await timing(mem, ["big"], queries[1:101]))
@@ -404,13 +444,13 @@ async def latency(args: argparse.Namespace) -> dict[str, Any]:
         total, per = args.across_users, 1000
         users = [f"u{i:05d}" for i in range(total // per)]
         path = Path(tempfile.mkdtemp(prefix="engram-lat-")) / "store"
-        async with Engine.open(path, config=config) as mem:
+        async with Engine.open(path, config=config, embedder=backend) as mem:
             start = time.perf_counter()
             for i, user in enumerate(users):
-                await load_user(mem, user, per, texts, pool, rng, first_at)
+                await load_user(mem, user, per, texts, rng, first_at)
                 if i % 100 == 99:
                     print(f"\r  loading: {(i + 1) * per:,} / {total:,}", end="", flush=True)
-            await mem._fulltext.wait_indexed(mem._store.committed_lsn)
+            await caught_up(mem)
             row = {"setup_s": time.perf_counter() - start}
             print(f"\n  loaded and indexed in {row['setup_s']:.0f} s")
             sample = random.Random(args.seed).sample(users, 150)
@@ -423,32 +463,36 @@ async def latency(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-async def measure_reused(path: Path, queries: list[str]) -> dict[str, Any]:
+async def measure_reused(path: Path, queries: list[str], backend: Mixtures) -> dict[str, Any]:
     """A store a ``--long-term`` run left behind (stopped before its followers caught up: the
-    fact extractor is the slow one), measured as it is: opened with the followers off, its
-    episodes and active facts embedded for real, then turns-only and full recall interleaved
-    on the graph."""
-    config = {"background_embedding": False, "long_term": False}
-    async with Engine.open(path, config=config) as mem:
-        await mem._fulltext.wait_indexed(mem._store.committed_lsn)
+    fact extractor is the slow one), measured as it is: opened with the followers off, what
+    the background lane had not embedded yet (its episodes and active facts, for real)
+    embedded, then turns-only and full recall interleaved on the graph."""
+    async with Engine.open(path, config={"long_term": False}, embedder=backend) as mem:
         start = time.perf_counter()
-        row: dict[str, Any] = {"long_term": await embed_derived(mem, "big")}
+        await caught_up(mem)
+        row: dict[str, Any] = {"long_term": await derived(mem, "big")}
         row["long_term_embed_s"] = time.perf_counter() - start
         await mem.recall("big", "warm up the index", limit=10)
-        row["vectors"] = mem._ann._users["big"].n  # turns, episodes and active facts
-        uv = mem._ann._users["big"].turn  # the turns' partition: the one with a graph
+        counts = await mem.memory_stats("big")
+        row["vectors"] = counts["turns"] + counts["episodes"] + counts["facts"]
         print(f"  reused store: {row['vectors']:,} vectors, {row['long_term']}", flush=True)
-        while uv.graph is None or uv.graph_rows < uv.n or uv.writing:
-            await trio.sleep(0.2)
+        await graphs_built(mem)
         put_timing(row, "graph", await time_pair(mem, ["big"], queries[100:]))
     print("  " + _line(row))
     return row
 
 
-def graph_recall(uv, queries: np.ndarray) -> float:
-    """The user's graph against exact search over the same rows (ann-benchmarks' recall)."""
-    labels = np.array([[uv.row_of[lsn] for lsn, _ in uv.knn(q, 10, None)] for q in queries])
-    return recall_at_k(queries, uv.matrix[: uv.n], labels, 10)
+def graph_recall(matrix: np.ndarray, queries: np.ndarray) -> float:
+    """An hnswlib graph with the AnnIndex's own parameters (M, ef_construction, ef_search)
+    over ``matrix``, against exact search over the same rows (ann-benchmarks' recall@10)."""
+    graph = hnswlib.Index(space="ip", dim=matrix.shape[1])
+    graph.init_index(max_elements=len(matrix), M=HNSW_M, ef_construction=HNSW_EF_CONSTRUCTION)
+    graph.set_num_threads(1)
+    graph.add_items(matrix, np.arange(len(matrix)))
+    graph.set_ef(HNSW_EF_SEARCH)
+    labels, _ = graph.knn_query(queries, k=10)
+    return recall_at_k(queries, matrix, labels, 10)
 
 
 def main() -> None:

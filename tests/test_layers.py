@@ -9,7 +9,14 @@ inside functions, so that a lazy import cannot hide an upward dependency. The la
   actor's private (``_x``) names.
 - ``engine/``: the facade, retrieval, snapshots, maintenance, tools and the faces.
 - ``bench/`` and ``examples/``: the public API only (``engine``'s exported names and its public
-  modules); bench may also drive an actor bare, to measure the engine against it.
+  modules), and never a private attribute (``obj._x``) of anything, a running engine's least of
+  all: what a bench needs to see or wait for is public (``stats()``, ``flush()``, ``recall``'s
+  ``legs``, an embedding backend of its own). One exception, for bench only: a bench that
+  measures one actor stage in isolation (the Embedder against bare onnxruntime, the text
+  index's footer check, hnswlib with the vector index's parameters) may import it from
+  ``actors``, by public names only (no ``_x`` module or name), and constructs it itself; it
+  never reaches into the actors a running engine holds. Inside its own classes a bench uses
+  ``self._x`` freely.
 - ``tests/actors/``: the tests of one actor use only ``actors.base``, that actor, and
   ``actors.store``: the log every other actor follows, run bare under it as under the engine
   (``tests/actors/ground.py``).
@@ -163,6 +170,47 @@ def test_bench_uses_only_the_public_engine_api() -> None:
 def test_examples_use_only_the_public_engine_api() -> None:
     """examples/ are what users copy: public names only, no exception."""
     assert _engine_imports_outside_the_public_api("examples") == []
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_attributes(path: Path, root: Path = ROOT) -> list[tuple[str, int, str]]:
+    """Every ``x._y`` in a file (not dunders), but ``self._y`` inside a class the file
+    defines: (path from ``root``, line, the expression)."""
+    rel = str(path.relative_to(root))
+    tree = ast.parse(path.read_text(encoding="utf-8"), rel)
+    own = {id(node) for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef)
+           for node in ast.walk(cls)
+           if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+           and node.value.id == "self"}
+    return [(rel, node.lineno, ast.unparse(node)) for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and _private(node.attr) and id(node) not in own]
+
+
+def test_the_private_attribute_check_finds_one(tmp_path) -> None:
+    """The check itself: a reach into an engine's private is found; a class's own is not."""
+    planted = tmp_path / "planted.py"
+    planted.write_text("class Mine:\n    def f(self):\n        return self._own\n\n"
+                       "async def g(mem):\n    return mem._store, mem.__class__\n")
+    assert private_attributes(planted, tmp_path) == [("planted.py", 6, "mem._store")]
+
+
+def test_bench_and_examples_touch_no_private_attribute() -> None:
+    """No ``obj._x`` in bench/ or examples/: a running engine's parts are not theirs to read."""
+    assert [hit for path in sources("bench", "examples")
+            for hit in private_attributes(path)] == []
+
+
+def test_bench_takes_only_public_names_from_actors_and_examples_none() -> None:
+    """A bench measuring an actor stage alone imports it by public name; examples, what users
+    copy, import no actor at all."""
+    bad = [i for i in all_imports("bench") if i.within("actors")
+           and (any(_private(part) for part in i.target.split("."))
+                or any(_private(n) for n in i.names))]
+    bad += [i for i in all_imports("examples") if i.within("actors")]
+    assert bad == []
 
 
 def test_actor_tests_use_only_the_bottom_layer_and_their_actor() -> None:
