@@ -16,7 +16,6 @@ import re
 from datetime import datetime, timezone
 
 import msgspec
-import trio
 
 from .base.messages import Searchable
 from .base.records import Entity, Link

@@ -26,7 +26,6 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
 
 import msgspec
 import trio

@@ -305,14 +305,14 @@ def main() -> None:
         "met": statistics.median(ratios) <= 2.0
         and all(v < 150 for vs in over.values() for v in vs),
     }
-    print(f"\nasyncio add_turn_nowait p50 / native add_turn p50 by hot-path round: "
+    print("\nasyncio add_turn_nowait p50 / native add_turn p50 by hot-path round: "
           + ", ".join(f"{r:.2f}x" for r in ratios)
           + f" (min {min(ratios):.2f}, median {statistics.median(ratios):.2f}, max "
           f"{max(ratios):.2f}; target <= 2x)")
     print("awaited calls over native by round: "
           + "; ".join(f"{k} " + ", ".join(f"{v:+.0f}" for v in vs) + " us"
                       for k, vs in over.items()) + " (target < 150 us)")
-    print(f"load average (1 min) at the start of each round: "
+    print("load average (1 min) at the start of each round: "
           + ", ".join(f"{x:.1f}" for x in loads))
     results["machine"] = {"python": sys.version.split()[0], "platform": platform.platform(),
                           "model": "minilm-l6-v2" if args.model else "HashEmbedder",

@@ -194,7 +194,7 @@ def report(name: str, order: str, row: dict[str, Any]) -> None:
         print(f"{mode:<17}" + "".join(f"{cell['all'][c]:>10.3f}" for c in cols)
               + f"{cell['query_ms']:>10.1f}")
     groups = [g for g in modes["full pipeline"] if g not in ("all", "query_ms")]
-    print(f"R@10 by category  " + "".join(f"{g[:12]:>13}" for g in groups))
+    print("R@10 by category  " + "".join(f"{g[:12]:>13}" for g in groups))
     for mode, cell in modes.items():
         print(f"{mode:<17} " + "".join(f"{cell[g]['R@10']:>8.3f} n={cell[g]['n']:<3}"
                                        for g in groups))

@@ -25,7 +25,6 @@ from .layout import (
     IDS_EPISODE,
     IDS_FACT,
     LOG_EPISODE,
-    LOG_FACT,
     LOG_NOTE,
     LOG_TOMBSTONE,
     _fact_entry_lsns,

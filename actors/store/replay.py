@@ -14,7 +14,7 @@ import trio
 
 from ..base.errors import EngineBroken, EngineClosed, StoreCorrupt
 from ..base.messages import PutState, Searchable
-from ..base.records import Episode, Fact, Turn
+from ..base.records import Episode, Fact
 from ..base.where import attributes, turn_tags
 from .chain import _check_logged
 from .codecs import _decode_turn, decode_episode, decode_fact, failure_put
