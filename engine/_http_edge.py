@@ -8,9 +8,11 @@ import hmac
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from urllib.parse import unquote
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException
 
 from actors.base.errors import InvalidInput
@@ -99,6 +101,42 @@ class Caller:
             raise HTTPException(403, "this route needs an admin key ('<key> *')")
 
 
+# -- ids in paths -------------------------------------------------------------------------------
+#
+# Any id may hold '/' (validation refuses only NUL), so an id in a path is one percent-encoded
+# segment: "team/alice" is /v1/users/team%2Falice. The server decodes the whole path before
+# routing (ASGI's `path`), which would split that segment in two; the Edge therefore routes on
+# the path as sent (`raw_path`) with each segment decoded but its '%' and '/' still escaped, and
+# the "id" convertor of the routes' `{name:id}` undoes those two escapes. Only these two escapes
+# remain in what the router sees, so undoing them is exact.
+
+
+def routed_path(scope: dict) -> str:
+    """The path the routes match: each segment decoded, with '%' and '/' in it kept escaped."""
+    raw = scope.get("raw_path")
+    if raw is None:  # a server without raw_path: its decoded path, every '%' kept literal
+        return scope["path"].replace("%", "%25")
+    if b"%" not in raw:
+        return scope["path"]  # nothing was escaped: the decoded path is the path as sent
+    return "/".join(unquote(part).replace("%", "%25").replace("/", "%2F")
+                    for part in raw.decode("utf-8", "replace").split("/"))
+
+
+class IdConvertor(Convertor[str]):
+    """``{name:id}``: one path segment as routed by the Edge (see :func:`routed_path`)."""
+
+    regex = "[^/]+"
+
+    def convert(self, value: str) -> str:
+        return value.replace("%2F", "/").replace("%25", "%") if "%" in value else value
+
+    def to_string(self, value: str) -> str:
+        return str(value).replace("%", "%25").replace("/", "%2F")
+
+
+register_url_convertor("id", IdConvertor())
+
+
 # -- metrics ------------------------------------------------------------------------------------
 
 
@@ -154,6 +192,9 @@ class Edge:
             return
         started = time.perf_counter()
         status = 500
+        path = routed_path(scope)
+        if path != scope["path"]:
+            scope = {**scope, "path": path}
         headers = scope.get("headers", [])
         if scope.get("method") in ("POST", "PUT", "PATCH") and not scope.get(
                 "path", "").startswith("/ui/"):
@@ -213,7 +254,7 @@ class Edge:
     def _count(self, scope: dict, status: int, started: float) -> None:
         route = scope.get("route")
         # Route templates, never raw paths: user ids must not become label values.
-        name = getattr(route, "path", None) or "unmatched"
+        name = getattr(route, "path_format", None) or getattr(route, "path", None) or "unmatched"
         method = scope.get("method", "")
         self.metrics.requests.labels(method, name, str(status)).inc()
         self.metrics.latency.labels(method, name).observe(time.perf_counter() - started)

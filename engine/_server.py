@@ -196,7 +196,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
 
     # -- turns and sessions ------------------------------------------------------------------
 
-    @app.post("/v1/users/{user_id}/sessions/{session_id}/turns", status_code=202,
+    @app.post("/v1/users/{user_id:id}/sessions/{session_id:id}/turns", status_code=202,
               tags=["turns"], responses={
                   201: {"description": "durable: on disk",
                         **example({"turn_id": TURN_EXAMPLE["turn_id"], "seq": 3, "durable": True})},
@@ -215,14 +215,14 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
             answer["log_seq"] = receipt.log_seq
         return json_response(answer, 201 if body.durable else 202)
 
-    @app.get("/v1/users/{user_id}/sessions/{session_id}/turns", tags=["turns"],
+    @app.get("/v1/users/{user_id:id}/sessions/{session_id:id}/turns", tags=["turns"],
              responses={200: example([TURN_EXAMPLE])})
     async def session_history(user_id: User, session_id: str,
                               limit: Annotated[int, Query(ge=1, le=10_000)] = 50) -> Response:
         """The session's latest ``limit`` turns, oldest first."""
         return json_response(await engine.session_history(user_id, session_id, limit))
 
-    @app.post("/v1/users/{user_id}/turns", status_code=202, tags=["turns"])
+    @app.post("/v1/users/{user_id:id}/turns", status_code=202, tags=["turns"])
     async def add_turns(user_id: User, body: BatchIn) -> Response:
         """Add many turns at once (all validated before any is written)."""
         receipts = await engine.add_turns(
@@ -234,29 +234,29 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
                                         for r in receipts],
                               "durable": body.durable}, 201 if body.durable else 202)
 
-    @app.get("/v1/users/{user_id}/turns/{turn_id}", tags=["turns"])
+    @app.get("/v1/users/{user_id:id}/turns/{turn_id:id}", tags=["turns"])
     async def get_turn(user_id: User, turn_id: str) -> Response:
         turn = await engine.get_turn(user_id, turn_id)
         if turn is None:
             raise not_found(f"turn {turn_id!r} for this user")
         return json_response(turn)
 
-    @app.get("/v1/users/{user_id}/sessions", tags=["turns"])
+    @app.get("/v1/users/{user_id:id}/sessions", tags=["turns"])
     async def list_sessions(user_id: User) -> Response:
         """The user's sessions, most recent first."""
         return json_response(await engine.list_sessions(user_id))
 
-    @app.post("/v1/users/{user_id}/sessions/{session_id}/close", tags=["turns"])
+    @app.post("/v1/users/{user_id:id}/sessions/{session_id:id}/close", tags=["turns"])
     async def close_session(user_id: User, session_id: str) -> Response:
         """The session is over: its remaining turns become an episode now."""
         return json_response({"consolidated": await engine.close_session(user_id, session_id)})
 
-    @app.delete("/v1/users/{user_id}/sessions/{session_id}", tags=["forget"])
+    @app.delete("/v1/users/{user_id:id}/sessions/{session_id:id}", tags=["forget"])
     async def forget_session(user_id: User, session_id: str) -> Response:
         await engine.forget_session(user_id, session_id)
         return json_response({"forgotten": session_id})
 
-    @app.delete("/v1/users/{user_id}/scopes", tags=["forget"])
+    @app.delete("/v1/users/{user_id:id}/scopes", tags=["forget"])
     async def forget_scope(user_id: User, agent_id: str | None = None,
                            run_id: str | None = None) -> Response:
         """Delete the user's sessions and notes of one scope (``?agent_id=``, ``?run_id=``,
@@ -264,7 +264,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
         return json_response(await engine.forget_scope(user_id, agent_id=agent_id,
                                                        run_id=run_id))
 
-    @app.delete("/v1/users/{user_id}", tags=["forget"])
+    @app.delete("/v1/users/{user_id:id}", tags=["forget"])
     async def forget_user(user_id: User) -> Response:
         """Delete everything of the user; answers once the deletion is on disk."""
         await engine.forget_user(user_id)
@@ -272,7 +272,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
 
     # -- retrieval ---------------------------------------------------------------------------
 
-    @app.post("/v1/users/{user_id}/recall", tags=["retrieval"],
+    @app.post("/v1/users/{user_id:id}/recall", tags=["retrieval"],
               responses={200: example({"hits": [HIT_EXAMPLE]})})
     async def recall(user_id: User, body: RecallIn) -> Response:
         """Hits (the engine's ``Hit`` fields), best first; ``degraded`` names the search legs
@@ -308,26 +308,26 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
 
     # -- notes -------------------------------------------------------------------------------
 
-    @app.post("/v1/users/{user_id}/notes", status_code=201, tags=["notes"])
+    @app.post("/v1/users/{user_id:id}/notes", status_code=201, tags=["notes"])
     async def store_note(user_id: User, body: NoteIn) -> Response:
         return json_response(await engine.store_note(
             user_id, body.text, **body.model_dump(exclude={"text"}, exclude_none=True)), 201)
 
-    @app.get("/v1/users/{user_id}/notes/{note_id}", tags=["notes"])
+    @app.get("/v1/users/{user_id:id}/notes/{note_id:id}", tags=["notes"])
     async def get_note(user_id: User, note_id: str) -> Response:
         note = await engine.get_note(user_id, note_id)
         if note is None:
             raise not_found(f"note {note_id!r} for this user")
         return json_response(note)
 
-    @app.put("/v1/users/{user_id}/notes/{note_id}", tags=["notes"])
+    @app.put("/v1/users/{user_id:id}/notes/{note_id:id}", tags=["notes"])
     async def update_note(user_id: User, note_id: str, body: NoteUpdate) -> Response:
         if await engine.get_note(user_id, note_id) is None:
             raise not_found(f"note {note_id!r} for this user")
         return json_response(await engine.update_note(
             user_id, note_id, body.text, **body.model_dump(exclude={"text"}, exclude_none=True)))
 
-    @app.delete("/v1/users/{user_id}/notes/{note_id}", tags=["notes"])
+    @app.delete("/v1/users/{user_id:id}/notes/{note_id:id}", tags=["notes"])
     async def delete_note(user_id: User, note_id: str) -> Response:
         if not await engine.delete_note(user_id, note_id):
             raise not_found(f"note {note_id!r} for this user")
@@ -335,47 +335,47 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
 
     # -- facts -------------------------------------------------------------------------------
 
-    @app.get("/v1/users/{user_id}/facts", tags=["facts"])
+    @app.get("/v1/users/{user_id:id}/facts", tags=["facts"])
     async def profile(user_id: User, category: str | None = None,
                       min_importance: Annotated[float, Query(ge=0, le=1)] = 0.0) -> Response:
         """Active facts, most important first."""
         return json_response(await engine.profile(user_id, category=category,
                                                   min_importance=min_importance))
 
-    @app.post("/v1/users/{user_id}/facts", status_code=201, tags=["facts"])
+    @app.post("/v1/users/{user_id:id}/facts", status_code=201, tags=["facts"])
     async def remember_fact(user_id: User, body: FactIn) -> Response:
         return json_response(await engine.remember_fact(
             user_id, body.category, body.key, body.value, text=body.text,
             confidence=body.confidence, importance=body.importance, keywords=body.keywords), 201)
 
-    @app.put("/v1/users/{user_id}/facts/{category}/{key}", tags=["facts"])
+    @app.put("/v1/users/{user_id:id}/facts/{category:id}/{key:id}", tags=["facts"])
     async def correct_fact(user_id: User, category: str, key: str,
                            body: FactCorrection) -> Response:
         return json_response(await engine.correct_fact(user_id, category, key, body.value,
                                                        text=body.text, importance=body.importance,
                                                        keywords=body.keywords))
 
-    @app.post("/v1/users/{user_id}/facts/{category}/{key}/confirm", tags=["facts"])
+    @app.post("/v1/users/{user_id:id}/facts/{category:id}/{key:id}/confirm", tags=["facts"])
     async def confirm_fact(user_id: User, category: str, key: str) -> Response:
         return json_response(await engine.confirm_fact(user_id, category, key))
 
-    @app.delete("/v1/users/{user_id}/facts/{category}/{key}", tags=["facts"])
+    @app.delete("/v1/users/{user_id:id}/facts/{category:id}/{key:id}", tags=["facts"])
     async def forget_fact(user_id: User, category: str, key: str) -> Response:
         if not await engine.forget_fact(user_id, category, key):
             raise not_found(f"active fact {category}/{key} for this user")
         return json_response({"forgotten": f"{category}/{key}"})
 
-    @app.get("/v1/users/{user_id}/facts/{category}/{key}/history", tags=["facts"])
+    @app.get("/v1/users/{user_id:id}/facts/{category:id}/{key:id}/history", tags=["facts"])
     async def fact_history(user_id: User, category: str, key: str) -> Response:
         return json_response(await engine.fact_history(user_id, category, key))
 
     # -- episodes, entities, links, review ---------------------------------------------------
 
-    @app.get("/v1/users/{user_id}/episodes", tags=["long-term"])
+    @app.get("/v1/users/{user_id:id}/episodes", tags=["long-term"])
     async def episodes(user_id: User, session_id: str | None = None) -> Response:
         return json_response(await engine.episodes(user_id, session_id))
 
-    @app.get("/v1/users/{user_id}/entities/{name}", tags=["long-term"])
+    @app.get("/v1/users/{user_id:id}/entities/{name:id}", tags=["long-term"])
     async def entity_info(user_id: User, name: str,
                           limit: Annotated[int, Query(ge=1, le=1000)] = 20) -> Response:
         info = await engine.entity_info(user_id, name, limit)
@@ -383,20 +383,20 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
             raise not_found(f"entity {name!r} in this user's memories")
         return json_response(info)
 
-    @app.post("/v1/users/{user_id}/links", status_code=201, tags=["long-term"])
+    @app.post("/v1/users/{user_id:id}/links", status_code=201, tags=["long-term"])
     async def link(user_id: User, body: LinkIn) -> Response:
         return json_response(await engine.link(user_id, body.from_id, body.to_id, body.type), 201)
 
-    @app.get("/v1/users/{user_id}/memories/{memory_id}/links", tags=["long-term"])
+    @app.get("/v1/users/{user_id:id}/memories/{memory_id:id}/links", tags=["long-term"])
     async def links(user_id: User, memory_id: str) -> Response:
         return json_response(await engine.links(user_id, memory_id))
 
-    @app.post("/v1/users/{user_id}/memories/{memory_id}/review", tags=["long-term"])
+    @app.post("/v1/users/{user_id:id}/memories/{memory_id:id}/review", tags=["long-term"])
     async def review(user_id: User, memory_id: str, body: ReviewIn) -> Response:
         """Rate how well a shown memory served (FSRS)."""
         return json_response(await engine.review(user_id, memory_id, body.rating))
 
-    @app.get("/v1/users/{user_id}/stats", tags=["long-term"])
+    @app.get("/v1/users/{user_id:id}/stats", tags=["long-term"])
     async def memory_stats(user_id: User) -> Response:
         return json_response(await engine.memory_stats(user_id))
 

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import msgspec
@@ -395,6 +396,13 @@ async def test_serve_answers_on_a_real_loopback_socket(tmp_path, keys_file) -> N
             hits = (await http.post("/v1/users/ana/recall", json={"query": "wire"})).json()
             assert hits["hits"][0]["text"] == "over the wire"
             assert (await http.get("/v1/users/bo/sessions")).status_code == 403
+            # Hypercorn decodes the path before routing: an id's %2F must survive that.
+            admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+            url = f"/v1/users/{seg('team/ana')}/sessions/{seg('a/b%')}/turns"
+            assert (await http.post(url, headers=admin, json={
+                "role": "user", "text": "slashed", "durable": True})).status_code == 201
+            assert [(t["user_id"], t["session_id"]) for t in
+                    (await http.get(url, headers=admin)).json()] == [("team/ana", "a/b%")]
         nursery.cancel_scope.cancel()
     assert "api keys" in said[-1]
 
@@ -433,3 +441,74 @@ def test_json_bodies_name_fields_at_every_depth_and_pass_plain_structs_as_they_a
     assert json.loads(json_response(Local(turn)).body)["turn"]["seq"] == 0
     assert plain(hit) is hit
     assert json.loads(json_response([hit]).body)[0]["explain"]["ranks"] == {"bm25": 1}
+
+
+def seg(value: str) -> str:
+    """An id as one path segment, as the README tells clients to write it."""
+    return quote(value, safe="")
+
+
+async def test_ids_holding_slashes_and_percents_are_one_encoded_path_segment(
+        engine, tmp_path) -> None:
+    """A user, session, note, fact key or entity whose id holds '/' or '%' is reached by
+    percent-encoding it as one segment (%2F, %25): every kind of /v1/users route answers for
+    that id and no other, a key for "team/alice" reaches only her, and the same path unencoded
+    is another route or none."""
+    keys = tmp_path / "keys"
+    keys.write_text("alice-key team/alice\n")
+    user, session = "team/alice", "chat/1%"
+    base = f"/v1/users/{seg(user)}"
+    async with client(create_app(engine)) as http:
+        url = f"{base}/sessions/{seg(session)}/turns"
+        added = await http.post(url, json={"role": "user", "text": "My dog Pixel loves AC/DC",
+                                           "durable": True})
+        assert added.status_code == 201, added.text
+        turn_id = added.json()["turn_id"]
+        assert [t["user_id"] for t in (await http.get(url)).json()] == [user]
+        assert [t["session_id"] for t in (await http.get(url)).json()] == [session]
+        assert (await http.get(f"{base}/turns/{seg(turn_id)}")).json()["text"].startswith("My")
+        assert [s["session_id"] for s in (await http.get(f"{base}/sessions")).json()] == [
+            session]
+        hits = (await http.post(f"{base}/recall", json={"query": "Pixel"})).json()["hits"]
+        assert hits and all(h["session_id"] == session for h in hits if h["kind"] == "turn")
+        assert (await http.get("/v1/users/team/sessions")).json() == []  # "team" is another
+
+        note = await http.post(f"{base}/notes", json={"text": "likes jazz", "note_id": "n/1%"})
+        assert note.status_code == 201 and note.json()["note_id"] == "n/1%"
+        note_url = f"{base}/notes/{seg('n/1%')}"
+        assert (await http.get(note_url)).json()["text"] == "likes jazz"
+        assert (await http.put(note_url, json={"text": "likes bebop"})).json()["user_id"] == user
+        assert (await http.post(f"{base}/links", json={"from_id": "n/1%", "to_id": turn_id})
+                ).status_code == 201
+        assert [l["to_id"] for l in (await http.get(f"{base}/memories/{seg('n/1%')}/links")
+                                     ).json()] == [turn_id]
+        assert "stability" in (await http.post(f"{base}/memories/{seg(turn_id)}/review",
+                                               json={"rating": "good"})).json()
+        assert (await http.delete(note_url)).json() == {"deleted": "n/1%"}
+
+        fact_url = f"{base}/facts/{seg('music/live')}/{seg('band/fav')}"
+        assert (await http.post(f"{base}/facts", json={
+            "category": "music/live", "key": "band/fav", "value": "AC/DC"})).status_code == 201
+        assert (await http.put(fact_url, json={"value": "Queen"})).json()["value"] == "Queen"
+        assert (await http.post(f"{fact_url}/confirm")).json()["protected"] is True
+        assert [f["value"] for f in (await http.get(f"{fact_url}/history")).json()] == [
+            "AC/DC", "Queen"]
+        assert (await http.delete(fact_url)).json() == {"forgotten": "music/live/band/fav"}
+
+        await engine.flush()
+        assert (await http.get(f"{base}/episodes")).json() == []
+        assert (await http.get(f"{base}/stats")).json()["turns"] == 1
+        assert (await http.post(f"{base}/sessions/{seg(session)}/close")).status_code == 200
+        assert (await http.delete(f"{base}/sessions/{seg(session)}")).json() == {
+            "forgotten": session}
+        await http.post(url, json={"role": "user", "text": "again", "durable": True})
+        # Unencoded, the id's slash splits it: /v1/users/team/alice is no route at all.
+        assert (await http.delete(f"/v1/users/{user}")).status_code == 404
+        assert (await http.get(f"{base}/sessions")).json() != []
+        assert (await http.delete(base)).json() == {"forgotten": user}
+        assert (await http.get(f"{base}/sessions")).json() == []
+
+    async with client(create_app(engine, load_api_keys(keys)), "alice-key") as alice:
+        assert (await alice.get(f"{base}/sessions")).status_code == 200
+        assert (await alice.get("/v1/users/team/sessions")).status_code == 403
+        assert (await alice.get(f"/v1/users/{seg('team/alice/x')}/sessions")).status_code == 403

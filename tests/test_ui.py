@@ -219,3 +219,39 @@ async def test_operator_view_runs_the_integrity_check_and_lists_snapshots(
         page = (await admin.get("/ui/operator")).text
         assert "<strong>ok</strong>" in page
         assert str(tmp_path / "api") in page and str(tmp_path / "ui") in page
+
+
+async def test_ids_holding_slashes_open_every_page_and_action(engine, tmp_path) -> None:
+    """A user, session and note whose ids hold '/' (and '%') are linked as one encoded segment
+    and open: the users list links the timeline, the memory and query pages show the user's
+    own memories, and forgetting the session and deleting the note act on those ids only."""
+    user, session, note_id = "team/alice", "chat/1%", "n/1"
+    path = tmp_path / "keys"
+    path.write_text(f"alice-key {user}\n{ADMIN_KEY} *\n")
+    app = create_app(engine, load_api_keys(path))
+    await engine.add_turn(user, session, "user", "my dog Pixel loves the beach")
+    await engine.add_turn(user, "other", "user", "the other session stays")
+    await engine.add_turn("team", "s1", "user", "team's own turn")
+    await engine.store_note(user, "likes jazz", note_id=note_id)
+    await engine.flush()
+    home = "/ui/users/team%2Falice"
+    async with browser(app, ADMIN_KEY) as admin, browser(app, "alice-key") as alice:
+        assert f'href="{home}"' in (await admin.get("/ui/")).text
+        timeline = await alice.get(home)
+        assert timeline.status_code == 200, timeline.text
+        assert "my dog Pixel" in timeline.text and "team&#39;s own" not in timeline.text
+        assert f"/do/forget-session?session=chat%2F1%25" in timeline.text
+        assert (await alice.get("/ui/users/team")).status_code == 403
+        memory = (await alice.get(f"{home}/memory")).text
+        assert "likes jazz" in memory and "?note=n%2F1" in memory
+        why = await alice.get(f"{home}/why", params={"q": "dog Pixel"})
+        assert why.status_code == 200 and "my dog Pixel" in why.text
+        asked = await alice.get(f"{home}/do/forget-session", params={"session": session})
+        assert f'action="{home}/do/forget-session"' in asked.text
+        done = await alice.post(f"{home}/do/forget-session", data={"session": session})
+        assert done.status_code == 303 and done.headers["location"].startswith(f"{home}?")
+        assert [s.session_id for s in await engine.list_sessions(user)] == ["other"]
+        assert (await alice.post(f"{home}/do/delete-note", data={"note": note_id})
+                ).status_code == 303
+        assert await engine.get_note(user, note_id) is None
+        assert [s.session_id for s in await engine.list_sessions("team")] == ["s1"]

@@ -31,6 +31,7 @@ from actors.base.records import NewTurn
 from actors.session_buffer import new_turn_id
 
 from .._engine import Engine
+from .._http_edge import IdConvertor, routed_path
 from .._logbatch import CALLS, LogCall, LogEntry, LogForget, LogTurn, decode_entry, encode_entry
 from .._tools import call_tool
 from ..errors import EngineError, InvalidInput
@@ -597,6 +598,7 @@ for _name in sorted(CALLS):
 
 # -- routing ------------------------------------------------------------------------------------
 
+_ID = IdConvertor()  # a path segment of routed_path back to the id it stands for
 # Routes whose user is in the JSON body (an agent tool's arguments name it too).
 _BODY_USER = ("/v1/retrieve_memory", "/v1/retrieve_memory/raw", "/v1/context_pre_retrieve")
 _TOOLS = "/v1/tools/"
@@ -629,7 +631,9 @@ class Router:
                 return
             await self.app(scope, receive, send)
             return
-        path, method = scope["path"], scope["method"]
+        # The path as the app routes it: an id's '/' stays escaped, so "team/alice" is one
+        # segment here, as in the app's routes (engine/_http_edge.py).
+        path, method = routed_path(scope), scope["method"]
         body: bytes | None = None
         user = _path_user(path)
         if user is None and method == "POST" and (path in _BODY_USER
@@ -726,7 +730,7 @@ class Router:
 def _path_user(path: str) -> str | None:
     if not path.startswith("/v1/users/"):
         return None
-    return urllib.parse.unquote(path[len("/v1/users/"):].split("/", 1)[0]) or None
+    return _ID.convert(path[len("/v1/users/"):].split("/", 1)[0]) or None
 
 
 def _is_log_write(method: str, path: str, user: str) -> bool:

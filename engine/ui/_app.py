@@ -164,7 +164,9 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
             returning ``(known, users)``), or None for open pages (loopback only).
 
     Returns:
-        A FastAPI app; ``app.state.journal`` is its :class:`Journal`.
+        A FastAPI app; ``app.state.journal`` is its :class:`Journal`. Mount it inside the HTTP
+        app (``create_app`` does): its ``{user_id:id}`` routes take ids holding '/' from the
+        path as that app's Edge routes it.
     """
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     journal = app.state.journal = Journal()
@@ -300,7 +302,7 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
             rows.append((user_id, len(await engine.list_sessions(user_id)), counts))
         return page(request, "users.html", viewer, users=rows, total=len(names))
 
-    @app.get("/users/{user_id}")
+    @app.get("/users/{user_id:id}")
     async def timeline(request: Request, user_id: str) -> Response:
         viewer = for_user(request, user_id)
         only = request.query_params.get("session")
@@ -335,7 +337,7 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
 
     # -- what it believes ------------------------------------------------------------------
 
-    @app.get("/users/{user_id}/memory")
+    @app.get("/users/{user_id:id}/memory")
     async def memory(request: Request, user_id: str) -> Response:
         viewer = for_user(request, user_id)
         params = request.query_params
@@ -367,7 +369,7 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
 
     # -- why this hit ----------------------------------------------------------------------
 
-    @app.get("/users/{user_id}/why")
+    @app.get("/users/{user_id:id}/why")
     async def why(request: Request, user_id: str) -> Response:
         viewer = for_user(request, user_id)
         params = request.query_params
@@ -491,14 +493,14 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
             raise Refused(404, f"User {user_id!r} has no note {fields['note']!r}.")
         return back(here + "/memory", f"deleted note {fields['note']}")
 
-    @app.get("/users/{user_id}/do/{action}")
+    @app.get("/users/{user_id:id}/do/{action:id}")
     async def confirm(request: Request, user_id: str, action: str) -> Response:
         viewer = for_user(request, user_id)
         question, button, hidden = await describe(user_id, action, request.query_params)
         return page(request, "confirm.html", viewer, user_id=user_id, action=action,
                     question=question, button=button, hidden=hidden)
 
-    @app.post("/users/{user_id}/do/{action}")
+    @app.post("/users/{user_id:id}/do/{action:id}")
     async def do(request: Request, user_id: str, action: str) -> Response:
         viewer = for_user(request, user_id)
         fields = await posted(request, viewer)
