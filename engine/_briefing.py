@@ -28,7 +28,7 @@ from actors.store import (
 )
 
 from ._hits import EpisodicItem, Hit, Message, RetrieveResult, SemanticItem
-from ._retrieval import Retriever, logistic, one_error
+from ._retrieval import LEGS, Retriever, logistic, one_error
 
 __all__ = ["Briefing", "Detail", "render_markdown", "relative_time"]
 
@@ -36,6 +36,7 @@ Detail = Literal["auto", "none", "low", "high"]
 KEY_MOMENT = 0.7  # surprise at or above which an episode is a "key moment" (seed 001)
 STANDING_IMPORTANCE = 0.8  # facts at least this important join every semantic section
 EPISODIC_POOL = 3  # hits recall brings per episodic item: covered turns give way to episodes
+FACT_LEGS = ("vector", "bm25")  # the legs that search facts for the semantic section
 
 
 class Briefing:
@@ -47,10 +48,12 @@ class Briefing:
 
     async def retrieve(self, user_id: str, query: str, *, conversation_id: str | None,
                        episodic_limit: int, semantic_limit: int, category: str | None,
-                       min_importance: float, episodic: bool) -> RetrieveResult:
+                       min_importance: float, episodic: bool,
+                       legs: tuple[str, ...] | None = None) -> RetrieveResult:
         """seed 001's retrieval: the semantic leg (active facts matching the query, then the
         user's most important standing facts) and the episodic leg (episodes, FSRS-re-ranked,
-        and turns no shown episode covers yet, each with its neighbouring turns)."""
+        and turns no shown episode covers yet, each with its neighbouring turns). ``legs``:
+        the search legs that run (None: all)."""
         semantic: list[SemanticItem] = []
         items: list[EpisodicItem] = []
         with one_error():
@@ -58,30 +61,36 @@ class Briefing:
                 if semantic_limit:
                     async def semantic_leg() -> None:
                         semantic.extend(await self._semantic(user_id, query, semantic_limit,
-                                                             category, min_importance))
+                                                             category, min_importance, legs))
                     nursery.start_soon(semantic_leg)
                 if episodic and episodic_limit:
                     async def episodic_leg() -> None:
-                        items.extend(await self._episodic(user_id, query, episodic_limit))
+                        items.extend(await self._episodic(user_id, query, episodic_limit,
+                                                          legs))
                     nursery.start_soon(episodic_leg)
         return RetrieveResult(semantic, items)
 
     async def _semantic(self, user_id: str, query: str, limit: int, category: str | None,
-                        min_importance: float) -> list[SemanticItem]:
+                        min_importance: float,
+                        legs: tuple[str, ...] | None = None) -> list[SemanticItem]:
         profile = await self.retriever.facts.profile(user_id, category, min_importance)
         if not profile:
             return []
         by_lsn = {f.lsn: f for f in profile}
+        # Facts are searched by meaning and by words; the other legs find turns.
+        search = tuple(leg for leg in FACT_LEGS if legs is None or leg in legs)
         hits = await self.retriever.recall(user_id, query, limit=limit, session_id=None,
                                            since=None, until=None, roles=None, kinds=("fact",),
                                            link_depth=0, budget_tokens=None, only=sorted(by_lsn),
-                                           legs=("vector", "bm25"))
+                                           legs=search) if search else []
         by_id = {f.fact_id: f for f in profile}
         chosen: list[tuple[Fact, float]] = [(by_id[h.id], h.score) for h in hits
                                             if h.id in by_id]
-        # Read-your-writes: facts stored but not yet in the text index, by shared terms.
+        # Read-your-writes: facts stored but not yet in the text index, by shared terms (what
+        # recall's window leg does for notes and facts).
         indexed = self.retriever.fulltext.indexed_lsn
-        fresh = [f for f in profile if f.lsn > indexed]
+        fresh = ([f for f in profile if f.lsn > indexed]
+                 if legs is None or "window" in legs else [])
         if fresh:
             terms = set(self.retriever.fulltext.query_terms(query))
             for fact in fresh:
@@ -118,11 +127,12 @@ class Briefing:
                              conversations=conversations(f))
                 for f, score in chosen]
 
-    async def _episodic(self, user_id: str, query: str, limit: int) -> list[EpisodicItem]:
+    async def _episodic(self, user_id: str, query: str, limit: int,
+                        legs: tuple[str, ...] | None = None) -> list[EpisodicItem]:
         found = await self.retriever.recall(user_id, query, limit=limit * EPISODIC_POOL,
                                             session_id=None, since=None, until=None, roles=None,
                                             kinds=("episode", "turn"), link_depth=0,
-                                            budget_tokens=None)
+                                            budget_tokens=None, legs=legs or LEGS)
         # Up to ``limit`` items in rank order: an episode replaces the turns it covers that were
         # picked before it, and a turn a picked episode covers is skipped, so the section fills
         # with memories that each add something.

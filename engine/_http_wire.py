@@ -86,6 +86,9 @@ class RetrieveIn(_Body):
     detail: Literal["auto", "none", "low", "high"] = "auto"
     category: str | None = None
     min_importance: float = 0.0
+    legs: list[Literal["vector", "bm25", "entity", "window"]] | None = Field(
+        None, description="the search legs that run (default: all), as recall's",
+        examples=[["vector", "bm25"]])
 
 
 class PreRetrieveIn(_Body):

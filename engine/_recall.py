@@ -114,18 +114,21 @@ class Recall:
 
     async def retrieve_memory(self, user_id: Any, query: Any, conversation_id: Any,
                               episodic_limit: Any, semantic_limit: Any, detail: Any,
-                              category: Any, min_importance: Any) -> str:
+                              category: Any, min_importance: Any,
+                              legs: Iterable[str] | None = None) -> str:
         result = await self.retrieve_memory_raw(user_id, query, conversation_id,
                                                 episodic_limit, semantic_limit, detail,
-                                                category, min_importance)
+                                                category, min_importance, legs)
         return render_markdown(result, self._parts.clock(), detail)
 
     async def retrieve_memory_raw(self, user_id: Any, query: Any, conversation_id: Any,
                                   episodic_limit: Any, semantic_limit: Any, detail: Any,
-                                  category: Any, min_importance: Any) -> RetrieveResult:
+                                  category: Any, min_importance: Any,
+                                  legs: Iterable[str] | None = None) -> RetrieveResult:
         parts = self._parts
         self._check(user_id, query, conversation_id, semantic_limit, category, min_importance)
         check_count("episodic_limit", episodic_limit, 1, 100)
+        legs = choices("legs", legs, LEGS)
         if detail not in ("auto", "none", "low", "high"):
             raise InvalidInput("detail", "expected one of 'auto', 'none', 'low', 'high', "
                                          f"found {detail!r}")
@@ -134,7 +137,7 @@ class Recall:
         result = await self._briefing.retrieve(
             user_id, query, conversation_id=conversation_id, episodic_limit=episodic_limit,
             semantic_limit=semantic_limit, category=category, min_importance=min_importance,
-            episodic=True)
+            episodic=True, legs=legs)
         if degraded:
             result = msgspec.structs.replace(result, degraded=degraded)
         if forgets == parts.forgets:  # a deletion meanwhile: what was shown may be gone

@@ -71,3 +71,29 @@ async def test_recall_runs_only_the_legs_asked_for(mem) -> None:
     assert only_bm25[0].via == ("bm25",)
     with pytest.raises(InvalidInput, match=r"legs: expected values among .*found 'bm26'"):
         await mem.recall("ana", "dog", legs=["bm26"])
+
+
+async def test_retrieve_memory_runs_only_the_legs_asked_for(mem) -> None:
+    """retrieve_memory(legs=) searches with those legs, as recall does, so the inspector can
+    compare what each brings: a turn only its meaning finds is in the Markdown with every leg
+    and with the vector leg alone, not with BM25 alone; an unknown leg is refused."""
+    await mem.add_turn("ana", "s1", "user", "my dog Pixel chases the postman")
+    await mem.add_turn("ana", "s1", "user", "the weather was grey all week")
+    await mem.flush()
+    query = "my pet"  # no word BM25 counts in common with the turn: only its meaning finds it
+    turns_only = {"semantic_limit": 0}  # the fact the turn states would name Pixel too
+    assert "Pixel" in await mem.retrieve_memory("ana", query, **turns_only)
+    assert "Pixel" in await mem.retrieve_memory("ana", query, legs=["vector"], **turns_only)
+    assert "Pixel" not in await mem.retrieve_memory("ana", query, legs=["bm25"], **turns_only)
+    assert (await mem.retrieve_memory_raw("ana", query, legs=["bm25", "entity"])).episodic == []
+    assert (await mem.retrieve_memory_raw("ana", "postman", legs=["bm25"])).episodic
+    await mem.remember_fact("ana", "preference", "drink", "green tea", importance=0.3)
+    await mem.flush()
+
+    def drinks(result) -> list[str]:
+        return [s.fact for s in result.semantic if "tea" in s.fact]
+
+    assert drinks(await mem.retrieve_memory_raw("ana", "green tea", legs=["bm25"]))
+    assert drinks(await mem.retrieve_memory_raw("ana", "green tea", legs=["entity"])) == []
+    with pytest.raises(InvalidInput, match=r"legs: expected values among .*found 'bm26'"):
+        await mem.retrieve_memory("ana", query, legs=["bm26"])

@@ -102,6 +102,12 @@ async def test_recall_and_seed_001_routes(engine) -> None:
         assert "Lisbon" in markdown.text
         raw = (await http.post("/v1/retrieve_memory/raw", json=body)).json()
         assert set(raw) >= {"semantic", "episodic"}
+        by_meaning = {"user_id": "ana", "query": "my pet", "semantic_limit": 0}
+        assert (await http.post("/v1/retrieve_memory/raw", json=by_meaning)).json()["episodic"]
+        assert (await http.post("/v1/retrieve_memory/raw", json=by_meaning | {
+            "legs": ["bm25"]})).json()["episodic"] == []
+        assert "Pixel" not in (await http.post("/v1/retrieve_memory", json=by_meaning | {
+            "legs": ["bm25"]})).text
         facts = await http.post("/v1/context_pre_retrieve", json=body)
         assert "Lisbon" in facts.text
 

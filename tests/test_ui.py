@@ -197,6 +197,13 @@ async def test_pages_escape_user_text_and_show_why_a_memory_was_recalled(engine,
             ("q", "where is the dog Pixel"), ("run", "1"), ("legs", "bm25"), ("kinds", "turn")])).text
         row = bm25_only.split("dog Pixel</a>")[1].split("</tr>")[0]
         assert dict(re.findall(r'data-leg="(\w+)">([^<]*)<', row))["vector"] == "—"
+        # The Markdown follows the legs too: BM25 alone cannot find a turn by its meaning.
+        pages = {leg: (await ana.get("/ui/users/ana/why", params=[
+            ("q", "my pet"), ("run", "1"), ("legs", leg)])).text for leg in ("vector", "bm25")}
+        markdown = {leg: re.search(r'<pre class="markdown">(.*?)</pre>', page, re.S).group(1)
+                    for leg, page in pages.items()}
+        assert "dog Pixel" in markdown["vector"] and "dog Pixel" not in markdown["bm25"]
+        assert "(bm25 only" in pages["bm25"]
         bad = await ana.get("/ui/users/ana/why", params={"q": "dog", "limit": "lots"})
         assert bad.status_code == 422 and "limit: expected an integer" in bad.text
 

@@ -393,7 +393,7 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
                 link_depth=_int(params, "link_depth", None, 0, 5),
                 budget_tokens=_int(params, "budget", None, 1, 1_000_000))
             markdown = await engine.retrieve_memory(
-                user_id, query, episodic_limit=_int(params, "episodic", 5, 1, 100))
+                user_id, query, episodic_limit=_int(params, "episodic", 5, 1, 100), legs=legs)
             tokens = estimate_tokens(markdown)
         return page(request, "why.html", viewer, user_id=user_id, form=form, legs=legs,
                     all_legs=LEGS, kinds=kinds, all_kinds=KINDS, roles=roles, all_roles=ROLES,
