@@ -194,15 +194,16 @@ async def test_bad_input_is_422_naming_the_field_and_never_a_traceback(engine) -
                 yield b"x" * 1000
             yield b'"}'
 
-        streamed = await http.post(url, content=chunks(),
-                                   headers={"content-type": "application/json"})
-        assert streamed.status_code == 413 and streamed.json()["error"] == "TooLarge"
-        # The server stopped reading, so the test transport's body generator is left
-        # unexhausted in a reference cycle: collect it here, where its ResourceWarning is
-        # expected, not wherever a later allocation happens to trigger a collection.
+        # The server stops reading, so the test transport's body generator is left
+        # unexhausted: it is finalised here (at once, or by the collection if a reference cycle
+        # holds it), where its ResourceWarning is expected, not wherever a later allocation
+        # happens to trigger a collection.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)
+            streamed = await http.post(url, content=chunks(),
+                                       headers={"content-type": "application/json"})
             gc.collect()
+        assert streamed.status_code == 413 and streamed.json()["error"] == "TooLarge"
         for response in (bad_role, naive, empty, extra, huge, streamed):
             assert "Traceback" not in response.text
 
