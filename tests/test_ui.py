@@ -262,3 +262,35 @@ async def test_ids_holding_slashes_open_every_page_and_action(engine, tmp_path) 
                 ).status_code == 303
         assert await engine.get_note(user, note_id) is None
         assert [s.session_id for s in await engine.list_sessions("team")] == ["s1"]
+
+
+async def test_notes_show_importance_emotion_and_category_and_filter_by_them(
+        engine, keys) -> None:
+    """The memory page shows each note's importance, emotion and category, and keeps only the
+    notes at or above an importance, with an emotion or in a category when asked; a bad
+    importance is a 422 naming the field."""
+    await engine.store_note("ana", "loves the sea at Cascais", importance=0.9, emotion="joy",
+                            category="travel")
+    await engine.store_note("ana", "afraid of flying", importance=0.3, emotion="fear",
+                            category="travel")
+    await engine.store_note("ana", "plays the piano", category="music")
+    app = create_app(engine, keys)
+    async with browser(app, ANA_KEY) as ana:
+        page = (await ana.get("/ui/users/ana/memory")).text
+        notes = page.split('id="notes"')[1].split("</section>")[0]
+        row = notes.split("loves the sea")[1].split("</li>")[0]
+        assert "importance 0.90" in row and ">joy<" in row and ">travel<" in row
+        assert "importance 0.50" in notes.split("plays the piano")[1].split("</li>")[0]
+
+        async def shown(**params: str) -> set[str]:
+            html = (await ana.get("/ui/users/ana/memory", params=params)).text
+            section = html.split('id="notes"')[1].split("</section>")[0]
+            return {text for text in ("loves the sea", "afraid of flying", "plays the piano")
+                    if text in section}
+
+        assert await shown() == {"loves the sea", "afraid of flying", "plays the piano"}
+        assert await shown(note_importance="0.5") == {"loves the sea", "plays the piano"}
+        assert await shown(note_emotion="fear") == {"afraid of flying"}
+        assert await shown(note_category="travel", note_importance="0.6") == {"loves the sea"}
+        bad = await ana.get("/ui/users/ana/memory", params={"note_importance": "lots"})
+        assert bad.status_code == 422 and "note_importance" in bad.text

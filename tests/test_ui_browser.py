@@ -109,8 +109,9 @@ def _seed(base: str) -> None:
                                                "value": "tea"}).raise_for_status()
         http.put("/v1/users/ana/facts/preference/drink",
                  json={"value": "coffee"}).raise_for_status()
-        note = http.post("/v1/users/ana/notes", json={"text": "Pixel is a border collie",
-                                                       "tags": ["pets"]}).json()
+        note = http.post("/v1/users/ana/notes", json={
+            "text": "Pixel is a border collie", "tags": ["pets"], "importance": 0.8,
+            "emotion": "joy", "category": "animals"}).json()
         http.post("/v1/users/ana/links", json={"from_id": note["note_id"], "to_id": first,
                                                "type": "about"}).raise_for_status()
         turn("ana", "odd", "user", HOSTILE)

@@ -19,6 +19,7 @@ import functools
 import hashlib
 import hmac
 import json
+import math
 import secrets
 import sys
 from datetime import datetime, timezone
@@ -138,6 +139,19 @@ def _int(params: Any, name: str, default: int | None, low: int, high: int) -> in
                                  f"{raw[:40]!r}") from None
     if not low <= value <= high:
         raise InvalidInput(name, f"expected an integer from {low} to {high}, found {value}")
+    return value
+
+
+def _fraction(params: Any, name: str) -> float | None:
+    raw = params.get(name, "").strip()
+    if raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:  # NaN too
+        raise InvalidInput(name, f"expected a number from 0 to 1, found {raw[:40]!r}")
     return value
 
 
@@ -352,7 +366,15 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
                 after = facts[i + 1] if i + 1 < len(facts) else None
                 rows.append((fact, after))
             history.append((category, key, rows))
-        notes = (await engine.list_notes(user_id))[:NOTES_SHOWN]
+        all_notes = await engine.list_notes(user_id)
+        note_filter = {"importance": _fraction(params, "note_importance"),
+                       "emotion": params.get("note_emotion", "").strip().lower(),
+                       "category": params.get("note_category", "").strip()}
+        notes = [n for n in all_notes
+                 if (note_filter["importance"] is None or n.importance >= note_filter["importance"])
+                 and (not note_filter["emotion"] or n.emotion == note_filter["emotion"])
+                 and (not note_filter["category"] or n.category == note_filter["category"])
+                 ][:NOTES_SHOWN]
         note_links = {n.note_id: len(await engine.links(user_id, n.note_id)) for n in notes}
         entities = (await engine.list_entities(user_id))[:ENTITIES_SHOWN]
         node = params.get("node", "")
@@ -363,7 +385,10 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
         entity = params.get("entity", "")
         mentions = await engine.entity_info(user_id, entity) if entity else None
         return page(request, "memory.html", viewer, user_id=user_id, history=history,
-                    notes=notes, note_links=note_links, entities=entities, node=node,
+                    notes=notes, note_count=len(all_notes), note_filter=note_filter,
+                    emotions=sorted({n.emotion for n in all_notes} - {""}),
+                    categories=sorted({n.category for n in all_notes} - {""}),
+                    note_links=note_links, entities=entities, node=node,
                     depth=depth, max_depth=MAX_DEPTH, graph=graph, entity=entity,
                     mentions=mentions)
 
