@@ -1,7 +1,8 @@
-"""HTTP load benchmark: concurrent clients against `engram-trio serve`, ingest and recall mixed.
+"""HTTP load benchmark: concurrent clients against `engram-trio serve`: ingest only, recall
+only, and the two mixed, each beside a bare FastAPI app on the same stack in the same run.
 
-    python bench/http_load.py             # ~40 s on 2 cores (engram-trio bench http: the same)
-    python bench/http_load.py --quick     # ~10 s
+    python bench/http_load.py             # ~3 minutes on 2 cores (engram-trio bench http: the same)
+    python bench/http_load.py --quick     # ~1 minute
     python bench/http_load.py --clients 32 --seconds 30 --recall-share 0.3
 
 Named http_load.py, not http.py: Python puts a script's directory first on sys.path, so a
@@ -11,18 +12,22 @@ bench/http.py would shadow the standard library's http package for every script 
 The server runs as its own process (`python -m engine serve`, with an api-keys file, the real
 model, fsync on), so what is measured is what a client in another language sees: HTTP/1.1
 keep-alive connections, JSON bodies, auth. The clients are trio tasks in this process, each
-with its own connection, sending back to back: a share of them recall (``POST
-/v1/users/{u}/recall``, 200 distinct queries, so the query-embedding cache answers after the
-first round), the rest add buffered turns (``POST .../turns``, 202). Client and server share
-the machine's two cores, so the figures are a floor.
+with its own connection, sending back to back. Three mixes, each run against both servers, one
+after the other: every client adds buffered turns (``POST .../turns``, 202); every client
+recalls (``POST /v1/users/{u}/recall``, 200 distinct queries, so the query-embedding cache
+answers after each client's first round); and ``--recall-share`` of them recalling, the rest
+adding turns. Client and server share the machine's two cores, so the figures are a floor.
 
-Two baselines from the same run, because this 2-core machine is shared and absolute figures
-move with its load: a bare FastAPI app on Hypercorn's trio worker with one trivial JSON route
-(the ceiling for any app on this stack), loaded by the same clients for the same time; and the
-same two engine calls in-process on native trio, for what HTTP adds. Beside the rates, the CPU
-each side spent per request (the clients; the server's loop thread, its model threads and its
-worker threads, from /proc), which a shared machine's load moves much less than req/s. Prints a
-table and writes JSON (--out, default bench/results/http.json).
+The baselines come from the same run, because this 2-core machine is shared and absolute
+figures move with its load: a bare FastAPI app on Hypercorn's trio worker with trivial JSON
+routes at the same paths (the ceiling for any app on this stack), loaded by the same clients
+for the same time right before or after each mix; and the same two engine calls in-process on
+native trio, for what HTTP adds. Beside the rates, the CPU each side spent per request (the
+clients; the server's loop thread, its model threads and its worker threads, from /proc),
+which a shared machine's load moves much less than req/s, and the load average at each
+phase's start and end. Before each phase the bench waits until the server's indexes have
+caught up (``/readyz``), so the background embedding of one mix's turns is not counted in the
+next one's CPU. Prints a table and writes JSON (--out, default bench/results/http.json).
 """
 
 from __future__ import annotations
@@ -110,11 +115,11 @@ def thread_cpu(pid: int) -> dict[str, float]:
 
 
 async def measured(base: str, args: argparse.Namespace, queries: list[str],
-                   server: subprocess.Popen) -> dict[str, Any]:
+                   server: subprocess.Popen, share: float) -> dict[str, Any]:
     """:func:`load`, plus the CPU each side spent per request and the load average: on a
     shared machine req/s moves with the neighbours' load, CPU per request much less."""
     before, client, load_before = thread_cpu(server.pid), time.process_time(), os.getloadavg()
-    result = await load(base, args, queries)
+    result = await load(base, args, queries, share)
     after = thread_cpu(server.pid)
     n = max(result["requests"], 1)
     result["cpu_ms_per_request"] = {
@@ -145,11 +150,26 @@ async def wait_ready(base: str, process: subprocess.Popen) -> None:
     raise SystemExit("the server did not answer /healthz within 60 s")
 
 
-async def load(base: str, args: argparse.Namespace, queries: list[str]) -> dict[str, Any]:
-    """Run the clients for args.seconds; latencies per kind, and counts."""
+async def caught_up(base: str, limit: float = 300.0) -> float:
+    """Wait (up to ``limit`` seconds) until the server's indexes cover everything committed
+    (``/readyz`` 200), so that one mix's background embedding is not counted in the next's
+    CPU; the seconds waited."""
+    started = time.perf_counter()
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        while time.perf_counter() - started < limit:
+            if (await http.get("/readyz")).status_code == 200:
+                break
+            await trio.sleep(0.5)
+    return time.perf_counter() - started
+
+
+async def load(base: str, args: argparse.Namespace, queries: list[str],
+               share: float) -> dict[str, Any]:
+    """Run the clients for args.seconds, ``share`` of them recalling; latencies per kind, and
+    counts."""
     latencies: dict[str, list[float]] = {"ingest": [], "recall": []}
     errors: list[str] = []
-    recallers = round(args.clients * args.recall_share)
+    recallers = round(args.clients * share)
     deadline = trio.current_time() + args.seconds
 
     async def client(n: int) -> None:
@@ -228,56 +248,64 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="engram-bench-http-"))
     rng = random.Random(11)
     queries = [" ".join(rng.choice(WORDS) for _ in range(5)) for _ in range(200)]
-    process = None
+    servers: dict[str, subprocess.Popen] = {}
+    mixes = {"ingest": 0.0, "recall": 1.0, "mixed": args.recall_share}
+    results: dict[str, Any] = {"mixes": {}}
     try:
         store = root / "store"
         trio.run(seed, store, args)
         (root / "keys").write_text(f"{KEY} *\n")
-        port = free_port()
-        trivial = subprocess.Popen([sys.executable, "-c", TRIVIAL_SERVER, str(port)],
-                                   stderr=subprocess.DEVNULL)
-        try:
-            trio.run(wait_ready, f"http://127.0.0.1:{port}", trivial)
-            baseline = trio.run(measured, f"http://127.0.0.1:{port}", args, queries, trivial)
-        finally:
-            trivial.kill()
-            trivial.wait()
-        port = free_port()
-        base = f"http://127.0.0.1:{port}"
-        process = subprocess.Popen(
-            [sys.executable, "-m", "engine", "serve", str(store), "--port", str(port),
-             "--api-keys", str(root / "keys")], stderr=subprocess.DEVNULL)
-        trio.run(wait_ready, base, process)
-        results = {"http": trio.run(measured, base, args, queries, process),
-                   "trivial_app": baseline}
-        process.terminate()
-        process.wait(30)
+        bases = {}
+        for name, command in (("trivial_app", [sys.executable, "-c", TRIVIAL_SERVER]),
+                              ("http", [sys.executable, "-m", "engine", "serve", str(store),
+                                        "--api-keys", str(root / "keys"), "--port"])):
+            port = free_port()
+            servers[name] = subprocess.Popen(command + [str(port)], stderr=subprocess.DEVNULL)
+            bases[name] = f"http://127.0.0.1:{port}"
+            trio.run(wait_ready, bases[name], servers[name])
+        for i, (mix, share) in enumerate(mixes.items()):
+            # Alternate which server goes first, so a trend in the machine's load does not
+            # favour one side in every mix.
+            order = ("trivial_app", "http") if i % 2 == 0 else ("http", "trivial_app")
+            results["mixes"][mix] = {}
+            for name in order:
+                waited = trio.run(caught_up, bases["http"])
+                results["mixes"][mix][name] = trio.run(measured, bases[name], args, queries,
+                                                       servers[name], share)
+                results["mixes"][mix][name]["waited_for_indexes_s"] = waited
+            print(f"  {mix}: engram {results['mixes'][mix]['http']['req_per_s']:,.0f} req/s, "
+                  f"trivial {results['mixes'][mix]['trivial_app']['req_per_s']:,.0f}",
+                  file=sys.stderr)
+        for server in servers.values():
+            server.terminate()
+            server.wait(30)
         results["in_process"] = trio.run(in_process, store, queries, 500 if args.quick else 2000)
     finally:
-        if process is not None and process.poll() is None:
-            process.kill()
+        for server in servers.values():
+            if server.poll() is None:
+                server.kill()
         shutil.rmtree(root, ignore_errors=True)
-    http, native = results["http"], results["in_process"]
-    print(f"{args.clients} clients ({round(args.clients * args.recall_share)} recalling), "
-          f"{http['seconds']:.0f} s: {http['req_per_s']:,.0f} req/s, {http['errors']} errors; "
-          f"the trivial app, same clients: {baseline['req_per_s']:,.0f} req/s "
-          f"(engram = {http['req_per_s'] / baseline['req_per_s']:.2f}x)")
-    print(f"{'call':<8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}   trivial app p50 / p99 ms"
-          f"   in-process p50 / p99 ms")
-    for kind in ("ingest", "recall"):
-        if kind in http:
-            h, b, n = http[kind], baseline[kind], native[kind]
-            print(f"{kind:<8} {h['req_per_s']:>8,.0f} {h['p50_ms']:>8.2f} {h['p99_ms']:>8.2f}"
-                  f"   {b['p50_ms']:>8.2f} / {b['p99_ms']:<8.2f}"
-                  f"   {n['p50_ms']:.3f} / {n['p99_ms']:.3f}")
-    print("CPU ms per request      " + "".join(f"{k:>16}" for k in http["cpu_ms_per_request"]))
-    for name, side in (("engram-trio serve", http), ("trivial app", baseline)):
-        print(f"{name:<23}" + "".join(f"{side['cpu_ms_per_request'].get(k, 0.0):>16.3f}"
-                                      for k in http["cpu_ms_per_request"]))
-    print(f"load average (1 min) at start / end: engram {http['load_average'][0]:.1f} / "
-          f"{http['load_average'][1]:.1f}, trivial {baseline['load_average'][0]:.1f} / "
-          f"{baseline['load_average'][1]:.1f}")
-    results["engram_over_trivial_req_per_s"] = http["req_per_s"] / baseline["req_per_s"]
+    native = results["in_process"]
+    print(f"{args.clients} clients, {args.seconds:g} s a phase; mixed: "
+          f"{round(args.clients * args.recall_share)} of them recalling")
+    print(f"{'mix':<7} {'server':<18} {'req/s':>8} {'ingest p50 / p99 ms':>21} "
+          f"{'recall p50 / p99 ms':>21} {'CPU ms/req: loop':>17} {'model':>6} {'workers':>8} "
+          f"{'client':>7}  load avg")
+    for mix, sides in results["mixes"].items():
+        h, b = sides["http"], sides["trivial_app"]
+        h["over_trivial_req_per_s"] = h["req_per_s"] / b["req_per_s"]
+        for name, side in (("engram-trio serve", h), ("trivial app", b)):
+            cells = [f"{side[k]['p50_ms']:>9.2f} / {side[k]['p99_ms']:<9.2f}" if k in side
+                     else f"{'':>21}" for k in ("ingest", "recall")]
+            cpu = side["cpu_ms_per_request"]
+            print(f"{mix:<7} {name:<18} {side['req_per_s']:>8,.0f} {cells[0]:>21} {cells[1]:>21} "
+                  f"{cpu.get('server_loop', 0):>17.3f} {cpu.get('server_model', 0):>6.3f} "
+                  f"{cpu.get('server_workers', 0):>8.3f} {cpu['client']:>7.3f}  "
+                  f"{side['load_average'][0]:.1f} / {side['load_average'][1]:.1f}")
+        print(f"{'':<7} engram / trivial: {h['over_trivial_req_per_s']:.2f}x req/s")
+    print(f"in-process, native trio: add_turn p50 {native['ingest']['p50_ms']:.3f} ms / p99 "
+          f"{native['ingest']['p99_ms']:.3f} ms; recall p50 {native['recall']['p50_ms']:.2f} ms "
+          f"/ p99 {native['recall']['p99_ms']:.2f} ms")
     results["args"] = vars(args)
     results["machine"] = {"python": sys.version.split()[0], "platform": platform.platform(),
                           "cpus": os.cpu_count()}
