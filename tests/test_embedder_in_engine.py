@@ -4,8 +4,6 @@ vectors, and forgetting through the facade (the actor alone: tests/actors/test_e
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import trio
@@ -22,6 +20,7 @@ from engine import (
     OnnxEmbedder,
 )
 
+from .actors.test_embedder import GatedEmbedder, RecordingEmbedder
 from .conftest import open_engine
 
 
@@ -32,27 +31,6 @@ async def stored_vectors(mem: Engine, user_id: str, dim: int = 384) -> dict[int,
         return {}
     _, matrix = decode_vectors(values, len(lsns), dim)
     return dict(zip(lsns, matrix, strict=True))
-
-
-class GatedEmbedder(HashEmbedder):
-    """A HashEmbedder whose calls wait for the test to open the gate, recording each batch."""
-
-    def __init__(self, only: str = "") -> None:
-        super().__init__()
-        self.only = only  # gate only batches with a text starting with this
-        self.gate = threading.Event()
-        self.running = threading.Event()  # set once a gated call is inside the model
-        self.batches: list[list[str]] = []
-
-    def encode(self, texts):
-        self.batches.append(list(texts))
-        if any(t.startswith(self.only) for t in texts):
-            self.running.set()
-            self.gate.wait(10)
-        return super().encode(texts)
-
-    async def wait_running(self) -> None:
-        await trio.to_thread.run_sync(self.running.wait, 10)
 
 
 @pytest.mark.parametrize(("model", "min_cosine"), [("minilm-l6-v2", 0.99999),
@@ -141,18 +119,6 @@ async def test_an_installed_engine_looks_where_model_build_writes(tmp_path, monk
             pass
     monkeypatch.setenv(embedder_mod.MODEL_ENV, str(tmp_path / "elsewhere"))
     assert embedder_mod.default_model_dir() == tmp_path / "elsewhere" == embedder_mod.build_target()
-
-
-class RecordingEmbedder(HashEmbedder):
-    """A HashEmbedder that records each batch's texts and the thread that ran it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.batches: list[tuple[str, list[str]]] = []
-
-    def encode(self, texts):
-        self.batches.append((threading.current_thread().name, list(texts)))
-        return super().encode(texts)
 
 
 async def test_repeated_texts_are_embedded_once_until_a_forget(tmp_path) -> None:
