@@ -54,7 +54,18 @@ _NOT_NAMES = frozenset(
     "Do Did Does Can Could Would Should Will Is Are Was Were Have Has Had Not Any Some Every "
     "All Here There Then Now Oh Ah Wow Cool Fine Right Sounds Understood Want Happy Enjoy "
     "Email Call Send Remind Book Check Find Look Make Take Give Show Get Go Try Keep Remember "
-    "Note Add Set Use Answer Reply Write Read Change Always Never From Since After Before".split())
+    "Note Add Set Use Answer Reply Write Read Change Always Never From Since After Before "
+    "Mondays Tuesdays Wednesdays Thursdays Fridays Saturdays Sundays".split())
+_LETTER = re.compile(r"[^\W\d_]")
+_SENTENCE_END = re.compile(r"[.!?\n]")
+
+
+def _alone(text: str, start: int, end: int) -> bool:
+    """Whether ``text[start:end]`` is the only word of its sentence ("Noted.", "Done (2)!"):
+    an acknowledgement or an exclamation, not a mention of someone."""
+    before = _SENTENCE_END.split(text[:start])[-1]
+    after = _SENTENCE_END.split(text[end:], maxsplit=1)[0]
+    return not _LETTER.search(before) and not _LETTER.search(after)
 
 
 def extract_entities(text: str) -> list[tuple[str, str]]:
@@ -76,17 +87,23 @@ def extract_entities(text: str) -> list[tuple[str, str]]:
     for m in _DATE.finditer(scrubbed):
         add(m.group(0), "date")
     for m in _NAME.finditer(scrubbed):
-        words = [w for w in re.split(r"[ -]", m.group(0))]
-        while words and words[0] in _NOT_NAMES:
-            words.pop(0)
-        if not words:
+        # A run of capitalised words is cut at the words that are never names: "Hi Marta We
+        # went" (a sentence without its full stop) names Marta, not "Marta We".
+        runs: list[list[str]] = [[]]
+        for word in re.split(r"[ -]", m.group(0)):
+            if word in _NOT_NAMES:
+                runs.append([])
+            else:
+                runs[-1].append(word)
+        runs = [words for words in runs if words]
+        if len(runs) == 1 and len(runs[0]) == 1 and _alone(scrubbed, m.start(), m.end()):
             continue
-        name = " ".join(words)
-        if name.lower() in found:
-            continue
-        kind = "place" if _PLACE_CUE.search(scrubbed[: m.start()]) else (
-            "person" if len(words) <= 3 else "other")
-        add(name, kind)
+        for n, words in enumerate(runs):
+            name = " ".join(words)
+            if name.lower() in found:
+                continue
+            place = n == 0 and _PLACE_CUE.search(scrubbed[: m.start()])
+            add(name, "place" if place else ("person" if len(words) <= 3 else "other"))
     return list(found.values())
 
 

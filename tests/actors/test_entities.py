@@ -49,6 +49,13 @@ async def registry(ground: Ground, user_id: str, *names: str) -> dict:
      [("March 3rd, 2026", "date"), ("Ines", "person"), ("Tomás", "person"),
       ("New York", "place")]),
     ("Thanks! Sounds good. I will.", []),
+    # A word alone in its sentence is an acknowledgement, not a name (the inspector showed
+    # "Noted" as a person); a run of capitals is cut at words that are never names.
+    ("Noted (1).", []),
+    ("Done! Noted.", []),
+    ("Hi Marta We went to the market on Tuesdays The stalls were busy",
+     [("Marta", "person")]),
+    ("Pixel is a border collie.", [("Pixel", "person")]),
 ])
 def test_entities_are_extracted_by_kind(text, expected) -> None:
     """Mentions, hashtags, emails, URLs, dates and capitalised names; sentence starters and
