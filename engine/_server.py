@@ -503,6 +503,34 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def hypercorn_config(host: str, port: int | str) -> Any:
+    """Hypercorn's config as every server here runs it: bound to ``host:port`` (an IPv6
+    address in brackets), no access log, a 5 s graceful stop."""
+    from hypercorn.config import Config as HypercornConfig
+
+    hc = HypercornConfig()
+    hc.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    hc.accesslog = None
+    hc.graceful_timeout = 5.0
+    return hc
+
+
+class Shutdown:
+    """What stops a server: ``event``, set by the first SIGINT/SIGTERM that ``watch_signals``
+    receives (kept as ``signal``) or by anyone who sets it."""
+
+    def __init__(self) -> None:
+        self.event = trio.Event()  # set: stop accepting, finish what is in flight, close
+        self.signal: int | None = None
+
+    async def watch_signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                self.signal = signum
+                self.event.set()
+                return
+
+
 async def serve(store: str | Path, *, host: str = LOOPBACK, port: int = 8080,
                 api_keys: str | Path | None = None, config: Any = None,
                 say: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
@@ -528,7 +556,6 @@ async def serve(store: str | Path, *, host: str = LOOPBACK, port: int = 8080,
     Raises:
         InvalidInput: a bad keys file or config.
     """
-    from hypercorn.config import Config as HypercornConfig
     from hypercorn.trio import serve as hypercorn_serve
 
     keys = load_api_keys(api_keys) if api_keys is not None else None
@@ -539,20 +566,8 @@ async def serve(store: str | Path, *, host: str = LOOPBACK, port: int = 8080,
         else:
             say("warning: no --api-keys file: every local process may read and write every user")
         host = LOOPBACK
-    hc = HypercornConfig()
-    hc.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    hc.accesslog = None
-    hc.graceful_timeout = 5.0
-    shutdown = trio.Event()  # set by SIGINT/SIGTERM: stop accepting, finish what is in flight
-    received: list[int] = []
-
-    async def on_signal() -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for signum in signals:
-                received.append(signum)
-                shutdown.set()
-                return
-
+    hc = hypercorn_config(host, port)
+    shutdown = Shutdown()
     async with Engine.open(store, config=config) as mem:
         app = create_app(mem, keys)
         # What exists now (modules, the app, the engine's long-lived state: ~95k objects) lives
@@ -563,16 +578,16 @@ async def serve(store: str | Path, *, host: str = LOOPBACK, port: int = 8080,
         try:
             async with trio.open_nursery() as nursery:
                 if handle_signals:
-                    nursery.start_soon(on_signal)
+                    nursery.start_soon(shutdown.watch_signals)
                 binds = await nursery.start(
-                    lambda task_status: hypercorn_serve(app, hc, shutdown_trigger=shutdown.wait,
-                                                        task_status=task_status))
+                    lambda task_status: hypercorn_serve(
+                        app, hc, shutdown_trigger=shutdown.event.wait, task_status=task_status))
                 say(f"engram-trio serving {store} on {', '.join(binds)} "
                     f"({'api keys' if keys else 'no auth'})")
                 task_status.started(binds)
-                await shutdown.wait()
+                await shutdown.event.wait()
                 nursery.cancel_scope.deadline = trio.current_time() + hc.graceful_timeout + 1
         finally:
             gc.unfreeze()
     # The engine closed after Hypercorn's graceful stop (its drain is shielded and bounded).
-    return received[0] if received else None
+    return shutdown.signal

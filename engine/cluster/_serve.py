@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -11,7 +10,14 @@ from typing import Any
 import trio
 
 from .._engine import Engine
-from .._server import LOOPBACK, _is_loopback, create_app, load_api_keys
+from .._server import (
+    LOOPBACK,
+    Shutdown,
+    _is_loopback,
+    create_app,
+    hypercorn_config,
+    load_api_keys,
+)
 from ._log import ClusterConfig, Log
 from ._node import ClusterEngine, Node, Router
 
@@ -58,7 +64,6 @@ async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id:
         InvalidInput: bad flags; StoreInUse: another process serves the store;
         LogUnavailable: the log could not be reached.
     """
-    from hypercorn.config import Config as HypercornConfig
     from hypercorn.trio import serve as hypercorn_serve
 
     from ..errors import InvalidInput
@@ -71,20 +76,8 @@ async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id:
         say(f"warning: no --api-keys file, so no auth: binding to {LOOPBACK} instead of {host}")
         host = LOOPBACK
     store = Path(store)
-    hc = HypercornConfig()
-    hc.bind = [f"{host}:{port}"]
-    hc.accesslog = None
-    hc.graceful_timeout = 5.0
-    shutdown = trio.Event()  # set by SIGINT/SIGTERM: stop serving, release leases, close
-    received: list[int] = []
-
-    async def on_signal() -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for signum in signals:
-                received.append(signum)
-                shutdown.set()
-                return
-
+    hc = hypercorn_config(host, port)
+    shutdown = Shutdown()  # also releases the node's leases before the engine closes
     async with Engine.open(store, **node_engine_options(store, config)) as engine:
         log = await Log.connect(nats, cluster_config, name=node_id)
         try:
@@ -92,7 +85,7 @@ async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id:
             app = Router(create_app(ClusterEngine(engine, log, node), keys), node)
             async with trio.open_nursery() as nursery:
                 if handle_signals:
-                    nursery.start_soon(on_signal)
+                    nursery.start_soon(shutdown.watch_signals)
                 node_scope = trio.CancelScope()  # the node's leases and appliers
 
                 async def run_node(task_status: trio.TaskStatus[None]) -> None:
@@ -101,15 +94,15 @@ async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id:
 
                 await nursery.start(run_node)
                 binds = await nursery.start(
-                    lambda task_status: hypercorn_serve(app, hc, shutdown_trigger=shutdown.wait,
-                                                        task_status=task_status))
+                    lambda task_status: hypercorn_serve(
+                        app, hc, shutdown_trigger=shutdown.event.wait, task_status=task_status))
                 say(f"engram-trio node {node_id} serving {store} on {', '.join(binds)}, "
                     f"log at {', '.join(nats)}")
                 task_status.started(node)
-                await shutdown.wait()
+                await shutdown.event.wait()
                 node_scope.cancel()  # hands its leases back at once (the run's finally)
                 nursery.cancel_scope.deadline = trio.current_time() + hc.graceful_timeout + 1
         finally:
             with trio.CancelScope(shield=True):
                 await log.close()
-    return received[0] if received else None
+    return shutdown.signal
