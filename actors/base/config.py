@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
 from .errors import InvalidInput
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def converted(cls: type[S], config: S | dict | None, field: str) -> S:
+    """``cls`` from an instance, a dict of overrides or None (the defaults), its fields' types
+    and constraints checked by msgspec.
+
+    Raises:
+        InvalidInput: about ``field``, when a field is unknown or has the wrong type or range.
+    """
+    if config is None:
+        return cls()
+    raw = msgspec.structs.asdict(config) if isinstance(config, cls) else config
+    try:
+        return msgspec.convert(raw, cls)
+    except msgspec.ValidationError as exc:
+        raise InvalidInput(field, f"{exc}") from None
 
 __all__ = ["Config"]
 
@@ -105,13 +123,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         Raises:
             InvalidInput: a field is unknown or out of range.
         """
-        if config is None:
-            return cls()
-        raw = msgspec.structs.asdict(config) if isinstance(config, Config) else config
-        try:
-            config = msgspec.convert(raw, cls)
-        except msgspec.ValidationError as exc:
-            raise InvalidInput("config", f"{exc}") from None
+        config = converted(cls, config, "config")
         if config.episode_keep_turns >= config.episode_after_turns:
             raise InvalidInput("config", "expected episode_keep_turns below episode_after_turns, "
                                          f"found {config.episode_keep_turns} and "

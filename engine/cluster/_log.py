@@ -28,6 +28,8 @@ import nats.js.errors
 import trio
 from nats.js import api
 
+from actors.base.config import converted
+
 from ..errors import EngineClosed, EngineError, InvalidInput
 from ._loop import AsyncioThread
 from ._partition import DEFAULT_PARTITIONS, SUBJECT_ROOT, partition_subjects
@@ -84,13 +86,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         Raises:
             InvalidInput: a field is unknown or out of range.
         """
-        if config is None:
-            return cls()
-        raw = msgspec.structs.asdict(config) if isinstance(config, ClusterConfig) else config
-        try:
-            config = msgspec.convert(raw, cls)
-        except msgspec.ValidationError as exc:
-            raise InvalidInput("cluster_config", f"{exc}") from None
+        config = converted(cls, config, "cluster_config")
         for name in ("partitions", "replicas", "fetch_batch"):
             if getattr(config, name) < 1:
                 raise InvalidInput(f"cluster_config.{name}", "expected at least 1, found "
