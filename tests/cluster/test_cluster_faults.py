@@ -111,9 +111,10 @@ async def test_kill_9_of_the_stream_leader_and_of_a_node_loses_no_acknowledged_t
         leader = await trio.to_thread.run_sync(
             lambda: asyncio.run(_stream_leader(nats_servers.urls, cluster_config.stream)))
         index = int(leader.lstrip("n")) - 1
-        nats_servers.kill(index)
+        await trio.to_thread.run_sync(nats_servers.kill, index)
         await trio.sleep(8)
-        nats_servers.start_one(index)
+        # It waits for the port by polling: on a thread, so the writers keep writing meanwhile.
+        await trio.to_thread.run_sync(nats_servers.start_one, index)
         await trio.sleep(3)
         nodes[2].kill()
         # Writers go on while the killed node's partitions move to the survivors.
