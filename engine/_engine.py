@@ -427,7 +427,7 @@ class Engine:
                               episodic_limit: int = 5, semantic_limit: int = 20,
                               detail: str = "auto", category: str | None = None,
                               min_importance: float = 0.0, *,
-                              legs: Iterable[str] | None = None) -> str:
+                              legs: Iterable[str] | None = None, record: bool = True) -> str:
         """seed 001's ``retrieve_memory``: prompt-ready Markdown, semantic facts first (with
         ``[category]``), then episodic memories with rank, score, key moment and relative time;
         ``detail`` (auto / none / low / high) decides which show their messages. Records a
@@ -441,26 +441,29 @@ class Engine:
             legs: the search legs that run, as :meth:`recall`'s (default: all), to compare what
                 each brings; facts are searched by their vector and BM25 legs (those of the two
                 named) and, not yet indexed, by the window leg; standing facts always come.
+            record: False for a look that is not a use (an inspector, a debugging command):
+                no pending review is recorded and the facts shown keep their decay.
 
         Raises:
             InvalidInput: a bad argument (``episodic_limit`` must be 1-100).
         """
         return await self._recall.retrieve_memory(user_id, query, conversation_id,
                                                    episodic_limit, semantic_limit, detail, category,
-                                                   min_importance, legs)
+                                                   min_importance, legs, record)
 
     async def retrieve_memory_raw(self, user_id: str, query: str,
                                   conversation_id: str | None = None, episodic_limit: int = 5,
                                   semantic_limit: int = 20, detail: str = "auto",
                                   category: str | None = None,
                                   min_importance: float = 0.0, *,
-                                  legs: Iterable[str] | None = None) -> RetrieveResult:
+                                  legs: Iterable[str] | None = None,
+                                  record: bool = True) -> RetrieveResult:
         """seed 001's raw endpoint: typed ``semantic`` and ``episodic`` lists (no embeddings).
         Encode with ``msgspec.json.encode`` for the seed's JSON shape. Records a pending
-        review, as :meth:`retrieve_memory` does; ``legs`` as there."""
+        review, as :meth:`retrieve_memory` does; ``legs`` and ``record`` as there."""
         return await self._recall.retrieve_memory_raw(user_id, query, conversation_id,
                                                        episodic_limit, semantic_limit, detail,
-                                                       category, min_importance, legs)
+                                                       category, min_importance, legs, record)
 
     async def context_pre_retrieve(self, user_id: str, query: str,
                                    conversation_id: str | None = None, semantic_limit: int = 20,

@@ -115,19 +115,22 @@ class Recall:
     async def retrieve_memory(self, user_id: Any, query: Any, conversation_id: Any,
                               episodic_limit: Any, semantic_limit: Any, detail: Any,
                               category: Any, min_importance: Any,
-                              legs: Iterable[str] | None = None) -> str:
+                              legs: Iterable[str] | None = None, record: bool = True) -> str:
         result = await self.retrieve_memory_raw(user_id, query, conversation_id,
                                                 episodic_limit, semantic_limit, detail,
-                                                category, min_importance, legs)
+                                                category, min_importance, legs, record)
         return render_markdown(result, self._parts.clock(), detail)
 
     async def retrieve_memory_raw(self, user_id: Any, query: Any, conversation_id: Any,
                                   episodic_limit: Any, semantic_limit: Any, detail: Any,
                                   category: Any, min_importance: Any,
-                                  legs: Iterable[str] | None = None) -> RetrieveResult:
+                                  legs: Iterable[str] | None = None,
+                                  record: bool = True) -> RetrieveResult:
         parts = self._parts
         self._check(user_id, query, conversation_id, semantic_limit, category, min_importance)
         check_count("episodic_limit", episodic_limit, 1, 100)
+        if type(record) is not bool:
+            raise InvalidInput("record", f"expected True or False, found {record!r}")
         legs = choices("legs", legs, LEGS)
         if detail not in ("auto", "none", "low", "high"):
             raise InvalidInput("detail", "expected one of 'auto', 'none', 'low', 'high', "
@@ -140,6 +143,8 @@ class Recall:
             episodic=True, legs=legs)
         if degraded:
             result = msgspec.structs.replace(result, degraded=degraded)
+        if not record:  # a look, not a use: nothing to rate, no decay restarted
+            return result
         if forgets == parts.forgets:  # a deletion meanwhile: what was shown may be gone
             self._record_pending(user_id, conversation_id, query, result)
         self._count_use(user_id, result)

@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine import Engine
+from engine import Engine, InvalidInput
 from engine._server import create_app, load_api_keys
 
-from .conftest import open_engine
+from .conftest import open_engine, raw_databases
 
 ANA_KEY, BO_KEY, ADMIN_KEY = "ana-secret", "bo-secret", "admin-secret"
 HOSTILE = "<script>alert('boo')</script> & <b>bold</b>"
@@ -206,6 +206,24 @@ async def test_pages_escape_user_text_and_show_why_a_memory_was_recalled(engine,
         assert "(bm25 only" in pages["bm25"]
         bad = await ana.get("/ui/users/ana/why", params={"q": "dog", "limit": "lots"})
         assert bad.status_code == 422 and "limit: expected an integer" in bad.text
+
+
+async def test_looking_at_why_a_memory_was_recalled_is_not_a_use(store_path, clock, keys) -> None:
+    """The query page shows the Markdown a bot would get, but an operator looking is not the
+    bot using it: the facts shown keep their decay (no access counted) and no pending review
+    is recorded, so nothing a later turn rates comes from the inspector."""
+    async with open_engine(store_path, clock=clock) as mem:
+        await seed(mem)
+        before = {f.fact_id: f.access_count for f in await mem.profile("ana")}
+        app = create_app(mem, keys)
+        async with browser(app, ANA_KEY) as ana:
+            why = await ana.get("/ui/users/ana/why", params={"q": "what does ana drink, piano"})
+        assert why.status_code == 200 and "coffee" in why.text and "piano" in why.text
+        await mem.flush()
+        assert {f.fact_id: f.access_count for f in await mem.profile("ana")} == before
+        with pytest.raises(InvalidInput, match="record: expected True or False, found 'no'"):
+            await mem.retrieve_memory("ana", "piano", record="no")
+    assert raw_databases(store_path)["pending"] == []
 
 
 async def test_operator_view_runs_the_integrity_check_and_lists_snapshots(

@@ -418,7 +418,8 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
                 link_depth=_int(params, "link_depth", None, 0, 5),
                 budget_tokens=_int(params, "budget", None, 1, 1_000_000))
             markdown = await engine.retrieve_memory(
-                user_id, query, episodic_limit=_int(params, "episodic", 5, 1, 100), legs=legs)
+                user_id, query, episodic_limit=_int(params, "episodic", 5, 1, 100), legs=legs,
+                record=False)  # looking is not using: no review to rate, no decay restarted
             tokens = estimate_tokens(markdown)
         return page(request, "why.html", viewer, user_id=user_id, form=form, legs=legs,
                     all_legs=LEGS, kinds=kinds, all_kinds=KINDS, roles=roles, all_roles=ROLES,
