@@ -9,6 +9,7 @@ import pytest
 import trio
 
 import actors.embedder as embedder_mod
+import actors.embedder.models as models_mod
 from actors.ann_index import decode_vectors
 from actors.store import read_user_vectors
 from engine import (
@@ -109,7 +110,7 @@ async def test_a_missing_model_names_the_build_command(tmp_path) -> None:
 async def test_an_installed_engine_looks_where_model_build_writes(tmp_path, monkeypatch) -> None:
     """With no model in a checkout, the engine looks in the per-user data directory (or
     $ENGRAM_MODEL_DIR), the place `engram-trio model build` writes to by default."""
-    monkeypatch.setattr(embedder_mod, "CHECKOUT_MODEL_DIR", tmp_path / "no-checkout")
+    monkeypatch.setattr(models_mod, "CHECKOUT_MODEL_DIR", tmp_path / "no-checkout")
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     monkeypatch.delenv(embedder_mod.MODEL_ENV, raising=False)
     expected = tmp_path / "data" / "engram-trio" / "models" / "all-MiniLM-L6-v2"

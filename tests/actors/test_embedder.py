@@ -19,6 +19,8 @@ import pytest
 import trio
 
 import actors.embedder as embedder_mod
+import actors.embedder.embedder as actor_mod
+import actors.embedder.models as models_mod
 import actors.store as store_mod
 from actors.base.config import Config
 from actors.base.errors import EngineBroken, EngineClosed, ModelMismatch, ModelMissing
@@ -322,7 +324,7 @@ async def test_without_a_checkout_model_the_backend_looks_where_model_build_writ
         tmp_path, monkeypatch) -> None:
     """With no model in a checkout, the backend looks in the per-user data directory (or
     $ENGRAM_MODEL_DIR), the place `engram-trio model build` writes to by default."""
-    monkeypatch.setattr(embedder_mod, "CHECKOUT_MODEL_DIR", tmp_path / "no-checkout")
+    monkeypatch.setattr(models_mod, "CHECKOUT_MODEL_DIR", tmp_path / "no-checkout")
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     monkeypatch.delenv(embedder_mod.MODEL_ENV, raising=False)
     expected = tmp_path / "data" / "engram-trio" / "models" / "all-MiniLM-L6-v2"
@@ -338,7 +340,7 @@ async def test_without_a_checkout_model_the_backend_looks_where_model_build_writ
 async def test_a_caller_waiting_for_room_when_the_actor_closes_is_told_so(monkeypatch) -> None:
     """A request that gets its inbox slot only after close() raises EngineClosed instead of
     queueing behind the stop marker, where no one would ever answer it."""
-    monkeypatch.setattr(embedder_mod, "INBOX_SIZE", 1)
+    monkeypatch.setattr(actor_mod, "INBOX_SIZE", 1)
     backend = GatedEmbedder()
     results: dict[str, str] = {}
 

@@ -3,16 +3,7 @@
 Batching is its business. Requests that arrive while the model runs form the next batch (no
 timers: a model call takes milliseconds, so whatever queued meanwhile is the natural batch).
 Queries (a caller on the hot path) and background work have separate lanes, so a query never
-waits behind background embedding.
-
-Backends (``encode(texts) -> array``, called from the actor's lanes at once, so it must be
-thread-safe, as an onnxruntime session is; see :class:`Embedder`):
-
-- :class:`OnnxEmbedder`: all-MiniLM-L6-v2 as built by native_models/build.py, onnxruntime on one
-  intra-op and one inter-op thread by default, on the actor's own long-lived thread, tokenised with ``tokenizers``' ``encode_batch``
-  (truncation at 256 tokens, padding to the longest text in the batch).
-- :class:`HashEmbedder`: deterministic feature hashing, for tests that are not about
-  embeddings: texts sharing words get similar vectors, and nothing needs the model.
+waits behind background embedding. What it runs is a backend of ``models.py``.
 
 :meth:`Embedder.follow` embeds everything the store commits, in log order, in the background:
 windows of pending texts sorted by token count, cut into batches by padded tokens, identical
@@ -25,24 +16,21 @@ import hashlib
 import logging
 import os
 import queue
-import re
 import sys
 import threading
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import lmdb
 import numpy as np
 import outcome
 import trio
 
-from .ann_index import encode_vector
-from .base.errors import EngineBroken, EngineClosed, EngineError, ModelMissing
-from .base.messages import EmbedRequest, PutState, PutVectors, Searchable
-from .store import (
+from ..ann_index import encode_vector
+from ..base.errors import EngineBroken, EngineClosed
+from ..base.messages import EmbedRequest, PutState, PutVectors, Searchable
+from ..store import (
     Damaged,
     ModelInfo,
     Store,
@@ -50,16 +38,10 @@ from .store import (
     failure_put,
     read_log_range,
     read_searchables,
-    stored_model,
 )
+from .models import EmbeddingBackend
 
-# The Rust tokenizer's own thread pool would compete with onnxruntime and the trio thread for
-# 2 cores; the actor already runs it off the loop. Set before the first encode; a caller's own
-# setting wins.
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-__all__ = ["Embedder", "EmbeddingBackend", "OnnxEmbedder", "HashEmbedder", "MODELS", "DEFAULT_MODEL",
-           "model_for_store"]
+__all__ = ["Embedder"]
 
 INBOX_SIZE = 64  # queued requests before callers wait: the model is far behind by then
 QUERY_BATCH = 32  # texts per model call while queries wait
@@ -82,190 +64,11 @@ BACKGROUND_WORKERS = 2
 # repeated text is embedded once per process (~1.5 KB each: 8,192 entries are ~12 MB).
 CONTENT_CACHE = 8192
 BACKLOG_REPORT = 1_024  # backlog records between two progress lines in the log
-MAX_TOKENS = 256  # the model's training length (sentence-transformers max_seq_length)
 # The background lane's niceness. On 2 cores the model holds one; at the default priority the
 # trio thread and the LMDB writer queue behind background inference for CPU time slices, and
 # durable add_turn p99 went from 3.3 to 7.3 ms (bench/ingest.py). At 19 the hot path preempts
 # it (p99 4.3 ms) and the model still gets the core whenever the hot path is idle.
 MODEL_NICE = 19
-
-# A checkout builds into native_models/ beside the packages (python native_models/build.py);
-# an installed package has no writable home of its own, so `engram-trio model build` writes to
-# the per-user data directory, or wherever MODEL_ENV points.
-CHECKOUT_MODEL_DIR = Path(__file__).resolve().parent.parent / "native_models" / "all-MiniLM-L6-v2"
-MODEL_ENV = "ENGRAM_MODEL_DIR"
-# Config.model name -> (file in the model directory, model id recorded in the store).
-MODELS = {
-    "minilm-l6-v2": ("model.onnx", "sentence-transformers/all-MiniLM-L6-v2"),
-    "minilm-l6-v2-q8": ("model.q8.onnx", "sentence-transformers/all-MiniLM-L6-v2@q8-block16"),
-}
-BUILD_COMMAND = "engram-trio model build"
-
-
-def user_model_dir() -> Path:
-    """The per-user data directory's model folder (``~/.local/share/engram-trio/...`` on
-    Linux)."""
-    import platformdirs
-
-    return Path(platformdirs.user_data_dir("engram-trio")) / "models" / "all-MiniLM-L6-v2"
-
-
-def build_target() -> Path:
-    """Where ``engram-trio model build`` writes by default: ``$ENGRAM_MODEL_DIR`` if set, else
-    the per-user data directory."""
-    env = os.environ.get(MODEL_ENV)
-    return Path(env).expanduser() if env else user_model_dir()
-
-
-def default_model_dir() -> Path:
-    """Where the engine looks when ``Config.model_dir`` is not set: ``$ENGRAM_MODEL_DIR`` if set;
-    else a checkout's native_models/ if it holds a model; else the per-user data directory."""
-    if os.environ.get(MODEL_ENV):
-        return build_target()
-    if (CHECKOUT_MODEL_DIR / "tokenizer.json").exists():
-        return CHECKOUT_MODEL_DIR
-    return user_model_dir()
-
-
-
-# The model a new store gets. On the LoCoMo dev split (../shared/quality/, bench/embed.py
-# --quality) turns-only vector recall@10 is 0.4528 for q8 and 0.4528 for fp32 (micro; per
-# question 0.5135 and 0.5120): no loss, and q8 embeds faster. A store keeps the model it was
-# made with (:func:`model_for_store`), so changing this never strands an existing store.
-DEFAULT_MODEL = "minilm-l6-v2-q8"
-
-
-
-def model_for_store(path: Path) -> str:
-    """The :data:`MODELS` name to run on the store at ``path``: the one its vectors came from,
-    else (a new store, or vectors from a model this build does not have, which the store then
-    refuses with ModelMismatch) :data:`DEFAULT_MODEL`."""
-    if not (path / "data.mdb").is_file():
-        return DEFAULT_MODEL
-    try:
-        recorded = stored_model(path)
-    except (lmdb.Error, EngineError):
-        return DEFAULT_MODEL  # the store's own open reports what is wrong with it
-    for name, (_, model_id) in MODELS.items():
-        if recorded is not None and recorded.id == model_id:
-            return name
-    return DEFAULT_MODEL
-
-
-class EmbeddingBackend(Protocol):
-    """What the Embedder runs. ``load`` runs once in a worker thread; ``encode`` is called from
-    several threads at once and must be thread-safe. A backend may also offer
-    ``count_tokens(texts) -> list[int]`` (its own tokenizer's counts), by which the follower
-    sorts and cuts its batches; without it, words approximate tokens."""
-
-    model_id: str
-    dim: int
-
-    def load(self) -> None: ...
-
-    def encode(self, texts: list[str]) -> np.ndarray: ...
-
-
-class OnnxEmbedder:
-    """all-MiniLM-L6-v2 on onnxruntime.
-
-    Args:
-        model: a key of :data:`MODELS`.
-        model_dir: where the built files are (default: :func:`default_model_dir`).
-        threads: onnxruntime intra-op threads (keep below the core count: the loop needs one).
-    """
-
-    dim = 384
-
-    def __init__(self, model: str = DEFAULT_MODEL, model_dir: str | Path | None = None,
-                 threads: int = 1) -> None:
-        self.file, self.model_id = MODELS[model]
-        self.model_dir = Path(model_dir) if model_dir else default_model_dir()
-        # The one command that puts the model where this embedder looks.
-        self.build_command = (BUILD_COMMAND if model_dir is None
-                              or self.model_dir.resolve() == build_target().resolve()
-                              else f"{BUILD_COMMAND} --dir {self.model_dir}")
-        self.threads = threads
-        self._session = None
-        self._tokenizer = None
-        self._counter = None
-
-    def load(self) -> None:
-        import onnxruntime as ort
-        from tokenizers import Tokenizer
-
-        path, tokenizer = self.model_dir / self.file, self.model_dir / "tokenizer.json"
-        for needed in (path, tokenizer):
-            if not needed.exists():
-                raise ModelMissing(f"expected the embedding model at {needed}, found nothing; "
-                                   f"build it with `{self.build_command}`")
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = self.threads
-        options.inter_op_num_threads = 1
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.log_severity_level = 3  # shape-merge notices about our dynamic axes are noise
-        try:
-            self._session = ort.InferenceSession(str(path), options,
-                                                 providers=["CPUExecutionProvider"])
-        except Exception as exc:  # onnxruntime raises its own Fail/InvalidProtobuf types
-            raise ModelMissing(f"cannot load {path}: {exc}; rebuild it with "
-                               f"`{self.build_command} --force`") from exc
-        tok = Tokenizer.from_file(str(tokenizer))
-        tok.enable_truncation(MAX_TOKENS)
-        tok.enable_padding(pad_id=0, pad_token="[PAD]")  # no length: pad to the batch's longest
-        self._tokenizer = tok
-        counter = Tokenizer.from_file(str(tokenizer))  # same rules, unpadded: counts only
-        counter.enable_truncation(MAX_TOKENS)
-        # tokenizer.json pads every text to 128 tokens: a count must not include padding.
-        counter.no_padding()
-        self._counter = counter
-
-    def count_tokens(self, texts: list[str]) -> list[int]:
-        """Each text's token count after truncation (no padding): the batching key."""
-        return [len(e.ids) for e in self._counter.encode_batch(texts)]
-
-    def tokenize(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        encodings = self._tokenizer.encode_batch(texts)
-        ids = np.array([e.ids for e in encodings], dtype=np.int64)
-        mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
-        return ids, mask
-
-    def encode(self, texts: list[str]) -> np.ndarray:
-        ids, mask = self.tokenize(texts)
-        return self._session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
-
-
-_WORD = re.compile(r"\w+")
-
-
-class HashEmbedder:
-    """Deterministic fake: each word hashes to a signed position; the sum is normalised.
-
-    Texts that share words have positive cosine, unrelated texts near zero: enough to test
-    everything around embeddings without the model.
-    """
-
-    def __init__(self, dim: int = 384, model_id: str = "engram/hash-embedder") -> None:
-        self.dim = dim
-        self.model_id = model_id
-        self.calls: list[int] = []  # batch sizes seen, for tests of batching
-
-    def load(self) -> None:
-        pass
-
-    def count_tokens(self, texts: list[str]) -> list[int]:
-        return [len(_WORD.findall(text)) + 2 for text in texts]
-
-    def encode(self, texts: list[str]) -> np.ndarray:
-        self.calls.append(len(texts))
-        out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        for row, text in enumerate(texts):
-            for word in _WORD.findall(text.lower()) or [text]:
-                h = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "big")
-                out[row, h % self.dim] += 1.0 if (h >> 32) & 1 else -1.0
-        norms = np.linalg.norm(out, axis=1, keepdims=True)
-        norms[norms == 0] = 1.0
-        return out / norms
 
 
 class _Lane:
