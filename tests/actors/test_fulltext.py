@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import actors.fulltext as fulltext_mod
+import actors.fulltext.fulltext as actor_mod
 from actors.fulltext import FullText
 
 from .ground import Ground, running_store
@@ -121,7 +122,7 @@ async def test_forgotten_records_leave_the_index_and_stay_gone_after_reopen(stor
 
 async def test_commits_are_batched_until_someone_waits(store_path, monkeypatch) -> None:
     """Documents wait for a commit (no timer fires here); flush commits them all at once."""
-    monkeypatch.setattr(fulltext_mod, "COMMIT_INTERVAL", 3600.0)
+    monkeypatch.setattr(actor_mod, "COMMIT_INTERVAL", 3600.0)
     commits = []
     original = fulltext_mod.FullText._commit
     monkeypatch.setattr(fulltext_mod.FullText, "_commit",
@@ -139,7 +140,7 @@ async def test_commits_are_batched_until_someone_waits(store_path, monkeypatch) 
 
 async def test_a_document_is_committed_within_the_interval_unasked(store_path, monkeypatch) -> None:
     """With nobody waiting, the commit interval still makes a document searchable."""
-    monkeypatch.setattr(fulltext_mod, "COMMIT_INTERVAL", 0.05)
+    monkeypatch.setattr(actor_mod, "COMMIT_INTERVAL", 0.05)
     async with running_index(store_path) as (ground, index):
         await ground.add_turn("ana", "s", "lisbon", durable=True)
         while index.indexed_lsn < 1:  # bounded by the suite's wall-clock guard

@@ -7,24 +7,18 @@ first pending one, or at once when a caller of ``wait_indexed`` is waiting; each
 (~0.1-0.2 s) runs in a worker thread and is followed by a reload. Searches take a fresh searcher
 and may run from several threads at once.
 
-User text is never parsed as query syntax: the query is cut into terms by the very analyser the
-index uses (simple tokenizer, lowercase, English stemmer) and those terms are combined in code,
-so quotes, colons, parentheses, ``AND``, ``*`` and emoji are just text. Every query carries a
-mandatory term on the user field.
+What a search asks is built by ``query.py``; the index's schema, documents and files are
+``index.py``'s.
 
 The index is a derived view. Because commits follow the log in order, the highest lsn in the
 committed index is its watermark: on open the log is replayed from there (re-applying a
 deletion is harmless), and a missing or unreadable index is rebuilt from the start of the log.
 
-Damage is found before the index is used: every file tantivy writes into a segment ends with a
-footer holding a CRC-32 of the file's body (``body | footer JSON | footer length u32 | magic
-1337 u32``, little-endian), and :func:`check_index` verifies it for every file of every
-segment ``meta.json`` lists, so a flipped byte anywhere in a segment is caught. A damaged,
-incomplete or stale index (one covering log positions the store does not have) is deleted and
-rebuilt from the store in the background, logged with its progress; until the rebuild passes
-what the store held at open, :attr:`FullText.catching_up` is True and recall says so. tantivy
-reports some damage by panicking (pyo3's ``PanicException``, a ``BaseException``); it is caught
-here and treated like any other damage.
+A damaged, incomplete or stale index (one covering log positions the store does not have, or
+failing :func:`check_index`) is deleted and rebuilt from the store in the background, logged
+with its progress; until the rebuild passes what the store held at open,
+:attr:`FullText.catching_up` is True and recall says so. tantivy's panics are caught here and
+treated like any other damage.
 """
 
 from __future__ import annotations
@@ -32,111 +26,48 @@ from __future__ import annotations
 import json
 import logging
 import math
-import mmap
 import os
 import shutil
-import struct
-import zlib
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import tantivy
 import trio
 
-from .base.errors import EngineBroken, EngineClosed
-from .base.messages import PutState, Searchable
-from .base.where import Node, regex_escape, string_leaves
-from .store import Damaged, Store, damage_puts, failure_put, read_log_range, read_searchables
+from ..base.errors import EngineBroken, EngineClosed
+from ..base.messages import PutState, Searchable
+from ..base.where import Node
+from ..store import Damaged, Store, damage_puts, failure_put, read_log_range, read_searchables
+from .index import (
+    ANALYZER,
+    FOLLOW_CHUNK,
+    WRITER_HEAP,
+    IndexDamaged,
+    _analyzer,
+    _check_schema,
+    _copy_committed,
+    _is_panic,
+    _meta_lock,
+    _schema,
+    check_index,
+    write_records,
+)
+from .query import QueryBuilder, TextFilters
 
-__all__ = ["FullText", "TextFilters"]
+__all__ = ["FullText"]
 
 log = logging.getLogger("engram.fulltext")
 
 COMMIT_DOCS = 4_096  # pending documents that trigger a commit
 COMMIT_INTERVAL = 1.0  # seconds a document may wait for its commit when nobody is waiting
-FOLLOW_CHUNK = 2_048  # log records read per step
 DAMAGED_SUFFIX = ".damaged-"  # a damaged index moved aside before it is removed
-WRITER_HEAP = 64_000_000  # tantivy's writer heap: one thread's worth, well above its 3 MB floor
-ANALYZER = "engram_en"
 SEARCH_THREADS = 2  # concurrent searches: one per core
-FOOTER_MAGIC = 1337  # tantivy's footer magic number, the last 4 bytes of every segment file
-# Files every segment has (our schema has fast fields and a stored-nothing doc store);
-# ``.pos`` is left out: which segments have one depends on the fields' options.
-SEGMENT_FILES = ("idx", "term", "store", "fast", "fieldnorm")
 PROGRESS_EVERY = 50_000  # log positions between progress lines of a rebuild
 # Pending documents that trigger a commit while the index catches up with what the store held
 # at open: each commit costs ~0.1-0.2 s and a segment to merge, and nothing of a catch-up is
 # searchable before it ends anyway (recall flags the text leg meanwhile).
 CATCH_UP_COMMIT_DOCS = 65_536
 PURGE_ROUNDS = 3  # re-index passes a purge makes at most (a merge may land between two)
-
-
-# Words a query drops before BM25 (NLTK's 127 English stopwords, plus the auxiliaries of
-# questions): in "What did Caroline research?" only "caroline" and "research" carry signal, and
-# a document rich in "what" and "did" must not outrank one that says "research". Indexed text
-# keeps them (a query made only of these words still searches with them).
-QUERY_STOPWORDS = frozenset(
-    "i me my myself we our ours ourselves you your yours yourself yourselves he him his himself "
-    "she her hers herself it its itself they them their theirs themselves what which who whom "
-    "this that these those am is are was were be been being have has had having do does did "
-    "doing a an the and but if or because as until while of at by for with about against "
-    "between into through during before after above below to from up down in out on off over "
-    "under again further then once here there when where why how all any both each few more "
-    "most other some such no nor not only own same so than too very s t can will just don "
-    "should now would could might likely also ever".split())
-
-
-def _analyzer() -> tantivy.TextAnalyzer:
-    return (tantivy.TextAnalyzerBuilder(tantivy.Tokenizer.simple())
-            .filter(tantivy.Filter.remove_long(40))
-            .filter(tantivy.Filter.lowercase())
-            .filter(tantivy.Filter.stemmer("english"))
-            .build())
-
-
-def _schema() -> tantivy.Schema:
-    b = tantivy.SchemaBuilder()
-    b.add_unsigned_field("lsn", stored=False, indexed=True, fast=True)
-    for raw in ("user", "session", "role", "kind", "tags"):
-        b.add_text_field(raw, stored=False, tokenizer_name="raw")
-    b.add_date_field("at", stored=False, indexed=True, fast=True)
-    # Term frequencies without positions: BM25 needs no more, and no phrase query is offered
-    # (a third less index to write, copy and snapshot).
-    b.add_text_field("text", stored=False, tokenizer_name=ANALYZER, index_option="freq")
-    # What recall's ``where`` filters see (``base.where.attributes``): the record's own fields
-    # and a turn's meta as one JSON document (terms for equality, a fast column for ranges),
-    # and each string attribute as one "path NUL value" term, which ``contains`` matches with
-    # a regular expression (tantivy-py's regex query takes no JSON path).
-    b.add_json_field("attrs", stored=False, tokenizer_name="raw", index_option="basic",
-                     fast=True)
-    b.add_text_field("attr_str", stored=False, tokenizer_name="raw", index_option="basic")
-    return b.build()
-
-
-SCHEMA_FIELDS = ("lsn", "user", "session", "role", "kind", "tags", "at", "text", "attrs",
-                 "attr_str")  # _schema's, in order: an index with others is rebuilt
-# Attributes a filter finds in the text index's own columns rather than in ``attrs``.
-COLUMNS = {"kind": "kind", "role": "role", "session_id": "session", "tags": "tags"}
-_IN_COLUMNS = frozenset(COLUMNS)
-
-
-class TextFilters:
-    """What a text search may return, beyond its user."""
-
-    __slots__ = ("session_id", "since", "until", "roles", "kinds", "tags", "lsns", "where",
-                 "exclude")
-
-    def __init__(self, session_id: str | None = None, since: datetime | None = None,
-                 until: datetime | None = None, roles: tuple[str, ...] | None = None,
-                 kinds: tuple[str, ...] | None = None,
-                 tags: tuple[str, ...] | None = None, lsns: list[int] | None = None,
-                 where: Node | None = None, exclude: list[int] | None = None) -> None:
-        self.session_id, self.since, self.until = session_id, since, until
-        self.roles, self.kinds, self.tags = roles, kinds, tags
-        self.lsns = lsns  # only these records (e.g. the facts a category filter admits)
-        self.where = where  # a compiled ``where`` filter (``base.where.parse``)
-        self.exclude = exclude  # never these (what a time-travelling recall's store lacked)
 
 
 class FullText:
@@ -148,9 +79,8 @@ class FullText:
         # Only search the index as its owner (another process) last committed it.
         self._read_only = read_only
         self._analyzer = _analyzer()
-        # The stopwords as the analyser leaves them (stemmed), to compare with query terms.
-        self._stop = frozenset(self._analyzer.analyze(" ".join(QUERY_STOPWORDS)))
         self._schema = _schema()
+        self._queries = QueryBuilder(self._schema, self._analyzer)
         self._index: tantivy.Index | None = None
         self._writer: Any = None
         self._indexed_lsn = 0  # every log record up to here is searchable (indexed_lsn)
@@ -545,13 +475,7 @@ class FullText:
                 where: Node | None) -> list[int]:
         if self._index is None:
             return []
-        Q, Occur, schema = tantivy.Query, tantivy.Occur, self._schema
-        scope = [(Occur.Must, Q.term_query(schema, "user", user_id))]
-        if tags is not None:
-            scope.append((Occur.Must, Q.term_set_query(schema, "tags", list(tags))))
-        if where is not None:
-            scope.append((Occur.Must, self._where_query(where)))
-        query = Q.boolean_query(scope)
+        query = self._queries.tagged(self._index, user_id, tags, where)
         searcher = self._index.searcher()
         hits = searcher.search(query, limit=limit, count=False).hits
         if not hits:
@@ -560,14 +484,12 @@ class FullText:
 
     def terms(self, text: str) -> list[str]:
         """The query's terms, as the index analyses text (deduplicated, in order)."""
-        return list(dict.fromkeys(self._analyzer.analyze(text)))
+        return self._queries.terms(text)
 
     def query_terms(self, text: str) -> list[str]:
         """The terms a query searches with: its terms without QUERY_STOPWORDS, or all of them
         when nothing else is left."""
-        terms = self.terms(text)
-        kept = [t for t in terms if t not in self._stop]
-        return kept or terms
+        return self._queries.query_terms(text)
 
     async def search(self, user_id: str, text: str, k: int,
                      filters: TextFilters | None = None) -> list[tuple[int, float]]:
@@ -593,259 +515,10 @@ class FullText:
         terms = self.query_terms(text)
         if not terms or self._index is None:
             return []
-        Q, Occur, schema = tantivy.Query, tantivy.Occur, self._schema
-        words = Q.boolean_query([(Occur.Should, Q.term_query(schema, "text", t)) for t in terms])
-        scope = [(Occur.Must, Q.term_query(schema, "user", user_id))]
-        if filters is not None:
-            if filters.session_id is not None:
-                scope.append((Occur.Must, Q.term_query(schema, "session", filters.session_id)))
-            if filters.roles is not None:
-                scope.append((Occur.Must, Q.term_set_query(schema, "role", list(filters.roles))))
-            if filters.kinds is not None:
-                scope.append((Occur.Must, Q.term_set_query(schema, "kind", list(filters.kinds))))
-            if filters.tags is not None:
-                scope.append((Occur.Must, Q.term_set_query(schema, "tags", list(filters.tags))))
-            if filters.lsns is not None:
-                scope.append((Occur.Must, Q.term_set_query(schema, "lsn", list(filters.lsns))))
-            if filters.exclude:
-                scope.append((Occur.MustNot,
-                              Q.term_set_query(schema, "lsn", list(filters.exclude))))
-            if filters.since is not None or filters.until is not None:
-                scope.append((Occur.Must, Q.range_query(
-                    schema, "at", tantivy.FieldType.Date, filters.since, filters.until)))
-            if filters.where is not None:
-                scope.append((Occur.Must, self._where_query(filters.where)))
-        # The scope only filters: a constant score of zero leaves the ranking to BM25.
-        query = Q.boolean_query([(Occur.Must, words),
-                                 (Occur.Must, Q.const_score_query(Q.boolean_query(scope), 0.0))])
+        query = self._queries.search(self._index, user_id, terms, filters)
         searcher = self._index.searcher()
         hits = searcher.search(query, limit=k, count=False).hits
         if not hits:
             return []
         lsns = searcher.fast_field_values("lsn", [address for _, address in hits])
         return [(int(lsn), float(score)) for (score, _), lsn in zip(hits, lsns, strict=True)]
-
-    def _where_query(self, node: Node) -> tantivy.Query:
-        """A compiled ``where`` filter as a tantivy query that matches exactly the documents
-        whose attributes ``node.matches`` (values and field names were checked by
-        ``where.parse``: the range grammar below only ever sees a checked path and a number)."""
-        Q, Occur, schema = tantivy.Query, tantivy.Occur, self._schema
-        op = node.op
-        if op == "and":
-            return Q.boolean_query([(Occur.Must, self._where_query(c)) for c in node.children])
-        if op == "or":
-            return Q.boolean_query([(Occur.Should, self._where_query(c))
-                                    for c in node.children])
-        if op in ("not", "ne", "nin"):
-            inner = (node.children[0] if op == "not"
-                     else Node("eq" if op == "ne" else "in", node.path, node.value))
-            return Q.boolean_query([(Occur.Must, Q.all_query()),
-                                    (Occur.MustNot, self._where_query(inner))])
-        space, *rest = node.path
-        column = COLUMNS.get(rest[0]) if space == "f" else None
-        value = node.value
-        if op == "contains":
-            if column is not None:
-                return Q.regex_query(schema, column, f"(?s).*{regex_escape(value)}.*")
-            prefix = regex_escape(".".join(node.path))
-            return Q.regex_query(schema, "attr_str", f"(?s){prefix}\x00.*{regex_escape(value)}.*")
-        if op in ("eq", "in"):
-            values = (value,) if op == "eq" else value
-            if column is not None:  # text columns: only strings can match
-                strings = [v for v in values if type(v) is str]
-                return (Q.term_set_query(schema, column, strings) if strings
-                        else Q.empty_query())
-            path = "attrs." + ".".join(node.path)
-            terms = [Q.term_query(schema, path, v) for v in values]
-            return terms[0] if len(terms) == 1 else Q.boolean_query(
-                [(Occur.Should, t) for t in terms])
-        if column is not None:  # a range over a text column matches nothing
-            return Q.empty_query()
-        bound = {"gt": ">", "gte": ">=", "lt": "<", "lte": "<="}[op]
-        return self._index.parse_query(f"attrs.{'.'.join(node.path)}:{bound}{float(value)!r}",
-                                       ["attrs"])
-
-
-def write_records(writer: Any, schema: tantivy.Schema, records: list[Searchable],
-                  deleted: list[int]) -> list[tuple[Searchable, Exception]]:
-    """Hand deletions and documents to a writer (uncommitted).
-
-    Returns:
-        The records the index could not take (a date outside its range, from a store written
-        before dates were checked), with why: the others are indexed all the same.
-    """
-    if deleted:  # by query: delete_documents_by_term misses u64 terms given Python ints
-        writer.delete_documents_by_query(tantivy.Query.term_set_query(schema, "lsn", deleted))
-    failed: list[tuple[Searchable, Exception]] = []
-    for r in records:
-        try:
-            doc = tantivy.Document()
-            doc.add_unsigned("lsn", r.lsn)  # typed adders: keyword construction guesses i64
-            doc.add_text("user", r.user_id)
-            doc.add_text("session", r.session_id)
-            doc.add_text("role", r.role)
-            doc.add_text("kind", r.kind)
-            doc.add_date("at", r.at)
-            doc.add_text("text", r.text)
-            for tag in r.tags:
-                doc.add_text("tags", tag)
-            if r.attrs:
-                fields = {k: v for k, v in r.attrs["f"].items() if k not in _IN_COLUMNS}
-                doc.add_json("attrs", {"f": fields, "m": r.attrs["m"]})
-                for path, value in string_leaves(r.attrs, _IN_COLUMNS):
-                    doc.add_text("attr_str", f"{path}\x00{value}")
-        except (ValueError, OverflowError) as exc:
-            failed.append((r, exc))
-            continue
-        writer.add_document(doc)
-    return failed
-
-
-class IndexDamaged(Exception):
-    """The index on disk is damaged or incomplete; the message says where."""
-
-
-def _check_schema(path: Path) -> None:
-    """An index written with other fields (by an older engine: before ``attrs`` came for
-    recall's filters) is rebuilt with this schema; tantivy itself would refuse to open it."""
-    try:
-        fields = tuple(f["name"] for f in json.loads((path / "meta.json").read_bytes())["schema"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise IndexDamaged(f"meta.json is unreadable: {exc!r}") from exc
-    if fields != SCHEMA_FIELDS:
-        raise IndexDamaged(f"it was written with the fields {', '.join(fields)} and this engine "
-                           f"indexes {', '.join(SCHEMA_FIELDS)} (an older engine's index)")
-
-
-def _is_panic(exc: BaseException) -> bool:
-    """pyo3's PanicException (a BaseException, from module pyo3_runtime): a Rust panic."""
-    return type(exc).__name__ == "PanicException"
-
-
-class _meta_lock:
-    """tantivy's meta lock, held while no writer may garbage-collect listed files."""
-
-    def __init__(self, path: Path) -> None:
-        self._path = path / ".tantivy-meta.lock"
-
-    def __enter__(self) -> None:
-        import fcntl
-
-        self._file = open(self._path, "a+b")
-        fcntl.flock(self._file, fcntl.LOCK_EX)  # tantivy takes this lock before it deletes
-
-    def __exit__(self, *exc: object) -> None:
-        self._file.close()  # closing drops the flock
-
-
-def check_index(path: Path) -> int:
-    """Check every file of every segment ``meta.json`` lists against tantivy's own footer
-    checksum (CRC-32 of the file's body). Returns the number of bytes checked.
-
-    Raises:
-        IndexDamaged: meta.json is unreadable, a listed file is missing, or a checksum, footer
-            or length does not match; the message names the file.
-    """
-    try:
-        segments = json.loads((path / "meta.json").read_bytes())["segments"]
-        expected: list[str] = []
-        for segment in segments:
-            sid = segment["segment_id"].replace("-", "")
-            expected += [f"{sid}.{ext}" for ext in SEGMENT_FILES]
-            if segment.get("deletes"):
-                expected.append(f"{sid}.{segment['deletes']['opstamp']}.del")
-            if (path / f"{sid}.pos").exists():
-                expected.append(f"{sid}.pos")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise IndexDamaged(f"meta.json is unreadable: {exc!r}") from exc
-    checked = 0
-    for name in expected:
-        file = path / name
-        try:
-            size = file.stat().st_size
-            if size < 8:
-                raise IndexDamaged(f"{name} is {size} bytes, shorter than a footer")
-            with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                length, magic = struct.unpack("<II", mm[size - 8 :])
-                if magic != FOOTER_MAGIC or length > size - 8:
-                    raise IndexDamaged(f"{name} has no valid footer")
-                footer = json.loads(mm[size - 8 - length : size - 8])
-                view = memoryview(mm)
-                try:
-                    crc = zlib.crc32(view[: size - 8 - length])  # releases the GIL
-                finally:
-                    view.release()
-        except FileNotFoundError:
-            raise IndexDamaged(f"{name}, listed in meta.json, is missing") from None
-        except (OSError, ValueError) as exc:
-            raise IndexDamaged(f"{name} cannot be checked: {exc!r}") from exc
-        if not isinstance(footer, dict) or footer.get("crc") != crc:
-            raise IndexDamaged(f"{name} fails its checksum (stored "
-                               f"{footer.get('crc') if isinstance(footer, dict) else None}, "
-                               f"computed {crc})")
-        checked += size
-    return checked
-
-
-def _copy_committed(source: Path, dest: Path) -> bool:
-    """Hard-link (or copy) meta.json and the files of the segments it lists, holding tantivy's
-    meta lock so that no merge's garbage collection removes them meanwhile."""
-    import fcntl
-    import json
-    import os
-
-    with open(source / ".tantivy-meta.lock", "a+b") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # tantivy takes this lock before it deletes files
-        try:
-            meta_bytes = (source / "meta.json").read_bytes()
-            segments = json.loads(meta_bytes)["segments"]
-            if any(segment.get("deletes") for segment in segments):
-                return False
-            ids = {segment["segment_id"].replace("-", "") for segment in segments}
-            dest.mkdir(parents=True)
-            for name in os.listdir(source):
-                if name.split(".", 1)[0] in ids:
-                    try:
-                        os.link(source / name, dest / name)
-                    except OSError:  # another filesystem: copy instead
-                        shutil.copy2(source / name, dest / name)
-            (dest / "meta.json").write_bytes(meta_bytes)
-            return True
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def build_index(store_path: Path, dest: Path, progress: Any = None) -> int:
-    """Index every searchable record of a (closed or copied) store into a fresh index at
-    ``dest``. Returns the lsn it covers. Runs in a worker thread or offline."""
-    import lmdb
-
-    from .store import MAX_DBS, open_databases
-    from .store.integrity import CheckedTxn, check_file
-
-    check_file(store_path)
-    env = lmdb.open(str(store_path), readonly=True, lock=False, max_dbs=MAX_DBS)
-    try:
-        dbs = open_databases(env)
-        names = {handle: name for name, handle in dbs.items()}
-        with env.begin() as txn:
-            raw = txn.get(b"last_lsn", db=dbs[b"meta"])
-            last = int.from_bytes(raw, "big") if raw else 0
-        dest.mkdir(parents=True)
-        schema = _schema()
-        index = tantivy.Index(schema, path=str(dest), reuse=False)
-        index.register_tokenizer(ANALYZER, _analyzer())
-        writer = index.writer(heap_size=WRITER_HEAP, num_threads=1)
-        after = 0
-        while after < last:
-            with env.begin() as txn:
-                records, _, after = read_log_range(CheckedTxn(txn, names), dbs, after, last,
-                                                   FOLLOW_CHUNK)
-            write_records(writer, schema, records, [])
-            if progress is not None:
-                progress(after, last)
-        writer.commit()
-        writer.wait_merging_threads()
-        return last
-    finally:
-        env.close()
