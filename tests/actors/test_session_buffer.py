@@ -1,0 +1,147 @@
+"""The SessionBuffer: the short-term windows, the session counters and the hot append path.
+
+Driven bare over a real Store (tests/actors/ground.py), as the engine's ingest drives it: the
+facade validates a turn, then ``append`` puts it in the window and on the Store's queue.
+add_turn's checks and history through the facade are tested through the engine
+(tests/test_engine.py, tests/test_scopes.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+import actors.store as store_mod
+from actors.base.config import Config
+from actors.session_buffer import Receipt, SessionBuffer
+
+from .ground import T0, Ground, running_store
+
+
+@asynccontextmanager
+async def running_buffer(path: Path, config: Config | None = None
+                         ) -> AsyncIterator[tuple[Ground, SessionBuffer]]:
+    """A store at ``path`` and a session buffer over it, loaded as the engine loads it."""
+    config = config or Config()
+    async with running_store(path, config) as ground:
+        buffer = SessionBuffer(ground.store, config)
+        await buffer.load()
+        yield ground, buffer
+
+
+def say(buffer: SessionBuffer, user_id: str, session_id: str, text: str, minute: int,
+        **scope: str | None) -> Receipt:
+    """Append one user turn said ``minute`` minutes after T0, as ingest does."""
+    return buffer.append(user_id, session_id, "user", text, T0 + timedelta(minutes=minute), {},
+                         **scope)
+
+
+async def test_appended_turns_are_in_history_before_the_disk_has_them(store_path) -> None:
+    """A turn is in its session's history as soon as append returns, numbered in order, and
+    its receipt's durable() returns once the store holds it."""
+    async with running_buffer(store_path) as (ground, buffer):
+        receipts = [say(buffer, "ana", "s1", f"turn {i}", i) for i in range(3)]
+        assert [r.seq for r in receipts] == [0, 1, 2]
+        assert [r.lsn for r in receipts] == sorted({r.lsn for r in receipts})
+        history = await buffer.history("ana", "s1", 10)
+        assert [(t.seq, t.text, t.turn_id) for t in history] == [
+            (r.seq, f"turn {r.seq}", r.turn_id) for r in receipts]
+        assert buffer.recent_turn("ana", receipts[1].lsn).text == "turn 1"
+        await receipts[-1].durable()
+        assert await ground.texts("ana", "s1") == {r.lsn: f"turn {r.seq}" for r in receipts}
+
+
+async def test_history_longer_than_the_window_reads_older_turns_from_the_store(
+        store_path) -> None:
+    """The window keeps the latest window_turns turns; asking for more reads the older ones
+    from the store, oldest first, after what was queued for the session is committed."""
+    async with running_buffer(store_path, Config(window_turns=2)) as (_, buffer):
+        for i in range(5):
+            say(buffer, "ana", "s1", f"turn {i}", i)
+        assert [t.text for t in await buffer.history("ana", "s1", 2)] == ["turn 3", "turn 4"]
+        history = await buffer.history("ana", "s1", 4)
+        assert [(t.seq, t.text) for t in history] == [(i, f"turn {i}") for i in range(1, 5)]
+        assert await buffer.history("ana", "nobody", 4) == []
+
+
+async def test_the_least_recently_used_window_is_dropped_and_its_history_stays(
+        store_path) -> None:
+    """Beyond live_windows sessions, the least recently used window leaves RAM; the session's
+    counters stay, and its history is read back from the store."""
+    async with running_buffer(store_path, Config(live_windows=1)) as (_, buffer):
+        for i in range(3):
+            say(buffer, "ana", "old", f"old {i}", i)
+        say(buffer, "ana", "new", "new 0", 10)
+        assert buffer.counts() == (1, 2, 4, 1)  # users, sessions, turns, windows in RAM
+        assert [t.text for t in buffer.turns_after("ana", 0)] == ["new 0"]  # windows in RAM
+        assert [t.text for t in await buffer.history("ana", "old", 10)] == [
+            "old 0", "old 1", "old 2"]
+        assert buffer.next_seq("ana", "old") == 3
+
+
+async def test_a_reloaded_buffer_counts_on_where_the_store_left_off(store_path) -> None:
+    """A new buffer over a reopened store knows every session (counts, times, scope) and
+    numbers the next turn after the last one stored."""
+    async with running_buffer(store_path) as (_, buffer):
+        for i in range(3):
+            last = say(buffer, "ana", "s1", f"turn {i}", i, agent_id="helper")
+        say(buffer, "bo", "s9", "hello", 7)
+        await last.durable()
+    async with running_buffer(store_path) as (_, buffer):
+        assert sorted(buffer.users()) == ["ana", "bo"]
+        [info] = buffer.sessions("ana")
+        assert (info.session_id, info.turn_count, info.agent_id) == ("s1", 3, "helper")
+        assert (info.started_at, info.last_at) == (T0, T0 + timedelta(minutes=2))
+        receipt = say(buffer, "ana", "s1", "turn 3", 3)
+        assert receipt.seq == 3
+        assert [t.text for t in await buffer.history("ana", "s1", 10)] == [
+            f"turn {i}" for i in range(4)]
+        assert buffer.scope("ana", "s1") == ("helper", "")
+
+
+async def test_a_session_keeps_the_scope_of_its_first_turn(store_path) -> None:
+    """agent_id and run_id scope a new session; a later turn that names none is stored under
+    the session's scope, and sessions_in_scope finds the session by either part."""
+    async with running_buffer(store_path) as (ground, buffer):
+        say(buffer, "ana", "s1", "first", 0, agent_id="helper", run_id="r1")
+        later = say(buffer, "ana", "s1", "second", 1)
+        say(buffer, "ana", "s2", "elsewhere", 2)
+        assert buffer.scope("ana", "s1") == ("helper", "r1")
+        assert buffer.scope("ana", "nobody") is None
+        assert buffer.sessions_in_scope("ana", "helper", None) == ["s1"]
+        assert buffer.sessions_in_scope("ana", None, "r1") == ["s1"]
+        assert sorted(buffer.sessions_in_scope("ana", None, None)) == ["s1", "s2"]
+        await later.durable()
+        stored = await ground.store.read(store_mod.read_session_turns, "ana", "s1", 0, 2**63)
+        assert [(t.agent_id, t.run_id) for t in stored] == [("helper", "r1")] * 2
+
+
+async def test_an_unencodable_turn_leaves_nothing_behind(store_path) -> None:
+    """A turn that cannot be encoded raises before any state changes: no session, no count,
+    nothing queued, and the next turn takes the log position it would have had."""
+    async with running_buffer(store_path) as (ground, buffer):
+        before = ground.store.next_lsn
+        with pytest.raises(TypeError, match="unsupported"):
+            buffer.append("ana", "s1", "user", "hi", T0, {"x": object()})
+        assert buffer.next_seq("ana", "s1") is None and buffer.counts() == (0, 0, 0, 0)
+        receipt = say(buffer, "ana", "s1", "hi", 0)
+        assert (receipt.seq, receipt.lsn) == (0, before)
+
+
+async def test_dropping_a_user_or_a_session_forgets_only_that(store_path) -> None:
+    """drop_session and drop_user take the counters and windows of what they name, and leave
+    every other session as it was."""
+    async with running_buffer(store_path) as (_, buffer):
+        say(buffer, "ana", "s1", "one", 0)
+        say(buffer, "ana", "s2", "two", 1)
+        say(buffer, "bo", "s1", "three", 2)
+        buffer.drop_session("ana", "s1")
+        assert [s.session_id for s in buffer.sessions("ana")] == ["s2"]
+        buffer.drop_user("ana")
+        assert buffer.users() == ["bo"] and buffer.sessions("ana") == []
+        assert buffer.counts() == (1, 1, 1, 1)
+        assert [t.text for t in await buffer.history("bo", "s1", 5)] == ["three"]
