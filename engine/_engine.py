@@ -3,7 +3,8 @@ open and hands the call to the module that owns its concern. Nothing here touche
 
 Where each call goes (one module per concern, named for it):
 
-- ``_wiring.py``: the actors started in order, stopped in reverse; failures as one error;
+- ``_wiring.py``: open's arguments checked and its model chosen; the actors started in order,
+  stopped in reverse; failures as one error;
 - ``_ingest.py``: ``add_turn(s)``, the history reads, ``flush``;
 - ``_recall.py``: ``recall``, ``retrieve_memory(_raw)``, ``context_pre_retrieve`` (the pipeline
   is ``_retrieval.py``, seed 001's sections ``_briefing.py``, the result types ``_hits.py``);
@@ -18,7 +19,6 @@ Where each call goes (one module per concern, named for it):
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -26,7 +26,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
-import msgspec
 import numpy as np
 import trio
 
@@ -45,14 +44,8 @@ from actors.base.records import (
     SummaryState,
     Turn,
 )
-from actors.embedder import (
-    DEFAULT_MODEL,
-    Embedder,
-    EmbeddingBackend,
-    OnnxEmbedder,
-    model_for_store,
-)
-from actors.extraction import Extractor, RuleExtractor
+from actors.embedder import EmbeddingBackend
+from actors.extraction import Extractor
 from actors.session_buffer import Receipt
 
 from . import _browse, _stats
@@ -64,7 +57,7 @@ from ._forget import Forgetting
 from ._hits import Hits, RetrieveResult
 from ._ingest import Ingest
 from ._links import Links
-from ._llm import LLM, ModelTasks
+from ._llm import LLM
 from ._logbatch import PartitionLog
 from ._maintenance import Maintenance, MaintenanceReport
 from ._memory import EntityInfo, Memory
@@ -76,7 +69,7 @@ from ._snapshot import Manifest, compact, restore, take_snapshot
 from ._stats import Stats
 from ._tools import call_tool
 from ._verify import verify_store
-from ._wiring import Running, running
+from ._wiring import Running, checked_open, embedding_for, running
 
 __all__ = ["Engine"]
 
@@ -160,42 +153,11 @@ class Engine:
                 not match the store: it was edited outside the engine.
             EngineBroken: an actor failed while the engine ran (``__cause__`` has the group).
         """
-        if not isinstance(path, (str, os.PathLike)):
-            raise InvalidInput("path", f"expected a directory path, found {type(path).__name__}")
-        if llm is not None and not isinstance(llm, LLM):
-            raise InvalidInput("llm", "expected an object with an async complete(system, prompt) "
-                                      f"method, found {type(llm).__name__}")
-        if extractor is not None and not (isinstance(extractor, Extractor)
-                                          and not isinstance(extractor, type)
-                                          and isinstance(extractor.name, str)
-                                          and extractor.name.strip()
-                                          and inspect.iscoroutinefunction(extractor.extract)):
-            raise InvalidInput("extractor", "expected an object with a non-empty str name and "
-                                            "an async extract(text) method, found "
-                                            + (f"the class {extractor.__name__}: pass an "
-                                               "instance" if isinstance(extractor, type)
-                                               else type(extractor).__name__))
-        config = Config.checked(dict(config) if isinstance(config, Mapping) else config)
-        if type(read_only) is not bool:
-            raise InvalidInput("read_only", f"expected True or False, found {read_only!r}")
-        if read_only and reembed:
-            raise InvalidInput("reembed", "expected False with read_only=True (re-embedding "
-                                          "rewrites every vector), found True")
-        if read_only:  # a reader derives nothing: that is the owner's work
-            config = msgspec.structs.replace(config, background_embedding=False,
-                                             long_term=False)
+        config, tasks, extractor = checked_open(path, config, llm, extractor, read_only,
+                                                reembed)
         clock = clock or _utc_now
-        tasks = None if llm is None else ModelTasks(llm)
-        if extractor is None:
-            extractor = RuleExtractor() if tasks is None else tasks
-        if embedder is None:
-            model = config.model
-            if model is None:  # the store's own, so an older default never strands a store
-                model = (DEFAULT_MODEL if reembed
-                         else await trio.to_thread.run_sync(model_for_store, Path(path)))
-            embedder = OnnxEmbedder(model, config.model_dir, config.embed_threads)
-        embedding = Embedder(embedder, config.query_cache, config.background_embed_threads)
         root = Path(path)
+        embedding = await embedding_for(root, config, embedder, reembed)
         owner = None if read_only else OwnerLock(root, "serving").acquire()
         try:
             claim = claim_in_process(root, "read-only" if read_only else "serving")

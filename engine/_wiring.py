@@ -1,5 +1,6 @@
-"""The engine's lifetime: its actors started in dependency order inside one nursery, stopped in
-reverse, and whatever fails in that nursery raised as one engine error.
+"""The engine's lifetime: ``Engine.open``'s arguments checked and its embedding model chosen,
+its actors started in dependency order inside one nursery, stopped in reverse, and whatever
+fails in that nursery raised as one engine error.
 
 Order of start: the store (it replays and recovers the log), the embedder, the vector index,
 the text index (both catch up with the log from their watermarks), the session buffer
@@ -11,20 +12,29 @@ store, which drains what is queued.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable
+import inspect
+import os
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import trio
 
 from actors.ann_index import AnnIndex
 from actors.base.config import Config
-from actors.base.errors import EngineBroken, StoreCorrupt, StoreTampered
-from actors.embedder import Embedder
+from actors.base.errors import EngineBroken, InvalidInput, StoreCorrupt, StoreTampered
+from actors.embedder import (
+    DEFAULT_MODEL,
+    Embedder,
+    EmbeddingBackend,
+    OnnxEmbedder,
+    model_for_store,
+)
 from actors.entities import Entities
 from actors.episodic import EpisodicCompressor
-from actors.extraction import Extractor
+from actors.extraction import Extractor, RuleExtractor
 from actors.facts import Facts
 from actors.fulltext import FullText
 from actors.imported import Imported
@@ -32,10 +42,10 @@ from actors.session_buffer import SessionBuffer, new_turn_id
 from actors.store import Store
 
 from ._forget import Scrubber
-from ._llm import ModelTasks
+from ._llm import LLM, ModelTasks
 from ._parts import Clock, Parts
 
-__all__ = ["Running", "running"]
+__all__ = ["Running", "checked_open", "embedding_for", "running"]
 
 
 class Running:
@@ -53,6 +63,65 @@ class Running:
         scope = trio.CancelScope()
         self.background.append(scope)
         await self._nursery.start(_in_scope, scope, task, *args)
+
+
+def checked_open(path: Any, config: Config | Mapping[str, Any] | None, llm: Any,
+                 extractor: Any, read_only: Any, reembed: bool
+                 ) -> tuple[Config, ModelTasks | None, Extractor]:
+    """``Engine.open``'s arguments checked, before anything is opened.
+
+    Returns:
+        The config (a reader's with the background work off), the LLM's tasks (None without
+        an LLM) and the fact extractor (the LLM's prompt, or the offline rules).
+
+    Raises:
+        InvalidInput: a bad path, config, llm, extractor, read_only or reembed, as
+            ``Engine.open`` documents them.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidInput("path", f"expected a directory path, found {type(path).__name__}")
+    if llm is not None and not isinstance(llm, LLM):
+        raise InvalidInput("llm", "expected an object with an async complete(system, prompt) "
+                                  f"method, found {type(llm).__name__}")
+    if extractor is not None and not (isinstance(extractor, Extractor)
+                                      and not isinstance(extractor, type)
+                                      and isinstance(extractor.name, str)
+                                      and extractor.name.strip()
+                                      and inspect.iscoroutinefunction(extractor.extract)):
+        raise InvalidInput("extractor", "expected an object with a non-empty str name and "
+                                        "an async extract(text) method, found "
+                                        + (f"the class {extractor.__name__}: pass an "
+                                           "instance" if isinstance(extractor, type)
+                                           else type(extractor).__name__))
+    config = Config.checked(dict(config) if isinstance(config, Mapping) else config)
+    if type(read_only) is not bool:
+        raise InvalidInput("read_only", f"expected True or False, found {read_only!r}")
+    if read_only and reembed:
+        raise InvalidInput("reembed", "expected False with read_only=True (re-embedding "
+                                      "rewrites every vector), found True")
+    if read_only:  # a reader derives nothing: that is the owner's work
+        config = msgspec.structs.replace(config, background_embedding=False,
+                                         long_term=False)
+    tasks = None if llm is None else ModelTasks(llm)
+    if extractor is None:
+        extractor = RuleExtractor() if tasks is None else tasks
+    return config, tasks, extractor
+
+
+async def embedding_for(root: Path, config: Config, embedder: EmbeddingBackend | None,
+                        reembed: bool) -> Embedder:
+    """The Embedder actor over ``embedder``, or over the ONNX model ``config.model`` names, or
+    the one the store at ``root`` was made with (the default model for a new store, or with
+    ``reembed``). Nothing is loaded here: the actor reads the model files when it starts
+    (``running``), and raises ModelMissing then.
+    """
+    if embedder is None:
+        model = config.model
+        if model is None:  # the store's own, so an older default never strands a store
+            model = (DEFAULT_MODEL if reembed
+                     else await trio.to_thread.run_sync(model_for_store, root))
+        embedder = OnnxEmbedder(model, config.model_dir, config.embed_threads)
+    return Embedder(embedder, config.query_cache, config.background_embed_threads)
 
 
 @asynccontextmanager
