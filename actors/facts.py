@@ -384,7 +384,8 @@ class Facts:
             # the rules, ~512 turns); a plugged-in extractor's after each turn, so a slow
             # model's facts land as it finds them.
             proposals: list[Proposal] = []
-            for i, r in enumerate(records):
+            ruled = 0  # turns the rules ran on: the yields count these, not records
+            for r in records:
                 if r.kind != "turn" or r.role != "user" or r.lsn in imported:
                     continue
                 candidates, origin = None, extractor.name
@@ -396,8 +397,11 @@ class Facts:
                                     extractor.name, exc)
                 if candidates is None:
                     candidates, origin = extract_facts(r.text), "rules"
-                    if i % 8 == 7 or self._store.receipts_waiting:
-                        await self._store.yield_to_receipts()  # regex work in small steps
+                    ruled += 1
+                    # Regex work in small steps. Counted in ruled turns: in a conversation
+                    # every other record is an assistant's, which the rules skip.
+                    if ruled % 8 == 0 or self._store.receipts_waiting:
+                        await self._store.yield_to_receipts()
                 proposals += [Proposal(r.user_id, c, origin, (r.memory_id,), r.session_id,
                                        r.at, r.lsn) for c in candidates]
                 if not rules:

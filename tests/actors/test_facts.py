@@ -11,6 +11,7 @@ retrieval are in tests/test_facts_in_engine.py.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
@@ -214,3 +215,30 @@ async def test_forgetting_a_session_takes_the_facts_extracted_from_it(store_path
         assert sorted(fact.key for fact in history) == ["diet", "name"]
     everything = b"".join(k + v for rows in raw_databases(store_path).values() for k, v in rows)
     assert b"shellfish" not in everything
+
+
+async def test_the_rules_yield_the_loop_in_small_steps_when_roles_alternate(store_path,
+                                                                           monkeypatch) -> None:
+    """A conversation alternates user and assistant turns: the follower still gives the loop
+    back every few user turns it runs the rules on, not once per 512-record step (a durable
+    caller arriving meanwhile would wait behind the whole step's regex)."""
+    yields = 0
+    original = store_mod.Store.yield_to_receipts
+
+    async def counted(self) -> None:
+        nonlocal yields
+        if sys._getframe(1).f_code.co_name == "handle":  # the rules' loop, not the step's
+            yields += 1
+        await original(self)
+
+    async with running_store(store_path) as ground:
+        for i in range(64):
+            role = ("user", "assistant")[i % 2]
+            await ground.add_turn("ana", "s1", f"I live in Town{i}.", role=role)
+        await ground.store.wait_written()
+        facts = Facts(ground.store, lambda user, lsns: None, StepClock(), lambda: "f")
+        follower = facts.follower()
+        monkeypatch.setattr(store_mod.Store, "yield_to_receipts", counted)
+        await ground.start(follower.run)
+        await follower.wait(64)
+    assert yields >= 32 // 8  # one at least every 8 of the 32 user turns
