@@ -16,7 +16,9 @@ in the background, each preceded by its own floor measured in the same process:
              receipt then also covers the burst's own commit (log order: it is on disk only
              with everything before it), so this shows that cost, not a wait on background work.
 
-Each durable figure is reported as a ratio to its floor: the floor measured just before the
+After each phase, the engine's own trace of its durable receipts (``stats().durable_stages``:
+queued, plan, to_writer, write, commit, flush_wait, flush, to_trio, wake) says where their time
+went, p50 / p99 per stage. Each durable figure is reported as a ratio to its floor: the floor measured just before the
 phase and again just after it, pooled, so that the machine's load drifting during a phase
 moves both sides (issue 16's target: p99 <= 2x, p99.9 <= 3x). Prints a table and writes JSON
 (--out).
@@ -88,7 +90,8 @@ async def steady(path: Path, rate: float, seconds: float, writers: int,
         async with trio.open_nursery() as nursery:
             for w in range(writers):
                 nursery.start_soon(writer, w, mem)
-    return percentiles(latencies, 1e-3, "us")
+        stages = (await mem.stats()).durable_stages
+    return {**percentiles(latencies, 1e-3, "us"), "stages": stages}
 
 
 async def burst(path: Path, bursts: int, burst_turns: int, writers: int,
@@ -114,7 +117,8 @@ async def burst(path: Path, bursts: int, burst_turns: int, writers: int,
                     nursery.start_soon(durable_one, mem, b, w)
             progress("burst", b + 1, bursts)
             await trio.sleep(0.2)  # the followers keep working on the burst between rounds
-    return percentiles(latencies, 1e-3, "us")
+        stages = (await mem.stats()).durable_stages
+    return {**percentiles(latencies, 1e-3, "us"), "stages": stages}
 
 
 def main() -> None:
@@ -176,6 +180,14 @@ def main() -> None:
         r["ratio_p999"] = r["p999_us"] / f["p999_us"]
         print(f"{name}: durable / floor  p50 {r['ratio_p50']:.2f}x  p99 {r['ratio_p99']:.2f}x  "
               f"p99.9 {r['ratio_p999']:.2f}x")
+    for name in phases:
+        stages = results[name]["stages"]
+        print(f"\n{name}: where the engine's last {min(results[name]['n'], 1024)} waits for a "
+              "commit spent their time (stats().durable_stages)")
+        print("  " + "".join(f"{stage:>11}" for stage in stages))
+        for q in ("p50", "p99"):
+            print("  " + "".join(f"{s[q + '_ms'] * 1e3:>9.0f}µs" for s in stages.values())
+                  + f"  {q}")
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     write_results(args.out, results, "durable")
 

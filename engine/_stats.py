@@ -48,6 +48,11 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
         degraded: the search legs whose index is being rebuilt or caught up with what the
             store held at open (``bm25``, ``vector``); ``recall`` flags its results meanwhile.
         read_only: the engine was opened with ``read_only=True``.
+        durable_stages: where the latest waits for a commit to land (durable receipts,
+            mostly; up to 1,024 since open) spent their time, by stage of their way from the caller to the disk and back (``queued``,
+            ``plan``, ``to_writer``, ``write``, ``commit``, ``flush_wait``, ``flush``,
+            ``to_trio``, ``wake``, and the ``total``): each stage's ``p50_ms``, ``p99_ms`` and
+            ``max_ms``; empty until a durable receipt was awaited. README, Durability.
     """
 
     users: int
@@ -74,6 +79,7 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
     episodes_made: int = 0
     text_index_rebuilt: str | None = None
     vector_graphs_behind: int = 0
+    durable_stages: dict[str, dict[str, float]] = {}
 
 
 async def stats(parts: Parts) -> Stats:
@@ -110,6 +116,7 @@ async def stats(parts: Parts) -> Stats:
         episodes_made=parts.compressor.episodes_made,
         text_index_rebuilt=parts.fulltext.damage,
         vector_graphs_behind=parts.ann.graphs_behind(),
+        durable_stages=store.receipt_stages(),
     )
 
 

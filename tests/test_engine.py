@@ -152,6 +152,22 @@ async def test_stats_counts_what_is_held(mem: Engine) -> None:
     assert stats.queued == 0 and stats.store_bytes > 0
 
 
+async def test_stats_say_where_durable_receipts_spent_their_time(mem: Engine) -> None:
+    """stats times each durable receipt's way in stages, from queued to woken; buffered turns
+    add nothing."""
+    await mem.add_turn("ana", "s1", "user", "buffered")
+    await mem.flush()
+    assert (await mem.stats()).durable_stages == {}
+    for i in range(3):
+        await mem.add_turn("ana", "s1", "user", f"durable {i}", durable=True)
+    stages = (await mem.stats()).durable_stages
+    assert list(stages) == ["queued", "plan", "to_writer", "write", "commit", "flush_wait",
+                            "flush", "to_trio", "wake", "total"]
+    total = stages["total"]
+    assert 0 < total["p50_ms"] <= total["p99_ms"] <= total["max_ms"]
+    assert all(s["max_ms"] <= total["max_ms"] for s in stages.values())
+
+
 async def test_stats_say_how_far_the_long_term_layer_and_both_indexes_have_got(
         store_path, monkeypatch) -> None:
     """stats names each long-term follower's position and the episodes made, the users whose

@@ -109,12 +109,12 @@ async def test_turns_and_watermark_commit_in_one_transaction_even_past_the_batch
         seen: list[list[str]] = []
         real = store._write
 
-        def spy(segments, last):
+        def spy(segments, last, flush):
             kinds = []
             for seg in segments:
                 kinds += ["turn"] * len(seg.ops) if hasattr(seg, "ops") else [type(seg).__name__]
             seen.append(kinds)
-            return real(segments, last)
+            return real(segments, last, flush)
 
         monkeypatch.setattr(store, "_write", spy)
         await mem.apply_log_batch(0, [(n, turn(n)) for n in range(1, 11)])
@@ -135,7 +135,7 @@ async def test_each_logged_call_and_forget_commits_in_the_transaction_of_its_wat
         batches: list[list[tuple[str, int | None]]] = []  # (op kind, watermark) per commit
         real = store._write
 
-        def spy(segments, last):
+        def spy(segments, last, flush):
             ops: list[tuple[str, int | None]] = []
             for seg in segments:
                 if hasattr(seg, "ops"):
@@ -147,7 +147,7 @@ async def test_each_logged_call_and_forget_commits_in_the_transaction_of_its_wat
                         mark = int.from_bytes(value, "big")
                 ops.append((type(seg).__name__, mark))
             batches.append(ops)
-            return real(segments, last)
+            return real(segments, last, flush)
 
         def written_with(seq: int) -> str:
             """The op just before the put of watermark ``seq``, in the same commit."""

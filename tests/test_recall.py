@@ -274,9 +274,9 @@ async def test_retrieve_memory_includes_a_turn_not_yet_on_disk(store_path, monke
     gate = threading.Event()
     original = store_mod.Store._write
 
-    def held_write(self, segments, last_lsn):
+    def held_write(self, segments, last_lsn, flush):
         gate.wait(10)
-        return original(self, segments, last_lsn)
+        return original(self, segments, last_lsn, flush)
 
     async with open_engine(store_path, config={"background_embedding": False}) as mem:
         monkeypatch.setattr(store_mod.Store, "_write", held_write)

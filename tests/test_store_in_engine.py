@@ -41,7 +41,7 @@ async def test_a_failing_disk_breaks_the_engine_loudly(store_path, monkeypatch) 
     """A write error fails pending durable receipts and surfaces as one EngineBroken."""
     outcomes: list[BaseException] = []
 
-    def broken_write(self, segments, last_lsn):
+    def broken_write(self, segments, last_lsn, flush):
         raise EngineBroken("writing to the store failed: No space left on device") from OSError(28, "ENOSPC")
 
     with pytest.raises(EngineBroken, match=r"the engine failed") as info:

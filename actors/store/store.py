@@ -67,7 +67,7 @@ from .layout import (
 )
 from .migrate import MIGRATIONS
 from .vectors import ModelInfo, _decode_model
-from .writer import COMMIT_TIMES, Writer, _Landing
+from .writer import COMMIT_TIMES, RECEIPTS_TIMED, Writer, _Landing
 
 READ_THREADS = 2  # concurrent read transactions: one per core; the writer has its own limiter
 TAIL_CHECK = 64  # log positions whose chain opening a store recomputes: the last writes
@@ -112,7 +112,10 @@ class Store(Writer, Appliers, Forgetting):
         self._queued = 0  # ops taken and not yet committed (queued or in the writer)
         self._next_lsn = 1
         self._committed_lsn = 0
-        self._waiters: list[tuple[int, int, trio.Event]] = []  # heap of (lsn, tiebreak, event)
+        # Heap of [lsn, tiebreak, event, the landing's stage times once it lands].
+        self._waiters: list[list[Any]] = []
+        # (waited, landing's stage times, woken) of the latest durable receipts, in ns.
+        self._receipt_times: deque[tuple[int, list[int], int]] = deque(maxlen=RECEIPTS_TIMED)
         self._tiebreak = 0
         self._failure: BaseException | None = None  # why the commit loop died, if it did
         # Ops the writer refused alone (their batch committed without them): by lsn for their

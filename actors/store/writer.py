@@ -18,6 +18,11 @@ py-lmdb binds a write transaction to the thread that began it, so:
   own fdatasync, whichever ends first. So the writer commits the next batch while the last one's
   meta page is flushed, and a power cut can undo only a batch that has not landed (LMDB keeps
   the previous meta page and every page it points to intact), never corrupt the store.
+  A batch a caller waits for, when nothing was queued behind it by the time its commit
+  returned, is flushed at once by the writer's own thread: there is no next batch for the sync
+  thread to overlap, and the caller is spared two thread hops and a pass of the trio loop.
+- Every durable receipt's way is timed in stages (:data:`STAGES`, ``receipt_stages``): a few
+  clock reads a batch and two a receipt, so ``stats()`` can say where a receipt's time goes.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import contextlib
 import contextvars
 import heapq
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -67,21 +73,52 @@ REFUSALS_KEPT = 1024  # refused lsns remembered for their waiters
 # Ops the writer takes into a batch planned while a flush that callers wait on is under way:
 # planning is Python on the trio thread, and the flush's callers are released on that thread.
 BATCH_MAX_WHILE_WAITED = 256
+RECEIPTS_TIMED = 1024  # the latest durable receipts whose stages receipt_stages summarises
+# A durable receipt's way from the caller to its release, in order (nanoseconds each):
+#   queued      its turn waits in the queue until the writer takes its batch
+#   plan        the batch is cut into runs for the transaction (trio thread)
+#   to_writer   the hop to the writer's thread
+#   write       the puts and the hash chain, inside the transaction
+#   commit      LMDB's commit: the pages written and fdatasynced, the meta page written
+#   flush_wait  until the flush that lands it begins (0: flushed by the writer's own thread)
+#   flush       that flush: an fdatasync (or the next commit's, which lands it as well)
+#   to_trio     the hop back to the trio thread, until the batch lands there
+#   wake        from the landing until the caller's task runs again
+STAGES = ("queued", "plan", "to_writer", "write", "commit", "flush_wait", "flush", "to_trio",
+          "wake")
+_clock = time.perf_counter_ns
+
+
+class _Commit:
+    """What one write transaction did, as its worker thread saw it: the clock (ns) when it
+    began, when LMDB's commit began and returned, and when the flush the thread ran itself
+    began and ended (0: none)."""
+
+    __slots__ = ("began", "committing", "committed", "synced", "flush_began", "flush_ended")
+
+    def __init__(self, began: int) -> None:
+        self.began = began
+        self.committing = self.committed = began
+        self.synced = False  # the commit wrote, and so fdatasynced, something
+        self.flush_began = self.flush_ended = 0
 
 
 class _Landing:
     """A committed batch on its way to landing: what its ops return, what was refused, the last
-    lsn it logged and how many ops it took."""
+    lsn it logged and how many ops it took, and the clock (ns) at each stage of its way
+    (``times``, indexed as STAGES' ends: taken, planned, began, committing, committed,
+    flush began, flush ended, landed)."""
 
-    __slots__ = ("results", "refused", "last", "count", "number")
+    __slots__ = ("results", "refused", "last", "count", "number", "times")
 
     def __init__(self, results: list[tuple[Any, Any]], refused: list[tuple[Any, BaseException]],
-                 last: int | None, count: int, number: int) -> None:
+                 last: int | None, count: int, number: int, times: list[int]) -> None:
         self.results = results
         self.refused = refused
         self.last = last
         self.count = count
         self.number = number  # commits ever made by this process, this one included
+        self.times = times
 
 
 class Attached:
@@ -351,8 +388,14 @@ class Writer:
             raise self._not_committed_error()
         self._tiebreak += 1
         event = trio.Event()  # set once the commit covering lsn lands, or the store fails
-        heapq.heappush(self._waiters, (lsn, self._tiebreak, event))
+        waited = _clock()
+        # [lsn, tiebreak, event, the landing's times once it lands]: ordered by lsn, then
+        # arrival; the event is never compared.
+        waiter = [lsn, self._tiebreak, event, None]
+        heapq.heappush(self._waiters, waiter)
         await event.wait()
+        if waiter[3] is not None:
+            self._receipt_times.append((waited, waiter[3], _clock()))
         if lsn > self._committed_lsn:
             raise self._not_committed_error()
         if lsn in self._refused:
@@ -402,6 +445,26 @@ class Writer:
     def receipts_waiting(self) -> bool:
         """Whether a caller waits for a commit to land (background loops check it cheaply)."""
         return bool(self._waiters)
+
+    def receipt_stages(self) -> dict[str, dict[str, float]]:
+        """Where the latest durable receipts' time went (up to RECEIPTS_TIMED of them): for
+        each of :data:`STAGES` and ``total``, the median, 99th percentile and maximum in
+        milliseconds; empty if no receipt waited yet. A receipt awaited after its batch was
+        taken counts its queued stage as 0."""
+        rows = []
+        for waited, times, woken in self._receipt_times:
+            ends = (waited, *times, woken)
+            rows.append((*(max(0, ends[i + 1] - ends[i]) for i in range(len(STAGES))),
+                         woken - waited))
+        summary: dict[str, dict[str, float]] = {}
+        for i, name in enumerate((*STAGES, "total")):
+            values = sorted(row[i] for row in rows)
+            if values:
+                summary[name] = {"p50_ms": values[len(values) // 2] / 1e6,
+                                 "p99_ms": values[min(len(values) - 1,
+                                                      len(values) * 99 // 100)] / 1e6,
+                                 "max_ms": values[-1] / 1e6}
+        return summary
 
     async def yield_to_receipts(self) -> None:
         """Background work (the log's followers) calls this before each step: while a caller
@@ -457,29 +520,43 @@ class Writer:
             else:
                 ops = [queue.popleft() for _ in range(n)]
             self._taken += n
+            taken = _clock()
             segments = _plan(ops)
             last = None  # logged ops are queued in lsn order: the batch's last is its highest
             for op in reversed(ops):
                 if op.lsn is not None:
                     last = op.lsn
                     break
+            # A caller waits for this batch: its commit may be flushed by the writer's thread.
+            flush = (self._meta_deferred and last is not None and bool(self._waiters)
+                     and self._waiters[0][0] <= last)
+            planned = _clock()
             while (written := await trio.to_thread.run_sync(
-                self._write, segments, last, limiter=self._write_limiter
+                self._write, segments, last, flush, limiter=self._write_limiter
             )) is None:
                 await self._grow_map()
-            (results, refused), synced = written
+            (results, refused), commit = written
             self._queued -= n
             if self._room:
                 self._room.unpark_all()
             self._commit_count += 1
-            landing = _Landing(results, refused, last, n, self._commit_count)
+            landing = _Landing(results, refused, last, n, self._commit_count,
+                               [taken, planned, commit.began, commit.committing,
+                                commit.committed, commit.flush_began, commit.flush_ended, 0])
             if not self._meta_deferred:
-                self._land(landing)  # fsync off: no flush to wait for (kill -9 safe only)
+                # fsync off: no flush to wait for (kill -9 safe only)
+                landing.times[5] = landing.times[6] = commit.committed
+                self._land(landing)
+            elif commit.flush_ended:
+                # Flushed by the writer's thread after the commit returned: this batch and
+                # every one before it are on disk.
+                self._landings.append(landing)
+                self._land_upto(self._commit_count, commit)
             else:
-                if synced:
+                if commit.synced:
                     # This commit's fdatasync ran after every earlier commit's meta page was
                     # written: they are all on disk now.
-                    self._land_upto(self._commit_count - 1)
+                    self._land_upto(self._commit_count - 1, commit)
                 self._landings.append(landing)
                 if not self._queue or self._waited(landing):
                     self._want_sync()
@@ -526,10 +603,19 @@ class Writer:
                 continue  # a later commit's own fdatasync landed them meanwhile
             self._sync_waited = self._waited(self._landings[-1])
             try:
-                await trio.to_thread.run_sync(self._sync, limiter=self._sync_limiter)
+                flushed = await trio.to_thread.run_sync(self._timed_sync,
+                                                        limiter=self._sync_limiter)
             finally:
                 self._sync_waited = False
-            self._land_upto(covered)
+            self._land_upto(covered, flushed)
+
+    def _timed_sync(self) -> _Commit:
+        """:meth:`_sync`, timed (worker thread): its start and end as a flush's."""
+        flushed = _Commit(0)
+        flushed.flush_began = _clock()
+        self._sync()
+        flushed.flush_ended = _clock()
+        return flushed
 
     def _sync(self) -> None:
         """fdatasync of the data file (worker thread)."""
@@ -538,10 +624,17 @@ class Writer:
         except lmdb.Error as exc:
             raise EngineBroken(f"flushing the store at {self.path} failed: {exc}") from exc
 
-    def _land_upto(self, number: int) -> None:
+    def _land_upto(self, number: int, flush: _Commit) -> None:
+        """Land the batches up to commit ``number``, which ``flush`` (its own flush, a sync's,
+        or a later commit whose fdatasync covers them) put on disk."""
         landings = self._landings
         while landings and landings[0].number <= number:
-            self._land(landings.popleft())
+            landing = landings.popleft()
+            times = landing.times
+            if not times[6]:  # landed by a later commit's fdatasync, or by the sync thread
+                times[5], times[6] = ((flush.flush_began, flush.flush_ended) if flush.flush_ended
+                                      else (flush.committing, flush.committed))
+            self._land(landing)
 
     def _land(self, landing: _Landing) -> None:
         """A batch is on disk: release its callers, tell the derived views. Trio thread, in
@@ -551,8 +644,13 @@ class Writer:
             # The waiters first: they have the least Python between the flush and them.
             self._committed_lsn = last
             waiters = self._waiters
-            while waiters and waiters[0][0] <= last:
-                heapq.heappop(waiters)[2].set()
+            if waiters and waiters[0][0] <= last:
+                times = landing.times
+                times[7] = _clock()
+                while waiters and waiters[0][0] <= last:
+                    waiter = heapq.heappop(waiters)
+                    waiter[3] = times
+                    waiter[2].set()
         for op, error in landing.refused:
             self._refuse(op, error)
         self._written += landing.count
@@ -599,34 +697,47 @@ class Writer:
             self._refused_ops[id(op)] = refusal
             op.done.set()
 
-    def _write(self, segments: list[Any], last_lsn: int | None
+    def _write(self, segments: list[Any], last_lsn: int | None, flush: bool
                ) -> tuple[tuple[list[tuple[Any, Any]], list[tuple[Any, BaseException]]],
-                          bool] | None:
+                          _Commit] | None:
         """One write transaction (worker thread). If one op cannot be written, the batch is
         written again with each op in a nested transaction, so only that op is left out.
+        With ``flush`` (a caller waits for the batch), the environment is flushed right
+        after the commit if nothing was queued meanwhile: no next commit would overlap it.
 
         Returns:
             (((op, result) for every op that is not an append, in order; (op, error) for every
-            op refused), whether the commit wrote (and so fdatasynced) anything: LMDB commits
-            an empty transaction without touching the file); None if the map was full and
-            nothing was written.
+            op refused), the :class:`_Commit`: whether the commit wrote (and so fdatasynced)
+            anything, as LMDB commits an empty transaction without touching the file, and
+            whether this thread flushed it); None if the map was full and nothing was written.
         """
         env = self._env
+        commit = _Commit(_clock())
         before = env.info()["last_txnid"]
         try:
             try:
-                written = self._write_batch(segments, last_lsn, False)
+                written = self._write_batch(segments, last_lsn, False, commit)
             except _OP_ERRORS:
                 # some op of the batch cannot be written: find it, write the others
-                written = self._write_batch(segments, last_lsn, True)
+                written = self._write_batch(segments, last_lsn, True, commit)
         except lmdb.MapFullError:
             return None
         except lmdb.Error as exc:
             raise EngineBroken(f"writing to the store at {self.path} failed: {exc}") from exc
-        return written, env.info()["last_txnid"] != before
+        commit.committed = _clock()
+        commit.synced = env.info()["last_txnid"] != before
+        # The queue's length read from this thread: one atomic read under the GIL. Stale, it
+        # costs a caller a flush's wait or a batch a flush's delay, never a landing too early:
+        # the flush begins after the commit returned, whatever is queued.
+        if flush and commit.synced and not self._queue:
+            commit.flush_began = _clock()
+            self._sync()
+            commit.flush_ended = _clock()
+        return written, commit
 
-    def _write_batch(self, segments: list[Any], last_lsn: int | None, isolate: bool
-                     ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, BaseException]]]:
+    def _write_batch(self, segments: list[Any], last_lsn: int | None, isolate: bool,
+                     commit: _Commit) -> tuple[list[tuple[Any, Any]],
+                                               list[tuple[Any, BaseException]]]:
         """The batch in one transaction; with ``isolate``, each op (or run of appends, then
         each append of a run that fails) in a nested one, and a refused op's log position
         gets an empty tombstone, chained like any entry."""
@@ -675,6 +786,7 @@ class Writer:
             if last_lsn is not None:
                 txn.put(_LAST_LSN_KEY, lsn_key(last_lsn), db=dbs[b"meta"])
                 txn.put(HEAD_KEY, encode_head(last_lsn, digest, self._key), db=dbs[b"meta"])
+            commit.committing = _clock()  # leaving the block commits
         if last_lsn is not None:
             self._head = (last_lsn, digest)
         return results, refused

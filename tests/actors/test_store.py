@@ -153,7 +153,7 @@ async def test_a_failing_disk_fails_receipts_and_the_store_loudly(store_path, mo
     refuses every later op (the engine's one EngineBroken around it: tests/test_store_in_engine.py)."""
     outcomes: list[BaseException] = []
 
-    def broken_write(self, segments, last_lsn):
+    def broken_write(self, segments, last_lsn, flush):
         raise EngineBroken("writing to the store failed: No space left on device") from OSError(28, "ENOSPC")
 
     with pytest.RaisesGroup(pytest.RaisesExc(EngineBroken, match=r"No space left on device"),
@@ -175,9 +175,9 @@ async def test_durable_writers_share_commits(store_path, monkeypatch) -> None:
     commits: list[int] = []
     original = store_mod.Store._write
 
-    def counting_write(self, segments, last_lsn):
+    def counting_write(self, segments, last_lsn, flush):
         commits.append(last_lsn)
-        return original(self, segments, last_lsn)
+        return original(self, segments, last_lsn, flush)
 
     monkeypatch.setattr(store_mod.Store, "_write", counting_write)
     async with running_store(store_path) as store:
@@ -195,9 +195,9 @@ async def test_a_cancelled_caller_leaves_no_hole_in_the_log(store_path, monkeypa
     gate = threading.Event()
     original = store_mod.Store._write
 
-    def gated_write(self, segments, last_lsn):
+    def gated_write(self, segments, last_lsn, flush):
         gate.wait(10)
-        return original(self, segments, last_lsn)
+        return original(self, segments, last_lsn, flush)
 
     monkeypatch.setattr(store_mod.Store, "_write", gated_write)
     async with running_store(store_path) as store:
@@ -247,7 +247,7 @@ async def test_a_receipt_is_released_by_a_flush_begun_after_its_commit(store_pat
                                                                        monkeypatch) -> None:
     """With fsync on, LMDB leaves each commit's meta page to the next flush (MDB_NOMETASYNC):
     the receipt waits for a flush that began after its commit returned, and not a moment less."""
-    flushing = threading.Event()  # set when the sync loop's flush has begun
+    flushing = threading.Event()  # set when the flush has begun
     gate = threading.Event()  # set by the test: the flush may return
     original = store_mod.Store._sync
 
@@ -281,40 +281,77 @@ async def test_the_next_commit_lands_the_batch_before_it(store_path, monkeypatch
     """A commit fdatasyncs its pages after the previous commit wrote its meta page, so it lands
     that batch even while the sync loop's own flush is still under way."""
     gate = threading.Event()  # set by the test: the sync loop's flushes may return
-    first_written = threading.Event()  # set once the first batch's commit has returned
+    # Set by the test once a turn is queued behind batch 1 / 2: with a batch queued behind
+    # it, the writer leaves a batch's flush to the sync loop and to the next commit.
+    queued = {1: threading.Event(), 2: threading.Event()}
+    writing = {1: threading.Event(), 2: threading.Event()}  # set as batch 1 / 2 is written
     original_sync, original_write = store_mod.Store._sync, store_mod.Store._write
 
     def gated_sync(self):
         gate.wait(10)
         original_sync(self)
 
-    def recorded_write(self, segments, last_lsn):
-        written = original_write(self, segments, last_lsn)
-        if last_lsn == 1:
-            first_written.set()
-        return written
+    def held_write(self, segments, last_lsn, flush):
+        if last_lsn in queued:
+            writing[last_lsn].set()
+            queued[last_lsn].wait(10)
+        return original_write(self, segments, last_lsn, flush)
 
     monkeypatch.setattr(store_mod.Store, "_sync", gated_sync)
-    monkeypatch.setattr(store_mod.Store, "_write", recorded_write)
-    released = {1: trio.Event(), 2: trio.Event()}  # set when that lsn's receipt resolves
+    monkeypatch.setattr(store_mod.Store, "_write", held_write)
+    released = trio.Event()  # set when the first turn's receipt resolves
     async with running_store(store_path) as store:
         ingest = Ingest(store)
 
-        async def durable(text: str) -> None:
-            released[await ingest.add_turn("s1", text, durable=True)].set()
+        async def durable() -> None:
+            await ingest.add_turn("s1", "first", durable=True)
+            released.set()
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(durable, "first")
-            await trio.to_thread.run_sync(first_written.wait, 10)
-            await trio.testing.wait_all_tasks_blocked()  # its flush has begun, and is held
-            assert not released[1].is_set()
-            nursery.start_soon(durable, "second")
+            nursery.start_soon(durable)
+            for lsn in (1, 2):
+                await trio.to_thread.run_sync(writing[lsn].wait, 10)
+                await ingest.add_turn("s1", f"behind batch {lsn}")
+                queued[lsn].set()
             with trio.fail_after(30):
-                await released[1].wait()  # landed by the second commit, the flush still held
+                await released.wait()  # landed by the second commit, the flush still held
             assert store.committed_lsn == 1
-            assert not released[2].is_set()
             gate.set()
-        assert released[2].is_set()
+        await store.wait_committed(3)
+
+
+async def test_a_lone_durable_commit_is_flushed_on_the_writers_thread(store_path,
+                                                                      monkeypatch) -> None:
+    """A batch a caller waits for, with nothing queued behind it, is flushed by the writer's
+    own thread right after its commit returned: no hop to the sync thread and back. Its
+    receipt's way is timed stage by stage."""
+    calls: list[str] = []  # "write", or where a flush ran, in order
+    writing = threading.local()  # .now: this thread is inside the writer's transaction call
+    original_sync, original_write = store_mod.Store._sync, store_mod.Store._write
+
+    def recorded_sync(self):
+        calls.append("flush in the write" if getattr(writing, "now", False) else "flush alone")
+        original_sync(self)
+
+    def recorded_write(self, segments, last_lsn, flush):
+        calls.append("write")
+        writing.now = True
+        try:
+            return original_write(self, segments, last_lsn, flush)
+        finally:
+            writing.now = False
+
+    monkeypatch.setattr(store_mod.Store, "_sync", recorded_sync)
+    monkeypatch.setattr(store_mod.Store, "_write", recorded_write)
+    async with running_store(store_path) as store:
+        assert store.receipt_stages() == {}
+        assert await Ingest(store).add_turn("s1", "alone", durable=True) == 1
+        assert store.committed_lsn == 1
+        assert calls == ["write", "flush in the write"]
+        stages = store.receipt_stages()
+        assert list(stages) == [*store_mod.writer.STAGES, "total"]
+        assert all(0 <= s["p50_ms"] <= s["p99_ms"] <= s["max_ms"] for s in stages.values())
+        assert stages["total"]["p50_ms"] >= stages["flush"]["p50_ms"] > 0
 
 
 async def test_a_receipt_does_not_wait_for_the_batch_queued_behind_it(store_path,
@@ -325,11 +362,11 @@ async def test_a_receipt_does_not_wait_for_the_batch_queued_behind_it(store_path
     gate = threading.Event()  # set by the test: later batches may be written
     original = store_mod.Store._write
 
-    def gated_write(self, segments, last_lsn):
+    def gated_write(self, segments, last_lsn, flush):
         if last_lsn is not None and last_lsn > 1:
             gate.wait(10)
         writing.set()
-        return original(self, segments, last_lsn)
+        return original(self, segments, last_lsn, flush)
 
     monkeypatch.setattr(store_mod.Store, "_write", gated_write)
     async with running_store(store_path) as store:
