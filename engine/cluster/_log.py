@@ -135,6 +135,7 @@ _RETRY = (nats.errors.TimeoutError, nats.errors.NoRespondersError,
 TRANSIENT = (*_RETRY, nats.js.errors.APIError, nats.errors.Error)
 PUBLISH_TIMEOUT = 2.0  # seconds one attempt waits for its PubAck
 RETRY_PAUSE = (0.05, 0.1, 0.2, 0.4, 0.5)  # seconds between attempts, the last one repeated
+LOST_PULL_SECONDS = 2.0  # a pull request this long past its expiry without an answer is lost
 
 
 class Pending:
@@ -174,6 +175,100 @@ def _settle_all(batch: list[tuple[Pending, tuple[int, bool] | None, BaseExceptio
         pending.result, pending.error, pending.done = result, error, True
         if pending._event is not None:
             pending._event.set()
+
+
+class Pull:
+    """One partition's pull consumer, read continuously (asyncio thread).
+
+    One pull request stays open on the server (``batch`` entries, expiring after the fetch
+    timeout), and whatever it delivers is handed over as soon as it arrives: an entry never
+    waits for its batch to fill or for the request to expire. nats-py's ``fetch`` does wait
+    so once an entry came under a pull request other than the one it expects (one a fetch
+    that timed out left open on the server, a race under load), which put up to a whole
+    fetch timeout on read-your-writes. A request that ends (batch delivered, 404, 408) is
+    replaced on the next fetch; one that never answers (its server died, the connection
+    moved) is replaced once it is ``LOST_PULL_SECONDS`` past its expiry.
+
+    Args:
+        nc: the NATS connection.
+        stream: the stream's name.
+        name: the consumer's name (made by :meth:`_Client.subscribe`).
+    """
+
+    def __init__(self, nc: Any, stream: str, name: str) -> None:
+        self.nc = nc
+        self.name = name
+        self.next_subject = f"{api.DEFAULT_PREFIX}.CONSUMER.MSG.NEXT.{stream}.{name}"
+        self.inbox = nc.new_inbox()
+        self.sub: Any = None
+        self.arrived: collections.deque[Any] = collections.deque()
+        self.wake = asyncio.Event()  # set when a message arrives on the inbox
+        self.left = 0  # entries the open pull request may still deliver (0: none open)
+        self.ends = 0.0  # loop time the open pull request expires at
+        self.failed: BaseException | None = None  # a refusal to raise on the next fetch
+
+    async def open(self) -> None:
+        self.sub = await self.nc.subscribe(self.inbox, cb=self._arrive)
+
+    async def _arrive(self, msg: Any) -> None:
+        self.arrived.append(msg)
+        self.wake.set()
+
+    async def close(self) -> None:
+        if self.sub is not None:
+            await self.sub.unsubscribe()
+
+    async def fetch(self, batch: int, timeout: float) -> list[Delivery]:
+        """What the consumer delivered: at least one entry as soon as one is here, or none
+        after ``timeout`` seconds.
+
+        Raises:
+            nats.js.errors.APIError (503: the consumer is gone with its server; 409: it was
+            deleted or moved): make a new consumer.
+        """
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + timeout
+        while True:
+            self.wake.clear()
+            out = self._take()
+            if out:
+                return out
+            if self.failed is not None:
+                failed, self.failed = self.failed, None
+                raise failed
+            now = loop.time()
+            if now >= give_up:
+                return []
+            if self.left <= 0 or now > self.ends + LOST_PULL_SECONDS:
+                self.left, self.ends = batch, now + timeout
+                await self.nc.publish(self.next_subject, msgspec.json.encode(
+                    {"batch": batch, "expires": int(timeout * 1e9)}), reply=self.inbox)
+                continue
+            try:
+                await asyncio.wait_for(self.wake.wait(), min(give_up, self.ends
+                                                             + LOST_PULL_SECONDS) - now)
+            except asyncio.TimeoutError:
+                pass
+
+    def _take(self) -> list[Delivery]:
+        out = []
+        while self.arrived:
+            msg = self.arrived.popleft()
+            status = msg.headers.get(api.Header.STATUS) if msg.headers else None
+            if not status:
+                self.left -= 1
+                meta = msg.metadata
+                out.append(Delivery(meta.sequence.stream, meta.sequence.consumer, msg.data,
+                                    meta.num_pending or 0))
+            elif status in (api.StatusCode.NO_MESSAGES, api.StatusCode.REQUEST_TIMEOUT):
+                self.left = 0  # that pull request is over: the next fetch makes another
+            elif status != api.StatusCode.CONTROL_MESSAGE:
+                self.left = 0
+                try:
+                    nats.js.errors.APIError.from_msg(msg)
+                except nats.js.errors.APIError as exc:
+                    self.failed = exc
+        return out
 
 
 class _Client:
@@ -334,7 +429,7 @@ class _Client:
         except trio.RunFinishedError:
             pass  # the trio run ended: nobody waits for these any more
 
-    async def subscribe(self, partition: int, start: int, name: str) -> Any:
+    async def subscribe(self, partition: int, start: int, name: str) -> Pull:
         """A fresh pull consumer on one partition from stream sequence ``start``: ephemeral,
         in memory, one replica, no acks (the position lives in the store's watermark)."""
         config = api.ConsumerConfig(
@@ -342,29 +437,23 @@ class _Client:
             opt_start_seq=max(1, start), ack_policy=api.AckPolicy.NONE,
             filter_subject=partition_subjects(partition), mem_storage=True, num_replicas=1,
             inactive_threshold=max(30.0, self.config.lease_ttl * 2))
-        return await self.js.pull_subscribe(partition_subjects(partition), stream=self.config.stream,
-                                            config=config)
-
-    async def fetch(self, sub: Any, batch: int, timeout: float) -> list[Delivery]:
+        await self.js.add_consumer(self.config.stream, config=config)
+        pull = Pull(self.nc, self.config.stream, name)
         try:
-            msgs = await sub.fetch(batch, timeout=timeout)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
-            return []  # nothing new within the timeout
-        out = []
-        for msg in msgs:
-            meta = msg.metadata
-            out.append(Delivery(meta.sequence.stream, meta.sequence.consumer, msg.data,
-                                meta.num_pending or 0))
-        return out
+            await pull.open()
+        except BaseException:
+            await self.drop(pull)
+            raise
+        return pull
 
-    async def drop(self, sub: Any) -> None:
+    async def fetch(self, sub: Pull, batch: int, timeout: float) -> list[Delivery]:
+        return await sub.fetch(batch, timeout)
+
+    async def drop(self, sub: Pull) -> None:
         """Stop a consumer (unsubscribe and delete it; it would expire by itself anyway)."""
         try:
-            info = sub._cinfo if hasattr(sub, "_cinfo") else None
-            await sub.unsubscribe()
-            name = getattr(sub, "_consumer", None) or (info.name if info else None)
-            if name:
-                await self.js.delete_consumer(self.config.stream, name)
+            await sub.close()
+            await self.js.delete_consumer(self.config.stream, sub.name)
         except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError):
             pass  # an ephemeral consumer expires after its inactive threshold
 
@@ -518,13 +607,16 @@ class Log:
             loop.call_soon_threadsafe(client.flush_buffered)
         return pending
 
-    async def subscribe(self, partition: int, start: int, name: str) -> Any:
+    async def subscribe(self, partition: int, start: int, name: str) -> Pull:
+        """A fresh consumer of partition ``partition`` from stream sequence ``start``."""
         return await self.thread.run(self._client.subscribe, partition, start, name)
 
-    async def fetch(self, sub: Any, batch: int, timeout: float) -> list[Delivery]:
+    async def fetch(self, sub: Pull, batch: int, timeout: float) -> list[Delivery]:
+        """What ``sub`` delivered: at least one entry as soon as one is here, or none after
+        ``timeout`` seconds (see :class:`Pull`)."""
         return await self.thread.run(self._client.fetch, sub, batch, timeout)
 
-    async def drop(self, sub: Any) -> None:
+    async def drop(self, sub: Pull) -> None:
         await self.thread.run(self._client.drop, sub)
 
     async def last_seq(self) -> int:
