@@ -9,6 +9,7 @@ stream and lease bucket, deleted afterwards.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import json
 import os
@@ -107,6 +108,10 @@ class NodeProcess:
         before the node's, instead of ``python -m engine``) and wait until it answers."""
         return self.launch(child).wait_ready()
 
+    async def restart(self, child: list[str] | None = None) -> NodeProcess:
+        """:meth:`start` on a thread: the test's trio loop runs on while the node starts."""
+        return await trio.to_thread.run_sync(self.start, child)
+
     def launch(self, child: list[str] | None = None) -> NodeProcess:
         """Start the process without waiting for it (see :meth:`start`)."""
         overrides = {k: v for k, v in json.loads(json.dumps(
@@ -138,7 +143,24 @@ class NodeProcess:
                 time.sleep(0.2)
 
     def figures(self) -> dict[str, Any]:
-        return httpx.get(self.url + "/cluster/node", timeout=10).json()
+        """The node's ``/cluster/node`` (blocking: for synchronous tests only)."""
+        return httpx.get(self.url + "/cluster/node", timeout=30).json()
+
+    async def read_figures(self) -> dict[str, Any] | None:
+        """The node's ``/cluster/node`` without blocking the test's trio loop (its writers
+        and the nodes' clients go on meanwhile); None while the node does not answer."""
+        try:
+            async with httpx.AsyncClient(timeout=30) as client:
+                answer = await client.get(self.url + "/cluster/node")
+            answer.raise_for_status()
+            return answer.json()
+        except httpx.HTTPError:
+            return None
+
+    async def held(self) -> list[int] | None:
+        """The partitions the node holds (None while it does not answer)."""
+        figures = await self.read_figures()
+        return None if figures is None else figures["leases"]["held"]
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -189,13 +211,34 @@ def start_all(nodes: list[NodeProcess]) -> None:
 
 
 async def wait_for(predicate: Any, seconds: float, what: str, step: float = 0.2) -> None:
-    """Poll ``predicate`` (a sync callable) on the real clock until true, or fail saying what."""
+    """Poll ``predicate`` on the real clock until true, or fail saying what.
+
+    ``predicate`` is a callable returning a bool, or an awaitable of one: anything that asks
+    a node process must be async (:meth:`NodeProcess.read_figures`), so that a slow answer
+    never blocks the test's loop, its writers and its clients with it.
+    """
     deadline = time.monotonic() + seconds
-    while not predicate():
+    while True:
+        ok = predicate()
+        if inspect.isawaitable(ok):
+            ok = await ok
+        if ok:
+            return
         if time.monotonic() > deadline:
             raise AssertionError(f"expected {what} within {seconds} s")
         await trio.sleep(step)
 
 
-__all__ = ["AsyncIterator", "connect", "make_store", "NodeProcess", "retrying", "start_all",
-           "wait_for"]
+async def all_held(nodes: list[NodeProcess], partitions: int) -> bool:
+    """True once ``nodes`` between them hold every partition, each once."""
+    held: list[int] = []
+    for node in nodes:
+        mine = await node.held()
+        if mine is None:
+            return False
+        held += mine
+    return sorted(held) == list(range(partitions))
+
+
+__all__ = ["AsyncIterator", "all_held", "connect", "make_store", "NodeProcess", "retrying",
+           "start_all", "wait_for"]

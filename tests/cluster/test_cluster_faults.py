@@ -20,7 +20,7 @@ import trio
 from engine.cluster import decode_entry
 from engine.cluster._local import LocalNats
 
-from .conftest import NodeProcess, retrying, start_all, wait_for
+from .conftest import NodeProcess, all_held, retrying, start_all, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -67,15 +67,9 @@ async def test_kill_9_of_the_stream_leader_and_of_a_node_loses_no_acknowledged_t
     node is killed; afterwards every acked turn is in its owner's store exactly once."""
     seed = random.randrange(1 << 30)
     print("seed", seed)
-    start_all(nodes)
-
-    def held() -> int:
-        try:
-            return sum(len(n.figures()["leases"]["held"]) for n in nodes if n.proc.poll() is None)
-        except httpx.HTTPError:
-            return -1
-
-    await wait_for(lambda: held() == cluster_config.partitions, 60, "every partition held")
+    await trio.to_thread.run_sync(start_all, nodes)
+    await wait_for(lambda: all_held(nodes, cluster_config.partitions), 60,
+                   "every partition held")
     survivors = nodes[:2]
     acked: dict[str, list[str]] = {f"u{i}": [] for i in range(USERS)}
     failures = {"count": 0}
@@ -116,10 +110,10 @@ async def test_kill_9_of_the_stream_leader_and_of_a_node_loses_no_acknowledged_t
         # It waits for the port by polling: on a thread, so the writers keep writing meanwhile.
         await trio.to_thread.run_sync(nats_servers.start_one, index)
         await trio.sleep(3)
-        nodes[2].kill()
+        await trio.to_thread.run_sync(nodes[2].kill)
         # Writers go on while the killed node's partitions move to the survivors.
-        await wait_for(lambda: sum(len(n.figures()["leases"]["held"]) for n in survivors)
-                       == cluster_config.partitions, 60, "the killed node's partitions moved")
+        await wait_for(lambda: all_held(survivors, cluster_config.partitions), 60,
+                       "the killed node's partitions moved")
         stop.set()
 
     total = sum(len(v) for v in acked.values())
@@ -143,7 +137,7 @@ async def test_kill_9_of_the_stream_leader_and_of_a_node_loses_no_acknowledged_t
             assert len(got) == len(set(got)), f"{user}: a turn twice"
             assert set(turns) <= set(got), f"{user}: acked turns missing"
             assert got == logged, f"{user}: the store differs from the log"
-    figures = [n.figures() for n in survivors]
+    figures = [await n.read_figures() for n in survivors]
     print("failures seen by writers", failures["count"],
           [msgspec.json.encode({k: f[k] for k in ("gaps", "log_errors", "publish_retries")})
            for f in figures])
@@ -157,9 +151,9 @@ async def test_a_kill_9_right_after_a_call_is_applied_neither_loses_nor_repeats_
     replays from its watermark, which moved in that same transaction: the call is there, once
     (a second apply of remember_fact would reinforce the fact: access_count 1)."""
     node = nodes[0]
-    node.start(["tests.cluster.node_child", "remember_fact"])
-    await wait_for(lambda: len(node.figures()["leases"]["held"]) == cluster_config.partitions,
-                   60, "every partition held")
+    await node.restart(["tests.cluster.node_child", "remember_fact"])
+    await wait_for(lambda: all_held([node], cluster_config.partitions), 60,
+                   "every partition held")
     async with httpx.AsyncClient(timeout=30) as client:
         turn = await client.post(f"{node.url}/v1/users/ana/sessions/s/turns",
                                  json={"role": "user", "text": "I have a cat", "durable": True})
@@ -168,13 +162,13 @@ async def test_a_kill_9_right_after_a_call_is_applied_neither_loses_nor_repeats_
             await client.post(f"{node.url}/v1/users/ana/facts",
                               json={"category": "pets", "key": "cat", "value": "Miso"})
         assert await trio.to_thread.run_sync(node.proc.wait, 30) == -9
-        node.start()
-        await wait_for(lambda: len(node.figures()["leases"]["held"])
-                       == cluster_config.partitions, 60, "every partition held again")
+        await node.restart()
+        await wait_for(lambda: all_held([node], cluster_config.partitions), 60,
+                       "every partition held again")
         answer = await retrying(client, "GET", f"{node.url}/v1/users/ana/facts/pets/cat/"
                                 "history", params={"min_seq": turn.json()["log_seq"] + 1})
         assert answer.status_code == 200, answer.text
         history = answer.json()
         assert [(f["value"], f["status"], f["access_count"]) for f in history] == [
             ("Miso", "active", 0)], history
-        assert node.figures()["watermarks"]
+        assert (await node.read_figures())["watermarks"]
