@@ -551,9 +551,21 @@ class ClusterEngine:
         self._engine._parts.check_open()
         return await call_tool(self, name, arguments)
 
-    async def snapshot(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotInCluster("a node's store is one partition set's copy, rebuilt from the "
-                           "log; snapshot a single-process engine instead")
+    async def snapshot(self, dest: str | os.PathLike[str]) -> Any:
+        """:meth:`Engine.snapshot` of this node's own store: the partitions it has applied,
+        each with its watermark (committed in the same transactions as what they cover).
+        A node whose store is restored from it resumes each partition it then holds from
+        that watermark, replaying only the log after it; copies of partitions held
+        elsewhere go after the grace period. The cluster-wide backup is the log itself,
+        with the per-partition snapshots in the object store.
+
+        Args:
+            dest: a new or empty directory on this node's machine.
+
+        Returns:
+            The snapshot's :class:`~engine.Manifest`.
+        """
+        return await self._engine.snapshot(dest)
 
     async def forget_scope(self, *args: Any, **kwargs: Any) -> Any:
         raise NotInCluster("the cluster's log carries no scope (agent_id, run_id) yet, so a "

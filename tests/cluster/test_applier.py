@@ -242,3 +242,45 @@ async def test_a_buffered_publish_whose_puback_is_lost_is_retried_under_its_id(
             assert await log.last_seq() == seqs[-1] == 50  # one copy each
     finally:
         await log.close()
+
+
+async def test_a_nodes_snapshot_is_its_store_and_a_node_restored_from_it_resumes_there(
+        nats_servers, cluster_config, tmp_path: Path) -> None:
+    """``snapshot`` on a node writes its local store (the partitions it applied, each with
+    its watermark, committed together); a node opened on that snapshot, restored, holds
+    what was applied before it and replays only the log after its watermarks."""
+    from engine import Engine
+
+    config = msgspec.structs.replace(cluster_config, partitions=1)
+    log = await connect(nats_servers, config)
+    try:
+        async with open_engine(tmp_path / "a", config={"long_term": False}) as a:
+            node = Node(a, log, "a", "http://127.0.0.1:1")
+            writer = ClusterEngine(a, log, node)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(node.run)
+                before = [await writer.add_turn("ana", "s", "user", f"before {i}", durable=True)
+                          for i in range(5)]
+                await wait_for(lambda: node.marks.get(0, 0) >= before[-1].log_seq, 30,
+                               "applied before the snapshot")
+                manifest = await writer.snapshot(tmp_path / "snap")
+                after = [await writer.add_turn("ana", "s", "user", f"after {i}", durable=True)
+                         for i in range(3)]
+                await node.leases.release_all()
+                nursery.cancel_scope.cancel()
+        assert manifest.counts["turns"] == 5
+        await Engine.restore(tmp_path / "snap", tmp_path / "b")
+        async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
+            assert await b.apply_log_batch(0, []) == before[-1].log_seq
+            node = Node(b, log, "b", "http://127.0.0.1:2")
+            async with trio.open_nursery() as nursery:
+                await nursery.start(node.run)
+                await wait_for(lambda: node.marks.get(0, 0) >= after[-1].log_seq, 60,
+                               "the log after the snapshot applied")
+                nursery.cancel_scope.cancel()
+            assert node.partitions[0].entries == len(after)  # the tail only
+            history = await b.session_history("ana", "s", limit=100)
+            assert [t.turn_id for t in history] == [r.turn_id for r in before + after]
+            assert [t.seq for t in history] == list(range(8))
+    finally:
+        await log.close()

@@ -17,27 +17,13 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
+import trio
 
 from engine.cluster._partition import partition_of
 
-from .conftest import NodeProcess, retrying, start_all, wait_for
+from .conftest import NodeProcess, all_held, retrying, start_all, wait_for
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def owners(node: NodeProcess) -> dict[int, str]:
-    status = node.figures()
-    return {p: status["node"] for p in status["leases"]["held"]}
-
-
-def all_held(nodes: list[NodeProcess], partitions: int) -> bool:
-    held: list[int] = []
-    for node in nodes:
-        try:
-            held += node.figures()["leases"]["held"]
-        except httpx.HTTPError:
-            return False
-    return sorted(held) == list(range(partitions))
 
 
 async def write(client: httpx.AsyncClient, node: NodeProcess, user: str, text: str
@@ -65,7 +51,7 @@ async def test_write_anywhere_read_your_writes_anywhere_and_kill_9_loses_nothing
     seed = random.randrange(1 << 30)
     print("seed", seed)
     rng = random.Random(seed)
-    start_all(nodes)
+    await trio.to_thread.run_sync(start_all, nodes)
     await wait_for(lambda: all_held(nodes, cluster_config.partitions), 60,
                    "every partition held")
     users = [f"user-{i}" for i in range(12)]
@@ -102,7 +88,7 @@ async def test_write_anywhere_read_your_writes_anywhere_and_kill_9_loses_nothing
 
         # kill -9 one node: its partitions move; every acknowledged turn is still there.
         victim, others = nodes[0], nodes[1:]
-        victim.kill()
+        await trio.to_thread.run_sync(victim.kill)
         await wait_for(lambda: all_held(others, cluster_config.partitions),
                        cluster_config.lease_ttl * 4 + 30, "the victim's partitions claimed")
         last: dict[str, int] = {}  # a user's last write's log_seq: their reads' min_seq
@@ -123,39 +109,48 @@ async def test_write_anywhere_read_your_writes_anywhere_and_kill_9_loses_nothing
         assert [f["value"] for f in got.json()] == ["Lisbon"]  # the tool's write, replayed
 
         # Restart the node under the same id: it rejoins and catches up from its watermark.
-        victim.start()
-        await wait_for(lambda: all_held(nodes, cluster_config.partitions)
-                       and len(victim.figures()["leases"]["held"]) > 0,
-                       cluster_config.lease_ttl * 20 + 30, "the restarted node holding again")
+        await victim.restart()
+
+        async def rejoined() -> bool:
+            return await all_held(nodes, cluster_config.partitions) and bool(
+                await victim.held())
+
+        await wait_for(rejoined, cluster_config.lease_ttl * 20 + 30,
+                       "the restarted node holding again")
         for user in users:
             turns = await history(client, victim, user, last.get(user, 0))
             assert [t["turn_id"] for t in turns] == acked[user], user
 
 
 async def test_a_restart_within_the_ttl_keeps_the_partitions_and_resumes(
-        nodes: list[NodeProcess], cluster_config: Any) -> None:
+        nodes: list[NodeProcess], cluster_config: Any, tmp_path: Any) -> None:
     """kill -9 and restart at once under the same id: the node adopts its own leases (no
-    partition moves) and goes on from its watermark (nothing applied twice)."""
+    partition moves) and goes on from its watermark (nothing applied twice). The node's
+    ``/v1/snapshot`` writes its store as it was applied."""
     # A TTL longer than a node process takes to start on a loaded machine.
     node = nodes[0]
     node.config = cluster_config = msgspec.structs.replace(cluster_config, lease_ttl=30.0)
-    node.start()
+    await node.restart()
     await wait_for(lambda: all_held([node], cluster_config.partitions), 60, "all partitions")
     async with httpx.AsyncClient(timeout=30) as client:
         acked = [await write(client, node, "ana", f"before {i}") for i in range(10)]
-        before = node.figures()
-        node.kill()
-        node.start()
-        await wait_for(lambda: len(node.figures()["leases"]["held"]) == cluster_config.partitions,
-                       60, "its partitions back")
-        after = node.figures()
+        await history(client, node, "ana", acked[-1]["log_seq"])  # applied
+        taken = await client.post(f"{node.url}/v1/snapshot", json={"dest": str(tmp_path / "s")})
+        assert taken.status_code == 200, taken.text
+        assert taken.json()["counts"]["turns"] == 10
+        before = await node.read_figures()
+        await trio.to_thread.run_sync(node.kill)
+        await node.restart()
+        await wait_for(lambda: all_held([node], cluster_config.partitions), 60,
+                       "its partitions back")
+        after = await node.read_figures()
         assert after["leases"]["adopted"] == cluster_config.partitions
         assert after["leases"]["claimed"] == 0
         p = partition_of("ana", cluster_config.partitions)
         acked.append(await write(client, node, "ana", "after"))
         turns = await history(client, node, "ana", acked[-1]["log_seq"])
         assert [t["turn_id"] for t in turns] == [a["turn_id"] for a in acked]
-        assert node.figures()["watermarks"][str(p)] >= before["watermarks"][str(p)]
+        assert (await node.read_figures())["watermarks"][str(p)] >= before["watermarks"][str(p)]
 
 
 def test_cluster_status_lists_owner_watermark_and_lag(nodes: list[NodeProcess],
