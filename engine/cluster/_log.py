@@ -195,8 +195,10 @@ class Pull:
         name: the consumer's name (made by :meth:`_Client.subscribe`).
     """
 
-    def __init__(self, nc: Any, stream: str, name: str) -> None:
+    def __init__(self, nc: Any, js: Any, stream: str, name: str) -> None:
         self.nc = nc
+        self.js = js
+        self.stream = stream
         self.name = name
         self.next_subject = f"{api.DEFAULT_PREFIX}.CONSUMER.MSG.NEXT.{stream}.{name}"
         self.inbox = nc.new_inbox()
@@ -235,7 +237,9 @@ class Pull:
                 return out
             if self.failed is not None:
                 failed, self.failed = self.failed, None
-                raise failed
+                if not (isinstance(failed, nats.js.errors.ServiceUnavailableError)
+                        and await self._still_there()):
+                    raise failed
             now = loop.time()
             if now >= give_up:
                 return []
@@ -249,6 +253,17 @@ class Pull:
                                                              + LOST_PULL_SECONDS) - now)
             except asyncio.TimeoutError:
                 pass
+
+    async def _still_there(self) -> bool:
+        """After a 503 (no responders): True if the consumer exists, so the request only
+        went out before the servers knew of it (a consumer just made lives on one server and
+        its interest spreads to the others a moment later); False if it is gone."""
+        try:
+            await self.js.consumer_info(self.stream, self.name)
+        except nats.js.errors.NotFoundError:
+            return False
+        await asyncio.sleep(RETRY_PAUSE[0])
+        return True
 
     def _take(self) -> list[Delivery]:
         out = []
@@ -438,7 +453,7 @@ class _Client:
             filter_subject=partition_subjects(partition), mem_storage=True, num_replicas=1,
             inactive_threshold=max(30.0, self.config.lease_ttl * 2))
         await self.js.add_consumer(self.config.stream, config=config)
-        pull = Pull(self.nc, self.config.stream, name)
+        pull = Pull(self.nc, self.js, self.config.stream, name)
         try:
             await pull.open()
         except BaseException:
