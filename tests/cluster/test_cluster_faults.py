@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from typing import Any
 
 import httpx
@@ -25,6 +26,7 @@ from .conftest import NodeProcess, all_held, retrying, start_all, wait_for
 pytestmark = pytest.mark.timeout(300)
 
 WRITERS = 4
+READ_LOG_SECONDS = 120.0  # the whole log is read within this
 USERS = 16
 
 
@@ -41,22 +43,31 @@ async def _stream_leader(urls: list[str], stream: str) -> str:
 
 async def _log_entries(urls: list[str], stream: str) -> list[Any]:
     """Every entry in the stream with its sequence, decoded, in order (an ordered read by a
-    fresh consumer)."""
+    fresh consumer). It ends when the consumer says nothing is pending after the last entry
+    read, never at a fetch that timed out: on a loaded machine, or just after a server's
+    restart, a fetch can time out with entries still to come, and a truncated read would
+    fail the checks against it."""
     import nats
     from nats.js import api
 
     nc = await nats.connect(servers=urls, connect_timeout=5)
     try:
         js = nc.jetstream(timeout=10)
+        if (await js.stream_info(stream)).state.messages == 0:
+            return []
         sub = await js.pull_subscribe("turns.>", stream=stream, config=api.ConsumerConfig(
             ack_policy=api.AckPolicy.NONE, mem_storage=True, num_replicas=1))
         out = []
+        deadline = time.monotonic() + READ_LOG_SECONDS
         while True:
             try:
                 msgs = await sub.fetch(512, timeout=2)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                return out
+                assert time.monotonic() < deadline, f"the log read stopped after {len(out)}"
+                continue
             out += [(m.metadata.sequence.stream, decode_entry(m.data)) for m in msgs]
+            if msgs and msgs[-1].metadata.num_pending == 0:
+                return out
     finally:
         await nc.close()
 
