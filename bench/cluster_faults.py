@@ -22,10 +22,13 @@ adopted, partitions that moved). Half the runs are ``leader``, half ``owner``.
 
 Then --pairs read-your-writes pairs against a fresh cluster: a durable write through a random
 node, then the user's session read through another random node with ``?min_seq=`` (retried on
-503 as a client must), against the same read without min_seq right after (the baseline).
+503 as a client must), against the same read without min_seq right after (the baseline; the
+difference, per pair, is the extra wait), while --ryw-rate turns/s of other users reach the
+log straight from the bench (the appliers' load; 500 by default, as the issue's target says).
 
     python bench/cluster_faults.py --runs 20      # the issue's series: 8 writers, 750/s, 40 s
     python bench/cluster_faults.py --quick        # 2 short runs and 1,000 pairs
+    python bench/cluster_faults.py --runs 0       # only the 10,000 pairs at 500 turns/s
 
 Prints a summary table and writes JSON and its picture (--out, default
 bench/results/cluster-faults.json).
@@ -45,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +58,8 @@ import trio
 from _report import percentiles, write_results
 
 from engine import Engine, HashEmbedder
-from engine.cluster import ClusterConfig, LocalNats, decode_entry, partition_of
+from engine.cluster import (ClusterConfig, LocalNats, Log, LogTurn, decode_entry, encode_entry,
+                            partition_of, subject_of)
 
 REPO = Path(__file__).resolve().parents[1]
 START_SECONDS = 120.0  # a node process answers within this on a loaded machine
@@ -189,12 +194,19 @@ def _log_entries(urls: list[str], stream: str) -> list[tuple[int, Any]]:
             sub = await js.pull_subscribe("turns.>", stream=stream, config=api.ConsumerConfig(
                 ack_policy=api.AckPolicy.NONE, mem_storage=True, num_replicas=1))
             out: list[tuple[int, Any]] = []
+            deadline = time.monotonic() + 120
             while True:
+                # Done when nothing is pending after the last entry read, never at a fetch
+                # that timed out (a loaded server can be slow with entries still to come).
                 try:
                     msgs = await sub.fetch(1024, timeout=2)
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                    return out
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the log read stopped after {len(out)}") from None
+                    continue
                 out += [(m.metadata.sequence.stream, decode_entry(m.data)) for m in msgs]
+                if msgs and msgs[-1].metadata.num_pending == 0:
+                    return out
         finally:
             await nc.close()
 
@@ -427,7 +439,8 @@ async def _check(client: httpx.AsyncClient, servers: LocalNats, nodes: list[Node
 
 async def ryw_pairs(args: argparse.Namespace, base: Path) -> dict[str, Any]:
     """Durable writes through random nodes, each read back through another random node with
-    min_seq (503s retried), against the same read without min_seq (the baseline)."""
+    min_seq (503s retried), against the same read without min_seq (the baseline), while
+    --ryw-rate turns/s of other users' turns reach the log (the appliers' load)."""
     rng = random.Random(args.seed)
     config = ClusterConfig(partitions=args.partitions, lease_ttl=args.ttl)
     with LocalNats(base / "nats", 3) as servers:
@@ -437,40 +450,92 @@ async def ryw_pairs(args: argparse.Namespace, base: Path) -> dict[str, Any]:
         try:
             await trio.to_thread.run_sync(_start, nodes)
             async with httpx.AsyncClient(timeout=30) as client:
-                await _until(lambda: _all_held(client, nodes, config.partitions), 120,
-                             "every partition held")
-                found = retried = 0
-                with_min, without = [], []
-                for i in range(args.pairs):
-                    user = f"r{rng.randrange(USERS)}"
-                    answer = await _request(client, "POST",
-                                            f"{rng.choice(nodes).url}/v1/users/{user}/sessions"
-                                            "/s/turns", json={"role": "user", "text": f"pair {i}",
-                                                              "durable": True})
-                    receipt = answer.json()
-                    reader = rng.choice(nodes).url + f"/v1/users/{user}/sessions/s/turns"
-                    t = time.perf_counter()
-                    while True:
-                        try:
-                            got = await client.get(reader, params={
-                                "limit": 5, "min_seq": receipt["log_seq"]})
-                        except httpx.TransportError:
-                            got = None  # a keep-alive connection closed under us: again
-                        if got is not None and got.status_code != 503:
-                            break
-                        retried += 1
-                        await trio.sleep(0.05)
-                    with_min.append(time.perf_counter() - t)
-                    found += receipt["turn_id"] in [x["turn_id"] for x in got.json()]
-                    t = time.perf_counter()
-                    await _request(client, "GET", reader, params={"limit": 5})
-                    without.append(time.perf_counter() - t)
+                # Balanced, as in the fault runs: while the first node up hands partitions
+                # to the others (one a lease tick), a moving partition has no owner for up
+                # to a tick and reads of its users answer 503 NoOwner. Those are the
+                # failover's figures, not read-your-writes'.
+                await _until(lambda: _balanced(client, nodes, config.partitions), 120,
+                             "the partitions spread over the nodes")
+                log = await Log.connect(servers.urls, config, name="bench-load")
+                try:
+                    async with trio.open_nursery() as nursery:
+                        load = {"sent": 0, "seconds": 0.0}
+                        nursery.start_soon(_background, log, config, args.ryw_rate, load)
+                        out = await _pairs(client, nodes, args.pairs, rng)
+                        nursery.cancel_scope.cancel()
+                    figures = [await _figures(client, node) for node in nodes]
+                    # Whether the appliers kept up with the load: entries behind at the end.
+                    out["lag_at_end"] = sum(p["lag"] or 0 for f in figures if f
+                                            for p in f["partitions"] if p["owned"])
+                finally:
+                    await log.close()
         finally:
             for node in nodes:
                 node.kill()
-    return {"pairs": args.pairs, "found": found, "retried": retried,
+    out["load_turns_per_s"] = load["sent"] / load["seconds"] if load["seconds"] else 0.0
+    out["load_asked_per_s"] = args.ryw_rate
+    return out
+
+
+async def _background(log: Log, config: ClusterConfig, rate: float, load: dict) -> None:
+    """Turns of 64 other users published straight to the log at ``rate`` a second (what
+    writes through any node put there), in 10 ms ticks; counts what it sent."""
+    if rate <= 0:
+        return
+    started = time.monotonic()
+    tick = 0.01
+    try:
+        while True:
+            due = int((time.monotonic() - started) * rate) - load["sent"]
+            for _ in range(due):
+                n = load["sent"]
+                user = f"bg{n % USERS}"
+                turn = LogTurn(user_id=user, session_id="s", turn_id=f"t_bg{n:018x}",
+                               role="user", text=f"background turn {n}",
+                               at=datetime.now(timezone.utc))
+                log.publish_soon(subject_of(user, config.partitions), encode_entry(turn),
+                                 turn.turn_id)
+                load["sent"] += 1
+            await trio.sleep(tick)
+    finally:
+        load["seconds"] = time.monotonic() - started
+
+
+async def _pairs(client: httpx.AsyncClient, nodes: list[NodeProc], pairs: int,
+                 rng: random.Random) -> dict[str, Any]:
+    found = retried = 0
+    reasons: dict[str, int] = {}  # why reads were repeated: the 503's error, by count
+    with_min, without, extra = [], [], []
+    for i in range(pairs):
+        user = f"r{rng.randrange(USERS)}"
+        answer = await _request(client, "POST", f"{rng.choice(nodes).url}/v1/users/{user}/"
+                                "sessions/s/turns", json={"role": "user", "text": f"pair {i}",
+                                                          "durable": True})
+        receipt = answer.json()
+        reader = rng.choice(nodes).url + f"/v1/users/{user}/sessions/s/turns"
+        t = time.perf_counter()
+        while True:
+            try:
+                got = await client.get(reader, params={"limit": 5,
+                                                       "min_seq": receipt["log_seq"]})
+            except httpx.TransportError:
+                got = None  # a keep-alive connection closed under us: again
+            if got is not None and got.status_code != 503:
+                break
+            retried += 1
+            why = "closed connection" if got is None else got.json().get("error", "?")
+            reasons[why] = reasons.get(why, 0) + 1
+            await trio.sleep(0.05)
+        with_min.append(time.perf_counter() - t)
+        found += receipt["turn_id"] in [x["turn_id"] for x in got.json()]
+        t = time.perf_counter()
+        await _request(client, "GET", reader, params={"limit": 5})
+        without.append(time.perf_counter() - t)
+        extra.append(max(0.0, with_min[-1] - without[-1]))
+    return {"pairs": pairs, "found": found, "retried": retried, "retried_by": reasons,
             "read_min_seq": percentiles(with_min, 1e3, "ms"),
-            "read_plain": percentiles(without, 1e3, "ms")}
+            "read_plain": percentiles(without, 1e3, "ms"),
+            "extra_wait": percentiles(extra, 1e3, "ms")}
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -510,7 +575,10 @@ def report(r: dict[str, Any]) -> None:
         print(f"  read-your-writes: {w['found']:,} of {w['pairs']:,} found, {w['retried']} "
               f"reads repeated (503, closed connection); read with min_seq p50 {w['read_min_seq']['p50_ms']:.2f} / p99 "
               f"{w['read_min_seq']['p99_ms']:.2f} ms, without p50 "
-              f"{w['read_plain']['p50_ms']:.2f} / p99 {w['read_plain']['p99_ms']:.2f} ms")
+              f"{w['read_plain']['p50_ms']:.2f} / p99 {w['read_plain']['p99_ms']:.2f} ms; "
+              f"extra wait p50 {w['extra_wait']['p50_ms']:.2f} / p99 "
+              f"{w['extra_wait']['p99_ms']:.2f} ms; background {w['load_turns_per_s']:.0f} of "
+              f"{w['load_asked_per_s']:g} turns/s")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -523,6 +591,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="lease TTL, seconds (the cluster's default)")
     parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument("--pairs", type=int, default=10_000, help="read-your-writes pairs")
+    parser.add_argument("--ryw-rate", type=float, default=500.0,
+                        help="other users' turns/s reaching the log during the pairs")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--quick", action="store_true",
                         help="2 runs of 20 s at 200 turns/s, 1,000 pairs")
