@@ -532,6 +532,10 @@ async def _pairs(client: httpx.AsyncClient, nodes: list[NodeProc], pairs: int,
         await _request(client, "GET", reader, params={"limit": 5})
         without.append(time.perf_counter() - t)
         extra.append(max(0.0, with_min[-1] - without[-1]))
+        if (i + 1) % 1000 == 0:  # a long series shows where it is, and its tail so far
+            so_far = percentiles(extra, 1e3, "ms")
+            print(f"  {i + 1:,} pairs: {found:,} found, {retried} repeated {reasons}; extra "
+                  f"wait p50 {so_far['p50_ms']:.1f} / p99 {so_far['p99_ms']:.1f} ms", flush=True)
     return {"pairs": pairs, "found": found, "retried": retried, "retried_by": reasons,
             "read_min_seq": percentiles(with_min, 1e3, "ms"),
             "read_plain": percentiles(without, 1e3, "ms"),
