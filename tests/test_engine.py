@@ -176,7 +176,7 @@ async def test_stats_say_how_far_the_long_term_layer_and_both_indexes_have_got(
     import shutil
     import threading
 
-    import actors.ann_index as ann_mod
+    import actors.ann_index.ann_index as ann_mod
 
     monkeypatch.setattr(ann_mod, "HNSW_THRESHOLD", 50)
     gate = threading.Event()  # set by the test: until then graph builds wait in their thread

@@ -19,7 +19,8 @@ import msgspec
 import numpy as np
 import trio
 
-import actors.ann_index as ann_mod
+import actors.ann_index.ann_index as ann_mod
+import actors.ann_index.rows as rows_mod
 import actors.store as store_mod
 from actors.ann_index import AnnIndex, Filters, encode_vector
 from actors.base.config import Config
@@ -208,6 +209,7 @@ async def test_rows_appended_during_a_search_do_not_break_it(store_path, monkeyp
         return original(*args)
 
     monkeypatch.setattr(ann_mod, "_exact", held)
+    monkeypatch.setattr(rows_mod, "_exact", held)
     monkeypatch.setattr(ann_mod, "EXACT_IN_THREAD", 0)
     async with running_index(store_path) as v:
         for i in range(3):
@@ -226,6 +228,7 @@ async def test_rows_appended_during_a_search_do_not_break_it(store_path, monkeyp
             gate.set()
         assert len(found) == 3
         monkeypatch.setattr(ann_mod, "_exact", original)
+        monkeypatch.setattr(rows_mod, "_exact", original)
         assert len(await v.ann.search("ana", await _vector("dog walk"), 10,
                                       Filters(roles=("user",)))) == 4
 
@@ -248,6 +251,7 @@ async def test_each_kind_is_searched_over_its_own_partition(store_path, monkeypa
         return knn(self, query, k, keep)
 
     monkeypatch.setattr(ann_mod, "_exact", counting_exact)
+    monkeypatch.setattr(rows_mod, "_exact", counting_exact)
     monkeypatch.setattr(ann_mod._UserVectors, "knn", counting_knn)
     async with running_index(store_path) as v:
         turns = await v.add_turns("ana", [(f"s{i % 3}", t)

@@ -14,7 +14,8 @@ import pytest
 import tantivy
 import trio
 
-import actors.ann_index as ann_mod
+import actors.ann_index.ann_index as ann_mod
+from actors.ann_index import HEADER
 from actors.store.integrity import unseal
 from engine import Engine
 
@@ -50,7 +51,7 @@ def _needles(vectors: list[bytes]) -> list[bytes]:
     (float32)."""
     out = [MARKER.encode()]
     for value in vectors:
-        half = value[ann_mod.HEADER.itemsize:]
+        half = value[HEADER.itemsize:]
         out += [half, np.frombuffer(half, dtype="<f2").astype("<f4").tobytes()]
     return out
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import trio
 
-import actors.ann_index as ann_mod
+import actors.ann_index.ann_index as ann_mod
 import actors.fulltext as fulltext_mod
 from actors.fulltext import SEGMENT_FILES
 

@@ -24,20 +24,17 @@ truth: vectors are never read back from hnswlib) and kept while the loaded total
 - Deletions arrive from the store in commit order: a deleted row leaves the mask at once and
   is marked deleted in the graph by the writer.
 
-Each stored vector value is a 16-byte header (:data:`HEADER`) followed by the vector as
-float16 (schema 2): half the bytes of float32 on disk and in every snapshot, for a cosine error
-around 1e-7 on unit vectors; searches run on float32 copies in RAM.
+A stored vector's bytes and the filters are ``vectors.py``'s; a user's rows in RAM, the exact
+scan and the graph search are ``rows.py``'s.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import mmap
 import os
 from collections import OrderedDict
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -45,240 +42,17 @@ import hnswlib
 import numpy as np
 import trio
 
-from .base.messages import Searchable
-from .store import Store, read_user_vectors
+from ..store import Store, read_user_vectors
+from .rows import _dot, _exact, _User, _UserVectors
+from .vectors import KINDS, NO_FILTERS, PARTS, Filters, decode_vectors, part_of
 
-__all__ = ["AnnIndex", "HEADER", "encode_vector", "decode_vectors", "session_code", "KINDS",
-           "PARTS"]
+__all__ = ["AnnIndex"]
 
 HNSW_THRESHOLD = 20_000  # vectors per user above which a graph beats the exact scan here
 HNSW_M = 16  # graph degree: recall@10 >= 0.98 on the bench corpus with HNSW_EF_SEARCH
 HNSW_EF_CONSTRUCTION = 100
-HNSW_EF_SEARCH = 96
 EXACT_IN_THREAD = 4_096  # smaller exact scans (< ~0.15 ms) run on the loop, larger in a thread
 WRITER_INBOX = 256  # users with new rows waiting for their graph
-
-HEADER = np.dtype([("at_ms", "<i8"), ("kind", "u1"), ("role", "u1"), ("_pad", "<u2"),
-                   ("session", "<u4")])
-KINDS = {"turn": 0, "episode": 1, "fact": 2, "note": 3}
-STORED = np.dtype("<f2")  # vectors on disk (schema 2; schema 1 stored float32)
-ROLE_CODES = {"user": 0, "assistant": 1, "system": 2, "tool": 3}
-# A user's partitions and the kinds each holds: turns, and every other kind.
-PARTS = {"turn": ("turn",), "other": tuple(k for k in KINDS if k != "turn")}
-KIND_AT = HEADER.fields["kind"][1]  # the byte of a stored value that holds its kind
-
-
-def part_of(value: bytes) -> str:
-    """The partition a stored vector value belongs to, by its header's kind."""
-    return "turn" if value[KIND_AT] == KINDS["turn"] else "other"
-
-
-def session_code(session_id: str) -> int:
-    """A 32-bit code of a session id, for filtering (hits are checked against the record)."""
-    return int.from_bytes(hashlib.blake2b(session_id.encode(), digest_size=4).digest(), "little")
-
-
-def _ms(at: datetime) -> int:
-    return int(at.timestamp() * 1000)
-
-
-def encode_vector(record: Searchable, vector: np.ndarray) -> bytes:
-    header = np.zeros(1, dtype=HEADER)
-    header[0] = (_ms(record.at), KINDS[record.kind], ROLE_CODES.get(record.role, 255), 0,
-                 session_code(record.session_id))
-    return header.tobytes() + np.asarray(vector, dtype=STORED).tobytes()
-
-
-def decode_vectors(values: bytes, count: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """(headers, matrix) from ``count`` concatenated stored values."""
-    row = HEADER.itemsize + STORED.itemsize * dim
-    raw = np.frombuffer(values, dtype=np.uint8).reshape(count, row)
-    headers = raw[:, : HEADER.itemsize].copy().view(HEADER).reshape(count)
-    matrix = raw[:, HEADER.itemsize :].copy().view(STORED).reshape(count, dim).astype(np.float32)
-    return headers, matrix
-
-
-class Filters:
-    """What a vector search may return, beyond its user."""
-
-    __slots__ = ("session", "since_ms", "until_ms", "roles", "kinds", "lsns", "exclude")
-
-    def __init__(self, session_id: str | None = None, since: datetime | None = None,
-                 until: datetime | None = None, roles: tuple[str, ...] | None = None,
-                 kinds: tuple[str, ...] | None = None, lsns: list[int] | None = None,
-                 exclude: list[int] | None = None) -> None:
-        self.session = None if session_id is None else session_code(session_id)
-        self.since_ms = None if since is None else _ms(since)
-        self.until_ms = None if until is None else _ms(until)
-        self.roles = None if roles is None else np.array([ROLE_CODES[r] for r in roles])
-        self.kinds = None if kinds is None else np.array([KINDS[k] for k in kinds])
-        # Only these records (e.g. those with a tag, from the full-text index's term lists).
-        self.lsns = None if lsns is None else np.array(lsns, dtype=np.int64)
-        # Never these records (e.g. what a time-travelling recall's store did not know yet).
-        self.exclude = None if not exclude else np.array(exclude, dtype=np.int64)
-
-    def any(self) -> bool:
-        return any(getattr(self, name) is not None for name in self.__slots__)
-
-    def admits(self, part: str) -> bool:
-        """Whether any kind of this partition may be returned."""
-        return self.kinds is None or any(KINDS[k] in self.kinds for k in PARTS[part])
-
-    def within(self, part: str) -> Filters:
-        """These filters for a search of one partition: without the kind filter when it
-        admits every kind the partition holds (a mask that keeps every row would keep the
-        graph from searching unfiltered)."""
-        if self.kinds is None or not all(KINDS[k] in self.kinds for k in PARTS[part]):
-            return self
-        out = copy.copy(self)
-        out.kinds = None
-        return out
-
-    def mask(self, meta: np.ndarray, lsns: np.ndarray) -> np.ndarray:
-        keep = np.ones(len(meta), dtype=bool)
-        if self.lsns is not None:
-            keep &= np.isin(lsns, self.lsns)
-        if self.exclude is not None:
-            keep &= ~np.isin(lsns, self.exclude)
-        if self.session is not None:
-            keep &= meta["session"] == self.session
-        if self.since_ms is not None:
-            keep &= meta["at_ms"] >= self.since_ms
-        if self.until_ms is not None:
-            keep &= meta["at_ms"] <= self.until_ms
-        if self.roles is not None:
-            keep &= np.isin(meta["role"], self.roles)
-        if self.kinds is not None:
-            keep &= np.isin(meta["kind"], self.kinds)
-        return keep
-
-
-NO_FILTERS = Filters()
-
-
-class _UserVectors:
-    """One user's vectors: rows in arrival order; an hnswlib graph over rows when large."""
-
-    def __init__(self, dim: int) -> None:
-        self.dim = dim
-        self.n = 0
-        self.lsns = np.zeros(0, dtype=np.int64)
-        self.meta = np.zeros(0, dtype=HEADER)
-        self.matrix = np.zeros((0, dim), dtype=np.float32)
-        self.alive = np.zeros(0, dtype=bool)
-        self.row_of: dict[int, int] = {}
-        self.graph: hnswlib.Index | None = None
-        self.graph_rows = 0  # rows [0, graph_rows) are in the graph
-        self.graph_dead: list[int] = []  # rows deleted but not yet marked in the graph
-        self.readers = 0  # knn_query calls in flight on the graph
-        self.writing = False  # the writer holds the graph (build, add_items, mark_deleted)
-        self.queued = False  # in the writer's queue
-        self.unsaved = False  # the graph changed since it was last saved
-        # Parked: the writer, waiting for graph readers to finish.
-        self.idle = trio.lowlevel.ParkingLot()
-
-    def append(self, lsns: np.ndarray, meta: np.ndarray, matrix: np.ndarray) -> None:
-        if self.row_of:  # rows arriving twice (a load racing a commit) are kept once
-            fresh = np.array([lsn not in self.row_of for lsn in lsns.tolist()], dtype=bool)
-            lsns, meta, matrix = lsns[fresh], meta[fresh], matrix[fresh]
-        k = len(lsns)
-        if not k:
-            return
-        need = self.n + k
-        if need > len(self.lsns):
-            size = max(need, 2 * len(self.lsns), 64)
-            self.lsns = np.resize(self.lsns, size)
-            self.meta = np.resize(self.meta, size)
-            self.alive = np.resize(self.alive, size)
-            grown = np.zeros((size, self.dim), dtype=np.float32)
-            grown[: self.n] = self.matrix[: self.n]
-            self.matrix = grown
-        rows = slice(self.n, need)
-        self.lsns[rows], self.meta[rows], self.matrix[rows] = lsns, meta, matrix
-        self.alive[rows] = True
-        self.row_of.update(zip(lsns.tolist(), range(self.n, need)))
-        self.n = need
-
-    def remove(self, lsns: list[int]) -> bool:
-        """Rows of these records leave the matrix; whether any was here."""
-        found = False
-        for lsn in lsns:
-            row = self.row_of.pop(lsn, None)
-            if row is not None:
-                found = True
-                self.alive[row] = False
-                self.matrix[row] = 0  # a graph built from the matrix later must not get it
-                if row < self.graph_rows:
-                    self.graph_dead.append(row)
-        return found
-
-    def exact(self, query: np.ndarray, k: int, keep: np.ndarray) -> list[tuple[int, float]]:
-        """Exact scan over the first ``len(keep)`` rows. The views are taken together, before
-        any await or thread: rows keep arriving on the trio thread, and the mask, the matrix
-        and the lsns must describe the same rows (rows below that length never change)."""
-        n = len(keep)
-        return _exact(self.matrix[:n], self.lsns[:n], query, k, keep)
-
-    def knn(self, query: np.ndarray, k: int, keep: np.ndarray | None) -> list[tuple[int, float]]:
-        """Graph search over rows [0, graph_rows); ``keep`` (a filter) or the live rows decide
-        what may be returned, inside the search."""
-        rows = self.graph_rows
-        allowed = (self.alive if keep is None else keep)[:rows]
-        matrix, lsns = self.matrix[:rows], self.lsns[:rows]  # rows below graph_rows are fixed
-        k = min(k, int(allowed.sum()))
-        if k <= 0:
-            return []
-        self.graph.set_ef(max(HNSW_EF_SEARCH, k))
-        # Rows deleted but not yet marked in the graph are kept out by the filter too.
-        check = None if keep is None and not self.graph_dead else (lambda row: bool(allowed[row]))
-        try:
-            labels, distances = self.graph.knn_query(query, k=k, filter=check)
-        except RuntimeError:  # the filter left fewer than k reachable: scan exactly instead
-            return _exact(matrix, lsns, query, k, allowed)
-        return [(int(lsns[row]), 1.0 - distance)
-                for row, distance in zip(labels[0].tolist(), distances[0].tolist(), strict=True)]
-
-
-class _User:
-    """One user's vectors, as two partitions searched and graphed apart (see the module's
-    docstring): ``turn`` and ``other``."""
-
-    __slots__ = ("turn", "other")
-
-    def __init__(self, dim: int) -> None:
-        self.turn = _UserVectors(dim)
-        self.other = _UserVectors(dim)
-
-    def parts(self) -> tuple[tuple[str, _UserVectors], ...]:
-        return (("turn", self.turn), ("other", self.other))
-
-    @property
-    def n(self) -> int:
-        return self.turn.n + self.other.n
-
-
-def _dot(matrix: np.ndarray, query: np.ndarray) -> np.ndarray:
-    """Each row of ``matrix`` times ``query``, on the calling thread alone. ``matrix @ query``
-    goes to BLAS, whose thread pool numpy does not cap: on 2 cores its threads fought the
-    engine's own (every other native pool here runs one thread), and an 8,000-row scan took
-    13 ms at the median under load, against 1.35 ms with one BLAS thread. numpy's own loop
-    (einsum without BLAS) is as fast as BLAS on one thread for a matrix times one vector."""
-    return np.einsum("ij,j->i", matrix, query)
-
-
-def _exact(matrix: np.ndarray, lsns: np.ndarray, query: np.ndarray, k: int,
-           keep: np.ndarray) -> list[tuple[int, float]]:
-    """The k best rows of ``matrix`` among those ``keep`` admits: [(lsn, cosine)]."""
-    scores = _dot(matrix, query)
-    scores[~keep] = -np.inf
-    k = min(k, int(keep.sum()))
-    if k <= 0:
-        return []
-    top = np.argpartition(-scores, k - 1)[:k]
-    # Equal scores go by lsn: rows arrive in embedding order, which a restored or reopened
-    # index does not repeat, and the same store must give the same answer.
-    top = top[np.lexsort((lsns[top], -scores[top]))]
-    return [(int(lsns[r]), float(scores[r])) for r in top]
 
 
 def _sha256(path: Path) -> str:
