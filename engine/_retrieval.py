@@ -18,11 +18,12 @@
    the vector leg found, below MIN_COSINE: a query with no good match returns fewer hits.
 4. Lift, from one store read of every candidate with its neighbouring turns, the turns episodes
    cover and the episodes' FSRS state: a turn passes a share of its fused score to the turns
-   around it in its session (an answer sits next to its question); an episode lifts its best
-   covered turn, scaled by its FSRS retrievability, instead of taking the slots of the ~10
-   turns it stands for (it is returned itself when ``kinds`` names episodes, or when its turns
-   are gone); facts are returned, at most DERIVED_SHARE of the slots, and a turn a fact ranked
-   above it stands for is dropped.
+   around it in its session (an answer sits next to its question) that have some relevance
+   of their own (a leg found them, or they are like the query: not a filler); an episode
+   lifts its best covered turn, scaled by its FSRS retrievability, instead of taking the
+   slots of the ~10 turns it stands for (it is returned itself when ``kinds`` names
+   episodes, or when its turns are gone); facts are returned, at most DERIVED_SHARE of the
+   slots, and a turn a fact ranked above it stands for is dropped.
 5. Expand along links, breadth-first in both directions, to the focus level's depth.
 6. Pack into a token budget and return typed hits (``_hits.py``), each with ``explain``: its
    rank in each leg, fused score, lift and FSRS factor. seed 001's sections over this
@@ -84,6 +85,10 @@ LEG_WEIGHTS = {"bm25": 0.5, "vector": 0.5, "window": 0.5, "entity": 0.1}
 LEGS = ("vector", "bm25", "entity", "window")  # the search legs; recall(legs=) picks some
 MIN_COSINE = 0.2  # a candidate only the vector leg found needs this similarity to the query
 NEIGHBOUR_LIFT = (0.3, 0.1)  # share of a turn's fused score given to turns 1 and 2 seqs away
+# A neighbour takes that lift only if it has some relevance of its own: a leg found it, or its
+# similarity to the query reaches the relevance floor. An answer sits next to its question,
+# but so do fillers ("Noted.", "Nice!") that say nothing about anything.
+NEIGHBOUR_MIN_COSINE = MIN_COSINE
 EPISODE_LIFT = 0.1  # share of an episode's fused score given to its best covered turn
 # An episode lifts one covered turn, the one that matches the query best: an episode matched
 # because of what one of its turns says, the rest of it shares the topic only. Lifting more
@@ -425,6 +430,17 @@ class Retriever:
             lift[lsn] = lift.get(lsn, 0.0) + amount
             lifted_by.setdefault(lsn, []).append((source, way))
 
+        # Neighbours with relevance of their own (see NEIGHBOUR_MIN_COSINE). Without the
+        # query's vector (the vector leg did not run), or the neighbour's (not embedded yet),
+        # relevance cannot be judged and the neighbour counts.
+        unfound = [t.lsn for t in around.values() if t.lsn not in fused]
+        near = (self.ann.similarities(user_id, vector, unfound)
+                if vector is not None and unfound else {})
+
+        def relevant(turn: Turn) -> bool:
+            return (vector is None or turn.lsn in fused
+                    or near.get(turn.lsn, NEIGHBOUR_MIN_COSINE) >= NEIGHBOUR_MIN_COSINE)
+
         now = self.clock()
         fsrs: dict[int, float] = {}
         standing: set[int] = set()  # episodes returned themselves
@@ -435,7 +451,7 @@ class Retriever:
                 for distance, share in enumerate(NEIGHBOUR_LIFT, 1):
                     for seq in (memory.seq - distance, memory.seq + distance):
                         other = around.get((memory.session_id, seq))
-                        if other is not None:
+                        if other is not None and relevant(other):
                             give(other, share * score, memory.turn_id, "neighbour")
             elif kind is Episode:
                 state = states.get(memory.episode_id) or memory_review_state(memory)

@@ -144,3 +144,16 @@ async def test_other_kinds_never_change_how_turns_are_scored(store_path) -> None
         if hit.kind == "turn":
             assert hit.explain.ranks == turns[hit.id].explain.ranks
             assert hit.explain.fused == turns[hit.id].explain.fused
+
+
+async def test_a_neighbour_with_no_relevance_of_its_own_is_not_lifted(store_path) -> None:
+    """A filler next to a strong hit ("Noted.") says nothing about anything: no leg found it
+    and it is not like the query, so it takes no lift and stays out of the results."""
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        texts = [f"the puppy park on {TOPICS[i % len(TOPICS)]} day {i}" for i in range(120)]
+        texts[60:60] = ["what did you name the new puppy?", "Noted."]
+        await _chat(mem, "s", texts)
+        await mem.flush()
+        hits = await mem.recall("ana", "name of the new puppy", limit=50, kinds=["turn"])
+    assert hits[0].text == "what did you name the new puppy?"
+    assert "Noted." not in [h.text for h in hits]
