@@ -35,6 +35,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from datetime import datetime
+from functools import partial
 from typing import Any, Literal
 
 import outcome
@@ -248,16 +249,19 @@ class Engine:
 
     async def add_turn(self, user_id: str, session_id: str, role: str, text: str,
                        at: datetime | None = None, meta: dict[str, Any] | None = None,
-                       durable: bool = False) -> Receipt:
-        """:meth:`engine.Engine.add_turn` on asyncio; the receipt's ``durable()`` is
-        awaitable here."""
+                       durable: bool = False, *, agent_id: str | None = None,
+                       run_id: str | None = None) -> Receipt:
+        """:meth:`engine.Engine.add_turn` on asyncio (``agent_id`` / ``run_id``: the session's
+        scope, as there); the receipt's ``durable()`` is awaitable here."""
         return Receipt(await self._call(self._native.add_turn, user_id, session_id, role, text,
-                                        at, meta, durable), self)
+                                        at, meta, durable, agent_id=agent_id, run_id=run_id),
+                       self)
 
     def add_turn_nowait(self, user_id: str, session_id: str, role: str, text: str,
-                        at: datetime | None = None, meta: dict[str, Any] | None = None
-                        ) -> Receipt:
+                        at: datetime | None = None, meta: dict[str, Any] | None = None, *,
+                        agent_id: str | None = None, run_id: str | None = None) -> Receipt:
         """Add a turn without awaiting: it is in the session's window when this returns.
+        ``agent_id`` / ``run_id``: the session's scope, as :meth:`engine.Engine.add_turn`'s.
 
         Call it from the asyncio loop's thread (any coroutine or callback of that loop). In
         guest mode it costs what the native call costs; on a trio thread of its own
@@ -273,12 +277,13 @@ class Engine:
             # No wake-up call needed: if this reschedules the store's writer while trio waits
             # for I/O, trio's guest mode forces a tick itself (Runner.reschedule), and if the
             # writer is busy committing it takes the turn with its next batch.
-            native = self._native.add_turn_nowait(user_id, session_id, role, text, at, meta)
+            native = self._native.add_turn_nowait(user_id, session_id, role, text, at, meta,
+                                                  agent_id=agent_id, run_id=run_id)
         else:
             try:  # the window and the store's queue belong to the engine's thread
                 native = trio.from_thread.run_sync(
-                    self._native.add_turn_nowait, user_id, session_id, role, text, at, meta,
-                    trio_token=self._token)
+                    partial(self._native.add_turn_nowait, agent_id=agent_id, run_id=run_id),
+                    user_id, session_id, role, text, at, meta, trio_token=self._token)
             except trio.RunFinishedError:
                 raise _closed_error() from None
         return Receipt(native, self)

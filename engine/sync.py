@@ -111,10 +111,12 @@ class Engine:
 
     def add_turn(self, user_id: str, session_id: str, role: str, text: str,
                  at: datetime | None = None, meta: dict[str, Any] | None = None,
-                 durable: bool = False) -> Receipt:
-        """:meth:`engine.Engine.add_turn`, blocking; the receipt's ``durable()`` blocks too."""
+                 durable: bool = False, *, agent_id: str | None = None,
+                 run_id: str | None = None) -> Receipt:
+        """:meth:`engine.Engine.add_turn`, blocking (``agent_id`` / ``run_id``: the session's
+        scope, as there); the receipt's ``durable()`` blocks too."""
         return Receipt(self._call(self._native.add_turn, user_id, session_id, role, text, at,
-                                  meta, durable), self)
+                                  meta, durable, agent_id=agent_id, run_id=run_id), self)
 
     @staticmethod
     def restore(snapshot_dir: str | os.PathLike[str], store_path: str | os.PathLike[str],

@@ -279,3 +279,46 @@ def test_asyncio_open_refuses_an_unknown_trio_loop(tmp_path) -> None:
         assert not (tmp_path / "s").exists()
 
     asyncio.run(main())
+
+
+@trio_loops
+def test_the_asyncio_facade_takes_scopes_as_the_trio_engine_does(tmp_path, trio_loop) -> None:
+    """add_turn_nowait and add_turn on asyncio take agent_id / run_id like the trio Engine's:
+    the session is filed under the scope, recall keeps it, a session's other scope is refused
+    on the asyncio side, and forget_scope forgets it."""
+
+    async def main() -> None:
+        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder(),
+                                   trio_loop=trio_loop) as mem:
+            mem.add_turn_nowait("ana", "s1", "user", "the red kite", agent_id="bot",
+                                run_id="r1")
+            await mem.add_turn("ana", "s2", "user", "the red balloon", agent_id="bot",
+                               run_id="r2", durable=True)
+            mem.add_turn_nowait("ana", "s3", "user", "the red car")
+            with pytest.raises(InvalidInput, match="agent_id"):
+                mem.add_turn_nowait("ana", "s1", "user", "again", agent_id="other")
+            with pytest.raises(InvalidInput, match="run_id"):
+                await mem.add_turn("ana", "s2", "user", "again", run_id="r9")
+            await mem.flush()
+            scopes = {s.session_id: (s.agent_id, s.run_id)
+                      for s in await mem.list_sessions("ana")}
+            assert scopes == {"s1": ("bot", "r1"), "s2": ("bot", "r2"), "s3": ("", "")}
+            found = await mem.recall("ana", "red", kinds=["turn"], run_id="r1")
+            assert [h.text for h in found] == ["the red kite"]
+            await mem.forget_scope("ana", agent_id="bot")
+            left = await mem.recall("ana", "red", kinds=["turn"])
+            assert [h.text for h in left] == ["the red car"]
+
+    asyncio.run(main())
+
+
+def test_the_blocking_facade_takes_scopes_as_the_trio_engine_does(tmp_path) -> None:
+    """The blocking facade's add_turn takes agent_id / run_id too."""
+    with sync.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+        mem.add_turn("ana", "s1", "user", "the red kite", agent_id="bot", run_id="r1")
+        mem.add_turn("ana", "s2", "user", "the red car", durable=True)
+        mem.flush()
+        assert {s.session_id: (s.agent_id, s.run_id) for s in mem.list_sessions("ana")} == {
+            "s1": ("bot", "r1"), "s2": ("", "")}
+        assert [h.text for h in mem.recall("ana", "red", kinds=["turn"], agent_id="bot")] == [
+            "the red kite"]
