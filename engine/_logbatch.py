@@ -34,15 +34,18 @@ from ._forget import Forgetting
 from ._parts import Parts
 from .errors import EngineError, InvalidInput
 
-__all__ = ["LogTurn", "LogForget", "LogCall", "CALLS", "LogEntry", "encode_entry", "decode_entry",
-           "PartitionLog", "watermark_key"]
+__all__ = ["LogTurn", "LogForget", "LogForgetScope", "LogCall", "CALLS", "LogEntry",
+           "encode_entry", "decode_entry", "PartitionLog", "watermark_key"]
 
 RECENT_IDS = 65_536  # turn ids applied lately, checked before the store (commits in flight)
 MAX_BATCH = 1_024  # entries per call: one transaction, and a few ms of loop time
 
 
 class LogTurn(msgspec.Struct, frozen=True, tag="turn", omit_defaults=True):
-    """A turn as the log carries it: its id was made by the writer, its seq is made here."""
+    """A turn as the log carries it: its id was made by the writer, its seq is made here.
+    ``agent_id`` / ``run_id``: its scope, as ``add_turn``'s (left out of the bytes when None,
+    so an entry written before scopes decodes with none, and an unscoped turn's bytes are
+    what they were)."""
 
     user_id: str
     session_id: str
@@ -51,6 +54,8 @@ class LogTurn(msgspec.Struct, frozen=True, tag="turn", omit_defaults=True):
     text: str
     at: datetime
     meta: dict[str, Any] | None = None
+    agent_id: str | None = None
+    run_id: str | None = None
 
 
 class LogForget(msgspec.Struct, frozen=True, tag="forget", omit_defaults=True):
@@ -58,6 +63,17 @@ class LogForget(msgspec.Struct, frozen=True, tag="forget", omit_defaults=True):
 
     user_id: str
     session_id: str | None = None
+
+
+class LogForgetScope(msgspec.Struct, frozen=True, tag="forget_scope", omit_defaults=True):
+    """A tombstone for one scope of a user (``forget_scope``): the sessions and notes of
+    that scope as they stand at its place in the log. A tag of its own, not LogForget's
+    fields: a node of an older version refuses the entry (counted invalid) rather than
+    reading it as a LogForget without a session, which forgets the whole user."""
+
+    user_id: str
+    agent_id: str | None = None
+    run_id: str | None = None
 
 
 class LogCall(msgspec.Struct, frozen=True, tag="call", omit_defaults=True):
@@ -79,7 +95,7 @@ CALLS = frozenset({
     "confirm_fact", "forget_fact", "link", "review", "write_session_summary", "close_session",
 })
 
-LogEntry = LogTurn | LogForget | LogCall
+LogEntry = LogTurn | LogForget | LogForgetScope | LogCall
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(LogEntry)
@@ -194,8 +210,11 @@ class PartitionLog:
                     if turns:
                         mark = await self._write_turns(partition, turns)
                         turns = []
-                    result = await self._apply_one(partition, seq, entry)
-                    if results is not None and type(entry) is LogCall:
+                    if type(entry) is LogForgetScope:
+                        result = await self._forget_scope(partition, seq, entry)
+                    else:
+                        result = await self._apply_one(partition, seq, entry)
+                    if results is not None and type(entry) is not LogForget:
                         results[seq] = result
                     mark = self._marks[partition] = seq
                 else:
@@ -235,6 +254,21 @@ class PartitionLog:
             self.invalid += 1
             return exc if isinstance(exc, EngineError) else InvalidInput("args", str(exc))
 
+    async def _forget_scope(self, partition: int, seq: int, entry: LogForgetScope) -> Any:
+        """A scope's tombstone: ``forget_scope`` writes one op per session and note, so the
+        watermark moves after the last of them, in a commit of its own (not attached to the
+        first op, which a crash would leave as the whole entry applied). A crash midway
+        replays the entry, and forgetting a scope again finishes what is left. What it
+        returned (or the engine error it raised) is the result, as a call's."""
+        try:
+            result: Any = await self._call("forget_scope", entry.user_id,
+                                           {"agent_id": entry.agent_id, "run_id": entry.run_id})
+        except InvalidInput as exc:
+            self.invalid += 1
+            result = exc
+        await self._put_mark(partition, seq)
+        return result
+
     async def _forget(self, entry: LogForget) -> None:
         try:
             if entry.session_id is None:
@@ -251,6 +285,7 @@ class PartitionLog:
         known = await store.read(_known_ids, [t for _, t in turns])
         last_seq = turns[-1][0]
         checked = []
+        fresh: dict[tuple[str, str], tuple[str, str]] = {}  # scopes of sessions it begins
         for seq, turn in turns:
             if turn.turn_id in self._recent or turn.turn_id in known:
                 self.duplicates += 1
@@ -263,6 +298,9 @@ class PartitionLog:
                 v.check_text("text", turn.text, config.max_text_chars)
                 at = v.check_at(turn.at)
                 meta = v.check_meta(turn.meta, config.max_meta_bytes)
+                if turn.agent_id is not None or turn.run_id is not None:
+                    _check_scope(turn, buffer.scope(turn.user_id, turn.session_id), fresh,
+                                 config.max_id_chars)
             except InvalidInput:
                 self.invalid += 1
                 continue
@@ -277,7 +315,7 @@ class PartitionLog:
         store.hold_together(len(checked) + 1)
         for turn, at, meta in checked:
             buffer.append(turn.user_id, turn.session_id, turn.role, turn.text, at, meta,
-                          turn.turn_id)
+                          turn.turn_id, turn.agent_id, turn.run_id)
         await self._put_mark(partition, last_seq)
         self._marks[partition] = last_seq
         return last_seq
@@ -285,6 +323,32 @@ class PartitionLog:
     async def _put_mark(self, partition: int, seq: int) -> None:
         done = trio.Event()  # set by the store once the watermark (and what precedes it) commits
         await self._parts.store.write_unlogged(PutState(_mark_puts(partition, seq), done=done))
+
+
+def _check_scope(turn: LogTurn, held: tuple[str, str] | None,
+                 fresh: dict[tuple[str, str], tuple[str, str]], max_chars: int) -> None:
+    """A logged turn's scope, by add_turn's rule: valid ids, and the session's scope if the
+    session exists (or an earlier turn of this batch begins it); a turn naming another is
+    refused. ``fresh``: the scopes of the sessions this batch begins.
+
+    Raises:
+        InvalidInput: a bad id, or another scope than the session's.
+    """
+    if turn.agent_id is not None:
+        v.check_id("agent_id", turn.agent_id, max_chars)
+    if turn.run_id is not None:
+        v.check_id("run_id", turn.run_id, max_chars)
+    key = (turn.user_id, turn.session_id)
+    if held is None:
+        held = fresh.get(key)
+        if held is None:
+            fresh[key] = (turn.agent_id or "", turn.run_id or "")
+            return
+    for field, given, own in (("agent_id", turn.agent_id, held[0]),
+                              ("run_id", turn.run_id, held[1])):
+        if given is not None and given != own:
+            raise InvalidInput(field, f"expected {own!r}, the {field} of session "
+                                      f"{turn.session_id!r}, found {given!r}")
 
 
 def _mark_puts(partition: int, seq: int) -> tuple[tuple[bytes, bytes, bytes, int]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine import InvalidInput
-from engine._logbatch import LogForget, LogTurn, decode_entry, encode_entry
+from engine._logbatch import LogForget, LogForgetScope, LogTurn, decode_entry, encode_entry
 
 from .conftest import T0, open_engine
 
@@ -188,3 +188,79 @@ async def test_each_logged_call_and_forget_commits_in_the_transaction_of_its_wat
         await mem.apply_log_batch(0, [(seq, LogForget("ana", "s1"))])
         assert written_with(seq) == "Forget"
         assert mem._partition_log.split == 0 and mem._partition_log.invalid == 0
+
+
+def scoped(n: int, session: str = "s1", agent_id: str | None = "bot",
+           run_id: str | None = "r1", user: str = "ana") -> LogTurn:
+    return LogTurn(user, session, f"t_{n:020x}", "user", f"scoped turn {n}",
+                   T0 + timedelta(seconds=n), agent_id=agent_id, run_id=run_id)
+
+
+def test_an_entry_written_before_scopes_decodes_with_none() -> None:
+    """A turn entry encoded before the log carried scopes (no agent_id / run_id keys) and a
+    scoped one both decode; an unscoped turn's bytes are what they were (the fields are left
+    out when empty), so every node reads every entry of the log."""
+    import msgspec
+
+    class OldTurn(msgspec.Struct, frozen=True, tag="turn", omit_defaults=True):
+        user_id: str
+        session_id: str
+        turn_id: str
+        role: str
+        text: str
+        at: object
+        meta: dict | None = None
+
+    old = OldTurn("ana", "s1", "t_1", "user", "hello", T0)
+    data = msgspec.msgpack.encode(old)
+    assert decode_entry(data) == LogTurn("ana", "s1", "t_1", "user", "hello", T0)
+    assert encode_entry(LogTurn("ana", "s1", "t_1", "user", "hello", T0)) == data
+    for entry in (scoped(1), LogForgetScope("ana", "bot"), LogForgetScope("ana", None, "r1")):
+        assert decode_entry(encode_entry(entry)) == entry
+
+
+async def test_scoped_turns_apply_as_the_engine_files_them(store_path: Path,
+                                                          tmp_path: Path) -> None:
+    """A scoped turn from the log files its session under the scope, a later turn without a
+    scope takes the session's, and one naming another scope is refused as add_turn refuses it
+    (counted, skipped): the applied store holds what a single-process engine holds for the
+    same calls."""
+    async with open_engine(store_path) as mem:
+        await mem.apply_log_batch(0, [(1, scoped(1)), (2, scoped(2, agent_id=None, run_id=None)),
+                                      (3, scoped(3, agent_id="other")),
+                                      (4, scoped(4, session="s2", run_id="r2")),
+                                      (5, scoped(5, session="s2", agent_id=None, run_id="r2"))])
+        assert mem._partition_log.invalid == 1
+        applied = {s.session_id: (s.agent_id, s.run_id, s.turn_count)
+                   for s in await mem.list_sessions("ana")}
+        hits = [h.text for h in await mem.recall("ana", "scoped turn", kinds=["turn"],
+                                                 run_id="r1")]
+    async with open_engine(tmp_path / "single") as mem:
+        await mem.add_turn("ana", "s1", "user", "scoped turn 1", agent_id="bot", run_id="r1")
+        await mem.add_turn("ana", "s1", "user", "scoped turn 2")
+        with pytest.raises(InvalidInput, match="agent_id"):
+            await mem.add_turn("ana", "s1", "user", "scoped turn 3", agent_id="other",
+                               run_id="r1")
+        await mem.add_turn("ana", "s2", "user", "scoped turn 4", agent_id="bot", run_id="r2")
+        await mem.add_turn("ana", "s2", "user", "scoped turn 5", run_id="r2")
+        single = {s.session_id: (s.agent_id, s.run_id, s.turn_count)
+                  for s in await mem.list_sessions("ana")}
+    assert applied == {"s1": ("bot", "r1", 2), "s2": ("bot", "r2", 2)} == single
+    assert sorted(hits) == ["scoped turn 1", "scoped turn 2"]
+
+
+async def test_a_forget_scope_tombstone_applies_in_log_order(store_path: Path) -> None:
+    """forget_scope in the log forgets that scope's sessions and notes as they stand at its
+    place in the log; other scopes, and the scope's turns after it, stay; its watermark moves
+    once everything is forgotten, and what it returned goes to the caller's results."""
+    async with open_engine(store_path) as mem:
+        await mem.apply_log_batch(0, [(1, scoped(1)), (2, scoped(2, session="s2", run_id="r2")),
+                                      (3, turn(3, session="s3"))])
+        results: dict[int, object] = {}
+        mark = await mem.apply_log_batch(0, [(4, LogForgetScope("ana", run_id="r1")),
+                                             (5, scoped(5, session="s4"))], results)
+        assert mark == 5 and results == {4: {"sessions": 1, "notes": 0}}
+        assert sorted(s.session_id for s in await mem.list_sessions("ana")) == ["s2", "s3", "s4"]
+        await mem.apply_log_batch(0, [(6, LogForgetScope("ana", None, None))], results)
+        assert isinstance(results[6], InvalidInput) and mem._partition_log.invalid == 1
+        assert await mem._partition_log.watermark(0) == 6

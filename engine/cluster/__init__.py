@@ -6,7 +6,7 @@ engine never imports it. ``engram-trio node`` runs a node; ``engram-trio cluster
 manages the log.
 """
 
-from .._logbatch import LogForget, LogTurn, decode_entry, encode_entry
+from .._logbatch import LogForget, LogForgetScope, LogTurn, decode_entry, encode_entry
 from ._bootstrap import PartitionSnapshot
 from ._figures import NodeStats, PartitionStats
 from ._leases import Leases, plan
@@ -27,6 +27,7 @@ __all__ = [
     "LocalNats",
     "Log",
     "LogForget",
+    "LogForgetScope",
     "LogTurn",
     "LogUnavailable",
     "Node",

@@ -32,7 +32,8 @@ from actors.session_buffer import new_turn_id
 
 from .._engine import Engine
 from .._http_edge import IdConvertor, routed_path
-from .._logbatch import CALLS, LogCall, LogEntry, LogForget, LogTurn, decode_entry, encode_entry
+from .._logbatch import (CALLS, LogCall, LogEntry, LogForget, LogForgetScope, LogTurn,
+                         decode_entry, encode_entry)
 from .._tools import call_tool
 from ..errors import EngineError, InvalidInput
 from ._bootstrap import decode as decode_snapshot
@@ -434,7 +435,7 @@ class ClusterEngine:
         return getattr(self._engine, name)
 
     def _turn(self, field: str, user_id: Any, session_id: Any, role: Any, text: Any, at: Any,
-              meta: Any) -> LogTurn:
+              meta: Any, agent_id: Any = None, run_id: Any = None) -> LogTurn:
         config = self._config
         try:
             v.check_id("user_id", user_id, config.max_id_chars)
@@ -443,29 +444,31 @@ class ClusterEngine:
             v.check_text("text", text, config.max_text_chars)
             at = datetime.now(timezone.utc) if at is None else v.check_at(at)
             meta = v.check_meta(meta, config.max_meta_bytes)
+            for name, value in (("agent_id", agent_id), ("run_id", run_id)):
+                if value is not None:
+                    v.check_id(name, value, config.max_id_chars)
         except InvalidInput as exc:
             if not field:
                 raise
             raise InvalidInput(f"{field}.{exc.field}", str(exc).split(": ", 1)[-1]) from None
         return LogTurn(user_id, session_id, new_turn_id(), role, text,
-                       at.astimezone(timezone.utc), meta or None)
+                       at.astimezone(timezone.utc), meta or None, agent_id, run_id)
 
     async def add_turn(self, user_id: str, session_id: str, role: str, text: str,
                        at: datetime | None = None, meta: dict[str, Any] | None = None,
                        durable: bool = False, *, agent_id: str | None = None,
                        run_id: str | None = None) -> ClusterReceipt:
         """:meth:`Engine.add_turn` through the log: the turn is published to the user's
-        partition; ``durable`` waits for the PubAck (a quorum of the log holds it).
+        partition; ``durable`` waits for the PubAck (a quorum of the log holds it). Its scope
+        (``agent_id`` / ``run_id``) goes with it; the owner files it as ``add_turn`` does,
+        and a turn naming another scope than its session's is refused there (counted
+        invalid), since only the owner holds the session.
 
         Raises:
             InvalidInput: a bad argument; nothing was published.
             LogUnavailable: (durable) no PubAck within the retry time.
         """
-        for field, value in (("agent_id", agent_id), ("run_id", run_id)):
-            if value is not None:
-                raise InvalidInput(field, "expected no scope on a cluster node (its log does "
-                                          f"not carry one yet), found {value!r}")
-        turn = self._turn("", user_id, session_id, role, text, at, meta)
+        turn = self._turn("", user_id, session_id, role, text, at, meta, agent_id, run_id)
         return await self._publish(turn, turn.turn_id, durable)
 
     async def add_turns(self, items: Iterable[NewTurn | Mapping[str, Any]], *,
@@ -480,7 +483,8 @@ class ClusterEngine:
                     raise InvalidInput(f"items[{index}]", f"expected NewTurn fields, found "
                                                           f"{exc}") from None
             turns.append(self._turn(f"items[{index}]", item.user_id, item.session_id,
-                                    item.role, item.text, item.at, item.meta))
+                                    item.role, item.text, item.at, item.meta, item.agent_id,
+                                    item.run_id))
         receipts = [await self._publish(t, t.turn_id, False) for t in turns]
         if durable:
             for receipt in receipts:
@@ -522,13 +526,18 @@ class ClusterEngine:
             LogUnavailable: this node is not the partition's owner any more, or the log did
                 not take or deliver the entry in time (it may still apply later).
         """
+        return await self._applied(method, LogCall(user_id, method, args))
+
+    async def _applied(self, method: str, entry: LogCall | LogForgetScope) -> Any:
+        """Publish ``entry`` (a call or a scope's tombstone) and return what the owner's
+        engine returned applying it; raises as :meth:`_logged`."""
+        user_id = entry.user_id
         v.check_id("user_id", user_id, self._config.max_id_chars)
         p = partition_of(user_id, self._partitions)
         node = self._node
         if node is None or not node.owns(p):
             raise LogUnavailable(f"partition {p} is not held here: its owner takes {method} "
                                  "(a node forwards it there); retry")
-        entry = LogCall(user_id, method, args)
         seq, _ = await self._log.publish(subject_of(user_id, self._partitions),
                                          encode_entry(entry), "c_" + new_turn_id()[2:])
         if not await node.wait_applied(p, seq, CALL_WAIT):
@@ -567,9 +576,23 @@ class ClusterEngine:
         """
         return await self._engine.snapshot(dest)
 
-    async def forget_scope(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotInCluster("the cluster's log carries no scope (agent_id, run_id) yet, so a "
-                           "node cannot forget one; run it on a single-process engine")
+    async def forget_scope(self, user_id: str, *, agent_id: str | None = None,
+                           run_id: str | None = None) -> dict[str, int]:
+        """:meth:`Engine.forget_scope` through the log: a tombstone (:class:`LogForgetScope`)
+        that every node applies at its place in the log, as ``forget_session``'s; on the
+        owner (the router forwards it there), it returns what the owner's apply forgot.
+
+        Raises:
+            InvalidInput: neither ``agent_id`` nor ``run_id``, or a bad id (nothing logged).
+            LogUnavailable: as a logged call's.
+        """
+        if agent_id is None and run_id is None:
+            raise InvalidInput("agent_id", "expected agent_id or run_id (or both), found "
+                                           "neither; forget_user forgets the whole user")
+        for field, value in (("agent_id", agent_id), ("run_id", run_id)):
+            if value is not None:
+                v.check_id(field, value, self._config.max_id_chars)
+        return await self._applied("forget_scope", LogForgetScope(user_id, agent_id, run_id))
 
 
 def _logged_method(name: str) -> Callable[..., Awaitable[Any]]:

@@ -8,6 +8,7 @@ import msgspec
 import pytest
 import trio
 
+from engine import InvalidInput
 from engine.cluster._log import Log
 from engine.cluster._node import ClusterEngine, Node
 from engine.cluster._partition import partition_of
@@ -285,3 +286,83 @@ async def test_a_nodes_snapshot_is_its_store_and_a_node_restored_from_it_resumes
             assert [t.seq for t in history] == list(range(8))
     finally:
         await log.close()
+
+
+async def test_scopes_go_through_the_log_and_a_node_holds_what_one_engine_holds(
+        nats_servers, cluster_config, tmp_path: Path) -> None:
+    """A scoped turn written via one node (which only publishes) is recalled with the scope
+    filter via another, the partition's owner; a scoped note and forget_scope go through the
+    log (the tombstone applied in log order, its counts returned to the owner's caller); the
+    owner's store, a store replaying the same log, and a single-process engine given the same
+    calls hold the same memory."""
+    from engine import NewTurn
+
+    config = msgspec.structs.replace(cluster_config, partitions=1)
+    log = await connect(nats_servers, config)
+    turns = [("s1", "I walk the dog in Lisbon", "bot", "r1"),
+             ("s2", "my dog is called Pixel", "bot", "r2"),
+             ("s1", "the dog likes the beach", None, None),
+             ("s3", "the dog barks at night", None, None)]
+    try:
+        async with open_engine(tmp_path / "w", config={"long_term": False}) as w, \
+                open_engine(tmp_path / "a", config={"long_term": False}) as a:
+            writer = ClusterEngine(w, log)  # a node that holds no partition: it publishes
+            node = Node(a, log, "a", "http://127.0.0.1:1")
+            owner = ClusterEngine(a, log, node)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(node.run)
+                await wait_for(lambda: node.owns(0), 30, "the partition held")
+                first = turns[0]
+                await writer.add_turn("ana", first[0], "user", first[1], agent_id=first[2],
+                                      run_id=first[3], durable=True)
+                receipts = await writer.add_turns(
+                    [NewTurn(user_id="ana", session_id=s, role="user", text=t, agent_id=ag,
+                             run_id=run) for s, t, ag, run in turns[1:]], durable=True)
+                note = await owner.store_note("ana", "walks the dog at seven", agent_id="bot",
+                                              run_id="r1")
+                assert (note.agent_id, note.run_id) == ("bot", "r1")
+                await wait_for(lambda: node.marks.get(0, 0) >= receipts[-1].log_seq, 30,
+                               "the turns applied")
+                await a.flush()
+                found = {h.text for h in await owner.recall("ana", "dog", run_id="r1")}
+                assert found == {turns[0][1], turns[2][1], note.text}
+                before = await _scoped_memory(a)
+                assert await owner.forget_scope("ana", run_id="r1") == {"sessions": 1,
+                                                                        "notes": 1}
+                with pytest.raises(InvalidInput, match="agent_id or run_id"):
+                    await writer.forget_scope("ana")
+                nursery.cancel_scope.cancel()
+            applied = await _scoped_memory(a)
+        async with open_engine(tmp_path / "single", config={"long_term": False}) as single:
+            for s, t, ag, run in turns:
+                await single.add_turn("ana", s, "user", t, agent_id=ag, run_id=run)
+            await single.store_note("ana", "walks the dog at seven", agent_id="bot", run_id="r1")
+            await single.flush()
+            assert await _scoped_memory(single) == before
+            await single.forget_scope("ana", run_id="r1")
+            assert await _scoped_memory(single) == applied
+        async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
+            node = Node(b, log, "b", "http://127.0.0.1:1")
+            async with trio.open_nursery() as nursery:
+                await nursery.start(node.run)
+                last = await log.last_seq()
+                await wait_for(lambda: node.marks.get(0, 0) >= last, 30, "the replay")
+                nursery.cancel_scope.cancel()
+            await b.flush()
+            assert await _scoped_memory(b) == applied
+        assert applied["sessions"] == [("s2", "bot", "r2", 1), ("s3", "", "", 1)]
+    finally:
+        await log.close()
+
+
+async def _scoped_memory(engine) -> dict:
+    """What a user's scopes hold, by text (ids are made by whoever wrote them)."""
+    sessions = sorted((s.session_id, s.agent_id, s.run_id, s.turn_count)
+                      for s in await engine.list_sessions("ana"))
+    return {
+        "sessions": sessions,
+        "turns": [t.text for s, *_ in sessions for t in await engine.session_history("ana", s)],
+        "notes": sorted((n.text, n.agent_id, n.run_id) for n in await engine.list_notes("ana")),
+        "r1": sorted(h.text for h in await engine.recall("ana", "dog", run_id="r1")),
+        "bot": sorted(h.text for h in await engine.recall("ana", "dog", agent_id="bot")),
+    }
