@@ -30,6 +30,8 @@ class Explain(msgspec.Struct, frozen=True, kw_only=True):
         lifted_by: the memories (turn or episode ids) that lifted it.
         fsrs: the FSRS retrievability factor the score was multiplied by (1.0 but episodes).
         cosine: its similarity to the query, when the vector leg scored it.
+        chunk: for a text long enough to be embedded in chunks (``actors.chunking``), the
+            place (from 0) of the chunk the vector leg found it by; None otherwise.
     """
 
     ranks: dict[str, int]
@@ -38,6 +40,7 @@ class Explain(msgspec.Struct, frozen=True, kw_only=True):
     lifted_by: tuple[str, ...] = ()
     fsrs: float = 1.0
     cosine: float | None = None
+    chunk: int | None = None
 
 
 class Hit(msgspec.Struct, frozen=True, kw_only=True):

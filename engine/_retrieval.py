@@ -198,6 +198,7 @@ class Retriever:
         others: dict[str, list[tuple[int, float]]] = {}
         depth = max(CANDIDATES_PER_LEG, 2 * limit)
         vector: list[Any] = []
+        matched: dict[int, int] = {}  # the chunk the vector leg found a long memory by
 
         def put(leg: str, part: str, found: list[tuple[int, float]]) -> None:
             (others if part else ranked)[leg] = found
@@ -226,7 +227,8 @@ class Retriever:
                         session_id, since, until, roles, part_kinds, lsns, hidden))
 
         async def vector_search(part: str, filters: Filters) -> None:
-            put("vector", part, await self.ann.search(user_id, vector[0], depth, filters))
+            put("vector", part, await self.ann.search(user_id, vector[0], depth, filters,
+                                                      matched))
 
         async def past_leg() -> None:
             # Fact versions retired since as_of left both indexes: scored here, by meaning
@@ -340,7 +342,7 @@ class Retriever:
                 memories[lsn] = memory
         scored, explain_of = self._lift(user_id, memories, fused, lifting, around, covered,
                                         states, cosine, vector[0] if vector else None, kinds,
-                                        primary)
+                                        primary, matched)
         hits: list[Hit] = []
         derived = 0
         cap = max(1, int(limit * DERIVED_SHARE))
@@ -407,7 +409,8 @@ class Retriever:
               fused: dict[int, tuple[float, dict[str, int]]], lifting: set[int],
               around: dict[tuple[str, int], Turn], covered: dict[str, list[Turn]],
               states: dict[str, Any], cosine: dict[int, float], vector: Any,
-              kinds: tuple[str, ...] | None, primary: dict[int, float]
+              kinds: tuple[str, ...] | None, primary: dict[int, float],
+              matched: dict[int, int] | None = None
               ) -> tuple[list[tuple[float, Any]], Callable[[int], tuple[Explain, tuple[str, ...]]]]:
         """Candidates with lifted scores, best first: each of ``lifting`` that is a turn lifts
         its neighbours, each that is an episode its best covered turn (an episode drops out
@@ -481,7 +484,8 @@ class Retriever:
             explain = Explain(ranks=dict(ranks), fused=base.get(lsn, 0.0),
                               lift=lift.get(lsn, 0.0),
                               lifted_by=tuple(dict.fromkeys(s for s, _ in sources)),
-                              fsrs=fsrs.get(lsn, 1.0), cosine=cosine.get(lsn))
+                              fsrs=fsrs.get(lsn, 1.0), cosine=cosine.get(lsn),
+                              chunk=None if matched is None else matched.get(lsn))
             # What found it: its legs; a turn no leg found, what lifted it.
             return explain, tuple(ranks) or tuple(sorted({w for _, w in sources}))
 

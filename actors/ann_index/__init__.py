@@ -18,6 +18,7 @@ from .vectors import (
     PARTS,
     STORED,
     Filters,
+    decode_rows,
     decode_vectors,
     encode_vector,
     part_of,
@@ -25,5 +26,5 @@ from .vectors import (
 )
 
 __all__ = ["AnnIndex", "Filters", "NO_FILTERS", "HEADER", "KINDS", "PARTS", "STORED",
-           "encode_vector", "decode_vectors", "part_of", "session_code", "HNSW_THRESHOLD",
+           "encode_vector", "decode_vectors", "decode_rows", "part_of", "session_code", "HNSW_THRESHOLD",
            "HNSW_M", "HNSW_EF_CONSTRUCTION", "HNSW_EF_SEARCH"]

@@ -44,7 +44,7 @@ import trio
 
 from ..store import Store, read_user_vectors
 from .rows import _dot, _exact, _User, _UserVectors
-from .vectors import KINDS, NO_FILTERS, PARTS, Filters, decode_vectors, part_of
+from .vectors import KINDS, NO_FILTERS, PARTS, Filters, decode_rows, part_of
 
 __all__ = ["AnnIndex"]
 
@@ -150,7 +150,10 @@ class AnnIndex:
         graph_file, lsns_file, sum_file = self._graph_files(user_id, part)
         self._path.mkdir(parents=True, exist_ok=True)
         lsns_tmp, graph_tmp = lsns_file.with_suffix(".tmp.npy"), graph_file.with_suffix(".tmp")
-        np.save(lsns_tmp, uv.lsns[: uv.graph_rows])
+        rows = uv.graph_rows
+        # Each row's record, and its chunk when some record has several (a pair per row).
+        np.save(lsns_tmp, uv.lsns[:rows] if not uv.chunks[:rows].any()
+                else np.stack([uv.lsns[:rows], uv.chunks[:rows].astype(np.int64)], axis=1))
         uv.graph.save_index(str(graph_tmp))
         sums = {"rows": uv.graph_rows, "hnsw": _sha256(graph_tmp), "lsns": _sha256(lsns_tmp)}
         sum_file.with_suffix(".tmp").write_text(json.dumps(sums))
@@ -163,19 +166,19 @@ class AnnIndex:
     def _build_user(self, user_id: str, lsns: list[int], values: bytes) -> _User:
         """A user's index from their stored vectors (worker thread: ~100k rows of work)."""
         user = _User(self._dim)
-        every = np.array(lsns, dtype=np.int64)
-        meta, matrix = decode_vectors(values, len(lsns), self._dim)
+        every, chunks, meta, matrix = decode_rows(lsns, values, self._dim)
         turns = meta["kind"] == KINDS["turn"]
         for part, rows in (("turn", turns), ("other", ~turns)):
-            uv = self._load_graph(user_id, part, every[rows], meta[rows], matrix[rows])
+            uv = self._load_graph(user_id, part, every[rows], chunks[rows], meta[rows],
+                                  matrix[rows])
             if uv is None:
                 uv = _UserVectors(self._dim)
-                uv.append(every[rows], meta[rows], matrix[rows])
+                uv.append(every[rows], chunks[rows], meta[rows], matrix[rows], dedupe=False)
             setattr(user, part, uv)
         return user
 
-    def _load_graph(self, user_id: str, part: str, lsns: np.ndarray, meta: np.ndarray,
-                    matrix: np.ndarray) -> _UserVectors | None:
+    def _load_graph(self, user_id: str, part: str, lsns: np.ndarray, chunks: np.ndarray,
+                    meta: np.ndarray, matrix: np.ndarray) -> _UserVectors | None:
         """The partition's saved graph with rows in its saved order, reconciled with its
         stored vectors: rows deleted since are dead placeholders, new vectors come after.
         None when there is no usable saved graph."""
@@ -196,8 +199,14 @@ class AnnIndex:
         if graph.get_current_count() != len(saved) or sums["rows"] != len(saved):
             return None  # the pair was not written together: rebuild instead
         graph.set_num_threads(1)
-        position = {lsn: i for i, lsn in enumerate(lsns.tolist())}
-        order = [position.get(int(lsn), -1) for lsn in saved]
+        # A graph saved before records had chunks (or with none) names one chunk per row.
+        if saved.ndim == 2:
+            saved_lsns, saved_chunks = saved[:, 0].astype(np.int64), saved[:, 1].astype(np.int32)
+        else:
+            saved_lsns, saved_chunks = saved.astype(np.int64), np.zeros(len(saved), np.int32)
+        position = {key: i for i, key in enumerate(zip(lsns.tolist(), chunks.tolist()))}
+        order = [position.get(key, -1)
+                 for key in zip(saved_lsns.tolist(), saved_chunks.tolist())]
         present = np.array([i >= 0 for i in order], dtype=bool)
         if not present.any():
             # Nothing it holds is stored any more: its files go, the partition starts anew.
@@ -206,24 +215,25 @@ class AnnIndex:
             return None
         uv = _UserVectors(self._dim)
         rows = np.array([max(i, 0) for i in order], dtype=np.int64)
-        uv.append(saved.astype(np.int64), meta[rows], matrix[rows])
+        uv.append(saved_lsns, saved_chunks, meta[rows], matrix[rows], dedupe=False)
         absent = np.flatnonzero(~present).tolist()
-        for row in absent:
-            uv.alive[row] = False
-            uv.row_of.pop(int(saved[row]), None)
-            uv.matrix[row] = 0
         if absent:
             # Deleted since the save (or, in a graph saved before partitions, of another
-            # partition): their vectors leave the graph, and the files holding them go (the
-            # graph is saved again, scrubbed, at close).
-            _scrub_rows(graph, absent, self._dim)
+            # partition; a record some of whose chunk rows are gone, re-embedded in other
+            # chunks, is taken out whole and added again from the store below): their vectors
+            # leave the graph, and the files holding them go (the graph is saved again,
+            # scrubbed, at close).
+            stale = sorted({int(saved_lsns[row]) for row in absent})
+            dead = sorted({row for lsn in stale for row in uv.rows(lsn)} | set(absent))
+            uv.remove(stale)  # every row of theirs, the absent ones among them
+            _scrub_rows(graph, dead, self._dim)
             for path in (graph_file, lsns_file, sum_file):
                 path.unlink(missing_ok=True)
             uv.unsaved = True
         uv.graph, uv.graph_rows = graph, len(saved)
-        fresh = [i for i, lsn in enumerate(lsns.tolist()) if lsn not in uv.row_of]
-        if fresh:
-            uv.append(lsns[fresh], meta[fresh], matrix[fresh])
+        fresh = np.array([lsn not in uv.row_of for lsn in lsns.tolist()], dtype=bool)
+        if fresh.any():
+            uv.append(lsns[fresh], chunks[fresh], meta[fresh], matrix[fresh], dedupe=False)
         return uv
 
     async def _update_graph(self, user_id: str, part: str, uv: _UserVectors) -> None:
@@ -317,7 +327,9 @@ class AnnIndex:
             lsns_file = files[1]
             if not whole_user and lsns_file.exists():
                 try:
-                    if not np.isin(np.asarray(lsns, dtype=np.int64), np.load(lsns_file)).any():
+                    saved = np.load(lsns_file)
+                    saved = saved[:, 0] if saved.ndim == 2 else saved  # (lsn, chunk) pairs
+                    if not np.isin(np.asarray(lsns, dtype=np.int64), saved).any():
                         continue
                 except (OSError, ValueError):
                     pass  # unreadable: it goes too
@@ -339,9 +351,8 @@ class AnnIndex:
             mine = [row for row in rows if part_of(row[1]) == part]
             if not mine:
                 continue
-            lsns = np.array([lsn for lsn, _ in mine], dtype=np.int64)
-            meta, matrix = decode_vectors(b"".join(v for _, v in mine), len(mine), self._dim)
-            uv.append(lsns, meta, matrix)
+            uv.append(*decode_rows([lsn for lsn, _ in mine], b"".join(v for _, v in mine),
+                                   self._dim))
             if uv.graph is not None or uv.n >= HNSW_THRESHOLD:
                 self._schedule(uv, user_id, part)
 
@@ -369,9 +380,8 @@ class AnnIndex:
                     for part, uv in user.parts():
                         mine = [row for row in payload if part_of(row[1]) == part]
                         if mine:
-                            uv.append(np.array([lsn for lsn, _ in mine], dtype=np.int64),
-                                      *decode_vectors(b"".join(v for _, v in mine), len(mine),
-                                                      self._dim))
+                            uv.append(*decode_rows([lsn for lsn, _ in mine],
+                                                   b"".join(v for _, v in mine), self._dim))
                 else:
                     removed, whole = payload
                     forgotten = forgotten or whole
@@ -397,13 +407,23 @@ class AnnIndex:
             total -= user.n
 
     async def search(self, user_id: str, query: np.ndarray, k: int,
-                     filters: Filters = NO_FILTERS) -> list[tuple[int, float]]:
+                     filters: Filters = NO_FILTERS, matched: dict[int, int] | None = None
+                     ) -> list[tuple[int, float]]:
         """The user's k nearest records to ``query`` (unit length): [(lsn, cosine)], best
-        first. Each partition the kind filter admits is searched on its own; when both are,
-        their lists merge (equal scores by lsn)."""
+        first, each record once at its best chunk; ``matched`` gets that chunk's place for
+        each record found that has several. Each partition the kind filter admits is searched
+        on its own (a record's chunks are all in its kind's partition, so each list holds a
+        record once); when both are, their lists merge (equal scores by lsn)."""
         user = await self._user(user_id)
-        found = [await self._search(uv, query, k, filters.within(part))
-                 for part, uv in user.parts() if filters.admits(part)]
+        found = []
+        for part, uv in user.parts():
+            if filters.admits(part):
+                chunks: dict[int, int] = {}
+                hits = await self._search(uv, query, k, filters.within(part), chunks)
+                if matched is not None and uv.more:
+                    matched.update((lsn, chunks.get(lsn, 0)) for lsn, _ in hits
+                                   if lsn in uv.more)
+                found.append(hits)
         if not found:
             await trio.lowlevel.checkpoint()
             return []
@@ -412,7 +432,7 @@ class AnnIndex:
         return sorted(found[0] + found[1], key=lambda hit: (-hit[1], hit[0]))[:k]
 
     async def _search(self, uv: _UserVectors, query: np.ndarray, k: int,
-                      filters: Filters) -> list[tuple[int, float]]:
+                      filters: Filters, matched: dict[int, int]) -> list[tuple[int, float]]:
         """One partition's k nearest: its graph when it has a complete one and the filters
         leave enough rows, else an exact scan of its rows."""
         if uv.n == 0:
@@ -425,7 +445,7 @@ class AnnIndex:
         if use_graph:
             uv.readers += 1
             try:
-                return await trio.to_thread.run_sync(uv.knn, query, k, keep,
+                return await trio.to_thread.run_sync(uv.knn, query, k, keep, matched,
                                                      limiter=self._search_limiter)
             finally:
                 uv.readers -= 1
@@ -433,12 +453,13 @@ class AnnIndex:
                     uv.idle.unpark_all()
         mask = uv.alive[: uv.n].copy() if keep is None else keep
         n = len(mask)
-        matrix, lsns = uv.matrix[:n], uv.lsns[:n]  # taken with the mask, before any yield
+        # Taken with the mask, before any yield.
+        matrix, lsns, chunks, extra = uv.matrix[:n], uv.lsns[:n], uv.chunks[:n], uv.extra
         if n <= EXACT_IN_THREAD:
             await trio.lowlevel.checkpoint()
-            return _exact(matrix, lsns, query, k, mask)
-        return await trio.to_thread.run_sync(_exact, matrix, lsns, query, k, mask,
-                                             limiter=self._search_limiter)
+            return _exact(matrix, lsns, query, k, mask, chunks, extra, matched)
+        return await trio.to_thread.run_sync(_exact, matrix, lsns, query, k, mask, chunks,
+                                             extra, matched, limiter=self._search_limiter)
 
     def graphs_behind(self) -> int:
         """Users in memory who need a graph (HNSW_THRESHOLD vectors, or one already built)
@@ -450,22 +471,23 @@ class AnnIndex:
                           for _, uv in user.parts()))
 
     def similarities(self, user_id: str, query: np.ndarray, lsns: list[int]) -> dict[int, float]:
-        """Cosine of ``query`` with each of these records, for a user already loaded (a search
-        loads it); records without a vector yet, and users not in RAM, are left out."""
+        """Cosine of ``query`` with each of these records (at its best chunk), for a user
+        already loaded (a search loads it); records without a vector yet, and users not in
+        RAM, are left out."""
         user = self._users.get(user_id)
         if user is None:
             return {}
         out: dict[int, float] = {}
         for _, uv in user.parts():
-            rows = [(lsn, uv.row_of[lsn]) for lsn in lsns if lsn in uv.row_of]
+            rows = [(lsn, row) for lsn in lsns for row in uv.rows(lsn)]
             if rows:
                 scores = _dot(uv.matrix[[row for _, row in rows]], query)
-                out.update((lsn, float(x))
-                           for (lsn, _), x in zip(rows, scores.tolist(), strict=True))
+                for (lsn, _), x in zip(rows, scores.tolist(), strict=True):
+                    out[lsn] = max(float(x), out.get(lsn, -1.0))
         return out
 
     async def count(self, user_id: str) -> int:
-        """The user's live vectors (loading the user, as a search would)."""
+        """The user's records with vectors (loading the user, as a search would)."""
         user = await self._user(user_id)
         return len(user.turn.row_of) + len(user.other.row_of)
 

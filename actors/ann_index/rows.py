@@ -21,10 +21,13 @@ class _UserVectors:
         self.dim = dim
         self.n = 0
         self.lsns = np.zeros(0, dtype=np.int64)
+        self.chunks = np.zeros(0, dtype=np.int32)  # each row's chunk of its record
         self.meta = np.zeros(0, dtype=HEADER)
         self.matrix = np.zeros((0, dim), dtype=np.float32)
         self.alive = np.zeros(0, dtype=bool)
-        self.row_of: dict[int, int] = {}
+        self.row_of: dict[int, int] = {}  # a record's first chunk's row
+        self.more: dict[int, list[int]] = {}  # the rows of a record's other chunks
+        self.extra = 0  # live rows of chunks past the first: a search takes that many more
         self.graph: hnswlib.Index | None = None
         self.graph_rows = 0  # rows [0, graph_rows) are in the graph
         self.graph_dead: list[int] = []  # rows deleted but not yet marked in the graph
@@ -35,10 +38,13 @@ class _UserVectors:
         # Parked: the writer, waiting for graph readers to finish.
         self.idle = trio.lowlevel.ParkingLot()
 
-    def append(self, lsns: np.ndarray, meta: np.ndarray, matrix: np.ndarray) -> None:
-        if self.row_of:  # rows arriving twice (a load racing a commit) are kept once
+    def append(self, lsns: np.ndarray, chunks: np.ndarray, meta: np.ndarray,
+               matrix: np.ndarray, dedupe: bool = True) -> None:
+        """Rows (a record's chunks together, first chunk first); ``dedupe``: records already
+        here are skipped (rows arriving twice, a load racing a commit, are kept once)."""
+        if dedupe and self.row_of:
             fresh = np.array([lsn not in self.row_of for lsn in lsns.tolist()], dtype=bool)
-            lsns, meta, matrix = lsns[fresh], meta[fresh], matrix[fresh]
+            lsns, chunks, meta, matrix = lsns[fresh], chunks[fresh], meta[fresh], matrix[fresh]
         k = len(lsns)
         if not k:
             return
@@ -46,23 +52,41 @@ class _UserVectors:
         if need > len(self.lsns):
             size = max(need, 2 * len(self.lsns), 64)
             self.lsns = np.resize(self.lsns, size)
+            self.chunks = np.resize(self.chunks, size)
             self.meta = np.resize(self.meta, size)
             self.alive = np.resize(self.alive, size)
             grown = np.zeros((size, self.dim), dtype=np.float32)
             grown[: self.n] = self.matrix[: self.n]
             self.matrix = grown
         rows = slice(self.n, need)
-        self.lsns[rows], self.meta[rows], self.matrix[rows] = lsns, meta, matrix
+        self.lsns[rows], self.chunks[rows] = lsns, chunks
+        self.meta[rows], self.matrix[rows] = meta, matrix
         self.alive[rows] = True
-        self.row_of.update(zip(lsns.tolist(), range(self.n, need)))
+        if chunks.any():
+            for row, lsn, chunk in zip(range(self.n, need), lsns.tolist(), chunks.tolist(),
+                                       strict=True):
+                if chunk:
+                    self.more.setdefault(lsn, []).append(row)
+                    self.extra += 1
+                else:
+                    self.row_of[lsn] = row
+        else:
+            self.row_of.update(zip(lsns.tolist(), range(self.n, need)))
         self.n = need
 
+    def rows(self, lsn: int) -> list[int]:
+        """Every row of a record here (none if it has none)."""
+        first = self.row_of.get(lsn)
+        return ([] if first is None else [first]) + self.more.get(lsn, [])
+
     def remove(self, lsns: list[int]) -> bool:
-        """Rows of these records leave the matrix; whether any was here."""
+        """Rows of these records (every chunk's) leave the matrix; whether any was here."""
         found = False
         for lsn in lsns:
-            row = self.row_of.pop(lsn, None)
-            if row is not None:
+            rows = self.rows(lsn)
+            self.row_of.pop(lsn, None)
+            self.extra -= len(self.more.pop(lsn, ()))
+            for row in rows:
                 found = True
                 self.alive[row] = False
                 self.matrix[row] = 0  # a graph built from the matrix later must not get it
@@ -75,15 +99,21 @@ class _UserVectors:
         any await or thread: rows keep arriving on the trio thread, and the mask, the matrix
         and the lsns must describe the same rows (rows below that length never change)."""
         n = len(keep)
-        return _exact(self.matrix[:n], self.lsns[:n], query, k, keep)
+        return _exact(self.matrix[:n], self.lsns[:n], query, k, keep, self.chunks[:n],
+                      self.extra)
 
-    def knn(self, query: np.ndarray, k: int, keep: np.ndarray | None) -> list[tuple[int, float]]:
+    def knn(self, query: np.ndarray, k: int, keep: np.ndarray | None,
+            matched: dict[int, int] | None = None) -> list[tuple[int, float]]:
         """Graph search over rows [0, graph_rows); ``keep`` (a filter) or the live rows decide
-        what may be returned, inside the search."""
+        what may be returned, inside the search. Each record once, at its best chunk (which
+        goes in ``matched``); with chunk rows about, more rows are asked for so that k records
+        come back."""
         rows = self.graph_rows
         allowed = (self.alive if keep is None else keep)[:rows]
-        matrix, lsns = self.matrix[:rows], self.lsns[:rows]  # rows below graph_rows are fixed
-        k = min(k, int(allowed.sum()))
+        # Rows below graph_rows are fixed.
+        matrix, lsns, chunks = self.matrix[:rows], self.lsns[:rows], self.chunks[:rows]
+        want, extra = k, self.extra
+        k = min(k + min(extra, 3 * k), int(allowed.sum()))
         if k <= 0:
             return []
         self.graph.set_ef(max(HNSW_EF_SEARCH, k))
@@ -92,9 +122,13 @@ class _UserVectors:
         try:
             labels, distances = self.graph.knn_query(query, k=k, filter=check)
         except RuntimeError:  # the filter left fewer than k reachable: scan exactly instead
-            return _exact(matrix, lsns, query, k, allowed)
-        return [(int(lsns[row]), 1.0 - distance)
-                for row, distance in zip(labels[0].tolist(), distances[0].tolist(), strict=True)]
+            return _exact(matrix, lsns, query, want, allowed, chunks, extra, matched)
+        found = labels[0]
+        if not extra:
+            return [(int(lsns[row]), 1.0 - distance)
+                    for row, distance in zip(found.tolist(), distances[0].tolist(), strict=True)]
+        return _distinct(lsns[found], (1.0 - distances[0]).tolist(), chunks[found], want,
+                         matched)
 
 
 class _User:
@@ -125,15 +159,39 @@ def _dot(matrix: np.ndarray, query: np.ndarray) -> np.ndarray:
 
 
 def _exact(matrix: np.ndarray, lsns: np.ndarray, query: np.ndarray, k: int,
-           keep: np.ndarray) -> list[tuple[int, float]]:
-    """The k best rows of ``matrix`` among those ``keep`` admits: [(lsn, cosine)]."""
+           keep: np.ndarray, chunks: np.ndarray | None = None, extra: int = 0,
+           matched: dict[int, int] | None = None) -> list[tuple[int, float]]:
+    """The k best records among the rows of ``matrix`` that ``keep`` admits: [(lsn,
+    cosine)], each record at its best row (chunk, noted in ``matched``). ``extra``: rows of
+    chunks past the first, so k + extra rows hold k records."""
     scores = _dot(matrix, query)
     scores[~keep] = -np.inf
-    k = min(k, int(keep.sum()))
+    want = k
+    k = min(k + extra, int(keep.sum()))
     if k <= 0:
         return []
     top = np.argpartition(-scores, k - 1)[:k]
     # Equal scores go by lsn: rows arrive in embedding order, which a restored or reopened
     # index does not repeat, and the same store must give the same answer.
     top = top[np.lexsort((lsns[top], -scores[top]))]
-    return [(int(lsns[r]), float(scores[r])) for r in top]
+    if not extra:
+        return [(int(lsns[r]), float(scores[r])) for r in top]
+    return _distinct(lsns[top], scores[top].tolist(), chunks[top], want, matched)
+
+
+def _distinct(lsns: np.ndarray, scores: list[float], chunks: np.ndarray, k: int,
+              matched: dict[int, int] | None) -> list[tuple[int, float]]:
+    """Rows best first -> the first k records, each at its first (best) row, whose chunk goes
+    in ``matched``."""
+    out: list[tuple[int, float]] = []
+    seen: set[int] = set()
+    for lsn, score, chunk in zip(lsns.tolist(), scores, chunks.tolist(), strict=True):
+        if lsn in seen:
+            continue
+        seen.add(lsn)
+        out.append((lsn, score))
+        if matched is not None:
+            matched[lsn] = chunk
+        if len(out) == k:
+            break
+    return out

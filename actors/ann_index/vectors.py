@@ -2,7 +2,11 @@
 
 Each stored vector value is a 16-byte header (:data:`HEADER`) followed by the vector as
 float16 (schema 2): half the bytes of float32 on disk and in every snapshot, for a cosine error
-around 1e-7 on unit vectors; searches run on float32 copies in RAM.
+around 1e-7 on unit vectors; searches run on float32 copies in RAM. A long text's value holds
+one vector per chunk (:mod:`actors.chunking`) behind its one header, whose ``extra`` counts the
+chunks past the first (0 in a value written before chunks: one vector, as before); each chunk
+is a row of its record's partition (:func:`decode_rows`), and a search returns each record
+once, at its best chunk, and says which chunk that was.
 
 The header carries what a search filters on (time, kind, role, a code of the session), so
 :class:`Filters` is a mask over headers. The Embedder writes these values
@@ -20,9 +24,10 @@ import numpy as np
 from ..base.messages import Searchable
 
 __all__ = ["HEADER", "KINDS", "STORED", "ROLE_CODES", "PARTS", "KIND_AT", "part_of",
-           "session_code", "encode_vector", "decode_vectors", "Filters", "NO_FILTERS"]
+           "session_code", "encode_vector", "decode_vectors", "decode_rows", "Filters",
+           "NO_FILTERS"]
 
-HEADER = np.dtype([("at_ms", "<i8"), ("kind", "u1"), ("role", "u1"), ("_pad", "<u2"),
+HEADER = np.dtype([("at_ms", "<i8"), ("kind", "u1"), ("role", "u1"), ("extra", "<u2"),
                    ("session", "<u4")])
 KINDS = {"turn": 0, "episode": 1, "fact": 2, "note": 3}
 STORED = np.dtype("<f2")  # vectors on disk (schema 2; schema 1 stored float32)
@@ -47,19 +52,50 @@ def _ms(at: datetime) -> int:
 
 
 def encode_vector(record: Searchable, vector: np.ndarray) -> bytes:
+    """A record's stored value: its header, then its vector, or one vector per chunk (a
+    ``chunks x dim`` array)."""
+    vectors = np.asarray(vector, dtype=STORED)
     header = np.zeros(1, dtype=HEADER)
-    header[0] = (_ms(record.at), KINDS[record.kind], ROLE_CODES.get(record.role, 255), 0,
-                 session_code(record.session_id))
-    return header.tobytes() + np.asarray(vector, dtype=STORED).tobytes()
+    header[0] = (_ms(record.at), KINDS[record.kind], ROLE_CODES.get(record.role, 255),
+                 len(vectors) - 1 if vectors.ndim == 2 else 0, session_code(record.session_id))
+    return header.tobytes() + vectors.tobytes()
 
 
 def decode_vectors(values: bytes, count: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """(headers, matrix) from ``count`` concatenated stored values."""
+    """(headers, matrix) from ``count`` concatenated stored values of one vector each."""
     row = HEADER.itemsize + STORED.itemsize * dim
     raw = np.frombuffer(values, dtype=np.uint8).reshape(count, row)
     headers = raw[:, : HEADER.itemsize].copy().view(HEADER).reshape(count)
     matrix = raw[:, HEADER.itemsize :].copy().view(STORED).reshape(count, dim).astype(np.float32)
     return headers, matrix
+
+
+def decode_rows(lsns: list[int], values: bytes, dim: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Index rows from concatenated stored values: (lsn, chunk, header, vector) per row, a
+    value of several chunks giving several rows (each with its record's header)."""
+    count = len(lsns)
+    size = STORED.itemsize * dim
+    if len(values) == count * (HEADER.itemsize + size):  # no value holds chunks
+        headers, matrix = decode_vectors(values, count, dim)
+        return (np.array(lsns, dtype=np.int64), np.zeros(count, dtype=np.int32), headers,
+                matrix)
+    row_lsns, chunks, starts, heads = [], [], [], []
+    at = 0
+    for lsn in lsns:
+        header = np.frombuffer(values, dtype=HEADER, count=1, offset=at)
+        k = int(header["extra"][0]) + 1
+        for chunk in range(k):
+            row_lsns.append(lsn)
+            chunks.append(chunk)
+            starts.append(at + HEADER.itemsize + chunk * size)
+            heads.append(header)
+        at += HEADER.itemsize + k * size
+    raw = np.frombuffer(values, dtype=np.uint8)
+    index = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(size)
+    matrix = raw[index].view(STORED).reshape(len(starts), dim).astype(np.float32)
+    return (np.array(row_lsns, dtype=np.int64), np.array(chunks, dtype=np.int32),
+            np.concatenate(heads), matrix)
 
 
 class Filters:

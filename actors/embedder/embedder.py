@@ -27,9 +27,9 @@ import numpy as np
 import outcome
 import trio
 
-from ..ann_index import encode_vector
 from ..base.errors import EngineBroken, EngineClosed
 from ..base.messages import EmbedRequest, PutState, PutVectors, Searchable
+from ..chunking import Assembly, Piece, chunk_texts
 from ..store import (
     Damaged,
     ModelInfo,
@@ -399,35 +399,48 @@ class Embedder:
         except EngineClosed:
             return  # the engine is closing; the watermark on disk says where to resume
 
-    async def _token_batches(self, records: list[Searchable]) -> list[list[Searchable]]:
-        """``records`` sorted by token count, cut where a batch would pad past BATCH_TOKENS
-        or hold more than BACKGROUND_BATCH texts."""
+    async def _pieces(self, records: list[Searchable]) -> list[Piece]:
+        """Each record's chunks (:mod:`actors.chunking`), cut in a worker thread with the
+        backend's tokenizer: a text the model's window holds is one piece, as it is."""
         if not records:
             return []
+        fit = getattr(self.backend, "fit_chars", None)
+        chunks = await trio.to_thread.run_sync(chunk_texts, [r.text for r in records], fit)
+        return [Piece(record, i, len(texts), text)
+                for record, texts in zip(records, chunks, strict=True)
+                for i, text in enumerate(texts)]
+
+    async def _token_batches(self, records: list[Searchable]) -> list[list[Piece]]:
+        """``records``' chunks sorted by token count, cut where a batch would pad past
+        BATCH_TOKENS or hold more than BACKGROUND_BATCH texts."""
+        pieces = await self._pieces(records)
+        if not pieces:
+            return []
         count = getattr(self.backend, "count_tokens", None)
-        texts = [r.text for r in records]
+        texts = [p.text for p in pieces]
         if count is None:  # a backend without a tokenizer of its own: words approximate
             tokens = [len(t.split()) + 2 for t in texts]
         else:
             tokens = await trio.to_thread.run_sync(count, texts)
-        order = sorted(range(len(records)), key=tokens.__getitem__)
-        batches: list[list[Searchable]] = []
-        batch: list[Searchable] = []
+        order = sorted(range(len(pieces)), key=tokens.__getitem__)
+        batches: list[list[Piece]] = []
+        batch: list[Piece] = []
         for i in order:
             # Sorted ascending, so this text is the batch's longest once added.
             if batch and (len(batch) == BACKGROUND_BATCH
                           or (len(batch) + 1) * tokens[i] > BATCH_TOKENS):
                 batches.append(batch)
                 batch = []
-            batch.append(records[i])
+            batch.append(pieces[i])
         batches.append(batch)
         return batches
 
-    async def _embed_in_order(self, store: Store, batches: list[list[Searchable]], last: int,
+    async def _embed_in_order(self, store: Store, batches: list[list[Piece]], last: int,
                               on_vectors: Any) -> None:
         """Embed ``batches`` with up to one per background thread in the model (plus one
-        queued), and write each one's vectors in order; the last write moves the watermark
-        to ``last``.
+        queued), and write the vectors in batch order: a record's once its last chunk's batch
+        is in (its chunks are stored together); the last write moves the watermark to
+        ``last``.
 
         Raises:
             EngineClosed / EngineBroken: from the model or the store, in batch order.
@@ -435,13 +448,14 @@ class Embedder:
         if not batches:
             await store.write_unlogged(PutVectors([], last, trio.Event(), on_vectors))
             return
-        results: list[Any] = [None] * len(batches)  # each an outcome of (records, vectors)
+        results: list[Any] = [None] * len(batches)  # each an outcome of (pieces, vectors)
         ready = [trio.Event() for _ in batches]  # each set once its batch's outcome is in
         room = trio.Semaphore(self._lanes[False].workers + 1)  # batches in the model or queued
+        assembly = Assembly()
 
         async def embed_one(i: int) -> None:
             try:
-                results[i] = outcome.Value(await self._embed_records(store, batches[i]))
+                results[i] = outcome.Value(await self._embed_pieces(store, batches[i]))
             except (EngineClosed, EngineBroken) as exc:  # raised in order by the writer
                 results[i] = outcome.Error(exc)
             finally:
@@ -463,9 +477,7 @@ class Embedder:
                     failure = result
                     nursery.cancel_scope.cancel()
                     break
-                kept, vectors = result.value
-                items = [(r.lsn, r.user_id, encode_vector(r, vector))
-                         for r, vector in zip(kept, vectors, strict=True)]
+                items = assembly.add(*result.value)
                 watermark = last if i == len(batches) - 1 else self.embedded_lsn
                 try:
                     await store.write_unlogged(PutVectors(items, watermark, trio.Event(),
@@ -494,9 +506,9 @@ class Embedder:
             records = await store.read(read_searchables, lsns)
             items = []
             if records:
-                vectors = await self.embed([r.text for r in records], query=False)
-                items = [(r.lsn, r.user_id, encode_vector(r, vector))
-                         for r, vector in zip(records, vectors, strict=True)]
+                pieces = await self._pieces(records)
+                vectors = await self.embed([p.text for p in pieces], query=False)
+                items = Assembly().add(pieces, list(vectors))
             rest = array("Q", backlog)
             rest.byteswap()  # big-endian on disk, like every integer in the store
             await store.write_unlogged(PutVectors(items, self.embedded_lsn, trio.Event(),
@@ -508,31 +520,37 @@ class Embedder:
         self._progress.unpark_all()
 
 
-    async def _embed_records(self, store: Store, chunk: list[Searchable]
-                             ) -> tuple[list[Searchable], list[np.ndarray]]:
-        """The chunk's records and their vectors. If the model fails on the batch, each record
-        is embedded alone: one the model cannot take is kept as a failure in the store and left
-        without a vector (BM25 still finds it), and the others go on."""
+    async def _embed_pieces(self, store: Store, chunk: list[Piece]
+                            ) -> tuple[list[Piece], list[np.ndarray]]:
+        """The batch's pieces and their vectors. If the model fails on the batch, each piece
+        is embedded alone: a record with a piece the model cannot take is kept as a failure
+        in the store and left without vectors (BM25 still finds it), and the others go on."""
         try:
-            return chunk, list(await self.embed([r.text for r in chunk], query=False))
+            return chunk, list(await self.embed([p.text for p in chunk], query=False))
         except EngineBroken:
             if self._closed:
                 raise
         kept, vectors, failures = [], [], []
-        for record in chunk:
+        failed: set[int] = set()
+        for piece in chunk:
+            record = piece.record
             try:
-                vectors.append((await self.embed([record.text], query=False))[0])
-                kept.append(record)
+                vectors.append((await self.embed([piece.text], query=False))[0])
+                kept.append(piece)
             except EngineBroken as exc:
                 if self._closed:
                     raise
+                if record.lsn in failed:
+                    continue
+                failed.add(record.lsn)
                 log.warning("embedder: record %d failed and is kept as a failure: %r",
                             record.lsn, exc.__cause__)
                 failures.append(failure_put(record.lsn, "embedder", record.user_id,
                                             record.memory_id, exc.__cause__ or exc))
         if failures:
             store.submit(PutState(tuple(failures)))
-        return kept, vectors
+        return ([p for p in kept if p.record.lsn not in failed],
+                [v for p, v in zip(kept, vectors, strict=True) if p.record.lsn not in failed])
 
 
 def _take(requests: deque[EmbedRequest], limit: int) -> list[EmbedRequest]:

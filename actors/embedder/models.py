@@ -177,6 +177,16 @@ class OnnxEmbedder:
         """Each text's token count after truncation (no padding): the batching key."""
         return [len(e.ids) for e in self._counter.encode_batch(texts)]
 
+    def fit_chars(self, texts: list[str]) -> list[int]:
+        """How many of each text's characters the model's window holds (all of a text that
+        fits): where a chunk must end (:mod:`actors.chunking`)."""
+        out = []
+        for text, e in zip(texts, self._counter.encode_batch(texts), strict=True):
+            # Truncated: the window ends after its last token before [SEP] (the counter pads
+            # nothing, so offsets[-2] is a token of the text).
+            out.append(e.offsets[-2][1] if e.overflowing else len(text))
+        return out
+
     def tokenize(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         encodings = self._tokenizer.encode_batch(texts)
         ids = np.array([e.ids for e in encodings], dtype=np.int64)

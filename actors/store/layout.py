@@ -20,7 +20,8 @@ turns      user NUL session NUL seq(8 bytes)       Turn (msgpack)
 ids        user NUL turn_id                        the turn's key in ``turns``
 log        lsn (8 bytes, big-endian)               ``T`` + turn key; ``N`` + replaced lsn +
                                                    notes key; ``D`` + deleted lsns; ``E``, ``F``
-vectors    user NUL lsn(8 bytes)                   ANN header + the embedding, float32 bytes
+vectors    user NUL lsn(8 bytes)                   ANN header (16 bytes) + the embedding as
+                                                   float16, one per chunk (see below)
 links      user NUL from NUL to / user NUL to NUL  Link (msgpack), once per direction
            from
 notes      user NUL note_id                        Note (msgpack), its latest version
@@ -46,6 +47,14 @@ record). Ids a caller chooses are at most 250 bytes (checked at the call).
 ``ids`` maps ``user NUL id`` of a turn, an episode or a fact to its key (in ``turns``, or
 after the tag ``NUL E`` / ``NUL F`` in ``episodes`` / ``facts``). Log entries: ``E`` + episode key; ``F`` + count(2) + the lsns that
 left the indexes with it (8 bytes each) + fact key.
+
+A ``vectors`` value is :data:`actors.ann_index.HEADER` (time, kind, role, ``extra``, session
+code) and then the record's vectors as float16 (schema 2; schema 1 stored float32). A text
+longer than one chunk (:mod:`actors.chunking`: 640 characters, none past the model's window)
+keeps every chunk's vector in its one value, in order, ``extra`` counting the chunks past the
+first (0 in a value written before chunks: one vector). So a record has one key however many
+chunks it has: a forget, a scrub, a snapshot and a restore take all of its chunks or none, and
+the ANN index (whose partition is chosen by the header's kind) reads a row per chunk.
 
 A deletion leaves a tombstone that lists the deleted sequence numbers and nothing of the user.
 """

@@ -66,11 +66,16 @@ class Vectors:
         return lsns
 
     async def embed(self, lsns: list[int], kind: str = "turn") -> None:
+        """Write the records' vectors: a long text's one per chunk, as the embedder does."""
         store = self.ground.store
         records = [msgspec.structs.replace(r, kind=kind)
                    for r in await store.read(store_mod.read_searchables, lsns)]
-        vectors = hash_vectors([r.text for r in records])
-        items = [(r.lsn, r.user_id, encode_vector(r, v)) for r, v in zip(records, vectors)]
+        items = []
+        for r in records:
+            chunks = _chunks(r.text)
+            vectors = hash_vectors(chunks)
+            items.append((r.lsn, r.user_id, encode_vector(r, vectors if len(chunks) > 1
+                                                          else vectors[0])))
         await store.write_unlogged(PutVectors(items, max(lsns), trio.Event(), self.ann.added))
 
     async def forget(self, user_id: str, session_id: str | None) -> None:
@@ -160,8 +165,8 @@ async def test_vectors_committed_while_a_user_loads_are_not_lost(store_path) -> 
     assert len(found) == 2
 
 
-async def _graph_ready(ann: AnnIndex) -> None:
-    uv = ann._users["ana"].turn
+async def _graph_ready(ann: AnnIndex, part: str = "turn") -> None:
+    uv = getattr(ann._users["ana"], part)
     while uv.graph is None or uv.graph_rows < uv.n or uv.writing:
         await trio.sleep(0.01)
 
@@ -242,13 +247,13 @@ async def test_each_kind_is_searched_over_its_own_partition(store_path, monkeypa
     scanned, filtered = [], []
     exact, knn = ann_mod._exact, ann_mod._UserVectors.knn
 
-    def counting_exact(matrix, lsns, query, k, keep):
+    def counting_exact(matrix, lsns, query, k, keep, *chunks):
         scanned.append(len(matrix))
-        return exact(matrix, lsns, query, k, keep)
+        return exact(matrix, lsns, query, k, keep, *chunks)
 
-    def counting_knn(self, query, k, keep):
+    def counting_knn(self, query, k, keep, *matched):
         filtered.append(keep is not None)
-        return knn(self, query, k, keep)
+        return knn(self, query, k, keep, *matched)
 
     monkeypatch.setattr(ann_mod, "_exact", counting_exact)
     monkeypatch.setattr(rows_mod, "_exact", counting_exact)
@@ -329,3 +334,80 @@ async def test_a_graph_saved_before_partitions_serves_the_turns(store_path, monk
         assert not user.turn.alive[dead].any() and not user.turn.matrix[dead].any()
         # The mixed files held the episodes' vectors: gone until the turns' graph is saved.
         assert list(ann_dir.iterdir()) == []
+
+
+def _chunks(text: str) -> list[str]:
+    """A long text's pieces as the embedder cuts them in size (640 characters, 96 repeated;
+    where it cuts is actors.chunking's business, not the index's)."""
+    return [text[at: at + 640] for at in range(0, max(len(text) - 96, 1), 544)]
+
+
+def _long(topic: str, filler: int, i: int) -> str:
+    """A text of several chunks whose last one alone names ``topic``."""
+    rng = np.random.default_rng(i)
+    words = " ".join(rng.choice(WORDS[:8], size=filler))
+    return f"{words} {topic} {topic} {topic}"
+
+
+async def test_a_record_of_several_chunks_is_found_by_any_once_and_survives_the_graph(
+        store_path, monkeypatch) -> None:
+    """Each chunk of a long text is a row of its kind's partition (a turn's in the turns', a
+    note's in the other): the record is found by its last chunk, returned once (never as two
+    hits) with that chunk named, in the exact scan and in the graph, in each partition and in
+    their merge, after the graphs are saved and reloaded, and a forget takes every one of its
+    rows."""
+    monkeypatch.setattr(ann_mod, "HNSW_THRESHOLD", 200)
+    texts = _texts(300, seed=4)
+    longs = [_long(f"zebra{i}", 400, i) for i in range(5)]
+    notes = [_long(f"okapi{i}", 400, 10 + i) for i in range(3)]
+    assert all(len(_chunks(t)) >= 3 for t in longs + notes)
+    async with running_index(store_path) as v:
+        lsns = await v.add_turns("ana", [("s0", t) for t in texts]
+                                 + [(f"long{i}", t) for i, t in enumerate(longs)])
+        noted = await v.add_turns("ana", [("n", t) for t in notes]
+                                  + [("n", t) for t in _texts(250, seed=9)], "note")
+        chunked = lsns[-5:]
+        matched: dict[int, int] = {}
+        query = await _vector("zebra3 zebra3")
+        exact = await v.ann.search("ana", query, 50, matched=matched)
+        found = [lsn for lsn, _ in exact]
+        assert found[0] == chunked[3] and len(found) == len(set(found)) == 50
+        last = len(_chunks(longs[3])) - 1
+        assert matched[chunked[3]] == last
+        user = v.ann._users["ana"]
+        assert user.turn.n == len(lsns) + sum(len(_chunks(t)) - 1 for t in longs)
+        assert user.other.n == len(noted) + sum(len(_chunks(t)) - 1 for t in notes)
+        assert await v.ann.count("ana") == len(lsns) + len(noted)
+        note_query = await _vector("okapi1 okapi1")
+        matched.clear()
+        by_note = await v.ann.search("ana", note_query, 30, matched=matched)
+        assert by_note[0][0] == noted[1] and matched[noted[1]] == len(_chunks(notes[1])) - 1
+        assert len({lsn for lsn, _ in by_note}) == 30
+        await _graph_ready(v.ann)
+        await _graph_ready(v.ann, "other")
+        matched.clear()
+        graph = await v.ann.search("ana", query, 50, matched=matched)
+        assert graph[0][0] == chunked[3] and matched[chunked[3]] == last
+        assert len({lsn for lsn, _ in graph}) == len(graph) == 50
+        only_notes = await v.ann.search("ana", note_query, 30, Filters(kinds=("note",)))
+        assert only_notes[0][0] == noted[1] and len({lsn for lsn, _ in only_notes}) == 30
+    async with running_index(store_path) as v:
+        reloaded = await v.ann.search("ana", query, 50)
+        user = v.ann._users["ana"]
+        for uv in (user.turn, user.other):  # the saved graphs, no rebuild
+            assert uv.graph is not None and uv.graph_rows == uv.n
+        assert reloaded == graph
+        assert await v.ann.search("ana", note_query, 30, Filters(kinds=("note",))) == only_notes
+        await v.forget("ana", "long3")
+        assert not user.turn.rows(chunked[3])
+        assert chunked[3] not in {lsn for lsn, _ in await v.ann.search("ana", query, 50)}
+        await v.forget("ana", "n")
+        assert not user.other.row_of and not user.other.more and user.other.extra == 0
+        assert not user.other.alive[: user.other.n].any()
+    async with running_index(store_path) as v:
+        again = await v.ann.search("ana", query, 50)
+        assert chunked[3] not in {lsn for lsn, _ in again}
+        uv = v.ann._users["ana"].turn
+        assert int(uv.alive[: uv.n].sum()) == sum(len(uv.rows(lsn)) for lsn in uv.row_of)
+        assert uv.extra == sum(len(uv.rows(lsn)) - 1 for lsn in uv.row_of)
+        assert not await v.ann.search("ana", note_query, 30, Filters(kinds=("note",)))

@@ -68,14 +68,18 @@ async def embedded(ground: Ground, embedder: Embedder) -> None:
 
 
 async def stored_vectors(ground: Ground, user_id: str, dim: int = 384) -> dict[int, np.ndarray]:
-    """The user's vectors as stored, by lsn: each value ends with the vector in float16, after
-    the index's header."""
+    """The user's vectors as stored, by lsn: each value is the index's 16-byte header (its
+    little-endian u16 at byte 10 counts the chunks past the first), then each chunk's vector
+    in float16; a record of several chunks gives its first chunk's."""
     lsns, values = await ground.store.read(store_mod.read_user_vectors, user_id)
-    if not lsns:
-        return {}
-    rows = np.frombuffer(values, dtype=np.uint8).reshape(len(lsns), -1)
-    matrix = rows[:, -2 * dim :].copy().view("<f2").astype(np.float32)
-    return dict(zip(lsns, matrix, strict=True))
+    out, at = {}, 0
+    for lsn in lsns:
+        extra = int.from_bytes(values[at + 10: at + 12], "little")
+        first = values[at + 16: at + 16 + 2 * dim]
+        out[lsn] = np.frombuffer(first, dtype="<f2").astype(np.float32)
+        at += 16 + (extra + 1) * 2 * dim
+    assert at == len(values)
+    return out
 
 
 class GatedEmbedder(HashEmbedder):
@@ -370,7 +374,8 @@ async def test_the_follower_batches_a_window_sorted_by_tokens_within_the_budget(
     BATCH_TOKENS tokens (or one text alone) and at most BACKGROUND_BATCH texts; every text
     gets its vector once."""
     path = tmp_path / "s"
-    texts = [" ".join(f"w{i}x{j}" for j in range(1 + (i * 37) % 90)) for i in range(200)]
+    # At most 629 characters: each text is one chunk (actors.chunking).
+    texts = [" ".join(f"{i}x{j}" for j in range(1 + (i * 37) % 90)) for i in range(200)]
     async with running_embedder(path, HashEmbedder(), follow=False) as (ground, _):
         for text in texts:
             await ground.add_turn("ana", "s", text)

@@ -46,13 +46,16 @@ def _index_docs_with_marker(fulltext: Path) -> int:
     return searcher.doc_freq("text", MARKER)
 
 
-def _needles(vectors: list[bytes]) -> list[bytes]:
+def _needles(vectors: list[bytes], dim: int = 384) -> list[bytes]:
     """The marker, and each forgotten vector as stored (float16) and as a graph holds it
-    (float32)."""
+    (float32): every chunk's of a value that holds several (a long text's)."""
     out = [MARKER.encode()]
+    size = 2 * dim
     for value in vectors:
-        half = value[HEADER.itemsize:]
-        out += [half, np.frombuffer(half, dtype="<f2").astype("<f4").tobytes()]
+        vectors_part = value[HEADER.itemsize:]
+        for at in range(0, len(vectors_part), size):
+            half = vectors_part[at: at + size]
+            out += [half, np.frombuffer(half, dtype="<f2").astype("<f4").tobytes()]
     return out
 
 
@@ -68,6 +71,9 @@ async def _fill(mem: Engine, user: str, session: str, n: int, marked: bool) -> l
     for i in range(n):
         text = (f"{MARKER} was said in turn {i} about the lighthouse keeper" if marked
                 else f"turn {i} about the weather and the garden")
+        if marked and i < 2:  # long: embedded in chunks, their vectors in one value
+            text += "".join(f" and the lighthouse keeper wrote entry {j} in the log"
+                            for j in range(30))
         receipt = await mem.add_turn(user, session, "user" if i % 2 else "assistant", text)
         lsns.append(receipt.lsn)
     return lsns
@@ -98,6 +104,7 @@ async def test_forgotten_text_and_vectors_leave_every_file(tmp_path: Path, graph
             await trio.sleep(0.01)  # built in the background; saved at close once built
     vectors = _vectors_of(store, "ana", set(marked))
     assert len(vectors) == len(marked)
+    assert sum(len(v) > HEADER.itemsize + 2 * 384 for v in vectors) == 2  # chunked
     needles = _needles(vectors)
     before = _holding(store, needles)
     # The premise: the marker is in LMDB and the text index, the vectors in LMDB and the graph.
