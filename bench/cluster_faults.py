@@ -186,6 +186,7 @@ def _log_entries(urls: list[str], stream: str) -> list[tuple[int, Any]]:
     """Every entry of the stream, (sequence, entry), read in order by a fresh consumer."""
     async def read() -> list[tuple[int, Any]]:
         import nats
+        import nats.js.errors
         from nats.js import api
 
         nc = await nats.connect(servers=urls, connect_timeout=5)
@@ -200,9 +201,13 @@ def _log_entries(urls: list[str], stream: str) -> list[tuple[int, Any]]:
                 # that timed out (a loaded server can be slow with entries still to come).
                 try:
                     msgs = await sub.fetch(1024, timeout=2)
-                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                except (nats.errors.TimeoutError, asyncio.TimeoutError,
+                        nats.js.errors.ServiceUnavailableError):
+                    # 503: a consumer just made, before the servers knew of it (it ended
+                    # the 20-run series at its 16th run).
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"the log read stopped after {len(out)}") from None
+                    await asyncio.sleep(0.05)
                     continue
                 out += [(m.metadata.sequence.stream, decode_entry(m.data)) for m in msgs]
                 if msgs and msgs[-1].metadata.num_pending == 0:
