@@ -61,6 +61,8 @@ class Scrubber:
         if self._store.scrub_pending:  # a crash cut the last scrub short
             await trio.to_thread.run_sync(self._ann.drop_saved_graphs)
             self._asked += 1
+        elif self._store.scrub_owed:  # an older build scrubbed it: once more, this way
+            self._asked += 1
         task_status.started()
         try:
             while True:

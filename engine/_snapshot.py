@@ -1,16 +1,18 @@
 """Snapshots: point-in-time copies of a live store, their manifest, restore and compaction.
 
-A snapshot directory holds ``store/data.mdb`` (a clean copy: LMDB's compacting copy with what
-it carries beside the live records zeroed, ``actors/store/compact.py``), ``fulltext/`` (the
-text index) and ``manifest.json``. The text index is taken first and covers lsn W; the LMDB
+A snapshot directory holds ``store/data.mdb`` (LMDB's compacting copy, holding no byte of a
+deleted record: a scrubbed store's pages hold none, and the copy of any other is zeroed beside
+its records, ``actors/store/compact.py``), ``fulltext/`` (the text index) and
+``manifest.json``. The snapshot first waits for the scrubs of the deletions before it. The text index is taken first and covers lsn W; the LMDB
 copy is taken second and covers lsn L >= W, the snapshot's sequence. An engine opened on the
 restored store replays (W, L] into the text index and embeds whatever the copy had not
 embedded yet, so it answers as the source did at L. ANN graphs are never copied: they are
 rebuilt from the stored vectors.
 
-Forgotten users stay forgotten: the clean copy holds no byte of a deleted record (taken
+Forgotten users stay forgotten: the LMDB copy holds no byte of a deleted record (taken
 before a forget's scrub ran, too), and a text index whose segments still hold deleted
-documents is not copied but built afresh from the LMDB copy. Restore copies each file while
+documents, or that was copied before a deletion the LMDB copy holds, is not copied but built
+afresh from the LMDB copy. Restore copies each file while
 it checks its checksum (each byte read once), then checks the copy's hash chain.
 """
 
@@ -22,7 +24,7 @@ import json
 import mmap
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,7 @@ import trio
 from actors.base.errors import InvalidInput, StoreIncompatible, StoreTampered
 from actors.base.records import SCHEMA_VERSION
 from actors.fulltext import build_index
-from actors.store import MAX_DBS, clean_copy, open_databases
+from actors.store import LOG_TOMBSTONE, MAX_DBS, clean_copy, lsn_key, open_databases
 from actors.store.integrity import HEAD_KEY, check_file
 
 from ._owner import OwnerLock
@@ -171,8 +173,23 @@ def _counts(store_dir: Path) -> dict[str, int]:
         env.close()
 
 
-async def take_snapshot(parts: Parts, dest: Path) -> Manifest:
-    """See ``Engine.snapshot``."""
+def _deleted_after(store_dir: Path, lsn: int) -> bool:
+    """Whether the store copy logs a deletion (a forget, a deleted note) after ``lsn``."""
+    env = lmdb.open(str(store_dir), readonly=True, lock=False, max_dbs=MAX_DBS)
+    try:
+        with env.begin() as txn:
+            cursor = txn.cursor(env.open_db(b"log", txn=txn, create=False))
+            if not cursor.set_range(lsn_key(lsn + 1)):
+                return False
+            return any(entry[:1] == LOG_TOMBSTONE for entry in cursor.iternext(keys=False))
+    finally:
+        env.close()
+
+
+async def take_snapshot(parts: Parts, dest: Path,
+                        scrubbed: Callable[[], Awaitable[None]] | None = None) -> Manifest:
+    """See ``Engine.snapshot``. ``scrubbed`` returns once the scrubs of the deletions so far
+    are done: the copy of a scrubbed store needs no zeroing (``Store.copy_to``)."""
     started = trio.current_time()
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise InvalidInput("dest", f"expected a new or empty directory, found {dest} with "
@@ -182,8 +199,15 @@ async def take_snapshot(parts: Parts, dest: Path) -> Manifest:
         await trio.to_thread.run_sync(shutil.rmtree, partial)
     partial.mkdir(parents=True)
     try:
+        if scrubbed is not None:
+            await scrubbed()
         fulltext_lsn, copied = await parts.fulltext.copy_to(partial / "fulltext")
         lsn = await parts.store.copy_to(partial / "store", sync=False)  # fsynced below
+        if copied and lsn > fulltext_lsn:
+            # A deletion between the two copies is in the store copy, but the index copy
+            # still holds its documents: tantivy would only mark them deleted on replay.
+            copied = not await trio.to_thread.run_sync(
+                _deleted_after, partial / "store", fulltext_lsn)
         if not copied:
             if (partial / "fulltext").exists():
                 await trio.to_thread.run_sync(shutil.rmtree, partial / "fulltext")

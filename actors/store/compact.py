@@ -7,6 +7,12 @@ LMDB wrote it from held before (it reuses them without clearing): bytes of delet
 forgotten ones too. So a clean copy is that copy (:func:`copy_pages`, inside the reader's
 transaction) with those bytes then overwritten with zeros (:func:`clear_copy`, after it,
 before anyone opens the copy): only live records' bytes remain.
+
+The copy takes the bytes beside a page's records from the page itself (up to 7 bytes at
+either edge of its free space, its padding, an overflow page's tail) or from pages it copied
+before (its write buffer starts zeroed and is reused). So the copy of a file whose pages hold
+nothing stale (a scrubbed store, ``layout.SCRUBBED_KEY``) holds nothing stale either, and
+``Store.copy_to`` skips the zeroing for it.
 """
 
 from __future__ import annotations
@@ -27,17 +33,21 @@ def copy_pages(env: lmdb.Environment, txn: lmdb.Transaction, dest: Path) -> None
     env.copy(str(dest), compact=True, txn=txn)
 
 
+def fsync_copy(dest: Path) -> None:
+    """fsync the copy in ``dest``."""
+    fd = os.open(dest / "data.mdb", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def clear_copy(dest: Path, sync: bool = True) -> None:
     """Zero what a copy by :func:`copy_pages` carried beside the live records; with
     ``sync``, fsync it (a snapshot fsyncs it with its other files)."""
-    path = dest / "data.mdb"
-    zero_stale_bytes(path, None, None, sync=False)
+    zero_stale_bytes(dest / "data.mdb", None, None, sync=False)
     if sync:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_copy(dest)
 
 
 def clean_copy(env: lmdb.Environment, txn: lmdb.Transaction, dest: Path) -> None:

@@ -26,6 +26,7 @@ from .layout import (
     LOG_TOMBSTONE,
     SCRUB_KEY,
     SCRUB_STEP_KEY,
+    SCRUBBED_KEY,
     legacy_link_keys,
     link_keys,
     link_prefixes,
@@ -210,11 +211,12 @@ class Forgetting:
 
     def _scrub_done_in(self, txn: lmdb.Transaction, op: ScrubDone) -> None:
         """Clear the scrub marker if no deletion counted itself in since the scrub read it
-        (one that did asks for a scrub of its own), and the zero values an older build's
-        scrub left in ``meta`` if it crashed."""
+        (one that did asks for a scrub of its own), marking the file scrubbed, and the zero
+        values an older build's scrub left in ``meta`` if it crashed."""
         meta = self._dbs[b"meta"]
         if txn.get(SCRUB_KEY, db=meta) == op.marker:
             txn.delete(SCRUB_KEY, db=meta)
+            txn.put(SCRUBBED_KEY, b"\x01", db=meta)  # see layout.SCRUBBED_KEY
         cursor = txn.cursor(meta)
         if cursor.set_range(_SCRUB_FILL):
             while cursor.key().startswith(_SCRUB_FILL):
@@ -227,10 +229,18 @@ class Forgetting:
 
         1. Close and open the environment again: LMDB keeps the page buffers of this
            process's write transactions, uncleared, for the next ones, so a buffer that held
-           a deleted record would carry its bytes into pages written later. Reads and the
-           writer wait meanwhile (milliseconds).
-        2. In a write transaction of its own (the writer waits): zero the free space, padding
-           and overflow tails of every page in use, and every free page LMDB would reuse.
+           a deleted record would carry its bytes into pages written later. Reads wait
+           meanwhile (milliseconds).
+        2. Then, with no write in between (the writer waits from before step 1 to the end of
+           this one): in a write transaction of its own, zero the free space, padding and
+           overflow tails of every page in use, and every free page LMDB would reuse. A
+           write between the two would copy pages holding deleted bytes (a copy on write
+           takes a page's used part and up to 7 bytes of free space at either edge, and
+           its padding) into fresh buffers that later writes reuse: after step 2 those
+           bytes would be back in pages it never saw. With none, every page written after
+           step 2 is built from zeroed buffers and from pages step 2 cleaned, so once the
+           marker is cleared the file holds no deleted byte at all, and a snapshot's
+           compacting copy of it needs no zeroing of its own (``Store.copy_to``).
         3. After a commit, and once no reader's snapshot is older than step 2's: zero the
            free pages step 2 had to leave (the pages the commit before it freed are the
            previous meta page's tree; a reader's snapshot may hold others).
@@ -246,8 +256,7 @@ class Forgetting:
         marker = await self.read(_read_marker)
         if marker is None:
             return  # no deletion since the last scrub
-        await self._reopen_env()
-        first, oldest, _ = await self._zero_stale(True, (0, None))
+        first, oldest, _ = await self._zero_stale(True, (0, None), True)
         while oldest < first:
             # A commit, so that the pages the one before step 2 freed may be reused.
             await self.write_unlogged(PutState(((b"meta", SCRUB_STEP_KEY, b"", 0),
@@ -259,14 +268,20 @@ class Forgetting:
             oldest = max(oldest, reached)
         await self.write_unlogged(ScrubDone(marker, trio.Event()))
 
-    async def _zero_stale(self, live: bool, freed: tuple[int, int | None]
-                          ) -> tuple[int, int, Scrubbed]:
+    async def _zero_stale(self, live: bool, freed: tuple[int, int | None],
+                          reopen: bool = False) -> tuple[int, int, Scrubbed]:
         """:func:`.pages.zero_stale_bytes` inside a write transaction that writes nothing,
-        on the writer's limiter. Returns that transaction's id, the oldest snapshot it
-        respected, and what was zeroed."""
+        on the writer's limiter; with ``reopen``, the environment is opened afresh first,
+        the writer waiting throughout. Returns that transaction's id, the oldest snapshot
+        it respected, and what was zeroed."""
         self.check_usable()
-        return await trio.to_thread.run_sync(self._zero_stale_in_thread, live, freed,
-                                             limiter=self._write_limiter)
+        if not reopen:
+            return await trio.to_thread.run_sync(self._zero_stale_in_thread, live, freed,
+                                                 limiter=self._write_limiter)
+        async with self._write_limiter:  # held from the reopen to the end of the zeroing
+            await self._reopen_env()
+            self.check_usable()
+            return await trio.to_thread.run_sync(self._zero_stale_in_thread, live, freed)
 
     def _zero_stale_in_thread(self, live: bool, freed: tuple[int, int | None]
                               ) -> tuple[int, int, Scrubbed]:

@@ -14,6 +14,9 @@ meta       ``embed_backlog``                       8-byte lsns behind ``embedded
                                                    without a vector (schema 4's migration)
 meta       ``scrub_pending``                       8-byte count of the deletions since the last
                                                    scrub (older builds: a list of user prefixes)
+meta       ``scrubbed``                            one byte: the file was created by, or last
+                                                   scrubbed by, a build whose scrub leaves no
+                                                   stale byte anywhere (see SCRUBBED_KEY)
 meta       ``chain_head``                          the hash chain's head (:mod:`.integrity`)
 sessions   user NUL session                        SessionInfo (msgpack)
 turns      user NUL session NUL seq(8 bytes)       Turn (msgpack)
@@ -100,6 +103,12 @@ HEAD_KEY = b"chain_head"  # the chain's head: last lsn (8) + digest (16) + MAC (
 # Set in the transaction of every forget, cleared once the file was scrubbed: a crash in
 # between leaves it, and the next engine scrubs again.
 SCRUB_KEY = b"scrub_pending"
+# Written by a store's creation and by every scrub that clears the marker: together with no
+# scrub_pending, no page of the file holds a byte of a deleted record of any deletion (a
+# forget, a deleted note), nor of a record replaced or removed before the last scrub: only
+# live records, and bytes of records replaced as ordinary upkeep since. A store an older build scrubbed lacks it and is scrubbed
+# again at open. A snapshot of a store in that state needs no zeroing pass over its copy.
+SCRUBBED_KEY = b"scrubbed"
 SCRUB_STEP_KEY = b"scrub_step"  # written and deleted in one transaction: a commit, no record
 _SCRUB_FILL = b"\xffscrub"  # + 8-byte counter: zero values an older build's scrub wrote
 

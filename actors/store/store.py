@@ -47,7 +47,7 @@ from ..base.records import SCHEMA_VERSION
 from .apply import Appliers
 from .chain import check_chain
 from .codecs import _encode
-from .compact import clear_copy, copy_pages
+from .compact import clear_copy, copy_pages, fsync_copy
 from .forget import Forgetting
 from .integrity import ZERO, CheckedTxn, check_file, decode_head, encode_head, head_mac
 from .layout import (
@@ -61,6 +61,7 @@ from .layout import (
     MAX_DBS,
     MAX_READERS,
     SCRUB_KEY,
+    SCRUBBED_KEY,
     _int,
     lsn_key,
     open_databases,
@@ -98,6 +99,7 @@ class Store(Writer, Appliers, Forgetting):
         self.embedded_lsn = 0  # the persisted embedding watermark, as read at open
         self.embed_backlog: list[int] = []  # lsns behind it still without a vector, at open
         self.scrub_pending = False  # a forget's freed pages may still hold its bytes (at open)
+        self.scrub_owed = False  # an older build's scrub may have left bytes (at open)
         # The log position up to which the follower that drops the records a fact entry
         # retired (the text index) has applied the log durably: a fact entry then need not
         # carry what a retired entry at or below it carried. 0 (carry all) until it says.
@@ -228,6 +230,11 @@ class Store(Writer, Appliers, Forgetting):
                 self._next_lsn = (_int(txn.get(_LAST_LSN_KEY, db=meta)) or 0) + 1
                 self.embedded_lsn = _int(txn.get(_EMBEDDED_KEY, db=meta)) or 0
                 self.scrub_pending = txn.get(SCRUB_KEY, db=meta) is not None
+                if not self.scrub_pending and txn.get(SCRUBBED_KEY, db=meta) is None:
+                    # Scrubbed (if ever) by an older build, whose scrub could leave a few
+                    # bytes in pages written beside it: scrub once more, as after a forget.
+                    self.scrub_owed = True
+                    txn.put(SCRUB_KEY, (1).to_bytes(8, "big"), db=meta)
                 backlog = array("Q", txn.get(EMBED_BACKLOG_KEY, db=meta) or b"")
                 backlog.byteswap()
                 self.embed_backlog = backlog.tolist()
@@ -254,17 +261,18 @@ class Store(Writer, Appliers, Forgetting):
         )
 
     async def _reopen_env(self) -> None:
-        """Close the environment and open it again, with the writer, the flush and every read
-        waiting (none may use it meanwhile; a flush after it covers what the old handle
-        committed: the file is the same). What for: LMDB keeps the page buffers of this
-        process's past write transactions, uncleared, for its next ones; opened afresh it
-        has none (see :meth:`scrub`).
+        """Close the environment and open it again, with the flush and every read waiting
+        (none may use it meanwhile; a flush after it covers what the old handle committed:
+        the file is the same). The caller holds the writer's limiter, so no write
+        transaction runs either. What for: LMDB keeps the page buffers of this process's past
+        write transactions, uncleared, for its next ones; opened afresh it has none (see
+        :meth:`scrub`).
 
         Raises:
             EngineBroken: the store could not be opened again.
         """
-        # The commit loop and the flush loop wait: no write transaction, no env.sync.
-        async with self._write_limiter, self._sync_limiter:
+        # The flush loop waits: no env.sync (the commit loop waits on the caller's limiter).
+        async with self._sync_limiter:
             await self._enter_exclusive()
             try:
                 self.check_usable()
@@ -343,6 +351,7 @@ class Store(Writer, Appliers, Forgetting):
                     "point Engine.open at an empty directory or an Engram store"
                 )
             txn.put(_SCHEMA_KEY, SCHEMA_VERSION.to_bytes(8, "big"), db=meta)
+            txn.put(SCRUBBED_KEY, b"\x01", db=meta)  # a new file: nothing deleted, nothing stale
             return
         if stored > SCHEMA_VERSION:
             raise StoreIncompatible(
@@ -489,20 +498,28 @@ class Store(Writer, Appliers, Forgetting):
             raise EngineBroken(f"reading the store at {self.path} failed: {exc}") from exc
 
     async def copy_to(self, dest: Path, sync: bool = True) -> int:
-        """A copy of the environment into the empty directory ``dest`` holding its live
-        records and nothing else (:mod:`.compact`): LMDB's compacting copy from a worker
-        thread in one read transaction (so never from the writer's thread with its
-        transaction open; ingestion goes on meanwhile), then, outside it, the zeroing of
-        what that copy carries beside the records. No byte of a deleted record travels.
+        """A copy of the environment into the empty directory ``dest`` holding no byte of a
+        deleted record: LMDB's compacting copy from a worker thread in one read transaction
+        (so never from the writer's thread with its transaction open; ingestion goes on
+        meanwhile). LMDB's copy takes the live pages' bytes beside their records too, so
+        unless that transaction sees the file scrubbed (``layout.SCRUBBED_KEY`` and no
+        pending scrub: no page holds a deleted byte), the copy then has those bytes zeroed
+        (:mod:`.compact`), outside the transaction: a pass that reads the whole copy back.
         With ``sync``, flushed to disk. Returns the last lsn the copy holds."""
 
-        def copy(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> int:
+        def copy(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> tuple[int, bool]:
+            meta = dbs[b"meta"]
+            scrubbed = (txn.get(SCRUBBED_KEY, db=meta) is not None
+                        and txn.get(SCRUB_KEY, db=meta) is None)
             copy_pages(self._env, txn.raw, dest)
-            return _int(txn.get(_LAST_LSN_KEY, db=dbs[b"meta"])) or 0
+            return _int(txn.get(_LAST_LSN_KEY, db=meta)) or 0, scrubbed
 
         dest.mkdir(parents=True)
-        lsn = await self.read(copy)
-        await trio.to_thread.run_sync(clear_copy, dest, sync, limiter=self._read_limiter)
+        lsn, scrubbed = await self.read(copy)
+        if not scrubbed:
+            await trio.to_thread.run_sync(clear_copy, dest, sync, limiter=self._read_limiter)
+        elif sync:
+            await trio.to_thread.run_sync(fsync_copy, dest, limiter=self._read_limiter)
         return lsn
 
     async def _enter_exclusive(self) -> None:

@@ -9,14 +9,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lmdb
 import numpy as np
 import pytest
 import tantivy
 import trio
+import trio.testing
 
 import actors.ann_index.ann_index as ann_mod
+import actors.store.store as store_mod
 from actors.ann_index import HEADER
+from actors.store import MAX_DBS
 from actors.store.integrity import unseal
+from actors.store.layout import SCRUB_KEY, SCRUBBED_KEY
 from engine import Engine
 
 from ..conftest import open_engine, raw_databases
@@ -82,6 +87,20 @@ async def _fill(mem: Engine, user: str, session: str, n: int, marked: bool) -> l
 @pytest.fixture
 def graphs(monkeypatch) -> None:
     monkeypatch.setattr(ann_mod, "HNSW_THRESHOLD", GRAPH_AT)
+
+
+@pytest.fixture
+def zeroing_passes(monkeypatch) -> list[Path]:
+    """The copies a snapshot zeroed after LMDB's compacting copy (``Store.copy_to``)."""
+    passes: list[Path] = []
+    clear = store_mod.clear_copy
+
+    def spied(dest: Path, sync: bool = True) -> None:
+        passes.append(dest)
+        clear(dest, sync)
+
+    monkeypatch.setattr(store_mod, "clear_copy", spied)
+    return passes
 
 
 @pytest.mark.parametrize("scope", ["session", "user"])
@@ -177,11 +196,12 @@ async def _live_vectors(mem: Engine, lsns: list[int]) -> list[bytes]:
 
 @pytest.mark.parametrize("scope", ["session", "user"])
 async def test_forgotten_bytes_leave_the_live_data_file_among_bystanders(
-        tmp_path: Path, graphs, scope) -> None:
+        tmp_path: Path, graphs, zeroing_passes, scope) -> None:
     """With a few hundred turns of other users written around the forgotten ones by the same
     process (long ones too, on LMDB's overflow pages), no byte of the marker, of a forgotten
     vector or of the forgotten ids is in any file of the store, the live data.mdb included,
-    once flush returns after the forget, nor after more ingestion, nor after close."""
+    once flush returns after the forget, nor after more ingestion, nor after close; nor in
+    a snapshot taken then, whose copy of the scrubbed store is not zeroed again."""
     store = tmp_path / "store"
     async with open_engine(store) as mem:
         marked = await _marked(mem, 0, 12)
@@ -220,6 +240,10 @@ async def test_forgotten_bytes_leave_the_live_data_file_among_bystanders(
             await mem.flush()
         assert _holding(store, needles) == []
         assert _index_docs_with_marker(store / "fulltext") == 0
+        await _bystanders(mem, 103, 60)  # unflushed: the snapshot waits for nothing but scrubs
+        await mem.snapshot(tmp_path / "snap")
+        assert zeroing_passes == []
+        assert _holding(tmp_path / "snap", needles) == []
         if scope == "session":
             assert len(await mem.session_history(VICTIM, "s2")) == 20
     assert _holding(store, needles) == []
@@ -291,10 +315,12 @@ async def test_a_reader_in_another_process_keeps_its_snapshot_while_the_bytes_go
 
 
 @pytest.mark.parametrize("point", ["reopen", "zeroing"])
-async def test_kill_9_during_the_scrub_loses_nothing(tmp_path: Path, point: str) -> None:
+async def test_kill_9_during_the_scrub_loses_nothing(tmp_path: Path, zeroing_passes,
+                                                     point: str) -> None:
     """SIGKILL in the middle of the scrub (the environment closed and not yet opened again,
     or zeros half written): the store opens, every durable turn is there, the chain verifies,
-    and the next engine finishes the scrub: no byte of the forgotten user is left."""
+    and the next engine finishes the scrub: no byte of the forgotten user is left, nor in a
+    snapshot taken before that (its copy zeroed) or after."""
     store = tmp_path / "store"
     child = subprocess.run([*CHILD, "crash", str(store), point], cwd=REPO, text=True,
                            capture_output=True, timeout=300)
@@ -304,7 +330,15 @@ async def test_kill_9_during_the_scrub_loses_nothing(tmp_path: Path, point: str)
     acked = [line.split()[1:] for line in lines if line.startswith("acked")]
     assert len(acked) == 240
     assert _holding(store, [MARKER.encode()])  # the kill left forgotten bytes behind
+    # A snapshot now, from a reader (which scrubs nothing): the copy is zeroed instead.
+    async with open_engine(store, read_only=True) as reader:
+        await reader.snapshot(tmp_path / "snap-read-only")
+    assert zeroing_passes == [tmp_path / "snap-read-only.partial" / "store"]
+    assert _holding(tmp_path / "snap-read-only", [MARKER.encode(), VICTIM.encode()]) == []
     async with open_engine(store) as mem:
+        await mem.snapshot(tmp_path / "snap")  # after the scrub the open started
+        assert len(zeroing_passes) == 1
+        assert _holding(tmp_path / "snap", [MARKER.encode(), VICTIM.encode()]) == []
         await mem.flush()
         for user, session, turn_id in acked:
             turn = await mem.get_turn(user, turn_id)
@@ -313,3 +347,112 @@ async def test_kill_9_during_the_scrub_loses_nothing(tmp_path: Path, point: str)
     assert _holding(store, [MARKER.encode(), VICTIM.encode()]) == []
     report = await Engine.verify(store)
     assert report["ok"], report["problems"]
+
+
+async def test_a_forget_landing_during_a_snapshot_is_in_none_of_its_files(tmp_path: Path) -> None:
+    """A forget that commits after the snapshot copied the text index and before it copied
+    LMDB: the snapshot's store holds the forget, so its text index must not hold what the
+    forget removed (raw bytes, or documents tantivy only marked deleted) either."""
+    async with open_engine(tmp_path / "store") as mem:
+        await _fill(mem, "ana", "s1", 24, marked=True)
+        await _fill(mem, "bo", "s1", 8, marked=False)
+        await mem.flush()
+        copy_text_index = mem._fulltext.copy_to
+
+        async def copy_then_forget(dest: Path) -> tuple[int, bool]:
+            copied = await copy_text_index(dest)
+            await mem.forget_user("ana")  # lands between the text index's copy and LMDB's
+            return copied
+
+        mem._fulltext.copy_to = copy_then_forget
+        manifest = await mem.snapshot(tmp_path / "snap")
+    assert manifest.counts["users"] == 1
+    assert _holding(tmp_path / "snap", [MARKER.encode()]) == []
+    assert _index_docs_with_marker(tmp_path / "snap" / "fulltext") == 0
+    await Engine.restore(tmp_path / "snap", tmp_path / "restored")
+    async with open_engine(tmp_path / "restored") as mem:
+        await mem.flush()
+        assert await mem.recall("ana", f"{MARKER} lighthouse keeper") == []
+        assert await mem.recall("bo", "weather garden")
+
+
+async def test_no_write_lands_between_the_scrubs_reopen_and_its_zeroing(tmp_path: Path) -> None:
+    """The scrub opens LMDB afresh (no page buffer that held a deleted record) and then
+    zeroes what the file keeps beside its records. A write in between would copy pages that
+    still hold deleted bytes (up to 7 at each edge of a page's free space, and its padding)
+    into fresh buffers, which writes after the zeroing reuse: the bytes would come back
+    where it never looks again. A write queued while the scrub reopens waits until the
+    zeroing pass is done."""
+    async with open_engine(tmp_path / "store") as mem:
+        await _fill(mem, "ana", "s1", 12, marked=True)
+        await _fill(mem, "bo", "s1", 8, marked=False)
+        await mem.flush()
+        store = mem._store
+        events: list[str] = []
+        reopen, zero, write = store._reopen_in_thread, store._zero_stale_in_thread, store._write
+
+        async def queue_a_write() -> None:
+            await mem.add_turn("bo", "s1", "user", "a turn that arrives while the scrub reopens")
+            await trio.testing.wait_all_tasks_blocked()  # the commit loop waits for the writer
+
+        def reopen_with_a_write_queued() -> None:
+            trio.from_thread.run(queue_a_write)
+            reopen()
+            events.append("reopen")
+
+        def zeroing(*args):
+            events.append("zero")
+            return zero(*args)
+
+        def writing(*args):
+            events.append("write")
+            return write(*args)
+
+        store._reopen_in_thread = reopen_with_a_write_queued
+        store._zero_stale_in_thread = zeroing
+        store._write = writing
+        await mem.forget_user("ana")
+        await mem.flush()
+        assert "reopen" in events
+        assert events[events.index("reopen") + 1] == "zero", events
+        assert events.count("write") > events.index("reopen")  # the queued turn was written
+        assert len(await mem.session_history("bo", "s1")) == 9
+    assert _holding(tmp_path / "store", [MARKER.encode()]) == []
+
+
+def _meta(store: Path) -> dict[bytes, bytes]:
+    env = lmdb.open(str(store), readonly=True, lock=False, max_dbs=MAX_DBS)
+    try:
+        with env.begin() as txn:
+            return dict(txn.cursor(env.open_db(b"meta", txn=txn, create=False)))
+    finally:
+        env.close()
+
+
+async def test_a_store_an_older_build_scrubbed_is_scrubbed_again_at_open(
+        tmp_path: Path, zeroing_passes) -> None:
+    """A store without the scrubbed mark (an older build's scrub could leave a few bytes in
+    pages written beside it) is scrubbed when an owner opens it: until then a snapshot
+    zeroes its copy, after that no snapshot needs to."""
+    store = tmp_path / "store"
+    async with open_engine(store) as mem:
+        await _fill(mem, "ana", "s1", 12, marked=True)
+        await mem.forget_user("ana")
+        await mem.flush()
+    assert SCRUBBED_KEY in _meta(store) and SCRUB_KEY not in _meta(store)
+    env = lmdb.open(str(store), max_dbs=MAX_DBS)
+    try:
+        with env.begin(write=True) as txn:
+            txn.delete(SCRUBBED_KEY, db=env.open_db(b"meta", txn=txn, create=False))
+    finally:
+        env.close()
+    async with open_engine(store, read_only=True) as reader:
+        await reader.snapshot(tmp_path / "before")
+    assert len(zeroing_passes) == 1
+    async with open_engine(store) as mem:
+        await mem.snapshot(tmp_path / "after")
+        assert len(zeroing_passes) == 1
+    meta = _meta(store)
+    assert SCRUBBED_KEY in meta and SCRUB_KEY not in meta
+    for snap in ("before", "after"):
+        assert _holding(tmp_path / snap, [MARKER.encode()]) == []
