@@ -902,10 +902,11 @@ class Engine:
             overwrite: replace a store already there.
             progress: called with (bytes copied, bytes in all) as files are installed.
             integrity_key: the key the snapshot's store was sealed with: its manifest's MAC
-                (over every file's sha256 and the chain head) must match under it. Either way
-                the hash chain of the snapshot's store is checked link by link up to the head
-                the manifest names before it is installed (``engram-trio verify`` checks every
-                record as well).
+                (over every file's sha256 and the chain head) must match under it, and then
+                vouches for every byte, so only the chain's head is checked. Without it the
+                hash chain of the snapshot's store is checked link by link up to the head the
+                manifest names before it is installed (``engram-trio verify`` checks every
+                link and record of a store).
 
         Raises:
             InvalidInput: no snapshot there, or ``store_path`` holds files and not ``overwrite``.

@@ -13,7 +13,8 @@ Forgotten users stay forgotten: the LMDB copy holds no byte of a deleted record 
 before a forget's scrub ran, too), and a text index whose segments still hold deleted
 documents, or that was copied before a deletion the LMDB copy holds, is not copied but built
 afresh from the LMDB copy. Restore copies each file while
-it checks its checksum (each byte read once), then checks the copy's hash chain.
+it checks its checksum (each byte read once), then checks the copy's hash chain: link by
+link, or, when the manifest's MAC was checked with the integrity key, its head alone.
 """
 
 from __future__ import annotations
@@ -284,7 +285,14 @@ async def _install(snapshot: Path, store: Path, manifest: Manifest,
                    progress: Callable[[int, int], None] | None,
                    integrity_key: str | None) -> None:
     """Copy the snapshot's files next to ``store`` while checking their checksums (one read
-    of each byte), check the copy's hash chain, then put it in place of ``store``."""
+    of each byte), check the copy's hash chain, then put it in place of ``store``.
+
+    With ``integrity_key`` (the manifest's MAC checked by the caller), the chain's head
+    alone: the MAC says the manifest is the one an engine holding the key wrote, its
+    sha256s that every file is as that engine wrote it, so walking every link would only
+    re-check the source store as it was (``engram verify``'s job; opening the restored
+    store checks the tail). Without the key anyone can rewrite the manifest, and the walk
+    is what catches an edit that left the chain's links behind."""
     incoming = store.with_name(store.name + ".restoring")
     if incoming.exists():
         await trio.to_thread.run_sync(shutil.rmtree, incoming)
@@ -297,7 +305,8 @@ async def _install(snapshot: Path, store: Path, manifest: Manifest,
                 f"{snapshot} is damaged: {name} does not match the manifest (size and sha256 "
                 f"of {len(manifest.files)} files are recorded); take the snapshot again")
         # The copy: the same bytes as the snapshot's, now checked, and in the page cache.
-        head, problems = await trio.to_thread.run_sync(verify_chain, incoming, integrity_key)
+        head, problems = await trio.to_thread.run_sync(
+            verify_chain, incoming, integrity_key, integrity_key is None)
         if manifest.chain_head and head.hex() != manifest.chain_head:
             problems.append("the store's chain head is not the one the manifest records")
         if problems:

@@ -17,6 +17,7 @@ import pytest
 import trio
 
 import actors.store as store_mod
+import engine._snapshot as snapshot_mod
 from actors.store.integrity import content_digest, seal, unseal
 from engine import Engine, StoreCorrupt, StoreIncompatible, StoreTampered, Turn
 from engine.__main__ import main
@@ -389,6 +390,34 @@ def test_a_snapshot_edited_without_the_key_is_refused(tmp_path) -> None:
     with pytest.raises(StoreTampered, match=rf"lsn {turn.lsn}: the hash chain breaks"):
         trio.run(lambda: Engine.restore(snapshot, tmp_path / "r3"))
     assert not (tmp_path / "r3").exists()
+
+
+def test_a_restore_under_the_key_checks_the_chains_head_not_every_link(tmp_path,
+                                                                        monkeypatch) -> None:
+    """With the key, the manifest's MAC vouches for every file's bytes, so restore checks the
+    chain's head and leaves the walk over every link to verify; without it, it walks."""
+    store = tmp_path / "store"
+    _build(store, key=KEY)
+
+    async def snap() -> None:
+        async with open_engine(store, config={"integrity_key": KEY, "long_term": False}) as mem:
+            await mem.snapshot(tmp_path / "snap")
+
+    trio.run(snap)
+    walks = []
+    check = snapshot_mod.verify_chain
+
+    def spied(path, key=None, links=True):
+        walks.append(links)
+        return check(path, key, links)
+
+    monkeypatch.setattr(snapshot_mod, "verify_chain", spied)
+    trio.run(lambda: Engine.restore(tmp_path / "snap", tmp_path / "r1", integrity_key=KEY))
+    trio.run(lambda: Engine.restore(tmp_path / "snap", tmp_path / "r2"))
+    assert walks == [False, True]
+    for restored in ("r1", "r2"):
+        assert _verify(tmp_path / restored, KEY)["ok"]
+        trio.run(functools.partial(_open_and_read, tmp_path / restored, integrity_key=KEY))
 
 
 def test_a_schema_4_store_is_migrated_to_checksums_and_a_chain(store, monkeypatch,
