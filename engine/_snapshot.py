@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import mmap
 import os
 import shutil
 from collections.abc import Awaitable, Callable
@@ -49,6 +48,7 @@ __all__ = ["Manifest", "take_snapshot", "restore", "compact", "MANIFEST_FORMAT"]
 
 MANIFEST_FORMAT = 1
 CHUNK = 64 << 20  # checksum unit: large files are hashed a chunk per thread
+READ_STEP = 8 << 20  # one read of a chunk being hashed
 
 
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,13 +89,21 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _chunk_digest(path: Path, offset: int) -> str:
-    """sha256 of one CHUNK of a file, hashed from an mmap (no copies; the GIL is released)."""
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        view = memoryview(mm)
-        try:
-            return hashlib.sha256(view[offset : offset + CHUNK]).hexdigest()
-        finally:
-            view.release()
+    """sha256 of one CHUNK of a file, read READ_STEP at a time (the GIL is released for the
+    reads and the hashing). Reads, not an mmap: a copy LMDB wrote with O_DIRECT is not in the
+    page cache, and faulting it in a page at a time took 1.7x the time (8.2 s against 4.6 s
+    for 1.6 GB here, at load 33, two threads)."""
+    digest = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for at in range(offset, offset + CHUNK, READ_STEP):
+            data = os.pread(fd, READ_STEP, at)
+            digest.update(data)
+            if len(data) < READ_STEP:
+                break
+    finally:
+        os.close(fd)
+    return digest.hexdigest()
 
 
 def _fsync(path: Path) -> None:

@@ -169,3 +169,44 @@ def test_a_clean_copy_holds_the_live_records_and_nothing_else(tmp_path: Path) ->
         assert _records(copy) == kept
     finally:
         copy.close()
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_the_copy_of_a_scrubbed_file_holds_no_deleted_byte_without_zeroing(
+        tmp_path: Path, seed: int) -> None:
+    """After a deletion, the environment opened afresh and the file zeroed (the scrub), and
+    more writes after it, LMDB's compacting copy holds no byte of the deleted records
+    although nothing zeroes it, and every live record reads the same from it. (Without the
+    scrub the same copy carries them: test_a_clean_copy_holds_the_live_records_and_nothing_else.)"""
+    live = tmp_path / "live"
+    env = _open(live)
+    try:
+        _fill(env, seed)
+        _forget_marked(env)
+    finally:
+        env.close()  # its page buffers held the marked records
+    env = _open(live)
+    try:
+        _zero(env, live)
+        _commit(env)
+        _zero(env, live, live=False)  # the pages the zeroing had to leave to the last meta
+        rng = random.Random(seed)
+        for batch in range(10):  # writes after the scrub, copying pages it cleaned
+            with env.begin(write=True) as txn:
+                db = env.open_db(b"big", txn=txn)
+                for i in range(25):
+                    txn.put(b"k-after-%02d-%02d" % (batch, i), b"kept" + rng.randbytes(
+                        rng.choice([20, 300, 3000])), db=db)
+        assert MARKER not in (live / "data.mdb").read_bytes()
+        kept = _records(env)
+        (tmp_path / "copy").mkdir()
+        with env.begin() as txn:
+            copy_pages(env, txn, tmp_path / "copy")
+    finally:
+        env.close()
+    assert MARKER not in (tmp_path / "copy" / "data.mdb").read_bytes()
+    copy = _open(tmp_path / "copy")
+    try:
+        assert _records(copy) == kept
+    finally:
+        copy.close()
