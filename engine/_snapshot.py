@@ -3,8 +3,9 @@
 A snapshot directory holds ``store/data.mdb`` (LMDB's compacting copy, holding no byte of a
 deleted record: a scrubbed store's pages hold none, and the copy of any other is zeroed beside
 its records, ``actors/store/compact.py``), ``fulltext/`` (the text index) and
-``manifest.json``. The snapshot first waits for the scrubs of the deletions before it. The text index is taken first and covers lsn W; the LMDB
-copy is taken second and covers lsn L >= W, the snapshot's sequence. An engine opened on the
+``manifest.json``. The snapshot first waits for the scrubs of the deletions before it. The
+text index is taken first and covers lsn W; the LMDB copy is taken second and covers lsn
+L >= W, the snapshot's sequence. An engine opened on the
 restored store replays (W, L] into the text index and embeds whatever the copy had not
 embedded yet, so it answers as the source did at L. ANN graphs are never copied: they are
 rebuilt from the stored vectors.
@@ -12,9 +13,9 @@ rebuilt from the stored vectors.
 Forgotten users stay forgotten: the LMDB copy holds no byte of a deleted record (taken
 before a forget's scrub ran, too), and a text index whose segments still hold deleted
 documents, or that was copied before a deletion the LMDB copy holds, is not copied but built
-afresh from the LMDB copy. Restore copies each file while
-it checks its checksum (each byte read once), then checks the copy's hash chain: link by
-link, or, when the manifest's MAC was checked with the integrity key, its head alone.
+afresh from the LMDB copy. Restore copies each file while it checks its checksum (each byte
+read once), then checks the copy's hash chain: link by link, or, when the manifest's MAC was
+checked with the integrity key, its head alone.
 """
 
 from __future__ import annotations

@@ -106,8 +106,9 @@ SCRUB_KEY = b"scrub_pending"
 # Written by a store's creation and by every scrub that clears the marker: together with no
 # scrub_pending, no page of the file holds a byte of a deleted record of any deletion (a
 # forget, a deleted note), nor of a record replaced or removed before the last scrub: only
-# live records, and bytes of records replaced as ordinary upkeep since. A store an older build scrubbed lacks it and is scrubbed
-# again at open. A snapshot of a store in that state needs no zeroing pass over its copy.
+# live records, and bytes of records replaced as ordinary upkeep since. A store an older
+# build scrubbed lacks it and is scrubbed again at open. A snapshot of a store in that state
+# needs no zeroing pass over its copy.
 SCRUBBED_KEY = b"scrubbed"
 SCRUB_STEP_KEY = b"scrub_step"  # written and deleted in one transaction: a commit, no record
 _SCRUB_FILL = b"\xffscrub"  # + 8-byte counter: zero values an older build's scrub wrote
