@@ -114,7 +114,8 @@ def _same(after: dict, before: dict) -> bool:
         if key.startswith("scores"):
             assert after[key] == pytest.approx(value, abs=0.01), key
         elif key.startswith("prompt"):
-            assert SHOWN_SCORE.sub("score: _", after[key]) == SHOWN_SCORE.sub("score: _", value), key
+            masked = SHOWN_SCORE.sub("score: _", after[key])
+            assert masked == SHOWN_SCORE.sub("score: _", value), key
             shown = [float(s) for s in SHOWN_SCORE.findall(value)]
             assert [float(s) for s in SHOWN_SCORE.findall(after[key])] == pytest.approx(
                 shown, abs=0.02), key
