@@ -121,7 +121,7 @@ async def _run_demo(store: Path | None, scratch: Path, say: Callable[[str], None
         for sink in (cold, warm):
             for q in queries:
                 start = time.perf_counter()
-                await mem._embedder.embed_query(q)
+                await mem.embed_query("maya", q)
                 sink.append((time.perf_counter() - start) * 1e3)
         figures["query_embed_ms"] = {"p50": statistics.median(cold),
                                      "cached_p50": statistics.median(warm)}

@@ -677,6 +677,17 @@ class Engine:
         """The store directory this engine serves (for ``Engine.verify`` beside it)."""
         return self._parts.store.path
 
+    @property
+    def config(self) -> Config:
+        """The settings this engine was opened with (frozen: changing them means a reopen)."""
+        return self._parts.config
+
+    def check_open(self) -> None:
+        """What every call checks first: raise EngineClosed if the engine was closed,
+        EngineBroken if its store broke underneath. For a wrapper that must refuse before it
+        does work of its own (the cluster's engine does)."""
+        self._parts.check_open()
+
     async def list_users(self) -> list[str]:
         """Every user with a session, a note or a fact, sorted."""
         return await _browse.list_users(self._parts)
@@ -799,6 +810,13 @@ class Engine:
         """
         return await self._partition_log.apply(partition, entries, results)
 
+    @property
+    def log_counts(self) -> dict[str, int]:
+        """What applying a cluster's log has skipped since open: turns whose id was already
+        applied (``duplicates``) and entries that failed the engine's checks (``invalid``)."""
+        applied = self._partition_log
+        return {"duplicates": applied.duplicates, "invalid": applied.invalid}
+
     async def set_log_watermark(self, partition: int, seq: int) -> None:
         """Set a partition's watermark (``engine.cluster``: 0 before a copy of the partition
         is dropped, a snapshot's sequence once its users are restored from it).
@@ -862,6 +880,21 @@ class Engine:
         """
         self._parts.check_open()
         return await self._embedder.embed(check_texts(texts))
+
+    async def embed_query(self, user_id: str, query: str) -> np.ndarray:
+        """The vector :meth:`recall` searches with for this query: from the per-user query
+        cache when the user asked it before, else from the model (and then cached).
+
+        Returns:
+            A read-only float32 vector of unit length.
+
+        Raises:
+            InvalidInput: a bad user id or query.
+        """
+        self._parts.check_open()
+        self._parts.check_lookup_ids(user_id)
+        self._parts.check_text("query", query)
+        return await self._embedder.embed_query(query, user_id)
 
     # -- snapshots ---------------------------------------------------------------------------
 

@@ -98,6 +98,20 @@ async def test_embed_input_is_checked(tmp_path) -> None:
         assert (await mem.embed([])).shape == (0, 384)
 
 
+async def test_embed_query_is_recalls_vector_cached_per_user(tmp_path) -> None:
+    """embed_query gives the vector recall searches with: the model's, then the same cached
+    array for that user's repeat; its arguments are checked like recall's."""
+    async with open_engine(tmp_path / "s", config={"background_embedding": False}) as mem:
+        first = await mem.embed_query("ana", "where does my sister live")
+        assert first is await mem.embed_query("ana", "where does my sister live")
+        assert not first.flags.writeable and abs(float(np.linalg.norm(first)) - 1.0) < 1e-5
+        assert np.allclose(first, (await mem.embed(["where does my sister live"]))[0], atol=1e-5)
+        with pytest.raises(InvalidInput, match="query"):
+            await mem.embed_query("ana", "\ud800")
+        with pytest.raises(InvalidInput, match="user_id"):
+            await mem.embed_query("", "hello")
+
+
 async def test_a_missing_model_names_the_build_command(tmp_path) -> None:
     """Without built model files the engine refuses to open and says the one command that
     builds them where it looked."""

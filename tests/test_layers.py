@@ -203,6 +203,17 @@ def test_bench_and_examples_touch_no_private_attribute() -> None:
             for hit in private_attributes(path)] == []
 
 
+ENGINE_NAMES = {"engine", "mem", "self.engine", "self._engine"}
+
+
+def test_the_cluster_and_the_demo_use_only_the_public_engine_api() -> None:
+    """The cluster's node and engine wrapper, and the demo, stand on an Engine's public
+    members (as docs/ARCHITECTURE.md says), never on its parts: no ``engine._x``."""
+    faces = [*sorted((ROOT / "engine" / "cluster").glob("*.py")), ROOT / "engine" / "_demo.py"]
+    assert [(rel, line, text) for path in faces for rel, line, text in private_attributes(path)
+            if text.rsplit(".", 1)[0] in ENGINE_NAMES] == []
+
+
 def test_bench_takes_only_public_names_from_actors_and_examples_none() -> None:
     """A bench measuring an actor stage alone imports it by public name; examples, what users
     copy, import no actor at all."""

@@ -384,13 +384,13 @@ class Node:
                 snapshots=c.snapshots, snapshot_seconds=c.snapshot_seconds,
                 snapshot_bytes=c.snapshot_bytes, snapshot_watermark=c.snapshot_watermark,
                 dropped=c.dropped))
-        applied = self.engine._partition_log
+        applied = self.engine.log_counts
         routed = router.counts if router is not None else {}
         return NodeStats(node=self.node_id, incarnation=self.incarnation, owned=owned,
                          partitions=partitions,
                          leases={k: v for k, v in self.leases.counts.items()},
-                         publish_retries=self.log.retries, duplicates=applied.duplicates,
-                         invalid=applied.invalid, undecodable=self.counts["undecodable"],
+                         publish_retries=self.log.retries, duplicates=applied["duplicates"],
+                         invalid=applied["invalid"], undecodable=self.counts["undecodable"],
                          forwarded=routed.get("forwarded", 0),
                          unavailable=routed.get("unavailable", 0))
 
@@ -428,7 +428,7 @@ class ClusterEngine:
         self._engine = engine
         self._log = log
         self._node = node
-        self._config = engine._parts.config
+        self._config = engine.config
         self._partitions = log.config.partitions
 
     def __getattr__(self, name: str) -> Any:
@@ -557,7 +557,7 @@ class ClusterEngine:
             InvalidInput: an unknown tool, or arguments that do not fit its schema.
             LogUnavailable: this node is not the user's partition's owner (any more).
         """
-        self._engine._parts.check_open()
+        self._engine.check_open()
         return await call_tool(self, name, arguments)
 
     async def snapshot(self, dest: str | os.PathLike[str]) -> Any:
