@@ -328,9 +328,29 @@ async def _install(snapshot: Path, store: Path, manifest: Manifest,
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(shutil.rmtree, incoming, True)
         raise
+    # On disk before it takes its name: a power cut after restore returns finds the whole
+    # store, not files the page cache still held.
+    await _fsync_tree(incoming)
     if store.exists():
         await trio.to_thread.run_sync(shutil.rmtree, store)
     incoming.rename(store)
+    await trio.to_thread.run_sync(_fsync, store.parent)
+
+
+async def _fsync_tree(root: Path) -> None:
+    """fsync every file under ``root`` (two at a time), then every folder, ``root`` last."""
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    folders = sorted((p for p in root.rglob("*") if p.is_dir()), reverse=True)
+    limiter = trio.CapacityLimiter(2)
+
+    async def one(path: Path) -> None:
+        await trio.to_thread.run_sync(_fsync, path, limiter=limiter)
+
+    async with trio.open_nursery() as nursery:
+        for path in files:
+            nursery.start_soon(one, path)
+    for path in [*folders, root]:
+        await trio.to_thread.run_sync(_fsync, path)
 
 
 def _copy_chunk(source: Path, target: Path, offset: int) -> str:

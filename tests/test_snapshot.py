@@ -184,3 +184,32 @@ async def test_long_term_records_survive_a_snapshot(tmp_path) -> None:
     assert [(i.stability, i.last_reviewed_at) for i in again.episodic] == [
         (i.stability, i.last_reviewed_at) for i in raw.episodic]
     assert [s.fact for s in again.semantic] == [s.fact for s in raw.semantic]
+
+
+async def test_a_restored_store_is_on_disk_before_it_takes_its_name(tmp_path, monkeypatch) -> None:
+    """A power cut right after restore returns must not leave a store whose files the page
+    cache still held: every file and folder of the copy is fsynced before the copy is renamed
+    into place, and the folder holding it after (the rename itself)."""
+    import engine._snapshot as snapshot_mod
+
+    async with open_engine(tmp_path / "live") as mem:
+        for i in range(20):
+            await mem.add_turn("ana", "s", "user", _text(i))
+        await mem.flush()
+        await mem.snapshot(tmp_path / "snap")
+    synced: list[Path] = []
+    real = snapshot_mod._fsync
+
+    def recording(path: Path) -> None:
+        synced.append(Path(path))
+        real(path)
+
+    monkeypatch.setattr(snapshot_mod, "_fsync", recording)
+    target = tmp_path / "restored"
+    await Engine.restore(tmp_path / "snap", target)
+    incoming = target.with_name(target.name + ".restoring")
+    copied = [incoming / p.relative_to(target) for p in target.rglob("*")]
+    assert copied and set(copied) | {incoming} <= set(synced)
+    assert synced[-1] == tmp_path  # the rename, once the copy is on disk
+    async with open_engine(target) as mem:
+        assert len(await mem.session_history("ana", "s", limit=100)) == 20
