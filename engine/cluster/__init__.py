@@ -13,9 +13,11 @@ from ._leases import Leases, plan
 from ._local import LocalNats
 from ._log import ClusterConfig, Log, LogUnavailable
 from ._loop import AsyncioThread
-from ._node import ClusterEngine, ClusterReceipt, Node, NotInCluster, Router
+from ._node import Node
 from ._partition import DEFAULT_PARTITIONS, partition_of, subject_of
+from ._router import Router
 from ._serve import serve_node
+from ._writes import ClusterEngine, ClusterReceipt, NotInCluster
 
 __all__ = [
     "DEFAULT_PARTITIONS",

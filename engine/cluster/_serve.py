@@ -19,7 +19,9 @@ from .._server import (
     load_api_keys,
 )
 from ._log import ClusterConfig, Log
-from ._node import ClusterEngine, Node, Router
+from ._node import Node
+from ._router import Router
+from ._writes import ClusterEngine
 
 __all__ = ["serve_node", "node_engine_options"]
 

@@ -10,8 +10,9 @@ import trio
 
 from engine import InvalidInput
 from engine.cluster._log import Log
-from engine.cluster._node import ClusterEngine, Node
+from engine.cluster._node import Node
 from engine.cluster._partition import partition_of
+from engine.cluster._writes import ClusterEngine
 
 from ..conftest import open_engine
 from .conftest import connect, wait_for

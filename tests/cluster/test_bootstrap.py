@@ -9,11 +9,11 @@ import msgspec
 import pytest
 import trio
 
-from engine.cluster._bootstrap import decode, drop_local, restore, take
-from engine.cluster._node import ClusterEngine, Node
-from engine.cluster._partition import partition_of
-
 from engine._logbatch import LogTurn
+from engine.cluster._bootstrap import decode, drop_local, restore, take
+from engine.cluster._node import Node
+from engine.cluster._partition import partition_of
+from engine.cluster._writes import ClusterEngine
 
 from ..conftest import T0, open_engine
 from .conftest import connect, wait_for

@@ -8,10 +8,10 @@ partitions and resumes from its watermark.
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
-import json
 from typing import Any
 
 import httpx

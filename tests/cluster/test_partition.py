@@ -49,7 +49,7 @@ async def test_the_router_places_a_user_whose_id_holds_a_slash_by_the_whole_id()
     partition's owner and her turn writes are seen as writes through the log."""
     from types import SimpleNamespace
 
-    from engine.cluster._node import Router
+    from engine.cluster._router import Router
 
     owned = partition_of("team/alice", 8)
     assert owned != partition_of("team", 8)

@@ -1,0 +1,202 @@
+"""Routing in front of a node's HTTP app: a user's requests go to the owner of the user's
+partition (forwarded over HTTP), writes through the log are served where they arrive, and a
+read may carry ``?min_seq=N`` (the ``log_seq`` its caller's last write got): the owner answers
+once its watermark for the partition reaches N, or 503 with ``Retry-After`` after
+``read_wait``.
+"""
+
+from __future__ import annotations
+
+import logging
+import urllib.parse
+from collections.abc import Awaitable, Callable
+
+import httpx
+import msgspec
+
+from .._http_edge import IdConvertor, routed_path
+from ._figures import render_metrics
+from ._node import Node
+from ._partition import partition_of
+
+__all__ = ["Router"]
+
+log = logging.getLogger("engine.cluster")
+
+FORWARDED = "x-engram-forwarded"  # header on a forwarded request: never forward it again
+RETRY_AFTER = "1"  # seconds, on a 503 from a read that could not be served here yet
+FORWARD_TIMEOUT = 30.0  # seconds a forwarded request may take at the owner
+_ID = IdConvertor()  # a path segment of routed_path back to the id it stands for
+# Routes whose user is in the JSON body (an agent tool's arguments name it too).
+_BODY_USER = ("/v1/retrieve_memory", "/v1/retrieve_memory/raw", "/v1/context_pre_retrieve")
+_TOOLS = "/v1/tools/"
+
+
+class Router:
+    """ASGI middleware in front of the node's app: a user's requests go to the owner of the
+    user's partition (forwarded over HTTP), writes through the log are served here, and a
+    read with ``?min_seq=`` waits for the owner's watermark.
+
+    Args:
+        app: the node's app (``create_app`` over a :class:`ClusterEngine`).
+        node: the node (its leases say who owns what).
+    """
+
+    def __init__(self, app: Callable[..., Awaitable[None]], node: Node) -> None:
+        self.app = app
+        self.node = node
+        self.client = httpx.AsyncClient(timeout=FORWARD_TIMEOUT)
+        self.counts = {"forwarded": 0, "waited": 0, "unavailable": 0}
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            if scope["type"] == "http" and scope["path"] == "/cluster/node":
+                # No user data: partitions, watermarks and counters (engram cluster status).
+                await _respond(send, 200, self.node.figures() | {"router": self.counts})
+                return
+            if scope["type"] == "http" and scope["path"] == "/metrics":
+                await self._metrics(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        # The path as the app routes it: an id's '/' stays escaped, so "team/alice" is one
+        # segment here, as in the app's routes (engine/_http_edge.py).
+        path, method = routed_path(scope), scope["method"]
+        body: bytes | None = None
+        user = _path_user(path)
+        if user is None and method == "POST" and (path in _BODY_USER
+                                                  or path.startswith(_TOOLS)):
+            body = await _read_body(receive)
+            try:
+                user = msgspec.json.decode(body).get("user_id")
+            except (msgspec.DecodeError, AttributeError):
+                user = None
+        if not isinstance(user, str) or _is_log_write(method, path, user):
+            await self.app(scope, _replay(body, receive) if body is not None else receive, send)
+            return
+        p = partition_of(user, self.node.config.partitions)
+        query = urllib.parse.parse_qs(scope.get("query_string", b"").decode())
+        min_seq = query.get("min_seq", [None])[0]
+        if self.node.owns(p):
+            if min_seq is not None:
+                if not min_seq.isdigit():
+                    await _respond(send, 422, {"error": "InvalidInput", "field": "min_seq",
+                                               "message": "min_seq: expected a log sequence "
+                                                          f"number, found {min_seq!r}"})
+                    return
+                self.counts["waited"] += 1
+                if not await self.node.wait_applied(p, int(min_seq),
+                                                    self.node.config.read_wait):
+                    self.counts["unavailable"] += 1
+                    await _respond(send, 503, {
+                        "error": "NotCaughtUp", "message": f"partition {p} has applied the "
+                        f"log up to {self.node.marks.get(p, 0)}, not yet {min_seq}; retry"},
+                        retry=True)
+                    return
+            await self.app(scope, _replay(body, receive) if body is not None else receive, send)
+            return
+        headers = dict(scope.get("headers", []))
+        owner = self.node.leases.owner(p)
+        url = None if owner is None else self.node.leases.url_of(owner.node)
+        if FORWARDED.encode() in headers or url is None or owner.node == self.node.node_id:
+            self.counts["unavailable"] += 1
+            await _respond(send, 503, {"error": "NoOwner", "message": f"partition {p} has no "
+                                       "confirmed owner reachable from here yet; retry"},
+                           retry=True)
+            return
+        if body is None:
+            body = await _read_body(receive)
+        await self._forward(scope, url, body, send)
+
+    async def _metrics(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """The app's ``/metrics`` with the node's cluster families after them."""
+        start: dict = {}
+        chunks: list[bytes] = []
+
+        async def keep(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                start.update(message)
+            else:
+                chunks.append(message.get("body", b""))
+
+        await self.app(scope, receive, keep)
+        body = b"".join(chunks)
+        if start.get("status") == 200:
+            body += render_metrics(self.node.stats(self.counts))
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": start.get("status", 500),
+                    "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _forward(self, scope: dict, url: str, body: bytes, send: Callable) -> None:
+        self.counts["forwarded"] += 1
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
+                   if k.lower() not in (b"host", b"content-length", b"connection")]
+        headers.append((FORWARDED, self.node.node_id))
+        target = url.rstrip("/") + scope["raw_path"].decode("latin-1") if scope.get(
+            "raw_path") else url.rstrip("/") + scope["path"]
+        if scope.get("query_string"):
+            target += "?" + scope["query_string"].decode("latin-1")
+        try:
+            answer = await self.client.request(scope["method"], target, content=body,
+                                               headers=headers)
+        except httpx.HTTPError as exc:
+            self.counts["unavailable"] += 1
+            await _respond(send, 503, {"error": "OwnerUnreachable", "message":
+                                       f"the partition's owner did not answer ({exc!r}); retry"},
+                           retry=True)
+            return
+        out = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items()
+               if k.lower() not in ("content-length", "transfer-encoding", "connection",
+                                    "content-encoding")]
+        out.append((b"content-length", str(len(answer.content)).encode()))
+        await send({"type": "http.response.start", "status": answer.status_code, "headers": out})
+        await send({"type": "http.response.body", "body": answer.content})
+
+
+def _path_user(path: str) -> str | None:
+    if not path.startswith("/v1/users/"):
+        return None
+    return _ID.convert(path[len("/v1/users/"):].split("/", 1)[0]) or None
+
+
+def _is_log_write(method: str, path: str, user: str) -> bool:
+    rest = path[len("/v1/users/"):].split("/", 1)
+    tail = "/" + rest[1] if len(rest) > 1 else ""
+    if method == "POST" and (tail == "/turns" or (tail.startswith("/sessions/")
+                                                  and tail.endswith("/turns"))):
+        return True
+    return method == "DELETE" and (tail == "" or (tail.startswith("/sessions/")
+                                                  and tail.count("/") == 2))
+
+
+async def _read_body(receive: Callable) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Callable) -> Callable:
+    sent = False
+
+    async def again() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again
+
+
+async def _respond(send: Callable, status: int, body: dict, retry: bool = False) -> None:
+    data = msgspec.json.encode(body)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    if retry:
+        headers.append((b"retry-after", RETRY_AFTER.encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})

@@ -1,0 +1,292 @@
+"""The engine a cluster node's HTTP app drives: a write on any node (``add_turn``, a
+batch, a forget, a logged call such as ``store_note``) becomes a log entry published to the
+user's partition; the node that holds the partition's lease applies it (:class:`Node`).
+Reads go to the local engine, which the router only lets the owner answer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from datetime import datetime, timezone
+from typing import Any
+
+from actors.base import validate as v
+from actors.base.records import NewTurn
+from actors.session_buffer import new_turn_id
+
+from .._engine import Engine
+from .._logbatch import (
+    CALLS,
+    LogCall,
+    LogEntry,
+    LogForget,
+    LogForgetScope,
+    LogTurn,
+    encode_entry,
+)
+from .._tools import call_tool
+from ..errors import EngineError, InvalidInput
+from ._log import Log, LogUnavailable, Pending
+from ._node import Node
+from ._partition import partition_of, subject_of
+
+__all__ = ["ClusterEngine", "ClusterReceipt", "NotInCluster"]
+
+CALL_WAIT = 10.0  # seconds the owner waits to apply its own logged call before answering
+
+
+class NotInCluster(EngineError):
+    """This write is not carried by the cluster's log yet, so a node refuses it rather than
+    writing a copy that the partition's next owner would not have."""
+
+
+class ClusterReceipt:
+    """What a write through the cluster returns.
+
+    Attributes:
+        turn_id: the turn's id (made before publishing; it is the log's message id).
+        seq: None: a turn's position in its session is assigned when its owner applies it.
+        log_seq: the stream sequence, once the log acknowledged it (None before).
+    """
+
+    __slots__ = ("turn_id", "seq", "log_seq", "_pending")
+
+    def __init__(self, turn_id: str, log_seq: int | None = None,
+                 pending: Pending | None = None) -> None:
+        self.turn_id = turn_id
+        self.seq = None
+        self.log_seq = log_seq
+        self._pending = pending
+
+    async def durable(self) -> None:
+        """Return once the log's quorum holds the turn (``log_seq`` is then set).
+
+        Raises:
+            LogUnavailable: the log took no PubAck within the retry time.
+        """
+        if self.log_seq is None:
+            assert self._pending is not None
+            self.log_seq = (await self._pending.wait())[0]
+
+    def __repr__(self) -> str:
+        return f"ClusterReceipt(turn_id={self.turn_id!r}, log_seq={self.log_seq})"
+
+
+class ClusterEngine:
+    """The engine a cluster node's HTTP app drives: writes become log entries, reads go to
+    the local engine (the :class:`Router` sends a user's reads only to the owner).
+
+    Args:
+        engine: the node's open engine.
+        log: the cluster's log.
+        node: the node that applies this engine's partitions (calls other than turns and
+            forgets wait for it); None for a writer that only publishes turns.
+    """
+
+    def __init__(self, engine: Engine, log: Log, node: Node | None = None) -> None:
+        self._engine = engine
+        self._log = log
+        self._node = node
+        self._config = engine.config
+        self._partitions = log.config.partitions
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def _turn(self, field: str, user_id: Any, session_id: Any, role: Any, text: Any, at: Any,
+              meta: Any, agent_id: Any = None, run_id: Any = None) -> LogTurn:
+        config = self._config
+        try:
+            v.check_id("user_id", user_id, config.max_id_chars)
+            v.check_id("session_id", session_id, config.max_id_chars)
+            v.check_role(role)
+            v.check_text("text", text, config.max_text_chars)
+            at = datetime.now(timezone.utc) if at is None else v.check_at(at)
+            meta = v.check_meta(meta, config.max_meta_bytes)
+            for name, value in (("agent_id", agent_id), ("run_id", run_id)):
+                if value is not None:
+                    v.check_id(name, value, config.max_id_chars)
+        except InvalidInput as exc:
+            if not field:
+                raise
+            raise InvalidInput(f"{field}.{exc.field}", str(exc).split(": ", 1)[-1]) from None
+        return LogTurn(user_id, session_id, new_turn_id(), role, text,
+                       at.astimezone(timezone.utc), meta or None, agent_id, run_id)
+
+    async def add_turn(self, user_id: str, session_id: str, role: str, text: str,
+                       at: datetime | None = None, meta: dict[str, Any] | None = None,
+                       durable: bool = False, *, agent_id: str | None = None,
+                       run_id: str | None = None) -> ClusterReceipt:
+        """:meth:`Engine.add_turn` through the log: the turn is published to the user's
+        partition; ``durable`` waits for the PubAck (a quorum of the log holds it). Its scope
+        (``agent_id`` / ``run_id``) goes with it; the owner files it as ``add_turn`` does,
+        and a turn naming another scope than its session's is refused there (counted
+        invalid), since only the owner holds the session.
+
+        Raises:
+            InvalidInput: a bad argument; nothing was published.
+            LogUnavailable: (durable) no PubAck within the retry time.
+        """
+        turn = self._turn("", user_id, session_id, role, text, at, meta, agent_id, run_id)
+        return await self._publish(turn, turn.turn_id, durable)
+
+    async def add_turns(self, items: Iterable[NewTurn | Mapping[str, Any]], *,
+                        durable: bool = False) -> list[ClusterReceipt]:
+        """:meth:`Engine.add_turns` through the log: all are checked before any is published."""
+        turns = []
+        for index, item in enumerate(items):
+            if isinstance(item, Mapping):
+                try:
+                    item = NewTurn(**item)
+                except TypeError as exc:
+                    raise InvalidInput(f"items[{index}]", f"expected NewTurn fields, found "
+                                                          f"{exc}") from None
+            turns.append(self._turn(f"items[{index}]", item.user_id, item.session_id,
+                                    item.role, item.text, item.at, item.meta, item.agent_id,
+                                    item.run_id))
+        receipts = [await self._publish(t, t.turn_id, False) for t in turns]
+        if durable:
+            for receipt in receipts:
+                await receipt.durable()
+        return receipts
+
+    async def _publish(self, entry: LogEntry, msg_id: str, durable: bool) -> ClusterReceipt:
+        subject = subject_of(entry.user_id, self._partitions)
+        payload = encode_entry(entry)
+        if durable:
+            seq, _ = await self._log.publish(subject, payload, msg_id)
+            return ClusterReceipt(msg_id, seq)
+        return ClusterReceipt(msg_id, None, self._log.publish_soon(subject, payload, msg_id))
+
+    async def forget_user(self, user_id: str) -> None:
+        """Forget a user through the log: a tombstone, then the user's earlier entries are
+        purged from the stream (the tombstone stays until every owner applied it)."""
+        v.check_id("user_id", user_id, self._config.max_id_chars)
+        seq, _ = await self._log.publish(subject_of(user_id, self._partitions),
+                                         encode_entry(LogForget(user_id)), new_turn_id())
+        await self._log.purge(subject_of(user_id, self._partitions), before=seq)
+
+    async def forget_session(self, user_id: str, session_id: str) -> None:
+        """Forget a session through the log (a tombstone; subjects are per user, so its
+        entries leave the stream with its age limit, not by a purge)."""
+        v.check_id("user_id", user_id, self._config.max_id_chars)
+        v.check_id("session_id", session_id, self._config.max_id_chars)
+        await self._log.publish(subject_of(user_id, self._partitions),
+                                encode_entry(LogForget(user_id, session_id)), new_turn_id())
+
+    async def _logged(self, method: str, user_id: str, args: dict[str, Any]) -> Any:
+        """Publish a :class:`LogCall` and return what the owner's engine returned applying it.
+
+        Only the owner runs this (the router forwards these routes there), so it waits for
+        its own applier and takes the result from it.
+
+        Raises:
+            The engine's own error for the call (raised on the owner when it applied it).
+            LogUnavailable: this node is not the partition's owner any more, or the log did
+                not take or deliver the entry in time (it may still apply later).
+        """
+        return await self._applied(method, LogCall(user_id, method, args))
+
+    async def _applied(self, method: str, entry: LogCall | LogForgetScope) -> Any:
+        """Publish ``entry`` (a call or a scope's tombstone) and return what the owner's
+        engine returned applying it; raises as :meth:`_logged`."""
+        user_id = entry.user_id
+        v.check_id("user_id", user_id, self._config.max_id_chars)
+        p = partition_of(user_id, self._partitions)
+        node = self._node
+        if node is None or not node.owns(p):
+            raise LogUnavailable(f"partition {p} is not held here: its owner takes {method} "
+                                 "(a node forwards it there); retry")
+        seq, _ = await self._log.publish(subject_of(user_id, self._partitions),
+                                         encode_entry(entry), "c_" + new_turn_id()[2:])
+        if not await node.wait_applied(p, seq, CALL_WAIT):
+            raise LogUnavailable(f"{method} is in the log at {seq} but was not applied here "
+                                 f"within {CALL_WAIT} s; it applies once the owner catches up")
+        result = node.results.pop(seq, None)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    async def call_tool(self, name: str, arguments: Mapping[str, Any] | str) -> dict[str, Any]:
+        """:meth:`Engine.call_tool` on the owner of the tool's user: its writes (facts, notes)
+        go through the log like the same calls made directly, its reads are the local
+        engine's (the :class:`Router` sends a tool call to the owner of its ``user_id``).
+
+        Raises:
+            InvalidInput: an unknown tool, or arguments that do not fit its schema.
+            LogUnavailable: this node is not the user's partition's owner (any more).
+        """
+        self._engine.check_open()
+        return await call_tool(self, name, arguments)
+
+    async def snapshot(self, dest: str | os.PathLike[str]) -> Any:
+        """:meth:`Engine.snapshot` of this node's own store: the partitions it has applied,
+        each with its watermark (committed in the same transactions as what they cover).
+        A node whose store is restored from it resumes each partition it then holds from
+        that watermark, replaying only the log after it; copies of partitions held
+        elsewhere go after the grace period. The cluster-wide backup is the log itself,
+        with the per-partition snapshots in the object store.
+
+        Args:
+            dest: a new or empty directory on this node's machine.
+
+        Returns:
+            The snapshot's :class:`~engine.Manifest`.
+        """
+        return await self._engine.snapshot(dest)
+
+    async def forget_scope(self, user_id: str, *, agent_id: str | None = None,
+                           run_id: str | None = None) -> dict[str, int]:
+        """:meth:`Engine.forget_scope` through the log: a tombstone (:class:`LogForgetScope`)
+        that every node applies at its place in the log, as ``forget_session``'s; on the
+        owner (the router forwards it there), it returns what the owner's apply forgot.
+
+        Raises:
+            InvalidInput: neither ``agent_id`` nor ``run_id``, or a bad id (nothing logged).
+            LogUnavailable: as a logged call's.
+        """
+        if agent_id is None and run_id is None:
+            raise InvalidInput("agent_id", "expected agent_id or run_id (or both), found "
+                                           "neither; forget_user forgets the whole user")
+        for field, value in (("agent_id", agent_id), ("run_id", run_id)):
+            if value is not None:
+                v.check_id(field, value, self._config.max_id_chars)
+        return await self._applied("forget_scope", LogForgetScope(user_id, agent_id, run_id))
+
+
+def _logged_method(name: str) -> Callable[..., Awaitable[Any]]:
+    """A ClusterEngine method that logs the Engine method ``name`` as a :class:`LogCall`."""
+    signature = inspect.signature(getattr(Engine, name))
+
+    async def method(self: ClusterEngine, user_id: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(None, user_id, *args, **kwargs)
+        except TypeError as exc:
+            raise InvalidInput("arguments", f"{name}: {exc}") from None
+        call = {k: _plain(v) for k, v in bound.arguments.items() if k not in ("self", "user_id")}
+        # What the owner would make up when it applies, made here once, so that every node
+        # that replays the entry makes the same record.
+        if name == "store_note" and call.get("note_id") is None:
+            call["note_id"] = "n_" + new_turn_id()[2:]
+        if name in ("remember_fact", "link"):
+            stamp = "valid_at" if name == "remember_fact" else "at"
+            if call.get(stamp) is None:
+                call[stamp] = datetime.now(timezone.utc)
+        return await self._logged(name, user_id, call)
+
+    method.__name__ = name
+    method.__doc__ = f":meth:`Engine.{name}` through the log, applied by the owner."
+    return method
+
+
+def _plain(value: Any) -> Any:
+    """An argument as msgpack carries it: iterables (tags, keywords) as lists."""
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
+        return value
+    return list(value)
+
+
+for _name in sorted(CALLS):
+    setattr(ClusterEngine, _name, _logged_method(_name))
