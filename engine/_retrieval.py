@@ -347,10 +347,16 @@ class Retriever:
         derived = 0
         cap = max(1, int(limit * DERIVED_SHARE))
         mixed = kinds is None or "turn" in kinds
+        said: set[tuple[str, ...]] = set()  # the contents already shown, per scope
         for score, memory in scored:
             if (not _matches(memory, session_id, since, until, roles, kinds, tags, where)
                     or (as_of is not None and not known_then(memory, as_of))):
                 continue  # deleted since it was indexed, or not quite what the filter asked
+            if type(memory) in (Turn, Note):
+                content = _content_key(memory)
+                if content in said:
+                    continue  # the same words again: the better-ranked one stands for both
+                said.add(content)
             if mixed and type(memory) in (Episode, Fact):
                 if derived == cap:
                     continue
@@ -612,6 +618,14 @@ def _read_fresh(txn: Any, dbs: dict[bytes, Any], user_id: str, kinds: tuple[str,
             if record is not None and record.user_id == user_id:
                 found.append(record)
     return found
+
+
+def _content_key(memory: Turn | Note) -> tuple[str, ...]:
+    """What makes two turns or notes the same memory for recall (seed 003 indexes a content
+    hash once per scope): kind, role, scope and the words, ignoring case and spacing."""
+    role = memory.role if type(memory) is Turn else ""
+    return (type(memory).__name__, role, memory.agent_id, memory.run_id,
+            " ".join(memory.text.casefold().split()))
 
 
 def _dedupe(hits: list[Hit]) -> list[Hit]:

@@ -181,3 +181,25 @@ async def test_an_export_carries_scopes_and_an_import_keeps_them(store_path, tmp
         sessions = {s.session_id: (s.agent_id, s.run_id) for s in await other.list_sessions("ana")}
         assert sessions == {s: (a or "", r or "") for s, (a, r) in SCOPES.items()}
         assert await other.forget_scope("ana", agent_id="a2") == {"sessions": 1, "notes": 1}
+
+
+async def test_a_text_said_again_in_the_same_scope_takes_one_slot_of_recall(store_path) -> None:
+    """seed 003 keeps one index entry per content hash: "sounds good" said in five sessions is
+    one hit (the best ranked), and the slots go to memories that add something; said in
+    another scope, or by the other role, it is another memory. History keeps every turn."""
+    async with open_engine(store_path, config={"long_term": False}) as mem:
+        for i in range(5):
+            await mem.add_turn("ana", f"s{i}", "user", "Sounds good, see you at the harbour!",
+                               agent_id="a1")
+            await mem.add_turn("ana", f"s{i}", "user", f"the harbour ferry leaves at {i + 7}")
+        await mem.add_turn("ana", "other", "user", "sounds good,  see you at the HARBOUR!",
+                           agent_id="a2")
+        await mem.add_turn("ana", "s0", "assistant", "Sounds good, see you at the harbour!")
+        await mem.flush()
+        for legs in (None, ["bm25"], ["vector"]):
+            hits = await mem.recall("ana", "sounds good see you at the harbour", limit=8,
+                                    legs=legs)
+            said = sorted((h.role, h.session_id) for h in hits if "sounds good" in h.text.lower())
+            assert len(said) == 3 and ("assistant", "s0") in said and ("user", "other") in said
+            assert len(hits) == 8, legs  # the freed slots hold the ferry times
+        assert len(await mem.session_history("ana", "s3", limit=10)) == 2
