@@ -95,7 +95,7 @@ async def test_filters_restrict_every_leg(store_path) -> None:
     """session_id, since/until and roles hold for vector, BM25 and window hits alike."""
     clock = StepClock()
     async with open_engine(store_path, clock=clock) as mem:
-        await mem.add_turn("ana", "a", "user", "trip to porto", at=T0)
+        await mem.add_turn("ana", "a", "user", "a trip to porto", at=T0)
         await mem.add_turn("ana", "b", "assistant", "trip to porto", at=T0 + timedelta(days=2))
         await mem.add_turn("ana", "b", "user", "trip to porto", at=T0 + timedelta(days=4))
         await mem.flush()
