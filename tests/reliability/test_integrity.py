@@ -349,10 +349,8 @@ def _reseal_manifest(snapshot: Path) -> None:
     path.write_bytes(msgspec.json.encode(manifest))
 
 
-def test_a_snapshot_edited_without_the_key_is_refused(tmp_path) -> None:
-    """An attacker edits a snapshot's store and recomputes the manifest's sha256s: restore with
-    the key refuses the manifest's MAC; without it, restore refuses a chain record patched to
-    match, and an edit that leaves the chain alone is installed but never served."""
+def _keyed_snapshot(tmp_path: Path) -> None:
+    """A store built under KEY at tmp_path/store, and its snapshot at tmp_path/snap."""
     store = tmp_path / "store"
     _build(store, key=KEY)
 
@@ -361,6 +359,13 @@ def test_a_snapshot_edited_without_the_key_is_refused(tmp_path) -> None:
             await mem.snapshot(tmp_path / "snap")
 
     trio.run(snap)
+
+
+def test_a_snapshot_edited_without_the_key_is_refused(tmp_path) -> None:
+    """An attacker edits a snapshot's store and recomputes the manifest's sha256s: restore with
+    the key refuses the manifest's MAC; without it, restore refuses a chain record patched to
+    match, and an edit that leaves the chain alone is installed but never served."""
+    _keyed_snapshot(tmp_path)
     snapshot = tmp_path / "snap"
     assert len(msgspec.json.decode((snapshot / "manifest.json").read_bytes())["mac"]) == 64
     with Raw(snapshot / "store") as raw:
@@ -396,14 +401,7 @@ def test_a_restore_under_the_key_checks_the_chains_head_not_every_link(tmp_path,
                                                                         monkeypatch) -> None:
     """With the key, the manifest's MAC vouches for every file's bytes, so restore checks the
     chain's head and leaves the walk over every link to verify; without it, it walks."""
-    store = tmp_path / "store"
-    _build(store, key=KEY)
-
-    async def snap() -> None:
-        async with open_engine(store, config={"integrity_key": KEY, "long_term": False}) as mem:
-            await mem.snapshot(tmp_path / "snap")
-
-    trio.run(snap)
+    _keyed_snapshot(tmp_path)
     walks = []
     check = snapshot_mod.verify_chain
 
