@@ -282,13 +282,16 @@ class Store(Writer, Appliers, Forgetting):
 
     def _reopen_in_thread(self) -> None:
         size = self._env.info()["map_size"]
+        # The closed handle stays in place until the new one replaces it: ``_env is None``
+        # tells waiters on the trio thread that the engine closed, and nothing uses the
+        # handle meanwhile (the caller holds every reader and the writer out).
         self._env.close()
-        self._env = None
         try:
             env = self._lmdb_open(size)
             with env.begin(write=True) as txn:  # every database exists: this creates none
                 dbs = {name: env.open_db(name, txn=txn) for name in DB_NAMES}
         except lmdb.Error as exc:
+            self._env = None
             raise EngineBroken(f"opening the store at {self.path} again failed: {exc}") from exc
         self._dbs = dbs
         self._names = {handle: name for name, handle in dbs.items()}
@@ -534,7 +537,10 @@ class Store(Writer, Appliers, Forgetting):
         self._gate.unpark_all()
 
     def map_size(self) -> int:
-        return 0 if self._env is None else self._env.info()["map_size"]
+        """The map's size in bytes; 0 while closed, or while a scrub reopens the store."""
+        if self._env is None or self._exclusive:
+            return 0
+        return self._env.info()["map_size"]
 
 
 class _MapResized(Exception):

@@ -456,3 +456,38 @@ async def test_a_store_an_older_build_scrubbed_is_scrubbed_again_at_open(
     assert SCRUBBED_KEY in meta and SCRUB_KEY not in meta
     for snap in ("before", "after"):
         assert _holding(tmp_path / snap, [MARKER.encode()]) == []
+
+
+async def test_a_flush_during_a_scrubs_reopen_waits_for_it(store_path, monkeypatch) -> None:
+    """The scrub after a forget closes and reopens the environment in the background; a flush
+    (or any wait for a commit) that lands while the new environment is being opened waits
+    for it, and never takes the gap for a closed engine."""
+    import threading
+
+    async with open_engine(store_path, config={"long_term": False}) as mem:
+        for i in range(5):
+            await mem.add_turn("ana", "s1", "user", f"forgettable turn {i}")
+        await mem.add_turn("ana", "s2", "user", "kept turn")
+        await mem.flush()
+        store = mem._parts.store
+        real_open = store._lmdb_open
+        reopening, go = threading.Event(), threading.Event()
+
+        def slow_open(size: int) -> lmdb.Environment:
+            reopening.set()  # the old environment is closed by now
+            go.wait(30)
+            return real_open(size)
+
+        monkeypatch.setattr(store, "_lmdb_open", slow_open)
+        await mem.forget_session("ana", "s1")
+        try:
+            assert await trio.to_thread.run_sync(reopening.wait, 30)
+            await mem.add_turn("ana", "s2", "user", "said while the store reopens")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(mem.flush)
+                await trio.testing.wait_all_tasks_blocked(0.05)
+                go.set()
+        finally:
+            go.set()
+        assert [t.text for t in await mem.session_history("ana", "s2")] == [
+            "kept turn", "said while the store reopens"]
