@@ -105,6 +105,7 @@ class Store(Writer, Appliers, Forgetting):
         # carry what a retired entry at or below it carried. 0 (carry all) until it says.
         self.retirements_applied_lsn = 0
         self._env: lmdb.Environment | None = None
+        self._map_bytes = 0  # the map's size when last read (stats, while the map is held)
         self._dbs: dict[bytes, Any] = {}
         self._names: dict[Any, bytes] = {}  # database handle -> name, for CheckedTxn
         key = config.integrity_key
@@ -537,10 +538,13 @@ class Store(Writer, Appliers, Forgetting):
         self._gate.unpark_all()
 
     def map_size(self) -> int:
-        """The map's size in bytes; 0 while closed, or while a scrub reopens the store."""
-        if self._env is None or self._exclusive:
+        """The map's size in bytes (0 once closed). While a scrub reopens the environment or
+        the map grows, the handle is not to be touched: the size last read stands."""
+        if self._env is None:
             return 0
-        return self._env.info()["map_size"]
+        if not self._exclusive:
+            self._map_bytes = self._env.info()["map_size"]
+        return self._map_bytes
 
 
 class _MapResized(Exception):
