@@ -219,6 +219,7 @@ async def test_looking_at_why_a_memory_was_recalled_is_not_a_use(store_path, clo
         async with browser(app, ANA_KEY) as ana:
             why = await ana.get("/ui/users/ana/why", params={"q": "what does ana drink, piano"})
         assert why.status_code == 200 and "coffee" in why.text and "piano" in why.text
+        assert "Looking is not using" in why.text  # the page says so, not the opposite
         await mem.flush()
         assert {f.fact_id: f.access_count for f in await mem.profile("ana")} == before
         with pytest.raises(InvalidInput, match="record: expected True or False, found 'no'"):
