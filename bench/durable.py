@@ -68,7 +68,7 @@ def floor(path: Path, n: int) -> dict[str, list[int]]:
 
 
 async def steady(path: Path, rate: float, seconds: float, writers: int,
-                 texts: list[str]) -> dict[str, Any]:
+                 texts: list[str], config: dict[str, Any]) -> dict[str, Any]:
     latencies: list[int] = []
     n_each = int(rate * seconds / writers)
     interval = writers / rate
@@ -86,7 +86,7 @@ async def steady(path: Path, rate: float, seconds: float, writers: int,
         if w == 0:
             progress("steady", 1, 1)
 
-    async with Engine.open(path) as mem:
+    async with Engine.open(path, config=config) as mem:
         async with trio.open_nursery() as nursery:
             for w in range(writers):
                 nursery.start_soon(writer, w, mem)
@@ -95,7 +95,8 @@ async def steady(path: Path, rate: float, seconds: float, writers: int,
 
 
 async def burst(path: Path, bursts: int, burst_turns: int, writers: int,
-                texts: list[str], committed_first: bool) -> dict[str, Any]:
+                texts: list[str], committed_first: bool, config: dict[str, Any]
+                ) -> dict[str, Any]:
     latencies: list[int] = []
 
     async def durable_one(mem: Engine, b: int, w: int) -> None:
@@ -104,7 +105,7 @@ async def burst(path: Path, bursts: int, burst_turns: int, writers: int,
                            durable=True)
         latencies.append(time.perf_counter_ns() - start)
 
-    async with Engine.open(path) as mem:
+    async with Engine.open(path, config=config) as mem:
         for b in range(bursts):
             items = [NewTurn(user_id=f"user{(b * burst_turns + i) % 50}", session_id=f"s{b}",
                              role=("user", "assistant")[i % 2], text=texts[i % len(texts)])
@@ -132,6 +133,9 @@ def main() -> None:
     parser.add_argument("--burst-writers", type=int, default=25)
     parser.add_argument("--floor-commits", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--receipt-switch-us", type=int, default=None,
+                        help="the engine's receipt_switch_us (default: the engine's default; "
+                             "0: the interpreter's switch interval left alone)")
     parser.add_argument("--quick", action="store_true", help="short phases, for a smoke run")
     parser.add_argument("--out", default="bench/results/durable.json")
     args = parser.parse_args()
@@ -143,13 +147,15 @@ def main() -> None:
     texts = [sentence(rng) for _ in range(5000)]
     work = Path(tempfile.mkdtemp(prefix="engram-bench-"))
     results: dict[str, Any] = {"cores": os.cpu_count(), "seed": args.seed, "args": vars(args)}
+    config = ({} if args.receipt_switch_us is None
+              else {"receipt_switch_us": args.receipt_switch_us})
     phases = {
         "steady": lambda: trio.run(steady, work / "steady", args.rate, args.seconds,
-                                   args.writers, texts),
+                                   args.writers, texts, config),
         "burst": lambda: trio.run(burst, work / "burst", args.bursts, args.burst_turns,
-                                  args.burst_writers, texts, True),
+                                  args.burst_writers, texts, True, config),
         "burst_raw": lambda: trio.run(burst, work / "burst_raw", args.bursts, args.burst_turns,
-                                      args.burst_writers, texts, False),
+                                      args.burst_writers, texts, False, config),
     }
     try:
         for name, run in phases.items():

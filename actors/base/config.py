@@ -43,6 +43,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         max_id_chars: longest user or session id accepted.
         fsync: commit with fsync (``True``) or leave flushing to the OS (``False``: a durable
             receipt then survives a process crash but not a power cut).
+        receipt_switch_us: while a caller waits for a commit to land (a durable receipt, a
+            forget), the interpreter's thread switch interval is at most this many
+            microseconds, so each thread on the receipt's way gets the GIL back within it
+            instead of CPython's 5 ms; back to what it was once nobody waits. 0: left alone.
         initial_map_bytes: the LMDB map size a new store starts with; it doubles when full.
         model: the embedding model: ``minilm-l6-v2-q8`` (weight-only 8-bit: faster, cosine >=
             0.998 to fp32, the same recall) or ``minilm-l6-v2`` (fp32). None (the default):
@@ -91,6 +95,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     max_meta_bytes: Positive = 64 * 1024
     max_id_chars: Positive = 256
     fsync: bool = True
+    receipt_switch_us: Annotated[int, msgspec.Meta(ge=0, le=5000)] = 250
     initial_map_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 256 << 20
     model: Literal["minilm-l6-v2", "minilm-l6-v2-q8"] | None = None
     model_dir: str | None = None

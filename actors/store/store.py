@@ -149,6 +149,9 @@ class Store(Writer, Appliers, Forgetting):
         # With fsync on, LMDB leaves each commit's meta page to the next flush (MDB_NOMETASYNC),
         # and a batch lands once a flush that began after its commit returned has returned.
         self._meta_deferred = config.fsync and not read_only
+        # The switch interval (seconds) while a caller waits for a landing; 0: left alone.
+        self._receipt_switch = config.receipt_switch_us / 1e6
+        self._switch_lowered = False  # this store holds the interval lowered (gil.lower)
         self._landings: deque[_Landing] = deque()  # committed batches not landed yet, in order
         self._commit_count = 0  # write transactions this process committed
         self._writer_done = False  # the commit loop has drained the queue at close
@@ -193,6 +196,7 @@ class Store(Writer, Appliers, Forgetting):
             self._fail(exc)
             raise
         finally:
+            self._prioritise_receipts(False)
             with trio.CancelScope(shield=True):
                 await self._close_env()
 

@@ -56,6 +56,7 @@ from ..base.messages import (
 )
 from ..base.records import SessionInfo
 from .chain import _chain_in, _chain_turns, _tombstone_in
+from . import gil
 from .codecs import _encode, failure_put
 from .integrity import CheckedTxn, encode_head
 from .layout import _LAST_LSN_KEY, HEAD_KEY, LOG_TURN, lsn_key
@@ -393,6 +394,7 @@ class Writer:
         # arrival; the event is never compared.
         waiter = [lsn, self._tiebreak, event, None]
         heapq.heappush(self._waiters, waiter)
+        self._prioritise_receipts(True)
         await event.wait()
         if waiter[3] is not None:
             self._receipt_times.append((waited, waiter[3], _clock()))
@@ -474,6 +476,9 @@ class Writer:
         never starves them. Otherwise a checkpoint."""
         if self._waiters and self.usable():
             await self._landed.park()
+            # The landing woke its callers and this step in one scheduling batch, which trio
+            # runs in random order: one more turn, so the callers run before the step does.
+            await trio.lowlevel.cancel_shielded_checkpoint()
         else:
             await trio.lowlevel.checkpoint()
 
@@ -651,6 +656,8 @@ class Writer:
                     waiter = heapq.heappop(waiters)
                     waiter[3] = times
                     waiter[2].set()
+                if not waiters:
+                    self._prioritise_receipts(False)
         for op, error in landing.refused:
             self._refuse(op, error)
         self._written += landing.count
@@ -817,11 +824,24 @@ class Writer:
         self._commits.unpark_all()
         self._landed.unpark_all()
 
+    def _prioritise_receipts(self, waiting: bool) -> None:
+        """While a caller waits for a commit to land, hold the interpreter's switch interval
+        at ``receipt_switch_us`` (:mod:`.gil`): each thread on its way gets the GIL back within
+        it, not within 5 ms. Called with whether a caller waits now; idempotent."""
+        if waiting == self._switch_lowered or not self._receipt_switch:
+            return
+        if waiting:
+            gil.lower(self._receipt_switch)
+        else:
+            gil.release()
+        self._switch_lowered = waiting
+
     def _wake_all_waiters(self) -> None:
         # Woken waiters compare their lsn with committed_lsn (or look at _failure) and raise
         # if theirs did not land.
         while self._waiters:
             heapq.heappop(self._waiters)[2].set()
+        self._prioritise_receipts(False)
         self._batches.unpark_all()
         for op in self._queue:
             done = getattr(op, "done", None)  # unlogged ops carry an event for their writer

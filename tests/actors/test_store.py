@@ -6,6 +6,7 @@ LMDB store; what a store fault means for the engine around it is in tests/test_s
 
 from __future__ import annotations
 
+import sys
 import threading
 from array import array
 from collections.abc import AsyncIterator
@@ -425,3 +426,79 @@ async def test_background_steps_yield_to_a_receipt_on_its_way(store_path, monkey
             assert stepped_at == []
             gate.set()
         assert stepped_at == [1]
+
+
+async def test_a_waiting_receipt_lowers_the_switch_interval_until_it_lands(store_path,
+                                                                           monkeypatch) -> None:
+    """While a caller waits for its commit to land, the interpreter's switch interval is at
+    most receipt_switch_us (each thread on the receipt's way gets the GIL back within it);
+    once nobody waits it is what it was. Two stores waiting at once share one count."""
+    gate = threading.Event()  # set by the test: flushes may return
+    original = store_mod.Store._sync
+
+    def gated_sync(self):
+        gate.wait(10)
+        original(self)
+
+    monkeypatch.setattr(store_mod.Store, "_sync", gated_sync)
+    before = sys.getswitchinterval()
+    seen: dict[str, float] = {}
+    async with running_store(store_path / "a") as first, running_store(store_path / "b") as second:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(Ingest(first).add_turn, "s1", "waits", True)
+            nursery.start_soon(Ingest(second).add_turn, "s1", "waits too", True)
+            await trio.testing.wait_all_tasks_blocked()  # both flushes are held
+            seen["waiting"] = sys.getswitchinterval()
+            gate.set()
+        seen["landed"] = sys.getswitchinterval()
+        await Ingest(first).add_turn("s1", "buffered")
+        seen["buffered"] = sys.getswitchinterval()
+    assert seen == {"waiting": Config().receipt_switch_us / 1e6, "landed": before,
+                    "buffered": before}
+
+
+async def test_receipt_switch_zero_leaves_the_interval_alone(store_path, monkeypatch) -> None:
+    """receipt_switch_us=0: the interpreter's switch interval is never touched."""
+    set_to: list[float] = []
+    monkeypatch.setattr(sys, "setswitchinterval", set_to.append)
+    store = store_mod.Store(store_path, Config(receipt_switch_us=0))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        assert await Ingest(store).add_turn("s1", "durable", durable=True) == 1
+        store.close()
+    assert set_to == []
+
+
+async def test_callers_run_before_the_steps_that_yielded_to_them(store_path, monkeypatch) -> None:
+    """A landing releases its callers before the background steps that yielded to them:
+    trio runs one scheduling batch in random order, so a step woken with a caller could run
+    its Python first, between the flush and the caller. Twenty landings, each with a caller
+    and a step waiting on it: the caller goes first every time."""
+    gate = threading.Semaphore(0)  # released by the test: one flush may return
+    original = store_mod.Store._sync
+
+    def gated_sync(self):
+        gate.acquire(timeout=10)
+        original(self)
+
+    monkeypatch.setattr(store_mod.Store, "_sync", gated_sync)
+    order: list[str] = []
+    async with running_store(store_path) as store:
+        ingest = Ingest(store)
+
+        async def caller(i: int) -> None:
+            await ingest.add_turn("s1", f"turn {i}", durable=True)
+            order.append("caller")
+
+        async def step() -> None:
+            await store.yield_to_receipts()
+            order.append("step")
+
+        for i in range(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(caller, i)
+                await trio.testing.wait_all_tasks_blocked()  # its flush is held
+                nursery.start_soon(step)
+                await trio.testing.wait_all_tasks_blocked()
+                gate.release()
+    assert order == ["caller", "step"] * 20
