@@ -7,6 +7,9 @@ Phases, each on a fresh store with fsync on (the engine default) and the real mo
 in the background, each preceded by its own floor measured in the same process:
   floor      bare LMDB, one small put per transaction, fsync on, sequential: the least a
              durable receipt can cost on this disk.
+  shaped     bare LMDB doing one turn's writes as the engine lays them out (six databases,
+             the same texts), opened and flushed as the engine does, sequential: what the
+             store's layout adds to the floor, apart from the engine around it.
   steady     add_turn(durable=True) from --writers concurrent tasks sharing --rate turns/s.
   burst      --bursts times: --burst-turns buffered turns at once (add_turns); once they are
              committed, at once --burst-writers concurrent durable add_turns, while the
@@ -18,10 +21,10 @@ in the background, each preceded by its own floor measured in the same process:
 
 After each phase, the engine's own trace of its durable receipts (``stats().durable_stages``:
 queued, plan, to_writer, write, commit, flush_wait, flush, to_trio, wake) says where their time
-went, p50 / p99 per stage. Each durable figure is reported as a ratio to its floor: the floor measured just before the
-phase and again just after it, pooled, so that the machine's load drifting during a phase
-moves both sides (issue 16's target: p99 <= 2x, p99.9 <= 3x). Prints a table and writes JSON
-(--out).
+went, p50 / p99 per stage. Each durable figure is reported as a ratio to its floor: the floor
+measured just before the phase and again just after it, pooled, so that the machine's load
+drifting during a phase moves both sides (issue 16's target: p99 <= 2x, p99.9 <= 3x); and to
+the shaped floor, measured the same way. Prints a table and writes JSON (--out).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import msgspec
 import trio
 from _report import percentiles, progress, write_results
 
@@ -61,6 +65,41 @@ def floor(path: Path, n: int) -> dict[str, list[int]]:
         start = time.perf_counter_ns()
         with env.begin(write=True) as txn:
             txn.put(i.to_bytes(8, "big"), b"x" * 200, db=db)
+        latencies.append(time.perf_counter_ns() - start)
+    env.close()
+    shutil.rmtree(path)
+    return {"raw": latencies}
+
+
+def shaped_floor(path: Path, n: int, texts: list[str]) -> dict[str, list[int]]:
+    """Bare LMDB doing a durable turn's writes as the engine lays them out, and nothing more:
+    the turn (msgpack, the same texts), its id, its session record, its log entry and hash-chain
+    record, the two meta keys, in six named databases; LMDB opened as the engine opens it
+    (MDB_NOMETASYNC) and flushed after each commit (``env.sync``): two flushes a turn, as in the
+    floor and in a durable receipt. Sequential, one thread, no engine: what the store's layout
+    costs on this disk, apart from what the engine around it costs."""
+    env = lmdb.open(str(path), map_size=1 << 28, max_dbs=8, sync=True, metasync=False)
+    dbs = {name: env.open_db(name) for name in (b"meta", b"sessions", b"turns", b"ids", b"log",
+                                                  b"chain")}
+    encode = msgspec.msgpack.Encoder().encode
+    latencies = []
+    for lsn in range(1, n + 1):
+        user, session, seq = f"user{lsn % 100}", f"s{lsn % 5}", lsn  # keys unique, as the engine's
+        key = f"{user}\0{session}\0".encode() + seq.to_bytes(8, "big")
+        turn_id = f"t_{lsn:020x}"
+        value = encode([lsn, turn_id, user, session, seq, "user", texts[lsn % len(texts)],
+                        1_795_000_000.0 + lsn, {}, None, None]) + b"crc4"
+        start = time.perf_counter_ns()
+        with env.begin(write=True) as txn:
+            txn.put(key, value, db=dbs[b"turns"])
+            txn.put(f"{user}\0{turn_id}".encode() + b"crc4", key, db=dbs[b"ids"])
+            txn.put(key[:-9], encode([user, session, 1_795_000_000.0, 1_795_000_000.0 + lsn,
+                                      seq + 1, None, None]) + b"crc4", db=dbs[b"sessions"])
+            txn.put(lsn.to_bytes(8, "big"), b"T" + key + b"crc4", db=dbs[b"log"], append=True)
+            txn.put(lsn.to_bytes(8, "big"), bytes(68), db=dbs[b"chain"], append=True)
+            txn.put(b"last_lsn", lsn.to_bytes(8, "big"), db=dbs[b"meta"])
+            txn.put(b"chain_head", bytes(48), db=dbs[b"meta"])
+        env.sync(True)
         latencies.append(time.perf_counter_ns() - start)
     env.close()
     shutil.rmtree(path)
@@ -159,21 +198,28 @@ def main() -> None:
     }
     try:
         for name, run in phases.items():
-            before = floor(work / f"{name}_floor_before", args.floor_commits // 2)
+            half = args.floor_commits // 2
+            before = floor(work / f"{name}_floor_before", half)["raw"]
+            shaped = shaped_floor(work / f"{name}_shaped_before", half, texts)["raw"]
             results[name] = run()
-            after = floor(work / f"{name}_floor_after", args.floor_commits // 2)
-            results[f"{name}_floor"] = percentiles(before.pop("raw") + after.pop("raw"), 1e-3,
-                                                   "us")
+            after = floor(work / f"{name}_floor_after", half)["raw"]
+            shaped += shaped_floor(work / f"{name}_shaped_after", half, texts)["raw"]
+            results[f"{name}_floor"] = percentiles(before + after, 1e-3, "us")
+            results[f"{name}_shaped"] = percentiles(shaped, 1e-3, "us")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     print(f"\n{'phase':<48}{'n':>6}{'p50':>11}{'p99':>11}{'p99.9':>11}")
+    shaped_label = "bare LMDB, a turn's writes + flush (shaped)"
     for name, label in (
             ("steady_floor", "bare LMDB commit, fsync (floor)"),
+            ("steady_shaped", shaped_label),
             ("steady", f"durable add_turn @{args.rate:g}/s x{args.writers}"),
             ("burst_floor", "bare LMDB commit, fsync (floor)"),
+            ("burst_shaped", shaped_label),
             ("burst", f"durable x{args.burst_writers}, {args.burst_turns} buffered committed"),
             ("burst_raw_floor", "bare LMDB commit, fsync (floor)"),
+            ("burst_raw_shaped", shaped_label),
             ("burst_raw", f"durable x{args.burst_writers} the moment {args.burst_turns} "
                           "buffered returned")):
         r = results[name]
@@ -186,6 +232,12 @@ def main() -> None:
         r["ratio_p999"] = r["p999_us"] / f["p999_us"]
         print(f"{name}: durable / floor  p50 {r['ratio_p50']:.2f}x  p99 {r['ratio_p99']:.2f}x  "
               f"p99.9 {r['ratio_p999']:.2f}x")
+        g = results[f"{name}_shaped"]
+        r["shaped_ratio_p99"], r["shaped_ratio_p999"] = (r["p99_us"] / g["p99_us"],
+                                                         r["p999_us"] / g["p999_us"])
+        print(f"{' ' * len(name)}  shaped / floor  p50 {g['p50_us'] / f['p50_us']:.2f}x  "
+              f"p99 {g['p99_us'] / f['p99_us']:.2f}x; durable / shaped  p99 "
+              f"{r['shaped_ratio_p99']:.2f}x  p99.9 {r['shaped_ratio_p999']:.2f}x")
     for name in phases:
         stages = results[name]["stages"]
         print(f"\n{name}: where the engine's last {min(results[name]['n'], 1024)} waits for a "
