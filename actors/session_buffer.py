@@ -14,13 +14,15 @@ import os
 import random
 from collections import OrderedDict, deque
 from datetime import datetime, timezone
+from itertools import compress, repeat
+from operator import attrgetter, ne, or_
 from typing import Any
 
 import msgspec
 
 from .base.config import Config
 from .base.errors import StoreCorrupt
-from .base.messages import AppendTurn
+from .base.messages import AppendTurn, AppendTurns
 from .base.records import SessionInfo, Turn
 from .store import Store, read_session_tail, read_sessions, session_prefix, user_prefix
 
@@ -40,8 +42,29 @@ def new_turn_id() -> str:
     return f"t_{_ids.getrandbits(80):020x}"
 
 
-class Receipt:
+def new_turn_ids(n: int) -> list[str]:
+    """``n`` turn ids as :func:`new_turn_id` makes them, from one draw of 80 bits each."""
+    digits = f"{_ids.getrandbits(80 * n):0{20 * n}x}"
+    return ["t_" + digits[i : i + 20] for i in range(0, 20 * n, 20)]
+
+
+_tzinfo = attrgetter("tzinfo")
+
+
+def _run_ends(user_ids: list[str], session_ids: list[str]) -> list[int]:
+    """Where each run of consecutive turns of one session ends (exclusive), in order; loops
+    in C, with no object made per turn."""
+    changed = map(or_, map(ne, user_ids[1:], user_ids[:-1]),
+                  map(ne, session_ids[1:], session_ids[:-1]))
+    return [*compress(range(1, len(user_ids)), changed), len(user_ids)]
+
+
+class Receipt(msgspec.Struct, frozen=True, gc=False):
     """What ``add_turn`` returns: the turn's identity, and a way to wait for the disk.
+
+    A Struct the garbage collector does not track (it refers to no object that could refer
+    back): an import makes one per turn, ~4x faster than a slotted class's, and a caller
+    holding 200k of them does not make every collection walk them.
 
     Attributes:
         turn_id: the turn's id (``get_turn`` and hits refer to it).
@@ -49,13 +72,10 @@ class Receipt:
         lsn: its position in the store's global log.
     """
 
-    __slots__ = ("turn_id", "seq", "lsn", "_store")
-
-    def __init__(self, turn_id: str, seq: int, lsn: int, store: Store) -> None:
-        self.turn_id = turn_id
-        self.seq = seq
-        self.lsn = lsn
-        self._store = store
+    turn_id: str
+    seq: int
+    lsn: int
+    _store: Store
 
     async def durable(self) -> None:
         """Return once the turn is committed to LMDB and flushed (it then survives ``kill -9``,
@@ -166,6 +186,95 @@ class SessionBuffer:
             window.append(turn)
             self._live.move_to_end(state.prefix)
         return Receipt(turn.turn_id, seq, lsn, store)
+
+    def append_many(self, user_ids: list[str], session_ids: list[str], roles: list[str],
+                    texts: list[str], ats: list[datetime], metas: list[dict[str, Any]],
+                    agent_ids: list[str | None], run_ids: list[str | None]) -> list[Receipt]:
+        """Append validated turns, in order, as many :meth:`append` calls would (the same ids,
+        seqs, lsns, windows and records), with one op for the Store and each column made in
+        bulk: what one turn of a history import costs is a few list items, not a call chain.
+        Synchronous; everything is made before any state changes, so a failure leaves
+        nothing behind.
+
+        Args:
+            user_ids ... run_ids: one list per argument of :meth:`append` (but ``turn_id``,
+                made here), one item per turn.
+
+        Returns:
+            One receipt per turn, in order.
+        """
+        n = len(texts)
+        if not n:
+            return []
+        if set(map(_tzinfo, ats)) != {_UTC}:
+            ats = [at if at.tzinfo is _UTC else at.astimezone(_UTC) for at in ats]
+        store = self._store
+        first = store.next_lsn
+        lsns = range(first, first + n)
+        turn_ids = new_turn_ids(n)
+        seqs: list[int] = []
+        keys: list[bytes] = []
+        id_keys: list[bytes] = []
+        agents: list[str] = []
+        scopes: list[str] = []
+        # Each session the call writes: [its state (None: begun here), prefix, user prefix,
+        # next seq, agent, run, first turn's time]; and the runs of consecutive turns of one
+        # session, as (session, end).
+        touched: dict[tuple[str, str], list[Any]] = {}
+        runs: list[tuple[tuple[str, str], int]] = []
+        start = 0
+        for end in _run_ends(user_ids, session_ids):
+            pair = (user_ids[start], session_ids[start])
+            session = touched.get(pair)
+            if session is None:
+                state = self._lookup(*pair)
+                session = touched[pair] = (
+                    [None, session_prefix(*pair), user_prefix(pair[0]), 0, agent_ids[start] or "",
+                     run_ids[start] or "", ats[start]] if state is None else
+                    [state, state.prefix, state.user_prefix, state.next_seq, state.agent_id,
+                     state.run_id, state.started_at])
+            _, prefix, uprefix, seq, agent, scope, _ = session
+            session[3] = seq + end - start
+            numbers = range(seq, seq + end - start)
+            seqs += numbers
+            keys += map(prefix.__add__, map(int.to_bytes, numbers, repeat(8), repeat("big")))
+            id_keys += map(uprefix.__add__, map(str.encode, turn_ids[start:end]))
+            agents += repeat(agent, end - start)
+            scopes += repeat(scope, end - start)
+            runs.append((pair, end))
+            start = end
+        turns = list(map(Turn, lsns, turn_ids, user_ids, session_ids, seqs, roles, texts, ats,
+                         metas, agents, scopes))
+        values = list(map(_encode, turns))
+        sessions: dict[bytes, tuple[datetime, Turn]] = {}
+        for pair, end in runs:
+            session = touched[pair]
+            sessions[session[1][:-1]] = (session[6], turns[end - 1])  # key less its NUL
+        store.submit_turns(AppendTurns(
+            turns, keys, values, id_keys, list(map(int.to_bytes, lsns, repeat(8), repeat("big"))),
+            sessions))
+        start = 0
+        for pair, end in runs:
+            session = touched[pair]
+            state = session[0]
+            if state is None:
+                user_id, session_id = pair
+                state = session[0] = _Session(user_id, session_id, session[6], session[4],
+                                              session[5])
+                per_user = self._users.get(user_id)
+                if per_user is None:
+                    per_user = self._users[user_id] = {}
+                per_user[session_id] = state
+            state.next_seq = seqs[end - 1] + 1
+            state.last_at = ats[end - 1]
+            state.last_lsn = first + end - 1
+            if state.window is None:
+                self._set_window(state, turns[start:end])
+            else:
+                state.window.extend(turns[start:end])
+                self._live.move_to_end(state.prefix)
+            start = end
+        return list(map(Receipt, turn_ids, seqs, lsns, repeat(store)))
 
     def _set_window(self, state: _Session, turns: Any) -> None:
         state.window = deque(turns, maxlen=self._window_turns)

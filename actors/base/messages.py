@@ -13,7 +13,8 @@ import msgspec
 
 from .records import Turn
 
-__all__ = ["AppendTurn", "Forget", "PutVectors", "PutLink", "PutNote", "DeleteNote", "WriteSummary",
+__all__ = ["AppendTurn", "AppendTurns", "Forget", "PutVectors", "PutLink", "PutNote", "DeleteNote",
+           "WriteSummary",
            "PutEpisode", "PutFact", "PutState", "Searchable",
            "EmbedRequest", "Candidate",
            "StoreOp", "EmbedderOp", "ScrubDone"]
@@ -40,6 +41,40 @@ class AppendTurn(msgspec.Struct, frozen=True, tag=True):
     @property
     def lsn(self) -> int:
         return self.turn.lsn
+
+
+class AppendTurns(msgspec.Struct, frozen=True, tag=True):
+    """Write a run of turns with consecutive lsns (``add_turns``): what as many AppendTurn ops
+    would carry, made in bulk on the trio thread, as columns (one item per turn). It takes one
+    queue slot per turn (``Store.submit_turns``), so queue limits and batches count turns.
+
+    Attributes:
+        turns: the records, in lsn order.
+        keys: their keys in the ``turns`` database.
+        values: the turns encoded as msgpack.
+        id_keys: their keys in the ``ids`` database.
+        lsns: their keys in the ``log`` database.
+        sessions: each session of the run: its key in ``sessions`` -> (its first turn's time,
+            its latest turn in the run).
+    """
+
+    turns: list[Turn]
+    keys: list[bytes]
+    values: list[bytes]
+    id_keys: list[bytes]
+    lsns: list[bytes]
+    sessions: dict[bytes, tuple[datetime, Turn]]
+
+    @property
+    def lsn(self) -> int:
+        """The last turn's lsn: the op is logged once all of them are."""
+        return self.turns[-1].lsn
+
+    def one(self, i: int) -> AppendTurn:
+        """The ``i``-th turn as an op of its own (the writer isolates a turn it cannot put)."""
+        key = self.keys[i]
+        return AppendTurn(self.turns[i], key, self.values[i], self.sessions[key[:-9]][0],
+                          self.id_keys[i])
 
 
 class Forget(msgspec.Struct, frozen=True, tag=True):
@@ -251,6 +286,6 @@ class Candidate:
     keywords: tuple[str, ...] = ()
 
 
-StoreOp = (AppendTurn | Forget | ScrubDone | PutVectors | PutLink | PutNote | DeleteNote
-           | WriteSummary | PutEpisode | PutFact | PutState)
+StoreOp = (AppendTurn | AppendTurns | Forget | ScrubDone | PutVectors | PutLink | PutNote
+           | DeleteNote | WriteSummary | PutEpisode | PutFact | PutState)
 EmbedderOp = EmbedRequest

@@ -27,7 +27,7 @@ Role = Literal["user", "assistant", "system", "tool"]
 ROLES: tuple[str, ...] = ("user", "assistant", "system", "tool")
 
 
-class Turn(msgspec.Struct, frozen=True, array_like=True):
+class Turn(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """One conversation turn as stored.
 
     Attributes:
@@ -40,8 +40,12 @@ class Turn(msgspec.Struct, frozen=True, array_like=True):
         role: user, assistant, system or tool.
         text: what was said.
         at: when it was said, timezone-aware (stored and returned as UTC).
-        meta: the caller's JSON-serialisable extras.
+        meta: the caller's JSON-serialisable extras (read-only, like the record: the turns
+            of one ``add_turns`` call without meta share one empty dict).
         agent_id / run_id: its scope below the user (mem0's), its session's; "" for none.
+
+    Not tracked by the garbage collector (``gc=False``): it refers to nothing that could refer
+    back to it (meta is checked JSON), and an import makes one per turn.
     """
 
     lsn: int

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime, timezone
+from operator import attrgetter
 from typing import Any
 
 import msgspec
@@ -186,3 +187,38 @@ def check_meta(value: Any, max_bytes: int) -> dict[str, Any]:
             "keep large payloads elsewhere and store a reference, or raise Config.max_meta_bytes",
         )
     return value
+
+
+# -- columns -------------------------------------------------------------------------------
+# The same checks over a whole column of a batch (``add_turns``), each a few loops in C. They
+# never raise: True means every value passes the check of one value above; False means one
+# may not, and the caller runs the checks one value at a time, whose error names it.
+
+_tzinfo = attrgetter("tzinfo")
+_UTC = timezone.utc
+
+
+def roles_pass(values: list[Any]) -> bool:
+    """Whether ``check_role`` passes every value."""
+    return set(map(type, values)) == {str} and set(values) <= _ROLES
+
+
+def texts_pass(values: list[Any], max_chars: int) -> bool:
+    """Whether ``check_text`` passes every value."""
+    if set(map(type, values)) != {str} or any(map(str.isspace, values)):
+        return False
+    if min(map(len, values)) < 1 or max(map(len, values)) > max_chars:
+        return False
+    if not all(map(str.isascii, values)):
+        try:
+            "".join(value for value in values if not value.isascii()).encode()
+        except UnicodeEncodeError:  # a lone surrogate
+            return False
+    return True
+
+
+def ats_pass(values: list[Any]) -> bool:
+    """Whether ``check_at`` passes every value (all of them UTC datetimes: any other zone
+    takes the checks one at a time)."""
+    return (set(map(type, values)) == {datetime} and set(map(_tzinfo, values)) == {_UTC}
+            and MIN_AT <= min(values) and max(values) <= MAX_AT)

@@ -8,7 +8,16 @@ from typing import Any
 from ..base.errors import EngineError, StoreTampered
 from ..base.records import Fact
 from .codecs import _encode, decode_fact
-from .integrity import ABSENT, DIGEST, ZERO, CheckedTxn, content_digest, link, unseal
+from .integrity import (
+    ABSENT,
+    DIGEST,
+    ZERO,
+    CheckedTxn,
+    chain_records,
+    content_digest,
+    link,
+    unseal,
+)
 from .layout import (
     LOG_EPISODE,
     LOG_FACT,
@@ -58,16 +67,12 @@ def _chain_in(txn: CheckedTxn, dbs: dict[bytes, Any], lsn: int, previous: bytes)
     return digest
 
 
-def _chain_turns(txn: CheckedTxn, dbs: dict[bytes, Any], log_entries: list[tuple[bytes, bytes]],
+def _chain_turns(txn: CheckedTxn, dbs: dict[bytes, Any], lsns: list[bytes], entries: list[bytes],
                  values: list[bytes], previous: bytes) -> bytes:
     """Append the chain records of appended turns (their log keys and entries, and their
     values); returns the last digest."""
-    records = []
-    for (key, entry), value in zip(log_entries, values, strict=True):
-        content = content_digest(key, entry, value)
-        previous = link(previous, key, content, b"")
-        records.append((key, previous + content))
-    txn.cursor(dbs[b"chain"]).putmulti(records, append=True)
+    records, previous = chain_records(previous, lsns, entries, values)
+    txn.cursor(dbs[b"chain"]).put_columns(lsns, records, append=True)
     return previous
 
 

@@ -32,6 +32,7 @@ import hmac
 import os
 import struct
 import zlib
+from collections.abc import Iterable
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,9 @@ from typing import Any
 from ..base.errors import StoreCorrupt
 from .layout import HEAD_KEY
 
-__all__ = ["CheckedTxn", "seal", "unseal", "check_file", "content_digest", "link", "ABSENT",
-           "DIGEST", "ZERO", "Head", "encode_head", "decode_head", "head_mac", "HEAD_KEY"]
+__all__ = ["CheckedTxn", "seal", "seal_all", "unseal", "check_file", "content_digest", "link",
+           "chain_records", "ABSENT", "DIGEST", "ZERO", "Head", "encode_head", "decode_head",
+           "head_mac", "HEAD_KEY"]
 
 SEAL = 4  # bytes of CRC-32 at the end of every sealed value
 DIGEST = 16  # blake2b digest size: 128 bits, ample against accidental and forged collisions
@@ -54,9 +56,19 @@ _META_OFFSET = 16  # the page header before MDB_meta
 _LAST_PAGE_OFFSET = 136  # mm_last_pg within a meta page (64-bit build): header 16 + 120
 
 
+_crc = zlib.crc32
+_pack_crc = struct.Struct(">I").pack  # SEAL bytes, big-endian
+
+
 def seal(value: bytes) -> bytes:
     """``value`` with its CRC-32 appended."""
-    return value + zlib.crc32(value).to_bytes(SEAL, "big")
+    return value + _pack_crc(_crc(value))
+
+
+def seal_all(values: Iterable[bytes]) -> Iterable[bytes]:
+    """Each of ``values`` sealed, lazily: :func:`seal` as one loop in C."""
+    values = values if isinstance(values, list) else list(values)
+    return map(bytes.__add__, values, map(_pack_crc, map(_crc, values)))
 
 
 def unseal(raw: bytes, database: bytes, key: bytes) -> bytes:
@@ -169,6 +181,13 @@ class CheckedCursor:
             items = [(k, seal(v)) for k, v in items]
         return self._cursor.putmulti(items, **kwargs)
 
+    def put_columns(self, keys: list[bytes], values: list[bytes],
+                    **kwargs: Any) -> tuple[int, int]:
+        """:meth:`putmulti` of ``keys[i] -> values[i]``: the pairs made one at a time as LMDB
+        takes them, not built ahead."""
+        return self._cursor.putmulti(zip(keys, seal_all(values) if self._sealed else values,
+                                         strict=True), **kwargs)
+
     def iternext(self, keys: bool = True, values: bool = True) -> Iterator[Any]:
         if not values or not self._sealed:
             yield from self._cursor.iternext(keys=keys, values=values)
@@ -194,6 +213,27 @@ def link(previous: bytes, lsn: bytes, content: bytes, removed: bytes) -> bytes:
     """The chain digest at ``lsn``: it covers the previous one, so no record can be changed,
     dropped, moved or added without changing every digest after it."""
     return hashlib.blake2b(previous + lsn + content + removed, digest_size=DIGEST).digest()
+
+
+_BLAKE = hashlib.blake2b(digest_size=DIGEST)  # copied: cheaper than parsing the parameters
+
+
+def chain_records(previous: bytes, lsns: list[bytes], entries: list[bytes],
+                  contents: list[bytes]) -> tuple[list[bytes], bytes]:
+    """The chain records (digest + content digest, nothing removed) of consecutive log
+    positions, after the digest ``previous``: :func:`content_digest` and :func:`link` over a
+    run, in one loop. Returns the records and the last digest."""
+    records = []
+    new = _BLAKE.copy
+    for lsn, entry, content in zip(lsns, entries, contents, strict=True):
+        h = new()
+        h.update(lsn + entry + content)
+        digest = h.digest()
+        h = new()
+        h.update(previous + lsn + digest)
+        previous = h.digest()
+        records.append(previous + digest)
+    return records, previous
 
 
 class Head(tuple):

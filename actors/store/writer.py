@@ -33,6 +33,8 @@ import heapq
 import logging
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime
+from itertools import repeat
 from typing import Any
 
 import lmdb
@@ -42,6 +44,7 @@ import trio
 from ..base.errors import EngineBroken, EngineClosed, EngineError, InvalidInput, RecordRefused
 from ..base.messages import (
     AppendTurn,
+    AppendTurns,
     DeleteNote,
     Forget,
     PutEpisode,
@@ -54,7 +57,7 @@ from ..base.messages import (
     StoreOp,
     WriteSummary,
 )
-from ..base.records import SessionInfo
+from ..base.records import SessionInfo, Turn
 from .chain import _chain_in, _chain_turns, _tombstone_in
 from . import gil
 from .codecs import _encode, failure_put
@@ -144,61 +147,93 @@ _ATTACHED: contextvars.ContextVar[Attached | None] = contextvars.ContextVar(
     "engram_store_attached", default=None)
 
 
-class _Puts:
-    """One run of appends between deletions, grouped per database for ``putmulti``."""
+class _Slot:
+    """One queue slot of an AppendTurns' turns, but its last (which holds the op): queue limits
+    and batches count turns. Takes no log position of its own."""
 
-    __slots__ = ("turns", "ids", "log", "sessions", "ops")
+    __slots__ = ()
+    lsn = None
+
+
+_SLOT = _Slot()
+
+
+class _Puts:
+    """One run of appends between deletions, as columns (one item per turn) for a
+    ``putmulti`` per database: lists of bytes, which the garbage collector does not track."""
+
+    __slots__ = ("ops", "keys", "values", "id_keys", "lsns", "entries", "sessions")
 
     def __init__(self) -> None:
-        self.ops: list[AppendTurn] = []  # for writing them one by one if the run fails
-        self.turns: list[tuple[bytes, bytes]] = []
-        self.ids: list[tuple[bytes, bytes]] = []
-        self.log: list[tuple[bytes, bytes]] = []
-        self.sessions: list[tuple[bytes, bytes]] = []
+        # For writing them one by one if the run fails.
+        self.ops: list[AppendTurn | AppendTurns] = []
+        self.keys: list[bytes] = []  # in ``turns``
+        self.values: list[bytes] = []  # the turns encoded
+        self.id_keys: list[bytes] = []  # in ``ids``, each to its key
+        self.lsns: list[bytes] = []  # lsn keys in ``log``
+        self.entries: list[bytes] = []  # their log entries
+        self.sessions: list[tuple[bytes, bytes]] = []  # one put per session
 
 
 def _plan(ops: list[StoreOp]) -> list[Any]:
     """Cut a batch into runs of appends and other ops, in order. Runs on the trio thread."""
     segments: list[Any] = []
     puts = _Puts()
-    latest: dict[bytes, AppendTurn] = {}
+    latest: dict[bytes, Turn] = {}  # each session's latest turn in the run
+    started: dict[bytes, datetime] = {}  # and its first turn's time
 
     def close_run() -> None:
-        for key, op in latest.items():
-            t = op.turn
-            info = SessionInfo(t.user_id, t.session_id, op.started_at, t.at, t.seq + 1,
+        for key, t in latest.items():
+            info = SessionInfo(t.user_id, t.session_id, started[key], t.at, t.seq + 1,
                                t.agent_id, t.run_id)
             puts.sessions.append((key, _encode(info)))
         segments.append(puts)
 
     for op in ops:
-        if type(op) is AppendTurn:
+        kind = type(op)
+        if kind is AppendTurn:
             t = op.turn
             puts.ops.append(op)
-            puts.turns.append((op.key, op.value))
-            puts.ids.append((op.id_key, op.key))
-            puts.log.append((lsn_key(t.lsn), LOG_TURN + op.key))
-            latest[op.key[:-9]] = op  # the turn key less NUL + seq is the sessions key
+            puts.keys.append(op.key)
+            puts.values.append(op.value)
+            puts.id_keys.append(op.id_key)
+            puts.lsns.append(lsn_key(t.lsn))
+            puts.entries.append(LOG_TURN + op.key)
+            key = op.key[:-9]  # the turn key less NUL + seq is the sessions key
+            latest[key] = t
+            started[key] = op.started_at
+        elif kind is _Slot:
+            continue  # its AppendTurns follows
+        elif kind is AppendTurns:
+            puts.ops.append(op)
+            puts.keys += op.keys
+            puts.values += op.values
+            puts.id_keys += op.id_keys
+            puts.lsns += op.lsns
+            puts.entries += map(LOG_TURN.__add__, op.keys)
+            for key, (first_at, last) in op.sessions.items():
+                latest[key] = last
+                started[key] = first_at
         else:
-            if puts.turns:
+            if puts.keys:
                 close_run()
                 puts, latest = _Puts(), {}
             segments.append(op)
-    if puts.turns:
+    if puts.keys:
         close_run()
     return segments
 
 
-def _put_run(txn: lmdb.Transaction, dbs: dict[bytes, Any], seg: _Puts) -> None:
+def _put_run(txn: CheckedTxn, dbs: dict[bytes, Any], seg: _Puts) -> None:
     """A run of appends, one putmulti per database."""
-    added = txn.cursor(dbs[b"turns"]).putmulti(seg.turns)[1]
-    txn.cursor(dbs[b"ids"]).putmulti(seg.ids)
+    added = txn.cursor(dbs[b"turns"]).put_columns(seg.keys, seg.values)[1]
+    txn.cursor(dbs[b"ids"]).put_columns(seg.id_keys, seg.keys)
     txn.cursor(dbs[b"sessions"]).putmulti(seg.sessions)
-    logged = txn.cursor(dbs[b"log"]).putmulti(seg.log, append=True)[1]
-    if added != len(seg.turns) or logged != len(seg.log):
+    logged = txn.cursor(dbs[b"log"]).put_columns(seg.lsns, seg.entries, append=True)[1]
+    if added != len(seg.keys) or logged != len(seg.lsns):
         raise AssertionError(
-            f"store invariant broken: {len(seg.turns)} turns to write, "
-            f"{added} new keys, {logged} of {len(seg.log)} log entries appended"
+            f"store invariant broken: {len(seg.keys)} turns to write, "
+            f"{added} new keys, {logged} of {len(seg.lsns)} log entries appended"
         )
 
 
@@ -211,6 +246,15 @@ def _put_one(txn: lmdb.Transaction, dbs: dict[bytes, Any], op: AppendTurn) -> No
     info = SessionInfo(t.user_id, t.session_id, op.started_at, t.at, t.seq + 1, t.agent_id,
                        t.run_id)
     txn.put(op.key[:-9], _encode(info), db=dbs[b"sessions"])
+
+
+def _each_turn(ops: list[AppendTurn | AppendTurns]) -> Iterator[AppendTurn]:
+    """A run's appends one turn at a time (to find the one that cannot be written)."""
+    for op in ops:
+        if type(op) is AppendTurn:
+            yield op
+        else:
+            yield from map(op.one, range(len(op.turns)))
 
 
 def _op_identity(op: Any) -> tuple[str, str]:
@@ -325,6 +369,33 @@ class Writer:
             self._enqueue(op)
             op = PutState(attached.puts)
         self._enqueue(op)
+
+    def submit_turns(self, op: AppendTurns) -> None:
+        """Queue a run of turns whose first lsn is :attr:`next_lsn`. Synchronous, like
+        :meth:`submit`. It takes one queue slot per turn, so :meth:`reserve` and the batches
+        count its turns: the op sits in the last of its slots, and the commit loop never cuts
+        a batch inside them (nor between them and puts :meth:`attached` adds)."""
+        if self.read_only:
+            raise _read_only_error()
+        first, count = op.turns[0].lsn, len(op.turns)
+        if first != self._next_lsn:
+            raise AssertionError(f"op lsns from {first} submitted, expected {self._next_lsn}")
+        self._next_lsn += count
+        self._bulk_until = self._next_lsn - 1
+        attached = _ATTACHED.get()
+        taken = count if attached is None else count + 1
+        if taken > 1:
+            self._groups.append((self._submitted, self._submitted + taken))
+        queue = self._queue
+        queue.extend(repeat(_SLOT, count - 1))
+        queue.append(op)
+        if attached is not None:
+            attached.ops += 1
+            queue.append(PutState(attached.puts))
+        self._queued += taken
+        self._submitted += taken
+        if self._wakeup:
+            self._wakeup.unpark_all()
 
     def _enqueue(self, op: StoreOp) -> None:
         self._queue.append(op)
@@ -470,11 +541,13 @@ class Writer:
 
     async def yield_to_receipts(self) -> None:
         """Background work (the log's followers) calls this before each step: while a caller
-        waits for a commit to land (a durable receipt, a forget), wait until the next batch
-        lands, so a step's Python and its GIL-holding reads do not run in front of that
-        caller's release. One landing at most: a steady stream of receipts slows the followers,
-        never starves them. Otherwise a checkpoint."""
-        if self._waiters and self.usable():
+        waits for a commit to land (a durable receipt, a forget), or turns an ``add_turns``
+        queued are not all committed yet (an import), wait until the next batch lands, so a
+        step's Python and its GIL-holding reads do not run in front of that caller's release
+        or take the cores the import is writing with (the followers catch up behind it). One
+        landing at most: a steady stream of receipts or imports slows the followers, never
+        starves them. Otherwise a checkpoint."""
+        if (self._waiters or self._committed_lsn < self._bulk_until) and self.usable():
             await self._landed.park()
             # The landing woke its callers and this step in one scheduling batch, which trio
             # runs in random order: one more turn, so the callers run before the step does.
@@ -759,17 +832,17 @@ class Writer:
                     if not isolate:
                         _put_run(txn, dbs, seg)
                     elif self._nested(txn, _put_run, dbs, seg)[1] is not None:
-                        for op in seg.ops:
+                        for op in _each_turn(seg.ops):
                             error = self._nested(txn, _put_one, dbs, op)[1]
                             if error is None:
-                                digest = _chain_turns(txn, dbs, [(lsn_key(op.lsn), LOG_TURN
-                                                                  + op.key)], [op.value], digest)
+                                digest = _chain_turns(txn, dbs, [lsn_key(op.lsn)],
+                                                      [LOG_TURN + op.key], [op.value], digest)
                             else:
                                 refused.append((op, error))
                                 digest = _tombstone_in(txn, dbs, op.lsn, digest)
                         continue
                     # The chain, here in the writer thread: hashing stays off the loop.
-                    digest = _chain_turns(txn, dbs, seg.log, [v for _, v in seg.turns], digest)
+                    digest = _chain_turns(txn, dbs, seg.lsns, seg.entries, seg.values, digest)
                     continue
                 txn.removed = []
                 if not isolate:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from datetime import timedelta
+from datetime import timedelta, timezone
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 
 import actors.store as store_mod
@@ -145,3 +147,77 @@ async def test_dropping_a_user_or_a_session_forgets_only_that(store_path) -> Non
         assert buffer.users() == ["bo"] and buffer.sessions("ana") == []
         assert buffer.counts() == (1, 1, 1, 1)
         assert [t.text for t in await buffer.history("bo", "s1", 5)] == ["three"]
+
+
+# Turns as (user, session, minute, zone offset in hours, scope), in the order appended: runs of
+# one session, sessions interleaved, a session that exists before (ana/s1), scopes that only
+# the first turn of a new session sets, and times in another zone than UTC.
+BULK = [("ana", "s1", 0, 0, {}), ("ana", "s1", 1, 0, {}), ("ana", "s2", 2, 2, {"agent_id": "a"}),
+        ("bo", "s1", 3, 0, {"run_id": "r"}), ("ana", "s2", 4, -5, {}), ("ana", "s1", 5, 0, {}),
+        ("ana", "s1", 6, 0, {}), ("ana", "s1", 7, 0, {}), ("cy", "s3", 8, 0, {}),
+        ("ana", "s2", 9, 0, {}), ("bo", "s1", 10, 0, {})]
+
+
+def _columns(rows: list[tuple[Any, ...]]) -> list[list[Any]]:
+    """BULK's rows as append_many's columns."""
+    columns: list[list[Any]] = [[] for _ in range(8)]
+    for user_id, session_id, minute, hours, scope in rows:
+        at = (T0 + timedelta(minutes=minute)).astimezone(timezone(timedelta(hours=hours)))
+        for column, value in zip(columns, (user_id, session_id, "user", f"{user_id} {minute}",
+                                           at, {"m": minute}, scope.get("agent_id"),
+                                           scope.get("run_id")), strict=True):
+            column.append(value)
+    return columns
+
+
+async def _appended(path: Path, bulk: bool) -> tuple[Any, ...]:
+    """BULK appended one turn at a time or with append_many (in two calls, so that a call
+    continues sessions the one before began), after one turn of ana/s1; what the buffer and
+    the store then hold, turn ids aside."""
+    config = Config(window_turns=2, live_windows=2)
+    async with running_buffer(path, config) as (ground, buffer):
+        say(buffer, "ana", "s1", "before", -1)
+        if bulk:
+            receipts = [*buffer.append_many(*_columns(BULK[:4])),
+                        *buffer.append_many(*_columns(BULK[4:]))]
+        else:
+            receipts = [buffer.append(*row[:6], None, *row[6:]) for row in zip(*_columns(BULK))]
+        held = (
+            [(r.seq, r.lsn) for r in receipts], buffer.counts(), sorted(buffer.users()),
+            {user: buffer.sessions(user) for user in buffer.users()},
+            [(t.lsn, t.text) for user in buffer.users() for t in buffer.turns_after(user, 0)],
+            {(user, s.session_id): [(t.seq, t.text, t.at, t.agent_id, t.run_id) for t in
+                                     await buffer.history(user, s.session_id, 10)]
+             for user in buffer.users() for s in buffer.sessions(user)})
+        await receipts[-1].durable()
+        stored = []
+        for user_id, session_id in (("ana", "s1"), ("ana", "s2"), ("bo", "s1"), ("cy", "s3")):
+            stored += [msgspec.structs.replace(t, turn_id="") for t in await ground.store.read(
+                store_mod.read_session_turns, user_id, session_id, 0, 2**63)]
+        sessions = await ground.store.read(store_mod.read_sessions)
+    return held, sorted(stored, key=lambda t: t.lsn), sessions
+
+
+async def test_append_many_appends_what_append_would(tmp_path) -> None:
+    """append_many gives the same seqs, lsns, windows, counters, session infos and stored
+    records as one append per turn, across runs of one session, interleaved sessions, a
+    session that existed before, scopes and zones."""
+    one_by_one = await _appended(tmp_path / "one", bulk=False)
+    bulk = await _appended(tmp_path / "bulk", bulk=True)
+    assert bulk == one_by_one
+    held, stored, _ = bulk
+    assert [t.seq for t in stored if t.session_id == "s1" and t.user_id == "ana"] == list(range(6))
+    assert all(t.at.tzinfo is timezone.utc for t in stored)
+
+
+async def test_append_many_takes_a_queue_slot_per_turn(store_path) -> None:
+    """A bulk run of turns counts as its turns in the store's queue (what reserve and the
+    batches count), and each turn gets its own lsn and receipt."""
+    async with running_buffer(store_path) as (ground, buffer):
+        first = ground.store.next_lsn
+        receipts = buffer.append_many(*_columns(BULK))
+        assert ground.store.queued == len(BULK)
+        assert [r.lsn for r in receipts] == list(range(first, first + len(BULK)))
+        assert ground.store.next_lsn == first + len(BULK)
+        await receipts[-1].durable()
+        assert ground.store.queued == 0

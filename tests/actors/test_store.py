@@ -25,7 +25,15 @@ from actors.base.config import Config
 from actors.base.errors import EngineBroken, StoreIncompatible
 from actors.base.messages import AppendTurn, PutVectors
 from actors.base.records import SCHEMA_VERSION, Turn
-from actors.store.integrity import unseal
+from actors.store.integrity import (
+    ZERO,
+    chain_records,
+    content_digest,
+    link,
+    seal,
+    seal_all,
+    unseal,
+)
 
 from ..conftest import downgrade_to_schema_4, raw_databases
 
@@ -502,3 +510,19 @@ async def test_callers_run_before_the_steps_that_yielded_to_them(store_path, mon
                 await trio.testing.wait_all_tasks_blocked()
                 gate.release()
     assert order == ["caller", "step"] * 20
+
+def test_chain_records_of_a_run_are_its_links_one_at_a_time() -> None:
+    """chain_records (the writer's loop over a run of turns) makes the records and the last
+    digest that content_digest and link make one position at a time, which verify uses; and
+    seal_all seals as seal does."""
+    lsns = [store_mod.lsn_key(lsn) for lsn in range(7, 12)]
+    entries = [store_mod.LOG_TURN + b"ana\x00s\x00" + lsn for lsn in lsns]
+    values = [bytes(range(i * 10)) for i in range(5)]
+    previous, expected = bytes(range(16)), []
+    for lsn, entry, value in zip(lsns, entries, values, strict=True):
+        content = content_digest(lsn, entry, value)
+        previous = link(previous, lsn, content, b"")
+        expected.append(previous + content)
+    assert chain_records(bytes(range(16)), lsns, entries, values) == (expected, previous)
+    assert chain_records(ZERO, [], [], []) == ([], ZERO)
+    assert list(seal_all(values)) == [seal(v) for v in values]

@@ -203,3 +203,32 @@ async def test_a_store_from_before_failures_were_kept_opens_read_only(store_path
         assert [t.text for t in await mem.session_history("ana", "s")] == ["hello"]
     assert (await Engine.verify(store_path))["ok"]
     await Engine.compact(store_path)
+
+
+async def test_a_refused_turn_in_a_bulk_run_is_refused_alone(store_path: Path) -> None:
+    """A turn the store refuses inside a run of turns appended in bulk (an id over the byte
+    limit, behind the facade's checks): its receipt raises RecordRefused with its lsn, its log
+    position holds a tombstone, every other turn of the run lands, and the chain verifies."""
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    users = ["bo", "bo", "€" * 200, "bo", "cy"]
+    async with open_engine(store_path, config={"long_term": False}) as mem:
+        receipts = mem._buffer.append_many(
+            users, ["s", "s", "€" * 200, "s", "s"], ["user"] * 5,
+            [f"turn {i}" for i in range(5)], [at] * 5, [{}] * 5, [None] * 5, [None] * 5)
+        bad = receipts[2]
+        with pytest.raises(RecordRefused, match=bad.turn_id) as info:
+            await bad.durable()
+        assert (info.value.lsn, info.value.memory_id) == (bad.lsn, bad.turn_id)
+        for receipt in receipts[:2] + receipts[3:]:
+            await receipt.durable()
+        with pytest.raises(RecordRefused, match=f"lsn {bad.lsn}"):
+            await mem.flush()
+    async with open_engine(store_path) as mem:
+        assert [t.text for t in await mem.session_history("bo", "s")] == [
+            "turn 0", "turn 1", "turn 3"]
+        assert [t.seq for t in await mem.session_history("bo", "s")] == [0, 1, 2]
+        assert [t.text for t in await mem.session_history("cy", "s")] == ["turn 4"]
+        (failure,) = await mem.failures()
+        assert (failure.lsn, failure.actor, failure.memory_id) == (bad.lsn, "store", bad.turn_id)
+    report = await Engine.verify(store_path)
+    assert report["ok"], report["problems"]

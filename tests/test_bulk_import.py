@@ -1,0 +1,112 @@
+"""add_turns, the bulk path of a history import: the same turns, sessions, log and chain as
+add_turn one turn at a time, the same checks, and the followers see them."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+import engine._ingest as ingest_mod
+from engine import Engine, InvalidInput, NewTurn
+
+from .conftest import StepClock, T0, open_engine
+
+# A history: runs of one session, sessions interleaved, one that exists before the import
+# (ana/s1), mappings and NewTurns, times given (some in another zone) and left to the clock,
+# meta on some turns, a scope set by the first turn of a new session and repeated by a later.
+ITEMS: list[Any] = [
+    NewTurn(user_id="ana", session_id="s1", role="user", text="back again"),
+    {"user_id": "ana", "session_id": "s1", "role": "assistant", "text": "welcome back"},
+    NewTurn(user_id="ana", session_id="s2", role="user", text="new topic", agent_id="helper"),
+    NewTurn(user_id="bo", session_id="s1", role="user", text="hello",
+            at=datetime(2026, 2, 1, 12, tzinfo=timezone(timedelta(hours=-3)))),
+    NewTurn(user_id="ana", session_id="s2", role="assistant", text="go on", meta={"k": [1]},
+            agent_id="helper"),
+    NewTurn(user_id="ana", session_id="s1", role="user", text="one more"),
+    NewTurn(user_id="cy", session_id="s9", role="tool", text='{"ok": true}', run_id="r1",
+            at=T0 + timedelta(days=1)),
+    NewTurn(user_id="bo", session_id="s1", role="assistant", text="hi bo"),
+] * 3
+
+
+async def _imported(path: Path, bulk: bool) -> tuple[Any, ...]:
+    """ITEMS after one turn of ana/s1, with add_turns (in chunks of 5, so that chunks cut runs
+    and go on with sessions an earlier chunk began) or one add_turn per item; what the engine
+    then holds, turn ids aside."""
+    async with open_engine(path, clock=StepClock()) as mem:
+        await mem.add_turn("ana", "s1", "user", "first")
+        if bulk:
+            receipts = await mem.add_turns(ITEMS)
+        else:
+            receipts = []
+            for item in ITEMS:
+                fields = item if isinstance(item, dict) else msgspec.structs.asdict(item)
+                receipts.append(await mem.add_turn(**fields))
+        await mem.flush()
+        sessions = {user: await mem.list_sessions(user) for user in ("ana", "bo", "cy")}
+        turns = {(user, s.session_id): [msgspec.structs.replace(t, turn_id="") for t in
+                                         await mem.session_history(user, s.session_id, 100)]
+                 for user, infos in sessions.items() for s in infos}
+        stats = await mem.stats()
+        return ([(r.seq, r.lsn) for r in receipts], sessions, turns,
+                (stats.turns, stats.last_lsn, stats.committed_lsn, stats.long_term_lsn))
+
+
+async def test_add_turns_stores_what_add_turn_stores(tmp_path: Path, monkeypatch) -> None:
+    """The same seqs, lsns, times, scopes, meta, session infos and follower positions as one
+    add_turn per item; the bulk-imported store verifies (records and hash chain)."""
+    monkeypatch.setattr(ingest_mod, "BULK_CHUNK", 5)
+    one_by_one = await _imported(tmp_path / "one", bulk=False)
+    bulk = await _imported(tmp_path / "bulk", bulk=True)
+    assert bulk == one_by_one
+    turns = bulk[2]
+    assert [t.seq for t in turns[("ana", "s1")]] == list(range(10))
+    assert {t.agent_id for t in turns[("ana", "s2")]} == {"helper"}
+    assert turns[("bo", "s1")][0].at == datetime(2026, 2, 1, 15, tzinfo=timezone.utc)
+    report = await Engine.verify(tmp_path / "bulk")
+    assert report["ok"], report["problems"]
+
+
+@pytest.mark.parametrize(("index", "change", "field", "message"), [
+    (2100, {"text": "   "}, "text", "expected a non-empty string"),
+    (1, {"role": "bot"}, "role", "expected one of"),
+    (2999, {"at": datetime(2026, 1, 1)}, "at", "naive datetime"),
+    (1500, {"user_id": "a\x00b"}, "user_id", "no NUL"),
+    (2048, {"meta": {"x": float("nan")}}, "meta['x']", "not valid JSON"),
+    (2500, {"agent_id": "other"}, "agent_id", "expected 'helper'"),
+    (3, {"text": "\ud800"}, "text", "lone surrogate"),
+])
+async def test_a_bad_item_in_a_long_batch_is_named_and_nothing_is_written(
+        mem: Engine, index: int, change: dict[str, Any], field: str, message: str) -> None:
+    """One bad item among 3,000 (past the first chunk, too): InvalidInput names its index and
+    field with the check's own message, and not one turn of the batch is written."""
+    items = [{"user_id": "ana", "session_id": "s", "role": "user", "text": f"turn {i}",
+              "agent_id": "helper"} for i in range(3000)]
+    items[index] = {**items[index], **change}
+    with pytest.raises(InvalidInput, match=message) as info:
+        await mem.add_turns(items)
+    assert info.value.field == f"items[{index}].{field}"
+    await mem.flush()
+    stats = await mem.stats()
+    assert (stats.turns, stats.last_lsn) == (0, 0)
+    assert await mem.session_history("ana", "s") == []
+
+
+async def test_the_followers_see_a_bulk_import(mem: Engine) -> None:
+    """After flush, every follower has taken the imported turns: the text index and the
+    vectors find them, and each long-term follower's position is the log's end."""
+    receipts = await mem.add_turns(
+        [NewTurn(user_id="ana", session_id=f"s{i // 20}", role=("user", "assistant")[i % 2],
+                 text=f"I adopted a dog named Rex {i}" if i == 77 else f"plain turn {i}")
+         for i in range(300)])
+    await mem.flush()
+    stats = await mem.stats()
+    assert stats.embedded_lsn == stats.last_lsn >= receipts[-1].lsn  # and the episodes made
+    assert stats.episodes_made > 0
+    assert set(stats.long_term_lsn.values()) == {stats.last_lsn}
+    hits = await mem.recall("ana", "dog named Rex", kinds=["turn"], limit=3)
+    assert hits[0].text == "I adopted a dog named Rex 77"
