@@ -39,7 +39,8 @@ def machine() -> dict[str, Any]:
             "load_at_end": list(os.getloadavg())}
 
 
-def write_results(out: str | Path, results: dict[str, Any], bench: str) -> None:
+def write_results(out: str | Path, results: dict[str, Any], bench: str,
+                  picture: bool = True) -> None:
     """Write ``results`` as JSON to ``out`` with the bench's name and the machine's state, then
     its picture beside it (same name, ``.svg``).
 
@@ -47,6 +48,7 @@ def write_results(out: str | Path, results: dict[str, Any], bench: str) -> None:
         out: the JSON file to write (its folder is made if missing).
         results: the bench's figures.
         bench: which bench made them: the key `python -m bench report` draws them by.
+        picture: draw it too (False: a partial run whose picture would lack its panels).
     """
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -54,6 +56,8 @@ def write_results(out: str | Path, results: dict[str, Any], bench: str) -> None:
                                                        **machine()}}
     path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {path}")
+    if not picture:
+        return
     try:
         from _plots import draw
     except ImportError as exc:  # the JSON is the result; a missing extra must not lose it
