@@ -221,14 +221,13 @@ class Retriever:
                 lsns = mask[0]
             if only is not None:
                 lsns = only if lsns is None else sorted(set(lsns) & set(only))
-            async with trio.open_nursery() as parts:
-                for part, part_kinds in searches.items():
-                    parts.start_soon(vector_search, part, Filters(
-                        session_id, since, until, roles, part_kinds, lsns, hidden))
-
-        async def vector_search(part: str, filters: Filters) -> None:
-            put("vector", part, await self.ann.search(user_id, vector[0], depth, filters,
-                                                      matched))
+            # Every part's search in one worker thread call (a round trip each cost more).
+            found = await self.ann.search_each(
+                user_id, vector[0], depth,
+                [Filters(session_id, since, until, roles, part_kinds, lsns, hidden)
+                 for part_kinds in searches.values()], matched)
+            for part, hits in zip(searches, found, strict=True):
+                put("vector", part, hits)
 
         async def past_leg() -> None:
             # Fact versions retired since as_of left both indexes: scored here, by meaning
@@ -249,8 +248,13 @@ class Retriever:
             retired["vector"] = (part, cosines)
             retired["window"] = (part, [(lsn, n) for lsn, n in shared if n > 0])
 
-        async def bm25_search(part: str, filters: TextFilters) -> None:
-            put("bm25", part, await self.fulltext.search(user_id, query, depth, filters))
+        async def bm25_leg() -> None:
+            # Every part's search in one worker thread call, over one searcher.
+            found = await self.fulltext.search_each(user_id, query, depth, [
+                TextFilters(session_id, since, until, roles, part_kinds, tags, only, where,
+                            hidden) for part_kinds in searches.values()])
+            for part, hits in zip(searches, found, strict=True):
+                put("bm25", part, hits)
 
         async def fresh_leg(part: str, fresh: tuple[str, ...]) -> None:
             found = await self._fresh_leg(user_id, query, fresh, where)
@@ -276,10 +280,7 @@ class Retriever:
                 if past and legs != ("entity",):
                     nursery.start_soon(past_leg)
                 if "bm25" in legs:
-                    for part, part_kinds in searches.items():
-                        nursery.start_soon(bm25_search, part, TextFilters(
-                            session_id, since, until, roles, part_kinds, tags, only, where,
-                            hidden))
+                    nursery.start_soon(bm25_leg)
                 if "entity" in legs and only is None:
                     nursery.start_soon(entity_leg)
                 if "window" in legs:

@@ -55,6 +55,30 @@ EXACT_IN_THREAD = 4_096  # smaller exact scans (< ~0.15 ms) run on the loop, lar
 WRITER_INBOX = 256  # users with new rows waiting for their graph
 
 
+class _Job:
+    """One partition's search, planned on the loop (see :meth:`AnnIndex._plan`) and run there
+    or in a worker thread; ``hits`` and the ``chunks`` found by it once it has run."""
+
+    __slots__ = ("uv", "call", "graph", "threaded", "hits", "chunks")
+
+    def __init__(self, uv: _UserVectors, call: tuple[Any, ...] | None, graph: bool,
+                 threaded: bool) -> None:
+        self.uv, self.call, self.graph, self.threaded = uv, call, graph, threaded
+        self.hits: list[tuple[int, float]] = []
+        self.chunks: dict[int, int] = {}
+
+    def run(self) -> None:
+        if self.call is not None:
+            fn, *args = self.call
+            self.hits = fn(*args, self.chunks)
+
+
+def _run_jobs(jobs: list[_Job]) -> None:
+    """Several searches in one worker thread call."""
+    for job in jobs:
+        job.run()
+
+
 def _sha256(path: Path) -> str:
     """sha256 of a file, hashed from an mmap (the GIL is released while hashing)."""
     with open(path, "rb") as f:
@@ -414,52 +438,71 @@ class AnnIndex:
         each record found that has several. Each partition the kind filter admits is searched
         on its own (a record's chunks are all in its kind's partition, so each list holds a
         record once); when both are, their lists merge (equal scores by lsn)."""
-        user = await self._user(user_id)
-        found = []
-        for part, uv in user.parts():
-            if filters.admits(part):
-                chunks: dict[int, int] = {}
-                hits = await self._search(uv, query, k, filters.within(part), chunks)
-                if matched is not None and uv.more:
-                    matched.update((lsn, chunks.get(lsn, 0)) for lsn, _ in hits
-                                   if lsn in uv.more)
-                found.append(hits)
-        if not found:
-            await trio.lowlevel.checkpoint()
-            return []
-        if len(found) == 1:
-            return found[0]
-        return sorted(found[0] + found[1], key=lambda hit: (-hit[1], hit[0]))[:k]
+        return (await self.search_each(user_id, query, k, [filters], matched))[0]
 
-    async def _search(self, uv: _UserVectors, query: np.ndarray, k: int,
-                      filters: Filters, matched: dict[int, int]) -> list[tuple[int, float]]:
-        """One partition's k nearest: its graph when it has a complete one and the filters
-        leave enough rows, else an exact scan of its rows."""
+    async def search_each(self, user_id: str, query: np.ndarray, k: int,
+                          each: list[Filters], matched: dict[int, int] | None = None
+                          ) -> list[list[tuple[int, float]]]:
+        """:meth:`search` once for each of ``each``, with the scans and graph searches that
+        need a thread all run in one worker thread call: a recall searches the turns and the
+        other kinds as two lists, and a thread round trip costs more than a small search."""
+        user = await self._user(user_id)
+        jobs: list[_Job] = []
+        plans: list[list[_Job]] = []
+        for filters in each:
+            plans.append([self._plan(uv, query, k, filters.within(part))
+                          for part, uv in user.parts() if filters.admits(part)])
+            jobs += plans[-1]
+        threaded = [job for job in jobs if job.threaded]
+        for job in threaded:
+            if job.graph:
+                job.uv.readers += 1
+        try:
+            if threaded:
+                await trio.to_thread.run_sync(_run_jobs, threaded, limiter=self._search_limiter)
+            else:
+                await trio.lowlevel.checkpoint()
+        finally:
+            for job in threaded:
+                if job.graph:
+                    uv = job.uv
+                    uv.readers -= 1
+                    if not uv.readers:
+                        uv.idle.unpark_all()
+        out = []
+        for plan in plans:
+            found = []
+            for job in plan:
+                if not job.threaded:
+                    job.run()
+                if matched is not None and job.uv.more:
+                    matched.update((lsn, job.chunks.get(lsn, 0)) for lsn, _ in job.hits
+                                   if lsn in job.uv.more)
+                found.append(job.hits)
+            if not found:
+                out.append([])
+            elif len(found) == 1:
+                out.append(found[0])
+            else:
+                out.append(sorted(found[0] + found[1], key=lambda hit: (-hit[1], hit[0]))[:k])
+        return out
+
+    def _plan(self, uv: _UserVectors, query: np.ndarray, k: int, filters: Filters) -> _Job:
+        """One partition's k nearest, as a job: its graph when it has a complete one and the
+        filters leave enough rows, else an exact scan of its rows (on the loop when small).
+        Everything the job reads is taken here, before any yield: rows keep arriving on the
+        trio thread."""
         if uv.n == 0:
-            await trio.lowlevel.checkpoint()
-            return []
+            return _Job(uv, None, False, False)
         keep = (uv.alive[: uv.n] & filters.mask(uv.meta[: uv.n], uv.lsns[: uv.n])
                 if filters.any() else None)
-        use_graph = (uv.graph is not None and not uv.writing and uv.graph_rows == uv.n
-                     and (keep is None or keep.sum() > HNSW_THRESHOLD))
-        if use_graph:
-            uv.readers += 1
-            try:
-                return await trio.to_thread.run_sync(uv.knn, query, k, keep, matched,
-                                                     limiter=self._search_limiter)
-            finally:
-                uv.readers -= 1
-                if not uv.readers:
-                    uv.idle.unpark_all()
+        if (uv.graph is not None and not uv.writing and uv.graph_rows == uv.n
+                and (keep is None or keep.sum() > HNSW_THRESHOLD)):
+            return _Job(uv, (uv.knn, query, k, keep), True, True)
         mask = uv.alive[: uv.n].copy() if keep is None else keep
         n = len(mask)
-        # Taken with the mask, before any yield.
-        matrix, lsns, chunks, extra = uv.matrix[:n], uv.lsns[:n], uv.chunks[:n], uv.extra
-        if n <= EXACT_IN_THREAD:
-            await trio.lowlevel.checkpoint()
-            return _exact(matrix, lsns, query, k, mask, chunks, extra, matched)
-        return await trio.to_thread.run_sync(_exact, matrix, lsns, query, k, mask, chunks,
-                                             extra, matched, limiter=self._search_limiter)
+        return _Job(uv, (_exact, uv.matrix[:n], uv.lsns[:n], query, k, mask, uv.chunks[:n],
+                         uv.extra), False, n > EXACT_IN_THREAD)
 
     def graphs_behind(self) -> int:
         """Users in memory who need a graph (HNSW_THRESHOLD vectors, or one already built)

@@ -498,7 +498,18 @@ class FullText:
         Raises:
             EngineBroken: tantivy failed (a panic in a segment it could not read).
         """
-        return await self._searching(self._search, user_id, text, k, filters)
+        return (await self.search_each(user_id, text, k, [filters]))[0]
+
+    async def search_each(self, user_id: str, text: str, k: int,
+                          each: list[TextFilters | None]) -> list[list[tuple[int, float]]]:
+        """:meth:`search` once for each of ``each``, in one worker thread call and over one
+        searcher (the same committed index for every list): a recall searches the turns and
+        the other kinds as two lists, and a thread round trip costs more than a search.
+
+        Raises:
+            EngineBroken: tantivy failed (a panic in a segment it could not read).
+        """
+        return await self._searching(self._search_each, user_id, text, k, each)
 
     async def _searching(self, fn: Any, *args: Any) -> Any:
         """Run a search in a worker thread; a tantivy panic becomes the engine's own error."""
@@ -510,13 +521,19 @@ class FullText:
                                    "reopen the store to check and rebuild it") from exc
             raise
 
-    def _search(self, user_id: str, text: str, k: int,
-                filters: TextFilters | None) -> list[tuple[int, float]]:
+    def _search_each(self, user_id: str, text: str, k: int,
+                     each: list[TextFilters | None]) -> list[list[tuple[int, float]]]:
         terms = self.query_terms(text)
-        if not terms or self._index is None:
-            return []
-        query = self._queries.search(self._index, user_id, terms, filters)
-        searcher = self._index.searcher()
+        index = self._index
+        if not terms or index is None:
+            return [[] for _ in each]
+        searcher = index.searcher()
+        return [self._search(index, searcher, user_id, terms, k, filters) for filters in each]
+
+    def _search(self, index: tantivy.Index, searcher: tantivy.Searcher, user_id: str,
+                terms: list[str], k: int,
+                filters: TextFilters | None) -> list[tuple[int, float]]:
+        query = self._queries.search(index, user_id, terms, filters)
         hits = searcher.search(query, limit=k, count=False).hits
         if not hits:
             return []

@@ -290,6 +290,41 @@ async def test_each_kind_is_searched_over_its_own_partition(store_path, monkeypa
         assert v.ann.loaded() == {"ana": 350} and await v.ann.count("ana") == 350
 
 
+async def test_searches_of_several_lists_answer_as_one_search_each(store_path,
+                                                                  monkeypatch) -> None:
+    """search_each gives, for each filter set, what search gives for it alone (matched chunks
+    included), and runs every search that needs a thread (the turns' graph, the other kinds'
+    scan) in one worker thread call."""
+    monkeypatch.setattr(ann_mod, "HNSW_THRESHOLD", 200)
+    monkeypatch.setattr(ann_mod, "EXACT_IN_THREAD", 10)
+    calls = []
+    run_jobs = ann_mod._run_jobs
+
+    def counting(jobs):
+        calls.append(len(jobs))
+        return run_jobs(jobs)
+
+    monkeypatch.setattr(ann_mod, "_run_jobs", counting)
+    async with running_index(store_path) as v:
+        await v.add_turns("ana", [(f"s{i % 3}", t) for i, t in enumerate(_texts(300, seed=3))])
+        await v.add_turns("ana", [("s9", t) for t in _texts(40, seed=4)], "episode")
+        await v.add_turns("ana", [("s9", "lisbon dog " * 300)], "note")  # several chunks
+        query = await _vector("dog lisbon")
+        await v.ann.search("ana", query, 1)
+        await _graph_ready(v.ann)
+        each = [Filters(kinds=("turn",)), Filters(kinds=("episode", "fact", "note")),
+                Filters(roles=("user",)), Filters(kinds=("fact",))]
+        alone, alone_matched = [], {}
+        for filters in each:
+            alone.append(await v.ann.search("ana", query, 20, filters, alone_matched))
+        calls.clear()
+        matched: dict[int, int] = {}
+        together = await v.ann.search_each("ana", query, 20, each, matched)
+        assert calls == [5]  # two graph searches and three scans, in one call
+        assert together == alone and together[3] == []
+        assert matched == alone_matched and matched
+
+
 async def test_a_graph_saved_before_partitions_serves_the_turns(store_path, monkeypatch) -> None:
     """A user's one graph saved before the partitions, turns and other kinds mixed, under the
     name the turns' graph keeps: it loads as the turns' graph, its other rows dead (scrubbed,

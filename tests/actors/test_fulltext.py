@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import actors.fulltext as fulltext_mod
 import actors.fulltext.fulltext as actor_mod
-from actors.fulltext import FullText
+from actors.fulltext import FullText, TextFilters
 
 from .ground import Ground, running_store
 
@@ -52,6 +52,21 @@ async def test_search_is_stemmed_and_scoped_to_the_user(store_path) -> None:
         await flush(ground, index)
         assert await _texts(ground, index, "ana", "running dogs") == ["the dog runs fast (ana)"]
         assert await _texts(ground, index, "nobody", "dog") == []
+
+
+async def test_searches_of_several_lists_answer_as_one_search_each(store_path) -> None:
+    """search_each gives, for each filter set, what search gives for it alone."""
+    async with running_index(store_path) as (ground, index):
+        for i in range(30):
+            await ground.add_turn("ana", f"s{i % 3}", f"the dog runs to the river {i}")
+        await flush(ground, index)
+        each = [None, TextFilters(session_id="s1"), TextFilters(kinds=("episode",)),
+                TextFilters(roles=("assistant",))]
+        alone = [await index.search("ana", "dog river", 20, filters) for filters in each]
+        assert await index.search_each("ana", "dog river", 20, each) == alone
+        assert len(alone[0]) == 20 and len(alone[1]) == 10 and alone[2] == []
+        assert await index.search_each("ana", "the", 5, each) == [
+            await index.search("ana", "the", 5, filters) for filters in each]
 
 
 HOSTILE = ['"unbalanced', "user:bo OR 1=1", "(dog", "dog AND", "NOT dog", "*", "dog*", "🐶🐕",
