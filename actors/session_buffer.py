@@ -125,6 +125,10 @@ class SessionBuffer:
         self._users: dict[str, dict[str, _Session]] = {}
         # Sessions whose window is in RAM, least recently used first.
         self._live: OrderedDict[bytes, _Session] = OrderedDict()
+        # Per user, the lsn of the latest turn this process ingested (none: all on disk): at
+        # or above every session's ``last_lsn``, so a recall whose text index has passed it
+        # skips the walk over the user's sessions (thousands, for a long-lived user).
+        self._newest: dict[str, int] = {}
 
     async def load(self) -> None:
         """Rebuild from the store: every session's counters, and the windows of the most
@@ -179,6 +183,7 @@ class SessionBuffer:
         state.next_seq = seq + 1
         state.last_at = at
         state.last_lsn = lsn
+        self._newest[user_id] = lsn
         window = state.window
         if window is None:
             self._set_window(state, (turn,))
@@ -331,6 +336,8 @@ class SessionBuffer:
 
     def turns_after(self, user_id: str, lsn: int) -> list[Turn]:
         """The user's turns in RAM windows with an lsn above ``lsn`` (not yet indexed)."""
+        if self._newest.get(user_id, 0) <= lsn:
+            return []
         out = []
         for state in self._users.get(user_id, {}).values():
             if state.window is not None and state.last_lsn > lsn:
@@ -339,6 +346,8 @@ class SessionBuffer:
 
     def recent_turn(self, user_id: str, lsn: int) -> Turn | None:
         """A turn of the user's RAM windows by lsn (it may not be committed yet)."""
+        if self._newest.get(user_id, 0) < lsn:
+            return None
         for state in self._users.get(user_id, {}).values():
             if state.window is not None and state.last_lsn >= lsn:
                 for turn in state.window:
@@ -372,6 +381,7 @@ class SessionBuffer:
                 del self._users[user_id]
 
     def drop_user(self, user_id: str) -> None:
+        self._newest.pop(user_id, None)
         for state in self._users.pop(user_id, {}).values():
             self._live.pop(state.prefix, None)
 

@@ -304,10 +304,11 @@ class Retriever:
         cosine = dict(ranked.get("vector", ())) | dict(others.get("vector", ()))
 
         def head(scores: dict[int, tuple[float, dict[str, int]]]) -> list[int]:
-            # The relevance floor: only the vector leg found it, and not by much.
-            kept = [lsn for lsn, f in scores.items()
-                    if len(f[1]) > 1 or "vector" not in f[1] or cosine[lsn] >= MIN_COSINE]
-            return sorted(kept, key=lambda lsn: (-scores[lsn][0], -lsn))[: limit * 3 + 20]
+            # The relevance floor: only the vector leg found it, and not by much. Best first,
+            # equal scores newest first.
+            kept = sorted([(-f[0], -lsn) for lsn, f in scores.items()
+                           if len(f[1]) > 1 or "vector" not in f[1] or cosine[lsn] >= MIN_COSINE])
+            return [-negative for _, negative in kept[: limit * 3 + 20]]
 
         first = head(fused)
 
@@ -316,8 +317,8 @@ class Retriever:
             # ranking with the turns (whose places it does not take).
             return fused[first[n - 1]][0] if len(first) >= n else -math.inf
 
-        second = [lsn for lsn in head(added)
-                  if lsn not in fused and added[lsn][0] >= above(limit * 3 + 20)]
+        bar = above(limit * 3 + 20)
+        second = [lsn for lsn in head(added) if lsn not in fused and added[lsn][0] >= bar]
         # The candidates that lift others: a positive fused score, near enough to the head
         # that what they lift can reach the results.
         lifting = ({lsn for lsn in first[: 2 * limit + 10] if fused[lsn][0] > 0}
@@ -440,16 +441,27 @@ class Retriever:
             lift[lsn] = lift.get(lsn, 0.0) + amount
             lifted_by.setdefault(lsn, []).append((source, way))
 
-        # Neighbours with relevance of their own (see NEIGHBOUR_MIN_COSINE). Without the
-        # query's vector (the vector leg did not run), or the neighbour's (not embedded yet),
-        # relevance cannot be judged and the neighbour counts.
-        unfound = [t.lsn for t in around.values() if t.lsn not in fused]
-        near = (self.ann.similarities(user_id, vector, unfound)
-                if vector is not None and unfound else {})
-
-        def relevant(turn: Turn) -> bool:
-            return (vector is None or turn.lsn in fused
-                    or near.get(turn.lsn, NEIGHBOUR_MIN_COSINE) >= NEIGHBOUR_MIN_COSINE)
+        # Neighbours with relevance of their own (see NEIGHBOUR_MIN_COSINE), by (session,
+        # seq). Without the query's vector (the vector leg did not run), or the neighbour's
+        # (not embedded yet), relevance cannot be judged and the neighbour counts.
+        # The similarities both need (these neighbours', the covered turns of the episodes
+        # that lift one), in one pass over the turns' rows.
+        near: dict[int, float] = {}
+        if vector is not None:
+            wanted = [t.lsn for t in around.values() if t.lsn not in fused]
+            for lsn, memory in memories.items():
+                if (type(memory) is Episode and lsn in lifting and base[lsn] > 0
+                        and covered.get(memory.episode_id)):
+                    wanted += [t.lsn for t in covered[memory.episode_id]]
+            if wanted:
+                near = self.ann.similarities(user_id, vector, wanted, "turn")
+        if vector is None:
+            relevant = around
+        else:
+            relevant = {place: turn for place, turn in around.items()
+                        if turn.lsn in fused or near.get(turn.lsn, NEIGHBOUR_MIN_COSINE)
+                        >= NEIGHBOUR_MIN_COSINE}
+        steps = [(distance, share) for distance, share in enumerate(NEIGHBOUR_LIFT, 1)]
 
         now = self.clock()
         fsrs: dict[int, float] = {}
@@ -457,11 +469,14 @@ class Retriever:
         for lsn, memory in memories.items():
             kind = type(memory)
             if kind is Turn and lsn in lifting:
+                if not relevant:
+                    continue
                 score = base[lsn]
-                for distance, share in enumerate(NEIGHBOUR_LIFT, 1):
-                    for seq in (memory.seq - distance, memory.seq + distance):
-                        other = around.get((memory.session_id, seq))
-                        if other is not None and relevant(other):
+                session, seq = memory.session_id, memory.seq
+                for distance, share in steps:
+                    for other in (relevant.get((session, seq - distance)),
+                                  relevant.get((session, seq + distance))):
+                        if other is not None:
                             give(other, share * score, memory.turn_id, "neighbour")
             elif kind is Episode:
                 state = states.get(memory.episode_id) or memory_review_state(memory)
@@ -471,19 +486,20 @@ class Retriever:
                     standing.add(lsn)
                 if lsn in lifting and turns and base[lsn] > 0:
                     score = base[lsn]
-                    sims = (self.ann.similarities(user_id, vector, [t.lsn for t in turns])
-                            if vector is not None else {})
                     best = sorted(turns, key=lambda t: (t.lsn not in base, -base.get(t.lsn, 0.0),
-                                                        -sims.get(t.lsn, -1.0)))
+                                                        -near.get(t.lsn, -1.0)))
                     for turn in best[:EPISODE_TURNS]:
                         give(turn, EPISODE_LIFT * r * score, memory.episode_id, "episode")
         out = []
+        exp = math.exp
         for lsn, memory in (*memories.items(), *extra.items()):
             if type(memory) is Episode and lsn not in standing:
                 continue
             total = base.get(lsn, floor) + lift.get(lsn, 0.0)
-            out.append((logistic(total) * fsrs.get(lsn, 1.0), memory))
-        out.sort(key=lambda item: (-item[0], -item[1].lsn))
+            # logistic(total), inline: this runs for every candidate of every recall.
+            score = 1.0 / (1.0 + exp(-max(-50.0, min(50.0, total))))
+            out.append((score * fsrs.get(lsn, 1.0), -lsn, memory))
+        out.sort(key=_best_first)
 
         def explain_of(lsn: int) -> tuple[Explain, tuple[str, ...]]:
             ranks = fused[lsn][1] if lsn in memories else {}
@@ -496,7 +512,7 @@ class Retriever:
             # What found it: its legs; a turn no leg found, what lifted it.
             return explain, tuple(ranks) or tuple(sorted({w for _, w in sources}))
 
-        return out, explain_of
+        return [(score, memory) for score, _, memory in out], explain_of
 
     async def _entity_leg(self, user_id: str, query: str) -> list[tuple[int, float]]:
         """Memories naming the query's rare entities, scored by the entities' inverse document
@@ -668,16 +684,24 @@ def fuse(ranked: dict[str, list[tuple[int, float]]], population: int,
         values = [score for _, score in ((scale.get(leg) or found) if scale else found)]
         n = len(values) if leg == "vector" else max(len(values), population)
         mean = sum(values) / n
-        spread = math.sqrt((sum((v - mean) ** 2 for v in values)
+        spread = math.sqrt((sum([(v - mean) ** 2 for v in values])
                             + (n - len(values)) * mean * mean) / n)
         weight = LEG_WEIGHTS[leg]
+        alike = not spread > 1e-9  # one candidate, or all alike: each is one deviation above
         for rank, (lsn, score) in enumerate(found, 1):
-            # One candidate, or all alike: each is one deviation above the typical one.
-            z = (score - mean) / spread if spread > 1e-9 else 1.0
-            total, ranks = out.get(lsn, (0.0, {}))
-            ranks[leg] = rank
-            out[lsn] = (total + weight * z, ranks)
+            z = 1.0 if alike else (score - mean) / spread
+            entry = out.get(lsn)
+            if entry is None:
+                out[lsn] = (0.0 + weight * z, {leg: rank})
+            else:
+                entry[1][leg] = rank
+                out[lsn] = (entry[0] + weight * z, entry[1])
     return out
+
+
+def _best_first(item: tuple[float, int, Any]) -> tuple[float, int]:
+    """(score, -lsn, memory): higher scores first, then later memories."""
+    return -item[0], item[1]
 
 
 def logistic(x: float) -> float:

@@ -40,6 +40,25 @@ async def test_keyword_only_and_vector_only_hits_both_reach_the_result(store_pat
     assert by_text["my dog barks at night"].via == ("vector",)
 
 
+async def test_a_tag_filter_of_one_few_or_many_tags_keeps_the_turns_it_names(
+        store_path) -> None:
+    """The text index takes a tag filter of a few tags as a union of term queries and one of
+    more than SET_AFTER as a term-set query: either way exactly the turns carrying one of the
+    tags come back."""
+    from actors.fulltext.query import SET_AFTER
+
+    tags = [f"t{i}" for i in range(SET_AFTER + 4)]
+    async with open_engine(store_path) as mem:
+        for i, tag in enumerate(tags):
+            await mem.add_turn("ana", "s", "user", f"the dog walk {i}", meta={"tags": [tag]})
+            await mem.add_turn("ana", "s", "user", f"the dog park {i}")
+        await mem.flush()
+        for count in (1, 2, SET_AFTER, SET_AFTER + 1, len(tags)):
+            hits = await mem.recall("ana", "dog", limit=50, tags=tags[:count], legs=["bm25"])
+            assert sorted(h.text for h in hits) == sorted(
+                f"the dog walk {i}" for i in range(count)), count
+
+
 async def test_a_turn_is_recallable_before_any_index_has_it(store_path) -> None:
     """Read-your-writes: the window leg finds a turn acknowledged a moment ago."""
     async with open_engine(store_path, config={"background_embedding": False}) as mem:

@@ -513,20 +513,33 @@ class AnnIndex:
                           and (uv.graph is None or uv.writing or uv.graph_rows < uv.n)
                           for _, uv in user.parts()))
 
-    def similarities(self, user_id: str, query: np.ndarray, lsns: list[int]) -> dict[int, float]:
+    def similarities(self, user_id: str, query: np.ndarray, lsns: list[int],
+                     part: str | None = None) -> dict[int, float]:
         """Cosine of ``query`` with each of these records (at its best chunk), for a user
         already loaded (a search loads it); records without a vector yet, and users not in
-        RAM, are left out."""
+        RAM, are left out. ``part``: only that partition's rows (``"turn"``: the records are
+        all turns), else both."""
         user = self._users.get(user_id)
         if user is None:
             return {}
         out: dict[int, float] = {}
-        for _, uv in user.parts():
-            rows = [(lsn, row) for lsn in lsns for row in uv.rows(lsn)]
+        for name, uv in user.parts():
+            if part is not None and name != part:
+                continue
+            row_of, more = uv.row_of, uv.more
+            owners, rows = [], []
+            for lsn in lsns:  # each record's rows, as uv.rows gives them
+                row = row_of.get(lsn)
+                if row is not None:
+                    owners.append(lsn)
+                    rows.append(row)
+                for row in more.get(lsn, ()) if more else ():
+                    owners.append(lsn)
+                    rows.append(row)
             if rows:
-                scores = _dot(uv.matrix[[row for _, row in rows]], query)
-                for (lsn, _), x in zip(rows, scores.tolist(), strict=True):
-                    out[lsn] = max(float(x), out.get(lsn, -1.0))
+                scores = _dot(uv.matrix[rows], query)
+                for lsn, x in zip(owners, scores.tolist(), strict=True):
+                    out[lsn] = max(x, out.get(lsn, -1.0))
         return out
 
     async def count(self, user_id: str) -> int:

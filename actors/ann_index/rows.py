@@ -125,8 +125,8 @@ class _UserVectors:
             return _exact(matrix, lsns, query, want, allowed, chunks, extra, matched)
         found = labels[0]
         if not extra:
-            return [(int(lsns[row]), 1.0 - distance)
-                    for row, distance in zip(found.tolist(), distances[0].tolist(), strict=True)]
+            return [(lsn, 1.0 - distance) for lsn, distance
+                    in zip(lsns[found].tolist(), distances[0].tolist(), strict=True)]
         return _distinct(lsns[found], (1.0 - distances[0]).tolist(), chunks[found], want,
                          matched)
 
@@ -170,12 +170,15 @@ def _exact(matrix: np.ndarray, lsns: np.ndarray, query: np.ndarray, k: int,
     k = min(k + extra, int(keep.sum()))
     if k <= 0:
         return []
-    top = np.argpartition(-scores, k - 1)[:k]
     # Equal scores go by lsn: rows arrive in embedding order, which a restored or reopened
     # index does not repeat, and the same store must give the same answer.
-    top = top[np.lexsort((lsns[top], -scores[top]))]
+    if k == len(scores) and not extra:  # every row (each its own record): sort them all
+        top = np.lexsort((lsns, -scores))
+    else:
+        top = np.argpartition(-scores, k - 1)[:k]
+        top = top[np.lexsort((lsns[top], -scores[top]))]
     if not extra:
-        return [(int(lsns[r]), float(scores[r])) for r in top]
+        return list(zip(lsns[top].tolist(), scores[top].tolist()))
     return _distinct(lsns[top], scores[top].tolist(), chunks[top], want, matched)
 
 

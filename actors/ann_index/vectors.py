@@ -101,7 +101,8 @@ def decode_rows(lsns: list[int], values: bytes, dim: int
 class Filters:
     """What a vector search may return, beyond its user."""
 
-    __slots__ = ("session", "since_ms", "until_ms", "roles", "kinds", "lsns", "exclude")
+    __slots__ = ("session", "since_ms", "until_ms", "roles", "kinds", "lsns", "exclude",
+                 "_names", "_any")
 
     def __init__(self, session_id: str | None = None, since: datetime | None = None,
                  until: datetime | None = None, roles: tuple[str, ...] | None = None,
@@ -116,22 +117,29 @@ class Filters:
         self.lsns = None if lsns is None else np.array(lsns, dtype=np.int64)
         # Never these records (e.g. what a time-travelling recall's store did not know yet).
         self.exclude = None if not exclude else np.array(exclude, dtype=np.int64)
+        # Asked of every partition of every search: answered from these, not the arrays.
+        self._names = None if kinds is None else frozenset(kinds)
+        self._any = not (session_id is None and since is None and until is None
+                         and roles is None and kinds is None and lsns is None
+                         and self.exclude is None)
 
     def any(self) -> bool:
-        return any(getattr(self, name) is not None for name in self.__slots__)
+        return self._any
 
     def admits(self, part: str) -> bool:
         """Whether any kind of this partition may be returned."""
-        return self.kinds is None or any(KINDS[k] in self.kinds for k in PARTS[part])
+        return self._names is None or not self._names.isdisjoint(PARTS[part])
 
     def within(self, part: str) -> Filters:
         """These filters for a search of one partition: without the kind filter when it
         admits every kind the partition holds (a mask that keeps every row would keep the
         graph from searching unfiltered)."""
-        if self.kinds is None or not all(KINDS[k] in self.kinds for k in PARTS[part]):
+        if self._names is None or not self._names.issuperset(PARTS[part]):
             return self
         out = copy.copy(self)
-        out.kinds = None
+        out.kinds = out._names = None
+        out._any = not (out.session is None and out.since_ms is None and out.until_ms is None
+                        and out.roles is None and out.lsns is None and out.exclude is None)
         return out
 
     def mask(self, meta: np.ndarray, lsns: np.ndarray) -> np.ndarray:

@@ -36,6 +36,27 @@ QUERY_STOPWORDS = frozenset(
     "should now would could might likely also ever".split())
 
 
+# Values of one filter up to which it is a union of term queries rather than one term-set
+# query: tantivy's term-set query fills a bitset over the whole index before the search starts,
+# and for one kind among 100k documents that doubled the cost of the search (0.8 ms against
+# 0.4 ms here); a term query walks its posting list. Past a few values (an lsn list) the
+# bitset wins.
+SET_AFTER = 8
+
+
+def any_of(schema: tantivy.Schema, field: str, values: list) -> tantivy.Query:
+    """The documents with any of ``values`` in ``field`` (none for no values)."""
+    Q = tantivy.Query
+    if not values:
+        return Q.empty_query()
+    if len(values) == 1:
+        return Q.term_query(schema, field, values[0])
+    if len(values) <= SET_AFTER:
+        return Q.boolean_query([(tantivy.Occur.Should, Q.term_query(schema, field, v))
+                                for v in values])
+    return Q.term_set_query(schema, field, list(values))
+
+
 class TextFilters:
     """What a text search may return, beyond its user."""
 
@@ -85,7 +106,7 @@ class QueryBuilder:
         Q, Occur, schema = tantivy.Query, tantivy.Occur, self._schema
         scope = [(Occur.Must, Q.term_query(schema, "user", user_id))]
         if tags is not None:
-            scope.append((Occur.Must, Q.term_set_query(schema, "tags", list(tags))))
+            scope.append((Occur.Must, any_of(schema, "tags", list(tags))))
         if where is not None:
             scope.append((Occur.Must, self.where(index, where)))
         return Q.boolean_query(scope)
@@ -105,11 +126,11 @@ class QueryBuilder:
             if filters.session_id is not None:
                 scope.append((Occur.Must, Q.term_query(schema, "session", filters.session_id)))
             if filters.roles is not None:
-                scope.append((Occur.Must, Q.term_set_query(schema, "role", list(filters.roles))))
+                scope.append((Occur.Must, any_of(schema, "role", list(filters.roles))))
             if filters.kinds is not None:
-                scope.append((Occur.Must, Q.term_set_query(schema, "kind", list(filters.kinds))))
+                scope.append((Occur.Must, any_of(schema, "kind", list(filters.kinds))))
             if filters.tags is not None:
-                scope.append((Occur.Must, Q.term_set_query(schema, "tags", list(filters.tags))))
+                scope.append((Occur.Must, any_of(schema, "tags", list(filters.tags))))
             if filters.lsns is not None:
                 scope.append((Occur.Must, Q.term_set_query(schema, "lsn", list(filters.lsns))))
             if filters.exclude:
@@ -153,8 +174,7 @@ class QueryBuilder:
             values = (value,) if op == "eq" else value
             if column is not None:  # text columns: only strings can match
                 strings = [v for v in values if type(v) is str]
-                return (Q.term_set_query(schema, column, strings) if strings
-                        else Q.empty_query())
+                return any_of(schema, column, strings)
             path = "attrs." + ".".join(node.path)
             terms = [Q.term_query(schema, path, v) for v in values]
             return terms[0] if len(terms) == 1 else Q.boolean_query(

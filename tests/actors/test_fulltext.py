@@ -69,6 +69,29 @@ async def test_searches_of_several_lists_answer_as_one_search_each(store_path) -
             await index.search("ana", "the", 5, filters) for filters in each]
 
 
+async def test_a_filter_of_one_or_several_values_keeps_what_it_names(store_path) -> None:
+    """A filter on a field admits the documents holding any of its values, whether it has
+    one value or a few (a union of term queries), ranked as without it (tests/test_recall.py
+    has more values than SET_AFTER, on tags)."""
+    async with running_index(store_path) as (ground, index):
+        lsns = {}
+        for i in range(24):
+            lsns[i] = await ground.add_turn("ana", "s", f"dog {i}",
+                                            role=("user", "assistant")[i % 2])
+        await flush(ground, index)
+        everything = dict(await index.search("ana", "dog", 100))
+        assert len(everything) == 24
+        for roles in (("user",), ("user", "assistant"), ("assistant", "tool")):
+            found = await index.search("ana", "dog", 100, TextFilters(roles=roles))
+            want = {lsns[i] for i in range(24) if ("user", "assistant")[i % 2] in roles}
+            assert {lsn for lsn, _ in found} == want, roles
+            assert all(everything[lsn] == score for lsn, score in found)  # ranked alike
+        for count in (1, 2, 4):
+            assert len(await index.search("ana", "dog", 100, TextFilters(
+                kinds=("turn", "episode", "fact", "note")[:count]))) == 24
+        assert await index.search("ana", "dog", 100, TextFilters(kinds=("note", "fact"))) == []
+
+
 HOSTILE = ['"unbalanced', "user:bo OR 1=1", "(dog", "dog AND", "NOT dog", "*", "dog*", "🐶🐕",
            "Größe straße", "日本語のテキスト", "", "  ", "\\", "field:[a TO z]", "~2 ^3 +-"]
 
