@@ -472,12 +472,17 @@ class Retriever:
                 if not relevant:
                     continue
                 score = base[lsn]
-                session, seq = memory.session_id, memory.seq
+                session, seq, source = memory.session_id, memory.seq, memory.turn_id
                 for distance, share in steps:
+                    amount = share * score
                     for other in (relevant.get((session, seq - distance)),
                                   relevant.get((session, seq + distance))):
-                        if other is not None:
-                            give(other, share * score, memory.turn_id, "neighbour")
+                        if other is not None:  # give(), inline: the most frequent call here
+                            near_lsn = other.lsn
+                            if near_lsn not in memories:
+                                extra[near_lsn] = other
+                            lift[near_lsn] = lift.get(near_lsn, 0.0) + amount
+                            lifted_by.setdefault(near_lsn, []).append((source, "neighbour"))
             elif kind is Episode:
                 state = states.get(memory.episode_id) or memory_review_state(memory)
                 r = fsrs[lsn] = retrievability(state.stability, state.last_review, now)
