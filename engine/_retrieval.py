@@ -59,7 +59,6 @@ from actors.store import (
     LOG_NOTE,
     Store,
     lsn_key,
-    read_entities,
     read_episodes,
     read_facts,
     read_links,
@@ -83,6 +82,7 @@ CANDIDATES_PER_LEG = 100  # per leg before fusion, at least (2 x limit when that
 # turns not yet indexed; the entity leg only adds to what names a rare entity.
 LEG_WEIGHTS = {"bm25": 0.5, "vector": 0.5, "window": 0.5, "entity": 0.1}
 LEGS = ("vector", "bm25", "entity", "window")  # the search legs; recall(legs=) picks some
+_LEG_ORDER = {leg: i for i, leg in enumerate(LEGS)}  # the order fusion sums them in
 MIN_COSINE = 0.2  # a candidate only the vector leg found needs this similarity to the query
 NEIGHBOUR_LIFT = (0.3, 0.1)  # share of a turn's fused score given to turns 1 and 2 seqs away
 # A neighbour takes that lift only if it has some relevance of its own: a leg found it, or its
@@ -528,7 +528,7 @@ class Retriever:
         names = [name for name in _entity_keys(query) if name in known]
         if not names:
             return []
-        registry = await self.store.read(read_entities, user_id, names)
+        registry = await self.entities.lookup(user_id, names)
         total = max(await self.ann.count(user_id), 1)
         scores: dict[int, float] = {}
         for entity in {e.name: e for e in registry.values() if e.type != "alias"}.values():
@@ -680,10 +680,13 @@ def fuse(ranked: dict[str, list[tuple[int, float]]], population: int,
             against (the turns' list, for the other kinds' list); by default ``ranked``'s own.
 
     Returns:
-        lsn -> (fused score, {leg: rank from 1 in the list that found it}).
+        lsn -> (fused score, {leg: rank from 1 in the list that found it}), the legs summed
+        and ranked in LEGS' order whatever order ``ranked`` holds them in (the order the
+        legs' searches finished): the same store gives the same scores to the last bit.
     """
     out: dict[int, tuple[float, dict[str, int]]] = {}
-    for leg, found in ranked.items():
+    for leg in sorted(ranked, key=_LEG_ORDER.__getitem__):
+        found = ranked[leg]
         if not found:
             continue
         values = [score for _, score in ((scale.get(leg) or found) if scale else found)]

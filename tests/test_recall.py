@@ -59,6 +59,23 @@ async def test_a_tag_filter_of_one_few_or_many_tags_keeps_the_turns_it_names(
                 f"the dog walk {i}" for i in range(count)), count
 
 
+def test_fusion_sums_the_legs_in_one_order_whatever_order_they_finished_in() -> None:
+    """The legs' lists reach fusion in the order their searches finished; the fused scores
+    (to the last bit) and each memory's ranks (and so a hit's ``via``) come out the same."""
+    from itertools import permutations
+
+    from engine._retrieval import fuse
+
+    ranked = {"bm25": [(1, 7.1), (2, 3.3), (3, 0.7)], "vector": [(2, 0.93), (3, 0.61), (1, 0.29)],
+              "entity": [(3, 2.2), (1, 1.1)], "window": [(1, 3.0)]}
+    results = [fuse({leg: ranked[leg] for leg in order}, 40) for order in permutations(ranked)]
+    first = results[0]
+    for result in results:
+        assert result == first
+        assert [list(result[lsn][1]) for lsn in result] == [list(first[lsn][1]) for lsn in first]
+    assert list(first[1][1]) == ["vector", "bm25", "entity", "window"]
+
+
 async def test_a_turn_is_recallable_before_any_index_has_it(store_path) -> None:
     """Read-your-writes: the window leg finds a turn acknowledged a moment ago."""
     async with open_engine(store_path, config={"background_embedding": False}) as mem:
