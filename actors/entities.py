@@ -16,6 +16,7 @@ import re
 from datetime import datetime, timezone
 
 import msgspec
+import trio
 
 from .base.messages import Searchable
 from .base.records import Entity, Link
@@ -26,6 +27,7 @@ __all__ = ["Entities", "extract_entities", "MEMORIES_PER_ENTITY"]
 
 MEMORIES_PER_ENTITY = 256  # newest memories kept per entity: entity_info and the entity leg
 CACHED_USERS = 4096  # users whose registry keys stay in RAM for the entity leg
+CACHED_RECORDS = 1024  # registry records kept per user for the entity leg (its queries' names)
 FOLLOW_CHUNK = 512  # log records per step: ~1 ms of regex work between checkpoints
 WATERMARK = b"entities_lsn"
 LINKED_TYPES = frozenset({"person", "place", "email", "url", "hashtag", "mention"})
@@ -110,16 +112,27 @@ def extract_entities(text: str) -> list[tuple[str, str]]:
 class Entities:
     """The actor: a log follower that owns the registry's writes."""
 
-    def __init__(self, store: Store, imported: Imported | None = None) -> None:
+    def __init__(self, store: Store, imported: Imported | None = None,
+                 cache_records: bool = True) -> None:
         self._store = store
+        # Off in a reader: the store's owner writes the registry, out of this process's sight.
+        self._cache_records = cache_records
         # Log positions of imported records: they came with their registry entries.
         self._imported = imported if imported is not None else Imported()
-        self.follower = LogFollower(store, WATERMARK, FOLLOW_CHUNK, self._handle)
+        self.follower = LogFollower(store, WATERMARK, FOLLOW_CHUNK, self._handle,
+                                    self._settled)
         # Per user, the registry's keys (names and aliases, lower case): a query that names
         # none of them skips the registry read entirely.
         self._keys: dict[str, set[str]] = {}
         # Keys the current step adds, per user, until the next step (by then they are on disk).
         self._recent: dict[str, set[str]] = {}
+        # Per user, registry records the entity leg looked up, by key (None: no record), so
+        # a recall naming them again needs no store read. Dropped for a user whose registry
+        # a step, a forget or an import may have changed; never filled by a read that such
+        # a change overlapped (``_changes`` moved, or a step of that user's in flight).
+        self._records: dict[str, dict[str, Entity | None]] = {}
+        self._changes = 0  # moves on every change a cached record may miss
+        self._writing: set[str] = set()  # users whose registry the step in flight writes
 
     async def keys(self, user_id: str) -> set[str]:
         """The user's registry keys (read once, then kept up to date by the follower)."""
@@ -134,9 +147,47 @@ class Entities:
             self._keys[user_id] = self._keys.pop(user_id)  # most recently used last
         return known
 
+    async def lookup(self, user_id: str, names: list[str]) -> dict[str, Entity]:
+        """The user's registry records under these lower-case keys, and the entity each alias
+        among them points to (under its own key): :func:`read_entities`, from RAM for keys
+        looked up before and unchanged since."""
+        cached = self._records.get(user_id)
+        if cached is not None:
+            self._records[user_id] = self._records.pop(user_id)  # most recently used last
+            found = _from_cache(cached, names)
+            if found is not None:
+                await trio.lowlevel.checkpoint()
+                return found
+        changes = self._changes
+        found = await self._store.read(read_entities, user_id, names)
+        if self._cache_records and changes == self._changes and user_id not in self._writing:
+            cached = self._records.setdefault(user_id, {})
+            for name in names:
+                cached[name] = found.get(name)
+            for name in names:
+                entity = found.get(name)
+                if entity is not None and entity.type == "alias":
+                    # read_entities read the target too, in the same transaction.
+                    cached[entity.aliases[0]] = found.get(entity.aliases[0])
+            while len(cached) > CACHED_RECORDS:
+                del cached[next(iter(cached))]
+            while len(self._records) > CACHED_USERS:
+                del self._records[next(iter(self._records))]
+        return found
+
+    def _settled(self) -> None:
+        """The follower's step is committed (or failed): what it wrote is readable."""
+        for user_id in self._writing:
+            self._records.pop(user_id, None)
+        self._writing.clear()
+        self._changes += 1
+
     def forget(self, user_id: str) -> None:
-        """Drop a user's cached keys after a deletion; they are read again when needed."""
+        """Drop a user's cached keys and records after a deletion or an import wrote the
+        registry; they are read again when needed."""
         self._keys.pop(user_id, None)
+        self._records.pop(user_id, None)
+        self._changes += 1
 
     async def _handle(self, records: list[Searchable], last: int) -> tuple[tuple, tuple]:
         self._recent = {}  # the previous step is committed: its keys are readable
@@ -151,6 +202,9 @@ class Entities:
                 mentions.setdefault(record.user_id, []).append((record, name, kind))
         puts: list[tuple[bytes, bytes, bytes | None, int]] = []
         links: list[tuple[str, Link, int]] = []
+        # The registry records cached for these users go stale when this step commits.
+        self._writing.update(mentions)
+        self._changes += 1
         for user_id, found in mentions.items():
             wanted = sorted({n.lower() for _, n, _ in found}
                             | {n.split()[0].lower() for _, n, _ in found})
@@ -202,6 +256,26 @@ class Entities:
                 guard = entity.lsns[-1] if entity.lsns else 0
                 puts.append((b"entities", entity_key(user_id, key), _encode(entity), guard))
         return tuple(puts), tuple(links)
+
+
+def _from_cache(cached: dict[str, Entity | None], names: list[str]) -> dict[str, Entity] | None:
+    """What :func:`read_entities` gives for ``names``, from a user's cached records; None if
+    one of the names, or an alias's target, is not cached."""
+    found: dict[str, Entity] = {}
+    for name in names:
+        if name not in cached:
+            return None
+        entity = cached[name]
+        if entity is not None:
+            found[name] = entity
+    for entity in list(found.values()):
+        target = entity.aliases[0] if entity.type == "alias" else None
+        if target is not None and target not in found:
+            if target not in cached:
+                return None
+            if cached[target] is not None:
+                found[target] = cached[target]
+    return found
 
 
 def _pointer(key: str) -> Entity:

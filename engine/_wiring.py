@@ -158,7 +158,7 @@ async def running(root: Path, config: Config, clock: Clock, embedding: Embedder,
                     vectors_follow=config.background_embedding, imported=imported,
                     sessions=buffer.sessions if config.consolidate_on_new_session else None,
                     summary_every=config.summary_every_turns)
-                entities = Entities(store, imported)
+                entities = Entities(store, imported, cache_records=not read_only)
                 parts = Parts(store, buffer, embedding, ann, fulltext, facts, compressor,
                               entities, config, clock, imported, tasks)
                 run = Running(parts, Scrubber(store, fulltext, ann), nursery)

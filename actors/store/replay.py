@@ -62,12 +62,16 @@ class LogFollower:
     """
 
     def __init__(self, store: FollowedStore, watermark_key: bytes, chunk: int,
-                 handle: Callable[[list[Searchable], int], Any]) -> None:
+                 handle: Callable[[list[Searchable], int], Any],
+                 settled: Callable[[], None] | None = None) -> None:
         self._store = store
         self._key = watermark_key
         self.name = watermark_key.decode().removesuffix("_lsn")  # in its failure records
         self._chunk = chunk
         self._handle = handle
+        # Called once what a step's handle calls returned is committed, or will never be
+        # (the step failed): a cache of what they write can trust the store again.
+        self._settled = settled
         self.watermark = 0
         self._stopped = False
         # Parked: callers of wait, until the watermark moves or the follower stops.
@@ -97,6 +101,9 @@ class LogFollower:
                     if not store.usable():
                         raise
                     await self._one_by_one(records, last)
+                finally:
+                    if self._settled is not None:
+                        self._settled()
                 self.watermark = last
                 self._progress.unpark_all()
         except EngineClosed:

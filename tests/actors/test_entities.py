@@ -7,6 +7,8 @@ and the engine's forgetting are tested through the engine in tests/test_entities
 from __future__ import annotations
 
 import pytest
+import trio
+import trio.testing
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -111,3 +113,92 @@ async def test_forgetting_removes_entities(store_path) -> None:
         assert await entities.keys("ana") == {"reykjavik"}
     everything = b"".join(k + v for rows in raw_databases(store_path).values() for k, v in rows)
     assert b"Zebulon" not in everything
+
+
+class CountingReads:
+    """Counts the registry reads through the store (``read_entities``: the follower's, the
+    lookups', the tests'); ``hold``, when set, is awaited after the next such read and before
+    it returns (a change may land meanwhile)."""
+
+    def __init__(self, monkeypatch, store) -> None:
+        self.count = 0
+        self.hold: trio.Event | None = None
+        read = store.read
+
+        async def counting(fn, *args):
+            found = await read(fn, *args)
+            if fn is store_mod.read_entities:
+                self.count += 1
+                hold, self.hold = self.hold, None
+                if hold is not None:
+                    await hold.wait()
+            return found
+
+        monkeypatch.setattr(store, "read", counting)
+
+
+async def test_a_lookup_is_kept_until_a_step_changes_the_registry(store_path, monkeypatch) -> None:
+    """The entity leg's lookups come from RAM once read, the same as a read gives them (an
+    alias's target included); a new mention, once its step is committed, is seen."""
+    async with running_entities(store_path) as (ground, entities):
+        await ground.add_turn("ana", "s", "Maya Lindqvist moved to Lisbon.")
+        await ground.add_turn("ana", "s", "Maya loves trams.")
+        await flush(ground, entities)
+        reads = CountingReads(monkeypatch, ground.store)
+        names = ["lisbon", "maya", "nobody"]
+        first = await entities.lookup("ana", names)
+        assert first == await registry(ground, "ana", *names) and reads.count == 2
+        assert set(first) == {"lisbon", "maya", "maya lindqvist"}
+        assert await entities.lookup("ana", names) == first and reads.count == 2  # from RAM
+        assert await entities.lookup("ana", ["lisbon"]) == {"lisbon": first["lisbon"]}
+        assert reads.count == 2
+        later = await ground.add_turn("ana", "s", "Back in Lisbon with Maya.")
+        await flush(ground, entities)
+        again = await entities.lookup("ana", names)
+        assert reads.count == 4  # the follower's step read the registry, then this lookup
+        assert again == await registry(ground, "ana", *names)
+        assert again["lisbon"].mentions == 2 and again["lisbon"].lsns[-1] == later
+        assert again["maya lindqvist"].mentions == 3
+
+
+async def test_a_lookup_read_while_the_registry_changed_is_not_kept(store_path,
+                                                                   monkeypatch) -> None:
+    """A lookup whose read a step committed after (or a forget) answers what it read but
+    keeps nothing: the next lookup reads the registry as it is."""
+    async with running_entities(store_path) as (ground, entities):
+        await ground.add_turn("ana", "s1", "Zebulon visited Reykjavik.")
+        await flush(ground, entities)
+        reads = CountingReads(monkeypatch, ground.store)
+        hold = reads.hold = trio.Event()
+        old: dict = {}
+
+        async def look() -> None:
+            old.update(await entities.lookup("ana", ["reykjavik"]))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(look)
+            await trio.testing.wait_all_tasks_blocked()
+            await ground.add_turn("ana", "s2", "Reykjavik was cold.")
+            await flush(ground, entities)  # the step commits while the lookup holds its read
+            hold.set()
+        assert old["reykjavik"].mentions == 1
+        assert (await entities.lookup("ana", ["reykjavik"]))["reykjavik"].mentions == 2
+        assert reads.count == 3  # the held lookup, the follower's step, this lookup
+        # A forget scrubs the registry; the engine then drops what was kept.
+        await ground.store.forget("ana", "s1")
+        entities.forget("ana")
+        assert await entities.lookup("ana", ["zebulon", "reykjavik"]) == await registry(
+            ground, "ana", "zebulon", "reykjavik")
+        assert "zebulon" not in await entities.lookup("ana", ["zebulon"])
+        assert len((await entities.lookup("ana", ["reykjavik"]))["reykjavik"].lsns) == 1
+
+
+async def test_a_reader_keeps_no_lookup(store_path, monkeypatch) -> None:
+    """Entities made for a reader (its store's owner writes the registry out of its sight)
+    reads every lookup."""
+    async with running_store(store_path) as ground:
+        entities = Entities(ground.store, cache_records=False)
+        reads = CountingReads(monkeypatch, ground.store)
+        for _ in range(3):
+            assert await entities.lookup("ana", ["lisbon"]) == {}
+        assert reads.count == 3
