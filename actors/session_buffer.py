@@ -272,7 +272,7 @@ class SessionBuffer:
                 per_user[session_id] = state
             state.next_seq = seqs[end - 1] + 1
             state.last_at = ats[end - 1]
-            state.last_lsn = first + end - 1
+            state.last_lsn = self._newest[pair[0]] = first + end - 1
             if state.window is None:
                 self._set_window(state, turns[start:end])
             else:

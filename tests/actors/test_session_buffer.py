@@ -186,6 +186,10 @@ async def _appended(path: Path, bulk: bool) -> tuple[Any, ...]:
             [(r.seq, r.lsn) for r in receipts], buffer.counts(), sorted(buffer.users()),
             {user: buffer.sessions(user) for user in buffer.users()},
             [(t.lsn, t.text) for user in buffer.users() for t in buffer.turns_after(user, 0)],
+            [(user, t.lsn, t.text) for user in buffer.users()
+             for t in buffer.turns_after(user, receipts[6].lsn)],
+            [(turn.user_id, turn.text) for r in receipts
+             for turn in [buffer.recent_turn(row[0], r.lsn) for row in BULK] if turn],
             {(user, s.session_id): [(t.seq, t.text, t.at, t.agent_id, t.run_id) for t in
                                      await buffer.history(user, s.session_id, 10)]
              for user in buffer.users() for s in buffer.sessions(user)})
