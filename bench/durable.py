@@ -20,7 +20,7 @@ in the background, each preceded by its own floor measured in the same process:
              with everything before it), so this shows that cost, not a wait on background work.
 
 After each phase, the engine's own trace of its durable receipts (``stats().durable_stages``:
-queued, plan, to_writer, write, commit, flush_wait, flush, to_trio, wake) says where their time
+queued, to_writer, plan, write, commit, flush_wait, flush, to_trio, wake) says where their time
 went, p50 / p99 per stage. Each durable figure is reported as a ratio to its floor: the floor
 measured just before the phase and again just after it, pooled, so that the machine's load
 drifting during a phase moves both sides (issue 16's target: p99 <= 2x, p99.9 <= 3x); and to

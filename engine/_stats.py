@@ -50,7 +50,7 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
         read_only: the engine was opened with ``read_only=True``.
         durable_stages: where the latest waits for a commit to land (durable receipts,
             mostly; up to 1,024 since open) spent their time, by stage of their way from the caller to the disk and back (``queued``,
-            ``plan``, ``to_writer``, ``write``, ``commit``, ``flush_wait``, ``flush``,
+            ``to_writer``, ``plan``, ``write``, ``commit``, ``flush_wait``, ``flush``,
             ``to_trio``, ``wake``, and the ``total``): each stage's ``p50_ms``, ``p99_ms`` and
             ``max_ms``; empty until a durable receipt was awaited. README, Durability.
     """

@@ -161,7 +161,7 @@ async def test_stats_say_where_durable_receipts_spent_their_time(mem: Engine) ->
     for i in range(3):
         await mem.add_turn("ana", "s1", "user", f"durable {i}", durable=True)
     stages = (await mem.stats()).durable_stages
-    assert list(stages) == ["queued", "plan", "to_writer", "write", "commit", "flush_wait",
+    assert list(stages) == ["queued", "to_writer", "plan", "write", "commit", "flush_wait",
                             "flush", "to_trio", "wake", "total"]
     total = stages["total"]
     assert 0 < total["p50_ms"] <= total["p99_ms"] <= total["max_ms"]
