@@ -117,14 +117,20 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-async def _checksums(root: Path, sync: bool = False) -> dict[str, tuple[int, str]]:
+async def _checksums(root: Path, sync: bool = False,
+                     known: dict[Path, list[str]] | None = None) -> dict[str, tuple[int, str]]:
     """Size and a checksum of every file under root: the sha256 of the file for small files,
     and for large ones the sha256 of the concatenated sha256s of its 64 MiB chunks, which two
     threads hash at once (~3 GB/s here against ~0.4 GB/s reading a file through one). With
-    ``sync``, every file is fsynced meanwhile, so the disk writes overlap the hashing."""
+    ``sync``, every file is fsynced meanwhile, so the disk writes overlap the hashing.
+    ``known`` gives the chunks' sha256s of files hashed as they were written (not read
+    again)."""
+    known = known or {}
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != "manifest.json")
     sizes = {p: p.stat().st_size for p in files}
     chunks: dict[tuple[Path, int], str] = {}
+    for path, digests in known.items():
+        chunks.update(((path, CHUNK * i), digest) for i, digest in enumerate(digests))
     limiter = trio.CapacityLimiter(2)
 
     async def one(path: Path, offset: int) -> None:
@@ -139,6 +145,8 @@ async def _checksums(root: Path, sync: bool = False) -> dict[str, tuple[int, str
 
             nursery.start_soon(flush_all)
         for path in files:
+            if path in known:
+                continue
             for offset in range(0, max(sizes[path], 1), CHUNK):
                 if sizes[path]:
                     nursery.start_soon(one, path, offset)
@@ -214,7 +222,8 @@ async def take_snapshot(parts: Parts, dest: Path,
         if scrubbed is not None:
             await scrubbed()
         fulltext_lsn, copied = await parts.fulltext.copy_to(partial / "fulltext")
-        lsn = await parts.store.copy_to(partial / "store", sync=False)  # fsynced below
+        # Hashed as it is written (when it needs no zeroing after); fsynced below.
+        lsn, digests = await parts.store.copy_to(partial / "store", sync=False, hash_chunk=CHUNK)
         if copied and lsn > fulltext_lsn:
             # A deletion between the two copies is in the store copy, but the index copy
             # still holds its documents: tantivy would only mark them deleted on replay.
@@ -228,7 +237,8 @@ async def take_snapshot(parts: Parts, dest: Path,
         counts = await trio.to_thread.run_sync(_counts, partial / "store")
         embedded_lsn = counts.pop("embedded_lsn")
         chain_head = counts.pop("chain_head")
-        files = await _checksums(partial, sync=True)  # durable before it is called done
+        known = {} if digests is None else {partial / "store" / "data.mdb": digests}
+        files = await _checksums(partial, sync=True, known=known)  # durable before it is done
         manifest = Manifest(
             format=MANIFEST_FORMAT, engine_version=__version__, schema_version=SCHEMA_VERSION,
             model=parts.embedder.model.id, dim=parts.embedder.model.dim, lsn=lsn,
@@ -296,7 +306,8 @@ async def _install(snapshot: Path, store: Path, manifest: Manifest,
                    progress: Callable[[int, int], None] | None,
                    integrity_key: str | None) -> None:
     """Copy the snapshot's files next to ``store`` while checking their checksums (one read
-    of each byte), check the copy's hash chain, then put it in place of ``store``.
+    of each byte), check the copy's hash chain while it is flushed to disk, then put it in
+    place of ``store``.
 
     With ``integrity_key`` (the manifest's MAC checked by the caller), the chain's head
     alone: the MAC says the manifest is the one an engine holding the key wrote, its
@@ -315,9 +326,21 @@ async def _install(snapshot: Path, store: Path, manifest: Manifest,
             raise StoreIncompatible(
                 f"{snapshot} is damaged: {name} does not match the manifest (size and sha256 "
                 f"of {len(manifest.files)} files are recorded); take the snapshot again")
-        # The copy: the same bytes as the snapshot's, now checked, and in the page cache.
-        head, problems = await trio.to_thread.run_sync(
-            verify_chain, incoming, integrity_key, integrity_key is None)
+        # On disk before it takes its name: a power cut after restore returns finds the
+        # whole store, not files the page cache still held. The flush (the disk's time) runs
+        # beside the chain's check (a core's time: a walk of every link without the key),
+        # which reads the copy from the page cache; a copy that fails it never takes the
+        # store's name.
+        checked: list[tuple[bytes, list[str]]] = []
+
+        async def check() -> None:
+            checked.append(await trio.to_thread.run_sync(
+                verify_chain, incoming, integrity_key, integrity_key is None))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(check)
+            nursery.start_soon(_fsync_tree, incoming)
+        head, problems = checked[0]
         if manifest.chain_head and head.hex() != manifest.chain_head:
             problems.append("the store's chain head is not the one the manifest records")
         if problems:
@@ -328,9 +351,6 @@ async def _install(snapshot: Path, store: Path, manifest: Manifest,
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(shutil.rmtree, incoming, True)
         raise
-    # On disk before it takes its name: a power cut after restore returns finds the whole
-    # store, not files the page cache still held.
-    await _fsync_tree(incoming)
     if store.exists():
         await trio.to_thread.run_sync(shutil.rmtree, store)
     incoming.rename(store)

@@ -213,3 +213,27 @@ async def test_a_restored_store_is_on_disk_before_it_takes_its_name(tmp_path, mo
     assert synced[-1] == tmp_path  # the rename, once the copy is on disk
     async with open_engine(target) as mem:
         assert len(await mem.session_history("ana", "s", limit=100)) == 20
+
+
+async def test_a_snapshot_hashed_as_it_is_copied_records_the_checksums_of_its_files(
+        tmp_path) -> None:
+    """The store copy of a snapshot is hashed while it is written, not read back: what the
+    manifest records is what reading every file of the snapshot gives, for a store that
+    never deleted anything (hashed in the copy's pass) and after a forget (hashed after the
+    zeroing), and both restore."""
+    from engine._snapshot import _checksums
+
+    async with open_engine(tmp_path / "live") as mem:
+        for i in range(60):
+            await mem.add_turn("ana" if i % 2 else "bo", "s", "user", _text(i))
+        await mem.flush()
+        first = await mem.snapshot(tmp_path / "fresh")
+        await mem.forget_user("bo")
+        await mem.flush()
+        second = await mem.snapshot(tmp_path / "forgot")
+    for name, manifest in (("fresh", first), ("forgot", second)):
+        assert manifest.files == await _checksums(tmp_path / name)
+        assert "store/data.mdb" in manifest.files
+        await Engine.restore(tmp_path / name, tmp_path / f"{name}-restored")
+        async with open_engine(tmp_path / f"{name}-restored") as mem:
+            assert len(await mem.session_history("ana", "s", limit=100)) == 30

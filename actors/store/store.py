@@ -47,7 +47,7 @@ from ..base.records import SCHEMA_VERSION
 from .apply import Appliers
 from .chain import check_chain
 from .codecs import _encode
-from .compact import clear_copy, copy_pages, fsync_copy
+from .compact import clear_copy, copy_pages, copy_pages_hashed, fsync_copy
 from .forget import Forgetting
 from .integrity import ZERO, CheckedTxn, check_file, decode_head, encode_head, head_mac
 from .layout import (
@@ -506,7 +506,8 @@ class Store(Writer, Appliers, Forgetting):
         except lmdb.Error as exc:
             raise EngineBroken(f"reading the store at {self.path} failed: {exc}") from exc
 
-    async def copy_to(self, dest: Path, sync: bool = True) -> int:
+    async def copy_to(self, dest: Path, sync: bool = True, hash_chunk: int | None = None
+                      ) -> tuple[int, list[str] | None]:
         """A copy of the environment into the empty directory ``dest`` holding no byte of a
         deleted record: LMDB's compacting copy from a worker thread in one read transaction
         (so never from the writer's thread with its transaction open; ingestion goes on
@@ -514,22 +515,39 @@ class Store(Writer, Appliers, Forgetting):
         unless that transaction sees the file scrubbed (``layout.SCRUBBED_KEY`` and no
         pending scrub: no page holds a deleted byte), the copy then has those bytes zeroed
         (:mod:`.compact`), outside the transaction: a pass that reads the whole copy back.
-        With ``sync``, flushed to disk. Returns the last lsn the copy holds."""
+        With ``sync``, flushed to disk.
 
-        def copy(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> tuple[int, bool]:
+        Args:
+            dest: an empty directory to be (it must not exist).
+            sync: fsync the copy before returning.
+            hash_chunk: hash the copy's ``data.mdb`` in units of this many bytes (see
+                :func:`.compact.copy_pages_hashed`): in the same pass as the copy when the
+                file is scrubbed, else nothing is hashed (the zeroing changes it after).
+
+        Returns:
+            (the last lsn the copy holds, the sha256 of each ``hash_chunk`` bytes of the
+            copy, or None when not hashed).
+        """
+
+        def copy(txn: lmdb.Transaction, dbs: dict[bytes, Any]
+                 ) -> tuple[int, bool, list[str] | None]:
             meta = dbs[b"meta"]
             scrubbed = (txn.get(SCRUBBED_KEY, db=meta) is not None
                         and txn.get(SCRUB_KEY, db=meta) is None)
-            copy_pages(self._env, txn.raw, dest)
-            return _int(txn.get(_LAST_LSN_KEY, db=meta)) or 0, scrubbed
+            digests = None
+            if scrubbed and hash_chunk is not None:
+                digests = copy_pages_hashed(self._env, txn.raw, dest, hash_chunk)
+            else:
+                copy_pages(self._env, txn.raw, dest)
+            return _int(txn.get(_LAST_LSN_KEY, db=meta)) or 0, scrubbed, digests
 
         dest.mkdir(parents=True)
-        lsn, scrubbed = await self.read(copy)
+        lsn, scrubbed, digests = await self.read(copy)
         if not scrubbed:
             await trio.to_thread.run_sync(clear_copy, dest, sync, limiter=self._read_limiter)
         elif sync:
             await trio.to_thread.run_sync(fsync_copy, dest, limiter=self._read_limiter)
-        return lsn
+        return lsn, digests
 
     async def _enter_exclusive(self) -> None:
         while self._exclusive:

@@ -210,3 +210,66 @@ def test_the_copy_of_a_scrubbed_file_holds_no_deleted_byte_without_zeroing(
         assert _records(copy) == kept
     finally:
         copy.close()
+
+
+def _big_env(path: Path) -> lmdb.Environment:
+    """~24 MB of records over many transactions: a copy of two HASH_STEPs and a tail."""
+    env = lmdb.open(str(path), map_size=256 << 20, max_dbs=4)
+    rng = random.Random(5)
+    for batch in range(40):
+        with env.begin(write=True) as txn:
+            db = env.open_db(b"big", txn=txn)
+            for i in range(100):
+                txn.put(b"%04d-%03d" % (batch, i), rng.randbytes(rng.choice([50, 9000])), db=db)
+    return env
+
+
+def test_a_hashed_copy_is_the_compacting_copy_and_its_chunks_sha256s(tmp_path: Path) -> None:
+    """The one-pass copy writes the same bytes as LMDB's compacting copy of the same
+    transaction, and returns the sha256 of each chunk of them, the short tail included."""
+    import hashlib
+
+    from actors.store.compact import HASH_STEP, copy_pages_hashed
+
+    env = _big_env(tmp_path / "src")
+    try:
+        for name in ("bare", "hashed"):
+            (tmp_path / name).mkdir()
+        with env.begin() as txn:
+            copy_pages(env, txn, tmp_path / "bare")
+            digests = copy_pages_hashed(env, txn, tmp_path / "hashed", HASH_STEP)
+    finally:
+        env.close()
+    data = (tmp_path / "hashed" / "data.mdb").read_bytes()
+    assert data == (tmp_path / "bare" / "data.mdb").read_bytes()
+    assert len(data) > 2 * HASH_STEP and len(data) % HASH_STEP
+    assert digests == [hashlib.sha256(data[at:at + HASH_STEP]).hexdigest()
+                       for at in range(0, len(data), HASH_STEP)]
+
+
+def test_a_hashed_copy_that_cannot_write_fails_and_does_not_hang(tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    """A write that fails (a full disk) ends the copy with that error: LMDB's side of the
+    pipe is told to stop instead of waiting for a reader that is gone."""
+    import errno
+    import os
+
+    from actors.store.compact import HASH_STEP, copy_pages_hashed
+
+    env = _big_env(tmp_path / "src")
+    (tmp_path / "copy").mkdir()
+    real, writes = os.pwrite, []
+
+    def filling(fd: int, data: bytes, at: int) -> int:
+        if writes:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        writes.append(at)
+        return real(fd, data, at)
+
+    monkeypatch.setattr(os, "pwrite", filling)
+    try:
+        with env.begin() as txn, pytest.raises(OSError, match="No space left") as caught:
+            copy_pages_hashed(env, txn, tmp_path / "copy", HASH_STEP)
+    finally:
+        env.close()
+    assert writes == [0] and caught.value.errno == errno.ENOSPC
