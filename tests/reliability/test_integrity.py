@@ -470,3 +470,21 @@ def test_a_store_growing_while_its_length_is_checked_is_not_called_cut_short(
         integrity.check_file(tmp_path)
     finally:
         env.close()
+
+
+def test_a_restore_without_the_key_refuses_a_chain_record_that_fails_its_checksum(
+        tmp_path) -> None:
+    """A chain record whose bytes no longer match their CRC (the manifest's sha256s
+    recomputed to match) stops the walk there, names the position, and installs nothing."""
+    _keyed_snapshot(tmp_path)
+    snapshot = tmp_path / "snap"
+    with Raw(snapshot / "store") as raw:
+        _, turn = raw.turn("ana", "s1", 2)
+        lsn = turn.lsn.to_bytes(8, "big")
+        sealed = raw.txn.get(lsn, db=raw.db("chain"))
+        raw.txn.put(lsn, sealed[:20] + bytes([sealed[20] ^ 1]) + sealed[21:], db=raw.db("chain"))
+    _reseal_manifest(snapshot)
+    with pytest.raises(StoreTampered, match=rf"lsn {turn.lsn}: its chain record fails its "
+                                            "checksum"):
+        trio.run(lambda: Engine.restore(snapshot, tmp_path / "r"))
+    assert not (tmp_path / "r").exists()
