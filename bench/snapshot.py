@@ -17,7 +17,8 @@ For each size in --memories, on a store of its own:
    ``Mixtures``: real embeddings mixed, so no hours of embedding) and its text index.
 2. Baseline: buffered add_turn at --rate turns/s for --seconds; latency percentiles.
 3. The same ingest again while ``Engine.snapshot`` runs; its duration, and the ingest
-   percentiles during it (ratio of p99 to the baseline's, same process).
+   percentiles during it (ratio of p99 to the baseline's, same process); then a snapshot
+   with no ingest beside it, for the ratio.
 4. ``Engine.restore`` into a new directory, ``Engine.open``, first ``recall``: the time from
    the start of the restore to the first answer.
 5. Baselines in the same run, on the same store: LMDB's bare compacting copy (``env.copy``,
@@ -102,8 +103,8 @@ async def one_size(args: argparse.Namespace, memories: int, texts: list[str], po
     else:
         work = Path(args.keep) / str(memories)
         work.mkdir(parents=True, exist_ok=True)
-        for name in ("snap", "snap.partial", "restored", "restored.restoring", "bare-envcopy",
-                     "bare-cp"):
+        for name in ("snap", "snap.partial", "snap-alone", "snap-alone.partial", "restored",
+                     "restored.restoring", "bare-envcopy", "bare-cp"):
             shutil.rmtree(work / name, ignore_errors=True)  # left by an interrupted run
     built = work / "built"  # written once the kept store is whole
     rng = np.random.default_rng(args.seed)
@@ -152,6 +153,12 @@ async def one_size(args: argparse.Namespace, memories: int, texts: list[str], po
             results["ingest_during_snapshot"] = percentiles(during, 1e6, "us")
             results["p99_ratio"] = (results["ingest_during_snapshot"]["p99_us"]
                                     / results["baseline_ingest"]["p99_us"])
+            # The same snapshot with nothing beside it, same engine, same run: what the
+            # ingest costs the snapshot.
+            start = time.perf_counter()
+            await mem.snapshot(work / "snap-alone")
+            results["snapshot_alone_s"] = time.perf_counter() - start
+            await trio.to_thread.run_sync(shutil.rmtree, work / "snap-alone")
         results.update(await trio.to_thread.run_sync(baselines, work))
         start, cpu = time.perf_counter(), time.process_time()
         await Engine.restore(work / "snap", work / "restored")
@@ -207,7 +214,8 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
     print(f"snapshot of {r['memories']:,} memories ({r['snapshot_turns']:,} turns, "
           f"{r['snapshot_bytes'] / 1e9:.2f} GB, text index {r['snapshot_fulltext']}): "
           f"{r['snapshot_s']:.1f} s wall, {r['snapshot_cpu_s']:.1f} s CPU (the ingest beside "
-          f"it takes {r['ingest_cpu_per_s']:.2f} s CPU a second)")
+          f"it takes {r['ingest_cpu_per_s']:.2f} s CPU a second); without the ingest, "
+          f"{r['snapshot_alone_s']:.1f} s")
     print(f"add_turn @{args.rate:g}/s before: p50 {b['p50_us']:.0f} µs p99 {b['p99_us']:.0f} µs; "
           f"during the snapshot: p50 {d['p50_us']:.0f} µs p99 {d['p99_us']:.0f} µs "
           f"({r['p99_ratio']:.2f}x)")
