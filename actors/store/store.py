@@ -542,12 +542,27 @@ class Store(Writer, Appliers, Forgetting):
             return _int(txn.get(_LAST_LSN_KEY, db=meta)) or 0, scrubbed, digests
 
         dest.mkdir(parents=True)
+        await self._room_for_a_long_read()
         lsn, scrubbed, digests = await self.read(copy)
         if not scrubbed:
             await trio.to_thread.run_sync(clear_copy, dest, sync, limiter=self._read_limiter)
         elif sync:
             await trio.to_thread.run_sync(fsync_copy, dest, limiter=self._read_limiter)
         return lsn, digests
+
+    async def _room_for_a_long_read(self) -> None:
+        """Double the map now if more than half of it is in use. The map grows only with no
+        transaction open (``_grow_map`` waits for the readers), so a map that filled during
+        a long read (a snapshot's copy: seconds to a minute) stalled the writer, and every
+        add_turn behind its queue, until the read ended: one add_turn waited 37 s during a
+        1M snapshot under load. Reopened, a store's map is only as large as its data, so the
+        first snapshot after an open would always risk it. The map is address space: the
+        file grows only as pages are written."""
+        if self.read_only or self._env is None:
+            return  # another process owns the map's size
+        info = self._env.info()
+        if (info["last_pgno"] + 1) * self._env.stat()["psize"] * 2 > info["map_size"]:
+            await self._grow_map()
 
     async def _enter_exclusive(self) -> None:
         while self._exclusive:

@@ -549,3 +549,57 @@ async def test_a_batch_is_planned_on_the_writers_thread(store_path, monkeypatch)
     assert len(planned_on) == 3
     assert threading.get_ident() not in planned_on
     assert list(stages)[:4] == ["queued", "to_writer", "plan", "write"]
+
+
+async def test_ingest_outgrowing_the_map_does_not_wait_for_a_snapshots_copy(store_path,
+                                                                             monkeypatch) -> None:
+    """A snapshot's copy holds one read transaction for as long as it runs, and the map can
+    grow only with no transaction open: a map that filled meanwhile stalled the writer, and
+    every add_turn behind its queue, until the copy ended (one add_turn waited 37 s in a 1M
+    snapshot under load). The copy makes room first, so ingest writing past the map's size
+    of before commits while the copy is still held open."""
+    inside = threading.Event()  # set by the copy once it runs, inside its read transaction
+    release = threading.Event()  # set by the test: the copy may go on
+    original = store_mod.store.copy_pages_hashed
+
+    def held(env, txn, dest, chunk):
+        inside.set()
+        release.wait()
+        return original(env, txn, dest, chunk)
+
+    monkeypatch.setattr(store_mod.store, "copy_pages_hashed", held)
+    store = store_mod.Store(store_path, Config(initial_map_bytes=1 << 20))
+
+    def used() -> int:
+        return (store._env.info()["last_pgno"] + 1) * store._env.stat()["psize"]
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        try:
+            ingest = Ingest(store)
+            text = "a long enough turn " * 50
+            while used() * 2 <= store.map_size():  # more than half of the map in use
+                for _ in range(20):
+                    lsn = await ingest.add_turn("s", text)
+                await store.wait_committed(lsn)
+            before = store.map_size()
+            copied: list[tuple[int, list[str] | None]] = []
+
+            async def snapshot() -> None:
+                copied.append(await store.copy_to(store_path.parent / "copy", sync=False,
+                                                  hash_chunk=8 << 20))
+
+            nursery.start_soon(snapshot)
+            await trio.to_thread.run_sync(inside.wait)
+            # A hang guard, not a timing: without the room made first this never returns.
+            with trio.fail_after(60):
+                while used() <= before:
+                    for _ in range(20):
+                        lsn = await ingest.add_turn("s", text)
+                    await store.wait_committed(lsn)
+            assert not copied  # all of it committed while the copy held its transaction
+            release.set()
+        finally:
+            release.set()
+            store.close()
+    assert copied and copied[0][0] < lsn  # the copy is of the state its transaction saw
