@@ -12,7 +12,8 @@ truth: vectors are never read back from hnswlib) and kept while the loaded total
 - Below HNSW_THRESHOLD vectors a partition is searched exactly: one matrix product over a float32
   matrix (0.16 ms at 5k, 1.5 ms at 20k on this machine).
 - Above it an hnswlib graph is built in the background (~2,200 vectors/s on one thread) while
-  exact search serves; then queries use the graph. Graphs are saved at clean close (under
+  exact search serves; then queries use the graph, and the partition's matrix becomes float16
+  (``rows.HALF``): the graph holds the float32 copy. Graphs are saved at clean close (under
   ``ann/``, named by a hash of the user id) with the lsn of each row and a sha256 of both
   files written last (a graph per partition), and reloaded on first use, reconciled with the stored vectors, only if
   both files match their checksums (a shuffled ``lsns.npy`` would map rows to the wrong
@@ -43,7 +44,7 @@ import numpy as np
 import trio
 
 from ..store import Store, read_user_vectors
-from .rows import _dot, _exact, _User, _UserVectors
+from .rows import HALF, _dot, _exact, _User, _UserVectors
 from .vectors import KINDS, NO_FILTERS, PARTS, Filters, decode_rows, part_of
 
 __all__ = ["AnnIndex"]
@@ -90,6 +91,11 @@ def _sha256(path: Path) -> str:
                 return hashlib.sha256(view).hexdigest()
             finally:
                 view.release()
+
+
+def _cast_half(matrix: np.ndarray, rows: int) -> np.ndarray:
+    """The first ``rows`` rows of ``matrix`` as float16 (worker thread)."""
+    return matrix[:rows].astype(HALF)
 
 
 def _mark_deleted(graph: hnswlib.Index, row: int) -> None:
@@ -195,7 +201,9 @@ class AnnIndex:
         for part, rows in (("turn", turns), ("other", ~turns)):
             uv = self._load_graph(user_id, part, every[rows], chunks[rows], meta[rows],
                                   matrix[rows])
-            if uv is None:
+            if uv is not None:  # the loaded graph holds the float32 copy (rows.HALF)
+                uv.take_half(_cast_half(uv.matrix, uv.n))
+            else:
                 uv = _UserVectors(self._dim)
                 uv.append(every[rows], chunks[rows], meta[rows], matrix[rows], dedupe=False)
             setattr(user, part, uv)
@@ -273,6 +281,12 @@ class AnnIndex:
             uv.unsaved = True
         finally:
             uv.writing = False
+        if uv.graph is not None and uv.matrix.dtype != HALF:
+            # The graph holds the float32 copy now: the matrix keeps float16 (rows.HALF).
+            head = await trio.to_thread.run_sync(_cast_half, uv.matrix, uv.n,
+                                                 limiter=self._graph_limiter)
+            if uv.matrix.dtype != HALF:
+                uv.take_half(head)
         if (getattr(self._users.get(user_id), part, None) is uv
                 and (uv.n > uv.graph_rows or uv.graph_dead)):
             self._schedule(uv, user_id, part)
@@ -290,7 +304,8 @@ class AnnIndex:
             if rows > graph.get_max_elements():
                 graph.resize_index(max(rows * 2, graph.get_max_elements() * 2))
         if rows > start:
-            graph.add_items(uv.matrix[start:rows], np.arange(start, rows))
+            graph.add_items(np.asarray(uv.matrix[start:rows], dtype=np.float32),
+                            np.arange(start, rows))
         _scrub_rows(graph, dead, self._dim)
         for row in range(start, rows):
             if not uv.alive[row]:

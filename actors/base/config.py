@@ -63,7 +63,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         background_embedding: embed what the store commits as it comes (off: a bulk import
             that leaves embedding to the serving process, which resumes from the watermark).
         ann_cache_vectors: vectors kept in RAM for search across all loaded users (1M at 384
-            dimensions is ~1.5 GB); least recently searched users are unloaded first.
+            dimensions is ~1.5 GB as float32 matrices; a partition with a graph keeps its
+            matrix as float16 beside the graph's float32 copy, ~2.4 GB for 1M); least
+            recently searched users are unloaded first.
         long_term: run the long-term layer in the background: episodes, fact extraction,
             entities, review ratings and maintenance (off: a bare turn store and search).
         episode_after_turns / episode_keep_turns: when a session has this many turns not in

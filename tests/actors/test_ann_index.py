@@ -17,6 +17,7 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+import pytest
 import trio
 
 import actors.ann_index.ann_index as ann_mod
@@ -446,3 +447,58 @@ async def test_a_record_of_several_chunks_is_found_by_any_once_and_survives_the_
         assert int(uv.alive[: uv.n].sum()) == sum(len(uv.rows(lsn)) for lsn in uv.row_of)
         assert uv.extra == sum(len(uv.rows(lsn)) - 1 for lsn in uv.row_of)
         assert not await v.ann.search("ana", note_query, 30, Filters(kinds=("note",)))
+
+
+async def test_a_graphed_partition_keeps_its_matrix_as_float16_with_the_same_answers(
+        store_path, monkeypatch) -> None:
+    """Once a partition's graph is built (or loaded), its matrix is float16: the graph holds
+    the float32 copy. Exact scans, similarities and the graph give the scores the stored
+    vectors give in float32; rows forgotten are zeroed; rows added after are found."""
+    monkeypatch.setattr(ann_mod, "HNSW_THRESHOLD", 200)
+    monkeypatch.setattr(rows_mod, "DOT_BLOCK", 64)  # scans cross blocks
+    texts = _texts(500, seed=21)
+    queries = [await _vector(t) for t in _texts(8, seed=22)]
+    # What the stored float16 vectors score, in float32 (hash vectors: one chunk each).
+    stored = hash_vectors(texts).astype(np.float16).astype(np.float32)
+
+    async def halved(v: Vectors) -> rows_mod._UserVectors:
+        await _graph_ready(v.ann)
+        uv = v.ann._users["ana"].turn
+        while uv.matrix.dtype != np.float16:
+            await trio.sleep(0.01)
+        return uv
+
+    async with running_index(store_path) as v:
+        lsns = await v.add_turns("ana", [(f"s{i % 4}", t) for i, t in enumerate(texts)])
+        await v.ann.search("ana", queries[0], 1)
+        uv = await halved(v)
+        assert uv.matrix.dtype == np.float16 and uv.graph is not None
+        for query in queries:
+            exact = uv.exact(query, 10, uv.alive[: uv.n])
+            scores = stored @ query
+            best = np.argsort(-scores, kind="stable")[:10]
+            assert [score for _, score in exact] == pytest.approx(scores[best].tolist(), abs=1e-6)
+            sims = v.ann.similarities("ana", query, lsns[:5])
+            assert [sims[lsn] for lsn in lsns[:5]] == pytest.approx(scores[:5].tolist(),
+                                                                     abs=1e-6)
+        gone = await v.history("s1")
+        await v.forget("ana", "s1")
+        dead = np.flatnonzero(~uv.alive[: uv.n])
+        assert len(dead) == len(gone) and not uv.matrix[dead].any()
+        new = await v.add_turn("ana", "s9", "zebra zebra zebra quokka")
+        await _graph_ready(v.ann)
+        found = await v.ann.search("ana", await _vector("zebra zebra zebra quokka"), 1)
+        assert found[0][0] == new
+        # A row the graph does not have yet (appended without waking its writer) is found: the
+        # exact scan of the float16 matrix serves while the graph is behind.
+        [record] = await v.ground.store.read(store_mod.read_searchables, [lsns[0]])
+        query = await _vector("quokka quokka lisbon")
+        uv.append(*ann_mod.decode_rows(
+            [10**9], encode_vector(msgspec.structs.replace(record, lsn=10**9), query), DIM))
+        assert uv.graph_rows == uv.n - 1
+        found = await v.ann.search("ana", query, 3)
+        assert found[0] == (10**9, pytest.approx(1.0, abs=1e-3)) and len(found) == 3
+    async with running_index(store_path) as v:  # the saved graph loads with a float16 matrix
+        found = await v.ann.search("ana", await _vector("zebra zebra zebra quokka"), 1)
+        uv = v.ann._users["ana"].turn
+        assert uv.matrix.dtype == np.float16 and found[0][0] == new
