@@ -31,6 +31,8 @@ scan and the graph search are ``rows.py``'s.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import mmap
@@ -48,6 +50,11 @@ from .rows import HALF, _dot, _exact, _User, _UserVectors
 from .vectors import KINDS, NO_FILTERS, PARTS, Filters, decode_rows, part_of
 
 __all__ = ["AnnIndex"]
+
+try:  # glibc's, to return freed heap after a load (_return_free_heap)
+    _TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+except (OSError, AttributeError):  # no glibc (musl, macOS): nothing to trim
+    _TRIM = None
 
 HNSW_THRESHOLD = 20_000  # vectors per user above which a graph beats the exact scan here
 HNSW_M = 16  # graph degree: recall@10 >= 0.98 on the bench corpus with HNSW_EF_SEARCH
@@ -91,6 +98,16 @@ def _sha256(path: Path) -> str:
                 return hashlib.sha256(view).hexdigest()
             finally:
                 view.release()
+
+
+def _return_free_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing where
+    there is none), after a user's vectors were loaded or cast (worker thread). Those steps
+    free temporaries of a few to tens of MB, which glibc keeps in its arenas (its mmap
+    threshold rises to 32 MB after the first large free): 52 MiB of the 387 MiB a loaded
+    user of 100k vectors held, measured."""
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 def _cast_half(matrix: np.ndarray, rows: int) -> np.ndarray:
@@ -287,6 +304,8 @@ class AnnIndex:
                                                  limiter=self._graph_limiter)
             if uv.matrix.dtype != HALF:
                 uv.take_half(head)
+            del head
+            await trio.to_thread.run_sync(_return_free_heap, limiter=self._graph_limiter)
         if (getattr(self._users.get(user_id), part, None) is uv
                 and (uv.n > uv.graph_rows or uv.graph_dead)):
             self._schedule(uv, user_id, part)
@@ -413,6 +432,8 @@ class AnnIndex:
             # another user's graph build.
             user = await trio.to_thread.run_sync(self._build_user, user_id, lsns, values,
                                                  limiter=self._search_limiter)
+            del lsns, values
+            await trio.to_thread.run_sync(_return_free_heap, limiter=self._search_limiter)
             forgotten = False
             for what, payload in self._loading[user_id]:
                 if what == "add":
