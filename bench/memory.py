@@ -11,7 +11,8 @@ go back down). The build imports the memories into a store with vectors (the det
 out of it; the vectors, both indexes and the long-term layer are the real ones): sessions of
 20 turns spread over the users, then ``flush`` (every index and follower has taken every
 turn), then the vector graphs of large users are built, and the engine closes (saving them).
-With ``--keep`` the store stays there and a later run measures it again without building.
+With ``--keep`` the store stays there and a later run measures it again without building; a
+build stopped after its import resumes there (the followers and graphs go on).
 
 The measurement imports everything, notes the process's resident set, opens an engine on the
 store, searches once per user so that every user's vectors are loaded as a serving engine has
@@ -90,11 +91,19 @@ def sentence(rng: random.Random) -> str:
 
 async def build(path: Path, memories: int, users: int, seed: int) -> dict[str, Any]:
     """Import the memories into a new store at ``path``, wait for every index, follower and
-    vector graph, close. Returns the raw sizes and the build's time."""
+    vector graph, close. Returns the raw sizes and the build's time. A store there that holds
+    every turn already (a build stopped after its import) is resumed: the followers and the
+    graphs go on from where they stopped; one holding some turns is built again."""
+    if path.exists():
+        async with Engine.open(path, embedder=HashEmbedder(dim=DIM)) as mem:
+            held = (await mem.stats()).turns
+        if held != memories:
+            shutil.rmtree(path)
     rng = random.Random(seed)
     text_bytes = 0
     start = time.perf_counter()
     async with Engine.open(path, embedder=HashEmbedder(dim=DIM)) as mem:
+        resumed = (await mem.stats()).turns == memories
         for at in range(0, memories, CHUNK):
             items = []
             for i in range(at, min(at + CHUNK, memories)):
@@ -103,7 +112,8 @@ async def build(path: Path, memories: int, users: int, seed: int) -> dict[str, A
                 text_bytes += len(text.encode())
                 items.append(NewTurn(user_id=f"user{session % users}", session_id=f"s{session}",
                                      role=("user", "assistant")[i % 2], text=text))
-            await mem.add_turns(items)
+            if not resumed:  # else only the texts' bytes, drawn again from the same seed
+                await mem.add_turns(items)
             progress("import", at + len(items), memories)
         imported = time.perf_counter() - start
         await mem.flush()
@@ -157,7 +167,6 @@ def one(memories: int, users: int, seed: int, keep: Path | None) -> dict[str, An
     built = work / f"memory-{memories}-{users}.json"  # written once the store is complete
     try:
         if not built.exists():
-            shutil.rmtree(store, ignore_errors=True)
             work.mkdir(parents=True, exist_ok=True)
             child = _child(["--build", str(memories), str(users), str(store), str(seed)])
             built.write_text(json.dumps(child))
