@@ -57,7 +57,7 @@ class _UserVectors:
             return
         need = self.n + k
         if need > len(self.lsns):
-            size = max(need, 2 * len(self.lsns), 64)
+            size = max(need, 2 * len(self.lsns))  # loaded at its size; doubles as it grows
             self.lsns = np.resize(self.lsns, size)
             self.chunks = np.resize(self.chunks, size)
             self.meta = np.resize(self.meta, size)
