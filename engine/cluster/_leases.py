@@ -124,6 +124,9 @@ class Leases:
         self.counts = {"claimed": 0, "lost": 0, "reacquired": 0, "released": 0, "adopted": 0,
                        "unsure": 0}
         self._adoptable: dict[int, int] = {}  # leases of an earlier incarnation of this node
+        # Keys the last snapshot missed, kept in the view from the one before (for one tick).
+        self._kept_owners: set[int] = set()
+        self._kept_members: set[str] = set()
         self._value = _encode(LeaseValue(node, incarnation))
         self.ready = trio.Event()  # set after the first tick: the view of owners is filled
 
@@ -179,16 +182,27 @@ class Leases:
                      type(exc).__name__)
             await self._renew_all()
             return
-        self._read(snapshot)
+        owners, members = self._read(snapshot)
         await self._renew_all()
-        owners = {p: v.node for p, v in self.owners.items()}
-        claims, release = plan(self.node, self.config.partitions, owners, set(self.members))
+        claims, release = plan(self.node, self.config.partitions,
+                               {p: v.node for p, v in owners.items()}, set(members))
         if release is not None:
             await self.release(release)
         for p in claims:
             await self._claim(p)
 
-    def _read(self, snapshot: dict[str, tuple[bytes, int]]) -> None:
+    def _read(self, snapshot: dict[str, tuple[bytes, int]]
+              ) -> tuple[dict[int, LeaseValue], dict[str, Beat]]:
+        """Take a snapshot of the bucket into the view; return what the snapshot itself holds
+        (owners, members), for planning.
+
+        A watch of the bucket can end without a key that was renewed while it ran (its old
+        revision gone, the new one delivered after the watch's last pending entry). Such a
+        key stays in the view (``owners``, ``members``: where the router forwards) for one
+        more tick rather than leaving it for a whole tick, which made the router answer 503
+        NoOwner on a balanced cluster. Plans use only the snapshot: a claim of a lease that is
+        still held fails on its revision, and fewer members never make a node hand back.
+        """
         owners: dict[int, LeaseValue] = {}
         members: dict[str, Beat] = {}
         for key, (value, revision) in snapshot.items():
@@ -204,7 +218,13 @@ class Leases:
                     members[beat.node] = beat
             except (msgspec.DecodeError, ValueError):
                 log.warning("ignoring a malformed key in the lease bucket: %r", key)
-        self.owners, self.members = owners, members
+        kept_owners = {p: v for p, v in self.owners.items()
+                       if p not in owners and p not in self._kept_owners}
+        kept_members = {n: b for n, b in self.members.items()
+                        if n not in members and n not in self._kept_members}
+        self._kept_owners, self._kept_members = set(kept_owners), set(kept_members)
+        self.owners, self.members = kept_owners | owners, kept_members | members
+        return owners, members
 
     async def _beat(self) -> None:
         key = NODE_PREFIX + self.node

@@ -134,6 +134,7 @@ _RETRY = (nats.errors.TimeoutError, nats.errors.NoRespondersError,
 # connection down or reconnecting): worth trying again, never a verdict.
 TRANSIENT = (*_RETRY, nats.js.errors.APIError, nats.errors.Error)
 PUBLISH_TIMEOUT = 2.0  # seconds one attempt waits for its PubAck
+WATCH_IDLE_SECONDS = 10.0  # the server deletes a stopped watch's consumer after this (not 5 min)
 RETRY_PAUSE = (0.05, 0.1, 0.2, 0.4, 0.5)  # seconds between attempts, the last one repeated
 LOST_PULL_SECONDS = 2.0  # a pull request this long past its expiry without an answer is lost
 
@@ -478,20 +479,15 @@ class _Client:
 
     async def kv_entries(self) -> dict[str, tuple[bytes, int, Any]]:
         """Every live key of the lease bucket: key -> (value, revision, written at)."""
-        watcher = await self.kv.watchall()
-        out: dict[str, tuple[bytes, int, Any]] = {}
+        watcher = await self.kv.watchall(inactive_threshold=WATCH_IDLE_SECONDS)
         try:
-            while True:
-                entry = await watcher.updates(timeout=PUBLISH_TIMEOUT)
-                if entry is None:
-                    break
-                if entry.operation in ("DEL", "PURGE"):
-                    out.pop(entry.key, None)
-                else:
-                    out[entry.key] = (entry.value, entry.revision, entry.created)
+            return await collect_entries(watcher.updates, self._bucket_empty)
         finally:
             await watcher.stop()
-        return out
+
+    async def _bucket_empty(self) -> bool:
+        info = await self.js.stream_info(f"KV_{self.config.bucket}")
+        return info.state.messages == 0
 
     async def last_seq(self) -> int:
         info = await self.js.stream_info(self.config.stream)
@@ -546,6 +542,41 @@ async def _quiet(exc: Exception) -> None:
 
 async def _quiet_event() -> None:
     log.debug("nats: connection state changed")
+
+
+async def collect_entries(next_update: Any, bucket_empty: Any
+                          ) -> dict[str, tuple[bytes, int, Any]]:
+    """The live keys a KV watcher (``watchall``) hands over: key -> (value, revision, written).
+
+    The watch ends at the entry that was the last one pending when it was delivered (its
+    ``delta`` is 0), not at nats-py's "nothing pending" marker (None): the watcher can send
+    that marker before any entry, when it asks the server how many are pending after the
+    server has already pushed them all. A snapshot that stopped there saw an empty bucket (no
+    owners, no members) for a whole lease tick. A None before any entry ends the watch only
+    if the bucket's stream really holds nothing.
+
+    Args:
+        next_update: the watcher's ``updates`` (awaited with ``timeout=``).
+        bucket_empty: awaited; whether the bucket's stream holds no message.
+
+    Raises:
+        nats.errors.TimeoutError: no entry within ``PUBLISH_TIMEOUT``.
+    """
+    out: dict[str, tuple[bytes, int, Any]] = {}
+    seen = False
+    while True:
+        entry = await next_update(timeout=PUBLISH_TIMEOUT)
+        if entry is None:
+            if seen or await bucket_empty():
+                return out
+            continue  # the early marker: the entries are still on their way
+        seen = True
+        if entry.operation in ("DEL", "PURGE"):
+            out.pop(entry.key, None)
+        else:
+            out[entry.key] = (entry.value, entry.revision, entry.created)
+        if entry.delta == 0:
+            return out
 
 
 class Log:
