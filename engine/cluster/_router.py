@@ -100,8 +100,16 @@ class Router:
         url = None if owner is None else self.node.leases.url_of(owner.node)
         if FORWARDED.encode() in headers or url is None or owner.node == self.node.node_id:
             self.counts["unavailable"] += 1
-            await _respond(send, 503, {"error": "NoOwner", "message": f"partition {p} has no "
-                                       "confirmed owner reachable from here yet; retry"},
+            if FORWARDED.encode() in headers:
+                why = (f"{headers[FORWARDED.encode()].decode('latin-1')} forwarded it to "
+                       f"{self.node.node_id}, which does not hold partition {p} now")
+            elif owner is None:
+                why = f"no lease on partition {p} as {self.node.node_id} last read them"
+            elif owner.node == self.node.node_id:
+                why = f"{self.node.node_id} holds partition {p} but has not confirmed it"
+            else:
+                why = f"partition {p}'s owner {owner.node} has no heartbeat here"
+            await _respond(send, 503, {"error": "NoOwner", "message": f"{why}; retry"},
                            retry=True)
             return
         if body is None:
