@@ -17,8 +17,9 @@ Measured, in order (one publisher):
   buffered_rate      ClusterEngine.add_turn(durable=False) as fast as it goes, then every
                      PubAck awaited: turns/s (target >= 0.6x bare_async_rate); both rates
                      with this process's CPU per turn (*_cpu_us), which load moves less.
-                     The two alternate over ROUNDS rounds; each figure is the median, the
-                     ratio the median of the rounds' ratios
+                     The two alternate over --rounds rounds (9; odd rounds buffered
+                     first); each figure is the median, the ratio the median of the rounds'
+                     ratios, and the same ratio by CPU per turn beside it
   single_rate        the single-process engine's buffered add_turn, turns/s
   apply_lag          publish -> applied on the owner (the node's watermark passes it) at
                      --rate turns/s
@@ -52,7 +53,7 @@ from engine.cluster import LogTurn, encode_entry, partition_of, subject_of
 
 CONFIG = {"long_term": False}  # the log path, not the background layer, is under test
 PARTITIONS = 8
-ROUNDS = 5  # alternated rounds of the in-flight baseline and buffered add_turn
+ROUNDS = 9  # alternated rounds of the in-flight baseline and buffered add_turn
 
 
 def entry(i: int, tag: str) -> tuple[str, bytes, str]:
@@ -80,7 +81,8 @@ async def bare_puback(urls: list[str], stream: str, n: int) -> list[float]:
 
 
 async def through_node(urls: list[str], config: ClusterConfig, store: Path, n: int,
-                       rate: float, seconds: float) -> dict[str, Any]:
+                       rate: float, seconds: float, rounds_asked: int = ROUNDS
+                       ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     log = await Log.connect(urls, config, name="bench")
     try:
@@ -107,28 +109,33 @@ async def through_node(urls: list[str], config: ClusterConfig, store: Path, n: i
             # machine: the figure is the median of the rounds' ratios.
             rounds = []
             nc = await log.thread.run(_connect, urls)
-            for r in range(ROUNDS):
-                bare_rate, bare_cpu = await log.thread.run(_bare_async, nc, total, f"b{r}")
-                t, cpu = time.perf_counter(), time.process_time()
-                receipts = [await writer.add_turn(f"user-{i % 50}", "s2", "user",
-                                                  f"buffered turn {i}") for i in range(total)]
-                for receipt in receipts:
-                    await receipt.durable()
-                rate = total / (time.perf_counter() - t)
+            for r in range(rounds_asked):
+                # Odd rounds run buffered first: neither side always follows the other
+                # (a disk's flush or a neighbour's burst left behind by the first).
+                if r % 2 == 0:
+                    bare_rate, bare_cpu = await log.thread.run(_bare_async, nc, total, f"b{r}")
+                rate, buffered_cpu, last = await _buffered(writer, total)
+                if r % 2 == 1:
+                    bare_rate, bare_cpu = await log.thread.run(_bare_async, nc, total, f"b{r}")
                 rounds.append({"bare_async_rate": bare_rate, "buffered_rate": rate,
                                "ratio": rate / bare_rate, "bare_async_cpu_us": bare_cpu,
-                               "buffered_cpu_us": (time.process_time() - cpu) / total * 1e6})
+                               "buffered_cpu_us": buffered_cpu,
+                               "cpu_ratio": bare_cpu / buffered_cpu})
             await log.thread.run(nc.close)
             out["rounds"] = rounds
             for key in ("bare_async_rate", "buffered_rate", "bare_async_cpu_us",
                         "buffered_cpu_us"):
                 out[key] = statistics.median(x[key] for x in rounds)
             out["buffered_over_bare_async"] = statistics.median(x["ratio"] for x in rounds)
+            # The same ratio by this process's CPU per turn (both sides' client work on the
+            # same two threads): what the rate ratio would be if the client were the
+            # bottleneck, and a figure the machine's load moves far less than the rates.
+            out["buffered_over_bare_async_cpu"] = statistics.median(x["cpu_ratio"]
+                                                                    for x in rounds)
 
             node = Node(engine, log, "bench", "http://127.0.0.1:1")
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.run)
-                last = receipts[-1].log_seq
                 await _until(lambda: all(node.marks.get(p, 0) >= 0 for p in node.leases.held)
                              and sum(node.marks.values()) > 0, 60)
                 await _caught_up(node, log, 60)
@@ -167,6 +174,18 @@ async def through_node(urls: list[str], config: ClusterConfig, store: Path, n: i
     finally:
         await log.close()
     return out
+
+
+async def _buffered(writer: ClusterEngine, total: int) -> tuple[float, float, int]:
+    """``total`` buffered add_turns, then every PubAck awaited; (turns/s, this process's
+    CPU microseconds a turn, the last turn's log sequence)."""
+    t, cpu = time.perf_counter(), time.process_time()
+    receipts = [await writer.add_turn(f"user-{i % 50}", "s2", "user", f"buffered turn {i}")
+                for i in range(total)]
+    for receipt in receipts:
+        await receipt.durable()
+    return (total / (time.perf_counter() - t), (time.process_time() - cpu) / total * 1e6,
+            receipts[-1].log_seq)
 
 
 async def _connect(urls: list[str]) -> Any:
@@ -237,6 +256,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sync", choices=["always", "default"], default="always")
     parser.add_argument("--rate", type=float, default=500.0, help="turns/s for apply_lag")
+    parser.add_argument("--rounds", type=int, default=ROUNDS,
+                        help="alternated rounds of in-flight publishes and buffered add_turn")
     parser.add_argument("--out", default="bench/results/cluster.json")
     args = parser.parse_args(argv)
     n = 300 if args.quick else 2000
@@ -252,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             times = asyncio.run(bare_puback(servers.urls, config.stream, n))
             results["bare_puback"] = percentiles(times, 1e3, "ms")
             results.update(trio.run(through_node, servers.urls, config, base / "node", n,
-                                    args.rate, seconds))
+                                    args.rate, seconds, args.rounds))
         results.update(trio.run(single_process, base / "single", n))
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -284,7 +305,8 @@ def report(r: dict[str, Any]) -> None:
           f"buffered add_turn {r['buffered_cpu_us']:.1f} us")
     ratios = ", ".join(f"{x['ratio']:.2f}" for x in r["rounds"])
     print(f"  buffered / bare async: {r['buffered_over_bare_async']:.2f}x (median of "
-          f"{len(r['rounds'])} alternated rounds: {ratios})")
+          f"{len(r['rounds'])} alternated rounds: {ratios}); by this process's CPU per turn "
+          f"{r['buffered_over_bare_async_cpu']:.2f}x")
 
 
 if __name__ == "__main__":
