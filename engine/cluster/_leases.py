@@ -297,8 +297,10 @@ class Leases:
         await self._drop(p, "released")
         try:
             await self.log.kv("delete", LEASE_PREFIX + str(p), last=revision)
-        except (*_MOVED, *_UNSURE):
-            pass  # it moved on, or it expires by itself within the TTL
+        except (*_MOVED, *_UNSURE, *TRANSIENT):
+            # It moved on, or the bucket refused: either way it expires by itself within
+            # the TTL, and a node stopping goes on releasing the others.
+            pass
         self.owners.pop(p, None)
 
     async def release_all(self) -> None:
@@ -306,7 +308,7 @@ class Leases:
             await self.release(p)
         try:
             await self.log.kv("delete", NODE_PREFIX + self.node)
-        except (nats.js.errors.Error, *_UNSURE):
+        except (*_UNSURE, *TRANSIENT):
             pass
 
     async def _drop(self, p: int, why: str) -> None:

@@ -241,3 +241,29 @@ async def test_every_node_sees_every_owner_and_member_while_leases_renew(
     finally:
         for log in logs:
             await log.close()
+
+
+async def test_releasing_goes_on_past_a_bucket_error_it_did_not_expect() -> None:
+    """A node stopping hands back every lease it can: a refusal from the bucket for one (any
+    NATS error, not only "moved" or "no leader") leaves that lease to expire by itself, and
+    the others, and the heartbeat, are still released; the stop does not fail."""
+    deletes: list[str] = []
+
+    class RefusingLog:
+        config = ClusterConfig(partitions=4, lease_ttl=3.0)
+
+        async def kv(self, method: str, key: str, *args: object, **kwargs: object) -> int:
+            deletes.append(key)
+            if key == f"{LEASE_PREFIX}1":
+                raise nats.js.errors.ServerError(code=500, err_code=10023,
+                                                 description="insufficient resources")
+            return 1
+
+    events: list[tuple[str, int]] = []
+    leases = await _leases(RefusingLog(), "a", events)
+    leases.held = {0: 5, 1: 6, 2: 7}
+    await leases.release_all()
+    assert leases.held == {}
+    assert sorted(events) == [("lost", 0), ("lost", 1), ("lost", 2)]
+    assert deletes == [f"{LEASE_PREFIX}0", f"{LEASE_PREFIX}1", f"{LEASE_PREFIX}2", "node.a"]
+    assert leases.counts["released"] == 3
