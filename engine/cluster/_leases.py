@@ -264,8 +264,22 @@ class Leases:
             return  # unknown: keep it, try again next tick
         except _MOVED:
             pass
-        # The revision moved: either the lease expired (no key) and nobody took it, so take
-        # it again, or someone else holds it now.
+        # The revision moved. A renewal of ours that the bucket took but whose answer was
+        # lost (a timeout on a loaded machine) moved it too: the key holds this
+        # incarnation's value at a revision we never heard of. Keep the lease then.
+        try:
+            entry = await self.log.kv("get", key)
+        except _UNSURE:
+            self.counts["unsure"] += 1
+            return  # unknown: keep it, try again next tick
+        except _MOVED:
+            entry = None  # gone (expired, deleted)
+        if entry is not None and entry.value == self._value:
+            self.held[p] = entry.revision
+            self.confirmed[p] = self._clock()
+            return
+        # Either the lease expired (no key) and nobody took it, so take it again, or
+        # someone else holds it now.
         try:
             self.held[p] = await self.log.kv("create", key, self._value)
             self.confirmed[p] = self._clock()

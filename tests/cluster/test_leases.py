@@ -267,3 +267,28 @@ async def test_releasing_goes_on_past_a_bucket_error_it_did_not_expect() -> None
     assert sorted(events) == [("lost", 0), ("lost", 1), ("lost", 2)]
     assert deletes == [f"{LEASE_PREFIX}0", f"{LEASE_PREFIX}1", f"{LEASE_PREFIX}2", "node.a"]
     assert leases.counts["released"] == 3
+
+
+async def test_a_renewal_that_landed_unanswered_keeps_the_lease(nats_servers, cluster_config
+                                                               ) -> None:
+    """A renewal the bucket took but whose answer never came (a timeout on a loaded machine)
+    leaves the holder with an old revision. The next renewal must find its own value there
+    and keep the lease, not count it lost, stop applying the partition and adopt it back a
+    tick later (a router answered 503 NoOwner meanwhile: "holds it but has not confirmed")."""
+    log = await connect(nats_servers, cluster_config)
+    try:
+        events: list[tuple[str, int]] = []
+        a = await _leases(log, "a", events)
+        await a.tick()
+        key = f"{LEASE_PREFIX}0"
+        landed = await log.kv("update", key, msgspec.json.encode(LeaseValue("a", "a-1")),
+                              last=a.held[0])  # what the lost answer would have said
+        await a.tick()
+        assert 0 in a.held and a.serving(0)
+        assert a.held[0] == landed
+        await a.tick()  # and the next renewal goes on from there
+        assert a.held[0] > landed
+        assert ("lost", 0) not in events
+        assert a.counts["lost"] == 0 and a.counts["adopted"] == 0
+    finally:
+        await log.close()
