@@ -524,17 +524,25 @@ class AnnIndex:
         return out
 
     def _plan(self, uv: _UserVectors, query: np.ndarray, k: int, filters: Filters) -> _Job:
-        """One partition's k nearest, as a job: its graph when it has a complete one and the
-        filters leave enough rows, else an exact scan of its rows (on the loop when small).
+        """One partition's k nearest, as a job: its graph when it has one that is not being
+        written and the filters leave enough rows (with an exact scan of the rows it lacks
+        yet), else an exact scan of its rows (on the loop when small).
         Everything the job reads is taken here, before any yield: rows keep arriving on the
         trio thread."""
         if uv.n == 0:
             return _Job(uv, None, False, False)
         keep = (uv.alive[: uv.n] & filters.mask(uv.meta[: uv.n], uv.lsns[: uv.n])
                 if filters.any() else None)
-        if (uv.graph is not None and not uv.writing and uv.graph_rows == uv.n
+        if (uv.graph is not None and not uv.writing
                 and (keep is None or keep.sum() > HNSW_THRESHOLD)):
-            return _Job(uv, (uv.knn, query, k, keep), True, True)
+            if uv.graph_rows == uv.n:
+                return _Job(uv, (uv.knn, query, k, keep), True, True)
+            # Behind its rows (new rows wait for the writer): the graph for the rows it holds,
+            # an exact scan for the rest, taken now.
+            rows, n = slice(uv.graph_rows, uv.n), uv.n
+            tail = (uv.matrix[rows], uv.lsns[rows],
+                    (uv.alive[:n] if keep is None else keep)[rows].copy(), uv.chunks[rows])
+            return _Job(uv, (uv.knn_behind, query, k, keep, tail), True, True)
         mask = uv.alive[: uv.n].copy() if keep is None else keep
         n = len(mask)
         return _Job(uv, (_exact, uv.matrix[:n], uv.lsns[:n], query, k, mask, uv.chunks[:n],

@@ -15,8 +15,9 @@ HNSW_EF_SEARCH = 96
 # A partition's matrix once its graph is built: hnswlib keeps a float32 copy of every vector
 # it holds, so a second float32 copy here would double what the partition costs. The vectors
 # are stored as float16 (vectors.py), so this copy loses nothing; scans cast it back a block at
-# a time, which makes an exact scan of a graphed partition (while its graph is behind, or for a
-# narrow filter) ~3x slower than over float32.
+# a time, which makes an exact scan of a graphed partition (while its graph is being written,
+# or for a narrow filter) ~3x slower than over float32. While the graph is only behind its rows,
+# it answers for its rows and the scan covers the rest alone (knn_behind).
 HALF = np.float16
 DOT_BLOCK = 8_192  # rows cast to float32 at a time by an exact scan of a float16 matrix
 
@@ -148,6 +149,25 @@ class _UserVectors:
                     in zip(lsns[found].tolist(), distances[0].tolist(), strict=True)]
         return _distinct(lsns[found], (1.0 - distances[0]).tolist(), chunks[found], want,
                          matched)
+
+    def knn_behind(self, query: np.ndarray, k: int, keep: np.ndarray | None,
+                   tail: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+                   matched: dict[int, int] | None = None) -> list[tuple[int, float]]:
+        """:meth:`knn` while the graph is behind its rows: the graph answers for the rows it
+        holds and an exact scan for the ``tail`` after them (matrix, lsns, mask and chunks of
+        rows [graph_rows, n), taken when the search was planned), merged best first, each
+        record once at its best score. A busy user's graph is behind most of the time; a scan
+        of every row instead would cost a float16 matrix's whole pass per query."""
+        head = self.knn(query, k, keep, matched)
+        matrix, lsns, mask, chunks = tail
+        places: dict[int, int] = {}
+        best = dict(head)
+        for lsn, score in _exact(matrix, lsns, query, k, mask, chunks, self.extra, places):
+            if score > best.get(lsn, -np.inf):
+                best[lsn] = score
+                if matched is not None and lsn in places:
+                    matched[lsn] = places[lsn]
+        return sorted(best.items(), key=lambda hit: (-hit[1], hit[0]))[:k]
 
 
 class _User:

@@ -496,8 +496,18 @@ async def test_a_graphed_partition_keeps_its_matrix_as_float16_with_the_same_ans
         uv.append(*ann_mod.decode_rows(
             [10**9], encode_vector(msgspec.structs.replace(record, lsn=10**9), query), DIM))
         assert uv.graph_rows == uv.n - 1
+        scanned = []  # rows each exact scan covered: the graph answers for its own rows
+        real_exact = rows_mod._exact
+        monkeypatch.setattr(rows_mod, "_exact",
+                            lambda matrix, *rest: scanned.append(len(matrix))
+                            or real_exact(matrix, *rest))
         found = await v.ann.search("ana", query, 3)
         assert found[0] == (10**9, pytest.approx(1.0, abs=1e-3)) and len(found) == 3
+        assert scanned == [1]
+        full = real_exact(uv.matrix[: uv.n], uv.lsns[: uv.n], query, 3, uv.alive[: uv.n])
+        assert [score for _, score in found] == pytest.approx([score for _, score in full],
+                                                               abs=1e-6)  # ties may differ
+        monkeypatch.setattr(rows_mod, "_exact", real_exact)
     async with running_index(store_path) as v:  # the saved graph loads with a float16 matrix
         found = await v.ann.search("ana", await _vector("zebra zebra zebra quokka"), 1)
         uv = v.ann._users["ana"].turn
