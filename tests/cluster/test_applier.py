@@ -153,17 +153,22 @@ async def test_notes_facts_links_and_summaries_go_through_the_log_and_replay_the
                 nursery.cancel_scope.cancel()
             first = await _memory_of(a)
         async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
-            node = Node(b, log, "b", "http://127.0.0.1:1")
-            async with trio.open_nursery() as nursery:
-                await nursery.start(node.run)
-                last = await log.last_seq()
-                await wait_for(lambda: node.marks.get(0, 0) >= last, 30, "the replay")
-                nursery.cancel_scope.cancel()
+            await _replay(b, log)
             assert await _memory_of(b) == first
         assert first["notes"] == [("prefers very short answers", ())]  # update set no tags
         assert first["profile"] == [("pets", "cat", "Mochi")]
     finally:
         await log.close()
+
+
+async def _replay(engine, log: Log) -> None:
+    """Run a node of the one-partition log on ``engine`` until it has applied the whole log."""
+    node = Node(engine, log, "b", "http://127.0.0.1:1")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(node.run)
+        last = await log.last_seq()
+        await wait_for(lambda: node.marks.get(0, 0) >= last, 30, "the replay")
+        nursery.cancel_scope.cancel()
 
 
 async def _memory_of(engine) -> dict:
@@ -343,12 +348,7 @@ async def test_scopes_go_through_the_log_and_a_node_holds_what_one_engine_holds(
             await single.forget_scope("ana", run_id="r1")
             assert await _scoped_memory(single) == applied
         async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
-            node = Node(b, log, "b", "http://127.0.0.1:1")
-            async with trio.open_nursery() as nursery:
-                await nursery.start(node.run)
-                last = await log.last_seq()
-                await wait_for(lambda: node.marks.get(0, 0) >= last, 30, "the replay")
-                nursery.cancel_scope.cancel()
+            await _replay(b, log)
             await b.flush()
             assert await _scoped_memory(b) == applied
         assert applied["sessions"] == [("s2", "bot", "r2", 1), ("s3", "", "", 1)]
