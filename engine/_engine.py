@@ -126,8 +126,9 @@ class Engine:
             config: a :class:`Config`, a dict of overrides, or None for the defaults.
             clock: returns the current timezone-aware time; stamps turns given no ``at``.
             embedder: the embedding backend (default: the ONNX model ``config.model``, or the
-                one the store was made with, or ``minilm-l6-v2-q8`` for a new store); tests
-                that are not about embeddings pass a ``HashEmbedder``.
+                one the store was made with, or for a new store the variant the model's
+                build measured as the faster here); tests that are not about embeddings pass
+                a ``HashEmbedder``.
             reembed: adopt the configured model even if the store's vectors came from another,
                 dropping them so that everything is embedded again in the background.
             llm: an optional language model (:class:`LLM`, e.g. :class:`OpenAICompatibleLLM`)

@@ -26,10 +26,10 @@ from actors.ann_index import AnnIndex
 from actors.base.config import Config
 from actors.base.errors import EngineBroken, InvalidInput, StoreCorrupt, StoreTampered
 from actors.embedder import (
-    DEFAULT_MODEL,
     Embedder,
     EmbeddingBackend,
     OnnxEmbedder,
+    default_model,
     model_for_store,
 )
 from actors.entities import Entities
@@ -117,9 +117,10 @@ async def embedding_for(root: Path, config: Config, embedder: EmbeddingBackend |
     """
     if embedder is None:
         model = config.model
-        if model is None:  # the store's own, so an older default never strands a store
-            model = (DEFAULT_MODEL if reembed
-                     else await trio.to_thread.run_sync(model_for_store, root))
+        if model is None and reembed:  # the faster variant on this machine
+            model = await trio.to_thread.run_sync(default_model, config.model_dir)
+        elif model is None:  # the store's own, so another default never strands a store
+            model = await trio.to_thread.run_sync(model_for_store, root, config.model_dir)
         embedder = OnnxEmbedder(model, config.model_dir, config.embed_threads)
     return Embedder(embedder, config.query_cache, config.background_embed_threads)
 

@@ -17,10 +17,20 @@ Outputs, in the target directory:
                    inputs input_ids, attention_mask (int64, batch x tokens); output embeddings
                    (float32, batch x 384, unit length). The default.
   model.q8.onnx    the same with every encoder MatMul weight-only quantised to 8 bits
-                   (com.microsoft MatMulNBits, asymmetric, block 16, accuracy level 4). Opt-in.
+                   (com.microsoft MatMulNBits, asymmetric, block 16, accuracy level 4).
   tokenizer.json   the package's tokenizer, as shipped (the Embedder sets truncation at 256 and
                    padding to the longest in the batch).
-  provenance.json  source package and version, sha256 of the inputs and of each built file.
+  provenance.json  source package and version, sha256 of the inputs and of each built file,
+                   and each variant's speed on this machine with the one a new store gets
+                   (``preferred``).
+
+Which variant a new store gets is measured here, once per build, not assumed: the two give
+the same recall (bench/embed.py --quality), but q8's kernel computes with 8-bit activations,
+which pays only on processors with 8-bit dot-product instructions. On an AVX2 machine without
+them (this project's, 2026-11-28) q8 embedded chat turns at half fp32's rate; on the machine
+where q8 became the default it was ~1.3x faster. So the build times both variants on a fixed
+set of chat-length texts, batched as the engine's follower batches them, and q8 is preferred
+only where it is clearly faster (:data:`Q8_MARGIN`) and no slower for one query.
 
 Why build at set-up instead of committing the files: the fp32 graph is ~90 MB and the build takes
 about a second from a pinned, hash-checked registry package, so the repository stays small and
@@ -65,6 +75,12 @@ IR_VERSION = 8  # what onnxruntime >= 1.14 reads; newer onnx packages default hi
 Q_BLOCK = 16
 Q_ACCURACY = 4  # MatMulNBits accuracy_level 4: int8 activations, the fast CPU kernel
 VARIANTS = {"model.onnx": None, "model.q8.onnx": 8}
+# q8 is preferred over fp32 (the reference) only when its batch rate is at least this multiple
+# of fp32's, and one query takes at most QUERY_MARGIN times fp32's time: where the two are
+# close, a timing under load could flip the choice from build to build.
+Q8_MARGIN = 1.15
+QUERY_MARGIN = 1.1
+SPEED_ROUNDS = 2  # alternating rounds per variant; each variant's best round counts
 
 
 def sha256(path: Path) -> str:
@@ -239,6 +255,78 @@ def build_model(weights: dict[str, np.ndarray], bits: int | None):
     return model
 
 
+# -- the speed check -----------------------------------------------------------------------------
+
+
+def calibration_texts() -> list[str]:
+    """64 chat turns of 4 to 40 words, the same on every build (no data set is needed)."""
+    subjects = ["I", "my sister", "Jonas", "we", "the team", "Maya", "my landlord", "our vet"]
+    verbs = ["moved to", "keeps talking about", "finally booked", "can't stop thinking about",
+             "had dinner near", "is worried about", "signed up for", "wrote a long email about"]
+    things = ["Lisbon", "the new flat", "a pottery class", "the marathon in April",
+              "that sushi place", "her allergy to peanuts", "the quarterly report",
+              "a trip to Porto with the kids"]
+    tails = ["", " last weekend", " and honestly it was a relief", ", which surprised everyone "
+             "at work because nobody expected it so soon", " before the rent goes up again in "
+             "January, so we are packing boxes every evening after dinner and it is exhausting"]
+    return [f"{subjects[i % 8]} {verbs[(i * 3) % 8]} {things[(i * 5) % 8]}{tails[(i * 7) % 5]}"
+            for i in range(64)]
+
+
+def measure(out: Path) -> dict[str, dict[str, float]]:
+    """Each variant's rate on :func:`calibration_texts`, as the engine runs it (one intra-op
+    thread; texts sorted by token count, 16 a call) and its median time for one query."""
+    import time
+
+    import onnxruntime as ort
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tokenizer.enable_truncation(256)
+    tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
+    texts = sorted(calibration_texts(), key=lambda t: len(tokenizer.encode(t).ids))
+
+    def feed(batch: list[str]) -> dict[str, np.ndarray]:
+        encoded = tokenizer.encode_batch(batch)
+        return {"input_ids": np.array([e.ids for e in encoded], dtype=np.int64),
+                "attention_mask": np.array([e.attention_mask for e in encoded], dtype=np.int64)}
+
+    batches = [feed(texts[i : i + 16]) for i in range(0, len(texts), 16)]
+    queries = [feed([text]) for text in texts[::8]]
+    sessions = {}
+    for name in VARIANTS:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        sessions[name] = ort.InferenceSession(str(out / name), options,
+                                              providers=["CPUExecutionProvider"])
+        sessions[name].run(None, queries[0])  # first-call allocations are not the model's rate
+    rates: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    query_ms: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for _ in range(SPEED_ROUNDS):
+        for name, session in sessions.items():
+            start = time.perf_counter()
+            for batch in batches:
+                session.run(None, batch)
+            rates[name].append(len(texts) / (time.perf_counter() - start))
+            for query in queries:
+                start = time.perf_counter()
+                session.run(None, query)
+                query_ms[name].append((time.perf_counter() - start) * 1e3)
+    return {name: {"texts_per_s": round(max(rates[name]), 1),
+                   "query_ms": round(float(np.median(query_ms[name])), 2)} for name in VARIANTS}
+
+
+def preferred(speed: dict[str, dict[str, float]]) -> str:
+    """The variant a new store gets: q8 where it is clearly faster, else fp32."""
+    fp32, q8 = speed["model.onnx"], speed["model.q8.onnx"]
+    if (q8["texts_per_s"] >= Q8_MARGIN * fp32["texts_per_s"]
+            and q8["query_ms"] <= QUERY_MARGIN * fp32["query_ms"]):
+        return "model.q8.onnx"
+    return "model.onnx"
+
+
 # -- the build ---------------------------------------------------------------------------------
 
 
@@ -279,6 +367,7 @@ def build(force: bool = False, out: Path = OUT) -> Path:
         (out / "tokenizer.json").write_bytes((Path(tmp) / "tokenizer.json").read_bytes())
     for name, bits in VARIANTS.items():
         onnx.save_model(build_model(weights, bits), str(out / name))
+    speed = measure(out)
     provenance = {
         "model": MODEL_ID,
         "dim": DIM,
@@ -288,14 +377,19 @@ def build(force: bool = False, out: Path = OUT) -> Path:
         "builder_sha256": sha256(Path(__file__)),
         "built_with": {"numpy": np.__version__, "onnx": onnx.__version__, "opset": OPSET,
                        "ir_version": IR_VERSION},
-        "variants": {"model.onnx": "fp32 (default)",
+        "variants": {"model.onnx": "fp32",
                      "model.q8.onnx": f"weight-only 8-bit MatMulNBits, block {Q_BLOCK}, "
-                                      f"accuracy level {Q_ACCURACY} (opt-in)"},
+                                      f"accuracy level {Q_ACCURACY}"},
+        "speed": speed,
+        "preferred": preferred(speed),
         "outputs": {name: sha256(out / name) for name in (*VARIANTS, "tokenizer.json")},
     }
     (out / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
     sizes = ", ".join(f"{n} {(out / n).stat().st_size / 1e6:.1f} MB" for n in VARIANTS)
-    print(f"built {out}: {sizes}")
+    rates = ", ".join(f"{n} {s['texts_per_s']:.0f} texts/s, {s['query_ms']:.1f} ms a query"
+                      for n, s in speed.items())
+    print(f"built {out}: {sizes}; on this machine {rates}: new stores get "
+          f"{provenance['preferred']}")
     return out
 
 

@@ -191,7 +191,8 @@ def test_a_reindexed_store_embeds_long_texts_in_chunks(tmp_path) -> None:
     from engine.__main__ import main
 
     async def build() -> str:
-        async with Engine.open(tmp_path / "s", config={"long_term": False}) as mem:
+        async with Engine.open(tmp_path / "s", config={"long_term": False,
+                                                       "model": "minilm-l6-v2-q8"}) as mem:
             note = await mem.store_note("ana", FILLER * 2 + SENTENCE)
             await mem.store_note("ana", "I prefer tea to coffee in the afternoon.")
             await mem.flush()

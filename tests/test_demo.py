@@ -42,15 +42,15 @@ def test_cli_runs_the_demo(tmp_path, capsys, monkeypatch) -> None:
 
 
 def test_cli_reindex_adopts_another_model(tmp_path, capsys) -> None:
-    """`engram-trio reindex STORE --model minilm-l6-v2` re-embeds a store built with the default
-    model (q8), and is a no-op run again; the default config then opens it with fp32, its
-    recorded model, and naming q8 explicitly is refused."""
+    """`engram-trio reindex STORE --model minilm-l6-v2` re-embeds a store built with q8, and is
+    a no-op run again; the default config then opens it with fp32, its recorded model, and
+    naming q8 explicitly is refused."""
     import trio
 
     from engine import Engine, ModelMismatch
 
     async def build() -> None:
-        async with Engine.open(tmp_path / "s") as mem:
+        async with Engine.open(tmp_path / "s", config={"model": "minilm-l6-v2-q8"}) as mem:
             await mem.add_turn("ana", "s", "user", "I live in Lisbon")
             await mem.flush()
             assert (await mem.stats()).model.endswith("@q8-block16")

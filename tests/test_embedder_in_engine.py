@@ -182,21 +182,58 @@ async def test_stats_report_how_far_vectors_lag(tmp_path, mock_clock) -> None:
         assert (stats.vector_lag_records, stats.vector_lag_seconds) == (0, 0.0)
 
 
-async def test_a_store_keeps_its_model_when_the_default_changes(tmp_path) -> None:
-    """A store made with fp32 (the default before q8) opens with fp32 under the default
-    config and its vectors stay; a new store gets the default, q8."""
+def model_dir_preferring(tmp_path, preferred: str | None):
+    """A model directory holding the built model's files (links) whose provenance says its
+    build measured ``preferred`` as the faster variant (None: no measurement recorded)."""
+    import json
+
+    built = models_mod.default_model_dir()
+    target = tmp_path / f"model-{preferred}"
+    target.mkdir()
+    for name in ("model.onnx", "model.q8.onnx", "tokenizer.json"):
+        (target / name).symlink_to(built / name)
+    provenance = json.loads((built / "provenance.json").read_text())
+    provenance.pop("preferred")
+    if preferred is not None:
+        provenance["preferred"] = preferred
+    (target / "provenance.json").write_text(json.dumps(provenance))
+    return target
+
+
+@pytest.mark.parametrize(("preferred", "expected"), [("model.onnx", "minilm-l6-v2"),
+                                                     ("model.q8.onnx", "minilm-l6-v2-q8"),
+                                                     (None, "minilm-l6-v2")])
+async def test_a_new_store_gets_the_variant_its_model_build_measured_faster(
+        tmp_path, preferred, expected) -> None:
+    """A new store's model is the variant the model's build measured as the faster on this
+    machine; with no measurement recorded, the reference fp32 model."""
+    where = model_dir_preferring(tmp_path, preferred)
+    async with Engine.open(tmp_path / "s", config={"long_term": False,
+                                                   "model_dir": str(where)}) as mem:
+        assert (await mem.stats()).model == embedder_mod.MODELS[expected][1]
+    assert embedder_mod.default_model(where) == expected
+
+
+@pytest.mark.parametrize("made_with", ["minilm-l6-v2", "minilm-l6-v2-q8"])
+async def test_a_store_keeps_its_model_when_the_default_changes(tmp_path, made_with) -> None:
+    """A store made with one variant opens with it under the default config, where the build
+    now prefers the other, and its vectors stay; a new store gets the preferred one."""
+    other = next(name for name in embedder_mod.MODELS if name != made_with)
+    where = str(model_dir_preferring(tmp_path, embedder_mod.MODELS[other][0]))
     old = tmp_path / "old"
-    async with Engine.open(old, config={"model": "minilm-l6-v2", "long_term": False}) as mem:
+    async with Engine.open(old, config={"model": made_with, "long_term": False,
+                                        "model_dir": where}) as mem:
         await mem.add_turn("ana", "s", "user", "I moved to Lisbon")
         await mem.flush()
         before = await stored_vectors(mem, "ana")
-    async with Engine.open(old, config={"long_term": False}) as mem:
-        assert (await mem.stats()).model == "sentence-transformers/all-MiniLM-L6-v2"
+    async with Engine.open(old, config={"long_term": False, "model_dir": where}) as mem:
+        assert (await mem.stats()).model == embedder_mod.MODELS[made_with][1]
         await mem.add_turn("ana", "s", "user", "I moved to Lisbon")
         await mem.flush()
         after = await stored_vectors(mem, "ana")
     assert set(before) < set(after)
     first, second = after.values()
     assert first @ second > 0.9999  # the same model embedded both
-    async with Engine.open(tmp_path / "new", config={"long_term": False}) as mem:
-        assert (await mem.stats()).model == embedder_mod.MODELS[embedder_mod.DEFAULT_MODEL][1]
+    async with Engine.open(tmp_path / "new", config={"long_term": False,
+                                                     "model_dir": where}) as mem:
+        assert (await mem.stats()).model == embedder_mod.MODELS[other][1]

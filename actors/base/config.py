@@ -48,10 +48,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             microseconds, so each thread on the receipt's way gets the GIL back within it
             instead of CPython's 5 ms; back to what it was once nobody waits. 0: left alone.
         initial_map_bytes: the LMDB map size a new store starts with; it doubles when full.
-        model: the embedding model: ``minilm-l6-v2-q8`` (weight-only 8-bit: faster, cosine >=
-            0.998 to fp32, the same recall) or ``minilm-l6-v2`` (fp32). None (the default):
-            the model the store's vectors came from, ``minilm-l6-v2-q8`` for a new store. A
-            store keeps one model; another needs ``engram-trio reindex``.
+        model: the embedding model: ``minilm-l6-v2`` (fp32) or ``minilm-l6-v2-q8``
+            (weight-only 8-bit: cosine >= 0.998 to fp32, the same recall; faster only on
+            processors with 8-bit dot-product instructions). None (the default): the model
+            the store's vectors came from; for a new store, the variant the model's build
+            measured as the faster on this machine. A store keeps one model; another needs
+            ``engram-trio reindex``.
         model_dir: where the built model is (default: ``$ENGRAM_MODEL_DIR``, else a checkout's
             native_models/all-MiniLM-L6-v2, else the per-user data directory that
             ``engram-trio model build`` writes to).

@@ -10,20 +10,21 @@ from .embedder import (
 )
 from .models import (
     BUILD_COMMAND,
-    DEFAULT_MODEL,
     MAX_TOKENS,
     MODEL_ENV,
     MODELS,
+    REFERENCE_MODEL,
     EmbeddingBackend,
     HashEmbedder,
     OnnxEmbedder,
     build_target,
+    default_model,
     default_model_dir,
     model_for_store,
     user_model_dir,
 )
 
 __all__ = ["Embedder", "EmbeddingBackend", "OnnxEmbedder", "HashEmbedder", "MODELS",
-           "DEFAULT_MODEL", "model_for_store", "default_model_dir", "build_target",
+           "REFERENCE_MODEL", "default_model", "model_for_store", "default_model_dir", "build_target",
            "user_model_dir", "MODEL_ENV", "BUILD_COMMAND", "QUERY_BATCH", "BACKGROUND_BATCH",
            "BATCH_TOKENS", "MAX_TOKENS"]

@@ -19,6 +19,7 @@ built model in native_models/, an installed package in the per-user data directo
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from pathlib import Path
@@ -35,8 +36,8 @@ from ..store import stored_model
 # setting wins.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-__all__ = ["EmbeddingBackend", "OnnxEmbedder", "HashEmbedder", "MODELS", "DEFAULT_MODEL",
-           "model_for_store", "default_model_dir", "build_target", "user_model_dir",
+__all__ = ["EmbeddingBackend", "OnnxEmbedder", "HashEmbedder", "MODELS", "REFERENCE_MODEL",
+           "default_model", "model_for_store", "default_model_dir", "build_target", "user_model_dir",
            "CHECKOUT_MODEL_DIR", "MODEL_ENV", "BUILD_COMMAND", "MAX_TOKENS"]
 
 MAX_TOKENS = 256  # the model's training length (sentence-transformers max_seq_length)
@@ -81,28 +82,41 @@ def default_model_dir() -> Path:
 
 
 
-# The model a new store gets. On the LoCoMo dev split (../shared/quality/, bench/embed.py
-# --quality) turns-only vector recall@10 is 0.4528 for q8 and 0.4528 for fp32 (micro; per
-# question 0.5135 and 0.5120): no loss, and q8 embeds faster. A store keeps the model it was
-# made with (:func:`model_for_store`), so changing this never strands an existing store.
-DEFAULT_MODEL = "minilm-l6-v2-q8"
+# The reference model: what a new store gets when its model directory does not say which
+# variant is faster on this machine (a build by an older builder, a directory copied in).
+REFERENCE_MODEL = "minilm-l6-v2"
 
 
+def default_model(model_dir: str | Path | None = None) -> str:
+    """The :data:`MODELS` name a new store gets: the variant the model's build measured as the
+    faster on this machine (``preferred`` in its provenance.json; native_models/build.py says
+    how), else :data:`REFERENCE_MODEL`. Both give the same recall on the LoCoMo dev split
+    (bench/embed.py --quality: turns-only vector recall@10 0.4528 each), so speed decides;
+    q8's 8-bit kernel is faster only on processors with 8-bit dot-product instructions. A
+    store keeps the model it was made with (:func:`model_for_store`), so a build that prefers
+    another never strands an existing store."""
+    record = (Path(model_dir) if model_dir else default_model_dir()) / "provenance.json"
+    try:
+        chosen = json.loads(record.read_text()).get("preferred")
+    except (OSError, ValueError, AttributeError):
+        return REFERENCE_MODEL  # no build yet: the embedder's load says how to make one
+    return next((name for name, (file, _) in MODELS.items() if file == chosen), REFERENCE_MODEL)
 
-def model_for_store(path: Path) -> str:
+
+def model_for_store(path: Path, model_dir: str | Path | None = None) -> str:
     """The :data:`MODELS` name to run on the store at ``path``: the one its vectors came from,
     else (a new store, or vectors from a model this build does not have, which the store then
-    refuses with ModelMismatch) :data:`DEFAULT_MODEL`."""
+    refuses with ModelMismatch) :func:`default_model`."""
     if not (path / "data.mdb").is_file():
-        return DEFAULT_MODEL
+        return default_model(model_dir)
     try:
         recorded = stored_model(path)
     except (lmdb.Error, EngineError):
-        return DEFAULT_MODEL  # the store's own open reports what is wrong with it
+        return default_model(model_dir)  # the store's own open reports what is wrong with it
     for name, (_, model_id) in MODELS.items():
         if recorded is not None and recorded.id == model_id:
             return name
-    return DEFAULT_MODEL
+    return default_model(model_dir)
 
 
 class EmbeddingBackend(Protocol):
@@ -123,17 +137,18 @@ class OnnxEmbedder:
     """all-MiniLM-L6-v2 on onnxruntime.
 
     Args:
-        model: a key of :data:`MODELS`.
+        model: a key of :data:`MODELS` (default: :func:`default_model`, the faster variant on
+            this machine).
         model_dir: where the built files are (default: :func:`default_model_dir`).
         threads: onnxruntime intra-op threads (keep below the core count: the loop needs one).
     """
 
     dim = 384
 
-    def __init__(self, model: str = DEFAULT_MODEL, model_dir: str | Path | None = None,
+    def __init__(self, model: str | None = None, model_dir: str | Path | None = None,
                  threads: int = 1) -> None:
-        self.file, self.model_id = MODELS[model]
         self.model_dir = Path(model_dir) if model_dir else default_model_dir()
+        self.file, self.model_id = MODELS[model or default_model(self.model_dir)]
         # The one command that puts the model where this embedder looks.
         self.build_command = (BUILD_COMMAND if model_dir is None
                               or self.model_dir.resolve() == build_target().resolve()
