@@ -91,6 +91,9 @@ class NodeStats(msgspec.Struct, frozen=True, kw_only=True):
         duplicates / invalid / undecodable: entries skipped as already applied, as failing
             the engine's checks, as unreadable.
         forwarded / unavailable: requests the router sent to an owner, and answered 503.
+        looked_up / reforwarded: leases the router read from the bucket because its view
+            was behind a move, and requests it sent on to the holder the bucket named after
+            the first one had handed the partition on.
     """
 
     node: str
@@ -104,6 +107,8 @@ class NodeStats(msgspec.Struct, frozen=True, kw_only=True):
     undecodable: int
     forwarded: int = 0
     unavailable: int = 0
+    looked_up: int = 0
+    reforwarded: int = 0
 
 
 class _Collector:
@@ -159,7 +164,9 @@ class _Collector:
                           ("invalid", "entries skipped as failing the engine's checks"),
                           ("undecodable", "entries skipped as unreadable"),
                           ("forwarded", "requests forwarded to a partition's owner"),
-                          ("unavailable", "requests answered 503 (no owner, not caught up)")):
+                          ("unavailable", "requests answered 503 (no owner, not caught up)"),
+                          ("looked_up", "leases read from the bucket: the view was behind"),
+                          ("reforwarded", "requests sent on to a partition's new holder")):
             yield CounterMetricFamily(f"engram_cluster_{name}", doc, value=getattr(stats, name))
 
 

@@ -139,6 +139,36 @@ class Leases:
         beat = self.members.get(node)
         return None if beat is None else beat.http
 
+    async def lookup(self, partition: int) -> tuple[LeaseValue | None, str | None]:
+        """The partition's holder and where its HTTP API answers, read from the bucket now
+        rather than as of the last tick, and kept in the view.
+
+        The view refreshes once a tick (TTL/5), so for up to a tick after a partition moves
+        it names the old holder, or none; a router asks here before answering NoOwner. When
+        the bucket cannot answer, the view's entry stands.
+        """
+        key = LEASE_PREFIX + str(partition)
+        try:
+            lease: LeaseValue | None = _lease_decode((await self.log.kv("get", key)).value)
+        except _MOVED:
+            lease = None
+        except (*_UNSURE, *TRANSIENT, msgspec.DecodeError):
+            lease = self.owners.get(partition)
+            return lease, None if lease is None else self.url_of(lease.node)
+        if lease is None:
+            self.owners.pop(partition, None)
+            return None, None
+        self.owners[partition] = lease
+        url = self.url_of(lease.node)
+        if url is None:  # a member that joined since the last tick
+            try:
+                beat = _beat_decode((await self.log.kv("get", NODE_PREFIX + lease.node)).value)
+            except (*_MOVED, *_UNSURE, *TRANSIENT, msgspec.DecodeError):
+                return lease, None
+            self.members[beat.node] = beat
+            url = beat.http
+        return lease, url
+
     def serving(self, partition: int) -> bool:
         """Whether this node holds the partition and confirmed that within the TTL."""
         at = self.confirmed.get(partition)

@@ -312,7 +312,8 @@ class Node:
         lag, gaps, replays and bootstraps with their durations), lease events, retries.
 
         Args:
-            routed: the node's router's counts (forwarded / unavailable), if it has one.
+            routed: the node's router's counts (forwarded, unavailable, looked_up,
+                reforwarded), if it has one.
         """
         owned = sorted(p for p in self.leases.held if self.owns(p))
         partitions = []
@@ -335,7 +336,9 @@ class Node:
                          publish_retries=self.log.retries, duplicates=applied["duplicates"],
                          invalid=applied["invalid"], undecodable=self.counts["undecodable"],
                          forwarded=routed.get("forwarded", 0),
-                         unavailable=routed.get("unavailable", 0))
+                         unavailable=routed.get("unavailable", 0),
+                         looked_up=routed.get("looked_up", 0),
+                         reforwarded=routed.get("reforwarded", 0))
 
     def figures(self) -> dict[str, Any]:
         return {"node": self.node_id, "incarnation": self.incarnation,

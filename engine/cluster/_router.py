@@ -46,7 +46,10 @@ class Router:
         self.app = app
         self.node = node
         self.client = httpx.AsyncClient(timeout=FORWARD_TIMEOUT)
-        self.counts = {"forwarded": 0, "waited": 0, "unavailable": 0}
+        # looked_up: leases read from the bucket because the view was behind; reforwarded:
+        # requests sent on to the holder the bucket named after the first holder refused.
+        self.counts = {"forwarded": 0, "waited": 0, "unavailable": 0, "looked_up": 0,
+                       "reforwarded": 0}
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
@@ -96,25 +99,46 @@ class Router:
             await self.app(scope, _replay(body, receive) if body is not None else receive, send)
             return
         headers = dict(scope.get("headers", []))
-        owner = self.node.leases.owner(p)
-        url = None if owner is None else self.node.leases.url_of(owner.node)
-        if FORWARDED.encode() in headers or url is None or owner.node == self.node.node_id:
+        if FORWARDED.encode() in headers:  # the sender's view was behind: it asks again
             self.counts["unavailable"] += 1
-            if FORWARDED.encode() in headers:
-                why = (f"{headers[FORWARDED.encode()].decode('latin-1')} forwarded it to "
-                       f"{self.node.node_id}, which does not hold partition {p} now")
-            elif owner is None:
-                why = f"no lease on partition {p} as {self.node.node_id} last read them"
+            why = (f"{headers[FORWARDED.encode()].decode('latin-1')} forwarded it to "
+                   f"{self.node.node_id}, which does not hold partition {p} now")
+            await _respond(send, 503, {"error": "NoOwner", "message": f"{why}; retry"},
+                           retry=True)
+            return
+        leases = self.node.leases
+        owner = leases.owner(p)
+        url = None if owner is None else leases.url_of(owner.node)
+        if url is None or owner.node == self.node.node_id:
+            # The view is a tick old at most: a partition that moved since has no owner in
+            # it, or one without a heartbeat yet. Read the lease itself before saying so.
+            self.counts["looked_up"] += 1
+            owner, url = await leases.lookup(p)
+        if owner is None or url is None or owner.node == self.node.node_id:
+            self.counts["unavailable"] += 1
+            if owner is None:
+                why = f"no lease on partition {p} in the bucket {self.node.node_id} read"
             elif owner.node == self.node.node_id:
                 why = f"{self.node.node_id} holds partition {p} but has not confirmed it"
             else:
-                why = f"partition {p}'s owner {owner.node} has no heartbeat here"
+                why = f"partition {p}'s owner {owner.node} has no heartbeat"
             await _respond(send, 503, {"error": "NoOwner", "message": f"{why}; retry"},
                            retry=True)
             return
         if body is None:
             body = await _read_body(receive)
-        await self._forward(scope, url, body, send)
+        answer = await self._forward(scope, url, body, send)
+        if answer is not None and _moved_away(answer):
+            # Forwarded to a node this view still named, which has handed the partition on:
+            # once more, to the holder the bucket names now.
+            self.counts["looked_up"] += 1
+            fresh, fresh_url = await leases.lookup(p)
+            if (fresh is not None and fresh_url is not None and fresh_url != url
+                    and fresh.node != self.node.node_id):
+                self.counts["reforwarded"] += 1
+                answer = await self._forward(scope, fresh_url, body, send)
+        if answer is not None:
+            await _relay(answer, send)
 
     async def _metrics(self, scope: dict, receive: Callable, send: Callable) -> None:
         """The app's ``/metrics`` with the node's cluster families after them."""
@@ -137,7 +161,10 @@ class Router:
                     "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
-    async def _forward(self, scope: dict, url: str, body: bytes, send: Callable) -> None:
+    async def _forward(self, scope: dict, url: str, body: bytes, send: Callable
+                       ) -> httpx.Response | None:
+        """The owner's answer to the request, for the caller to relay; None when the owner
+        did not answer (a 503 has been sent then)."""
         self.counts["forwarded"] += 1
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
                    if k.lower() not in (b"host", b"content-length", b"connection")]
@@ -147,20 +174,33 @@ class Router:
         if scope.get("query_string"):
             target += "?" + scope["query_string"].decode("latin-1")
         try:
-            answer = await self.client.request(scope["method"], target, content=body,
-                                               headers=headers)
+            return await self.client.request(scope["method"], target, content=body,
+                                             headers=headers)
         except httpx.HTTPError as exc:
             self.counts["unavailable"] += 1
             await _respond(send, 503, {"error": "OwnerUnreachable", "message":
                                        f"the partition's owner did not answer ({exc!r}); retry"},
                            retry=True)
-            return
-        out = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items()
-               if k.lower() not in ("content-length", "transfer-encoding", "connection",
-                                    "content-encoding")]
-        out.append((b"content-length", str(len(answer.content)).encode()))
-        await send({"type": "http.response.start", "status": answer.status_code, "headers": out})
-        await send({"type": "http.response.body", "body": answer.content})
+            return None
+
+
+def _moved_away(answer: httpx.Response) -> bool:
+    """Whether a forwarded request's answer says the node no longer holds the partition."""
+    if answer.status_code != 503:
+        return False
+    try:
+        return msgspec.json.decode(answer.content).get("error") == "NoOwner"
+    except (msgspec.DecodeError, AttributeError):
+        return False
+
+
+async def _relay(answer: httpx.Response, send: Callable) -> None:
+    out = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items()
+           if k.lower() not in ("content-length", "transfer-encoding", "connection",
+                                "content-encoding")]
+    out.append((b"content-length", str(len(answer.content)).encode()))
+    await send({"type": "http.response.start", "status": answer.status_code, "headers": out})
+    await send({"type": "http.response.body", "body": answer.content})
 
 
 def _path_user(path: str) -> str | None:

@@ -53,8 +53,13 @@ async def test_the_router_places_a_user_whose_id_holds_a_slash_by_the_whole_id()
 
     owned = partition_of("team/alice", 8)
     assert owned != partition_of("team", 8)
+
+    async def lookup(p: int) -> tuple[None, None]:  # nobody holds "team"'s partition
+        return None, None
+
     node = SimpleNamespace(config=SimpleNamespace(partitions=8), owns=lambda p: p == owned,
-                           leases=SimpleNamespace(owner=lambda p: None), node_id="n1")
+                           leases=SimpleNamespace(owner=lambda p: None, lookup=lookup),
+                           node_id="n1")
     served: list[tuple[str, str]] = []
 
     async def app(scope, receive, send) -> None:

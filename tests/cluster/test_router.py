@@ -1,0 +1,124 @@
+"""The router in front of a node whose view of the leases is behind a move: it reads the
+lease from the real bucket instead of answering 503 NoOwner for up to a lease tick."""
+
+from __future__ import annotations
+
+import httpx
+import msgspec
+import pytest
+
+from engine.cluster._leases import LEASE_PREFIX, NODE_PREFIX, Beat, Leases, LeaseValue
+from engine.cluster._partition import partition_of
+from engine.cluster._router import Router
+
+from .conftest import connect
+
+pytestmark = pytest.mark.timeout(120)
+
+USER = "ana"
+PATH = f"/v1/users/{USER}/sessions/s1/turns"
+
+
+class Owners:
+    """The other nodes' HTTP APIs, by host: ``c.test`` holds the partition and answers;
+    ``b.test`` handed it on, and answers a forwarded request as a node then does."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        host = dict(scope["headers"])[b"host"].decode()
+        self.seen.append(host)
+        if host == "c.test":
+            status, body = 200, {"served_by": "c"}
+        else:
+            status, body = 503, {"error": "NoOwner", "message": "b does not hold it now; retry"}
+        payload = msgspec.json.encode(body)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})
+
+
+class Node:
+    """What the router asks of a node, over real leases: this node owns nothing."""
+
+    def __init__(self, leases: Leases, config) -> None:
+        self.leases, self.config, self.node_id = leases, config, leases.node
+
+    def owns(self, p: int) -> bool:
+        return False
+
+
+async def get(router: Router) -> tuple[int, dict]:
+    """A GET of the user's session through the router, as hypercorn would pass it."""
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": PATH, "raw_path": PATH.encode(),
+             "query_string": b"", "headers": [(b"host", b"a.test")]}
+    await router(scope, receive, send)
+    return sent[0]["status"], msgspec.json.decode(sent[1]["body"])
+
+
+async def put(log, key: str, value) -> None:
+    await log.kv("put", key, msgspec.json.encode(value))
+
+
+@pytest.fixture
+async def routed(nats_servers, cluster_config):
+    """A router over node a's leases (never ticked: its view is empty), with c's heartbeat
+    in the bucket, and where the others' answers went."""
+    log = await connect(nats_servers, cluster_config)
+
+    async def nothing(p: int) -> None:
+        pass
+
+    leases = Leases(log, "a", "a-1", "http://a.test", nothing, nothing)
+    router = Router(None, Node(leases, cluster_config))
+    owners = Owners()
+    router.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=owners))
+    await put(log, NODE_PREFIX + "c", Beat("c", "c-1", "http://c.test"))
+    try:
+        yield router, log, owners, partition_of(USER, cluster_config.partitions)
+    finally:
+        await router.client.aclose()
+        await log.close()
+
+
+async def test_a_lease_the_view_has_not_seen_is_read_from_the_bucket(routed) -> None:
+    """The view has no owner for the user's partition (it moved since the last tick): the
+    router reads the lease and forwards to its holder instead of answering NoOwner."""
+    router, log, owners, p = routed
+    await put(log, LEASE_PREFIX + str(p), LeaseValue("c", "c-1"))
+    assert router.node.leases.owner(p) is None
+    assert await get(router) == (200, {"served_by": "c"})
+    assert owners.seen == ["c.test"] and router.counts["looked_up"] == 1
+    assert router.node.leases.owner(p) == LeaseValue("c", "c-1")  # kept in the view
+
+
+async def test_a_holder_that_handed_the_partition_on_is_passed_over(routed) -> None:
+    """The view still names b, which handed the partition to c: b's NoOwner makes the router
+    read the lease and send the request on to c, once."""
+    router, log, owners, p = routed
+    leases = router.node.leases
+    await put(log, NODE_PREFIX + "b", Beat("b", "b-1", "http://b.test"))
+    leases.owners[p] = LeaseValue("b", "b-1")
+    leases.members["b"] = Beat("b", "b-1", "http://b.test")
+    await put(log, LEASE_PREFIX + str(p), LeaseValue("c", "c-1"))
+    assert await get(router) == (200, {"served_by": "c"})
+    assert owners.seen == ["b.test", "c.test"] and router.counts["reforwarded"] == 1
+
+
+async def test_no_lease_in_the_bucket_either_is_still_no_owner(routed) -> None:
+    """Nobody holds the partition, in the view or in the bucket: 503 NoOwner, saying so."""
+    router, _, owners, p = routed
+    status, body = await get(router)
+    assert status == 503 and body["error"] == "NoOwner"
+    assert f"no lease on partition {p} in the bucket" in body["message"]
+    assert owners.seen == []
