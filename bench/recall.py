@@ -66,6 +66,7 @@ from _report import percentiles, write_results
 from convgen import CITIES, FOODS, generate
 
 from actors.ann_index import HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH, HNSW_M, HNSW_THRESHOLD
+from actors.embedder import model_for_store
 from engine import Engine, NewTurn, OnnxEmbedder
 
 
@@ -257,8 +258,9 @@ class Mixtures:
     whenever it is asked for. Every other text (the queries, the episodes and facts of
     ``--long-term``) is embedded for real by the model the pool came from."""
 
-    def __init__(self, texts: list[str], pool: np.ndarray, seed: int) -> None:
-        self.real = OnnxEmbedder()
+    def __init__(self, texts: list[str], pool: np.ndarray, seed: int,
+                 model: str | None = None) -> None:
+        self.real = OnnxEmbedder(model)  # None: what a new store gets on this machine
         self.model_id, self.dim = self.real.model_id, self.real.dim
         self.index = {text: i for i, text in enumerate(texts)}
         self.pool = pool
@@ -402,7 +404,8 @@ async def latency(args: argparse.Namespace) -> dict[str, Any]:
     first_at = datetime(2026, 1, 1, tzinfo=timezone.utc)
     backend = Mixtures(texts, pool, args.seed)
     results: dict[str, Any] = {}
-    if args.reuse:
+    if args.reuse:  # the queries are embedded by the model the store's vectors came from
+        backend = Mixtures(texts, pool, args.seed, model_for_store(Path(args.reuse)))
         row = await measure_reused(Path(args.reuse), queries, backend)
         results[f"one_user_{row['vectors']}"] = row
         return results
