@@ -46,7 +46,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -62,18 +61,12 @@ from _report import percentiles, write_results
 
 from engine import Engine, HashEmbedder
 from engine.cluster import (ClusterConfig, LocalNats, Log, LogTurn, decode_entry, encode_entry,
-                            partition_of, subject_of)
+                            free_port, partition_of, subject_of)
 
 REPO = Path(__file__).resolve().parents[1]
 START_SECONDS = 120.0  # a node process answers within this on a loaded machine
 LEADER_DOWN_SECONDS = 8.0  # the killed leader server is restarted after this
 USERS = 64
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 WRITE_TIMEOUT = 30.0  # seconds a writer waits for a node's answer (as httpx's timeout=30)
@@ -204,7 +197,7 @@ class NodeProc:
     def __init__(self, base: Path, urls: list[str], node_id: str, config: ClusterConfig) -> None:
         self.store = base / node_id
         self.urls, self.node_id, self.config = urls, node_id, config
-        self.port = _free_port()
+        self.port = free_port()
         self.log = base / f"{node_id}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.ready = False  # answering on its port: writers send to it (as a balancer would)

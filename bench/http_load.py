@@ -37,7 +37,6 @@ import os
 import platform
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,7 @@ import trio
 from _report import percentiles, write_results
 
 from engine import Engine
+from engine.cluster import free_port
 
 KEY = "bench-key"
 WORDS = ("the a to and of I you it my we in for is that on with this was be have at but so "
@@ -128,12 +128,6 @@ async def measured(base: str, args: argparse.Namespace, queries: list[str],
            for group in after}}
     result["load_average"] = [load_before[0], os.getloadavg()[0]]
     return result
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def wait_ready(base: str, process: subprocess.Popen) -> None:

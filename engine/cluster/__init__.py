@@ -10,7 +10,7 @@ from .._logbatch import LogForget, LogForgetScope, LogTurn, decode_entry, encode
 from ._bootstrap import PartitionSnapshot
 from ._figures import NodeStats, PartitionStats
 from ._leases import Leases, plan
-from ._local import LocalNats
+from ._local import LocalNats, free_port
 from ._log import ClusterConfig, Log, LogUnavailable
 from ._loop import AsyncioThread
 from ._node import Node
@@ -40,6 +40,7 @@ __all__ = [
     "Router",
     "decode_entry",
     "encode_entry",
+    "free_port",
     "partition_of",
     "plan",
     "serve_node",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -58,11 +59,40 @@ def nats_server_binary() -> str:
                       "$ENGRAM_NATS_SERVER to its path")
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the kernel's choice)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+_PORTS = random.Random()  # which listening ports to try: any spread will do
+PORT_FLOOR = 10_000  # listening ports are drawn from here up to the ephemeral range
+
+
+def _ephemeral_floor() -> int:
+    """Where the kernel's range for outgoing connections' local ports starts (Linux)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768  # the Linux default
+
+
+def free_port(taken: set[int] | frozenset[int] = frozenset()) -> int:
+    """A TCP port free on 127.0.0.1 now, not in ``taken``, below the kernel's ephemeral
+    range.
+
+    The kernel's own choice (binding port 0) comes from the ephemeral range, where every
+    outgoing connection also takes its local port: under a bench's traffic one of them could
+    take the port between this choice and the server's bind, and the server exits with
+    "address in use". Below that range only listeners bind.
+    """
+    ceiling = _ephemeral_floor() - 1
+    for _ in range(200):
+        port = _PORTS.randint(PORT_FLOOR, ceiling)
+        if port in taken:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise EngineError(f"expected a free TCP port on 127.0.0.1 between {PORT_FLOOR} and "
+                      f"{ceiling}, found none in 200 tries")
 
 
 class LocalNats:
@@ -79,8 +109,12 @@ class LocalNats:
         self.base = Path(base)
         self.size = size
         self.sync_always = sync_always
-        self.ports = [free_port() for _ in range(size)]
-        self.cluster_ports = [free_port() for _ in range(size)] if size > 1 else []
+        chosen: set[int] = set()
+        for _ in range(2 * size if size > 1 else size):
+            chosen.add(free_port(chosen))
+        ports = list(chosen)
+        self.ports = ports[:size]
+        self.cluster_ports = ports[size:]
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     @property
@@ -113,10 +147,14 @@ class LocalNats:
         """Start every server; return once each answers on its port."""
         self.base.mkdir(parents=True, exist_ok=True)
         self.kill_leftovers()
-        for index in range(self.size):
-            self.start_one(index, wait=False)
-        for index in range(self.size):
-            self._wait_port(index)
+        try:
+            for index in range(self.size):
+                self.start_one(index, wait=False)
+            for index in range(self.size):
+                self._wait_port(index)
+        except BaseException:
+            self.stop()  # a server that did not come up leaves none of the others running
+            raise
         return self
 
     def start_one(self, index: int, wait: bool = True) -> None:
