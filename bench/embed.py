@@ -5,7 +5,7 @@
     python bench/embed.py --quality    # ~3 minutes: recall@10 of each variant on LoCoMo (dev)
     python bench/embed.py --throughput # ~5 minutes: the follower's rate, vector lag at 3 rates
 
-For each variant (fp32 default, q8 opt-in):
+For each variant (fp32, q8, i8; a new store gets the one the model's build measured fastest):
   query   one text at a time (the recall path): bare = tokenize + session.run in the calling
           thread; actor = Embedder.embed([text]) through the inbox, the actor's model thread and
           the reply channel (the query cache is bypassed). p50 / p99, and the actor's overhead.
@@ -335,7 +335,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seed", type=int, default=11)
-    parser.add_argument("--variants", nargs="+", default=["minilm-l6-v2", "minilm-l6-v2-q8"])
+    parser.add_argument("--variants", nargs="+",
+                        default=["minilm-l6-v2", "minilm-l6-v2-q8", "minilm-l6-v2-i8"])
     parser.add_argument("--out", default="bench/results/embed.json")
     parser.add_argument("--quality", action="store_true",
                         help="only: turns-only vector recall@10 per variant on the LoCoMo dev split")

@@ -35,11 +35,12 @@ async def stored_vectors(mem: Engine, user_id: str, dim: int = 384) -> dict[int,
 
 
 @pytest.mark.parametrize(("model", "min_cosine"), [("minilm-l6-v2", 0.99999),
-                                                   ("minilm-l6-v2-q8", 0.999)])
+                                                   ("minilm-l6-v2-q8", 0.999),
+                                                   ("minilm-l6-v2-i8", 0.99)])
 async def test_real_model_embeds_committed_turns_in_the_background(tmp_path, model,
                                                                    min_cosine) -> None:
-    """Turns get the same vector in the store as mem.embed gives for their text (q8's 8-bit
-    activations vary a little with the batch a text shares)."""
+    """Turns get the same vector in the store as mem.embed gives for their text (the 8-bit
+    variants' activations vary a little with the batch a text shares)."""
     async with Engine.open(tmp_path / "s", config={"model": model}) as mem:
         receipts = [await mem.add_turn("ana", "s1", "user", text)
                     for text in ("I moved to Lisbon", "My dog is called Pixel")]
@@ -190,7 +191,7 @@ def model_dir_preferring(tmp_path, preferred: str | None):
     built = models_mod.default_model_dir()
     target = tmp_path / f"model-{preferred}"
     target.mkdir()
-    for name in ("model.onnx", "model.q8.onnx", "tokenizer.json"):
+    for name in (*(file for file, _ in embedder_mod.MODELS.values()), "tokenizer.json"):
         (target / name).symlink_to(built / name)
     provenance = json.loads((built / "provenance.json").read_text())
     provenance.pop("preferred")
@@ -202,6 +203,7 @@ def model_dir_preferring(tmp_path, preferred: str | None):
 
 @pytest.mark.parametrize(("preferred", "expected"), [("model.onnx", "minilm-l6-v2"),
                                                      ("model.q8.onnx", "minilm-l6-v2-q8"),
+                                                     ("model.i8.onnx", "minilm-l6-v2-i8"),
                                                      (None, "minilm-l6-v2")])
 async def test_a_new_store_gets_the_variant_its_model_build_measured_faster(
         tmp_path, preferred, expected) -> None:

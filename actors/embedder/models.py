@@ -52,6 +52,7 @@ MODEL_ENV = "ENGRAM_MODEL_DIR"
 MODELS = {
     "minilm-l6-v2": ("model.onnx", "sentence-transformers/all-MiniLM-L6-v2"),
     "minilm-l6-v2-q8": ("model.q8.onnx", "sentence-transformers/all-MiniLM-L6-v2@q8-block16"),
+    "minilm-l6-v2-i8": ("model.i8.onnx", "sentence-transformers/all-MiniLM-L6-v2@i8-dynamic"),
 }
 BUILD_COMMAND = "engram-trio model build"
 
@@ -90,9 +91,9 @@ REFERENCE_MODEL = "minilm-l6-v2"
 def default_model(model_dir: str | Path | None = None) -> str:
     """The :data:`MODELS` name a new store gets: the variant the model's build measured as the
     faster on this machine (``preferred`` in its provenance.json; native_models/build.py says
-    how), else :data:`REFERENCE_MODEL`. Both give the same recall on the LoCoMo dev split
-    (bench/embed.py --quality: turns-only vector recall@10 0.4528 each), so speed decides;
-    q8's 8-bit kernel is faster only on processors with 8-bit dot-product instructions. A
+    how), else :data:`REFERENCE_MODEL`. The variants give the same recall on the LoCoMo dev
+    split (bench/embed.py --quality, turns-only vector recall@10 within 0.005 of fp32's), so
+    speed decides, and which is faster depends on the processor's 8-bit instructions. A
     store keeps the model it was made with (:func:`model_for_store`), so a build that prefers
     another never strands an existing store."""
     record = (Path(model_dir) if model_dir else default_model_dir()) / "provenance.json"

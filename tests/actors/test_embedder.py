@@ -126,10 +126,15 @@ def _nearest(vectors: np.ndarray) -> np.ndarray:
     return sims.argmax(axis=1)
 
 
-@pytest.mark.parametrize(("model", "min_cosine"), [("minilm-l6-v2", 0.9999), ("minilm-l6-v2-q8", 0.995)])
-async def test_model_matches_the_reference_implementation(reference, model, min_cosine) -> None:
+@pytest.mark.parametrize(("model", "min_cosine", "flipped"), [("minilm-l6-v2", 0.9999, 0),
+                                                             ("minilm-l6-v2-q8", 0.995, 0),
+                                                             ("minilm-l6-v2-i8", 0.96, 6)])
+async def test_model_matches_the_reference_implementation(reference, model, min_cosine,
+                                                          flipped) -> None:
     """Through the actor, at batch 1 and in batches, every text embeds like sentence-transformers
-    does, and every text keeps its nearest neighbour."""
+    does, and keeps its nearest neighbour (i8's integer arithmetic, whose activation scale
+    depends on the batch, flips 2 to 6 of the 64 whose margins are thinnest; its retrieval
+    recall is fp32's, bench/embed.py --quality)."""
     expected = np.asarray(reference["embeddings"], dtype=np.float32)
     texts = reference["texts"]
     async with running_model(OnnxEmbedder(model)) as embedder:
@@ -140,15 +145,16 @@ async def test_model_matches_the_reference_implementation(reference, model, min_
     for got in (batched, one_by_one):
         cosines = (got * expected).sum(axis=1)
         assert cosines.min() >= min_cosine, (model, int(cosines.argmin()), float(cosines.min()))
-        assert (_nearest(got) == _nearest(expected)).all()
+        assert (_nearest(got) != _nearest(expected)).sum() <= flipped
 
 
 @pytest.mark.parametrize(("model", "min_cosine"), [("minilm-l6-v2", 0.99999),
-                                                   ("minilm-l6-v2-q8", 0.999)])
+                                                   ("minilm-l6-v2-q8", 0.999),
+                                                   ("minilm-l6-v2-i8", 0.99)])
 async def test_real_model_embeds_committed_turns_in_the_background(tmp_path, model,
                                                                    min_cosine) -> None:
-    """Turns get the same vector in the store as embed gives for their text (q8's 8-bit
-    activations vary a little with the batch a text shares)."""
+    """Turns get the same vector in the store as embed gives for their text (the 8-bit
+    variants' activations vary a little with the batch a text shares)."""
     async with running_embedder(tmp_path / "s", OnnxEmbedder(model)) as (ground, embedder):
         lsns = [await ground.add_turn("ana", "s1", text)
                 for text in ("I moved to Lisbon", "My dog is called Pixel")]
