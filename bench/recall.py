@@ -402,10 +402,12 @@ async def latency(args: argparse.Namespace) -> dict[str, Any]:
     print(f"latency: pool of {len(texts)} real embeddings, {len(queries)} distinct queries")
     rng = np.random.default_rng(args.seed)
     first_at = datetime(2026, 1, 1, tzinfo=timezone.utc)
-    backend = Mixtures(texts, pool, args.seed)
+    # The queries are embedded by the model the store's vectors came from (a reused store's),
+    # or by what a new store gets here.
+    model = model_for_store(Path(args.reuse)) if args.reuse else None
+    backend = Mixtures(texts, pool, args.seed, model)
     results: dict[str, Any] = {}
-    if args.reuse:  # the queries are embedded by the model the store's vectors came from
-        backend = Mixtures(texts, pool, args.seed, model_for_store(Path(args.reuse)))
+    if args.reuse:
         row = await measure_reused(Path(args.reuse), queries, backend)
         results[f"one_user_{row['vectors']}"] = row
         return results

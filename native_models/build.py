@@ -15,32 +15,32 @@ read as a zip, never installed. Every input is checked against the sha256 pinned
 Outputs, in the target directory:
   model.onnx       fp32 BERT encoder with mean pooling and L2 normalisation inside the graph:
                    inputs input_ids, attention_mask (int64, batch x tokens); output embeddings
-                   (float32, batch x 384, unit length). The default.
+                   (float32, batch x 384, unit length). The reference.
   model.q8.onnx    the same with every encoder MatMul weight-only quantised to 8 bits
                    (com.microsoft MatMulNBits, asymmetric, block 16, accuracy level 4).
   model.i8.onnx    the same with the encoder's linear layers in 8-bit integer arithmetic
                    (com.microsoft DynamicQuantizeMatMul: weights symmetric per output column,
-                   activations quantised per call), except each layer's feed-forward output
-                   projection, which stays fp32 (see :data:`I8_KEEP`).
+                   activations quantised per call), except each layer's two output
+                   projections, which stay fp32 (see :data:`I8_FP32`).
   tokenizer.json   the package's tokenizer, as shipped (the Embedder sets truncation at 256 and
                    padding to the longest in the batch).
   provenance.json  source package and version, sha256 of the inputs and of each built file,
                    and each variant's speed on this machine with the one a new store gets
                    (``preferred``).
 
-Which variant a new store gets is measured here, once per build, not assumed: the two give
+Which variant a new store gets is measured here, once per build, not assumed: the three give
 the same recall (bench/embed.py --quality), but q8's kernel computes with 8-bit activations,
 which pays only on processors with 8-bit dot-product instructions. On an AVX2 machine without
 them (this project's, 2026-11-28) q8 embedded chat turns at half fp32's rate; on the machine
 where q8 became the default it was ~1.3x faster. i8 runs onnxruntime's integer GEMM, which
-has AVX2 kernels: 1.45x fp32's rate on that machine. So the build times every variant on a
+has AVX2 kernels: ~1.4x fp32's rate on the AVX2 machine. So the build times every variant on a
 fixed set of chat-length texts, batched as the engine's follower batches them, and a new store
 gets the fastest quantised variant only where it is clearly faster than fp32
 (:data:`QUANTISED_MARGIN`) and no slower for one query, else fp32.
 
 Why build at set-up instead of committing the files: the fp32 graph is ~90 MB and the build takes
-about a second from a pinned, hash-checked registry package, so the repository stays small and
-the provenance stays checkable.
+~8 s (most of it the speed check) from a pinned, hash-checked registry package, so the
+repository stays small and the provenance stays checkable.
 """
 
 from __future__ import annotations
@@ -81,11 +81,13 @@ IR_VERSION = 8  # what onnxruntime >= 1.14 reads; newer onnx packages default hi
 Q_BLOCK = 16
 Q_ACCURACY = 4  # MatMulNBits accuracy_level 4: int8 activations, the fast CPU kernel
 VARIANTS = {"model.onnx": "fp32", "model.q8.onnx": "q8", "model.i8.onnx": "i8"}
-# i8 keeps the feed-forward output projection in fp32: its input is the GELU's output, whose
-# few large values make one 8-bit scale per call too coarse for the rest. Measured on the 64
-# reference texts: with it in 8 bits, cosine to sentence-transformers >= 0.962 and 3-6 nearest
-# neighbours flipped; kept fp32, >= 0.974 and 2 flipped, for 7-12% of the speed.
-I8_KEEP = ".output.dense"  # encoder.layer.N.output.dense (not attention.output.dense)
+# i8 keeps each layer's two output projections in fp32: their inputs, the attention's mix of
+# values and the GELU's output, carry a few large values that make one 8-bit scale per call
+# too coarse for the rest. Measured on the 64 reference texts, batch 1 / 16: every linear
+# layer in 8 bits, cosine to sentence-transformers >= 0.962 / 0.966 with 3 / 6 nearest
+# neighbours flipped; the feed-forward output alone kept fp32, >= 0.964 and 4 flipped; both
+# kept, >= 0.984 / 0.974 and 2 flipped, for ~5% of the speed.
+I8_FP32 = ("attention.output.dense", "output.dense")  # encoder.layer.N.<these>
 # A quantised variant is preferred over fp32 (the reference) only when its batch rate is at
 # least this multiple of fp32's, and one query takes at most QUERY_MARGIN times fp32's time:
 # where they are close, a timing under load could flip the choice from build to build.
@@ -240,13 +242,15 @@ def build_model(weights: dict[str, np.ndarray], variant: str):
         scores = g.op("Add", g.op("Mul", g.op("MatMul", q, k), scale), bias)
         context = g.op("MatMul", g.op("Softmax", scores, axis=-1), v)
         context = g.op("Reshape", g.op("Transpose", context, perm=[0, 2, 1, 3]), merge)
-        attended = linear(g, context, weights, f"{p}.attention.output.dense", variant)
+        # i8's output projections stay fp32 (I8_FP32).
+        outward = "fp32" if variant == "i8" else variant
+        attended = linear(g, context, weights, f"{p}.{I8_FP32[0]}", outward)
         x = layer_norm(g, g.op("Add", attended, x), weights, f"{p}.attention.output.LayerNorm")
         inner = linear(g, x, weights, f"{p}.intermediate.dense", variant)
         # Exact GELU, 0.5 x (1 + erf(x / sqrt 2)); onnxruntime fuses it into one kernel.
         gelu = g.op("Mul", g.op("Mul", inner, f32("half", 0.5)), g.op(
             "Add", f32("g_one", 1.0), g.op("Erf", g.op("Div", inner, f32("sqrt2", np.sqrt(2.0))))))
-        out = linear(g, gelu, weights, f"{p}{I8_KEEP}", "fp32" if variant == "i8" else variant)
+        out = linear(g, gelu, weights, f"{p}.{I8_FP32[1]}", outward)
         x = layer_norm(g, g.op("Add", out, x), weights, f"{p}.output.LayerNorm")
 
     # Mean over attended tokens, then unit length.
@@ -401,7 +405,7 @@ def build(force: bool = False, out: Path = OUT) -> Path:
                      "model.q8.onnx": f"weight-only 8-bit MatMulNBits, block {Q_BLOCK}, "
                                       f"accuracy level {Q_ACCURACY}",
                      "model.i8.onnx": "8-bit DynamicQuantizeMatMul, weights symmetric per "
-                                      "column; feed-forward output projections fp32"},
+                                      "column; the output projections fp32"},
         "speed": speed,
         "preferred": preferred(speed),
         "outputs": {name: sha256(out / name) for name in (*VARIANTS, "tokenizer.json")},

@@ -33,7 +33,7 @@ def test_a_quantised_variant_is_preferred_only_where_it_is_clearly_faster(speed,
 
 
 def test_the_build_records_each_variants_speed_and_the_one_new_stores_get() -> None:
-    """The set-up's build measured both variants here; its choice follows from the figures
+    """The set-up's build measured every variant here; its choice follows from the figures
     and is what a new store gets."""
     where = default_model_dir()
     assert built(where)
@@ -44,7 +44,7 @@ def test_the_build_records_each_variants_speed_and_the_one_new_stores_get() -> N
     assert MODELS[default_model(where)][0] == provenance["preferred"]
 
 
-def test_the_speed_check_runs_both_variants_as_the_engine_does() -> None:
+def test_the_speed_check_runs_every_variant_as_the_engine_does() -> None:
     """measure() runs each built variant on the calibration texts and one query at a time."""
     speed = measure(default_model_dir())
     assert set(speed) == set(VARIANTS)

@@ -51,7 +51,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         model: the embedding model: ``minilm-l6-v2`` (fp32), ``minilm-l6-v2-q8`` (weight-only
             8-bit: cosine >= 0.998 to fp32, the same recall; faster only on processors with
             8-bit dot-product instructions) or ``minilm-l6-v2-i8`` (8-bit integer arithmetic:
-            cosine >= 0.97, the same recall, ~1.5x fp32 on AVX2). None (the default): the model
+            cosine >= 0.97, the same recall, 1.1-1.4x fp32 on AVX2). None (the default): the model
             the store's vectors came from; for a new store, the variant the model's build
             measured as the faster on this machine. A store keeps one model; another needs
             ``engram-trio reindex``.

@@ -92,8 +92,9 @@ class NodeStats(msgspec.Struct, frozen=True, kw_only=True):
             the engine's checks, as unreadable.
         forwarded / unavailable: requests the router sent to an owner, and answered 503.
         looked_up / reforwarded: leases the router read from the bucket because its view
-            was behind a move, and requests it sent on to the holder the bucket named after
-            the first one had handed the partition on.
+            named no holder it could forward to (a move since the last tick, or this node
+            unconfirmed), and requests it sent on to the holder the bucket named after the
+            first one had handed the partition on.
     """
 
     node: str
@@ -165,7 +166,7 @@ class _Collector:
                           ("undecodable", "entries skipped as unreadable"),
                           ("forwarded", "requests forwarded to a partition's owner"),
                           ("unavailable", "requests answered 503 (no owner, not caught up)"),
-                          ("looked_up", "leases read from the bucket: the view was behind"),
+                          ("looked_up", "leases read from the bucket: no holder in the view"),
                           ("reforwarded", "requests sent on to a partition's new holder")):
             yield CounterMetricFamily(f"engram_cluster_{name}", doc, value=getattr(stats, name))
 

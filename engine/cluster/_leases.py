@@ -27,7 +27,8 @@ import nats.errors
 import nats.js.errors
 import trio
 
-from ._log import TRANSIENT, Log
+from ..errors import EngineClosed
+from ._log import TRANSIENT, Log, LogUnavailable
 
 __all__ = ["Leases", "LeaseValue", "Beat", "plan", "LEASE_PREFIX", "NODE_PREFIX"]
 
@@ -62,6 +63,13 @@ class Beat(msgspec.Struct, frozen=True):
     incarnation: str
     http: str
 
+
+# Seconds a router waits for a lease it reads from the bucket (:meth:`Leases.lookup`): a
+# healthy bucket answers in ~1 ms; one without a leader would hold the request for the log
+# client's whole timeout (2 s), and the caller is better told NoOwner and to retry.
+LOOKUP_SECONDS = 0.25
+# What a lookup concludes nothing from: the bucket or the client unavailable or closing.
+_LOOKUP_UNSURE = (*_UNSURE, *TRANSIENT, EngineClosed, LogUnavailable, msgspec.DecodeError)
 
 _lease_decode = msgspec.json.Decoder(LeaseValue).decode
 _beat_decode = msgspec.json.Decoder(Beat).decode
@@ -145,25 +153,33 @@ class Leases:
 
         The view refreshes once a tick (TTL/5), so for up to a tick after a partition moves
         it names the old holder, or none; a router asks here before answering NoOwner. When
-        the bucket cannot answer, the view's entry stands.
+        the bucket cannot answer within LOOKUP_SECONDS, the view's entry stands.
         """
         key = LEASE_PREFIX + str(partition)
-        try:
-            lease: LeaseValue | None = _lease_decode((await self.log.kv("get", key)).value)
-        except _MOVED:
-            lease = None
-        except (*_UNSURE, *TRANSIENT, msgspec.DecodeError):
-            lease = self.owners.get(partition)
-            return lease, None if lease is None else self.url_of(lease.node)
-        if lease is None:
-            self.owners.pop(partition, None)
-            return None, None
+        fallback = self.owners.get(partition)
+        unsure = fallback, None if fallback is None else self.url_of(fallback.node)
+        lease: LeaseValue | None = None
+        with trio.move_on_after(LOOKUP_SECONDS):
+            try:
+                lease = _lease_decode((await self.log.kv("get", key)).value)
+            except _MOVED:
+                self.owners.pop(partition, None)
+                return None, None
+            except _LOOKUP_UNSURE:
+                return unsure
+        if lease is None:  # timed out
+            return unsure
         self.owners[partition] = lease
         url = self.url_of(lease.node)
         if url is None:  # a member that joined since the last tick
-            try:
-                beat = _beat_decode((await self.log.kv("get", NODE_PREFIX + lease.node)).value)
-            except (*_MOVED, *_UNSURE, *TRANSIENT, msgspec.DecodeError):
+            beat = None
+            with trio.move_on_after(LOOKUP_SECONDS):
+                try:
+                    beat = _beat_decode((await self.log.kv("get", NODE_PREFIX + lease.node)
+                                         ).value)
+                except (*_MOVED, *_LOOKUP_UNSURE):
+                    pass
+            if beat is None:
                 return lease, None
             self.members[beat.node] = beat
             url = beat.http

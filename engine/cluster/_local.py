@@ -81,6 +81,10 @@ def free_port(taken: set[int] | frozenset[int] = frozenset()) -> int:
     "address in use". Below that range only listeners bind.
     """
     ceiling = _ephemeral_floor() - 1
+    if ceiling < PORT_FLOOR:  # an ephemeral range reaching down here: the kernel's choice
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
     for _ in range(200):
         port = _PORTS.randint(PORT_FLOOR, ceiling)
         if port in taken:
@@ -109,10 +113,9 @@ class LocalNats:
         self.base = Path(base)
         self.size = size
         self.sync_always = sync_always
-        chosen: set[int] = set()
+        ports: list[int] = []
         for _ in range(2 * size if size > 1 else size):
-            chosen.add(free_port(chosen))
-        ports = list(chosen)
+            ports.append(free_port(set(ports)))
         self.ports = ports[:size]
         self.cluster_ports = ports[size:]
         self.procs: dict[int, subprocess.Popen[bytes]] = {}

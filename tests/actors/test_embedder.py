@@ -128,13 +128,12 @@ def _nearest(vectors: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize(("model", "min_cosine", "flipped"), [("minilm-l6-v2", 0.9999, 0),
                                                              ("minilm-l6-v2-q8", 0.995, 0),
-                                                             ("minilm-l6-v2-i8", 0.96, 6)])
+                                                             ("minilm-l6-v2-i8", 0.97, 3)])
 async def test_model_matches_the_reference_implementation(reference, model, min_cosine,
                                                           flipped) -> None:
     """Through the actor, at batch 1 and in batches, every text embeds like sentence-transformers
-    does, and keeps its nearest neighbour (i8's integer arithmetic, whose activation scale
-    depends on the batch, flips 2 to 6 of the 64 whose margins are thinnest; its retrieval
-    recall is fp32's, bench/embed.py --quality)."""
+    does, and keeps its nearest neighbour (i8's integer arithmetic flips 2 of the 64, at any
+    batch size measured; its retrieval recall is fp32's, bench/embed.py --quality)."""
     expected = np.asarray(reference["embeddings"], dtype=np.float32)
     texts = reference["texts"]
     async with running_model(OnnxEmbedder(model)) as embedder:

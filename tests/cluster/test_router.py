@@ -20,8 +20,8 @@ PATH = f"/v1/users/{USER}/sessions/s1/turns"
 
 
 class Owners:
-    """The other nodes' HTTP APIs, by host: ``c.test`` holds the partition and answers;
-    ``b.test`` handed it on, and answers a forwarded request as a node then does."""
+    """The other nodes' HTTP APIs, by host: ``c.test`` holds the partition and answers; the
+    others handed it on, and answer a forwarded request as a node then does."""
 
     def __init__(self) -> None:
         self.seen: list[str] = []
@@ -32,7 +32,8 @@ class Owners:
         if host == "c.test":
             status, body = 200, {"served_by": "c"}
         else:
-            status, body = 503, {"error": "NoOwner", "message": "b does not hold it now; retry"}
+            status, body = 503, {"error": "NoOwner",
+                                 "message": f"{host} does not hold it now; retry"}
         payload = msgspec.json.encode(body)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),
@@ -122,3 +123,18 @@ async def test_no_lease_in_the_bucket_either_is_still_no_owner(routed) -> None:
     assert status == 503 and body["error"] == "NoOwner"
     assert f"no lease on partition {p} in the bucket" in body["message"]
     assert owners.seen == []
+
+
+async def test_a_second_holder_that_refuses_too_is_answered_no_owner_once(routed) -> None:
+    """The view names b and the bucket d, and both have handed the partition on: the request
+    goes to each once, and d's NoOwner is the answer (the caller retries), not a loop."""
+    router, log, owners, p = routed
+    leases = router.node.leases
+    leases.owners[p] = LeaseValue("b", "b-1")
+    leases.members["b"] = Beat("b", "b-1", "http://b.test")
+    await put(log, NODE_PREFIX + "d", Beat("d", "d-1", "http://d.test"))
+    await put(log, LEASE_PREFIX + str(p), LeaseValue("d", "d-1"))
+    status, body = await get(router)
+    assert status == 503 and body == {"error": "NoOwner",
+                                      "message": "d.test does not hold it now; retry"}
+    assert owners.seen == ["b.test", "d.test"] and router.counts["reforwarded"] == 1
