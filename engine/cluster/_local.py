@@ -81,12 +81,9 @@ def free_port(taken: set[int] | frozenset[int] = frozenset()) -> int:
     "address in use". Below that range only listeners bind.
     """
     ceiling = _ephemeral_floor() - 1
-    if ceiling < PORT_FLOOR:  # an ephemeral range reaching down here: the kernel's choice
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return sock.getsockname()[1]
     for _ in range(200):
-        port = _PORTS.randint(PORT_FLOOR, ceiling)
+        # An ephemeral range reaching down to PORT_FLOOR leaves no room: the kernel's choice.
+        port = _PORTS.randint(PORT_FLOOR, ceiling) if ceiling >= PORT_FLOOR else 0
         if port in taken:
             continue
         with socket.socket() as sock:
@@ -94,6 +91,8 @@ def free_port(taken: set[int] | frozenset[int] = frozenset()) -> int:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            port = sock.getsockname()[1]
+        if port not in taken:
             return port
     raise EngineError(f"expected a free TCP port on 127.0.0.1 between {PORT_FLOOR} and "
                       f"{ceiling}, found none in 200 tries")

@@ -46,8 +46,9 @@ class Router:
         self.app = app
         self.node = node
         self.client = httpx.AsyncClient(timeout=FORWARD_TIMEOUT)
-        # looked_up: leases read from the bucket because the view was behind; reforwarded:
-        # requests sent on to the holder the bucket named after the first holder refused.
+        # looked_up: leases read from the bucket because the view named no holder to forward
+        # to (or the one it named had handed the partition on); reforwarded: requests sent
+        # on to the holder the bucket named then.
         self.counts = {"forwarded": 0, "waited": 0, "unavailable": 0, "looked_up": 0,
                        "reforwarded": 0}
 

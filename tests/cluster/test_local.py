@@ -38,3 +38,16 @@ def test_a_server_that_cannot_listen_leaves_none_of_the_others_running(tmp_path)
             cluster.stop()
     assert started == {}
     assert not (tmp_path / "servers.pid").exists()
+
+
+def test_where_the_ephemeral_range_starts_low_the_kernel_chooses(monkeypatch) -> None:
+    """An ephemeral range reaching below PORT_FLOOR leaves no room of its own: the port is
+    the kernel's choice, still bindable and not one already chosen."""
+    import engine.cluster._local as local
+
+    monkeypatch.setattr(local, "_ephemeral_floor", lambda: 1024)
+    taken: set[int] = set()
+    for _ in range(5):
+        port = free_port(taken)
+        assert port not in taken and port > 0
+        taken.add(port)
