@@ -3,14 +3,18 @@ add_turn one turn at a time, the same checks, and the followers see them."""
 
 from __future__ import annotations
 
+import threading
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+import trio
 
+import actors.store as store_mod
 import engine._ingest as ingest_mod
+from actors.store.writer import IMPORT_YIELD_SECONDS
 from engine import Engine, InvalidInput, NewTurn
 
 from .conftest import StepClock, T0, open_engine
@@ -110,3 +114,47 @@ async def test_the_followers_see_a_bulk_import(mem: Engine) -> None:
     assert set(stats.long_term_lsn.values()) == {stats.last_lsn}
     hits = await mem.recall("ana", "dog named Rex", kinds=["turn"], limit=3)
     assert hits[0].text == "I adopted a dog named Rex 77"
+
+
+async def test_the_indexes_wait_behind_an_import_for_at_most_a_second(
+        store_path: Path, monkeypatch, mock_clock) -> None:
+    """While an import's turns are queued and not yet committed, the followers' steps wait
+    (on two cores an indexer beside the import halves its rate); for at most
+    IMPORT_YIELD_SECONDS, so an import that does not end never stops an index for good. The
+    writer's thread is held here: the text index takes no step before a second has passed, one
+    right after, and catches up once the import is committed."""
+    mock_clock.autojump_threshold = 0.05  # jump only when idle: waits on threads stay real
+    gate = threading.Event()  # set by the test: write transactions may begin
+    original = store_mod.Store._plan_and_write
+
+    def gated(self, *args):
+        gate.wait(10)
+        return original(self, *args)
+
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        await mem.add_turn("ana", "s0", "user", "a turn before the import")
+        await mem.flush()
+        indexed = mem._fulltext.indexed_lsn
+        monkeypatch.setattr(store_mod.Store, "_plan_and_write", gated)
+        receipts = await mem.add_turns(
+            [NewTurn(user_id="ana", session_id=f"s{i // 50}", role="user", text=f"turn {i}")
+             for i in range(500)])
+        start = trio.current_time()
+        steps: list[float] = []
+
+        async def step() -> None:
+            await mem._parts.store.yield_to_receipts()
+            steps.append(trio.current_time() - start)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(step)
+            await trio.sleep(0.5)
+            assert steps == [] and mem._fulltext.indexed_lsn == indexed
+            await trio.sleep(0.6)
+            assert len(steps) == 1 and IMPORT_YIELD_SECONDS <= steps[0] < 1.1
+            gate.set()
+        await receipts[-1].durable()
+        await mem.flush()
+        assert mem._fulltext.indexed_lsn >= receipts[-1].lsn
+        hits = await mem.recall("ana", "turn 499", kinds=["turn"], limit=1)
+        assert hits[0].text == "turn 499"

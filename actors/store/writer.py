@@ -78,6 +78,9 @@ REFUSALS_KEPT = 1024  # refused lsns remembered for their waiters
 # and writing a batch is Python that holds the GIL, and the flush's callers are released on
 # the trio thread, which needs it.
 BATCH_MAX_WHILE_WAITED = 256
+# The longest a follower's step waits for an import's queued turns to commit (yield_to_receipts):
+# an import of up to ~50k turns runs alone here; a longer one has every index take a step a second.
+IMPORT_YIELD_SECONDS = 1.0
 RECEIPTS_TIMED = 1024  # the latest durable receipts whose stages receipt_stages summarises
 # A durable receipt's way from the caller to its release, in order (nanoseconds each):
 #   queued      its turn waits in the queue until the writer takes its batch
@@ -544,20 +547,32 @@ class Writer:
         return summary
 
     async def yield_to_receipts(self) -> None:
-        """Background work (the log's followers) calls this before each step: while a caller
-        waits for a commit to land (a durable receipt, a forget), or turns an ``add_turns``
-        queued are not all committed yet (an import), wait until the next batch lands, so a
-        step's Python and its GIL-holding reads do not run in front of that caller's release
-        or take the cores the import is writing with (the followers catch up behind it). One
-        landing at most: a steady stream of receipts or imports slows the followers, never
-        starves them. Otherwise a checkpoint."""
-        if (self._waiters or self._committed_lsn < self._bulk_until) and self.usable():
+        """Background work (the log's followers) calls this before each step, so a step's
+        Python and its GIL-holding reads do not run in front of a caller.
+
+        - While a caller waits for a commit to land (a durable receipt, a forget): until the
+          next batch lands, which releases that caller first. One landing at most: a steady
+          stream of receipts slows the followers, never starves them.
+        - While turns an ``add_turns`` queued are not all committed (an import): until they
+          are, or for at most :data:`IMPORT_YIELD_SECONDS`. On two cores with one GIL, an
+          indexer stepping beside the import halves the import's rate and gains nothing
+          overall: it catches up behind the import in the time it would have spent beside
+          it. The bound keeps every index moving during an import that does not end.
+
+        Otherwise a checkpoint."""
+        if self._waiters and self.usable():
             await self._landed.park()
-            # The landing woke its callers and this step in one scheduling batch, which trio
-            # runs in random order: one more turn, so the callers run before the step does.
-            await trio.lowlevel.cancel_shielded_checkpoint()
+        elif self._committed_lsn < self._bulk_until and self.usable():
+            with trio.move_on_after(IMPORT_YIELD_SECONDS):
+                while (self._committed_lsn < self._bulk_until and not self._waiters
+                       and self.usable()):
+                    await self._landed.park()
         else:
             await trio.lowlevel.checkpoint()
+            return
+        # The landing woke its callers and this step in one scheduling batch, which trio runs
+        # in random order: one more turn, so the callers run before the step does.
+        await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def write_unlogged(self, op: PutVectors | PutLink | WriteSummary | PutState
                              | ScrubDone) -> None:
