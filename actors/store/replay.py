@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import lmdb
@@ -73,6 +73,9 @@ class LogFollower:
         # (the step failed): a cache of what they write can trust the store again.
         self._settled = settled
         self.watermark = 0
+        # Awaited before each step with the log's committed end: a follower that must keep
+        # behind another (the text index, FullText.keep_behind) waits in it. None: none.
+        self.lead: Callable[[int], Awaitable[None]] | None = None
         self._stopped = False
         # Parked: callers of wait, until the watermark moves or the follower stops.
         self._progress = trio.lowlevel.ParkingLot()
@@ -85,6 +88,8 @@ class LogFollower:
             task_status.started()
             while True:
                 await store.wait_commit_beyond(self.watermark)
+                if self.lead is not None:
+                    await self.lead(store.committed_lsn)
                 await store.yield_to_receipts()
                 damaged: list[Damaged] = []
                 records, _, last = await store.read(read_log_range, self.watermark,

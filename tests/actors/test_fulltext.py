@@ -7,6 +7,7 @@ follows the store's log and stops when the store closes.
 from __future__ import annotations
 
 import shutil
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -174,6 +175,45 @@ async def test_commits_are_batched_until_someone_waits(store_path, monkeypatch) 
         await flush(ground, index)
         assert index.indexed_lsn == 10 and len(commits) == 1
         assert len(await index.search("ana", "lisbon", 20)) == 10
+
+
+async def test_a_follower_keeps_behind_the_index_for_at_most_a_second(
+        store_path, monkeypatch, mock_clock) -> None:
+    """keep_behind (what the long-term layer's followers await before each step) returns at
+    once while the index has read the log to within LEAD_SLACK; further behind, it waits until
+    the index reads on, and for LEAD_SECONDS at most while the index stays stuck."""
+    mock_clock.autojump_threshold = 0.05  # jump only when idle: waits on threads stay real
+    monkeypatch.setattr(actor_mod, "LEAD_SLACK", 4)
+    gate = threading.Event()  # cleared by the test: the index's writes wait
+    gate.set()
+    original = fulltext_mod.FullText._apply
+    monkeypatch.setattr(fulltext_mod.FullText, "_apply",
+                        lambda self, *args: (gate.wait(10), original(self, *args))[1])
+    async with running_index(store_path) as (ground, index):
+        await ground.add_turn("ana", "s", "before", durable=True)
+        await flush(ground, index)
+        start = trio.current_time()
+        await index.keep_behind(ground.store.committed_lsn + 4)  # within the slack
+        assert trio.current_time() == start
+        returned: list[float] = []
+
+        async def follower(lsn: int) -> None:
+            began = trio.current_time()
+            await index.keep_behind(lsn)
+            returned.append(trio.current_time() - began)
+
+        for release in (True, False):
+            gate.clear()
+            for i in range(10):
+                await ground.add_turn("ana", "s", f"turn {i}", durable=i == 9)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(follower, ground.store.committed_lsn)
+                await trio.sleep(0.5)
+                assert len(returned) == (0 if release else 1)
+                if release:
+                    gate.set()
+            gate.set()
+        assert returned[0] < actor_mod.LEAD_SECONDS and returned[1] == actor_mod.LEAD_SECONDS
 
 
 async def test_a_document_is_committed_within_the_interval_unasked(store_path, monkeypatch) -> None:
