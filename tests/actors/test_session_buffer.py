@@ -105,6 +105,27 @@ async def test_a_reloaded_buffer_counts_on_where_the_store_left_off(store_path) 
         assert buffer.scope("ana", "s1") == ("helper", "")
 
 
+async def test_a_reopened_buffer_reads_a_window_when_its_session_is_first_used(
+        store_path) -> None:
+    """Opening holds no window in RAM (a store of 100k turns held 82k of them as objects, 35 MiB,
+    read at open for sessions nobody might ask for again); a session's first history reads its
+    window from the store, and a turn said after it joins the window."""
+    async with running_buffer(store_path) as (_, buffer):
+        for i in range(30):
+            last = say(buffer, "ana", f"s{i % 3}", f"turn {i}", i)
+        await last.durable()
+    async with running_buffer(store_path, Config(window_turns=4)) as (ground, buffer):
+        assert buffer.counts() == (1, 3, 30, 0)  # users, sessions, turns, windows in RAM
+        assert [t.text for t in await buffer.history("ana", "s1", 2)] == ["turn 25", "turn 28"]
+        assert buffer.counts()[3] == 1
+        say(buffer, "ana", "s1", "turn 30", 30)
+        reads = ground.store.read
+        ground.store.read = None  # no store read from here on: the window answers
+        assert [t.text for t in await buffer.history("ana", "s1", 3)] == [
+            "turn 25", "turn 28", "turn 30"]
+        ground.store.read = reads
+
+
 async def test_a_session_keeps_the_scope_of_its_first_turn(store_path) -> None:
     """agent_id and run_id scope a new session; a later turn that names none is stored under
     the session's scope, and sessions_in_scope finds the session by either part."""
