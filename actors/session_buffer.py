@@ -307,10 +307,17 @@ class SessionBuffer:
             read_session_tail, user_id, session_id, limit - len(have), before
         )
         turns = older + have
-        if state.window is None and state.next_seq == next_seq and self._lookup(
-            user_id, session_id
-        ) is state:
-            self._set_window(state, turns[-self._window_turns:])
+        if self._lookup(user_id, session_id) is state:
+            window = state.window
+            if window is None:
+                if state.next_seq == next_seq:
+                    self._set_window(state, turns[-self._window_turns:])
+            elif older and have and window[0] is have[0]:
+                # A window begun by a turn said since open: the turns read go in front of it
+                # (as many as it has room for), so the next history is answered from RAM.
+                room = self._window_turns - len(window)
+                if room > 0:
+                    window.extendleft(reversed(older[-room:]))
         return turns
 
     def scope(self, user_id: str, session_id: str) -> tuple[str, str] | None:

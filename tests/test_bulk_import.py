@@ -14,6 +14,7 @@ import trio
 
 import actors.store as store_mod
 import engine._ingest as ingest_mod
+import actors.store.writer as writer_mod
 from actors.store.writer import IMPORT_YIELD_SECONDS
 from engine import Engine, InvalidInput, NewTurn
 
@@ -116,13 +117,14 @@ async def test_the_followers_see_a_bulk_import(mem: Engine) -> None:
     assert hits[0].text == "I adopted a dog named Rex 77"
 
 
-async def test_the_indexes_wait_behind_an_import_for_at_most_a_second(
+async def test_a_follower_waits_before_its_step_for_an_import_for_at_most_a_second(
         store_path: Path, monkeypatch, mock_clock) -> None:
-    """While an import's turns are queued and not yet committed, the followers' steps wait
-    (on two cores an indexer beside the import halves its rate); for at most
-    IMPORT_YIELD_SECONDS, so an import that does not end never stops an index for good. The
-    writer's thread is held here: the text index takes no step before a second has passed, one
-    right after, and catches up once the import is committed."""
+    """While an import's turns are queued and not yet committed, a follower about to take a
+    step waits (on two cores an index stepping beside the import halves its rate) until they
+    are committed; for at most IMPORT_YIELD_SECONDS, so an import that does not end never stops
+    an index for good. The writer's thread is held here: released after half a second, the
+    wait ends with the import committed; held, it ends at the second with nothing committed.
+    The text index then catches up."""
     mock_clock.autojump_threshold = 0.05  # jump only when idle: waits on threads stay real
     gate = threading.Event()  # set by the test: write transactions may begin
     original = store_mod.Store._plan_and_write
@@ -132,28 +134,38 @@ async def test_the_indexes_wait_behind_an_import_for_at_most_a_second(
         return original(self, *args)
 
     async with open_engine(store_path, clock=StepClock()) as mem:
+        store = mem._parts.store
         await mem.add_turn("ana", "s0", "user", "a turn before the import")
         await mem.flush()
-        indexed = mem._fulltext.indexed_lsn
         monkeypatch.setattr(store_mod.Store, "_plan_and_write", gated)
-        receipts = await mem.add_turns(
-            [NewTurn(user_id="ana", session_id=f"s{i // 50}", role="user", text=f"turn {i}")
-             for i in range(500)])
-        start = trio.current_time()
-        steps: list[float] = []
+        steps: list[tuple[float, int]] = []  # (seconds waited, committed lsn then)
 
         async def step() -> None:
-            await mem._parts.store.yield_to_receipts()
-            steps.append(trio.current_time() - start)
+            began = trio.current_time()
+            await store.yield_to_receipts(before_step=True)
+            steps.append((trio.current_time() - began, store.committed_lsn))
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(step)
-            await trio.sleep(0.5)
-            assert steps == [] and mem._fulltext.indexed_lsn == indexed
-            await trio.sleep(0.6)
-            assert len(steps) == 1 and IMPORT_YIELD_SECONDS <= steps[0] < 1.1
+        lasts: list[int] = []  # each import's last lsn
+        for release in (True, False):
+            # Released, only the commit may end the wait, however slow the writer's thread.
+            monkeypatch.setattr(writer_mod, "IMPORT_YIELD_SECONDS",
+                                3600.0 if release else IMPORT_YIELD_SECONDS)
+            gate.clear()
+            receipts = await mem.add_turns(
+                [NewTurn(user_id="ana", session_id=f"s{i // 50}", role="user", text=f"turn {i}")
+                 for i in range(500)])
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(step)
+                await trio.sleep(0.5)
+                assert len(steps) == (0 if release else 1)
+                if release:
+                    gate.set()
             gate.set()
-        await receipts[-1].durable()
+            await receipts[-1].durable()
+            lasts.append(receipts[-1].lsn)
+        (_, committed), (bounded, behind) = steps
+        assert committed >= lasts[0]
+        assert abs(bounded - IMPORT_YIELD_SECONDS) < 1e-6 and behind < lasts[1] - 499
         await mem.flush()
         assert mem._fulltext.indexed_lsn >= receipts[-1].lsn
         hits = await mem.recall("ana", "turn 499", kinds=["turn"], limit=1)

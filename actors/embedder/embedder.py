@@ -384,7 +384,7 @@ class Embedder:
             await self._embed_backlog(store, on_vectors)
             while True:
                 await store.wait_commit_beyond(self.embedded_lsn)
-                await store.yield_to_receipts()
+                await store.yield_to_receipts(before_step=True)
                 damaged: list[Damaged] = []
                 records, _, last = await store.read(
                     read_log_range, self.embedded_lsn, store.committed_lsn, FOLLOW_CHUNK, damaged

@@ -69,7 +69,7 @@ PROGRESS_EVERY = 50_000  # log positions between progress lines of a rebuild
 CATCH_UP_COMMIT_DOCS = 65_536
 PURGE_ROUNDS = 3  # re-index passes a purge makes at most (a merge may land between two)
 # keep_behind: how far the index may lag before a follower that keeps behind it waits (a
-# step of its reading: live traffic never waits), and the longest such a wait lasts.
+# step of its reading, which live traffic rarely lags by), and the longest such a wait lasts.
 LEAD_SLACK = 2_048
 LEAD_SECONDS = 1.0
 
@@ -130,8 +130,9 @@ class FullText:
         stopped, for at most :data:`LEAD_SECONDS`. The long-term layer's followers call it
         before each step (:class:`~actors.store.LogFollower`'s ``lead``): after an import, the
         index that makes the turns findable by their words catches up first instead of
-        sharing the cores with them step for step (200k imported turns were all searchable
-        50 s after the import, behind a layer that took longer; 15 s with the layer off).
+        sharing the cores with them step for step (200k imported turns were all in the index
+        43-47 s after the import began when every follower stepped in turn, 17-20 s keeping
+        behind it, 15 s with the layer off; the layer itself took 212 s either way).
         Bounded, so the layer keeps moving behind an index that never catches up."""
         if self._closed or self._read_only or self._read_lsn + LEAD_SLACK >= lsn:
             await trio.lowlevel.checkpoint()
@@ -286,7 +287,7 @@ class FullText:
                 continue
             damaged: list[Damaged] = []
             try:
-                await store.yield_to_receipts()
+                await store.yield_to_receipts(before_step=True)
                 records, deleted, last = await store.read(
                     read_log_range, self._read_lsn, store.committed_lsn, FOLLOW_CHUNK, damaged)
                 if damaged:  # kept as failures; the index goes on without those records

@@ -45,7 +45,7 @@ class FollowedStore(Protocol):
 
     async def wait_commit_beyond(self, lsn: int) -> None: ...
 
-    async def yield_to_receipts(self) -> None: ...
+    async def yield_to_receipts(self, before_step: bool = False) -> None: ...
 
     async def write_unlogged(self, op: PutState) -> None: ...
 
@@ -90,7 +90,7 @@ class LogFollower:
                 await store.wait_commit_beyond(self.watermark)
                 if self.lead is not None:
                     await self.lead(store.committed_lsn)
-                await store.yield_to_receipts()
+                await store.yield_to_receipts(before_step=True)
                 damaged: list[Damaged] = []
                 records, _, last = await store.read(read_log_range, self.watermark,
                                                     store.committed_lsn, self._chunk, damaged)

@@ -78,8 +78,9 @@ REFUSALS_KEPT = 1024  # refused lsns remembered for their waiters
 # and writing a batch is Python that holds the GIL, and the flush's callers are released on
 # the trio thread, which needs it.
 BATCH_MAX_WHILE_WAITED = 256
-# The longest a follower's step waits for an import's queued turns to commit (yield_to_receipts):
-# an import of up to ~50k turns runs alone here; a longer one has every index take a step a second.
+# The longest a follower waits before a step for an import's queued turns to commit
+# (yield_to_receipts): an import of up to ~50k turns runs alone here; behind a longer one every
+# follower still takes a step a second.
 IMPORT_YIELD_SECONDS = 1.0
 RECEIPTS_TIMED = 1024  # the latest durable receipts whose stages receipt_stages summarises
 # A durable receipt's way from the caller to its release, in order (nanoseconds each):
@@ -546,30 +547,34 @@ class Writer:
                                  "max_ms": values[-1] / 1e6}
         return summary
 
-    async def yield_to_receipts(self) -> None:
-        """Background work (the log's followers) calls this before each step, so a step's
-        Python and its GIL-holding reads do not run in front of a caller.
+    async def yield_to_receipts(self, before_step: bool = False) -> None:
+        """Background work (the log's followers) calls this before each step (``before_step``)
+        and between parts of a long one, so a step's Python and its GIL-holding reads do not
+        run in front of a caller.
 
         - While a caller waits for a commit to land (a durable receipt, a forget): until the
           next batch lands, which releases that caller first. One landing at most: a steady
           stream of receipts slows the followers, never starves them.
-        - While turns an ``add_turns`` queued are not all committed (an import): until they
-          are, or for at most :data:`IMPORT_YIELD_SECONDS`. On two cores with one GIL, an
-          indexer stepping beside the import halves the import's rate and gains nothing
-          overall: it catches up behind the import in the time it would have spent beside
-          it. The bound keeps every index moving during an import that does not end.
+        - While turns an ``add_turns`` queued are not all committed (an import): between the
+          parts of a step, until the next landing; before a step, until they are all
+          committed, for at most :data:`IMPORT_YIELD_SECONDS` (then one more landing if a
+          receipt waits). On two cores with one GIL, an index stepping beside the import
+          halves the import's rate and gains nothing overall: it catches up behind the
+          import. The bound keeps every index moving behind an import that does not end.
 
         Otherwise a checkpoint."""
-        if self._waiters and self.usable():
-            await self._landed.park()
-        elif self._committed_lsn < self._bulk_until and self.usable():
-            with trio.move_on_after(IMPORT_YIELD_SECONDS):
-                while (self._committed_lsn < self._bulk_until and not self._waiters
-                       and self.usable()):
-                    await self._landed.park()
-        else:
+        importing = self._committed_lsn < self._bulk_until
+        if not (importing or self._waiters) or not self.usable():
             await trio.lowlevel.checkpoint()
             return
+        if importing and before_step:
+            with trio.move_on_after(IMPORT_YIELD_SECONDS):
+                while self._committed_lsn < self._bulk_until and self.usable():
+                    await self._landed.park()
+            if self._waiters and self.usable():
+                await self._landed.park()
+        else:
+            await self._landed.park()
         # The landing woke its callers and this step in one scheduling batch, which trio runs
         # in random order: one more turn, so the callers run before the step does.
         await trio.lowlevel.cancel_shielded_checkpoint()

@@ -225,11 +225,11 @@ async def test_the_rules_yield_the_loop_in_small_steps_when_roles_alternate(stor
     yields = 0
     original = store_mod.Store.yield_to_receipts
 
-    async def counted(self) -> None:
+    async def counted(self, before_step: bool = False) -> None:
         nonlocal yields
         if sys._getframe(1).f_code.co_name == "handle":  # the rules' loop, not the step's
             yields += 1
-        await original(self)
+        await original(self, before_step)
 
     async with running_store(store_path) as ground:
         for i in range(64):

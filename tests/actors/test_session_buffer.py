@@ -109,7 +109,9 @@ async def test_a_reopened_buffer_reads_a_window_when_its_session_is_first_used(
         store_path) -> None:
     """Opening holds no window in RAM (a store of 100k turns held 82k of them as objects, 35 MiB,
     read at open for sessions nobody might ask for again); a session's first history reads its
-    window from the store, and a turn said after it joins the window."""
+    window from the store, and a turn said after it joins the window. A session whose first
+    use after open is a new turn gets the turns before it on its first history too: each
+    later history is answered from RAM."""
     async with running_buffer(store_path) as (_, buffer):
         for i in range(30):
             last = say(buffer, "ana", f"s{i % 3}", f"turn {i}", i)
@@ -124,6 +126,16 @@ async def test_a_reopened_buffer_reads_a_window_when_its_session_is_first_used(
         assert [t.text for t in await buffer.history("ana", "s1", 3)] == [
             "turn 25", "turn 28", "turn 30"]
         ground.store.read = reads
+        say(buffer, "ana", "s2", "turn 31", 31)  # s2's first use after open: a new turn
+        assert buffer.counts()[3] == 2
+        assert [t.text for t in await buffer.history("ana", "s2", 3)] == [
+            "turn 26", "turn 29", "turn 31"]
+        for limit in (3, 4):
+            assert [t.text for t in await buffer.history("ana", "s2", limit)] == [
+                "turn 23", "turn 26", "turn 29", "turn 31"][-limit:]
+            ground.store.read = None  # the same history again: from RAM
+            assert len(await buffer.history("ana", "s2", limit)) == limit
+            ground.store.read = reads
 
 
 async def test_a_session_keeps_the_scope_of_its_first_turn(store_path) -> None:
