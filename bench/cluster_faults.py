@@ -358,7 +358,7 @@ async def one_run(index: int, kind: str, args: argparse.Namespace, base: Path) -
     config = ClusterConfig(partitions=args.partitions, lease_ttl=args.ttl,
                            publish_retry_seconds=60.0)
     out: dict[str, Any] = {"run": index, "kind": kind}
-    with LocalNats(base / "nats", 3) as servers:
+    async with LocalNats(base / "nats", 3) as servers:
         nodes = [NodeProc(base, servers.urls, f"node{i}", config) for i in range(3)]
         for node in nodes:
             await _make_store(node.store)
@@ -626,7 +626,7 @@ async def ryw_pairs(args: argparse.Namespace, base: Path) -> dict[str, Any]:
     --ryw-rate turns/s of other users' turns reach the log (the appliers' load)."""
     rng = random.Random(args.seed)
     config = ClusterConfig(partitions=args.partitions, lease_ttl=args.ttl)
-    with LocalNats(base / "nats", 3) as servers:
+    async with LocalNats(base / "nats", 3) as servers:
         nodes = [NodeProc(base, servers.urls, f"node{i}", config) for i in range(3)]
         for node in nodes:
             await _make_store(node.store)

@@ -170,9 +170,8 @@ async def running(root: Path, config: Config, clock: Clock, embedding: Embedder,
                 if config.long_term:
                     parts.followers = [entities.follower, facts.follower(extractor, imported),
                                        compressor.follower]
-                    for follower in parts.followers:  # the text index catches up first
-                        follower.lead = fulltext.keep_behind
                     for follower in parts.followers:
+                        follower.lead = fulltext.keep_behind  # the text index catches up first
                         await run.start_background(follower.run)
                 yield run
             except BaseException as exc:

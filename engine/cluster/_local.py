@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+import trio
+
 from ..errors import EngineError
 
 __all__ = ["LocalNats", "nats_server_binary", "free_port"]
@@ -227,3 +229,11 @@ class LocalNats:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    async def __aenter__(self) -> LocalNats:
+        # Starting waits for each port and stopping reaps each process: blocking calls, run
+        # on a worker thread so that a trio caller's loop goes on meanwhile.
+        return await trio.to_thread.run_sync(self.start)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await trio.to_thread.run_sync(self.stop)

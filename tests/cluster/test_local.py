@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 import pytest
+import trio
 
 from engine.cluster._local import LocalNats, _ephemeral_floor, free_port
 from engine.errors import EngineError
@@ -51,3 +52,29 @@ def test_where_the_ephemeral_range_starts_low_the_kernel_chooses(monkeypatch) ->
         port = free_port(taken)
         assert port not in taken and port > 0
         taken.add(port)
+
+
+async def test_a_trio_caller_starts_and_stops_the_servers_without_holding_its_loop(
+        tmp_path) -> None:
+    """``async with LocalNats(...)`` waits for each port and reaps each process on a worker
+    thread: a task of the caller's loop keeps running meanwhile (the synchronous start polls
+    the ports with blocking sleeps), and the servers answer inside the block, none after."""
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await trio.sleep(0.001)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        await trio.sleep(0)
+        before = ticks
+        async with LocalNats(tmp_path, 1) as cluster:
+            started = ticks
+            socket.create_connection(("127.0.0.1", cluster.ports[0]), 2).close()
+            procs = list(cluster.procs.values())
+        nursery.cancel_scope.cancel()
+    assert started > before
+    assert all(proc.poll() is not None for proc in procs) and cluster.procs == {}
