@@ -190,7 +190,8 @@ class SessionBuffer:
 
     def append_many(self, user_ids: list[str], session_ids: list[str], roles: list[str],
                     texts: list[str], ats: list[datetime], metas: list[dict[str, Any]],
-                    agent_ids: list[str | None], run_ids: list[str | None]) -> list[Receipt]:
+                    agent_ids: list[str | None], run_ids: list[str | None],
+                    turn_ids: list[str] | None = None) -> list[Receipt]:
         """Append validated turns, in order, as many :meth:`append` calls would (the same ids,
         seqs, lsns, windows and records), with one op for the Store and each column made in
         bulk: what one turn of a history import costs is a few list items, not a call chain.
@@ -198,8 +199,8 @@ class SessionBuffer:
         nothing behind.
 
         Args:
-            user_ids ... run_ids: one list per argument of :meth:`append` (but ``turn_id``,
-                made here), one item per turn.
+            user_ids ... run_ids: one list per argument of :meth:`append`, one item per turn.
+            turn_ids: ids made elsewhere (an import), one per turn; by default new ones.
 
         Returns:
             One receipt per turn, in order.
@@ -212,7 +213,8 @@ class SessionBuffer:
         store = self._store
         first = store.next_lsn
         lsns = range(first, first + n)
-        turn_ids = new_turn_ids(n)
+        if turn_ids is None:
+            turn_ids = new_turn_ids(n)
         seqs: list[int] = []
         keys: list[bytes] = []
         id_keys: list[bytes] = []

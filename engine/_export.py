@@ -17,7 +17,7 @@ the embedder take imported records like any other.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Union
@@ -364,9 +364,23 @@ def _check(parsed: _Parsed, parts: Parts) -> None:
         ids.add(memory_id)
 
     sessions: dict[str, list[TurnLine]] = {}
-    for turn in parsed.turns:
-        new_id("turn_id", turn.turn_id)
-        v.check_id("source.session_id", turn.session_id, limit)
+    turns = parsed.turns
+    # The columns at once where they all pass (an export of this engine's); else each turn's
+    # checks, whose error names the first bad one. Ids are each checked, and distinct.
+    passed = (v.roles_pass([t.role for t in turns])
+              and v.texts_pass([t.text for t in turns], config.max_text_chars)
+              and v.ats_pass([t.at for t in turns])
+              and not any(t.meta or t.agent_id or t.run_id for t in turns))
+    turn_ids = [t.turn_id for t in turns]
+    if v.ids_pass(turn_ids, limit) and len(set(turn_ids)) == len(turn_ids):
+        ids.update(turn_ids)
+    else:
+        for turn in turns:
+            new_id("turn_id", turn.turn_id)
+    for turn in turns:
+        sessions.setdefault(turn.session_id, []).append(turn)
+        if passed:
+            continue
         if turn.role not in ROLES:
             raise _bad(f"turn {turn.turn_id}", f"expected a role among {', '.join(ROLES)}, "
                                                f"found {turn.role!r}")
@@ -376,7 +390,8 @@ def _check(parsed: _Parsed, parts: Parts) -> None:
         for field in ("agent_id", "run_id"):
             if getattr(turn, field):
                 v.check_id(f"source.{field}", getattr(turn, field), config.max_id_chars)
-        sessions.setdefault(turn.session_id, []).append(turn)
+    for session_id in sessions:
+        v.check_id("source.session_id", session_id, limit)
     for session_id, turns in sessions.items():
         turns.sort(key=lambda t: t.seq)
         if [t.seq for t in turns] != list(range(len(turns))):
@@ -468,11 +483,17 @@ async def _write(parts: Parts, parsed: _Parsed, user_id: str) -> dict[str, int]:
         last = first + len(chunk) - 1
         imported.add(first, last)
         store.submit(PutState((Imported.marker(first, last),)))
-        for line in chunk:
-            lsn_map[line.lsn] = store.next_lsn
-            _submit(parts, user_id, line)
-            kind = type(line).__struct_config__.tag
-            written[kind + "s"] = written.get(kind + "s", 0) + 1
+        for run in _runs(chunk):
+            if type(run[0]) is TurnLine:
+                receipts = _append_turns(parts, user_id, run)
+                for line, receipt in zip(run, receipts, strict=True):
+                    lsn_map[line.lsn] = receipt.lsn
+            else:
+                for line in run:
+                    lsn_map[line.lsn] = store.next_lsn
+                    _submit(parts, user_id, line)
+            kind = type(run[0]).__struct_config__.tag + "s"
+            written[kind] = written.get(kind, 0) + len(run)
     if last:
         await store.wait_committed(last)
     if parts.notes_md is not None:
@@ -493,18 +514,43 @@ def _id_of(line: Any) -> str:
         line, "episode_id", None) or line.fact_id
 
 
-def _submit(parts: Parts, user_id: str, line: Any) -> None:
-    """Queue one logged record at the store's next position (synchronous)."""
-    store = parts.store
-    lsn = store.next_lsn
-    if isinstance(line, TurnLine):
-        if (parts.buffer.next_seq(user_id, line.session_id) or 0) != line.seq:
+def _runs(lines: list[Any]) -> Iterator[list[Any]]:
+    """``lines`` cut into runs of one record type, in order."""
+    start = 0
+    for end in range(1, len(lines) + 1):
+        if end == len(lines) or type(lines[end]) is not type(lines[start]):
+            yield lines[start:end]
+            start = end
+
+
+def _append_turns(parts: Parts, user_id: str, lines: list[TurnLine]) -> list[Any]:
+    """Queue a run of turns at the store's next positions in one bulk append, as a history
+    import does (synchronous); each keeps its id and must take its own seq in its session.
+    Checked before anything is queued."""
+    buffer = parts.buffer
+    next_seq: dict[str, int] = {}
+    for line in lines:
+        seq = next_seq.get(line.session_id)
+        if seq is None:
+            seq = buffer.next_seq(user_id, line.session_id) or 0
+        if seq != line.seq:
             raise _bad(f"session {line.session_id}", "expected no other turns while importing "
                                                      "it, found some: import it again")
-        parts.buffer.append(user_id, line.session_id, line.role, line.text, line.at,
-                              line.meta, turn_id=line.turn_id, agent_id=line.agent_id,
-                              run_id=line.run_id)
-    elif isinstance(line, NoteLine):
+        next_seq[line.session_id] = seq + 1
+    return buffer.append_many(
+        [user_id] * len(lines), [line.session_id for line in lines],
+        [line.role for line in lines], [line.text for line in lines],
+        [line.at for line in lines], [line.meta for line in lines],
+        [line.agent_id or None for line in lines], [line.run_id or None for line in lines],
+        [line.turn_id for line in lines])
+
+
+def _submit(parts: Parts, user_id: str, line: Any) -> None:
+    """Queue one logged record other than a turn at the store's next position
+    (synchronous)."""
+    store = parts.store
+    lsn = store.next_lsn
+    if isinstance(line, NoteLine):
         store.submit(PutNote(lsn, _note(line, lsn, user_id), -1))
     elif isinstance(line, EpisodeLine):
         fields = _fields(line, ("lsn",))

@@ -208,6 +208,30 @@ async def test_bad_sources_are_refused_and_nothing_is_written(tmp_path) -> None:
             with pytest.raises(InvalidInput, match=message) as e:
                 await mem.import_user(data)
             assert e.value.field == "source"
+        # A bad turn among good ones: the turns' checks run a column at a time where every
+        # turn passes, so each kind of bad value must still fall to the check that names it.
+        at = [i for i, line in enumerate(good) if json.loads(line)["record"] == "turn"]
+        first, second = json.loads(good[at[0]]), json.loads(good[at[1]])
+
+        def changed(i: int, line: dict) -> bytes:
+            lines = list(good)
+            lines[at[i]] = json.dumps(line).encode()
+            return b"\n".join(lines)
+
+        bad_turns = [
+            (changed(1, second | {"turn_id": first["turn_id"]}), "source", "twice"),
+            (changed(0, first | {"turn_id": "t_\u0000x"}), "source.turn_id", "no NUL"),
+            (changed(0, first | {"turn_id": "t_é" * 200}), "source.turn_id", "at most"),
+            (changed(0, first | {"session_id": "s" * 300}), "source.session_id", "at most"),
+            (changed(0, first | {"text": "   "}), "source.text", "non-empty"),
+            (changed(1, second | {"role": "narrator"}), "source", "expected a role among"),
+            (changed(0, first | {"at": "1500-01-01T00:00:00Z"}), "source.at",
+             "expected a date from 1700-01-01"),
+        ]
+        for data, field, message in bad_turns:
+            with pytest.raises(InvalidInput, match=message) as e:
+                await mem.import_user(data, as_user="new")
+            assert e.value.field == field
         with pytest.raises(InvalidInput, match="session s1: expected its 1 turns here"):
             await mem.import_user(b"\n".join(good), as_user="ana")
         with pytest.raises(InvalidInput, match="expected an export file, found nothing"):

@@ -203,6 +203,18 @@ def roles_pass(values: list[Any]) -> bool:
     return set(map(type, values)) == {str} and set(values) <= _ROLES
 
 
+def ids_pass(values: list[Any], max_chars: int) -> bool:
+    """Whether ``check_id`` passes every value (all of them ASCII: any other takes the
+    checks one at a time)."""
+    if not values:
+        return True
+    if set(map(type, values)) != {str} or not all(map(str.isascii, values)):
+        return False
+    if min(map(len, values)) < 1 or max(map(len, values)) > min(max_chars, MAX_ID_BYTES):
+        return False
+    return not any(map(str.isspace, values)) and "\x00" not in "".join(values)
+
+
 def texts_pass(values: list[Any], max_chars: int) -> bool:
     """Whether ``check_text`` passes every value."""
     if set(map(type, values)) != {str} or any(map(str.isspace, values)):
