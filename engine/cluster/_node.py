@@ -264,6 +264,11 @@ class Node:
         stored = await self.log.snapshot_mark(p)
         counts.snapshot_watermark = max(counts.snapshot_watermark, stored or 0)
         started = time.monotonic()
+        # A snapshot carries what the engine derived from the partition, so it waits for every
+        # index and the long-term layer to take in what was applied. Most of that wait happens
+        # here, with the partition still applying (a layer minutes behind would otherwise
+        # hold its applies and reads as long); under the guard only what came meanwhile is left.
+        await self.engine.flush()
         async with self._guard(p):
             mark = self.marks.get(p, 0)
             if p not in self._scopes or mark <= counts.snapshot_watermark:

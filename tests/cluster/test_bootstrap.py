@@ -133,3 +133,59 @@ async def test_a_new_owner_restores_the_newest_snapshot_and_the_old_copy_goes_af
     finally:
         await log_a.close()
         await log_b.close()
+
+
+class HeldExtractor:
+    """The LLM's place in the long-term layer, answering only once released: while it is
+    held, the layer (and so ``flush``) stays behind the log."""
+
+    name = "held"
+
+    def __init__(self) -> None:
+        self.release = trio.Event()
+        self.asked = 0
+
+    async def extract(self, text: str) -> list:
+        self.asked += 1
+        await self.release.wait()
+        return []
+
+
+async def test_a_snapshot_waits_for_a_lagging_long_term_layer_without_holding_the_partition(
+        nats_servers, cluster_config, tmp_path: Path) -> None:
+    """A snapshot is the memory at its watermark, derivations included, so it waits until the
+    long-term layer has taken in what was applied. That wait must not hold the partition: its
+    applies (and the reads waiting on them) go on, and the snapshot is taken once the layer
+    has caught up, at the watermark of that moment."""
+    config = msgspec.structs.replace(cluster_config, partitions=1, snapshot_interval=3600.0)
+    extractor = HeldExtractor()
+    log = await connect(nats_servers, config, "a")
+    try:
+        async with open_engine(tmp_path / "a", extractor=extractor) as a:
+            node = Node(a, log, "a", "http://127.0.0.1:1")
+            writer = ClusterEngine(a, log, node)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(node.run)
+                await wait_for(lambda: node.owns(0), 30, "the partition held")
+                first = await writer.add_turn("ana", "s", "user", "I live in Lisbon.",
+                                              durable=True)
+                await wait_for(lambda: extractor.asked > 0, 30, "the layer held by its extractor")
+                taken: list[int | None] = []
+
+                async def snapshot() -> None:
+                    taken.append(await node.snapshot(0))
+
+                nursery.start_soon(snapshot)
+                await trio.sleep(0.2)  # the snapshot is waiting on the layer now
+                second = await writer.add_turn("ana", "s", "assistant", "Lisbon is lovely.",
+                                               durable=True)
+                assert await node.wait_applied(0, second.log_seq, 10), \
+                    "an apply waited for the snapshot's wait on the long-term layer"
+                assert not taken and first.log_seq < second.log_seq
+                extractor.release.set()
+                await wait_for(lambda: taken, 30, "the snapshot")
+                assert taken == [second.log_seq]
+                assert await log.snapshot_mark(0) == second.log_seq
+                nursery.cancel_scope.cancel()
+    finally:
+        await log.close()
