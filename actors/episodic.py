@@ -339,7 +339,7 @@ class EpisodicCompressor:
             self._summarised[key] = state.upper_seq
             return
         first = 0 if state is None else state.upper_seq
-        await store.wait_committed(store.next_lsn - 1)
+        await store.wait_logged()
         turns = await store.read(read_session_turns, user_id, session_id, first, upper - 1)
         if not turns:
             return  # forgotten meanwhile
@@ -415,7 +415,7 @@ class EpisodicCompressor:
                 return False
             store = self._store
             if not queued:  # turns counted from the session buffer may not be committed yet
-                await store.wait_committed(store.next_lsn - 1)
+                await store.wait_logged()
             turns = await store.read(read_session_turns, user_id, session_id, first_seq, last_seq)
             if not turns:
                 return False

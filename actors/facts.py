@@ -136,7 +136,7 @@ class Facts:
         if cached is not None:
             self._cache[user_id] = self._cache.pop(user_id)  # most recently used last
             return cached
-        await self._store.wait_committed(self._store.next_lsn - 1)
+        await self._store.wait_logged()
         facts = await self._store.read(read_facts, user_id, True)
         cached = self._cache.get(user_id)  # another task may have loaded it meanwhile
         if cached is None:
@@ -158,7 +158,7 @@ class Facts:
         if as_of is None:
             found = list((await self._user(user_id)).values())
         else:
-            await self._store.wait_committed(self._store.next_lsn - 1)
+            await self._store.wait_logged()
             found = [f for f in await self._store.read(read_facts, user_id, False)
                      if known_at(f, as_of)]
         facts = [f for f in found
@@ -168,7 +168,7 @@ class Facts:
         return facts
 
     async def history(self, user_id: str, category: str, key: str) -> list[Fact]:
-        await self._store.wait_committed(self._store.next_lsn - 1)
+        await self._store.wait_logged()
         facts = await self._store.read(read_facts, user_id, False)
         return sorted((f for f in facts if f.category == category and f.key == key),
                       key=lambda f: f.lsn)

@@ -53,7 +53,7 @@ async def _episodes(parts: Parts, retriever: Retriever, user_id: str, session_id
                     query: str | None) -> list[Episode]:
     """Other sessions' episodes: the relevant ones first, then the most recent."""
     store = parts.store
-    await store.wait_committed(store.next_lsn - 1)
+    await store.wait_logged()
     others = [e for e in await store.read(read_episodes, user_id, None)
               if e.session_id != session_id]
     if not others:

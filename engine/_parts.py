@@ -113,7 +113,7 @@ class Parts:
     async def committed(self) -> None:
         """Wait until everything logged before the call is on disk: a read by id finds it
         then (indexes and vectors are not needed)."""
-        await self.store.wait_committed(self.store.next_lsn - 1)
+        await self.store.wait_logged()
 
     def degraded(self) -> tuple[str, ...]:
         """The search legs whose index lacks records the store held when the engine opened:

@@ -402,7 +402,7 @@ class Retriever:
         facts: list[Fact] = []
         episodes: list[Episode] = []
         if kinds is None or "fact" in kinds:
-            await self.store.wait_committed(self.store.next_lsn - 1)
+            await self.store.wait_logged()
             facts = await self.store.read(read_facts, user_id, False)
         if kinds is None or "episode" in kinds:
             episodes = await self.store.read(read_episodes, user_id, None)

@@ -115,7 +115,7 @@ class Store(Writer, Appliers, Forgetting):
         self._queued = 0  # ops taken and not yet committed (queued or in the writer)
         self._next_lsn = 1
         self._committed_lsn = 0
-        self._bulk_until = 0  # the last lsn of the latest run of turns add_turns queued
+        self._bulk_until = 0  # the last lsn of the latest bulk run of turns (add_turns, an import)
         # Heap of [lsn, tiebreak, event, the landing's stage times once it lands].
         self._waiters: list[list[Any]] = []
         # (waited, landing's stage times, woken) of the latest durable receipts, in ns.

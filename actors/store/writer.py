@@ -452,6 +452,20 @@ class Writer:
                 end = last
         return min(end - written, len(self._queue))
 
+    async def wait_logged(self) -> None:
+        """Return once every op logged before the call is committed, for a caller that then
+        reads what is stored. An op the store refused is its own caller's to hear of (its
+        receipt, the next ``flush``), not this one's: a read goes on without it.
+
+        Raises:
+            EngineBroken: the store failed first.
+            EngineClosed: the engine closed first.
+        """
+        try:
+            await self.wait_committed(self._next_lsn - 1)
+        except RecordRefused:
+            pass
+
     async def wait_committed(self, lsn: int) -> None:
         """Return once every op up to ``lsn`` is committed.
 
@@ -555,9 +569,9 @@ class Writer:
         - While a caller waits for a commit to land (a durable receipt, a forget): until the
           next batch lands, which releases that caller first. One landing at most: a steady
           stream of receipts slows the followers, never starves them.
-        - While turns an ``add_turns`` queued are not all committed (an import): between the
-          parts of a step, until the next landing; before a step, until they are all
-          committed, for at most :data:`IMPORT_YIELD_SECONDS` (then one more landing if a
+        - While turns a bulk append queued (``add_turns``, ``import_user``) are not all
+          committed: between the parts of a step, until the next landing; before a step,
+          until they are all committed, for at most :data:`IMPORT_YIELD_SECONDS` (then one more landing if a
           receipt waits). On two cores with one GIL, an index stepping beside the import
           halves the import's rate and gains nothing overall: it catches up behind the
           import. The bound keeps every index moving behind an import that does not end.

@@ -4,6 +4,7 @@ isolates the op that fails, so the rest of the batch commits and only its caller
 
 from __future__ import annotations
 
+import io
 import json
 from datetime import datetime, timezone
 from pathlib import Path
@@ -232,3 +233,28 @@ async def test_a_refused_turn_in_a_bulk_run_is_refused_alone(store_path: Path) -
         assert (failure.lsn, failure.actor, failure.memory_id) == (bad.lsn, "store", bad.turn_id)
     report = await Engine.verify(store_path)
     assert report["ok"], report["problems"]
+
+
+async def test_reads_after_a_refused_record_answer_a_bystander(store_path: Path) -> None:
+    """The newest logged record was refused (a turn appended behind the facade's checks):
+    its own receipt and the next flush say so, but a read that waits for what was logged
+    before it (another user's profile, notes, export, briefing, a recall as of a time) is
+    not that record's caller, and answers."""
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("bo", "s", "user", "I live in Porto.", durable=True)
+        await mem.store_note("bo", "likes tea")
+        bad = mem._buffer.append("€" * 200, "€" * 200, "user", "refused",
+                                 datetime(2026, 1, 1, tzinfo=UTC), {})
+        with pytest.raises(RecordRefused, match=bad.turn_id):
+            await bad.durable()
+        assert "bo" in await mem.list_users()
+        assert [n.text for n in await mem.list_notes("bo")] == ["likes tea"]
+        assert isinstance(await mem.profile("bo", as_of=datetime(2030, 1, 1, tzinfo=UTC)), list)
+        await mem.fact_history("bo", "location", "city")
+        export = io.BytesIO()
+        await mem.export_user("bo", export)
+        assert b"likes tea" in export.getvalue()
+        await mem.recall("bo", "Porto", as_of=datetime(2030, 1, 1, tzinfo=UTC))
+        await mem.context_for_prompt("bo", "s2")
+        with pytest.raises(RecordRefused, match=f"lsn {bad.lsn}"):
+            await mem.flush()  # its report is the flush's, once
