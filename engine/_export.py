@@ -39,6 +39,7 @@ from actors.base.records import (
     Turn,
 )
 from actors.imported import Imported
+from actors.session_buffer import Receipt
 from actors.store import (
     entity_key,
     fact_key,
@@ -257,7 +258,7 @@ async def export_user(parts: Parts, user_id: str,
     from ._version import __version__
 
     store = parts.store
-    await store.wait_committed(store.next_lsn - 1)  # everything acknowledged is in it
+    await store.wait_logged()  # everything acknowledged is in it
     found = await store.read(_read_user, user_id)
     now = parts.clock().astimezone(timezone.utc)
     counts: dict[str, int] = {}
@@ -365,12 +366,12 @@ def _check(parsed: _Parsed, parts: Parts) -> None:
 
     sessions: dict[str, list[TurnLine]] = {}
     turns = parsed.turns
-    # The columns at once where they all pass (an export of this engine's); else each turn's
-    # checks, whose error names the first bad one. Ids are each checked, and distinct.
+    # Roles, texts, times and ids a column at a time where a column passes (an export of this
+    # engine's); else each turn's checks, whose error names the first bad one. Meta and
+    # scope are checked on the turns that have them.
     passed = (v.roles_pass([t.role for t in turns])
               and v.texts_pass([t.text for t in turns], config.max_text_chars)
-              and v.ats_pass([t.at for t in turns])
-              and not any(t.meta or t.agent_id or t.run_id for t in turns))
+              and v.ats_pass([t.at for t in turns]))
     turn_ids = [t.turn_id for t in turns]
     if v.ids_pass(turn_ids, limit) and len(set(turn_ids)) == len(turn_ids):
         ids.update(turn_ids)
@@ -379,24 +380,24 @@ def _check(parsed: _Parsed, parts: Parts) -> None:
             new_id("turn_id", turn.turn_id)
     for turn in turns:
         sessions.setdefault(turn.session_id, []).append(turn)
-        if passed:
-            continue
-        if turn.role not in ROLES:
-            raise _bad(f"turn {turn.turn_id}", f"expected a role among {', '.join(ROLES)}, "
-                                               f"found {turn.role!r}")
-        v.check_text("source.text", turn.text, config.max_text_chars)
-        v.check_at(turn.at, "source.at")
-        v.check_meta(turn.meta, config.max_meta_bytes)
+        if not passed:
+            if turn.role not in ROLES:
+                raise _bad(f"turn {turn.turn_id}", f"expected a role among "
+                                                   f"{', '.join(ROLES)}, found {turn.role!r}")
+            v.check_text("source.text", turn.text, config.max_text_chars)
+            v.check_at(turn.at, "source.at")
+        if turn.meta:
+            v.check_meta(turn.meta, config.max_meta_bytes)
         for field in ("agent_id", "run_id"):
             if getattr(turn, field):
                 v.check_id(f"source.{field}", getattr(turn, field), config.max_id_chars)
     for session_id in sessions:
         v.check_id("source.session_id", session_id, limit)
-    for session_id, turns in sessions.items():
-        turns.sort(key=lambda t: t.seq)
-        if [t.seq for t in turns] != list(range(len(turns))):
+    for session_id, in_session in sessions.items():
+        in_session.sort(key=lambda t: t.seq)
+        if [t.seq for t in in_session] != list(range(len(in_session))):
             raise _bad(f"session {session_id}", "expected turns numbered 0, 1, 2... without gaps, "
-                                                f"found {[t.seq for t in turns][:10]}...")
+                                                f"found {[t.seq for t in in_session][:10]}...")
     for note in parsed.notes:
         new_id("note_id", note.note_id)
         v.check_text("source.text", note.text, config.max_text_chars)
@@ -440,7 +441,7 @@ async def import_user(parts: Parts, source: str | os.PathLike[str] | bytes | IO[
 
 async def _write(parts: Parts, parsed: _Parsed, user_id: str) -> dict[str, int]:
     store, buffer = parts.store, parts.buffer
-    await store.wait_committed(store.next_lsn - 1)
+    await store.wait_logged()
     every_id = ([t.turn_id for t in parsed.turns] + [n.note_id for n in parsed.notes]
                 + [e.episode_id for e in parsed.episodes] + [f.fact_id for f in parsed.facts])
     have = await store.read(read_memories_by_id, user_id, every_id)
@@ -478,6 +479,11 @@ async def _write(parts: Parts, parsed: _Parsed, user_id: str) -> dict[str, int]:
         chunk = todo[start:start + IMPORT_CHUNK]
         await store.reserve(len(chunk) + 1)
         parts.check_open()
+        # A live turn may have reached a session of the import while it waited for room:
+        # checked before any of the block is queued, since the block's positions are marked
+        # imported (the long-term layer skips them) and a block cut short would leave the
+        # rest marked for the next live turns to take.
+        _check_seqs(parts, user_id, chunk)
         # From here to the end of the block nothing yields: its positions are contiguous.
         first = store.next_lsn
         last = first + len(chunk) - 1
@@ -523,13 +529,14 @@ def _runs(lines: list[Any]) -> Iterator[list[Any]]:
             start = end
 
 
-def _append_turns(parts: Parts, user_id: str, lines: list[TurnLine]) -> list[Any]:
-    """Queue a run of turns at the store's next positions in one bulk append, as a history
-    import does (synchronous); each keeps its id and must take its own seq in its session.
-    Checked before anything is queued."""
+def _check_seqs(parts: Parts, user_id: str, lines: list[Any]) -> None:
+    """Each turn among ``lines`` takes its own seq in its session when they are appended in
+    order: no other turn reached the session since the import read it."""
     buffer = parts.buffer
     next_seq: dict[str, int] = {}
     for line in lines:
+        if type(line) is not TurnLine:
+            continue
         seq = next_seq.get(line.session_id)
         if seq is None:
             seq = buffer.next_seq(user_id, line.session_id) or 0
@@ -537,6 +544,12 @@ def _append_turns(parts: Parts, user_id: str, lines: list[TurnLine]) -> list[Any
             raise _bad(f"session {line.session_id}", "expected no other turns while importing "
                                                      "it, found some: import it again")
         next_seq[line.session_id] = seq + 1
+
+
+def _append_turns(parts: Parts, user_id: str, lines: list[TurnLine]) -> list[Receipt]:
+    """Queue a run of turns at the store's next positions in one bulk append, as a history
+    import does (synchronous); each keeps its id and its seq (:func:`_check_seqs`)."""
+    buffer = parts.buffer
     return buffer.append_many(
         [user_id] * len(lines), [line.session_id for line in lines],
         [line.role for line in lines], [line.text for line in lines],

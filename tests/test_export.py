@@ -222,8 +222,13 @@ async def test_bad_sources_are_refused_and_nothing_is_written(tmp_path) -> None:
             (changed(1, second | {"turn_id": first["turn_id"]}), "source", "twice"),
             (changed(0, first | {"turn_id": "t_\u0000x"}), "source.turn_id", "no NUL"),
             (changed(0, first | {"turn_id": "t_é" * 200}), "source.turn_id", "at most"),
+            (changed(0, first | {"turn_id": "t" * 251}), "source.turn_id", "250 bytes"),
+            (changed(0, first | {"turn_id": "é" * 126}), "source.turn_id", "250 bytes"),
+            (changed(0, first | {"turn_id": " "}), "source.turn_id", "non-empty"),
             (changed(0, first | {"session_id": "s" * 300}), "source.session_id", "at most"),
             (changed(0, first | {"text": "   "}), "source.text", "non-empty"),
+            (changed(0, first | {"agent_id": "a\u0000"}), "source.agent_id", "no NUL"),
+            (changed(0, first | {"meta": {"k": "x" * 70_000}}), "meta", "bytes as JSON"),
             (changed(1, second | {"role": "narrator"}), "source", "expected a role among"),
             (changed(0, first | {"at": "1500-01-01T00:00:00Z"}), "source.at",
              "expected a date from 1700-01-01"),
@@ -271,3 +276,39 @@ def test_the_command_line_exports_to_stdout_and_imports_a_file(tmp_path, capfd) 
     assert main(["export", str(tmp_path / "a"), "--user", "maya", "--out",
                  str(tmp_path / "again.jsonl")]) == 0
     assert Path(tmp_path / "again.jsonl").read_text().splitlines()[1:] == out.splitlines()[1:]
+
+
+async def test_an_import_stopped_by_a_live_turn_leaves_no_position_marked_imported(
+        tmp_path) -> None:
+    """A bot's turn can reach a session while its import waits for room in the store's queue;
+    the import then stops with InvalidInput. The long-term layer skips positions marked
+    imported, so nothing of the block it was about to write may be marked by then: the next
+    live turns would take the marked positions, and their facts would never be extracted."""
+    from engine import NewTurn
+    from engine._export import IMPORT_CHUNK
+
+    async with open_engine(tmp_path / "a") as a:
+        await a.add_turns([NewTurn(user_id="maya", session_id="s1", role="user",
+                                   text=f"turn {i}", at=T0) for i in range(IMPORT_CHUNK + 6)])
+        source = io.BytesIO()
+        await a.export_user("maya", source)
+    async with open_engine(tmp_path / "b") as b:
+        store = b._store
+        reserve = store.reserve
+        waits = 0
+
+        async def reserve_beside_a_bot(n: int) -> None:
+            nonlocal waits
+            waits += 1
+            if waits == 2:  # the second block waits for room: the bot's turn gets in
+                await b.add_turn("new", "s1", "user", "hello from the bot")
+            await reserve(n)
+
+        store.reserve = reserve_beside_a_bot
+        with pytest.raises(InvalidInput, match="expected no other turns while importing"):
+            await b.import_user(source.getvalue(), as_user="new")
+        del store.reserve
+        await b.add_turn("new", "s2", "user", "I live in Lisbon.")
+        await b.flush()
+        assert [f.value for f in await b.profile("new")] == ["Lisbon"]
+        assert len(await b.session_history("new", "s1", limit=2000)) == IMPORT_CHUNK + 1
