@@ -13,16 +13,19 @@ watermark at 0, and the next owner starts over. It then replays the log after th
 from __future__ import annotations
 
 import io
+import logging
 import zlib
 from datetime import datetime, timezone
 
 import msgspec
 
 from .._engine import Engine
-from ..errors import InvalidInput
+from ..errors import InvalidInput, RecordRefused
 from ._partition import partition_of
 
-__all__ = ["PartitionSnapshot", "take", "restore", "drop_local", "users_of"]
+__all__ = ["PartitionSnapshot", "take", "settle", "restore", "drop_local", "users_of"]
+
+log = logging.getLogger("engine.cluster")
 
 LEVEL = 1  # zlib level: exports are text and shrink several times even at the fastest
 
@@ -55,12 +58,23 @@ async def users_of(engine: Engine, partition: int, partitions: int) -> list[str]
     return [u for u in await engine.list_users() if partition_of(u, partitions) == partition]
 
 
+async def settle(engine: Engine) -> None:
+    """``flush`` for a snapshot: every index and the long-term layer take in what was
+    applied. A record the store refused is no reason to skip the snapshot, nor to end the
+    node: flush raises it once its waits are done, and it is kept in ``failures()``."""
+    try:
+        await engine.flush()
+    except RecordRefused as exc:
+        log.warning("a record was refused before a partition snapshot (kept among the "
+                    "failures): %s", exc)
+
+
 async def take(engine: Engine, partition: int, partitions: int, watermark: int, node: str
                ) -> bytes:
     """The partition's snapshot at ``watermark``: the caller holds the partition still (no
     batch applied meanwhile). Everything applied is first taken in by every index and by the
-    long-term layer (``flush``), so the exports carry what the engine derived from it."""
-    await engine.flush()
+    long-term layer (:func:`settle`), so the exports carry what the engine derived from it."""
+    await settle(engine)
     users = []
     for user in await users_of(engine, partition, partitions):
         out = io.BytesIO()

@@ -22,7 +22,7 @@ from .._engine import Engine
 from .._logbatch import LogEntry, decode_entry
 from ..errors import InvalidInput
 from ._bootstrap import decode as decode_snapshot
-from ._bootstrap import drop_local, restore
+from ._bootstrap import drop_local, restore, settle
 from ._bootstrap import take as take_snapshot
 from ._figures import NodeStats, PartitionCounts, PartitionStats
 from ._leases import Leases
@@ -268,7 +268,7 @@ class Node:
         # index and the long-term layer to take in what was applied. Most of that wait happens
         # here, with the partition still applying (a layer minutes behind would otherwise
         # hold its applies and reads as long); under the guard only what came meanwhile is left.
-        await self.engine.flush()
+        await settle(self.engine)
         async with self._guard(p):
             mark = self.marks.get(p, 0)
             if p not in self._scopes or mark <= counts.snapshot_watermark:

@@ -15,6 +15,9 @@ from engine.cluster._node import Node
 from engine.cluster._partition import partition_of
 from engine.cluster._writes import ClusterEngine
 
+from actors.base.messages import PutNote
+from engine import Candidate, Note
+
 from ..conftest import T0, open_engine
 from .conftest import connect, wait_for
 
@@ -136,8 +139,8 @@ async def test_a_new_owner_restores_the_newest_snapshot_and_the_old_copy_goes_af
 
 
 class HeldExtractor:
-    """The LLM's place in the long-term layer, answering only once released: while it is
-    held, the layer (and so ``flush``) stays behind the log."""
+    """The LLM's place in the long-term layer, answering only once ``release`` is set (by the
+    test): until then the layer, and so ``flush``, stays behind the log. It finds a parrot."""
 
     name = "held"
 
@@ -148,7 +151,9 @@ class HeldExtractor:
     async def extract(self, text: str) -> list:
         self.asked += 1
         await self.release.wait()
-        return []
+        if "parrot" not in text:
+            return []
+        return [Candidate("pet", "parrot", "Kiwi", "Has a parrot called Kiwi", 0.9, 0.6)]
 
 
 async def test_a_snapshot_waits_for_a_lagging_long_term_layer_without_holding_the_partition(
@@ -156,7 +161,7 @@ async def test_a_snapshot_waits_for_a_lagging_long_term_layer_without_holding_th
     """A snapshot is the memory at its watermark, derivations included, so it waits until the
     long-term layer has taken in what was applied. That wait must not hold the partition: its
     applies (and the reads waiting on them) go on, and the snapshot is taken once the layer
-    has caught up, at the watermark of that moment."""
+    has caught up, at the watermark of that moment, with what the layer derived."""
     config = msgspec.structs.replace(cluster_config, partitions=1, snapshot_interval=3600.0)
     extractor = HeldExtractor()
     log = await connect(nats_servers, config, "a")
@@ -164,6 +169,14 @@ async def test_a_snapshot_waits_for_a_lagging_long_term_layer_without_holding_th
         async with open_engine(tmp_path / "a", extractor=extractor) as a:
             node = Node(a, log, "a", "http://127.0.0.1:1")
             writer = ClusterEngine(a, log, node)
+            flushing = trio.Event()  # set once the snapshot waits for the layer
+            flush = a.flush
+
+            async def watched_flush() -> None:
+                flushing.set()
+                await flush()
+
+            a.flush = watched_flush
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.run)
                 await wait_for(lambda: node.owns(0), 30, "the partition held")
@@ -176,8 +189,8 @@ async def test_a_snapshot_waits_for_a_lagging_long_term_layer_without_holding_th
                     taken.append(await node.snapshot(0))
 
                 nursery.start_soon(snapshot)
-                await trio.sleep(0.2)  # the snapshot is waiting on the layer now
-                second = await writer.add_turn("ana", "s", "assistant", "Lisbon is lovely.",
+                await flushing.wait()
+                second = await writer.add_turn("ana", "s", "user", "Kiwi is my parrot.",
                                                durable=True)
                 assert await node.wait_applied(0, second.log_seq, 10), \
                     "an apply waited for the snapshot's wait on the long-term layer"
@@ -185,7 +198,38 @@ async def test_a_snapshot_waits_for_a_lagging_long_term_layer_without_holding_th
                 extractor.release.set()
                 await wait_for(lambda: taken, 30, "the snapshot")
                 assert taken == [second.log_seq]
-                assert await log.snapshot_mark(0) == second.log_seq
+                mark, data = await log.get_snapshot(0)
+                assert mark == second.log_seq
+                ((user, export),) = decode(data, 0, 1).users
+                assert user == "ana" and b'"value":"Kiwi"' in export
+                nursery.cancel_scope.cancel()
+    finally:
+        await log.close()
+
+
+async def test_a_record_the_store_refused_does_not_stop_a_snapshot(
+        nats_servers, cluster_config, tmp_path: Path) -> None:
+    """A snapshot's flush raises a record the store refused (an op behind the facade's checks
+    that LMDB cannot hold): the record is kept among the failures, and the snapshot is taken
+    all the same; before, the error left the snapshot task and ended the node."""
+    config = msgspec.structs.replace(cluster_config, partitions=1, snapshot_interval=3600.0)
+    log = await connect(nats_servers, config, "a")
+    try:
+        async with open_engine(tmp_path / "a", config={"long_term": False}) as a:
+            node = Node(a, log, "a", "http://127.0.0.1:1")
+            writer = ClusterEngine(a, log, node)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(node.run)
+                await wait_for(lambda: node.owns(0), 30, "the partition held")
+                last = await writer.add_turn("ana", "s", "user", "hello", durable=True)
+                assert await node.wait_applied(0, last.log_seq, 10)
+                store = a._store
+                bad = store.next_lsn
+                store.submit(PutNote(bad, Note(bad, "n" * 600, "ana", "refused", (), T0, T0),
+                                     -1))
+                assert await node.snapshot(0) == last.log_seq
+                assert [f.lsn for f in await a.failures()] == [bad]
+                assert await log.snapshot_mark(0) == last.log_seq
                 nursery.cancel_scope.cancel()
     finally:
         await log.close()
