@@ -20,6 +20,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
+from datetime import datetime, timezone
 from typing import Any
 
 import msgspec
@@ -64,6 +65,9 @@ class Beat(msgspec.Struct, frozen=True):
     http: str
 
 
+# Seconds after another node's key is due to expire before this node ticks: the server drops
+# an expired key at its time; this covers the timer and the watch that reads the bucket.
+EXPIRY_MARGIN = 0.25
 # Seconds a router waits for a lease it reads from the bucket (:meth:`Leases.lookup`): a
 # healthy bucket answers in ~1 ms; one without a leader would hold the request for the log
 # client's whole timeout (2 s), and the caller is better told NoOwner and to retry.
@@ -137,6 +141,9 @@ class Leases:
         self._kept_members: set[str] = set()
         self._value = _encode(LeaseValue(node, incarnation))
         self.ready = trio.Event()  # set after the first tick: the view of owners is filled
+        # Clock time the first key of another node is due to expire, as the last tick read
+        # the bucket (None: no such key): the next tick comes right after it.
+        self.next_expiry: float | None = None
 
     # -- the view (any task) -----------------------------------------------------------------
 
@@ -195,13 +202,21 @@ class Leases:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
-        """Tick every TTL/5 until cancelled; releases every held lease on the way out."""
+        """Tick every TTL/5 until cancelled, and right after another node's key is due to
+        expire; releases every held lease on the way out.
+
+        A dead node's leases and heartbeat expire a TTL after it last renewed them, anywhere
+        within a tick of ours: at TTL/5 alone, its partitions were claimed up to TTL/5 after
+        they expired (18 s of a 15 s TTL), where a tick at the expiry claims them at once."""
         await self._tick_once()
         self.ready.set()
         task_status.started()
         try:
             while True:
-                await trio.sleep(self.config.lease_ttl / 5)
+                wait = self.config.lease_ttl / 5
+                if self.next_expiry is not None:
+                    wait = min(wait, max(0.0, self.next_expiry - self._clock()) + EXPIRY_MARGIN)
+                await trio.sleep(wait)
                 await self._tick_once()
         finally:
             with trio.CancelScope(shield=True) as scope:
@@ -221,7 +236,7 @@ class Leases:
         """One round: heartbeat, refresh the view, renew, then claim or hand back."""
         try:
             await self._beat()
-            snapshot = await self.log.kv_snapshot()
+            snapshot = await self.log.kv_entries()
         except _UNSURE as exc:
             self.counts["unsure"] += 1
             log.info("lease bucket unavailable this tick (%s); renewing what we hold",
@@ -237,10 +252,11 @@ class Leases:
         for p in claims:
             await self._claim(p)
 
-    def _read(self, snapshot: dict[str, tuple[bytes, int]]
+    def _read(self, snapshot: dict[str, tuple[bytes, int, datetime]]
               ) -> tuple[dict[int, LeaseValue], dict[str, Beat]]:
-        """Take a snapshot of the bucket into the view; return what the snapshot itself holds
-        (owners, members), for planning.
+        """Take a snapshot of the bucket (key -> value, revision, written at) into the view;
+        return what the snapshot itself holds (owners, members), for planning; and note when
+        the first key of another node is due to expire (:attr:`next_expiry`).
 
         A watch of the bucket can end without a key that was renewed while it ran (its old
         revision gone, the new one delivered after the watch's last pending entry). Such a
@@ -251,7 +267,8 @@ class Leases:
         """
         owners: dict[int, LeaseValue] = {}
         members: dict[str, Beat] = {}
-        for key, (value, revision) in snapshot.items():
+        written: list[datetime] = []  # when the keys of other nodes were last written
+        for key, (value, revision, at) in snapshot.items():
             try:
                 if key.startswith(LEASE_PREFIX):
                     lease = _lease_decode(value)
@@ -259,11 +276,20 @@ class Leases:
                     owners[p] = lease
                     if lease.node == self.node and p not in self.held:
                         self._adoptable[p] = revision
+                    elif lease.node != self.node:
+                        written.append(at)
                 elif key.startswith(NODE_PREFIX):
                     beat = _beat_decode(value)
                     members[beat.node] = beat
+                    if beat.node != self.node:
+                        written.append(at)
             except (msgspec.DecodeError, ValueError):
                 log.warning("ignoring a malformed key in the lease bucket: %r", key)
+        # The servers' clock says when a key was written; the wait until its expiry is taken
+        # on that clock and counted on ours from now (a skew only moves the extra tick).
+        due = [(at - datetime.now(timezone.utc)).total_seconds() + self.config.lease_ttl
+               for at in written if isinstance(at, datetime) and at.tzinfo is not None]
+        self.next_expiry = self._clock() + min(due) if due else None
         kept_owners = {p: v for p, v in self.owners.items()
                        if p not in owners and p not in self._kept_owners}
         kept_members = {n: b for n, b in self.members.items()

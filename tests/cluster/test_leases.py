@@ -292,3 +292,35 @@ async def test_a_renewal_that_landed_unanswered_keeps_the_lease(nats_servers, cl
         assert a.counts["lost"] == 0 and a.counts["adopted"] == 0
     finally:
         await log.close()
+
+
+async def test_a_dead_nodes_partition_is_claimed_right_after_its_lease_expires(
+        nats_servers, cluster_config) -> None:
+    """A node killed without releasing loses its lease a TTL after it last renewed it, at any
+    moment within another node's tick. The survivor ticks again right after the expiry, so it
+    claims the partition then, not up to TTL/5 later (issue 18: within TTL + 1.5 s)."""
+    config = msgspec.structs.replace(cluster_config, lease_ttl=20.0, partitions=1)
+    log = await connect(nats_servers, config)
+    try:
+        events: list[tuple[str, int]] = []
+        alive = await _leases(log, "alive", events)
+        dead = await _leases(log, "dead", [])
+        await dead.tick()
+        assert list(dead.held) == [0]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(alive.run)  # its ticks now come every TTL/5 from here
+            # The last renewal, half a tick after one of the survivor's: it expires half a
+            # tick after the survivor's fifth tick from here looked.
+            await trio.sleep(config.lease_ttl / 10)
+            await dead.tick()
+            renewed = trio.current_time()
+            with trio.fail_after(30):
+                while ("acquired", 0) not in events:
+                    await trio.sleep(0.05)
+            waited = trio.current_time() - renewed
+            nursery.cancel_scope.cancel()
+        # At TTL/5 ticks alone: claimed at the sixth tick from there, TTL/10 or more after
+        # the expiry.
+        assert config.lease_ttl <= waited < config.lease_ttl + 1.0
+    finally:
+        await log.close()
