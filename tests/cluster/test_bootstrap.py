@@ -16,7 +16,7 @@ from engine.cluster._partition import partition_of
 from engine.cluster._writes import ClusterEngine
 
 from actors.base.messages import PutNote
-from engine import Candidate, Note
+from engine import Candidate, InvalidInput, Note
 
 from ..conftest import T0, open_engine
 from .conftest import connect, wait_for
@@ -44,7 +44,6 @@ async def test_a_snapshot_restores_into_an_empty_store_as_the_memory_at_its_wate
         tmp_path: Path) -> None:
     """take then restore, in-process: the same turns, seqs, notes and facts, and the
     partition's watermark is the snapshot's; a snapshot of another partition is refused."""
-    from engine import InvalidInput
     from engine._logbatch import LogCall
 
     at = T0
@@ -67,6 +66,35 @@ async def test_a_snapshot_restores_into_an_empty_store_as_the_memory_at_its_wate
         assert await _memory(b, "ana") == expected
         assert await drop_local(b, p, 4) == 1
         assert await b.apply_log_batch(p, []) == 0 and await b.list_users() == []
+
+
+async def test_a_restore_imports_users_at_once_and_one_bad_export_stops_it_unmarked(
+        tmp_path: Path) -> None:
+    """A snapshot of many users restores them several at a time into the same memory; an
+    export that does not read stops the restore with its own InvalidInput (not a group of
+    the concurrent imports' errors), and the partition's watermark is not set, so the next
+    owner starts over."""
+    from engine.cluster._bootstrap import RESTORE_TASKS
+
+    p = 0
+    users = [u for u in (f"user-{i}" for i in range(200)) if partition_of(u, 4) == p]
+    users = users[: 3 * RESTORE_TASKS]
+    async with open_engine(tmp_path / "a", config={"long_term": False}) as a:
+        entries = [(i + 1, LogTurn(users[i % len(users)], "s", f"t_{i:020x}", "user",
+                                   f"turn {i}", T0)) for i in range(10 * len(users))]
+        assert await a.apply_log_batch(p, entries) == len(entries)
+        snapshot = decode(await take(a, p, 4, len(entries), "a"), p, 4)
+        expected = {u: await _memory(a, u) for u in users}
+    async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
+        await restore(b, snapshot)
+        assert {u: await _memory(b, u) for u in users} == expected
+        assert await b.apply_log_batch(p, []) == len(entries)
+    bad = msgspec.structs.replace(snapshot, users=[*snapshot.users[:-1],
+                                                   (users[-1], b"not an export")])
+    async with open_engine(tmp_path / "c", config={"long_term": False}) as c:
+        with pytest.raises(InvalidInput, match="line 1"):
+            await restore(c, bad)
+        assert await c.apply_log_batch(p, []) == 0
 
 
 async def test_a_new_owner_restores_the_newest_snapshot_and_the_old_copy_goes_after_grace(
