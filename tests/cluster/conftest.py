@@ -9,6 +9,7 @@ stream and lease bucket, deleted afterwards.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import itertools
 import json
@@ -76,6 +77,28 @@ async def _drop_stream(urls: list[str], config: ClusterConfig) -> None:
 
 async def connect(nats_servers: LocalNats, config: ClusterConfig, name: str = "test") -> Log:
     return await Log.connect(nats_servers.urls, config, name=name)
+
+
+@contextlib.asynccontextmanager
+async def one_node(nats_servers: LocalNats, cluster: ClusterConfig, path: Path,
+                   **open_kwargs: Any) -> AsyncIterator[tuple[Any, Any, Any, Log]]:
+    """A node in this process on a store at ``path`` (``open_engine``'s arguments), holding
+    every partition: (engine, node, writer, log). Stopped and closed on the way out."""
+    from engine.cluster._node import Node
+    from engine.cluster._writes import ClusterEngine
+
+    log = await connect(nats_servers, cluster, "a")
+    try:
+        async with open_engine(path, **open_kwargs) as engine:
+            node = Node(engine, log, "a", "http://127.0.0.1:1")
+            async with trio.open_nursery() as nursery:
+                await nursery.start(node.run)
+                await wait_for(lambda: all(node.owns(p) for p in range(cluster.partitions)),
+                               30, "every partition held")
+                yield engine, node, ClusterEngine(engine, log, node), log
+                nursery.cancel_scope.cancel()
+    finally:
+        await log.close()
 
 
 def make_store(path: Path) -> Path:

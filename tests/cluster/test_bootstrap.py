@@ -19,7 +19,7 @@ from actors.base.messages import PutNote
 from engine import Candidate, InvalidInput, Note
 
 from ..conftest import T0, open_engine
-from .conftest import connect, wait_for
+from .conftest import connect, one_node, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -192,47 +192,37 @@ async def test_a_snapshot_waits_for_a_lagging_long_term_layer_without_holding_th
     has caught up, at the watermark of that moment, with what the layer derived."""
     config = msgspec.structs.replace(cluster_config, partitions=1, snapshot_interval=3600.0)
     extractor = HeldExtractor()
-    log = await connect(nats_servers, config, "a")
-    try:
-        async with open_engine(tmp_path / "a", extractor=extractor) as a:
-            node = Node(a, log, "a", "http://127.0.0.1:1")
-            writer = ClusterEngine(a, log, node)
-            flushing = trio.Event()  # set once the snapshot waits for the layer
-            flush = a.flush
+    async with one_node(nats_servers, config, tmp_path / "a", extractor=extractor) as (
+            a, node, writer, log):
+        flushing = trio.Event()  # set once the snapshot waits for the layer
+        flush = a.flush
 
-            async def watched_flush() -> None:
-                flushing.set()
-                await flush()
+        async def watched_flush() -> None:
+            flushing.set()
+            await flush()
 
-            a.flush = watched_flush
-            async with trio.open_nursery() as nursery:
-                await nursery.start(node.run)
-                await wait_for(lambda: node.owns(0), 30, "the partition held")
-                first = await writer.add_turn("ana", "s", "user", "I live in Lisbon.",
-                                              durable=True)
-                await wait_for(lambda: extractor.asked > 0, 30, "the layer held by its extractor")
-                taken: list[int | None] = []
+        a.flush = watched_flush
+        first = await writer.add_turn("ana", "s", "user", "I live in Lisbon.", durable=True)
+        await wait_for(lambda: extractor.asked > 0, 30, "the layer held by its extractor")
+        taken: list[int | None] = []
 
-                async def snapshot() -> None:
-                    taken.append(await node.snapshot(0))
+        async def snapshot() -> None:
+            taken.append(await node.snapshot(0))
 
-                nursery.start_soon(snapshot)
-                await flushing.wait()
-                second = await writer.add_turn("ana", "s", "user", "Kiwi is my parrot.",
-                                               durable=True)
-                assert await node.wait_applied(0, second.log_seq, 10), \
-                    "an apply waited for the snapshot's wait on the long-term layer"
-                assert not taken and first.log_seq < second.log_seq
-                extractor.release.set()
-                await wait_for(lambda: taken, 30, "the snapshot")
-                assert taken == [second.log_seq]
-                mark, data = await log.get_snapshot(0)
-                assert mark == second.log_seq
-                ((user, export),) = decode(data, 0, 1).users
-                assert user == "ana" and b'"value":"Kiwi"' in export
-                nursery.cancel_scope.cancel()
-    finally:
-        await log.close()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(snapshot)
+            await flushing.wait()
+            second = await writer.add_turn("ana", "s", "user", "Kiwi is my parrot.",
+                                           durable=True)
+            assert await node.wait_applied(0, second.log_seq, 10), \
+                "an apply waited for the snapshot's wait on the long-term layer"
+            assert not taken and first.log_seq < second.log_seq
+            extractor.release.set()
+        assert taken == [second.log_seq]
+        mark, data = await log.get_snapshot(0)
+        assert mark == second.log_seq
+        ((user, export),) = decode(data, 0, 1).users
+        assert user == "ana" and b'"value":"Kiwi"' in export
 
 
 async def test_a_record_the_store_refused_does_not_stop_a_snapshot(
@@ -241,23 +231,13 @@ async def test_a_record_the_store_refused_does_not_stop_a_snapshot(
     that LMDB cannot hold): the record is kept among the failures, and the snapshot is taken
     all the same; before, the error left the snapshot task and ended the node."""
     config = msgspec.structs.replace(cluster_config, partitions=1, snapshot_interval=3600.0)
-    log = await connect(nats_servers, config, "a")
-    try:
-        async with open_engine(tmp_path / "a", config={"long_term": False}) as a:
-            node = Node(a, log, "a", "http://127.0.0.1:1")
-            writer = ClusterEngine(a, log, node)
-            async with trio.open_nursery() as nursery:
-                await nursery.start(node.run)
-                await wait_for(lambda: node.owns(0), 30, "the partition held")
-                last = await writer.add_turn("ana", "s", "user", "hello", durable=True)
-                assert await node.wait_applied(0, last.log_seq, 10)
-                store = a._store
-                bad = store.next_lsn
-                store.submit(PutNote(bad, Note(bad, "n" * 600, "ana", "refused", (), T0, T0),
-                                     -1))
-                assert await node.snapshot(0) == last.log_seq
-                assert [f.lsn for f in await a.failures()] == [bad]
-                assert await log.snapshot_mark(0) == last.log_seq
-                nursery.cancel_scope.cancel()
-    finally:
-        await log.close()
+    async with one_node(nats_servers, config, tmp_path / "a", config={"long_term": False}) as (
+            a, node, writer, log):
+        last = await writer.add_turn("ana", "s", "user", "hello", durable=True)
+        assert await node.wait_applied(0, last.log_seq, 10)
+        store = a._store
+        bad = store.next_lsn
+        store.submit(PutNote(bad, Note(bad, "n" * 600, "ana", "refused", (), T0, T0), -1))
+        assert await node.snapshot(0) == last.log_seq
+        assert [f.lsn for f in await a.failures()] == [bad]
+        assert await log.snapshot_mark(0) == last.log_seq
