@@ -17,7 +17,8 @@ the embedder take imported records like any other.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from itertools import groupby
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Union
@@ -489,8 +490,9 @@ async def _write(parts: Parts, parsed: _Parsed, user_id: str) -> dict[str, int]:
         last = first + len(chunk) - 1
         imported.add(first, last)
         store.submit(PutState((Imported.marker(first, last),)))
-        for run in _runs(chunk):
-            if type(run[0]) is TurnLine:
+        for kind, group in groupby(chunk, type):  # runs of one record type, in order
+            run = list(group)
+            if kind is TurnLine:
                 receipts = _append_turns(parts, user_id, run)
                 for line, receipt in zip(run, receipts, strict=True):
                     lsn_map[line.lsn] = receipt.lsn
@@ -498,8 +500,8 @@ async def _write(parts: Parts, parsed: _Parsed, user_id: str) -> dict[str, int]:
                 for line in run:
                     lsn_map[line.lsn] = store.next_lsn
                     _submit(parts, user_id, line)
-            kind = type(run[0]).__struct_config__.tag + "s"
-            written[kind] = written.get(kind, 0) + len(run)
+            tag = kind.__struct_config__.tag + "s"
+            written[tag] = written.get(tag, 0) + len(run)
     if last:
         await store.wait_committed(last)
     if parts.notes_md is not None:
@@ -518,15 +520,6 @@ async def _write(parts: Parts, parsed: _Parsed, user_id: str) -> dict[str, int]:
 def _id_of(line: Any) -> str:
     return getattr(line, "turn_id", None) or getattr(line, "note_id", None) or getattr(
         line, "episode_id", None) or line.fact_id
-
-
-def _runs(lines: list[Any]) -> Iterator[list[Any]]:
-    """``lines`` cut into runs of one record type, in order."""
-    start = 0
-    for end in range(1, len(lines) + 1):
-        if end == len(lines) or type(lines[end]) is not type(lines[start]):
-            yield lines[start:end]
-            start = end
 
 
 def _check_seqs(parts: Parts, user_id: str, lines: list[Any]) -> None:

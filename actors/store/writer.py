@@ -571,8 +571,8 @@ class Writer:
           stream of receipts slows the followers, never starves them.
         - While turns a bulk append queued (``add_turns``, ``import_user``) are not all
           committed: between the parts of a step, until the next landing; before a step,
-          until they are all committed, for at most :data:`IMPORT_YIELD_SECONDS` (then one more landing if a
-          receipt waits). On two cores with one GIL, an index stepping beside the import
+          until they are all committed, for at most :data:`IMPORT_YIELD_SECONDS` (then one
+          more landing if a receipt waits). On two cores with one GIL, an index stepping beside the import
           halves the import's rate and gains nothing overall: it catches up behind the
           import. The bound keeps every index moving behind an import that does not end.
 
