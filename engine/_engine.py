@@ -52,7 +52,7 @@ from . import _browse, _stats
 from ._args import check_count, check_texts
 from ._briefing import Briefing
 from ._context import context_for_prompt
-from ._export import export_user, import_user
+from ._export import export_user, import_user, import_users
 from ._forget import Forgetting
 from ._hits import Hits, RetrieveResult
 from ._ingest import Ingest
@@ -767,6 +767,43 @@ class Engine:
         if as_user is not None:
             self._parts.check_ids(as_user)
         return await import_user(self._parts, source, as_user)
+
+    async def import_users(self, sources: Sequence[str | os.PathLike[str] | bytes | IO[bytes]],
+                           *, as_users: Sequence[str | None] | None = None
+                           ) -> list[dict[str, int]]:
+        """``import_user`` for many exports at once, as one import: one parse, one read of
+        what the store holds, the records in shared blocks and commits. For moving many users
+        of a few turns each (a partition's snapshot, a migration), where one import each
+        spends most of its time waiting on the store.
+
+        Args:
+            sources: the exports (paths, bytes or binary files), one per user.
+            as_users: for each source, a user id to import it under (None: the exported one).
+
+        Returns:
+            For each source, in order, what ``import_user`` returns for it.
+
+        Raises:
+            InvalidInput: a source is not an export this build reads (the field names it:
+                ``sources[3]``), two are of the same user, or a session here holds other
+                turns than its export's; nothing was written. A live turn that reaches a
+                session of the import while it is written stops it there, as with
+                ``import_user``.
+        """
+        self._parts.check_open()
+        if isinstance(sources, (str, bytes, os.PathLike)) or not isinstance(sources, Sequence):
+            raise InvalidInput("sources", "expected a list of exports, found "
+                                          f"{type(sources).__name__}")
+        if as_users is None:
+            as_users = [None] * len(sources)
+        if len(as_users) != len(sources):
+            raise InvalidInput("as_users", f"expected one per source ({len(sources)}), found "
+                                           f"{len(as_users)}")
+        for as_user in as_users:
+            if as_user is not None:
+                self._parts.check_ids(as_user)
+        return await import_users(self._parts, list(sources), list(as_users),
+                                  [f"sources[{i}]" for i in range(len(sources))])
 
     async def maintain(self) -> MaintenanceReport:
         """Run one maintenance pass now (it also runs every ``Config.maintenance_seconds``)."""

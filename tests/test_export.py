@@ -245,6 +245,47 @@ async def test_bad_sources_are_refused_and_nothing_is_written(tmp_path) -> None:
         assert await mem.stats() == stats
 
 
+async def test_import_users_takes_many_exports_as_one_import(tmp_path) -> None:
+    """``import_users`` of several exports answers as importing each alone does; one bad
+    source among them, two of the same user or a list of the wrong length are refused,
+    naming the source, before anything is written."""
+    clock = FixedClock()
+    async with open_engine(tmp_path / "a", clock=clock, config=CONFIG) as mem:
+        await _fill(mem, clock)
+        maya = io.BytesIO()
+        await mem.export_user("maya", maya)
+        for i in range(5):
+            await mem.add_turn("bo", "s1", "user", f"Bo plays the cello, lesson {i}.")
+        await mem.flush()
+        bo = io.BytesIO()
+        await mem.export_user("bo", bo)
+        expected = {user: await _answers(mem, user) for user in ("maya", "bo")}
+    sources = [maya.getvalue(), bo.getvalue()]
+    async with open_engine(tmp_path / "b", clock=clock, config=CONFIG) as mem:
+        broken = sources[1].replace(b'"record":"turn"', b'"record":"turm"', 1)
+        refused = [
+            (([sources[0], broken], None), "sources[1]", "line 2: expected a record"),
+            (([sources[0], sources[0]], None), "sources[1]", "one export per user"),
+            (([sources[0], sources[1]], ["x", "x"]), "sources[1]", "one export per user"),
+            (([sources[0]], ["x", "y"]), "as_users", "expected one per source"),
+            ((sources[0], None), "sources", "expected a list of exports"),
+        ]
+        for (given, as_users), field, message in refused:
+            with pytest.raises(InvalidInput, match=message) as e:
+                await mem.import_users(given, as_users=as_users)
+            assert e.value.field == field
+        assert await mem.list_users() == []
+        written = await mem.import_users(sources)
+        await mem.flush()
+        assert [w["turns"] for w in written] == [13, 5]
+        for user in ("maya", "bo"):
+            assert _same(await _answers(mem, user), expected[user])
+        again = await mem.import_users(sources, as_users=[None, "bo"])
+        assert [set(w) for w in again] == [{"skipped"}, {"skipped"}]
+    report = await Engine.verify(tmp_path / "b")
+    assert report["ok"], report["problems"]
+
+
 def test_the_command_line_exports_to_stdout_and_imports_a_file(tmp_path, capfd) -> None:
     """`export STORE --user ID > file` and `import STORE file` move a user between stores;
     the export's counts go to stderr so stdout is the file."""

@@ -175,6 +175,8 @@ def read_memories_by_id(
     uprefix = user_prefix(user_id)
     ids, notes = dbs[b"ids"], dbs[b"notes"]
     out: dict[str, Memory] = {}
+    if len(memory_ids) > 16 and not (_holds(txn, ids, uprefix) or _holds(txn, notes, uprefix)):
+        return out  # a user this store has nothing of (an import's): two seeks, not a get each
     for memory_id in memory_ids:
         key = txn.get(uprefix + memory_id.encode(), db=ids)
         if key is not None:
@@ -215,6 +217,12 @@ def read_summary(
 ) -> SummaryState | None:
     raw = txn.get(user_prefix(user_id) + session_id.encode(), db=dbs[b"summaries"])
     return None if raw is None else _decode_summary(raw)
+
+
+def _holds(txn: lmdb.Transaction, db: Any, prefix: bytes) -> bool:
+    """Whether any key of ``db`` starts with ``prefix``."""
+    cursor = txn.cursor(db)
+    return cursor.set_range(prefix) and cursor.key().startswith(prefix)
 
 
 def _scan(txn: lmdb.Transaction, db: Any, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:

@@ -593,20 +593,25 @@ class Writer:
         # in random order: one more turn, so the callers run before the step does.
         await trio.lowlevel.cancel_shielded_checkpoint()
 
-    async def write_unlogged(self, op: PutVectors | PutLink | WriteSummary | PutState
+    async def write_unlogged(self, *ops: PutVectors | PutLink | WriteSummary | PutState
                              | ScrubDone) -> None:
-        """Queue an op that takes no log position and wait for its commit.
+        """Queue ops that take no log position, together (one batch, unless it fills), and
+        wait for their commit.
 
         Raises:
-            RecordRefused: the store could not write this op (the rest of its batch landed).
+            RecordRefused: the store could not write an op (the first refused; every other
+                op, and the rest of their batch, landed).
             EngineBroken / EngineClosed: the store failed or closed first.
         """
         self.check_usable()
-        self.submit(op)
-        await op.done.wait()
-        refused = self._refused_ops.pop(id(op), None)
-        if refused is not None:
-            raise refused
+        for op in ops:
+            self.submit(op)
+        for op in ops:
+            await op.done.wait()
+        refused = [self._refused_ops.pop(id(op), None) for op in ops]
+        first = next((exc for exc in refused if exc is not None), None)
+        if first is not None:
+            raise first
         if self._failure is not None:
             raise self._not_committed_error()
 

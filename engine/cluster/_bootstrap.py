@@ -18,7 +18,6 @@ import zlib
 from datetime import datetime, timezone
 
 import msgspec
-import trio
 
 from .._engine import Engine
 from ..errors import InvalidInput, RecordRefused
@@ -29,11 +28,10 @@ __all__ = ["PartitionSnapshot", "take", "settle", "restore", "drop_local", "user
 log = logging.getLogger("engine.cluster")
 
 LEVEL = 1  # zlib level: exports are text and shrink several times even at the fastest
-# Users a restore imports at once: their thread round trips and commit waits overlap, and
-# their blocks share group commits. A 100k-turn snapshot of 2,000 users restored in 29 s one
-# at a time, 17.5 s at 4, 16.7 s at 8, 15.4 s at 16 (fsync off, HashEmbedder): past 8 the
-# gain is small, while each import in flight holds its user's parsed export.
-RESTORE_TASKS = 8
+# Export bytes a restore imports in one ``import_users`` call: large enough that a
+# partition of many small users costs a few round trips to the store, not ~17 a user, and
+# small enough that one call's parsed records stay a bounded share of memory.
+RESTORE_BATCH_BYTES = 32 << 20
 
 
 class PartitionSnapshot(msgspec.Struct, frozen=True, tag="engram-partition-snapshot"):
@@ -121,32 +119,17 @@ async def restore(engine: Engine, snapshot: PartitionSnapshot) -> None:
     """Import the snapshot's users into a copy of the partition that holds nothing (the
     caller dropped it), then set the partition's watermark to the snapshot's.
 
-    Several users are imported at once (:data:`RESTORE_TASKS`): an import makes ~17 thread
-    round trips and commit waits (its parse, reads, blocks, unlogged records), and a
-    partition holds many users of a few turns each, so one at a time a new owner spent most
-    of its restore on them. One failing import cancels the others and is raised as it was;
-    the watermark is then never set, and the next owner starts over."""
-    exports = iter(snapshot.users)
-
-    async def importer() -> None:
-        for _, export in exports:
-            await engine.import_user(export)
-
-    try:
-        async with trio.open_nursery() as nursery:
-            for _ in range(RESTORE_TASKS):
-                nursery.start_soon(importer)
-    except BaseExceptionGroup as group:
-        raise _first_failure(group)  # as the import raised it; the group is its context
+    Users go in batches of up to :data:`RESTORE_BATCH_BYTES` of exports, each batch one
+    ``import_users``. A failing batch is raised as the import raised it; the watermark is
+    then never set, and the next owner starts over."""
+    batch: list[bytes] = []
+    size = 0
+    for _, export in snapshot.users:
+        if batch and size + len(export) > RESTORE_BATCH_BYTES:
+            await engine.import_users(batch)
+            batch, size = [], 0
+        batch.append(export)
+        size += len(export)
+    if batch:
+        await engine.import_users(batch)
     await engine.set_log_watermark(snapshot.partition, snapshot.watermark)
-
-
-def _first_failure(group: BaseExceptionGroup) -> BaseException:
-    """The first error in ``group`` that is not a cancellation (the group itself if all are:
-    a cancellation from outside, which its scope takes back)."""
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            exc = _first_failure(exc)
-        if not isinstance(exc, (trio.Cancelled, BaseExceptionGroup)):
-            return exc
-    return group

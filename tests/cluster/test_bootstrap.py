@@ -16,7 +16,7 @@ from engine.cluster._partition import partition_of
 from engine.cluster._writes import ClusterEngine
 
 from actors.base.messages import PutNote
-from engine import Candidate, InvalidInput, Note
+from engine import Candidate, Engine, InvalidInput, Note
 
 from ..conftest import T0, open_engine
 from .conftest import connect, one_node, wait_for
@@ -68,31 +68,39 @@ async def test_a_snapshot_restores_into_an_empty_store_as_the_memory_at_its_wate
         assert await b.apply_log_batch(p, []) == 0 and await b.list_users() == []
 
 
-async def test_a_restore_imports_users_at_once_and_one_bad_export_stops_it_unmarked(
-        tmp_path: Path) -> None:
-    """A snapshot of many users restores them several at a time into the same memory; an
-    export that does not read stops the restore with its own InvalidInput (not a group of
-    the concurrent imports' errors), and the partition's watermark is not set, so the next
-    owner starts over."""
-    from engine.cluster._bootstrap import RESTORE_TASKS
+async def test_a_restore_imports_users_in_batches_and_one_bad_export_stops_it_unmarked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot of many users restores them in batches (here of a few users each) into the
+    same memory; an export that does not read stops the restore with its own InvalidInput,
+    naming it, and the partition's watermark is not set, so the next owner starts over."""
+    from engine.cluster import _bootstrap
 
     p = 0
-    users = [u for u in (f"user-{i}" for i in range(200)) if partition_of(u, 4) == p]
-    users = users[: 3 * RESTORE_TASKS]
+    users = [u for u in (f"user-{i}" for i in range(200)) if partition_of(u, 4) == p][:24]
     async with open_engine(tmp_path / "a", config={"long_term": False}) as a:
         entries = [(i + 1, LogTurn(users[i % len(users)], "s", f"t_{i:020x}", "user",
                                    f"turn {i}", T0)) for i in range(10 * len(users))]
         assert await a.apply_log_batch(p, entries) == len(entries)
         snapshot = decode(await take(a, p, 4, len(entries), "a"), p, 4)
         expected = {u: await _memory(a, u) for u in users}
+    batches: list[int] = []
+    import_users = Engine.import_users
+
+    async def counted(self: Engine, sources: list[bytes], **kwargs: object) -> object:
+        batches.append(len(sources))
+        return await import_users(self, sources, **kwargs)
+
+    monkeypatch.setattr(Engine, "import_users", counted)
+    monkeypatch.setattr(_bootstrap, "RESTORE_BATCH_BYTES", 5 * len(snapshot.users[0][1]))
     async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
         await restore(b, snapshot)
         assert {u: await _memory(b, u) for u in users} == expected
         assert await b.apply_log_batch(p, []) == len(entries)
+    assert len(batches) > 3 and sum(batches) == len(users), batches
     bad = msgspec.structs.replace(snapshot, users=[*snapshot.users[:-1],
                                                    (users[-1], b"not an export")])
     async with open_engine(tmp_path / "c", config={"long_term": False}) as c:
-        with pytest.raises(InvalidInput, match="line 1"):
+        with pytest.raises(InvalidInput, match=r"sources\[\d+\]: line 1"):
             await restore(c, bad)
         assert await c.apply_log_batch(p, []) == 0
 
