@@ -24,6 +24,7 @@ from actors.session_buffer import Receipt
 
 from ._demo import demo_turns
 from ._engine import Engine
+from ._export import UserVectors
 from ._hits import (
     EpisodicItem,
     Hit,
@@ -102,5 +103,6 @@ __all__ = [
     "StoreInUse",
     "SummaryState",
     "Turn",
+    "UserVectors",
     "demo_turns",
 ]

@@ -52,7 +52,7 @@ from . import _browse, _stats
 from ._args import check_count, check_texts
 from ._briefing import Briefing
 from ._context import context_for_prompt
-from ._export import export_user, import_user, import_users
+from ._export import UserVectors, export_user, export_vectors, import_user, import_users
 from ._forget import Forgetting
 from ._hits import Hits, RetrieveResult
 from ._ingest import Ingest
@@ -768,8 +768,17 @@ class Engine:
             self._parts.check_ids(as_user)
         return await import_user(self._parts, source, as_user)
 
+    async def export_vectors(self, user_id: str) -> UserVectors:
+        """The stored vectors of the user's records (those embedded so far), to go beside the
+        user's export into ``import_users``, which then stores them instead of running the
+        model again (a cluster's partition snapshots carry them)."""
+        self._parts.check_open()
+        self._parts.check_ids(user_id)
+        return await export_vectors(self._parts, user_id)
+
     async def import_users(self, sources: Sequence[str | os.PathLike[str] | bytes | IO[bytes]],
-                           *, as_users: Sequence[str | None] | None = None
+                           *, as_users: Sequence[str | None] | None = None,
+                           vectors: Sequence[UserVectors | None] | None = None
                            ) -> list[dict[str, int]]:
         """``import_user`` for many exports at once, as one import: one parse, one read of
         what the store holds, the records in shared blocks and commits. For moving many users
@@ -779,14 +788,19 @@ class Engine:
         Args:
             sources: the exports (paths, bytes or binary files), one per user.
             as_users: for each source, a user id to import it under (None: the exported one).
+            vectors: for each source, its user's ``export_vectors`` (or None): the records
+                keep those vectors and the model runs only on the others. Vectors of another
+                model than this engine's are not used, nor any with
+                ``Config(background_embedding=False)`` (the serving process embeds).
 
         Returns:
             For each source, in order, what ``import_user`` returns for it.
 
         Raises:
             InvalidInput: a source is not an export this build reads (the field names it:
-                ``sources[3]``), two are of the same user, or a session here holds other
-                turns than its export's; nothing was written. A live turn that reaches a
+                ``sources[3]``), two are of the same user, vectors are not its user's or
+                not whole ``dim``-value float16 vectors (finite, not all zeros), or a
+                session here holds other turns than its export's; nothing was written. A live turn that reaches a
                 session of the import while it is written stops it there, as with
                 ``import_user``.
         """
@@ -799,11 +813,18 @@ class Engine:
         if len(as_users) != len(sources):
             raise InvalidInput("as_users", f"expected one per source ({len(sources)}), found "
                                            f"{len(as_users)}")
+        if vectors is not None and not isinstance(vectors, Sequence):
+            raise InvalidInput("vectors", "expected a list of UserVectors (or None), one per "
+                                          f"source, found {type(vectors).__name__}")
+        if vectors is not None and len(vectors) != len(sources):
+            raise InvalidInput("vectors", f"expected one per source ({len(sources)}), found "
+                                          f"{len(vectors)}")
         for as_user in as_users:
             if as_user is not None:
                 self._parts.check_ids(as_user)
         return await import_users(self._parts, list(sources), list(as_users),
-                                  [f"sources[{i}]" for i in range(len(sources))])
+                                  [f"sources[{i}]" for i in range(len(sources))],
+                                  None if vectors is None else list(vectors))
 
     async def maintain(self) -> MaintenanceReport:
         """Run one maintenance pass now (it also runs every ``Config.maintenance_seconds``)."""

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Union
 
 import msgspec
+import numpy as np
 import trio
 
 from actors.base import validate as v
@@ -39,14 +40,18 @@ from actors.base.records import (
     SummaryState,
     Turn,
 )
+from actors.ann_index.vectors import HEADER, STORED
 from actors.imported import Imported
 from actors.session_buffer import Receipt
 from actors.store import (
+    ModelInfo,
     entity_key,
     fact_key,
     read_entity_keys,
     read_links,
     read_memories_by_id,
+    read_review_states,
+    read_user_vector_values,
     user_prefix,
 )
 from actors.store.layout import IDS_FACT
@@ -57,7 +62,8 @@ from .errors import InvalidInput
 if TYPE_CHECKING:
     from ._parts import Parts
 
-__all__ = ["export_user", "import_user", "import_users", "FORMAT", "VERSION"]
+__all__ = ["export_user", "export_vectors", "import_user", "import_users", "UserVectors",
+           "FORMAT", "VERSION"]
 
 FORMAT = "engram-user-export"
 VERSION = 3  # bumped when a reader of the previous version could not read the lines
@@ -283,6 +289,91 @@ async def export_user(parts: Parts, user_id: str,
     return counts
 
 
+class UserVectors(msgspec.Struct, frozen=True):
+    """A user's stored vectors, as ``Engine.export_vectors`` reads them, to go beside the
+    user's export into ``Engine.import_users``: the importing engine stores them with the
+    records instead of running the model on every text again.
+
+    Attributes:
+        user_id: the user they were read from (an import checks it against its export's).
+        model / dim: the embedding model that made them.
+        vectors: the record's position in the exporting store (its export lines' ``lsn``)
+            -> its vector, or one per chunk, as ``dim`` little-endian float16 values each.
+    """
+
+    user_id: str
+    model: str
+    dim: int
+    vectors: dict[int, bytes]
+
+
+MAX_CHUNKS = 1 << 16  # chunk vectors one record's value can hold (its header counts them)
+
+
+async def export_vectors(parts: Parts, user_id: str) -> UserVectors:
+    """The vectors the store holds of ``user_id``'s records (those embedded so far)."""
+    await parts.store.wait_logged()
+    model = parts.embedder.model
+    lsns, values = await parts.store.read(read_user_vector_values, user_id)
+    return UserVectors(user_id, model.id, model.dim,
+                       {lsn: value[HEADER.itemsize:] for lsn, value in zip(lsns, values)})
+
+
+def _vectors_of(given: Any, exported_user: str, model: ModelInfo, name: str
+                ) -> dict[int, np.ndarray] | None:
+    """An import's vectors by export lsn, checked (in a worker thread: a partition's are
+    ~80 MB); None if there are none, or if another model made them (the records are then
+    embedded here).
+
+    Raises:
+        InvalidInput: not a UserVectors of the export's user, or a value that is not a
+            whole number of ``dim`` finite float16 vectors, none all zeros.
+    """
+    if given is None:
+        return None
+    if not isinstance(given, UserVectors):
+        raise InvalidInput(name, "expected UserVectors (Engine.export_vectors), found "
+                                 f"{type(given).__name__}")
+    if given.user_id != exported_user:
+        raise InvalidInput(name, f"expected the vectors of user {exported_user!r} (its "
+                                 f"export's), found those of {given.user_id!r}")
+    if (given.model, given.dim) != (model.id, model.dim):
+        return None
+    if type(given.vectors) is not dict:
+        raise InvalidInput(name, "expected vectors as a dict of record lsn -> bytes, found "
+                                 f"{type(given.vectors).__name__}")
+    lsns, datas = list(given.vectors), list(given.vectors.values())
+    for lsn, data in zip(lsns, datas):
+        if type(lsn) is not int or type(data) is not bytes:
+            raise InvalidInput(name, "expected vectors as a dict of record lsn (int) -> "
+                                     f"bytes, found {type(lsn).__name__} -> "
+                                     f"{type(data).__name__}")
+    # Checked and cut a user at a time: one array of every vector, each record a view of its
+    # rows (a numpy call a record cost a restore of 100k turns a second).
+    row = model.dim * STORED.itemsize
+    sizes = np.fromiter(map(len, datas), dtype=np.int64, count=len(datas))
+    bad = np.flatnonzero((sizes == 0) | (sizes % row != 0) | (sizes > MAX_CHUNKS * row))
+    if bad.size:
+        raise InvalidInput(name, f"expected 1 to {MAX_CHUNKS} vectors of {model.dim} float16 "
+                                 f"values, found {sizes[bad[0]]} bytes for record "
+                                 f"{lsns[bad[0]]}")
+    matrix = np.frombuffer(b"".join(datas), dtype=STORED).reshape(-1, model.dim)
+    rows = sizes // row
+    ends = np.cumsum(rows)
+    # On the bits (numpy's isfinite on float16 took 0.3 s for 100k vectors): a float16 is
+    # NaN or infinite when its exponent bits are all set, zero when all but its sign are clear.
+    bits = matrix.view(np.uint16)
+    exponent = np.uint16(0x7C00)
+    unusable = ((bits & exponent) == exponent).any(axis=1) | ~(bits & np.uint16(0x7FFF)).any(
+        axis=1)
+    if unusable.any():
+        record = int(np.searchsorted(ends, np.flatnonzero(unusable)[0], side="right"))
+        raise InvalidInput(name, "expected finite vectors, not all zeros, found another in "
+                                 f"record {lsns[record]}")
+    return {lsn: matrix[end - n:end]
+            for lsn, end, n in zip(lsns, ends.tolist(), rows.tolist(), strict=True)}
+
+
 # -- import ------------------------------------------------------------------------------------
 
 class _Parsed(msgspec.Struct):
@@ -447,15 +538,20 @@ async def import_user(parts: Parts, source: str | os.PathLike[str] | bytes | IO[
 
 async def import_users(parts: Parts,
                        sources: list[str | os.PathLike[str] | bytes | IO[bytes]],
-                       as_users: list[str | None], names: list[str]) -> list[dict[str, int]]:
+                       as_users: list[str | None], names: list[str],
+                       vectors: list[UserVectors | None] | None = None
+                       ) -> list[dict[str, int]]:
     """Read exports into the engine's store, as one import: one parse, one read of what the
     store holds, their logged records in shared blocks, one wait for the commit and one
     write of the records outside the log. Every export is checked before anything is
     written. Returns what was written and what skipped, per export.
 
-    ``names`` name each source in errors (``source``, or ``sources[3]``)."""
+    ``names`` name each source in errors (``source``, or ``sources[3]``); ``vectors`` may
+    give each source's vectors (:class:`UserVectors`)."""
     datas = [await _source_bytes(source, name) for source, name in zip(sources, names)]
-    parsed = await trio.to_thread.run_sync(_parse_all, datas, names)
+    given = vectors if vectors is not None else [None] * len(datas)
+    parsed, checked = await trio.to_thread.run_sync(_parse_all, datas, names, given,
+                                                    parts.embedder.model)
     imports: list[tuple[_Parsed, str]] = []
     seen: dict[str, str] = {}
     for one, as_user, name in zip(parsed, as_users, names):
@@ -469,7 +565,7 @@ async def import_users(parts: Parts,
                                      f"{user_id!r} in {seen[user_id]} too")
         seen[user_id] = name
         imports.append((one, user_id))
-    return await _write(parts, imports)
+    return await _write(parts, imports, checked)
 
 
 async def _source_bytes(source: str | os.PathLike[str] | bytes | IO[bytes], name: str
@@ -504,22 +600,28 @@ class _named:
             raise InvalidInput(field, str(exc)[len(exc.field) + 2:]) from None
 
 
-def _parse_all(datas: list[bytes], names: list[str]) -> list[_Parsed]:
-    out = []
-    for data, name in zip(datas, names):
+def _parse_all(datas: list[bytes], names: list[str], vectors: list[Any], model: ModelInfo
+               ) -> tuple[list[_Parsed], list[dict[int, np.ndarray] | None]]:
+    """Each export parsed, and the vectors given with it checked (a worker thread's call)."""
+    parsed, checked = [], []
+    for i, (data, name, given) in enumerate(zip(datas, names, vectors, strict=True)):
         with _named(name):
-            out.append(parse(data))
-    return out
+            one = parse(data)
+        parsed.append(one)
+        checked.append(_vectors_of(given, one.user_id, model,
+                                   "vectors" if name == "source" else f"vectors[{i}]"))
+    return parsed, checked
 
 
 class _User:
     """One export's part of an import: its records' positions here (the export's lsn to
     this store's), and what was written and skipped."""
 
-    __slots__ = ("parsed", "user_id", "lsn_map", "written", "have")
+    __slots__ = ("parsed", "user_id", "lsn_map", "written", "have", "vectors")
 
-    def __init__(self, parsed: _Parsed, user_id: str, have: dict[str, Any]) -> None:
-        self.parsed, self.user_id, self.have = parsed, user_id, have
+    def __init__(self, parsed: _Parsed, user_id: str, have: dict[str, Any],
+                 vectors: dict[int, np.ndarray] | None) -> None:
+        self.parsed, self.user_id, self.have, self.vectors = parsed, user_id, have, vectors
         self.lsn_map: dict[int, int] = {}
         self.written: dict[str, int] = {"skipped": 0}
 
@@ -535,12 +637,14 @@ def _read_present(txn: Any, dbs: dict[bytes, Any], wanted: list[tuple[str, list[
     return [read_memories_by_id(txn, dbs, user_id, ids) for user_id, ids in wanted]
 
 
-async def _write(parts: Parts, imports: list[tuple[_Parsed, str]]) -> list[dict[str, int]]:
+async def _write(parts: Parts, imports: list[tuple[_Parsed, str]],
+                 vectors: list[dict[int, np.ndarray] | None]) -> list[dict[str, int]]:
     store, buffer = parts.store, parts.buffer
     await store.wait_logged()
     haves = await store.read(_read_present, [(user_id, _every_id(parsed))
                                              for parsed, user_id in imports])
-    users = [_User(parsed, user_id, have) for (parsed, user_id), have in zip(imports, haves)]
+    users = [_User(parsed, user_id, have, given)
+             for (parsed, user_id), have, given in zip(imports, haves, vectors)]
     # Where a record is already in this store (an earlier import of the same file, or a part
     # of one a crash cut short), its position here stands for the exported one.
     todo: list[tuple[_User, Any]] = []
@@ -600,6 +704,12 @@ async def _write(parts: Parts, imports: list[tuple[_Parsed, str]]) -> list[dict[
             tag = kind.__struct_config__.tag + "s"
             for user, _ in run:
                 user.written[tag] = user.written.get(tag, 0) + 1
+        # Vectors that came with the block's records, before the embedder can read them.
+        preset = [(user.lsn_map[line.lsn], vector) for user, line in chunk
+                  if user.vectors is not None
+                  and (vector := user.vectors.get(line.lsn)) is not None]
+        if preset and parts.config.background_embedding:  # else no follower would take them
+            parts.embedder.preset(preset)
     if last:
         await store.wait_committed(last)
     if parts.notes_md is not None:

@@ -35,6 +35,9 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
             (0: none is waiting; to within 0.1 s).
         texts_embedded / embed_cache_hits: background texts the model embedded, and those the
             content cache answered instead, since the engine opened.
+        vectors_imported: records whose vectors came with their import (``import_users``
+            given ``export_vectors``: a cluster's partition snapshot) and were stored without
+            a model call, since the engine opened.
         long_term_lsn: how far each long-term follower has taken in the log, by name
             (``entities``, ``facts``, ``episodic``); empty with the long-term layer off.
         episodes_made: episodes the compressor made since the engine opened.
@@ -75,6 +78,7 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
     vector_lag_seconds: float = 0.0
     texts_embedded: int = 0
     embed_cache_hits: int = 0
+    vectors_imported: int = 0
     long_term_lsn: dict[str, int] = {}
     episodes_made: int = 0
     text_index_rebuilt: str | None = None
@@ -112,6 +116,7 @@ async def stats(parts: Parts) -> Stats:
         vector_lag_seconds=store.committed_since(embedded + 1),
         texts_embedded=embedder.texts_embedded,
         embed_cache_hits=embedder.cache_hits,
+        vectors_imported=embedder.vectors_imported,
         long_term_lsn={follower.name: follower.watermark for follower in parts.followers},
         episodes_made=parts.compressor.episodes_made,
         text_index_rebuilt=parts.fulltext.damage,

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 import trio
 
+import engine
 from engine import Engine, InvalidInput
 from engine.__main__ import main
 
@@ -284,6 +285,73 @@ async def test_import_users_takes_many_exports_as_one_import(tmp_path) -> None:
         assert [set(w) for w in again] == [{"skipped"}, {"skipped"}]
     report = await Engine.verify(tmp_path / "b")
     assert report["ok"], report["problems"]
+
+
+async def test_vectors_exported_beside_a_user_are_stored_without_running_the_model(
+        tmp_path) -> None:
+    """``import_users`` given each user's ``export_vectors`` stores those vectors with the
+    records (the model embeds nothing), the same vectors as in the source; vectors of another
+    model are not used (the model embeds the records), and malformed ones are refused
+    before anything is written."""
+    clock = FixedClock()
+    async with open_engine(tmp_path / "a", clock=clock, config=CONFIG) as mem:
+        await _fill(mem, clock)
+        export = io.BytesIO()
+        await mem.export_user("maya", export)
+        vectors = await mem.export_vectors("maya")
+        expected = await _answers(mem)
+    assert len(vectors.vectors) >= 13  # every turn, and the episodes, facts and note
+    async with open_engine(tmp_path / "b", clock=clock, config=CONFIG) as mem:
+        row = vectors.dim * 2
+        first = min(vectors.vectors)
+
+        def edited(**fields: object) -> engine.UserVectors:
+            return msgspec.structs.replace(vectors, **fields)
+
+        bad = [
+            (edited(vectors={**vectors.vectors, first: b"\x00" * (row + 1)}), "found 769 bytes"),
+            (edited(vectors={**vectors.vectors, first: b"\x00\x7c" * vectors.dim}),
+             "expected finite vectors"),  # float16 infinity
+            (edited(vectors={**vectors.vectors, first: b"\x00\x80" * vectors.dim}),
+             "not all zeros"),  # -0.0
+            (edited(vectors={**vectors.vectors, first: b"\x00" * (row * 65537)}),
+             "expected 1 to 65536 vectors"),
+            (edited(vectors={str(k): v for k, v in vectors.vectors.items()}),
+             "found str -> bytes"),
+            (edited(vectors=list(vectors.vectors.values())), "found list"),
+            (edited(user_id="bo"), "expected the vectors of user 'maya'"),
+            ("not vectors", "expected UserVectors"),
+        ]
+        for given, message in bad:
+            with pytest.raises(InvalidInput, match=message) as e:
+                await mem.import_users([export.getvalue()], vectors=[given])
+            assert e.value.field == "vectors[0]"
+        with pytest.raises(InvalidInput, match="expected a list of UserVectors") as e:
+            await mem.import_users([export.getvalue()], vectors=vectors)
+        assert e.value.field == "vectors"
+        assert await mem.list_users() == []
+        await mem.import_users([export.getvalue()], vectors=[vectors])
+        await mem.flush()
+        stats = await mem.stats()
+        assert (stats.texts_embedded, stats.vectors_imported) == (0, len(vectors.vectors))
+        assert sorted((await mem.export_vectors("maya")).vectors.values()) == sorted(
+            vectors.vectors.values())
+        assert _same(await _answers(mem), expected)
+    other = msgspec.structs.replace(vectors, model="another-model")
+    async with open_engine(tmp_path / "c", clock=clock, config=CONFIG) as mem:
+        await mem.import_users([export.getvalue()], vectors=[other])
+        await mem.flush()
+        assert (await mem.stats()).texts_embedded >= 13
+    # Some vectors given, some not: the model embeds exactly the others, in the same steps.
+    some = dict(sorted(vectors.vectors.items())[::2])
+    async with open_engine(tmp_path / "d", clock=clock, config=CONFIG) as mem:
+        await mem.import_users([export.getvalue()], vectors=[edited(vectors=some)])
+        await mem.flush()
+        stats = await mem.stats()
+        assert stats.vectors_imported == len(some)
+        assert stats.texts_embedded + stats.embed_cache_hits >= len(vectors.vectors) - len(some)
+        assert sorted((await mem.export_vectors("maya")).vectors.values()) == sorted(
+            vectors.vectors.values())
 
 
 def test_the_command_line_exports_to_stdout_and_imports_a_file(tmp_path, capfd) -> None:

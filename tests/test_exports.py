@@ -13,7 +13,7 @@ def test_public_names_are_exported_and_nothing_private_leaks() -> None:
         "SummaryState", "Turn", "Entity", "EntityInfo", "Episode", "Fact", "LLM", "LLMFailed",
         "MaintenanceReport", "OpenAICompatibleLLM", "ReviewState", "TOOLS", "StoreCorrupt",
         "StoreTampered", "Failure", "RecordRefused", "Hits", "StoreInUse", "demo_turns",
-        "Candidate", "Extractor", "RuleExtractor",
+        "Candidate", "Extractor", "RuleExtractor", "UserVectors",
     }
     for name in engine.__all__:
         assert getattr(engine, name) is not None

@@ -29,6 +29,7 @@ import trio
 
 from ..base.errors import EngineBroken, EngineClosed
 from ..base.messages import EmbedRequest, PutState, PutVectors, Searchable
+from ..ann_index import encode_vector
 from ..chunking import Assembly, Piece, chunk_texts
 from ..store import (
     Damaged,
@@ -188,6 +189,11 @@ class Embedder:
         self.texts_embedded = 0  # background texts the model embedded
         self.embedded_lsn = 0
         self.backlog = 0  # records behind the watermark still to embed (a migration's list)
+        # Vectors an import brought with its records (lsn -> chunks x dim), stored as they
+        # are when the follower reaches them instead of running the model; in lsn order.
+        self._preset: dict[int, np.ndarray] = {}
+        self._preset_order: deque[int] = deque()
+        self.vectors_imported = 0  # records whose vectors came with their import
         # Parked: callers of wait_embedded, until the follower passes their lsn.
         self._progress = trio.lowlevel.ParkingLot()
         self._closed = False
@@ -392,12 +398,49 @@ class Embedder:
                 if damaged:  # kept as failures; the vectors go on without those records
                     await store.write_unlogged(PutState(damage_puts("embedder", damaged), (),
                                                         trio.Event()))
-                batches = await self._token_batches(records)
-                await self._embed_in_order(store, batches, last, on_vectors)
+                if self._preset:
+                    records = await self._write_preset(store, records, last, on_vectors)
+                if records or self.embedded_lsn < last:  # else the preset moved the watermark
+                    batches = await self._token_batches(records)
+                    await self._embed_in_order(store, batches, last, on_vectors)
                 self.embedded_lsn = last
                 self._progress.unpark_all()
         except EngineClosed:
             return  # the engine is closing; the watermark on disk says where to resume
+
+    def preset(self, vectors: list[tuple[int, np.ndarray]]) -> None:
+        """Take vectors that came with imported records (lsn, chunks x dim), in lsn order,
+        before the follower can read those records (synchronous: the import calls this in
+        the same step that queues them). The follower stores them instead of embedding the
+        records; one it never reads (a record refused, or forgotten first) is dropped once
+        its step has passed that lsn."""
+        for lsn, vector in vectors:
+            self._preset[lsn] = vector
+            self._preset_order.append(lsn)
+
+    async def _write_preset(self, store: Store, records: list[Searchable], last: int,
+                            on_vectors: Any) -> list[Searchable]:
+        """Store the preset vectors of ``records``, BACKGROUND_BATCH records a commit (as a
+        model batch's are); returns the records left to embed. The watermark moves to
+        ``last`` with the final write when none is left, else with the model's."""
+        preset, rest = [], []
+        for record in records:
+            vector = self._preset.pop(record.lsn, None)
+            if vector is None:
+                rest.append(record)
+            else:
+                preset.append((record.lsn, record.user_id, encode_vector(record, vector)))
+        while self._preset_order and self._preset_order[0] <= last:
+            self._preset.pop(self._preset_order.popleft(), None)
+        for start in range(0, len(preset), BACKGROUND_BATCH):
+            final = not rest and start + BACKGROUND_BATCH >= len(preset)
+            await store.write_unlogged(PutVectors(
+                preset[start:start + BACKGROUND_BATCH], last if final else self.embedded_lsn,
+                trio.Event(), on_vectors))
+            self.vectors_imported += min(BACKGROUND_BATCH, len(preset) - start)
+            if final:
+                self.embedded_lsn = last
+        return rest
 
     async def _pieces(self, records: list[Searchable]) -> list[Piece]:
         """Each record's chunks (:mod:`actors.chunking`), cut in a worker thread with the

@@ -73,7 +73,7 @@ from .replay import (
                      turn_tags,
 )
 from .store import Store
-from .vectors import ModelInfo, read_user_vectors, stored_model
+from .vectors import ModelInfo, read_user_vector_values, read_user_vectors, stored_model
 
 __all__ = [
     "LOG_EPISODE", "LOG_FACT", "LOG_NOTE", "LOG_TOMBSTONE", "LOG_TURN", "MAX_DBS", "MIGRATIONS",
@@ -85,6 +85,6 @@ __all__ = [
     "read_memories_by_id", "read_meta_lsn", "read_pending", "read_records",
     "read_review_states", "read_searchables", "read_session_tail", "read_session_turns",
     "read_sessions", "read_summary", "read_turn_contexts", "read_user_counts",
-    "read_user_vectors", "searchable_at", "session_prefix", "stored_model", "turn_tags",
-    "user_prefix",
+    "read_user_vector_values", "read_user_vectors", "searchable_at", "session_prefix",
+    "stored_model", "turn_tags", "user_prefix",
 ]

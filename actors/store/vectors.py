@@ -26,6 +26,14 @@ def read_user_vectors(
     txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str
 ) -> tuple[list[int], bytes]:
     """A user's vector lsns in order, and their values concatenated (parsed by the ANN)."""
+    lsns, values = read_user_vector_values(txn, dbs, user_id)
+    return lsns, b"".join(values)
+
+
+def read_user_vector_values(
+    txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str
+) -> tuple[list[int], list[bytes]]:
+    """A user's vector lsns in order, and each one's stored value (header, then vectors)."""
     prefix = user_prefix(user_id)
     cursor = txn.cursor(dbs[b"vectors"])
     lsns: list[int] = []
@@ -36,7 +44,7 @@ def read_user_vectors(
                 break
             lsns.append(int.from_bytes(key[len(prefix):], "big"))
             values.append(value)
-    return lsns, b"".join(values)
+    return lsns, values
 
 
 def stored_model(path: Path) -> ModelInfo | None:

@@ -2,8 +2,8 @@
 starts from one instead of replaying the whole log.
 
 A snapshot is every user of one partition as the engine exports them (``export_user``'s
-JSON Lines: records with their ids, times, history and derivations), tagged with the
-partition's watermark, taken while nothing is applied to the partition: it is the memory
+JSON Lines: records with their ids, times, history and derivations) with its stored
+vectors, tagged with the partition's watermark, taken while nothing is applied to the partition: it is the memory
 after exactly the log up to that watermark. A new owner whose copy starts from nothing
 (watermark 0) drops whatever a half-done earlier restore or deletion left of the partition,
 imports the users, then sets the watermark in the store; a crash before that leaves the
@@ -18,8 +18,10 @@ import zlib
 from datetime import datetime, timezone
 
 import msgspec
+import trio
 
 from .._engine import Engine
+from .._export import UserVectors
 from ..errors import InvalidInput, RecordRefused
 from ._partition import partition_of
 
@@ -43,6 +45,9 @@ class PartitionSnapshot(msgspec.Struct, frozen=True, tag="engram-partition-snaps
         watermark: the last log sequence its memory includes.
         node / taken_at: who took it, and when.
         users: (user id, the user's export) pairs.
+        vectors: each user's stored vectors (``export_vectors``), so that a new owner with
+            the same model stores them instead of embedding every text again (a snapshot
+            taken before they were carried has none).
     """
 
     partition: int
@@ -51,6 +56,7 @@ class PartitionSnapshot(msgspec.Struct, frozen=True, tag="engram-partition-snaps
     node: str
     taken_at: datetime
     users: list[tuple[str, bytes]]
+    vectors: dict[str, UserVectors] = msgspec.field(default_factory=dict)
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -79,13 +85,20 @@ async def take(engine: Engine, partition: int, partitions: int, watermark: int, 
     batch applied meanwhile). Everything applied is first taken in by every index and by the
     long-term layer (:func:`settle`), so the exports carry what the engine derived from it."""
     await settle(engine)
-    users = []
+    users, vectors = [], {}
     for user in await users_of(engine, partition, partitions):
         out = io.BytesIO()
         await engine.export_user(user, out)
         users.append((user, out.getvalue()))
+        vectors[user] = await engine.export_vectors(user)
     snapshot = PartitionSnapshot(partition, partitions, watermark, node,
-                                 datetime.now(timezone.utc), users)
+                                 datetime.now(timezone.utc), users, vectors)
+    # In a worker thread: ~100 MB for 100k turns (the vectors are most of it) held the
+    # node's trio thread, which serves every other partition, for about a second.
+    return await trio.to_thread.run_sync(_pack, snapshot)
+
+
+def _pack(snapshot: PartitionSnapshot) -> bytes:
     return zlib.compress(_encode(snapshot), LEVEL)
 
 
@@ -120,16 +133,19 @@ async def restore(engine: Engine, snapshot: PartitionSnapshot) -> None:
     caller dropped it), then set the partition's watermark to the snapshot's.
 
     Users go in batches of up to :data:`RESTORE_BATCH_BYTES` of exports, each batch one
-    ``import_users``. A failing batch is raised as the import raised it; the watermark is
+    ``import_users``, with the vectors the snapshot carries (used when this engine has the
+    same model: its embedder stores them instead of running the model). A failing batch is raised as the import raised it; the watermark is
     then never set, and the next owner starts over."""
     batch: list[bytes] = []
+    vectors: list[UserVectors | None] = []
     size = 0
-    for _, export in snapshot.users:
+    for user, export in snapshot.users:
         if batch and size + len(export) > RESTORE_BATCH_BYTES:
-            await engine.import_users(batch)
-            batch, size = [], 0
+            await engine.import_users(batch, vectors=vectors)
+            batch, vectors, size = [], [], 0
         batch.append(export)
+        vectors.append(snapshot.vectors.get(user))
         size += len(export)
     if batch:
-        await engine.import_users(batch)
+        await engine.import_users(batch, vectors=vectors)
     await engine.set_log_watermark(snapshot.partition, snapshot.watermark)

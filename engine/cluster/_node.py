@@ -227,7 +227,7 @@ class Node:
         if found is None:
             return 0
         try:
-            snapshot = decode_snapshot(found[1], p, partitions)
+            snapshot = await trio.to_thread.run_sync(decode_snapshot, found[1], p, partitions)
         except InvalidInput as exc:
             log.warning("partition %d: snapshot refused (%s); replaying the whole log", p, exc)
             return 0

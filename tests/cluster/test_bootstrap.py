@@ -3,6 +3,8 @@ log after it; a copy the node no longer owns is deleted after the grace period."
 
 from __future__ import annotations
 
+import zlib
+from datetime import datetime
 from pathlib import Path
 
 import msgspec
@@ -42,8 +44,9 @@ async def _memory(engine, user: str) -> list:
 
 async def test_a_snapshot_restores_into_an_empty_store_as_the_memory_at_its_watermark(
         tmp_path: Path) -> None:
-    """take then restore, in-process: the same turns, seqs, notes and facts, and the
-    partition's watermark is the snapshot's; a snapshot of another partition is refused."""
+    """take then restore, in-process: the same turns, seqs, notes and facts, the same
+    vectors without a model call (the snapshot carries them), and the partition's watermark
+    is the snapshot's; a snapshot of another partition is refused."""
     from engine._logbatch import LogCall
 
     at = T0
@@ -57,15 +60,37 @@ async def test_a_snapshot_restores_into_an_empty_store_as_the_memory_at_its_wate
         assert await a.apply_log_batch(p, entries) == 22
         data = await take(a, p, 4, 22, "a")
         expected = await _memory(a, "ana")
+        vectors = sorted((await a.export_vectors("ana")).vectors.values())
     snapshot = decode(data, p, 4)
+    assert len(snapshot.vectors["ana"].vectors) == len(vectors) >= 21
     with pytest.raises(InvalidInput, match="partition"):
         decode(data, (p + 1) % 4, 4)
     async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
         await restore(b, snapshot)
         assert await b.apply_log_batch(p, []) == 22
         assert await _memory(b, "ana") == expected
+        await b.flush()
+        assert sorted((await b.export_vectors("ana")).vectors.values()) == vectors
+        assert (await b.stats()).texts_embedded == 0
         assert await drop_local(b, p, 4) == 1
         assert await b.apply_log_batch(p, []) == 0 and await b.list_users() == []
+
+
+def test_a_snapshot_taken_before_vectors_were_carried_still_decodes() -> None:
+    """A snapshot stored by an engine whose snapshots carried no vectors decodes, with
+    none: its new owner embeds the turns, as it did."""
+
+    class Earlier(msgspec.Struct, tag="engram-partition-snapshot"):
+        partition: int
+        partitions: int
+        watermark: int
+        node: str
+        taken_at: datetime
+        users: list[tuple[str, bytes]]
+
+    data = zlib.compress(msgspec.msgpack.encode(Earlier(1, 4, 9, "a", T0, [("ana", b"x")])))
+    snapshot = decode(data, 1, 4)
+    assert (snapshot.watermark, snapshot.users, snapshot.vectors) == (9, [("ana", b"x")], {})
 
 
 async def test_a_restore_imports_users_in_batches_and_one_bad_export_stops_it_unmarked(
