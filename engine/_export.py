@@ -48,6 +48,7 @@ from actors.store import (
     entity_key,
     fact_key,
     read_entity_keys,
+    read_facts,
     read_links,
     read_memories_by_id,
     read_review_states,
@@ -617,11 +618,12 @@ class _User:
     """One export's part of an import: its records' positions here (the export's lsn to
     this store's), and what was written and skipped."""
 
-    __slots__ = ("parsed", "user_id", "lsn_map", "written", "have", "vectors")
+    __slots__ = ("parsed", "user_id", "lsn_map", "written", "have", "unfiled", "vectors")
 
-    def __init__(self, parsed: _Parsed, user_id: str, have: dict[str, Any],
+    def __init__(self, parsed: _Parsed, user_id: str, have: dict[str, Any], unfiled: set[str],
                  vectors: dict[int, np.ndarray] | None) -> None:
         self.parsed, self.user_id, self.have, self.vectors = parsed, user_id, have, vectors
+        self.unfiled = unfiled  # past fact versions here without their id's entry
         self.lsn_map: dict[int, int] = {}
         self.written: dict[str, int] = {"skipped": 0}
 
@@ -631,20 +633,32 @@ def _every_id(parsed: _Parsed) -> list[str]:
             + [e.episode_id for e in parsed.episodes] + [f.fact_id for f in parsed.facts])
 
 
-def _read_present(txn: Any, dbs: dict[bytes, Any], wanted: list[tuple[str, list[str]]]
-                  ) -> list[dict[str, Any]]:
-    """Each user's records among these ids, in one read transaction."""
-    return [read_memories_by_id(txn, dbs, user_id, ids) for user_id, ids in wanted]
+def _read_present(txn: Any, dbs: dict[bytes, Any],
+                  wanted: list[tuple[str, list[str], list[str]]]
+                  ) -> list[tuple[dict[str, Any], set[str]]]:
+    """Each user's records among these ids, in one read transaction; and the past fact
+    versions among them stored without their id's entry (an import stopped before it wrote
+    its records outside the log), found in the user's fact history."""
+    out = []
+    for user_id, ids, past in wanted:
+        have = read_memories_by_id(txn, dbs, user_id, ids)
+        unfiled: dict[str, Any] = {}
+        if any(fact_id not in have for fact_id in past):
+            versions = {f.fact_id: f for f in read_facts(txn, dbs, user_id, False)}
+            unfiled = {f: versions[f] for f in past if f not in have and f in versions}
+        out.append(({**have, **unfiled}, set(unfiled)))
+    return out
 
 
 async def _write(parts: Parts, imports: list[tuple[_Parsed, str]],
                  vectors: list[dict[int, np.ndarray] | None]) -> list[dict[str, int]]:
     store, buffer = parts.store, parts.buffer
     await store.wait_logged()
-    haves = await store.read(_read_present, [(user_id, _every_id(parsed))
-                                             for parsed, user_id in imports])
-    users = [_User(parsed, user_id, have, given)
-             for (parsed, user_id), have, given in zip(imports, haves, vectors)]
+    haves = await store.read(_read_present, [
+        (user_id, _every_id(parsed), [f.fact_id for f in parsed.facts if f.status != "active"])
+        for parsed, user_id in imports])
+    users = [_User(parsed, user_id, have, unfiled, given)
+             for (parsed, user_id), (have, unfiled), given in zip(imports, haves, vectors)]
     # Where a record is already in this store (an earlier import of the same file, or a part
     # of one a crash cut short), its position here stands for the exported one.
     todo: list[tuple[_User, Any]] = []
@@ -792,11 +806,14 @@ def _fact(line: FactLine, lsn: int, user_id: str) -> Fact:
     return Fact(lsn=lsn, user_id=user_id, **fields)
 
 
-def _read_unlogged(txn: Any, dbs: dict[bytes, Any], wanted: list[tuple[str, list[str]]]
-                   ) -> list[tuple[list[str], dict[str, list[Link]]]]:
-    """Each user's entity keys, and the links of these memories, in one read transaction."""
-    return [(read_entity_keys(txn, dbs, user_id), read_links(txn, dbs, user_id, ids))
-            for user_id, ids in wanted]
+def _read_unlogged(txn: Any, dbs: dict[bytes, Any],
+                   wanted: list[tuple[str, list[str], list[str]]]
+                   ) -> list[tuple[list[str], dict[str, list[Link]], set[str]]]:
+    """Each user's entity keys, the links of these memories and which of those reviewed
+    have a review state here, in one read transaction."""
+    return [(read_entity_keys(txn, dbs, user_id), read_links(txn, dbs, user_id, ids),
+             set(read_review_states(txn, dbs, user_id, reviewed)))
+            for user_id, ids, reviewed in wanted]
 
 
 async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
@@ -806,14 +823,19 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
     puts: list[tuple[bytes, bytes, bytes | None, int]] = []
     links: list[tuple[str, Link, int]] = []
     found = await store.read(_read_unlogged, [
-        (user.user_id, sorted({link.from_id for link in user.parsed.links})) for user in users])
+        (user.user_id, sorted({link.from_id for link in user.parsed.links}),
+         [review.memory_id for review in user.parsed.reviews]) for user in users])
     summaries: list[tuple[_User, WriteSummary, list[bool]]] = []
-    for user, (known_keys, there) in zip(users, found):
+    # What is written here is keyed on what the store holds of it, not on whether its
+    # memory was new: an import stopped after its records and before these is completed
+    # by importing it again.
+    for user, (known_keys, there, reviewed) in zip(users, found):
         parsed, user_id, have, lsn_map = user.parsed, user.user_id, user.have, user.lsn_map
         counts = user.written
         prefix = user_prefix(user_id)
         for fact in parsed.facts:
-            if fact.status != "active" and fact.fact_id not in have:
+            if fact.status != "active" and (fact.fact_id not in have
+                                            or fact.fact_id in user.unfiled):
                 version = _fact(fact, lsn_map[fact.lsn], user_id)
                 puts.append((b"ids", prefix + fact.fact_id.encode(),
                              IDS_FACT + fact_key(version), 0))
@@ -821,7 +843,7 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
                  for line in (*parsed.turns, *parsed.notes, *parsed.episodes, *parsed.facts)}
         for review in parsed.reviews:
             lsn = lsn_map.get(by_id.get(review.memory_id, -1))
-            if lsn is not None and review.memory_id not in have:  # the memory is new here
+            if lsn is not None and review.memory_id not in reviewed:
                 state = ReviewState(review.stability, review.difficulty, review.last_review,
                                     review.reps)
                 puts.append((b"reviews", prefix + review.memory_id.encode(), _encode(state),

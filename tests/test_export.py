@@ -246,22 +246,30 @@ async def test_bad_sources_are_refused_and_nothing_is_written(tmp_path) -> None:
         assert await mem.stats() == stats
 
 
+async def _two_users(path: Path, clock: FixedClock) -> tuple[list[bytes], dict]:
+    """Exports of maya (every kind of record) and bo (five turns), and what the store
+    answers about each (and how many fact versions maya has)."""
+    async with open_engine(path, clock=clock, config=CONFIG) as mem:
+        await _fill(mem, clock)
+        for i in range(5):
+            await mem.add_turn("bo", "s1", "user", f"Bo plays the cello, lesson {i}.")
+        await mem.flush()
+        sources = []
+        for user in ("maya", "bo"):
+            out = io.BytesIO()
+            await mem.export_user(user, out)
+            sources.append(out.getvalue())
+        expected = {user: await _answers(mem, user) for user in ("maya", "bo")}
+        expected["versions"] = len(await mem.fact_versions("maya"))
+    return sources, expected
+
+
 async def test_import_users_takes_many_exports_as_one_import(tmp_path) -> None:
     """``import_users`` of several exports answers as importing each alone does; one bad
     source among them, two of the same user or a list of the wrong length are refused,
     naming the source, before anything is written."""
     clock = FixedClock()
-    async with open_engine(tmp_path / "a", clock=clock, config=CONFIG) as mem:
-        await _fill(mem, clock)
-        maya = io.BytesIO()
-        await mem.export_user("maya", maya)
-        for i in range(5):
-            await mem.add_turn("bo", "s1", "user", f"Bo plays the cello, lesson {i}.")
-        await mem.flush()
-        bo = io.BytesIO()
-        await mem.export_user("bo", bo)
-        expected = {user: await _answers(mem, user) for user in ("maya", "bo")}
-    sources = [maya.getvalue(), bo.getvalue()]
+    sources, expected = await _two_users(tmp_path / "a", clock)
     async with open_engine(tmp_path / "b", clock=clock, config=CONFIG) as mem:
         broken = sources[1].replace(b'"record":"turn"', b'"record":"turm"', 1)
         refused = [
@@ -421,3 +429,49 @@ async def test_an_import_stopped_by_a_live_turn_leaves_no_position_marked_import
         await b.flush()
         assert [f.value for f in await b.profile("new")] == ["Lisbon"]
         assert len(await b.session_history("new", "s1", limit=2000)) == IMPORT_CHUNK + 1
+
+
+async def test_an_import_stopped_after_a_users_records_is_completed_by_importing_again(
+        tmp_path, monkeypatch) -> None:
+    """``import_users`` of maya and bo stops at bo's block (a bot's turn reached bo's session
+    first): maya's records are in, and what goes outside the log (reviews, past fact
+    versions' ids, links, entities, the summary) was not written. Importing maya again
+    writes exactly that, so she answers as in the source, no fact version twice."""
+    from engine import _export
+
+    clock = FixedClock()
+    (maya, bo), expected = await _two_users(tmp_path / "a", clock)
+    monkeypatch.setattr(_export, "IMPORT_CHUNK", 4)
+    async with open_engine(tmp_path / "count", clock=clock, config=CONFIG) as mem:
+        reserve, blocks = mem._store.reserve, 0
+
+        async def counted(n: int) -> None:
+            nonlocal blocks
+            blocks += 1
+            await reserve(n)
+
+        mem._store.reserve = counted
+        await mem.import_users([maya, bo])
+    async with open_engine(tmp_path / "b", clock=clock, config=CONFIG) as mem:
+        store = mem._store
+        reserve = store.reserve
+        waits = 0
+
+        async def reserve_beside_a_bot(n: int) -> None:
+            nonlocal waits
+            waits += 1
+            if waits == blocks:  # the last block (bo's last turns) waits: the bot gets in
+                await mem.add_turn("bo", "s1", "user", "hello from the bot")
+            await reserve(n)
+
+        store.reserve = reserve_beside_a_bot
+        with pytest.raises(InvalidInput, match="expected no other turns while importing"):
+            await mem.import_users([maya, bo])
+        del store.reserve
+        again = await mem.import_user(maya)
+        await mem.flush()
+        assert set(again) >= {"skipped", "reviews"} and "turns" not in again
+        assert len(await mem.fact_versions("maya")) == expected["versions"]
+        assert _same(await _answers(mem), expected["maya"])
+    report = await Engine.verify(tmp_path / "b")
+    assert report["ok"], report["problems"]
