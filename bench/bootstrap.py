@@ -21,7 +21,8 @@ snapshot in the object store, against a single-node restore of the same memory, 
    from the moment B holds the lease: B's first ``recall`` answered with the partition
    applied to its last entry ("serves"; B's engine was open before, the single node's open
    is in its figure), B's own ``bootstrap_seconds`` (fetch, decode, import), and the time
-   until B's text index and vectors hold every turn, and how many of the single node's hits
+   until B's text index and vectors hold every turn (with how many vectors B stored from the
+   snapshot and how many texts its model embedded), and how many of the single node's hits
    B then gives (``single_hits_found_once_indexed``).
 
 Issue 18's target: B serves within 2x the single-node restore. Prints the figures and writes
@@ -192,6 +193,9 @@ async def hand_over(urls: list[str], config: ClusterConfig, base: Path, built: d
                             break
                         await trio.sleep(0.05)
                 out["indexes_caught_up_s"] = time.perf_counter() - claimed[0]
+                # The vectors B stored from the snapshot, and the texts its model embedded.
+                out["vectors_imported"] = stats.vectors_imported
+                out["texts_embedded"] = stats.texts_embedded
                 # Then B answers as the single node does (the same memory, fully indexed): the
                 # single node's hits among B's. Not all ten: this corpus repeats its words, so
                 # many turns tie, and BM25's statistics differ in the last digits between an
@@ -246,7 +250,8 @@ def report(r: dict[str, Any]) -> None:
           f"{r['serves_s']:.2f} s after its claim ({r['serves_over_single']:.2f}x the single "
           f"node; target <= 2x); bootstrap {r['bootstrap_s']:.2f} s, {r['replayed_entries']} "
           f"entries replayed after the snapshot; indexes caught up "
-          f"{r['indexes_caught_up_s']:.1f} s after the claim, then "
+          f"{r['indexes_caught_up_s']:.1f} s after the claim ({r['vectors_imported']:,} "
+          f"vectors from the snapshot, {r['texts_embedded']:,} texts embedded), then "
           f"{r['single_hits_found_once_indexed']} of the single node's {r['single_hits']} "
           f"hits; {r['turns_on_b']:,} turns on B; its first "
           f"answer had {r['hits']} hits, the single node's {r['single_hits']} (B's engine was "

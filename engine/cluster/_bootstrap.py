@@ -30,9 +30,9 @@ __all__ = ["PartitionSnapshot", "take", "settle", "restore", "drop_local", "user
 log = logging.getLogger("engine.cluster")
 
 LEVEL = 1  # zlib level: exports are text and shrink several times even at the fastest
-# Export bytes a restore imports in one ``import_users`` call: large enough that a
-# partition of many small users costs a few round trips to the store, not ~17 a user, and
-# small enough that one call's parsed records stay a bounded share of memory.
+# Bytes of exports and vectors a restore imports in one ``import_users`` call: large enough
+# that a partition of many small users costs a few round trips to the store, not ~17 a
+# user, and small enough that one call's parsed records stay a bounded share of memory.
 RESTORE_BATCH_BYTES = 32 << 20
 
 
@@ -132,20 +132,23 @@ async def restore(engine: Engine, snapshot: PartitionSnapshot) -> None:
     """Import the snapshot's users into a copy of the partition that holds nothing (the
     caller dropped it), then set the partition's watermark to the snapshot's.
 
-    Users go in batches of up to :data:`RESTORE_BATCH_BYTES` of exports, each batch one
+    Users go in batches of up to :data:`RESTORE_BATCH_BYTES` (exports and vectors), each one
     ``import_users``, with the vectors the snapshot carries (used when this engine has the
-    same model: its embedder stores them instead of running the model). A failing batch is raised as the import raised it; the watermark is
-    then never set, and the next owner starts over."""
+    same model: its embedder stores them instead of running the model). A failing batch is
+    raised as the import raised it; the watermark is then never set, and the next owner
+    starts over."""
     batch: list[bytes] = []
     vectors: list[UserVectors | None] = []
     size = 0
     for user, export in snapshot.users:
-        if batch and size + len(export) > RESTORE_BATCH_BYTES:
+        given = snapshot.vectors.get(user)
+        bytes_ = len(export) + (sum(map(len, given.vectors.values())) if given else 0)
+        if batch and size + bytes_ > RESTORE_BATCH_BYTES:
             await engine.import_users(batch, vectors=vectors)
             batch, vectors, size = [], [], 0
         batch.append(export)
-        vectors.append(snapshot.vectors.get(user))
-        size += len(export)
+        vectors.append(given)
+        size += bytes_
     if batch:
         await engine.import_users(batch, vectors=vectors)
     await engine.set_log_watermark(snapshot.partition, snapshot.watermark)
