@@ -194,7 +194,13 @@ class Store(Writer, Appliers, Forgetting):
                     nursery.start_soon(self._sync_loop)
                     await self._commit_loop()
         except BaseException as exc:
-            self._fail(exc)
+            # Cancelled from outside (the engine's nursery, a server's task group) is a close,
+            # not a failure: a task that runs once more before its own cancellation (a
+            # follower about to write its step) hears EngineClosed and returns, where
+            # EngineBroken made the engine end as broken around nothing but the cancellation.
+            cancelled = isinstance(exc, trio.Cancelled) or (
+                isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[1] is None)
+            self._fail(None if cancelled else exc)
             raise
         finally:
             self._prioritise_receipts(False)

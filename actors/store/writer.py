@@ -941,7 +941,9 @@ class Writer:
         txn.removed.extend(child.removed)
         return result, None
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException | None) -> None:
+        """Stop taking ops and wake every waiter: with ``exc``, the store failed (they hear
+        EngineBroken); without, it was cancelled (EngineClosed)."""
         if self._failure is None:
             self._failure = exc
         self._closing = True

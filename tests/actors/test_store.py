@@ -22,7 +22,7 @@ import trio
 
 import actors.store as store_mod
 from actors.base.config import Config
-from actors.base.errors import EngineBroken, StoreIncompatible
+from actors.base.errors import EngineBroken, EngineClosed, StoreIncompatible
 from actors.base.messages import AppendTurn, PutVectors
 from actors.base.records import SCHEMA_VERSION, Turn
 from actors.store.integrity import (
@@ -177,6 +177,21 @@ async def test_a_failing_disk_fails_receipts_and_the_store_loudly(store_path, mo
                 store.check_usable()
     (failure,) = outcomes
     assert "store failed before committing" in str(failure)
+
+
+async def test_a_store_cancelled_from_outside_is_closed_not_broken(store_path) -> None:
+    """When the store's nursery is cancelled (a server's task group, a test's scope), a task
+    that runs once more before its own cancellation arrives, such as a follower about to
+    write its step, must hear the store is closed (on which it returns), not that it failed:
+    the engine then ended with EngineBroken ("the store failed; reopen it") around nothing
+    but the cancellation."""
+    store = store_mod.Store(store_path, Config())
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            scope.cancel()
+    with pytest.raises(EngineClosed):
+        store.check_usable()
 
 
 async def test_durable_writers_share_commits(store_path, monkeypatch) -> None:
