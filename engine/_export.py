@@ -585,8 +585,8 @@ async def _source_bytes(source: str | os.PathLike[str] | bytes | IO[bytes], name
 
 
 class _named:
-    """Re-raises the checks' ``source`` errors under one source's name (``sources[3]``,
-    ``sources[3].text``) when an import reads several."""
+    """Re-raises the checks' errors under one source's name when an import reads several:
+    ``source.text`` as ``sources[3].text``, ``meta`` as ``sources[3].meta``."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -595,9 +595,9 @@ class _named:
         return None
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
-        if (self.name != "source" and isinstance(exc, InvalidInput)
-                and exc.field.startswith("source")):
-            field = self.name + exc.field[len("source"):]
+        if self.name != "source" and isinstance(exc, InvalidInput):
+            field = (self.name + exc.field[len("source"):] if exc.field.startswith("source")
+                     else f"{self.name}.{exc.field}")
             raise InvalidInput(field, str(exc)[len(exc.field) + 2:]) from None
 
 

@@ -274,6 +274,9 @@ async def test_import_users_takes_many_exports_as_one_import(tmp_path) -> None:
         broken = sources[1].replace(b'"record":"turn"', b'"record":"turm"', 1)
         refused = [
             (([sources[0], broken], None), "sources[1]", "line 2: expected a record"),
+            (([sources[0], sources[1].replace(b'"meta":{}', b'"meta":{"k":"' + b"x" * 70_000
+                                              + b'"}', 1)], None),
+             "sources[1].meta", "bytes as JSON"),
             (([sources[0], sources[0]], None), "sources[1]", "one export per user"),
             (([sources[0], sources[1]], ["x", "x"]), "sources[1]", "one export per user"),
             (([sources[0]], ["x", "y"]), "as_users", "expected one per source"),
