@@ -4,6 +4,8 @@ snapshot in the object store, against a single-node restore of the same memory, 
     python bench/bootstrap.py                 # 100k turns of 20 users, ~3-4 min on 2 cores
     python bench/bootstrap.py --users 2000    # the same turns over 2,000 users (50 each)
     python bench/bootstrap.py --turns 20000   # ~1 min
+    python bench/bootstrap.py --turns 10000 --model [--without-vectors]
+                                              # with MiniLM: what carrying the vectors saves
 
 1. A 3-server loopback cluster (R3, the shipped ``sync_interval: always``) and node A in this
    process on a fresh store (HashEmbedder and the long-term layer off, as in
@@ -45,7 +47,7 @@ from typing import Any
 import trio
 from _report import write_results
 
-from engine import Engine, HashEmbedder
+from engine import Engine, HashEmbedder, UserVectors
 from engine.cluster import ClusterConfig, ClusterEngine, LocalNats, Log, Node, partition_of
 
 CONFIG = {"long_term": False}  # the log, the store and the indexes are under test, as in cluster.py
@@ -57,6 +59,14 @@ WAIT_SECONDS = 600.0  # bound on each wait: a stalled step fails the run, never 
 QUERY = "Lisbon and the dentist"  # words of user 0's turns (see text_of)
 WORDS = ("Lisbon", "kestrel", "sourdough", "marathon", "violin", "garden", "dentist",
          "Kyoto", "bicycle", "novel", "puppy", "climbing", "jazz", "tax", "wedding")
+
+
+MODEL = {"real": False}  # --model: the engine's own embedding model instead of HashEmbedder
+
+
+def _embedder() -> HashEmbedder | None:
+    """The bench's embedder: the hash one, or None (the engine's own model) with --model."""
+    return None if MODEL["real"] else HashEmbedder()
 
 
 def users_of_partition(count: int) -> list[str]:
@@ -88,13 +98,13 @@ async def build(urls: list[str], config: ClusterConfig, base: Path, turns: int,
                 user_count: int) -> dict[str, Any]:
     """Node A takes N turns, applies them and stores the partition's snapshot; then the
     single-node baseline on a snapshot of A's store."""
-    out: dict[str, Any] = {"turns": turns, "users_count": user_count}
+    out: dict[str, Any] = {"turns": turns, "users_count": user_count, "model": MODEL["real"]}
     users = users_of_partition(user_count)
     first = datetime(2026, 1, 1, tzinfo=timezone.utc)
     log = await Log.connect(urls, config, name="bench-a")
     try:
         async with Engine.open(base / "a", config={**CONFIG, "fsync": False},
-                               embedder=HashEmbedder()) as a:
+                               embedder=_embedder()) as a:
             node = Node(a, log, "a", "http://127.0.0.1:1")
             writer = ClusterEngine(a, log, node)
             async with trio.open_nursery() as nursery:
@@ -131,7 +141,7 @@ async def build(urls: list[str], config: ClusterConfig, base: Path, turns: int,
     started = time.perf_counter()
     await Engine.restore(base / "single-snap", base / "single")
     out["single_restore_s"] = time.perf_counter() - started
-    async with Engine.open(base / "single", config=CONFIG, embedder=HashEmbedder()) as one:
+    async with Engine.open(base / "single", config=CONFIG, embedder=_embedder()) as one:
         hits = await one.recall(users[0], QUERY, limit=10)
         out["single_first_answer_s"] = time.perf_counter() - started
         out["single_hits"] = len(hits)
@@ -149,9 +159,9 @@ async def hand_over(urls: list[str], config: ClusterConfig, base: Path, built: d
     log_b = await Log.connect(urls, config, name="bench-b")
     try:
         async with Engine.open(base / "a", config={**CONFIG, "fsync": False},
-                               embedder=HashEmbedder()) as a, \
+                               embedder=_embedder()) as a, \
                 Engine.open(base / "b", config={**CONFIG, "fsync": False},
-                            embedder=HashEmbedder()) as b:
+                            embedder=_embedder()) as b:
             node_a = Node(a, log_a, "a", "http://127.0.0.1:1")
             node_b = Node(b, log_b, "b", "http://127.0.0.1:2")
             claimed: list[float] = []  # when B was seen holding the partition's lease
@@ -217,8 +227,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--turns", type=int, default=100_000)
     parser.add_argument("--users", type=int, default=USERS,
                         help="users of the partition sharing the turns")
+    parser.add_argument("--model", action="store_true",
+                        help="embed with the engine's own model (native_models/), not the hash "
+                             "embedder: what the vectors the snapshot carries save")
+    parser.add_argument("--without-vectors", action="store_true",
+                        help="snapshots carry no vectors (as before they did): B embeds")
     parser.add_argument("--out", default="bench/results/bootstrap.json")
     args = parser.parse_args(argv)
+    MODEL["real"] = args.model
+    if args.without_vectors:
+        async def no_vectors(self: Engine, user_id: str) -> UserVectors:
+            return UserVectors(user_id, "", 0, {})  # of no model: an import does not use them
+
+        Engine.export_vectors = no_vectors  # type: ignore[method-assign]
     base = Path(tempfile.mkdtemp(prefix="engram-bench-bootstrap-"))
     # A short TTL so B's claim comes within a second of A's release (ticks are TTL/5); the
     # snapshot is taken by hand once A has applied everything.
