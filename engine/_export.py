@@ -17,7 +17,8 @@ the embedder take imported records like any other.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from itertools import groupby
 from datetime import datetime, timezone
 from pathlib import Path
@@ -551,16 +552,14 @@ async def import_users(parts: Parts,
     give each source's vectors (:class:`UserVectors`)."""
     datas = [await _source_bytes(source, name) for source, name in zip(sources, names)]
     given = vectors if vectors is not None else [None] * len(datas)
-    parsed, checked = await trio.to_thread.run_sync(_parse_all, datas, names, given,
-                                                    parts.embedder.model)
+    # Parsed and checked in a worker thread: a partition's restore is ~100k records, and the
+    # trio thread serves the node's other partitions meanwhile.
+    parsed, checked = await trio.to_thread.run_sync(_parse_all, datas, names, as_users, given,
+                                                    parts)
     imports: list[tuple[_Parsed, str]] = []
     seen: dict[str, str] = {}
     for one, as_user, name in zip(parsed, as_users, names):
         user_id = as_user if as_user is not None else one.user_id
-        with _named(name):
-            v.check_id("as_user" if as_user is not None else "source.user_id", user_id,
-                       parts.config.max_id_chars)
-            _check(one, parts)
         if user_id in seen:  # one's writes would be invisible to the other's checks
             raise InvalidInput(name, f"expected one export per user in one import, found "
                                      f"{user_id!r} in {seen[user_id]} too")
@@ -584,32 +583,36 @@ async def _source_bytes(source: str | os.PathLike[str] | bytes | IO[bytes], name
                              f"{type(source).__name__}")
 
 
-class _named:
-    """Re-raises the checks' errors under one source's name when an import reads several:
+@contextmanager
+def _named(name: str) -> Iterator[None]:
+    """Re-raise the checks' errors under one source's name when an import reads several:
     ``source.text`` as ``sources[3].text``, ``meta`` as ``sources[3].meta``."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
-        if self.name != "source" and isinstance(exc, InvalidInput):
-            field = (self.name + exc.field[len("source"):] if exc.field.startswith("source")
-                     else f"{self.name}.{exc.field}")
-            raise InvalidInput(field, str(exc)[len(exc.field) + 2:]) from None
+    try:
+        yield
+    except InvalidInput as exc:
+        if name == "source":
+            raise
+        field = (name + exc.field[len("source"):] if exc.field.startswith("source")
+                 else f"{name}.{exc.field}")
+        raise InvalidInput(field, str(exc)[len(exc.field) + 2:]) from None
 
 
-def _parse_all(datas: list[bytes], names: list[str], vectors: list[Any], model: ModelInfo
+def _parse_all(datas: list[bytes], names: list[str], as_users: list[str | None],
+               vectors: list[Any], parts: Parts
                ) -> tuple[list[_Parsed], list[dict[int, np.ndarray] | None]]:
-    """Each export parsed, and the vectors given with it checked (a worker thread's call)."""
+    """Each export parsed and checked (:func:`_check`, its user id), and the vectors given
+    with it checked (a worker thread's call: it reads only the config and the model)."""
     parsed, checked = [], []
-    for i, (data, name, given) in enumerate(zip(datas, names, vectors, strict=True)):
+    for i, (data, name, as_user, given) in enumerate(
+            zip(datas, names, as_users, vectors, strict=True)):
         with _named(name):
             one = parse(data)
+            v.check_id("as_user" if as_user is not None else "source.user_id",
+                       as_user if as_user is not None else one.user_id,
+                       parts.config.max_id_chars)
+            _check(one, parts)
         parsed.append(one)
-        checked.append(_vectors_of(given, one.user_id, model,
+        checked.append(_vectors_of(given, one.user_id, parts.embedder.model,
                                    "vectors" if name == "source" else f"vectors[{i}]"))
     return parsed, checked
 
@@ -618,14 +621,16 @@ class _User:
     """One export's part of an import: its records' positions here (the export's lsn to
     this store's), and what was written and skipped."""
 
-    __slots__ = ("parsed", "user_id", "lsn_map", "written", "have", "unfiled", "vectors")
+    __slots__ = ("parsed", "user_id", "lsn_map", "written", "skipped", "have", "unfiled",
+                 "vectors")
 
     def __init__(self, parsed: _Parsed, user_id: str, have: dict[str, Any], unfiled: set[str],
                  vectors: dict[int, np.ndarray] | None) -> None:
         self.parsed, self.user_id, self.have, self.vectors = parsed, user_id, have, vectors
         self.unfiled = unfiled  # past fact versions here without their id's entry
         self.lsn_map: dict[int, int] = {}
-        self.written: dict[str, int] = {"skipped": 0}
+        self.written: dict[str, int] = {}
+        self.skipped = 0  # records the store already held
 
 
 def _every_id(parsed: _Parsed) -> list[str]:
@@ -679,7 +684,7 @@ async def _write(parts: Parts, imports: list[tuple[_Parsed, str]],
                                                         "others: import under another user "
                                                         "(as_user)")
                 lsn_map[turn.lsn] = there.lsn
-            user.written["skipped"] += min(present, len(turns))
+            user.skipped += min(present, len(turns))
             mine.extend(turns[present:])
         for line in (*parsed.notes, *parsed.episodes, *parsed.facts):
             there = have.get(_id_of(line))
@@ -687,7 +692,7 @@ async def _write(parts: Parts, imports: list[tuple[_Parsed, str]],
                 mine.append(line)
             else:
                 lsn_map[line.lsn] = there.lsn
-                user.written["skipped"] += 1
+                user.skipped += 1
         mine.sort(key=lambda line: line.lsn)  # the source's log order: entities' stay in order
         todo.extend((user, line) for line in mine)
     imported = parts.imported
@@ -735,8 +740,7 @@ async def _write(parts: Parts, imports: list[tuple[_Parsed, str]],
         parts.facts.forget(user.user_id)
         parts.compressor.forget(user.user_id, None)
         parts.entities.forget(user.user_id)
-    return [{**{k: n for k, n in user.written.items() if k != "skipped"},
-             "skipped": user.written["skipped"]} for user in users]
+    return [{**user.written, "skipped": user.skipped} for user in users]
 
 
 def _id_of(line: Any) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
@@ -398,6 +400,27 @@ def test_the_command_line_exports_to_stdout_and_imports_a_file(tmp_path, capfd) 
     assert Path(tmp_path / "again.jsonl").read_text().splitlines()[1:] == out.splitlines()[1:]
 
 
+@contextmanager
+def _blocks(mem: Engine, bot_at: int = 0, user: str = "") -> Iterator[list[int]]:
+    """Each block an import writes first waits for room in the store's queue: the sizes of
+    those waits, in order. At wait ``bot_at`` (counted from 1), a bot's turn reaches
+    ``user``'s session s1 first, as a live turn can while an import waits."""
+    store, reserve = mem._store, mem._store.reserve
+    waits: list[int] = []
+
+    async def hooked(n: int) -> None:
+        waits.append(n)
+        if len(waits) == bot_at:
+            await mem.add_turn(user, "s1", "user", "hello from the bot")
+        await reserve(n)
+
+    store.reserve = hooked
+    try:
+        yield waits
+    finally:
+        del store.reserve
+
+
 async def test_an_import_stopped_by_a_live_turn_leaves_no_position_marked_imported(
         tmp_path) -> None:
     """A bot's turn can reach a session while its import waits for room in the store's queue;
@@ -413,21 +436,10 @@ async def test_an_import_stopped_by_a_live_turn_leaves_no_position_marked_import
         source = io.BytesIO()
         await a.export_user("maya", source)
     async with open_engine(tmp_path / "b") as b:
-        store = b._store
-        reserve = store.reserve
-        waits = 0
-
-        async def reserve_beside_a_bot(n: int) -> None:
-            nonlocal waits
-            waits += 1
-            if waits == 2:  # the second block waits for room: the bot's turn gets in
-                await b.add_turn("new", "s1", "user", "hello from the bot")
-            await reserve(n)
-
-        store.reserve = reserve_beside_a_bot
-        with pytest.raises(InvalidInput, match="expected no other turns while importing"):
+        # The second block waits for room: the bot's turn gets in.
+        with pytest.raises(InvalidInput, match="expected no other turns while importing"), \
+                _blocks(b, bot_at=2, user="new"):
             await b.import_user(source.getvalue(), as_user="new")
-        del store.reserve
         await b.add_turn("new", "s2", "user", "I live in Lisbon.")
         await b.flush()
         assert [f.value for f in await b.profile("new")] == ["Lisbon"]
@@ -446,31 +458,13 @@ async def test_an_import_stopped_after_a_users_records_is_completed_by_importing
     (maya, bo), expected = await _two_users(tmp_path / "a", clock)
     monkeypatch.setattr(_export, "IMPORT_CHUNK", 4)
     async with open_engine(tmp_path / "count", clock=clock, config=CONFIG) as mem:
-        reserve, blocks = mem._store.reserve, 0
-
-        async def counted(n: int) -> None:
-            nonlocal blocks
-            blocks += 1
-            await reserve(n)
-
-        mem._store.reserve = counted
-        await mem.import_users([maya, bo])
-    async with open_engine(tmp_path / "b", clock=clock, config=CONFIG) as mem:
-        store = mem._store
-        reserve = store.reserve
-        waits = 0
-
-        async def reserve_beside_a_bot(n: int) -> None:
-            nonlocal waits
-            waits += 1
-            if waits == blocks:  # the last block (bo's last turns) waits: the bot gets in
-                await mem.add_turn("bo", "s1", "user", "hello from the bot")
-            await reserve(n)
-
-        store.reserve = reserve_beside_a_bot
-        with pytest.raises(InvalidInput, match="expected no other turns while importing"):
+        with _blocks(mem) as blocks:
             await mem.import_users([maya, bo])
-        del store.reserve
+    async with open_engine(tmp_path / "b", clock=clock, config=CONFIG) as mem:
+        # The last block (bo's last turns) waits for room: the bot's turn gets in.
+        with pytest.raises(InvalidInput, match="expected no other turns while importing"), \
+                _blocks(mem, bot_at=len(blocks), user="bo"):
+            await mem.import_users([maya, bo])
         again = await mem.import_user(maya)
         await mem.flush()
         assert set(again) >= {"skipped", "reviews"} and "turns" not in again
