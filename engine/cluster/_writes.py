@@ -35,6 +35,9 @@ from ._partition import partition_of, subject_of
 __all__ = ["ClusterEngine", "ClusterReceipt", "NotInCluster"]
 
 CALL_WAIT = 10.0  # seconds the owner waits to apply its own logged call before answering
+_IMPORT_REFUSED = ("{method} writes this node's store without log entries; in a cluster "
+                   "send the history through add_turns (each turn becomes an entry), or "
+                   "import into a single-node engine")
 
 
 class NotInCluster(EngineError):
@@ -94,6 +97,30 @@ class ClusterEngine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
+
+    def add_turn_nowait(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: it would write this node's store alone, without a log entry.
+
+        Raises:
+            NotInCluster: always; ``add_turn`` (``durable=False``) returns as soon as the
+                turn is handed to the log.
+        """
+        raise NotInCluster("add_turn_nowait writes this node's store without a log entry; "
+                           "in a cluster use add_turn (durable=False returns at once, its "
+                           "receipt's durable() waits for the log)")
+
+    async def import_user(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused, as :meth:`import_users`."""
+        raise NotInCluster(_IMPORT_REFUSED.format(method="import_user"))
+
+    async def import_users(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: an import writes this node's store alone; the partition's next owner,
+        replaying the log, would not have what it wrote.
+
+        Raises:
+            NotInCluster: always (see the message for what to do instead).
+        """
+        raise NotInCluster(_IMPORT_REFUSED.format(method="import_users"))
 
     def _turn(self, field: str, user_id: Any, session_id: Any, role: Any, text: Any, at: Any,
               meta: Any, agent_id: Any = None, run_id: Any = None) -> LogTurn:
@@ -187,7 +214,9 @@ class ClusterEngine:
             LogUnavailable: this node is not the partition's owner any more, or the log did
                 not take or deliver the entry in time (it may still apply later).
         """
-        return await self._applied(method, LogCall(user_id, method, args))
+        # Its time, logged: the owner, and every node that replays it, applies it then.
+        return await self._applied(method, LogCall(user_id, method, args,
+                                                   at=datetime.now(timezone.utc)))
 
     async def _applied(self, method: str, entry: LogCall | LogForgetScope) -> Any:
         """Publish ``entry`` (a call or a scope's tombstone) and return what the owner's

@@ -12,7 +12,7 @@ from engine import InvalidInput
 from engine.cluster._log import Log
 from engine.cluster._node import Node
 from engine.cluster._partition import partition_of
-from engine.cluster._writes import ClusterEngine
+from engine.cluster._writes import ClusterEngine, NotInCluster
 
 from ..conftest import open_engine
 from .conftest import connect, wait_for
@@ -367,3 +367,27 @@ async def _scoped_memory(engine) -> dict:
         "r1": sorted(h.text for h in await engine.recall("ana", "dog", run_id="r1")),
         "bot": sorted(h.text for h in await engine.recall("ana", "dog", agent_id="bot")),
     }
+
+
+async def test_writes_the_log_does_not_carry_are_refused_on_a_node(
+        nats_servers, cluster_config, tmp_path: Path) -> None:
+    """A write that would reach only this node's store (no log entry) is refused with
+    NotInCluster, naming what to use instead: the partition's next owner would not have it."""
+    log = await connect(nats_servers, cluster_config)
+    try:
+        async with open_engine(tmp_path / "store", config={"long_term": False}) as engine:
+            source = tmp_path / "ana.jsonl"
+            await engine.add_turn("ana", "s1", "user", "I moved to Lisbon")
+            await engine.export_user("ana", source)
+            await engine.forget_user("ana")
+            writer = ClusterEngine(engine, log)
+            with pytest.raises(NotInCluster, match="add_turn_nowait.*add_turn"):
+                writer.add_turn_nowait("ana", "s1", "user", "hello")
+            with pytest.raises(NotInCluster, match="import_user"):
+                await writer.import_user(source)
+            with pytest.raises(NotInCluster, match="import_users"):
+                await writer.import_users([source])
+            assert await engine.list_users() == []  # nothing reached the store
+            assert await engine.session_history("ana", "s1", limit=10) == []
+    finally:
+        await log.close()
