@@ -31,7 +31,7 @@ from actors.base.messages import PutState
 from actors.store import read_meta_lsn, user_prefix
 
 from ._forget import Forgetting
-from ._parts import Parts
+from ._parts import Parts, pinned
 from .errors import EngineError, InvalidInput
 
 __all__ = ["LogTurn", "LogForget", "LogForgetScope", "LogCall", "CALLS", "LogEntry",
@@ -79,12 +79,16 @@ class LogForgetScope(msgspec.Struct, frozen=True, tag="forget_scope", omit_defau
 class LogCall(msgspec.Struct, frozen=True, tag="call", omit_defaults=True):
     """Any other write a caller makes (notes, facts, links, reviews, summaries, closing a
     session): the engine method of that name, called on the owner with these arguments.
-    Ids a call would make (a new note's) are made by the writer and carried here, so every
-    node that applies the entry makes the same record."""
+    Ids a call would make (a new note's) are made by the writer and carried here, and so is
+    the time it was logged (``at``): the call applies with the engine's clock reading that
+    time, so every node that applies the entry makes the same record, with the same times,
+    whenever it replays it. An entry without ``at`` (logged before it was carried) applies
+    at the applier's own time."""
 
     user_id: str
     method: str
     args: dict[str, Any] = msgspec.field(default_factory=dict)
+    at: datetime | None = None
 
 
 # The engine methods a LogCall may name: every write a caller makes that is not a turn or a
@@ -233,22 +237,25 @@ class PartitionLog:
             if type(entry) is LogForget:
                 result = await self._forget(entry)
             else:
-                result = await self._apply_call(entry)
+                result = await self._apply_call(entry, f"{partition}:{seq}")
         if attached.ops == 0:
             await self._put_mark(partition, seq)
         elif attached.ops > 1:
             self.split += 1
         return result
 
-    async def _apply_call(self, entry: LogCall) -> Any:
-        """Run the call; its engine error is its result (the log goes on: every node that
-        replays the entry gets the same error)."""
+    async def _apply_call(self, entry: LogCall, place: str) -> Any:
+        """Run the call at its writer's time, the ids it makes drawn from its ``place`` in
+        the log (partition and sequence; see :func:`pinned`); its engine error is its result
+        (the log goes on: every node that replays the entry gets the same error)."""
         if entry.method not in CALLS:
             self.invalid += 1
             return InvalidInput("method", f"expected one of {sorted(CALLS)}, found "
                                           f"{entry.method!r}")
         try:
-            return await self._call(entry.method, entry.user_id, entry.args)
+            at = None if entry.at is None else v.check_at(entry.at, "at")
+            with pinned(at, place):
+                return await self._call(entry.method, entry.user_id, entry.args)
         except (EngineError, TypeError) as exc:
             # TypeError: arguments the method does not take (a newer writer's entry).
             self.invalid += 1

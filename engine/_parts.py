@@ -6,7 +6,10 @@ and sends its requests to the actors through it.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import hashlib
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -26,9 +29,61 @@ from actors.store import LogFollower, Store
 
 from ._notes_md import NotesMirror
 
-__all__ = ["Clock", "Parts"]
+__all__ = ["Clock", "Parts", "pinnable", "pinnable_ids", "pinned"]
 
 Clock = Callable[[], datetime]
+
+class _Pin:
+    """What a replayed log entry fixes while it applies: its writer's time (None: the
+    clock's), and the seed of the ids its apply makes, with how many it made so far."""
+
+    __slots__ = ("at", "seed", "made")
+
+    def __init__(self, at: datetime | None, seed: str) -> None:
+        self.at, self.seed, self.made = at, seed, 0
+
+
+# Set in the task that applies a log entry (and seen in what that task awaits): the engine's
+# clock reads the entry's time and its id makers derive ids from the entry's place in the log,
+# so every node that applies the entry makes the same records (a fact's id and times, a
+# note's times, a review's, an episode's id).
+_pinned: ContextVar[_Pin | None] = ContextVar("engram_pinned_entry", default=None)
+
+
+def pinnable(clock: Clock) -> Clock:
+    """The engine's clock: ``clock``, or the time :func:`pinned` holds for this task."""
+
+    def now() -> datetime:
+        pin = _pinned.get()
+        return clock() if pin is None or pin.at is None else pin.at
+
+    return now
+
+
+def pinnable_ids(make: Callable[[], str]) -> Callable[[], str]:
+    """An id maker: ``make``, or, while :func:`pinned` holds an entry for this task, ids
+    drawn from its seed (20 hex digits, as ``make``'s), the n-th the same on every node."""
+
+    def new_id() -> str:
+        pin = _pinned.get()
+        if pin is None:
+            return make()
+        pin.made += 1
+        return hashlib.blake2b(f"{pin.seed}:{pin.made}".encode(), digest_size=10).hexdigest()
+
+    return new_id
+
+
+@contextmanager
+def pinned(at: datetime | None, seed: str) -> Iterator[None]:
+    """Apply a log entry in this task until the block ends: the engine's clock reads ``at``
+    (None: the clock itself) and new ids derive from ``seed`` (the entry's place in the
+    log). Other tasks, the followers' among them, keep the clock and random ids."""
+    token = _pinned.set(_Pin(at, seed))
+    try:
+        yield
+    finally:
+        _pinned.reset(token)
 
 
 class Parts:

@@ -43,7 +43,7 @@ from actors.store import Store
 
 from ._forget import Scrubber
 from ._llm import LLM, ModelTasks
-from ._parts import Clock, Parts
+from ._parts import Clock, Parts, pinnable, pinnable_ids
 
 __all__ = ["Running", "checked_open", "embedding_for", "running"]
 
@@ -130,6 +130,10 @@ async def running(root: Path, config: Config, clock: Clock, embedding: Embedder,
                   reembed: bool, tasks: ModelTasks | None, extractor: Extractor,
                   read_only: bool) -> AsyncIterator[Running]:
     """Start the actors, yield the running engine, stop them in reverse."""
+    # A replayed log call reads its writer's time and makes the ids every node makes for it
+    # (see _logbatch); everywhere else these are the clock and random ids.
+    clock = pinnable(clock)
+    new_id = pinnable_ids(lambda: new_turn_id()[2:])
     store = Store(root, config, embedding.model, reembed, read_only)
     ann = AnnIndex(store, embedding.model.dim, config.ann_cache_vectors, root / "ann",
                    read_only)
@@ -151,9 +155,9 @@ async def running(root: Path, config: Config, clock: Clock, embedding: Embedder,
                 if config.background_embedding:
                     await nursery.start(embedding.follow, store, ann.added)
                 facts = Facts(store, lambda user, lsns: ann.removed(user, lsns, False),
-                              clock, lambda: new_turn_id()[2:])
+                              clock, new_id)
                 compressor = EpisodicCompressor(
-                    store, embedding, ann, clock, lambda: new_turn_id()[2:],
+                    store, embedding, ann, clock, new_id,
                     after_turns=config.episode_after_turns,
                     keep_turns=config.episode_keep_turns, llm=tasks,
                     vectors_follow=config.background_embedding, imported=imported,

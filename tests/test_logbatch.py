@@ -10,7 +10,7 @@ import pytest
 from engine import InvalidInput
 from engine._logbatch import LogForget, LogForgetScope, LogTurn, decode_entry, encode_entry
 
-from .conftest import T0, open_engine
+from .conftest import T0, StepClock, open_engine
 
 
 def turn(n: int, user: str = "ana", session: str = "s1") -> LogTurn:
@@ -264,3 +264,46 @@ async def test_a_forget_scope_tombstone_applies_in_log_order(store_path: Path) -
         await mem.apply_log_batch(0, [(6, LogForgetScope("ana", None, None))], results)
         assert isinstance(results[6], InvalidInput) and mem._partition_log.invalid == 1
         assert await mem._partition_log.watermark(0) == 6
+
+
+async def test_two_stores_that_apply_a_call_at_different_times_make_the_same_records(
+        tmp_path: Path) -> None:
+    """A logged call carries its writer's time, and the owner applies it at that time with ids
+    drawn from its place in the log: two nodes replaying the same entries a year apart make
+    the same fact versions, note, review and episode (ids included), with the writer's
+    times, not their own clocks'."""
+    from engine._logbatch import LogCall
+
+    logged = T0 + timedelta(days=3)
+    t1 = turn(1).turn_id
+    calls = {  # log sequence: (method, arguments); sequences 1-4 are turns
+        5: ("store_note", {"text": "likes tea", "note_id": "n_1"}),
+        6: ("update_note", {"note_id": "n_1", "text": "likes green tea"}),
+        7: ("remember_fact", {"category": "pets", "key": "cat", "value": "Miso"}),
+        8: ("correct_fact", {"category": "pets", "key": "cat", "value": "Mochi"}),
+        9: ("confirm_fact", {"category": "pets", "key": "cat"}),
+        10: ("review", {"memory_id": t1, "rating": "good"}),
+        11: ("close_session", {"session_id": "s1"}),
+    }
+    answers = []
+    for name, start in (("a", T0 + timedelta(days=10)), ("b", T0 + timedelta(days=400))):
+        async with open_engine(tmp_path / name, config={"long_term": False},
+                               clock=StepClock(start)) as mem:
+            await mem.apply_log_batch(0, [(n, turn(n)) for n in range(1, 5)])
+            results: dict = {}
+            for seq, (method, args) in calls.items():
+                await mem.apply_log_batch(
+                    0, [(seq, LogCall("ana", method, args, at=logged + timedelta(hours=seq)))],
+                    results)
+            assert not any(isinstance(r, BaseException) for r in results.values()), results
+            answers.append((results, await mem.fact_history("ana", "pets", "cat"),
+                            await mem.get_note("ana", "n_1"), await mem.episodes("ana")))
+    assert answers[0] == answers[1]
+    results, history, note, episodes = answers[0]
+    assert note.created_at == logged + timedelta(hours=5)
+    assert note.updated_at == logged + timedelta(hours=6)
+    first, second = sorted(history, key=lambda f: f.created_at)
+    assert first.created_at == logged + timedelta(hours=7)
+    assert second.created_at == first.invalid_at == logged + timedelta(hours=8)
+    assert results[10].last_review == logged + timedelta(hours=10)  # the review's state
+    assert results[11] is True and len(episodes) == 1  # close_session made one
