@@ -58,6 +58,9 @@ class RecallIn(_Body):
     kinds: list[str] | None = Field(None, examples=[["turn", "fact"]])
     tags: list[str] | None = None
     link_depth: int | None = Field(None, ge=0)
+    link_types: list[str] | None = Field(
+        None, description="follow only links of these types (with link_depth)",
+        examples=[["relates_to"]])
     budget_tokens: int | None = Field(None, ge=1)
     legs: list[Literal["vector", "bm25", "entity", "window"]] | None = Field(
         None, description="the search legs that run (default: all)", examples=[["bm25"]])

@@ -335,6 +335,11 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
         return json_response(await engine.store_note(
             user_id, body.text, **body.model_dump(exclude={"text"}, exclude_none=True)), 201)
 
+    @app.get("/v1/users/{user_id:id}/notes", tags=["notes"])
+    async def list_notes(user_id: User) -> Response:
+        """The user's notes (current versions), most recently updated first."""
+        return json_response(await engine.list_notes(user_id))
+
     @app.get("/v1/users/{user_id:id}/notes/{note_id:id}", tags=["notes"])
     async def get_note(user_id: User, note_id: str) -> Response:
         note = await engine.get_note(user_id, note_id)

@@ -121,7 +121,10 @@ async def test_notes_facts_links_review_entities_tools_and_forget(engine) -> Non
         url = f"/v1/users/ana/notes/{note['note_id']}"
         assert (await http.get(url)).json()["text"] == "likes jazz"
         assert (await http.put(url, json={"text": "likes bebop"})).json()["text"] == "likes bebop"
+        listed = (await http.get("/v1/users/ana/notes")).json()
+        assert [(n["note_id"], n["text"]) for n in listed] == [(note["note_id"], "likes bebop")]
         assert (await http.delete(url)).status_code == 200
+        assert (await http.get("/v1/users/ana/notes")).json() == []
         assert (await http.get(url)).status_code == 404
         assert (await http.put(url, json={"text": "x"})).status_code == 404
         assert (await http.delete(url)).status_code == 404
@@ -145,6 +148,13 @@ async def test_notes_facts_links_review_entities_tools_and_forget(engine) -> Non
             "role": "user", "text": "We walk in Monsanto", "durable": True})).json()["turn_id"]
         assert (await http.post("/v1/users/ana/links", json={"from_id": a, "to_id": b})
                 ).status_code == 201
+        await engine.flush()
+        linked = {"query": "Pixel dog", "limit": 1, "kinds": ["turn"], "link_depth": 1}
+        via = [h["via"] for h in (await http.post("/v1/users/ana/recall", json=linked | {
+            "link_types": ["relates_to"]})).json()["hits"]]
+        assert via[0] != ["link"] and ["link"] in via  # the hit, then what it links to
+        assert [h["via"] for h in (await http.post("/v1/users/ana/recall", json=linked | {
+            "link_types": ["summarises"]})).json()["hits"]] == via[:1]
         # "Pixel is my dog" also states a fact, linked to the turn it came from.
         assert [l["to_id"] for l in (await http.get(f"/v1/users/ana/memories/{a}/links")).json()
                 if l["type"] == "relates_to"] == [b]
@@ -258,6 +268,7 @@ ROUTES = [
     ("POST", "/v1/retrieve_memory/raw", {"user_id": "{u}", "query": "x"}),
     ("POST", "/v1/context_pre_retrieve", {"user_id": "{u}", "query": "x"}),
     ("POST", "/v1/users/{u}/notes", {"text": "x"}),
+    ("GET", "/v1/users/{u}/notes", None),
     ("GET", "/v1/users/{u}/notes/n", None),
     ("PUT", "/v1/users/{u}/notes/n", {"text": "x"}),
     ("DELETE", "/v1/users/{u}/notes/n", None),
@@ -274,6 +285,7 @@ ROUTES = [
     ("POST", "/v1/users/{u}/memories/m/review", {"rating": "good"}),
     ("GET", "/v1/users/{u}/stats", None),
     ("POST", "/v1/tools/memory_stats", {"user_id": "{u}"}),
+    ("DELETE", "/v1/users/{u}/scopes?agent_id=bot", None),
     ("DELETE", "/v1/users/{u}", None),
 ]
 
@@ -304,6 +316,9 @@ async def test_every_route_refuses_no_key_401_and_another_users_key_403(
                 response = await who.request(method, _fill(path, user), json=_fill(body, user))
                 assert response.status_code in expected, (method, path, user, response.text)
         assert (await ana.get("/v1/stats")).status_code == 403
+        assert (await ana.post("/v1/snapshot", json={"dest": "/tmp/x"})).status_code == 403
+        assert (await anon.get("/v1/tools")).status_code == 401
+        assert (await ana.get("/v1/tools")).status_code == 200
         assert (await admin.get("/v1/stats")).json()["schema_version"] >= 1
         assert (await anon.get("/metrics")).status_code == 401
         assert (await ana.get("/metrics")).status_code == 200
