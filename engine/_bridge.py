@@ -5,7 +5,11 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+from actors.base.config import Config
+from actors.base.errors import EngineClosed
 
 from ._engine import Engine as TrioEngine
 
@@ -27,6 +31,28 @@ def mirror(cls: type, make: Callable[[str, Callable[..., Any]], Callable[..., An
         method = functools.wraps(native)(make(name, native))
         setattr(cls, name, method)
     return cls
+
+
+class Settings:
+    """The open trio engine's plain attributes, read on the caller's thread: they never
+    change while it is open."""
+
+    _native: TrioEngine | None
+
+    def _opened(self) -> TrioEngine:
+        if self._native is None:
+            raise EngineClosed("the engine is not open; open it with Engine.open(path)")
+        return self._native
+
+    @property
+    def path(self) -> Path:
+        """:attr:`engine.Engine.path`: the store directory (for ``verify`` beside it)."""
+        return self._opened().path
+
+    @property
+    def config(self) -> Config:
+        """:attr:`engine.Engine.config`: the settings the engine was opened with."""
+        return self._opened().config
 
 
 class BridgedReceipt:

@@ -1016,7 +1016,9 @@ class Engine:
         """Check a whole store: every record's checksum, the hash chain from the first log
         position to the head (and the head's MAC, with the key), that every removed record
         is covered by a logged removal, and that every session's turns run without gaps. It
-        reads one consistent state, so it may run beside a serving engine (not with ``seal``).
+        reads one consistent state, so it may run beside an engine serving the store from
+        another process (not with ``seal``); LMDB opens a store once per process, so not
+        beside one of this process.
 
         Args:
             store_path: the store directory.
@@ -1028,7 +1030,8 @@ class Engine:
             A report: ``ok``, ``problems`` (``where`` and ``what`` of each break), counts.
 
         Raises:
-            InvalidInput: no store there, or ``seal`` without a key.
+            InvalidInput: no store there, ``seal`` without a key, or a store an engine of
+                this process serves.
         """
         return await trio.to_thread.run_sync(verify_store, Path(store_path), integrity_key, seal)
 

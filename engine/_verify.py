@@ -1,7 +1,8 @@
 """``engram-trio verify``: check a whole store against its checksums, its hash chain and its promises.
 
 Opening a store checks only the chain's tail; this walks everything, in one read transaction
-(so it may run beside a serving engine and sees one consistent state):
+(so it may run beside an engine serving the store from another process, and sees one
+consistent state):
 
 - every value of every database passes its CRC-32;
 - the chain's head matches its MAC (with the key) and the chain's last digest;
@@ -79,7 +80,16 @@ def verify_store(path: Path, integrity_key: str | None = None, seal: bool = Fals
     key = None if integrity_key is None else integrity_key.encode()
     # lock=True: an engine in another process may be writing, and only a reader in LMDB's
     # reader table is safe from its writer reusing the pages being read.
-    env = lmdb.open(str(path), readonly=not seal, lock=True, max_dbs=MAX_DBS)
+    try:
+        env = lmdb.open(str(path), readonly=not seal, lock=True, max_dbs=MAX_DBS)
+    except lmdb.Error as exc:
+        if "already open in this process" not in str(exc):
+            raise
+        # LMDB opens an environment once per process: the engine serving it is here.
+        raise InvalidInput("store", f"expected a store no engine of this process serves, found "
+                                    f"{path} open here; verify it from another process "
+                                    "(`engram-trio verify STORE`) or once the engine is "
+                                    "closed") from None
     try:
         with env.begin() as raw:
             dbs = open_databases(env, raw)

@@ -70,7 +70,7 @@ def _closed_error() -> EngineClosed:
     return EngineClosed("the engine is closed; open a new one with Engine.open(path)")
 
 
-class Engine:
+class Engine(_bridge.Settings):
     """An open engine on asyncio. Get one with ``async with engine.aio.Engine.open(path)``;
     every coroutine method of :class:`engine.Engine` is here with the same arguments.
 
@@ -299,6 +299,13 @@ class Engine:
     async def compact(store_path: str | os.PathLike[str]) -> dict[str, Any]:
         """:meth:`engine.Engine.compact` in a worker thread (a closed store; no engine)."""
         return await asyncio.to_thread(trio.run, TrioEngine.compact, store_path)
+
+    @staticmethod
+    async def verify(store_path: str | os.PathLike[str], *, integrity_key: str | None = None,
+                     seal: bool = False) -> dict[str, Any]:
+        """:meth:`engine.Engine.verify` in a worker thread (beside another process's engine too)."""
+        return await asyncio.to_thread(trio.run, lambda: TrioEngine.verify(
+            store_path, integrity_key=integrity_key, seal=seal))
 
 
 def _make(name: str, native: Callable[..., Any]) -> Callable[..., Any]:

@@ -45,7 +45,7 @@ class Receipt(_bridge.BridgedReceipt):
         self._engine._call(self._native.durable)
 
 
-class Engine:
+class Engine(_bridge.Settings):
     """An open engine for blocking code. Get one with ``with engine.sync.Engine.open(path)``;
     every coroutine method of :class:`engine.Engine` is here as a blocking method with the
     same arguments."""
@@ -129,6 +129,13 @@ class Engine:
     def compact(store_path: str | os.PathLike[str]) -> dict[str, Any]:
         """:meth:`engine.Engine.compact`, blocking (a closed store; no engine)."""
         return trio.run(TrioEngine.compact, store_path)
+
+    @staticmethod
+    def verify(store_path: str | os.PathLike[str], *, integrity_key: str | None = None,
+               seal: bool = False) -> dict[str, Any]:
+        """:meth:`engine.Engine.verify`, blocking (beside an engine of another process too)."""
+        return trio.run(lambda: TrioEngine.verify(store_path, integrity_key=integrity_key,
+                                                  seal=seal))
 
 
 def _make(name: str, native: Callable[..., Any]) -> Callable[..., Any]:

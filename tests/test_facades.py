@@ -13,6 +13,7 @@ import trio
 from engine import EngineClosed, HashEmbedder, InvalidInput
 from engine import aio, sync
 from engine._bridge import MIRRORED
+from engine._engine import Engine as TrioEngine
 
 from .conftest import open_engine
 
@@ -26,6 +27,37 @@ def test_both_facades_mirror_every_coroutine_method() -> None:
     for name in MIRRORED:
         assert callable(getattr(aio.Engine, name)) and callable(getattr(sync.Engine, name))
     assert aio.Engine.recall.__doc__ == sync.Engine.recall.__doc__ is not None
+
+
+def test_both_facades_offer_every_public_member_of_the_trio_engine() -> None:
+    """What a trio caller reaches (methods, the closed-store functions, the settings) an
+    asyncio or a blocking caller reaches too; left out are the cluster's hooks, and on the
+    blocking facade add_turn_nowait (its add_turn is the buffered call already)."""
+    public = {n for n in vars(TrioEngine) if not n.startswith("_")} - {"check_open",
+                                                                      "log_counts"}
+    assert public - set(dir(aio.Engine)) == set()
+    assert public - set(dir(sync.Engine)) == {"add_turn_nowait"}
+
+
+def test_the_facades_verify_a_store_and_show_its_path_and_settings(tmp_path) -> None:
+    """verify and path / config on both facades; verify refuses, in the engine's own terms,
+    a store this process serves (LMDB opens a store once per process)."""
+    with sync.Engine.open(tmp_path / "s", embedder=HashEmbedder(),
+                          config={"max_text_chars": 5000}) as mem:
+        mem.add_turn("ana", "s1", "user", "I moved to Lisbon", durable=True)
+        assert mem.path == tmp_path / "s" and mem.config.max_text_chars == 5000
+        with pytest.raises(InvalidInput, match="another process"):
+            sync.Engine.verify(mem.path)
+    assert sync.Engine.verify(tmp_path / "s")["ok"] is True
+
+    async def main() -> None:
+        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder(),
+                                   config={"max_text_chars": 4000}) as mem:
+            assert mem.path == tmp_path / "s" and mem.config.max_text_chars == 4000
+        report = await aio.Engine.verify(tmp_path / "s")
+        assert report["ok"] is True and report["last_lsn"] >= 1, report
+
+    asyncio.run(main())
 
 
 @trio_loops
