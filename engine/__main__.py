@@ -507,6 +507,13 @@ def _run(argv: list[str] | None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BaseExceptionGroup as group:
+        # Ctrl-C inside task groups (the MCP SDK's, a server's) comes out grouped, with the
+        # cancellations it caused.
+        if group.split((KeyboardInterrupt, trio.Cancelled))[1] is None \
+                and group.subgroup(KeyboardInterrupt) is not None:
+            return 130
+        raise
     return 0
 
 

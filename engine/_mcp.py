@@ -9,12 +9,18 @@ agent host cannot reach another user's memories by naming one).
 
 from __future__ import annotations
 
+import codecs
 import copy
+import os
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import mcp_types as types
 import msgspec
+import trio
 from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
 
@@ -98,5 +104,65 @@ async def run_stdio(store: str | Path, user: str | None = None, config: Any = No
         _validate.check_id("user", user, 256)
     async with Engine.open(store, config=config) as mem:
         server = create_server(mem, user)
-        async with stdio_server() as (read, write):
+        async with _stdio() as (stdin, stdout), \
+                stdio_server(stdin, stdout) as (read, write):  # type: ignore[arg-type]
             await server.run(read, write, server.create_initialization_options())
+
+
+@asynccontextmanager
+async def _stdio() -> AsyncIterator[tuple[_Lines, _Out]]:
+    """The process's stdin and stdout for the SDK, as trio streams over copies of fds 0 and 1.
+
+    The SDK's own stdin reads in a worker thread that no cancellation reaches, so Ctrl-C
+    waited for the client's next line (or for ever). A trio stream waits in the loop, and
+    Ctrl-C ends the server at once. As the SDK does with its own, fd 0 reads the null device
+    and fd 1 writes to stderr while serving (stray reads and prints stay off the wire); both
+    come back on the way out."""
+    sys.stdout.flush()
+    saved = os.dup(0), os.dup(1)
+    streams = os.dup(0), os.dup(1)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(2, 1)
+    try:
+        async with trio.lowlevel.FdStream(streams[0]) as reader, \
+                trio.lowlevel.FdStream(streams[1]) as writer:
+            yield _Lines(reader), _Out(writer)
+    finally:
+        for fd, copy_ in enumerate(saved):
+            os.dup2(copy_, fd)
+            os.close(copy_)
+
+
+class _Lines:
+    """Lines of UTF-8 text from a trio stream, newline kept, as the SDK iterates a file."""
+
+    def __init__(self, stream: trio.lowlevel.FdStream) -> None:
+        self._stream = stream
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._lines()
+
+    async def _lines(self) -> AsyncIterator[str]:
+        decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+        pending = ""
+        while chunk := await self._stream.receive_some(1 << 16):
+            *lines, pending = (pending + decode(chunk)).split("\n")
+            for line in lines:
+                yield line + "\n"
+        if tail := pending + decode(b"", final=True):
+            yield tail
+
+
+class _Out:
+    """UTF-8 text to a trio stream, as the SDK writes a file (each write is sent whole)."""
+
+    def __init__(self, stream: trio.lowlevel.FdStream) -> None:
+        self._stream = stream
+
+    async def write(self, text: str) -> None:
+        await self._stream.send_all(text.encode())
+
+    async def flush(self) -> None:
+        await trio.lowlevel.checkpoint()

@@ -122,3 +122,25 @@ def test_a_wrong_command_line_exits_2(capsys) -> None:
     with pytest.raises(SystemExit) as info:
         main(["bench", "nonsense"])
     assert info.value.code == 2
+
+
+def test_mcp_stops_on_ctrl_c_with_exit_130(tmp_path) -> None:
+    """SIGINT stops `mcp` once it serves: the engine closes, exit 130, no traceback (trio and
+    the MCP SDK's task groups deliver the interrupt inside an exception group)."""
+    hello = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+             "params": {"protocolVersion": "2025-03-26", "capabilities": {},
+                        "clientInfo": {"name": "test", "version": "0"}}}
+    with subprocess.Popen([sys.executable, "-m", "engine", "mcp", str(tmp_path / "s"),
+                           "--user", "ana"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as process:
+        try:
+            process.stdin.write(json.dumps(hello) + "\n")
+            process.stdin.flush()
+            assert json.loads(process.stdout.readline())["id"] == 1  # it serves
+            process.send_signal(signal.SIGINT)
+            rest = process.stderr.read()
+            assert process.wait(timeout=60) == 130, rest
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert "Traceback" not in rest
