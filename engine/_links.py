@@ -11,7 +11,7 @@ from typing import Any
 import trio
 
 from actors.base import validate as v
-from actors.base.errors import InvalidInput
+from actors.base.errors import InvalidInput, NotFound
 from actors.base.messages import PutLink
 from actors.base.records import Link
 from actors.store import read_links, read_memories_by_id
@@ -42,8 +42,8 @@ class Links:
         found = await parts.store.read(read_memories_by_id, user_id, [from_id, to_id])
         for field, memory_id in (("from_id", from_id), ("to_id", to_id)):
             if memory_id not in found:
-                raise InvalidInput(field, f"expected the id of a memory of user {user_id!r}, "
-                                          f"found none with id {memory_id!r}")
+                raise NotFound(field, f"expected the id of a memory of user {user_id!r}, "
+                                      f"found none with id {memory_id!r}")
         link = Link(from_id, to_id, type, at.astimezone(timezone.utc))
         await parts.store.write_unlogged(PutLink(user_id, link, trio.Event()))
         return link

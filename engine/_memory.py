@@ -17,7 +17,7 @@ import msgspec
 import trio
 
 from actors.base import validate as v
-from actors.base.errors import InvalidInput
+from actors.base.errors import InvalidInput, NotFound
 from actors.base.messages import DeleteNote, PutNote, PutState, WriteSummary
 from actors.base.records import Entity, Episode, Fact, Note, ReviewState, SummaryState, Turn
 from actors.episodic import RATINGS, memory_review_state, review_state
@@ -208,8 +208,8 @@ class Memory:
             raise InvalidInput("note_id", f"expected a new note id, found {note_id!r} in use; "
                                           "call update_note to change it")
         if refused == "missing":
-            raise InvalidInput("note_id", f"expected the id of a note of user {user_id!r}, "
-                                          f"found none with id {note_id!r}")
+            raise NotFound("note_id", f"expected the id of a note of user {user_id!r}, "
+                                      f"found none with id {note_id!r}")
         if parts.notes_md is not None:
             await parts.notes_md.write(stored)
         return stored
@@ -276,8 +276,8 @@ class Memory:
         """How many turns the session has; InvalidInput if the user has no such session."""
         turns = self._parts.buffer.next_seq(user_id, session_id)
         if turns is None:
-            raise InvalidInput("session_id", f"expected a session of user {user_id!r}, found "
-                                             f"none called {session_id!r}")
+            raise NotFound("session_id", f"expected a session of user {user_id!r}, found "
+                                         f"none called {session_id!r}")
         return turns
 
     # -- episodes and reviews ----------------------------------------------------------------
@@ -308,8 +308,8 @@ class Memory:
         await parts.committed()
         memory = (await store.read(read_memories_by_id, user_id, [memory_id])).get(memory_id)
         if type(memory) not in (Episode, Turn):
-            raise InvalidInput("memory_id", f"expected the id of an episode or turn of user "
-                                            f"{user_id!r}, found {memory_id!r}")
+            raise NotFound("memory_id", f"expected the id of an episode or turn of user "
+                                        f"{user_id!r}, found {memory_id!r}")
         current = (await store.read(read_review_states, user_id, [memory_id])).get(memory_id)
         state = review_state(current or memory_review_state(memory), RATINGS[rating],
                              parts.clock().astimezone(timezone.utc))

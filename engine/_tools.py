@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import jsonschema
 import msgspec
 
-from actors.base.errors import InvalidInput
+from actors.base.errors import InvalidInput, NotFound
 from actors.base.records import Fact, Note
 
 from ._hits import Hits
@@ -199,7 +199,7 @@ async def call_tool(engine: ToolHost, name: str, arguments: Mapping[str, Any] | 
                     ) -> dict[str, Any]:
     schema = _SCHEMAS.get(name)
     if schema is None:
-        raise InvalidInput("name", f"expected one of {', '.join(_SCHEMAS)}, found {name!r}")
+        raise NotFound("name", f"expected one of {', '.join(_SCHEMAS)}, found {name!r}")
     if isinstance(arguments, str):
         try:
             arguments = msgspec.json.decode(arguments)

@@ -13,7 +13,7 @@ def test_public_names_are_exported_and_nothing_private_leaks() -> None:
         "SummaryState", "Turn", "Entity", "EntityInfo", "Episode", "Fact", "LLM", "LLMFailed",
         "MaintenanceReport", "OpenAICompatibleLLM", "ReviewState", "TOOLS", "StoreCorrupt",
         "StoreTampered", "Failure", "RecordRefused", "Hits", "StoreInUse", "demo_turns",
-        "Candidate", "Extractor", "RuleExtractor", "UserVectors",
+        "Candidate", "Extractor", "RuleExtractor", "UserVectors", "NotFound",
     }
     for name in engine.__all__:
         assert getattr(engine, name) is not None
@@ -28,6 +28,7 @@ def test_errors_share_one_base() -> None:
     """Callers can catch every engine error with EngineError; InvalidInput is a ValueError."""
     for name in ("InvalidInput", "EngineClosed", "EngineBroken", "StoreIncompatible",
                  "ModelMismatch", "ModelMissing", "LLMFailed", "StoreCorrupt",
-                 "StoreTampered", "RecordRefused", "StoreInUse"):
+                 "StoreTampered", "RecordRefused", "StoreInUse", "NotFound"):
         assert issubclass(getattr(engine, name), engine.EngineError)
     assert issubclass(engine.InvalidInput, ValueError)
+    assert issubclass(engine.NotFound, engine.InvalidInput)  # caught where InvalidInput is

@@ -163,6 +163,18 @@ async def test_notes_facts_links_review_entities_tools_and_forget(engine) -> Non
         await engine.flush()
         assert (await http.get("/v1/users/ana/entities/pixel")).json()["entity"]["name"]
         assert (await http.get("/v1/users/ana/entities/nobody")).status_code == 404
+        # An id the user does not have is a 404 naming it, from the engine's NotFound.
+        for method, url, body, named in (
+                ("POST", "/v1/users/ana/memories/t_nobody/review", {"rating": "good"},
+                 "t_nobody"),
+                ("POST", "/v1/users/ana/sessions/nowhere/close", None, "nowhere"),
+                ("POST", "/v1/users/ana/links", {"from_id": a, "to_id": "t_nobody"},
+                 "t_nobody"),
+                ("PUT", "/v1/users/bo/notes/n_nobody", {"text": "x"}, "n_nobody"),
+                ("POST", "/v1/tools/no_such_tool", {"user_id": "ana"}, "no_such_tool")):
+            missing = await http.request(method, url, json=body)
+            assert missing.status_code == 404, (url, missing.text)
+            assert missing.json()["error"] == "NotFound" and named in missing.json()["message"]
         assert (await http.get("/v1/users/ana/episodes")).json() == []
         assert (await http.get("/v1/users/ana/stats")).json()["turns"] == 2
         tools = (await http.get("/v1/tools")).json()

@@ -1,8 +1,9 @@
 """The errors Engram raises, split by who caused them.
 
 - :class:`InvalidInput`: the caller passed something the engine will not store or answer.
-  Nothing was written. :class:`RecordRefused`: one record passed the checks and the store
-  still could not write it; the rest of its batch was written.
+  Nothing was written. :class:`NotFound`: an id named a record the user does not have.
+  :class:`RecordRefused`: one record passed the checks and the store still could not write
+  it; the rest of its batch was written.
 - :class:`EngineClosed`: the caller used an engine after closing it (or while it closed).
 - :class:`EngineBroken`: the engine failed underneath the caller (disk, native library, a bug).
   The original failure is chained as ``__cause__``.
@@ -22,6 +23,7 @@ from __future__ import annotations
 __all__ = [
     "EngineError",
     "InvalidInput",
+    "NotFound",
     "RecordRefused",
     "EngineClosed",
     "EngineBroken",
@@ -48,6 +50,12 @@ class InvalidInput(EngineError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class NotFound(InvalidInput):
+    """An id named a record the user does not have (a memory, a note, a session, a tool):
+    nothing was written. An :class:`InvalidInput` (the argument was wrong), so a caller
+    catching that still does; the HTTP server answers it with 404."""
 
 
 class RecordRefused(InvalidInput):
