@@ -333,7 +333,33 @@ def _stderr_line(line: str) -> None:
 
 
 def _is_duration(key: str) -> bool:
-    return key == "seconds" or key.endswith("_s")
+    return key == "seconds" or key.endswith(("_s", "_seconds"))
+
+
+def human_bytes(n: float) -> str:
+    """``323584`` -> ``316 KiB``, ``10485760`` -> ``10 MiB``: binary units, 3 digits."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.3g} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _human(key: str, value: Any) -> str:
+    """A value of a report as a person reads it: durations and sizes in units, lists as
+    comma-separated items, nothing as ``-``."""
+    if value is None:
+        return "-"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if _is_duration(key):
+            return human_duration(value)
+        if key.endswith("_bytes"):
+            return human_bytes(value)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float)) for v in value):
+        return ", ".join(map(str, value)) or "-"
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, default=str) if value else "-"
+    return str(value)
 
 
 def _print(result: Any, as_json: bool) -> None:
@@ -341,12 +367,9 @@ def _print(result: Any, as_json: bool) -> None:
         print(json.dumps(result, indent=2, default=str))
         return
     if isinstance(result, dict):
+        width = max(map(len, result), default=0)
         for key, value in result.items():
-            if isinstance(value, (dict, list)):
-                value = json.dumps(value, default=str)
-            elif _is_duration(key) and isinstance(value, (int, float)):
-                value = human_duration(value)
-            print(f"{key:>16}: {value}")
+            print(f"{key:>{width}}: {_human(key, value)}")
 
 
 def _print_inspect(report: dict[str, Any], as_json: bool) -> None:

@@ -10,7 +10,7 @@ import sys
 import pytest
 import trio
 
-from engine.__main__ import human_duration, main
+from engine.__main__ import human_bytes, human_duration, main
 
 from .conftest import open_engine
 
@@ -59,9 +59,20 @@ def test_inspect_prints_tables_for_people(store, capsys) -> None:
 
 
 def test_durations_read_in_human_units() -> None:
-    """Seconds become ms, s, min or h as their size asks."""
+    """Seconds become ms, s, min or h as their size asks; bytes B, KiB, MiB or GiB."""
     assert [human_duration(s) for s in (0.0042, 4.25, 83, 7260)] == [
         "4.2 ms", "4.25 s", "1 min 23 s", "2 h 01 min"]
+    assert [human_bytes(n) for n in (512, 323584, 10 << 20, 3 << 40)] == [
+        "512 B", "316 KiB", "10 MiB", "3 TiB"]
+
+
+def test_stats_read_in_human_units(store, capsys) -> None:
+    """`stats` without --json: sizes and durations in units, lists as items, none as -."""
+    assert main(["stats", str(store)]) == 0
+    lines = dict(line.strip().split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    assert lines["store_bytes"].endswith(("KiB", "MiB")) and lines["turns"] == "3"
+    assert lines["vector_lag_seconds"].endswith(("ms", " s")) and lines["durable_stages"] == "-"
+    assert "(" not in lines["degraded"] and lines["text_index_rebuilt"] == "-"
 
 
 def test_a_closed_pipe_ends_quietly(store) -> None:
