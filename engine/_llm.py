@@ -12,6 +12,7 @@ from typing import Protocol, runtime_checkable
 
 import httpx
 import msgspec
+import trio
 
 from actors.base.errors import EngineError
 from actors.extraction import MIN_CONFIDENCE, MIN_IMPORTANCE, Candidate
@@ -20,6 +21,9 @@ __all__ = ["LLM", "OpenAICompatibleLLM", "ModelTasks", "LLMFailed"]
 
 MAX_SUMMARY_CHARS = 1_000
 MAX_FACTS_PER_TURN = 10
+# Answers worth another attempt: a timeout, too many requests, a server's passing failure.
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+MAX_RETRY_AFTER = 30.0  # seconds: a longer Retry-After is cut to this
 
 
 class LLMFailed(EngineError):
@@ -147,38 +151,76 @@ class OpenAICompatibleLLM:
         model: the model name the server expects.
         api_key: sent as a bearer token if given.
         timeout: seconds per request (connect, read and write each).
-        retries: connection attempts retried before failing (httpx's transport retries, which
-            cover refused and reset connections, not answers: a 5xx is reported at once, and
-            the background actors fall back to their offline defaults).
+        retries: attempts after the first when one fails in a way that may pass: no
+            connection, a timeout, or an answer of 408, 429, 500, 502, 503 or 504. They wait
+            ``backoff`` seconds, doubling each time, or what the server's ``Retry-After``
+            asks (at most :data:`MAX_RETRY_AFTER`). Any other error status fails at once.
+        backoff: the first wait before a retry.
+        transport: an httpx transport (a proxy's, a test's); by default httpx's own.
 
-    Requests go out with httpx on the engine's trio loop (no worker thread), and are abandoned
-    on cancellation.
+    Requests go out with httpx on the engine's trio loop (no worker thread), over one client
+    per trio run (its connections are reused), and are abandoned on cancellation. Nothing
+    here is on a reply's path: the background actors that call it fall back to their offline
+    defaults when it fails.
     """
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None,
-                 timeout: float = 60.0, retries: int = 2) -> None:
+                 timeout: float = 60.0, retries: int = 2, backoff: float = 0.5,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
         self.api_key = api_key
         self.timeout = timeout
         self.retries = retries
+        self.backoff = backoff
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._run: trio.lowlevel.TrioToken | None = None
+
+    def _http(self) -> httpx.AsyncClient:
+        """This trio run's client: pooled connections belong to the run that opened them."""
+        run = trio.lowlevel.current_trio_token()
+        if self._client is None or self._run is not run:
+            self._client = httpx.AsyncClient(transport=self._transport, timeout=self.timeout)
+            self._run = run
+        return self._client
 
     async def complete(self, system: str, prompt: str) -> str:
         body = {"model": self.model, "temperature": 0,
                 "messages": [{"role": "system", "content": system},
                              {"role": "user", "content": prompt}]}
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        transport = httpx.AsyncHTTPTransport(retries=self.retries)
-        try:
-            async with httpx.AsyncClient(transport=transport, timeout=self.timeout) as client:
-                response = await client.post(self.url, json=body, headers=headers)
-        except httpx.HTTPError as exc:
-            raise LLMFailed(f"calling {self.url} failed: {type(exc).__name__}: {exc}") from exc
-        if response.status_code >= 400:
-            raise LLMFailed(f"{self.url} answered HTTP {response.status_code}: "
-                            f"{response.text[:300]}")
-        try:
-            return response.json()["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise LLMFailed(f"expected choices[0].message.content from {self.url}, found "
-                            f"{response.text[:200]}") from exc
+        attempts = max(1, self.retries + 1)
+        for attempt in range(attempts):
+            wait = self.backoff * 2 ** attempt
+            try:
+                response = await self._http().post(self.url, json=body, headers=headers)
+            except httpx.HTTPError as exc:
+                failure = f"calling {self.url} failed: {type(exc).__name__}: {exc}"
+            else:
+                if response.status_code < 400:
+                    return _content(response, self.url)
+                failure = (f"{self.url} answered HTTP {response.status_code}: "
+                           f"{response.text[:300]}")
+                if response.status_code not in RETRY_STATUSES:
+                    raise LLMFailed(failure)
+                wait = max(wait, _retry_after(response))
+            if attempt + 1 < attempts:
+                await trio.sleep(wait)
+        raise LLMFailed(f"{failure} ({attempts} attempts)")
+
+
+def _retry_after(response: httpx.Response) -> float:
+    """The seconds a ``Retry-After`` header asks for (0 if none or a date), bounded."""
+    try:
+        return min(float(response.headers.get("retry-after", 0)), MAX_RETRY_AFTER)
+    except ValueError:
+        return 0.0
+
+
+def _content(response: httpx.Response, url: str) -> str:
+    try:
+        return response.json()["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise LLMFailed(f"expected choices[0].message.content from {url}, found "
+                        f"{response.text[:200]}") from exc

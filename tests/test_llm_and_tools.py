@@ -25,10 +25,11 @@ async def _fake_openai(replies: list[dict], seen: list[dict], stream: trio.Socke
         body += await stream.receive_some(65536)
     request = json.loads(body)
     seen.append({"path": head.split(b" ")[1].decode(), "auth": b"Bearer k3y" in head, **request})
-    status, payload = replies.pop(0) if replies else (200, {"choices": []})
+    status, payload, *retry_after = replies.pop(0) if replies else (200, {"choices": []})
     out = json.dumps(payload).encode()
+    extra = b"".join(b"\r\nRetry-After: " + v.encode() for v in retry_after)
     await stream.send_all(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d"
-                          b"\r\nConnection: close\r\n\r\n" % (status, len(out)) + out)
+                          b"\r\nConnection: close%s\r\n\r\n" % (status, len(out), extra) + out)
     await stream.aclose()
 
 
@@ -49,7 +50,7 @@ async def test_the_adapter_speaks_the_chat_completions_protocol(nursery) -> None
     seen: list[dict] = []
     url = await _server(nursery, [_chat("hello"), (503, {"error": "overloaded"}),
                                   (200, {"nope": 1})], seen)
-    llm = OpenAICompatibleLLM(url, "tiny-model", api_key="k3y", timeout=5)
+    llm = OpenAICompatibleLLM(url, "tiny-model", api_key="k3y", timeout=5, retries=0)
     assert await llm.complete("be brief", "hi") == "hello"
     assert seen[0]["path"] == "/v1/chat/completions" and seen[0]["auth"]
     assert seen[0]["model"] == "tiny-model"
@@ -58,6 +59,41 @@ async def test_the_adapter_speaks_the_chat_completions_protocol(nursery) -> None
         await llm.complete("be brief", "hi")
     with pytest.raises(LLMFailed, match=r"expected choices\[0\].message.content"):
         await llm.complete("be brief", "hi")
+
+
+async def test_the_adapter_retries_what_may_pass_and_not_what_cannot(nursery) -> None:
+    """A 503, a 429 (waiting what its Retry-After asks) and a timeout are tried again after a
+    backoff; a 400 fails at once; when the retries run out, LLMFailed says what the last
+    attempt met and how many were made."""
+    seen: list[dict] = []
+    url = await _server(nursery, [(503, {"error": "busy"}), (429, {"error": "slow"}, "0.2"),
+                                  _chat("ok"), (400, {"error": "no such model"}),
+                                  (503, {"try": 1}), (502, {"try": 2}), (503, {"try": 3})],
+                        seen)
+    llm = OpenAICompatibleLLM(url, "m", timeout=5, retries=2, backoff=0.01)
+    start = trio.current_time()
+    assert await llm.complete("s", "p") == "ok" and len(seen) == 3
+    assert trio.current_time() - start >= 0.2  # the 429's Retry-After, not the backoff
+    with pytest.raises(LLMFailed, match=r"HTTP 400: .*no such model"):
+        await llm.complete("s", "p")
+    assert len(seen) == 4
+    with pytest.raises(LLMFailed, match=r"HTTP 503: .*\"try\": 3.*\(3 attempts\)"):
+        await llm.complete("s", "p")
+    assert len(seen) == 7
+
+    accepted: list[int] = []
+
+    async def silent(stream: trio.SocketStream) -> None:  # takes the request, never answers
+        accepted.append(1)
+        await trio.sleep_forever()
+
+    listeners = await nursery.start(partial(trio.serve_tcp, silent, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    slow = OpenAICompatibleLLM(f"http://127.0.0.1:{port}/v1", "m", timeout=0.2, retries=1,
+                               backoff=0.01)
+    with pytest.raises(LLMFailed, match=r"ReadTimeout.*\(2 attempts\)"):
+        await slow.complete("s", "p")
+    assert len(accepted) == 2
 
 
 async def test_an_llm_summarises_episodes_and_extracts_facts(store_path, nursery) -> None:
