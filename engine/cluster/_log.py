@@ -17,6 +17,7 @@ import collections
 import functools
 import io
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -134,6 +135,8 @@ _RETRY = (nats.errors.TimeoutError, nats.errors.NoRespondersError,
 # connection down or reconnecting): worth trying again, never a verdict.
 TRANSIENT = (*_RETRY, nats.js.errors.APIError, nats.errors.Error)
 PUBLISH_TIMEOUT = 2.0  # seconds one attempt waits for its PubAck
+PARTITIONS_KEY = "engram.partitions"  # the stream's metadata: the count it was made with
+CLOSE_SECONDS = 6.0  # a failed connect's close: its drain's own bound (5 s), and a margin
 WATCH_IDLE_SECONDS = 10.0  # the server deletes a stopped watch's consumer after this (not 5 min)
 RETRY_PAUSE = (0.05, 0.1, 0.2, 0.4, 0.5)  # seconds between attempts, the last one repeated
 LOST_PULL_SECONDS = 2.0  # a pull request this long past its expiry without an answer is lost
@@ -335,14 +338,22 @@ class _Client:
         c = self.config
         made = False
         try:
-            await self.js.stream_info(c.stream)
+            info = await self.js.stream_info(c.stream)
         except nats.js.errors.NotFoundError:
             await self.js.add_stream(api.StreamConfig(
                 name=c.stream, subjects=[f"{SUBJECT_ROOT}.>"], storage=api.StorageType.FILE,
                 num_replicas=c.replicas, duplicate_window=c.duplicate_window,
                 max_age=c.max_age, retention=api.RetentionPolicy.LIMITS,
-                discard=api.DiscardPolicy.OLD, allow_direct=True))
+                discard=api.DiscardPolicy.OLD, allow_direct=True,
+                metadata={PARTITIONS_KEY: str(c.partitions)}))
             made = True
+        else:
+            # A stream made before it carried the count has none to compare.
+            made_with = (info.config.metadata or {}).get(PARTITIONS_KEY)
+            _agree(c.stream, "partitions", c.partitions,
+                   None if made_with is None else int(made_with))
+            _agree(c.stream, "duplicate_window", c.duplicate_window,
+                   info.config.duplicate_window)
         try:
             self.kv = await self.js.key_value(c.bucket)
         except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
@@ -350,6 +361,8 @@ class _Client:
                 bucket=c.bucket, history=1, ttl=c.lease_ttl, replicas=c.replicas,
                 storage=api.StorageType.FILE))
             made = True
+        else:
+            _agree(c.bucket, "lease_ttl", c.lease_ttl, (await self.kv.status()).ttl)
         try:
             self.objects = await self.js.object_store(c.objects)
         except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
@@ -524,6 +537,17 @@ class _Client:
                 await self.nc.close()
 
 
+def _agree(made: str, field: str, mine: float, theirs: float | None) -> None:
+    """Refuse a node whose setting differs from the one the cluster's ``made`` (its stream or
+    bucket) was created with: every node of one cluster must use the same (another partition
+    count files every user under another partition; another lease TTL or duplicate window
+    than the bucket's or the stream's breaks what the leases and retries rely on)."""
+    if theirs is not None and not math.isclose(mine, theirs, rel_tol=1e-6):
+        raise InvalidInput(f"cluster_config.{field}", f"expected {theirs:g}, as {made} was made "
+                                                      f"with (every node of a cluster uses the "
+                                                      f"same), found {mine:g}")
+
+
 def _snapshot_name(partition: int) -> str:
     return f"partition.{partition}"
 
@@ -609,6 +633,8 @@ class Log:
             await thread.run(client.connect, servers, name)
             await thread.run(client.ensure)
         except BaseException as exc:
+            with trio.move_on_after(CLOSE_SECONDS, shield=True):
+                await thread.run(client.close)  # a connection made before ensure refused
             thread.stop()
             if isinstance(exc, (nats.errors.Error, OSError, asyncio.TimeoutError)):
                 raise LogUnavailable(f"could not reach the log at {', '.join(servers)}: "

@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from engine.cluster._leases import LEASE_PREFIX, Leases, LeaseValue, plan
+from engine import InvalidInput
 from engine.cluster._log import ClusterConfig
 
 from .conftest import connect
@@ -330,3 +331,24 @@ async def test_a_dead_nodes_partition_is_claimed_right_after_its_lease_expires(
         assert config.lease_ttl <= waited < config.lease_ttl + 2 * config.lease_ttl / 5
     finally:
         await log.close()
+
+
+async def test_a_node_whose_settings_disagree_with_the_cluster_is_refused(
+        nats_servers, cluster_config) -> None:
+    """The first node makes the stream and the bucket with its partitions, lease TTL and
+    duplicate window; a node configured otherwise is refused with the field and both values
+    (another partition count would file every user under another partition), and one that
+    agrees connects."""
+    first = await connect(nats_servers, cluster_config)
+    try:
+        for field, value in (("partitions", 4), ("lease_ttl", 9.0),
+                             ("duplicate_window", 60.0)):
+            other = msgspec.structs.replace(cluster_config, **{field: value})
+            with pytest.raises(InvalidInput, match=rf"cluster_config\.{field}: expected "
+                                                   rf"{getattr(cluster_config, field):g}.*"
+                                                   rf"found {value:g}"):
+                await connect(nats_servers, other)
+        again = await connect(nats_servers, cluster_config)
+        await again.close()
+    finally:
+        await first.close()
