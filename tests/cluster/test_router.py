@@ -138,3 +138,56 @@ async def test_a_second_holder_that_refuses_too_is_answered_no_owner_once(routed
     assert status == 503 and body == {"error": "NoOwner",
                                       "message": "d.test does not hold it now; retry"}
     assert owners.seen == ["b.test", "d.test"] and router.counts["reforwarded"] == 1
+
+
+class OwningNode:
+    """What the router asks of a node that owns the user's partition, applied up to 5."""
+
+    def __init__(self, config) -> None:
+        self.config, self.node_id, self.marks = config, "a", {}
+        self.asked: list[tuple[int, float]] = []
+
+    def owns(self, p: int) -> bool:
+        return True
+
+    async def wait_applied(self, p: int, min_seq: int, timeout: float) -> bool:
+        self.asked.append((min_seq, timeout))
+        return self.marks.get(p, 0) >= min_seq
+
+
+async def test_a_read_waits_for_its_min_seq_then_answers_503_with_retry_after(
+        cluster_config) -> None:
+    """On the owner, a read with ?min_seq= is served once the partition's watermark reached
+    it (waiting at most read_wait); otherwise 503 NotCaughtUp with Retry-After, never a stale
+    answer; a min_seq that is not a number is a 422 naming it."""
+    served: list[str] = []
+
+    async def app(scope: dict, receive, send) -> None:
+        served.append(scope["query_string"].decode())
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    node = OwningNode(cluster_config)
+    node.marks[partition_of(USER, cluster_config.partitions)] = 5
+    router = Router(app, node)
+    answers = []
+    for query in (b"min_seq=5", b"min_seq=6", b"min_seq=five", b""):
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        await router({"type": "http", "method": "GET", "path": PATH, "raw_path": PATH.encode(),
+                      "query_string": query, "headers": [(b"host", b"a.test")]}, receive, send)
+        answers.append((sent[0]["status"], dict(sent[0]["headers"]).get(b"retry-after"),
+                        sent[1]["body"]))
+    await router.client.aclose()
+    assert [status for status, _, _ in answers] == [200, 503, 422, 200]
+    assert answers[1][1] is not None and b"NotCaughtUp" in answers[1][2]
+    assert b"min_seq" in answers[2][2]
+    assert served == ["min_seq=5", ""]  # the stale read never reached the engine
+    assert node.asked == [(5, cluster_config.read_wait), (6, cluster_config.read_wait)]
+    assert router.counts["waited"] == 2 and router.counts["unavailable"] == 1
