@@ -88,6 +88,11 @@ STATUS_BY_ERROR = {
 # -- the app ------------------------------------------------------------------------------------
 
 
+def _forgotten(what: str, log_seq: int | None) -> dict[str, Any]:
+    """A forget's answer: what went, and on a cluster node the tombstone's log sequence."""
+    return {"forgotten": what} if log_seq is None else {"forgotten": what, "log_seq": log_seq}
+
+
 def create_app(engine: Engine, keys: ApiKeys | None = None, *,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The HTTP API over an open engine.
@@ -272,8 +277,10 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
 
     @app.delete("/v1/users/{user_id:id}/sessions/{session_id:id}", tags=["forget"])
     async def forget_session(user_id: User, session_id: str) -> Response:
-        await engine.forget_session(user_id, session_id)
-        return json_response({"forgotten": session_id})
+        """Delete the session; on a cluster node, once its tombstone is in the log (the
+        answer's ``log_seq`` is a later read's ``min_seq``)."""
+        return json_response(_forgotten(session_id,
+                                        await engine.forget_session(user_id, session_id)))
 
     @app.delete("/v1/users/{user_id:id}/scopes", tags=["forget"])
     async def forget_scope(user_id: User, agent_id: str | None = None,
@@ -285,9 +292,10 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
 
     @app.delete("/v1/users/{user_id:id}", tags=["forget"])
     async def forget_user(user_id: User) -> Response:
-        """Delete everything of the user; answers once the deletion is on disk."""
-        await engine.forget_user(user_id)
-        return json_response({"forgotten": user_id})
+        """Delete everything of the user; answers once the deletion is on disk (on a cluster
+        node, once its tombstone is in the log: the answer's ``log_seq`` is a later read's
+        ``min_seq``)."""
+        return json_response(_forgotten(user_id, await engine.forget_user(user_id)))
 
     # -- retrieval ---------------------------------------------------------------------------
 

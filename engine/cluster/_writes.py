@@ -187,21 +187,26 @@ class ClusterEngine:
             return ClusterReceipt(msg_id, seq)
         return ClusterReceipt(msg_id, None, self._log.publish_soon(subject, payload, msg_id))
 
-    async def forget_user(self, user_id: str) -> None:
+    async def forget_user(self, user_id: str) -> int:
         """Forget a user through the log: a tombstone, then the user's earlier entries are
-        purged from the stream (the tombstone stays until every owner applied it)."""
+        purged from the stream (the tombstone stays until every owner applied it). Returns
+        the tombstone's log sequence: a read with that ``min_seq`` sees the user gone."""
         v.check_id("user_id", user_id, self._config.max_id_chars)
         seq, _ = await self._log.publish(subject_of(user_id, self._partitions),
                                          encode_entry(LogForget(user_id)), new_turn_id())
         await self._log.purge(subject_of(user_id, self._partitions), before=seq)
+        return seq
 
-    async def forget_session(self, user_id: str, session_id: str) -> None:
+    async def forget_session(self, user_id: str, session_id: str) -> int:
         """Forget a session through the log (a tombstone; subjects are per user, so its
-        entries leave the stream with its age limit, not by a purge)."""
+        entries leave the stream with its age limit, not by a purge). Returns the
+        tombstone's log sequence, as :meth:`forget_user`."""
         v.check_id("user_id", user_id, self._config.max_id_chars)
         v.check_id("session_id", session_id, self._config.max_id_chars)
-        await self._log.publish(subject_of(user_id, self._partitions),
-                                encode_entry(LogForget(user_id, session_id)), new_turn_id())
+        seq, _ = await self._log.publish(subject_of(user_id, self._partitions),
+                                         encode_entry(LogForget(user_id, session_id)),
+                                         new_turn_id())
+        return seq
 
     async def _logged(self, method: str, user_id: str, args: dict[str, Any]) -> Any:
         """Publish a :class:`LogCall` and return what the owner's engine returned applying it.

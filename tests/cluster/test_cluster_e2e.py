@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import trio
 
-from engine.cluster._partition import partition_of
+from engine.cluster._partition import partition_of, subject_of
 
 from .conftest import NodeProcess, all_held, retrying, start_all, wait_for
 
@@ -151,6 +151,34 @@ async def test_a_restart_within_the_ttl_keeps_the_partitions_and_resumes(
         turns = await history(client, node, "ana", acked[-1]["log_seq"])
         assert [t["turn_id"] for t in turns] == [a["turn_id"] for a in acked]
         assert (await node.read_figures())["watermarks"][str(p)] >= before["watermarks"][str(p)]
+
+        # Forgetting the user: a tombstone in the log, whose log_seq a read can wait for;
+        # the user's earlier entries are purged from the stream, the tombstone stays.
+        subject = subject_of("ana", cluster_config.partitions)
+        assert await trio.to_thread.run_sync(entries_of, node.urls, cluster_config.stream,
+                                             subject) == len(acked)
+        gone = await retrying(client, "DELETE", f"{node.url}/v1/users/ana")
+        assert gone.status_code == 200 and gone.json()["forgotten"] == "ana", gone.text
+        assert await history(client, node, "ana", gone.json()["log_seq"]) == []
+        assert await trio.to_thread.run_sync(entries_of, node.urls, cluster_config.stream,
+                                             subject) == 1
+
+
+def entries_of(urls: list[str], stream: str, subject: str) -> int:
+    """The entries the stream holds under ``subject`` (a user's), asked of the servers."""
+    import asyncio
+
+    import nats
+
+    async def count() -> int:
+        nc = await nats.connect(servers=urls, connect_timeout=5)
+        try:
+            info = await nc.jetstream().stream_info(stream, subjects_filter=subject)
+            return (info.state.subjects or {}).get(subject, 0)
+        finally:
+            await nc.close()
+
+    return asyncio.run(count())
 
 
 def test_cluster_status_lists_owner_watermark_and_lag(nodes: list[NodeProcess],
