@@ -18,8 +18,8 @@ from engine.__main__ import main
 def die_after(method: str) -> None:
     real = _logbatch.PartitionLog._apply_call
 
-    async def apply_call(self: _logbatch.PartitionLog, entry: _logbatch.LogCall):
-        result = await real(self, entry)
+    async def apply_call(self: _logbatch.PartitionLog, entry: _logbatch.LogCall, place: str):
+        result = await real(self, entry, place)
         if entry.method == method:
             os.kill(os.getpid(), signal.SIGKILL)
         return result
