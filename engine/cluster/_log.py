@@ -18,8 +18,9 @@ import functools
 import io
 import logging
 import math
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -137,6 +138,8 @@ TRANSIENT = (*_RETRY, nats.js.errors.APIError, nats.errors.Error)
 PUBLISH_TIMEOUT = 2.0  # seconds one attempt waits for its PubAck
 PARTITIONS_KEY = "engram.partitions"  # the stream's metadata: the count it was made with
 CLOSE_SECONDS = 6.0  # a failed connect's close: its drain's own bound (5 s), and a margin
+FETCH_BATCH = 256  # entries a scan of a subject reads at a time
+SCAN_TIMEOUT = 1.0  # seconds a scan waits for more of a subject (its end came before)
 WATCH_IDLE_SECONDS = 10.0  # the server deletes a stopped watch's consumer after this (not 5 min)
 RETRY_PAUSE = (0.05, 0.1, 0.2, 0.4, 0.5)  # seconds between attempts, the last one repeated
 LOST_PULL_SECONDS = 2.0  # a pull request this long past its expiry without an answer is lost
@@ -529,6 +532,32 @@ class _Client:
     async def purge(self, subject: str, before: int | None) -> None:
         await self.js.purge_stream(self.config.stream, subject=subject, seq=before)
 
+    async def delete_where(self, subject: str, before: int, match: Callable[[bytes], bool],
+                           name: str) -> int:
+        """Delete the entries under ``subject`` below stream sequence ``before`` whose bytes
+        ``match`` selects, read through a consumer of that subject alone; returns how many.
+        One by one: a subject is a user's, and what goes (a session's) is among the rest."""
+        config = api.ConsumerConfig(
+            name=name, deliver_policy=api.DeliverPolicy.ALL, ack_policy=api.AckPolicy.NONE,
+            filter_subject=subject, mem_storage=True, num_replicas=1, inactive_threshold=30.0)
+        await self.js.add_consumer(self.config.stream, config=config)
+        pull = Pull(self.nc, self.js, self.config.stream, name)
+        doomed: list[int] = []
+        try:
+            await pull.open()
+            while got := await pull.fetch(FETCH_BATCH, SCAN_TIMEOUT):
+                doomed += [d.stream_seq for d in got if d.stream_seq < before and match(d.data)]
+                if got[-1].stream_seq >= before - 1:
+                    break
+        finally:
+            await self.drop(pull)
+        for seq in doomed:
+            try:
+                await self.js.delete_msg(self.config.stream, seq)
+            except nats.js.errors.NotFoundError:
+                pass  # purged or aged out meanwhile
+        return len(doomed)
+
     async def close(self) -> None:
         if self.nc is not None and not self.nc.is_closed:
             try:
@@ -711,6 +740,13 @@ class Log:
     async def purge(self, subject: str, before: int | None = None) -> None:
         """Remove a subject's entries from the stream (those below ``before`` if given)."""
         await self.thread.run(self._client.purge, subject, before)
+
+    async def delete_where(self, subject: str, before: int,
+                           match: Callable[[bytes], bool]) -> int:
+        """Remove the entries of ``subject`` below ``before`` that ``match`` selects (a
+        predicate over an entry's bytes, run on the log's thread); returns how many."""
+        return await self.thread.run(self._client.delete_where, subject, before, match,
+                                     f"scan-{os.urandom(6).hex()}")
 
     async def kv_snapshot(self) -> dict[str, tuple[bytes, int]]:
         """Every live key of the lease bucket: key -> (value, revision)."""

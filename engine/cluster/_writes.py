@@ -10,6 +10,7 @@ import inspect
 import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime, timezone
+from functools import partial
 from typing import Any
 
 from actors.base import validate as v
@@ -24,6 +25,7 @@ from .._logbatch import (
     LogForget,
     LogForgetScope,
     LogTurn,
+    decode_entry,
     encode_entry,
 )
 from .._tools import call_tool
@@ -35,6 +37,7 @@ from ._partition import partition_of, subject_of
 __all__ = ["ClusterEngine", "ClusterReceipt", "NotInCluster"]
 
 CALL_WAIT = 10.0  # seconds the owner waits to apply its own logged call before answering
+SESSION_CALLS = ("write_session_summary", "close_session")  # calls that name one session
 _IMPORT_REFUSED = ("{method} writes this node's store without log entries; in a cluster "
                    "send the history through add_turns (each turn becomes an entry), or "
                    "import into a single-node engine")
@@ -198,14 +201,16 @@ class ClusterEngine:
         return seq
 
     async def forget_session(self, user_id: str, session_id: str) -> int:
-        """Forget a session through the log (a tombstone; subjects are per user, so its
-        entries leave the stream with its age limit, not by a purge). Returns the
-        tombstone's log sequence, as :meth:`forget_user`."""
+        """Forget a session through the log: a tombstone, then the session's earlier entries
+        (its turns, summaries and closing) are deleted from the stream one by one (a subject
+        holds the whole user's). Returns the tombstone's log sequence, as
+        :meth:`forget_user`."""
         v.check_id("user_id", user_id, self._config.max_id_chars)
         v.check_id("session_id", session_id, self._config.max_id_chars)
-        seq, _ = await self._log.publish(subject_of(user_id, self._partitions),
-                                         encode_entry(LogForget(user_id, session_id)),
+        subject = subject_of(user_id, self._partitions)
+        seq, _ = await self._log.publish(subject, encode_entry(LogForget(user_id, session_id)),
                                          new_turn_id())
+        await self._log.delete_where(subject, seq, partial(_of_session, session_id))
         return seq
 
     async def _logged(self, method: str, user_id: str, args: dict[str, Any]) -> Any:
@@ -288,6 +293,19 @@ class ClusterEngine:
             if value is not None:
                 v.check_id(field, value, self._config.max_id_chars)
         return await self._applied("forget_scope", LogForgetScope(user_id, agent_id, run_id))
+
+
+def _of_session(session_id: str, data: bytes) -> bool:
+    """Whether a log entry belongs to the session: a turn of it, or a call naming it
+    (its summary, its closing). Tombstones stay, as an undecodable entry does."""
+    try:
+        entry = decode_entry(data)
+    except InvalidInput:
+        return False
+    if type(entry) is LogTurn:
+        return entry.session_id == session_id
+    return (type(entry) is LogCall and entry.method in SESSION_CALLS
+            and entry.args.get("session_id") == session_id)
 
 
 def _logged_method(name: str) -> Callable[..., Awaitable[Any]]:

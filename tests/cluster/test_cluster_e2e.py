@@ -152,11 +152,26 @@ async def test_a_restart_within_the_ttl_keeps_the_partitions_and_resumes(
         assert [t["turn_id"] for t in turns] == [a["turn_id"] for a in acked]
         assert (await node.read_figures())["watermarks"][str(p)] >= before["watermarks"][str(p)]
 
+        # Forgetting a session: a tombstone, and the session's entries deleted from the
+        # stream (the user's others stay); a read with its log_seq finds the session gone.
+        subject = subject_of("ana", cluster_config.partitions)
+        for i in range(2):
+            answer = await retrying(client, "POST", f"{node.url}/v1/users/ana/sessions/s2/turns",
+                                    json={"role": "user", "text": f"in s2 {i}", "durable": True})
+            assert answer.status_code == 201, answer.text
+        assert await trio.to_thread.run_sync(entries_of, node.urls, cluster_config.stream,
+                                             subject) == len(acked) + 2
+        gone = await retrying(client, "DELETE", f"{node.url}/v1/users/ana/sessions/s2")
+        assert gone.status_code == 200 and gone.json()["forgotten"] == "s2", gone.text
+        left = await retrying(client, "GET", f"{node.url}/v1/users/ana/sessions/s2/turns",
+                              params={"min_seq": gone.json()["log_seq"]})
+        assert left.json() == []
+        assert len(await history(client, node, "ana", gone.json()["log_seq"])) == len(acked)
+        assert await trio.to_thread.run_sync(entries_of, node.urls, cluster_config.stream,
+                                             subject) == len(acked) + 1  # and the tombstone
+
         # Forgetting the user: a tombstone in the log, whose log_seq a read can wait for;
         # the user's earlier entries are purged from the stream, the tombstone stays.
-        subject = subject_of("ana", cluster_config.partitions)
-        assert await trio.to_thread.run_sync(entries_of, node.urls, cluster_config.stream,
-                                             subject) == len(acked)
         gone = await retrying(client, "DELETE", f"{node.url}/v1/users/ana")
         assert gone.status_code == 200 and gone.json()["forgotten"] == "ana", gone.text
         assert await history(client, node, "ana", gone.json()["log_seq"]) == []
