@@ -95,6 +95,7 @@ class NodeStats(msgspec.Struct, frozen=True, kw_only=True):
             named no holder it could forward to (a move since the last tick, or this node
             unconfirmed), and requests it sent on to the holder the bucket named after the
             first one had handed the partition on.
+        redirected: inspector pages about a user sent (307) to the owner of the user.
     """
 
     node: str
@@ -110,6 +111,7 @@ class NodeStats(msgspec.Struct, frozen=True, kw_only=True):
     unavailable: int = 0
     looked_up: int = 0
     reforwarded: int = 0
+    redirected: int = 0
 
 
 class _Collector:
@@ -167,7 +169,8 @@ class _Collector:
                           ("forwarded", "requests forwarded to a partition's owner"),
                           ("unavailable", "requests answered 503 (no owner, not caught up)"),
                           ("looked_up", "leases read from the bucket: no holder in the view"),
-                          ("reforwarded", "requests sent on to a partition's new holder")):
+                          ("reforwarded", "requests sent on to a partition's new holder"),
+                          ("redirected", "inspector pages sent to their user's owner")):
             yield CounterMetricFamily(f"engram_cluster_{name}", doc, value=getattr(stats, name))
 
 

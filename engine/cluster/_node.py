@@ -343,7 +343,8 @@ class Node:
                          forwarded=routed.get("forwarded", 0),
                          unavailable=routed.get("unavailable", 0),
                          looked_up=routed.get("looked_up", 0),
-                         reforwarded=routed.get("reforwarded", 0))
+                         reforwarded=routed.get("reforwarded", 0),
+                         redirected=routed.get("redirected", 0))
 
     def figures(self) -> dict[str, Any]:
         return {"node": self.node_id, "incarnation": self.incarnation,

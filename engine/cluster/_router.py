@@ -30,6 +30,7 @@ _ID = IdConvertor()  # a path segment of routed_path back to the id it stands fo
 # Routes whose user is in the JSON body (an agent tool's arguments name it too).
 _BODY_USER = ("/v1/retrieve_memory", "/v1/retrieve_memory/raw", "/v1/context_pre_retrieve")
 _TOOLS = "/v1/tools/"
+_UI_USERS = "/ui/users/"  # the inspector's pages about one user
 
 
 class Router:
@@ -49,10 +50,14 @@ class Router:
         # looked_up: leases read from the bucket because the view named no holder to forward
         # to (or the one it named had handed the partition on); reforwarded: requests sent
         # on to the holder the bucket named then.
+        # redirected: inspector pages sent to the owner of their user.
         self.counts = {"forwarded": 0, "waited": 0, "unavailable": 0, "looked_up": 0,
-                       "reforwarded": 0}
+                       "reforwarded": 0, "redirected": 0}
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(_UI_USERS):
+            await self._inspector(scope, receive, send)
+            return
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             if scope["type"] == "http" and scope["path"] == "/cluster/node":
                 # No user data: partitions, watermarks and counters (engram cluster status).
@@ -140,6 +145,35 @@ class Router:
                 answer = await self._forward(scope, fresh_url, body, send)
         if answer is not None:
             await _relay(answer, send)
+
+    async def _inspector(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """A page of the inspector about one user: here if this node holds the user's
+        partition, else a 307 to the same page on the owner (the current copy; its login and
+        CSRF checks are the owner's own, which a forwarded form would fail)."""
+        user = _ID.convert(routed_path(scope)[len(_UI_USERS):].split("/", 1)[0])
+        p = partition_of(user, self.node.config.partitions) if user else None
+        if p is None or self.node.owns(p):
+            await self.app(scope, receive, send)
+            return
+        owner = self.node.leases.owner(p)
+        url = None if owner is None else self.node.leases.url_of(owner.node)
+        if url is None or owner.node == self.node.node_id:
+            self.counts["looked_up"] += 1
+            owner, url = await self.node.leases.lookup(p)
+        if owner is None or url is None or owner.node == self.node.node_id:
+            self.counts["unavailable"] += 1
+            await _respond(send, 503, {"error": "NoOwner", "message": f"partition {p} has no "
+                                       "owner this node can name now; retry"}, retry=True)
+            return
+        target = url.rstrip("/") + (scope.get("raw_path") or scope["path"].encode()).decode(
+            "latin-1")
+        if scope.get("query_string"):
+            target += "?" + scope["query_string"].decode("latin-1")
+        self.counts["redirected"] += 1
+        await send({"type": "http.response.start", "status": 307,
+                    "headers": [(b"location", target.encode("latin-1")),
+                                (b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
 
     async def _metrics(self, scope: dict, receive: Callable, send: Callable) -> None:
         """The app's ``/metrics`` with the node's cluster families after them."""

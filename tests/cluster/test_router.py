@@ -191,3 +191,36 @@ async def test_a_read_waits_for_its_min_seq_then_answers_503_with_retry_after(
     assert served == ["min_seq=5", ""]  # the stale read never reached the engine
     assert node.asked == [(5, cluster_config.read_wait), (6, cluster_config.read_wait)]
     assert router.counts["waited"] == 2 and router.counts["unavailable"] == 1
+
+
+async def test_the_inspector_of_a_user_is_sent_to_the_owner(routed) -> None:
+    """A page of the inspector about a user of a partition this node does not hold is a
+    307 to the same page on the owner (its copy is the current one; the login and its CSRF
+    checks are the owner's own), query kept; pages about no user stay here."""
+    router, log, owners, p = routed
+    await put(log, LEASE_PREFIX + str(p), LeaseValue("c", "c-1"))
+    here: list[str] = []
+
+    async def app(scope: dict, receive, send) -> None:
+        here.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"page"})
+
+    router.app = app
+    answers = []
+    for path, query in ((f"/ui/users/{USER}/memory", b"q=cats"), ("/ui/", b""),
+                        ("/ui/login", b"")):
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        await router({"type": "http", "method": "GET", "path": path,
+                      "raw_path": path.encode(), "query_string": query,
+                      "headers": [(b"host", b"a.test")]}, receive, send)
+        answers.append((sent[0]["status"], dict(sent[0]["headers"]).get(b"location")))
+    assert answers[0] == (307, f"http://c.test/ui/users/{USER}/memory?q=cats".encode())
+    assert answers[1:] == [(200, None), (200, None)] and here == ["/ui/", "/ui/login"]
