@@ -3,6 +3,8 @@ documents them), the JSON, Markdown and error responses, and the examples its Op
 """
 
 # No `from __future__ import annotations`: FastAPI reads these models' annotations at run time.
+import types
+import typing
 from datetime import datetime
 from typing import Any, Literal
 
@@ -10,6 +12,8 @@ import msgspec
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
+
+from ._hits import Hit
 
 # -- request bodies -----------------------------------------------------------------------------
 
@@ -258,3 +262,88 @@ HIT_EXAMPLE = {"id": "t_4f0c2a9e1b7d3c5a8e21", "kind": "turn",
                "text": "I'm moving to Lisbon in January", "score": 0.0328, "session_id": "s1",
                "at": "2026-03-01T09:00:00Z", "turn_ids": ["t_4f0c2a9e1b7d3c5a8e21"],
                "role": "user", "via": ["vector", "bm25"]}
+
+
+# -- the answers' schemas, for the OpenAPI document --------------------------------------------
+
+
+class TurnAnswer(msgspec.Struct, kw_only=True):
+    """``POST .../turns``: the new turn's id and place; ``log_seq`` on a cluster node."""
+
+    turn_id: str
+    seq: int | None
+    durable: bool
+    log_seq: int | None = None
+
+
+class BatchItem(msgspec.Struct, kw_only=True):
+    turn_id: str
+    seq: int | None
+    log_seq: int | None = None
+
+
+class BatchAnswer(msgspec.Struct, kw_only=True):
+    """``POST /v1/users/{u}/turns``: each turn's id and place, in order."""
+
+    turns: list[BatchItem]
+    durable: bool
+
+
+class RecallAnswer(msgspec.Struct, kw_only=True):
+    """``POST /v1/users/{u}/recall``: the hits, best first, and the legs whose index lagged."""
+
+    hits: list[Hit]
+    degraded: list[str]
+
+
+class Forgotten(msgspec.Struct, kw_only=True):
+    """A forget's answer; on a cluster node with its tombstone's ``log_seq``."""
+
+    forgotten: str
+    log_seq: int | None = None
+
+
+class Deleted(msgspec.Struct, kw_only=True):
+    deleted: str
+
+
+class Consolidated(msgspec.Struct, kw_only=True):
+    consolidated: bool
+
+
+_WIRE: dict[type, type] = {}
+
+
+def wire_type(tp: Any) -> Any:
+    """``tp`` as its values are sent (see :func:`plain`): a Struct encoded field by field
+    (a stored record: array_like) becomes an object type of the same fields and name, inside
+    lists, unions and dicts too; a tuple of items is a list."""
+    origin = typing.get_origin(tp)
+    if origin is not None:
+        args = typing.get_args(tp)
+        if origin in (typing.Union, types.UnionType):
+            return typing.Union[tuple(wire_type(a) for a in args)]  # noqa: UP007
+        if origin in (Literal, typing.Annotated):
+            return tp
+        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+            return list[wire_type(args[0])]  # type: ignore[misc]
+        mapped = tuple(wire_type(a) for a in args)
+        return origin[mapped] if len(mapped) > 1 else origin[mapped[0]]
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct) and not _objects_all_the_way(tp):
+        mirror = _WIRE.get(tp)
+        if mirror is None:
+            mirror = _WIRE[tp] = msgspec.defstruct(
+                tp.__name__, [(f.name, wire_type(f.type)) for f in msgspec.structs.fields(tp)],
+                kw_only=True)
+        return mirror
+    return tp
+
+
+def response_schemas(answers: dict[tuple[str, str], tuple[tuple[int, ...], Any]]
+                     ) -> tuple[dict[tuple[str, str], dict[str, Any]], dict[str, Any]]:
+    """Each operation's answer schema, and the components they refer to: ``answers`` maps
+    (method, path) to (statuses, type)."""
+    keys = list(answers)
+    found, components = msgspec.json.schema_components(
+        [wire_type(answers[k][1]) for k in keys], ref_template="#/components/schemas/{name}")
+    return dict(zip(keys, found, strict=True)), components

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from actors.base.errors import EngineError, InvalidInput
+from actors.base.records import Episode, Fact, Link, Note, ReviewState, SessionInfo, Turn
 
 from ._engine import Engine
 from ._http_edge import ApiKeys, Caller, Edge, Metrics, load_api_keys
@@ -44,24 +45,35 @@ from ._http_wire import (
     ERROR_RESPONSES,
     HIT_EXAMPLE,
     TURN_EXAMPLE,
+    BatchAnswer,
     BatchIn,
+    Consolidated,
+    Deleted,
     FactCorrection,
     FactIn,
+    Forgotten,
     LinkIn,
     NoteIn,
     NoteUpdate,
     PreRetrieveIn,
+    RecallAnswer,
     RecallIn,
     RetrieveIn,
     ReviewIn,
     SnapshotIn,
+    TurnAnswer,
     TurnIn,
     error_response,
     example,
     json_response,
     markdown_response,
     not_found,
+    response_schemas,
 )
+from ._hits import RetrieveResult
+from ._memory import EntityInfo
+from ._snapshot import Manifest
+from ._stats import Stats
 from ._tools import TOOLS
 from .ui import create_ui
 
@@ -475,7 +487,21 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             spec = generate_openapi()
-            spec.setdefault("components", {}).setdefault("schemas", {}).update(LEAN_SCHEMAS)
+            schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+            schemas.update(LEAN_SCHEMAS)
+            found, components = response_schemas(ANSWERS)
+            clash = set(components) & set(schemas)
+            if clash:
+                raise AssertionError(f"answer schemas named like request bodies: {clash}")
+            schemas.update(components)
+            for (method, path), schema in found.items():
+                responses = spec["paths"][path][method]["responses"]
+                for status in ANSWERS[method, path][0]:
+                    answer = responses.setdefault(str(status), {"description": "Success"})
+                    answer.setdefault("content", {}).setdefault(
+                        "application/json", {})["schema"] = schema
+                    if str(status) != "200" and "200" in responses and status in (201, 202):
+                        responses.pop("200")  # FastAPI's default, for a route that never says it
         return app.openapi_schema
 
     app.openapi = openapi
@@ -483,6 +509,46 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
 
 
 BodyModel = TypeVar("BodyModel", bound=BaseModel)
+
+_U, _S = "/v1/users/{user_id}", "/v1/users/{user_id}/sessions/{session_id}"
+_NOTE, _FACT = _U + "/notes/{note_id}", _U + "/facts/{category}/{key}"
+# Each JSON route's success answers, (method, path) -> (statuses, type), for the OpenAPI: the
+# engine's records as they cross the wire (see _http_wire.wire_type); checked against real
+# answers by the tests.
+ANSWERS: dict[tuple[str, str], tuple[tuple[int, ...], Any]] = {
+    ("post", _S + "/turns"): ((201, 202), TurnAnswer),
+    ("get", _S + "/turns"): ((200,), list[Turn]),
+    ("post", _U + "/turns"): ((201, 202), BatchAnswer),
+    ("get", _U + "/turns/{turn_id}"): ((200,), Turn),
+    ("get", _U + "/sessions"): ((200,), list[SessionInfo]),
+    ("post", _S + "/close"): ((200,), Consolidated),
+    ("delete", _S): ((200,), Forgotten),
+    ("delete", _U + "/scopes"): ((200,), dict[str, int]),
+    ("delete", _U): ((200,), Forgotten),
+    ("post", _U + "/recall"): ((200,), RecallAnswer),
+    ("post", "/v1/retrieve_memory/raw"): ((200,), RetrieveResult),
+    ("post", _U + "/notes"): ((201,), Note),
+    ("get", _U + "/notes"): ((200,), list[Note]),
+    ("get", _NOTE): ((200,), Note),
+    ("put", _NOTE): ((200,), Note),
+    ("delete", _NOTE): ((200,), Deleted),
+    ("get", _U + "/facts"): ((200,), list[Fact]),
+    ("post", _U + "/facts"): ((201,), Fact),
+    ("put", _FACT): ((200,), Fact),
+    ("post", _FACT + "/confirm"): ((200,), Fact),
+    ("delete", _FACT): ((200,), Forgotten),
+    ("get", _FACT + "/history"): ((200,), list[Fact]),
+    ("get", _U + "/episodes"): ((200,), list[Episode]),
+    ("get", _U + "/entities/{name}"): ((200,), EntityInfo),
+    ("post", _U + "/links"): ((201,), Link),
+    ("get", _U + "/memories/{memory_id}/links"): ((200,), list[Link]),
+    ("post", _U + "/memories/{memory_id}/review"): ((200,), ReviewState),
+    ("get", _U + "/stats"): ((200,), dict[str, Any]),
+    ("get", "/v1/tools"): ((200,), list[dict[str, Any]]),
+    ("post", "/v1/tools/{name}"): ((200,), dict[str, Any]),
+    ("get", "/v1/stats"): ((200,), Stats),
+    ("post", "/v1/snapshot"): ((200,), Manifest),
+}
 
 
 # The body schemas of the routes that read their own bodies, for the OpenAPI's components.

@@ -546,3 +546,89 @@ async def test_ids_holding_slashes_and_percents_are_one_encoded_path_segment(
         assert (await alice.get(f"{base}/sessions")).status_code == 200
         assert (await alice.get("/v1/users/team/sessions")).status_code == 403
         assert (await alice.get(f"/v1/users/{seg('team/alice/x')}/sessions")).status_code == 403
+
+
+async def test_every_json_answer_matches_the_schema_the_openapi_document_declares(
+        engine, tmp_path) -> None:
+    """Each /v1 route that answers JSON declares its success body's schema (the engine's
+    records, by field name as they are sent), and real answers validate against it."""
+    import jsonschema
+
+    async with client(create_app(engine)) as http:
+        spec = (await http.get("/openapi.json")).json()
+        markdown = {("/v1/retrieve_memory", "post"), ("/v1/context_pre_retrieve", "post")}
+        for path, operations in spec["paths"].items():
+            for method, operation in operations.items():
+                if not path.startswith("/v1/") or (path, method) in markdown:
+                    continue
+                ok = [s for s in operation["responses"] if s.startswith("2")]
+                assert ok, (method, path)
+                for status in ok:
+                    declared = operation["responses"][status]["content"]["application/json"]
+                    assert declared.get("schema"), (method, path, status)
+
+        def check(method: str, template: str, answer: httpx.Response) -> Any:
+            assert answer.status_code < 300, (template, answer.text)
+            declared = spec["paths"][template][method]["responses"][str(answer.status_code)]
+            schema = declared["content"]["application/json"]["schema"]
+            jsonschema.validate(answer.json(), {**schema, "components": spec["components"]})
+            return answer.json()
+
+        turns = "/v1/users/{user_id}/sessions/{session_id}/turns"
+        a = check("post", turns, await http.post("/v1/users/ana/sessions/s1/turns", json={
+            "role": "user", "text": "Pixel is my dog", "durable": True}))["turn_id"]
+        check("post", turns, await http.post("/v1/users/ana/sessions/s1/turns", json={
+            "role": "assistant", "text": "We walk in Monsanto", "meta": {"mood": "calm"}}))
+        check("post", "/v1/users/{user_id}/turns", await http.post(
+            "/v1/users/ana/turns", json={"turns": [{"session_id": "s2", "role": "user",
+                                                    "text": "I live in Lisbon"}]}))
+        await engine.flush()
+        b = check("get", turns, await http.get("/v1/users/ana/sessions/s1/turns"))[1]["turn_id"]
+        check("get", "/v1/users/{user_id}/turns/{turn_id}", await http.get(
+            f"/v1/users/ana/turns/{a}"))
+        check("get", "/v1/users/{user_id}/sessions", await http.get("/v1/users/ana/sessions"))
+        check("post", "/v1/users/{user_id}/recall", await http.post(
+            "/v1/users/ana/recall", json={"query": "dog", "limit": 3}))
+        check("post", "/v1/retrieve_memory/raw", await http.post(
+            "/v1/retrieve_memory/raw", json={"user_id": "ana", "query": "where do I live"}))
+        note = check("post", "/v1/users/{user_id}/notes", await http.post(
+            "/v1/users/ana/notes", json={"text": "likes jazz", "tags": ["music"]}))
+        one = "/v1/users/{user_id}/notes/{note_id}"
+        check("get", one, await http.get(f"/v1/users/ana/notes/{note['note_id']}"))
+        check("put", one, await http.put(f"/v1/users/ana/notes/{note['note_id']}",
+                                         json={"text": "likes bebop"}))
+        check("get", "/v1/users/{user_id}/notes", await http.get("/v1/users/ana/notes"))
+        check("delete", one, await http.delete(f"/v1/users/ana/notes/{note['note_id']}"))
+        facts = "/v1/users/{user_id}/facts"
+        check("post", facts, await http.post("/v1/users/ana/facts", json={
+            "category": "pets", "key": "dog", "value": "Pixel"}))
+        key = "/v1/users/{user_id}/facts/{category}/{key}"
+        check("put", key, await http.put("/v1/users/ana/facts/pets/dog", json={"value": "Rex"}))
+        check("post", key + "/confirm", await http.post("/v1/users/ana/facts/pets/dog/confirm"))
+        check("get", facts, await http.get("/v1/users/ana/facts"))
+        check("get", key + "/history", await http.get("/v1/users/ana/facts/pets/dog/history"))
+        check("delete", key, await http.delete("/v1/users/ana/facts/pets/dog"))
+        check("post", "/v1/users/{user_id}/links", await http.post(
+            "/v1/users/ana/links", json={"from_id": a, "to_id": b}))
+        check("get", "/v1/users/{user_id}/memories/{memory_id}/links", await http.get(
+            f"/v1/users/ana/memories/{a}/links"))
+        check("post", "/v1/users/{user_id}/memories/{memory_id}/review", await http.post(
+            f"/v1/users/ana/memories/{a}/review", json={"rating": "good"}))
+        check("post", "/v1/users/{user_id}/sessions/{session_id}/close", await http.post(
+            "/v1/users/ana/sessions/s1/close"))
+        await engine.flush()
+        check("get", "/v1/users/{user_id}/episodes", await http.get("/v1/users/ana/episodes"))
+        check("get", "/v1/users/{user_id}/entities/{name}", await http.get(
+            "/v1/users/ana/entities/pixel"))
+        check("get", "/v1/users/{user_id}/stats", await http.get("/v1/users/ana/stats"))
+        check("get", "/v1/tools", await http.get("/v1/tools"))
+        check("post", "/v1/tools/{name}", await http.post(
+            "/v1/tools/search_memory", json={"user_id": "ana", "query": "dog"}))
+        check("get", "/v1/stats", await http.get("/v1/stats"))
+        check("post", "/v1/snapshot", await http.post("/v1/snapshot", json={
+            "dest": str(tmp_path / "snap")}))
+        check("delete", "/v1/users/{user_id}/scopes", await http.delete(
+            "/v1/users/ana/scopes", params={"agent_id": "bot"}))
+        check("delete", "/v1/users/{user_id}/sessions/{session_id}", await http.delete(
+            "/v1/users/ana/sessions/s2"))
+        check("delete", "/v1/users/{user_id}", await http.delete("/v1/users/ana"))
