@@ -8,6 +8,7 @@ manages the log.
 
 from .._logbatch import LogForget, LogForgetScope, LogTurn, decode_entry, encode_entry
 from ._bootstrap import PartitionSnapshot
+from ._client import ClusterClient
 from ._figures import NodeStats, PartitionStats
 from ._leases import Leases, plan
 from ._local import LocalNats, free_port
@@ -17,11 +18,12 @@ from ._node import Node
 from ._partition import DEFAULT_PARTITIONS, partition_of, subject_of
 from ._router import Router
 from ._serve import serve_node
-from ._writes import ClusterEngine, ClusterReceipt, NotInCluster
+from ._writes import ClusterEngine, ClusterReceipt, LogWriter, NotInCluster
 
 __all__ = [
     "DEFAULT_PARTITIONS",
     "AsyncioThread",
+    "ClusterClient",
     "ClusterConfig",
     "ClusterEngine",
     "ClusterReceipt",
@@ -32,6 +34,7 @@ __all__ = [
     "LogForgetScope",
     "LogTurn",
     "LogUnavailable",
+    "LogWriter",
     "Node",
     "NodeStats",
     "NotInCluster",

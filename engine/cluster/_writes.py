@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any
 
 from actors.base import validate as v
+from actors.base.config import Config
 from actors.base.records import NewTurn
 from actors.session_buffer import new_turn_id
 
@@ -34,7 +35,7 @@ from ._log import Log, LogUnavailable, Pending
 from ._node import Node
 from ._partition import partition_of, subject_of
 
-__all__ = ["ClusterEngine", "ClusterReceipt", "NotInCluster"]
+__all__ = ["ClusterEngine", "ClusterReceipt", "LogWriter", "NotInCluster"]
 
 CALL_WAIT = 10.0  # seconds the owner waits to apply its own logged call before answering
 SESSION_CALLS = ("write_session_summary", "close_session")  # calls that name one session
@@ -80,50 +81,21 @@ class ClusterReceipt:
         return f"ClusterReceipt(turn_id={self.turn_id!r}, log_seq={self.log_seq})"
 
 
-class ClusterEngine:
-    """The engine a cluster node's HTTP app drives: writes become log entries, reads go to
-    the local engine (the :class:`Router` sends a user's reads only to the owner).
+class LogWriter:
+    """Writes as log entries: turns, batches and forgets published to the user's partition.
+    What a node's engine and a bot's thin client (:class:`~engine.cluster.ClusterClient`)
+    share.
 
     Args:
-        engine: the node's open engine.
         log: the cluster's log.
-        node: the node that applies this engine's partitions (calls other than turns and
-            forgets wait for it); None for a writer that only publishes turns.
+        config: the limits a write is checked against before it is published (the nodes'
+            own: an entry they refuse is counted invalid there, not reported here).
     """
 
-    def __init__(self, engine: Engine, log: Log, node: Node | None = None) -> None:
-        self._engine = engine
+    def __init__(self, log: Log, config: Config) -> None:
         self._log = log
-        self._node = node
-        self._config = engine.config
+        self._config = config
         self._partitions = log.config.partitions
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    def add_turn_nowait(self, *args: Any, **kwargs: Any) -> Any:
-        """Refused: it would write this node's store alone, without a log entry.
-
-        Raises:
-            NotInCluster: always; ``add_turn`` (``durable=False``) returns as soon as the
-                turn is handed to the log.
-        """
-        raise NotInCluster("add_turn_nowait writes this node's store without a log entry; "
-                           "in a cluster use add_turn (durable=False returns at once, its "
-                           "receipt's durable() waits for the log)")
-
-    async def import_user(self, *args: Any, **kwargs: Any) -> Any:
-        """Refused, as :meth:`import_users`."""
-        raise NotInCluster(_IMPORT_REFUSED.format(method="import_user"))
-
-    async def import_users(self, *args: Any, **kwargs: Any) -> Any:
-        """Refused: an import writes this node's store alone; the partition's next owner,
-        replaying the log, would not have what it wrote.
-
-        Raises:
-            NotInCluster: always (see the message for what to do instead).
-        """
-        raise NotInCluster(_IMPORT_REFUSED.format(method="import_users"))
 
     def _turn(self, field: str, user_id: Any, session_id: Any, role: Any, text: Any, at: Any,
               meta: Any, agent_id: Any = None, run_id: Any = None) -> LogTurn:
@@ -212,6 +184,51 @@ class ClusterEngine:
                                          new_turn_id())
         await self._log.delete_where(subject, seq, partial(_of_session, session_id))
         return seq
+
+
+
+class ClusterEngine(LogWriter):
+    """The engine a cluster node's HTTP app drives: writes become log entries, reads go to
+    the local engine (the :class:`Router` sends a user's reads only to the owner).
+
+    Args:
+        engine: the node's open engine.
+        log: the cluster's log.
+        node: the node that applies this engine's partitions (calls other than turns and
+            forgets wait for it); None for a writer that only publishes turns.
+    """
+
+    def __init__(self, engine: Engine, log: Log, node: Node | None = None) -> None:
+        super().__init__(log, engine.config)
+        self._engine = engine
+        self._node = node
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def add_turn_nowait(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: it would write this node's store alone, without a log entry.
+
+        Raises:
+            NotInCluster: always; ``add_turn`` (``durable=False``) returns as soon as the
+                turn is handed to the log.
+        """
+        raise NotInCluster("add_turn_nowait writes this node's store without a log entry; "
+                           "in a cluster use add_turn (durable=False returns at once, its "
+                           "receipt's durable() waits for the log)")
+
+    async def import_user(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused, as :meth:`import_users`."""
+        raise NotInCluster(_IMPORT_REFUSED.format(method="import_user"))
+
+    async def import_users(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: an import writes this node's store alone; the partition's next owner,
+        replaying the log, would not have what it wrote.
+
+        Raises:
+            NotInCluster: always (see the message for what to do instead).
+        """
+        raise NotInCluster(_IMPORT_REFUSED.format(method="import_users"))
 
     async def _logged(self, method: str, user_id: str, args: dict[str, Any]) -> Any:
         """Publish a :class:`LogCall` and return what the owner's engine returned applying it.

@@ -179,6 +179,43 @@ async def test_a_restart_within_the_ttl_keeps_the_partitions_and_resumes(
                                              subject) == 1
 
 
+async def test_a_thin_client_writes_to_the_log_and_reads_from_the_owner(
+        nodes: list[NodeProcess], cluster_config: Any) -> None:
+    """ClusterClient: turns published by the client itself (no node on the way), read back
+    from the owner with read-your-writes, by session, recall and retrieve_memory; a refused
+    argument comes back as the engine's error, checked here or by the owner; a forget goes
+    through the log."""
+    from engine import InvalidInput
+    from engine.cluster import ClusterClient
+
+    node = nodes[0]
+    await node.restart()
+    await wait_for(lambda: all_held([node], cluster_config.partitions), 60, "all partitions")
+    async with ClusterClient.connect(node.urls, cluster_config) as fleet:
+        assert await fleet.owner("maya") == node.url
+        first = await fleet.add_turn("maya", "s1", "user", "I moved to Lisbon", durable=True)
+        batch = await fleet.add_turns([
+            {"user_id": "maya", "session_id": "s1", "role": "assistant",
+             "text": "Lisbon is lovely in spring"},
+            {"user_id": "maya", "session_id": "s1", "role": "user",
+             "text": "my kestrel Pip moved with me"}], durable=True)
+        assert first.log_seq < batch[0].log_seq < batch[1].log_seq
+        turns = await fleet.session_history("maya", "s1", min_seq=batch[-1].log_seq)
+        assert [t["turn_id"] for t in turns] == [first.turn_id, *(r.turn_id for r in batch)]
+        hits = await fleet.recall("maya", "kestrel", limit=3, kinds=["turn"],
+                                  min_seq=batch[-1].log_seq)
+        assert hits[0]["id"] == batch[1].turn_id
+        assert "Lisbon" in await fleet.retrieve_memory("maya", "moved to Lisbon",
+                                                       min_seq=batch[-1].log_seq)
+        with pytest.raises(InvalidInput, match="role"):
+            await fleet.add_turn("maya", "s1", "bot", "hi")
+        with pytest.raises(InvalidInput, match="kinds"):
+            await fleet.recall("maya", "kestrel", kinds=["nonsense"])
+        assert await fleet.session_history("nobody-here", "s1") == []
+        gone = await fleet.forget_user("maya")
+        assert await fleet.session_history("maya", "s1", min_seq=gone) == []
+
+
 def entries_of(urls: list[str], stream: str, subject: str) -> int:
     """The entries the stream holds under ``subject`` (a user's), asked of the servers."""
     import asyncio
