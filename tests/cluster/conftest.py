@@ -27,7 +27,7 @@ import httpx
 import pytest
 import trio
 
-from engine.cluster._local import LocalNats, free_port, nats_server_binary
+from engine.cluster._local import LocalNats, free_port, kill_recorded, nats_server_binary
 from engine.cluster._log import ClusterConfig, Log
 
 from ..conftest import open_engine
@@ -81,21 +81,9 @@ def reap_earlier_runs(root: Path, mine: Path) -> list[int]:
             pass  # gone: what it recorded is left over
         except (OSError, ValueError):
             continue  # no owner recorded: not a session of this fixture's
-        for name, marks in (("servers.pid", (b"nats-server",)), (NODES, (b"engine", b"node"))):
-            path = other / name
-            if not path.exists():
-                continue
-            for line in path.read_text().split():
-                pid = int(line)
-                try:
-                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                except OSError:
-                    continue
-                if all(m in cmdline for m in marks) and str(other.parent).encode() in cmdline:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                        killed.append(pid)
-            path.unlink()
+        session = str(other.parent).encode()
+        killed += kill_recorded(other / "servers.pid", b"nats-server", session)
+        killed += kill_recorded(other / NODES, b"engine", b"node", session)
     return killed
 
 
