@@ -67,8 +67,25 @@ def write_results(out: str | Path, results: dict[str, Any], bench: str,
     print(f"drew {draw(path)}")
 
 
+_BARS: dict[str, tuple[Any, Any]] = {}  # label -> (rich Progress, its task) while running
+
+
 def progress(label: str, done: float, total: float) -> None:
-    """A one-line progress bar on stderr; the line ends when done reaches total."""
-    share = min(done / total, 1.0) if total else 1.0
-    print(f"\r  {label:<28} [{'#' * int(share * 30):<30}] {share:6.1%}",
-          end="\n" if share >= 1.0 else "", file=sys.stderr, flush=True)
+    """A progress bar with its ETA on stderr (rich), one per label, ended when ``done``
+    reaches ``total``; on a non-terminal (a log file, CI) only the finished bar is written,
+    one line, instead of a line of carriage returns."""
+    from rich.console import Console
+    from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn,
+                               TimeRemainingColumn)
+
+    bar = _BARS.get(label)
+    if bar is None:
+        shown = Progress(TextColumn(f"  {label:<28}"), BarColumn(), TaskProgressColumn(),
+                         TimeRemainingColumn(), console=Console(stderr=True))
+        shown.start()
+        bar = _BARS[label] = (shown, shown.add_task(label, total=total or 1))
+    shown, task = bar
+    shown.update(task, completed=min(done, total) if total else 1)
+    if not total or done >= total:
+        shown.stop()
+        del _BARS[label]

@@ -62,7 +62,7 @@ import hnswlib
 import locomo
 import numpy as np
 import trio
-from _report import percentiles, write_results
+from _report import percentiles, progress, write_results
 from convgen import CITIES, FOODS, generate
 
 from actors.ann_index import HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH, HNSW_M, HNSW_THRESHOLD
@@ -466,11 +466,11 @@ async def latency(args: argparse.Namespace) -> dict[str, Any]:
             start = time.perf_counter()
             for i, user in enumerate(users):
                 await load_user(mem, user, per, texts, rng, first_at)
-                if i % 100 == 99:
-                    print(f"\r  loading: {(i + 1) * per:,} / {total:,}", end="", flush=True)
+                if i % 100 == 99 or i == len(users) - 1:
+                    progress("loading", (i + 1) * per, total)
             await caught_up(mem)
             row = {"setup_s": time.perf_counter() - start}
-            print(f"\n  loaded and indexed in {row['setup_s']:.0f} s")
+            print(f"  loaded and indexed in {row['setup_s']:.0f} s")
             sample = random.Random(args.seed).sample(users, 150)
             row["cold_users"] = await time_queries(mem, sample, queries[:150])
             row["warm_users"] = await time_queries(mem, sample, queries[150:])

@@ -45,7 +45,7 @@ from typing import Any
 import lmdb
 import numpy as np
 import trio
-from _report import percentiles, write_results
+from _report import percentiles, progress, write_results
 from recall import Mixtures, corpus_pool, load_user
 
 from engine import Engine
@@ -90,8 +90,8 @@ async def build(store: Path, memories: int, texts: list[str], backend: Mixtures,
     async with Engine.open(store, config={"long_term": False}, embedder=backend) as mem:
         for i in range(users):
             await load_user(mem, f"u{i:05d}", memories // users, texts, rng, first_at)
-            if i % 100 == 99:
-                print(f"\r  building: {(i + 1) * (memories // users):,}", end="", flush=True)
+            if i % 100 == 99 or i == users - 1:
+                progress("building", i + 1, users)
         await mem.flush()
     return time.perf_counter() - start
 
@@ -119,7 +119,7 @@ async def one_size(args: argparse.Namespace, memories: int, texts: list[str], po
         else:
             shutil.rmtree(work / "store", ignore_errors=True)
             results["build_s"] = await build(work / "store", memories, texts, backend, rng)
-            print(f"\n  built in {results['build_s']:.0f} s")
+            print(f"  built in {results['build_s']:.0f} s")
             if args.keep is not None:
                 built.write_text(f"{memories}\n")
         if args.build_only:
