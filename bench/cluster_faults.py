@@ -24,10 +24,12 @@ kill (re-acquisitions, partitions that changed owner), and the within-TTL restar
 adopted, partitions that moved). Half the runs are ``leader``, half ``owner``.
 
 Then --pairs read-your-writes pairs against a fresh cluster: a durable write through a random
-node, then the user's session read through another random node with ``?min_seq=`` (retried on
-503 as a client must), against the same read without min_seq right after (the baseline; the
-difference, per pair, is the extra wait), while --ryw-rate turns/s of other users reach the
-log straight from the bench (the appliers' load; 500 by default, as the issue's target says).
+node, then a ``recall`` of a word only that turn holds through another random node with
+``?min_seq=`` (retried on 503 as a client must; found: the turn is among the hits), against
+the same recall without min_seq right after (the baseline; the difference, per pair, is the
+extra wait), while --ryw-rate turns/s of other users reach the log straight from the bench
+(the appliers' load; 500 by default, as the issue's target says). Until 2026-11-28 23:15 UTC
+the read was the user's session history (earlier figures in the README).
 
     python bench/cluster_faults.py --runs 20      # the issue's series: 8 writers, 750/s, 40 s
     python bench/cluster_faults.py --quick        # 2 short runs and 1,000 pairs
@@ -693,16 +695,19 @@ async def _pairs(client: httpx.AsyncClient, nodes: list[NodeProc], pairs: int,
     began = time.monotonic()
     for i in range(pairs):
         user = f"r{rng.randrange(USERS)}"
+        # A word no other turn has, so the recall's answer says whether the turn was there.
+        text = f"pair {i}: the kestrel{i}x nest"
         answer = await _request(client, "POST", f"{rng.choice(nodes).url}/v1/users/{user}/"
-                                "sessions/s/turns", json={"role": "user", "text": f"pair {i}",
+                                "sessions/s/turns", json={"role": "user", "text": text,
                                                           "durable": True})
         receipt = answer.json()
-        reader = rng.choice(nodes).url + f"/v1/users/{user}/sessions/s/turns"
+        reader = rng.choice(nodes).url + f"/v1/users/{user}/recall"
+        query = {"query": f"kestrel{i}x", "limit": 5, "kinds": ["turn"]}
         t = time.perf_counter()
         while True:
             try:
-                got = await client.get(reader, params={"limit": 5,
-                                                       "min_seq": receipt["log_seq"]})
+                got = await client.post(reader, json=query,
+                                        params={"min_seq": receipt["log_seq"]})
             except httpx.TransportError:
                 got = None  # a keep-alive connection closed under us: again
             if got is not None and got.status_code != 503:
@@ -714,9 +719,9 @@ async def _pairs(client: httpx.AsyncClient, nodes: list[NodeProc], pairs: int,
                 noowner.append(f"{time.monotonic() - began:.1f} s: {got.json()['message']}")
             await trio.sleep(0.05)
         with_min.append(time.perf_counter() - t)
-        found += receipt["turn_id"] in [x["turn_id"] for x in got.json()]
+        found += receipt["turn_id"] in [hit["id"] for hit in got.json()["hits"]]
         t = time.perf_counter()
-        await _request(client, "GET", reader, params={"limit": 5})
+        await _request(client, "POST", reader, json=query)
         without.append(time.perf_counter() - t)
         extra.append(max(0.0, with_min[-1] - without[-1]))
         if (i + 1) % 1000 == 0:  # a long series shows where it is, and its tail so far
