@@ -70,6 +70,9 @@ BACKLOG_REPORT = 1_024  # backlog records between two progress lines in the log
 # durable add_turn p99 went from 3.3 to 7.3 ms (bench/ingest.py). At 19 the hot path preempts
 # it (p99 4.3 ms) and the model still gets the core whenever the hot path is idle.
 MODEL_NICE = 19
+# How long a stopping actor waits for its model threads to finish their batches: a batch is
+# cut to BATCH_TOKENS, tens of ms here, seconds at worst on a loaded machine.
+STOP_SECONDS = 10.0
 
 
 class _Lane:
@@ -228,6 +231,12 @@ class Embedder:
                 await event.wait()
         finally:
             self._stop_lanes()  # after a cancellation too: each thread ends after its batch
+            # ...and is waited for: a thread still inside onnxruntime when the interpreter
+            # exits (Ctrl-C during a batch) aborts the process ("terminate called without an
+            # active exception"). Its batch is bounded, so is this wait.
+            with trio.move_on_after(STOP_SECONDS, shield=True):
+                for event in stopped:
+                    await event.wait()
 
     def _stop_lanes(self) -> None:
         for lane in self._lanes.values():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -466,3 +467,32 @@ def test_token_counts_do_not_include_padding() -> None:
     model.load()
     assert model.count_tokens(["hello", "hello there my friend"]) == [3, 6]
     assert model.count_tokens(["word " * 400]) == [embedder_mod.MAX_TOKENS]
+
+
+class SlowBackend(HashEmbedder):
+    """The test embedder, taking ``seconds`` (in its thread) over each batch."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        time.sleep(self.seconds)
+        return super().encode(texts)
+
+
+async def test_a_cancelled_embedder_outlives_no_model_thread() -> None:
+    """Cancelled while a model thread is inside a batch (Ctrl-C), the actor returns only once
+    its threads have ended: a thread still inside onnxruntime when the interpreter exits
+    aborts the process ("terminate called without an active exception")."""
+    embedder = Embedder(SlowBackend(0.3), 8)
+
+    def model_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("engram-embedder")]
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(embedder.run)
+        nursery.start_soon(embedder.embed_query, "a query in the model")
+        await trio.sleep(0.1)  # the query's batch is in the model now
+        nursery.cancel_scope.cancel()
+    assert model_threads() == []
