@@ -340,7 +340,9 @@ def human_bytes(n: float) -> str:
     """``323584`` -> ``316 KiB``, ``10485760`` -> ``10 MiB``: binary units, 3 digits."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
-            return f"{n:.3g} {unit}" if unit != "B" else f"{int(n)} B"
+            # .3g turns 1000-1023 into 1e+03: whole numbers from 100 up.
+            return f"{int(n)} B" if unit == "B" else f"{n:.0f} {unit}" if n >= 100 else (
+                f"{n:.3g} {unit}")
         n /= 1024
     raise AssertionError("unreachable")
 

@@ -62,8 +62,8 @@ def test_durations_read_in_human_units() -> None:
     """Seconds become ms, s, min or h as their size asks; bytes B, KiB, MiB or GiB."""
     assert [human_duration(s) for s in (0.0042, 4.25, 83, 7260)] == [
         "4.2 ms", "4.25 s", "1 min 23 s", "2 h 01 min"]
-    assert [human_bytes(n) for n in (512, 323584, 10 << 20, 3 << 40)] == [
-        "512 B", "316 KiB", "10 MiB", "3 TiB"]
+    assert [human_bytes(n) for n in (512, 323584, 1_048_000, 10 << 20, 1000 << 20, 3 << 40)] == [
+        "512 B", "316 KiB", "1023 KiB", "10 MiB", "1000 MiB", "3 TiB"]
 
 
 def test_stats_read_in_human_units(store, capsys) -> None:
