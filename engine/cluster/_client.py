@@ -122,38 +122,45 @@ class ClusterClient(LogWriter):
 
     async def _read(self, user_id: str, method: str, path: str, min_seq: int | None,
                     params: dict[str, Any] | None = None, **kwargs: Any) -> httpx.Response:
-        """The owner's answer, retried on 503 and on an owner that does not answer (the
-        partition moving) until READ_SECONDS have passed.
+        """The owner's answer. A 503, or an owner that does not answer (the partition
+        moving, a node restarted elsewhere), is tried again with the owner looked up anew,
+        for READ_SECONDS; each attempt has the client's own timeout.
 
         Raises:
-            InvalidInput / NotFound...: the owner's 4xx, as the engine's error it names.
+            InvalidInput / NotFound: the owner's 422 / 404, as the engine's error.
             LogUnavailable: no owner answered in time.
         """
+        v.check_id("user_id", user_id, self._config.max_id_chars)
         params = dict(params or {})
         if min_seq is not None:
             if type(min_seq) is not int or min_seq < 0:
                 raise InvalidInput("min_seq", f"expected a log sequence >= 0, found {min_seq!r}")
             params["min_seq"] = min_seq
-        why = "no owner"
-        with trio.move_on_after(READ_SECONDS):
-            while True:
-                url = await self.owner(user_id)
-                wait = READ_PAUSE
-                if url is not None:
-                    try:
-                        answer = await self._http.request(method, url.rstrip("/") + path,
-                                                          params=params, **kwargs)
-                    except httpx.TransportError as exc:
-                        why = f"{url} did not answer ({type(exc).__name__})"
-                    else:
-                        if answer.status_code != 503:
-                            _raise_for(answer)
-                            return answer
-                        why = _message(answer)
-                        wait = max(wait, float(answer.headers.get("retry-after", 0) or 0))
-                await trio.sleep(wait)
-        raise LogUnavailable(f"no owner of {user_id!r}'s partition answered within "
-                             f"{READ_SECONDS} s (last: {why})")
+        p = partition_of(user_id, self._partitions)
+        deadline = trio.current_time() + READ_SECONDS
+        while True:
+            lease, url = await self._leases.lookup(p)
+            wait = READ_PAUSE
+            if url is None:
+                why = f"no owner of partition {p}"
+            else:
+                try:
+                    answer = await self._http.request(method, url.rstrip("/") + path,
+                                                      params=params, **kwargs)
+                except httpx.TransportError as exc:
+                    why = f"{url} did not answer ({type(exc).__name__})"
+                    if lease is not None:  # its heartbeat may name a new address now
+                        self._leases.members.pop(lease.node, None)
+                else:
+                    if answer.status_code != 503:
+                        _raise_for(answer)
+                        return answer
+                    why = _message(answer)
+                    wait = max(wait, float(answer.headers.get("retry-after", 0) or 0))
+            if trio.current_time() + wait > deadline:
+                raise LogUnavailable(f"no owner of {user_id!r}'s partition answered within "
+                                     f"{READ_SECONDS} s (last: {why})")
+            await trio.sleep(wait)
 
 
 async def _nothing(partition: int) -> None:
