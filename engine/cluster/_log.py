@@ -139,7 +139,8 @@ PUBLISH_TIMEOUT = 2.0  # seconds one attempt waits for its PubAck
 PARTITIONS_KEY = "engram.partitions"  # the stream's metadata: the count it was made with
 CLOSE_SECONDS = 6.0  # a failed connect's close: its drain's own bound (5 s), and a margin
 FETCH_BATCH = 256  # entries a scan of a subject reads at a time
-SCAN_TIMEOUT = 1.0  # seconds a scan waits for more of a subject (its end came before)
+SCAN_TIMEOUT = 5.0  # seconds a scan waits for the next entries of a subject (all are there)
+DELETES_IN_FLIGHT = 16  # deletions of single entries sent at once (each a replicated request)
 WATCH_IDLE_SECONDS = 10.0  # the server deletes a stopped watch's consumer after this (not 5 min)
 RETRY_PAUSE = (0.05, 0.1, 0.2, 0.4, 0.5)  # seconds between attempts, the last one repeated
 LOST_PULL_SECONDS = 2.0  # a pull request this long past its expiry without an answer is lost
@@ -545,17 +546,31 @@ class _Client:
         doomed: list[int] = []
         try:
             await pull.open()
-            while got := await pull.fetch(FETCH_BATCH, SCAN_TIMEOUT):
+            while True:
+                got = await pull.fetch(FETCH_BATCH, SCAN_TIMEOUT)
+                if not got:  # the subject ends at ``before`` (the caller's own entry)
+                    raise LogUnavailable(f"the log did not deliver {subject} up to {before} "
+                                         f"within {SCAN_TIMEOUT} s; nothing was deleted")
                 doomed += [d.stream_seq for d in got if d.stream_seq < before and match(d.data)]
                 if got[-1].stream_seq >= before - 1:
                     break
         finally:
             await self.drop(pull)
-        for seq in doomed:
-            try:
-                await self.js.delete_msg(self.config.stream, seq)
-            except nats.js.errors.NotFoundError:
-                pass  # purged or aged out meanwhile
+        slots = asyncio.Semaphore(DELETES_IN_FLIGHT)
+
+        async def delete(seq: int) -> None:
+            async with slots:
+                try:
+                    await self.js.delete_msg(self.config.stream, seq)
+                except nats.js.errors.NotFoundError:
+                    pass  # purged or aged out meanwhile
+
+        try:
+            await asyncio.gather(*map(delete, doomed))
+        except (*_RETRY, nats.js.errors.APIError, nats.errors.Error) as exc:
+            raise LogUnavailable(f"deleting {len(doomed)} entries of {subject} failed "
+                                 f"({type(exc).__name__}); forgetting again deletes the "
+                                 "rest") from exc
         return len(doomed)
 
     async def close(self) -> None:
