@@ -111,13 +111,16 @@ async def run_stdio(store: str | Path, user: str | None = None, config: Any = No
 
 @asynccontextmanager
 async def _stdio() -> AsyncIterator[tuple[_Lines, _Out]]:
-    """The process's stdin and stdout for the SDK, as trio streams over copies of fds 0 and 1.
+    """The process's stdin and stdout for the SDK, over copies of fds 0 and 1.
 
     The SDK's own stdin reads in a worker thread that no cancellation reaches, so Ctrl-C
-    waited for the client's next line (or for ever). A trio stream waits in the loop, and
-    Ctrl-C ends the server at once. As the SDK does with its own, fd 0 reads the null device
-    and fd 1 writes to stderr while serving (stray reads and prints stay off the wire); both
-    come back on the way out."""
+    waited for the client's next line (or for ever). Here a read is a worker thread's
+    ``os.read`` that a cancellation abandons (left blocked in the kernel, which an exiting
+    interpreter does not mind), so Ctrl-C ends the server at once; the descriptors stay in
+    blocking mode (on a terminal, stdin, stdout and stderr share one open file, so making
+    one non-blocking would make stderr so). As the SDK does with its own, fd 0 reads the null
+    device and fd 1 writes to stderr while serving (stray reads and prints stay off the
+    wire); both come back on the way out."""
     sys.stdout.flush()
     saved = os.dup(0), os.dup(1)
     streams = os.dup(0), os.dup(1)
@@ -126,43 +129,56 @@ async def _stdio() -> AsyncIterator[tuple[_Lines, _Out]]:
     os.close(null)
     os.dup2(2, 1)
     try:
-        async with trio.lowlevel.FdStream(streams[0]) as reader, \
-                trio.lowlevel.FdStream(streams[1]) as writer:
-            yield _Lines(reader), _Out(writer)
+        yield _Lines(streams[0]), _Out(streams[1])
     finally:
         for fd, copy_ in enumerate(saved):
             os.dup2(copy_, fd)
             os.close(copy_)
+        # The read copy stays open: an abandoned read may still be blocked on it, and a
+        # closed number the kernel hands out again would have that read take another
+        # file's bytes. The process ends after serving (engram-trio mcp).
+        os.close(streams[1])
 
 
 class _Lines:
-    """Lines of UTF-8 text from a trio stream, newline kept, as the SDK iterates a file."""
+    """Lines of UTF-8 text read from ``fd``, newline kept, as the SDK iterates a file."""
 
-    def __init__(self, stream: trio.lowlevel.FdStream) -> None:
-        self._stream = stream
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._lines()
 
     async def _lines(self) -> AsyncIterator[str]:
         decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
-        pending = ""
-        while chunk := await self._stream.receive_some(1 << 16):
-            *lines, pending = (pending + decode(chunk)).split("\n")
-            for line in lines:
-                yield line + "\n"
-        if tail := pending + decode(b"", final=True):
+        parts: list[str] = []  # the line so far, in pieces (a long line is not re-joined)
+        while chunk := await trio.to_thread.run_sync(os.read, self._fd, 1 << 16,
+                                                      abandon_on_cancel=True):
+            text = decode(chunk)
+            while (end := text.find("\n")) >= 0:
+                parts.append(text[: end + 1])
+                yield "".join(parts)
+                parts, text = [], text[end + 1:]
+            parts.append(text)
+        if tail := "".join(parts) + decode(b"", final=True):
             yield tail
 
 
 class _Out:
-    """UTF-8 text to a trio stream, as the SDK writes a file (each write is sent whole)."""
+    """UTF-8 text written to ``fd`` whole, as the SDK writes a file (in a worker thread:
+    a client slow to read blocks it, not the loop)."""
 
-    def __init__(self, stream: trio.lowlevel.FdStream) -> None:
-        self._stream = stream
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
 
     async def write(self, text: str) -> None:
-        await self._stream.send_all(text.encode())
+        await trio.to_thread.run_sync(_write_all, self._fd, text.encode())
 
     async def flush(self) -> None:
         await trio.lowlevel.checkpoint()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
