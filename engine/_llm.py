@@ -24,6 +24,8 @@ MAX_FACTS_PER_TURN = 10
 # Answers worth another attempt: a timeout, too many requests, a server's passing failure.
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 MAX_RETRY_AFTER = 30.0  # seconds: a longer Retry-After is cut to this
+# Failures of a request that may pass when it is sent again.
+PASSING = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 
 
 class LLMFailed(EngineError):
@@ -158,10 +160,10 @@ class OpenAICompatibleLLM:
         backoff: the first wait before a retry.
         transport: an httpx transport (a proxy's, a test's); by default httpx's own.
 
-    Requests go out with httpx on the engine's trio loop (no worker thread), over one client
-    per trio run (its connections are reused), and are abandoned on cancellation. Nothing
-    here is on a reply's path: the background actors that call it fall back to their offline
-    defaults when it fails.
+    Requests go out with httpx on the engine's trio loop (no worker thread), one client a
+    call (its retries share its connections; a model's answer takes seconds, a connection
+    a millisecond), and are abandoned on cancellation. Nothing here is on a reply's path: the
+    background actors that call it fall back to their offline defaults when it fails.
     """
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None,
@@ -174,18 +176,12 @@ class OpenAICompatibleLLM:
         self.retries = retries
         self.backoff = backoff
         self._transport = transport
-        self._client: httpx.AsyncClient | None = None
-        self._run: trio.lowlevel.TrioToken | None = None
-
-    def _http(self) -> httpx.AsyncClient:
-        """This trio run's client: pooled connections belong to the run that opened them."""
-        run = trio.lowlevel.current_trio_token()
-        if self._client is None or self._run is not run:
-            self._client = httpx.AsyncClient(transport=self._transport, timeout=self.timeout)
-            self._run = run
-        return self._client
 
     async def complete(self, system: str, prompt: str) -> str:
+        async with httpx.AsyncClient(transport=self._transport, timeout=self.timeout) as http:
+            return await self._complete(http, system, prompt)
+
+    async def _complete(self, http: httpx.AsyncClient, system: str, prompt: str) -> str:
         body = {"model": self.model, "temperature": 0,
                 "messages": [{"role": "system", "content": system},
                              {"role": "user", "content": prompt}]}
@@ -194,9 +190,12 @@ class OpenAICompatibleLLM:
         for attempt in range(attempts):
             wait = self.backoff * 2 ** attempt
             try:
-                response = await self._http().post(self.url, json=body, headers=headers)
-            except httpx.HTTPError as exc:
+                response = await http.post(self.url, json=body, headers=headers)
+            except PASSING as exc:
                 failure = f"calling {self.url} failed: {type(exc).__name__}: {exc}"
+            except httpx.HTTPError as exc:  # a bad URL, a protocol httpx does not speak
+                raise LLMFailed(f"calling {self.url} failed: {type(exc).__name__}: {exc}"
+                                ) from exc
             else:
                 if response.status_code < 400:
                     return _content(response, self.url)

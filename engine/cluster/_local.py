@@ -233,11 +233,11 @@ def kill_recorded(path: Path, *marks: bytes) -> list[int]:
     if not path.exists():
         return killed
     for line in path.read_text().split():
-        pid = int(line)
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
+            cmdline = Path(f"/proc/{int(line)}/cmdline").read_bytes()
+        except (OSError, ValueError):  # gone, or a line cut short by a crash as it was written
             continue
+        pid = int(line)
         if all(mark in cmdline for mark in marks):
             try:
                 os.kill(pid, signal.SIGKILL)
