@@ -486,22 +486,12 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            spec = generate_openapi()
-            schemas = spec.setdefault("components", {}).setdefault("schemas", {})
-            schemas.update(LEAN_SCHEMAS)
-            found, components = response_schemas(ANSWERS)
-            clash = set(components) & set(schemas)
-            if clash:
-                raise AssertionError(f"answer schemas named like request bodies: {clash}")
-            schemas.update(components)
-            for (method, path), schema in found.items():
-                responses = spec["paths"][path][method]["responses"]
-                for status in ANSWERS[method, path][0]:
-                    answer = responses.setdefault(str(status), {"description": "Success"})
-                    answer.setdefault("content", {}).setdefault(
-                        "application/json", {})["schema"] = schema
-                    if str(status) != "200" and "200" in responses and status in (201, 202):
-                        responses.pop("200")  # FastAPI's default, for a route that never says it
+            spec = generate_openapi()  # kept by FastAPI as app.openapi_schema
+            try:
+                _declare_answers(spec)
+            except BaseException:
+                app.openapi_schema = None  # never a half-made document served later
+                raise
         return app.openapi_schema
 
     app.openapi = openapi
@@ -509,6 +499,25 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
 
 
 BodyModel = TypeVar("BodyModel", bound=BaseModel)
+
+
+def _declare_answers(spec: dict[str, Any]) -> None:
+    """Complete FastAPI's document: the lean routes' bodies, and every JSON route's answer
+    schema (:data:`ANSWERS`) with the components it refers to."""
+    schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+    schemas.update(LEAN_SCHEMAS)
+    found, components = response_schemas(ANSWERS)
+    clash = set(components) & set(schemas)
+    if clash:
+        raise AssertionError(f"answer schemas named like request bodies: {clash}")
+    schemas.update(components)
+    for (method, path), schema in found.items():
+        responses = spec["paths"][path][method]["responses"]
+        for status in ANSWERS[method, path][0]:
+            answer = responses.setdefault(str(status), {"description": "Success"})
+            answer.setdefault("content", {}).setdefault("application/json", {})["schema"] = schema
+            if status in (201, 202):
+                responses.pop("200", None)  # FastAPI's default, for a route that never says it
 
 _U, _S = "/v1/users/{user_id}", "/v1/users/{user_id}/sessions/{session_id}"
 _NOTE, _FACT = _U + "/notes/{note_id}", _U + "/facts/{category}/{key}"
