@@ -92,6 +92,9 @@ class _Lane:
         self.workers = workers
         self.coalesce = coalesce
         self.inbox: queue.SimpleQueue[EmbedRequest | None] = queue.SimpleQueue()
+        # Set when the actor is cancelled: what is still queued is answered EngineClosed,
+        # not embedded, so the threads stop after the batches they are in.
+        self.abandoned = False
 
     def serve(self, encode: Callable[[list[str]], np.ndarray],
               busy: threading.Event | None = None, idle: threading.Event | None = None) -> None:
@@ -136,6 +139,12 @@ class _Lane:
                 else:
                     pending.append(request)
             batch = _take(pending, self.batch_texts)
+            if self.abandoned:
+                closed = outcome.Error(EngineClosed("the engine stopped before these texts "
+                                                    "were embedded"))
+                for request in batch:
+                    request.reply(closed)
+                continue
             result = outcome.capture(encode, [text for request in batch for text in request.texts])
             start = 0
             for request in batch:
@@ -222,13 +231,20 @@ class Embedder:
                 except trio.RunFinishedError:
                     pass  # the engine's trio run is over; nobody is left to tell
 
+        started = []
         for (lane, index), done in zip(threads, stopped, strict=True):
-            threading.Thread(target=thread_main, args=(lane, index, done), daemon=True,
-                             name=f"engram-embedder-{lane.name}-{index}").start()
+            thread = threading.Thread(target=thread_main, args=(lane, index, done), daemon=True,
+                                      name=f"engram-embedder-{lane.name}-{index}")
+            thread.start()
+            started.append(thread)
         try:
             task_status.started()
             for event in stopped:
                 await event.wait()
+        except BaseException:
+            for lane in self._lanes.values():
+                lane.abandoned = True
+            raise
         finally:
             self._stop_lanes()  # after a cancellation too: each thread ends after its batch
             # ...and is waited for: a thread still inside onnxruntime when the interpreter
@@ -237,6 +253,8 @@ class Embedder:
             with trio.move_on_after(STOP_SECONDS, shield=True):
                 for event in stopped:
                     await event.wait()
+                # Each has told it is done from its last lines: let it end them.
+                await trio.to_thread.run_sync(_join_all, started)
 
     def _stop_lanes(self) -> None:
         for lane in self._lanes.values():
@@ -330,6 +348,8 @@ class Embedder:
         await done.wait()  # a cancelled caller leaves; answered() still frees its slot
         try:
             return box[0].unwrap()
+        except EngineClosed:
+            raise  # the actor stopped before this batch reached the model
         except Exception as exc:
             raise EngineBroken(f"embedding {len(texts)} texts failed: {exc!r}") from exc
 
@@ -603,6 +623,11 @@ class Embedder:
             store.submit(PutState(tuple(failures)))
         return ([p for p in kept if p.record.lsn not in failed],
                 [v for p, v in zip(kept, vectors, strict=True) if p.record.lsn not in failed])
+
+
+def _join_all(threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        thread.join(STOP_SECONDS)
 
 
 def _take(requests: deque[EmbedRequest], limit: int) -> list[EmbedRequest]:

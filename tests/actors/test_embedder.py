@@ -475,9 +475,11 @@ class SlowBackend(HashEmbedder):
     def __init__(self, seconds: float) -> None:
         super().__init__()
         self.seconds = seconds
+        self.encoded = 0  # batches it embedded
 
     def encode(self, texts: list[str]) -> np.ndarray:
         time.sleep(self.seconds)
+        self.encoded += 1
         return super().encode(texts)
 
 
@@ -496,3 +498,26 @@ async def test_a_cancelled_embedder_outlives_no_model_thread() -> None:
         await trio.sleep(0.1)  # the query's batch is in the model now
         nursery.cancel_scope.cancel()
     assert model_threads() == []
+
+
+async def test_a_cancelled_embedder_embeds_nothing_more_than_its_threads_hold() -> None:
+    """Cancelled with batches queued behind those in the model, the actor waits for the
+    running batches only: the queued ones are answered EngineClosed, not embedded."""
+    backend = SlowBackend(0.3)
+    embedder = Embedder(backend, 8, background_workers=1)
+    closed: list[str] = []
+
+    async def background(n: int) -> None:
+        try:
+            await embedder.embed([f"background text {n}"], query=False)
+        except EngineClosed:
+            closed.append(f"text {n}")
+
+    async with trio.open_nursery() as outer:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(embedder.run)
+            for n in range(4):  # one lane thread: one batch in the model, three queued
+                outer.start_soon(background, n)
+            await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+    assert backend.encoded == 1 and len(closed) == 3
