@@ -417,6 +417,26 @@ def _print_inspect(report: dict[str, Any], as_json: bool) -> None:
         console.print(table)
 
 
+def _print_status(status: dict[str, Any]) -> None:
+    """``cluster status`` for people: the stream and the nodes, then a table of partitions
+    (owner, watermark, lag, lease age); ``--json`` gives the same as one document."""
+    from rich.console import Console
+    from rich.table import Table
+
+    print(f"stream last seq {status['stream_last_seq']:,}; nodes: "
+          + (", ".join(f"{n} {url}" for n, url in status["nodes"].items()) or "none"))
+    table = Table(title="partitions", title_justify="left")
+    for name in ("partition", "owner", "watermark", "lag", "lease age"):
+        table.add_column(name, justify="left" if name == "owner" else "right")
+    for p in status["partitions"]:
+        age = p["lease_age_seconds"]
+        table.add_row(str(p["partition"]), p["owner"] or "-",
+                      "-" if p["watermark"] is None else f"{p['watermark']:,}",
+                      "-" if p["lag"] is None else f"{p['lag']:,}",
+                      "-" if age is None else human_duration(age))
+    Console().print(table)
+
+
 def _cell(name: str, value: Any) -> str:
     if name == "latest" and isinstance(value, list):
         return "\n".join(f"#{t['seq']} {t['role']}: {t['text'][:70]}" for t in value)
@@ -514,6 +534,9 @@ def _run(argv: list[str] | None) -> int:
 
                 code, result = cluster_run(args)
                 if result is None:
+                    return code
+                if "partitions" in result and not args.json:
+                    _print_status(result)
                     return code
             case "mcp":
                 from ._mcp import run_stdio

@@ -276,6 +276,15 @@ def test_cluster_status_lists_owner_watermark_and_lag(nodes: list[NodeProcess],
     assert [p["owner"] for p in status["partitions"]] == ["node0"] * cluster_config.partitions
     assert all(p["lag"] is not None and p["lease_age_seconds"] is not None
                for p in status["partitions"])
+    # Without --json, a table for people: a row per partition with its owner.
+    out = subprocess.run(
+        [sys.executable, "-m", "engine", "cluster", "status", "--nats", ",".join(node.urls),
+         "--cluster-config", json.dumps(msgspec.structs.asdict(cluster_config))],
+        capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if "node0" in line and "│" in line]
+    assert len(rows) == cluster_config.partitions and "lease age" in out.stdout
+    assert not out.stdout.lstrip().startswith("{")
 
 
 def test_a_second_node_process_on_the_same_store_is_refused(nodes: list[NodeProcess],
