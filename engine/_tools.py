@@ -58,6 +58,8 @@ class ToolHost(Protocol):
 
     async def delete_note(self, user_id: str, note_id: str) -> bool: ...
 
+    async def list_notes(self, user_id: str) -> list[Note]: ...
+
     async def entity_info(self, user_id: str, name: str,
                           limit: int = 20) -> EntityInfo | None: ...
 
@@ -143,6 +145,8 @@ TOOLS: list[dict[str, Any]] = [
           ["user_id", "text"]),
     _tool("delete_note", "Delete one of the user's notes by id.",
           {"user_id": _USER, "note_id": {"type": "string"}}, ["user_id", "note_id"]),
+    _tool("list_notes", "The user's notes, most recently updated first, each with the id "
+          "that delete_note takes.", {"user_id": _USER}, ["user_id"]),
 ]
 
 _SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
@@ -246,6 +250,8 @@ async def call_tool(engine: ToolHost, name: str, arguments: Mapping[str, Any] | 
             agent_id=args.get("agent_id"), run_id=args.get("run_id")))}
     if name == "delete_note":
         return {"deleted": await engine.delete_note(user_id, args["note_id"])}
+    if name == "list_notes":
+        return {"notes": [_plain(note) for note in await engine.list_notes(user_id)]}
     info = await engine.entity_info(user_id, args["name"], args.get("limit", 20))
     return {"entity": None if info is None else _plain(info.entity),
             "memories": [] if info is None else [_plain(h) for h in info.memories]}

@@ -135,7 +135,7 @@ def test_tools_are_json_schema_function_definitions() -> None:
     names = [t["function"]["name"] for t in TOOLS]
     assert names == ["search_memory", "remember_fact", "correct_fact", "confirm_fact",
                      "memory_stats", "get_entity_info", "retrieve_memory", "store_note",
-                     "delete_note"]
+                     "delete_note", "list_notes"]
     for tool in TOOLS:
         params = tool["function"]["parameters"]
         assert tool["type"] == "function" and params["type"] == "object"
@@ -181,7 +181,8 @@ async def test_call_tool_refuses_bad_calls(mem, name, args, message) -> None:
 
 
 async def test_note_and_retrieve_tools(mem) -> None:
-    """store_note, retrieve_memory and delete_note run through call_tool like seed 004's."""
+    """store_note, list_notes, retrieve_memory and delete_note run through call_tool like
+    seed 004's."""
     note = (await mem.call_tool("store_note", {"user_id": "ana", "text": "Allergic to peanuts",
                                                "tags": ["health"]}))["note"]
     assert list(note["tags"]) == ["health"]
@@ -192,8 +193,12 @@ async def test_note_and_retrieve_tools(mem) -> None:
     markdown = (await mem.call_tool("retrieve_memory", {"user_id": "ana",
                                                         "query": "peanuts allergy"}))["markdown"]
     assert "peanuts" in markdown
+    listed = (await mem.call_tool("list_notes", {"user_id": "ana"}))["notes"]
+    assert [(n["note_id"], n["text"]) for n in listed] == [(note["note_id"],
+                                                            "Allergic to peanuts")]
     assert await mem.call_tool("delete_note", {"user_id": "ana", "note_id": note["note_id"]}) == {
         "deleted": True}
+    assert (await mem.call_tool("list_notes", {"user_id": "ana"}))["notes"] == []
 
 
 @pytest.mark.parametrize(("args", "message"), [
