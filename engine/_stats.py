@@ -51,6 +51,8 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
         degraded: the search legs whose index is being rebuilt or caught up with what the
             store held at open (``bm25``, ``vector``); ``recall`` flags its results meanwhile.
         read_only: the engine was opened with ``read_only=True``.
+        cluster: on a cluster node, the node's own figures (``engine.cluster.NodeStats``:
+            per partition, leases, retries, routing); None on an engine of its own.
         durable_stages: where the latest waits for a commit to land (durable receipts,
             mostly; up to 1,024 since open) spent their time, by stage of their way from the caller to the disk and back (``queued``,
             ``to_writer``, ``plan``, ``write``, ``commit``, ``flush_wait``, ``flush``,
@@ -74,6 +76,7 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
     failures: int = 0
     degraded: tuple[str, ...] = ()
     read_only: bool = False
+    cluster: Any = None
     vector_lag_records: int = 0
     vector_lag_seconds: float = 0.0
     texts_embedded: int = 0

@@ -84,7 +84,9 @@ async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id:
         log = await Log.connect(nats, cluster_config, name=node_id)
         try:
             node = Node(engine, log, node_id, f"http://{host}:{port}")
-            app = Router(create_app(ClusterEngine(engine, log, node), keys), node)
+            writer = ClusterEngine(engine, log, node)
+            app = Router(create_app(writer, keys), node)
+            writer.routed = app.counts  # stats() shows what the router did, as /cluster/node
             async with trio.open_nursery() as nursery:
                 if handle_signals:
                     nursery.start_soon(shutdown.watch_signals)

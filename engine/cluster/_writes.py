@@ -13,12 +13,15 @@ from datetime import datetime, timezone
 from functools import partial
 from typing import Any
 
+import msgspec
+
 from actors.base import validate as v
 from actors.base.config import Config
 from actors.base.records import NewTurn
 from actors.session_buffer import new_turn_id
 
 from .._engine import Engine
+from .._stats import Stats
 from .._logbatch import (
     CALLS,
     LogCall,
@@ -202,6 +205,17 @@ class ClusterEngine(LogWriter):
         super().__init__(log, engine.config)
         self._engine = engine
         self._node = node
+        # The counts of the router in front of this node's app (set by serve_node), for stats.
+        self.routed: Mapping[str, int] | None = None
+
+    async def stats(self) -> Stats:
+        """:meth:`Engine.stats` of this node's store, with the node's own figures in
+        ``cluster`` (per partition: owned, watermark, lag, gaps, replays and bootstraps with
+        their durations; lease events; the router's counts), as ``/cluster/node`` has them."""
+        stats = await self._engine.stats()
+        if self._node is None:
+            return stats
+        return msgspec.structs.replace(stats, cluster=self._node.stats(self.routed))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)

@@ -276,6 +276,11 @@ def test_cluster_status_lists_owner_watermark_and_lag(nodes: list[NodeProcess],
     assert [p["owner"] for p in status["partitions"]] == ["node0"] * cluster_config.partitions
     assert all(p["lag"] is not None and p["lease_age_seconds"] is not None
                for p in status["partitions"])
+    # The node's /v1/stats (Engine.stats of its store) carries the node's figures too.
+    stats = httpx.get(f"{node.url}/v1/stats", timeout=30).json()
+    assert stats["turns"] >= 1 and stats["cluster"]["node"] == "node0"
+    assert sorted(s["partition"] for s in stats["cluster"]["partitions"]
+                  if s["owned"]) == list(range(cluster_config.partitions))
     # Without --json, a table for people: a row per partition with its owner.
     out = subprocess.run(
         [sys.executable, "-m", "engine", "cluster", "status", "--nats", ",".join(node.urls),
