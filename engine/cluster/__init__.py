@@ -3,7 +3,8 @@
 A layer above the engine, like the HTTP server: it drives :class:`engine.Engine` through its
 public API plus one entry point, :meth:`engine.Engine.apply_log_batch`. The single-process
 engine never imports it. ``engram-trio node`` runs a node; ``engram-trio cluster init|status``
-manages the log.
+manages the log; :class:`ClusterClient` is a bot's thin client (writes to the log, reads from
+the owners).
 """
 
 from .._logbatch import LogForget, LogForgetScope, LogTurn, decode_entry, encode_entry
