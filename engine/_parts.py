@@ -33,6 +33,7 @@ __all__ = ["Clock", "Parts", "pinnable", "pinnable_ids", "pinned"]
 
 Clock = Callable[[], datetime]
 
+
 class _Pin:
     """What a replayed log entry fixes while it applies: its writer's time (None: the
     clock's), and the seed of the ids its apply makes, with how many it made so far."""

@@ -112,24 +112,8 @@ class Router:
             await _respond(send, 503, {"error": "NoOwner", "message": f"{why}; retry"},
                            retry=True)
             return
-        leases = self.node.leases
-        owner = leases.owner(p)
-        url = None if owner is None else leases.url_of(owner.node)
-        if url is None or owner.node == self.node.node_id:
-            # The view is a tick old at most: a partition that moved since has no owner in
-            # it, or one without a heartbeat yet. Read the lease itself before saying so.
-            self.counts["looked_up"] += 1
-            owner, url = await leases.lookup(p)
-        if owner is None or url is None or owner.node == self.node.node_id:
-            self.counts["unavailable"] += 1
-            if owner is None:
-                why = f"no lease on partition {p} in the bucket {self.node.node_id} read"
-            elif owner.node == self.node.node_id:
-                why = f"{self.node.node_id} holds partition {p} but has not confirmed it"
-            else:
-                why = f"partition {p}'s owner {owner.node} has no heartbeat"
-            await _respond(send, 503, {"error": "NoOwner", "message": f"{why}; retry"},
-                           retry=True)
+        url = await self._holder(p, send)
+        if url is None:
             return
         if body is None:
             body = await _read_body(receive)
@@ -138,7 +122,7 @@ class Router:
             # Forwarded to a node this view still named, which has handed the partition on:
             # once more, to the holder the bucket names now.
             self.counts["looked_up"] += 1
-            fresh, fresh_url = await leases.lookup(p)
+            fresh, fresh_url = await self.node.leases.lookup(p)
             if (fresh is not None and fresh_url is not None and fresh_url != url
                     and fresh.node != self.node.node_id):
                 self.counts["reforwarded"] += 1
@@ -155,25 +139,37 @@ class Router:
         if p is None or self.node.owns(p):
             await self.app(scope, receive, send)
             return
-        owner = self.node.leases.owner(p)
-        url = None if owner is None else self.node.leases.url_of(owner.node)
-        if url is None or owner.node == self.node.node_id:
-            self.counts["looked_up"] += 1
-            owner, url = await self.node.leases.lookup(p)
-        if owner is None or url is None or owner.node == self.node.node_id:
-            self.counts["unavailable"] += 1
-            await _respond(send, 503, {"error": "NoOwner", "message": f"partition {p} has no "
-                                       "owner this node can name now; retry"}, retry=True)
+        url = await self._holder(p, send)
+        if url is None:
             return
-        target = url.rstrip("/") + (scope.get("raw_path") or scope["path"].encode()).decode(
-            "latin-1")
-        if scope.get("query_string"):
-            target += "?" + scope["query_string"].decode("latin-1")
         self.counts["redirected"] += 1
         await send({"type": "http.response.start", "status": 307,
-                    "headers": [(b"location", target.encode("latin-1")),
+                    "headers": [(b"location", _target(url, scope).encode("latin-1")),
                                 (b"content-length", b"0")]})
         await send({"type": "http.response.body", "body": b""})
+
+    async def _holder(self, p: int, send: Callable) -> str | None:
+        """Where partition ``p``'s holder answers; None after answering 503 NoOwner (saying
+        which node gave it and why) when there is none to send to."""
+        leases = self.node.leases
+        owner = leases.owner(p)
+        url = None if owner is None else leases.url_of(owner.node)
+        if url is None or owner.node == self.node.node_id:
+            # The view is a tick old at most: a partition that moved since has no owner in
+            # it, or one without a heartbeat yet. Read the lease itself before saying so.
+            self.counts["looked_up"] += 1
+            owner, url = await leases.lookup(p)
+        if owner is not None and url is not None and owner.node != self.node.node_id:
+            return url
+        self.counts["unavailable"] += 1
+        if owner is None:
+            why = f"no lease on partition {p} in the bucket {self.node.node_id} read"
+        elif owner.node == self.node.node_id:
+            why = f"{self.node.node_id} holds partition {p} but has not confirmed it"
+        else:
+            why = f"partition {p}'s owner {owner.node} has no heartbeat"
+        await _respond(send, 503, {"error": "NoOwner", "message": f"{why}; retry"}, retry=True)
+        return None
 
     async def _metrics(self, scope: dict, receive: Callable, send: Callable) -> None:
         """The app's ``/metrics`` with the node's cluster families after them."""
@@ -204,12 +200,8 @@ class Router:
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
                    if k.lower() not in (b"host", b"content-length", b"connection")]
         headers.append((FORWARDED, self.node.node_id))
-        target = url.rstrip("/") + scope["raw_path"].decode("latin-1") if scope.get(
-            "raw_path") else url.rstrip("/") + scope["path"]
-        if scope.get("query_string"):
-            target += "?" + scope["query_string"].decode("latin-1")
         try:
-            return await self.client.request(scope["method"], target, content=body,
+            return await self.client.request(scope["method"], _target(url, scope), content=body,
                                              headers=headers)
         except httpx.HTTPError as exc:
             self.counts["unavailable"] += 1
@@ -217,6 +209,15 @@ class Router:
                                        f"the partition's owner did not answer ({exc!r}); retry"},
                            retry=True)
             return None
+
+
+def _target(url: str, scope: dict) -> str:
+    """The request's path and query, as it came, on the node at ``url``."""
+    target = url.rstrip("/") + (scope.get("raw_path") or scope["path"].encode()).decode(
+        "latin-1")
+    if scope.get("query_string"):
+        target += "?" + scope["query_string"].decode("latin-1")
+    return target
 
 
 def _moved_away(answer: httpx.Response) -> bool:
