@@ -56,7 +56,7 @@ class Ingest:
         v.check_id("session_id", session_id, config.max_id_chars)
         v.check_role(role)
         v.check_text("text", text, config.max_text_chars)
-        at = self._parts.now() if at is None else v.check_at(at)
+        at = self._parts.turn_now() if at is None else v.check_at(at)
         return at, v.check_meta(meta, config.max_meta_bytes)
 
     def check_scope(self, user_id: str, session_id: str, agent_id: Any, run_id: Any,
@@ -147,7 +147,7 @@ class Ingest:
             for session_id in dict.fromkeys(sessions):
                 v.check_id("session_id", session_id, config.max_id_chars)
             if _NONE in set(map(type, ats)):  # the clock's time, checked as the caller's
-                clock = self._parts.clock
+                clock = self._parts.turn_clock
                 ats = [clock() if at is None else at for at in ats]
             if not v.ats_pass(ats):
                 ats = [v.check_at(at) for at in ats]
@@ -195,7 +195,7 @@ class Ingest:
                 config = self._config
                 v.check_role(item.role)
                 v.check_text("text", item.text, config.max_text_chars)
-                at = self._parts.now() if item.at is None else v.check_at(item.at)
+                at = self._parts.turn_now() if item.at is None else v.check_at(item.at)
                 meta = v.check_meta(item.meta, config.max_meta_bytes)
                 if item.agent_id is not None or item.run_id is not None:
                     self.check_scope(user_id, session_id, item.agent_id, item.run_id, fresh)

@@ -97,7 +97,11 @@ class Parts:
         imported: log positions of imported records, which the followers do not derive from.
         tasks: the LLM's prompts (``ModelTasks``) when ``Engine.open`` got an ``llm``.
         notes_md: the notes' Markdown mirror (``Config.notes_markdown_dir``), if any.
-        config / clock: the engine's settings and clock.
+        config / clock: the engine's settings and clock (:func:`pinnable`: a replayed log
+            call reads its writer's time there).
+        turn_clock: the same clock unwrapped, for the time of a turn given none: no logged
+            call adds a turn (a log's turns carry their time), so the ingest path skips the
+            pin's lookup.
         read_only: opened with ``read_only=True``: every write is refused.
         open_lsn: what the store held at open (a leg whose index lacks it is degraded).
         closed: set when the engine begins to close; every later call raises EngineClosed.
@@ -108,7 +112,8 @@ class Parts:
     def __init__(self, store: Store, buffer: SessionBuffer, embedder: Embedder, ann: AnnIndex,
                  fulltext: FullText, facts: Facts, compressor: EpisodicCompressor,
                  entities: Entities, config: Config, clock: Clock,
-                 imported: Imported | None = None, tasks: Any = None) -> None:
+                 imported: Imported | None = None, tasks: Any = None,
+                 turn_clock: Clock | None = None) -> None:
         self.store = store
         self.buffer = buffer
         self.embedder = embedder
@@ -128,6 +133,7 @@ class Parts:
                          else None)
         self.config = config
         self.clock = clock
+        self.turn_clock = turn_clock or clock
         self.read_only = store.read_only
         self.open_lsn = store.committed_lsn
         self.closed = False
@@ -165,6 +171,10 @@ class Parts:
         """The engine clock's time, checked as a caller's ``at`` would be: the clock is the
         caller's too, and a time the text index cannot hold must not reach the store."""
         return v.check_at(self.clock(), "clock")
+
+    def turn_now(self) -> datetime:
+        """:meth:`now` for a turn given no time (:attr:`turn_clock`)."""
+        return v.check_at(self.turn_clock(), "clock")
 
     async def committed(self) -> None:
         """Wait until everything logged before the call is on disk: a read by id finds it

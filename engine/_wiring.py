@@ -132,7 +132,7 @@ async def running(root: Path, config: Config, clock: Clock, embedding: Embedder,
     """Start the actors, yield the running engine, stop them in reverse."""
     # A replayed log call reads its writer's time and makes the ids every node makes for it
     # (see _logbatch); everywhere else these are the clock and random ids.
-    clock = pinnable(clock)
+    turn_clock, clock = clock, pinnable(clock)  # turns take it unwrapped (see Parts)
     new_id = pinnable_ids(lambda: new_turn_id()[2:])
     store = Store(root, config, embedding.model, reembed, read_only)
     ann = AnnIndex(store, embedding.model.dim, config.ann_cache_vectors, root / "ann",
@@ -165,7 +165,7 @@ async def running(root: Path, config: Config, clock: Clock, embedding: Embedder,
                     summary_every=config.summary_every_turns)
                 entities = Entities(store, imported, cache_records=not read_only)
                 parts = Parts(store, buffer, embedding, ann, fulltext, facts, compressor,
-                              entities, config, clock, imported, tasks)
+                              entities, config, clock, imported, tasks, turn_clock)
                 run = Running(parts, Scrubber(store, fulltext, ann), nursery)
                 if parts.notes_md is not None:  # a crash may have left stale files behind
                     await parts.notes_md.sync(store)
