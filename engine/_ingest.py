@@ -95,7 +95,8 @@ class Ingest:
         if columns is None:  # some item may be bad: check one at a time, the first raises
             sessions: set[tuple[str, str]] = set()  # (user, session) pairs whose ids passed
             fresh: dict[tuple[str, str], tuple[str, str]] = {}  # scopes of sessions it begins
-            checked = [self._check_item(i, item, sessions, fresh)
+            now = parts.turn_now()
+            checked = [self._check_item(i, item, sessions, fresh, now)
                        for i, item in enumerate(items)]
             columns = [list(column) for column in zip(*checked, strict=True)]
             del columns[6]  # the turn ids: made by the buffer
@@ -146,9 +147,11 @@ class Ingest:
                 v.check_id("user_id", user_id, config.max_id_chars)
             for session_id in dict.fromkeys(sessions):
                 v.check_id("session_id", session_id, config.max_id_chars)
-            if _NONE in set(map(type, ats)):  # the clock's time, checked as the caller's
-                clock = self._parts.turn_clock
-                ats = [clock() if at is None else at for at in ats]
+            if _NONE in set(map(type, ats)):
+                # One reading of the clock for the call, checked as the caller's times are:
+                # its turns arrive together (a reading per turn was an eighth of an import).
+                now = self._parts.turn_clock()
+                ats = [now if at is None else at for at in ats]
             if not v.ats_pass(ats):
                 ats = [v.check_at(at) for at in ats]
             if set(map(type, metas)) == {_NONE}:
@@ -172,8 +175,10 @@ class Ingest:
 
     def _check_item(self, index: int, item: NewTurn | Mapping[str, Any],
                     sessions: set[tuple[str, str]],
-                    fresh: dict[tuple[str, str], tuple[str, str]]) -> tuple[Any, ...]:
-        """One item of ``add_turns``, checked as ``add_turn`` checks its arguments; a user and
+                    fresh: dict[tuple[str, str], tuple[str, str]],
+                    now: datetime) -> tuple[Any, ...]:
+        """One item of ``add_turns``, checked as ``add_turn`` checks its arguments (``now``:
+        the time of an item given none, the call's one reading of the clock); a user and
         session id pair already in ``sessions`` (an import repeats them turn after turn) is
         not checked again, nor its scope unless the item names one (``fresh``: the scopes of
         the sessions the call begins)."""
@@ -195,13 +200,13 @@ class Ingest:
                 config = self._config
                 v.check_role(item.role)
                 v.check_text("text", item.text, config.max_text_chars)
-                at = self._parts.turn_now() if item.at is None else v.check_at(item.at)
+                at = now if item.at is None else v.check_at(item.at)
                 meta = v.check_meta(item.meta, config.max_meta_bytes)
                 if item.agent_id is not None or item.run_id is not None:
                     self.check_scope(user_id, session_id, item.agent_id, item.run_id, fresh)
             else:
-                at, meta = self.check_turn(user_id, session_id, item.role, item.text, item.at,
-                                           item.meta)
+                at, meta = self.check_turn(user_id, session_id, item.role, item.text,
+                                           now if item.at is None else item.at, item.meta)
                 self.check_scope(user_id, session_id, item.agent_id, item.run_id, fresh)
                 sessions.add((user_id, session_id))
         except InvalidInput as exc:

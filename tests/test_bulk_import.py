@@ -41,8 +41,9 @@ ITEMS: list[Any] = [
 async def _imported(path: Path, bulk: bool) -> tuple[Any, ...]:
     """ITEMS after one turn of ana/s1, with add_turns (in chunks of 5, so that chunks cut runs
     and go on with sessions an earlier chunk began) or one add_turn per item; what the engine
-    then holds, turn ids aside."""
-    async with open_engine(path, clock=StepClock()) as mem:
+    then holds, turn ids aside. The clock stands still: ``add_turns`` reads it once a call, and
+    ``add_turn`` once a turn (see test_add_turns_reads_the_clock_once_a_call)."""
+    async with open_engine(path, clock=StepClock(step=timedelta(0))) as mem:
         await mem.add_turn("ana", "s1", "user", "first")
         if bulk:
             receipts = await mem.add_turns(ITEMS)
@@ -74,6 +75,26 @@ async def test_add_turns_stores_what_add_turn_stores(tmp_path: Path, monkeypatch
     assert turns[("bo", "s1")][0].at == datetime(2026, 2, 1, 15, tzinfo=timezone.utc)
     report = await Engine.verify(tmp_path / "bulk")
     assert report["ok"], report["problems"]
+
+
+async def test_add_turns_reads_the_clock_once_a_call(tmp_path: Path) -> None:
+    """A call's turns given no time arrived together: they share one reading of the clock
+    (one a turn cost an import an eighth of its time), taken after the calls before it; a
+    turn given a time keeps its own."""
+    given = T0 - timedelta(days=3)
+    async with open_engine(tmp_path / "store", clock=StepClock()) as mem:
+        await mem.add_turn("ana", "s1", "user", "first")
+        await mem.add_turns([NewTurn(user_id="ana", session_id="s1", role="user", text="a"),
+                             NewTurn(user_id="bo", session_id="s1", role="user", text="b"),
+                             NewTurn(user_id="ana", session_id="s1", role="user", text="c",
+                                     at=given),
+                             NewTurn(user_id="ana", session_id="s1", role="user", text="d")])
+        await mem.add_turns([NewTurn(user_id="ana", session_id="s1", role="user", text="e")])
+        ana = [t.at for t in await mem.session_history("ana", "s1", 10)]
+        bo = [t.at for t in await mem.session_history("bo", "s1", 10)]
+    first, call = ana[0], ana[1]
+    assert first < call and ana[1:4] == [call, given, call] and bo == [call]
+    assert ana[4] > call
 
 
 @pytest.mark.parametrize(("index", "change", "field", "message"), [
