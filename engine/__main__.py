@@ -10,12 +10,25 @@ ENGRAM_INTEGRITY_KEY (never on the command line, where other users see it).
 
 from __future__ import annotations
 
+import signal
+import threading
+
+
+def _exit_quietly(signum: int, frame: object) -> None:
+    raise SystemExit(130)
+
+
+# Ctrl-C while the imports below run (about a second: numpy, onnxruntime, tantivy, trio) exits
+# 130 without a traceback, as it does once a command runs; the handler before them comes back
+# after them (None: one set outside Python, so Python's own).
+_BEFORE_IMPORTS = (signal.signal(signal.SIGINT, _exit_quietly)
+                   if threading.current_thread() is threading.main_thread() else False)
+
 import argparse
 import json
 import os
 import runpy
 import shutil
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +43,9 @@ from actors.base.errors import EngineError, InvalidInput
 
 from ._engine import Engine
 from ._owner import OwnerLock
+
+if _BEFORE_IMPORTS is not False:
+    signal.signal(signal.SIGINT, _BEFORE_IMPORTS or signal.default_int_handler)
 
 MODELS = ("minilm-l6-v2", "minilm-l6-v2-q8", "minilm-l6-v2-i8")  # a new store: the fastest here
 BENCHES = ("ingest", "embed", "recall", "snapshot", "crash", "forget", "bridges", "http",

@@ -86,6 +86,28 @@ def test_a_closed_pipe_ends_quietly(store) -> None:
     assert process.returncode == 141 and b"Traceback" not in err and b"Exception" not in err
 
 
+# Ctrl-C that lands while the command imports trio (a finder on the import path sends it).
+_INTERRUPTED_IMPORT = """
+import importlib.abc, os, runpy, signal, sys
+class Interrupt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "trio":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, Interrupt())
+sys.argv = ["engram-trio", "stats", sys.argv[1]]
+runpy.run_module("engine", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ctrl_c_during_the_first_imports_exits_130_without_a_traceback(tmp_path) -> None:
+    """The first second of a command is its imports: Ctrl-C there exits as it does later."""
+    done = subprocess.run([sys.executable, "-c", _INTERRUPTED_IMPORT, str(tmp_path / "s")],
+                          capture_output=True, timeout=60)
+    assert done.returncode == 130 and b"Traceback" not in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "s").exists()  # stopped before the command ran
+
+
 def test_serve_stops_on_ctrl_c_with_exit_130(tmp_path) -> None:
     """SIGINT stops `serve` gracefully: the engine closes, exit 130, no traceback."""
     with subprocess.Popen([sys.executable, "-m", "engine", "serve", str(tmp_path / "s"),
