@@ -70,6 +70,14 @@ def _closed_error() -> EngineClosed:
     return EngineClosed("the engine is closed; open a new one with Engine.open(path)")
 
 
+def _cancelled(exc: BaseException) -> bool:
+    """Whether ``exc`` is trio's cancellation alone: ``Cancelled``, or a group of nothing else
+    (the engine's own nurseries wrap it so)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(trio.Cancelled)[1] is None
+    return isinstance(exc, trio.Cancelled)
+
+
 class Engine(_bridge.Settings):
     """An open engine on asyncio. Get one with ``async with engine.aio.Engine.open(path)``;
     every coroutine method of :class:`engine.Engine` is here with the same arguments.
@@ -179,11 +187,31 @@ class Engine(_bridge.Settings):
 
     # -- calls -------------------------------------------------------------------------------
 
-    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run ``await fn(*args, **kwargs)`` as a task on the trio loop; await its result."""
+    def _reachable(self) -> asyncio.AbstractEventLoop:
+        """The engine's asyncio loop, once calls can reach the engine through it."""
         if self._closed:
             raise _closed_error()
-        loop = self._loop
+        if self._loop.is_closed():  # closed with the engine open: its trio run went with it
+            raise EngineClosed("the engine cannot be reached: the asyncio loop it was opened "
+                               "on is closed; open the engine in the loop that uses it, with "
+                               "`async with Engine.open(path)`")
+        return self._loop
+
+    def _check_running_loop(self) -> None:
+        """Refuse a caller on another loop or thread: its trio run is not there to reach."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._loop:
+            raise RuntimeError("this engine serves the asyncio loop it was opened on, and it "
+                               "was called from another loop or thread; open one engine per "
+                               "loop, or use engine.sync.Engine from threads")
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``await fn(*args, **kwargs)`` as a task on the trio loop; await its result."""
+        loop = self._reachable()
+        self._check_running_loop()
         future = loop.create_future()
         scope = trio.CancelScope()
 
@@ -210,12 +238,14 @@ class Engine(_bridge.Settings):
             with scope:
                 try:
                     result = await fn(*args, **kwargs)
-                except trio.Cancelled:
+                except BaseException as exc:
+                    if not _cancelled(exc):
+                        hand(outcome.Error(exc))
+                        return
+                    # The engine closes under the call (if its caller left instead, the
+                    # future is settled already and this is dropped).
                     hand(outcome.Error(EngineClosed("the engine closed while this call ran")))
                     raise
-                except BaseException as exc:
-                    hand(outcome.Error(exc))
-                    return
                 hand(outcome.Value(result))
                 return
             hand(None)  # cancelled from the asyncio side before it finished
@@ -271,9 +301,9 @@ class Engine(_bridge.Settings):
             trio.WouldBlock: the store's queue is full; ``await add_turn(...)`` waits instead.
             InvalidInput / EngineClosed: as :meth:`engine.Engine.add_turn`.
         """
-        if self._closed:
-            raise _closed_error()
+        self._reachable()
         if self._guest:
+            self._check_running_loop()  # the window belongs to the trio run on this thread
             # No wake-up call needed: if this reschedules the store's writer while trio waits
             # for I/O, trio's guest mode forces a tick itself (Runner.reschedule), and if the
             # writer is busy committing it takes the turn with its next batch.

@@ -12,15 +12,17 @@ own; each call is handed to it with ``trio.from_thread.run`` and blocks the call
             print(hit.text)
 
 Leaving the ``with`` block (normally, by an exception or by Ctrl-C) closes the engine and
-drains what was acknowledged to disk before it returns.
+drains what was acknowledged to disk before it returns; an engine still open when the
+interpreter exits (a notebook, a script that never left the block) is closed then.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import datetime
 from typing import Any
 
@@ -82,22 +84,39 @@ class Engine(_bridge.Settings):
             result.append(outcome.capture(trio.run, trio_main))
             ready.set()
 
+        def close() -> None:
+            """Stop the engine (it drains what was acknowledged) and wait for its thread. The
+            stop goes through the token's queue, which trio.from_thread would refuse a trio
+            task: a blocking engine opened in one closes there too."""
+            facade._closed = True
+            with suppress(trio.RunFinishedError):  # it stopped already (it broke): see result
+                facade._token.run_sync_soon(holder["stop"].set)
+            thread.join()
+
         thread = threading.Thread(target=thread_main, name="engram-trio", daemon=True)
         thread.start()
-        ready.wait()
+        try:
+            ready.wait()
+        except BaseException:
+            # Interrupted while opening (Ctrl-C during a slow model load): let the open
+            # finish, then close what it opened, so no engine is left holding the store.
+            ready.wait()
+            if not result:
+                close()
+            raise
         if result:  # the open failed (or ended) before it was ready
             thread.join()
             result[0].unwrap()
             raise EngineClosed("the engine stopped before it was ready")
+        # A script or a notebook that ends with the engine open: close it while the
+        # interpreter still runs threads (at its finalisation the engine's daemon thread is
+        # frozen, and the close below, run by garbage collection, would wait for it forever).
+        atexit.register(close)
         try:
             yield facade
         finally:
-            facade._closed = True
-            try:
-                trio.from_thread.run_sync(holder["stop"].set, trio_token=facade._token)
-            except trio.RunFinishedError:
-                pass  # the engine already stopped (it broke); its error is below
-            thread.join()
+            atexit.unregister(close)
+            close()
             result[0].unwrap()
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

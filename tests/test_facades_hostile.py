@@ -1,0 +1,285 @@
+"""The asyncio and blocking facades as bots, web apps, notebooks and scripts misuse them:
+calls cut short, engines closed under running calls, loops that end first, interruptions
+while opening, engines never closed. Each misuse ends in an error of the engine's own type
+(or the caller's own interruption) and leaves the store usable."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+
+import pytest
+import trio
+
+from engine import EngineClosed, HashEmbedder, NotFound, StoreInUse
+from engine import aio, sync
+
+trio_loops = pytest.mark.parametrize("trio_loop", ["guest", "thread"])
+
+# A script's child process must be done within this many seconds (it takes about one).
+CHILD_SECONDS = 30
+
+
+class GatedEmbedder(HashEmbedder):
+    """Embeds as HashEmbedder does, but holds any batch with "GATE" in it until ``gate`` is set,
+    so a recall can be caught in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()  # set when a gated batch reaches the embedder
+        self.gate = threading.Event()  # set by the test to let the gated batch through
+
+    def encode(self, texts: list[str]):
+        if any("GATE" in text for text in texts):
+            self.entered.set()
+            self.gate.wait(CHILD_SECONDS)
+        return super().encode(texts)
+
+
+def run_child(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a fresh interpreter; it must exit by itself, and soon."""
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
+                          text=True, timeout=CHILD_SECONDS)
+
+
+def history(path) -> list[str]:
+    with sync.Engine.open(path, embedder=HashEmbedder()) as mem:
+        return [t.text for t in mem.session_history("ana", "s1")]
+
+
+# -- asyncio -----------------------------------------------------------------------------------
+
+
+@trio_loops
+def test_a_call_in_flight_when_the_asyncio_engine_closes_gets_engine_closed(
+        tmp_path, trio_loop) -> None:
+    """A handler's recall still running when the engine closes (the bot shuts down) ends in
+    EngineClosed, not in a group of trio's Cancelled that `except Exception` cannot catch."""
+
+    async def main() -> None:
+        embedder = GatedEmbedder()
+        async with aio.Engine.open(tmp_path / "s", embedder=embedder,
+                                   trio_loop=trio_loop) as mem:
+            await mem.add_turn("ana", "s1", "user", "hello", durable=True)
+            call = asyncio.ensure_future(mem.recall("ana", "GATE hello"))
+            await asyncio.to_thread(embedder.entered.wait, CHILD_SECONDS)
+
+            async def release_once_settled() -> None:
+                await asyncio.wait({call})
+                embedder.gate.set()  # the close waits for the embedder's thread
+
+            releaser = asyncio.ensure_future(release_once_settled())
+        await releaser
+        with pytest.raises(EngineClosed, match="closed while this call ran"):
+            await call
+
+    asyncio.run(main())
+
+
+@trio_loops
+def test_asyncio_calls_time_out_midway_and_every_acknowledged_write_stays(
+        tmp_path, trio_loop) -> None:
+    """Timeouts that cancel a recall and durable add_turns in flight cancel them on the trio
+    side; the engine goes on, and every turn a call acknowledged is in the store afterwards."""
+
+    async def main() -> None:
+        embedder = GatedEmbedder()
+        async with aio.Engine.open(tmp_path / "s", embedder=embedder,
+                                   trio_loop=trio_loop) as mem:
+            recall = asyncio.ensure_future(mem.recall("ana", "GATE hello"))
+            await asyncio.to_thread(embedder.entered.wait, CHILD_SECONDS)
+            recall.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await recall
+            embedder.gate.set()
+
+            writes = [asyncio.ensure_future(mem.add_turn("ana", "s1", "user", f"turn {n}",
+                                                         durable=True)) for n in range(40)]
+            await asyncio.sleep(0)  # each write is handed to the trio loop
+            for write in writes[::2]:
+                write.cancel()
+            done = await asyncio.gather(*writes, return_exceptions=True)
+            assert all(isinstance(d, asyncio.CancelledError) for d in done[::2]), done
+            acknowledged = {f"turn {n}" for n in range(1, 40, 2)}
+            await mem.flush()
+            stored = {t.text for t in await mem.session_history("ana", "s1", limit=100)}
+            assert acknowledged <= stored
+            with pytest.raises(NotFound):
+                await mem.update_note("ana", "no-such-note", "text")
+        assert {t for t in history(tmp_path / "s")} == stored
+
+    asyncio.run(main())
+
+
+LOOP_CLOSED_SCRIPT = """
+import asyncio, sys
+from engine import EngineClosed, HashEmbedder
+from engine.aio import Engine
+
+loop = asyncio.new_event_loop()
+
+async def open_engine():
+    context = Engine.open(sys.argv[1], embedder=HashEmbedder(), trio_loop=sys.argv[2])
+    mem = await context.__aenter__()
+    await mem.add_turn("ana", "s1", "user", "durable", durable=True)
+    return context, mem
+
+context, mem = loop.run_until_complete(open_engine())
+loop.close()  # without shutdown_asyncgens: the engine is never closed
+
+async def later():
+    try:
+        await mem.recall("ana", "durable")
+    except EngineClosed as exc:
+        print("EngineClosed:", exc)
+    try:
+        mem.add_turn_nowait("ana", "s1", "user", "too late")
+    except EngineClosed as exc:
+        print("EngineClosed:", exc)
+
+asyncio.run(later())
+"""
+
+
+@trio_loops
+def test_asyncio_calls_after_the_engines_loop_closed_say_engine_closed(
+        tmp_path, trio_loop) -> None:
+    """The loop an engine was opened on is closed with the engine open (pytest-asyncio, a
+    script's own loop); a call from a later loop says EngineClosed and what happened."""
+    child = run_child(LOOP_CLOSED_SCRIPT, str(tmp_path / "s"), trio_loop)
+    assert child.returncode == 0, child.stderr
+    lines = child.stdout.splitlines()
+    assert len(lines) == 2 and all("loop it was opened on is closed" in line
+                                   for line in lines), child.stdout + child.stderr
+
+
+@trio_loops
+def test_an_asyncio_engine_called_from_another_threads_loop_refuses_clearly(
+        tmp_path, trio_loop) -> None:
+    """A second bot on a loop of its own thread calls the first loop's engine: refused, saying
+    why, with nothing started; the engine goes on serving its own loop."""
+
+    async def main() -> None:
+        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder(),
+                                   trio_loop=trio_loop) as mem:
+
+            async def elsewhere() -> None:
+                with pytest.raises(RuntimeError, match="serves the asyncio loop it was opened"):
+                    await mem.add_turn("ana", "s1", "user", "from elsewhere")
+                if trio_loop == "guest":  # on a trio thread of its own it is a round trip
+                    with pytest.raises(RuntimeError, match="called from another loop"):
+                        mem.add_turn_nowait("ana", "s1", "user", "from elsewhere")
+
+            await asyncio.to_thread(asyncio.run, elsewhere())
+            await mem.add_turn("ana", "s1", "user", "at home", durable=True)
+            assert [t.text for t in await mem.session_history("ana", "s1")] == ["at home"]
+
+    asyncio.run(main())
+
+
+# -- blocking ----------------------------------------------------------------------------------
+
+
+async def test_the_blocking_facade_opened_in_a_trio_task_refuses_calls_there_and_closes(
+        tmp_path) -> None:
+    """Inside a trio task the blocking facade refuses its calls (they would stall the loop)
+    instead of deadlocking, serves trio's worker threads, and its close does close the
+    engine: the store opens again at once."""
+    with trio.fail_after(CHILD_SECONDS):
+        with sync.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+            with pytest.raises(RuntimeError, match="blocking"):
+                mem.stats()
+            await trio.to_thread.run_sync(
+                lambda: mem.add_turn("ana", "s1", "user", "from a worker", durable=True))
+        assert await trio.to_thread.run_sync(history, tmp_path / "s") == ["from a worker"]
+
+
+def test_the_blocking_facade_serves_threads_while_another_closes_it(tmp_path) -> None:
+    """Threads calling while the owner closes the engine get a result or EngineClosed, never
+    a hang, and every acknowledged durable write is in the store."""
+    acknowledged: list[str] = []
+    outcomes: list[BaseException | None] = []
+    started = threading.Barrier(9)
+
+    with sync.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+
+        def worker(n: int) -> None:
+            started.wait()
+            try:
+                for i in range(200):
+                    mem.add_turn("ana", "s1", "user", f"{n}-{i}", durable=True)
+                    acknowledged.append(f"{n}-{i}")
+            except BaseException as exc:  # handed to the test thread below
+                outcomes.append(exc)
+            else:
+                outcomes.append(None)
+
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+        for t in threads:
+            t.start()
+        started.wait()
+    for t in threads:
+        t.join(CHILD_SECONDS)
+    assert not any(t.is_alive() for t in threads)
+    assert all(o is None or isinstance(o, EngineClosed) for o in outcomes), outcomes
+    with sync.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+        with pytest.raises(StoreInUse):
+            with sync.Engine.open(tmp_path / "s", embedder=HashEmbedder()):
+                pass
+        stored = {t.text for t in mem.session_history("ana", "s1", limit=2000)}
+    assert set(acknowledged) <= stored
+
+
+UNCLOSED_SCRIPT = """
+import sys
+from engine import HashEmbedder
+from engine.sync import Engine
+
+context = Engine.open(sys.argv[1], embedder=HashEmbedder())
+mem = context.__enter__()  # a notebook's cell: opened, used, never closed
+mem.add_turn("ana", "s1", "user", "durable", durable=True)
+mem.add_turn("ana", "s1", "user", "buffered")
+print("wrote", flush=True)
+"""
+
+
+def test_a_script_that_never_closes_the_blocking_facade_exits_and_keeps_its_turns(
+        tmp_path) -> None:
+    """A script exits with its blocking engine open: it exits at once (no hang at interpreter
+    exit), and the store opens again with its turns."""
+    child = run_child(UNCLOSED_SCRIPT, str(tmp_path / "s"))
+    assert (child.returncode, child.stdout) == (0, "wrote\n"), child.stderr
+    assert history(tmp_path / "s") == ["durable", "buffered"]
+
+
+# The child takes Ctrl-C as a terminal's program does even when the suite runs as a background
+# job (see test_facades.CTRL_C_SCRIPT); its embedder's load() presses Ctrl-C mid-open.
+INTERRUPTED_OPEN_SCRIPT = """
+import signal, sys, threading
+from engine import HashEmbedder, StoreInUse
+from engine.sync import Engine
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
+class CtrlCWhileLoading(HashEmbedder):
+    def load(self):
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+try:
+    with Engine.open(sys.argv[1], embedder=CtrlCWhileLoading()):
+        print("opened")
+except KeyboardInterrupt:
+    print("interrupted")
+with Engine.open(sys.argv[1], embedder=HashEmbedder()) as mem:
+    print("reopened", mem.list_sessions("ana"))
+"""
+
+
+def test_ctrl_c_while_the_blocking_facade_opens_closes_what_it_opened(tmp_path) -> None:
+    """Ctrl-C while the engine opens (a slow model load in a notebook) interrupts the open and
+    leaves no engine behind: the store opens again at once instead of StoreInUse."""
+    child = run_child(INTERRUPTED_OPEN_SCRIPT, str(tmp_path / "s"))
+    assert child.returncode == 0, child.stderr
+    assert child.stdout == "interrupted\nreopened []\n", child.stdout + child.stderr
