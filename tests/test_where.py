@@ -144,6 +144,13 @@ async def test_linked_memories_pass_the_filter_too(store_path) -> None:
     ({}, "where", "expected at least one condition, found an empty filter"),
     ("channel=web", "where", "expected a filter object"),
     ({"x": {"gt": float("nan")}}, "where.x.gt", "expected a finite number"),
+    # Numbers and text no stored value can equal, which the index cannot take either.
+    ({"n": 2**63}, "where.n.eq", "expected an integer from -2**63 to 2**63-1, found 9223"),
+    ({"n": {"in": [1, -10**30]}}, "where.n.in[1]", "expected an integer from -2**63"),
+    ({"n": {"gt": 10**400}}, "where.n.gt", "expected an integer from -2**63"),
+    ({"n": {"lt": -10**5000}}, "where.n.lt", "found one of 16610 bits"),
+    ({"lang": "e\ud800n"}, "where.lang.eq", "expected text encodable as UTF-8"),
+    ({"la\udc00ng": "en"}, "where", "expected text encodable as UTF-8"),
 ])
 async def test_a_bad_filter_is_refused_with_what_was_expected(mem, where, field, message) -> None:
     with pytest.raises(InvalidInput) as err:

@@ -48,11 +48,12 @@ def _check_string(field: str, value: Any, max_chars: int, fix: str) -> str:
             field, f"expected at most {max_chars} characters, found {len(value)}; {fix}"
         )
     if not value.isascii():
-        _check_utf8(field, value)
+        check_utf8(field, value)
     return value
 
 
-def _check_utf8(field: str, value: str) -> None:
+def check_utf8(field: str, value: str) -> None:
+    """Text every store and index can hold: encodable as UTF-8 (no lone surrogate)."""
     try:
         value.encode()
     except UnicodeEncodeError as exc:
@@ -141,17 +142,25 @@ def check_at(value: Any, field: str = "at") -> datetime:
     return value
 
 
+def check_int(field: str, value: int, advice: str = "") -> None:
+    """An int metadata can hold: what msgpack and every index round-trip."""
+    if not MIN_INT <= value <= MAX_INT:
+        # Past a few thousand digits Python refuses to print an int: say its size instead.
+        shown = value if value.bit_length() <= 256 else f"one of {value.bit_length()} bits"
+        raise InvalidInput(field, f"expected an integer from -2**63 to 2**63-1, found "
+                                  f"{shown}{advice}")
+
+
 def _check_json(value: Any, path: str, depth: int) -> None:
     if depth > 32:
         raise InvalidInput(path, "expected JSON nested at most 32 levels deep, found deeper")
     if isinstance(value, _JSON_SCALARS):
         if isinstance(value, float) and not math.isfinite(value):
             raise InvalidInput(path, f"expected a JSON value, found {value!r} (not valid JSON)")
-        if isinstance(value, int) and not MIN_INT <= value <= MAX_INT:
-            raise InvalidInput(path, f"expected an integer from -2**63 to 2**63-1, found "
-                                     f"{value}; store a larger number as a string")
+        if isinstance(value, int):
+            check_int(path, value, "; store a larger number as a string")
         if isinstance(value, str) and not value.isascii():
-            _check_utf8(path, value)
+            check_utf8(path, value)
         return
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
@@ -162,7 +171,7 @@ def _check_json(value: Any, path: str, depth: int) -> None:
             if type(key) is not str:
                 raise InvalidInput(path, f"expected string keys, found key {_found(key)}")
             if not key.isascii():
-                _check_utf8(path, key)
+                check_utf8(path, key)
             _check_json(item, f"{path}[{key!r}]", depth + 1)
         return
     raise InvalidInput(path, f"expected a JSON-serialisable value, found {_found(value)}")

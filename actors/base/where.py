@@ -31,6 +31,7 @@ import re
 from typing import Any
 
 from .errors import InvalidInput
+from .validate import check_int, check_utf8
 
 __all__ = ["OPERATORS", "RECORD_FIELDS", "Node", "attributes", "conjunction", "parse",
            "regex_escape", "string_leaves", "turn_tags"]
@@ -202,6 +203,8 @@ def _found(value: Any) -> str:
 def _path(name: Any, where: str) -> tuple[str, ...]:
     if type(name) is not str:
         raise InvalidInput(where, f"expected field names as strings, found {_found(name)}")
+    if not name.isascii():
+        check_utf8(where, name)
     if name.startswith("meta."):
         space, rest = "m", name[5:]
     elif name in RECORD_FIELDS:
@@ -216,15 +219,26 @@ def _path(name: Any, where: str) -> tuple[str, ...]:
     return (space, *segments)
 
 
+def _in_range(value: int | float, field: str) -> None:
+    """A number a stored value can equal: finite, or an int that metadata can hold (past
+    that range the index cannot compare it, nor a float hold it)."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidInput(field, f"expected a finite number, found {value!r}")
+    else:
+        check_int(field, value)
+
+
 def _scalar(value: Any, field: str, kind: type | None) -> Any:
     if _number(value):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise InvalidInput(field, f"expected a finite number, found {value!r}")
+        _in_range(value, field)
         if kind is str:
             raise InvalidInput(field, f"expected a string ({field.split('.')[-2]} is text), "
                                       f"found {_found(value)}")
         return value
     if type(value) is str:
+        if not value.isascii():
+            check_utf8(field, value)
         if len(value) > MAX_VALUE_CHARS:
             raise InvalidInput(field, f"expected at most {MAX_VALUE_CHARS} characters, found "
                                       f"{len(value)}")
@@ -331,8 +345,9 @@ def _conditions(name: Any, value: Any, field: str, count: list[int]) -> list[Nod
                                        f"{len(operand)}")
             operand = tuple(_scalar(v, f"{at}[{i}]", kind) for i, v in enumerate(operand))
         elif op in _RANGES:
-            if not _number(operand) or not math.isfinite(operand):
+            if not _number(operand):
                 raise InvalidInput(at, f"expected a finite number, found {_found(operand)}")
+            _in_range(operand, at)
             if kind is str:
                 raise InvalidInput(at, f"expected a field holding numbers ({name} is text), "
                                        f"found {op} {operand!r}")

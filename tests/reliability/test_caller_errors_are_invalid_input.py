@@ -16,9 +16,11 @@ from ..conftest import open_engine
 TURN = {"user_id": "ana", "session_id": "s", "role": "user", "text": "hello"}
 
 
-@pytest.mark.parametrize("n", [2**70, -(2**70), 2**63, -(2**63) - 1])
+@pytest.mark.parametrize("n", [2**70, -(2**70), 2**63, -(2**63) - 1,
+                               pytest.param(10**5000, id="10**5000")])
 async def test_an_integer_msgpack_cannot_hold_is_refused(mem: Engine, n: int) -> None:
-    """meta={"n": 2**70} is InvalidInput naming meta['n'], not an OverflowError."""
+    """meta={"n": 2**70} is InvalidInput naming meta['n'], not an OverflowError (nor, for an int
+    too long to print, a ValueError)."""
     with pytest.raises(InvalidInput, match=r"expected an integer from -2\*\*63 to 2\*\*63-1") as info:
         await mem.add_turn("ana", "s", "user", "hi", meta={"n": n})
     assert info.value.field == "meta['n']"
