@@ -8,7 +8,7 @@ import hmac
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from urllib.parse import unquote
+from urllib.parse import unquote, unquote_to_bytes
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -112,7 +112,8 @@ class Caller:
 
 
 def routed_path(scope: dict) -> str:
-    """The path the routes match: each segment decoded, with '%' and '/' in it kept escaped."""
+    """The path the routes match: each segment decoded, with '%' and '/' in it kept escaped
+    (escapes that are not UTF-8 as U+FFFD: :func:`check_escapes` refuses those first)."""
     raw = scope.get("raw_path")
     if raw is None:  # a server without raw_path: its decoded path, every '%' kept literal
         return scope["path"].replace("%", "%25")
@@ -120,6 +121,24 @@ def routed_path(scope: dict) -> str:
         return scope["path"]  # nothing was escaped: the decoded path is the path as sent
     return "/".join(unquote(part).replace("%", "%25").replace("/", "%2F")
                     for part in raw.decode("utf-8", "replace").split("/"))
+
+
+def check_escapes(scope: dict) -> None:
+    """Refuse a path or query string that is not UTF-8 once unescaped (``%FF``): decoded
+    leniently, as servers and frameworks do, it would hold U+FFFD, and distinct ids ("x%FE",
+    "x%FF") would name one user.
+
+    Raises:
+        InvalidInput: ``path`` or ``query``, with where the bad byte is.
+    """
+    for where, raw in (("path", scope.get("raw_path")), ("query", scope.get("query_string"))):
+        if raw and (b"%" in raw or not raw.isascii()):
+            try:
+                unquote_to_bytes(raw).decode()
+            except UnicodeDecodeError as exc:
+                raise InvalidInput(where, f"expected UTF-8 once unescaped, found {exc.reason} "
+                                          f"at byte {exc.start}; encode ids as UTF-8, then "
+                                          "percent-escape them") from None
 
 
 class IdConvertor(Convertor[str]):
@@ -192,6 +211,13 @@ class Edge:
             return
         started = time.perf_counter()
         status = 500
+        try:
+            check_escapes(scope)
+        except InvalidInput as exc:
+            response = error_response(422, "InvalidInput", str(exc), exc.field)
+            await response(scope, receive, send)
+            self._count(scope, 422, started)
+            return
         path = routed_path(scope)
         if path != scope["path"]:
             scope = {**scope, "path": path}
@@ -212,6 +238,10 @@ class Edge:
                 await response(scope, receive, send)
                 self._count(scope, 413, started)
                 return
+        # HEAD is GET without the body (RFC 9110 9.3.2), which every server must answer; the
+        # routes declare GET only. watched_send drops the body and keeps its length.
+        head = scope["method"] == "HEAD"
+        routed = {**scope, "method": "GET"} if head else scope
         seen = 0
         too_large = False  # the body passed the limit while streaming: answer 413 ourselves
         started_response = False
@@ -236,10 +266,12 @@ class Edge:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 started_response = True
+            elif head and message.get("body"):
+                message = {**message, "body": b""}
             await send(message)
 
         try:
-            await self.app(scope, counted_receive, watched_send)
+            await self.app(routed, counted_receive, watched_send)
         except Exception:
             if not too_large:
                 raise
@@ -249,7 +281,7 @@ class Edge:
                 response = error_response(413, "TooLarge", f"expected a body of at most "
                                                            f"{self.max_body} bytes, found more")
                 await response(scope, receive, send)
-            self._count(scope, status, started)
+            self._count({**routed, "method": "HEAD"} if head else routed, status, started)
 
     def _count(self, scope: dict, status: int, started: float) -> None:
         route = scope.get("route")

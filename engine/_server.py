@@ -17,9 +17,11 @@ through are ``_http_edge.py``; the request bodies and responses ``_http_wire.py`
 
 # No `from __future__ import annotations`: FastAPI reads the route signatures at run time, and
 # the dependency aliases (User, Who) are local to create_app.
+import errno
 import gc
 import ipaddress
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -135,8 +137,9 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            raise HTTPException(401, "expected 'Authorization: Bearer <key>', found "
-                                     + ("none" if not header else f"a {scheme or 'bare'} header"),
+            # Never echo the header: a key sent without its scheme would be in the answer.
+            found = "none" if not header else "a header with no 'Bearer ' scheme"
+            raise HTTPException(401, f"expected 'Authorization: Bearer <key>', found {found}",
                                 headers={"WWW-Authenticate": "Bearer"})
         known, users = keys.lookup(key.strip())
         if not known:
@@ -183,8 +186,16 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0]
-        where = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
-        field = ".".join(where) or "body"
+        loc = tuple(first.get("loc", ()))
+        if first.get("type") == "json_invalid":  # FastAPI puts the offset in loc, pydantic not
+            at = "".join(f" at character {p}" for p in loc[1:2] if isinstance(p, int))
+            detail = first.get("ctx", {}).get("error") or first.get("msg", "")
+            return error_response(422, "InvalidInput", f"body: expected a JSON object, found "
+                                                       f"invalid JSON ({detail}{at})", "body")
+        # The first place says where the value came from; a field may be *named* query or path.
+        if loc and loc[0] in ("body", "query", "path", "header", "cookie"):
+            loc = loc[1:]
+        field = ".".join(str(p) for p in loc) or "body"
         found = first.get("input")
         message = f"{field}: {first.get('msg', 'invalid')}"
         if not isinstance(found, (dict, list)) and found is not None:
@@ -193,6 +204,11 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 400:
+            # No route raises 400: it is FastAPI's for a body it could not read (not UTF-8),
+            # the body's fault like any other bad JSON.
+            return error_response(422, "InvalidInput", "body: expected a JSON object in UTF-8, "
+                                                       "found bytes that are not", "body")
         names = {401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 405: "MethodNotAllowed"}
         return error_response(exc.status_code, names.get(exc.status_code, "HTTPError"),
                               str(exc.detail), headers=getattr(exc, "headers", None))
@@ -459,6 +475,13 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
                         arguments: Annotated[dict[str, Any], Body(
                             examples=[{"user_id": "maya", "query": "dog"}])]) -> Response:
         """Run one agent tool; ``arguments`` as the tool's schema says (``user_id`` included)."""
+        try:
+            msgspec.json.encode(arguments)
+        except UnicodeEncodeError:
+            # FastAPI's JSON parser keeps "\ud800" escapes, which no store or index can hold
+            # (the other routes' parser refuses them).
+            raise InvalidInput("arguments", "expected text encodable as UTF-8, found a lone "
+                                            "surrogate escape (\\ud800-\\udfff)") from None
         user_id = arguments.get("user_id")
         if isinstance(user_id, str):
             who.check(user_id)
@@ -478,7 +501,14 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     async def snapshot(body: SnapshotIn, who: Who) -> Response:
         """A point-in-time snapshot to a directory on the server, taken while serving."""
         who.check_admin()
-        manifest = await engine.snapshot(body.dest)
+        dest = Path(_snapshot_dest(body.dest))
+        try:
+            manifest = await engine.snapshot(dest)
+        except OSError as exc:
+            if exc.errno not in _DEST_ERRNOS:
+                raise
+            raise InvalidInput("dest", f"expected a directory the server can create, found "
+                                       f"{exc.strerror} for {exc.filename}") from exc
         ui.state.journal.snapshot_taken(body.dest, manifest)  # the operator view lists it
         return Response(msgspec.json.encode(manifest), media_type="application/json")
 
@@ -499,6 +529,24 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
 
 
 BodyModel = TypeVar("BodyModel", bound=BaseModel)
+
+# What a dest the server cannot write at answers (the caller's path, not the server's failure).
+_DEST_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES,
+                errno.EPERM, errno.EROFS, errno.ENAMETOOLONG, errno.ELOOP, errno.EINVAL}
+
+
+def _snapshot_dest(dest: str) -> str:
+    """A snapshot's ``dest`` as the server can use it: absolute (a relative one would land in
+    the server's working directory, which no client knows) and a path the OS can name."""
+    if "\x00" in dest:
+        raise InvalidInput("dest", f"expected a path, found a NUL character in {dest!r}")
+    try:
+        os.fsencode(dest)
+    except UnicodeEncodeError:
+        raise InvalidInput("dest", f"expected a path, found a lone surrogate in {dest!r}") from None
+    if not os.path.isabs(dest):
+        raise InvalidInput("dest", f"expected an absolute path on the server, found {dest!r}")
+    return dest
 
 
 def _declare_answers(spec: dict[str, Any]) -> None:

@@ -1,0 +1,282 @@
+"""The HTTP face against hostile or careless clients: whatever a caller sends is a JSON 4xx
+naming what was wrong, never a 5xx, and never lands under an id it did not mean."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import trio
+
+from engine._server import create_app, load_api_keys, serve
+
+from .test_server import ADMIN_KEY, ANA_KEY, _free_port, seg
+
+
+def lenient(app, key: str | None = None) -> httpx.AsyncClient:
+    """A client that sees a 500 as an answer, as a remote one would, not as a raised error."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+                             base_url="http://engram", headers=headers)
+
+
+def invalid(response: httpx.Response, field: str) -> str:
+    """Assert a 422 InvalidInput naming ``field``; its message."""
+    assert response.status_code == 422, response.text
+    assert response.json()["error"] == "InvalidInput", response.text
+    assert response.json()["field"] == field, response.text
+    return response.json()["message"]
+
+
+async def test_a_body_field_named_query_is_named_in_its_422(mem) -> None:
+    """A field called `query` (recall's, seed 001's) is named like any other, not as `body`;
+    query-string and other body fields still are."""
+    async with lenient(create_app(mem)) as http:
+        invalid(await http.post("/v1/users/ana/recall", json={"query": 5}), "query")
+        invalid(await http.post("/v1/users/ana/recall", json={}), "query")
+        for route in ("/v1/retrieve_memory", "/v1/retrieve_memory/raw",
+                      "/v1/context_pre_retrieve"):
+            invalid(await http.post(route, json={"user_id": "ana", "query": ["x"]}), "query")
+        invalid(await http.post("/v1/users/ana/recall", json={"query": "x", "limit": 0}),
+                "limit")
+        invalid(await http.get("/v1/users/ana/sessions/s1/turns", params={"limit": 0}), "limit")
+
+
+async def test_malformed_json_is_a_422_on_the_body_on_every_route(mem) -> None:
+    """Broken JSON, or bytes that are not UTF-8, are the body's fault (422, field `body`) on
+    the routes FastAPI parses as on those that parse their own: no offset posing as a field,
+    no bare 400."""
+    async with lenient(create_app(mem)) as http:
+        for url in ("/v1/users/ana/sessions/s1/turns", "/v1/users/ana/notes",
+                    "/v1/users/ana/turns", "/v1/retrieve_memory", "/v1/tools/search_memory"):
+            for content in (b"{", b'{"text": "x"} trailing', b'{"text": "\xff"}'):
+                message = invalid(await http.post(url, content=content), "body")
+                assert "JSON" in message, (url, content, message)
+
+
+async def test_invalid_utf8_in_a_path_or_query_is_422_never_another_id(mem) -> None:
+    """Percent-escapes that are not UTF-8 (%FF, an encoded lone surrogate) are refused, not
+    replaced by U+FFFD, which would make distinct ids ("x%FE", "x%FF") one user; escapes that
+    are UTF-8 (an emoji) still reach their id."""
+    async with lenient(create_app(mem)) as http:
+        turn = {"role": "user", "text": "hi", "durable": True}
+        for url in ("/v1/users/x%FE/sessions/s/turns", "/v1/users/x%FF/sessions/s/turns",
+                    "/v1/users/ana/sessions/s%ED%A0%80/turns"):
+            invalid(await http.post(url, json=turn), "path")
+        invalid(await http.get("/v1/users/ana/facts?category=%FF"), "query")
+        invalid(await http.delete("/v1/users/ana/scopes?agent_id=%FE"), "query")
+        assert (await http.get(f"/v1/users/{seg('x' + chr(0xFFFD))}/sessions")).json() == []
+        assert (await http.get("/v1/users/ana/sessions")).json() == []
+        emoji = await http.post("/v1/users/%F0%9F%98%80/sessions/s/turns", json=turn)
+        assert emoji.status_code == 201, emoji.text
+        assert [t["user_id"] for t in (await http.get(
+            f"/v1/users/{seg(chr(0x1F600))}/sessions/s/turns")).json()] == [chr(0x1F600)]
+
+
+async def test_tool_arguments_holding_a_lone_surrogate_are_422_not_5xx(mem) -> None:
+    """The tool route's JSON parser lets "\\ud800" through (the others refuse it); text that
+    UTF-8 cannot hold is refused before the engine sees it, wherever it sits."""
+    async with lenient(create_app(mem)) as http:
+        url = "/v1/tools/search_memory"
+        for arguments in (rb'{"user_id": "ana", "query": "x", "where": {"\ud800": 1}}',
+                          rb'{"user_id": "ana", "query": "x", "where": {"a": "\udc00\ud800"}}',
+                          rb'{"user_id": "ana", "query": "\ud800"}'):
+            message = invalid(await http.post(url, content=arguments), "arguments")
+            assert "UTF-8" in message
+        fine = await http.post(url, json={"user_id": "ana", "query": "x", "where": {"a": "é"}})
+        assert fine.status_code == 200, fine.text
+
+
+async def test_a_snapshot_dest_the_server_cannot_use_is_422_naming_dest(
+        mem, tmp_path, monkeypatch) -> None:
+    """A relative dest (it would land in the server's working directory), NUL, a lone
+    surrogate, a name too long or a path through a file are the caller's mistakes: 422 on
+    `dest`, nothing written; an absolute new directory still works."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    (tmp_path / "a-file").write_text("not a directory")
+    async with lenient(create_app(mem)) as http:
+        for dest in ("relative", " ", str(tmp_path / "nul\x00byte"), str(tmp_path / "\ud800"),
+                     str(tmp_path / ("x" * 300)), str(tmp_path / "a-file" / "snap")):
+            sent = json.dumps({"dest": dest}).encode()  # "\ud800" escaped, as JSON allows
+            invalid(await http.post("/v1/snapshot", content=sent), "dest")
+        assert list(cwd.iterdir()) == []
+        ok = await http.post("/v1/snapshot", json={"dest": str(tmp_path / "snap")})
+        assert ok.status_code == 200, ok.text
+
+
+async def test_a_401_never_echoes_the_key_it_was_sent(mem, tmp_path) -> None:
+    """A key sent without its scheme (or with a tab for the space) is refused without being
+    written back into the answer, where logs and proxies would keep it."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"{ANA_KEY} ana\n")
+    async with lenient(create_app(mem, load_api_keys(keys))) as http:
+        for header in (ANA_KEY, f"Bearer\t{ANA_KEY}", f"Token {ANA_KEY}", f"{ANA_KEY} x"):
+            refused = await http.get("/v1/users/ana/sessions",
+                                     headers={"Authorization": header})
+            assert refused.status_code == 401, (header, refused.text)
+            assert ANA_KEY not in refused.text, (header, refused.text)
+            assert "no 'Bearer ' scheme" in refused.json()["message"], refused.text
+
+
+async def test_hostile_bodies_and_ids_never_get_a_5xx_and_leave_the_engine_usable(
+        mem, tmp_path) -> None:
+    """A sweep of wrong types, bad numbers, unicode edge cases and odd ids over the routes:
+    every answer is a JSON 2xx or 4xx, and another user's data is untouched afterwards."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"{ANA_KEY} ana\n{ADMIN_KEY} *\n")
+    app = create_app(mem, load_api_keys(keys), max_body_bytes=50_000)
+    async with lenient(app, ANA_KEY) as http, lenient(app, ADMIN_KEY) as admin:
+        kept = await admin.post("/v1/users/bo/sessions/s/turns",
+                                json={"role": "user", "text": "bo's", "durable": True})
+        assert kept.status_code == 201
+        turns = "/v1/users/ana/sessions/s1/turns"
+        values = [None, 0, -1, 10**20, 1.5, True, "", " ", [], {}, {"a": [1]}, "a\x00b",
+                  "\u202e\u05d0", "\U0001F600", "x" * 40_000]
+        for value in values:
+            for body in ({"role": "user", "text": value}, {"role": value, "text": "x"},
+                         {"role": "user", "text": "x", "at": value},
+                         {"role": "user", "text": "x", "meta": {"k": value}},
+                         {"role": "user", "text": "x", "agent_id": value}):
+                answer = await http.post(turns, json=body)
+                assert answer.status_code < 500 and answer.json(), (body, answer.text)
+            for url, body in (("/v1/users/ana/recall", {"query": "x", "limit": value}),
+                              ("/v1/users/ana/recall", {"query": value}),
+                              ("/v1/retrieve_memory", {"user_id": "ana", "query": "x",
+                                                       "episodic_limit": value}),
+                              ("/v1/context_pre_retrieve", {"user_id": "ana", "query": "x",
+                                                            "semantic_limit": value}),
+                              ("/v1/tools/search_memory", {"user_id": "ana", "query": "x",
+                                                           "limit": value}),
+                              ("/v1/users/ana/notes", {"text": value}),
+                              ("/v1/users/ana/facts", {"category": "c", "key": "k",
+                                                       "value": "v", "importance": value})):
+                answer = await http.post(url, json=body)
+                assert answer.status_code < 500, (url, body, answer.text)
+        for at in ("0001-01-01T00:00:00+14:00", "9999-12-31T23:59:59-14:00",
+                   "2026-03-01T09:00:00", "2026-13-01T00:00:00Z"):
+            invalid(await http.post(turns, json={"role": "user", "text": "x", "at": at}), "at")
+            invalid(await http.post("/v1/users/ana/recall", json={"query": "x", "as_of": at}),
+                    "as_of")
+        for ident in ("%2E%2E", "%2F", "%00", "a%20", "%F0%9F%98%80", "x" * 300, "%E2%80%AE"):
+            for method in ("GET", "POST", "DELETE", "HEAD", "OPTIONS"):
+                answer = await http.request(method, f"/v1/users/ana/sessions/{ident}/turns")
+                assert answer.status_code < 500, (method, ident, answer.text)
+        for limit in ("0", "-1", str(10**20), "1&limit=2", "nan"):
+            answer = await http.get(f"{turns}?limit={limit}")
+            assert answer.status_code < 500, (limit, answer.text)
+        for method in ("HEAD", "OPTIONS", "PATCH"):
+            assert (await http.request(method, "/v1/retrieve_memory")).status_code == 405
+        assert (await http.post(turns, content=b"x" * 60_000)).status_code == 413
+        assert (await http.post("/v1/users/ana/recall", json={"query": "x"})).status_code == 200
+        assert [t["text"] for t in (await admin.get("/v1/users/bo/sessions/s/turns")).json()] == [
+            "bo's"]
+
+
+async def test_a_key_for_one_user_cannot_reach_another_through_a_body(
+        mem, tmp_path) -> None:
+    """The seed-001 routes and the tools take the user from the body: another user's id there
+    is 403 however it is spelled (a duplicate key, the wrong type), and nothing is written."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"{ANA_KEY} ana\n")
+    async with lenient(create_app(mem, load_api_keys(keys)), ANA_KEY) as http:
+        for url in ("/v1/retrieve_memory", "/v1/retrieve_memory/raw",
+                    "/v1/context_pre_retrieve", "/v1/tools/search_memory"):
+            assert (await http.post(url, json={"user_id": "bo", "query": "x"})
+                    ).status_code == 403
+            # JSON's last duplicate wins, for the check and the call alike.
+            assert (await http.post(url, content=b'{"user_id": "ana", "user_id": "bo", '
+                                                 b'"query": "x"}')).status_code == 403
+            assert (await http.post(url, json={"user_id": ["bo"], "query": "x"})
+                    ).status_code == 422
+        for name, arguments in (("store_note", {"user_id": "bo", "text": "planted"}),
+                                ("remember_fact", {"user_id": "bo", "category": "c",
+                                                   "key": "k", "value": "v"}),
+                                ("store_note", {"text": "planted"})):
+            assert (await http.post(f"/v1/tools/{name}", json=arguments)).status_code in (
+                403, 422)
+    assert await mem.list_notes("bo") == [] and await mem.profile("bo") == []
+
+
+async def test_parallel_writes_to_one_session_keep_every_turn_in_its_order(mem) -> None:
+    """Many concurrent posts to one session, single and batched: each answered seq holds its
+    own text, seqs are dense, and every batch's turns stay contiguous and in order."""
+    async with lenient(create_app(mem)) as http:
+        url = "/v1/users/ana/sessions/s1/turns"
+        seq_of: dict[str, int] = {}
+
+        async def one(i: int) -> None:
+            answer = await http.post(url, json={"role": "user", "text": f"m{i}",
+                                                "durable": i % 4 == 0})
+            assert answer.status_code in (201, 202), answer.text
+            seq_of[f"m{i}"] = answer.json()["seq"]
+
+        async def batch(i: int) -> None:
+            answer = await http.post("/v1/users/ana/turns", json={"turns": [
+                {"session_id": "s1", "role": "user", "text": f"b{i}.{j}"} for j in range(4)]})
+            assert answer.status_code == 202, answer.text
+            for j, receipt in enumerate(answer.json()["turns"]):
+                seq_of[f"b{i}.{j}"] = receipt["seq"]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(60):
+                nursery.start_soon(one, i)
+                if i % 6 == 0:
+                    nursery.start_soon(batch, i)
+        history = (await http.get(url, params={"limit": 10_000})).json()
+        assert len(history) == len(seq_of) == 100
+        assert [t["seq"] for t in history] == list(range(100))
+        assert all(seq_of[t["text"]] == t["seq"] for t in history)
+        for i in range(0, 60, 6):
+            seqs = [seq_of[f"b{i}.{j}"] for j in range(4)]
+            assert seqs == list(range(seqs[0], seqs[0] + 4))
+        await mem.flush()
+        assert (await http.get(url, params={"limit": 10_000})).json() == history
+
+
+async def test_a_where_filter_with_an_integer_out_of_range_is_422(mem) -> None:
+    """An integer no index can hold (past 2**63, or past a float's range for gt/lt) is the
+    filter's fault: 422 naming it, not a 503 EngineBroken or a 500."""
+    async with lenient(create_app(mem)) as http:
+        for where, field in (({"a": 10**30}, "where.a"), ({"a": {"in": [-10**30]}}, "where.a"),
+                             ({"a": {"gt": 10**400}}, "where.a.gt")):
+            answer = await http.post("/v1/users/ana/recall", json={"query": "x", "where": where})
+            assert answer.status_code == 422, (where, answer.text)
+            assert answer.json()["field"].startswith(field), answer.text
+
+
+
+async def test_head_answers_as_get_without_the_body(mem, tmp_path) -> None:
+    """HEAD, which every HTTP server must support, is GET's status and headers with no body:
+    probes and user routes alike, keys checked as for GET; a route without GET stays 405."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"{ANA_KEY} ana\n")
+    app = create_app(mem, load_api_keys(keys))
+    async with lenient(app, ANA_KEY) as http, lenient(app) as anon:
+        for url in ("/healthz", "/v1/users/ana/sessions", "/v1/tools"):
+            got, head = await http.get(url), await http.head(url)
+            assert head.status_code == got.status_code == 200, (url, head.text)
+            assert head.content == b"" and head.headers["content-length"] == str(
+                len(got.content))
+        assert (await anon.head("/v1/users/ana/sessions")).status_code == 401
+        assert (await http.head("/v1/users/bo/sessions")).status_code == 403
+        assert (await http.head("/v1/retrieve_memory")).status_code == 405
+
+
+async def test_head_and_a_bad_escape_over_a_real_socket(tmp_path) -> None:
+    """Through Hypercorn (which decodes the path itself, and frames a HEAD answer with no
+    body): HEAD is answered, and a %FF in a path is a 422, not the user U+FFFD."""
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(lambda task_status: serve(
+            tmp_path / "store", port=_free_port(), say=lambda line: None,
+            handle_signals=False, config={"background_embedding": False},
+            task_status=task_status))
+        async with httpx.AsyncClient(base_url=binds[0], timeout=60) as http:
+            head = await http.head("/healthz")
+            assert head.status_code == 200 and head.content == b""
+            assert (await http.get("/healthz")).json() == {"status": "ok"}  # still in step
+            bad = await http.post("/v1/users/x%FF/sessions/s/turns",
+                                  json={"role": "user", "text": "hi", "durable": True})
+            assert (bad.status_code, bad.json()["field"]) == (422, "path")
+        nursery.cancel_scope.cancel()
