@@ -10,7 +10,7 @@ agent host cannot reach another user's memories by naming one).
 from __future__ import annotations
 
 import codecs
-import copy
+import json
 import os
 import sys
 from collections.abc import AsyncIterator
@@ -18,16 +18,18 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import mcp_types as types
 import msgspec
+import pydantic
 import trio
 from mcp.server.lowlevel import Server
-from mcp.server.stdio import stdio_server
+from mcp.shared.message import SessionMessage
 
 from actors.base.errors import EngineError
 
 from ._engine import Engine
-from ._tools import TOOLS
+from ._tools import TOOLS, call_tool as _call_tool, parameters
 
 __all__ = ["create_server", "run_stdio"]
 
@@ -36,12 +38,8 @@ def _schemas(user: str | None) -> dict[str, tuple[str, dict[str, Any]]]:
     """Tool name -> (description, input schema), without ``user_id`` when a user is fixed."""
     out = {}
     for tool in TOOLS:
-        function = tool["function"]
-        schema = copy.deepcopy(function["parameters"])
-        if user is not None:
-            schema["properties"].pop("user_id")
-            schema["required"] = [f for f in schema["required"] if f != "user_id"]
-        out[function["name"]] = (function["description"], schema)
+        name = tool["function"]["name"]
+        out[name] = (tool["function"]["description"], parameters(name, one_user=user is not None))
     return out
 
 
@@ -66,13 +64,11 @@ def create_server(engine: Engine, user: str | None = None) -> Server:
 
     async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
         arguments = dict(params.arguments or {})
-        if user is not None:
-            if "user_id" in arguments:
-                return _failure(f"arguments.user_id: expected no user_id (this server acts "
-                                f"for {user!r} only), found {arguments['user_id']!r}")
-            arguments["user_id"] = user
+        if user is not None and "user_id" in arguments:
+            return _failure(f"arguments.user_id: expected no user_id (this server acts for "
+                            f"{user!r} only), found {arguments['user_id']!r}")
         try:
-            result = await engine.call_tool(params.name, arguments)
+            result = await _call_tool(engine, params.name, arguments, user=user)
         except EngineError as exc:  # the model sees the message and can correct its call
             return _failure(f"{type(exc).__name__}: {exc}")
         if params.name == "retrieve_memory":
@@ -104,14 +100,97 @@ async def run_stdio(store: str | Path, user: str | None = None, config: Any = No
         _validate.check_id("user", user, 256)
     async with Engine.open(store, config=config) as mem:
         server = create_server(mem, user)
-        async with _stdio() as (stdin, stdout), \
-                stdio_server(stdin, stdout) as (read, write):  # type: ignore[arg-type]
+        async with _stdio() as (lines, out), _wire(lines, out) as (read, write):
             await server.run(read, write, server.create_initialization_options())
 
 
 @asynccontextmanager
+async def _wire(lines: _Lines, out: _Out) -> AsyncIterator[tuple[Any, Any]]:
+    """JSON-RPC messages over the lines and back, as the SDK's ``stdio_server`` makes them,
+    except that a request it cannot read is answered: the SDK drops such a line (a lone
+    surrogate escape, a model's emoji cut in two; nesting deeper than its parser goes; a
+    wrong envelope), and the host waited for that answer for ever."""
+    to_server, from_wire = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+    to_wire, from_server = anyio.create_memory_object_stream[SessionMessage](0)
+
+    async def read(answers: anyio.abc.ObjectSendStream[SessionMessage]) -> None:
+        async with to_server, answers:
+            async for line in lines:
+                try:
+                    message = types.jsonrpc_message_adapter.validate_json(line, by_name=False)
+                except pydantic.ValidationError as exc:
+                    if (answer := _answer_unreadable(line, exc)) is not None:
+                        await answers.send(SessionMessage(answer))
+                    continue
+                await to_server.send(SessionMessage(message))
+
+    async def write() -> None:
+        async with from_server:
+            async for message in from_server:
+                await out.write(message.message.model_dump_json(by_alias=True,
+                                                                exclude_unset=True) + "\n")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read, to_wire.clone())
+        nursery.start_soon(write)
+        yield from_wire, to_wire
+
+
+def _answer_unreadable(line: str, error: pydantic.ValidationError) -> types.JSONRPCMessage | None:
+    """The answer to a request on a line the SDK could not read: a tool error for a tool
+    call, a JSON-RPC error otherwise; None when the line holds no request id to answer."""
+    try:
+        message = json.loads(line)  # Python's parser takes lone surrogates and deep nesting
+    except (ValueError, RecursionError):
+        return None
+    id_ = message.get("id") if isinstance(message, dict) and "method" in message else None
+    if isinstance(id_, bool) or not isinstance(id_, int | str):
+        return None
+    where = _unencodable(message.get("params"), "params")
+    if where is not None:
+        detail = (f"{where}: expected text encodable as UTF-8, found a lone surrogate (half "
+                  "of a UTF-16 pair, e.g. an emoji cut in two); send whole characters")
+    else:
+        first = error.errors()[0]
+        at = ".".join(str(p) for p in first["loc"])
+        detail = ("expected a JSON-RPC 2.0 request the server can read, found one it cannot: "
+                  + first["msg"] + (f" ({at})" if at else ""))
+    if message["method"] == "tools/call":
+        result = _failure(detail.removeprefix("params."))
+        return types.JSONRPCResponse(jsonrpc="2.0", id=id_, result=result.model_dump(
+            by_alias=True, mode="json", exclude_none=True))
+    return types.JSONRPCError(jsonrpc="2.0", id=id_, error=types.ErrorData(
+        code=types.INVALID_REQUEST, message=detail))
+
+
+def _unencodable(value: Any, path: str) -> str | None:
+    """Where in a parsed JSON value a string (or a key) UTF-8 cannot encode is, or None."""
+    stack = [(path, value)]
+    while stack:  # not recursive: the value may be nested deeper than Python recurses
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not _encodable(key):
+                    return path
+                stack.append((f"{path}.{key}", item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}", item) for i, item in enumerate(value))
+        elif isinstance(value, str) and not _encodable(value):
+            return path
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+@asynccontextmanager
 async def _stdio() -> AsyncIterator[tuple[_Lines, _Out]]:
-    """The process's stdin and stdout for the SDK, over copies of fds 0 and 1.
+    """The process's stdin and stdout for :func:`_wire`, over copies of fds 0 and 1.
 
     The SDK's own stdin reads in a worker thread that no cancellation reaches, so Ctrl-C
     waited for the client's next line (or for ever). Here a read is a worker thread's
@@ -141,7 +220,8 @@ async def _stdio() -> AsyncIterator[tuple[_Lines, _Out]]:
 
 
 class _Lines:
-    """Lines of UTF-8 text read from ``fd``, newline kept, as the SDK iterates a file."""
+    """Lines of UTF-8 text read from ``fd``, newline kept: bytes UTF-8 cannot decode read as
+    U+FFFD, and a byte order mark opening the stream (.NET's UTF-8 writes one) is dropped."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
@@ -150,7 +230,7 @@ class _Lines:
         return self._lines()
 
     async def _lines(self) -> AsyncIterator[str]:
-        decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+        decode = codecs.getincrementaldecoder("utf-8-sig")(errors="replace").decode
         parts: list[str] = []  # the line so far, in pieces (a long line is not re-joined)
         while chunk := await trio.to_thread.run_sync(os.read, self._fd, 1 << 16,
                                                       abandon_on_cancel=True):
@@ -165,17 +245,22 @@ class _Lines:
 
 
 class _Out:
-    """UTF-8 text written to ``fd`` whole, as the SDK writes a file (in a worker thread:
-    a client slow to read blocks it, not the loop)."""
+    """UTF-8 text written to ``fd`` whole (in a worker thread: a client slow to read blocks
+    it, not the loop)."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
+        self._gone = False  # the client closed its end: what is left to write goes nowhere
 
     async def write(self, text: str) -> None:
-        await trio.to_thread.run_sync(_write_all, self._fd, text.encode())
-
-    async def flush(self) -> None:
-        await trio.lowlevel.checkpoint()
+        if self._gone:
+            return
+        try:
+            await trio.to_thread.run_sync(_write_all, self._fd, text.encode())
+        except BrokenPipeError:
+            # A host that stops reading before it closes stdin is going away, not breaking
+            # the engine: serve on (writes still land) until stdin closes, and exit 0.
+            self._gone = True
 
 
 def _write_all(fd: int, data: bytes) -> None:

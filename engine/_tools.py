@@ -9,6 +9,7 @@ anything runs, so the schema a model sees is the rule the engine enforces.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any, Protocol
@@ -22,7 +23,7 @@ from actors.base.records import Fact, Note
 from ._hits import Hits
 from ._memory import EntityInfo
 
-__all__ = ["TOOLS", "ToolHost", "call_tool"]
+__all__ = ["TOOLS", "ToolHost", "call_tool", "parameters"]
 
 
 class ToolHost(Protocol):
@@ -150,18 +151,36 @@ TOOLS: list[dict[str, Any]] = [
 ]
 
 _SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-_VALIDATORS = {name: jsonschema.Draft202012Validator(
-    schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
-    for name, schema in _SCHEMAS.items()}
 
 
-def _check_arguments(name: str, args: Mapping[str, Any]) -> None:
+def parameters(name: str, *, one_user: bool = False) -> dict[str, Any]:
+    """A tool's JSON schema; ``one_user``: for a caller acting for one user (``engram-trio
+    mcp --user``), so without ``user_id``. A copy: the caller may change it."""
+    schema = copy.deepcopy(_SCHEMAS[name])
+    if one_user:
+        del schema["properties"]["user_id"]
+        schema["required"].remove("user_id")
+    return schema
+
+
+def _rule(name: str, one_user: bool) -> tuple[dict[str, Any], jsonschema.Validator]:
+    schema = parameters(name, one_user=one_user)
+    return schema, jsonschema.Draft202012Validator(
+        schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+
+
+# (tool, acting for one user) -> the schema its arguments must fit, and that schema's validator
+_RULES = {(name, one_user): _rule(name, one_user) for name in _SCHEMAS
+          for one_user in (False, True)}
+
+
+def _check_arguments(name: str, args: Mapping[str, Any], one_user: bool) -> None:
     """Raise InvalidInput for the first schema violation, naming the argument's path."""
-    error = jsonschema.exceptions.best_match(_VALIDATORS[name].iter_errors(args))
+    schema, validator = _RULES[name, one_user]
+    error = jsonschema.exceptions.best_match(validator.iter_errors(args))
     if error is None:
         return
     path = ["arguments", *(str(p) for p in error.absolute_path)]
-    schema = _SCHEMAS[name]
     match error.validator:
         case "required":
             missing = next(f for f in error.validator_value if f not in error.instance)
@@ -177,8 +196,11 @@ def _check_arguments(name: str, args: Mapping[str, Any]) -> None:
             article = "an" if str(kind)[:1] in "aeiou" else "a"
             raise InvalidInput(".".join(path), f"expected {article} {kind}, found "
                                                f"{type(error.instance).__name__}")
+    found = repr(error.instance)
+    if len(found) > 60:  # a model may send a megabyte where a word goes
+        found = found[:57] + "..."
     raise InvalidInput(".".join(path), f"expected {error.validator} {error.validator_value!r}, "
-                                       f"found {error.instance!r} ({error.message})")
+                                       f"found {found}")
 
 
 def _time(args: Mapping[str, Any], name: str) -> datetime | None:
@@ -199,8 +221,17 @@ def _plain(value: msgspec.Struct) -> dict[str, Any]:
     return msgspec.to_builtins(msgspec.structs.asdict(value))
 
 
-async def call_tool(engine: ToolHost, name: str, arguments: Mapping[str, Any] | str
-                    ) -> dict[str, Any]:
+async def call_tool(engine: ToolHost, name: str, arguments: Mapping[str, Any] | str, *,
+                    user: str | None = None) -> dict[str, Any]:
+    """Run one of :data:`TOOLS` on ``engine``.
+
+    Args:
+        user: act for this user only: the arguments take no ``user_id`` (the tool's schema
+            without it is the rule, and its errors name only what the caller can send).
+
+    Raises:
+        InvalidInput: an unknown tool, or arguments that do not fit its schema.
+    """
     schema = _SCHEMAS.get(name)
     if schema is None:
         raise NotFound("name", f"expected one of {', '.join(_SCHEMAS)}, found {name!r}")
@@ -212,8 +243,11 @@ async def call_tool(engine: ToolHost, name: str, arguments: Mapping[str, Any] | 
     if not isinstance(arguments, Mapping):
         raise InvalidInput("arguments", f"expected an object, found {type(arguments).__name__}")
     args = dict(arguments)
-    _check_arguments(name, args)
-    user_id = args.pop("user_id")
+    _check_arguments(name, args, user is not None)
+    for field, rule in schema["properties"].items():
+        if rule.get("type") == "integer" and type(args.get(field)) is float:
+            args[field] = int(args[field])  # JSON Schema's integer takes 5.0; the engine, 5
+    user_id = args.pop("user_id") if user is None else user
     if name == "search_memory":
         hits = await engine.recall(user_id, args["query"], args.get("limit", 10),
                                    kinds=args.get("kinds"), where=args.get("where"),

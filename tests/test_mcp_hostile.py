@@ -1,0 +1,163 @@
+"""The MCP face driven the way careless hosts and models drive it: odd numbers, unknown
+arguments, lines the SDK cannot read, a byte order mark, a client that stops reading."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import trio
+from mcp import Client
+
+from engine._mcp import create_server
+
+from .conftest import raw_databases
+
+# Three process starts (each loads the real model) and a few calls; the guard is for hangs.
+pytestmark = pytest.mark.timeout(90)
+
+_INITIALIZE = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
+               "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                          "clientInfo": {"name": "hostile", "version": "1"}}}
+
+
+class _Wire:
+    """A bare JSON-RPC client over a real `engram-trio mcp` process: it can send lines that
+    the SDK's client would never write."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self._buffer = b""
+
+    async def send(self, message: dict | str) -> None:
+        line = message if isinstance(message, str) else json.dumps(message)
+        await self.process.stdin.send_all(line.encode() + b"\n")
+
+    async def receive(self) -> dict:
+        with trio.fail_after(30):  # an answer the server dropped would wait for ever
+            while b"\n" not in self._buffer:
+                chunk = await self.process.stdout.receive_some(1 << 16)
+                assert chunk, "the server closed stdout"
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    async def call(self, id_: int, name: str, arguments: dict | str) -> dict:
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments)
+        await self.send('{"jsonrpc": "2.0", "id": %d, "method": "tools/call", "params": '
+                        '{"name": %s, "arguments": %s}}' % (id_, json.dumps(name), arguments))
+        answer = await self.receive()
+        assert answer["id"] == id_
+        return answer
+
+
+async def _open_wire(nursery: trio.Nursery, store, first: str = "") -> _Wire:
+    process = await nursery.start(lambda task_status: trio.run_process(
+        [sys.executable, "-m", "engine", "mcp", str(store)], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=False, task_status=task_status))
+    wire = _Wire(process)
+    await wire.send(first + json.dumps(_INITIALIZE))
+    assert (await wire.receive())["id"] == 0
+    await wire.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+    return wire
+
+
+async def _exit_code(wire: _Wire) -> tuple[int, str]:
+    await wire.process.stdin.aclose()
+    with trio.fail_after(60):
+        code = await wire.process.wait()
+    return code, (await wire.process.stderr.receive_some(1 << 20) or b"").decode()
+
+
+async def test_a_request_the_sdk_cannot_read_is_answered_not_dropped(tmp_path, nursery) -> None:
+    """A lone surrogate (a model's emoji cut in half, as a JavaScript host escapes it), JSON
+    nested deeper than the SDK's parser goes, or a wrong envelope: the SDK drops such a line,
+    so the host waited for its answer for ever; now it gets one, and the server goes on."""
+    wire = await _open_wire(nursery, tmp_path / "store")
+    answer = await wire.call(1, "store_note", r'{"user_id": "ana", "text": "Loves \ud83d"}')
+    assert answer["result"]["isError"]
+    assert "arguments.text: expected text encodable as UTF-8, found a lone surrogate" in \
+        answer["result"]["content"][0]["text"]
+
+    deep = '{"user_id": "ana", "query": "x", "where": {"a": %s}}' % ("[" * 300 + "]" * 300)
+    answer = await wire.call(2, "search_memory", deep)
+    assert answer["result"]["isError"]
+    assert "recursion limit" in answer["result"]["content"][0]["text"]
+
+    await wire.send({"jsonrpc": "1.0", "id": 3, "method": "ping"})
+    answer = await wire.receive()
+    assert answer["id"] == 3 and answer["error"]["code"] == -32600
+
+    ok = await wire.call(4, "memory_stats", {"user_id": "ana"})
+    assert ok["result"]["structuredContent"]["notes"] == 0
+    code, stderr = await _exit_code(wire)
+    assert code == 0, stderr
+
+
+async def test_a_byte_order_mark_before_the_first_line_is_skipped(tmp_path, nursery) -> None:
+    """A host that writes UTF-8 with a BOM (.NET's Encoding.UTF8 does) is served: the mark
+    made its initialize unreadable, so the host waited for the handshake for ever."""
+    wire = await _open_wire(nursery, tmp_path / "store", first="\ufeff")
+    stats = await wire.call(1, "memory_stats", {"user_id": "ana"})
+    assert stats["result"]["structuredContent"]["notes"] == 0
+    code, stderr = await _exit_code(wire)
+    assert code == 0, stderr
+
+
+async def test_a_client_that_stops_reading_leaves_the_server_to_exit_cleanly(
+        tmp_path, nursery) -> None:
+    """A host that closes its end of stdout first: the answers it no longer reads are dropped
+    (not an EngineBroken crash, exit 1), the server exits 0 when stdin closes, and what was
+    acknowledged is in the store."""
+    store = tmp_path / "store"
+    wire = await _open_wire(nursery, store)
+    saved = await wire.call(1, "store_note", {"user_id": "ana", "text": "Acknowledged note"})
+    assert not saved["result"]["isError"]
+    await wire.process.stdout.aclose()
+    await wire.send({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+        "name": "store_note", "arguments": {"user_id": "ana", "text": "Unread answer"}}})
+    await wire.send({"jsonrpc": "2.0", "id": 3, "method": "tools/list"})
+    code, stderr = await _exit_code(wire)
+    assert code == 0, stderr
+    assert "Traceback" not in stderr and "EngineBroken" not in stderr
+    notes = b"".join(value for _, value in raw_databases(store).get("notes", []))
+    assert b"Acknowledged note" in notes
+
+
+async def test_an_integral_float_is_taken_for_an_integer_argument(mem) -> None:
+    """JSON Schema's integer includes 5.0 (a Python host's float), so the tool takes it as 5
+    instead of refusing a call its own schema admits."""
+    await mem.call_tool("store_note", {"user_id": "ana", "text": "Has a dog, Pixel"})
+    async with Client(create_server(mem)) as client:
+        for name, arguments in [("search_memory", {"query": "dog", "limit": 5.0}),
+                                ("retrieve_memory", {"query": "dog", "episodic_limit": 2.0}),
+                                ("get_entity_info", {"name": "Pixel", "limit": 3.0})]:
+            result = await client.call_tool(name, {"user_id": "ana", **arguments})
+            assert not result.is_error, result.content[0].text
+        bad = await client.call_tool("search_memory", {"user_id": "ana", "query": "dog",
+                                                       "limit": 5.5})
+        assert bad.is_error and "arguments.limit: expected an integer, found float" in \
+            bad.content[0].text
+
+
+async def test_with_a_fixed_user_errors_name_only_the_arguments_the_host_sees(mem) -> None:
+    """`--user ana`: an unknown argument's error lists the tool's arguments without user_id
+    (naming it sent the model to an argument the server then refuses)."""
+    async with Client(create_server(mem, user="ana")) as client:
+        result = await client.call_tool("store_note", {"text": "x", "userId": "bo"})
+        text = result.content[0].text
+        assert result.is_error and "arguments.userId: expected one of text, tags" in text
+        assert "user_id" not in text
+
+
+async def test_an_error_message_does_not_echo_a_huge_value(mem) -> None:
+    """A wrong value of a megabyte comes back cut short, not twice over in the error text."""
+    async with Client(create_server(mem)) as client:
+        result = await client.call_tool("retrieve_memory", {"user_id": "ana", "query": "x",
+                                                            "detail": "x" * 1_000_000})
+        text = result.content[0].text
+        assert result.is_error and text.startswith("InvalidInput: arguments.detail: expected enum")
+        assert len(text) < 500
