@@ -53,6 +53,10 @@ __all__ = ["Engine", "Receipt", "TrioLoop"]
 # lives in this thread, which guest mode cannot join).
 TrioLoop = Literal["auto", "guest", "thread"]
 TRIO_LOOPS = ("auto", "guest", "thread")
+# How long a close lets the calls already running finish before it cuts them off (they then end
+# as EngineClosed): a durable write cut off may be on disk all the same, and a caller told it
+# failed would write it twice.
+CLOSE_GRACE_SECONDS = 10.0
 
 
 class Receipt(_bridge.BridgedReceipt):
@@ -141,7 +145,9 @@ class Engine(_bridge.Settings):
                     facade._token = trio.lowlevel.current_trio_token()
                     to_asyncio(ready.set_result, None)
                     await stop.wait()
-                    nursery.cancel_scope.cancel()  # calls still running end as EngineClosed
+                    # No call starts after this (the facade is closed); those running finish,
+                    # for up to the grace, and then end as EngineClosed.
+                    nursery.cancel_scope.deadline = trio.current_time() + CLOSE_GRACE_SECONDS
 
         thread = None
         if facade._guest:

@@ -53,10 +53,32 @@ def history(path) -> list[str]:
 
 
 @trio_loops
-def test_a_call_in_flight_when_the_asyncio_engine_closes_gets_engine_closed(
+def test_writes_in_flight_when_the_asyncio_engine_closes_finish_and_are_acknowledged(
         tmp_path, trio_loop) -> None:
-    """A handler's recall still running when the engine closes (the bot shuts down) ends in
-    EngineClosed, not in a group of trio's Cancelled that `except Exception` cannot catch."""
+    """A bot that shuts down with durable writes in flight: the close lets them finish, so
+    every caller gets its receipt and the store holds exactly those turns (a caller told
+    EngineClosed for a turn on disk would write it twice)."""
+
+    async def main() -> list:
+        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder(),
+                                   trio_loop=trio_loop) as mem:
+            writes = [asyncio.ensure_future(mem.add_turn("ana", "s1", "user", f"turn {n}",
+                                                         durable=True)) for n in range(30)]
+            await asyncio.sleep(0)  # each write is handed to the trio loop
+        return await asyncio.gather(*writes)
+
+    receipts = asyncio.run(main())
+    assert len({r.turn_id for r in receipts}) == 30
+    assert sorted(history(tmp_path / "s")) == sorted(f"turn {n}" for n in range(30))
+
+
+@trio_loops
+def test_a_call_in_flight_when_the_asyncio_engine_closes_gets_engine_closed(
+        tmp_path, trio_loop, monkeypatch) -> None:
+    """A handler's recall still running when the engine's close grace runs out (the bot
+    shuts down) ends in EngineClosed, not in a group of trio's Cancelled that `except
+    Exception` cannot catch."""
+    monkeypatch.setattr(aio, "CLOSE_GRACE_SECONDS", 0)
 
     async def main() -> None:
         embedder = GatedEmbedder()
