@@ -4,12 +4,15 @@ Auth is the HTTP API's: an api key, from ``Authorization: Bearer`` (scripts, tes
 sign-in form, which keeps it in an HttpOnly, SameSite=Strict cookie scoped to ``/ui``. A page
 about a user needs a key for that user (403 otherwise); the operator view needs an admin key;
 without a key every page answers 401 with the sign-in form. With no api-keys file (a server
-bound to 127.0.0.1 only) every page is open, as the API is.
+bound to 127.0.0.1 only) every page is open, as the API is, but only under a loopback host
+name: a site whose name was rebound to 127.0.0.1 would otherwise be same-origin with the pages.
 
 Every memory-changing action is a POST behind a confirmation page. A POST authenticated by
 the cookie must carry the form's token (an HMAC of the key under a secret of this process) and
 come from this origin (``Origin``, else ``Referer``): a cross-site form can neither read the
 token nor forge the origin. A POST with a Bearer header needs neither: browsers never add one.
+The line saying what an action did travels in the redirect with its own HMAC, so a link cannot
+plant a message on these pages.
 
 Pages are Jinja2 templates with autoescaping on, so every text a user wrote is shown as text;
 the Content-Security-Policy allows no script at all.
@@ -18,6 +21,7 @@ the Content-Security-Policy allows no script at all.
 import functools
 import hashlib
 import hmac
+import ipaddress
 import json
 import math
 import secrets
@@ -155,6 +159,15 @@ def _fraction(params: Any, name: str) -> float | None:
     return value
 
 
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 async def _verify(path: Path) -> dict[str, Any]:
     """``engram-trio verify`` of the served store, in a worker process: LMDB refuses a second
     environment on the same store in one process, and checking every record would hold this
@@ -191,15 +204,29 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
         digest = hashlib.sha256(viewer.key.encode()).digest()
         return hmac.new(secret, b"csrf\x00" + digest, "sha256").hexdigest()
 
+    def signature(done: str) -> str:
+        return hmac.new(secret, b"done\x00" + done.encode(), "sha256").hexdigest()
+
+    def matches(given: str, expected: str) -> bool:
+        # Bytes: compare_digest raises TypeError on a str holding non-ASCII characters.
+        return hmac.compare_digest(given.encode(), expected.encode())
+
     def page(request: Request, name: str, viewer: Viewer | None, code: int = 200,
              **context: Any) -> HTMLResponse:
+        done = request.query_params.get("done", "")
+        if done and not matches(request.query_params.get("sig", ""), signature(done)):
+            done = ""  # not a redirect of ours: a link's own text is never shown as ours
         html = env.get_template(name).render(
             viewer=viewer, csrf=token(viewer) if viewer else "", root="/ui",
-            done=request.query_params.get("done", ""), path=request.url.path, **context)
+            done=done, path=request.url.path, **context)
         return HTMLResponse(html, code, headers=HEADERS)
 
     def viewer_of(request: Request) -> Viewer:
         if keys is None:
+            host = request.url.hostname or ""
+            if not _loopback(host):
+                raise Refused(403, "This server has no api keys, so its pages answer only at "
+                                   f"a loopback address (127.0.0.1, localhost), not at {host!r}.")
             return Viewer(None, "", "open")
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
@@ -235,14 +262,15 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
         fields = {k: v for k, v in form.items() if isinstance(v, str)}
         if viewer.via != "bearer":
             same_origin(request)
-            if not hmac.compare_digest(fields.get("csrf", ""), token(viewer)):
+            if not matches(fields.get("csrf", ""), token(viewer)):
                 raise Refused(403, "This form's token does not match your sign-in (it is from "
                                    "another server run or another key): reload the page and "
                                    "try again.")
         return fields
 
     def back(url: str, done: str) -> RedirectResponse:
-        return RedirectResponse(f"{url}?{urlencode({'done': done})}", 303)
+        return RedirectResponse(f"{url}?{urlencode({'done': done, 'sig': signature(done)})}",
+                                303)
 
     def need(fields: Any, name: str) -> str:
         value = fields.get(name, "")
@@ -256,7 +284,9 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
     async def refused(request: Request, exc: Refused) -> Response:
         response = page(request, "error.html", None, exc.status, status=exc.status,
                         message=str(exc), sign_in=exc.status == 401 and keys is not None)
-        if exc.status == 401:
+        if exc.status == 401 and COOKIE in request.cookies:
+            # Only a cookie that was sent and refused: a link from another site arrives
+            # without the SameSite=Strict cookie, and must not sign the browser out.
             response.delete_cookie(COOKIE, path="/ui")
         return response
 
