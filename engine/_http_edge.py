@@ -5,10 +5,11 @@ request passes through before a route (the body size limit, the Prometheus metri
 # No `from __future__ import annotations`: as in _server.py, FastAPI may read these at run time.
 import hashlib
 import hmac
+import ipaddress
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from urllib.parse import unquote, unquote_to_bytes
+from urllib.parse import unquote, unquote_to_bytes, urlsplit
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -141,6 +142,62 @@ def check_escapes(scope: dict) -> None:
                                           "percent-escape them") from None
 
 
+def is_loopback(host: str) -> bool:
+    """A host name or address that only this machine reaches (``localhost``, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def cross_site(scope: dict) -> str | None:
+    """Why a request to a server with no api keys must be refused, or None.
+
+    Such a server binds to a loopback address and trusts whoever reaches it, which a web
+    page in the same machine's browser can do two ways: a form or ``no-cors`` POST (the body
+    is read as JSON whatever its label, so a "simple" request goes through and is never
+    preflighted), and a name of its own rebound to 127.0.0.1 (then its scripts are same-origin
+    and read the answers). So: a loopback ``Host`` only, and a write that a browser marked with
+    an ``Origin`` only from that same host. Non-browser clients send no ``Origin``.
+    """
+    host = ""
+    origin = None
+    for name, value in scope.get("headers", ()):
+        if name == b"host":
+            host = value.decode("latin-1").lower()
+        elif name == b"origin":
+            origin = value.decode("latin-1").lower()
+    hostname = urlsplit(f"//{host}").hostname or ""
+    if not is_loopback(hostname):
+        return (f"this server has no api keys, so it answers only at a loopback address "
+                f"(127.0.0.1, localhost), not at {host!r}; give it --api-keys to serve others")
+    if origin is not None and scope.get("method") not in _SAFE_METHODS:
+        if origin == "null" or urlsplit(origin).netloc != host:
+            return (f"this server has no api keys, so it takes writes from its own pages and "
+                    f"from clients that send no Origin, not from the web page at {origin!r}")
+    return None
+
+
+class LocalOnly:
+    """Pure ASGI: what :func:`cross_site` refuses, refused in front of ``app``: a cluster
+    node's router, which forwards a request before the Edge behind it would see it."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        refusal = cross_site(scope) if scope["type"] == "http" else None
+        if refusal is not None:
+            await error_response(403, "Forbidden", refusal)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 class IdConvertor(Convertor[str]):
     """``{name:id}``: one path segment as routed by the Edge (see :func:`routed_path`)."""
 
@@ -200,10 +257,11 @@ class Edge:
     """Pure ASGI middleware: the body size limit and the request metrics, around every route."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], metrics: Metrics,
-                 max_body: int) -> None:
+                 max_body: int, keyless: bool = False) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body = max_body
+        self.keyless = keyless  # no api keys: only this machine's own clients (cross_site)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -217,6 +275,11 @@ class Edge:
             response = error_response(422, "InvalidInput", str(exc), exc.field)
             await response(scope, receive, send)
             self._count(scope, 422, started)
+            return
+        refusal = cross_site(scope) if self.keyless else None
+        if refusal is not None:
+            await error_response(403, "Forbidden", refusal)(scope, receive, send)
+            self._count(scope, 403, started)
             return
         path = routed_path(scope)
         if path != scope["path"]:

@@ -19,7 +19,6 @@ through are ``_http_edge.py``; the request bodies and responses ``_http_wire.py`
 # the dependency aliases (User, Who) are local to create_app.
 import errno
 import gc
-import ipaddress
 import logging
 import os
 import signal
@@ -42,7 +41,7 @@ from actors.base.errors import EngineError, InvalidInput
 from actors.base.records import Episode, Fact, Link, Note, ReviewState, SessionInfo, Turn
 
 from ._engine import Engine
-from ._http_edge import ApiKeys, Caller, Edge, Metrics, load_api_keys
+from ._http_edge import ApiKeys, Caller, Edge, Metrics, is_loopback, load_api_keys
 from ._http_wire import (
     ERROR_RESPONSES,
     HIT_EXAMPLE,
@@ -126,7 +125,8 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
         description="An in-process memory engine for chat bots and agents, over HTTP. "
                     "Send `Authorization: Bearer <key>` when the server has an api-keys file.")
     metrics = Metrics()
-    app.add_middleware(Edge, metrics=metrics, max_body=max_body_bytes)
+    app.add_middleware(Edge, metrics=metrics, max_body=max_body_bytes,
+                       keyless=keys is None)
     # The inspector's pages, on the same engine and keys (engine/ui).
     ui = create_ui(engine, keys)
     app.mount("/ui", ui)
@@ -630,15 +630,6 @@ def lean(body: type[BaseModel], *path: str) -> dict[str, Any]:
 # -- serving ------------------------------------------------------------------------------------
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def hypercorn_config(host: str, port: int | str) -> Any:
     """Hypercorn's config as every server here runs it: bound to ``host:port`` (an IPv6
     address in brackets), no access log, a 5 s graceful stop."""
@@ -696,7 +687,7 @@ async def serve(store: str | Path, *, host: str = LOOPBACK, port: int = 8080,
 
     keys = load_api_keys(api_keys) if api_keys is not None else None
     if keys is None:
-        if not _is_loopback(host):
+        if not is_loopback(host):
             say(f"warning: no --api-keys file, so no auth: binding to {LOOPBACK} instead of "
                 f"{host}")
         else:

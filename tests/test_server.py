@@ -47,7 +47,7 @@ async def engine(store_path, clock) -> AsyncIterator[Engine]:
 
 def client(app, key: str | None = None) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engram",
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1",
                              headers=headers)
 
 
@@ -255,7 +255,7 @@ async def test_engine_errors_map_by_class_so_new_ones_fit(engine, store_path) ->
         odd = await http.get("/raise/odd")
         assert (odd.status_code, odd.json()["field"]) == (422, "field_x")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
-                                 base_url="http://engram") as http:
+                                 base_url="http://127.0.0.1") as http:
         bug = await http.get("/raise/bug")
         assert bug.status_code == 500 and "secret" not in bug.text and "Traceback" not in bug.text
 

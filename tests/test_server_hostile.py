@@ -8,6 +8,7 @@ import json
 import httpx
 import trio
 
+from engine._http_edge import LocalOnly
 from engine._server import create_app, load_api_keys, serve
 
 from .test_server import ADMIN_KEY, ANA_KEY, _free_port, seg
@@ -17,7 +18,7 @@ def lenient(app, key: str | None = None) -> httpx.AsyncClient:
     """A client that sees a 500 as an answer, as a remote one would, not as a raised error."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
-                             base_url="http://engram", headers=headers)
+                             base_url="http://127.0.0.1", headers=headers)
 
 
 def invalid(response: httpx.Response, field: str) -> str:
@@ -280,3 +281,63 @@ async def test_head_and_a_bad_escape_over_a_real_socket(tmp_path) -> None:
                                   json={"role": "user", "text": "hi", "durable": True})
             assert (bad.status_code, bad.json()["field"]) == (422, "path")
         nursery.cancel_scope.cancel()
+
+
+async def test_a_server_without_keys_serves_only_this_machines_own_clients(mem, tmp_path) -> None:
+    """With no api-keys file a web page in the same machine's browser must not reach the API:
+    neither by a cross-site form or no-cors POST (read as JSON whatever its label, and never
+    preflighted), nor under a name of its own rebound to 127.0.0.1. curl-like clients (no
+    Origin) and the server's own origin still write; with keys, the key is the guard."""
+    app = create_app(mem)
+    turns = "/v1/users/ana/sessions/s1/turns"
+    planted = b'{"role": "user", "text": "planted"}'
+    async with lenient(app) as http:
+        for origin in ("http://evil.example", "null", "http://127.0.0.1:9999"):
+            answer = await http.post(turns, content=planted, headers={
+                "content-type": "text/plain", "origin": origin})
+            assert answer.status_code == 403 and "Origin" in answer.json()["message"], origin
+        answer = await http.delete("/v1/users/ana", headers={"origin": "http://evil.example"})
+        assert answer.status_code == 403
+        assert (await http.post(turns, json={"role": "user", "text": "mine",
+                                                "durable": True})).status_code == 201
+        same = await http.post(turns, json={"role": "user", "text": "from my page",
+                                            "durable": True},
+                               headers={"origin": "http://127.0.0.1"})
+        assert same.status_code == 201
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://rebound.evil.example:8080") as rebound:
+        for answer in (await rebound.get(f"{turns}"), await rebound.get("/healthz"),
+                       await rebound.post(turns, json={"role": "user", "text": "planted"})):
+            assert answer.status_code == 403 and "loopback" in answer.json()["message"]
+    texts = [t.text for t in await mem.session_history("ana", "s1", 10)]
+    assert texts == ["mine", "from my page"]
+    keys = tmp_path / "keys"
+    keys.write_text(f"{ANA_KEY} ana\n")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(
+            app=create_app(mem, load_api_keys(keys))), base_url="https://memory.example",
+            headers={"Authorization": f"Bearer {ANA_KEY}", "origin": "https://bot.example"}) as far:
+        answer = await far.post(turns, json={"role": "user", "text": "remote", "durable": True})
+        assert answer.status_code == 201
+
+
+async def test_a_keyless_cluster_node_refuses_before_its_router_forwards() -> None:
+    """A node's router forwards a request to the user's owner before any Edge sees it, so the
+    node puts LocalOnly in front of it: a rebound name or a cross-site write never reaches an
+    owner, whose Edge would see the router's loopback Host and no Origin."""
+    reached = []
+
+    async def router(scope, receive, send) -> None:
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    app = LocalOnly(router)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://rebound.evil.example") as evil:
+        assert (await evil.get("/v1/users/ana/sessions")).status_code == 403
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://127.0.0.1:8080") as local:
+        answer = await local.delete("/v1/users/ana", headers={"origin": "http://evil.example"})
+        assert answer.status_code == 403
+        assert (await local.delete("/v1/users/ana")).status_code == 204
+    assert reached == ["/v1/users/ana"]

@@ -132,7 +132,7 @@ async def test_recall_as_of_over_http_and_the_search_memory_tool(store_path) -> 
         await mem.flush()
         early = (T0 + timedelta(days=1)).isoformat()
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(mem)),
-                                     base_url="http://engram") as http:
+                                     base_url="http://127.0.0.1") as http:
             body = {"query": "Pixel cat", "as_of": early}
             hits = (await http.post("/v1/users/maya/recall", json=body)).json()["hits"]
             assert [h["text"] for h in hits] == ["I adopted a cat called Pixel"]

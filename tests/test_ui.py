@@ -37,7 +37,7 @@ def keys(tmp_path: Path):
 def browser(app, key: str | None = None, **headers: str) -> httpx.AsyncClient:
     if key:
         headers["Authorization"] = f"Bearer {key}"
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engram",
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1",
                              headers=headers)
 
 
@@ -100,7 +100,7 @@ async def test_sign_in_keeps_the_key_in_an_httponly_samesite_cookie(engine, keys
     pages; an unknown key is refused; signing out clears it."""
     await seed(engine)
     app = create_app(engine, keys)
-    async with browser(app, origin="http://engram") as http:
+    async with browser(app, origin="http://127.0.0.1") as http:
         refused = await http.post("/ui/login", data={"key": "nope"})
         assert refused.status_code == 401 and "not in the server" in refused.text
         signed = await http.post("/ui/login", data={"key": ANA_KEY})
@@ -122,7 +122,7 @@ async def test_actions_need_a_confirmation_the_forms_token_and_this_origin(engin
     nothing (403); with both it forgets the session, which then is gone from every page."""
     await seed(engine)
     app = create_app(engine, keys)
-    async with browser(app, origin="http://engram") as http:
+    async with browser(app, origin="http://127.0.0.1") as http:
         await http.post("/ui/login", data={"key": ANA_KEY})
         confirm = await http.get("/ui/users/ana/do/forget-session", params={"session": "s1"})
         assert confirm.status_code == 200 and "Forget session &#39;s1&#39;" in confirm.text

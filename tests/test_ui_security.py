@@ -37,7 +37,7 @@ async def test_a_form_token_that_is_not_ascii_is_refused_not_a_crash(engine, key
     wrong token does, and forgets nothing (comparing it must not raise)."""
     await seed(engine)
     app = create_app(engine, keys)
-    async with browser(app, origin="http://engram") as http:
+    async with browser(app, origin="http://127.0.0.1") as http:
         await http.post("/ui/login", data={"key": ANA_KEY})
         response = await http.post("/ui/users/ana/do/forget-session",
                                    data={"session": "s1", "csrf": "é" * 64})

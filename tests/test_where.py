@@ -263,7 +263,7 @@ async def test_the_http_api_and_the_agent_tool_take_the_filter(store_path) -> No
         await mem.add_turn("ana", "s", "user", "the Lisbon office", meta={"channel": "sms"})
         await mem.flush()
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(mem)),
-                                     base_url="http://engram") as http:
+                                     base_url="http://127.0.0.1") as http:
             found = await http.post("/v1/users/ana/recall", json={
                 "query": "Lisbon", "where": {"channel": {"in": ["sms"]}}})
             assert [h["text"] for h in found.json()["hits"]] == ["the Lisbon office"]

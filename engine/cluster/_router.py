@@ -198,7 +198,8 @@ class Router:
         did not answer (a 503 has been sent then)."""
         self.counts["forwarded"] += 1
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
-                   if k.lower() not in (b"host", b"content-length", b"connection")]
+                   if k.lower() not in (b"host", b"content-length", b"connection",
+                                        b"origin")]  # checked here (LocalOnly), not there
         headers.append((FORWARDED, self.node.node_id))
         try:
             return await self.client.request(scope["method"], _target(url, scope), content=body,

@@ -10,10 +10,10 @@ from typing import Any
 import trio
 
 from .._engine import Engine
+from .._http_edge import LocalOnly, is_loopback
 from .._server import (
     LOOPBACK,
     Shutdown,
-    _is_loopback,
     create_app,
     hypercorn_config,
     load_api_keys,
@@ -74,7 +74,7 @@ async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id:
     if not host or not port.isdigit():
         raise InvalidInput("http", f"expected HOST:PORT, found {http!r}")
     keys = load_api_keys(api_keys) if api_keys is not None else None
-    if keys is None and not _is_loopback(host):
+    if keys is None and not is_loopback(host):
         say(f"warning: no --api-keys file, so no auth: binding to {LOOPBACK} instead of {host}")
         host = LOOPBACK
     store = Path(store)
@@ -85,8 +85,11 @@ async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id:
         try:
             node = Node(engine, log, node_id, f"http://{host}:{port}")
             writer = ClusterEngine(engine, log, node)
-            app = Router(create_app(writer, keys), node)
-            writer.routed = app.counts  # stats() shows what the router did, as /cluster/node
+            router = Router(create_app(writer, keys), node)
+            # Without keys, what the owner's Edge would refuse is refused before the router
+            # forwards it.
+            app = router if keys is not None else LocalOnly(router)
+            writer.routed = router.counts  # stats() shows what the router did, as /cluster/node
             async with trio.open_nursery() as nursery:
                 if handle_signals:
                     nursery.start_soon(shutdown.watch_signals)

@@ -4,8 +4,9 @@ Auth is the HTTP API's: an api key, from ``Authorization: Bearer`` (scripts, tes
 sign-in form, which keeps it in an HttpOnly, SameSite=Strict cookie scoped to ``/ui``. A page
 about a user needs a key for that user (403 otherwise); the operator view needs an admin key;
 without a key every page answers 401 with the sign-in form. With no api-keys file (a server
-bound to 127.0.0.1 only) every page is open, as the API is, but only under a loopback host
-name: a site whose name was rebound to 127.0.0.1 would otherwise be same-origin with the pages.
+bound to 127.0.0.1 only) every page is open, as the API is, and like the API answers only
+under a loopback host name and takes writes from no other site (``_http_edge.cross_site``): a
+site whose name was rebound to 127.0.0.1 would otherwise be same-origin with the pages.
 
 Every memory-changing action is a POST behind a confirmation page. A POST authenticated by
 the cookie must carry the form's token (an HMAC of the key under a secret of this process) and
@@ -21,7 +22,6 @@ the Content-Security-Policy allows no script at all.
 import functools
 import hashlib
 import hmac
-import ipaddress
 import json
 import math
 import secrets
@@ -159,15 +159,6 @@ def _fraction(params: Any, name: str) -> float | None:
     return value
 
 
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 async def _verify(path: Path) -> dict[str, Any]:
     """``engram-trio verify`` of the served store, in a worker process: LMDB refuses a second
     environment on the same store in one process, and checking every record would hold this
@@ -222,11 +213,7 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
         return HTMLResponse(html, code, headers=HEADERS)
 
     def viewer_of(request: Request) -> Viewer:
-        if keys is None:
-            host = request.url.hostname or ""
-            if not _loopback(host):
-                raise Refused(403, "This server has no api keys, so its pages answer only at "
-                                   f"a loopback address (127.0.0.1, localhost), not at {host!r}.")
+        if keys is None:  # the Edge let only this machine's own clients in (cross_site)
             return Viewer(None, "", "open")
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
