@@ -4,7 +4,6 @@ under another site's name (DNS rebinding)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -13,16 +12,9 @@ import pytest
 from engine import Engine
 from engine._server import ApiKeys, create_app, load_api_keys
 
-from .conftest import open_engine
 from .test_ui import ADMIN_KEY, ANA_KEY, browser, csrf_of, seed
 
 SPOOF = "Your key expired: sign in again at https://evil.example"
-
-
-@pytest.fixture
-async def engine(store_path, clock) -> AsyncIterator[Engine]:
-    async with open_engine(store_path, clock=clock) as mem:
-        yield mem
 
 
 @pytest.fixture
@@ -32,24 +24,24 @@ def keys(tmp_path: Path) -> ApiKeys:
     return load_api_keys(path)
 
 
-async def test_a_form_token_that_is_not_ascii_is_refused_not_a_crash(engine, keys) -> None:
+async def test_a_form_token_that_is_not_ascii_is_refused_not_a_crash(mem, keys) -> None:
     """A signed-in POST whose token holds a non-ASCII character gets the 403 page, as any
     wrong token does, and forgets nothing (comparing it must not raise)."""
-    await seed(engine)
-    app = create_app(engine, keys)
+    await seed(mem)
+    app = create_app(mem, keys)
     async with browser(app, origin="http://127.0.0.1") as http:
         await http.post("/ui/login", data={"key": ANA_KEY})
         response = await http.post("/ui/users/ana/do/forget-session",
                                    data={"session": "s1", "csrf": "é" * 64})
         assert response.status_code == 403 and "token does not match" in response.text
-    assert [s.session_id for s in await engine.list_sessions("ana")] == ["s2", "s1"]
+    assert [s.session_id for s in await mem.list_sessions("ana")] == ["s2", "s1"]
 
 
-async def test_a_page_opened_without_the_cookie_keeps_the_sign_in(engine, keys) -> None:
+async def test_a_page_opened_without_the_cookie_keeps_the_sign_in(mem, keys) -> None:
     """A link from another site arrives without the SameSite=Strict cookie: its 401 page must
     not clear that cookie (any site could sign the operator out); an unknown cookie is
     cleared."""
-    app = create_app(engine, keys)
+    app = create_app(mem, keys)
     async with browser(app) as anon:
         response = await anon.get("/ui/users/ana")
         assert response.status_code == 401 and "set-cookie" not in response.headers
@@ -60,12 +52,12 @@ async def test_a_page_opened_without_the_cookie_keeps_the_sign_in(engine, keys) 
         assert "max-age=0" in response.headers["set-cookie"].lower()
 
 
-async def test_a_status_message_shows_only_when_this_server_wrote_it(engine, keys) -> None:
+async def test_a_status_message_shows_only_when_this_server_wrote_it(mem, keys) -> None:
     """The green "done" line after an action is shown from the redirect this server made; a
     link carrying its own ``done=`` text (a phishing line above the sign-in form) shows
     nothing."""
-    await seed(engine)
-    app = create_app(engine, keys)
+    await seed(mem)
+    app = create_app(mem, keys)
     async with browser(app) as anon, browser(app, ADMIN_KEY) as admin:
         for url in ("/ui/login", "/ui/users/ana"):
             page = await anon.get(url, params={"done": SPOOF})
@@ -79,21 +71,21 @@ async def test_a_status_message_shows_only_when_this_server_wrote_it(engine, key
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1:8080", "localhost:8080", "[::1]:8080"])
-async def test_open_pages_answer_at_a_loopback_host(engine: Engine, host: str) -> None:
+async def test_open_pages_answer_at_a_loopback_host(mem: Engine, host: str) -> None:
     """Without an api-keys file the pages are open to the loopback host they are served on."""
-    await engine.add_turn("ana", "s1", "user", "I live in Lisbon with my dog Pixel")
-    async with browser(create_app(engine)) as http:
+    await mem.add_turn("ana", "s1", "user", "I live in Lisbon with my dog Pixel")
+    async with browser(create_app(mem)) as http:
         page = await http.get("/ui/users/ana", headers={"host": host})
         assert page.status_code == 200 and "dog Pixel" in page.text
 
 
-async def test_open_pages_refuse_another_host_name(engine: Engine) -> None:
+async def test_open_pages_refuse_another_host_name(mem: Engine) -> None:
     """Without an api-keys file a page reached under another name (a web page whose domain
     was rebound to 127.0.0.1, so its scripts are same-origin with the inspector) is refused:
     it can neither read a user's memories nor take the form token and forget them."""
-    await seed(engine)
+    await seed(mem)
     rebound = "http://rebound.evil.example:8080"
-    app = create_app(engine)
+    app = create_app(mem)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=rebound,
                                  headers={"origin": rebound}) as evil:
         for url in ("/ui/", "/ui/users/bo", "/ui/users/ana/memory", "/ui/operator",
@@ -103,6 +95,6 @@ async def test_open_pages_refuse_another_host_name(engine: Engine) -> None:
             assert "loopback" in page.text
         forged = await evil.post("/ui/users/bo/do/forget-user", data={"csrf": "0" * 64})
         assert forged.status_code == 403
-    assert await engine.list_sessions("bo")
+    assert await mem.list_sessions("bo")
     async with browser(app, host="127.0.0.1:8080") as local:
         assert csrf_of((await local.get("/ui/users/bo/do/forget-user")).text)
