@@ -137,7 +137,7 @@ async def test_the_http_api_stores_shows_and_filters_the_fields(store_path) -> N
     from engine._server import create_app
 
     async with open_engine(store_path) as mem, httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=create_app(mem)), base_url="http://e") as http:
+            transport=httpx.ASGITransport(app=create_app(mem)), base_url="http://127.0.0.1") as http:
         made = (await http.post("/v1/users/ana/notes", json={
             "text": "Lisbon flat found", "importance": 0.9, "emotion": "relief",
             "category": "home"})).json()

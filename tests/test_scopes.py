@@ -151,7 +151,7 @@ async def test_the_http_api_takes_scopes(store_path) -> None:
     from engine._server import create_app
 
     async with open_engine(store_path) as mem, httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=create_app(mem)), base_url="http://e") as http:
+            transport=httpx.ASGITransport(app=create_app(mem)), base_url="http://127.0.0.1") as http:
         for session, agent in (("s1", "a1"), ("s2", "a2")):
             made = await http.post(f"/v1/users/ana/sessions/{session}/turns", json={
                 "role": "user", "text": f"the harbour of {agent}", "agent_id": agent,
