@@ -55,7 +55,15 @@ KEY_ENV = "ENGRAM_INTEGRITY_KEY"  # where commands take a store's integrity key 
 
 
 def _key() -> str | None:
-    return os.environ.get(KEY_ENV) or None
+    key = os.environ.get(KEY_ENV) or None
+    if key is not None:
+        try:
+            Config.checked({"integrity_key": key})
+        except InvalidInput as exc:
+            raise InvalidInput(KEY_ENV, f"expected a store's integrity key, found one the "
+                                        f"engine refuses ({exc}); set it to the key the store "
+                                        "was sealed with") from None
+    return key
 PROG = "engram-trio"
 
 
@@ -187,9 +195,10 @@ def human_duration(seconds: float) -> str:
 def _open(store: str, **kwargs: Any):
     """Open an existing store with the embedding backend its vectors came from, without
     starting background work."""
+    from ._verify import require_store
+
     path = Path(store)
-    if not (path / "data.mdb").exists():
-        raise InvalidInput("store", f"expected an Engram store, found no data.mdb in {path}")
+    require_store(path)  # opened to write, another program's LMDB file would become a store
     from actors.embedder import MODELS as BUILT
     from actors.embedder import HashEmbedder, default_model
     from actors.store import stored_model
@@ -265,8 +274,17 @@ async def _import(store: str, source: str, as_user: str | None) -> dict[str, int
 
 
 async def _restore(snapshot: str, store: str, overwrite: bool) -> dict[str, Any]:
+    from ._snapshot import read_manifest
+
+    store = str(Path(store).resolve())  # ".": the folder the new store takes the place of
+    key = _key()
+    if key is None and read_manifest(Path(snapshot)).mac:
+        # Installed, it would open with the key only: refused before it replaces anything.
+        raise InvalidInput(KEY_ENV, f"expected the integrity key of the sealed store "
+                                    f"{snapshot} was taken from, found {KEY_ENV} unset; set "
+                                    "it and restore again")
     manifest = await Engine.restore(snapshot, store, overwrite=overwrite,
-                                    progress=_progress("restoring"), integrity_key=_key())
+                                    progress=_progress("restoring"), integrity_key=key)
     start = time.perf_counter()
     async with _open(store) as mem:
         ready = time.perf_counter() - start
@@ -281,9 +299,10 @@ async def _reindex(store: str, model: str | None, progress: Callable[..., None] 
     everything. When the store already has every vector from ``model`` and a complete text
     index, does nothing unless ``force``."""
     start = time.perf_counter()
+    from ._verify import require_store
+
     path = Path(store)
-    if not (path / "data.mdb").exists():
-        raise InvalidInput("store", f"expected an Engram store, found no data.mdb in {path}")
+    require_store(path)  # before its text index goes: another program's folder keeps its own
     from actors.embedder import MODELS as BUILT
     from actors.embedder import default_model
     from actors.store import stored_model
@@ -475,9 +494,27 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
+    except OSError as exc:
+        # stdout took not all of the output (`> file` on a full disk): the same, and say so.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        print(f"{PROG}: its output was cut short: writing stdout failed: {exc}",
+              file=sys.stderr)
+        return 1
+
+
+def _failed(args: argparse.Namespace, kind: str, message: str) -> int:
+    """Say why a command failed: a line on stderr, and with ``--json`` one document on stdout
+    (``ok`` false, the error's kind and message), so a script's parse does not fail too."""
+    print(f"{PROG} {args.command}: {kind}: {message}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"ok": False, "error": kind, "message": message}))
+    return 1
 
 
 def _run(argv: list[str] | None) -> int:
+    from lmdb import Error as LMDBError  # its errors out of a damaged file end here
+
     args = _parser().parse_args(argv)
     try:
         match args.command:
@@ -567,8 +604,19 @@ def _run(argv: list[str] | None) -> int:
                 return 0
         _print(result, args.json)
     except EngineError as exc:
-        print(f"{PROG} {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return _failed(args, type(exc).__name__, str(exc))
+    except LMDBError as exc:
+        # A damaged page that a read met before any checksum could (the engine's own
+        # translation of these belongs in actors/store).
+        store = getattr(args, "store", None) or "the store"
+        return _failed(args, "StoreCorrupt", f"LMDB cannot read {store} ({exc}); run "
+                                             f"`{PROG} verify {store}`, and restore it from a "
+                                             "snapshot")
+    except BrokenPipeError:
+        raise  # main's: exit 141
+    except OSError as exc:
+        # A file or folder the command read or wrote: missing, not allowed, a full disk.
+        return _failed(args, type(exc).__name__, str(exc))
     except KeyboardInterrupt:
         return 130
     except BaseExceptionGroup as group:

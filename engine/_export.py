@@ -271,6 +271,8 @@ async def export_user(parts: Parts, user_id: str,
     from ._version import __version__
 
     store = parts.store
+    if isinstance(dest, (str, os.PathLike)):
+        dest = _export_path(Path(dest), store.path)
     await store.wait_logged()  # everything acknowledged is in it
     found = await store.read(_read_user, user_id)
     now = parts.clock().astimezone(timezone.utc)
@@ -283,12 +285,35 @@ async def export_user(parts: Parts, user_id: str,
     total = sum(counts.values()) - 1  # the header is not a record
     chunks.append(_encode_line(End(records=total)) + b"\n")
     data = b"".join(chunks)
-    if isinstance(dest, (str, os.PathLike)):
-        await trio.to_thread.run_sync(write_atomically, Path(dest), data)
+    if isinstance(dest, Path) and dest.exists() and not dest.is_file():
+        # A device or a pipe (/dev/stdout): written to, never replaced by a file.
+        await trio.to_thread.run_sync(dest.write_bytes, data)
+    elif isinstance(dest, Path):
+        await trio.to_thread.run_sync(write_atomically, dest, data)
     else:
         await trio.to_thread.run_sync(dest.write, data)
     counts.pop("header")
     return counts
+
+
+def _export_path(dest: Path, store: Path) -> Path:
+    """Where an export to ``dest`` goes: the file a link names (the link stays), checked
+    before the user is read.
+
+    Raises:
+        InvalidInput: ``dest`` is inside the store (its files would be replaced), a
+            directory, or in a directory that does not exist.
+    """
+    path, store = dest.resolve(), store.resolve()
+    if path.is_relative_to(store):
+        raise InvalidInput("dest", f"expected a file outside the store, found {dest} inside "
+                                   f"{store}; write the export beside the store")
+    if path.is_dir():
+        raise InvalidInput("dest", f"expected a file, found a directory at {dest}")
+    if not path.parent.is_dir():
+        raise InvalidInput("dest", f"expected a file in an existing directory, found no "
+                                   f"directory {path.parent}; create it first")
+    return path
 
 
 class UserVectors(msgspec.Struct, frozen=True):

@@ -39,11 +39,11 @@ from actors.base.errors import InvalidInput, StoreIncompatible, StoreTampered
 from actors.base.records import SCHEMA_VERSION
 from actors.fulltext import build_index
 from actors.store import LOG_TOMBSTONE, MAX_DBS, clean_copy, lsn_key, open_databases
-from actors.store.integrity import HEAD_KEY, check_file
+from actors.store.integrity import HEAD_KEY
 
 from ._owner import OwnerLock
 from ._parts import Parts
-from ._verify import verify_chain
+from ._verify import require_store, verify_chain
 from ._version import __version__
 
 __all__ = ["Manifest", "take_snapshot", "restore", "compact", "MANIFEST_FORMAT"]
@@ -51,6 +51,7 @@ __all__ = ["Manifest", "take_snapshot", "restore", "compact", "MANIFEST_FORMAT"]
 MANIFEST_FORMAT = 1
 CHUNK = 64 << 20  # checksum unit: large files are hashed a chunk per thread
 READ_STEP = 8 << 20  # one read of a chunk being hashed or copied
+STORE_FILE = "store/data.mdb"  # the one file every snapshot has
 _copy_buffers = threading.local()  # each restore thread's READ_STEP buffer (_copy_chunk)
 
 
@@ -211,9 +212,18 @@ async def take_snapshot(parts: Parts, dest: Path,
     """See ``Engine.snapshot``. ``scrubbed`` returns once the scrubs of the deletions so far
     are done: the copy of a scrubbed store needs no zeroing (``Store.copy_to``)."""
     started = trio.current_time()
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+    dest = dest.resolve()  # "." or "snap/..": the name its .partial sibling is made from
+    if dest.is_file():
+        raise InvalidInput("dest", f"expected a new or empty directory, found a file at {dest}; "
+                                   "snapshots never overwrite")
+    if dest.exists() and any(dest.iterdir()):
         raise InvalidInput("dest", f"expected a new or empty directory, found {dest} with "
                                    "files in it; snapshots never overwrite")
+    store = parts.store.path.resolve()
+    if dest.is_relative_to(store):
+        # A restore over the store would delete it, and the text index's folder would carry it.
+        raise InvalidInput("dest", f"expected a directory outside the store, found {dest} "
+                                   f"inside {store}; write the snapshot beside the store")
     partial = dest.with_name(dest.name + ".partial")
     if partial.exists():
         await trio.to_thread.run_sync(shutil.rmtree, partial)
@@ -275,6 +285,18 @@ def read_manifest(snapshot: Path) -> Manifest:
             f"{snapshot} was written by a newer engram (manifest {manifest.format}, schema "
             f"{manifest.schema_version}); this build reads up to {MANIFEST_FORMAT} / "
             f"{SCHEMA_VERSION}: upgrade engram to restore it")
+    # Restore writes each listed file at its name under the new store: a name that leaves
+    # the snapshot (``store/../../x``) would be written outside it.
+    for name in manifest.files:
+        steps = name.split("/")
+        if name != STORE_FILE and (steps[0] != "fulltext" or len(steps) < 2
+                                   or any(step in ("", ".", "..") for step in steps)):
+            raise StoreIncompatible(
+                f"{path} lists {name!r}: expected {STORE_FILE} and files under fulltext/ only; "
+                "the manifest was edited: take the snapshot again")
+    if STORE_FILE not in manifest.files:
+        raise StoreIncompatible(f"{path} lists no {STORE_FILE}: the manifest was edited or "
+                                "cut short; take the snapshot again")
     return manifest
 
 
@@ -282,6 +304,7 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
                   progress: Callable[[int, int], None] | None = None,
                   integrity_key: str | None = None) -> Manifest:
     """See ``Engine.restore``."""
+    snapshot, store = snapshot.resolve(), store.resolve()  # "." has no name to put beside it
     manifest = read_manifest(snapshot)
     if integrity_key is not None and not hmac.compare_digest(
             manifest.mac, manifest_mac(manifest, integrity_key)):
@@ -292,6 +315,14 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
     if store.exists() and (not store.is_dir() or any(store.iterdir())) and not overwrite:
         raise InvalidInput("store_path", f"expected a new or empty directory, found {store} "
                                          "with files in it; pass overwrite=True to replace it")
+    if overwrite and store.is_dir() and any(store.iterdir()) and not (
+            store / "data.mdb").exists():
+        raise InvalidInput("store_path", f"expected a store to replace, found {store} holding "
+                                         "other files (no data.mdb); overwrite replaces only a "
+                                         "store: restore into a new or empty directory")
+    if overwrite and snapshot.is_relative_to(store):
+        raise InvalidInput("snapshot", f"expected a snapshot outside the store it replaces, "
+                                       f"found {snapshot} inside {store}; move it out first")
     # Replacing a store another engine serves would pull it from under that engine.
     owner = OwnerLock(store, "restore").acquire() if store.exists() else None
     try:
@@ -351,9 +382,17 @@ async def _install(snapshot: Path, store: Path, manifest: Manifest,
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(shutil.rmtree, incoming, True)
         raise
-    if store.exists():
-        await trio.to_thread.run_sync(shutil.rmtree, store)
-    incoming.rename(store)
+    if not store.exists():
+        incoming.rename(store)
+    else:
+        # Renamed aside, not deleted, until the new store has its name: a deletion cut short
+        # (Ctrl-C, an I/O error) would leave neither store whole.
+        replaced = store.with_name(store.name + ".replaced")
+        if replaced.exists():
+            await trio.to_thread.run_sync(shutil.rmtree, replaced)
+        store.rename(replaced)
+        incoming.rename(store)
+        await trio.to_thread.run_sync(shutil.rmtree, replaced)
     await trio.to_thread.run_sync(_fsync, store.parent)
 
 
@@ -465,9 +504,7 @@ def compact(store: Path, progress: Callable[[int, int], None] | None = None) -> 
         StoreInUse: an engine (or another command) has the store open; the message names
             its pid.
     """
-    if not (store / "data.mdb").exists():
-        raise InvalidInput("store", f"expected an Engram store, found no data.mdb in {store}")
-    check_file(store)
+    require_store(store)  # another program's LMDB file is not rewritten as a store
     with OwnerLock(store, "compact"):
         return _compact(store, progress)
 

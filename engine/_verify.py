@@ -23,9 +23,11 @@ from typing import Any
 import lmdb
 import msgspec
 
+from actors.base.config import Config
 from actors.base.errors import EngineError, InvalidInput, StoreCorrupt
 from actors.base.records import SessionInfo, Turn
 from actors.store import LOG_TURN, MAX_DBS, check_chain, lsn_key, open_databases
+from actors.store.layout import SCHEMA_KEY
 from actors.store.integrity import (
     DIGEST,
     HEAD_KEY,
@@ -39,12 +41,59 @@ from actors.store.integrity import (
     unseal,
 )
 
-__all__ = ["verify_store", "verify_chain"]
+from ._owner import OwnerLock
+
+__all__ = ["verify_store", "verify_chain", "require_store"]
 
 MAX_LISTED = 50  # problems listed in the report; the count covers all of them
 
 _decode_turn = msgspec.msgpack.Decoder(Turn).decode
 _decode_session = msgspec.msgpack.Decoder(SessionInfo).decode
+
+
+def require_store(path: Path) -> None:
+    """Refuse a path that holds no Engram store, before a command opens it: opened to write,
+    another program's LMDB file (or an empty one) would become a store, its data kept beside
+    Engram's databases.
+
+    Raises:
+        InvalidInput: no data.mdb, an empty one, or LMDB data without Engram's schema version.
+        StoreCorrupt: a data.mdb that is not LMDB's, or that LMDB cannot read.
+    """
+    data = path / "data.mdb"
+    if not data.is_file():
+        raise InvalidInput("store", f"expected an Engram store, found no data.mdb in {path}")
+    check_file(path)
+    if data.stat().st_size == 0:
+        raise InvalidInput("store", f"expected an Engram store, found an empty data.mdb in "
+                                    f"{path}")
+    try:
+        # A reader's slot in the lock file where there is one (a store has one: an engine in
+        # another process may be writing); no lock file made in another program's folder.
+        env = lmdb.open(str(path), readonly=True, lock=(path / "lock.mdb").exists(),
+                        max_dbs=MAX_DBS)
+    except lmdb.Error as exc:
+        if "already open in this process" in str(exc):
+            return  # an engine of this process has it open: a store
+        raise StoreCorrupt(f"{data} does not open as LMDB ({exc}); restore the store from a "
+                           "snapshot", "data.mdb") from None
+    try:
+        with env.begin() as txn:
+            try:
+                meta = env.open_db(b"meta", txn=txn, create=False)
+            except lmdb.NotFoundError:
+                meta = None
+            found = meta is not None and txn.get(SCHEMA_KEY, db=meta) is not None
+    except lmdb.Error as exc:
+        raise StoreCorrupt(f"{data} is damaged: LMDB cannot read it ({exc}); run `engram-trio "
+                           f"verify {path}`, or restore the store from a snapshot",
+                           "data.mdb") from None
+    finally:
+        env.close()
+    if not found:
+        raise InvalidInput("store", f"expected an Engram store, found LMDB data without "
+                                    f"Engram's schema version in {path} (another program's?); "
+                                    "it was left as it was")
 
 
 def verify_store(path: Path, integrity_key: str | None = None, seal: bool = False
@@ -64,12 +113,29 @@ def verify_store(path: Path, integrity_key: str | None = None, seal: bool = Fals
         ``what``) and ``problem_count``.
 
     Raises:
-        InvalidInput: no store at ``path``, or ``seal`` without a key.
+        InvalidInput: no store at ``path``, or ``seal`` without a key the engine accepts.
+        StoreInUse: ``seal``, and an engine (or a command) owns the store.
     """
     if not (path / "data.mdb").exists():
         raise InvalidInput("store", f"expected an Engram store, found no data.mdb in {path}")
-    if seal and not integrity_key:
+    if not seal:
+        return _verify(path, integrity_key, False)
+    if not integrity_key:
         raise InvalidInput("integrity_key", "expected the key to seal the store with, found none")
+    try:
+        Config.checked({"integrity_key": integrity_key})
+    except InvalidInput as exc:
+        # Sealed under a key no engine opens a store with, the store would open no more.
+        raise InvalidInput("integrity_key", f"expected a key the engine opens stores with, "
+                                            f"found one it refuses ({exc}); nothing was "
+                                            "sealed") from None
+    # The head is read, then rewritten with its MAC: an owner committing in between would
+    # have its head rolled back (and its next commit would drop the MAC).
+    with OwnerLock(path, "verify --seal"):
+        return _verify(path, integrity_key, True)
+
+
+def _verify(path: Path, integrity_key: str | None, seal: bool) -> dict[str, Any]:
     problems: list[tuple[str, str]] = []
     report: dict[str, Any] = {"path": str(path), "last_lsn": 0, "records": 0, "sessions": 0,
                               "mac": "absent"}
@@ -77,6 +143,8 @@ def verify_store(path: Path, integrity_key: str | None = None, seal: bool = Fals
         check_file(path)
     except StoreCorrupt as exc:
         return _done(report, [("data.mdb", str(exc))])
+    if (path / "data.mdb").stat().st_size == 0:
+        return _done(report, [("data.mdb", "is empty: no store was ever written here")])
     key = None if integrity_key is None else integrity_key.encode()
     # lock=True: an engine in another process may be writing, and only a reader in LMDB's
     # reader table is safe from its writer reusing the pages being read.
@@ -84,48 +152,61 @@ def verify_store(path: Path, integrity_key: str | None = None, seal: bool = Fals
         env = lmdb.open(str(path), readonly=not seal, lock=True, max_dbs=MAX_DBS)
     except lmdb.Error as exc:
         if "already open in this process" not in str(exc):
-            raise
+            return _done(report, [("data.mdb", f"LMDB does not open it: {exc}")])
         # LMDB opens an environment once per process: the engine serving it is here.
         raise InvalidInput("store", f"expected a store no engine of this process serves, found "
                                     f"{path} open here; verify it from another process "
                                     "(`engram-trio verify STORE`) or once the engine is "
                                     "closed") from None
     try:
-        with env.begin() as raw:
-            dbs = open_databases(env, raw)
-            txn = CheckedTxn(raw, {handle: name for name, handle in dbs.items()})
-            report["records"] = _checksums(raw, dbs, problems)
-            meta = dbs[b"meta"]
-            last = int.from_bytes(raw.get(b"last_lsn", db=meta) or bytes(8), "big")
-            report["last_lsn"] = last
-            head_raw = raw.get(HEAD_KEY, db=meta)
-            head = None if head_raw is None else decode_head(head_raw)
-            if head is None:
-                problems.append(("meta chain_head", "the hash chain's head is missing or "
-                                                    "broken"))
-            else:
-                if head.mac:
-                    report["mac"] = "unchecked (no key given)"
-                    if key is not None:
-                        report["mac"] = "checked"
-                        if not hmac.compare_digest(head.mac, head_mac(key, head.lsn, head.digest)):
-                            report["mac"] = "fails"
-                            problems.append(("meta chain_head", "the head's MAC does not match "
-                                             "under this key: edited without the key, or "
-                                             "another key"))
-                if head.lsn != last:
-                    problems.append(("meta last_lsn", f"the chain ends at {head.lsn}, the log "
-                                                      f"at {last}"))
-                problems.extend((f"lsn {lsn}", what) for lsn, what in
-                                check_chain(txn, dbs, 1, max(head.lsn, last), head.digest))
-            report["sessions"] = _sessions(txn, dbs, problems)
-        if seal and not problems and head is not None and not head.mac:
-            with env.begin(write=True) as wtxn:
-                wtxn.put(HEAD_KEY, encode_head(head.lsn, head.digest, key),
-                         db=env.open_db(b"meta", txn=wtxn, create=False))
-            report["mac"] = "sealed"
+        return _walk(env, report, problems, key, seal)
+    except lmdb.NotFoundError:
+        problems.append(("data.mdb", "lacks Engram's databases: another program's LMDB "
+                                     "data, or a store whose databases were removed"))
+    except lmdb.Error as exc:
+        # A damaged page (MDB_CORRUPTED, MDB_PAGE_NOTFOUND...): the walk stops there.
+        problems.append(("data.mdb", f"LMDB cannot read its pages: {exc}"))
     finally:
         env.close()
+    return _done(report, problems)
+
+
+def _walk(env: lmdb.Environment, report: dict[str, Any], problems: list[tuple[str, str]],
+          key: bytes | None, seal: bool) -> dict[str, Any]:
+    """Every check of :func:`verify_store` in one read transaction, then the seal."""
+    with env.begin() as raw:
+        dbs = open_databases(env, raw)
+        txn = CheckedTxn(raw, {handle: name for name, handle in dbs.items()})
+        report["records"] = _checksums(raw, dbs, problems)
+        meta = dbs[b"meta"]
+        last = int.from_bytes(raw.get(b"last_lsn", db=meta) or bytes(8), "big")
+        report["last_lsn"] = last
+        head_raw = raw.get(HEAD_KEY, db=meta)
+        head = None if head_raw is None else decode_head(head_raw)
+        if head is None:
+            problems.append(("meta chain_head", "the hash chain's head is missing or "
+                                                "broken"))
+        else:
+            if head.mac:
+                report["mac"] = "unchecked (no key given)"
+                if key is not None:
+                    report["mac"] = "checked"
+                    if not hmac.compare_digest(head.mac, head_mac(key, head.lsn, head.digest)):
+                        report["mac"] = "fails"
+                        problems.append(("meta chain_head", "the head's MAC does not match "
+                                         "under this key: edited without the key, or "
+                                         "another key"))
+            if head.lsn != last:
+                problems.append(("meta last_lsn", f"the chain ends at {head.lsn}, the log "
+                                                  f"at {last}"))
+            problems.extend((f"lsn {lsn}", what) for lsn, what in
+                            check_chain(txn, dbs, 1, max(head.lsn, last), head.digest))
+        report["sessions"] = _sessions(txn, dbs, problems)
+    if seal and not problems and head is not None and not head.mac:
+        with env.begin(write=True) as wtxn:
+            wtxn.put(HEAD_KEY, encode_head(head.lsn, head.digest, key),
+                     db=env.open_db(b"meta", txn=wtxn, create=False))
+        report["mac"] = "sealed"
     return _done(report, problems)
 
 
@@ -146,7 +227,10 @@ def verify_chain(path: Path, integrity_key: str | None = None, links: bool = Tru
         return b"", [str(exc)]
     # lock=False: a snapshot is written by no one, and a lock file would be a file the
     # manifest does not list.
-    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=MAX_DBS)
+    try:
+        env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=MAX_DBS)
+    except lmdb.Error as exc:
+        return b"", [f"LMDB does not open its store: {exc}"]
     problems: list[str] = []
     try:
         with env.begin() as txn:
@@ -187,6 +271,8 @@ def verify_chain(path: Path, integrity_key: str | None = None, links: bool = Tru
                     problems.append(f"the chain ends at {expected - 1}, not at its head "
                                     f"({head.lsn})")
             return raw[:8 + DIGEST], problems
+    except lmdb.Error as exc:  # a damaged page, or not a store: as broken as a broken link
+        return b"", [f"LMDB cannot read its store: {exc}"]
     finally:
         env.close()
 

@@ -92,7 +92,7 @@ LOG_FACT = b"F"  # + count (2 bytes) + lsns that left the indexes (8 bytes each)
 IDS_EPISODE = b"\x00E"
 IDS_FACT = b"\x00F"
 
-_SCHEMA_KEY = b"schema"
+SCHEMA_KEY = b"schema"
 _LAST_LSN_KEY = b"last_lsn"
 _EMBEDDED_KEY = b"embedded_lsn"
 _MODEL_KEY = b"model"

@@ -54,7 +54,7 @@ from .layout import (
     _EMBEDDED_KEY,
     _LAST_LSN_KEY,
     _MODEL_KEY,
-    _SCHEMA_KEY,
+    SCHEMA_KEY,
     DB_NAMES,
     EMBED_BACKLOG_KEY,
     HEAD_KEY,
@@ -332,7 +332,7 @@ class Store(Writer, Appliers, Forgetting):
             self._names = {handle: name for name, handle in self._dbs.items()}
             with env.begin() as txn:
                 meta = self._dbs.get(b"meta")
-                stored = None if meta is None else _int(txn.get(_SCHEMA_KEY, db=meta))
+                stored = None if meta is None else _int(txn.get(SCHEMA_KEY, db=meta))
                 if stored != SCHEMA_VERSION:
                     raise StoreIncompatible(
                         f"{self.path} has schema version {stored} and this build reads "
@@ -358,14 +358,14 @@ class Store(Writer, Appliers, Forgetting):
 
     def _check_schema(self, txn: lmdb.Transaction) -> None:
         meta = self._dbs[b"meta"]
-        stored = _int(txn.get(_SCHEMA_KEY, db=meta))
+        stored = _int(txn.get(SCHEMA_KEY, db=meta))
         if stored is None:
             if txn.stat(self._dbs[b"log"])["entries"] or txn.stat(meta)["entries"]:
                 raise StoreIncompatible(
                     f"{self.path} holds LMDB data without an Engram schema version; "
                     "point Engine.open at an empty directory or an Engram store"
                 )
-            txn.put(_SCHEMA_KEY, SCHEMA_VERSION.to_bytes(8, "big"), db=meta)
+            txn.put(SCHEMA_KEY, SCHEMA_VERSION.to_bytes(8, "big"), db=meta)
             txn.put(SCRUBBED_KEY, b"\x01", db=meta)  # a new file: nothing deleted, nothing stale
             return
         if stored > SCHEMA_VERSION:
@@ -381,7 +381,7 @@ class Store(Writer, Appliers, Forgetting):
                 )
             MIGRATIONS[version](txn, self._dbs)
         if stored != SCHEMA_VERSION:
-            txn.put(_SCHEMA_KEY, SCHEMA_VERSION.to_bytes(8, "big"), db=meta)
+            txn.put(SCHEMA_KEY, SCHEMA_VERSION.to_bytes(8, "big"), db=meta)
 
     def _check_chain(self, txn: lmdb.Transaction) -> None:
         """Check the chain's head (and its MAC, with a key) and recompute its last TAIL_CHECK
