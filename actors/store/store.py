@@ -360,7 +360,10 @@ class Store(Writer, Appliers, Forgetting):
         meta = self._dbs[b"meta"]
         stored = _int(txn.get(SCHEMA_KEY, db=meta))
         if stored is None:
-            if txn.stat(self._dbs[b"log"])["entries"] or txn.stat(meta)["entries"]:
+            # The main database holds a key per named database; anything else in it (another
+            # program's data, or its databases) is not a new store's.
+            foreign = any(key not in self._dbs for key in txn.cursor().iternext(values=False))
+            if txn.stat(self._dbs[b"log"])["entries"] or txn.stat(meta)["entries"] or foreign:
                 raise StoreIncompatible(
                     f"{self.path} holds LMDB data without an Engram schema version; "
                     "point Engine.open at an empty directory or an Engram store"

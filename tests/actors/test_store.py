@@ -145,16 +145,29 @@ async def test_schema_1_float32_vectors_are_migrated_to_float16(store_path) -> N
     assert stored.shape == (384,) and float(stored @ vector) > 0.999
 
 
-async def test_foreign_lmdb_data_is_refused(store_path) -> None:
-    """An LMDB environment that Engram did not write is not adopted."""
+@pytest.mark.parametrize("foreign", ["in its meta", "in a database of its own",
+                                     "in the main database"])
+async def test_foreign_lmdb_data_is_refused(store_path, foreign) -> None:
+    """An LMDB environment that Engram did not write is not adopted, whatever names its data
+    has (Engram's meta, a database Engram has no use for, the unnamed main one), and it is
+    left as it was: no database of Engram's added to it."""
     env = lmdb.open(str(store_path), max_dbs=32)
     with env.begin(write=True) as txn:
-        txn.put(b"k", b"v", db=env.open_db(b"meta", txn=txn))
+        db = {"in its meta": lambda: env.open_db(b"meta", txn=txn),
+              "in a database of its own": lambda: env.open_db(b"accounts", txn=txn),
+              "in the main database": lambda: None}[foreign]()
+        txn.put(b"k", b"v", db=db)
+    with env.begin() as txn:
+        before = list(txn.cursor())
     env.close()
     with pytest.RaisesGroup(pytest.RaisesExc(StoreIncompatible,
                                              match=r"without an Engram schema version")):
         async with running_store(store_path):
             pass
+    env = lmdb.open(str(store_path), max_dbs=32)
+    with env.begin() as txn:
+        assert list(txn.cursor()) == before
+    env.close()
 
 
 async def test_a_failing_disk_fails_receipts_and_the_store_loudly(store_path, monkeypatch) -> None:
