@@ -13,6 +13,7 @@ one entity.
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
 from datetime import datetime, timezone
 
 import msgspec
@@ -23,18 +24,24 @@ from .base.records import Entity, Link
 from .imported import Imported
 from .store import LogFollower, Store, entity_key, read_entities, read_entity_keys
 
-__all__ = ["Entities", "extract_entities", "MEMORIES_PER_ENTITY"]
+__all__ = ["Entities", "extract_entities", "MEMORIES_PER_ENTITY", "MAX_ENTITIES"]
 
 MEMORIES_PER_ENTITY = 256  # newest memories kept per entity: entity_info and the entity leg
 CACHED_USERS = 4096  # users whose registry keys stay in RAM for the entity leg
 CACHED_RECORDS = 1024  # registry records kept per user for the entity leg (its queries' names)
 FOLLOW_CHUNK = 512  # log records per step: ~1 ms of regex work between checkpoints
 WATERMARK = b"entities_lsn"
+# Distinct entities taken from one text (the first found: addresses, handles and dates, then
+# names): a pasted list of thousands of capitalised words must not make thousands of registry
+# records in one step.
+MAX_ENTITIES = 128
 LINKED_TYPES = frozenset({"person", "place", "email", "url", "hashtag", "mention"})
 
 _encode = msgspec.msgpack.Encoder().encode
 
-_EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b")
+# The local part is at most 64 characters (RFC 5321): unbounded, a long run of words, dots and
+# dashes without an "@" was scanned to its end from each of its word boundaries.
+_EMAIL = re.compile(r"\b[\w.+-]{1,64}@[\w-]+(?:\.[\w-]+)+\b")
 _URL = re.compile(r"\bhttps?://[^\s<>()\"']+", re.IGNORECASE)
 _MENTION = re.compile(r"(?<![\w@])@([A-Za-z_]\w{1,30})")
 _HASHTAG = re.compile(r"(?<![\w#])#([A-Za-z]\w{1,40})")
@@ -45,7 +52,8 @@ _DATE = re.compile(r"\b(?:\d{4}-\d{2}-\d{2}|\d{1,2}/\d{1,2}/\d{2,4}|"
                    rf"\d{{1,2}}(?:st|nd|rd|th)? (?:of )?(?:{_MONTHS})(?: \d{{4}})?)\b",
                    re.IGNORECASE)
 _NAME = re.compile(r"\b[A-ZÀ-ÖØ-Þ][a-zà-öø-ÿ]+(?:[ -][A-ZÀ-ÖØ-Þ][a-zà-öø-ÿ]+)*\b")
-_PLACE_CUE = re.compile(r"\b(?:in|to|from|at|near|visit|visited|visiting)\s+$", re.IGNORECASE)
+# Where a cue ends, a name starting there is a place ("in Lisbon"); found in one pass.
+_PLACE_CUE = re.compile(r"\b(?:in|to|from|at|near|visit|visited|visiting)\s+", re.IGNORECASE)
 # Capitalised words that are not names: sentence starters, pronouns, days, months, greetings.
 _NOT_NAMES = frozenset(
     "I A An The This That These Those It Its He She We They You Your My Our Their His Her "
@@ -62,12 +70,28 @@ _LETTER = re.compile(r"[^\W\d_]")
 _SENTENCE_END = re.compile(r"[.!?\n]")
 
 
-def _alone(text: str, start: int, end: int) -> bool:
-    """Whether ``text[start:end]`` is the only word of its sentence ("Noted.", "Done (2)!"):
-    an acknowledgement or an exclamation, not a mention of someone."""
-    before = _SENTENCE_END.split(text[:start])[-1]
-    after = _SENTENCE_END.split(text[end:], maxsplit=1)[0]
-    return not _LETTER.search(before) and not _LETTER.search(after)
+class _Sentences:
+    """Whether a word is the only one of its sentence ("Noted.", "Done (2)!": an
+    acknowledgement or an exclamation, not a mention of someone), in time linear in the text
+    however many words are asked about: sentence bounds are found once, and each sentence's
+    first letter once."""
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+        self._ends = [m.start() for m in _SENTENCE_END.finditer(text)]
+        self._first_letter: dict[int, int] = {}  # by sentence number
+
+    def alone(self, start: int, end: int) -> bool:
+        """Whether ``text[start:end]`` (a word starting with a letter) is alone."""
+        text, ends = self._text, self._ends
+        n = bisect_left(ends, start)  # a word holds no sentence end: its sentence is n
+        first = ends[n - 1] + 1 if n else 0
+        last = ends[n] if n < len(ends) else len(text)
+        if n not in self._first_letter:
+            letter = _LETTER.search(text, first, last)
+            self._first_letter[n] = letter.start() if letter else last
+        # Looking after the word stops at the next letter: at worst the next word asked about.
+        return self._first_letter[n] == start and not _LETTER.search(text, end, last)
 
 
 def extract_entities(text: str) -> list[tuple[str, str]]:
@@ -75,13 +99,16 @@ def extract_entities(text: str) -> list[tuple[str, str]]:
     found: dict[str, tuple[str, str]] = {}
 
     def add(name: str, kind: str) -> None:
-        found.setdefault(name.lower(), (name, kind))
+        if len(found) < MAX_ENTITIES:
+            found.setdefault(name.lower(), (name, kind))
 
     for m in _EMAIL.finditer(text):
         add(m.group(0), "email")
     for m in _URL.finditer(text):
         add(m.group(0).rstrip(".,;:!?"), "url")
     scrubbed = _URL.sub(" ", _EMAIL.sub(" ", text))
+    sentences = _Sentences(scrubbed)
+    cues = {m.end() for m in _PLACE_CUE.finditer(scrubbed)}
     for m in _MENTION.finditer(scrubbed):
         add("@" + m.group(1), "mention")
     for m in _HASHTAG.finditer(scrubbed):
@@ -98,13 +125,13 @@ def extract_entities(text: str) -> list[tuple[str, str]]:
             else:
                 runs[-1].append(word)
         runs = [words for words in runs if words]
-        if len(runs) == 1 and len(runs[0]) == 1 and _alone(scrubbed, m.start(), m.end()):
+        if len(runs) == 1 and len(runs[0]) == 1 and sentences.alone(m.start(), m.end()):
             continue
         for n, words in enumerate(runs):
             name = " ".join(words)
             if name.lower() in found:
                 continue
-            place = n == 0 and _PLACE_CUE.search(scrubbed[: m.start()])
+            place = n == 0 and m.start() in cues
             add(name, "place" if place else ("person" if len(words) <= 3 else "other"))
     return list(found.values())
 
@@ -132,15 +159,20 @@ class Entities:
         # a change overlapped (``_changes`` moved, or a step of that user's in flight).
         self._records: dict[str, dict[str, Entity | None]] = {}
         self._changes = 0  # moves on every change a cached record may miss
+        self._forgets = 0  # forgets so far: keys read across one are not cached
         self._writing: set[str] = set()  # users whose registry the step in flight writes
 
     async def keys(self, user_id: str) -> set[str]:
         """The user's registry keys (read once, then kept up to date by the follower)."""
         known = self._keys.get(user_id)
         if known is None:
+            forgets = self._forgets
             found = set(await self._store.read(read_entity_keys, user_id))
             # Keys of the step being committed may have missed the read: add them.
-            known = self._keys[user_id] = found | self._recent.get(user_id, set())
+            known = found | self._recent.get(user_id, set())
+            if forgets != self._forgets:  # the read overlapped a forget: not kept
+                return known
+            self._keys[user_id] = known
             while len(self._keys) > CACHED_USERS:
                 del self._keys[next(iter(self._keys))]
         else:
@@ -188,6 +220,7 @@ class Entities:
         self._keys.pop(user_id, None)
         self._records.pop(user_id, None)
         self._changes += 1
+        self._forgets += 1
 
     async def _handle(self, records: list[Searchable], last: int) -> tuple[tuple, tuple]:
         self._recent = {}  # the previous step is committed: its keys are readable

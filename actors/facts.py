@@ -126,6 +126,11 @@ class Facts:
         self._clock = clock
         self._new_id = new_id
         self._cache: dict[str, Active] = {}
+        self._forgets = 0  # forget calls so far: a read that overlapped one is not cached
+        # Users forgotten since the extraction follower's step in flight read its turns
+        # (cleared as each step ends, before the next reads): what it decides for them may
+        # come from a forgotten turn.
+        self._forgotten: set[str] = set()
         # Held while a decision is taken and applied: two decisions on one key never interleave.
         self._lock = trio.Lock()
 
@@ -136,9 +141,14 @@ class Facts:
         if cached is not None:
             self._cache[user_id] = self._cache.pop(user_id)  # most recently used last
             return cached
+        forgets = self._forgets
         await self._store.wait_logged()
         facts = await self._store.read(read_facts, user_id, True)
         cached = self._cache.get(user_id)  # another task may have loaded it meanwhile
+        if cached is None and forgets != self._forgets:
+            # A forget committed while the read ran: it may hold what went. This caller's
+            # call overlapped the forget and may see either; the cache must not.
+            return {(f.category, f.key): f for f in facts}
         if cached is None:
             cached = {(f.category, f.key): f for f in facts}
             self._cache[user_id] = cached
@@ -201,6 +211,10 @@ class Facts:
             for p in proposals:
                 await self._propose(p.user_id, p.candidate, p.origin, p.sources, p.session_id,
                                     p.valid_at, False, p.requires, wait=False)
+                if p.user_id in self._forgotten:
+                    # Its turn may be forgotten: the store refuses the fact then, and until
+                    # that lands the cache must not show it (it is read again).
+                    self._cache.pop(p.user_id, None)
             await self._store.wait_written()
 
     async def _propose(self, user_id: str, c: Candidate, origin: str,
@@ -322,6 +336,8 @@ class Facts:
     def forget(self, user_id: str) -> None:
         """Drop a user's cached facts (after a forget; they are reread from the store)."""
         self._cache.pop(user_id, None)
+        self._forgets += 1
+        self._forgotten.add(user_id)
 
     def _queue_rewrite(self, facts: list[Fact]) -> None:
         """Change facts in place (same version, same lsn: no index sees a difference), in the
@@ -408,6 +424,7 @@ class Facts:
                     await self.propose_all(proposals)
                     proposals = []
             await self.propose_all(proposals)
+            self._forgotten.clear()  # the next step reads after this
             return (), ()
 
         return LogFollower(self._store, WATERMARK, FOLLOW_CHUNK, handle)

@@ -30,6 +30,7 @@ import trio
 
 from actors.ann_index import AnnIndex
 from actors.base.errors import EngineClosed, InvalidInput
+from actors.base.messages import Forget
 from actors.base.keys import MAX_KEY_BYTES
 from actors.fulltext import FullText
 from actors.store import Store
@@ -114,15 +115,7 @@ class Forgetting:
             # ever stored (and a key built from them would be refused by the store).
             await trio.lowlevel.checkpoint()
             return
-        parts.forgets += 1
-        parts.buffer.drop_session(user_id, session_id)
-        parts.embedder.forget_texts()
-        parts.compressor.forget(user_id, session_id)
-        await parts.store.forget(
-            user_id, session_id, lambda lsns: parts.ann.removed(user_id, lsns, False))
-        self._scrubber.ask()
-        parts.facts.forget(user_id)  # facts extracted from the session went with it
-        parts.entities.forget(user_id)  # ...and entities only it mentioned
+        await parts.store.wait_committed(await self._queue(user_id, session_id))
 
     async def forget_scope(self, user_id: Any, agent_id: Any, run_id: Any,
                            delete_note: Any) -> dict[str, int]:
@@ -148,14 +141,43 @@ class Forgetting:
         parts = self._parts
         parts.check_open()
         parts.check_lookup_ids(user_id)
+        lsn = await self._queue(user_id, None)
+        try:
+            await parts.store.wait_committed(lsn)
+        finally:
+            if parts.notes_md is not None:
+                with trio.CancelScope(shield=True):  # it commits, the caller cancelled or not
+                    await parts.notes_md.remove_user(user_id)
+
+    async def _queue(self, user_id: str, session_id: str | None) -> int:
+        """Queue the deletion of a session (or, ``session_id`` None, a user); returns its lsn.
+
+        Once there is room in the store's queue, the RAM copies are dropped and the op queued
+        in one step, no checkpoint between: a turn of the user added while the wait for room
+        lasted must not stay in the session buffer once the store deletes it. What follows
+        the commit runs in the commit's own step (``committed``, on the trio thread), not in
+        the caller's task: the op commits even if the caller is cancelled while it waits, and
+        then the caches built on what it deleted must go and the scrub must run all the same.
+        """
+        parts = self._parts
+        store = parts.store
+        await store.reserve(1)  # cancel-safe: nothing is taken yet
+        parts.check_open()
         parts.forgets += 1
-        parts.buffer.drop_user(user_id)
-        parts.embedder.forget_user(user_id)
-        parts.compressor.forget(user_id, None)
-        await parts.store.forget(user_id, None,
-                                 lambda lsns: parts.ann.removed(user_id, lsns, True))
-        self._scrubber.ask()
-        parts.facts.forget(user_id)
-        parts.entities.forget(user_id)
-        if parts.notes_md is not None:
-            await parts.notes_md.remove_user(user_id)
+        if session_id is None:
+            parts.buffer.drop_user(user_id)
+            parts.embedder.forget_user(user_id)
+        else:
+            parts.buffer.drop_session(user_id, session_id)
+            parts.embedder.forget_texts()
+        parts.compressor.forget(user_id, session_id)
+
+        def committed(lsns: list[int]) -> None:
+            parts.ann.removed(user_id, lsns, session_id is None)
+            self._scrubber.ask()
+            parts.facts.forget(user_id)  # the facts extracted from what went, with it
+            parts.entities.forget(user_id)  # ...and the entities only it mentioned
+
+        lsn = store.next_lsn
+        store.submit(Forget(lsn, user_id, session_id, committed))
+        return lsn

@@ -235,15 +235,20 @@ class Memory:
         deleted: list[list[int]] = []
 
         def committed(lsns: list[int]) -> None:
+            # In the commit's own step: a caller cancelled meanwhile still has it scrubbed.
             deleted.append(lsns)
             parts.ann.removed(user_id, lsns, False)
+            if lsns:
+                self._scrubber.ask()
 
         store.submit(DeleteNote(lsn, user_id, note_id, committed))
-        await store.wait_committed(lsn)
-        if deleted[0]:
-            self._scrubber.ask()
-            if parts.notes_md is not None:
-                await parts.notes_md.remove(user_id, note_id)
+        try:
+            await store.wait_committed(lsn)
+        finally:
+            # Not landed yet (the caller was cancelled): it will, so the file goes now.
+            if parts.notes_md is not None and (not deleted or deleted[0]):
+                with trio.CancelScope(shield=True):
+                    await parts.notes_md.remove(user_id, note_id)
         return bool(deleted[0])
 
     # -- rolling session summaries -----------------------------------------------------------
