@@ -39,9 +39,11 @@ LINKED_TYPES = frozenset({"person", "place", "email", "url", "hashtag", "mention
 
 _encode = msgspec.msgpack.Encoder().encode
 
-# The local part is at most 64 characters (RFC 5321): unbounded, a long run of words, dots and
-# dashes without an "@" was scanned to its end from each of its word boundaries.
-_EMAIL = re.compile(r"\b[\w.+-]{1,64}@[\w-]+(?:\.[\w-]+)+\b")
+# An address starts at the first letter or digit of its run of word characters, dots, pluses
+# and dashes (``lead`` is what comes before it): tried from every word of a long run without
+# an "@", the run was read to its end once per word.
+_EMAIL = re.compile(r"(?<![\w.+-])(?P<lead>[.+-]*+)"
+                    r"(?P<address>\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b)")
 _URL = re.compile(r"\bhttps?://[^\s<>()\"']+", re.IGNORECASE)
 _MENTION = re.compile(r"(?<![\w@])@([A-Za-z_]\w{1,30})")
 _HASHTAG = re.compile(r"(?<![\w#])#([A-Za-z]\w{1,40})")
@@ -103,10 +105,10 @@ def extract_entities(text: str) -> list[tuple[str, str]]:
             found.setdefault(name.lower(), (name, kind))
 
     for m in _EMAIL.finditer(text):
-        add(m.group(0), "email")
+        add(m.group("address"), "email")
     for m in _URL.finditer(text):
         add(m.group(0).rstrip(".,;:!?"), "url")
-    scrubbed = _URL.sub(" ", _EMAIL.sub(" ", text))
+    scrubbed = _URL.sub(" ", _EMAIL.sub(r"\g<lead> ", text))
     sentences = _Sentences(scrubbed)
     cues = {m.end() for m in _PLACE_CUE.finditer(scrubbed)}
     for m in _MENTION.finditer(scrubbed):

@@ -64,6 +64,9 @@ USED_WORDS = 2  # content words a reply must share with a shown memory to have u
 # rather than holding every episode behind the whole embedding backlog.
 SURPRISE_WAIT_BACKLOG = 512
 ROLLING_SENTENCES = 5  # sentences a rolling session summary keeps
+# Sentences of one turn a summary weighs, its first: a turn of thousands of short sentences
+# must not cost thousands of embeddings and an n-by-n similarity matrix of gigabytes.
+SENTENCES_PER_TURN = 20
 
 RATINGS = {"again": Rating.Again, "hard": Rating.Hard, "good": Rating.Good, "easy": Rating.Easy,
            1: Rating.Again, 2: Rating.Hard, 3: Rating.Good, 4: Rating.Easy}
@@ -137,10 +140,14 @@ def memory_review_state(memory: Any) -> ReviewState:
 def _sentences(turns: list[Turn]) -> list[tuple[int, str]]:
     out = []
     for i, turn in enumerate(turns):
+        kept = 0
         for sentence in _SENTENCE.split(turn.text.strip()):
             sentence = sentence.strip()
             if len(content_words(sentence)) >= 2:
                 out.append((i, sentence))
+                kept += 1
+                if kept == SENTENCES_PER_TURN:
+                    break
     if not out:  # nothing but small talk: keep the turns whole
         out = [(i, t.text.strip()) for i, t in enumerate(turns) if t.text.strip()]
     return out

@@ -355,7 +355,10 @@ _RULES: tuple[_Rule, ...] = (
           _identity("birthday", "Birthday: {}", 0.8, 0.6)),
     _rule(r"\bmy favou?rite (?P<what>[a-z]+(?: [a-z]+)?) is (?:still )?(?P<value>[\w' -]+?)" + _END,
           _favourite),
-    _rule(r"\b(?P<value>[\w' -]+?) (?:has|have) become my favou?rite (?P<what>[a-z]+)\b", _favourite),
+    # The value starts where its run of words does (its first letter): tried from each word
+    # of the run instead, the rule read the rest of the sentence once per word.
+    _rule(r"(?<![\w' -])[' -]*(?P<value>\b[\w' -]+?) (?:has|have) become my favou?rite "
+          r"(?P<what>[a-z]+)\b", _favourite),
     # Relationships and pets. The names are capitalised, so these rules match case-sensitively
     # outside their (?i:...) parts: "my dog is tired" names no dog.
     _rule(rf"\b(?i:my) (?P<who>(?i:{_WHO}))(?:'s name)? (?i:is) (?:(?i:called|named) )?"
@@ -363,7 +366,9 @@ _RULES: tuple[_Rule, ...] = (
     _rule(rf"\b(?i:i have an?) (?P<who>(?i:{_WHO})) (?i:called|named) " + _ONE_NAME,
           _relation, 0),
     _rule(rf"\b(?i:my) (?P<who>(?i:{_WHO})),? " + _ONE_NAME + r"\b", _relation, 0),
-    _rule(_ONE_NAME + rf",? (?:is|'s) (?i:my) (?P<who>(?i:{_WHO}))\b", _relation, 0),
+    # The name starts a word: tried from each capital, "AAAA..." cost a pass per letter.
+    _rule(r"(?<![\w'-])" + _ONE_NAME + rf",? (?:is|'s) (?i:my) (?P<who>(?i:{_WHO}))\b",
+          _relation, 0),
     _rule(r"\bi(?:'m| am) (?:severely |very |really |deathly |mildly |a bit )?allergic to "
           + _THING + _END, _allergy),
     _rule(r"\bi have an? ([\w -]{2,30}?) allergy", _allergy),

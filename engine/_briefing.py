@@ -13,6 +13,7 @@ Two sections, searched in parallel through the recall pipeline (``_retrieval.py`
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Any, Literal
 
@@ -30,7 +31,7 @@ from actors.store import (
 from ._hits import EpisodicItem, Hit, Message, RetrieveResult, SemanticItem
 from ._retrieval import LEGS, Retriever, logistic, one_error
 
-__all__ = ["Briefing", "Detail", "render_markdown", "relative_time"]
+__all__ = ["Briefing", "Detail", "render_markdown", "relative_time", "one_line", "block_text"]
 
 Detail = Literal["auto", "none", "low", "high"]
 KEY_MOMENT = 0.7  # surprise at or above which an episode is a "key moment" (seed 001)
@@ -227,6 +228,25 @@ def relative_time(at: datetime, now: datetime) -> str:
     return f"{days // 365} years ago"
 
 
+# What may start a block of its own at the start of a Markdown line (CommonMark): a heading, a
+# quote, a list item, a rule, a code fence, HTML, a link definition, an ordered list's number.
+_BLOCK_START = re.compile(r"[#>+*_=`~<\[-]|\d{1,9}[.)](?!\S)")
+
+
+def one_line(text: str) -> str:
+    """``text`` with each run of whitespace, line breaks of every kind included, as one space:
+    a stored text stays inside the Markdown line it is shown in, whatever the user typed."""
+    return " ".join(text.split())
+
+
+def block_text(text: str) -> str:
+    """:func:`one_line`, for the start of a line or list item: a leading character that would
+    start a block (a heading, a code fence...) is backslash-escaped, which shows it as is."""
+    line = one_line(text)
+    m = _BLOCK_START.match(line)
+    return line if m is None else f"{line[:m.end() - 1]}\\{line[m.end() - 1:]}"
+
+
 def render_markdown(result: RetrieveResult, now: datetime, detail: Detail,
                     episodic: bool = True) -> str:
     """seed 001's Markdown: semantic facts with [category], then ranked episodes."""
@@ -235,7 +255,7 @@ def render_markdown(result: RetrieveResult, now: datetime, detail: Detail,
         lines.append("## Semantic Memory")
         for fact in result.semantic:
             n = fact.conversations
-            lines.append(f"- [{fact.category}] {fact.fact} "
+            lines.append(f"- [{one_line(fact.category)}] {one_line(fact.fact)} "
                          f"(sources: {n} conversation{'s' if n != 1 else ''})")
     if episodic:
         if lines:
@@ -245,13 +265,13 @@ def render_markdown(result: RetrieveResult, now: datetime, detail: Detail,
             lines += ["", "No matching memories."]
         for rank, item in enumerate(result.episodic, 1):
             key = item.surprise >= KEY_MOMENT
-            lines += ["", f"### {item.title} [rank: {rank}, score: {item.score:.2f}"
+            lines += ["", f"### {one_line(item.title)} [rank: {rank}, score: {item.score:.2f}"
                           f"{', key moment' if key else ''}]",
                       f"**When:** {relative_time(item.end_at, now)}",
-                      f"**Summary:** {item.summary}"]
+                      f"**Summary:** {one_line(item.summary)}"]
             if _show_details(detail, rank, key):
                 lines += ["", "**Details:**"]
-                lines += [f'- {m.role}: "{" ".join(m.content.split())}"' for m in item.messages]
+                lines += [f'- {m.role}: "{one_line(m.content)}"' for m in item.messages]
     return "\n".join(lines) + ("\n" if lines else "")
 
 

@@ -17,7 +17,7 @@ import msgspec
 from actors.base.records import Episode, Note
 from actors.store import read_episodes, user_prefix
 
-from ._briefing import relative_time
+from ._briefing import block_text, one_line, relative_time
 from ._hits import estimate_tokens
 
 if TYPE_CHECKING:
@@ -101,18 +101,19 @@ async def context_for_prompt(parts: Parts, retriever: Retriever, user_id: str,
             out.extend(([""] if out else []) + [title, *(lines[i] for i in kept)])
         return kept
 
-    kept = section("## What I know about you", [f"- {f.text}" for f in facts])
+    # Stored texts are shown on lines of their own making: see _briefing.block_text.
+    kept = section("## What I know about you", [f"- {block_text(f.text)}" for f in facts])
     shown = [facts[i].fact_id for i in kept]
     if reflection is not None:
-        section("## Latest reflection", [" ".join(reflection.text.split())])
+        section("## Latest reflection", [block_text(reflection.text)])
     section("## From earlier conversations", [
-        f"- {relative_time(e.end_at, now)}, turns {e.first_seq}-{e.last_seq}: {e.title}: "
-        f"{_cut(e.summary)}" for e in episodes])
+        f"- {relative_time(e.end_at, now)}, turns {e.first_seq}-{e.last_seq}: "
+        f"{one_line(e.title)}: {_cut(e.summary)}" for e in episodes])
     if shown and not parts.read_only:
         parts.facts.touch(user_id, shown)  # shown in a prompt: their decay restarts
     return "\n".join(out) + ("\n" if out else "")
 
 
 def _cut(text: str) -> str:
-    text = " ".join(text.split())
+    text = one_line(text)
     return text if len(text) <= SUMMARY_CHARS else text[:SUMMARY_CHARS - 3].rstrip() + "..."
