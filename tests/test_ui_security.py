@@ -98,3 +98,27 @@ async def test_open_pages_refuse_another_host_name(mem: Engine) -> None:
     assert await mem.list_sessions("bo")
     async with browser(app, host="127.0.0.1:8080") as local:
         assert csrf_of((await local.get("/ui/users/bo/do/forget-user")).text)
+
+
+async def test_a_sign_in_behind_a_tls_proxy_can_act(mem, keys) -> None:
+    """Behind a proxy that ends TLS the browser's Origin says https while the server sees
+    http: the same host is the same site, so a signed-in operator's forms work there; a page
+    of another host still cannot post them."""
+    await seed(mem)
+    app = create_app(mem, keys)
+    async with browser(app, origin="https://127.0.0.1") as http:
+        signed_in = await http.post("/ui/login", data={"key": ANA_KEY})
+        assert signed_in.status_code == 303
+        assert "secure" in signed_in.headers["set-cookie"].lower()  # the browser is on https
+    # The browser sends the cookie back over https; the server behind the proxy sees http.
+    async with browser(app, origin="https://127.0.0.1", cookie=f"engram_key={ANA_KEY}") as http:
+        csrf = csrf_of((await http.get("/ui/users/ana/do/forget-session",
+                                       params={"session": "s1"})).text)
+        done = await http.post("/ui/users/ana/do/forget-session",
+                               data={"session": "s1", "csrf": csrf})
+        assert done.status_code == 303, done.text
+        forged = await http.post("/ui/users/ana/do/forget-session",
+                                 data={"session": "s2", "csrf": csrf},
+                                 headers={"origin": "https://evil.example"})
+        assert forged.status_code == 403
+    assert [s.session_id for s in await mem.list_sessions("ana")] == ["s2"]

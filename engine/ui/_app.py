@@ -235,14 +235,16 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
         return viewer
 
     def same_origin(request: Request) -> None:
-        expected = f"{request.url.scheme}://{request.headers.get('host', '')}"
+        # The host decides, not the scheme: behind a proxy that ends TLS the browser says
+        # https and this server sees http, and no other site can post under this host.
+        expected = request.headers.get("host", "").lower()
         origin = request.headers.get("origin")
         if not origin or origin == "null":
-            referer = urlsplit(request.headers.get("referer", ""))
-            origin = f"{referer.scheme}://{referer.netloc}" if referer.netloc else ""
-        if origin != expected:
+            origin = request.headers.get("referer", "")
+        found = urlsplit(origin).netloc.lower()
+        if not found or found != expected:
             raise Refused(403, f"Cross-site request refused: expected it from {expected}, "
-                               f"found {origin or 'no origin'}.")
+                               f"found {found or 'no origin'}.")
 
     async def posted(request: Request, viewer: Viewer) -> dict[str, str]:
         form = await request.form()
@@ -310,8 +312,12 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
             raise Refused(401, "That key is not in the server's api-keys file.")
         response = RedirectResponse("/ui/", 303)
         if keys is not None:
+            # Secure where the browser is on https, behind a proxy that ends TLS too (the
+            # login form's Origin says so; same_origin checked it names this host).
+            secure = "https" in (request.url.scheme,
+                                 urlsplit(request.headers.get("origin", "")).scheme)
             response.set_cookie(COOKIE, key, httponly=True, samesite="strict", path="/ui",
-                                secure=request.url.scheme == "https")
+                                secure=secure)
         return response
 
     @app.post("/logout")
