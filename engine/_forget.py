@@ -147,7 +147,7 @@ class Forgetting:
         finally:
             if parts.notes_md is not None:
                 with trio.CancelScope(shield=True):  # it commits, the caller cancelled or not
-                    await parts.notes_md.remove_user(user_id)
+                    await parts.notes_md.remove_user(user_id, lsn)
 
     async def _queue(self, user_id: str, session_id: str | None) -> int:
         """Queue the deletion of a session (or, ``session_id`` None, a user); returns its lsn.

@@ -202,7 +202,14 @@ class Memory:
                 parts.ann.removed(user_id, [result[2]], False)
 
         store.submit(PutNote(lsn, note, 1 if replace else -1, committed, keep))
-        await store.wait_committed(lsn)
+        try:
+            await store.wait_committed(lsn)
+        finally:
+            # Committed, the caller cancelled meanwhile or not: its file follows (the mirror
+            # orders the files of concurrent calls by lsn).
+            if parts.notes_md is not None and outcome and outcome[0][0] is not None:
+                with trio.CancelScope(shield=True):
+                    await parts.notes_md.write(outcome[0][0])
         stored, refused, _ = outcome[0]
         if refused == "exists":
             raise InvalidInput("note_id", f"expected a new note id, found {note_id!r} in use; "
@@ -210,8 +217,6 @@ class Memory:
         if refused == "missing":
             raise NotFound("note_id", f"expected the id of a note of user {user_id!r}, "
                                       f"found none with id {note_id!r}")
-        if parts.notes_md is not None:
-            await parts.notes_md.write(stored)
         return stored
 
     async def get_note(self, user_id: Any, note_id: Any) -> Note | None:
@@ -248,7 +253,7 @@ class Memory:
             # Not landed yet (the caller was cancelled): it will, so the file goes now.
             if parts.notes_md is not None and (not deleted or deleted[0]):
                 with trio.CancelScope(shield=True):
-                    await parts.notes_md.remove(user_id, note_id)
+                    await parts.notes_md.remove(user_id, note_id, lsn)
         return bool(deleted[0])
 
     # -- rolling session summaries -----------------------------------------------------------

@@ -11,6 +11,11 @@ every byte that is not an ASCII letter, digit, ``-`` or ``_`` (so ``.``, ``/`` a
 never leave the directory or hide a file), cut to a length every filesystem takes, with a hash
 of the whole id when cut. A crash between the store's commit and the file's rename leaves a
 stale or missing file: ``sync``, run when the engine opens, makes the directory match the store.
+
+The file operations of concurrent calls run in worker threads and may land in any order, so
+each carries the log position of the change it mirrors and they are applied in that order: a
+note's write that lands after its user's forget (or its own deletion, or a newer version) is
+dropped, where it would have put the forgotten note back until the next open.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -68,19 +74,42 @@ class NotesMirror:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self._lock = threading.Lock()  # one file operation at a time, each checked under it
+        self._newest: dict[Path, int] = {}  # the log position each file last mirrored
+        self._gone: dict[str, int] = {}  # user directory -> the lsn of the user's forget
 
     def path(self, user_id: str, note_id: str) -> Path:
         return self.root / safe_name(user_id) / f"{safe_name(note_id)}.md"
 
     async def write(self, note: Note) -> None:
-        await trio.to_thread.run_sync(self._write, note)
+        await trio.to_thread.run_sync(self._mirror, note.user_id, note.note_id, note.lsn, note)
 
-    async def remove(self, user_id: str, note_id: str) -> None:
-        await trio.to_thread.run_sync(self._remove, user_id, note_id)
+    async def remove(self, user_id: str, note_id: str, lsn: int) -> None:
+        """Remove the note's file, for its deletion at ``lsn``."""
+        await trio.to_thread.run_sync(self._mirror, user_id, note_id, lsn, None)
 
-    async def remove_user(self, user_id: str) -> None:
-        await trio.to_thread.run_sync(
-            lambda: shutil.rmtree(self.root / safe_name(user_id), ignore_errors=True))
+    async def remove_user(self, user_id: str, lsn: int) -> None:
+        """Remove the user's directory, for the user's forget at ``lsn``."""
+        await trio.to_thread.run_sync(self._remove_user, user_id, lsn)
+
+    def _mirror(self, user_id: str, note_id: str, lsn: int, note: Note | None) -> None:
+        path = self.path(user_id, note_id)
+        with self._lock:
+            if lsn <= max(self._newest.get(path, 0), self._gone.get(path.parent.name, 0)):
+                return  # a later change of this file (or of its user) is mirrored already
+            self._newest[path] = lsn
+            if note is None:
+                path.unlink(missing_ok=True)
+            else:
+                self._write(note)
+
+    def _remove_user(self, user_id: str, lsn: int) -> None:
+        directory = self.root / safe_name(user_id)
+        with self._lock:
+            self._gone[directory.name] = max(lsn, self._gone.get(directory.name, 0))
+            for path in [p for p in self._newest if p.parent == directory]:
+                del self._newest[path]
+            shutil.rmtree(directory, ignore_errors=True)
 
     async def sync(self, store: Any) -> int:
         """Make the directory match the store's notes; returns the files written or removed."""
@@ -91,9 +120,6 @@ class NotesMirror:
         path = self.path(note.user_id, note.note_id)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, render(note).encode("utf-8"))
-
-    def _remove(self, user_id: str, note_id: str) -> None:
-        self.path(user_id, note_id).unlink(missing_ok=True)
 
     def _sync(self, notes: Iterable[Note]) -> int:
         changed = 0

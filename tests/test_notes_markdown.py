@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from functools import partial
 from pathlib import Path
 
 import pytest
+import trio
+
+import engine._notes_md as notes_md_mod
 
 from engine import InvalidInput
 
@@ -112,3 +118,41 @@ async def test_imported_notes_are_mirrored_too(clock, tmp_path) -> None:
         await mem.import_user(tmp_path / "maya.jsonl")
         text = (root / "maya" / "n1.md").read_text(encoding="utf-8")
     assert 'tags: ["moved"]' in text and text.endswith("\nFrom the other store\n")
+
+
+async def test_a_note_written_as_its_user_is_forgotten_never_comes_back(
+        store_path, clock, tmp_path, monkeypatch) -> None:
+    """The mirror's file operations run in worker threads, so a note's write and its user's
+    forget may land in either order: the write that lands after the forget is dropped, and
+    the forgotten note's file never stays on disk."""
+    root = tmp_path / "notes"
+    entered, release = threading.Event(), threading.Event()
+    real = notes_md_mod.write_atomically
+
+    def held(path, data: bytes) -> None:
+        if b"held note" in data:
+            entered.set()
+            release.wait(30)
+        real(path, data)
+
+    monkeypatch.setattr(notes_md_mod, "write_atomically", held)
+    async with open_engine(store_path, clock=clock,
+                           config={"notes_markdown_dir": str(root)}) as mem:
+        await mem.store_note("maya", "An earlier note", note_id="early")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(mem.store_note, "maya", "held note", note_id="late"))
+            await trio.to_thread.run_sync(entered.wait, 30)
+            nursery.start_soon(mem.forget_user, "maya")
+            # Time for the forget's removal to run beside the held write, as it did before
+            # the mirror ordered them (it now waits for the write, then removes it).
+            await trio.to_thread.run_sync(_gone_within, root / "maya", 1.0)
+            release.set()
+        assert not (root / "maya").exists()
+        await mem.store_note("maya", "A new note after the forget", note_id="new")
+        assert list(_files(root)) == ["maya/new.md"]
+
+
+def _gone_within(path: Path, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
