@@ -38,6 +38,7 @@ __all__ = ["ClusterClient"]
 
 READ_SECONDS = 10.0  # how long a read is retried (503s, a moving partition) before it fails
 READ_PAUSE = 0.05  # seconds before the first retry when the answer names none
+MAX_SEQ = 2**64 - 1  # the largest log sequence JetStream has (a uint64)
 
 
 class ClusterClient(LogWriter):
@@ -96,7 +97,7 @@ class ClusterClient(LogWriter):
         """
         answer = await self._read(user_id, "POST", f"/v1/users/{_seg(user_id)}/recall",
                                   min_seq, json={"query": query, **filters})
-        return answer.json()["hits"]
+        return _decoded(answer, list, "hits")
 
     async def retrieve_memory(self, user_id: str, query: str, *, min_seq: int | None = None,
                               **body: Any) -> str:
@@ -112,7 +113,7 @@ class ClusterClient(LogWriter):
         answer = await self._read(
             user_id, "GET", f"/v1/users/{_seg(user_id)}/sessions/{_seg(session_id)}/turns",
             min_seq, params={"limit": limit})
-        return answer.json()
+        return _decoded(answer, list)
 
     async def owner(self, user_id: str) -> str | None:
         """The HTTP base URL of the node that holds the user's partition now (None: none)."""
@@ -133,8 +134,12 @@ class ClusterClient(LogWriter):
         v.check_id("user_id", user_id, self._config.max_id_chars)
         params = dict(params or {})
         if min_seq is not None:
-            if type(min_seq) is not int or min_seq < 0:
-                raise InvalidInput("min_seq", f"expected a log sequence >= 0, found {min_seq!r}")
+            if type(min_seq) is not int or not 0 <= min_seq <= MAX_SEQ:
+                found = (f"an int of {min_seq.bit_length()} bits"
+                         if type(min_seq) is int and min_seq.bit_length() > 128
+                         else repr(min_seq)[:40])  # repr() of a huge int raises ValueError
+                raise InvalidInput("min_seq", f"expected a log sequence from 0 to {MAX_SEQ}, "
+                                              f"found {found}")
             params["min_seq"] = min_seq
         p = partition_of(user_id, self._partitions)
         deadline = trio.current_time() + READ_SECONDS
@@ -168,8 +173,29 @@ async def _nothing(partition: int) -> None:
 
 
 def _seg(value: str) -> str:
-    """An id as one path segment (its '/' and '%' escaped, as the API's routes expect)."""
-    return quote(value, safe="")
+    """An id as one path segment (its '/' and '%' escaped, as the API's routes expect; '.'
+    and '..' escaped too, or the URL would resolve them as dot segments)."""
+    segment = quote(value, safe="")
+    return segment.replace(".", "%2E") if segment in (".", "..") else segment
+
+
+def _decoded(answer: httpx.Response, kind: type, key: str | None = None) -> Any:
+    """The owner's JSON answer (its ``key``), checked to be the ``kind`` a node sends.
+
+    Raises:
+        EngineError: something else answered (not JSON, or not that shape).
+    """
+    try:
+        body = msgspec.json.decode(answer.content)
+        if key is not None:
+            body = body[key]
+    except (msgspec.DecodeError, KeyError, TypeError):
+        body = None
+    if not isinstance(body, kind):
+        raise EngineError(f"the owner at {answer.url} answered {answer.status_code} with "
+                          f"{answer.content[:200]!r}; expected JSON"
+                          f"{f' with {key!r}' if key else ''} holding a {kind.__name__}")
+    return body
 
 
 def _message(answer: httpx.Response) -> str:
@@ -190,6 +216,8 @@ def _raise_for(answer: httpx.Response) -> None:
     try:
         body = msgspec.json.decode(answer.content)
     except msgspec.DecodeError:
+        body = {}
+    if not isinstance(body, dict):  # an answer a node never sends: its text is the message
         body = {}
     kind = {"InvalidInput": errors.InvalidInput, "NotFound": errors.NotFound}.get(
         str(body.get("error")))

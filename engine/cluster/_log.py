@@ -144,6 +144,7 @@ DELETES_IN_FLIGHT = 16  # deletions of single entries sent at once (each a repli
 WATCH_IDLE_SECONDS = 10.0  # the server deletes a stopped watch's consumer after this (not 5 min)
 RETRY_PAUSE = (0.05, 0.1, 0.2, 0.4, 0.5)  # seconds between attempts, the last one repeated
 LOST_PULL_SECONDS = 2.0  # a pull request this long past its expiry without an answer is lost
+HEADER_ROOM = 1024  # bytes of max_payload left to a publish's headers and framing (Nats-Msg-Id)
 
 
 class Pending:
@@ -393,6 +394,8 @@ class _Client:
             except nats.js.errors.APIError as exc:
                 if exc.code not in (None, 503) or time.monotonic() > deadline:
                     raise LogUnavailable(f"the log refused the entry: {exc}") from exc
+            except nats.errors.MaxPayloadError:
+                raise _too_large(len(payload), self.nc.max_payload) from None
             self.retries += 1
             await asyncio.sleep(RETRY_PAUSE[min(attempt, len(RETRY_PAUSE) - 1)])
             attempt += 1
@@ -418,6 +421,10 @@ class _Client:
                                                       headers={"Nats-Msg-Id": msg_id})
                 except (*_RETRY, nats.js.errors.APIError):
                     self._retry(subject, payload, msg_id, pending)
+                    continue
+                except nats.errors.MaxPayloadError:
+                    # Settled, not raised: a raise would end this task and strand the queue.
+                    self._settle(pending, None, _too_large(len(payload), self.nc.max_payload))
                     continue
                 ack.add_done_callback(functools.partial(self._acked, subject, payload, msg_id,
                                                         pending))
@@ -590,6 +597,11 @@ def _agree(made: str, field: str, mine: float, theirs: float | None) -> None:
         raise InvalidInput(f"cluster_config.{field}", f"expected {theirs:g}, as {made} was made "
                                                       f"with (every node of a cluster uses the "
                                                       f"same), found {mine:g}")
+
+
+def _too_large(size: int, max_payload: int) -> InvalidInput:
+    return InvalidInput("entry", f"expected a log entry of at most {max_payload - HEADER_ROOM} "
+                                 f"bytes (the log servers' max_payload), found {size}")
 
 
 def _snapshot_name(partition: int) -> str:
@@ -777,6 +789,12 @@ class Log:
             return await getattr(self._client.kv, method)(*args, **kwargs)
 
         return await self.thread.run(call)
+
+    @property
+    def max_payload(self) -> int:
+        """The largest entry, in bytes, the log takes: the servers' ``max_payload`` (as they
+        announced it to this connection), less room for a publish's headers."""
+        return self._client.nc.max_payload - HEADER_ROOM
 
     @property
     def retries(self) -> int:

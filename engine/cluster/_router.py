@@ -88,10 +88,12 @@ class Router:
         min_seq = query.get("min_seq", [None])[0]
         if self.node.owns(p):
             if min_seq is not None:
-                if not min_seq.isdigit():
+                # ASCII digits only: str.isdigit() takes '²' and '٣', and int() refuses
+                # more than 4300 digits; a log sequence is a uint64 (20 digits at most).
+                if not (min_seq.isascii() and min_seq.isdigit()) or len(min_seq) > 20:
                     await _respond(send, 422, {"error": "InvalidInput", "field": "min_seq",
                                                "message": "min_seq: expected a log sequence "
-                                                          f"number, found {min_seq!r}"})
+                                                          f"number, found {min_seq[:40]!r}"})
                     return
                 self.counts["waited"] += 1
                 if not await self.node.wait_applied(p, int(min_seq),

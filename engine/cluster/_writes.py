@@ -151,19 +151,42 @@ class LogWriter:
             turns.append(self._turn(f"items[{index}]", item.user_id, item.session_id,
                                     item.role, item.text, item.at, item.meta, item.agent_id,
                                     item.run_id))
-        receipts = [await self._publish(t, t.turn_id, False) for t in turns]
+        # Every entry is encoded and sized before any is published: none or all go out.
+        payloads = [self._encoded(t, f"items[{index}].") for index, t in enumerate(turns)]
+        receipts = [await self._publish(t, t.turn_id, False, payload)
+                    for t, payload in zip(turns, payloads)]
         if durable:
             for receipt in receipts:
                 await receipt.durable()
         return receipts
 
-    async def _publish(self, entry: LogEntry, msg_id: str, durable: bool) -> ClusterReceipt:
+    async def _publish(self, entry: LogEntry, msg_id: str, durable: bool,
+                       payload: bytes | None = None) -> ClusterReceipt:
         subject = subject_of(entry.user_id, self._partitions)
-        payload = encode_entry(entry)
+        if payload is None:
+            payload = self._encoded(entry)
         if durable:
             seq, _ = await self._log.publish(subject, payload, msg_id)
             return ClusterReceipt(msg_id, seq)
         return ClusterReceipt(msg_id, None, self._log.publish_soon(subject, payload, msg_id))
+
+    def _encoded(self, entry: LogEntry, prefix: str = "") -> bytes:
+        """The entry's bytes, if the log can take them: the engine's limits (max_text_chars,
+        max_meta_bytes) may allow a write larger than the servers' ``max_payload``, which
+        NATS refuses outright (never a retry).
+
+        Raises:
+            InvalidInput: too large, naming its largest field (``prefix`` before it).
+        """
+        payload = encode_entry(entry)
+        limit = self._log.max_payload
+        if len(payload) > limit:
+            raise InvalidInput(prefix + _largest_field(entry),
+                               f"expected a write of at most {limit} bytes as a log entry (the "
+                               f"log servers' max_payload), found {len(payload)}; shorten it, "
+                               "or keep Config.max_text_chars and max_meta_bytes within what "
+                               "max_payload takes")
+        return payload
 
     async def forget_user(self, user_id: str) -> int:
         """Forget a user through the log: a tombstone, then the user's earlier entries are
@@ -270,7 +293,7 @@ class ClusterEngine(LogWriter):
             raise LogUnavailable(f"partition {p} is not held here: its owner takes {method} "
                                  "(a node forwards it there); retry")
         seq, _ = await self._log.publish(subject_of(user_id, self._partitions),
-                                         encode_entry(entry), "c_" + new_turn_id()[2:])
+                                         self._encoded(entry), "c_" + new_turn_id()[2:])
         if not await node.wait_applied(p, seq, CALL_WAIT):
             raise LogUnavailable(f"{method} is in the log at {seq} but was not applied here "
                                  f"within {CALL_WAIT} s; it applies once the owner catches up")
@@ -324,6 +347,12 @@ class ClusterEngine(LogWriter):
             if value is not None:
                 v.check_id(field, value, self._config.max_id_chars)
         return await self._applied("forget_scope", LogForgetScope(user_id, agent_id, run_id))
+
+
+def _largest_field(entry: LogEntry) -> str:
+    """The field (a call's argument) that takes the most bytes of an entry."""
+    fields = entry.args if type(entry) is LogCall else msgspec.structs.asdict(entry)
+    return max(fields, key=lambda name: len(msgspec.msgpack.encode(fields[name])))
 
 
 def _of_session(session_id: str, data: bytes) -> bool:

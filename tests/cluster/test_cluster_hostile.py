@@ -1,0 +1,242 @@
+"""Cluster mode against what a fleet sends it: writes larger than the log takes, read
+positions that are not plain numbers, ids that are special in URLs, owners that answer
+garbage. Each is refused as the caller's error, naming what to fix; nothing is half written
+and nobody else's writes stop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import unquote
+
+import httpx
+import msgspec
+import pytest
+import trio
+
+from actors.base.config import Config
+from engine import EngineError, InvalidInput
+from engine.cluster import _client
+from engine.cluster._client import ClusterClient
+from engine.cluster._leases import LeaseValue
+from engine.cluster._partition import partition_of
+from engine.cluster._router import Router
+
+from .conftest import one_node, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+BIG = {"long_term": False, "max_text_chars": 400_000, "max_meta_bytes": 2 << 20}
+WIDE = "\U0001F600" * 300_000  # within BIG's max_text_chars, 1.2 MB as UTF-8: over max_payload
+
+
+async def test_a_turn_larger_than_the_log_takes_is_refused_up_front_naming_its_field(
+        nats_servers, cluster_config, tmp_path: Path) -> None:
+    """A turn within the engine's limits but over the log's max_payload is InvalidInput naming
+    text or meta, from a node and from a thin client, durable or not (never a NATS error or
+    a receipt that waits forever), and the partition goes on applying others' turns."""
+    with trio.fail_after(60):
+        async with one_node(nats_servers, cluster_config, tmp_path / "s", config=BIG) as (
+                engine, node, writer, log):
+            client = ClusterClient(log, Config.checked(BIG), httpx.AsyncClient())
+            before = await log.last_seq()
+            for who in (writer, client):
+                for durable in (True, False):
+                    with pytest.raises(InvalidInput, match="max_payload") as text:
+                        await who.add_turn("ana", "s1", "user", WIDE, durable=durable)
+                    assert text.value.field == "text"
+                    with pytest.raises(InvalidInput, match="max_payload") as meta:
+                        await who.add_turn("ana", "s1", "user", "hi", durable=durable,
+                                           meta={"blob": "x" * (1100 << 10)})
+                    assert meta.value.field == "meta"
+            assert await log.last_seq() == before  # nothing reached the log
+            receipt = await writer.add_turn("bo", "s1", "user", "still here", durable=True)
+            p = partition_of("bo", cluster_config.partitions)
+            await wait_for(lambda: node.marks.get(p, 0) >= receipt.log_seq, 20, "bo applied")
+            assert [t.text for t in await engine.session_history("bo", "s1")] == ["still here"]
+            await client._http.aclose()
+
+
+async def test_a_batch_with_one_turn_too_large_for_the_log_publishes_none(
+        nats_servers, cluster_config, tmp_path: Path) -> None:
+    """add_turns checks every turn's size before publishing any: no half-applied batch."""
+    with trio.fail_after(60):
+        async with one_node(nats_servers, cluster_config, tmp_path / "s", config=BIG) as (
+                engine, node, writer, log):
+            before = await log.last_seq()
+            items = [{"user_id": "ana", "session_id": "s1", "role": "user", "text": text}
+                     for text in ("first", WIDE, "third")]
+            with pytest.raises(InvalidInput, match="max_payload") as refused:
+                await writer.add_turns(items, durable=True)
+            assert refused.value.field == "items[1].text"
+            assert await log.last_seq() == before
+
+
+async def test_a_logged_call_too_large_for_the_log_is_refused_naming_its_argument(
+        nats_servers, cluster_config, tmp_path: Path) -> None:
+    """A note over max_payload is InvalidInput naming its text, not a NATS error (500)."""
+    with trio.fail_after(60):
+        async with one_node(nats_servers, cluster_config, tmp_path / "s", config=BIG) as (
+                engine, node, writer, log):
+            before = await log.last_seq()
+            with pytest.raises(InvalidInput, match="max_payload") as refused:
+                await writer.store_note("ana", WIDE)
+            assert refused.value.field == "text"
+            assert await log.last_seq() == before
+            note = await writer.store_note("ana", "small")
+            assert note is not None
+
+
+async def test_the_log_refuses_an_oversized_entry_without_stranding_the_others(
+        nats_servers, cluster_config) -> None:
+    """Below the writers' own check: an entry over max_payload handed to the log directly
+    fails as InvalidInput, awaited or buffered, and the buffered entries behind it still go
+    out (a raise in the sending task used to leave them, and its own receipt, unsettled)."""
+    from engine.cluster._log import Log
+
+    with trio.fail_after(30):
+        log = await Log.connect(nats_servers.urls, cluster_config, name="t")
+        try:
+            too_big = b"x" * (log.max_payload + 2048)
+            with pytest.raises(InvalidInput, match="max_payload"):
+                await log.publish("turns.0.aa", too_big, "m-0")
+            pendings = [log.publish_soon("turns.0.aa", data, f"m-{i}")
+                        for i, data in enumerate((b"one", too_big, b"three"), 1)]
+            first, third = await pendings[0].wait(), await pendings[2].wait()
+            assert third[0] == first[0] + 1
+            with pytest.raises(InvalidInput, match="max_payload"):
+                await pendings[1].wait()
+        finally:
+            await log.close()
+
+
+class OwningNode:
+    """What the router asks of a node that owns every partition, applied up to 5."""
+
+    def __init__(self, config) -> None:
+        self.config, self.node_id, self.marks = config, "a", {}
+
+    def owns(self, p: int) -> bool:
+        return True
+
+    async def wait_applied(self, p: int, min_seq: int, timeout: float) -> bool:
+        return self.marks.get(p, 0) >= min_seq
+
+
+@pytest.mark.parametrize("min_seq", ["%C2%B2", "%D9%A3", "9" * 5000, "+5", "5%20", "-1"],
+                         ids=["superscript", "arabic-indic", "5000-digits", "plus", "space",
+                              "negative"])
+async def test_a_min_seq_that_is_not_a_plain_number_is_a_422_never_a_500(
+        cluster_config, min_seq: str) -> None:
+    """Unicode digits ('²', Arabic-Indic), 5000 digits (past int()'s limit), signs and
+    spaces: each a 422 naming min_seq, and the read never reaches the engine."""
+    served = []
+
+    async def app(scope: dict, receive, send) -> None:
+        served.append(scope)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    router = Router(app, OwningNode(cluster_config))
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    path = "/v1/users/ana/sessions/s1/turns"
+    await router({"type": "http", "method": "GET", "path": path, "raw_path": path.encode(),
+                  "query_string": f"min_seq={min_seq}".encode(),
+                  "headers": [(b"host", b"127.0.0.1")]}, receive, send)
+    await router.client.aclose()
+    assert sent[0]["status"] == 422
+    assert msgspec.json.decode(sent[1]["body"])["field"] == "min_seq"
+    assert served == []
+
+
+class OneOwner:
+    """The client's lease lookups: every partition held by one node at ``http://owner``."""
+
+    def __init__(self) -> None:
+        self.members: dict[str, str] = {}
+
+    async def lookup(self, partition: int):
+        return LeaseValue("n1", "i1"), "http://owner"
+
+
+def fake_client(handler) -> ClusterClient:
+    """A ClusterClient whose owner is ``handler`` (an httpx MockTransport); no log needed for
+    reads."""
+
+    client = ClusterClient.__new__(ClusterClient)
+    client._log, client._config, client._partitions = None, Config(), 64
+    client._http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    client._leases = OneOwner()
+    return client
+
+
+@pytest.mark.parametrize("status,body", [
+    (200, b"<html>not json</html>"),
+    (200, b"[1, 2]"),
+    (200, b'{"no_hits": []}'),
+    (500, b"[1, 2]"),
+    (500, b'"a string"'),
+    (422, b'{"error": "InvalidInput", "message": 7}'),
+])
+async def test_an_owner_answering_garbage_is_an_engine_error(status: int, body: bytes) -> None:
+    """Whatever a node (or something at its address) answers, a read raises EngineError
+    saying so, never a KeyError, AttributeError or JSONDecodeError out of the client."""
+    client = fake_client(lambda request: httpx.Response(status, content=body))
+    with trio.fail_after(10):
+        with pytest.raises(EngineError):
+            await client.recall("ana", "where")
+    await client._http.aclose()
+
+
+async def test_an_owner_that_hangs_ends_the_read_in_bounded_time(monkeypatch) -> None:
+    """An owner that never answers is tried again until READ_SECONDS, then LogUnavailable."""
+    monkeypatch.setattr(_client, "READ_SECONDS", 0.5)
+
+    def hang(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("no answer", request=request)
+
+    client = fake_client(hang)
+    with trio.fail_after(10):
+        with pytest.raises(_client.LogUnavailable, match="did not answer"):
+            await client.recall("ana", "where")
+    await client._http.aclose()
+
+
+@pytest.mark.parametrize("user,session", [("..", "s1"), (".", "s1"), ("ana", ".."),
+                                          ("a/b?c#d %", "."), ("é.*>", "x.y")])
+async def test_ids_that_are_path_dots_reach_the_owner_as_themselves(user: str,
+                                                                     session: str) -> None:
+    """'.' and '..' are valid ids: the client escapes them so the URL is not collapsed
+    (httpx resolves dot segments) into another route or another user's."""
+    seen: list[str] = []
+
+    def owner(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.raw_path.decode())
+        return httpx.Response(200, json=[])
+
+    client = fake_client(owner)
+    await client.session_history(user, session)
+    await client._http.aclose()
+    [raw] = seen
+    parts = raw.split("?", 1)[0].split("/")
+    assert parts[:3] == ["", "v1", "users"] and parts[4] == "sessions" and parts[6] == "turns"
+    assert (unquote(parts[3]), unquote(parts[5])) == (user, session)
+
+
+@pytest.mark.parametrize("min_seq", [-1, 2**64, 10**5000, True, 1.0, "5"],
+                         ids=["negative", "2**64", "10**5000", "bool", "float", "str"])
+async def test_the_client_refuses_a_min_seq_outside_the_logs_range(min_seq) -> None:
+    """A min_seq the log can never reach or that is not an int is InvalidInput, asked of no
+    owner."""
+    asked = []
+    client = fake_client(lambda request: asked.append(request) or httpx.Response(200, json={}))
+    with pytest.raises(InvalidInput, match="min_seq"):
+        await client.recall("ana", "where", min_seq=min_seq)
+    await client._http.aclose()
+    assert asked == []
