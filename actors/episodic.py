@@ -31,7 +31,7 @@ import trio
 from fsrs import Card, Rating, Scheduler, State
 
 from .ann_index import AnnIndex, Filters
-from .base.messages import PutEpisode, Searchable, WriteSummary
+from .base.messages import PutEpisode, PutState, Searchable, WriteSummary
 from .base.records import Episode, Link, PendingReview, ReviewState, SessionInfo, SummaryState, Turn
 from .embedder import Embedder
 from .imported import Imported
@@ -40,6 +40,7 @@ from .store import (
     Store,
     decode_pending,
     decode_review,
+    failure_put,
     read_last_episode_seqs,
     read_memories_by_id,
     read_session_turns,
@@ -369,7 +370,7 @@ class EpisodicCompressor:
                     + [(t.role, t.text) for t in turns])
                 return summary
             except Exception as exc:  # the extractive summary stands in for a failing model
-                log.warning("LLM rolling summary failed, keeping the extractive one: %r", exc)
+                self._model_failed("rolling summary", turns[-1], exc)
         sentences = [(-1, s.strip()) for s in _SENTENCE.split(previous) if s.strip()]
         sentences += _sentences(turns)
         if len(sentences) <= ROLLING_SENTENCES:
@@ -466,7 +467,7 @@ class EpisodicCompressor:
                 title, summary, keywords = await self._llm.summarise(
                     [(t.role, t.text) for t in turns])
             except Exception as exc:  # the offline summary stands in for a failing model
-                log.warning("LLM summary failed, keeping the extractive one: %r", exc)
+                self._model_failed("summary", turns[-1], exc)
         # Novelty is measured against every earlier episode, so the last one made must have
         # its vector (the background lane embeds in log order).
         last = self._last_episode.get(user_id)
@@ -480,6 +481,13 @@ class EpisodicCompressor:
         # topic): map that span onto 1..0.
         surprise = min(1.0, max(0.0, (0.9 - earlier[0][1]) / 0.7))
         return title, summary, keywords, round(surprise, 3)
+
+    def _model_failed(self, what: str, turn: Turn, exc: Exception) -> None:
+        """The model failed on turns ending with ``turn``: kept as that turn's failure
+        (``Engine.failures``), guarded by it, so a forgotten session leaves none behind."""
+        log.warning("LLM %s failed, keeping the extractive one: %r", what, exc)
+        self._store.submit(PutState((failure_put(turn.lsn, "episodic", turn.user_id,
+                                                 turn.turn_id, exc),)))
 
     async def _rate_replies(self, replies: dict[tuple[str, str], list[str]]) -> tuple:
         found = await self._store.read(_read_review_inputs, list(replies))

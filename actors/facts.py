@@ -43,7 +43,7 @@ from .extraction import (
 )
 from .extraction import words as _words
 from .imported import Imported
-from .store import LogFollower, Store, fact_key, read_facts
+from .store import LogFollower, Store, failure_put, fact_key, read_facts
 
 __all__ = ["Facts", "effective_confidence", "known_at", "DECAY_RATES", "DEDUP_JACCARD", "PRUNE_BELOW"]
 
@@ -388,9 +388,9 @@ class Facts:
     def follower(self, extractor: Extractor | None = None,
                  imported: Imported | None = None) -> LogFollower:
         """The follower that extracts facts from every committed user turn, in log order,
-        with ``extractor`` (default: the rules); the rules stand in for a turn it fails on.
-        Imported turns (``imported``; default: none) came with their facts: they are
-        skipped."""
+        with ``extractor`` (default: the rules); the rules stand in for a turn it fails on,
+        which is kept as a failure (``Engine.failures``) saying what went wrong. Imported
+        turns (``imported``; default: none) came with their facts: they are skipped."""
         extractor = RuleExtractor() if extractor is None else extractor
         imported = Imported() if imported is None else imported
         rules = isinstance(extractor, RuleExtractor)  # no fallback needed: run them inline
@@ -400,6 +400,7 @@ class Facts:
             # the rules, ~512 turns); a plugged-in extractor's after each turn, so a slow
             # model's facts land as it finds them.
             proposals: list[Proposal] = []
+            failures = []  # turns the extractor failed on: kept, so that it is seen
             ruled = 0  # turns the rules ran on: the yields count these, not records
             for r in records:
                 if r.kind != "turn" or r.role != "user" or r.lsn in imported:
@@ -411,6 +412,8 @@ class Facts:
                     except Exception as exc:  # the rules stand in for a failing extractor
                         log.warning("fact extraction by %s failed, using the rules: %r",
                                     extractor.name, exc)
+                        failures.append(failure_put(r.lsn, "facts", r.user_id, r.memory_id,
+                                                    exc))
                 if candidates is None:
                     candidates, origin = extract_facts(r.text), "rules"
                     ruled += 1
@@ -425,7 +428,7 @@ class Facts:
                     proposals = []
             await self.propose_all(proposals)
             self._forgotten.clear()  # the next step reads after this
-            return (), ()
+            return tuple(failures), ()
 
         return LogFollower(self._store, WATERMARK, FOLLOW_CHUNK, handle)
 

@@ -8,22 +8,32 @@ caller's choice: the engine never calls a model unless one is passed to ``Engine
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import json
+from contextlib import aclosing
+from typing import Any, Protocol, runtime_checkable
 
 import httpx
 import msgspec
 import trio
 
-from actors.base.errors import EngineError
-from actors.extraction import MIN_CONFIDENCE, MIN_IMPORTANCE, Candidate
+from actors.base.errors import EngineError, InvalidInput
+from actors.base.validate import check_id, check_words
+from actors.extraction import MAX_CATEGORY, MIN_CONFIDENCE, MIN_IMPORTANCE, Candidate
 
 __all__ = ["LLM", "OpenAICompatibleLLM", "ModelTasks", "LLMFailed"]
 
 MAX_SUMMARY_CHARS = 1_000
 MAX_FACTS_PER_TURN = 10
+MAX_KEYWORD_CHARS = 64  # a summary's keyword, as a fact's
+CALL_SECONDS = 600.0  # a model call taking longer is abandoned (the adapter's defaults: < 450)
+JSON_STARTS = 16  # "{" of a reply tried as the start of its object: prose cannot cost more
 # Answers worth another attempt: a timeout, too many requests, a server's passing failure.
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 MAX_RETRY_AFTER = 30.0  # seconds: a longer Retry-After is cut to this
+# An attempt may take this many timeouts all told (connecting, then the answer): httpx's
+# timeouts are per read, so a body that trickles in for ever would pass each of them.
+ATTEMPT_TIMEOUTS = 2
+MAX_REPLY_BYTES = 4_000_000  # a body past this is not one chat answer: refused, not read on
 # Failures of a request that may pass when it is sent again.
 PASSING = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 
@@ -58,7 +68,7 @@ class _Fact(msgspec.Struct):
 
 
 class _Facts(msgspec.Struct):
-    facts: list[_Fact] = []
+    facts: list[_Fact]  # required: an object without it (an error) is no answer, not "none"
 
 
 _SUMMARY_SYSTEM = (
@@ -81,12 +91,61 @@ _REFLECTION_SYSTEM = (
     "person, concrete, nothing invented.")
 
 
-def _json_object(text: str) -> bytes:
-    """The JSON object in a reply, tolerating code fences and prose around it."""
-    start, end = text.find("{"), text.rfind("}")
-    if start < 0 or end < start:
-        raise LLMFailed(f"expected a JSON object in the model's reply, found {text[:200]!r}")
-    return text[start: end + 1].encode()
+_scan = json.JSONDecoder().raw_decode
+
+
+def _clean(text: str) -> str:
+    """Text the store and every index take: no NUL, no lone surrogate (JSON's ``\\ud800``
+    decodes to one; it becomes ``?``)."""
+    return text.replace("\x00", "").encode("utf-8", "replace").decode()
+
+
+def _json_object(reply: object, schema: type[msgspec.Struct]) -> Any:
+    """The first complete JSON object in a reply, tolerating code fences, prose around it
+    (braces included) and further objects after it, as ``schema``.
+
+    Raises:
+        LLMFailed: no object, or the first one does not fit ``schema``.
+    """
+    if not isinstance(reply, str):
+        raise LLMFailed(f"expected the model's reply as str, found {type(reply).__name__}")
+    start = reply.find("{")
+    for _ in range(JSON_STARTS):
+        if start < 0:
+            break
+        try:
+            found, _ = _scan(reply, start)
+        except (ValueError, RecursionError):  # not an object here: prose, or cut short
+            start = reply.find("{", start + 1)
+            continue
+        try:
+            return msgspec.convert(found, type=schema)
+        except (msgspec.ValidationError, UnicodeEncodeError) as exc:  # a lone surrogate
+            raise LLMFailed(f"the model's reply does not fit the schema: {exc}") from exc
+    raise LLMFailed(f"expected a JSON object in the model's reply, found {reply[:200]!r}")
+
+
+async def _ask(llm: LLM, system: str, prompt: str) -> object:
+    """The model's reply, abandoned after CALL_SECONDS whatever the LLM object does."""
+    with trio.move_on_after(CALL_SECONDS):
+        return await llm.complete(system, prompt)
+    raise LLMFailed(f"the model did not answer within {CALL_SECONDS:.0f} s")
+
+
+def _score(value: float) -> float | None:
+    """A 0-1 score as given, or None: a model's 5 or 70 is not full confidence."""
+    return value if 0.0 <= value <= 1.0 else None  # NaN fails both
+
+
+def _addressable(category: str, key: str, value: str, keywords: tuple[str, ...]) -> bool:
+    """Whether the API would take this fact from a caller (and can confirm or forget it)."""
+    try:
+        check_id("category", category, MAX_CATEGORY)
+        check_id("key", key, 128)
+        check_words("keywords", keywords)
+    except InvalidInput:
+        return False
+    return bool(value)
 
 
 class ModelTasks:
@@ -102,39 +161,41 @@ class ModelTasks:
     async def summarise(self, messages: list[tuple[str, str]]
                         ) -> tuple[str, str, tuple[str, ...]]:
         transcript = "\n".join(f"{role}: {text}" for role, text in messages)
-        reply = await self.llm.complete(_SUMMARY_SYSTEM, transcript)
-        try:
-            got = msgspec.json.decode(_json_object(reply), type=_Summary)
-        except msgspec.ValidationError as exc:
-            raise LLMFailed(f"the model's summary does not fit the schema: {exc}") from exc
-        if not got.title.strip() or not got.summary.strip():
+        got = _json_object(await _ask(self.llm, _SUMMARY_SYSTEM, transcript), _Summary)
+        title, summary = _clean(got.title).strip(), _clean(got.summary).strip()
+        if not title or not summary:
             raise LLMFailed("the model's summary has an empty title or summary")
-        return (got.title.strip()[:120], got.summary.strip()[:MAX_SUMMARY_CHARS],
-                tuple(k.strip().lower() for k in got.keywords if k.strip())[:6])
+        keywords = (_clean(k).strip().lower()[:MAX_KEYWORD_CHARS] for k in got.keywords)
+        return (title[:120], summary[:MAX_SUMMARY_CHARS],
+                tuple(dict.fromkeys(k for k in keywords if k))[:6])
 
     async def extract_facts(self, text: str) -> list[Candidate]:
-        reply = await self.llm.complete(_FACTS_SYSTEM, text)
-        try:
-            got = msgspec.json.decode(_json_object(reply), type=_Facts)
-        except msgspec.ValidationError as exc:
-            raise LLMFailed(f"the model's facts do not fit the schema: {exc}") from exc
+        got = _json_object(await _ask(self.llm, _FACTS_SYSTEM, text), _Facts)
         out = []
         for f in got.facts[:MAX_FACTS_PER_TURN]:
-            confidence = min(1.0, max(0.0, f.confidence))
-            importance = min(1.0, max(0.0, f.importance))
-            if (confidence < MIN_CONFIDENCE or importance < MIN_IMPORTANCE
-                    or not f.category.strip() or not f.key.strip() or not f.value.strip()):
+            confidence, importance = _score(f.confidence), _score(f.importance)
+            if (confidence is None or importance is None or confidence < MIN_CONFIDENCE
+                    or importance < MIN_IMPORTANCE):
                 continue
-            out.append(Candidate(f.category.strip().lower()[:64], f.key.strip().lower()[:128],
-                                 f.value.strip()[:500], f.fact.strip()[:1000] or f.value,
-                                 confidence, importance, tuple(k.lower() for k in f.keywords)[:8]))
+            category = _clean(f.category).strip().lower()[:MAX_CATEGORY]
+            key = _clean(f.key).strip().lower()[:128]
+            value = _clean(f.value).strip()[:500]
+            keywords = tuple(k for k in (_clean(k).strip().lower()[:MAX_KEYWORD_CHARS]
+                                         for k in f.keywords) if k)[:8]
+            if _addressable(category, key, value, keywords):
+                out.append(Candidate(category, key, value, _clean(f.fact).strip()[:1000] or value,
+                                     confidence, importance, keywords))
         return out
 
     async def reflect(self, facts: list[str], episodes: list[str]) -> str:
         """A reflection on a user's recent facts and episodes (seed 004's reflection agent)."""
         prompt = ("Facts:\n" + "\n".join(f"- {f}" for f in facts)
                   + "\n\nEpisodes:\n" + "\n".join(f"- {e}" for e in episodes))
-        reply = " ".join((await self.llm.complete(_REFLECTION_SYSTEM, prompt)).split())
+        reply = await _ask(self.llm, _REFLECTION_SYSTEM, prompt)
+        if not isinstance(reply, str):
+            raise LLMFailed(f"expected the model's reflection as str, found "
+                            f"{type(reply).__name__}")
+        reply = " ".join(_clean(reply).split())
         if not reply:
             raise LLMFailed("the model's reflection is empty")
         return reply[:MAX_SUMMARY_CHARS]
@@ -152,11 +213,15 @@ class OpenAICompatibleLLM:
         base_url: e.g. ``http://localhost:8000/v1``.
         model: the model name the server expects.
         api_key: sent as a bearer token if given.
-        timeout: seconds per request (connect, read and write each).
+        timeout: seconds for each connect, read and write of a request; one taking more
+            than :data:`ATTEMPT_TIMEOUTS` times this all told (a body that trickles in for
+            ever) is abandoned and counts as a timeout.
         retries: attempts after the first when one fails in a way that may pass: no
             connection, a timeout, or an answer of 408, 429, 500, 502, 503 or 504. They wait
             ``backoff`` seconds, doubling each time, or what the server's ``Retry-After``
-            asks (at most :data:`MAX_RETRY_AFTER`). Any other error status fails at once.
+            asks, at most :data:`MAX_RETRY_AFTER` either way. Any other error status (401,
+            403: a bad key will not get better), and a body over :data:`MAX_REPLY_BYTES`,
+            fail at once.
         backoff: the first wait before a retry.
         transport: an httpx transport (a proxy's, a test's); by default httpx's own.
 
@@ -188,38 +253,65 @@ class OpenAICompatibleLLM:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         attempts = max(1, self.retries + 1)
         for attempt in range(attempts):
-            wait = self.backoff * 2 ** attempt
+            wait = min(self.backoff * 2.0 ** min(attempt, 64), MAX_RETRY_AFTER)
             try:
-                response = await http.post(self.url, json=body, headers=headers)
+                with trio.fail_after(self.timeout * ATTEMPT_TIMEOUTS):
+                    status, retry_after, data = await self._post(http, body, headers)
+            except trio.TooSlowError:
+                failure = (f"calling {self.url} took more than "
+                           f"{self.timeout * ATTEMPT_TIMEOUTS:g} s")
             except PASSING as exc:
                 failure = f"calling {self.url} failed: {type(exc).__name__}: {exc}"
             except httpx.HTTPError as exc:  # a bad URL, a protocol httpx does not speak
                 raise LLMFailed(f"calling {self.url} failed: {type(exc).__name__}: {exc}"
                                 ) from exc
             else:
-                if response.status_code < 400:
-                    return _content(response, self.url)
-                failure = (f"{self.url} answered HTTP {response.status_code}: "
-                           f"{response.text[:300]}")
-                if response.status_code not in RETRY_STATUSES:
+                if status < 400:
+                    return _content(data, self.url)
+                failure = f"{self.url} answered HTTP {status}: {_shown(data, 300)}"
+                if status not in RETRY_STATUSES:
                     raise LLMFailed(failure)
-                wait = max(wait, _retry_after(response))
+                wait = max(wait, retry_after)
             if attempt + 1 < attempts:
                 await trio.sleep(wait)
         raise LLMFailed(f"{failure} ({attempts} attempts)")
 
 
+    async def _post(self, http: httpx.AsyncClient, body: dict, headers: dict
+                    ) -> tuple[int, float, bytes]:
+        """One request: the status, the seconds its Retry-After asks and the body, read up
+        to MAX_REPLY_BYTES (a provider in trouble may send megabytes, or never stop)."""
+        async with http.stream("POST", self.url, json=body, headers=headers) as response:
+            data = bytearray()
+            async with aclosing(response.aiter_bytes()) as chunks:
+                async for chunk in chunks:
+                    data += chunk
+                    if len(data) > MAX_REPLY_BYTES:
+                        raise LLMFailed(f"{self.url} answered more than {MAX_REPLY_BYTES} "
+                                        "bytes; expected one chat completion")
+            return response.status_code, _retry_after(response), bytes(data)
+
+
 def _retry_after(response: httpx.Response) -> float:
-    """The seconds a ``Retry-After`` header asks for (0 if none or a date), bounded."""
+    """The seconds a ``Retry-After`` header asks for (0 if none, a date or not a number),
+    at most MAX_RETRY_AFTER."""
     try:
-        return min(float(response.headers.get("retry-after", 0)), MAX_RETRY_AFTER)
+        seconds = float(response.headers.get("retry-after", 0))
     except ValueError:
         return 0.0
+    return min(seconds, MAX_RETRY_AFTER) if seconds >= 0 else 0.0  # NaN: 0
 
 
-def _content(response: httpx.Response, url: str) -> str:
+def _shown(data: bytes, chars: int) -> str:
+    return data[:chars * 4].decode("utf-8", "replace")[:chars]
+
+
+def _content(data: bytes, url: str) -> str:
     try:
-        return response.json()["choices"][0]["message"]["content"]
-    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        content = json.loads(data)["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError, RecursionError) as exc:
+        content = exc
+    if not isinstance(content, str):
         raise LLMFailed(f"expected choices[0].message.content from {url}, found "
-                        f"{response.text[:200]}") from exc
+                        f"{_shown(data, 200)!r}")
+    return content

@@ -35,7 +35,7 @@ import trio
 from actors.base.errors import EngineClosed
 from actors.base.messages import PutState
 from actors.episodic import keyphrases
-from actors.store import read_episodes, read_facts, read_pending, user_prefix
+from actors.store import failure_put, read_episodes, read_facts, read_pending, user_prefix
 
 from ._memory import Memory
 from ._parts import Parts
@@ -162,6 +162,9 @@ class Maintenance:
             except Exception as exc:  # the offline text stands in, as for summaries
                 log.warning("the model's reflection failed, writing the extractive one: %r",
                             exc)
+                # Kept as the new session's first turn's failure (gone with it if forgotten).
+                parts.store.submit(PutState((failure_put(lsn, "reflection", user_id,
+                                                         SESSION_REFLECTION, exc),)))
         if text is None:
             text = reflection_text(now, facts, episodes,
                                    f"Reflection after a conversation, {now.date().isoformat()}.")
