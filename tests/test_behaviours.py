@@ -3,13 +3,9 @@ the rolling session summary (seed 003)."""
 
 from __future__ import annotations
 
-from datetime import timedelta
-
-import trio
-
 from engine import RuleExtractor
 
-from .conftest import T0, open_engine
+from .conftest import open_engine
 
 
 async def test_a_new_session_consolidates_the_earlier_ones(store_path, clock) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 
 import pytest
 
@@ -70,7 +70,7 @@ async def test_recall_as_of_answers_as_the_store_knew_it_then(store_path) -> Non
         await mem.correct_fact("maya", "identity", "location", "Porto Lisbon")
         await mem.add_turn("maya", "s2", "user", "The Lisbon marathon went well",
                            at=clock.now)
-        note = await mem.store_note("maya", "Maya's Lisbon cafe is Fabrica")
+        await mem.store_note("maya", "Maya's Lisbon cafe is Fabrica")
         clock.now = T0 + timedelta(days=70)
         assert await mem.close_session("maya", "s1")  # an episode of March's turn, made now
         await mem.flush()

@@ -266,7 +266,7 @@ async def test_ids_holding_slashes_open_every_page_and_action(engine, tmp_path) 
         timeline = await alice.get(home)
         assert timeline.status_code == 200, timeline.text
         assert "my dog Pixel" in timeline.text and "team&#39;s own" not in timeline.text
-        assert f"/do/forget-session?session=chat%2F1%25" in timeline.text
+        assert "/do/forget-session?session=chat%2F1%25" in timeline.text
         assert (await alice.get("/ui/users/team")).status_code == 403
         memory = (await alice.get(f"{home}/memory")).text
         assert "likes jazz" in memory and "?note=n%2F1" in memory

@@ -10,7 +10,6 @@ the module skips with the line that installs them.
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import signal
 import socket

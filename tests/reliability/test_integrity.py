@@ -249,7 +249,7 @@ def test_another_users_turn_copied_in_is_caught_by_verify_and_by_the_read(store)
         _, theirs = raw.turn("bo", "x", 0)
         raw.put("turns", key, _encode(theirs))
     problems = _problems(_verify(store))
-    assert f"holds turn 0 of user 'bo'" in problems
+    assert "holds turn 0 of user 'bo'" in problems
     assert f"lsn {mine.lsn}" in problems
     with pytest.raises(StoreTampered):
         trio.run(_open_and_read, store)

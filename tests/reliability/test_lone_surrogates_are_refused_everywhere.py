@@ -4,7 +4,6 @@ refused at the call with InvalidInput naming the field, and the engine goes on s
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 

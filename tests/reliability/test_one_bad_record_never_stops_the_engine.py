@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from actors.base.messages import PutNote, PutState
-from actors.store import LogFollower, lsn_key
+from actors.store import LogFollower
 from engine import Engine, Failure, HashEmbedder, InvalidInput, Note, RecordRefused
 from engine.__main__ import main
 
