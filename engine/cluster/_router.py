@@ -8,6 +8,7 @@ once its watermark for the partition reaches N, or 503 with ``Retry-After`` afte
 from __future__ import annotations
 
 import logging
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 
@@ -96,8 +97,13 @@ class Router:
                                                           f"number, found {min_seq[:40]!r}"})
                     return
                 self.counts["waited"] += 1
-                if not await self.node.wait_applied(p, int(min_seq),
-                                                    self.node.config.read_wait):
+                started = time.perf_counter()
+                caught_up = await self.node.wait_applied(p, int(min_seq),
+                                                         self.node.config.read_wait)
+                # What min_seq cost this read, as a standard Server-Timing entry: the caller
+                # (and bench/cluster_faults.py) sees it without timing a second read.
+                send = _timed(send, (time.perf_counter() - started) * 1e3)
+                if not caught_up:
                     self.counts["unavailable"] += 1
                     await _respond(send, 503, {
                         "error": "NotCaughtUp", "message": f"partition {p} has applied the "
@@ -231,6 +237,19 @@ def _moved_away(answer: httpx.Response) -> bool:
         return msgspec.json.decode(answer.content).get("error") == "NoOwner"
     except (msgspec.DecodeError, AttributeError):
         return False
+
+
+def _timed(send: Callable, waited_ms: float) -> Callable:
+    """``send`` with a ``Server-Timing: min-seq;dur=<ms>`` header on the response."""
+    entry = f"min-seq;dur={waited_ms:.2f}".encode()
+
+    async def timed(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()),
+                                              (b"server-timing", entry)]}
+        await send(message)
+
+    return timed
 
 
 async def _relay(answer: httpx.Response, send: Callable) -> None:

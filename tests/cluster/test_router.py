@@ -159,7 +159,8 @@ async def test_a_read_waits_for_its_min_seq_then_answers_503_with_retry_after(
         cluster_config) -> None:
     """On the owner, a read with ?min_seq= is served once the partition's watermark reached
     it (waiting at most read_wait); otherwise 503 NotCaughtUp with Retry-After, never a stale
-    answer; a min_seq that is not a number is a 422 naming it."""
+    answer; a min_seq that is not a number is a 422 naming it. The wait's length is in the
+    answer's Server-Timing."""
     served: list[str] = []
 
     async def app(scope: dict, receive, send) -> None:
@@ -170,7 +171,7 @@ async def test_a_read_waits_for_its_min_seq_then_answers_503_with_retry_after(
     node = OwningNode(cluster_config)
     node.marks[partition_of(USER, cluster_config.partitions)] = 5
     router = Router(app, node)
-    answers = []
+    answers, timings = [], []
     for query in (b"min_seq=5", b"min_seq=6", b"min_seq=five", b""):
         sent: list[dict] = []
 
@@ -184,10 +185,16 @@ async def test_a_read_waits_for_its_min_seq_then_answers_503_with_retry_after(
                       "query_string": query, "headers": [(b"host", b"a.test")]}, receive, send)
         answers.append((sent[0]["status"], dict(sent[0]["headers"]).get(b"retry-after"),
                         sent[1]["body"]))
+        timings.append(dict(sent[0]["headers"]).get(b"server-timing"))
     await router.client.aclose()
     assert [status for status, _, _ in answers] == [200, 503, 422, 200]
     assert answers[1][1] is not None and b"NotCaughtUp" in answers[1][2]
     assert b"min_seq" in answers[2][2]
+    # What the wait cost is in the answer (Server-Timing), served or not; no wait, no entry.
+    for timing in timings[:2]:
+        name, _, dur = timing.decode().partition(";dur=")
+        assert name == "min-seq" and float(dur) >= 0
+    assert timings[2:] == [None, None]
     assert served == ["min_seq=5", ""]  # the stale read never reached the engine
     assert node.asked == [(5, cluster_config.read_wait), (6, cluster_config.read_wait)]
     assert router.counts["waited"] == 2 and router.counts["unavailable"] == 1
