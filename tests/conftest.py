@@ -9,6 +9,7 @@ from typing import Any
 
 import lmdb
 import pytest
+import trio
 
 from engine import Engine, HashEmbedder
 
@@ -48,6 +49,20 @@ def clock() -> StepClock:
 async def mem(store_path: Path, clock: StepClock) -> AsyncIterator[Engine]:
     async with open_engine(store_path, clock=clock) as engine:
         yield engine
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    """A closed store with a few turns of two users, for commands run on it (the CLI's tests)."""
+    async def fill() -> None:
+        async with open_engine(tmp_path / "store") as engine:
+            await engine.add_turn("ana", "s1", "user", "I moved to Lisbon")
+            await engine.add_turn("ana", "s1", "assistant", "Welcome to Lisbon!")
+            await engine.add_turn("bo", "x", "user", "hello")
+            await engine.flush()
+
+    trio.run(fill)
+    return tmp_path / "store"
 
 
 def raw_databases(path: Path) -> dict[str, list[tuple[bytes, bytes]]]:

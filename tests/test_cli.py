@@ -8,24 +8,8 @@ import subprocess
 import sys
 
 import pytest
-import trio
 
 from engine.__main__ import human_bytes, human_duration, main
-
-from .conftest import open_engine
-
-
-@pytest.fixture
-def store(tmp_path):
-    async def fill() -> None:
-        async with open_engine(tmp_path / "store") as mem:
-            await mem.add_turn("ana", "s1", "user", "I moved to Lisbon")
-            await mem.add_turn("ana", "s1", "assistant", "Welcome to Lisbon!")
-            await mem.add_turn("bo", "x", "user", "hello")
-            await mem.flush()
-
-    trio.run(fill)
-    return tmp_path / "store"
 
 
 def _json(capsys) -> dict:

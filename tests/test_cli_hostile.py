@@ -26,18 +26,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def store(tmp_path):
-    async def fill() -> None:
-        async with open_engine(tmp_path / "store") as mem:
-            await mem.add_turn("ana", "s1", "user", "I moved to Lisbon")
-            await mem.add_turn("ana", "s1", "assistant", "Welcome to Lisbon!")
-            await mem.flush()
-
-    trio.run(fill)
-    return tmp_path / "store"
-
-
-@pytest.fixture
 def snap(store, tmp_path, capsys):
     assert main(["snapshot", str(store), str(tmp_path / "snap")]) == 0
     capsys.readouterr()
@@ -98,7 +86,7 @@ def test_snapshot_and_restore_take_the_current_directory(store, tmp_path, monkey
     (tmp_path / "there").mkdir()
     monkeypatch.chdir(tmp_path / "there")
     assert main(["restore", str(tmp_path / "here"), ".", "--json"]) == 0
-    assert _json_out(capsys)["turns"] == 2
+    assert _json_out(capsys)["turns"] == 3
 
 
 def test_snapshot_onto_a_file_says_it_is_a_file(store, tmp_path, capsys) -> None:
@@ -171,7 +159,7 @@ def test_a_restore_cut_short_while_replacing_keeps_a_whole_store(snap, store, tm
     assert main(["restore", str(snap), str(store), "--overwrite"]) == 130
     monkeypatch.setattr(shutil, "rmtree", real)
     assert main(["stats", str(store), "--json"]) == 0
-    assert _json_out(capsys)["turns"] == 2
+    assert _json_out(capsys)["turns"] == 3
 
 
 def test_restore_of_a_sealed_snapshot_without_the_key_replaces_nothing(tmp_path, capsys,

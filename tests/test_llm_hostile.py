@@ -283,17 +283,23 @@ async def test_a_failing_summary_keeps_the_extractive_one_and_is_a_failure(store
     assert any(f.actor == "episodic" and "LLMFailed" in f.error for f in failures)
 
 
-async def test_a_reflection_with_a_lone_surrogate_is_still_written(store_path, clock) -> None:
-    """The model's reflection text the notes would refuse (a lone surrogate, NUL) does not cost
-    the reflection: what is written is storable text."""
-    model = _by_task(_facts({}), reflection="Maya \ud800moved\x00 to Lisbon.")
+async def _reflection_on_a_session_switch(store_path, clock, model) -> tuple:
+    """Maya's session reflection after she switches sessions, written with ``model``; and
+    her failures."""
     async with open_engine(store_path, clock=clock, llm=model,
                            config={"consolidate_on_new_session": True}) as mem:
         await mem.add_turn("maya", "s1", "user", "I live in Lisbon.")
         await mem.add_turn("maya", "s1", "user", "We planned the move.")
         await mem.add_turn("maya", "s2", "user", "Hello again.")
         await mem.flush()
-        note = await mem.get_note("maya", "reflection-latest")
+        return await mem.get_note("maya", "reflection-latest"), await mem.failures("maya")
+
+
+async def test_a_reflection_with_a_lone_surrogate_is_still_written(store_path, clock) -> None:
+    """The model's reflection text the notes would refuse (a lone surrogate, NUL) does not cost
+    the reflection: what is written is storable text."""
+    model = _by_task(_facts({}), reflection="Maya \ud800moved\x00 to Lisbon.")
+    note, _ = await _reflection_on_a_session_switch(store_path, clock, model)
     assert note is not None and "Lisbon" in note.text
     note.text.encode()
     assert "\x00" not in note.text
@@ -340,13 +346,6 @@ async def test_a_stuck_model_does_not_stop_the_facts_follower(store_path, autoju
 async def test_a_failing_reflection_writes_the_extractive_one_and_is_a_failure(store_path,
                                                                                clock) -> None:
     model = _by_task(_facts({}), reflection=None)
-    async with open_engine(store_path, clock=clock, llm=model,
-                           config={"consolidate_on_new_session": True}) as mem:
-        await mem.add_turn("maya", "s1", "user", "I live in Lisbon.")
-        await mem.add_turn("maya", "s1", "user", "We planned the move.")
-        await mem.add_turn("maya", "s2", "user", "Hello again.")
-        await mem.flush()
-        note = await mem.get_note("maya", "reflection-latest")
-        failures = await mem.failures("maya")
+    note, failures = await _reflection_on_a_session_switch(store_path, clock, model)
     assert note is not None and "Lisbon" in note.text
     assert [f.actor for f in failures] == ["reflection"] and "LLMFailed" in failures[0].error
