@@ -20,6 +20,7 @@ checked with the integrity key, its head alone.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
@@ -207,27 +208,58 @@ def _deleted_after(store_dir: Path, lsn: int) -> bool:
         env.close()
 
 
+# What a destination the process cannot write at raises: the caller's path, not a failure.
+_DEST_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES,
+                          errno.EPERM, errno.EROFS, errno.ENAMETOOLONG, errno.ELOOP,
+                          errno.EINVAL})
+
+
+def _partial(dest: Path, store: Path) -> tuple[Path, Path]:
+    """``dest`` resolved, and the empty ``DEST.partial`` directory a snapshot to it is written
+    in, made (an earlier one left behind is removed first).
+
+    Raises:
+        InvalidInput: ``dest`` is no path (a NUL, a lone surrogate), a file, a directory with
+            files in it, inside the store, or a place this process cannot create.
+    """
+    name = str(dest)
+    if "\x00" in name:
+        raise InvalidInput("dest", f"expected a path, found a NUL character in {name!r}")
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError:
+        raise InvalidInput("dest", f"expected a path, found a lone surrogate in {name!r}") from None
+    try:
+        dest = dest.resolve()  # "." or "snap/..": the name its .partial sibling is made from
+        if dest.is_file():
+            raise InvalidInput("dest", f"expected a new or empty directory, found a file at "
+                                       f"{dest}; snapshots never overwrite")
+        if dest.exists() and any(dest.iterdir()):
+            raise InvalidInput("dest", f"expected a new or empty directory, found {dest} with "
+                                       "files in it; snapshots never overwrite")
+        store = store.resolve()
+        if dest.is_relative_to(store):
+            # A restore over the store would delete it, and its text index's folder with it.
+            raise InvalidInput("dest", f"expected a directory outside the store, found {dest} "
+                                       f"inside {store}; write the snapshot beside the store")
+        partial = dest.with_name(dest.name + ".partial")
+        if partial.exists():
+            shutil.rmtree(partial)
+        partial.mkdir(parents=True)
+    except OSError as exc:
+        if exc.errno not in _DEST_ERRNOS:
+            raise
+        raise InvalidInput("dest", f"expected a directory this process can create, found "
+                                   f"{exc.strerror} for {exc.filename}") from exc
+    return dest, partial
+
+
 async def take_snapshot(parts: Parts, dest: Path,
                         scrubbed: Callable[[], Awaitable[None]] | None = None) -> Manifest:
     """See ``Engine.snapshot``. ``scrubbed`` returns once the scrubs of the deletions so far
     are done: the copy of a scrubbed store needs no zeroing (``Store.copy_to``)."""
     started = trio.current_time()
-    dest = dest.resolve()  # "." or "snap/..": the name its .partial sibling is made from
-    if dest.is_file():
-        raise InvalidInput("dest", f"expected a new or empty directory, found a file at {dest}; "
-                                   "snapshots never overwrite")
-    if dest.exists() and any(dest.iterdir()):
-        raise InvalidInput("dest", f"expected a new or empty directory, found {dest} with "
-                                   "files in it; snapshots never overwrite")
-    store = parts.store.path.resolve()
-    if dest.is_relative_to(store):
-        # A restore over the store would delete it, and the text index's folder would carry it.
-        raise InvalidInput("dest", f"expected a directory outside the store, found {dest} "
-                                   f"inside {store}; write the snapshot beside the store")
-    partial = dest.with_name(dest.name + ".partial")
-    if partial.exists():
-        await trio.to_thread.run_sync(shutil.rmtree, partial)
-    partial.mkdir(parents=True)
+    dest, partial = await trio.to_thread.run_sync(_partial, dest, parts.store.path)
     try:
         if scrubbed is not None:
             await scrubbed()

@@ -237,3 +237,16 @@ async def test_a_snapshot_hashed_as_it_is_copied_records_the_checksums_of_its_fi
         await Engine.restore(tmp_path / name, tmp_path / f"{name}-restored")
         async with open_engine(tmp_path / f"{name}-restored") as mem:
             assert len(await mem.session_history("ana", "s", limit=100)) == 30
+
+
+async def test_a_snapshot_destination_that_is_no_usable_path_is_invalid_input(mem, tmp_path) -> None:
+    """The engine checks the path it is given, whoever calls (the HTTP route adds only that
+    it be absolute): a NUL, a lone surrogate, a name too long or a path through a file is
+    InvalidInput naming ``dest``, not a ValueError or OSError, and nothing is written."""
+    (tmp_path / "a-file").write_text("not a directory")
+    for dest in (tmp_path / "nul\x00byte", tmp_path / "\ud800", tmp_path / ("x" * 300),
+                 tmp_path / "a-file" / "snap"):
+        with pytest.raises(InvalidInput) as refused:
+            await mem.snapshot(dest)
+        assert refused.value.field == "dest"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "store"]
