@@ -58,7 +58,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         model_dir: where the built model is (default: ``$ENGRAM_MODEL_DIR``, else a checkout's
             native_models/all-MiniLM-L6-v2, else the per-user data directory that
             ``engram-trio model build`` writes to).
-        embed_threads: onnxruntime intra-op threads. 1 leaves the other core to the loop.
+        embed_threads: onnxruntime intra-op threads: a model call's own thread and the
+            helpers it shares its work with (nice 19, never spinning, so they take only a core
+            the hot path leaves idle). None (the default): 2, at most the core count.
         background_embed_threads: model threads embedding what the store commits (nice 19;
             every one past the first pauses while a query is in the model), so background
             embedding takes the cores the hot path leaves idle.
@@ -104,7 +106,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     initial_map_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 256 << 20
     model: Literal["minilm-l6-v2", "minilm-l6-v2-q8", "minilm-l6-v2-i8"] | None = None
     model_dir: str | None = None
-    embed_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    embed_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
     background_embed_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
     query_cache: Positive = 4096
     background_embedding: bool = True

@@ -40,7 +40,7 @@ from ..store import (
     read_log_range,
     read_searchables,
 )
-from .models import EmbeddingBackend
+from .models import MODEL_NICE, EmbeddingBackend
 
 __all__ = ["Embedder"]
 
@@ -65,11 +65,6 @@ BACKGROUND_WORKERS = 2
 # repeated text is embedded once per process (~1.5 KB each: 8,192 entries are ~12 MB).
 CONTENT_CACHE = 8192
 BACKLOG_REPORT = 1_024  # backlog records between two progress lines in the log
-# The background lane's niceness. On 2 cores the model holds one; at the default priority the
-# trio thread and the LMDB writer queue behind background inference for CPU time slices, and
-# durable add_turn p99 went from 3.3 to 7.3 ms (bench/ingest.py). At 19 the hot path preempts
-# it (p99 4.3 ms) and the model still gets the core whenever the hot path is idle.
-MODEL_NICE = 19
 # How long a stopping actor waits for its model threads to finish their batches: a batch is
 # cut to BATCH_TOKENS, tens of ms here, seconds at worst on a loaded machine.
 STOP_SECONDS = 10.0

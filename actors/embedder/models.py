@@ -4,8 +4,9 @@ run it, behind the Embedder actor (``embedder.py``).
 Backends (``encode(texts) -> array``, called from the actor's lanes at once, so it must be
 thread-safe, as an onnxruntime session is):
 
-- :class:`OnnxEmbedder`: all-MiniLM-L6-v2 as built by native_models/build.py, onnxruntime on one
-  intra-op and one inter-op thread by default, on the actor's own long-lived thread, tokenised
+- :class:`OnnxEmbedder`: all-MiniLM-L6-v2 as built by native_models/build.py, onnxruntime on two
+  intra-op threads by default (the caller, the actor's own long-lived thread, and a helper at
+  nice 19 that does not spin) and one inter-op thread, tokenised
   with ``tokenizers``' ``encode_batch`` (truncation at 256 tokens, padding to the longest text
   in the batch).
 - :class:`HashEmbedder`: deterministic feature hashing, for tests that are not about
@@ -22,11 +23,15 @@ import hashlib
 import json
 import os
 import re
+import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import lmdb
 import numpy as np
+import outcome
 
 from ..base.errors import EngineError, ModelMissing
 from ..store import stored_model
@@ -35,6 +40,18 @@ from ..store import stored_model
 # 2 cores; the actor already runs it off the loop. Set before the first encode; a caller's own
 # setting wins.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# onnxruntime intra-op threads per call: a query's embedding is most of a recall here, and on
+# 2 cores a helper thread cuts it by a quarter to a third (bench/embed.py).
+QUERY_THREADS = 2
+# The niceness of the model's background threads and of onnxruntime's helper threads (which
+# background batches use too). On 2 cores the model holds one; at the default priority the
+# trio thread and the LMDB writer queue behind background inference for CPU time slices, and
+# durable add_turn p99 went from 3.3 to 7.3 ms (bench/ingest.py). At 19 the hot path preempts
+# it (p99 4.3 ms) and the model still gets the core whenever the hot path is idle.
+MODEL_NICE = 19
+
+T = TypeVar("T")
 
 __all__ = ["EmbeddingBackend", "OnnxEmbedder", "HashEmbedder", "MODELS", "REFERENCE_MODEL",
            "default_model", "model_for_store", "default_model_dir", "build_target", "user_model_dir",
@@ -141,20 +158,22 @@ class OnnxEmbedder:
         model: a key of :data:`MODELS` (default: :func:`default_model`, the faster variant on
             this machine).
         model_dir: where the built files are (default: :func:`default_model_dir`).
-        threads: onnxruntime intra-op threads (keep below the core count: the loop needs one).
+        threads: onnxruntime intra-op threads: the calling thread and ``threads - 1`` helpers
+            (default: QUERY_THREADS, at most the core count). The helpers are made at
+            MODEL_NICE and never spin, so they take only a core the hot path leaves idle.
     """
 
     dim = 384
 
     def __init__(self, model: str | None = None, model_dir: str | Path | None = None,
-                 threads: int = 1) -> None:
+                 threads: int | None = None) -> None:
         self.model_dir = Path(model_dir) if model_dir else default_model_dir()
         self.file, self.model_id = MODELS[model or default_model(self.model_dir)]
         # The one command that puts the model where this embedder looks.
         self.build_command = (BUILD_COMMAND if model_dir is None
                               or self.model_dir.resolve() == build_target().resolve()
                               else f"{BUILD_COMMAND} --dir {self.model_dir}")
-        self.threads = threads
+        self.threads = threads or min(QUERY_THREADS, os.cpu_count() or 1)
         self._session = None
         self._tokenizer = None
         self._counter = None
@@ -173,12 +192,10 @@ class OnnxEmbedder:
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.log_severity_level = 3  # shape-merge notices about our dynamic axes are noise
-        try:
-            self._session = ort.InferenceSession(str(path), options,
-                                                 providers=["CPUExecutionProvider"])
-        except Exception as exc:  # onnxruntime raises its own Fail/InvalidProtobuf types
-            raise ModelMissing(f"cannot load {path}: {exc}; rebuild it with "
-                               f"`{self.build_command} --force`") from exc
+        # A helper that spins between a query's operators holds a core the loop, the
+        # searches and the LMDB writer need; a sleeping one wakes within microseconds.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self._session = _at_nice(MODEL_NICE, _open_session, path, options, self.build_command)
         tok = Tokenizer.from_file(str(tokenizer))
         tok.enable_truncation(MAX_TOKENS)
         tok.enable_padding(pad_id=0, pad_token="[PAD]")  # no length: pad to the batch's longest
@@ -212,6 +229,34 @@ class OnnxEmbedder:
     def encode(self, texts: list[str]) -> np.ndarray:
         ids, mask = self.tokenize(texts)
         return self._session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+
+
+def _open_session(path: Path, options: object, build_command: str) -> object:
+    import onnxruntime as ort
+
+    try:
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own Fail/InvalidProtobuf types
+        raise ModelMissing(f"cannot load {path}: {exc}; rebuild it with "
+                           f"`{build_command} --force`") from exc
+
+
+def _at_nice(nice: int, fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` on a new thread at ``nice``, so the threads it starts (onnxruntime's
+    intra-op helpers, made with the session) inherit that niceness: Linux keeps it per thread,
+    and an unprivileged thread cannot lower it again, so no reused thread may be the one."""
+    if sys.platform != "linux":
+        return fn(*args)
+    box: list[outcome.Outcome] = []
+
+    def run() -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        box.append(outcome.capture(fn, *args))
+
+    thread = threading.Thread(target=run, name="engram-model-load")
+    thread.start()
+    thread.join()
+    return box[0].unwrap()
 
 
 _WORD = re.compile(r"\w+")

@@ -9,6 +9,8 @@ store opens with, ``stats``) is in tests/test_embedder_in_engine.py.
 from __future__ import annotations
 
 import json
+import os
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -146,6 +148,28 @@ async def test_model_matches_the_reference_implementation(reference, model, min_
         cosines = (got * expected).sum(axis=1)
         assert cosines.min() >= min_cosine, (model, int(cosines.argmin()), float(cosines.min()))
         assert (_nearest(got) != _nearest(expected)).sum() <= flipped
+
+
+def _tasks() -> set[int]:
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread niceness is Linux's")
+def test_the_models_helper_threads_yield_to_the_hot_path() -> None:
+    """A model call shares its work with onnxruntime's helper threads; those run at
+    MODEL_NICE, so on 2 cores they take only what the loop and the LMDB writer leave idle,
+    while the thread that loads the model (a reused worker of the caller's) keeps its own."""
+    import onnxruntime  # noqa: F401  # its import starts a thread of its own, at nice 0
+
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    before = _tasks()
+    backend = OnnxEmbedder("minilm-l6-v2-i8", threads=2)
+    backend.load()
+    helpers = _tasks() - before
+    assert helpers, "onnxruntime started no helper thread for 2 intra-op threads"
+    assert {os.getpriority(os.PRIO_PROCESS, tid) for tid in helpers} == {models_mod.MODEL_NICE}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
+    assert backend.encode(["I moved to Lisbon"]).shape == (1, 384)
 
 
 @pytest.mark.parametrize(("model", "min_cosine"), [("minilm-l6-v2", 0.99999),
