@@ -66,7 +66,7 @@ from _report import percentiles, progress, write_results
 from convgen import CITIES, FOODS, generate
 
 from actors.ann_index import HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH, HNSW_M, HNSW_THRESHOLD
-from actors.embedder import model_for_store
+from actors.embedder import MODELS, model_for_store
 from engine import Engine, NewTurn, OnnxEmbedder
 
 
@@ -397,6 +397,35 @@ async def time_queries(mem: Engine, users: list[str], queries: list[str]) -> dic
     return percentiles(latencies, 1e3, "ms")
 
 
+async def time_threads(mem: Engine, backend: Mixtures, users: list[str], queries: list[str]
+                       ) -> dict[str, Any]:
+    """``recall`` with the query embedded on one onnxruntime thread and on the default
+    (``embed_threads``: the caller and a helper at nice 19), interleaved query by query in
+    this process, so the machine's drift falls on both alike; wall and CPU p50 of each."""
+    variant = next(name for name, (_, model_id) in MODELS.items()
+                   if model_id == backend.real.model_id)
+    models = {"one thread": OnnxEmbedder(variant, threads=1),
+              "default threads": backend.real}
+    await trio.to_thread.run_sync(models["one thread"].load)
+    times: dict[str, list[float]] = {mode: [] for mode in models}
+    cpu: dict[str, list[float]] = {mode: [] for mode in models}
+    try:
+        for i, query in enumerate(queries):
+            for mode in (list(models) if i % 2 else list(models)[::-1]):
+                backend.real = models[mode]
+                start, used = time.perf_counter(), time.process_time()
+                await mem.recall(users[i % len(users)], f"{query} ({mode})", limit=10)
+                times[mode].append(time.perf_counter() - start)
+                cpu[mode].append(time.process_time() - used)
+    finally:
+        backend.real = models["default threads"]
+    out: dict[str, Any] = {}
+    for mode in models:
+        out[mode] = percentiles(times[mode], 1e3, "ms")
+        out[mode]["cpu_p50_ms"] = float(np.median(cpu[mode])) * 1e3
+    return out
+
+
 async def latency(args: argparse.Namespace) -> dict[str, Any]:
     texts, pool, queries = await corpus_pool(args.seed)
     print(f"latency: pool of {len(texts)} real embeddings, {len(queries)} distinct queries")
@@ -444,6 +473,10 @@ async def latency(args: argparse.Namespace) -> dict[str, Any]:
                 await graphs_built(mem)
                 row["graph_build_s"] = time.perf_counter() - start
                 put_timing(row, "graph", await timing(mem, ["big"], queries[100:]))
+                if args.compare_threads:
+                    for mode, timed in (await time_threads(mem, backend, ["big"],
+                                                           queries[100:])).items():
+                        row[f"graph, query on {mode}"] = timed
                 # The turns' vectors as stored (float16), and the queries as the engine embeds them.
                 stored = np.stack([backend.mixture(t) for t in added]).astype(np.float16)
                 row["graph_recall@10"] = graph_recall(stored.astype(np.float32),
@@ -537,6 +570,9 @@ def main() -> None:
                         action=argparse.BooleanOptionalAction,
                         help="quality: Config.consolidate_on_new_session on or off (default: "
                              "the engine's default)")
+    parser.add_argument("--compare-threads", action="store_true",
+                        help="latency: also time recall on the graph with the query embedded "
+                             "on one onnxruntime thread and on the default, interleaved")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
