@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from .base.keys import MAX_ID_BYTES
 from .base.messages import Candidate
 
 __all__ = ["Candidate", "Extractor", "RuleExtractor", "extract_facts", "checked_candidates",
@@ -91,7 +92,12 @@ def checked_candidates(found: object) -> list[Candidate]:
 
     Anything that is not a :class:`Candidate` with string fields and 0-1 scores is dropped,
     fields are stripped and cut to the stored limits, categories and keys lower-cased, and
-    candidates under the confidence or importance floor are left out.
+    candidates under the confidence or importance floor are left out. The rules a caller's
+    own facts meet hold too: a key or category is cut to what a store key holds
+    (MAX_ID_BYTES of UTF-8), one with a NUL (the key separator) or any field without UTF-8
+    (a lone surrogate) drops its candidate, and such keywords are left out; otherwise the
+    store would refuse the fact, and every caller's ``flush`` would report a write it never
+    made.
 
     Raises:
         TypeError: ``found`` is not a sequence (the extractor broke its contract; the
@@ -112,13 +118,35 @@ def checked_candidates(found: object) -> list[Candidate]:
             continue
         if c.confidence < MIN_CONFIDENCE or c.importance < MIN_IMPORTANCE:
             continue
-        keywords = tuple(k.strip().lower()[:MAX_CATEGORY] for k in c.keywords
-                         if isinstance(k, str) and k.strip())[:8]
-        out.append(Candidate(c.category.strip().lower()[:MAX_CATEGORY],
-                             c.key.strip().lower()[:MAX_KEY], c.value.strip()[:MAX_VALUE],
-                             c.text.strip()[:MAX_TEXT], float(c.confidence),
+        category = _fitted(c.category.strip().lower()[:MAX_CATEGORY])
+        key = _fitted(c.key.strip().lower()[:MAX_KEY])
+        value, text = c.value.strip()[:MAX_VALUE], c.text.strip()[:MAX_TEXT]
+        if not (category and key and _encodable(value) and _encodable(text)):
+            continue
+        keywords = tuple(k for k in (_fitted(k.strip().lower()[:MAX_CATEGORY])
+                                     for k in c.keywords if isinstance(k, str)) if k)[:8]
+        out.append(Candidate(category, key, value, text, float(c.confidence),
                              float(c.importance), keywords))
     return out
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _fitted(word: str) -> str:
+    """``word`` cut to MAX_ID_BYTES of UTF-8 on a character boundary, or "" when it cannot be
+    part of a store key (a NUL, a lone surrogate, nothing left)."""
+    if "\x00" in word or not _encodable(word):
+        return ""
+    data = word.encode()
+    if len(data) > MAX_ID_BYTES:
+        word = data[:MAX_ID_BYTES].decode(errors="ignore").rstrip()
+    return word if word.strip() else ""
 
 
 # -- the offline rules ----------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from actors.base.keys import MAX_ID_BYTES
 from engine import Candidate, Engine, Extractor, InvalidInput, RuleExtractor
 
 from .conftest import open_engine
@@ -28,6 +29,24 @@ class PetExtractor:
                 Candidate("pet", "", "nameless", "dropped: no key", 0.9, 0.6),
                 Candidate("pet", "x", "y", "dropped: confidence over 1", 1.5, 0.6),
                 "not a candidate"]
+
+
+class GarbageExtractor:
+    """A model that answers garbage: keys too long for a store key once in UTF-8, NULs (the
+    key separator), lone surrogates (no UTF-8 at all), among one good fact."""
+
+    name = "garbage"
+
+    async def extract(self, text: str) -> Sequence[Candidate]:
+        if "Kiwi" not in text:
+            return []
+        return [Candidate("pet", "\U0001F99C" * 128, "Kiwi", "A key of 512 bytes", 0.9, 0.6),
+                Candidate("pet", "a\x00b", "Kiwi", "A NUL in the key", 0.9, 0.6),
+                Candidate("pe\x00t", "k", "v", "A NUL in the category", 0.9, 0.6),
+                Candidate("pet", "bird", "Ki\ud800wi", "A lone surrogate in the value", 0.9, 0.6),
+                Candidate("pet", "song", "v", "A lone surrogate in the text\udfff", 0.9, 0.6),
+                Candidate("pet", "parrot:kiwi", "Kiwi", "Has a parrot called Kiwi", 0.9, 0.6,
+                          ("\ud800", "x\x00", "parrot"))]
 
 
 class BrokenExtractor:
@@ -52,6 +71,27 @@ async def test_a_plugged_in_extractor_is_what_the_engine_extracts_with(store_pat
         ("pet", "parrot:kiwi", "Kiwi", "pets")]
     # Only user turns, in log order; the rules did not run (no Lisbon).
     assert extractor.seen == ["Kiwi the parrot sings all morning.", "I live in Lisbon."]
+
+
+async def test_what_an_extractor_returns_never_fails_a_write(store_path, clock) -> None:
+    """An extractor's candidates meet the rules a caller's facts do: a key cut to what a store
+    key holds (and then forgettable like any other), a candidate with a NUL in its category or
+    key or no UTF-8 in its text dropped, bad keywords left out. Before, such a fact was refused
+    by the store and every caller's flush() raised RecordRefused for a write it never made."""
+    async with open_engine(store_path, clock=clock, extractor=GarbageExtractor()) as mem:
+        await mem.add_turn("bo", "s1", "user", "Nothing to see.")
+        await mem.add_turn("ana", "s1", "user", "Kiwi the parrot sings all morning.")
+        await mem.add_turn("bo", "s1", "user", "Still nothing.")
+        await mem.flush()
+        assert await mem.failures() == []
+        profile = {f.key: f for f in await mem.profile("ana")}
+        long_key = next(k for k in profile if k.startswith("\U0001F99C"))
+        assert len(long_key.encode()) <= MAX_ID_BYTES
+        assert set(profile) == {"parrot:kiwi", long_key}
+        assert profile["parrot:kiwi"].keywords == ("parrot",)
+        assert await mem.forget_fact("ana", "pet", long_key)
+        assert [t.text for t in await mem.session_history("bo", "s1")] == [
+            "Nothing to see.", "Still nothing."]
 
 
 async def test_the_rules_stand_in_for_an_extractor_that_fails(store_path, clock) -> None:
