@@ -64,8 +64,8 @@ class Extractor(Protocol):
     engine's background follower on the trio loop, never on the hot path, one turn at a time
     in log order: CPU-heavy work (a spaCy pipeline) belongs in ``trio.to_thread.run_sync``
     so the loop stays responsive. What it returns is checked (types, 0-1 scores, lengths
-    cut to the stored limits, at most ``MAX_CANDIDATES``); if it raises, the rules stand in
-    for that turn.
+    cut to the stored limits, keys a store key can hold, at most ``MAX_CANDIDATES``: see
+    :func:`checked_candidates`); if it raises, the rules stand in for that turn.
     """
 
     name: str
