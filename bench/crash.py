@@ -47,7 +47,11 @@ sys.path.insert(0, str(HERE.parents[1]))
 
 from engine import Engine, HashEmbedder  # noqa: E402
 
+sys.path.insert(0, str(HERE.parent))
+import powercut  # noqa: E402
+
 PHASES = ("ingest", "snapshot", "compact", "reindex", "forget")
+POWER_CUT_PHASES = ("ingest", "snapshot", "forget")  # the store keeps one file throughout
 MODELS = ("minilm-l6-v2", "minilm-l6-v2-q8")
 KILL_AFTER = (0.05, 3.0)  # seconds after the phase is under way: the range the delay is drawn from
 WARMUP_TURNS = 200  # durable turns written before a phase that needs a store to work on
@@ -275,12 +279,17 @@ async def _check_snapshots(acks: Acks, work: Path) -> dict[str, int]:
     return {"snapshots_restored": restored, "snapshots_missing_turns": bad}
 
 
-def one_run(phase: str, delay: float, work: Path) -> dict[str, Any]:
+def one_run(phase: str, delay: float, work: Path, power_cut: Path | None = None,
+            seed: int = 0) -> dict[str, Any]:
+    """One child killed after ``delay``; with ``power_cut`` (the built preload library) the
+    store checked is the one a power cut at the kill could leave (bench/powercut.py)."""
     store = work / "store"
+    journal = work / "journal"
     acks = Acks()
     child = subprocess.Popen(
         [sys.executable, str(HERE), "--child", phase, str(store), str(work)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+        env=None if power_cut is None else powercut.child_env(power_cut, store, journal))
     errors: list[str] = []
 
     def read_stdout() -> None:
@@ -308,6 +317,10 @@ def one_run(phase: str, delay: float, work: Path) -> dict[str, Any]:
                               "events": acks.events, "opened": False}
     if not killed_alive or not started:
         result["child_error"] = "".join(errors[-20:])
+    if power_cut is not None:
+        cut = work / "cut"
+        result["power_cut"] = powercut.cut_store(store, cut, journal, random.Random(seed))
+        store = cut
     try:
         result |= trio.run(_check_store, store, acks, len(acks.turns), phase)
         result["opened"] = True
@@ -324,7 +337,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--phases", default=",".join(PHASES),
                         help="comma-separated subset of " + ", ".join(PHASES))
-    parser.add_argument("--out", default=str(HERE.parent / "results" / "crash.json"))
+    parser.add_argument("--power-cut", action="store_true",
+                        help="check the store a power cut at the kill could leave (bench/"
+                             "powercut.py; phases " + ", ".join(POWER_CUT_PHASES) + ")")
+    parser.add_argument("--out", default=None,
+                        help="default bench/results/crash.json (crash-power-cut.json)")
     parser.add_argument("--child", nargs=3, metavar=("PHASE", "STORE", "WORK"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -334,8 +351,20 @@ def main() -> None:
     from _report import write_results
 
     phases = [p for p in args.phases.split(",") if p]
+    library = None
+    if args.power_cut:
+        if set(phases) - set(POWER_CUT_PHASES):
+            parser.error(f"--power-cut takes phases {', '.join(POWER_CUT_PHASES)}; compact and "
+                         "reindex replace the store's file, which the journal does not follow")
+        try:
+            library = powercut.build(Path(tempfile.mkdtemp(prefix="engram-powercut-")))
+        except powercut.NoCompiler as exc:
+            parser.error(str(exc))
+    out = args.out or str(HERE.parent / "results"
+                          / ("crash-power-cut.json" if args.power_cut else "crash.json"))
     rng = random.Random(args.seed)
-    print(f"crash bench: {args.runs} runs over {', '.join(phases)}, seed {args.seed}")
+    cut = " and a power cut" if args.power_cut else ""
+    print(f"crash bench: {args.runs} runs over {', '.join(phases)}{cut}, seed {args.seed}")
     runs = []
     start = time.perf_counter()
     for i in range(args.runs):
@@ -343,12 +372,16 @@ def main() -> None:
         delay = rng.uniform(*KILL_AFTER)
         work = Path(tempfile.mkdtemp(prefix=f"engram-crash-{i}-"))
         try:
-            result = one_run(phase, delay, work)
+            result = one_run(phase, delay, work, library, args.seed * 1_000 + i)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         runs.append(result)
+        pages = result.get("power_cut")
+        lost_pages = (f", {pages['pages_lost']} unsynced pages lost of "
+                      f"{pages['pages_lost'] + pages['pages_kept']}" if pages else "")
         print(f"  run {i + 1:>3}/{args.runs} {phase:<8} kill after {delay:5.2f} s: "
-              f"{result['acknowledged']:>6} acknowledged, {result.get('lost', '?')} lost, "
+              f"{result['acknowledged']:>6} acknowledged, {result.get('lost', '?')} lost"
+              f"{lost_pages}, "
               f"{'opened' if result['opened'] else 'DID NOT OPEN: ' + result['open_error']}",
               flush=True)
     summary = {}
@@ -365,6 +398,12 @@ def main() -> None:
             "snapshots_restored": sum(r.get("snapshots_restored", 0) for r in mine),
             "snapshots_missing_turns": sum(r.get("snapshots_missing_turns", 0) for r in mine),
         }
+        if args.power_cut:
+            summary[phase]["unsynced_pages_lost"] = sum(r["power_cut"]["pages_lost"]
+                                                        for r in mine)
+            summary[phase]["cut_mid_flight"] = sum(r["power_cut"]["writes"]
+                                                   > r["power_cut"]["synced_writes"]
+                                                   for r in mine)
     print(f"\n{'phase':<9} {'runs':>5} {'killed':>7} {'acknowledged':>13} {'found':>9} "
           f"{'lost':>5} {'forgotten left':>15} {'opened':>7} {'snapshots ok':>13}")
     for phase, s in summary.items():
@@ -372,9 +411,13 @@ def main() -> None:
               f"{s['found']:>9,} {s['lost']:>5} {s['forgotten_left']:>15} {s['opened']:>7} "
               f"{s['snapshots_restored'] - s['snapshots_missing_turns']:>6}/"
               f"{s['snapshots_restored']:<6}")
+    if args.power_cut:
+        for phase, s in summary.items():
+            print(f"{phase}: {s['cut_mid_flight']} of {s['runs']} cuts landed with writes not "
+                  f"yet synced; {s['unsynced_pages_lost']:,} such pages lost in all")
     print(f"{time.perf_counter() - start:.0f} s")
-    write_results(args.out, {"seed": args.seed, "runs": args.runs, "summary": summary,
-                             "each": runs}, "crash")
+    write_results(out, {"seed": args.seed, "runs": args.runs, "power_cut": args.power_cut,
+                        "summary": summary, "each": runs}, "crash")
 
 
 if __name__ == "__main__":
