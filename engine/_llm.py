@@ -9,6 +9,8 @@ caller's choice: the engine never calls a model unless one is passed to ``Engine
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable
 from contextlib import aclosing
 from typing import Any, Protocol, runtime_checkable
 
@@ -22,6 +24,8 @@ from actors.extraction import MAX_CATEGORY, MIN_CONFIDENCE, MIN_IMPORTANCE, Cand
 
 __all__ = ["LLM", "OpenAICompatibleLLM", "ModelTasks", "LLMFailed"]
 
+log = logging.getLogger("engram.llm")
+
 MAX_SUMMARY_CHARS = 1_000
 MAX_FACTS_PER_TURN = 10
 MAX_KEYWORD_CHARS = 64  # a summary's keyword, as a fact's
@@ -30,6 +34,10 @@ JSON_STARTS = 16  # "{" of a reply tried as the start of its object: prose canno
 # Answers worth another attempt: a timeout, too many requests, a server's passing failure.
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 MAX_RETRY_AFTER = 30.0  # seconds: a longer Retry-After is cut to this
+# Answers that refuse the key: no retry helps until someone fixes it, so the adapter stops
+# calling for AUTH_PAUSE seconds (every turn would otherwise send the bad key again).
+AUTH_STATUSES = frozenset({401, 403})
+AUTH_PAUSE = 300.0
 # An attempt may take this many timeouts all told (connecting, then the answer): httpx's
 # timeouts are per read, so a body that trickles in for ever would pass each of them.
 ATTEMPT_TIMEOUTS = 2
@@ -219,11 +227,15 @@ class OpenAICompatibleLLM:
         retries: attempts after the first when one fails in a way that may pass: no
             connection, a timeout, or an answer of 408, 429, 500, 502, 503 or 504. They wait
             ``backoff`` seconds, doubling each time, or what the server's ``Retry-After``
-            asks, at most :data:`MAX_RETRY_AFTER` either way. Any other error status (401,
-            403: a bad key will not get better), and a body over :data:`MAX_REPLY_BYTES`,
-            fail at once.
+            asks, at most :data:`MAX_RETRY_AFTER` either way. Any other error status, and a
+            body over :data:`MAX_REPLY_BYTES`, fail at once.
         backoff: the first wait before a retry.
         transport: an httpx transport (a proxy's, a test's); by default httpx's own.
+        auth_pause: after a 401 or 403 (a bad or revoked key will not get better), the
+            seconds every call fails at once, without a request, saying so; the refusal is
+            logged once. The first call after the pause tries the endpoint again: another
+            401 or 403 starts a new pause, any other answer ends it.
+        clock: the seconds ``auth_pause`` is measured in (default: trio's clock).
 
     Requests go out with httpx on the engine's trio loop (no worker thread), one client a
     call (its retries share its connections; a model's answer takes seconds, a connection
@@ -233,16 +245,30 @@ class OpenAICompatibleLLM:
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None,
                  timeout: float = 60.0, retries: int = 2, backoff: float = 0.5,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 auth_pause: float = AUTH_PAUSE,
+                 clock: Callable[[], float] = trio.current_time) -> None:
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
         self.api_key = api_key
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
+        self.auth_pause = auth_pause
         self._transport = transport
+        self._clock = clock
+        # After a 401/403: (when calls may reach the endpoint again, what it answered).
+        self._refused: tuple[float, str] | None = None
 
     async def complete(self, system: str, prompt: str) -> str:
+        if self._refused is not None:
+            until, answered = self._refused
+            now = self._clock()
+            if now < until:
+                raise LLMFailed(f"not calling {self.url} for {until - now:.0f} s more: it "
+                                f"{answered}; expected a valid API key")
+            # This call tries again; the others keep failing at once meanwhile.
+            self._refused = (now + self.auth_pause, answered)
         async with httpx.AsyncClient(transport=self._transport, timeout=self.timeout) as http:
             return await self._complete(http, system, prompt)
 
@@ -266,6 +292,11 @@ class OpenAICompatibleLLM:
                 raise LLMFailed(f"calling {self.url} failed: {type(exc).__name__}: {exc}"
                                 ) from exc
             else:
+                if status in AUTH_STATUSES:
+                    self._refuse(f"answered HTTP {status}: {_shown(data, 300)}")
+                elif self._refused is not None:
+                    log.info("%s took the API key again (HTTP %d)", self.url, status)
+                    self._refused = None
                 if status < 400:
                     return _content(data, self.url)
                 failure = f"{self.url} answered HTTP {status}: {_shown(data, 300)}"
@@ -276,6 +307,14 @@ class OpenAICompatibleLLM:
                 await trio.sleep(wait)
         raise LLMFailed(f"{failure} ({attempts} attempts)")
 
+    def _refuse(self, answered: str) -> None:
+        """Stop calling for ``auth_pause`` seconds; logged when the pause begins, not when a
+        retry after it is refused again."""
+        if self._refused is None:
+            log.error("%s %s: a bad or revoked API key; the model is not called for %g s "
+                      "(the offline summaries and rules stand in)", self.url, answered,
+                      self.auth_pause)
+        self._refused = (self._clock() + self.auth_pause, answered)
 
     async def _post(self, http: httpx.AsyncClient, body: dict, headers: dict
                     ) -> tuple[int, float, bytes]:

@@ -5,6 +5,7 @@ the API would refuse, unbounded time)."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 
 import httpx
@@ -162,17 +163,56 @@ async def test_a_200_that_is_not_a_chat_answer_is_llm_failed(response: httpx.Res
 
 
 async def test_auth_errors_are_not_retried() -> None:
+    """Within a call: one request for a 401 or a 403 (no pause between calls here)."""
     seen: list[int] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(1)
         return httpx.Response(401 if len(seen) == 1 else 403, json={"error": "bad key"})
 
-    llm = _mock(handler, retries=5)
+    llm = _mock(handler, retries=5, auth_pause=0)
     for status in (401, 403):
         with pytest.raises(LLMFailed, match=f"HTTP {status}"):
             await llm.complete("s", "p")
     assert len(seen) == 2
+
+
+async def test_an_auth_failure_stops_the_calls_until_the_pause_is_over(caplog) -> None:
+    """A 401 (a bad or revoked key) is logged once, then each call fails at once without
+    reaching the endpoint until ``auth_pause`` has passed on the adapter's clock; then one
+    call tries again (a 403 arms the pause anew, quietly), and a call the server answers
+    ends the pause."""
+    now = [0.0]
+    answers = [401, 403, 200]
+    seen: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(answers[0])
+        if answers[0] == 200:
+            return _chat("ok")
+        return httpx.Response(answers.pop(0), json={"error": "bad key"})
+
+    llm = _mock(handler, retries=3, auth_pause=300, clock=lambda: now[0])
+    with pytest.raises(LLMFailed, match="HTTP 401"):
+        await llm.complete("s", "p")
+    for _ in range(5):
+        with pytest.raises(LLMFailed, match=r"not calling .* for 300 s more.*HTTP 401"):
+            await llm.complete("s", "p")
+    assert seen == [401]
+    now[0] = 299.0
+    with pytest.raises(LLMFailed, match="for 1 s more"):
+        await llm.complete("s", "p")
+    now[0] = 300.0
+    with pytest.raises(LLMFailed, match="HTTP 403"):
+        await llm.complete("s", "p")
+    with pytest.raises(LLMFailed, match=r"not calling .*HTTP 403"):
+        await llm.complete("s", "p")
+    now[0] = 600.0
+    assert [await llm.complete("s", "p") for _ in range(2)] == ["ok", "ok"]
+    assert seen == [401, 403, 200, 200]
+    refusals = [r for r in caplog.records if r.name == "engram.llm"
+                and r.levelno >= logging.WARNING]
+    assert len(refusals) == 1 and "HTTP 401" in refusals[0].getMessage()
 
 
 async def test_retry_waits_are_bounded_whatever_the_server_or_settings_ask(autojump_clock
@@ -269,6 +309,30 @@ async def test_a_facts_reply_without_facts_lets_the_rules_stand_in_and_is_a_fail
     (failure,) = failures
     assert failure.actor == "facts" and "LLMFailed" in failure.error and "facts" in failure.error
     assert stats.failures == 1
+
+
+async def test_a_revoked_key_is_not_sent_again_for_every_turn(store_path) -> None:
+    """An endpoint answering 401 to every call: the first turn's extraction reaches it, the
+    next turns' do not (the rules stand in for each), and every turn the model missed is a
+    failure saying why."""
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers["authorization"])
+        return httpx.Response(401, json={"error": {"message": "Incorrect API key provided"}})
+
+    llm = _mock(handler, api_key="sk-revoked")
+    async with open_engine(store_path, llm=llm) as mem:
+        for city in ("Lisbon", "Porto", "Braga", "Faro", "Evora"):
+            await mem.add_turn("ana", "s", "user", f"I live in {city}.")
+            await mem.flush()
+        profile = [(f.key, f.origin) for f in await mem.profile("ana")]
+        failures = await mem.failures("ana")
+        stats = await mem.stats()
+    assert seen == ["Bearer sk-revoked"]
+    assert profile == [("location", "rules")]
+    assert len(failures) == stats.failures == 5
+    assert all("HTTP 401" in f.error for f in failures)
 
 
 async def test_a_failing_summary_keeps_the_extractive_one_and_is_a_failure(store_path) -> None:
