@@ -71,7 +71,8 @@ class ClusterClient(LogWriter):
             config: the cluster's settings (its partitions above all: the nodes' own).
             api_key: sent to the owners as ``Authorization: Bearer`` on reads.
             limits: the engine settings writes are checked against (default: ``Config()``).
-            timeout: seconds an owner may take to answer a read.
+            timeout: seconds an owner may take to answer a read (at most what is left of
+                the read's READ_SECONDS).
 
         Raises:
             LogUnavailable: no log server answered.
@@ -125,7 +126,8 @@ class ClusterClient(LogWriter):
                     params: dict[str, Any] | None = None, **kwargs: Any) -> httpx.Response:
         """The owner's answer. A 503, or an owner that does not answer (the partition
         moving, a node restarted elsewhere), is tried again with the owner looked up anew,
-        for READ_SECONDS; each attempt has the client's own timeout.
+        for READ_SECONDS; each attempt has the client's own timeout or what is left of
+        READ_SECONDS, whichever is shorter.
 
         Raises:
             InvalidInput / NotFound: the owner's 422 / 404, as the engine's error.
@@ -149,19 +151,26 @@ class ClusterClient(LogWriter):
             if url is None:
                 why = f"no owner of partition {p}"
             else:
+                answer = None
                 try:
-                    answer = await self._http.request(method, url.rstrip("/") + path,
-                                                      params=params, **kwargs)
+                    # The attempt gets what is left of the read's budget at most: an owner
+                    # that hangs past it would hold the read for the client's whole timeout.
+                    with trio.move_on_at(deadline):
+                        answer = await self._http.request(method, url.rstrip("/") + path,
+                                                          params=params, **kwargs)
                 except httpx.TransportError as exc:
                     why = f"{url} did not answer ({type(exc).__name__})"
                     if lease is not None:  # its heartbeat may name a new address now
                         self._leases.members.pop(lease.node, None)
                 else:
-                    if answer.status_code != 503:
+                    if answer is None:
+                        why = f"{url} did not answer within the read's {READ_SECONDS} s"
+                    elif answer.status_code != 503:
                         _raise_for(answer)
                         return answer
-                    why = _message(answer)
-                    wait = max(wait, float(answer.headers.get("retry-after", 0) or 0))
+                    else:
+                        why = _message(answer)
+                        wait = max(wait, float(answer.headers.get("retry-after", 0) or 0))
             if trio.current_time() + wait > deadline:
                 raise LogUnavailable(f"no owner of {user_id!r}'s partition answered within "
                                      f"{READ_SECONDS} s (last: {why})")

@@ -2,7 +2,7 @@
 partition (forwarded over HTTP), writes through the log are served where they arrive, and a
 read may carry ``?min_seq=N`` (the ``log_seq`` its caller's last write got): the owner answers
 once its watermark for the partition reaches N, or 503 with ``Retry-After`` after
-``read_wait``.
+``read_wait``; 422 if N is past the log's last sequence (no write got it, so no wait helps).
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 import msgspec
+import trio
 
 from .._http_edge import IdConvertor, routed_path
 from ._figures import render_metrics
+from ._log import TRANSIENT, Log, LogUnavailable
 from ._node import Node
 from ._partition import partition_of
 
@@ -42,11 +44,15 @@ class Router:
     Args:
         app: the node's app (``create_app`` over a :class:`ClusterEngine`).
         node: the node (its leases say who owns what).
+        log: the cluster's log, asked for its last sequence when a read's ``min_seq`` is not
+            applied after ``read_wait``: past it is a 422 (no write got it); None: a 503.
     """
 
-    def __init__(self, app: Callable[..., Awaitable[None]], node: Node) -> None:
+    def __init__(self, app: Callable[..., Awaitable[None]], node: Node,
+                 log: Log | None = None) -> None:
         self.app = app
         self.node = node
+        self.log = log
         self.client = httpx.AsyncClient(timeout=FORWARD_TIMEOUT)
         # looked_up: leases read from the bucket because the view named no holder to forward
         # to (or the one it named had handed the partition on); reforwarded: requests sent
@@ -104,6 +110,14 @@ class Router:
                 # (and bench/cluster_faults.py) sees it without timing a second read.
                 send = _timed(send, (time.perf_counter() - started) * 1e3)
                 if not caught_up:
+                    last = await self._last_seq()
+                    if last is not None and int(min_seq) > last:
+                        await _respond(send, 422, {
+                            "error": "InvalidInput", "field": "min_seq", "message":
+                            f"min_seq: expected at most {last}, the log's last sequence "
+                            f"(a log_seq some write got), found {min_seq}; pass the "
+                            "log_seq of the caller's own last write"})
+                        return
                     self.counts["unavailable"] += 1
                     await _respond(send, 503, {
                         "error": "NotCaughtUp", "message": f"partition {p} has applied the "
@@ -137,6 +151,18 @@ class Router:
                 answer = await self._forward(scope, fresh_url, body, send)
         if answer is not None:
             await _relay(answer, send)
+
+    async def _last_seq(self) -> int | None:
+        """The log's last sequence now, or None without a log or if it does not say within
+        read_wait (then a read not caught up is a 503, as before: retrying may help)."""
+        if self.log is None:
+            return None
+        with trio.move_on_after(self.node.config.read_wait):
+            try:
+                return await self.log.last_seq()
+            except (*TRANSIENT, LogUnavailable):
+                return None
+        return None
 
     async def _inspector(self, scope: dict, receive: Callable, send: Callable) -> None:
         """A page of the inspector about one user: here if this node holds the user's

@@ -85,7 +85,7 @@ async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id:
         try:
             node = Node(engine, log, node_id, f"http://{host}:{port}")
             writer = ClusterEngine(engine, log, node)
-            router = Router(create_app(writer, keys), node)
+            router = Router(create_app(writer, keys), node, log)
             # Without keys, what the owner's Edge would refuse is refused before the router
             # forwards it.
             app = router if keys is not None else LocalOnly(router)

@@ -155,6 +155,71 @@ async def test_a_min_seq_that_is_not_a_plain_number_is_a_422_never_a_500(
     assert served == []
 
 
+class LogAt:
+    """What the router asks of the log: its last sequence, here ``last``."""
+
+    def __init__(self, last: int) -> None:
+        self.last = last
+
+    async def last_seq(self) -> int:
+        return self.last
+
+
+async def _read_at(router: Router, min_seq: int) -> tuple[int, dict]:
+    """The router's status and JSON body for a session read with ``?min_seq=``."""
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    path = "/v1/users/ana/sessions/s1/turns"
+    await router({"type": "http", "method": "GET", "path": path, "raw_path": path.encode(),
+                  "query_string": f"min_seq={min_seq}".encode(),
+                  "headers": [(b"host", b"127.0.0.1")]}, receive, send)
+    return sent[0]["status"], msgspec.json.decode(sent[1]["body"])
+
+
+async def test_a_min_seq_past_the_end_of_the_log_is_a_422_not_a_503_for_ever(
+        cluster_config) -> None:
+    """A min_seq no write ever got (past the log's last sequence) cannot be caught up with:
+    a 422 naming min_seq with the log's last sequence, not a 503 inviting retries for ever;
+    one within the log (7) that is not applied yet (5) is still the 503."""
+    async def app(scope: dict, receive, send) -> None:
+        raise AssertionError("a read before its min_seq reached the engine")
+
+    node = OwningNode(cluster_config)
+    node.marks = {p: 5 for p in range(cluster_config.partitions)}
+    router = Router(app, node, LogAt(7))
+    status, body = await _read_at(router, 8)
+    assert (status, body["error"], body["field"]) == (422, "InvalidInput", "min_seq"), body
+    assert "at most 7" in body["message"] and "found 8" in body["message"]
+    status, body = await _read_at(router, 7)
+    assert (status, body["error"]) == (503, "NotCaughtUp")
+    await router.client.aclose()
+
+
+async def test_a_min_seq_past_the_real_logs_end_is_a_422_naming_its_last_sequence(
+        nats_servers, cluster_config, tmp_path: Path) -> None:
+    """Against a real log: a write's own log_seq is served, one past the log's end is a 422
+    naming min_seq and the log's last sequence (the owner reads it from the stream)."""
+    from engine._server import create_app
+
+    with trio.fail_after(60):
+        async with one_node(nats_servers, cluster_config, tmp_path / "s",
+                            config={"long_term": False}) as (engine, node, writer, log):
+            receipt = await writer.add_turn("ana", "s1", "user", "hi", durable=True)
+            router = Router(create_app(writer), node, log)
+            status, turns = await _read_at(router, receipt.log_seq)
+            assert status == 200 and [t["text"] for t in turns] == ["hi"]
+            status, body = await _read_at(router, receipt.log_seq + 1000)
+            await router.client.aclose()
+    assert (status, body["field"]) == (422, "min_seq"), body
+    assert f"at most {receipt.log_seq}" in body["message"]
+
+
 class OneOwner:
     """The client's lease lookups: every partition held by one node at ``http://owner``."""
 
@@ -205,6 +270,23 @@ async def test_an_owner_that_hangs_ends_the_read_in_bounded_time(monkeypatch) ->
     with trio.fail_after(10):
         with pytest.raises(_client.LogUnavailable, match="did not answer"):
             await client.recall("ana", "where")
+    await client._http.aclose()
+
+
+async def test_an_owner_that_never_answers_costs_no_more_than_the_read_budget(autojump_clock
+                                                                              ) -> None:
+    """An owner that accepts the request and never answers (the client's own timeout is
+    30 s): the read ends with LogUnavailable by READ_SECONDS, not after the attempt's 30 s."""
+    async def hang(request: httpx.Request) -> httpx.Response:
+        await trio.sleep_forever()
+        raise AssertionError
+
+    client = fake_client(hang)
+    start = trio.current_time()
+    with trio.fail_after(120):
+        with pytest.raises(_client.LogUnavailable, match="did not answer"):
+            await client.recall("ana", "where")
+    assert trio.current_time() - start <= _client.READ_SECONDS
     await client._http.aclose()
 
 
