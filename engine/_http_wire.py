@@ -46,8 +46,14 @@ class BatchTurn(_Body):
     run_id: str | None = None
 
 
+# Turns in one POST /v1/users/{u}/turns: each is a model built before the handler's first
+# await (~8 us), and the byte limit alone lets ~190,000 tiny ones stall every other request
+# for seconds. Larger imports go as several batches.
+MAX_BATCH_TURNS = 1_000
+
+
 class BatchIn(_Body):
-    turns: list[BatchTurn]
+    turns: list[BatchTurn] = Field(max_length=MAX_BATCH_TURNS)
     durable: bool = False
 
 

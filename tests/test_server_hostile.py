@@ -9,6 +9,7 @@ import httpx
 import trio
 
 from engine._http_edge import LocalOnly
+from engine._http_wire import MAX_BATCH_TURNS
 from engine._server import create_app, load_api_keys, serve
 
 from .test_server import ADMIN_KEY, ANA_KEY, _free_port, seg
@@ -198,6 +199,20 @@ async def test_a_key_for_one_user_cannot_reach_another_through_a_body(
             assert (await http.post(f"/v1/tools/{name}", json=arguments)).status_code in (
                 403, 422)
     assert await mem.list_notes("bo") == [] and await mem.profile("bo") == []
+
+
+async def test_a_batch_of_more_turns_than_the_cap_is_a_422_and_writes_none(mem) -> None:
+    """A body within the byte limit can carry ~190,000 tiny turns, each a model to build
+    before any await: past MAX_BATCH_TURNS it is refused naming `turns` and both counts."""
+    one = {"session_id": "s1", "role": "user", "text": "x"}
+    async with lenient(create_app(mem)) as http:
+        over = await http.post("/v1/users/ana/turns",
+                               json={"turns": [one] * (MAX_BATCH_TURNS + 1)})
+        message = invalid(over, "turns")
+        assert f"at most {MAX_BATCH_TURNS}" in message and str(MAX_BATCH_TURNS + 1) in message
+        assert (await http.get("/v1/users/ana/sessions")).json() == []
+        full = await http.post("/v1/users/ana/turns", json={"turns": [one] * MAX_BATCH_TURNS})
+        assert full.status_code == 202 and len(full.json()["turns"]) == MAX_BATCH_TURNS
 
 
 async def test_parallel_writes_to_one_session_keep_every_turn_in_its_order(mem) -> None:
