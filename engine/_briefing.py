@@ -94,11 +94,19 @@ class Briefing:
                  if legs is None or "window" in legs else [])
         if fresh:
             terms = set(self.retriever.fulltext.query_terms(query))
+            # The vectors may hold a fact the text index does not yet: it is shown once, with
+            # the better of its two scores.
+            place = {f.fact_id: i for i, (f, _) in enumerate(chosen)}
             for fact in fresh:
                 shared = len(terms.intersection(self.retriever.fulltext.terms(fact.text)))
                 if shared:
                     # The share of the query's terms it has, on the hits' (0, 1) scale.
-                    chosen.append((fact, logistic(shared / len(terms))))
+                    score = logistic(shared / len(terms))
+                    i = place.get(fact.fact_id)
+                    if i is None:
+                        chosen.append((fact, score))
+                    elif score > chosen[i][1]:
+                        chosen[i] = (fact, score)
             chosen.sort(key=lambda pair: -pair[1])
         # The deterministic part: standing facts (name, allergies, instructions...) always
         # come along, after the ones the query found.

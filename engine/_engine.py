@@ -344,9 +344,11 @@ class Engine:
             user_id: whose memories; nothing of another user can come back.
             query: free text; never parsed as query syntax.
             limit: hits before link expansion (default: the focus level's, else 10).
-            focus: seed 000's focus level 0-5: sets limit, a time window (1 h ... 7 days back)
-                and link depth, each overridable by its own argument.
-            session_id / since / until / roles / kinds: filters, applied inside each index.
+            focus: seed 000's focus level 0-5: sets limit, a time window (1 h ... 7 days back
+                from now, or from ``as_of`` when that is earlier) and link depth, each
+                overridable by its own argument.
+            session_id / since / until / roles / kinds: filters, applied inside each index
+                (``until`` before ``since`` is refused). Linked memories pass them too.
             tags: keep memories carrying any of these tags (a turn's ``meta["tags"]``).
             link_depth: hops along links, both directions (default: the focus level's, else 0).
             budget_tokens: keep the best hits whose text fits (~4 characters a token).

@@ -73,6 +73,11 @@ class Hit(msgspec.Struct, frozen=True, kw_only=True):
     via: tuple[str, ...] = ()
     explain: Explain | None = None
 
+    def __hash__(self) -> int:
+        # By what it is, not every field: ``explain`` holds a dict, and a frozen hit must go
+        # in a set or be a dict's key. Equal hits have equal ids, so equal hashes.
+        return hash((self.kind, self.id))
+
 
 class Hits(list):
     """What ``recall`` returns: a list of :class:`Hit`, best first (it is a plain ``list``

@@ -57,18 +57,23 @@ class Recall:
         parts.check_text("query", query)
         if focus is not None and (type(focus) is not int or focus not in FOCUS_LEVELS):
             raise InvalidInput("focus", f"expected an integer from 0 to 5, found {focus!r}")
-        settings = focus_settings(focus, parts.clock())
+        if as_of is not None:
+            v.check_at(as_of, "as_of")
+        now = parts.clock()
+        # The focus level's window reaches back from the time the answer is given as of.
+        settings = focus_settings(focus, now if as_of is None else min(now, as_of))
         limit = settings["limit"] if limit is None else check_count("limit", limit, 1, 1000)
         link_depth = (settings["link_depth"] if link_depth is None
                       else check_count("link_depth", link_depth, 0, 5))
-        if since is None:
-            since = settings["since"]
-        else:
+        if since is not None:
             v.check_at(since, "since")
         if until is not None:
             v.check_at(until, "until")
-        if as_of is not None:
-            v.check_at(as_of, "as_of")
+            if since is not None and until < since:
+                raise InvalidInput("until", f"expected a time at or after since "
+                                            f"({since.isoformat()}), found {until.isoformat()}")
+        if since is None:
+            since = settings["since"]
         if session_id is not None:
             parts.check_lookup_id("session_id", session_id)
         if budget_tokens is not None:

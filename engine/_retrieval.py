@@ -248,10 +248,14 @@ class Retriever:
             retired["vector"] = (part, cosines)
             retired["window"] = (part, [(lsn, n) for lsn, n in shared if n > 0])
 
+        # The text index holds times to the second, cut down: from ``since``'s second, so a
+        # memory said later within it is not lost (the exact bound is checked on the records).
+        text_since = None if since is None else since.replace(microsecond=0)
+
         async def bm25_leg() -> None:
             # Every part's search in one worker thread call, over one searcher.
             found = await self.fulltext.search_each(user_id, query, depth, [
-                TextFilters(session_id, since, until, roles, part_kinds, tags, only, where,
+                TextFilters(session_id, text_since, until, roles, part_kinds, tags, only, where,
                             hidden) for part_kinds in searches.values()])
             for part, hits in zip(searches, found, strict=True):
                 put("bm25", part, hits)
@@ -350,6 +354,9 @@ class Retriever:
         cap = max(1, int(limit * DERIVED_SHARE))
         mixed = kinds is None or "turn" in kinds
         said: set[tuple[str, ...]] = set()  # the contents already shown, per scope
+        # The turns an episode or a fact ranked above them stands for: their slots go to
+        # memories that add something.
+        represented: set[str] = set()
         for score, memory in scored:
             if (not _matches(memory, session_id, since, until, roles, kinds, tags, where)
                     or (as_of is not None and not known_then(memory, as_of))):
@@ -359,17 +366,23 @@ class Retriever:
                 if content in said:
                     continue  # the same words again: the better-ranked one stands for both
                 said.add(content)
+                if type(memory) is Turn and memory.turn_id in represented:
+                    continue
             if mixed and type(memory) in (Episode, Fact):
                 if derived == cap:
                     continue
                 derived += 1
             explain, via = explain_of(memory.lsn)
-            hits.append(hit_for(memory, score, via, explain))
-            if len(hits) == limit * 2:
+            hit = hit_for(memory, score, via, explain)
+            if hit.kind in ("episode", "fact"):
+                represented.update(hit.turn_ids)
+            hits.append(hit)
+            if len(hits) == limit:
                 break
-        hits = _dedupe(hits)[:limit]
         if link_depth > 0 and hits:
-            hits += await self._expand(user_id, hits, link_depth, link_types, where, as_of)
+            hits += await self._expand(
+                user_id, hits, link_depth, link_types, as_of,
+                lambda m: _matches(m, session_id, since, until, roles, kinds, tags, where))
         return pack(hits, budget_tokens)
 
     async def _mask(self, user_id: str, tags: tuple[str, ...] | None,
@@ -583,13 +596,13 @@ class Retriever:
         return [(lsn, float(-shared)) for shared, _, lsn in scored[:CANDIDATES_PER_LEG]]
 
     async def _expand(self, user_id: str, hits: list[Hit], depth: int,
-                      types: tuple[str, ...] | None = None,
-                      where: Node | None = None,
-                      as_of: datetime | None = None) -> list[Hit]:
+                      types: tuple[str, ...] | None, as_of: datetime | None,
+                      admits: Callable[[Any], bool]) -> list[Hit]:
         """Breadth-first along links in both directions (of ``types`` only, if given);
-        memories already found are skipped, and with ``where`` those it does not admit (they
-        still lead on to the memories linked to them); with ``as_of``, links and memories
-        made later too."""
+        memories already found are skipped, and those the query's filters do not admit
+        (``admits``: kinds, session, time range, roles, tags, ``where``), which still lead
+        on to the memories linked to them; with ``as_of``, links and memories made later
+        too."""
         seen = {h.id for h in hits}
         score_of = {h.id: h.score for h in hits}
         frontier = [h.id for h in hits]
@@ -613,8 +626,7 @@ class Retriever:
                 break
         memories = await self.store.read(read_memories_by_id, user_id, [i for i, _ in found])
         return [hit_for(memories[i], score, ("link",)) for i, score in found if i in memories
-                and (where is None or where.matches(attributes(memories[i])))
-                and (as_of is None or known_then(memories[i], as_of))]
+                and admits(memories[i]) and (as_of is None or known_then(memories[i], as_of))]
 
 def _read_fresh(txn: Any, dbs: dict[bytes, Any], user_id: str, kinds: tuple[str, ...],
                 after: int, upto: int) -> list[Any]:
@@ -648,20 +660,6 @@ def _content_key(memory: Turn | Note) -> tuple[str, ...]:
     role = memory.role if type(memory) is Turn else ""
     return (type(memory).__name__, role, memory.agent_id, memory.run_id,
             " ".join(memory.text.casefold().split()))
-
-
-def _dedupe(hits: list[Hit]) -> list[Hit]:
-    """Drop a turn that an episode or a fact ranked above it already stands for: its slot
-    goes to a memory that adds something."""
-    represented: set[str] = set()
-    out = []
-    for hit in hits:
-        if hit.kind == "turn" and hit.id in represented:
-            continue
-        if hit.kind in ("episode", "fact"):
-            represented.update(hit.turn_ids)
-        out.append(hit)
-    return out
 
 
 def fuse(ranked: dict[str, list[tuple[int, float]]], population: int,
