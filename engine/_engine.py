@@ -78,6 +78,18 @@ def _utc_now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def _checked_clock(clock: Any) -> Clock:
+    """``clock``, once one reading shows it gives timezone-aware datetimes: every time the
+    engine compares is aware, and a naive clock failed only later, inside recall."""
+    now = clock() if callable(clock) else clock
+    if not isinstance(now, datetime) or now.utcoffset() is None:
+        found = (f"datetime {now.isoformat()} with no timezone" if isinstance(now, datetime)
+                 else f"{type(now).__name__} {now!r}"[:80])
+        raise InvalidInput("clock", f"expected a callable returning a timezone-aware "
+                                    f"datetime, found {found}")
+    return clock
+
+
 class Engine:
     """An open memory engine. Get one with ``async with Engine.open(path) as mem``."""
 
@@ -157,7 +169,7 @@ class Engine:
         """
         config, tasks, extractor = checked_open(path, config, llm, extractor, read_only,
                                                 reembed)
-        clock = clock or _utc_now
+        clock = _checked_clock(clock) if clock is not None else _utc_now
         root = Path(path)
         embedding = await embedding_for(root, config, embedder, reembed)
         owner = None if read_only else OwnerLock(root, "serving").acquire()

@@ -23,7 +23,7 @@ async def test_add_turn_is_in_history_at_once_with_ids_and_seq(mem: Engine) -> N
     assert [t.turn_id for t in history] == [r1.turn_id, r2.turn_id]
     first = history[0]
     assert (first.user_id, first.session_id, first.role, first.meta) == ("ana", "s1", "user", {"lang": "en"})
-    assert first.at == T0
+    assert first.at == T0 + timedelta(seconds=1)  # the clock's first reading checked it at open
 
 
 async def test_durable_receipt_resolves_after_commit(mem: Engine) -> None:

@@ -73,6 +73,21 @@ async def test_bad_limit_and_config_are_refused(store_path, mem: Engine) -> None
     assert Config.checked(Config(window_turns=3)).window_turns == 3
 
 
+async def test_a_clock_without_a_timezone_is_refused_at_open(tmp_path) -> None:
+    """The engine's clock stamps turns and bounds focus windows against aware times; a naive
+    one (``datetime.now``) opened fine, and recall(focus=...) and retrieve_memory then failed
+    with TypeError. It is refused when the engine opens, and nothing is created."""
+    path = tmp_path / "store"
+    with pytest.raises(InvalidInput, match=r"clock: expected a callable returning a timezone-"
+                                           r"aware datetime, found datetime .*no timezone"):
+        async with Engine.open(path, clock=datetime.now):
+            pass
+    with pytest.raises(InvalidInput, match=r"clock: expected a callable .* found str"):
+        async with Engine.open(path, clock=lambda: "noon"):
+            pass
+    assert not path.exists()
+
+
 async def test_a_file_where_the_store_should_be_is_refused(tmp_path) -> None:
     """Opening a path that is a file says so instead of failing inside LMDB."""
     path = tmp_path / "file"
