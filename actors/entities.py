@@ -280,7 +280,7 @@ class Entities:
                                     tuple(sorted(set(entity.lsns) | set(short.lsns)))
                                     [-MEMORIES_PER_ENTITY:], entity.last_id)
                     changed[key] = entity
-                changed[first] = _pointer(key)
+                changed[first] = _pointer(entity.name.split()[0], key)
             self._recent.setdefault(user_id, set()).update(changed)
             cached = self._keys.get(user_id)
             if cached is not None:
@@ -313,10 +313,11 @@ def _from_cache(cached: dict[str, Entity | None], names: list[str]) -> dict[str,
     return found
 
 
-def _pointer(key: str) -> Entity:
-    """An alias record: type ``alias``, its target's key as the only alias."""
+def _pointer(name: str, key: str) -> Entity:
+    """An alias record: type ``alias``, named by its own spelling (an export files it under
+    that name), its target's key as the only alias."""
     epoch = datetime(1970, 1, 1, tzinfo=timezone.utc)
-    return Entity(key, "alias", (key,), 0, epoch, epoch, ())
+    return Entity(name, "alias", (key,), 0, epoch, epoch, ())
 
 
 def _resolve(registry: dict[str, Entity], changed: dict[str, Entity], name: str) -> str:

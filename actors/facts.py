@@ -45,7 +45,8 @@ from .extraction import words as _words
 from .imported import Imported
 from .store import LogFollower, Store, failure_put, fact_key, read_facts
 
-__all__ = ["Facts", "effective_confidence", "known_at", "DECAY_RATES", "DEDUP_JACCARD", "PRUNE_BELOW"]
+__all__ = ["Facts", "effective_confidence", "known_at", "spelling", "DECAY_RATES",
+           "DEDUP_JACCARD", "PRUNE_BELOW"]
 
 DEDUP_JACCARD = 0.75  # word-set similarity at which two fact sentences are one fact (seed 004)
 CONTRADICTION_JACCARD = 0.5  # content-word overlap at which opposite polarity is a contradiction
@@ -90,12 +91,14 @@ def known_at(fact: Fact, when: datetime) -> bool:
 @dataclass
 class Outcome:
     """What a proposed fact became: ``created``, ``superseded`` (it replaced ``previous``),
-    ``reinforced`` (a duplicate: ``fact`` is the existing one), or ``refused`` (``reason``)."""
+    ``reinforced`` (a duplicate: ``fact`` is the existing one), or ``refused`` (``reason``;
+    for a lower confidence, ``needed`` is the active value's after decay)."""
 
     status: str
     fact: Fact | None
     previous: Fact | None = None
     reason: str = ""
+    needed: float = 0.0
 
 
 Active = dict[tuple[str, str], Fact]  # a user's active facts by (category, key)
@@ -180,7 +183,8 @@ class Facts:
     async def history(self, user_id: str, category: str, key: str) -> list[Fact]:
         await self._store.wait_logged()
         facts = await self._store.read(read_facts, user_id, False)
-        return sorted((f for f in facts if f.category == category and f.key == key),
+        wanted = spelling(category, key)
+        return sorted((f for f in facts if spelling(f.category, f.key) == wanted),
                       key=lambda f: f.lsn)
 
     # -- writes --------------------------------------------------------------------------------
@@ -226,7 +230,7 @@ class Facts:
         state = await self._user(user_id)
         now = self._clock().astimezone(timezone.utc)
         valid_at = (valid_at or now).astimezone(timezone.utc)
-        current = state.get((c.category, c.key))
+        current = _find(state, c.category, c.key)
         if current is not None and _same_value(current.value, c.value):
             return await self._reinforce(current, c, sources, now, wait)
         if not force:
@@ -239,8 +243,10 @@ class Facts:
         for rival in rivals:
             if force:
                 continue
-            if c.confidence < effective_confidence(rival, now):
-                return Outcome("refused", None, rival, "lower confidence than the active value")
+            needed = effective_confidence(rival, now)
+            if c.confidence < needed:
+                return Outcome("refused", None, rival, "lower confidence than the active value",
+                               needed)
             if rival.protected and origin != "api":
                 return Outcome("refused", None, rival, "the active value was confirmed")
         store = self._store
@@ -280,7 +286,7 @@ class Facts:
     async def confirm(self, user_id: str, category: str, key: str) -> Fact | None:
         """Protect the active fact: confidence 1, never decays (seed 004's confirm_fact)."""
         async with self._lock:
-            fact = (await self._user(user_id)).get((category, key))
+            fact = _find(await self._user(user_id), category, key)
             if fact is None:
                 return None
             updated = msgspec.structs.replace(fact, protected=True, confidence=1.0)
@@ -294,7 +300,8 @@ class Facts:
         async with self._lock:
             state = await self._user(user_id)
             now = self._clock().astimezone(timezone.utc)
-            found = [state[k] for k in dict.fromkeys(facts) if k in state]
+            found = list({f.fact_id: f for k in facts
+                          if (f := _find(state, *k)) is not None}.values())
             if not found:
                 return []
             retired = tuple(msgspec.structs.replace(f, status=status, invalid_at=now,
@@ -435,6 +442,21 @@ class Facts:
 
 def _same_value(a: str, b: str) -> bool:
     return " ".join(a.lower().split()) == " ".join(b.lower().split())
+
+
+def spelling(category: str, key: str) -> tuple[str, str]:
+    """A fact's category and key as a reader tells them apart: case and spacing aside."""
+    return " ".join(category.casefold().split()), " ".join(key.casefold().split())
+
+
+def _find(state: Active, category: str, key: str) -> Fact | None:
+    """The active fact of this category and key, spelt so or in another case or spacing
+    (an extractor's "Location" and the caller's "location" are one key)."""
+    found = state.get((category, key))
+    if found is None:
+        wanted = spelling(category, key)
+        found = next((f for (c, k), f in state.items() if spelling(c, k) == wanted), None)
+    return found
 
 
 def _contradicted(state: Active, c: Candidate) -> list[Fact]:

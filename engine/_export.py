@@ -16,6 +16,7 @@ the embedder take imported records like any other.
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -42,6 +43,7 @@ from actors.base.records import (
     Turn,
 )
 from actors.ann_index.vectors import HEADER, STORED
+from actors.facts import spelling
 from actors.imported import Imported
 from actors.session_buffer import Receipt
 from actors.store import (
@@ -58,6 +60,7 @@ from actors.store import (
 )
 from actors.store.layout import IDS_FACT
 
+from ._args import check_fraction, check_label
 from ._files import write_atomically
 from .errors import InvalidInput
 
@@ -72,6 +75,7 @@ VERSION = 3  # bumped when a reader of the previous version could not read the l
 # Versions this build imports (1: notes without seed 000's fields; 2: no scopes).
 READS = (1, 2, 3)
 IMPORT_CHUNK = 1_024  # logged records per import block: one queue burst, well under QUEUE_LIMIT
+FACT_STATUSES = ("active", "superseded", "retracted", "pruned")  # what the Facts actor writes
 
 
 # -- the lines (docs/EXPORT.md) -----------------------------------------------------------------
@@ -204,6 +208,9 @@ _encode_line = msgspec.json.Encoder().encode
 _decode_line = msgspec.json.Decoder(Line).decode
 _decode_lines = msgspec.json.Decoder(list[Line]).decode
 _ONCE = (Header, End)  # the first line and the last, nowhere else
+# What decoding bytes that are not an export's JSON raises: besides malformed JSON, bytes that
+# are not UTF-8 inside a string, and nesting deeper than the decoder recurses.
+_UNREADABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
 
 # Stored values decode with their own record types (the store's are private to it).
 _DECODERS = {b"turns": msgspec.msgpack.Decoder(Turn).decode,
@@ -260,8 +267,13 @@ def _lines(user_id: str, found: dict[bytes, list[tuple[bytes, Any]]], now: datet
         yield ReviewLine(memory_id=key.decode(), **_fields(state, ()))
     for key, state in found[b"summaries"]:
         yield SummaryLine(session_id=key.decode(), **_fields(state, ()))
-    for _, entity in found[b"entities"]:
-        yield EntityLine(**_fields(entity, ()))
+    for key, entity in found[b"entities"]:
+        fields = _fields(entity, ())
+        if entity.type == "alias" and b"\xff" not in key:
+            # Filed under its own key, which an older build's record does not name (it
+            # named its target): an import files it under its name.
+            fields["name"] = key.decode()
+        yield EntityLine(**fields)
 
 
 async def export_user(parts: Parts, user_id: str,
@@ -273,6 +285,9 @@ async def export_user(parts: Parts, user_id: str,
     store = parts.store
     if isinstance(dest, (str, os.PathLike)):
         dest = _export_path(Path(dest), store.path)
+    elif isinstance(dest, io.TextIOBase):
+        raise InvalidInput("dest", "expected a binary file (opened 'wb', or sys.stdout.buffer), "
+                                   f"found a text file {type(dest).__name__}")
     await store.wait_logged()  # everything acknowledged is in it
     found = await store.read(_read_user, user_id)
     now = parts.clock().astimezone(timezone.utc)
@@ -432,7 +447,7 @@ def parse(data: bytes) -> _Parsed:
         raise _bad("line 1", "expected the export's header line, found nothing")
     try:
         head = msgspec.json.decode(lines[0])
-    except msgspec.DecodeError as exc:
+    except _UNREADABLE as exc:
         raise _bad("line 1", f"expected a JSON header line, found {exc}") from None
     if not isinstance(head, dict) or head.get("format") != FORMAT:
         raise _bad("line 1", f"expected format {FORMAT!r}, found "
@@ -453,7 +468,7 @@ def parse(data: bytes) -> _Parsed:
     body = [raw for raw in lines if raw.strip()]
     try:
         decoded: list[Any] = _decode_lines(b"[" + b",".join(body) + b"]")
-    except msgspec.DecodeError:
+    except _UNREADABLE:
         decoded = []
     if decoded:
         if (len(decoded) != len(body) or not isinstance(decoded[0], Header)
@@ -472,7 +487,7 @@ def parse(data: bytes) -> _Parsed:
             raise _bad(f"line {n}", "expected nothing after the end line, found more")
         try:
             line = _decode_line(raw)
-        except msgspec.DecodeError as exc:
+        except _UNREADABLE as exc:
             raise _bad(f"line {n}", f"expected a record of the export format, found {exc}"
                        ) from None
         if isinstance(line, Header):
@@ -541,20 +556,85 @@ def _check(parsed: _Parsed, parts: Parts) -> None:
                                                 f"found {[t.seq for t in in_session][:10]}...")
     for note in parsed.notes:
         new_id("note_id", note.note_id)
+        _check_record(note)
         v.check_text("source.text", note.text, config.max_text_chars)
         if not 0 <= note.importance <= 1:
             raise _bad(f"note {note.note_id}", "expected an importance from 0 to 1, found "
                                                f"{note.importance!r}")
+        for i, tag in enumerate(note.tags):  # a merged note may hold more than one call's
+            v.check_id(f"source.tags[{i}]", tag, 4 * v.MAX_ID_BYTES, what="tag")
+        if note.category:
+            v.check_id("source.category", note.category, limit)
+        check_label("source.emotion", note.emotion)
+        for field in ("agent_id", "run_id"):
+            if getattr(note, field):
+                v.check_id(f"source.{field}", getattr(note, field), limit)
     for episode in parsed.episodes:
         new_id("episode_id", episode.episode_id)
+        _check_record(episode)
+        v.check_id("source.session_id", episode.session_id, limit)
+        _check_positive("stability", episode.stability)
+        _check_positive("difficulty", episode.difficulty)
     active: set[tuple[str, str]] = set()
     for fact in parsed.facts:
         new_id("fact_id", fact.fact_id)
+        _check_record(fact)
+        for field in ("category", "key"):
+            v.check_id(f"source.{field}", getattr(fact, field), limit)
+        for field in ("value", "text"):
+            v.check_text(f"source.{field}", getattr(fact, field), config.max_text_chars)
+        for field in ("confidence", "importance"):
+            check_fraction(f"source.{field}", getattr(fact, field))
+        if fact.status not in FACT_STATUSES:
+            raise InvalidInput("source.status", f"expected one of {', '.join(FACT_STATUSES)}, "
+                                                f"found {fact.status!r} in fact {fact.fact_id}")
         if fact.status == "active":
             if (fact.category, fact.key) in active:
                 raise _bad(f"fact {fact.fact_id}", "expected one active version per category "
                                                    f"and key, found two for {fact.key!r}")
             active.add((fact.category, fact.key))
+    for link in parsed.links:
+        _check_record(link)
+        for field in ("from_id", "to_id", "type"):
+            v.check_id(f"source.{field}", getattr(link, field), limit)
+    for review in parsed.reviews:
+        _check_record(review)
+        v.check_id("source.memory_id", review.memory_id, limit)
+        _check_positive("stability", review.stability)
+        _check_positive("difficulty", review.difficulty)
+    for summary in parsed.summaries:
+        _check_record(summary)
+        v.check_id("source.session_id", summary.session_id, limit)
+        if summary.summary.strip():  # a model may have written an empty one
+            v.check_text("source.summary", summary.summary, config.max_text_chars)
+    for entity in parsed.entities:
+        _check_record(entity)
+        v.check_text("source.name", entity.name, config.max_text_chars)
+        if entity.type == "alias" and len(entity.aliases) != 1:
+            # An alias names the entity it stands for: entity_info and every later mention
+            # of it read that one key.
+            raise InvalidInput("source.aliases", "expected the key of the entity it names, "
+                                                 f"found {entity.aliases!r} for alias "
+                                                 f"{entity.name!r}")
+
+
+def _check_record(line: _Line) -> None:
+    """Every time and count of a record as the calls that write one check theirs: a time
+    the text index can hold, with a zone, and a count msgpack stores."""
+    for name in line.__struct_fields__:
+        value = getattr(line, name)
+        if isinstance(value, datetime):
+            v.check_at(value, f"source.{name}")
+        elif type(value) is int and not 0 <= value <= v.MAX_INT:
+            shown = value if value.bit_length() <= 256 else f"one of {value.bit_length()} bits"
+            raise InvalidInput(f"source.{name}", f"expected an integer from 0 to 2**63-1, "
+                                                 f"found {shown}")
+
+
+def _check_positive(field: str, value: float) -> None:
+    """An FSRS stability or difficulty: the scheduler divides by and takes logs of them."""
+    if not value > 0:
+        raise InvalidInput(f"source.{field}", f"expected a positive number, found {value!r}")
 
 
 async def import_user(parts: Parts, source: str | os.PathLike[str] | bytes | IO[bytes],
@@ -602,8 +682,15 @@ async def _source_bytes(source: str | os.PathLike[str] | bytes | IO[bytes], name
         return await trio.to_thread.run_sync(path.read_bytes)
     if isinstance(source, (bytes, bytearray)):
         return bytes(source)
+    if isinstance(source, io.TextIOBase):
+        raise InvalidInput(name, "expected a binary file (opened 'rb'), found a text file "
+                                 f"{type(source).__name__}")
     if hasattr(source, "read"):
-        return await trio.to_thread.run_sync(source.read)
+        data = await trio.to_thread.run_sync(source.read)
+        if not isinstance(data, (bytes, bytearray)):
+            raise InvalidInput(name, "expected a binary file (opened 'rb'), found one whose "
+                                     f"read() gave {type(data).__name__}")
+        return bytes(data)
     raise InvalidInput(name, "expected a path, bytes or a binary file, found "
                              f"{type(source).__name__}")
 
@@ -665,18 +752,19 @@ def _every_id(parsed: _Parsed) -> list[str]:
 
 def _read_present(txn: Any, dbs: dict[bytes, Any],
                   wanted: list[tuple[str, list[str], list[str]]]
-                  ) -> list[tuple[dict[str, Any], set[str]]]:
-    """Each user's records among these ids, in one read transaction; and the past fact
+                  ) -> list[tuple[dict[str, Any], set[str], dict[tuple[str, str], Fact]]]:
+    """Each user's records among these ids, in one read transaction; the past fact
     versions among them stored without their id's entry (an import stopped before it wrote
-    its records outside the log), found in the user's fact history."""
+    its records outside the log), found in the user's fact history; and the user's active
+    facts by their spelling (:func:`actors.facts.spelling`)."""
     out = []
     for user_id, ids, past in wanted:
         have = read_memories_by_id(txn, dbs, user_id, ids)
-        unfiled: dict[str, Any] = {}
-        if any(fact_id not in have for fact_id in past):
-            versions = {f.fact_id: f for f in read_facts(txn, dbs, user_id, False)}
-            unfiled = {f: versions[f] for f in past if f not in have and f in versions}
-        out.append(({**have, **unfiled}, set(unfiled)))
+        versions = {f.fact_id: f for f in read_facts(txn, dbs, user_id, False)}
+        unfiled = {f: versions[f] for f in past if f not in have and f in versions}
+        active = {spelling(f.category, f.key): f for f in versions.values()
+                  if f.status == "active"}
+        out.append(({**have, **unfiled}, set(unfiled), active))
     return out
 
 
@@ -688,7 +776,19 @@ async def _write(parts: Parts, imports: list[tuple[_Parsed, str]],
         (user_id, _every_id(parsed), [f.fact_id for f in parsed.facts if f.status != "active"])
         for parsed, user_id in imports])
     users = [_User(parsed, user_id, have, unfiled, given)
-             for (parsed, user_id), (have, unfiled), given in zip(imports, haves, vectors)]
+             for (parsed, user_id), (have, unfiled, _), given in zip(imports, haves, vectors)]
+    for user, (_, _, active) in zip(users, haves):
+        for fact in user.parsed.facts:
+            there = active.get(spelling(fact.category, fact.key))
+            if (fact.status == "active" and fact.fact_id not in user.have
+                    and there is not None):
+                # The user's profile holds one value a key: a second would stay active and
+                # hidden, never superseded.
+                raise _bad(f"fact {fact.fact_id}", f"expected no other active value of "
+                                                   f"({fact.category!r}, {fact.key!r}) here, "
+                                                   f"found {there.value!r}: import under "
+                                                   "another user (as_user), or forget_fact "
+                                                   "it first")
     # Where a record is already in this store (an earlier import of the same file, or a part
     # of one a crash cut short), its position here stands for the exported one.
     todo: list[tuple[_User, Any]] = []

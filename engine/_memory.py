@@ -77,7 +77,7 @@ class Memory:
         if outcome.status == "refused":
             rival = outcome.previous
             raise InvalidInput("confidence", f"expected at least the active value's confidence "
-                                             f"({rival.confidence:.2f} for {rival.value!r}), "
+                                             f"({outcome.needed:.2f} for {rival.value!r}), "
                                              f"found {confidence:.2f}; call correct_fact to "
                                              "replace it")
         return outcome.fact
@@ -93,8 +93,8 @@ class Memory:
         self._check_fact_key(user_id, category, key)
         fact = await self._parts.facts.confirm(user_id, category, key)
         if fact is None:
-            raise InvalidInput("key", f"expected an active fact ({category!r}, {key!r}) of user "
-                                      f"{user_id!r}, found none")
+            raise NotFound("key", f"expected an active fact ({category!r}, {key!r}) of user "
+                                  f"{user_id!r}, found none")
         return fact
 
     async def forget_fact(self, user_id: Any, category: Any, key: Any) -> bool:
@@ -153,7 +153,7 @@ class Memory:
         parts.check_open()
         parts.check_ids(user_id)
         parts.check_text("text", text)
-        if note_id is not None:
+        if note_id is not None or replace:  # an update names the note it changes
             parts.check_id("note_id", note_id)
         tags = v.check_words("tags", tags)
         given: dict[str, Any] = {}
@@ -167,6 +167,16 @@ class Memory:
         for field, value in (("agent_id", agent_id), ("run_id", run_id)):
             if value is not None:
                 given[field] = parts.check_id(field, value)
+        if note_id is not None and not replace:
+            # Notes are keyed apart from the other memories: a note sharing a turn's or a
+            # fact's id would be hidden by it (get_note, links) and make the export unreadable.
+            await parts.committed()
+            taken = (await parts.store.read(read_memories_by_id, user_id, [note_id])
+                     ).get(note_id)
+            if taken is not None and type(taken) is not Note:
+                raise InvalidInput("note_id", f"expected a new note id, found {note_id!r} in "
+                                              f"use by a {type(taken).__name__.lower()} of "
+                                              f"user {user_id!r}; choose another id")
         if note_id is not None or replace:
             return await self._write_note(user_id, text, note_id, tags, replace, given)
         async with self._new_notes:
@@ -311,7 +321,7 @@ class Memory:
         parts.check_open()
         parts.check_ids(user_id)
         parts.check_id("memory_id", memory_id)
-        if isinstance(rating, bool) or rating not in RATINGS:
+        if type(rating) not in (str, int) or rating not in RATINGS:  # 1.0 == 1, [] unhashable
             raise InvalidInput("rating", "expected again/hard/good/easy or 1-4, found "
                                          f"{rating!r}")
         store = parts.store
