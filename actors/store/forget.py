@@ -91,7 +91,8 @@ class Forgetting:
                 txn.delete(uprefix + head.turn_id.encode(), db=ids)
                 txn.delete(lsn_key(head.lsn), db=log)
                 txn.delete(uprefix + lsn_key(head.lsn), db=vectors)
-                if op.session_id is not None:
+                if op.session_id is not None:  # a whole user's go by prefix, below
+                    txn.delete(uprefix + head.turn_id.encode(), db=dbs[b"reviews"])
                     _delete_links_of(txn, dbs[b"links"], op.user_id, head.turn_id)
                 if not cursor.delete():
                     break

@@ -491,3 +491,19 @@ async def test_a_flush_during_a_scrubs_reopen_waits_for_it(store_path, monkeypat
             go.set()
         assert [t.text for t in await mem.session_history("ana", "s2")] == [
             "kept turn", "said while the store reopens"]
+
+
+async def test_a_forgotten_sessions_reviewed_turns_leave_no_review_state(store_path) -> None:
+    """A turn rated with review() has an FSRS state under its id; forgetting its session took
+    the turn and left the state (forget_user took it). It goes with the turn now, and a
+    bystander session's reviewed turn keeps its own."""
+    async with open_engine(store_path) as mem:
+        gone = await mem.add_turn("ana", "private", "user", "my secret plan", durable=True)
+        kept = await mem.add_turn("ana", "other", "user", "the weather", durable=True)
+        for receipt in (gone, kept):
+            await mem.review("ana", receipt.turn_id, "good")
+        await mem.forget_session("ana", "private")
+        await mem.flush()
+    reviews = b"".join(key for key, _ in raw_databases(store_path)["reviews"])
+    assert gone.turn_id.encode() not in reviews
+    assert kept.turn_id.encode() in reviews
