@@ -173,7 +173,7 @@ class OnnxEmbedder:
         self.build_command = (BUILD_COMMAND if model_dir is None
                               or self.model_dir.resolve() == build_target().resolve()
                               else f"{BUILD_COMMAND} --dir {self.model_dir}")
-        self.threads = threads or min(QUERY_THREADS, os.cpu_count() or 1)
+        self.threads = threads or min(QUERY_THREADS, _cores())
         self._session = None
         self._tokenizer = None
         self._counter = None
@@ -241,6 +241,14 @@ def _open_session(path: Path, options: object, build_command: str) -> object:
                            f"`{build_command} --force`") from exc
 
 
+def _cores() -> int:
+    """The cores this process may run on (its affinity: a container's share, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _at_nice(nice: int, fn: Callable[..., T], *args: object) -> T:
     """``fn(*args)`` on a new thread at ``nice``, so the threads it starts (onnxruntime's
     intra-op helpers, made with the session) inherit that niceness: Linux keeps it per thread,
@@ -250,8 +258,11 @@ def _at_nice(nice: int, fn: Callable[..., T], *args: object) -> T:
     box: list[outcome.Outcome] = []
 
     def run() -> None:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-        box.append(outcome.capture(fn, *args))
+        def niced() -> T:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+            return fn(*args)
+
+        box.append(outcome.capture(niced))
 
     thread = threading.Thread(target=run, name="engram-model-load")
     thread.start()
