@@ -81,7 +81,10 @@ def _utc_now() -> datetime:
 def _checked_clock(clock: Any) -> Clock:
     """``clock``, once one reading shows it gives timezone-aware datetimes: every time the
     engine compares is aware, and a naive clock failed only later, inside recall."""
-    now = clock() if callable(clock) else clock
+    if not callable(clock):
+        raise InvalidInput("clock", f"expected a callable returning a timezone-aware datetime, "
+                                    f"found {type(clock).__name__} {clock!r}"[:200])
+    now = clock()
     if not isinstance(now, datetime) or now.utcoffset() is None:
         found = (f"datetime {now.isoformat()} with no timezone" if isinstance(now, datetime)
                  else f"{type(now).__name__} {now!r}"[:80])
@@ -618,7 +621,7 @@ class Engine:
         no inferred value supersedes it.
 
         Raises:
-            InvalidInput: the user has no active fact with that category and key.
+            NotFound: the user has no active fact with that category and key.
         """
         return await self._memory.confirm_fact(user_id, category, key)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timezone
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -84,6 +84,9 @@ async def test_a_clock_without_a_timezone_is_refused_at_open(tmp_path) -> None:
             pass
     with pytest.raises(InvalidInput, match=r"clock: expected a callable .* found str"):
         async with Engine.open(path, clock=lambda: "noon"):
+            pass
+    with pytest.raises(InvalidInput, match=r"clock: expected a callable .* found datetime"):
+        async with Engine.open(path, clock=datetime.now(timezone.utc)):
             pass
     assert not path.exists()
 
