@@ -174,8 +174,9 @@ class Facts:
             await self._store.wait_logged()
             found = [f for f in await self._store.read(read_facts, user_id, False)
                      if known_at(f, as_of)]
+        wanted = None if category is None else _fold(category)
         facts = [f for f in found
-                 if (category is None or f.category == category)
+                 if (wanted is None or _fold(f.category) == wanted)
                  and f.importance >= min_importance]
         facts.sort(key=lambda f: (-f.importance, -effective_confidence(f, now), f.category, f.key))
         return facts
@@ -446,7 +447,11 @@ def _same_value(a: str, b: str) -> bool:
 
 def spelling(category: str, key: str) -> tuple[str, str]:
     """A fact's category and key as a reader tells them apart: case and spacing aside."""
-    return " ".join(category.casefold().split()), " ".join(key.casefold().split())
+    return _fold(category), _fold(key)
+
+
+def _fold(word: str) -> str:
+    return " ".join(word.casefold().split())
 
 
 def _find(state: Active, category: str, key: str) -> Fact | None:
@@ -465,8 +470,9 @@ def _contradicted(state: Active, c: Candidate) -> list[Fact]:
     negated = bool(words & _NEGATIONS)
     content = words - _NEGATIONS - _STOP
     out = []
+    category, key = spelling(c.category, c.key)
     for fact in state.values():
-        if fact.category != c.category or fact.key == c.key:
+        if _fold(fact.category) != category or _fold(fact.key) == key:
             continue
         other = _words(fact.text)
         if bool(other & _NEGATIONS) == negated:

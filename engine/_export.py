@@ -589,10 +589,10 @@ def _check(parsed: _Parsed, parts: Parts) -> None:
             raise InvalidInput("source.status", f"expected one of {', '.join(FACT_STATUSES)}, "
                                                 f"found {fact.status!r} in fact {fact.fact_id}")
         if fact.status == "active":
-            if (fact.category, fact.key) in active:
+            if spelling(fact.category, fact.key) in active:
                 raise _bad(f"fact {fact.fact_id}", "expected one active version per category "
                                                    f"and key, found two for {fact.key!r}")
-            active.add((fact.category, fact.key))
+            active.add(spelling(fact.category, fact.key))
     for link in parsed.links:
         _check_record(link)
         for field in ("from_id", "to_id", "type"):

@@ -71,7 +71,15 @@ async def test_an_import_refuses_every_bad_field_and_writes_nothing(tmp_path) ->
         (changed("entity", type="alias", aliases=[]), "source.aliases",
          "expected the key of the entity it names"),
     ]
+    fact = good[first["fact"]]
+    twice = [*good[: first["fact"] + 1],
+             fact | {"fact_id": "f_other", "key": f" {fact['key'].upper()} ", "value": "else"},
+             *good[first["fact"] + 1 :]]
+    twice[-1] = twice[-1] | {"records": twice[-1]["records"] + 1}
     async with open_engine(tmp_path / "b", clock=clock, config=CONFIG) as mem:
+        assert fact["status"] == "active"  # one file, one key spelt twice: two active values
+        with pytest.raises(InvalidInput, match="expected one active version per category"):
+            await mem.import_user(b"\n".join(json.dumps(line).encode() for line in twice))
         for data, field, message in cases:
             with pytest.raises(InvalidInput, match=message) as e:
                 await mem.import_user(data)
@@ -105,6 +113,8 @@ async def test_a_fact_key_spelt_in_another_case_or_spacing_is_the_same_fact(mem)
     await mem.remember_fact("ana", "identity", "location", "Lisbon")
     fact = await mem.remember_fact("ana", "Identity", " Location ", "Porto", confidence=0.95)
     assert [f.value for f in await mem.profile("ana")] == ["Porto"]
+    # The category the caller spelt first still finds the value that replaced it.
+    assert [f.value for f in await mem.profile("ana", category="identity")] == ["Porto"]
     history = await mem.fact_history("ana", "identity", "LOCATION")
     assert [(f.value, f.status) for f in history] == [("Lisbon", "superseded"),
                                                        ("Porto", "active")]
