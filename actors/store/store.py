@@ -27,6 +27,7 @@ from ..base.errors import (
     InvalidInput,
     ModelMismatch,
     RecordRefused,
+    StoreCorrupt,
     StoreIncompatible,
     StoreTampered,
 )
@@ -250,6 +251,9 @@ class Store(Writer, Appliers, Forgetting):
                 backlog = array("Q", txn.get(EMBED_BACKLOG_KEY, db=meta) or b"")
                 backlog.byteswap()
                 self.embed_backlog = backlog.tolist()
+        except (lmdb.CorruptedError, lmdb.PageNotFoundError) as exc:
+            env.close()
+            raise _damaged(self.path, exc) from exc
         except BaseException:
             env.close()
             raise
@@ -350,6 +354,9 @@ class Store(Writer, Appliers, Forgetting):
                 self.embedded_lsn = _int(txn.get(_EMBEDDED_KEY, db=meta)) or 0
                 if self._next_lsn > 1:  # an empty store has no chain to check
                     self._check_chain(txn)
+        except (lmdb.CorruptedError, lmdb.PageNotFoundError) as exc:
+            env.close()
+            raise _damaged(self.path, exc) from exc
         except BaseException:
             env.close()
             raise
@@ -363,11 +370,21 @@ class Store(Writer, Appliers, Forgetting):
             # The main database holds a key per named database; anything else in it (another
             # program's data, or its databases) is not a new store's.
             foreign = any(key not in self._dbs for key in txn.cursor().iternext(values=False))
-            if txn.stat(self._dbs[b"log"])["entries"] or txn.stat(meta)["entries"] or foreign:
+            logged = txn.stat(self._dbs[b"log"])["entries"]
+            if foreign or (txn.stat(meta)["entries"] and not logged):
                 raise StoreIncompatible(
                     f"{self.path} holds LMDB data without an Engram schema version; "
-                    "point Engine.open at an empty directory or an Engram store"
+                    "point Engine.open at an empty directory or an Engram store (if this was "
+                    "one, its pages are damaged: restore it from a snapshot)"
                 )
+            if logged:
+                # The engine's own databases, its log written to, and no schema record: pages lost
+                # under a tree that still reads, not another program's data.
+                raise StoreCorrupt(
+                    f"{self.path / 'data.mdb'} is damaged: it holds Engram's databases and log "
+                    "but no schema version (a disk that lost writes, or a power cut with "
+                    "Config(fsync=False), leaves this). Restore the store from a snapshot",
+                    "data.mdb")
             txn.put(SCHEMA_KEY, SCHEMA_VERSION.to_bytes(8, "big"), db=meta)
             txn.put(SCRUBBED_KEY, b"\x01", db=meta)  # a new file: nothing deleted, nothing stale
             return
@@ -596,3 +613,12 @@ class Store(Writer, Appliers, Forgetting):
 
 class _MapResized(Exception):
     """A read found the map grown by another process (read-only engines); retried."""
+
+
+def _damaged(path: Path, exc: lmdb.Error) -> StoreCorrupt:
+    """What opening a store whose B-tree LMDB finds broken raises (its pages are not what
+    the meta page points at: a disk that lost writes, or a power cut with fsync off)."""
+    return StoreCorrupt(f"{path / 'data.mdb'} is damaged: LMDB found its tree pages are not "
+                        f"what its meta page points at ({exc}); a disk that lost writes, or a "
+                        "power cut with Config(fsync=False), leaves this. Restore the store "
+                        "from a snapshot", "data.mdb")

@@ -488,3 +488,44 @@ def test_a_restore_without_the_key_refuses_a_chain_record_that_fails_its_checksu
                                             "checksum"):
         trio.run(lambda: Engine.restore(snapshot, tmp_path / "r"))
     assert not (tmp_path / "r").exists()
+
+
+async def test_a_store_whose_tree_pages_are_damaged_is_refused_as_corrupt(tmp_path) -> None:
+    """What a power cut leaves of a store run with fsync off (tests/reliability/
+    test_power_cut.py), or a disk that lost pages: meta pages over tree pages that are not
+    what they point at. Opening it raised lmdb.CorruptedError from inside LMDB; it is the
+    engine's StoreCorrupt now, saying what to do, and the files are left as they were."""
+    store = tmp_path / "store"
+    async with open_engine(store) as mem:
+        await mem.add_turn("ana", "s1", "user", "hello", durable=True)
+    data = bytearray((store / "data.mdb").read_bytes())
+    page = 4096
+    data[2 * page :] = bytes(len(data) - 2 * page)  # every page past the two meta pages
+    (store / "data.mdb").write_bytes(data)
+    with pytest.raises(StoreCorrupt, match=r"data.mdb.*damaged.*Restore the store from a "
+                                           r"snapshot") as caught:
+        async with open_engine(store):
+            pass
+    assert caught.value.database == "data.mdb"
+    assert (store / "data.mdb").read_bytes() == data
+
+
+async def test_an_engram_store_that_lost_its_schema_version_is_corrupt_not_foreign(
+        tmp_path) -> None:
+    """A store whose pages a power cut left half-written can still read as LMDB and hold the
+    engine's databases and log, with its schema record gone. That was refused as another
+    program's data ("point Engine.open at an empty directory or an Engram store"); it is a
+    damaged Engram store, StoreCorrupt, to restore from a snapshot."""
+    from actors.store.layout import SCHEMA_KEY
+
+    store = tmp_path / "store"
+    async with open_engine(store) as mem:
+        await mem.add_turn("ana", "s1", "user", "hello", durable=True)
+    env = lmdb.open(str(store), max_dbs=32)
+    with env.begin(write=True) as txn:
+        assert txn.delete(SCHEMA_KEY, db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with pytest.raises(StoreCorrupt, match=r"data.mdb is damaged: it holds Engram's databases "
+                                           r"and log but no schema version.*snapshot"):
+        async with open_engine(store):
+            pass
