@@ -376,9 +376,10 @@ def main() -> None:
         finally:
             shutil.rmtree(work, ignore_errors=True)
         runs.append(result)
-        pages = result.get("power_cut")
-        lost_pages = (f", {pages['pages_lost']} unsynced pages lost of "
-                      f"{pages['pages_lost'] + pages['pages_kept']}" if pages else "")
+        cut = result.get("power_cut")
+        lost_pages = (f", {cut['pages_written_later']} pages written after the last sync, "
+                      f"{cut['pieces_lost']} of their {cut['pieces_lost'] + cut['pieces_kept']} "
+                      "writes lost" if cut else "")
         print(f"  run {i + 1:>3}/{args.runs} {phase:<8} kill after {delay:5.2f} s: "
               f"{result['acknowledged']:>6} acknowledged, {result.get('lost', '?')} lost"
               f"{lost_pages}, "
@@ -399,8 +400,8 @@ def main() -> None:
             "snapshots_missing_turns": sum(r.get("snapshots_missing_turns", 0) for r in mine),
         }
         if args.power_cut:
-            summary[phase]["unsynced_pages_lost"] = sum(r["power_cut"]["pages_lost"]
-                                                        for r in mine)
+            summary[phase]["unsynced_writes_lost"] = sum(r["power_cut"]["pieces_lost"]
+                                                         for r in mine)
             summary[phase]["cut_mid_flight"] = sum(r["power_cut"]["writes"]
                                                    > r["power_cut"]["synced_writes"]
                                                    for r in mine)
@@ -414,7 +415,7 @@ def main() -> None:
     if args.power_cut:
         for phase, s in summary.items():
             print(f"{phase}: {s['cut_mid_flight']} of {s['runs']} cuts landed with writes not "
-                  f"yet synced; {s['unsynced_pages_lost']:,} such pages lost in all")
+                  f"yet synced; {s['unsynced_writes_lost']:,} such writes lost in all")
     print(f"{time.perf_counter() - start:.0f} s")
     write_results(out, {"seed": args.seed, "runs": args.runs, "power_cut": args.power_cut,
                         "summary": summary, "each": runs}, "crash")

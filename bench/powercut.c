@@ -10,10 +10,11 @@
                                           returned when it was called)
        'T' size:u64                       an ftruncate of the file returned
 
-   A write through a descriptor opened with O_SYNC or O_DSYNC is followed by its own 'S'.
-   After a kill -9, bench/crash.py rebuilds the file a power cut at that moment could leave:
-   every write a sync covered, and any subset of the pages written after it (the kernel
-   writes dirty pages back in no promised order). Only the C library's write calls are
+   A write through a descriptor opened with O_SYNC or O_DSYNC is journaled like any other:
+   durable only once a later fsync covers it (an under-claim, never an over-claim; the engine
+   opens no such descriptor). After a kill -9, bench/crash.py rebuilds the file a power cut at that moment could leave:
+   every write a sync covered, and each page written after it as it stood at a random
+   moment (the kernel writes dirty pages back whole, in no promised order across pages). Only the C library's write calls are
    seen: the file must not be written through a writable mmap (LMDB without MDB_WRITEMAP,
    as the engine opens it, writes with pwrite, pwritev and writev). */
 
@@ -65,14 +66,14 @@ static int watched(int fd) {
     if (journal < 0 || fd == journal)
         return 0;
     struct stat st;
-    if (!resolved) {
+    if (!__atomic_load_n(&resolved, __ATOMIC_ACQUIRE)) {
         const char *path = getenv("ENGRAM_POWERCUT_FILE");
         if (path == NULL || stat(path, &st) != 0)
             return 0;
         pthread_mutex_lock(&lock);
         target_dev = st.st_dev;
         target_ino = st.st_ino;
-        resolved = 1;
+        __atomic_store_n(&resolved, 1, __ATOMIC_RELEASE);
         pthread_mutex_unlock(&lock);
     }
     if (fstat(fd, &st) != 0)
@@ -100,11 +101,6 @@ static void mark_sync(uint64_t covered) {
     put(&covered, 8);
 }
 
-static int synchronous(int fd) {
-    int flags = fcntl(fd, F_GETFL);
-    return flags >= 0 && (flags & (O_SYNC | O_DSYNC));
-}
-
 /* Journal n bytes written at offset (called with the lock held). */
 static void record(uint64_t offset, const struct iovec *iov, int count, size_t n) {
     char tag = 'W';
@@ -120,14 +116,12 @@ static void record(uint64_t offset, const struct iovec *iov, int count, size_t n
     writes++;
 }
 
-static void after_write(int fd, uint64_t offset, const struct iovec *iov, int count,
+static void after_write(uint64_t offset, const struct iovec *iov, int count,
                         ssize_t done) {
     if (done <= 0)
         return;
     pthread_mutex_lock(&lock);
     record(offset, iov, count, (size_t)done);
-    if (synchronous(fd))
-        mark_sync(writes);
     pthread_mutex_unlock(&lock);
 }
 
@@ -135,7 +129,7 @@ ssize_t pwrite(int fd, const void *buf, size_t n, off_t offset) {
     ssize_t done = real_pwrite(fd, buf, n, offset);
     if (watched(fd)) {
         struct iovec one = {(void *)buf, n};
-        after_write(fd, (uint64_t)offset, &one, 1, done);
+        after_write((uint64_t)offset, &one, 1, done);
     }
     return done;
 }
@@ -144,7 +138,7 @@ ssize_t pwrite64(int fd, const void *buf, size_t n, off_t offset) {
     ssize_t done = real_pwrite64(fd, buf, n, offset);
     if (watched(fd)) {
         struct iovec one = {(void *)buf, n};
-        after_write(fd, (uint64_t)offset, &one, 1, done);
+        after_write((uint64_t)offset, &one, 1, done);
     }
     return done;
 }
@@ -152,7 +146,7 @@ ssize_t pwrite64(int fd, const void *buf, size_t n, off_t offset) {
 ssize_t pwritev(int fd, const struct iovec *iov, int count, off_t offset) {
     ssize_t done = real_pwritev(fd, iov, count, offset);
     if (watched(fd))
-        after_write(fd, (uint64_t)offset, iov, count, done);
+        after_write((uint64_t)offset, iov, count, done);
     return done;
 }
 
@@ -162,7 +156,7 @@ ssize_t write(int fd, const void *buf, size_t n) {
     off_t offset = lseek(fd, 0, SEEK_CUR);
     ssize_t done = real_write(fd, buf, n);
     struct iovec one = {(void *)buf, n};
-    after_write(fd, (uint64_t)offset, &one, 1, done);
+    after_write((uint64_t)offset, &one, 1, done);
     return done;
 }
 
@@ -171,7 +165,7 @@ ssize_t writev(int fd, const struct iovec *iov, int count) {
         return real_writev(fd, iov, count);
     off_t offset = lseek(fd, 0, SEEK_CUR);
     ssize_t done = real_writev(fd, iov, count);
-    after_write(fd, (uint64_t)offset, iov, count, done);
+    after_write((uint64_t)offset, iov, count, done);
     return done;
 }
 

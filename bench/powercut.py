@@ -6,13 +6,16 @@ process and writes everything back anyway. Here a process runs with ``powercut.c
 is every fsync/fdatasync of it, with how many writes it covered. After the process is
 killed, :func:`cut_store` copies the store and rebuilds its ``data.mdb`` as a power cut at
 that moment could leave it: every write a sync covered, then each page written after the
-last such sync kept or lost at random (the kernel writes dirty pages back in no promised
-order), so a commit that wrote its meta page before its data was synced shows up as what it
-is, a meta page over pages that never reached the disk.
+last such sync as it stood at a random moment (the kernel writes dirty pages back whole, in
+no promised order across pages), so a commit that wrote its meta page before its data was
+synced shows up as what it is, a meta page over pages that never reached the disk.
 
 What this models and what it does not: one file (LMDB's, the store of record); writes
-through the C library (LMDB without ``MDB_WRITEMAP``, as the engine opens it); a sync covers
-exactly the writes that had returned when it was called. The store's other files (the text
+through the C library (LMDB without ``MDB_WRITEMAP``, as the engine opens it; the forget
+scrub's zeroing of free pages goes through a mapping and is not seen, so the image keeps
+those free pages' old bytes); a sync covers exactly the writes that had returned when it was
+called; a descriptor opened O_SYNC/O_DSYNC is not treated as synced (the engine opens none:
+``metasync=False`` writes meta pages through the plain one). The store's other files (the text
 index, saved vector graphs) are copied as the kill left them, so they may hold more than the
 cut store: derived views ahead of their source, which the engine must notice. A torn page
 (half of one 4 KiB page written) is not modelled; LMDB's pages are the kernel's.
@@ -85,30 +88,42 @@ def read_journal(journal: Path) -> tuple[list[Any], int]:
     return records, covered
 
 
-def image(records: list[Any], covered: int, rng: random.Random) -> tuple[bytearray, dict[str, int]]:
-    """The file a power cut could leave: the first ``covered`` writes whole, each page of a
-    later write kept with probability 1/2 (in write order, so a kept later page wins)."""
-    out = bytearray()
-    kept = lost = 0
+def image(records: list[Any], covered: int, rng: random.Random, base: bytes = b""
+          ) -> tuple[bytearray, dict[str, int]]:
+    """The file a power cut could leave, from ``base`` (the file before the journal began):
+    the first ``covered`` writes whole; then, page by page, what the kernel had written back
+    of the later ones when the power went, which is the page as it stood at some moment: the
+    first k of the later writes to it, k drawn from 0 to all of them (a page's pieces never
+    reach the disk out of their order, as whole pages are written back)."""
+    out = bytearray(base)
+    later: dict[int, list[tuple[int, bytes]]] = {}  # page -> its later pieces, in order
     writes = 0
     for record in records:
         if record[0] == "T":
-            del out[record[1]:]
+            if writes <= covered:
+                del out[record[1]:]
             continue
         _, offset, data = record
-        synced = writes < covered
         writes += 1
-        if synced:
+        if writes <= covered:
             _put(out, offset, data)
             continue
-        for start in range(0, len(data), PAGE):
-            if rng.random() < 0.5:
-                _put(out, offset + start, data[start : start + PAGE])
-                kept += 1
-            else:
-                lost += 1
-    return out, {"writes": writes, "synced_writes": covered, "pages_kept": kept,
-                 "pages_lost": lost}
+        at = offset
+        while at < offset + len(data):
+            page = at // PAGE
+            end = min(offset + len(data), (page + 1) * PAGE)
+            later.setdefault(page, []).append((at, data[at - offset : end - offset]))
+            at = end
+    kept = lost = 0
+    for page in sorted(later):
+        pieces = later[page]
+        k = rng.randint(0, len(pieces))
+        for at, piece in pieces[:k]:
+            _put(out, at, piece)
+        kept += k
+        lost += len(pieces) - k
+    return out, {"writes": writes, "synced_writes": min(covered, writes),
+                 "pages_written_later": len(later), "pieces_kept": kept, "pieces_lost": lost}
 
 
 def _put(out: bytearray, offset: int, data: bytes) -> None:
@@ -118,13 +133,15 @@ def _put(out: bytearray, offset: int, data: bytes) -> None:
     out[offset:end] = data
 
 
-def cut_store(store: Path, cut: Path, journal: Path, rng: random.Random) -> dict[str, int]:
-    """Copy ``store`` to ``cut`` with its LMDB file as a power cut could leave it. The file
-    keeps the size the kill left (the tail a lost write would have filled reads as zeros,
-    as a file's unwritten blocks do), and the lock file goes (a reboot clears its locks)."""
+def cut_store(store: Path, cut: Path, journal: Path, rng: random.Random, base: bytes = b""
+              ) -> dict[str, int]:
+    """Copy ``store`` to ``cut`` with its LMDB file as a power cut could leave it (``base``:
+    the file, on disk, before the journaled process began; none for a store it created).
+    The file keeps the size the kill left (the tail a lost write would have filled reads as
+    zeros, as a file's unwritten blocks do), and the lock file goes (a reboot clears it)."""
     shutil.copytree(store, cut, ignore=shutil.ignore_patterns("lock.mdb"))
     records, covered = read_journal(journal)
-    data, counts = image(records, covered, rng)
+    data, counts = image(records, covered, rng, base)
     size = (store / "data.mdb").stat().st_size
     if len(data) < size:
         data.extend(bytes(size - len(data)))

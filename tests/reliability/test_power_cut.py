@@ -95,12 +95,21 @@ def test_every_released_durable_receipt_survives_a_power_cut(library: Path,
 
 def test_the_simulation_finds_what_fsync_off_loses(library: Path, tmp_path: Path) -> None:
     """The same run with Config(fsync=False), whose receipts promise nothing past a process
-    crash: the simulated power cut loses acknowledged turns or leaves a store the engine
-    refuses. A simulation that found nothing here could not show the test above."""
+    crash, on a store first written and closed with fsync on: the simulated power cut loses
+    acknowledged turns or leaves a store the engine refuses. A simulation that found nothing
+    here could not show the test above."""
     store, journal = tmp_path / "store", tmp_path / "journal"
+
+    async def create() -> None:
+        async with Engine.open(store) as mem:
+            await mem.add_turn("crash-user", "before", "user", "written with fsync on",
+                               durable=True)
+
+    trio.run(create)
+    base = (store / "data.mdb").read_bytes()
     acked = ingest_until_killed(library, store, journal, "--no-fsync", "--bulk")
-    counts = powercut.cut_store(store, tmp_path / "cut", journal, random.Random(0))
-    assert counts["synced_writes"] == 0 and counts["pages_lost"] > 0
+    counts = powercut.cut_store(store, tmp_path / "cut", journal, random.Random(0), base)
+    assert counts["synced_writes"] == 0 and counts["pieces_lost"] > 0
     try:
         missing = trio.run(missing_after_the_cut, tmp_path / "cut", acked)
     except (EngineError, AssertionError) as refused:
