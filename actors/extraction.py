@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from .base.keys import MAX_ID_BYTES
+from .base.validate import encodable
 from .base.messages import Candidate
 
 __all__ = ["Candidate", "Extractor", "RuleExtractor", "extract_facts", "checked_candidates",
@@ -121,7 +122,7 @@ def checked_candidates(found: object) -> list[Candidate]:
         category = _fitted(c.category.strip().lower()[:MAX_CATEGORY])
         key = _fitted(c.key.strip().lower()[:MAX_KEY])
         value, text = c.value.strip()[:MAX_VALUE], c.text.strip()[:MAX_TEXT]
-        if not (category and key and _encodable(value) and _encodable(text)):
+        if not (category and key and encodable(value) and encodable(text)):
             continue
         keywords = tuple(k for k in (_fitted(k.strip().lower()[:MAX_CATEGORY])
                                      for k in c.keywords if isinstance(k, str)) if k)[:8]
@@ -130,18 +131,10 @@ def checked_candidates(found: object) -> list[Candidate]:
     return out
 
 
-def _encodable(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _fitted(word: str) -> str:
     """``word`` cut to MAX_ID_BYTES of UTF-8 on a character boundary, or "" when it cannot be
     part of a store key (a NUL, a lone surrogate, nothing left)."""
-    if "\x00" in word or not _encodable(word):
+    if "\x00" in word or not encodable(word):
         return ""
     data = word.encode()
     if len(data) > MAX_ID_BYTES:

@@ -27,6 +27,7 @@ from mcp.server.lowlevel import Server
 from mcp.shared.message import SessionMessage
 
 from actors.base.errors import EngineError
+from actors.base.validate import encodable
 
 from ._engine import Engine
 from ._tools import TOOLS, call_tool as _call_tool, parameters
@@ -170,22 +171,14 @@ def _unencodable(value: Any, path: str) -> str | None:
         path, value = stack.pop()
         if isinstance(value, dict):
             for key, item in value.items():
-                if not _encodable(key):
+                if not encodable(key):
                     return path
                 stack.append((f"{path}.{key}", item))
         elif isinstance(value, list):
             stack.extend((f"{path}.{i}", item) for i, item in enumerate(value))
-        elif isinstance(value, str) and not _encodable(value):
+        elif isinstance(value, str) and not encodable(value):
             return path
     return None
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 @asynccontextmanager

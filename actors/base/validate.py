@@ -52,6 +52,15 @@ def _check_string(field: str, value: Any, max_chars: int, fix: str) -> str:
     return value
 
 
+def encodable(text: str) -> bool:
+    """Whether UTF-8 can encode ``text`` (it holds no lone surrogate)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_utf8(field: str, value: str) -> None:
     """Text every store and index can hold: encodable as UTF-8 (no lone surrogate)."""
     try:
