@@ -137,21 +137,10 @@ async def test_a_min_seq_that_is_not_a_plain_number_is_a_422_never_a_500(
         await send({"type": "http.response.body", "body": b"{}"})
 
     router = Router(app, OwningNode(cluster_config))
-    sent: list[dict] = []
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    path = "/v1/users/ana/sessions/s1/turns"
-    await router({"type": "http", "method": "GET", "path": path, "raw_path": path.encode(),
-                  "query_string": f"min_seq={min_seq}".encode(),
-                  "headers": [(b"host", b"127.0.0.1")]}, receive, send)
+    status, body = await _read_at(router, min_seq)
     await router.client.aclose()
-    assert sent[0]["status"] == 422
-    assert msgspec.json.decode(sent[1]["body"])["field"] == "min_seq"
+    assert status == 422
+    assert body["field"] == "min_seq"
     assert served == []
 
 
