@@ -229,7 +229,7 @@ def former_follower(texts: list[str]) -> float:
     """The baseline: bare onnxruntime doing what the follower did before token batching, with
     the model it used (fp32, one thread): windows of 256 sorted by characters, 16 texts a call.
     Texts per second."""
-    backend = OnnxEmbedder("minilm-l6-v2")
+    backend = OnnxEmbedder("minilm-l6-v2", threads=1)
     backend.load()
     backend.encode(texts[:16])
     start = time.perf_counter()
@@ -361,7 +361,8 @@ def main() -> None:
         return
     rounds = 2 if args.quick else args.rounds
     queries, passages = corpus(args.seed)
-    print(f"seed {args.seed}; {os.cpu_count()} cores; onnxruntime 1 intra-op thread; "
+    print(f"seed {args.seed}; {os.cpu_count()} cores; onnxruntime {OnnxEmbedder().threads} "
+          "intra-op threads (the default); "
           f"{len(queries)} queries x {rounds} rounds; {len(passages)} passages in batches of {BATCH}")
     results: dict[str, Any] = {"cores": os.cpu_count(), "seed": args.seed, "rounds": rounds}
     for variant in args.variants:

@@ -60,8 +60,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             ``engram-trio model build`` writes to).
         embed_threads: onnxruntime intra-op threads: a model call's own thread and the
             helpers it shares its work with (nice 19, never spinning, so they take only a core
-            the hot path leaves idle; nice 19 on Linux). None (the default): 2, at most the
-            cores the process may run on.
+            the hot path leaves idle; nice 19 on Linux). None (the default): 1. 2 cut recall's
+            p50 by 0.6-1.3 ms here and the background embedding rate by 12-17%.
         background_embed_threads: model threads embedding what the store commits (nice 19;
             every one past the first pauses while a query is in the model), so background
             embedding takes the cores the hot path leaves idle.

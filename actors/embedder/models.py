@@ -4,9 +4,9 @@ run it, behind the Embedder actor (``embedder.py``).
 Backends (``encode(texts) -> array``, called from the actor's lanes at once, so it must be
 thread-safe, as an onnxruntime session is):
 
-- :class:`OnnxEmbedder`: all-MiniLM-L6-v2 as built by native_models/build.py, onnxruntime on two
-  intra-op threads by default (the caller, the actor's own long-lived thread, and a helper at
-  nice 19 that does not spin) and one inter-op thread, tokenised
+- :class:`OnnxEmbedder`: all-MiniLM-L6-v2 as built by native_models/build.py, onnxruntime on one
+  intra-op thread by default (more: the caller, the actor's own long-lived thread, and
+  helpers at nice 19 that do not spin) and one inter-op thread, tokenised
   with ``tokenizers``' ``encode_batch`` (truncation at 256 tokens, padding to the longest text
   in the batch).
 - :class:`HashEmbedder`: deterministic feature hashing, for tests that are not about
@@ -41,9 +41,12 @@ from ..store import stored_model
 # setting wins.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# onnxruntime intra-op threads per call: a query's embedding is most of a recall here, and on
-# 2 cores a helper thread cuts it by a quarter to a third (bench/embed.py).
-QUERY_THREADS = 2
+# onnxruntime intra-op threads per call by default. A second (a helper at MODEL_NICE) cut a
+# query's embedding, most of a recall here, by 0.6-1.3 ms at the recall's p50 on 2 cores, and
+# cost the background follower 12-17% of its rate (bench/recall.py latency --compare-threads,
+# bench/embed.py --throughput): the two lanes then share one helper. Config.embed_threads
+# chooses.
+QUERY_THREADS = 1
 # The niceness of the model's background threads and of onnxruntime's helper threads (which
 # background batches use too). On 2 cores the model holds one; at the default priority the
 # trio thread and the LMDB writer queue behind background inference for CPU time slices, and
@@ -159,8 +162,9 @@ class OnnxEmbedder:
             this machine).
         model_dir: where the built files are (default: :func:`default_model_dir`).
         threads: onnxruntime intra-op threads: the calling thread and ``threads - 1`` helpers
-            (default: QUERY_THREADS, at most the core count). The helpers are made at
-            MODEL_NICE and never spin, so they take only a core the hot path leaves idle.
+            (default: QUERY_THREADS, at most the cores the process may run on). The helpers
+            are made at MODEL_NICE and never spin, so they take only a core the hot path
+            leaves idle.
     """
 
     dim = 384
