@@ -90,6 +90,13 @@ def _checked_clock(clock: Any) -> Clock:
                  else f"{type(now).__name__} {now!r}"[:80])
         raise InvalidInput("clock", f"expected a callable returning a timezone-aware "
                                     f"datetime, found {found}")
+    if type(now) is not datetime:
+        # Stored records encode datetime itself: a subclass's reading failed every add_turn
+        # given no time.
+        raise InvalidInput("clock", f"expected a callable returning datetime itself, found "
+                                    f"{type(now).__name__} (a subclass: pendulum's, pandas'); "
+                                    "wrap it: lambda: datetime.fromtimestamp(clock().timestamp(), "
+                                    "timezone.utc)")
     return clock
 
 

@@ -88,6 +88,13 @@ async def test_a_clock_without_a_timezone_is_refused_at_open(tmp_path) -> None:
     with pytest.raises(InvalidInput, match=r"clock: expected a callable .* found datetime"):
         async with Engine.open(path, clock=datetime.now(timezone.utc)):
             pass
+
+    class Stamp(datetime):  # what pendulum.now and pandas' Timestamp.now return
+        pass
+
+    with pytest.raises(InvalidInput, match=r"clock: expected .*datetime itself, found Stamp"):
+        async with Engine.open(path, clock=lambda: Stamp.now(timezone.utc)):
+            pass
     assert not path.exists()
 
 
