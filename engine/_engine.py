@@ -304,6 +304,11 @@ class Engine:
             InvalidInput: an item is bad (``field`` says which, e.g. ``items[3].text``);
                 nothing was written.
             EngineClosed: the engine is closed.
+
+        A cancellation while the call waits for the store to make room (more turns than its
+        queue holds, 16,384) leaves the turns queued before it in the store, in order, and
+        their receipts are lost with the call: a caller that retries after one reads the
+        sessions' histories first, or imports under turn ids it can check.
         """
         return await self._ingest.add_turns(items, durable)
 
