@@ -89,8 +89,7 @@ class Recall:
             legs=choices("legs", legs, LEGS) or LEGS,
             link_types=v.check_words("link_types", link_types) or None, where=compiled,
             as_of=as_of)
-        return Hits(hits, degraded + tuple(leg for leg in parts.degraded()
-                                           if leg not in degraded))
+        return Hits(hits, _during(degraded, parts.degraded()))
 
     def _scope_filters(self, agent_id: Any, run_id: Any) -> list[Node]:
         """mem0's scopes as ``where`` conditions (inside every leg, like any filter)."""
@@ -146,6 +145,7 @@ class Recall:
             user_id, query, conversation_id=conversation_id, episodic_limit=episodic_limit,
             semantic_limit=semantic_limit, category=category, min_importance=min_importance,
             episodic=True, legs=legs)
+        degraded = _during(degraded, parts.degraded())
         if degraded:
             result = msgspec.structs.replace(result, degraded=degraded)
         if not record:  # a look, not a use: nothing to rate, no decay restarted
@@ -197,3 +197,9 @@ class Recall:
                                 parts.clock().astimezone(timezone.utc))
         key = user_prefix(user_id) + (conversation_id or "").encode()
         parts.store.submit(PutState(((b"pending", key, _ENCODE(pending), 0),)))
+
+
+def _during(before: tuple[str, ...], after: tuple[str, ...]) -> tuple[str, ...]:
+    """The legs degraded at any point of a search: before it (a leg that completed meanwhile
+    may or may not have served it) or after it (one that broke meanwhile)."""
+    return before + tuple(leg for leg in after if leg not in before)
