@@ -29,6 +29,9 @@ log = logging.getLogger("engine.cluster")
 FORWARDED = "x-engram-forwarded"  # header on a forwarded request: never forward it again
 RETRY_AFTER = "1"  # seconds, on a 503 from a read that could not be served here yet
 FORWARD_TIMEOUT = 30.0  # seconds a forwarded request may take at the owner
+# How long a read not caught up after read_wait may wait for the log to say its last sequence
+# (a stream info request, ~1 ms): a 503 stays ~read_wait, not twice it, when the log is slow.
+LAST_SEQ_SECONDS = 0.05
 _ID = IdConvertor()  # a path segment of routed_path back to the id it stands for
 # Routes whose user is in the JSON body (an agent tool's arguments name it too).
 _BODY_USER = ("/v1/retrieve_memory", "/v1/retrieve_memory/raw", "/v1/context_pre_retrieve")
@@ -154,10 +157,10 @@ class Router:
 
     async def _last_seq(self) -> int | None:
         """The log's last sequence now, or None without a log or if it does not say within
-        read_wait (then a read not caught up is a 503, as before: retrying may help)."""
+        LAST_SEQ_SECONDS (then a read not caught up is a 503, as before: retrying may help)."""
         if self.log is None:
             return None
-        with trio.move_on_after(self.node.config.read_wait):
+        with trio.move_on_after(min(self.node.config.read_wait, LAST_SEQ_SECONDS)):
             try:
                 return await self.log.last_seq()
             except (*TRANSIENT, LogUnavailable):

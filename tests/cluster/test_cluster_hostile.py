@@ -19,7 +19,7 @@ from engine.cluster import _client
 from engine.cluster._client import ClusterClient
 from engine.cluster._leases import LeaseValue
 from engine.cluster._partition import partition_of
-from engine.cluster._router import Router
+from engine.cluster._router import LAST_SEQ_SECONDS, Router
 
 from .conftest import one_node, wait_for
 
@@ -188,6 +188,39 @@ async def test_a_min_seq_past_the_end_of_the_log_is_a_422_not_a_503_for_ever(
     status, body = await _read_at(router, 7)
     assert (status, body["error"]) == (503, "NotCaughtUp")
     await router.client.aclose()
+
+
+class SilentLog:
+    """A log that never says its last sequence (a leader election, a partition)."""
+
+    async def last_seq(self) -> int:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+async def test_a_log_that_does_not_say_its_last_sequence_delays_the_503_by_little(
+        cluster_config, autojump_clock) -> None:
+    """A read not caught up after read_wait asks the log whether its min_seq exists; a log
+    that does not answer added a second read_wait to the 503 (400 ms in all by default),
+    on every such read. The question has LAST_SEQ_SECONDS."""
+    async def app(scope: dict, receive, send) -> None:
+        raise AssertionError("a read before its min_seq reached the engine")
+
+    class WaitingNode(OwningNode):  # waits its timeout for a min_seq it has not applied
+        async def wait_applied(self, p: int, min_seq: int, timeout: float) -> bool:
+            if self.marks.get(p, 0) < min_seq:
+                await trio.sleep(timeout)
+            return self.marks.get(p, 0) >= min_seq
+
+    node = WaitingNode(cluster_config)
+    node.marks = {p: 5 for p in range(cluster_config.partitions)}
+    router = Router(app, node, SilentLog())
+    start = trio.current_time()
+    status, body = await _read_at(router, 7)
+    took = trio.current_time() - start
+    await router.client.aclose()
+    assert (status, body["error"]) == (503, "NotCaughtUp")
+    assert took <= cluster_config.read_wait + LAST_SEQ_SECONDS + 0.01, took
 
 
 async def test_a_min_seq_past_the_real_logs_end_is_a_422_naming_its_last_sequence(
