@@ -12,15 +12,14 @@ that (the log, the embedder, both indexes, the long-term followers) follows the 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 
-import msgspec
 import trio
 
 from actors.base import validate as v
 from actors.base.errors import InvalidInput, RecordRefused
-from actors.base.records import ROLES, NewTurn, SessionInfo, Turn
+from actors.base.records import NewTurn, SessionInfo, Turn
 from actors.session_buffer import Receipt
 from actors.store import read_memories_by_id
 
@@ -36,47 +35,6 @@ __all__ = ["Ingest"]
 # About 0.5 ms of loop time each; bigger steps save nothing measurable.
 BULK_CHUNK = 256
 _NONE = type(None)
-# A turn's meta is kept as its record holds it (the caller's dict, copied through msgpack):
-# a bot that reuses one dict across turns must not rewrite the turns in the RAM window, and
-# the window must answer as the disk does (tuples as lists, enums as their values).
-_encode_meta = msgspec.msgpack.Encoder().encode
-_decode_meta = msgspec.msgpack.Decoder().decode
-
-
-def _check_at(at: Any) -> datetime:
-    """``check_at``, and a datetime of a subclass (pandas', pendulum's, arrow's) made a plain
-    one in UTC: the record encoder refuses subclasses. From the wall time and its offset, not
-    ``astimezone`` (which may keep the subclass) nor ``datetime(..., at.tzinfo)`` (a pytz
-    zone given that way takes its first offset, LMT)."""
-    at = v.check_at(at)
-    if type(at) is datetime:
-        return at
-    return datetime(at.year, at.month, at.day, at.hour, at.minute, at.second, at.microsecond,
-                    timezone.utc) - at.utcoffset()
-
-
-def _check_meta(meta: Any, max_bytes: int) -> dict[str, Any]:
-    """``check_meta``, with the encoder's refusal of a subclass of a JSON type (a str's, a
-    float's, which the type checks let through) said as the caller's bad meta. The caller
-    copies what it returns (one call for a whole column)."""
-    try:
-        return v.check_meta(meta, max_bytes)
-    except TypeError as exc:
-        raise _meta_refused(exc) from None
-
-
-def _role_refused(role: Any) -> InvalidInput:
-    """``check_role``'s refusal of a role its set lookup cannot take (a list, a dict)."""
-    found = repr(role)
-    found = found if len(found) <= 60 else found[:57] + "..."
-    return InvalidInput("role", f"expected one of {', '.join(map(repr, ROLES))}, found "
-                                f"{type(role).__name__} {found}")
-
-
-def _meta_refused(exc: TypeError) -> InvalidInput:
-    return InvalidInput("meta", f"expected a dict of plain JSON values (str, int, float, bool, "
-                                f"None, list, dict), found {exc}; convert the value, e.g. "
-                                "str(value)")
 
 
 class Ingest:
@@ -96,17 +54,10 @@ class Ingest:
         config = self._config  # the hot path: the checks are called directly
         v.check_id("user_id", user_id, config.max_id_chars)
         v.check_id("session_id", session_id, config.max_id_chars)
-        try:
-            v.check_role(role)
-        except TypeError:
-            raise _role_refused(role) from None
+        v.check_role(role)
         v.check_text("text", text, config.max_text_chars)
-        at = self._parts.turn_now() if at is None else _check_at(at)
-        try:  # inline, not _check_meta: a call less on the hot path
-            meta = v.check_meta(meta, config.max_meta_bytes)
-        except TypeError as exc:
-            raise _meta_refused(exc) from None
-        return at, _decode_meta(_encode_meta(meta)) if meta else meta
+        at = self._parts.turn_now() if at is None else v.check_at(at)
+        return at, v.check_meta(meta, config.max_meta_bytes)
 
     def check_scope(self, user_id: str, session_id: str, agent_id: Any, run_id: Any,
                     fresh: dict[tuple[str, str], tuple[str, str]] | None = None) -> None:
@@ -207,14 +158,13 @@ class Ingest:
                 now = self._parts.turn_clock()
                 ats = [now if at is None else at for at in ats]
             if not v.ats_pass(ats):
-                ats = [_check_at(at) for at in ats]
+                ats = [v.check_at(at) for at in ats]
             if set(map(type, metas)) == {_NONE}:
                 # One empty dict for all (a record's meta is read-only): an allocation per
                 # turn is what makes the garbage collector walk the heap mid-import.
                 metas = [{}] * n
             else:
-                metas = _decode_meta(_encode_meta(
-                    [_check_meta(meta, config.max_meta_bytes) for meta in metas]))
+                metas = [v.check_meta(meta, config.max_meta_bytes) for meta in metas]
             if set(map(type, agents)) != {_NONE} or set(map(type, runs)) != {_NONE}:
                 seen: set[tuple[str, str]] = set()
                 fresh: dict[tuple[str, str], tuple[str, str]] = {}
@@ -253,14 +203,10 @@ class Ingest:
             if type(user_id) is str and type(session_id) is str and (
                     (user_id, session_id) in sessions):
                 config = self._config
-                try:
-                    v.check_role(item.role)
-                except TypeError:
-                    raise _role_refused(item.role) from None
+                v.check_role(item.role)
                 v.check_text("text", item.text, config.max_text_chars)
-                at = now if item.at is None else _check_at(item.at)
-                meta = _check_meta(item.meta, config.max_meta_bytes)
-                meta = _decode_meta(_encode_meta(meta)) if meta else meta
+                at = now if item.at is None else v.check_at(item.at)
+                meta = v.check_meta(item.meta, config.max_meta_bytes)
                 if item.agent_id is not None or item.run_id is not None:
                     self.check_scope(user_id, session_id, item.agent_id, item.run_id, fresh)
             else:

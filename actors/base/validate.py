@@ -28,6 +28,7 @@ MIN_INT, MAX_INT = -(2**63), 2**63 - 1  # what msgpack (and every index) round-t
 MAX_WORDS = 64  # tags or keywords on one call
 _JSON_SCALARS = (str, int, float, bool, type(None))
 _json_encode = msgspec.json.Encoder().encode
+_json_decode = msgspec.json.Decoder().decode
 
 
 def _found(value: Any) -> str:
@@ -115,7 +116,7 @@ def check_words(field: str, values: Any) -> tuple[str, ...]:
 
 
 def check_role(value: Any) -> str:
-    if value not in _ROLES or type(value) is not str:
+    if type(value) is not str or value not in _ROLES:  # the type first: a list is unhashable
         expected = ", ".join(repr(r) for r in ROLES)
         raise InvalidInput("role", f"expected one of {expected}, found {_found(value)}")
     return value
@@ -127,7 +128,9 @@ def check_text(field: str, value: Any, max_chars: int) -> str:
 
 
 def check_at(value: Any, field: str = "at") -> datetime:
-    """A timezone-aware datetime from MIN_AT to MAX_AT (what the text index can hold)."""
+    """A timezone-aware datetime from MIN_AT to MAX_AT (what the text index can hold), as
+    ``datetime`` itself: a subclass's (pandas' Timestamp, pendulum's, arrow's), which the
+    record encoder refuses, comes back as the plain UTC datetime of the same instant."""
     if not isinstance(value, datetime):
         raise InvalidInput(field, f"expected a timezone-aware datetime, found {_found(value)}")
     try:
@@ -148,6 +151,11 @@ def check_at(value: Any, field: str = "at") -> datetime:
     if not inside:
         raise InvalidInput(field, f"expected a date from {MIN_AT:%Y-%m-%d} to {MAX_AT:%Y-%m-%d} "
                                   f"(UTC), the text index's range, found {value.isoformat()}")
+    if type(value) is not datetime:
+        # From the wall time and its offset: astimezone may keep the subclass, and a pytz
+        # zone passed as tzinfo= would take its first offset (LMT).
+        return datetime(value.year, value.month, value.day, value.hour, value.minute,
+                        value.second, value.microsecond, _UTC) - offset
     return value
 
 
@@ -187,6 +195,9 @@ def _check_json(value: Any, path: str, depth: int) -> None:
 
 
 def check_meta(value: Any, max_bytes: int) -> dict[str, Any]:
+    """A copy of ``value`` as the record will hold it (decoded from the JSON its size is
+    measured by: tuples as lists, enums as their values), so a caller that goes on changing
+    its dict changes no stored turn."""
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -195,16 +206,20 @@ def check_meta(value: Any, max_bytes: int) -> dict[str, Any]:
         return {}
     _check_json(value, "meta", 0)
     try:
-        size = len(_json_encode(value))
-    except (msgspec.EncodeError, UnicodeEncodeError, OverflowError) as exc:
-        raise InvalidInput("meta", f"expected a JSON-serialisable dict, found {exc}") from None
+        encoded = _json_encode(value)
+    except (msgspec.EncodeError, UnicodeEncodeError, OverflowError, TypeError) as exc:
+        # TypeError: a subclass of a JSON type (a str's) that the type checks let through.
+        raise InvalidInput("meta", f"expected a dict of plain JSON values (str, int, float, "
+                                   f"bool, None, list, dict), found {exc}; convert the value, "
+                                   "e.g. str(value)") from None
+    size = len(encoded)
     if size > max_bytes:
         raise InvalidInput(
             "meta",
             f"expected at most {max_bytes} bytes as JSON, found {size}; "
             "keep large payloads elsewhere and store a reference, or raise Config.max_meta_bytes",
         )
-    return value
+    return _json_decode(encoded)
 
 
 # -- columns -------------------------------------------------------------------------------
