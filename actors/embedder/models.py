@@ -162,9 +162,8 @@ class OnnxEmbedder:
             this machine).
         model_dir: where the built files are (default: :func:`default_model_dir`).
         threads: onnxruntime intra-op threads: the calling thread and ``threads - 1`` helpers
-            (default: QUERY_THREADS, at most the cores the process may run on). The helpers
-            are made at MODEL_NICE and never spin, so they take only a core the hot path
-            leaves idle.
+            (default: QUERY_THREADS). The helpers are made at MODEL_NICE and never spin, so
+            they take only a core the hot path leaves idle.
     """
 
     dim = 384
@@ -177,7 +176,7 @@ class OnnxEmbedder:
         self.build_command = (BUILD_COMMAND if model_dir is None
                               or self.model_dir.resolve() == build_target().resolve()
                               else f"{BUILD_COMMAND} --dir {self.model_dir}")
-        self.threads = threads or min(QUERY_THREADS, _cores())
+        self.threads = threads or QUERY_THREADS
         self._session = None
         self._tokenizer = None
         self._counter = None
@@ -196,10 +195,14 @@ class OnnxEmbedder:
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.log_severity_level = 3  # shape-merge notices about our dynamic axes are noise
-        # A helper that spins between a query's operators holds a core the loop, the
-        # searches and the LMDB writer need; a sleeping one wakes within microseconds.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._session = _at_nice(MODEL_NICE, _open_session, path, options, self.build_command)
+        if self.threads == 1:  # no helper threads to make
+            self._session = _open_session(path, options, self.build_command)
+        else:
+            # A helper that spins between a query's operators holds a core the loop, the
+            # searches and the LMDB writer need; a sleeping one wakes within microseconds.
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            self._session = _at_nice(MODEL_NICE, _open_session, path, options,
+                                     self.build_command)
         tok = Tokenizer.from_file(str(tokenizer))
         tok.enable_truncation(MAX_TOKENS)
         tok.enable_padding(pad_id=0, pad_token="[PAD]")  # no length: pad to the batch's longest
@@ -243,14 +246,6 @@ def _open_session(path: Path, options: object, build_command: str) -> object:
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidProtobuf types
         raise ModelMissing(f"cannot load {path}: {exc}; rebuild it with "
                            f"`{build_command} --force`") from exc
-
-
-def _cores() -> int:
-    """The cores this process may run on (its affinity: a container's share, not the host's)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _at_nice(nice: int, fn: Callable[..., T], *args: object) -> T:
