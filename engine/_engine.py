@@ -44,6 +44,7 @@ from actors.base.records import (
     SummaryState,
     Turn,
 )
+from actors.base.validate import check_flag
 from actors.embedder import EmbeddingBackend
 from actors.extraction import Extractor
 from actors.session_buffer import Receipt
@@ -244,6 +245,8 @@ class Engine:
         check_open()
         await trio.lowlevel.checkpoint_if_cancelled()
         at, meta = self._ingest.check_turn(user_id, session_id, role, text, at, meta)
+        if durable is not False and durable is not True:  # the hot path: no call for a bool
+            check_flag("durable", durable)
         await self._store.reserve(1)  # backpressure: the disk's queue has room
         check_open()
         if agent_id is None and run_id is None:  # the hot path: as it was before scopes

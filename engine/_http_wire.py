@@ -31,7 +31,9 @@ class TurnIn(_Body):
     at: datetime | None = Field(None, description="timezone-aware; default: now",
                                 examples=["2026-03-01T09:00:00Z"])
     meta: dict[str, Any] | None = Field(None, examples=[{"channel": "web"}])
-    durable: bool = Field(False, description="answer 201 once on disk, not 202 once buffered")
+    # strict: pydantic's lax bool reads "no", "off" and 0 as false, "yes" and 1 as true.
+    durable: bool = Field(False, strict=True,
+                          description="answer 201 once on disk, not 202 once buffered")
     agent_id: str | None = Field(None, description="the session's scope (its first turn's)")
     run_id: str | None = None
 
@@ -54,7 +56,7 @@ MAX_BATCH_TURNS = 1_000
 
 class BatchIn(_Body):
     turns: list[BatchTurn] = Field(max_length=MAX_BATCH_TURNS)
-    durable: bool = False
+    durable: bool = Field(False, strict=True)
 
 
 class RecallIn(_Body):

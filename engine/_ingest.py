@@ -90,6 +90,7 @@ class Ingest:
         parts = self._parts
         parts.check_open()
         await trio.lowlevel.checkpoint_if_cancelled()
+        v.check_flag("durable", durable)
         if type(items) is not list:
             if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
                 raise InvalidInput("items", "expected a list (or an iterable) of NewTurn values "

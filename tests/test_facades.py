@@ -354,3 +354,25 @@ def test_the_blocking_facade_takes_scopes_as_the_trio_engine_does(tmp_path) -> N
             "s1": ("bot", "r1"), "s2": ("", "")}
         assert [h.text for h in mem.recall("ana", "red", kinds=["turn"], agent_id="bot")] == [
             "the red kite"]
+
+
+def test_both_facades_refuse_a_durable_that_is_not_true_or_false(tmp_path) -> None:
+    """The facades pass durable through to the trio engine, whose check refuses "no" (which
+    is truthy) naming durable; nothing is written."""
+    turn = {"user_id": "ana", "session_id": "s1", "role": "user", "text": "hi"}
+    with sync.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+        with pytest.raises(InvalidInput, match="durable: expected True or False, found str"):
+            mem.add_turn("ana", "s1", "user", "hi", durable="no")
+        with pytest.raises(InvalidInput, match="durable: expected True or False, found int"):
+            mem.add_turns([turn], durable=1)
+        assert mem.session_history("ana", "s1") == []
+
+    async def main() -> None:
+        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+            with pytest.raises(InvalidInput, match="durable: expected True or False"):
+                await mem.add_turn("ana", "s1", "user", "hi", durable="no")
+            with pytest.raises(InvalidInput, match="durable: expected True or False"):
+                await mem.add_turns([turn], durable="yes")
+            assert await mem.session_history("ana", "s1") == []
+
+    asyncio.run(main())

@@ -356,3 +356,21 @@ async def test_a_keyless_cluster_node_refuses_before_its_router_forwards() -> No
         assert answer.status_code == 403
         assert (await local.delete("/v1/users/ana")).status_code == 204
     assert reached == ["/v1/users/ana"]
+
+
+async def test_durable_in_a_body_is_a_json_boolean_or_a_422(mem) -> None:
+    """pydantic's lax bool read "no", "off" and 0 as false and "yes", "1" and 1 as true: a
+    string or a number for durable is refused naming durable, and nothing is written."""
+    one = {"session_id": "s1", "role": "user", "text": "x"}
+    async with lenient(create_app(mem)) as http:
+        for durable in ("no", "yes", "true", 1, 0, None):
+            invalid(await http.post("/v1/users/ana/sessions/s1/turns",
+                                    json={"role": "user", "text": "x", "durable": durable}),
+                    "durable")
+            invalid(await http.post("/v1/users/ana/turns",
+                                    json={"turns": [one], "durable": durable}), "durable")
+        assert (await http.get("/v1/users/ana/sessions")).json() == []
+        buffered = await http.post("/v1/users/ana/sessions/s1/turns",
+                                   json={"role": "user", "text": "x", "durable": False})
+        durable = await http.post("/v1/users/ana/turns", json={"turns": [one], "durable": True})
+        assert (buffered.status_code, durable.status_code) == (202, 201)

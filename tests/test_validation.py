@@ -120,3 +120,23 @@ async def test_any_text_is_stored_exactly_or_refused(tmp_path_factory, text: str
         stored = await mem.get_turn(user, r.turn_id)
         assert (stored.text, stored.user_id) == (text, user)
         assert await mem.add_turns([NewTurn(user_id=user, session_id="s", role="user", text=text)])
+
+
+@pytest.mark.parametrize("durable", ["no", "false", 0, 1, None, [False]], ids=repr)
+async def test_durable_is_true_or_false_and_anything_else_writes_nothing(mem: Engine,
+                                                                         durable) -> None:
+    """durable="no" was truthy: the turn was written and waited for as if durable=True; any
+    value but True or False is refused naming durable, before a turn is written."""
+    message = r"durable: expected True or False, found "
+    with pytest.raises(InvalidInput, match=message) as info:
+        await mem.add_turn(**OK, durable=durable)
+    assert info.value.field == "durable"
+    with pytest.raises(InvalidInput, match=message) as info:
+        await mem.add_turns([OK, {**OK, "text": "again"}], durable=durable)
+    assert info.value.field == "durable"
+    await mem.flush()
+    stats = await mem.stats()
+    assert (stats.turns, stats.last_lsn) == (0, 0)
+    await mem.add_turn(**OK, durable=False)
+    await mem.add_turns([OK], durable=True)
+    assert [t.text for t in await mem.session_history("ana", "s1")] == ["hello", "hello"]

@@ -122,6 +122,13 @@ def check_role(value: Any) -> str:
     return value
 
 
+def check_flag(field: str, value: Any) -> bool:
+    """True or False itself: a flag taken by its truth would read "no" (or "false") as True."""
+    if type(value) is not bool:
+        raise InvalidInput(field, f"expected True or False, found {_found(value)}")
+    return value
+
+
 def check_text(field: str, value: Any, max_chars: int) -> str:
     return _check_string(field, value, max_chars,
                          "split it into several turns or raise Config.max_text_chars")

@@ -135,11 +135,13 @@ class LogWriter:
             LogUnavailable: (durable) no PubAck within the retry time.
         """
         turn = self._turn("", user_id, session_id, role, text, at, meta, agent_id, run_id)
+        v.check_flag("durable", durable)
         return await self._publish(turn, turn.turn_id, durable)
 
     async def add_turns(self, items: Iterable[NewTurn | Mapping[str, Any]], *,
                         durable: bool = False) -> list[ClusterReceipt]:
         """:meth:`Engine.add_turns` through the log: all are checked before any is published."""
+        v.check_flag("durable", durable)
         turns = []
         for index, item in enumerate(items):
             if isinstance(item, Mapping):
