@@ -13,7 +13,7 @@ from actors.base import validate as v
 from actors.base.errors import InvalidInput
 
 __all__ = ["check_count", "check_fraction", "check_label", "check_labels", "check_texts",
-           "choices", "reason", "tags"]
+           "choices", "reason", "words"]
 
 MAX_LABEL_CHARS = 64  # a note's emotion: a word or two
 _LABEL = re.compile(r"[^\W_][\w -]*\Z")
@@ -62,8 +62,11 @@ def check_count(field: str, value: Any, low: int, high: int) -> int:
 
 def choices(field: str, values: Iterable[str] | None,
             allowed: tuple[str, ...]) -> tuple[str, ...] | None:
+    """A filter's values among ``allowed``: one, or a non-empty list;
+    None (no filter) stays None."""
     if values is None:
         return None
+    given = values
     if isinstance(values, str):
         values = (values,)
     try:
@@ -71,15 +74,32 @@ def choices(field: str, values: Iterable[str] | None,
     except TypeError:
         raise InvalidInput(field, f"expected a list of {', '.join(allowed)}, found "
                                   f"{type(values).__name__}") from None
+    _non_empty(field, values, given, ", ".join(allowed))
     for value in values:
         if value not in allowed:
             raise InvalidInput(field, f"expected values among {', '.join(allowed)}, "
                                       f"found {value!r}")
-    return values or None
+    return values
 
 
-def tags(values: Iterable[str] | None) -> tuple[str, ...] | None:
-    return v.check_words("tags", values) or None
+def words(field: str, values: Iterable[str] | None) -> tuple[str, ...] | None:
+    """A filter's tags or link types: one, or a non-empty list of them; None stays None."""
+    if values is None:
+        return None
+    checked = v.check_words(field, values)
+    _non_empty(field, checked, values, field.replace("_", " "))
+    return checked
+
+
+def _non_empty(field: str, values: tuple[Any, ...], given: Any, what: str) -> None:
+    """Refuse an empty list of a filter's values: some callers mean "match nothing" by it,
+    others "no filter", and most often it is a list built from nothing. One rule for every
+    filter of recall (category and emotion refused it first); None is no filter."""
+    if not values:
+        shown = repr(given) if isinstance(given, (list, tuple)) else (
+            f"an empty {type(given).__name__}")
+        raise InvalidInput(field, f"expected a non-empty list of {what}, found {shown}; leave "
+                                  f"{field} out (None) for no filter")
 
 
 def check_texts(texts: Any) -> list[str]:

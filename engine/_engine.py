@@ -410,7 +410,8 @@ class Engine:
             hits they were reached from; ``degraded`` names legs whose index was incomplete.
 
         Raises:
-            InvalidInput: a bad argument.
+            InvalidInput: a bad argument; among them an empty list for a filter that takes a
+                list (``kinds=[]``...): leave the filter out (None) for no filter.
         """
         return await self._recall.recall(
             user_id, query, limit, focus=focus, session_id=session_id, since=since, until=until,

@@ -21,8 +21,7 @@ from actors.base.where import Node, conjunction
 from actors.base.where import parse as parse_where
 from actors.store import user_prefix
 
-from ._args import check_count, check_fraction, check_labels, choices
-from ._args import tags as check_tags
+from ._args import check_count, check_fraction, check_labels, choices, words
 from ._briefing import Briefing, render_markdown
 from ._hits import Hits, RetrieveResult
 from ._parts import Parts
@@ -85,9 +84,9 @@ class Recall:
         hits = await self._retriever.recall(  # may or may not have served this query
             user_id, query, limit=limit, session_id=session_id, since=since, until=until,
             roles=choices("roles", roles, ROLES), kinds=choices("kinds", kinds, KINDS),
-            link_depth=link_depth, budget_tokens=budget_tokens, tags=check_tags(tags),
+            link_depth=link_depth, budget_tokens=budget_tokens, tags=words("tags", tags),
             legs=choices("legs", legs, LEGS) or LEGS,
-            link_types=v.check_words("link_types", link_types) or None, where=compiled,
+            link_types=words("link_types", link_types), where=compiled,
             as_of=as_of)
         return Hits(hits, _during(degraded, parts.degraded()))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import msgspec
@@ -321,3 +322,30 @@ async def test_retrieve_memory_includes_a_turn_not_yet_on_disk(store_path, monke
         gate.set()
     (item,) = raw.episodic
     assert [m.content for m in item.messages] == ["my locker code is 4411"]
+
+
+EMPTY_FILTERS = ["roles", "kinds", "tags", "legs", "link_types", "category", "emotion"]
+
+
+@pytest.mark.parametrize("field", EMPTY_FILTERS)
+@pytest.mark.parametrize("empty", [[], ()], ids=repr)
+async def test_an_empty_list_of_filter_values_is_refused_by_every_filter(
+        mem: Engine, field: str, empty) -> None:
+    """kinds=[] or tags=[] meant "no filter", category=[] and emotion=[] were refused, and a
+    caller cannot tell "match nothing" from "match anything": every filter refuses an empty
+    list, naming itself, and says to leave the filter out instead."""
+    await mem.add_turn("ana", "s1", "user", "a dog in Lisbon", durable=True)
+    with pytest.raises(InvalidInput, match=rf"{field}: expected a .*non-empty list .*found "
+                                           rf"{re.escape(repr(empty))}") as info:
+        await mem.recall("ana", "dog", **{field: empty})
+    assert info.value.field == field
+    assert [h.text for h in await mem.recall("ana", "dog", **{field: None})] == [
+        "a dog in Lisbon"]
+
+
+async def test_retrieve_memory_refuses_an_empty_list_of_legs(mem: Engine) -> None:
+    """legs=[] ran every leg, as leaving it out does; it is refused as recall's is."""
+    for call in (mem.retrieve_memory, mem.retrieve_memory_raw):
+        with pytest.raises(InvalidInput, match=r"legs: expected a non-empty list") as info:
+            await call("ana", "dog", legs=[])
+        assert info.value.field == "legs"
