@@ -174,10 +174,14 @@ class SessionBuffer:
             if sessions is None:
                 sessions = self._users[user_id] = {}
             sessions[session_id] = state
+        # A turn may be back-dated (late notes, a clock behind): the session spans from its
+        # earliest turn time to its latest, whatever their order.
+        started_at = at if at < state.started_at else state.started_at
+        last_at = at if at > state.last_at else state.last_at
         store.submit(AppendTurn(turn, state.prefix + seq.to_bytes(8, "big"), value,
-                                state.started_at, state.user_prefix + turn.turn_id.encode()))
+                                started_at, state.user_prefix + turn.turn_id.encode(), last_at))
         state.next_seq = seq + 1
-        state.last_at = at
+        state.started_at, state.last_at = started_at, last_at
         state.last_lsn = lsn
         self._newest[user_id] = lsn
         window = state.window
@@ -221,8 +225,8 @@ class SessionBuffer:
         agents: list[str] = []
         scopes: list[str] = []
         # Each session the call writes: [its state (None: begun here), prefix, user prefix,
-        # next seq, agent, run, first turn's time]; and the runs of consecutive turns of one
-        # session, as (session, end).
+        # next seq, agent, run, earliest turn time, latest turn time]; and the runs of
+        # consecutive turns of one session, as (session, end).
         touched: dict[tuple[str, str], list[Any]] = {}
         runs: list[tuple[tuple[str, str], int]] = []
         start = 0
@@ -233,11 +237,14 @@ class SessionBuffer:
                 state = self._lookup(*pair)
                 session = touched[pair] = (
                     [None, session_prefix(*pair), user_prefix(pair[0]), 0, agent_ids[start] or "",
-                     run_ids[start] or "", ats[start]] if state is None else
+                     run_ids[start] or "", ats[start], ats[start]] if state is None else
                     [state, state.prefix, state.user_prefix, state.next_seq, state.agent_id,
-                     state.run_id, state.started_at])
-            _, prefix, uprefix, seq, agent, scope, _ = session
+                     state.run_id, state.started_at, state.last_at])
+            _, prefix, uprefix, seq, agent, scope, _, _ = session
             session[3] = seq + end - start
+            run_ats = ats[start:end]  # in any order: a turn may be back-dated
+            session[6] = min(session[6], min(run_ats))
+            session[7] = max(session[7], max(run_ats))
             numbers = range(seq, seq + end - start)
             seqs += numbers
             keys += map(prefix.__add__, map(int.to_bytes, numbers, repeat(8), repeat("big")))
@@ -249,10 +256,10 @@ class SessionBuffer:
         turns = list(map(Turn, lsns, turn_ids, user_ids, session_ids, seqs, roles, texts, ats,
                          metas, agents, scopes))
         values = list(map(_encode, turns))
-        sessions: dict[bytes, tuple[datetime, Turn]] = {}
+        sessions: dict[bytes, tuple[datetime, datetime, Turn]] = {}
         for pair, end in runs:
             session = touched[pair]
-            sessions[session[1][:-1]] = (session[6], turns[end - 1])  # key less its NUL
+            sessions[session[1][:-1]] = (session[6], session[7], turns[end - 1])  # key less NUL
         store.submit_turns(AppendTurns(
             turns, keys, values, id_keys, list(map(int.to_bytes, lsns, repeat(8), repeat("big"))),
             sessions))
@@ -269,7 +276,7 @@ class SessionBuffer:
                     per_user = self._users[user_id] = {}
                 per_user[session_id] = state
             state.next_seq = seqs[end - 1] + 1
-            state.last_at = ats[end - 1]
+            state.started_at, state.last_at = session[6], session[7]
             state.last_lsn = self._newest[pair[0]] = first + end - 1
             if state.window is None:
                 self._set_window(state, turns[start:end])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -84,6 +85,42 @@ async def test_list_sessions_most_recent_first(mem: Engine) -> None:
     old = sessions[-1]
     assert (old.turn_count, old.started_at, old.last_at) == (2, T0, T0 + timedelta(hours=1))
     assert await mem.list_sessions("nobody") == []
+
+
+async def test_a_back_dated_turn_leaves_its_session_spanning_its_earliest_and_latest_turn(
+        store_path, clock) -> None:
+    """A turn given an earlier ``at`` than its session's others (late notes, an import, a
+    clock behind) set last_at back to its own time and left started_at at the first turn's:
+    the session listed as ended before a turn it holds, even before it started. started_at is
+    the earliest turn time a session holds and last_at the latest, by add_turn, add_turns or
+    an import, before and after a reopen."""
+    h = timedelta(hours=1)
+
+    def turn(session_id: str, text: str, at: datetime) -> dict:
+        return {"user_id": "ana", "session_id": session_id, "role": "user", "text": text,
+                "at": at}
+
+    def spans(sessions) -> dict:
+        return {s.session_id: (s.started_at, s.last_at, s.turn_count) for s in sessions}
+
+    expected = {"one": (T0, T0 + 3 * h, 5), "bulk": (T0 + h, T0 + 5 * h, 3),
+                "other": (T0 + 9 * h, T0 + 9 * h, 1)}
+    export = io.BytesIO()
+    async with open_engine(store_path, clock=clock) as mem:
+        for hours in (2, 1, 3, 0):  # the last said is the earliest
+            await mem.add_turn("ana", "one", "user", f"at {hours}", at=T0 + hours * h)
+        await mem.add_turns([turn("bulk", "a", T0 + 5 * h), turn("bulk", "b", T0 + 4 * h),
+                             turn("other", "c", T0 + 9 * h), turn("bulk", "d", T0 + h),
+                             turn("one", "e", T0 + 2 * h)])
+        sessions = await mem.list_sessions("ana")
+        assert spans(sessions) == expected
+        assert [s.session_id for s in sessions] == ["other", "bulk", "one"]
+        await mem.export_user("ana", export)
+        await mem.import_user(export.getvalue(), as_user="ana2")
+        assert spans(await mem.list_sessions("ana2")) == expected
+    async with open_engine(store_path, clock=clock) as mem:
+        assert spans(await mem.list_sessions("ana")) == expected
+        assert spans(await mem.list_sessions("ana2")) == expected
 
 
 async def test_add_turns_ingests_many_in_order(mem: Engine) -> None:

@@ -28,8 +28,10 @@ class AppendTurn(msgspec.Struct, frozen=True, tag=True):
         turn: the record (its ``lsn`` orders the log).
         key: the turn's key in the ``turns`` database.
         value: the turn encoded as msgpack.
-        started_at: the session's first turn time, for its SessionInfo.
+        started_at: the session's earliest turn time, for its SessionInfo.
         id_key: the turn's key in the ``ids`` database.
+        last_at: the session's latest turn time, for its SessionInfo (a turn may be
+            back-dated: this is not always its own); None: the turn's.
     """
 
     turn: Turn
@@ -37,6 +39,7 @@ class AppendTurn(msgspec.Struct, frozen=True, tag=True):
     value: bytes
     started_at: datetime
     id_key: bytes
+    last_at: datetime | None = None
 
     @property
     def lsn(self) -> int:
@@ -54,8 +57,8 @@ class AppendTurns(msgspec.Struct, frozen=True, tag=True):
         values: the turns encoded as msgpack.
         id_keys: their keys in the ``ids`` database.
         lsns: their keys in the ``log`` database.
-        sessions: each session of the run: its key in ``sessions`` -> (its first turn's time,
-            its latest turn in the run).
+        sessions: each session of the run: its key in ``sessions`` -> (its earliest and its
+            latest turn time, its last turn in the run).
     """
 
     turns: list[Turn]
@@ -63,7 +66,7 @@ class AppendTurns(msgspec.Struct, frozen=True, tag=True):
     values: list[bytes]
     id_keys: list[bytes]
     lsns: list[bytes]
-    sessions: dict[bytes, tuple[datetime, Turn]]
+    sessions: dict[bytes, tuple[datetime, datetime, Turn]]
 
     @property
     def lsn(self) -> int:
@@ -73,8 +76,9 @@ class AppendTurns(msgspec.Struct, frozen=True, tag=True):
     def one(self, i: int) -> AppendTurn:
         """The ``i``-th turn as an op of its own (the writer isolates a turn it cannot put)."""
         key = self.keys[i]
-        return AppendTurn(self.turns[i], key, self.values[i], self.sessions[key[:-9]][0],
-                          self.id_keys[i])
+        started_at, last_at, _ = self.sessions[key[:-9]]
+        return AppendTurn(self.turns[i], key, self.values[i], started_at, self.id_keys[i],
+                          last_at)
 
 
 class Forget(msgspec.Struct, frozen=True, tag=True):

@@ -67,8 +67,9 @@ class SessionInfo(msgspec.Struct, frozen=True, array_like=True):
     Attributes:
         user_id: the tenant.
         session_id: the session.
-        started_at: time of its first turn.
-        last_at: time of its latest turn (by seq).
+        started_at: the earliest time of its turns (a turn may be back-dated: not always
+            its first turn's).
+        last_at: the latest time of its turns (not always its last turn's).
         turn_count: number of turns (the next seq).
         agent_id / run_id: the scope every turn of the session has (its first turn's).
     """

@@ -187,12 +187,13 @@ def _plan(ops: list[StoreOp]) -> list[Any]:
     thread would hold back every receipt's landing and every buffered turn meanwhile."""
     segments: list[Any] = []
     puts = _Puts()
-    latest: dict[bytes, Turn] = {}  # each session's latest turn in the run
-    started: dict[bytes, datetime] = {}  # and its first turn's time
+    latest: dict[bytes, Turn] = {}  # each session's last turn in the run
+    spans: dict[bytes, tuple[datetime, datetime]] = {}  # and its earliest and latest time
 
     def close_run() -> None:
         for key, t in latest.items():
-            info = SessionInfo(t.user_id, t.session_id, started[key], t.at, t.seq + 1,
+            started_at, last_at = spans[key]
+            info = SessionInfo(t.user_id, t.session_id, started_at, last_at, t.seq + 1,
                                t.agent_id, t.run_id)
             puts.sessions.append((key, _encode(info)))
         segments.append(puts)
@@ -209,7 +210,7 @@ def _plan(ops: list[StoreOp]) -> list[Any]:
             puts.entries.append(LOG_TURN + op.key)
             key = op.key[:-9]  # the turn key less NUL + seq is the sessions key
             latest[key] = t
-            started[key] = op.started_at
+            spans[key] = (op.started_at, op.last_at or t.at)
         elif kind is _Slot:
             continue  # its AppendTurns follows
         elif kind is AppendTurns:
@@ -219,9 +220,9 @@ def _plan(ops: list[StoreOp]) -> list[Any]:
             puts.id_keys += op.id_keys
             puts.lsns += op.lsns
             puts.entries += map(LOG_TURN.__add__, op.keys)
-            for key, (first_at, last) in op.sessions.items():
+            for key, (first_at, last_at, last) in op.sessions.items():
                 latest[key] = last
-                started[key] = first_at
+                spans[key] = (first_at, last_at)
         else:
             if puts.keys:
                 close_run()
@@ -251,8 +252,8 @@ def _put_one(txn: lmdb.Transaction, dbs: dict[bytes, Any], op: AppendTurn) -> No
     txn.put(op.key, op.value, db=dbs[b"turns"])
     txn.put(op.id_key, op.key, db=dbs[b"ids"])
     txn.put(lsn_key(t.lsn), LOG_TURN + op.key, db=dbs[b"log"])
-    info = SessionInfo(t.user_id, t.session_id, op.started_at, t.at, t.seq + 1, t.agent_id,
-                       t.run_id)
+    info = SessionInfo(t.user_id, t.session_id, op.started_at, op.last_at or t.at, t.seq + 1,
+                       t.agent_id, t.run_id)
     txn.put(op.key[:-9], _encode(info), db=dbs[b"sessions"])
 
 

@@ -85,6 +85,31 @@ async def test_the_least_recently_used_window_is_dropped_and_its_history_stays(
         assert buffer.next_seq("ana", "old") == 3
 
 
+async def test_a_back_dated_turn_moves_neither_end_of_its_session_inward(store_path) -> None:
+    """append and append_many keep a session's started_at its earliest turn time and last_at
+    its latest, in RAM and in the record a reload reads: a back-dated turn set last_at to its
+    own time, so idle_sessions took a session with a turn said later for idle."""
+    minutes = [timedelta(minutes=m) for m in (20, 15, 1)]
+
+    def spans(buffer: SessionBuffer) -> dict:
+        return {s.session_id: (s.started_at, s.last_at) for s in buffer.sessions("ana")}
+
+    expected = {"s1": (T0, T0 + timedelta(minutes=10)),
+                "s2": (T0 + timedelta(minutes=15), T0 + timedelta(minutes=20))}
+    async with running_buffer(store_path) as (_, buffer):
+        for text, minute in (("first", 5), ("later", 10), ("back-dated", 0)):
+            say(buffer, "ana", "s1", text, minute)
+        *_, last = buffer.append_many(["ana"] * 3, ["s2", "s2", "s1"], ["user"] * 3,
+                                      ["x", "y", "z"], [T0 + m for m in minutes], [{}] * 3,
+                                      [None] * 3, [None] * 3)
+        assert spans(buffer) == expected
+        assert buffer.idle_sessions(T0 + timedelta(minutes=8)) == []
+        await last.durable()
+    async with running_buffer(store_path) as (_, buffer):
+        assert spans(buffer) == expected
+        assert buffer.idle_sessions(T0 + timedelta(minutes=8)) == []
+
+
 async def test_a_reloaded_buffer_counts_on_where_the_store_left_off(store_path) -> None:
     """A new buffer over a reopened store knows every session (counts, times, scope) and
     numbers the next turn after the last one stored."""
