@@ -88,7 +88,8 @@ TOOLS: list[dict[str, Any]] = [
           "turns, episodes, facts and notes. The main retrieval tool.",
           {"user_id": _USER, "query": {"type": "string"},
            "limit": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10},
-           "kinds": {"type": "array", "items": {"enum": ["turn", "episode", "fact", "note"]}},
+           "kinds": {"type": "array", "minItems": 1,
+                     "items": {"enum": ["turn", "episode", "fact", "note"]}},
            "where": {"type": "object", "description": "Only memories passing this filter, e.g. "
                      "{\"channel\": \"web\", \"priority\": {\"gte\": 2}}: operators eq ne "
                      "gt gte lt lte in nin contains; AND / OR / NOT take lists of filters; "

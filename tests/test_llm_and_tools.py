@@ -208,6 +208,8 @@ async def test_note_and_retrieve_tools(mem) -> None:
     ({"user_id": "ana", "query": "x", "limit": True}, r"arguments.limit: expected an integer, found bool"),
     ({"user_id": "ana", "query": "x", "kinds": ["turn", "secret"]},
      r"arguments.kinds.1: expected enum \['turn', 'episode', 'fact', 'note'\], found 'secret'"),
+    # The schema tells a model what recall refuses: no kinds at all is not "every kind".
+    ({"user_id": "ana", "query": "x", "kinds": []}, r"arguments.kinds: expected minItems 1"),
 ])
 async def test_call_tool_enforces_every_schema_constraint(mem, args, message) -> None:
     """Bounds and enums in a tool's JSON schema are enforced, not only its types."""
