@@ -214,6 +214,29 @@ _DEST_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIS
                           errno.EINVAL})
 
 
+def _resolved(field: str, path: Path) -> Path:
+    """``path`` made absolute, its links followed.
+
+    Raises:
+        InvalidInput: naming ``field``: ``path`` holds a NUL or a lone surrogate, which no
+            file name can.
+    """
+    name = str(path)
+    if "\x00" in name:
+        raise InvalidInput(field, f"expected a path, found a NUL character in {name!r}")
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError:
+        raise InvalidInput(field, f"expected a path, found a lone surrogate in {name!r}") from None
+    return path.resolve()
+
+
+def _unusable(field: str, exc: OSError) -> InvalidInput:
+    """The InvalidInput for a path the system refused (``_DEST_ERRNOS``): the caller's."""
+    return InvalidInput(field, f"expected a directory this process can create, found "
+                               f"{exc.strerror} for {exc.filename}")
+
+
 def _partial(dest: Path, store: Path) -> tuple[Path, Path]:
     """``dest`` resolved, and the empty ``DEST.partial`` directory a snapshot to it is written
     in, made (an earlier one left behind is removed first).
@@ -222,15 +245,8 @@ def _partial(dest: Path, store: Path) -> tuple[Path, Path]:
         InvalidInput: ``dest`` is no path (a NUL, a lone surrogate), a file, a directory with
             files in it, inside the store, or a place this process cannot create.
     """
-    name = str(dest)
-    if "\x00" in name:
-        raise InvalidInput("dest", f"expected a path, found a NUL character in {name!r}")
+    dest = _resolved("dest", dest)  # "." or "snap/..": the name its .partial sibling is made from
     try:
-        os.fsencode(name)
-    except UnicodeEncodeError:
-        raise InvalidInput("dest", f"expected a path, found a lone surrogate in {name!r}") from None
-    try:
-        dest = dest.resolve()  # "." or "snap/..": the name its .partial sibling is made from
         if dest.is_file():
             raise InvalidInput("dest", f"expected a new or empty directory, found a file at "
                                        f"{dest}; snapshots never overwrite")
@@ -249,8 +265,7 @@ def _partial(dest: Path, store: Path) -> tuple[Path, Path]:
     except OSError as exc:
         if exc.errno not in _DEST_ERRNOS:
             raise
-        raise InvalidInput("dest", f"expected a directory this process can create, found "
-                                   f"{exc.strerror} for {exc.filename}") from exc
+        raise _unusable("dest", exc) from exc
     return dest, partial
 
 
@@ -305,11 +320,19 @@ async def take_snapshot(parts: Parts, dest: Path,
 
 def read_manifest(snapshot: Path) -> Manifest:
     path = snapshot / "manifest.json"
-    if not path.exists():
+    try:
+        # A folder of that name is no manifest either (reading it would be IsADirectoryError).
+        body = path.read_bytes() if path.is_file() else None
+    except OSError as exc:
+        if exc.errno not in _DEST_ERRNOS:
+            raise
+        raise InvalidInput("snapshot", f"expected a readable snapshot directory, found "
+                                       f"{exc.strerror} for {exc.filename}") from exc
+    if body is None:
         raise InvalidInput("snapshot", f"expected a snapshot directory with manifest.json, "
                                        f"found none in {snapshot}")
     try:
-        manifest = msgspec.json.decode(path.read_bytes(), type=Manifest)
+        manifest = msgspec.json.decode(body, type=Manifest)
     except msgspec.DecodeError as exc:
         raise StoreIncompatible(f"{path} is not a readable Engram manifest: {exc}") from exc
     if manifest.format > MANIFEST_FORMAT or manifest.schema_version > SCHEMA_VERSION:
@@ -336,7 +359,8 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
                   progress: Callable[[int, int], None] | None = None,
                   integrity_key: str | None = None) -> Manifest:
     """See ``Engine.restore``."""
-    snapshot, store = snapshot.resolve(), store.resolve()  # "." has no name to put beside it
+    # "." has no name to put beside it
+    snapshot, store = _resolved("snapshot", snapshot), _resolved("store_path", store)
     manifest = read_manifest(snapshot)
     if integrity_key is not None and not hmac.compare_digest(
             manifest.mac, manifest_mac(manifest, integrity_key)):
@@ -344,11 +368,17 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
             f"{snapshot}/manifest.json {'carries no MAC' if not manifest.mac else 'fails its MAC'}"
             " under the given integrity key: it was not written by an engine holding that key, "
             "or was edited since; take the snapshot again", "manifest.json")
-    if store.exists() and (not store.is_dir() or any(store.iterdir())) and not overwrite:
+    try:
+        there = store.exists()
+        holding = there and (not store.is_dir() or any(store.iterdir()))
+    except OSError as exc:  # a name too long, a folder this process cannot list
+        if exc.errno not in _DEST_ERRNOS:
+            raise
+        raise _unusable("store_path", exc) from exc
+    if holding and not overwrite:
         raise InvalidInput("store_path", f"expected a new or empty directory, found {store} "
                                          "with files in it; pass overwrite=True to replace it")
-    if overwrite and store.is_dir() and any(store.iterdir()) and not (
-            store / "data.mdb").exists():
+    if overwrite and holding and store.is_dir() and not (store / "data.mdb").exists():
         raise InvalidInput("store_path", f"expected a store to replace, found {store} holding "
                                          "other files (no data.mdb); overwrite replaces only a "
                                          "store: restore into a new or empty directory")
@@ -356,7 +386,7 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
         raise InvalidInput("snapshot", f"expected a snapshot outside the store it replaces, "
                                        f"found {snapshot} inside {store}; move it out first")
     # Replacing a store another engine serves would pull it from under that engine.
-    owner = OwnerLock(store, "restore").acquire() if store.exists() else None
+    owner = OwnerLock(store, "restore").acquire() if there else None
     try:
         await _install(snapshot, store, manifest, progress, integrity_key)
     finally:
@@ -379,9 +409,18 @@ async def _install(snapshot: Path, store: Path, manifest: Manifest,
     store checks the tail). Without the key anyone can rewrite the manifest, and the walk
     is what catches an edit that left the chain's links behind."""
     incoming = store.with_name(store.name + ".restoring")
-    if incoming.exists():
-        await trio.to_thread.run_sync(shutil.rmtree, incoming)
     try:
+        try:
+            # Made before the copy's tasks start: a place this process cannot write (a path
+            # through a file, a read-only folder, a name too long for the suffix; one longer
+            # than ".replaced" below) is the caller's path, not a failure.
+            if incoming.exists():
+                await trio.to_thread.run_sync(shutil.rmtree, incoming)
+            incoming.mkdir(parents=True)
+        except OSError as exc:
+            if exc.errno not in _DEST_ERRNOS:
+                raise
+            raise _unusable("store_path", exc) from exc
         found = await _copy_checked(snapshot, incoming, manifest, progress)
         if found != manifest.files:
             damaged = sorted(set(found.items()) ^ set(manifest.files.items()))

@@ -250,3 +250,32 @@ async def test_a_snapshot_destination_that_is_no_usable_path_is_invalid_input(me
             await mem.snapshot(dest)
         assert refused.value.field == "dest"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "store"]
+
+
+async def test_a_restore_path_that_is_no_usable_path_is_invalid_input(tmp_path) -> None:
+    """A snapshot or store path with a NUL, a lone surrogate or a name too long, a store
+    path through a file, and a snapshot whose manifest.json is a folder are InvalidInput
+    naming the path (never a ValueError, an OSError or an exception group), and nothing is
+    written."""
+    async with open_engine(tmp_path / "live") as mem:
+        await mem.add_turn("ana", "s", "user", "hello")
+        await mem.flush()
+        await mem.snapshot(tmp_path / "snap")
+    (tmp_path / "a-file").write_text("not a directory")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    bad = [tmp_path / "nul\x00byte", tmp_path / "\ud800", tmp_path / ("x" * 300)]
+    for store in [*bad, tmp_path / ("y" * 250), tmp_path / "a-file" / "store"]:
+        with pytest.raises(InvalidInput) as refused:
+            await Engine.restore(tmp_path / "snap", store)
+        assert refused.value.field == "store_path", store
+    for snapshot in bad:
+        with pytest.raises(InvalidInput) as refused:
+            await Engine.restore(snapshot, tmp_path / "new")
+        assert refused.value.field == "snapshot", snapshot
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    folder = tmp_path / "odd-snap"
+    (folder / "manifest.json").mkdir(parents=True)
+    with pytest.raises(InvalidInput, match=r"snapshot: expected a snapshot directory with "
+                                           r"manifest.json"):
+        await Engine.restore(folder, tmp_path / "new")
+    assert not (tmp_path / "new").exists()
