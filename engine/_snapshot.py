@@ -361,6 +361,11 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
     """See ``Engine.restore``."""
     # "." has no name to put beside it
     snapshot, store = _resolved("snapshot", snapshot), _resolved("store_path", store)
+    if store.is_relative_to(snapshot):
+        # Over the snapshot's own store/, its data.mdb would become the live store's, and the
+        # first write would leave a snapshot that no longer matches its manifest.
+        raise InvalidInput("store_path", f"expected a directory outside the snapshot, found "
+                                         f"{store} inside {snapshot}; restore beside it")
     manifest = read_manifest(snapshot)
     if integrity_key is not None and not hmac.compare_digest(
             manifest.mac, manifest_mac(manifest, integrity_key)):

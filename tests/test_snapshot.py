@@ -279,3 +279,26 @@ async def test_a_restore_path_that_is_no_usable_path_is_invalid_input(tmp_path) 
                                            r"manifest.json"):
         await Engine.restore(folder, tmp_path / "new")
     assert not (tmp_path / "new").exists()
+
+
+async def test_a_restore_into_the_snapshot_itself_is_refused_and_the_snapshot_kept(
+        tmp_path) -> None:
+    """Restoring over the snapshot's own ``store/`` folder would make its data.mdb the live
+    store's, so the first write broke the snapshot: a store inside its snapshot is refused
+    with or without overwrite, and the snapshot still restores."""
+    async with open_engine(tmp_path / "live") as mem:
+        await mem.add_turn("ana", "s", "user", "hello")
+        await mem.flush()
+        await mem.snapshot(tmp_path / "snap")
+    for target in ("store", "other"):
+        for overwrite in (False, True):
+            with pytest.raises(InvalidInput, match=r"store_path: expected a directory outside "
+                                                   r"the snapshot"):
+                await Engine.restore(tmp_path / "snap", tmp_path / "snap" / target,
+                                     overwrite=overwrite)
+    assert sorted(p.name for p in (tmp_path / "snap").iterdir()) == [
+        "fulltext", "manifest.json", "store"]
+    assert [p.name for p in (tmp_path / "snap" / "store").iterdir()] == ["data.mdb"]
+    await Engine.restore(tmp_path / "snap", tmp_path / "again")
+    async with open_engine(tmp_path / "again") as mem:
+        assert [t.text for t in await mem.session_history("ana", "s")] == ["hello"]
