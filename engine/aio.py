@@ -74,6 +74,26 @@ def _closed_error() -> EngineClosed:
     return EngineClosed("the engine is closed; open a new one with Engine.open(path)")
 
 
+async def _outlast(future: asyncio.Future[Any]) -> Any:
+    """Await ``future`` through any cancellation of the awaiting task, then raise the
+    cancellation (if one came) once it is done.
+
+    What a close waits for: cut short, the trio run would be left draining on a loop about to
+    stop (asyncio.run cancels the tasks that main left behind, a close among them), and the
+    turns it had acknowledged would never reach the disk. The wait is bounded: a close lets
+    calls run for CLOSE_GRACE_SECONDS, and the engine's drain is bounded itself.
+    """
+    cancelled: asyncio.CancelledError | None = None
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError as exc:
+            cancelled = cancelled or exc
+    if cancelled is not None:
+        raise cancelled
+    return future.result()
+
+
 def _cancelled(exc: BaseException) -> bool:
     """Whether ``exc`` is trio's cancellation alone: ``Cancelled``, or a group of nothing else
     (the engine's own nurseries wrap it so)."""
@@ -170,12 +190,16 @@ class Engine(_bridge.Settings):
             await asyncio.wait({ready, done}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             # Cancelled while opening: let the open finish, then close what it opened, so no
-            # trio run is left behind on the loop or its thread.
-            await asyncio.wait({ready, done}, return_when=asyncio.FIRST_COMPLETED)
+            # trio run is left behind on the loop or its thread (through any cancellation
+            # more: this one is raised below).
+            while not (ready.done() or done.done()):
+                with suppress(asyncio.CancelledError):
+                    await asyncio.wait({ready, done}, return_when=asyncio.FIRST_COMPLETED)
             if ready.done():
                 facade._closed = True
                 facade._token.run_sync_soon(holder["stop"].set)
-                await asyncio.shield(done)
+                with suppress(asyncio.CancelledError):
+                    await _outlast(done)
             raise
         if not ready.done():
             done.result().unwrap()  # the open failed: raise its error here
@@ -186,10 +210,18 @@ class Engine(_bridge.Settings):
             facade._closed = True
             with suppress(trio.RunFinishedError):  # it stopped already (it broke): see below
                 facade._token.run_sync_soon(holder["stop"].set)
-            result = await asyncio.shield(done)
+            cancelled = None
+            try:
+                await _outlast(done)
+            except asyncio.CancelledError as exc:
+                # Cancelled while closing: the close finished all the same, and its failure,
+                # if any, goes first, as it would have without the cancellation.
+                cancelled = exc
             if thread is not None:
                 thread.join()  # done is its last act: this returns at once
-            result.unwrap()
+            done.result().unwrap()
+            if cancelled is not None:
+                raise cancelled
 
     # -- calls -------------------------------------------------------------------------------
 

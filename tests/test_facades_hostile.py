@@ -201,6 +201,67 @@ def test_an_asyncio_engine_called_from_another_threads_loop_refuses_clearly(
     asyncio.run(main())
 
 
+# A bot task cancelled at shutdown whose program does not wait for it: asyncio.run, as main
+# returns, cancels the task a second time while its engine is closing.
+ABANDONED_CLOSE_SCRIPT = """
+import asyncio, sys
+from engine import HashEmbedder
+from engine.aio import Engine
+
+async def bot(opened):
+    async with Engine.open(sys.argv[1], embedder=HashEmbedder(), trio_loop=sys.argv[2]) as mem:
+        for n in range(50):
+            mem.add_turn_nowait("ana", "s1", "user", f"turn {n}")
+        opened.set()
+        await asyncio.sleep(3600)
+
+async def main():
+    opened = asyncio.Event()
+    task = asyncio.ensure_future(bot(opened))
+    await opened.wait()
+    task.cancel()  # the engine starts closing; main returns without waiting for it
+
+asyncio.run(main())
+print("exited", flush=True)
+"""
+
+
+@trio_loops
+def test_an_asyncio_engine_cancelled_again_while_closing_still_drains_and_releases_the_store(
+        tmp_path, trio_loop) -> None:
+    """A second cancellation during the close (asyncio.run cancelling the tasks left when
+    main returns) does not cut the drain short: every acknowledged turn is on disk and the
+    store is free."""
+    child = run_child(ABANDONED_CLOSE_SCRIPT, str(tmp_path / "s"), trio_loop)
+    assert (child.returncode, child.stdout) == (0, "exited\n"), child.stderr
+    assert history(tmp_path / "s") == [f"turn {n}" for n in range(50)]
+
+
+@trio_loops
+def test_an_asyncio_open_cancelled_twice_still_closes_what_it_opened(tmp_path, trio_loop) -> None:
+    """A task cancelled, and cancelled again, while its engine opens leaves no engine running
+    behind it: the store opens again at once."""
+
+    async def main() -> None:
+        async def open_forever() -> None:
+            async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder(),
+                                       trio_loop=trio_loop):
+                await asyncio.sleep(3600)
+
+        task = asyncio.ensure_future(open_forever())
+        await asyncio.sleep(0)  # the open has started, not finished
+        task.cancel()
+        await asyncio.sleep(0)  # the task waits for the open to finish, to close it
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder(),
+                                   trio_loop=trio_loop) as mem:
+            assert await mem.list_sessions("ana") == []
+
+    asyncio.run(main())
+
+
 # -- blocking ----------------------------------------------------------------------------------
 
 
