@@ -61,7 +61,7 @@ from actors.store import (
 from actors.store.layout import IDS_FACT
 
 from ._args import check_fraction, check_label
-from ._files import write_atomically
+from ._files import PATH_ERRNOS, refused, resolved, write_atomically
 from .errors import InvalidInput
 
 if TYPE_CHECKING:
@@ -300,11 +300,18 @@ async def export_user(parts: Parts, user_id: str,
     total = sum(counts.values()) - 1  # the header is not a record
     chunks.append(_encode_line(End(records=total)) + b"\n")
     data = b"".join(chunks)
-    if isinstance(dest, Path) and dest.exists() and not dest.is_file():
-        # A device or a pipe (/dev/stdout): written to, never replaced by a file.
-        await trio.to_thread.run_sync(dest.write_bytes, data)
-    elif isinstance(dest, Path):
-        await trio.to_thread.run_sync(write_atomically, dest, data)
+    if isinstance(dest, Path):
+        try:
+            if dest.exists() and not dest.is_file():
+                # A device or a pipe (/dev/stdout): written to, never replaced by a file.
+                await trio.to_thread.run_sync(dest.write_bytes, data)
+            else:
+                # Beside a temporary file of a longer name, in a folder that may refuse it.
+                await trio.to_thread.run_sync(write_atomically, dest, data)
+        except OSError as exc:
+            if exc.errno not in PATH_ERRNOS:
+                raise
+            raise refused("dest", exc, "a file this process can write") from exc
     else:
         await trio.to_thread.run_sync(dest.write, data)
     counts.pop("header")
@@ -319,15 +326,20 @@ def _export_path(dest: Path, store: Path) -> Path:
         InvalidInput: ``dest`` is inside the store (its files would be replaced), a
             directory, or in a directory that does not exist.
     """
-    path, store = dest.resolve(), store.resolve()
+    path, store = resolved("dest", dest), store.resolve()
     if path.is_relative_to(store):
         raise InvalidInput("dest", f"expected a file outside the store, found {dest} inside "
                                    f"{store}; write the export beside the store")
-    if path.is_dir():
-        raise InvalidInput("dest", f"expected a file, found a directory at {dest}")
-    if not path.parent.is_dir():
-        raise InvalidInput("dest", f"expected a file in an existing directory, found no "
-                                   f"directory {path.parent}; create it first")
+    try:
+        if path.is_dir():
+            raise InvalidInput("dest", f"expected a file, found a directory at {dest}")
+        if not path.parent.is_dir():
+            raise InvalidInput("dest", f"expected a file in an existing directory, found no "
+                                       f"directory {path.parent}; create it first")
+    except OSError as exc:  # a name too long
+        if exc.errno not in PATH_ERRNOS:
+            raise
+        raise refused("dest", exc, "a file this process can write") from exc
     return path
 
 
@@ -677,9 +689,14 @@ async def _source_bytes(source: str | os.PathLike[str] | bytes | IO[bytes], name
                         ) -> bytes:
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        if not path.is_file():
-            raise InvalidInput(name, f"expected an export file, found nothing at {path}")
-        return await trio.to_thread.run_sync(path.read_bytes)
+        try:
+            if not path.is_file():
+                raise InvalidInput(name, f"expected an export file, found nothing at {path}")
+            return await trio.to_thread.run_sync(path.read_bytes)
+        except OSError as exc:  # a name too long, a file this process may not read
+            if exc.errno not in PATH_ERRNOS:
+                raise
+            raise refused(name, exc, "an export file this process can read") from exc
     if isinstance(source, (bytes, bytearray)):
         return bytes(source)
     if isinstance(source, io.TextIOBase):

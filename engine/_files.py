@@ -2,9 +2,41 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
+
+from actors.base.errors import InvalidInput
+
+# What a path the process cannot write at (or read from) raises: the caller's path, not a
+# failure of the engine.
+PATH_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES,
+                         errno.EPERM, errno.EROFS, errno.ENAMETOOLONG, errno.ELOOP,
+                         errno.EINVAL})
+
+
+def resolved(field: str, path: Path) -> Path:
+    """``path`` made absolute, its links followed.
+
+    Raises:
+        InvalidInput: naming ``field``: ``path`` holds a NUL or a lone surrogate, which no
+            file name can.
+    """
+    name = str(path)
+    if "\x00" in name:
+        raise InvalidInput(field, f"expected a path, found a NUL character in {name!r}")
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError:
+        raise InvalidInput(field, f"expected a path, found a lone surrogate in {name!r}") from None
+    return path.resolve()
+
+
+def refused(field: str, exc: OSError, expected: str) -> InvalidInput:
+    """The caller's error for a path the system refused with one of :data:`PATH_ERRNOS`
+    (any other, a full disk or an I/O error, is not the caller's path: re-raise it)."""
+    return InvalidInput(field, f"expected {expected}, found {exc.strerror} for {exc.filename}")
 
 
 def write_atomically(path: Path, data: bytes) -> None:

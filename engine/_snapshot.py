@@ -20,7 +20,6 @@ checked with the integrity key, its head alone.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import hmac
 import json
@@ -42,6 +41,7 @@ from actors.fulltext import build_index
 from actors.store import LOG_TOMBSTONE, MAX_DBS, clean_copy, lsn_key, open_databases
 from actors.store.integrity import HEAD_KEY
 
+from ._files import PATH_ERRNOS, refused, resolved
 from ._owner import OwnerLock
 from ._parts import Parts
 from ._verify import require_store, verify_chain
@@ -208,35 +208,6 @@ def _deleted_after(store_dir: Path, lsn: int) -> bool:
         env.close()
 
 
-# What a destination the process cannot write at raises: the caller's path, not a failure.
-_DEST_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES,
-                          errno.EPERM, errno.EROFS, errno.ENAMETOOLONG, errno.ELOOP,
-                          errno.EINVAL})
-
-
-def _resolved(field: str, path: Path) -> Path:
-    """``path`` made absolute, its links followed.
-
-    Raises:
-        InvalidInput: naming ``field``: ``path`` holds a NUL or a lone surrogate, which no
-            file name can.
-    """
-    name = str(path)
-    if "\x00" in name:
-        raise InvalidInput(field, f"expected a path, found a NUL character in {name!r}")
-    try:
-        os.fsencode(name)
-    except UnicodeEncodeError:
-        raise InvalidInput(field, f"expected a path, found a lone surrogate in {name!r}") from None
-    return path.resolve()
-
-
-def _unusable(field: str, exc: OSError) -> InvalidInput:
-    """The InvalidInput for a path the system refused (``_DEST_ERRNOS``): the caller's."""
-    return InvalidInput(field, f"expected a directory this process can create, found "
-                               f"{exc.strerror} for {exc.filename}")
-
-
 def _partial(dest: Path, store: Path) -> tuple[Path, Path]:
     """``dest`` resolved, and the empty ``DEST.partial`` directory a snapshot to it is written
     in, made (an earlier one left behind is removed first).
@@ -245,7 +216,7 @@ def _partial(dest: Path, store: Path) -> tuple[Path, Path]:
         InvalidInput: ``dest`` is no path (a NUL, a lone surrogate), a file, a directory with
             files in it, inside the store, or a place this process cannot create.
     """
-    dest = _resolved("dest", dest)  # "." or "snap/..": the name its .partial sibling is made from
+    dest = resolved("dest", dest)  # "." or "snap/..": the name its .partial sibling is made from
     try:
         if dest.is_file():
             raise InvalidInput("dest", f"expected a new or empty directory, found a file at "
@@ -263,9 +234,9 @@ def _partial(dest: Path, store: Path) -> tuple[Path, Path]:
             shutil.rmtree(partial)
         partial.mkdir(parents=True)
     except OSError as exc:
-        if exc.errno not in _DEST_ERRNOS:
+        if exc.errno not in PATH_ERRNOS:
             raise
-        raise _unusable("dest", exc) from exc
+        raise refused("dest", exc, "a directory this process can create") from exc
     return dest, partial
 
 
@@ -324,10 +295,9 @@ def read_manifest(snapshot: Path) -> Manifest:
         # A folder of that name is no manifest either (reading it would be IsADirectoryError).
         body = path.read_bytes() if path.is_file() else None
     except OSError as exc:
-        if exc.errno not in _DEST_ERRNOS:
+        if exc.errno not in PATH_ERRNOS:
             raise
-        raise InvalidInput("snapshot", f"expected a readable snapshot directory, found "
-                                       f"{exc.strerror} for {exc.filename}") from exc
+        raise refused("snapshot", exc, "a readable snapshot directory") from exc
     if body is None:
         raise InvalidInput("snapshot", f"expected a snapshot directory with manifest.json, "
                                        f"found none in {snapshot}")
@@ -360,7 +330,7 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
                   integrity_key: str | None = None) -> Manifest:
     """See ``Engine.restore``."""
     # "." has no name to put beside it
-    snapshot, store = _resolved("snapshot", snapshot), _resolved("store_path", store)
+    snapshot, store = resolved("snapshot", snapshot), resolved("store_path", store)
     if store.is_relative_to(snapshot):
         # Over the snapshot's own store/, its data.mdb would become the live store's, and the
         # first write would leave a snapshot that no longer matches its manifest.
@@ -377,9 +347,9 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
         there = store.exists()
         holding = there and (not store.is_dir() or any(store.iterdir()))
     except OSError as exc:  # a name too long, a folder this process cannot list
-        if exc.errno not in _DEST_ERRNOS:
+        if exc.errno not in PATH_ERRNOS:
             raise
-        raise _unusable("store_path", exc) from exc
+        raise refused("store_path", exc, "a directory this process can create") from exc
     if holding and not overwrite:
         raise InvalidInput("store_path", f"expected a new or empty directory, found {store} "
                                          "with files in it; pass overwrite=True to replace it")
@@ -423,9 +393,9 @@ async def _install(snapshot: Path, store: Path, manifest: Manifest,
                 await trio.to_thread.run_sync(shutil.rmtree, incoming)
             incoming.mkdir(parents=True)
         except OSError as exc:
-            if exc.errno not in _DEST_ERRNOS:
+            if exc.errno not in PATH_ERRNOS:
                 raise
-            raise _unusable("store_path", exc) from exc
+            raise refused("store_path", exc, "a directory this process can create") from exc
         found = await _copy_checked(snapshot, incoming, manifest, progress)
         if found != manifest.files:
             damaged = sorted(set(found.items()) ^ set(manifest.files.items()))

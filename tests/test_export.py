@@ -472,3 +472,24 @@ async def test_an_import_stopped_after_a_users_records_is_completed_by_importing
         assert _same(await _answers(mem), expected["maya"])
     report = await Engine.verify(tmp_path / "b")
     assert report["ok"], report["problems"]
+
+
+async def test_an_export_or_import_path_that_is_no_usable_path_is_invalid_input(tmp_path) -> None:
+    """A path with a NUL, a lone surrogate or a name too long, or in a folder this process
+    cannot write, is InvalidInput naming dest (or source), never a ValueError or an OSError,
+    and no file is left beside it."""
+    async with open_engine(tmp_path / "store") as mem:
+        await mem.add_turn("ana", "s", "user", "hello")
+        before = sorted(p.name for p in tmp_path.iterdir())
+        for dest in (tmp_path / "nul\x00", tmp_path / "\ud800", tmp_path / ("x" * 300),
+                     tmp_path / ("y" * 250), Path("/proc/self/export.jsonl")):
+            with pytest.raises(InvalidInput) as refused:
+                await mem.export_user("ana", dest)
+            assert refused.value.field == "dest", dest
+        assert sorted(p.name for p in tmp_path.iterdir()) == before
+        with pytest.raises(InvalidInput) as refused:
+            await mem.import_user(tmp_path / ("x" * 300))
+        assert refused.value.field == "source"
+        with pytest.raises(InvalidInput) as refused:
+            await mem.import_users([b"", tmp_path / ("x" * 300)])
+        assert refused.value.field == "sources[1]"
