@@ -41,6 +41,7 @@ from actors.store.integrity import (
     unseal,
 )
 
+from ._files import PATH_ERRNOS, refused
 from ._owner import OwnerLock
 
 __all__ = ["verify_store", "verify_chain", "require_store"]
@@ -49,6 +50,25 @@ MAX_LISTED = 50  # problems listed in the report; the count covers all of them
 
 _decode_turn = msgspec.msgpack.Decoder(Turn).decode
 _decode_session = msgspec.msgpack.Decoder(SessionInfo).decode
+
+
+def _data_file(path: Path) -> Path:
+    """``path``'s data.mdb, a file.
+
+    Raises:
+        InvalidInput: there is none (a folder of that name is none either), or ``path`` is
+            one the system refuses (a name too long, a folder this process cannot read).
+    """
+    data = path / "data.mdb"
+    try:
+        found = data.is_file()
+    except OSError as exc:
+        if exc.errno not in PATH_ERRNOS:
+            raise
+        raise refused("store", exc, "an Engram store") from exc
+    if not found:
+        raise InvalidInput("store", f"expected an Engram store, found no data.mdb in {path}")
+    return data
 
 
 def require_store(path: Path) -> None:
@@ -60,9 +80,7 @@ def require_store(path: Path) -> None:
         InvalidInput: no data.mdb, an empty one, or LMDB data without Engram's schema version.
         StoreCorrupt: a data.mdb that is not LMDB's, or that LMDB cannot read.
     """
-    data = path / "data.mdb"
-    if not data.is_file():
-        raise InvalidInput("store", f"expected an Engram store, found no data.mdb in {path}")
+    data = _data_file(path)
     check_file(path)
     if data.stat().st_size == 0:
         raise InvalidInput("store", f"expected an Engram store, found an empty data.mdb in "
@@ -116,8 +134,7 @@ def verify_store(path: Path, integrity_key: str | None = None, seal: bool = Fals
         InvalidInput: no store at ``path``, or ``seal`` without a key the engine accepts.
         StoreInUse: ``seal``, and an engine (or a command) owns the store.
     """
-    if not (path / "data.mdb").exists():
-        raise InvalidInput("store", f"expected an Engram store, found no data.mdb in {path}")
+    _data_file(path)
     if not seal:
         return _verify(path, integrity_key, False)
     if not integrity_key:
