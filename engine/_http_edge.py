@@ -75,6 +75,13 @@ def load_api_keys(path: str | Path) -> ApiKeys:
                 raise InvalidInput("api_keys", f"expected sha256: and 64 hex digits at {where}, "
                                                f"found {len(digest)} characters")
         else:
+            if not all("!" <= c <= "~" for c in key):
+                # A header's bytes reach the app as Latin-1: a key with any other character
+                # hashes to another digest when presented, and would refuse every call.
+                raise InvalidInput("api_keys", f"expected a key of printable ASCII characters "
+                                               f"(what an Authorization header carries) at "
+                                               f"{where}, found another character; use "
+                                               f"letters, digits and punctuation only")
             digest = hashlib.sha256(key.encode()).hexdigest()
         users = None if scope == ADMIN else frozenset(u for u in scope.split(",") if u)
         if users is not None and not users:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 import trio
 
+from engine import InvalidInput
 from engine._http_edge import LocalOnly
 from engine._http_wire import MAX_BATCH_TURNS
 from engine._server import create_app, load_api_keys, serve
@@ -120,6 +122,31 @@ async def test_a_401_never_echoes_the_key_it_was_sent(mem, tmp_path) -> None:
             assert refused.status_code == 401, (header, refused.text)
             assert ANA_KEY not in refused.text, (header, refused.text)
             assert "no 'Bearer ' scheme" in refused.json()["message"], refused.text
+
+
+async def test_a_key_no_http_header_can_carry_is_refused_when_the_file_is_read(
+        mem, tmp_path) -> None:
+    """A key with a character outside printable ASCII (an accented passphrase) could never be
+    presented: a header's bytes are read as Latin-1, so the key the client sends hashes to
+    another digest and every call is a 401. The file is refused at start-up instead, naming
+    the line and not the key."""
+    keys = tmp_path / "keys"
+    keys.write_text("ana-plain ana\npassphrase-do-jos\u00e9 jose\n", encoding="utf-8")
+    try:
+        app = create_app(mem, load_api_keys(keys))
+    except InvalidInput as exc:
+        assert exc.field == "api_keys"
+        assert f"{keys}:2" in str(exc) and "printable ASCII" in str(exc), exc
+        assert "passphrase" not in str(exc), exc
+    else:
+        async with lenient(app) as http:  # curl sends the key as it is in the file: UTF-8
+            sent = {"Authorization": "Bearer passphrase-do-jos\u00e9".encode()}
+            answer = await http.get("/v1/users/jose/sessions", headers=sent)
+        raise AssertionError(f"a key no client can present was loaded: {answer.status_code}")
+    for odd in ("key\x7fdel ana", "key\x01ctl ana"):
+        keys.write_text(odd + "\n")
+        with pytest.raises(InvalidInput, match="printable ASCII"):
+            load_api_keys(keys)
 
 
 async def test_hostile_bodies_and_ids_never_get_a_5xx_and_leave_the_engine_usable(
