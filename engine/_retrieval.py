@@ -3,9 +3,10 @@
 1. Embed the query once (an LRU cache keyed by user and text).
 2. In parallel: the vector leg (AnnIndex), the BM25 leg (FullText; stopwords and question words
    left out of the query), the entity leg (memories naming an entity the query names, when that
-   entity is rare among the user's memories: a name in most of them carries no signal) and the
-   window leg (what the text index does not hold yet, by terms shared with the query: turns
-   acknowledged, from the RAM windows; notes and facts stored, from the log's newest end).
+   entity is rare among the user's memories: a name in most of them carries no signal; the
+   filters judged on the records' vector metadata) and the window leg (what the text index
+   does not hold yet, by terms shared with the query: turns acknowledged, from the RAM
+   windows; notes and facts stored, from the log's newest end).
    Each leg brings ``max(CANDIDATES_PER_LEG, 2 x limit)`` candidates with scores. When the
    query admits turns and other kinds, the vector and BM25 legs search the turns and the other
    kinds (episodes, facts, notes) as two lists of that depth: the turns' list is exactly what a
@@ -267,6 +268,12 @@ class Retriever:
 
         async def entity_leg() -> None:
             found = await self._entity_leg(user_id, query)
+            # The recall's filters inside the leg, as in the others: a memory they exclude
+            # takes no place in its ranking nor in how its scores are normalised.
+            filters = Filters(session_id, since, until, roles, kinds, None, hidden)
+            if found and filters.any():
+                admitted = await self.ann.admitted(user_id, [lsn for lsn, _ in found], filters)
+                found = [pair for pair in found if pair[0] in admitted]
             if masked:
                 await mask_ready.wait()
                 admitted = set(mask[0])

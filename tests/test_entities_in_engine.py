@@ -49,3 +49,23 @@ async def test_forgetting_removes_entities(store_path) -> None:
         assert (await mem.memory_stats("ana"))["entities"] == 1
     everything = b"".join(k + v for rows in raw_databases(store_path).values() for k, v in rows)
     assert b"Zebulon" not in everything
+
+
+async def test_the_entity_leg_searches_only_what_the_filters_admit(mem) -> None:
+    """The entity leg takes the recall's filters inside the leg, as the others do: memories of
+    other sessions, times, roles or kinds naming the entity take no place in its ranking (they
+    were ranked, then dropped after fusion, so a memory the filter admits showed a worse rank
+    and a score normalised over memories it could never be shown beside)."""
+    wanted = await mem.add_turn("ana", "trip", "user", "Tomás drove us to the crag.")
+    await mem.add_turn("ana", "trip", "assistant", "Sounds like a good day out.")
+    for i in range(6):  # later: the leg ranks equal scores newest first
+        await mem.add_turn("ana", "elsewhere", "user", f"Tomás called about the rope, day {i}.")
+    for i in range(40):  # the entity stays rare among the user's memories
+        await mem.add_turn("ana", "other", "user", f"A note about nothing much, number {i}.")
+    await mem.flush()
+    for filters in ({"session_id": "trip"}, {"kinds": ["turn"], "session_id": "trip"}):
+        hits = await mem.recall("ana", "tomás", legs=["entity"], **filters)
+        assert (hits[0].id, hits[0].explain.ranks) == (wanted.turn_id, {"entity": 1}), (
+            filters, [(h.text, h.explain.ranks) for h in hits])
+    hits = await mem.recall("ana", "tomás", legs=["entity"], roles=["assistant"])
+    assert not [h for h in hits if "entity" in h.explain.ranks]

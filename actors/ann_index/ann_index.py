@@ -586,6 +586,23 @@ class AnnIndex:
                     out[lsn] = max(x, out.get(lsn, -1.0))
         return out
 
+    async def admitted(self, user_id: str, lsns: list[int], filters: Filters) -> set[int]:
+        """Those of ``lsns`` that ``filters`` admit, judged by their rows' metadata (session,
+        time, role, kind), as a search with these filters would; a record without a vector
+        yet cannot be judged here and is kept (its caller checks the record itself)."""
+        user = await self._user(user_id)
+        out = set(lsns)
+        for _, uv in user.parts():
+            row_of = uv.row_of
+            pairs = [(lsn, row) for lsn in lsns if (row := row_of.get(lsn)) is not None]
+            if not pairs:
+                continue
+            rows = np.array([row for _, row in pairs], dtype=np.int64)
+            keep = filters.mask(uv.meta[rows], uv.lsns[rows])
+            out.difference_update(lsn for (lsn, _), kept in zip(pairs, keep.tolist(),
+                                                                 strict=True) if not kept)
+        return out
+
     async def count(self, user_id: str) -> int:
         """The user's records with vectors (loading the user, as a search would)."""
         user = await self._user(user_id)

@@ -155,6 +155,24 @@ async def test_filters_apply_inside_the_search(store_path) -> None:
         assert await ann.search("ana", query, 5, Filters(kinds=("fact",))) == []
 
 
+async def test_admitted_judges_records_by_their_rows_and_keeps_those_without_one(
+        store_path) -> None:
+    """``admitted`` answers, for given records, what a search with the same filters could
+    return; a record with no vector yet cannot be judged and is kept."""
+    async with running_index(store_path) as v:
+        early = await v.add_turn("ana", "a", "dog lisbon", at_offset=timedelta(0))
+        late = await v.add_turn("ana", "b", "dog lisbon", role="assistant",
+                                at_offset=timedelta(days=3))
+        bare = await v.ground.add_turn("ana", "a", "no vector yet", durable=True)
+        ann, every = v.ann, [early, late, bare]
+        assert await ann.admitted("ana", every, Filters(session_id="b")) == {late, bare}
+        assert await ann.admitted("ana", every, Filters(roles=("user",))) == {early, bare}
+        since = Filters(since=T0 + timedelta(days=1))
+        assert await ann.admitted("ana", every, since) == {late, bare}
+        assert await ann.admitted("ana", every, Filters(kinds=("fact",))) == {bare}
+        assert await ann.admitted("ana", every, Filters(exclude=[late])) == {early, bare}
+
+
 async def test_vectors_committed_while_a_user_loads_are_not_lost(store_path) -> None:
     """Adds that commit between the load's read and its install are replayed into the index."""
     async with running_index(store_path) as v:
