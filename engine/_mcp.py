@@ -66,8 +66,11 @@ def create_server(engine: Engine, user: str | None = None) -> Server:
     async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
         arguments = dict(params.arguments or {})
         if user is not None and "user_id" in arguments:
+            found = repr(arguments["user_id"])
+            if len(found) > 60:  # a model may send a megabyte where an id goes
+                found = found[:57] + "..."
             return _failure(f"arguments.user_id: expected no user_id (this server acts for "
-                            f"{user!r} only), found {arguments['user_id']!r}")
+                            f"{user!r} only), found {found}")
         try:
             result = await _call_tool(engine, params.name, arguments, user=user)
         except EngineError as exc:  # the model sees the message and can correct its call

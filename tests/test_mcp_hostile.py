@@ -161,3 +161,13 @@ async def test_an_error_message_does_not_echo_a_huge_value(mem) -> None:
         text = result.content[0].text
         assert result.is_error and text.startswith("InvalidInput: arguments.detail: expected enum")
         assert len(text) < 500
+
+
+async def test_with_a_fixed_user_a_huge_user_id_is_not_echoed_back(mem) -> None:
+    """`--user ana`: a model that sends a megabyte of user_id anyway is told so in a short
+    error, not sent the megabyte back."""
+    async with Client(create_server(mem, user="ana")) as client:
+        result = await client.call_tool("list_notes", {"user_id": "b" * 1_000_000})
+        text = result.content[0].text
+        assert result.is_error and text.startswith("arguments.user_id: expected no user_id")
+        assert len(text) < 500
