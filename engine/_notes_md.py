@@ -16,12 +16,18 @@ The file operations of concurrent calls run in worker threads and may land in an
 each carries the log position of the change it mirrors and they are applied in that order: a
 note's write that lands after its user's forget (or its own deletion, or a newer version) is
 dropped, where it would have put the forgotten note back until the next open.
+
+A file operation the filesystem refuses (a folder of the note's name, a user's folder
+replaced by a file, a full disk) is logged and skipped, never raised: the store committed
+the change the caller asked for, and ``sync`` tries again at the next open. A file edited by
+hand is rewritten from the store whatever it holds (another encoding too).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
 import threading
 from collections.abc import Iterable
@@ -36,6 +42,8 @@ from actors.base.records import Note
 from ._files import write_atomically
 
 __all__ = ["NotesMirror", "safe_name"]
+
+log = logging.getLogger("engram.notes")
 
 MAX_NAME = 180  # bytes of a file name before ".md": ext4 and most others allow 255
 _SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
@@ -98,10 +106,13 @@ class NotesMirror:
             if lsn <= max(self._newest.get(path, 0), self._gone.get(path.parent.name, 0)):
                 return  # a later change of this file (or of its user) is mirrored already
             self._newest[path] = lsn
-            if note is None:
-                path.unlink(missing_ok=True)
-            else:
-                self._write(note)
+            try:
+                if note is None:
+                    path.unlink(missing_ok=True)
+                else:
+                    self._write(note)
+            except OSError as exc:
+                _skipped(path, exc)
 
     def _remove_user(self, user_id: str, lsn: int) -> None:
         directory = self.root / safe_name(user_id)
@@ -128,18 +139,31 @@ class NotesMirror:
             path = self.path(note.user_id, note.note_id)
             wanted.add(path)
             try:
-                current = path.read_text(encoding="utf-8")
-            except FileNotFoundError:
+                current = path.read_bytes()
+            except OSError:  # none, or a folder of its name (rewriting it says which)
                 current = None
-            if current != render(note):
-                self._write(note)
+            if current != render(note).encode("utf-8"):
+                try:
+                    self._write(note)
+                except OSError as exc:
+                    _skipped(path, exc)
+                    continue
                 changed += 1
         if self.root.is_dir():
             for path in self.root.glob("*/*.md"):
-                if path not in wanted:
-                    path.unlink(missing_ok=True)
+                if path not in wanted and not path.is_dir():
+                    try:
+                        path.unlink(missing_ok=True)
+                    except OSError as exc:
+                        _skipped(path, exc)
+                        continue
                     changed += 1
         return changed
+
+
+def _skipped(path: Path, exc: OSError) -> None:
+    log.warning("notes mirror: %s left as it is (%s); the store keeps the note, and the next "
+                "open writes the file again", path, exc.strerror or exc)
 
 
 def _read_all_notes(txn: Any, dbs: dict[bytes, Any]) -> list[Note]:

@@ -156,3 +156,38 @@ def _gone_within(path: Path, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while path.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+async def test_a_mirror_file_spoiled_by_hand_never_stops_the_engine(store_path, clock,
+                                                                      tmp_path) -> None:
+    """The files are a view: a note's file saved in another encoding, a folder where a file
+    was, a user's folder replaced by a file, make neither open nor a committed call fail.
+    The call returns what it stored, and what can be written is made right (at the latest
+    at the next open)."""
+    root = tmp_path / "notes"
+    config = {"notes_markdown_dir": str(root)}
+    async with open_engine(store_path, clock=clock, config=config) as mem:
+        for name in ("latin", "folder", "gone", "later"):
+            await mem.store_note("maya", f"A note called {name}", note_id=name)
+    (root / "maya" / "latin.md").write_bytes("caf\xe9 edited in Latin-1".encode("latin-1"))
+    (root / "maya" / "folder.md").unlink()
+    (root / "maya" / "folder.md").mkdir()
+    async with open_engine(store_path, clock=clock, config=config) as mem:
+        assert _files(root)["maya/latin.md"].endswith("\nA note called latin\n")
+        assert await mem.update_note("maya", "folder", "Updated beside a folder")
+        assert await mem.delete_note("maya", "folder")
+        assert await mem.get_note("maya", "folder") is None
+        (root / "maya" / "folder.md").rmdir()
+        for path in (root / "maya").iterdir():
+            path.unlink()
+        (root / "maya").rmdir()
+        (root / "maya").write_text("a file where the user's folder was")
+        stored = await mem.store_note("maya", "Stored beside a spoiled mirror", note_id="new")
+        assert stored.note_id == "new" and await mem.get_note("maya", "new") == stored
+        assert await mem.update_note("maya", "later", "Updated beside a spoiled mirror")
+        assert await mem.delete_note("maya", "gone")
+    (root / "maya").unlink()
+    async with open_engine(store_path, clock=clock, config=config) as mem:
+        files = _files(root)
+        assert sorted(files) == ["maya/later.md", "maya/latin.md", "maya/new.md"]
+        assert files["maya/later.md"].endswith("\nUpdated beside a spoiled mirror\n")
