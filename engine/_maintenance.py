@@ -150,6 +150,7 @@ class Maintenance:
             if follower is not parts.compressor.follower:  # it reported the switch itself
                 await follower.wait(lsn - 1)
         now = parts.clock().astimezone(timezone.utc)
+        forgets = await self._settled()
         facts, episodes = await self._recent(user_id, now)
         if not facts and not episodes:
             return False
@@ -169,8 +170,31 @@ class Maintenance:
             text = reflection_text(now, facts, episodes,
                                    f"Reflection after a conversation, {now.date().isoformat()}.")
         exists = await self._memory.get_note(user_id, SESSION_REFLECTION) is not None
-        await self._memory.put_note(user_id, text, SESSION_REFLECTION, ("reflection", "session"),
-                                    replace=exists)
+        return await self._write(user_id, text, SESSION_REFLECTION, ("reflection", "session"),
+                                 exists, forgets)
+
+    async def _settled(self) -> int:
+        """The count of forgets so far, once every forget it counts has committed: a read
+        after this sees none of what they removed."""
+        forgets = self._parts.forgets
+        await self._parts.committed()
+        return forgets
+
+    async def _write(self, user_id: str, text: str, note_id: str, tags: tuple[str, ...],
+                     replace: bool, forgets: int) -> bool:
+        """Write a reflection made from what was read after :meth:`_settled` returned
+        ``forgets``, unless a forget was queued since: the note would quote what it removed,
+        and one landing after the forget of its user would bring the user back. Returns
+        whether the note stays."""
+        parts = self._parts
+        if parts.forgets != forgets:
+            return False
+        await self._memory.put_note(user_id, text, note_id, tags, replace=replace)
+        if parts.forgets != forgets:
+            # Queued while the note was written, the forget may have landed before it: the
+            # note goes too (the next pass writes it again from what the user still has).
+            await self._memory.delete_note(user_id, note_id)
+            return False
         return True
 
     async def _recent(self, user_id: str, now: datetime) -> tuple[list[Any], list[Any]]:
@@ -193,15 +217,15 @@ class Maintenance:
     async def _reflect(self, user_id: str, now: datetime) -> bool:
         year, week, _ = now.isocalendar()
         note_id = f"reflection-{year}-W{week:02d}"
+        forgets = await self._settled()
         if await self._memory.get_note(user_id, note_id) is not None:
             return False
         facts, episodes = await self._recent(user_id, now)
         if len(facts) + len(episodes) < REFLECTION_MIN_ITEMS:
             return False
         text = reflection_text(now, facts, episodes)
-        await self._memory.put_note(user_id, text, note_id, ("reflection", "weekly"),
-                                    replace=False)
-        return True
+        return await self._write(user_id, text, note_id, ("reflection", "weekly"), False,
+                                 forgets)
 
 
 def reflection_text(now: datetime, facts: list[Any], episodes: list[Any],

@@ -63,3 +63,38 @@ async def test_a_retrieval_racing_forget_user_leaves_no_pending_review(store_pat
         assert shown.episodic
         await mem.flush()
     assert raw_databases(store_path)["pending"] == []
+
+
+async def test_a_reflection_racing_forget_user_never_brings_the_user_back(store_path) -> None:
+    """A weekly reflection read from a user's facts before the user was forgotten is not
+    left after the forget, whether the forget lands after the read or while the note is
+    being written: no note quoting the forgotten facts, no user left."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        for user in ("ana", "bo"):
+            await mem.add_turn(user, "s", "user", "I'm allergic to peanuts.")
+            await mem.add_turn(user, "s", "user", "I moved to Porto last month.")
+            await mem.add_turn(user, "s", "user", "I work as a pharmacist, long shifts.")
+        await mem.flush()
+        recent, put_note = mem._maintenance._recent, mem._memory.put_note
+
+        async def recent_then_forget(user_id, now):
+            found = await recent(user_id, now)
+            if user_id == "ana":
+                await mem.forget_user(user_id)
+            return found
+
+        async def forget_then_put_note(user_id, *args, **kwargs):
+            if user_id == "bo":  # the forget queued before the note is
+                await mem.forget_user(user_id)
+            return await put_note(user_id, *args, **kwargs)
+
+        mem._maintenance._recent = recent_then_forget
+        mem._memory.put_note = forget_then_put_note
+        assert (await mem.maintain()).reflections == 0
+        await mem.flush()
+        for user in ("ana", "bo"):
+            assert await mem.list_notes(user) == []
+        assert await mem.list_users() == []
+    assert not any(b"peanuts" in value for rows in raw_databases(store_path).values()
+                   for _, value in rows)
