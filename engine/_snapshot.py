@@ -230,6 +230,11 @@ def _partial(dest: Path, store: Path) -> tuple[Path, Path]:
             raise InvalidInput("dest", f"expected a directory outside the store, found {dest} "
                                        f"inside {store}; write the snapshot beside the store")
         partial = dest.with_name(dest.name + ".partial")
+        if store.is_relative_to(partial):
+            # What a snapshot cut short leaves is removed before the next one: not the store.
+            raise InvalidInput("dest", f"expected a destination whose {partial.name} is free "
+                                       f"for the copy, found the store at {partial}; choose "
+                                       "another name")
         if partial.exists():
             shutil.rmtree(partial)
         partial.mkdir(parents=True)
@@ -336,6 +341,11 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
         # first write would leave a snapshot that no longer matches its manifest.
         raise InvalidInput("store_path", f"expected a directory outside the snapshot, found "
                                          f"{store} inside {snapshot}; restore beside it")
+    for leftover in (".restoring", ".replaced"):  # removed if found: never the snapshot
+        if snapshot.is_relative_to(aside := store.with_name(store.name + leftover)):
+            raise InvalidInput("store_path", f"expected a store whose {aside.name} is free for "
+                                             f"the restore, found the snapshot {snapshot} "
+                                             "there; restore it under another name")
     manifest = read_manifest(snapshot)
     if integrity_key is not None and not hmac.compare_digest(
             manifest.mac, manifest_mac(manifest, integrity_key)):

@@ -302,3 +302,23 @@ async def test_a_restore_into_the_snapshot_itself_is_refused_and_the_snapshot_ke
     await Engine.restore(tmp_path / "snap", tmp_path / "again")
     async with open_engine(tmp_path / "again") as mem:
         assert [t.text for t in await mem.session_history("ana", "s")] == ["hello"]
+
+
+async def test_a_leftover_name_that_is_a_store_or_a_snapshot_is_never_removed(tmp_path) -> None:
+    """A snapshot clears ``DEST.partial`` and a restore ``STORE.restoring`` (what one cut
+    short left): when that name is the live store, or the snapshot being restored, it is
+    refused instead, and the store or the snapshot is kept."""
+    store = tmp_path / "backup.partial"
+    async with open_engine(store) as mem:
+        await mem.add_turn("ana", "s", "user", "hello")
+        await mem.flush()
+        with pytest.raises(InvalidInput, match=r"^dest: expected .*backup.partial"):
+            await mem.snapshot(tmp_path / "backup")
+        assert [t.text for t in await mem.session_history("ana", "s")] == ["hello"]
+        await mem.snapshot(tmp_path / "snap.restoring")
+    with pytest.raises(InvalidInput, match=r"^store_path: expected .*snap.restoring"):
+        await Engine.restore(tmp_path / "snap.restoring", tmp_path / "snap")
+    await Engine.restore(tmp_path / "snap.restoring", tmp_path / "elsewhere")
+    async with open_engine(tmp_path / "elsewhere") as mem:
+        assert [t.text for t in await mem.session_history("ana", "s")] == ["hello"]
+    assert (store / "data.mdb").exists()
