@@ -118,6 +118,7 @@ class Engine(_bridge.Settings):
         self._token: trio.lowlevel.TrioToken | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        self._pid = _bridge.pid  # the process where the engine's trio loop runs
 
     @classmethod
     @asynccontextmanager
@@ -204,9 +205,9 @@ class Engine(_bridge.Settings):
         if not ready.done():
             done.result().unwrap()  # the open failed: raise its error here
             raise EngineClosed("the engine stopped before it was ready")
-        try:
-            yield facade
-        finally:
+
+        async def close() -> None:
+            """Refuse new calls, stop the trio run (it drains) and wait for it to end."""
             facade._closed = True
             with suppress(trio.RunFinishedError):  # it stopped already (it broke): see below
                 facade._token.run_sync_soon(holder["stop"].set)
@@ -223,10 +224,19 @@ class Engine(_bridge.Settings):
             if cancelled is not None:
                 raise cancelled
 
+        try:
+            yield facade
+        finally:
+            # In a forked child the engine and its trio loop are the parent's to close.
+            if _bridge.forked_error(facade._pid) is None:
+                await close()
+
     # -- calls -------------------------------------------------------------------------------
 
     def _reachable(self) -> asyncio.AbstractEventLoop:
         """The engine's asyncio loop, once calls can reach the engine through it."""
+        if (forked := _bridge.forked_error(self._pid)) is not None:
+            raise forked
         if self._closed:
             raise _closed_error()
         if self._loop.is_closed():  # closed with the engine open: its trio run went with it

@@ -56,6 +56,7 @@ class Engine(_bridge.Settings):
         self._native: TrioEngine | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._closed = False
+        self._pid = _bridge.pid  # the process whose thread runs the engine
 
     @classmethod
     @contextmanager
@@ -88,6 +89,8 @@ class Engine(_bridge.Settings):
             """Stop the engine (it drains what was acknowledged) and wait for its thread. The
             stop goes through the token's queue, which trio.from_thread would refuse a trio
             task: a blocking engine opened in one closes there too."""
+            if _bridge.forked_error(facade._pid) is not None:
+                return  # a forked child: the engine and its thread are the parent's
             facade._closed = True
             with suppress(trio.RunFinishedError):  # it stopped already (it broke): see result
                 facade._token.run_sync_soon(holder["stop"].set)
@@ -117,9 +120,12 @@ class Engine(_bridge.Settings):
         finally:
             atexit.unregister(close)
             close()
-            result[0].unwrap()
+            if _bridge.forked_error(facade._pid) is None:
+                result[0].unwrap()
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if (forked := _bridge.forked_error(self._pid)) is not None:
+            raise forked
         if self._closed or self._token is None:
             raise EngineClosed("the engine is closed; open a new one with Engine.open(path)")
         try:

@@ -262,6 +262,42 @@ def test_an_asyncio_open_cancelled_twice_still_closes_what_it_opened(tmp_path, t
     asyncio.run(main())
 
 
+# A web app that opens its engine, then forks workers (a pre-forking server, a
+# multiprocessing pool on Linux): the engine's trio loop did not come along into the child.
+FORKED_ASYNCIO_SCRIPT = """
+import asyncio, os, signal, sys
+from engine import EngineClosed, HashEmbedder
+from engine.aio import Engine
+
+async def main():
+    async with Engine.open(sys.argv[1], embedder=HashEmbedder(), trio_loop=sys.argv[2]) as mem:
+        await mem.add_turn("ana", "s1", "user", "said in the parent", durable=True)
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(10)  # a call that never answers ends the child here
+            try:
+                await mem.session_history("ana", "s1")
+                print("child: answered", flush=True)
+            except EngineClosed as exc:
+                print("child:", exc, flush=True)
+            os._exit(0)
+        await asyncio.to_thread(os.waitpid, pid, 0)
+
+asyncio.run(main())
+"""
+
+
+@trio_loops
+def test_an_asyncio_engine_used_in_a_forked_child_says_it_cannot_be_reached(
+        tmp_path, trio_loop) -> None:
+    """A child forked from a process with an open engine gets EngineClosed from its calls,
+    not a wait for ever; the parent's engine and store are untouched."""
+    child = run_child(FORKED_ASYNCIO_SCRIPT, str(tmp_path / "s"), trio_loop)
+    assert child.returncode == 0, child.stderr
+    assert "child: the engine was opened in process" in child.stdout, child.stdout
+    assert history(tmp_path / "s") == ["said in the parent"]
+
+
 # -- blocking ----------------------------------------------------------------------------------
 
 
@@ -366,3 +402,35 @@ def test_ctrl_c_while_the_blocking_facade_opens_closes_what_it_opened(tmp_path) 
     child = run_child(INTERRUPTED_OPEN_SCRIPT, str(tmp_path / "s"))
     assert child.returncode == 0, child.stderr
     assert child.stdout == "interrupted\nreopened []\n", child.stdout + child.stderr
+
+
+FORKED_BLOCKING_SCRIPT = """
+import os, signal, sys
+from engine import EngineClosed, HashEmbedder
+from engine.sync import Engine
+
+with Engine.open(sys.argv[1], embedder=HashEmbedder()) as mem:
+    mem.add_turn("ana", "s1", "user", "said in the parent", durable=True)
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(10)  # a call that never answers ends the child here
+        try:
+            mem.session_history("ana", "s1")
+            print("child: answered", flush=True)
+        except EngineClosed as exc:
+            print("child:", exc, flush=True)
+if pid == 0:
+    print("child: left the block", flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_blocking_engine_used_in_a_forked_child_says_it_cannot_be_reached(tmp_path) -> None:
+    """A child forked from a process with an open engine gets EngineClosed from its calls,
+    not a wait for ever, and leaves the block without touching the parent's engine."""
+    child = run_child(FORKED_BLOCKING_SCRIPT, str(tmp_path / "s"))
+    assert child.returncode == 0, child.stderr
+    assert "child: the engine was opened in process" in child.stdout, child.stdout
+    assert "child: left the block" in child.stdout, child.stdout + child.stderr
+    assert history(tmp_path / "s") == ["said in the parent"]
