@@ -22,6 +22,8 @@ from pathlib import Path
 
 from actors.base.errors import InvalidInput, StoreInUse
 
+from ._files import PATH_ERRNOS, refused, resolved
+
 __all__ = ["OwnerLock", "LOCK_NAME", "claim_in_process", "release_in_process"]
 
 LOCK_NAME = "owner.lock"
@@ -49,13 +51,21 @@ class OwnerLock:
         """Take the lock now or raise.
 
         Raises:
-            InvalidInput: ``store`` is a file, not a directory.
+            InvalidInput: ``store`` is a file, no path (a NUL, a lone surrogate), or a place
+                this process cannot create or write.
             StoreInUse: another engine or command holds it (its pid is in the message).
         """
-        if self.store.exists() and not self.store.is_dir():
-            raise InvalidInput("path", f"expected a store directory, found a file at {self.store}")
-        self.store.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.store / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        resolved("path", self.store)
+        try:
+            if self.store.exists() and not self.store.is_dir():
+                raise InvalidInput("path", f"expected a store directory, found a file at "
+                                           f"{self.store}")
+            self.store.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.store / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno not in PATH_ERRNOS:
+                raise
+            raise refused("path", exc, "a store directory this process can write") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -207,3 +207,18 @@ def test_a_reader_follows_the_map_its_owner_grew(tmp_path) -> None:
             child.process.wait()
         for pipe in (child.process.stdin, child.process.stdout):
             pipe.close()
+
+
+async def test_an_owner_refuses_a_path_it_cannot_lock_as_invalid_input(tmp_path) -> None:
+    """Opening a store to own it at a path with a NUL, a lone surrogate or a name too long,
+    one through a file or in a place this process cannot create, is InvalidInput naming
+    ``path`` (never a ValueError or an OSError), and nothing is made there."""
+    (tmp_path / "a-file").write_text("not a directory")
+    before = sorted(tmp_path.rglob("*"))
+    for path in (tmp_path / "nul\x00", tmp_path / "\ud800", tmp_path / ("x" * 300),
+                 tmp_path / "a-file" / "store", Path("/proc/self/store")):
+        with pytest.raises(InvalidInput) as refused:
+            async with open_engine(path):
+                pass
+        assert refused.value.field == "path", path
+    assert sorted(tmp_path.rglob("*")) == before
