@@ -55,7 +55,8 @@ def load_api_keys(path: str | Path) -> ApiKeys:
     """
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # utf-8-sig: a byte order mark (a Windows editor writes one) is not part of the key.
+        lines = path.read_text(encoding="utf-8-sig").splitlines()
     except OSError as exc:
         raise InvalidInput("api_keys", f"expected a readable keys file, found {exc}") from None
     grants: dict[str, frozenset[str] | None] = {}

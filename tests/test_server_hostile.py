@@ -149,6 +149,18 @@ async def test_a_key_no_http_header_can_carry_is_refused_when_the_file_is_read(
             load_api_keys(keys)
 
 
+async def test_a_keys_file_saved_with_a_byte_order_mark_and_crlf_reads_as_written(
+        mem, tmp_path) -> None:
+    """A keys file from a Windows editor (a UTF-8 byte order mark, CRLF line ends): its first
+    key works like the others, instead of holding an invisible U+FEFF no client sends."""
+    keys = tmp_path / "keys"
+    keys.write_bytes(f"\ufeff{ANA_KEY} ana\r\n{ADMIN_KEY} *\r\n".encode())
+    app = create_app(mem, load_api_keys(keys))
+    async with lenient(app, ANA_KEY) as http, lenient(app, ADMIN_KEY) as admin:
+        assert (await http.get("/v1/users/ana/sessions")).status_code == 200
+        assert (await admin.get("/v1/stats")).status_code == 200
+
+
 async def test_hostile_bodies_and_ids_never_get_a_5xx_and_leave_the_engine_usable(
         mem, tmp_path) -> None:
     """A sweep of wrong types, bad numbers, unicode edge cases and odd ids over the routes:
