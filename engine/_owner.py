@@ -105,12 +105,19 @@ def claim_in_process(store: Path, how: str) -> tuple[int, int] | None:
     """Note that an engine of this process opens ``store``; None if it does not exist yet.
 
     Raises:
+        InvalidInput: ``store`` is no path (a NUL, a lone surrogate, a name too long, a path
+            through a file).
         StoreInUse: an engine of this process has it open already.
     """
+    resolved("path", store)
     try:
         info = store.stat()
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        if exc.errno not in PATH_ERRNOS:
+            raise
+        raise refused("path", exc, "a store directory") from exc
     key = (info.st_dev, info.st_ino)
     if key in _OPEN_HERE:
         raise StoreInUse(

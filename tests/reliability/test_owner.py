@@ -210,15 +210,17 @@ def test_a_reader_follows_the_map_its_owner_grew(tmp_path) -> None:
 
 
 async def test_an_owner_refuses_a_path_it_cannot_lock_as_invalid_input(tmp_path) -> None:
-    """Opening a store to own it at a path with a NUL, a lone surrogate or a name too long,
-    one through a file or in a place this process cannot create, is InvalidInput naming
-    ``path`` (never a ValueError or an OSError), and nothing is made there."""
+    """Opening a store (to own it or to read it) at a path with a NUL, a lone surrogate or
+    a name too long, one through a file or in a place this process cannot create, is
+    InvalidInput naming ``path`` (never a ValueError or an OSError), and nothing is made
+    there."""
     (tmp_path / "a-file").write_text("not a directory")
     before = sorted(tmp_path.rglob("*"))
     for path in (tmp_path / "nul\x00", tmp_path / "\ud800", tmp_path / ("x" * 300),
                  tmp_path / "a-file" / "store", Path("/proc/self/store")):
-        with pytest.raises(InvalidInput) as refused:
-            async with open_engine(path):
-                pass
-        assert refused.value.field == "path", path
+        for read_only in (False, True):
+            with pytest.raises(InvalidInput) as refused:
+                async with open_engine(path, read_only=read_only):
+                    pass
+            assert refused.value.field == "path", (path, read_only)
     assert sorted(tmp_path.rglob("*")) == before
