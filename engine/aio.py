@@ -66,8 +66,23 @@ class Receipt(_bridge.BridgedReceipt):
     __slots__ = ()
 
     async def durable(self) -> None:
-        """Return once the turn is committed to disk (it then survives ``kill -9``)."""
-        await self._engine._call(self._native.durable)
+        """Return once the turn is committed to disk (it then survives ``kill -9``).
+
+        Raises:
+            As the trio receipt's ``durable()``; once the engine has closed, whether the close
+            got the turn to disk (it drains every acknowledged one) answers.
+        """
+        engine = self._engine
+        if not engine._closed:
+            try:
+                await engine._call(self._native.durable)
+                return
+            except EngineClosed:
+                if not engine._closed:
+                    raise
+        await engine._closed_down()
+        # The trio run is over: the store's last state answers, in a trio run of its own.
+        await asyncio.to_thread(trio.run, self._native.durable)
 
 
 def _closed_error() -> EngineClosed:
@@ -118,6 +133,8 @@ class Engine(_bridge.Settings):
         self._token: trio.lowlevel.TrioToken | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        # Set to the trio run's outcome once it ends (the engine closed, or broke).
+        self._done: asyncio.Future[outcome.Outcome] | None = None
         self._pid = _bridge.pid  # the process where the engine's trio loop runs
 
     @classmethod
@@ -152,6 +169,7 @@ class Engine(_bridge.Settings):
         facade._loop = loop
         ready: asyncio.Future[None] = loop.create_future()
         done: asyncio.Future[outcome.Outcome] = loop.create_future()
+        facade._done = done
         holder: dict[str, trio.Event] = {}
         # How the trio side runs a callback on the asyncio loop: directly in guest mode (same
         # thread, and trio is inside the asyncio loop's callback), else through its queue.
@@ -244,6 +262,18 @@ class Engine(_bridge.Settings):
                                "on is closed; open the engine in the loop that uses it, with "
                                "`async with Engine.open(path)`")
         return self._loop
+
+    async def _closed_down(self) -> None:
+        """Return once a close under way has ended (a receipt waits for its drain)."""
+        if self._done.done():
+            return
+        if (forked := _bridge.forked_error(self._pid)) is not None:
+            raise forked
+        if self._loop.is_closed():  # the trio run went with it: nothing will end it
+            raise EngineClosed("the engine cannot be reached: the asyncio loop it was opened "
+                               "on is closed")
+        self._check_running_loop()
+        await asyncio.shield(self._done)
 
     def _check_running_loop(self) -> None:
         """Refuse a caller on another loop or thread: its trio run is not there to reach."""

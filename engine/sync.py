@@ -43,8 +43,23 @@ class Receipt(_bridge.BridgedReceipt):
     __slots__ = ()
 
     def durable(self) -> None:
-        """Block until the turn is committed to disk (it then survives ``kill -9``)."""
-        self._engine._call(self._native.durable)
+        """Block until the turn is committed to disk (it then survives ``kill -9``).
+
+        Raises:
+            As the trio receipt's ``durable()``; once the engine has closed, whether the close
+            got the turn to disk (it drains every acknowledged one) answers.
+        """
+        engine = self._engine
+        if not engine._closed:
+            try:
+                engine._call(self._native.durable)
+                return
+            except EngineClosed:
+                if not engine._closed:
+                    raise
+        engine._thread.join()  # a close under way: its drain is what this waits for
+        # The trio run is over: the store's last state answers, in a trio run of its own.
+        trio.run(self._native.durable)
 
 
 class Engine(_bridge.Settings):
@@ -56,6 +71,7 @@ class Engine(_bridge.Settings):
         self._native: TrioEngine | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._closed = False
+        self._thread: threading.Thread | None = None  # runs the engine's trio loop
         self._pid = _bridge.pid  # the process whose thread runs the engine
 
     @classmethod
@@ -96,7 +112,8 @@ class Engine(_bridge.Settings):
                 facade._token.run_sync_soon(holder["stop"].set)
             thread.join()
 
-        thread = threading.Thread(target=thread_main, name="engram-trio", daemon=True)
+        thread = facade._thread = threading.Thread(target=thread_main, name="engram-trio",
+                                                   daemon=True)
         thread.start()
         try:
             ready.wait()

@@ -201,6 +201,33 @@ def test_an_asyncio_engine_called_from_another_threads_loop_refuses_clearly(
     asyncio.run(main())
 
 
+@trio_loops
+def test_a_receipt_awaited_after_the_asyncio_engine_closed_says_the_turn_is_on_disk(
+        tmp_path, trio_loop) -> None:
+    """The close drains every acknowledged turn to disk, so a receipt awaited afterwards (or
+    while the close runs) returns, as the trio engine's does: an EngineClosed there told the
+    caller a turn on disk was lost, and a retry wrote it twice."""
+
+    async def main() -> None:
+        async with aio.Engine.open(tmp_path / "s", embedder=HashEmbedder(),
+                                   trio_loop=trio_loop) as mem:
+            early = mem.add_turn_nowait("ana", "s1", "user", "awaited while closing")
+            late = mem.add_turn_nowait("ana", "s1", "user", "awaited after the close")
+
+            async def wait_for_the_close() -> None:
+                while not mem._closed:
+                    await asyncio.sleep(0)
+                await early.durable()
+
+            during = asyncio.ensure_future(wait_for_the_close())
+            await asyncio.sleep(0)
+        await late.durable()
+        await during
+
+    asyncio.run(main())
+    assert history(tmp_path / "s") == ["awaited while closing", "awaited after the close"]
+
+
 # A bot task cancelled at shutdown whose program does not wait for it: asyncio.run, as main
 # returns, cancels the task a second time while its engine is closing.
 ABANDONED_CLOSE_SCRIPT = """
@@ -434,3 +461,13 @@ def test_a_blocking_engine_used_in_a_forked_child_says_it_cannot_be_reached(tmp_
     assert "child: the engine was opened in process" in child.stdout, child.stdout
     assert "child: left the block" in child.stdout, child.stdout + child.stderr
     assert history(tmp_path / "s") == ["said in the parent"]
+
+
+
+def test_a_receipt_awaited_after_the_blocking_engine_closed_says_the_turn_is_on_disk(
+        tmp_path) -> None:
+    """As on asyncio: the close drained the turn, so its receipt's durable() returns."""
+    with sync.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+        receipt = mem.add_turn("ana", "s1", "user", "buffered, then closed")
+    receipt.durable()
+    assert history(tmp_path / "s") == ["buffered, then closed"]
