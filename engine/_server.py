@@ -204,10 +204,15 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         if exc.status_code == 400:
-            # No route raises 400: it is FastAPI's for a body it could not read (not UTF-8),
-            # the body's fault like any other bad JSON.
-            return error_response(422, "InvalidInput", "body: expected a JSON object in UTF-8, "
-                                                       "found bytes that are not", "body")
+            # No route raises 400: it is FastAPI's for a body it could not read, the body's
+            # fault like any other bad JSON; the parser's error is its cause.
+            if isinstance(exc.__cause__, RecursionError):
+                message = "a JSON object, found one nested deeper than the parser goes"
+            elif isinstance(exc.__cause__, UnicodeDecodeError):
+                message = "a JSON object in UTF-8, found bytes that are not"
+            else:
+                message = "a JSON object, found a body the server could not read"
+            return error_response(422, "InvalidInput", f"body: expected {message}", "body")
         names = {401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 405: "MethodNotAllowed"}
         return error_response(exc.status_code, names.get(exc.status_code, "HTTPError"),
                               str(exc.detail), headers=getattr(exc, "headers", None))

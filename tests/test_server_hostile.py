@@ -58,6 +58,18 @@ async def test_malformed_json_is_a_422_on_the_body_on_every_route(mem) -> None:
                 assert "JSON" in message, (url, content, message)
 
 
+async def test_json_nested_too_deep_is_a_422_that_says_so_on_every_route(mem) -> None:
+    """A body nested deeper than the parser goes is refused as that, on the routes FastAPI
+    parses too, where it was reported as bytes that are not UTF-8."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    async with lenient(create_app(mem)) as http:
+        for url in ("/v1/users/ana/sessions/s1/turns", "/v1/users/ana/notes",
+                    "/v1/users/ana/turns", "/v1/retrieve_memory", "/v1/tools/search_memory"):
+            message = invalid(await http.post(url, content=deep), "body")
+            assert "UTF-8" not in message, (url, message)
+            assert "nested" in message or "recursion limit" in message, (url, message)
+
+
 async def test_invalid_utf8_in_a_path_or_query_is_422_never_another_id(mem) -> None:
     """Percent-escapes that are not UTF-8 (%FF, an encoded lone surrogate) are refused, not
     replaced by U+FFFD, which would make distinct ids ("x%FE", "x%FF") one user; escapes that
