@@ -425,3 +425,16 @@ async def test_durable_in_a_body_is_a_json_boolean_or_a_422(mem) -> None:
                                    json={"role": "user", "text": "x", "durable": False})
         durable = await http.post("/v1/users/ana/turns", json={"turns": [one], "durable": True})
         assert (buffered.status_code, durable.status_code) == (202, 201)
+
+
+async def test_a_review_rating_of_true_or_a_float_is_a_422_and_records_nothing(mem) -> None:
+    """pydantic's Literal took JSON true for the rating 1 ("again") and 3.0 for 3, and the
+    review was recorded, where the engine and the documented schema take neither."""
+    receipt = await mem.add_turn("ana", "s1", "user", "I moved to Lisbon", durable=True)
+    url = f"/v1/users/ana/memories/{receipt.turn_id}/review"
+    async with lenient(create_app(mem)) as http:
+        for rating in (True, False, 1.0, 3.0, "3", None):
+            invalid(await http.post(url, json={"rating": rating}), "rating")
+        first = await http.post(url, json={"rating": "good"})
+        assert first.status_code == 200 and first.json()["reps"] == 1, first.text
+        assert (await http.post(url, json={"rating": 4})).json()["reps"] == 2
