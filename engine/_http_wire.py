@@ -23,6 +23,20 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _a_number(value: Any) -> Any:
+    """A number field's ``before`` check: pydantic's lax numbers take true for 1 and "0.5"
+    for 0.5, so a client's bug was stored as an importance; a JSON number only (5.0 for an
+    integer too, as JSON Schema's integer takes it)."""
+    if isinstance(value, (bool, str)):
+        raise PydanticCustomError("number_type", "Input should be a JSON number")
+    return value
+
+
+def _numbers(*fields: str) -> Any:
+    """The :func:`_a_number` check on ``fields`` of a body (it runs on those sent only)."""
+    return field_validator(*fields, mode="before")(classmethod(lambda cls, v: _a_number(v)))
+
+
 Role = Literal["user", "assistant", "system", "tool"]
 
 
@@ -90,6 +104,8 @@ class RecallIn(_Body):
     agent_id: str | None = Field(None, description="only turns and notes of this agent")
     run_id: str | None = Field(None, description="only turns and notes of this run")
 
+    _check_numbers = _numbers("limit", "focus", "link_depth", "budget_tokens", "min_importance")
+
 
 class RetrieveIn(_Body):
     """seed 001's body, with the user it is for."""
@@ -106,6 +122,8 @@ class RetrieveIn(_Body):
         None, description="the search legs that run (default: all), as recall's",
         examples=[["vector", "bm25"]])
 
+    _check_numbers = _numbers("episodic_limit", "semantic_limit", "min_importance")
+
 
 class PreRetrieveIn(_Body):
     user_id: str = Field(examples=["maya"])
@@ -114,6 +132,8 @@ class PreRetrieveIn(_Body):
     semantic_limit: int = 20
     category: str | None = None
     min_importance: float = 0.0
+
+    _check_numbers = _numbers("semantic_limit", "min_importance")
 
 
 class NoteIn(_Body):
@@ -126,6 +146,8 @@ class NoteIn(_Body):
     agent_id: str | None = None
     run_id: str | None = None
 
+    _check_numbers = _numbers("importance")
+
 
 class NoteUpdate(_Body):
     text: str
@@ -133,6 +155,8 @@ class NoteUpdate(_Body):
     importance: float | None = Field(None, ge=0, le=1, description="default: kept")
     emotion: str | None = Field(None, description="default: kept; \"\" clears it")
     category: str | None = Field(None, description="default: kept; \"\" clears it")
+
+    _check_numbers = _numbers("importance")
 
 
 class FactIn(_Body):
@@ -144,12 +168,16 @@ class FactIn(_Body):
     importance: float = 0.7
     keywords: list[str] = []
 
+    _check_numbers = _numbers("confidence", "importance")
+
 
 class FactCorrection(_Body):
     value: str = Field(examples=["Porto"])
     text: str | None = None
     importance: float = 0.7
     keywords: list[str] = []
+
+    _check_numbers = _numbers("importance")
 
 
 class LinkIn(_Body):

@@ -438,3 +438,29 @@ async def test_a_review_rating_of_true_or_a_float_is_a_422_and_records_nothing(m
         first = await http.post(url, json={"rating": "good"})
         assert first.status_code == 200 and first.json()["reps"] == 1, first.text
         assert (await http.post(url, json={"rating": 4})).json()["reps"] == 2
+
+
+async def test_a_number_field_given_true_or_a_string_is_a_422_and_stores_nothing(mem) -> None:
+    """pydantic's lax numbers took JSON true for 1 and "0.5" for 0.5, so a client's bug was
+    stored as a note's or a fact's importance; a number field takes a JSON number."""
+    fact = {"category": "c", "key": "k", "value": "v"}
+    async with lenient(create_app(mem)) as http:
+        for value in (True, False, "0.5", "1"):
+            for url, body, field in (
+                    ("/v1/users/ana/facts", {**fact, "importance": value}, "importance"),
+                    ("/v1/users/ana/facts", {**fact, "confidence": value}, "confidence"),
+                    ("/v1/users/ana/notes", {"text": "x", "importance": value}, "importance"),
+                    ("/v1/users/ana/recall", {"query": "x", "limit": value}, "limit"),
+                    ("/v1/users/ana/recall", {"query": "x", "min_importance": value},
+                     "min_importance"),
+                    ("/v1/retrieve_memory", {"user_id": "ana", "query": "x",
+                                             "episodic_limit": value}, "episodic_limit"),
+                    ("/v1/context_pre_retrieve", {"user_id": "ana", "query": "x",
+                                                  "semantic_limit": value}, "semantic_limit")):
+                invalid(await http.post(url, json=body), field)
+        assert (await http.get("/v1/users/ana/notes")).json() == []
+        assert (await http.get("/v1/users/ana/facts")).json() == []
+        kept = await http.post("/v1/users/ana/notes", json={"text": "x", "importance": 1})
+        assert kept.status_code == 201 and kept.json()["importance"] == 1.0, kept.text
+        assert (await http.post("/v1/users/ana/recall",
+                                json={"query": "x", "limit": 5.0})).status_code == 200
