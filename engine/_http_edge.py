@@ -59,6 +59,10 @@ def load_api_keys(path: str | Path) -> ApiKeys:
         lines = path.read_text(encoding="utf-8-sig").splitlines()
     except OSError as exc:
         raise InvalidInput("api_keys", f"expected a readable keys file, found {exc}") from None
+    except UnicodeDecodeError as exc:  # the message names the byte, never the text round it
+        raise InvalidInput("api_keys", f"expected a keys file in UTF-8, found byte "
+                                       f"0x{exc.object[exc.start]:02x} at offset {exc.start} "
+                                       f"of {path}; save it as UTF-8") from None
     grants: dict[str, frozenset[str] | None] = {}
     for number, line in enumerate(lines, 1):
         line = line.strip()

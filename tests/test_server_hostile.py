@@ -159,6 +159,9 @@ async def test_a_key_no_http_header_can_carry_is_refused_when_the_file_is_read(
         keys.write_text(odd + "\n")
         with pytest.raises(InvalidInput, match="printable ASCII"):
             load_api_keys(keys)
+    keys.write_bytes("ana-key jos\u00e9\n".encode("latin-1"))  # an editor's legacy encoding
+    with pytest.raises(InvalidInput, match=r"expected a keys file in UTF-8, found byte 0xe9"):
+        load_api_keys(keys)
 
 
 async def test_a_keys_file_saved_with_a_byte_order_mark_and_crlf_reads_as_written(
