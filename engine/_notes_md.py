@@ -11,6 +11,8 @@ every byte that is not an ASCII letter, digit, ``-`` or ``_`` (so ``.``, ``/`` a
 never leave the directory or hide a file), cut to a length every filesystem takes, with a hash
 of the whole id when cut. A crash between the store's commit and the file's rename leaves a
 stale or missing file: ``sync``, run when the engine opens, makes the directory match the store.
+It removes only files the mirror wrote (they open with its front matter): Markdown files of
+anyone else's under the directory are left alone. Forgetting a user removes the user's folder.
 
 The file operations of concurrent calls run in worker threads and may land in any order, so
 each carries the log position of the change it mirrors and they are applied in that order: a
@@ -48,6 +50,7 @@ log = logging.getLogger("engram.notes")
 MAX_NAME = 180  # bytes of a file name before ".md": ext4 and most others allow 255
 _SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 _decode_note = msgspec.msgpack.Decoder(Note).decode
+_FRONT = b"---\nid: "  # how every file the mirror writes begins (``render``)
 
 
 def safe_name(identifier: str) -> str:
@@ -151,7 +154,7 @@ class NotesMirror:
                 changed += 1
         if self.root.is_dir():
             for path in self.root.glob("*/*.md"):
-                if path not in wanted and not path.is_dir():
+                if path not in wanted and _mirrored(path):
                     try:
                         path.unlink(missing_ok=True)
                     except OSError as exc:
@@ -159,6 +162,17 @@ class NotesMirror:
                         continue
                     changed += 1
         return changed
+
+
+def _mirrored(path: Path) -> bool:
+    """Whether a file is one the mirror wrote (it opens with the front matter ``render``
+    writes): a Markdown file of anyone else's in the directory (a folder of an editor's vault,
+    a note retyped by hand) is never removed for want of a note."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(len(_FRONT)) == _FRONT
+    except OSError:  # a folder of that name, or unreadable: not one to remove
+        return False
 
 
 def _skipped(path: Path, exc: OSError) -> None:

@@ -73,7 +73,8 @@ async def test_ids_cannot_escape_or_hide_and_long_ids_fit(store_path, clock, tmp
 
 async def test_opening_makes_the_directory_match_the_store(store_path, clock, tmp_path) -> None:
     """A file lost (a crash between commit and rename) is written again at open, a stale one
-    rewritten, and one whose note is gone removed."""
+    rewritten, and one the mirror wrote whose note is gone removed; Markdown files it did not
+    write stay (the directory may be shared with an editor's vault)."""
     root = tmp_path / "notes"
     config = {"notes_markdown_dir": str(root)}
     async with open_engine(store_path, clock=clock) as mem:  # no mirror yet
@@ -83,10 +84,16 @@ async def test_opening_makes_the_directory_match_the_store(store_path, clock, tm
         await mem.store_note("maya", "Second", note_id="two")
     (root / "maya" / "old.md").unlink()
     (root / "maya" / "two.md").write_text("edited by hand")
-    (root / "maya" / "gone.md").write_text("no such note")
+    # A file the mirror wrote for a note deleted since (a crash before its removal), and
+    # Markdown files of someone else's in the directory: a vault's folder, one in maya's.
+    (root / "maya" / "gone.md").write_text('---\nid: "gone"\nuser: "maya"\n---\n\nGone\n')
+    (root / "maya" / "mine.md").write_text("# My own file\n")
+    (root / "vault").mkdir()
+    (root / "vault" / "plans.md").write_text("---\ntitle: plans\n---\n")
     async with open_engine(store_path, clock=clock, config=config) as mem:
         files = _files(root)
-        assert sorted(files) == ["maya/old.md", "maya/two.md"]
+        assert sorted(files) == ["maya/mine.md", "maya/old.md", "maya/two.md",
+                                 "vault/plans.md"]
         assert files["maya/two.md"].endswith("\nSecond\n")
         await mem.store_note("maya", "Imported later", note_id="three")
         assert (root / "maya" / "three.md").exists()
