@@ -34,6 +34,10 @@ from ._tools import TOOLS, call_tool as _call_tool, parameters
 
 __all__ = ["create_server", "run_stdio"]
 
+# How long the calls in flight when the host closes stdin have to finish before the server
+# stops (and the SDK answers what is left "Connection closed").
+DRAIN_SECONDS = 10.0
+
 
 def _schemas(user: str | None) -> dict[str, tuple[str, dict[str, Any]]]:
     """Tool name -> (description, input schema), without ``user_id`` when a user is fixed."""
@@ -116,8 +120,14 @@ async def _wire(lines: _Lines, out: _Out) -> AsyncIterator[tuple[Any, Any]]:
     wrong envelope), and the host waited for that answer for ever."""
     to_server, from_wire = anyio.create_memory_object_stream[SessionMessage | Exception](0)
     to_wire, from_server = anyio.create_memory_object_stream[SessionMessage](0)
+    # The ids of the host's requests handed to the server and not answered yet: when stdin
+    # ends, the server is told so only once they are (the SDK cuts off what is in flight,
+    # answering "Connection closed" to calls that may have stored what they were asked to).
+    pending: set[Any] = set()
+    answered = trio.Event()  # set by each answer written; read makes a new one to wait on
 
     async def read(answers: anyio.abc.ObjectSendStream[SessionMessage]) -> None:
+        nonlocal answered
         async with to_server, answers:
             async for line in lines:
                 try:
@@ -126,13 +136,26 @@ async def _wire(lines: _Lines, out: _Out) -> AsyncIterator[tuple[Any, Any]]:
                     if (answer := _answer_unreadable(line, exc)) is not None:
                         await answers.send(SessionMessage(answer))
                     continue
+                if isinstance(message, types.JSONRPCRequest):
+                    pending.add(message.id)
+                elif (isinstance(message, types.JSONRPCNotification)
+                      and message.method == "notifications/cancelled"):
+                    # A request the host cancelled is never answered (the spec says so).
+                    pending.discard((message.params or {}).get("requestId"))
                 await to_server.send(SessionMessage(message))
+            with trio.move_on_after(DRAIN_SECONDS):
+                while pending:
+                    answered = trio.Event()
+                    await answered.wait()
 
     async def write() -> None:
         async with from_server:
             async for message in from_server:
                 await out.write(message.message.model_dump_json(by_alias=True,
                                                                 exclude_unset=True) + "\n")
+                if isinstance(message.message, types.JSONRPCResponse | types.JSONRPCError):
+                    pending.discard(message.message.id)
+                    answered.set()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(read, to_wire.clone())

@@ -127,6 +127,26 @@ async def test_a_client_that_stops_reading_leaves_the_server_to_exit_cleanly(
     assert b"Acknowledged note" in notes
 
 
+async def test_calls_in_flight_when_the_host_closes_stdin_are_finished_and_answered(
+        tmp_path, nursery) -> None:
+    """A host that writes its calls and closes stdin (a script piping a file of requests):
+    each call is finished and answered before the server exits, instead of being cut off as
+    "Connection closed", some of them after their note was stored."""
+    store = tmp_path / "store"
+    wire = await _open_wire(nursery, store)
+    for n in range(1, 21):
+        await wire.send({"jsonrpc": "2.0", "id": n, "method": "tools/call", "params": {
+            "name": "store_note", "arguments": {"user_id": "ana", "text": f"note {n}"}}})
+    await wire.process.stdin.aclose()
+    answers = [await wire.receive() for _ in range(20)]
+    assert all("result" in a and not a["result"]["isError"] for a in answers), answers
+    assert sorted(a["id"] for a in answers) == list(range(1, 21))
+    with trio.fail_after(60):
+        assert await wire.process.wait() == 0
+    notes = b"".join(value for _, value in raw_databases(store).get("notes", []))
+    assert all(f"note {n}".encode() in notes for n in range(1, 21))
+
+
 async def test_an_integral_float_is_taken_for_an_integer_argument(mem) -> None:
     """JSON Schema's integer includes 5.0 (a Python host's float), so the tool takes it as 5
     instead of refusing a call its own schema admits."""
