@@ -271,6 +271,15 @@ def decode_head(raw: bytes) -> Head | None:
     return Head((int.from_bytes(raw[:8], "big"), raw[8:8 + DIGEST], raw[8 + DIGEST:]))
 
 
+# Files the indexes write only once they hold records: a text segment's term index, a vector
+# graph. Beside an empty data.mdb they say the store had records and lost them.
+_INDEX_FILES = (("fulltext", "*.idx"), ("ann", "*.hnsw"))
+
+
+def _index_files(path: Path) -> list[Path]:
+    return [file for folder, pattern in _INDEX_FILES for file in (path / folder).glob(pattern)]
+
+
 def check_file(path: Path) -> None:
     """Refuse a ``data.mdb`` shorter than its own meta pages say, before LMDB maps it.
 
@@ -280,7 +289,8 @@ def check_file(path: Path) -> None:
     with plain reads first.
 
     Raises:
-        StoreCorrupt: the file is shorter than that, or its meta pages are not LMDB's.
+        StoreCorrupt: the file is shorter than that, or its meta pages are not LMDB's, or it
+            is empty beside index files that hold records.
     """
     data = path / "data.mdb"
     if not data.exists():
@@ -307,7 +317,14 @@ def check_file(path: Path) -> None:
         # before, a commit in between looked like a file cut short.
         size = os.fstat(f.fileno()).st_size
     if size == 0:
-        return  # a file LMDB created and never wrote: it will initialise it
+        indexed = _index_files(path)
+        if indexed:
+            raise StoreCorrupt(
+                f"{data} is empty, but the indexes beside it hold data ({indexed[0].name} and "
+                f"{len(indexed) - 1} more): the store's records are lost (a copy that stopped, a "
+                "truncation); restore the store from a snapshot. Opening it would start an empty "
+                "store and drop those indexes", "data.mdb")
+        return  # a file LMDB created and never wrote (a first open that stopped): initialised
     if needed is None:
         raise StoreCorrupt(
             f"{data} is not an LMDB file (expected two meta pages with LMDB's magic number at "

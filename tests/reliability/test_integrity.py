@@ -529,3 +529,30 @@ async def test_an_engram_store_that_lost_its_schema_version_is_corrupt_not_forei
                                            r"and log but no schema version.*snapshot"):
         async with open_engine(store):
             pass
+
+
+async def test_an_emptied_data_file_beside_indexes_that_hold_data_is_corrupt(tmp_path) -> None:
+    """A data.mdb truncated to nothing (a copy that failed, a hand's mistake) opened as a new
+    empty store: the memory was silently gone, and the text index, ahead of the new store,
+    was deleted with it. Indexes holding data beside an empty data.mdb mean the store's data
+    was lost: StoreCorrupt, and every file is left as it was. An empty data.mdb beside no
+    index data (a first open that stopped before LMDB wrote) still opens as a new store."""
+    store = tmp_path / "store"
+    async with open_engine(store) as mem:
+        await mem.add_turns([{"user_id": "ana", "session_id": "s1", "role": "user",
+                              "text": f"turn {i} about Lisbon"} for i in range(300)])
+        await mem.flush()
+    os.truncate(store / "data.mdb", 0)
+    before = {p.relative_to(store): p.stat().st_size for p in store.rglob("*") if p.is_file()}
+    with pytest.raises(StoreCorrupt, match=r"data.mdb is empty.*restore the store from a "
+                                           r"snapshot") as caught:
+        async with open_engine(store):
+            pass
+    assert caught.value.database == "data.mdb"
+    after = {p.relative_to(store): p.stat().st_size for p in store.rglob("*") if p.is_file()}
+    assert after == before
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "data.mdb").write_bytes(b"")
+    async with open_engine(fresh) as mem:
+        assert await mem.list_users() == []
