@@ -295,6 +295,10 @@ def check_file(path: Path) -> None:
     data = path / "data.mdb"
     if not data.exists():
         return
+    if data.is_dir():
+        raise StoreCorrupt(f"expected data.mdb to be LMDB's data file, found a folder at {data}; "
+                           "point Engine.open at an Engram store or an empty directory",
+                           "data.mdb")
     with data.open("rb") as f:
         first = f.read(4096)
         if len(first) < _LAST_PAGE_OFFSET + 16:

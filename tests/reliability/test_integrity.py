@@ -556,3 +556,16 @@ async def test_an_emptied_data_file_beside_indexes_that_hold_data_is_corrupt(tmp
     (fresh / "data.mdb").write_bytes(b"")
     async with open_engine(fresh) as mem:
         assert await mem.list_users() == []
+
+
+async def test_a_data_mdb_that_is_a_folder_is_refused_as_that(tmp_path) -> None:
+    """Opening a directory whose data.mdb is a folder raised IsADirectoryError from deep in
+    the open; it is refused naming what was expected and found, the folder left alone."""
+    store = tmp_path / "store"
+    (store / "data.mdb").mkdir(parents=True)
+    (store / "data.mdb" / "keep.txt").write_text("not a store")
+    with pytest.raises(StoreCorrupt, match=r"expected data.mdb to be LMDB's data file, found "
+                                           r"a folder"):
+        async with open_engine(store):
+            pass
+    assert (store / "data.mdb" / "keep.txt").read_text() == "not a store"
