@@ -189,6 +189,7 @@ def _check_arguments(name: str, args: Mapping[str, Any], one_user: bool) -> None
                                f"expected it for tool {name!r}, found it missing")
         case "additionalProperties":
             extra = next(f for f in error.instance if f not in schema["properties"])
+            extra = extra if len(extra) <= 60 else extra[:57] + "..."
             raise InvalidInput(".".join([*path, extra]),
                                f"expected one of {', '.join(schema['properties'])}, found an "
                                "unknown argument")
@@ -197,11 +198,15 @@ def _check_arguments(name: str, args: Mapping[str, Any], one_user: bool) -> None
             article = "an" if str(kind)[:1] in "aeiou" else "a"
             raise InvalidInput(".".join(path), f"expected {article} {kind}, found "
                                                f"{type(error.instance).__name__}")
-    found = repr(error.instance)
-    if len(found) > 60:  # a model may send a megabyte where a word goes
-        found = found[:57] + "..."
     raise InvalidInput(".".join(path), f"expected {error.validator} {error.validator_value!r}, "
-                                       f"found {found}")
+                                       f"found {_shown(error.instance)}")
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)`` cut to 60 characters for an error: a model may send a megabyte where a
+    word goes, and the error goes back into its context."""
+    found = repr(value)
+    return found if len(found) <= 60 else found[:57] + "..."
 
 
 def _time(args: Mapping[str, Any], name: str) -> datetime | None:
@@ -213,8 +218,8 @@ def _time(args: Mapping[str, Any], name: str) -> datetime | None:
         return datetime.fromisoformat(value)
     except ValueError:
         raise InvalidInput(f"arguments.{name}", "expected an ISO 8601 time with its zone, "
-                                                f"e.g. 2026-01-15T09:00:00Z, found {value!r}"
-                           ) from None
+                                                f"e.g. 2026-01-15T09:00:00Z, found "
+                                                f"{_shown(value)}") from None
 
 
 def _plain(value: msgspec.Struct) -> dict[str, Any]:
@@ -235,7 +240,7 @@ async def call_tool(engine: ToolHost, name: str, arguments: Mapping[str, Any] | 
     """
     schema = _SCHEMAS.get(name)
     if schema is None:
-        raise NotFound("name", f"expected one of {', '.join(_SCHEMAS)}, found {name!r}")
+        raise NotFound("name", f"expected one of {', '.join(_SCHEMAS)}, found {_shown(name)}")
     if isinstance(arguments, str):
         try:
             arguments = msgspec.json.decode(arguments)

@@ -215,3 +215,19 @@ async def test_call_tool_enforces_every_schema_constraint(mem, args, message) ->
     """Bounds and enums in a tool's JSON schema are enforced, not only its types."""
     with pytest.raises(InvalidInput, match=message):
         await mem.call_tool("search_memory", args)
+
+
+async def test_a_tool_error_never_echoes_a_huge_argument_whole(mem) -> None:
+    """An unknown tool name, an unknown argument's name and a bad as_of came back whole in
+    the error (100 KB in, 100 KB of error back into a model's context); each is cut."""
+    from engine import NotFound
+
+    huge = "x" * 100_000
+    with pytest.raises(NotFound) as unknown:
+        await mem.call_tool(huge, {})
+    with pytest.raises(InvalidInput) as extra:
+        await mem.call_tool("search_memory", {"user_id": "ana", "query": "x", huge: 1})
+    with pytest.raises(InvalidInput) as as_of:
+        await mem.call_tool("search_memory", {"user_id": "ana", "query": "x", "as_of": huge})
+    for caught in (unknown, extra, as_of):
+        assert len(str(caught.value)) < 500, str(caught.value)[:200]
