@@ -1034,7 +1034,10 @@ class Engine:
                 link and record of a store).
 
         Raises:
-            InvalidInput: no snapshot there, or ``store_path`` holds files and not ``overwrite``.
+            InvalidInput: no snapshot there, or ``store_path`` holds files and not ``overwrite``;
+                a path that cannot be one (a NUL, a name too long, through a file, a folder
+                the process cannot make); ``store_path`` inside the snapshot, or a name a
+                snapshot or store already takes for its leftovers.
             StoreIncompatible: the snapshot is damaged (a checksum differs) or too new.
             StoreTampered: its manifest's MAC fails under the key (or it has none), or its
                 store's hash chain breaks.
