@@ -186,12 +186,19 @@ class Memory:
                 return await self._write_note(user_id, text, "n_" + new_turn_id()[2:], tags,
                                               False, given)
             merged = tuple(dict.fromkeys((*twin.tags, *tags)))
-            if "importance" in given:
-                given["importance"] = max(given["importance"], twin.importance)
+            into = dict(given)
+            if "importance" in into:
+                into["importance"] = max(into["importance"], twin.importance)
             if (_normal(twin.text) == _normal(text) and merged == twin.tags
-                    and all(getattr(twin, f) == value for f, value in given.items())):
+                    and all(getattr(twin, f) == value for f, value in into.items())):
                 return twin  # said before: nothing new to keep
-            return await self._write_note(user_id, text, twin.note_id, merged, True, given)
+            try:
+                return await self._write_note(user_id, text, twin.note_id, merged, True, into)
+            except NotFound:
+                # The note it merges into was deleted meanwhile (delete_note takes no part
+                # in this lock): the caller named no note, so this one stands on its own.
+                return await self._write_note(user_id, text, "n_" + new_turn_id()[2:], tags,
+                                              False, given)
 
     async def _write_note(self, user_id: str, text: str, note_id: str, tags: tuple[str, ...],
                           replace: bool, given: dict[str, Any]) -> Note:

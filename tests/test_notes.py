@@ -73,6 +73,34 @@ async def test_forget_user_removes_notes_everywhere(store_path) -> None:
             assert b"zed-user" not in key + value and b"xyzzy" not in value, name
 
 
+async def test_a_near_repeat_whose_twin_is_deleted_meanwhile_is_stored_on_its_own(
+        mem) -> None:
+    """store_note found a note to merge into, then that note was deleted before the merge
+    was written: the caller, who named no note, got NotFound for the other note's id and
+    lost the note. It is stored as a new note of its own, with only its own tags."""
+    twin = await mem.store_note("maya", "Maya is planning a trip to Madeira in May",
+                                tags=["travel"], importance=0.9)
+    memory = mem._memory
+    real = memory._write_note
+
+    async def deleted_first(user_id, text, note_id, tags, replace, given):
+        if replace:  # the merge: the twin is deleted right before it is written
+            assert await mem.delete_note(user_id, note_id)
+        return await real(user_id, text, note_id, tags, replace, given)
+
+    memory._write_note = deleted_first
+    try:
+        note = await mem.store_note("maya", "Maya is planning a trip to Madeira in late May",
+                                    tags=["may"], importance=0.2)
+    finally:
+        memory._write_note = real
+    assert note.note_id != twin.note_id
+    assert (note.text, note.tags, note.importance) == (
+        "Maya is planning a trip to Madeira in late May", ("may",), 0.2)
+    assert await mem.get_note("maya", twin.note_id) is None
+    assert await mem.get_note("maya", note.note_id) == note
+
+
 async def test_a_repeated_note_is_kept_once_and_a_near_repeat_merged(mem) -> None:
     """The same note again (case and spacing aside) is skipped: the existing one comes back;
     one sharing at least 3/4 of its words is merged into it (new wording, both tags); other
