@@ -31,6 +31,7 @@ import trio
 from fsrs import Card, Rating, Scheduler, State
 
 from .ann_index import AnnIndex, Filters
+from .base.logs import RepeatedWarning
 from .base.messages import PutEpisode, PutState, Searchable, WriteSummary
 from .base.records import Episode, Link, PendingReview, ReviewState, SessionInfo, SummaryState, Turn
 from .embedder import Embedder
@@ -272,6 +273,7 @@ class EpisodicCompressor:
         # two episodes of the same turns.
         self._lock = trio.Lock()
         self.episodes_made = 0
+        self._model_warning = RepeatedWarning(log)  # each failure is a failure record
         self.follower = LogFollower(store, WATERMARK, FOLLOW_CHUNK, self._handle)
 
     async def _handle(self, records: list[Searchable], last: int) -> tuple[tuple, tuple]:
@@ -485,7 +487,7 @@ class EpisodicCompressor:
     def _model_failed(self, what: str, turn: Turn, exc: Exception) -> None:
         """The model failed on turns ending with ``turn``: kept as that turn's failure
         (``Engine.failures``), guarded by it, so a forgotten session leaves none behind."""
-        log.warning("LLM %s failed, keeping the extractive one: %r", what, exc)
+        self._model_warning("LLM %s failed, keeping the extractive one: %r", what, exc)
         self._store.submit(PutState((failure_put(turn.lsn, "episodic", turn.user_id,
                                                  turn.turn_id, exc),)))
 

@@ -30,6 +30,7 @@ from datetime import datetime, timezone
 import msgspec
 import trio
 
+from .base.logs import RepeatedWarning
 from .base.messages import PutFact, PutState, Searchable
 from .base.records import Fact, Link
 from .extraction import STOPWORDS as _STOP
@@ -136,6 +137,7 @@ class Facts:
         self._forgotten: set[str] = set()
         # Held while a decision is taken and applied: two decisions on one key never interleave.
         self._lock = trio.Lock()
+        self._extraction_failed = RepeatedWarning(log)  # each turn's is a failure record
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -418,8 +420,8 @@ class Facts:
                     try:
                         candidates = checked_candidates(await extractor.extract(r.text))
                     except Exception as exc:  # the rules stand in for a failing extractor
-                        log.warning("fact extraction by %s failed, using the rules: %r",
-                                    extractor.name, exc)
+                        self._extraction_failed("fact extraction by %s failed, using the "
+                                                "rules: %r", extractor.name, exc)
                         failures.append(failure_put(r.lsn, "facts", r.user_id, r.memory_id,
                                                     exc))
                 if candidates is None:

@@ -104,6 +104,24 @@ async def test_the_rules_stand_in_for_an_extractor_that_fails(store_path, clock)
     assert found == {("sister:ana", "rules"), ("allergy:peanuts", "rules")}
 
 
+async def test_an_extractor_failing_on_every_turn_is_logged_in_a_few_lines(
+        store_path, clock, caplog) -> None:
+    """An extractor down (a provider outage, an API key revoked: the LLM's auth pause makes
+    every call fail at once) logged one warning per user turn, so a busy bot wrote thousands
+    of identical lines a minute. The first failure is logged, then a count now and then; each
+    turn's failure is still kept as its failure record."""
+    caplog.set_level("WARNING", logger="engram.facts")
+    async with open_engine(store_path, clock=clock, extractor=BrokenExtractor()) as mem:
+        await mem.add_turns([{"user_id": "ana", "session_id": "s1", "role": "user",
+                              "text": f"I went to the market, day {i}."} for i in range(200)])
+        await mem.flush()
+        failures = [f for f in await mem.failures("ana") if f.actor == "facts"]
+    lines = [r for r in caplog.records if r.name == "engram.facts"]
+    assert len(failures) == 200
+    assert 1 <= len(lines) <= 3, [r.getMessage() for r in lines]
+    assert "the model server is down" in lines[0].getMessage()
+
+
 async def test_the_default_extractor_is_the_rules(mem) -> None:
     """Without an extractor or an LLM, the offline rules extract: preferences, instructions,
     relations and pets each land in their own category."""
