@@ -290,10 +290,17 @@ def check_file(path: Path) -> None:
 
     Raises:
         StoreCorrupt: the file is shorter than that, or its meta pages are not LMDB's, or it
-            is empty beside index files that hold records.
+            is empty or missing beside index files that hold records.
     """
     data = path / "data.mdb"
     if not data.exists():
+        if indexed := _index_files(path):
+            # The same loss as an emptied file (below): LMDB would start an empty store.
+            raise StoreCorrupt(
+                f"{data} is missing, but the indexes beside it hold data ({indexed[0].name} "
+                f"and {len(indexed) - 1} more): the store's records are lost (a copy that "
+                "stopped, a file deleted); restore the store from a snapshot. Opening it would "
+                "start an empty store and drop those indexes", "data.mdb")
         return
     if data.is_dir():
         raise StoreCorrupt(f"expected data.mdb to be LMDB's data file, found a folder at {data}; "

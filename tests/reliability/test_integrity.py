@@ -569,3 +569,22 @@ async def test_a_data_mdb_that_is_a_folder_is_refused_as_that(tmp_path) -> None:
         async with open_engine(store):
             pass
     assert (store / "data.mdb" / "keep.txt").read_text() == "not a store"
+
+
+async def test_a_missing_data_file_beside_indexes_that_hold_data_is_corrupt(tmp_path) -> None:
+    """A data.mdb deleted (or never copied) beside indexes that hold data is the same loss as
+    one emptied: StoreCorrupt, not a new empty store that deletes the text index."""
+    store = tmp_path / "store"
+    async with open_engine(store) as mem:
+        await mem.add_turns([{"user_id": "ana", "session_id": "s1", "role": "user",
+                              "text": f"turn {i} about Lisbon"} for i in range(300)])
+        await mem.flush()
+    (store / "data.mdb").unlink()
+    before = {p.relative_to(store): p.stat().st_size for p in store.rglob("*") if p.is_file()}
+    with pytest.raises(StoreCorrupt, match=r"data.mdb is missing.*restore the store from a "
+                                           r"snapshot") as caught:
+        async with open_engine(store):
+            pass
+    assert caught.value.database == "data.mdb"
+    after = {p.relative_to(store): p.stat().st_size for p in store.rglob("*") if p.is_file()}
+    assert after == before
