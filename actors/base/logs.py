@@ -23,6 +23,7 @@ class RepeatedWarning:
         self._every = every
         self._clock = clock
         self._next = -float("inf")  # when a line may be logged again
+        self._last = -float("inf")  # when the last line was logged
         self._left_out = 0  # occurrences since the last line
 
     def __call__(self, message: str, *args: object) -> None:
@@ -31,8 +32,11 @@ class RepeatedWarning:
             self._left_out += 1
             return
         if self._left_out:
+            # Counted since the last line, which may be long before ``every`` ago (the
+            # cause stopped, then came back): the span is that line's age.
             message += " (and %d more like it in the last %.0f s)"
-            args = (*args, self._left_out, self._every)
+            args = (*args, self._left_out, now - self._last)
         self._log.warning(message, *args)
+        self._last = now
         self._next = now + self._every
         self._left_out = 0
