@@ -21,7 +21,7 @@ def resolved(field: str, path: Path) -> Path:
 
     Raises:
         InvalidInput: naming ``field``: ``path`` holds a NUL or a lone surrogate, which no
-            file name can.
+            file name can, or goes through a loop of symbolic links.
     """
     name = str(path)
     if "\x00" in name:
@@ -30,7 +30,14 @@ def resolved(field: str, path: Path) -> Path:
         os.fsencode(name)
     except UnicodeEncodeError:
         raise InvalidInput(field, f"expected a path, found a lone surrogate in {name!r}") from None
-    return path.resolve()
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError) as exc:
+        # A loop of symbolic links: RuntimeError before Python 3.13, OSError (ELOOP) since.
+        if isinstance(exc, OSError) and exc.errno != errno.ELOOP:
+            raise
+        raise InvalidInput(field, f"expected a path, found a loop of symbolic links in {name!r}; "
+                                  "point it at a real directory") from exc
 
 
 def refused(field: str, exc: OSError, expected: str) -> InvalidInput:

@@ -281,6 +281,24 @@ async def test_a_restore_path_that_is_no_usable_path_is_invalid_input(tmp_path) 
     assert not (tmp_path / "new").exists()
 
 
+async def test_a_path_through_a_symbolic_link_loop_is_invalid_input(mem, tmp_path) -> None:
+    """A loop of symbolic links as a snapshot's, a restore's or a store's path is InvalidInput
+    naming the path, as the other paths no file can be at (it was pathlib's RuntimeError)."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    for dest in (loop, loop / "snap"):
+        with pytest.raises(InvalidInput, match=r"loop of symbolic links") as refused:
+            await mem.snapshot(dest)
+        assert refused.value.field == "dest"
+    await mem.snapshot(tmp_path / "snap")
+    with pytest.raises(InvalidInput, match=r"loop of symbolic links") as refused:
+        await Engine.restore(tmp_path / "snap", loop / "store")
+    assert refused.value.field == "store_path"
+    with pytest.raises(InvalidInput, match=r"loop of symbolic links"):
+        async with open_engine(loop / "store"):
+            pass
+
+
 async def test_a_restore_into_the_snapshot_itself_is_refused_and_the_snapshot_kept(
         tmp_path) -> None:
     """Restoring over the snapshot's own ``store/`` folder would make its data.mdb the live
