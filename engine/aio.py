@@ -216,7 +216,8 @@ class Engine(_bridge.Settings):
                     await asyncio.wait({ready, done}, return_when=asyncio.FIRST_COMPLETED)
             if ready.done():
                 facade._closed = True
-                facade._token.run_sync_soon(holder["stop"].set)
+                with suppress(trio.RunFinishedError):  # it stopped already, as in close()
+                    facade._token.run_sync_soon(holder["stop"].set)
                 with suppress(asyncio.CancelledError):
                     await _outlast(done)
             raise
