@@ -276,6 +276,10 @@ def decode_head(raw: bytes) -> Head | None:
 _INDEX_FILES = (("fulltext", "*.idx"), ("ann", "*.hnsw"))
 
 
+def _named(files: list[Path]) -> str:
+    return files[0].name + (f" and {len(files) - 1} more" if len(files) > 1 else "")
+
+
 def _index_files(path: Path) -> list[Path]:
     return [file for folder, pattern in _INDEX_FILES for file in (path / folder).glob(pattern)]
 
@@ -297,10 +301,10 @@ def check_file(path: Path) -> None:
         if indexed := _index_files(path):
             # The same loss as an emptied file (below): LMDB would start an empty store.
             raise StoreCorrupt(
-                f"{data} is missing, but the indexes beside it hold data ({indexed[0].name} "
-                f"and {len(indexed) - 1} more): the store's records are lost (a copy that "
-                "stopped, a file deleted); restore the store from a snapshot. Opening it would "
-                "start an empty store and drop those indexes", "data.mdb")
+                f"{data} is missing, but the indexes beside it hold data ({_named(indexed)}): "
+                "the store's records are lost (a copy that stopped, a file deleted); restore the "
+                "store from a snapshot. Opening it would start an empty store and drop those "
+                "indexes", "data.mdb")
         return
     if data.is_dir():
         raise StoreCorrupt(f"expected data.mdb to be LMDB's data file, found a folder at {data}; "
@@ -331,10 +335,10 @@ def check_file(path: Path) -> None:
         indexed = _index_files(path)
         if indexed:
             raise StoreCorrupt(
-                f"{data} is empty, but the indexes beside it hold data ({indexed[0].name} and "
-                f"{len(indexed) - 1} more): the store's records are lost (a copy that stopped, a "
-                "truncation); restore the store from a snapshot. Opening it would start an empty "
-                "store and drop those indexes", "data.mdb")
+                f"{data} is empty, but the indexes beside it hold data ({_named(indexed)}): "
+                "the store's records are lost (a copy that stopped, a truncation); restore the "
+                "store from a snapshot. Opening it would start an empty store and drop those "
+                "indexes", "data.mdb")
         return  # a file LMDB created and never wrote (a first open that stopped): initialised
     if needed is None:
         raise StoreCorrupt(
