@@ -12,6 +12,7 @@ from pathlib import Path
 from urllib.parse import unquote, unquote_to_bytes, urlsplit
 
 import msgspec
+import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException
@@ -22,6 +23,10 @@ from ._engine import Engine
 from ._http_wire import error_response
 
 ADMIN = "*"  # the scope of a key that may act for every user
+# Seconds a request's body may go without a byte before it is a 408: a stalled upload (or a
+# slow-body attack) would otherwise hold its request and the task serving it for ever. Only
+# the request's own bytes are waited for under it, never a long response.
+BODY_WAIT = 30.0
 
 
 # -- auth ---------------------------------------------------------------------------------------
@@ -266,7 +271,8 @@ class Metrics:
 
 
 class Edge:
-    """Pure ASGI middleware: the body size limit and the request metrics, around every route."""
+    """Pure ASGI middleware: the body size limit, the wait for a body's bytes (BODY_WAIT) and
+    the request metrics, around every route."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], metrics: Metrics,
                  max_body: int, keyless: bool = False) -> None:
@@ -319,13 +325,24 @@ class Edge:
         routed = {**scope, "method": "GET"} if head else scope
         seen = 0
         too_large = False  # the body passed the limit while streaming: answer 413 ourselves
+        stalled = False  # no byte of the body came for BODY_WAIT: answer 408 ourselves
+        body_done = False  # the request's last body message came: later waits are the app's
         started_response = False
 
         async def counted_receive() -> dict:
-            nonlocal seen, too_large
-            if too_large:
+            nonlocal seen, too_large, stalled, body_done
+            if too_large or stalled:
                 return {"type": "http.disconnect"}
-            message = await receive()
+            if body_done:
+                return await receive()
+            message = None
+            with trio.move_on_after(BODY_WAIT):
+                message = await receive()
+            if message is None:
+                # Told the app as a client gone (it stops reading), then the 408 below.
+                stalled = True
+                return {"type": "http.disconnect"}
+            body_done = message["type"] != "http.request" or not message.get("more_body")
             seen += len(message.get("body", b""))
             if seen > self.max_body:
                 # Tell the app the client went away (it stops reading and answers something
@@ -336,7 +353,7 @@ class Edge:
 
         async def watched_send(message: dict) -> None:
             nonlocal status, started_response
-            if too_large:
+            if too_large or stalled:
                 return
             if message["type"] == "http.response.start":
                 status = message["status"]
@@ -348,13 +365,19 @@ class Edge:
         try:
             await self.app(routed, counted_receive, watched_send)
         except Exception:
-            if not too_large:
+            if not (too_large or stalled):
                 raise
         finally:
             if too_large and not started_response:
                 status = 413
                 response = error_response(413, "TooLarge", f"expected a body of at most "
                                                            f"{self.max_body} bytes, found more")
+                await response(scope, receive, send)
+            elif stalled and not started_response:
+                status = 408
+                response = error_response(408, "RequestTimeout", "expected the rest of the "
+                                                                 "request's body, found none "
+                                                                 f"for {BODY_WAIT:g} s")
                 await response(scope, receive, send)
             self._count({**routed, "method": "HEAD"} if head else routed, status, started)
 

@@ -467,3 +467,41 @@ async def test_a_number_field_given_true_or_a_string_is_a_422_and_stores_nothing
         assert kept.status_code == 201 and kept.json()["importance"] == 1.0, kept.text
         assert (await http.post("/v1/users/ana/recall",
                                 json={"query": "x", "limit": 5.0})).status_code == 200
+
+
+async def test_a_body_that_stops_arriving_is_a_408_and_nothing_is_written(mem,
+                                                                        monkeypatch) -> None:
+    """A client that sends part of a body and then nothing (a stalled upload, a slow-body
+    attack) held its request, and the task serving it, until the server stopped: nothing
+    bounded the wait for the rest. Once BODY_WAIT passes without a byte it is a 408 with the
+    engine's JSON error, and the turn it carried is not written. A response that takes long
+    is not cut: only the wait for the request's own bytes is bounded."""
+    from engine import _http_edge
+
+    monkeypatch.setattr(_http_edge, "BODY_WAIT", 0.05)
+    app = create_app(mem)
+    parts = [{"type": "http.request", "body": b'{"role": "user", "text": "hal',
+              "more_body": True}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if parts:
+            return parts.pop(0)
+        await trio.sleep_forever()
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/users/ana/sessions/s/turns",
+             "raw_path": b"/v1/users/ana/sessions/s/turns", "query_string": b"",
+             "root_path": "", "headers": [(b"host", b"127.0.0.1:8080"),
+                                          (b"content-length", b"60")],
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8080)}
+    with trio.fail_after(10):
+        await app(scope, receive, send)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 408
+    body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    assert body["error"] == "RequestTimeout" and "body" in body["message"]
+    await mem.flush()
+    assert await mem.session_history("ana", "s") == []
