@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 import nats
+import nats.aio.client
 import nats.errors
 import nats.js.errors
 import trio
@@ -138,6 +139,9 @@ TRANSIENT = (*_RETRY, nats.js.errors.APIError, nats.errors.Error)
 PUBLISH_TIMEOUT = 2.0  # seconds one attempt waits for its PubAck
 PARTITIONS_KEY = "engram.partitions"  # the stream's metadata: the count it was made with
 CLOSE_SECONDS = 6.0  # a failed connect's close: its drain's own bound (5 s), and a margin
+# How long a first connect tries the servers before giving up: every server a few times at
+# its connect_timeout (2 s). Told to reconnect for ever, nats-py never gives up on its own.
+CONNECT_SECONDS = 10.0
 FETCH_BATCH = 256  # entries a scan of a subject reads at a time
 SCAN_TIMEOUT = 5.0  # seconds a scan waits for the next entries of a subject (all are there)
 DELETES_IN_FLIGHT = 16  # deletions of single entries sent at once (each a replicated request)
@@ -318,10 +322,23 @@ class _Client:
         self.retries = 0  # publish attempts after the first, over the client's life
 
     async def connect(self, servers: Sequence[str], name: str) -> None:
-        self.nc = await nats.connect(
-            servers=list(servers), name=name, max_reconnect_attempts=-1,
-            reconnect_time_wait=0.25, connect_timeout=2, allow_reconnect=True,
-            error_cb=_quiet, disconnected_cb=_quiet_event, reconnected_cb=_quiet_event)
+        """Connect, reconnecting for ever once connected; the first connect is bounded.
+
+        Raises:
+            LogUnavailable: no server answered within CONNECT_SECONDS.
+        """
+        # Kept before connecting, so a connect that fails midway is closed (Log.connect).
+        self.nc = nats.aio.client.Client()
+        try:
+            await asyncio.wait_for(self.nc.connect(
+                servers=list(servers), name=name, max_reconnect_attempts=-1,
+                reconnect_time_wait=0.25, connect_timeout=2, allow_reconnect=True,
+                error_cb=_quiet, disconnected_cb=_quiet_event, reconnected_cb=_quiet_event),
+                CONNECT_SECONDS)
+        except asyncio.TimeoutError:
+            raise LogUnavailable(f"could not reach the log at {', '.join(servers)}: no server "
+                                 f"answered within {CONNECT_SECONDS:g} s; are the URLs right "
+                                 "and the servers up?") from None
         self.js = self.nc.jetstream(timeout=PUBLISH_TIMEOUT)
 
     async def ensure(self, wait: float = 30.0) -> bool:

@@ -344,3 +344,23 @@ async def test_the_client_refuses_a_min_seq_outside_the_logs_range(min_seq) -> N
         await client.recall("ana", "where", min_seq=min_seq)
     await client._http.aclose()
     assert asked == []
+
+
+async def test_a_log_address_where_no_server_answers_is_log_unavailable_not_a_hang(
+        monkeypatch) -> None:
+    """``cluster status`` / ``init``, a node and a thin client given a port where no log
+    server listens fail with LogUnavailable naming the address, in bounded time (nats-py,
+    told to reconnect for ever, retried its first connect for ever)."""
+    from engine.cluster import _log
+    from engine.cluster._local import free_port
+    from engine.cluster._log import Log, LogUnavailable
+
+    monkeypatch.setattr(_log, "CONNECT_SECONDS", 1.0)
+    url = f"nats://127.0.0.1:{free_port()}"
+    with trio.fail_after(20):
+        with pytest.raises(LogUnavailable, match=f"{url}.*no server answered within 1"):
+            await Log.connect([url], name="nobody")
+        with pytest.raises(LogUnavailable, match=url):
+            async with ClusterClient.connect([url]):
+                pass
+
