@@ -33,6 +33,7 @@ from nats.js import api
 
 from actors.base.config import converted
 
+from .._logbatch import MAX_BATCH
 from ..errors import EngineClosed, EngineError, InvalidInput
 from ._loop import AsyncioThread
 from ._partition import DEFAULT_PARTITIONS, SUBJECT_ROOT, partition_subjects
@@ -59,7 +60,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         duplicate_window: seconds the stream remembers message ids.
         max_age: seconds the stream keeps entries (more than two snapshot intervals, so a
             new owner always finds the log after the newest snapshot).
-        fetch_batch: entries an owner pulls and applies at a time.
+        fetch_batch: entries an owner pulls and applies at a time (at most 1,024: what one
+            ``apply_log_batch`` takes).
         snapshot_interval: seconds between an owner's snapshots of a partition that moved
             (a new owner restores the newest and replays only the log after it).
         grace: seconds a node keeps its copy of a partition it no longer owns (a fast
@@ -99,6 +101,10 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             if not getattr(config, name) > 0:
                 raise InvalidInput(f"cluster_config.{name}", "expected seconds above 0, found "
                                                              f"{getattr(config, name)}")
+        if config.fetch_batch > MAX_BATCH:
+            raise InvalidInput("cluster_config.fetch_batch",
+                               f"expected at most {MAX_BATCH} (what apply_log_batch takes at "
+                               f"once), found {config.fetch_batch}")
         if config.publish_retry_seconds >= config.duplicate_window:
             raise InvalidInput("cluster_config.publish_retry_seconds",
                                f"expected less than duplicate_window "

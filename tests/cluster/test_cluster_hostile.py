@@ -364,3 +364,15 @@ async def test_a_log_address_where_no_server_answers_is_log_unavailable_not_a_ha
             async with ClusterClient.connect([url]):
                 pass
 
+
+def test_a_fetch_batch_larger_than_one_apply_takes_is_refused() -> None:
+    """A ``fetch_batch`` over what ``apply_log_batch`` takes at once is refused at config,
+    naming the field: the node would otherwise crash applying the first full fetch, and
+    again after every restart, while its partitions' backlog stayed that long."""
+    from engine._logbatch import MAX_BATCH
+    from engine.cluster._log import ClusterConfig
+
+    assert ClusterConfig.checked({"fetch_batch": MAX_BATCH}).fetch_batch == MAX_BATCH
+    with pytest.raises(InvalidInput, match=f"expected at most {MAX_BATCH}.*found 5000") as bad:
+        ClusterConfig.checked({"fetch_batch": 5000})
+    assert bad.value.field == "cluster_config.fetch_batch"
