@@ -130,7 +130,7 @@ class Leases:
         self._lost = lost
         self._clock = clock
         self.held: dict[int, int] = {}  # partition -> revision this node last wrote
-        self.confirmed: dict[int, float] = {}  # partition -> clock time of its last write
+        self.confirmed: dict[int, float] = {}  # partition -> clock time its last write was sent
         self.owners: dict[int, LeaseValue] = {}  # everyone's, as last seen
         self.members: dict[str, Beat] = {}  # live nodes, as last seen
         self.counts = {"claimed": 0, "lost": 0, "reacquired": 0, "released": 0, "adopted": 0,
@@ -312,6 +312,7 @@ class Leases:
 
     async def _adopt(self, p: int, revision: int) -> None:
         """A lease with this node's id from an earlier incarnation: take it over."""
+        sent = self._clock()
         try:
             self.held[p] = await self.log.kv("update", LEASE_PREFIX + str(p), self._value,
                                              last=revision)
@@ -320,16 +321,19 @@ class Leases:
         except _UNSURE:
             self.counts["unsure"] += 1
             return
-        self.confirmed[p] = self._clock()
+        self.confirmed[p] = sent
         self.owners[p] = LeaseValue(self.node, self.incarnation)
         self.counts["adopted"] += 1
         await self._acquired(p)
 
     async def _renew(self, p: int) -> None:
+        # A lease is confirmed from when its write was sent: the bucket's TTL runs from when
+        # it took the write, before the answer came (a slow answer would stretch it).
         key = LEASE_PREFIX + str(p)
+        sent = self._clock()
         try:
             self.held[p] = await self.log.kv("update", key, self._value, last=self.held[p])
-            self.confirmed[p] = self._clock()
+            self.confirmed[p] = sent
             return
         except _UNSURE:
             self.counts["unsure"] += 1
@@ -338,7 +342,9 @@ class Leases:
             pass
         # The revision moved. A renewal of ours that the bucket took but whose answer was
         # lost (a timeout on a loaded machine) moved it too: the key holds this
-        # incarnation's value at a revision we never heard of. Keep the lease then.
+        # incarnation's value at a revision we never heard of. Keep the lease then, renewed
+        # on that revision next tick; its confirmation stays the last write we heard of, as
+        # the one that landed was sent at an unknown time since (up to a tick ago).
         try:
             entry = await self.log.kv("get", key)
         except _UNSURE:
@@ -348,13 +354,13 @@ class Leases:
             entry = None  # gone (expired, deleted)
         if entry is not None and entry.value == self._value:
             self.held[p] = entry.revision
-            self.confirmed[p] = self._clock()
             return
         # Either the lease expired (no key) and nobody took it, so take it again, or
         # someone else holds it now.
+        sent = self._clock()
         try:
             self.held[p] = await self.log.kv("create", key, self._value)
-            self.confirmed[p] = self._clock()
+            self.confirmed[p] = sent
             self.counts["reacquired"] += 1
             log.info("partition %d: lease expired while unconfirmed; re-acquired", p)
             return
@@ -366,11 +372,12 @@ class Leases:
         await self._drop(p, "lost")
 
     async def _claim(self, p: int) -> None:
+        sent = self._clock()
         try:
             self.held[p] = await self.log.kv("create", LEASE_PREFIX + str(p), self._value)
         except (*_MOVED, *_UNSURE):
             return  # someone was faster, or the bucket is unavailable: next tick decides
-        self.confirmed[p] = self._clock()
+        self.confirmed[p] = sent
         self.owners[p] = LeaseValue(self.node, self.incarnation)
         self.counts["claimed"] += 1
         await self._acquired(p)

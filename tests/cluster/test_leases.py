@@ -352,3 +352,46 @@ async def test_a_node_whose_settings_disagree_with_the_cluster_is_refused(
         await again.close()
     finally:
         await first.close()
+
+
+async def test_a_lease_counts_from_when_its_write_was_sent_not_answered(
+        nats_servers, cluster_config, monkeypatch) -> None:
+    """The bucket's TTL runs from when it took a write, which is before its answer arrives:
+    a holder that counted its lease from the answer (a slow one), or from a read of the key
+    a tick after a renewal's answer was lost, went on serving after the key could have
+    expired and another node claimed it (two owners answering reads)."""
+    now = [100.0]
+    ttl = cluster_config.lease_ttl
+    log = await connect(nats_servers, cluster_config)
+    try:
+        a = Leases(log, "a", "a-1", "http://127.0.0.1/a", _noted([], "acquired"),
+                   _noted([], "lost"), clock=lambda: now[0])
+        await a.tick()  # every partition claimed at 100
+        real = log.kv
+
+        async def slow(method: str, *args: object, **kwargs: object) -> object:
+            result = await real(method, *args, **kwargs)
+            if method == "update":
+                now[0] += 2.0  # the answer arrives 2 s after the bucket wrote the key
+            return result
+
+        monkeypatch.setattr(log, "kv", slow)
+        now[0] = 101.0
+        await a._renew(0)  # written at 101, answered at 103
+        now[0] = 101.0 + ttl + 0.01
+        assert not a.serving(0)
+        monkeypatch.setattr(log, "kv", real)
+
+        tick = ttl / 5
+        now[0] = 200.0
+        await a._renew(0)  # written and answered at 200
+        key = f"{LEASE_PREFIX}0"
+        landed = await log.kv("update", key, msgspec.json.encode(LeaseValue("a", "a-1")),
+                              last=a.held[0])  # the next tick's renewal; its answer was lost
+        now[0] = 200.0 + 2 * tick
+        await a._renew(0)  # finds its own value at a revision it never heard of
+        assert a.held[0] == landed and a.serving(0)
+        now[0] = 200.0 + tick + ttl + 0.01  # the landed write's TTL is over; the read wrote
+        assert not a.serving(0)  # nothing
+    finally:
+        await log.close()
