@@ -15,9 +15,12 @@ the owner looked up again.
 
 from __future__ import annotations
 
+import email.utils
+import math
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import quote
 
@@ -170,7 +173,7 @@ class ClusterClient(LogWriter):
                         return answer
                     else:
                         why = _message(answer)
-                        wait = max(wait, float(answer.headers.get("retry-after", 0) or 0))
+                        wait = max(wait, _retry_after(answer.headers.get("retry-after")))
             if trio.current_time() + wait > deadline:
                 raise LogUnavailable(f"no owner of {user_id!r}'s partition answered within "
                                      f"{READ_SECONDS} s (last: {why})")
@@ -205,6 +208,24 @@ def _decoded(answer: httpx.Response, kind: type, key: str | None = None) -> Any:
                           f"{answer.content[:200]!r}; expected JSON"
                           f"{f' with {key!r}' if key else ''} holding a {kind.__name__}")
     return body
+
+
+def _retry_after(value: str | None) -> float:
+    """Seconds a 503's ``Retry-After`` asks for: a node sends whole seconds; a proxy in front
+    of one may send an HTTP date. Anything else (words, inf, nan) asks for no wait."""
+    if not value:
+        return 0.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            at = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return 0.0
+        if at.tzinfo is None:
+            at = at.replace(tzinfo=timezone.utc)
+        seconds = (at - datetime.now(timezone.utc)).total_seconds()
+    return seconds if math.isfinite(seconds) and seconds > 0 else 0.0
 
 
 def _message(answer: httpx.Response) -> str:

@@ -376,3 +376,19 @@ def test_a_fetch_batch_larger_than_one_apply_takes_is_refused() -> None:
     with pytest.raises(InvalidInput, match=f"expected at most {MAX_BATCH}.*found 5000") as bad:
         ClusterConfig.checked({"fetch_batch": 5000})
     assert bad.value.field == "cluster_config.fetch_batch"
+
+
+@pytest.mark.parametrize("retry_after", ["Wed, 21 Oct 2015 07:28:00 GMT", "soon", "inf", "nan",
+                                         "-3", "1e400", ""])
+async def test_a_503_with_an_odd_retry_after_is_retried_not_raised(retry_after: str,
+                                                                  autojump_clock) -> None:
+    """A Retry-After a node never sends (an HTTP date from a proxy in front of it, words,
+    inf) is a short pause and another try, never a ValueError out of the read or a
+    LogUnavailable before the owner was asked again."""
+    answers = [httpx.Response(503, headers={"retry-after": retry_after},
+                              json={"error": "NotCaughtUp", "message": "retry"}),
+               httpx.Response(200, json={"hits": [{"id": "t1"}]})]
+    client = fake_client(lambda request: answers.pop(0))
+    with trio.fail_after(_client.READ_SECONDS):
+        assert await client.recall("ana", "where") == [{"id": "t1"}]
+    await client._http.aclose()
