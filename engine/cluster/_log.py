@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -826,6 +827,22 @@ class Log:
 
 
 def _check_servers(servers: Sequence[str]) -> None:
-    if not servers or any(not isinstance(s, str) or not s.startswith(("nats://", "tls://"))
-                          for s in servers):
-        raise InvalidInput("nats", f"expected nats://HOST:PORT URLs, found {list(servers)!r}")
+    """Refuse what no server could be at (nats-py's own refusal reads as the log down).
+
+    Raises:
+        InvalidInput: on ``nats``, naming the first address that is not nats://HOST[:PORT].
+    """
+    if isinstance(servers, str) or not servers:
+        raise InvalidInput("nats", f"expected nats://HOST:PORT URLs, found {servers!r}")
+    for server in servers:
+        if not isinstance(server, str) or not server.startswith(("nats://", "tls://")):
+            raise InvalidInput("nats", f"expected nats://HOST:PORT URLs, found {server!r} "
+                                       f"in {list(servers)!r}")
+        try:
+            url = urllib.parse.urlsplit(server)
+            port = url.port
+        except ValueError:
+            url, port = None, 0
+        if url is None or not url.hostname or port == 0:
+            raise InvalidInput("nats", f"expected nats://HOST:PORT URLs (a port from 1 to "
+                                       f"65535), found {server!r} in {list(servers)!r}")

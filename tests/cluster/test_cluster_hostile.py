@@ -392,3 +392,19 @@ async def test_a_503_with_an_odd_retry_after_is_retried_not_raised(retry_after: 
     with trio.fail_after(_client.READ_SECONDS):
         assert await client.recall("ana", "where") == [{"id": "t1"}]
     await client._http.aclose()
+
+
+@pytest.mark.parametrize("url", ["nats://127.0.0.1:99999", "nats://127.0.0.1:abc", "nats://[::1",
+                                 "nats://", "nats://:4222", "nats://127.0.0.1:0",
+                                 "http://127.0.0.1:4222", "127.0.0.1:4222"])
+async def test_a_log_url_that_is_not_host_and_port_is_invalid_input_naming_nats(url: str
+                                                                               ) -> None:
+    """A malformed log address (``--nats`` of a node, ``cluster init|status``, a thin
+    client) is the caller's error, InvalidInput on ``nats`` saying what was expected and
+    what it found, not LogUnavailable as if the servers were down."""
+    from engine.cluster._log import Log
+
+    with trio.fail_after(10):
+        with pytest.raises(InvalidInput, match="expected nats://HOST:PORT") as bad:
+            await Log.connect(["nats://127.0.0.1:4222", url], name="bad-url")
+    assert bad.value.field == "nats" and url in str(bad.value)
