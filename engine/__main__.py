@@ -25,6 +25,7 @@ _BEFORE_IMPORTS = (signal.signal(signal.SIGINT, _exit_quietly)
                    if threading.current_thread() is threading.main_thread() else False)
 
 import argparse
+import io
 import json
 import os
 import runpy
@@ -484,6 +485,10 @@ def _cell(name: str, value: Any) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; return its exit code (see the module docstring)."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        # LANG=C (stdout that takes ASCII only): stored text beyond it is shown escaped
+        # (Z\xfcrich), not a UnicodeEncodeError; JSON escapes it anyway, exports are bytes.
+        sys.stdout.reconfigure(errors="backslashreplace")
     try:
         code = _run(argv)
         sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit

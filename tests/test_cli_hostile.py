@@ -16,6 +16,7 @@ import lmdb
 import pytest
 import trio
 
+from actors.base.records import NewTurn
 from engine import Engine, InvalidInput
 from engine.__main__ import main
 
@@ -341,3 +342,35 @@ def test_json_failures_print_one_json_document(store, tmp_path, capsys) -> None:
     assert "expected an Engram store" in out["message"]
     assert main(["restore", str(tmp_path / "nowhere"), str(tmp_path / "new"), "--json"]) == 1
     assert _json_out(capsys)["error"] == "InvalidInput"
+
+
+# -- hostile terminals, pipes and arguments -----------------------------------------------------
+
+def _run(*argv: str, **kwargs) -> subprocess.CompletedProcess:
+    kwargs.setdefault("capture_output", True)
+    return subprocess.run([sys.executable, "-m", "engine", *argv], timeout=60, cwd=REPO,
+                          **kwargs)
+
+
+@pytest.fixture
+def accented(tmp_path) -> Path:
+    """A closed store whose user has text beyond ASCII, and enough of it (about 300 KB of
+    export) to overflow a pipe's buffer."""
+    async def fill() -> None:
+        async with open_engine(tmp_path / "accented", config={"long_term": False}) as mem:
+            await mem.add_turn("ana", "s1", "user", "Je suis allée à Zürich ☃ 日本")
+            await mem.add_turns([NewTurn(user_id="ana", session_id="s2", role="user",
+                                         text=f"turn {i} " + "x" * 250) for i in range(1000)],
+                                durable=True)
+
+    trio.run(fill)
+    return tmp_path / "accented"
+
+
+def test_an_ascii_terminal_shows_stored_text_escaped(accented) -> None:
+    """LANG=C (stdout that takes ASCII only): inspect's tables show other characters escaped,
+    and exit 0, not a UnicodeEncodeError's traceback."""
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    done = _run("inspect", str(accented), "--user", "ana", "--turns", "1", env=env, text=True)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "Z\\xfcrich" in done.stdout.replace("\n", "")
