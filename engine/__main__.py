@@ -68,6 +68,19 @@ def _key() -> str | None:
 PROG = "engram-trio"
 
 
+def _store_path(value: str) -> str:
+    """A store's or a snapshot's path from the command line: LMDB and the text index take
+    UTF-8 names only, so undecodable bytes (which Python keeps as surrogates) are a wrong
+    command line, refused before a folder is made there."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a path of UTF-8 text, found undecodable bytes in "
+            f"{os.fsencode(value)!r}; rename the folder or choose another") from None
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     from ._version import __version__
 
@@ -82,37 +95,38 @@ def _parser() -> argparse.ArgumentParser:
         return sub
 
     demo = command("demo", "replay the bundled conversation: ingest, recall and timings")
-    demo.add_argument("--store", help="store directory (default: a fresh temporary one)")
+    demo.add_argument("--store", type=_store_path,
+                      help="store directory (default: a fresh temporary one)")
     snapshot = command("snapshot", "write a point-in-time snapshot of a store (served or not)")
-    snapshot.add_argument("store")
-    snapshot.add_argument("dest", help="a new or empty directory")
+    snapshot.add_argument("store", type=_store_path)
+    snapshot.add_argument("dest", type=_store_path, help="a new or empty directory")
     restore = command("restore", "verify a snapshot and install it as a store")
-    restore.add_argument("snapshot")
-    restore.add_argument("store")
+    restore.add_argument("snapshot", type=_store_path)
+    restore.add_argument("store", type=_store_path)
     restore.add_argument("--overwrite", action="store_true", help="replace a store already there")
     stats = command("stats", "counts and positions of a store")
-    stats.add_argument("store")
+    stats.add_argument("store", type=_store_path)
     inspect = command("inspect", "what a store holds about one user, or the records it "
                                  "could not take (--failures)")
-    inspect.add_argument("store")
+    inspect.add_argument("store", type=_store_path)
     inspect.add_argument("--user", help="the user to show (with --failures: only theirs)")
     inspect.add_argument("--failures", action="store_true",
                          help="list the records a part of the engine failed on and skipped")
     inspect.add_argument("--turns", type=int, default=3, help="latest turns per session shown")
     export = command("export", "write every record of one user as JSON Lines (docs/EXPORT.md) "
                                "to stdout or --out; the store may be served meanwhile", False)
-    export.add_argument("store")
+    export.add_argument("store", type=_store_path)
     export.add_argument("--user", required=True, help="the user whose memory is exported")
     export.add_argument("--out", metavar="FILE", help="write here (atomically), not to stdout")
     load = command("import", "read a user's export into a store (records it has are skipped)")
-    load.add_argument("store")
+    load.add_argument("store", type=_store_path)
     load.add_argument("file", help="an export written by `export` ('-': stdin)")
     load.add_argument("--as", dest="as_user", metavar="USER",
                       help="import under this user id instead of the exported one")
     compact = command("compact", "rewrite a closed store without freed pages or tombstones")
-    compact.add_argument("store")
+    compact.add_argument("store", type=_store_path)
     reindex = command("reindex", "rebuild the text index and re-embed every record with a model")
-    reindex.add_argument("store")
+    reindex.add_argument("store", type=_store_path)
     reindex.add_argument("--model", choices=MODELS, default=None,
                          help="the model to embed with (default: the one a new store gets "
                               "here, the variant the model's build measured as faster)")
@@ -120,11 +134,11 @@ def _parser() -> argparse.ArgumentParser:
                          help="rebuild even when the store is complete with this model")
     verify = command("verify", "check every record, the hash chain and the sessions of a store; "
                                f"exit 1 where it breaks (the MAC too, with {KEY_ENV} set)")
-    verify.add_argument("store")
+    verify.add_argument("store", type=_store_path)
     verify.add_argument("--seal", action="store_true",
                         help=f"if it verifies, MAC its head with {KEY_ENV} (closed store)")
     serve = command("serve", "serve the HTTP API (FastAPI on Hypercorn's trio worker)", False)
-    serve.add_argument("store")
+    serve.add_argument("store", type=_store_path)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default: %(default)s; without --api-keys "
                             "always 127.0.0.1)")
@@ -133,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="one '<key> <user_id>[,...]' or '<key> *' a line; sha256:<hex> "
                             "may stand for a key")
     mcp = command("mcp", "serve the agent tools over MCP on stdin/stdout", False)
-    mcp.add_argument("store")
+    mcp.add_argument("store", type=_store_path)
     mcp.add_argument("--user", help="act for this user only (tools then take no user_id)")
     model = command("model", "build the embedding model where the engine looks for it", False)
     model.add_argument("action", choices=["build"])

@@ -374,3 +374,17 @@ def test_an_ascii_terminal_shows_stored_text_escaped(accented) -> None:
     done = _run("inspect", str(accented), "--user", "ana", "--turns", "1", env=env, text=True)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert "Z\\xfcrich" in done.stdout.replace("\n", "")
+
+
+def test_a_store_path_that_is_not_utf8_is_refused_on_the_command_line(store, tmp_path,
+                                                                      capsys) -> None:
+    """A path of undecodable bytes (the text index and LMDB take UTF-8 names only): exit 2
+    with a line naming the argument, nothing created, no traceback."""
+    odd = os.fsdecode(bytes(tmp_path) + b"/odd\xff")
+    for argv in (["snapshot", str(store), odd], ["restore", str(store), odd],
+                 ["demo", "--store", odd], ["stats", odd]):
+        with pytest.raises(SystemExit) as exit:
+            main(argv)
+        assert exit.value.code == 2, argv
+        _failed(capsys, "expected a path of UTF-8 text, found undecodable bytes")
+        assert not Path(odd).exists(), argv
