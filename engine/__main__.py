@@ -81,6 +81,18 @@ def _store_path(value: str) -> str:
     return value
 
 
+def _port(value: str) -> int:
+    """A TCP port: 0 (any free one) to 65535, checked before the store is opened."""
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535 (0: any free "
+                                         f"one), found {value!r}")
+    return port
+
+
 def _parser() -> argparse.ArgumentParser:
     from ._version import __version__
 
@@ -142,7 +154,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default: %(default)s; without --api-keys "
                             "always 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8080, help="(default: %(default)s)")
+    serve.add_argument("--port", type=_port, default=8080, help="(default: %(default)s)")
     serve.add_argument("--api-keys", metavar="FILE",
                        help="one '<key> <user_id>[,...]' or '<key> *' a line; sha256:<hex> "
                             "may stand for a key")

@@ -388,3 +388,14 @@ def test_a_store_path_that_is_not_utf8_is_refused_on_the_command_line(store, tmp
         assert exit.value.code == 2, argv
         _failed(capsys, "expected a path of UTF-8 text, found undecodable bytes")
         assert not Path(odd).exists(), argv
+
+
+def test_serve_refuses_a_port_out_of_range_before_it_makes_a_store(tmp_path, capsys) -> None:
+    """--port -1 or 70000 is a wrong command line (exit 2), not a store made and then an
+    engine failure."""
+    for port in ("-1", "70000", "99999999999999999999"):
+        with pytest.raises(SystemExit) as exit:
+            main(["serve", str(tmp_path / "new"), "--port", port])
+        assert exit.value.code == 2
+        _failed(capsys, "expected a port from 0 to 65535", port)
+    assert not (tmp_path / "new").exists()
