@@ -40,7 +40,7 @@ import msgspec
 import trio
 
 from actors.base.config import Config
-from actors.base.errors import EngineError, InvalidInput
+from actors.base.errors import EngineError, InvalidInput, StoreInUse
 
 from ._engine import Engine
 from ._owner import OwnerLock
@@ -276,12 +276,17 @@ async def _inspect(store: str, user: str, turns: int) -> dict[str, Any]:
 
 
 async def _failures(store: str, user: str | None) -> dict[str, Any]:
-    async with _open(store) as mem:
-        await mem.flush()  # replayed on open: the text index's failures are found by now
-        found = await mem.failures(user)
-        return {"failures": [{"lsn": f.lsn, "actor": f.actor, "user_id": f.user_id,
-                              "memory_id": f.memory_id, "error": f.error,
-                              "at": f.at.isoformat()} for f in found]}
+    try:
+        async with _open(store) as mem:
+            await mem.flush()  # replayed on open: the text index's failures are found by now
+            found = await mem.failures(user)
+    except StoreInUse:
+        # Served: its engine records what it meets, so they are read without owning it.
+        async with _open(store, read_only=True) as mem:
+            found = await mem.failures(user)
+    return {"failures": [{"lsn": f.lsn, "actor": f.actor, "user_id": f.user_id,
+                          "memory_id": f.memory_id, "error": f.error,
+                          "at": f.at.isoformat()} for f in found]}
 
 
 async def _snapshot(store: str, dest: str) -> dict[str, Any]:

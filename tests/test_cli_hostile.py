@@ -399,3 +399,17 @@ def test_serve_refuses_a_port_out_of_range_before_it_makes_a_store(tmp_path, cap
         assert exit.value.code == 2
         _failed(capsys, "expected a port from 0 to 65535", port)
     assert not (tmp_path / "new").exists()
+
+
+def test_inspect_failures_reads_a_served_store(store, capsys) -> None:
+    """`inspect --failures` on a store an engine serves lists what that engine recorded,
+    as inspect without it does, instead of refusing with StoreInUse."""
+    with subprocess.Popen([sys.executable, "-c", _HOLD, str(store), str(REPO)],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as child:
+        try:
+            assert child.stdout.readline().strip() == "ready"
+            assert main(["inspect", str(store), "--failures", "--json"]) == 0
+            assert _json_out(capsys) == {"failures": []}
+        finally:
+            child.stdin.close()
+            child.wait(timeout=60)
