@@ -177,19 +177,21 @@ class Leases:
         if lease is None:  # timed out
             return unsure
         self.owners[partition] = lease
-        url = self.url_of(lease.node)
-        if url is None:  # a member that joined since the last tick
-            beat = None
+        beat = self.members.get(lease.node)
+        # A member that joined since the last tick, or one restarted since (perhaps on another
+        # port: what answers at its old address may be anything now): read its heartbeat.
+        url = beat.http if beat is not None and beat.incarnation == lease.incarnation else None
+        if url is None:
+            fresh = None
             with trio.move_on_after(LOOKUP_SECONDS):
                 try:
-                    beat = _beat_decode((await self.log.kv("get", NODE_PREFIX + lease.node)
-                                         ).value)
+                    fresh = _beat_decode((await self.log.kv("get", NODE_PREFIX + lease.node)
+                                          ).value)
                 except (*_MOVED, *_LOOKUP_UNSURE):
                     pass
-            if beat is None:
-                return lease, None
-            self.members[beat.node] = beat
-            url = beat.http
+            if fresh is not None:
+                self.members[fresh.node] = beat = fresh
+            url = None if beat is None else beat.http  # unread: the address known before
         return lease, url
 
     def serving(self, partition: int) -> bool:

@@ -395,3 +395,25 @@ async def test_a_lease_counts_from_when_its_write_was_sent_not_answered(
         assert not a.serving(0)  # nothing
     finally:
         await log.close()
+
+
+async def test_a_lookup_finds_a_restarted_holder_at_its_new_address(nats_servers,
+                                                                   cluster_config) -> None:
+    """A node restarted on another port adopts its leases under a new incarnation: a lookup
+    (a thin client's, which never ticks, or a router's) must go to the address of that
+    incarnation's heartbeat, not the one it kept from before the restart, which another
+    process may answer now."""
+    log = await connect(nats_servers, cluster_config)
+    try:
+        first = Leases(log, "n1", "n1-1", "http://127.0.0.1:1001", _noted([], "acquired"),
+                       _noted([], "lost"))
+        await first.tick()
+        reader = Leases(log, "client", "", "", _noted([], "acquired"), _noted([], "lost"))
+        assert await reader.lookup(0) == (LeaseValue("n1", "n1-1"), "http://127.0.0.1:1001")
+        again = Leases(log, "n1", "n1-2", "http://127.0.0.1:2002", _noted([], "acquired"),
+                       _noted([], "lost"))
+        await again.tick()  # the restart: a new heartbeat, its leases adopted
+        assert again.counts["adopted"] == cluster_config.partitions
+        assert await reader.lookup(0) == (LeaseValue("n1", "n1-2"), "http://127.0.0.1:2002")
+    finally:
+        await log.close()
