@@ -25,6 +25,7 @@ _BEFORE_IMPORTS = (signal.signal(signal.SIGINT, _exit_quietly)
                    if threading.current_thread() is threading.main_thread() else False)
 
 import argparse
+import errno
 import io
 import json
 import os
@@ -441,6 +442,19 @@ def _print(result: Any, as_json: bool) -> None:
             print(f"{key:>{width}}: {_human(key, value)}")
 
 
+def _console():
+    """A rich console on stdout whose closed pipe (`| head`) raises BrokenPipeError, for
+    main's exit 141: rich's own answer to it is exit 1."""
+    from rich.console import Console
+
+    def reader_gone() -> None:
+        raise BrokenPipeError(errno.EPIPE, "the reader of stdout went away")
+
+    console = Console()
+    console.on_broken_pipe = reader_gone  # type: ignore[method-assign]
+    return console
+
+
 def _print_inspect(report: dict[str, Any], as_json: bool) -> None:
     """``inspect``: tables for people; with ``--json``, JSON lines for scripts: one object per
     line, ``{"type": "user", ...}`` first, then one per session, fact, episode (and any other
@@ -455,10 +469,9 @@ def _print_inspect(report: dict[str, Any], as_json: bool) -> None:
                 print(json.dumps({"type": kind, **item} if isinstance(item, dict)
                                  else {"type": kind, "value": item}, default=str))
         return
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = _console()
     if not console.is_terminal:
         console.width = max(console.width, 120)  # a pager or a file: wrap less than at 80
     counts = head.get("counts") or {}
@@ -487,7 +500,6 @@ def _print_inspect(report: dict[str, Any], as_json: bool) -> None:
 def _print_status(status: dict[str, Any]) -> None:
     """``cluster status`` for people: the stream and the nodes, then a table of partitions
     (owner, watermark, lag, lease age); ``--json`` gives the same as one document."""
-    from rich.console import Console
     from rich.table import Table
 
     print(f"stream last seq {status['stream_last_seq']:,}; nodes: "
@@ -501,7 +513,7 @@ def _print_status(status: dict[str, Any]) -> None:
                       "-" if p["watermark"] is None else f"{p['watermark']:,}",
                       "-" if p["lag"] is None else f"{p['lag']:,}",
                       "-" if age is None else human_duration(age))
-    Console().print(table)
+    _console().print(table)
 
 
 def _cell(name: str, value: Any) -> str:

@@ -5,6 +5,7 @@ exits 1 with a message (no traceback), and nothing already stored is lost."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import trio
 
 from actors.base.records import NewTurn
 from engine import Engine, InvalidInput
-from engine.__main__ import main
+from engine.__main__ import _inspect, _print_inspect, main
 
 from .conftest import open_engine
 
@@ -413,3 +414,21 @@ def test_inspect_failures_reads_a_served_store(store, capsys) -> None:
         finally:
             child.stdin.close()
             child.wait(timeout=60)
+
+
+class _ReaderGone(io.StringIO):
+    """stdout whose reader went away: what was written stays in a buffer until the flush
+    finds the pipe closed."""
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_inspect_tables_into_a_closed_pipe_end_as_a_broken_pipe(store, capsys,
+                                                                monkeypatch) -> None:
+    """`inspect STORE --user ana | head -c 3` without --json: rich's tables meeting the
+    closed pipe raise BrokenPipeError for main's exit 141, not rich's SystemExit(1)."""
+    report = trio.run(_inspect, str(store), "ana", 3)
+    monkeypatch.setattr(sys, "stdout", _ReaderGone())
+    with pytest.raises(BrokenPipeError):
+        _print_inspect(report, False)
