@@ -301,6 +301,9 @@ async def _export(store: str, user: str, out: str | None) -> dict[str, int]:
 
 
 async def _import(store: str, source: str, as_user: str | None) -> dict[str, int]:
+    if source == "-" and sys.stdin is None:  # started with stdin closed (`<&-`)
+        raise InvalidInput("file", "expected an export on stdin, found stdin closed; pipe "
+                                   "the export in, or name its file")
     async with _open(store) as mem:
         return await mem.import_user(sys.stdin.buffer if source == "-" else source,
                                      as_user=as_user)

@@ -432,3 +432,11 @@ def test_inspect_tables_into_a_closed_pipe_end_as_a_broken_pipe(store, capsys,
     monkeypatch.setattr(sys, "stdout", _ReaderGone())
     with pytest.raises(BrokenPipeError):
         _print_inspect(report, False)
+
+
+def test_import_from_a_closed_stdin_is_refused(store, capsys, monkeypatch) -> None:
+    """`engram-trio import STORE - <&-`: no stdin at all is a refusal naming it, not an
+    AttributeError's traceback."""
+    monkeypatch.setattr(sys, "stdin", None)
+    assert main(["import", str(store), "-"]) == 1
+    _failed(capsys, "InvalidInput: file: expected an export on stdin, found stdin closed")
