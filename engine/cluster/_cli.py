@@ -15,6 +15,12 @@ import trio
 __all__ = ["add_commands", "run", "status"]
 
 
+class _Marks(msgspec.Struct):
+    """What ``cluster status`` reads of a node's ``/cluster/node``."""
+
+    watermarks: dict[int, int]
+
+
 def _json_arg(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -104,19 +110,25 @@ async def status(servers: list[str], overrides: dict | None = None) -> dict[str,
     nodes: dict[str, Beat] = {}
     leases: dict[int, tuple[LeaseValue, Any]] = {}
     for key, (value, _, created) in entries.items():
-        if key.startswith(NODE_PREFIX):
-            beat = msgspec.json.decode(value, type=Beat)
-            nodes[beat.node] = beat
-        elif key.startswith(LEASE_PREFIX):
-            leases[int(key[len(LEASE_PREFIX):])] = (msgspec.json.decode(value, type=LeaseValue),
-                                                    created)
+        # A key a node did not write (an operator's) is passed over, as the nodes do.
+        try:
+            if key.startswith(NODE_PREFIX):
+                beat = msgspec.json.decode(value, type=Beat)
+                nodes[beat.node] = beat
+            elif key.startswith(LEASE_PREFIX):
+                leases[int(key[len(LEASE_PREFIX):])] = (
+                    msgspec.json.decode(value, type=LeaseValue), created)
+        except (msgspec.DecodeError, ValueError):
+            continue
     marks: dict[str, dict[int, int]] = {}
     async with httpx.AsyncClient(timeout=5) as client:
         for beat in nodes.values():
+            # Whatever answers at a node's address (after a restart elsewhere, anything may):
+            # a node's own answer, or no watermarks.
             try:
                 answer = await client.get(beat.http.rstrip("/") + "/cluster/node")
-                marks[beat.node] = {int(p): m for p, m in answer.json()["watermarks"].items()}
-            except (httpx.HTTPError, ValueError, KeyError):
+                marks[beat.node] = msgspec.json.decode(answer.content, type=_Marks).watermarks
+            except (httpx.HTTPError, msgspec.DecodeError):
                 marks[beat.node] = {}
     partitions = []
     for p in range(log.config.partitions):

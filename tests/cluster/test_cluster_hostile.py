@@ -5,6 +5,7 @@ and nobody else's writes stop."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -408,3 +409,52 @@ async def test_a_log_url_that_is_not_host_and_port_is_invalid_input_naming_nats(
         with pytest.raises(InvalidInput, match="expected nats://HOST:PORT") as bad:
             await Log.connect(["nats://127.0.0.1:4222", url], name="bad-url")
     assert bad.value.field == "nats" and url in str(bad.value)
+
+
+@pytest.mark.parametrize("answer", [b"[]", b'{"watermarks": []}', b'{"watermarks": {"1": "x"}}',
+                                    b"\xff\xfe"])
+async def test_cluster_status_survives_whatever_answers_at_a_nodes_address(
+        nats_servers, cluster_config, answer: bytes) -> None:
+    """``cluster status`` asks every heartbeat's address for its watermarks: a node restarted
+    on another port leaves its old address to whatever listens there next, and an operator
+    may have put a key of their own in the bucket. Such a node shows no watermarks and such
+    a key is passed over; status still answers for every partition."""
+    from engine.cluster._cli import status
+    from engine.cluster._leases import Leases
+    from engine.cluster._local import free_port
+    from engine.cluster._log import Log
+
+    async def other_program(stream: trio.SocketStream) -> None:
+        await stream.receive_some(65536)
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                              b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+                              % (len(answer), answer))
+        await stream.aclose()
+
+    port = free_port()
+    log = await Log.connect(nats_servers.urls, cluster_config, name="status-test")
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(trio.serve_tcp, other_program, port,
+                                                  host="127.0.0.1"))
+            with trio.fail_after(30):
+                leases = Leases(log, "n1", "n1-1", f"http://127.0.0.1:{port}", _nothing_yet,
+                                _nothing_yet)
+                await leases.tick()
+                await log.kv("put", "partition.x", b"not a lease")
+                await log.kv("put", "node.zz", b"\x00 not a beat")
+                await log.kv("put", "partition.3", b'{"node": 5}')
+                await log.kv("put", "node.odd", b'{"node": "odd", "incarnation": "1", '
+                                                b'"http": "http://["}')
+                report = await status(nats_servers.urls, cluster_config)
+            nursery.cancel_scope.cancel()
+    finally:
+        await log.close()
+    assert report["nodes"] == {"n1": f"http://127.0.0.1:{port}", "odd": "http://["}
+    assert [p["partition"] for p in report["partitions"]] == list(range(8))
+    assert {p["owner"] for p in report["partitions"]} == {"n1", None}
+    assert all(p["watermark"] is None for p in report["partitions"])
+
+
+async def _nothing_yet(partition: int) -> None:
+    return None
