@@ -295,9 +295,26 @@ async def _snapshot(store: str, dest: str) -> dict[str, Any]:
         return msgspec.to_builtins(await mem.snapshot(dest))
 
 
+class _WholeWrites:
+    """stdout for an export: every byte written or an error. A buffered write into a pipe
+    whose reader went away returns how much the pipe took and raises nothing, so an export
+    cut short after 64 KiB would report every record exported and exit 0."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data)
+        while view:
+            view = view[self.stream.write(view):]
+        self.stream.flush()
+        return len(data)
+
+
 async def _export(store: str, user: str, out: str | None) -> dict[str, int]:
     async with _open(store, read_only=True) as mem:
-        return await mem.export_user(user, out if out is not None else sys.stdout.buffer)
+        return await mem.export_user(user, out if out is not None
+                                     else _WholeWrites(sys.stdout.buffer))
 
 
 async def _import(store: str, source: str, as_user: str | None) -> dict[str, int]:

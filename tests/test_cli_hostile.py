@@ -440,3 +440,17 @@ def test_import_from_a_closed_stdin_is_refused(store, capsys, monkeypatch) -> No
     monkeypatch.setattr(sys, "stdin", None)
     assert main(["import", str(store), "-"]) == 1
     _failed(capsys, "InvalidInput: file: expected an export on stdin, found stdin closed")
+
+
+def test_an_export_whose_reader_leaves_exits_141(accented) -> None:
+    """`export STORE --user ana | head -c 10`: the export did not arrive, so exit 141 and no
+    line claiming every record was exported."""
+    with subprocess.Popen([sys.executable, "-m", "engine", "export", str(accented), "--user",
+                           "ana"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          cwd=REPO) as process:
+        assert process.stdout.read(10) == b'{"record":'
+        process.stdout.close()
+        err = process.stderr.read()
+        process.wait(timeout=60)
+    assert process.returncode == 141 and b"Traceback" not in err, err[-2000:]
+    assert b"1001 turn" not in err
