@@ -44,13 +44,17 @@ __all__ = ["ClusterConfig", "Log", "LogUnavailable", "Delivery", "Pending", "TRA
 log = logging.getLogger("engine.cluster")
 
 Positive = msgspec.Meta(gt=0)
+# The most partitions a cluster may have: a node renews its leases one at a time each tick
+# (TTL/5), runs a consumer and an applier per partition it holds, and plans over them all.
+MAX_PARTITIONS = 1024
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Tunables of a cluster; every node of one cluster must use the same.
 
     Attributes:
-        partitions: fixed partitions (never changed on a live cluster: it moves every user).
+        partitions: fixed partitions (never changed on a live cluster: it moves every user;
+            at most MAX_PARTITIONS).
         replicas: copies of the log and the lease bucket (3: a kill -9 of one server loses
             nothing acknowledged; 1 only for a lone development server).
         lease_ttl: seconds a lease lives without renewal (renewed every ``lease_ttl / 5``).
@@ -102,6 +106,12 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             if not getattr(config, name) > 0:
                 raise InvalidInput(f"cluster_config.{name}", "expected seconds above 0, found "
                                                              f"{getattr(config, name)}")
+        if config.partitions > MAX_PARTITIONS:
+            raise InvalidInput("cluster_config.partitions",
+                               f"expected at most {MAX_PARTITIONS}, found {config.partitions}; "
+                               "a cluster's count is fixed for its life, so choose a few per "
+                               "node you may ever run (the default is "
+                               f"{DEFAULT_PARTITIONS})")
         if config.fetch_batch > MAX_BATCH:
             raise InvalidInput("cluster_config.fetch_batch",
                                f"expected at most {MAX_BATCH} (what apply_log_batch takes at "

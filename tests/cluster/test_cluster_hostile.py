@@ -458,3 +458,16 @@ async def test_cluster_status_survives_whatever_answers_at_a_nodes_address(
 
 async def _nothing_yet(partition: int) -> None:
     return None
+
+
+def test_a_partition_count_no_node_could_tick_through_is_refused() -> None:
+    """``--cluster-config '{"partitions": 100000000}'`` (a typo's zeros) is refused naming
+    the field: the stream would record it for the cluster's life, and every node's lease
+    tick plans over every partition (a list of them all), so the first node never started."""
+    from engine.cluster._log import MAX_PARTITIONS, ClusterConfig
+
+    assert ClusterConfig.checked({"partitions": MAX_PARTITIONS}).partitions == MAX_PARTITIONS
+    with pytest.raises(InvalidInput, match=f"expected at most {MAX_PARTITIONS}.*found "
+                                           "100000000") as bad:
+        ClusterConfig.checked({"partitions": 100_000_000})
+    assert bad.value.field == "cluster_config.partitions"
