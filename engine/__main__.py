@@ -556,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
         code = _run(argv)
         sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
         return code
+    except KeyboardInterrupt:
+        return 130  # before a command runs: the parser's imports (the cluster's) take a while
     except BrokenPipeError:
         # The reader went away (`| head`): say nothing more, and keep Python's own flush at
         # exit from failing on the closed pipe as well.

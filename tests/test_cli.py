@@ -92,6 +92,19 @@ def test_ctrl_c_during_the_first_imports_exits_130_without_a_traceback(tmp_path)
     assert not (tmp_path / "s").exists()  # stopped before the command ran
 
 
+# Ctrl-C while the command line is parsed: the parser imports the cluster's modules (nats,
+# pydantic, FastAPI), half a second more of imports after the first ones.
+_INTERRUPTED_PARSE = _INTERRUPTED_IMPORT.replace('name == "trio"', 'name == "engine.cluster"')
+
+
+def test_ctrl_c_while_the_command_line_is_parsed_exits_130(tmp_path) -> None:
+    """The imports the parser makes are cut short as quietly as the first ones."""
+    done = subprocess.run([sys.executable, "-c", _INTERRUPTED_PARSE, str(tmp_path / "s")],
+                          capture_output=True, timeout=60)
+    assert done.returncode == 130 and b"Traceback" not in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "s").exists()
+
+
 def test_serve_stops_on_ctrl_c_with_exit_130(tmp_path) -> None:
     """SIGINT stops `serve` gracefully: the engine closes, exit 130, no traceback."""
     with subprocess.Popen([sys.executable, "-m", "engine", "serve", str(tmp_path / "s"),
