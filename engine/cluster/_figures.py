@@ -89,7 +89,8 @@ class NodeStats(msgspec.Struct, frozen=True, kw_only=True):
         leases: lease events (claimed, lost, reacquired, released, adopted, unsure).
         publish_retries: publishes sent again with the same id (lost PubAcks, elections).
         duplicates / invalid / undecodable: entries skipped as already applied, as failing
-            the engine's checks, as unreadable.
+            the engine's checks, as unreadable (or filed under another partition than
+            their user's).
         forwarded / unavailable: requests the router sent to an owner, and answered 503.
         looked_up / reforwarded: leases the router read from the bucket because its view
             named no holder it could forward to (a move since the last tick, or this node

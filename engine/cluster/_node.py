@@ -27,6 +27,7 @@ from ._bootstrap import take as take_snapshot
 from ._figures import NodeStats, PartitionCounts, PartitionStats
 from ._leases import Leases
 from ._log import TRANSIENT, Log, LogUnavailable
+from ._partition import partition_of
 
 __all__ = ["Node"]
 
@@ -203,7 +204,15 @@ class Node:
                     return mark, caught_up
                 expected += 1
                 try:
-                    entries.append((d.stream_seq, decode_entry(d.data)))
+                    entry = decode_entry(d.data)
+                    home = partition_of(entry.user_id, self.config.partitions)
+                    if home != p:
+                        # Published under another partition's subject than its user's (by
+                        # hand, or by a writer with another count): stored, it would sit in
+                        # p's copy, out of reach of the user's forgets and of p's hand-over.
+                        raise InvalidInput("entry", f"expected a user of partition {p}, "
+                                                    f"found one of partition {home}")
+                    entries.append((d.stream_seq, entry))
                 except InvalidInput as exc:
                     self.counts["undecodable"] += 1
                     log.warning("partition %d: entry %d skipped: %s", p, d.stream_seq, exc)

@@ -15,7 +15,7 @@ from engine.cluster._partition import partition_of
 from engine.cluster._writes import ClusterEngine, NotInCluster
 
 from ..conftest import open_engine
-from .conftest import connect, wait_for
+from .conftest import connect, one_node, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -391,3 +391,28 @@ async def test_writes_the_log_does_not_carry_are_refused_on_a_node(
             assert await engine.session_history("ana", "s1", limit=10) == []
     finally:
         await log.close()
+
+
+async def test_an_entry_filed_under_another_partition_is_skipped_not_stored(
+        nats_servers, cluster_config, tmp_path: Path) -> None:
+    """An entry under partition p's subjects whose user belongs to another partition (a raw
+    publisher, a writer with another count) is skipped and counted: stored, it would sit in
+    partition p's copy where no forget of the user (published to the user's own partition)
+    and no hand-over of p (which drops p's users) ever reaches it."""
+    from engine._logbatch import encode_entry
+    from engine.cluster._partition import SUBJECT_ROOT, partition_of, user_digest
+
+    config = msgspec.structs.replace(cluster_config, partitions=2)
+    async with one_node(nats_servers, config, tmp_path / "store",
+                        config={"long_term": False}) as (engine, node, writer, log):
+        home = partition_of("ana", 2)
+        wrong = f"{SUBJECT_ROOT}.{1 - home}.{user_digest('ana')}"
+        turn = writer._turn("", "ana", "s1", "user", "misfiled", None, None)
+        await log.publish(wrong, encode_entry(turn), turn.turn_id)
+        other = next(u for u in ("bo", "cy", "di", "ed") if partition_of(u, 2) != home)
+        after = await writer.add_turn(other, "s1", "user", "filed right", durable=True)
+        await wait_for(lambda: node.marks.get(1 - home, 0) >= after.log_seq, 30,
+                       "the other partition applied")
+        assert node.counts["undecodable"] == 1
+        assert [t.text for t in await engine.session_history(other, "s1")] == ["filed right"]
+        assert await engine.session_history("ana", "s1") == []
