@@ -94,8 +94,11 @@ class Router:
             await self.app(scope, _replay(body, receive) if body is not None else receive, send)
             return
         p = partition_of(user, self.node.config.partitions)
-        query = urllib.parse.parse_qs(scope.get("query_string", b"").decode())
-        min_seq = query.get("min_seq", [None])[0]
+        # Blank values kept: a caller's "?min_seq=" (its None formatted) asked for a wait.
+        query = urllib.parse.parse_qs(scope.get("query_string", b"").decode(),
+                                      keep_blank_values=True)
+        given = query.get("min_seq", [])
+        min_seq = ",".join(given) if given else None  # two values are refused below
         if self.node.owns(p):
             if min_seq is not None:
                 # ASCII digits only: str.isdigit() takes '²' and '٣', and int() refuses

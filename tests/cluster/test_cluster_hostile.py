@@ -123,13 +123,16 @@ class OwningNode:
         return self.marks.get(p, 0) >= min_seq
 
 
-@pytest.mark.parametrize("min_seq", ["%C2%B2", "%D9%A3", "9" * 5000, "+5", "5%20", "-1"],
+@pytest.mark.parametrize("min_seq", ["%C2%B2", "%D9%A3", "9" * 5000, "+5", "5%20", "-1", "",
+                                     "5&min_seq=9"],
                          ids=["superscript", "arabic-indic", "5000-digits", "plus", "space",
-                              "negative"])
+                              "negative", "blank", "twice"])
 async def test_a_min_seq_that_is_not_a_plain_number_is_a_422_never_a_500(
         cluster_config, min_seq: str) -> None:
     """Unicode digits ('²', Arabic-Indic), 5000 digits (past int()'s limit), signs and
-    spaces: each a 422 naming min_seq, and the read never reaches the engine."""
+    spaces, a blank (a caller's None formatted as '') or two values: each a 422 naming
+    min_seq, and the read never reaches the engine (unchecked, without the wait it asked
+    for)."""
     served = []
 
     async def app(scope: dict, receive, send) -> None:
