@@ -21,7 +21,8 @@ def resolved(field: str, path: Path) -> Path:
 
     Raises:
         InvalidInput: naming ``field``: ``path`` holds a NUL or a lone surrogate, which no
-            file name can, or goes through a loop of symbolic links.
+            file name can, or bytes that are not UTF-8, which the store's libraries cannot
+            open, or goes through a loop of symbolic links.
     """
     name = str(path)
     if "\x00" in name:
@@ -30,6 +31,13 @@ def resolved(field: str, path: Path) -> Path:
         os.fsencode(name)
     except UnicodeEncodeError:
         raise InvalidInput(field, f"expected a path, found a lone surrogate in {name!r}") from None
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        # A byte that is not UTF-8, as a command line's argument carries it: the file system
+        # takes it, LMDB and the text index open UTF-8 paths only.
+        raise InvalidInput(field, f"expected a path in UTF-8, found bytes that are not in "
+                                  f"{os.fsencode(name)!r}") from None
     try:
         return path.resolve()
     except (RuntimeError, OSError) as exc:

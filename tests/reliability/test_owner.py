@@ -216,8 +216,11 @@ async def test_an_owner_refuses_a_path_it_cannot_lock_as_invalid_input(tmp_path)
     there."""
     (tmp_path / "a-file").write_text("not a directory")
     before = sorted(tmp_path.rglob("*"))
+    # "\udcff": a byte that is not UTF-8 (0xFF), as a command line's argument arrives in
+    # Python; the file system takes it, LMDB and the text index take UTF-8 paths only.
     for path in (tmp_path / "nul\x00", tmp_path / "\ud800", tmp_path / ("x" * 300),
-                 tmp_path / "a-file" / "store", Path("/proc/self/store")):
+                 tmp_path / "a-file" / "store", Path("/proc/self/store"),
+                 tmp_path / "st\udcffore"):
         for read_only in (False, True):
             with pytest.raises(InvalidInput) as refused:
                 async with open_engine(path, read_only=read_only):
