@@ -551,6 +551,10 @@ class _Client:
         info = await self.js.stream_info(self.config.stream)
         return info.state.last_seq
 
+    async def first_seq(self) -> int:
+        info = await self.js.stream_info(self.config.stream)
+        return info.state.first_seq
+
     async def snapshot_mark(self, partition: int) -> int | None:
         try:
             info = await self.objects.get_info(_snapshot_name(partition))
@@ -783,6 +787,11 @@ class Log:
 
     async def last_seq(self) -> int:
         return await self.thread.run(self._client.last_seq)
+
+    async def first_seq(self) -> int:
+        """The oldest sequence the stream still holds (past its last one when it is empty):
+        what came before aged out (``max_age``) or was purged."""
+        return await self.thread.run(self._client.first_seq)
 
     async def snapshot_mark(self, partition: int) -> int | None:
         """The watermark of the partition's newest snapshot in the object store (None:

@@ -141,6 +141,8 @@ class Node:
         with scope:
             async with self._guard(p):
                 mark = await self.engine.apply_log_batch(p, [])
+                if mark > 0 and await self._outlived(p, mark, counts):
+                    mark = 0  # the bootstrap drops the copy before it restores
                 if mark == 0:
                     mark = await self._bootstrap(p, counts)
             self._moved(p, mark)
@@ -218,6 +220,28 @@ class Node:
                     log.warning("partition %d: entry %d skipped: %s", p, d.stream_seq, exc)
             if entries:
                 mark = await self._apply(p, entries)
+
+    async def _outlived(self, p: int, mark: int, counts: PartitionCounts) -> bool:
+        """Whether this copy cannot be brought up to date from the log, and a snapshot can:
+        the entries after its watermark are gone from the stream (aged out while the node
+        was away longer than ``max_age``) and a later owner stored a snapshot past it. The
+        consumer would start at the oldest entry left, and the copy go on without the
+        entries between."""
+        while True:
+            try:
+                if await self.log.first_seq() <= mark + 1:
+                    return False
+                stored = await self.log.snapshot_mark(p)
+                break
+            except (*TRANSIENT, LogUnavailable) as exc:
+                counts.log_errors += 1
+                log.info("partition %d: no stream state now (%r); trying again", p, exc)
+                await trio.sleep(RETRY_SECONDS)
+        if stored is None or stored <= mark:
+            return False  # the copy is the newest there is: resumed as it stands
+        log.warning("partition %d: the log no longer holds the entries after this copy's "
+                    "watermark %d; restoring the snapshot at %d instead", p, mark, stored)
+        return True
 
     async def _bootstrap(self, p: int, counts: PartitionCounts) -> int:
         """Start a copy that holds nothing of the partition from its newest snapshot, if

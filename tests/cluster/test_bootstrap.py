@@ -274,3 +274,56 @@ async def test_a_record_the_store_refused_does_not_stop_a_snapshot(
         assert await node.snapshot(0) == last.log_seq
         assert [f.lsn for f in await a.failures()] == [bad]
         assert await log.snapshot_mark(0) == last.log_seq
+
+
+async def test_a_copy_whose_next_entries_aged_out_of_the_log_restores_the_newer_snapshot(
+        nats_servers, cluster_config, tmp_path: Path) -> None:
+    """A node back after longer than the stream's max_age resumes its copy of a partition
+    from its watermark, but the entries after it are gone from the log: it must restore the
+    newer snapshot the partition's later owner left, not go on without what those entries
+    held (acknowledged turns missing from every read it answers)."""
+    from engine._logbatch import encode_entry
+    from engine.cluster._partition import subject_of
+    from engine.cluster._writes import LogWriter
+    from actors.base.config import Config
+
+    config = msgspec.structs.replace(cluster_config, partitions=1, snapshot_interval=0.5,
+                                     max_age=1.5, duplicate_window=1.0,
+                                     publish_retry_seconds=0.5)
+    store = tmp_path / "a"
+    log = await connect(nats_servers, config, "w")
+    try:
+        writer = LogWriter(log, Config())
+        turns = [writer._turn("", "ana", "s", "user", text, None, None)
+                 for text in ("first", "second")]
+
+        async def publish(turn: LogTurn) -> int:
+            return (await log.publish(subject_of("ana", 1), encode_entry(turn),
+                                      turn.turn_id))[0]
+
+        with trio.fail_after(60):
+            async with one_node(nats_servers, config, store,
+                                config={"long_term": False}) as (_, node, _w, _l):
+                first = await publish(turns[0])
+                await wait_for(lambda: node.marks.get(0, 0) >= first, 20, "first applied")
+            # While the node is down: the partition's next owner applies the second turn
+            # and leaves a snapshot at it; then both entries age out of the log.
+            second = await publish(turns[1])
+            async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
+                await b.apply_log_batch(0, [(first, turns[0]), (second, turns[1])])
+                await log.put_snapshot(0, second, await take(b, 0, 1, second, "b"))
+
+            async def first_seq() -> int:
+                info = await log.thread.run(log._client.js.stream_info, config.stream)
+                return info.state.first_seq
+
+            while await first_seq() <= second:
+                await trio.sleep(0.1)
+            async with one_node(nats_servers, config, store,
+                                config={"long_term": False}) as (engine, node, _w, _l):
+                await wait_for(lambda: node.marks.get(0, 0) >= second, 20,
+                               "the copy brought to the snapshot")
+                history = await engine.session_history("ana", "s")
+                assert [t.text for t in history] == ["first", "second"]
+    finally:
+        await log.close()
