@@ -106,6 +106,14 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             if not getattr(config, name) > 0:
                 raise InvalidInput(f"cluster_config.{name}", "expected seconds above 0, found "
                                                              f"{getattr(config, name)}")
+            if not math.isfinite(getattr(config, name)):
+                raise InvalidInput(f"cluster_config.{name}", "expected finite seconds, found "
+                                                             f"{getattr(config, name)}")
+        if config.duplicate_window > config.max_age:
+            raise InvalidInput("cluster_config.duplicate_window",
+                               f"expected at most max_age ({config.max_age} s), found "
+                               f"{config.duplicate_window}: the log servers refuse a stream "
+                               "that remembers ids longer than it keeps entries")
         if config.partitions > MAX_PARTITIONS:
             raise InvalidInput("cluster_config.partitions",
                                f"expected at most {MAX_PARTITIONS}, found {config.partitions}; "

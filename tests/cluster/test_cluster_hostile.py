@@ -474,3 +474,24 @@ def test_a_partition_count_no_node_could_tick_through_is_refused() -> None:
                                            "100000000") as bad:
         ClusterConfig.checked({"partitions": 100_000_000})
     assert bad.value.field == "cluster_config.partitions"
+
+
+@pytest.mark.parametrize("overrides,field,expected", [
+    ({"duplicate_window": 120.0, "max_age": 100.0, "snapshot_interval": 10.0},
+     "duplicate_window", "expected at most max_age"),
+    ({"lease_ttl": float("inf")}, "lease_ttl", "expected finite seconds"),
+    ({"max_age": float("inf")}, "max_age", "expected finite seconds"),
+    ({"grace": float("inf")}, "grace", "expected finite seconds"),
+])
+def test_settings_the_log_servers_refuse_are_invalid_input_up_front(overrides: dict,
+                                                                     field: str,
+                                                                     expected: str) -> None:
+    """A duplicate window longer than max_age (the servers refuse the stream: 30 s of
+    retries, then LogUnavailable saying the log could not be reached) and seconds of
+    Infinity (json.loads takes it from --cluster-config; an OverflowError out of nats-py)
+    are InvalidInput naming the field before anything is asked of the log."""
+    from engine.cluster._log import ClusterConfig
+
+    with pytest.raises(InvalidInput, match=expected) as bad:
+        ClusterConfig.checked(overrides)
+    assert bad.value.field == f"cluster_config.{field}"
