@@ -313,9 +313,27 @@ async def export_user(parts: Parts, user_id: str,
                 raise
             raise refused("dest", exc, "a file this process can write") from exc
     else:
-        await trio.to_thread.run_sync(dest.write, data)
+        await trio.to_thread.run_sync(_write_all, dest, data)
     counts.pop("header")
     return counts
+
+
+def _write_all(dest: Any, data: bytes) -> None:
+    """Every byte of ``data`` into a binary file: a pipe or a raw file may take part of a
+    write (and a reader gone, none), which one ``write`` would leave unnoticed.
+
+    Raises:
+        InvalidInput: the file took no more bytes before the end.
+    """
+    view, done = memoryview(data), 0
+    while done < len(data):
+        taken = dest.write(view[done:])
+        if taken is None:  # a file object that writes everything or raises
+            return
+        if taken <= 0:
+            raise InvalidInput("dest", f"expected a file that takes every byte, found one that "
+                                       f"took {done} of {len(data)}")
+        done += taken
 
 
 def _export_path(dest: Path, store: Path) -> Path:

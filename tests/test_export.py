@@ -493,3 +493,36 @@ async def test_an_export_or_import_path_that_is_no_usable_path_is_invalid_input(
         with pytest.raises(InvalidInput) as refused:
             await mem.import_users([b"", tmp_path / ("x" * 300)])
         assert refused.value.field == "sources[1]"
+
+
+class _Trickle:
+    """A binary file that takes at most ``step`` bytes a write, as a pipe or a raw file may,
+    and none once ``limit`` bytes are in (a reader that went away)."""
+
+    def __init__(self, step: int, limit: int | None = None) -> None:
+        self.step, self.limit, self.data = step, limit, bytearray()
+
+    def write(self, data) -> int:
+        room = self.step if self.limit is None else min(self.step, self.limit - len(self.data))
+        taken = bytes(data[: max(room, 0)])
+        self.data += taken
+        return len(taken)
+
+
+async def test_an_export_into_a_file_that_takes_part_of_a_write_is_whole_or_refused(
+        mem) -> None:
+    """export_user wrote its bytes with one write and ignored how many the file took: into a
+    pipe or a raw file taking part of it, the export was cut and reported complete. Every
+    byte is written now, or the export is refused, naming dest, with what it took."""
+    for i in range(50):
+        await mem.add_turn("ana", "s", "user", f"turn {i} " + "words " * 40)
+    whole = io.BytesIO()
+    await mem.export_user("ana", whole)
+    trickle = _Trickle(1000)
+    assert await mem.export_user("ana", trickle) == await mem.export_user("ana", io.BytesIO())
+    # The same records (the header line holds the export's time).
+    assert bytes(trickle.data).split(b"\n")[1:] == whole.getvalue().split(b"\n")[1:]
+    with pytest.raises(InvalidInput, match=r"dest: expected a file that takes every byte, "
+                                           r"found one that took 4000 of \d+") as refused:
+        await mem.export_user("ana", _Trickle(1000, limit=4000))
+    assert refused.value.field == "dest"
