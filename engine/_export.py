@@ -337,14 +337,21 @@ def _write_all(dest: Any, data: bytes) -> None:
 
 
 def _export_path(dest: Path, store: Path) -> Path:
-    """Where an export to ``dest`` goes: the file a link names (the link stays), checked
-    before the user is read.
+    """Where an export to ``dest`` goes: the file a link names (the link stays), or ``dest``
+    itself when it is a device, a pipe or a FIFO; checked before the user is read.
 
     Raises:
         InvalidInput: ``dest`` is inside the store (its files would be replaced), a
             directory, or in a directory that does not exist.
     """
     path, store = resolved("dest", dest), store.resolve()
+    try:
+        if dest.exists() and not dest.is_file() and not dest.is_dir():
+            # A device, a pipe or a FIFO (/dev/stdout on a pipe links to "pipe:[...]", no
+            # file name): written to as it is, never through its link's target.
+            return dest
+    except OSError:
+        pass  # a name too long: refused below, with the other checks' wording
     if path.is_relative_to(store):
         raise InvalidInput("dest", f"expected a file outside the store, found {dest} inside "
                                    f"{store}; write the export beside the store")

@@ -4,6 +4,7 @@ and importing twice changes nothing."""
 from __future__ import annotations
 
 import io
+import os
 import json
 import re
 from collections.abc import Iterator
@@ -526,3 +527,31 @@ async def test_an_export_into_a_file_that_takes_part_of_a_write_is_whole_or_refu
                                            r"found one that took 4000 of \d+") as refused:
         await mem.export_user("ana", _Trickle(1000, limit=4000))
     assert refused.value.field == "dest"
+
+
+async def test_an_export_to_dev_stdout_on_a_pipe_writes_into_the_pipe(mem, tmp_path) -> None:
+    """/dev/stdout on a pipe links to /proc/PID/fd/N, which names "pipe:[...]": the export
+    followed the link, found no such file and tried to write a temporary file beside it
+    ("No such file or directory"). A path that exists and is not a regular file (a device,
+    a pipe, a FIFO) is written to as it is."""
+    await mem.add_turn("ana", "s", "user", "I moved to Lisbon")
+    read, write = os.pipe()
+    try:
+        counts = await mem.export_user("ana", f"/proc/self/fd/{write}")
+        os.close(write)
+        write = -1
+        data = b""
+        while chunk := os.read(read, 65536):
+            data += chunk
+    finally:
+        os.close(read)
+        if write >= 0:
+            os.close(write)
+    assert b"I moved to Lisbon" in data and counts
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    async with trio.open_nursery() as nursery:
+        got = []
+        nursery.start_soon(trio.to_thread.run_sync, lambda: got.append(fifo.read_bytes()))
+        await mem.export_user("ana", fifo)
+    assert b"I moved to Lisbon" in got[0] and fifo.exists() and not fifo.is_file()
