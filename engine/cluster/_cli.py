@@ -95,12 +95,13 @@ async def status(servers: list[str], overrides: dict | None = None) -> dict[str,
     """Partition -> owner, watermark, lag (stream last seq - watermark) and lease age.
 
     Raises:
-        LogUnavailable: the log could not be reached.
+        LogUnavailable: the log could not be reached, or holds no cluster (no `cluster
+            init` yet, or other names in the overrides).
     """
     from ._leases import LEASE_PREFIX, NODE_PREFIX, Beat, LeaseValue
     from ._log import Log
 
-    log = await Log.connect(servers, overrides, name="engram-cli")
+    log = await Log.connect(servers, overrides, name="engram-cli", create=False)
     try:
         entries = await log.kv_entries()
         last = await log.last_seq()

@@ -78,11 +78,12 @@ class ClusterClient(LogWriter):
                 the read's READ_SECONDS).
 
         Raises:
-            LogUnavailable: no log server answered.
+            LogUnavailable: no log server answered, or the cluster's stream is not made yet
+                (``engram-trio cluster init``, or a node, makes it).
             InvalidInput: a bad setting, or a cluster made with other settings.
         """
         limits = Config.checked(limits)
-        log = await Log.connect(nats, config, name="engram-client")
+        log = await Log.connect(nats, config, name="engram-client", create=False)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         try:
             async with httpx.AsyncClient(timeout=timeout, headers=headers) as http:

@@ -366,14 +366,18 @@ class _Client:
                                  "and the servers up?") from None
         self.js = self.nc.jetstream(timeout=PUBLISH_TIMEOUT)
 
-    async def ensure(self, wait: float = 30.0) -> bool:
+    async def ensure(self, create: bool = True, wait: float = 30.0) -> bool:
         """Create the stream and the lease bucket if missing; True if this call made any.
         A cluster that has just started has no JetStream leader for a few seconds: retried
-        for up to ``wait`` seconds."""
+        for up to ``wait`` seconds.
+
+        Raises:
+            LogUnavailable: one is missing and ``create`` is False.
+        """
         deadline = time.monotonic() + wait
         while True:
             try:
-                return await self._ensure()
+                return await self._ensure(create)
             except (nats.errors.TimeoutError, nats.js.errors.APIError,
                     nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
                 # APIError too: another node may be creating the same stream or bucket now.
@@ -381,12 +385,13 @@ class _Client:
                     raise
                 await asyncio.sleep(0.25)
 
-    async def _ensure(self) -> bool:
+    async def _ensure(self, create: bool) -> bool:
         c = self.config
         made = False
         try:
             info = await self.js.stream_info(c.stream)
         except nats.js.errors.NotFoundError:
+            self._missing(create, f"stream {c.stream!r}")
             await self.js.add_stream(api.StreamConfig(
                 name=c.stream, subjects=[f"{SUBJECT_ROOT}.>"], storage=api.StorageType.FILE,
                 num_replicas=c.replicas, duplicate_window=c.duplicate_window,
@@ -404,6 +409,7 @@ class _Client:
         try:
             self.kv = await self.js.key_value(c.bucket)
         except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
+            self._missing(create, f"lease bucket {c.bucket!r}")
             self.kv = await self.js.create_key_value(api.KeyValueConfig(
                 bucket=c.bucket, history=1, ttl=c.lease_ttl, replicas=c.replicas,
                 storage=api.StorageType.FILE))
@@ -413,11 +419,18 @@ class _Client:
         try:
             self.objects = await self.js.object_store(c.objects)
         except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
+            self._missing(create, f"snapshot store {c.objects!r}")
             self.objects = await self.js.create_object_store(c.objects, api.ObjectStoreConfig(
                 description="engram partition snapshots", replicas=c.replicas,
                 storage=api.StorageType.FILE))
             made = True
         return made
+
+    def _missing(self, create: bool, what: str) -> None:
+        if not create:
+            raise LogUnavailable(f"the log has no {what}: run `engram-trio cluster init` (or "
+                                 "start a node) with the cluster's settings first, or check "
+                                 "the names in cluster_config")
 
     async def publish(self, subject: str, payload: bytes, msg_id: str) -> tuple[int, bool]:
         deadline = time.monotonic() + self.config.publish_retry_seconds
@@ -721,11 +734,16 @@ class Log:
 
     @classmethod
     async def connect(cls, servers: Sequence[str], config: ClusterConfig | dict | None = None,
-                      name: str = "engram") -> Log:
-        """Connect to the servers and make sure the stream and the bucket exist.
+                      name: str = "engram", *, create: bool = True) -> Log:
+        """Connect to the servers and make sure the stream and the buckets exist.
+
+        Args:
+            create: make what is missing (a node, ``cluster init``); False for those that
+                only look or write (``cluster status``, a thin client), which must not make
+                a cluster of their own settings.
 
         Raises:
-            LogUnavailable: no server answered.
+            LogUnavailable: no server answered, or (``create`` False) something is missing.
         """
         config = ClusterConfig.checked(config)
         _check_servers(servers)
@@ -733,7 +751,7 @@ class Log:
         client = _Client(config)
         try:
             await thread.run(client.connect, servers, name)
-            await thread.run(client.ensure)
+            await thread.run(client.ensure, create)
         except BaseException as exc:
             with trio.move_on_after(CLOSE_SECONDS, shield=True):
                 await thread.run(client.close)  # a connection made before ensure refused

@@ -495,3 +495,38 @@ def test_settings_the_log_servers_refuse_are_invalid_input_up_front(overrides: d
     with pytest.raises(InvalidInput, match=expected) as bad:
         ClusterConfig.checked(overrides)
     assert bad.value.field == f"cluster_config.{field}"
+
+
+async def test_status_and_a_thin_client_never_make_the_stream_they_do_not_find(
+        nats_servers, cluster_config) -> None:
+    """``cluster status`` (a look) and a bot's ClusterClient started before any node, or
+    with a misspelt stream name or another partition count, must not create the stream and
+    buckets: that made an empty cluster under the wrong name, or stamped the real one with
+    the bot's partition count so every node was refused at connect. They say to run
+    ``cluster init`` (or start a node) instead."""
+    import nats.js.errors
+
+    from engine.cluster._cli import status
+    from engine.cluster._log import Log, LogUnavailable
+
+    fresh = msgspec.structs.replace(cluster_config, stream=f"{cluster_config.stream}X",
+                                    bucket=f"{cluster_config.bucket}x",
+                                    objects=f"{cluster_config.objects}x", partitions=64)
+    log = await Log.connect(nats_servers.urls, cluster_config, name="looker")
+    try:
+        with trio.fail_after(30):
+            with pytest.raises(LogUnavailable, match="cluster init"):
+                await status(nats_servers.urls, fresh)
+            with pytest.raises(LogUnavailable, match="cluster init"):
+                async with ClusterClient.connect(nats_servers.urls, fresh):
+                    pass
+            for name in (fresh.stream, f"KV_{fresh.bucket}", f"OBJ_{fresh.objects}"):
+                with pytest.raises(nats.js.errors.NotFoundError):
+                    await log.thread.run(log._client.js.stream_info, name)
+    finally:
+        for name in (fresh.stream, f"KV_{fresh.bucket}", f"OBJ_{fresh.objects}"):
+            try:  # what a failing run made
+                await log.thread.run(log._client.js.delete_stream, name)
+            except nats.js.errors.NotFoundError:
+                pass
+        await log.close()
