@@ -362,7 +362,8 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
         raise refused("store_path", exc, "a directory this process can create") from exc
     if holding and not overwrite:
         raise InvalidInput("store_path", f"expected a new or empty directory, found {store} "
-                                         "with files in it; pass overwrite=True to replace it")
+                                         "with files in it; pass overwrite=True (--overwrite on "
+                                         "the command line) to replace it")
     if overwrite and holding and store.is_dir() and not (store / "data.mdb").exists():
         raise InvalidInput("store_path", f"expected a store to replace, found {store} holding "
                                          "other files (no data.mdb); overwrite replaces only a "

@@ -67,7 +67,9 @@ def _data_file(path: Path) -> Path:
             raise
         raise refused("store", exc, "an Engram store") from exc
     if not found:
-        raise InvalidInput("store", f"expected an Engram store, found no data.mdb in {path}")
+        what = (f"a file, not a directory, at {path}" if path.is_file()
+                else f"no data.mdb in {path}")
+        raise InvalidInput("store", f"expected an Engram store, found {what}")
     return data
 
 

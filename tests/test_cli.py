@@ -134,7 +134,7 @@ def test_snapshot_restore_round_trip_and_refusals(store, tmp_path, capsys) -> No
     assert main(["restore", str(tmp_path / "snap"), str(tmp_path / "restored")]) == 1
     err = capsys.readouterr().err
     assert "engram-trio restore: InvalidInput: store_path: expected a new or empty directory" in err
-    assert "overwrite=True" in err
+    assert "overwrite=True (--overwrite on the command line)" in err
     assert main(["restore", str(tmp_path / "snap"), str(tmp_path / "restored"), "--overwrite"]) == 0
 
 
@@ -145,6 +145,10 @@ def test_compact_and_a_missing_store(store, tmp_path, capsys) -> None:
     assert main(["stats", str(tmp_path / "nowhere")]) == 1
     assert "expected an Engram store, found no data.mdb" in capsys.readouterr().err
     assert not (tmp_path / "nowhere").exists()
+    (tmp_path / "a-file").write_text("notes")
+    assert main(["stats", str(tmp_path / "a-file")]) == 1
+    assert "expected an Engram store, found a file, not a directory, at" in (
+        capsys.readouterr().err)
 
 
 def test_a_wrong_command_line_exits_2(capsys) -> None:
