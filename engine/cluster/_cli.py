@@ -44,6 +44,9 @@ def add_commands(command: Any) -> None:
                       help="the log's servers, nats://HOST:PORT[,...]")
     node.add_argument("--http", required=True, help="HOST:PORT to serve the API on")
     node.add_argument("--node-id", required=True, help="this node's stable id")
+    node.add_argument("--advertise", metavar="URL",
+                      help="the URL other nodes reach this one at (default: http://HOST:PORT "
+                           "of --http; required when --http binds 0.0.0.0 or ::)")
     node.add_argument("--api-keys", metavar="FILE", help="as for serve; the same on every node")
     node.add_argument("--cluster-config", type=_json_arg, default=None, metavar="JSON",
                       help="cluster overrides, e.g. '{\"lease_ttl\": 5}' (the same on every "
@@ -72,7 +75,8 @@ def run(args: argparse.Namespace) -> tuple[int, Any]:
         signum = trio.run(lambda: serve_node(args.store, args.nats, args.http, args.node_id,
                                              api_keys=args.api_keys,
                                              cluster_config=args.cluster_config,
-                                             config=args.config))
+                                             config=args.config,
+                                             advertise=args.advertise))
         return (130 if signum == signal.SIGINT else 0), None
     if args.action == "init":
         return 0, trio.run(_init, args.nats, args.cluster_config)

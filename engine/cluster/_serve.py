@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ipaddress
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import trio
 
 from .._engine import Engine
@@ -47,7 +49,7 @@ async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id:
                      cluster_config: ClusterConfig | dict | None = None,
                      config: Any = None,
                      say: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
-                     handle_signals: bool = True,
+                     handle_signals: bool = True, advertise: str | None = None,
                      task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> int | None:
     """Run a node until SIGINT / SIGTERM (or cancellation).
 
@@ -58,6 +60,9 @@ async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id:
         node_id: this node's stable id (a restart with the same id keeps its leases).
         api_keys: the api-keys file (every node of a cluster uses the same).
         cluster_config / config: the cluster's and the engine's overrides.
+        advertise: the URL other nodes reach this one at (its heartbeat carries it for
+            their forwards); default ``http://HOST:PORT`` of ``http``, which must then name
+            one address (not 0.0.0.0 or ::, which another machine reaches as itself).
 
     Returns:
         The signal that stopped the node, or None.
@@ -71,19 +76,24 @@ async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id:
     from ..errors import InvalidInput
 
     host, _, port = http.rpartition(":")
-    if not host or not port.isdigit():
-        raise InvalidInput("http", f"expected HOST:PORT, found {http!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]  # [::1]:8081
+    if (not host or "[" in host or "]" in host or not (port.isascii() and port.isdigit())
+            or not 0 < int(port) < 65536):
+        raise InvalidInput("http", f"expected HOST:PORT with a port from 1 to 65535, found "
+                                   f"{http!r}")
     keys = load_api_keys(api_keys) if api_keys is not None else None
     if keys is None and not is_loopback(host):
         say(f"warning: no --api-keys file, so no auth: binding to {LOOPBACK} instead of {host}")
         host = LOOPBACK
+    url = _advertised(host, port, http, advertise)
     store = Path(store)
     hc = hypercorn_config(host, port)
     shutdown = Shutdown()  # also releases the node's leases before the engine closes
     async with Engine.open(store, **node_engine_options(store, config)) as engine:
         log = await Log.connect(nats, cluster_config, name=node_id)
         try:
-            node = Node(engine, log, node_id, f"http://{host}:{port}")
+            node = Node(engine, log, node_id, url)
             writer = ClusterEngine(engine, log, node)
             router = Router(create_app(writer, keys), node, log)
             # Without keys, what the owner's Edge would refuse is refused before the router
@@ -113,3 +123,32 @@ async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id:
             with trio.CancelScope(shield=True):
                 await log.close()
     return shutdown.signal
+
+
+def _advertised(host: str, port: str, http: str, advertise: str | None) -> str:
+    """The URL other nodes forward to (carried in this node's heartbeat).
+
+    Raises:
+        InvalidInput: ``http`` binds every interface and ``advertise`` is not given (another
+            machine would reach 0.0.0.0 as itself), or ``advertise`` is not an http URL.
+    """
+    from ..errors import InvalidInput
+
+    if advertise is None:
+        try:
+            wildcard = ipaddress.ip_address(host).is_unspecified
+        except ValueError:
+            wildcard = False
+        if wildcard:
+            raise InvalidInput("http", f"expected an address other nodes can reach, found "
+                                       f"{http!r}, which binds every interface; give "
+                                       "--advertise http://THIS-MACHINE:PORT as well")
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    try:
+        url = httpx.URL(advertise)
+    except (httpx.InvalidURL, TypeError):
+        url = None
+    if url is None or url.scheme not in ("http", "https") or not url.host:
+        raise InvalidInput("advertise", f"expected http://HOST:PORT, the URL other nodes "
+                                        f"reach this one at, found {advertise!r}")
+    return advertise.rstrip("/")
