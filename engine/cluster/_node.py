@@ -12,8 +12,8 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import msgspec
 import trio
@@ -32,6 +32,7 @@ from ._partition import partition_of
 __all__ = ["Node"]
 
 log = logging.getLogger("engine.cluster")
+T = TypeVar("T")
 
 FETCH_SECONDS = 1.0  # a pull waits this long for entries before asking again
 RETRY_SECONDS = 0.5  # pause before a partition's reader asks a failing log again
@@ -221,22 +222,27 @@ class Node:
             if entries:
                 mark = await self._apply(p, entries)
 
+    async def _asking(self, p: int, counts: PartitionCounts, what: str,
+                      call: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """``call(*args)`` of the log for partition ``p``, asked again after RETRY_SECONDS
+        for as long as the log is unreachable (each failure counted, logged as ``what``)."""
+        while True:
+            try:
+                return await call(*args)
+            except (*TRANSIENT, LogUnavailable) as exc:
+                counts.log_errors += 1
+                log.info("partition %d: no %s now (%r); trying again", p, what, exc)
+                await trio.sleep(RETRY_SECONDS)
+
     async def _outlived(self, p: int, mark: int, counts: PartitionCounts) -> bool:
         """Whether this copy cannot be brought up to date from the log, and a snapshot can:
         the entries after its watermark are gone from the stream (aged out while the node
         was away longer than ``max_age``) and a later owner stored a snapshot past it. The
         consumer would start at the oldest entry left, and the copy go on without the
         entries between."""
-        while True:
-            try:
-                if await self.log.first_seq() <= mark + 1:
-                    return False
-                stored = await self.log.snapshot_mark(p)
-                break
-            except (*TRANSIENT, LogUnavailable) as exc:
-                counts.log_errors += 1
-                log.info("partition %d: no stream state now (%r); trying again", p, exc)
-                await trio.sleep(RETRY_SECONDS)
+        if await self._asking(p, counts, "stream state", self.log.first_seq) <= mark + 1:
+            return False
+        stored = await self._asking(p, counts, "snapshot mark", self.log.snapshot_mark, p)
         if stored is None or stored <= mark:
             return False  # the copy is the newest there is: resumed as it stands
         log.warning("partition %d: the log no longer holds the entries after this copy's "
@@ -249,14 +255,7 @@ class Node:
         started = time.monotonic()
         partitions = self.config.partitions
         await drop_local(self.engine, p, partitions)  # what a half-done restore left
-        while True:
-            try:
-                found = await self.log.get_snapshot(p)
-                break
-            except (*TRANSIENT, LogUnavailable) as exc:
-                counts.log_errors += 1
-                log.info("partition %d: no snapshot now (%r); trying again", p, exc)
-                await trio.sleep(RETRY_SECONDS)
+        found = await self._asking(p, counts, "snapshot", self.log.get_snapshot, p)
         if found is None:
             return 0
         try:
