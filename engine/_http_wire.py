@@ -270,10 +270,13 @@ def markdown_response(text: str) -> Response:
 
 
 def error_response(status: int, error: str, message: str, field: str | None = None,
-                   headers: dict[str, str] | None = None) -> Response:
-    body = {"error": error, "message": message}
+                   headers: dict[str, str] | None = None, log_seq: int | None = None
+                   ) -> Response:
+    body: dict[str, Any] = {"error": error, "message": message}
     if field is not None:
         body["field"] = field
+    if log_seq is not None:  # a call in the cluster's log (CallLogged): where to read it
+        body["log_seq"] = log_seq
     return Response(msgspec.json.encode(body), status, headers=headers,
                     media_type="application/json")
 

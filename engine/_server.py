@@ -94,6 +94,7 @@ STATUS_BY_ERROR = {
     "LLMFailed": 502,
     "NotInCluster": 501,
     "LogUnavailable": 503,
+    "CallLogged": 202,  # in the log, applied by the partition's owner: not to be retried
     "EngineError": 500,
 }
 
@@ -180,7 +181,8 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
         if status >= 500:
             log.warning("%s %s: %s: %s", request.method, request.url.path,
                         type(exc).__name__, exc)
-        return error_response(status, type(exc).__name__, str(exc), getattr(exc, "field", None))
+        return error_response(status, type(exc).__name__, str(exc), getattr(exc, "field", None),
+                              log_seq=getattr(exc, "log_seq", None))
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> Response:

@@ -13,7 +13,7 @@ from ._client import ClusterClient
 from ._figures import NodeStats, PartitionStats
 from ._leases import Leases, plan
 from ._local import LocalNats, free_port
-from ._log import ClusterConfig, Log, LogUnavailable
+from ._log import CallLogged, ClusterConfig, Log, LogUnavailable
 from ._loop import AsyncioThread
 from ._node import Node
 from ._partition import DEFAULT_PARTITIONS, partition_of, subject_of
@@ -24,6 +24,7 @@ from ._writes import ClusterEngine, ClusterReceipt, LogWriter, NotInCluster
 __all__ = [
     "DEFAULT_PARTITIONS",
     "AsyncioThread",
+    "CallLogged",
     "ClusterClient",
     "ClusterConfig",
     "ClusterEngine",

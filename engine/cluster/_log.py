@@ -142,6 +142,21 @@ class LogUnavailable(EngineError):
     """The log could not take or give entries in time (no quorum, servers unreachable)."""
 
 
+class CallLogged(EngineError):
+    """A call is in the log, at ``log_seq``, but the node that logged it did not see it
+    applied in time (it lost the partition meanwhile, or its applier is behind). The
+    partition's owner applies it, once: calling again would be a second call. Reading with
+    ``min_seq=log_seq`` shows its effect once applied.
+
+    Attributes:
+        log_seq: the call's stream sequence.
+    """
+
+    def __init__(self, message: str, log_seq: int) -> None:
+        super().__init__(message)
+        self.log_seq = log_seq
+
+
 class Delivery(msgspec.Struct, frozen=True):
     """One entry as a consumer delivered it; ``pending``: the entries of its partition the
     log held after it when it was sent (the partition's lag, in entries)."""

@@ -34,7 +34,7 @@ from .._logbatch import (
 )
 from .._tools import call_tool
 from ..errors import EngineError, InvalidInput
-from ._log import Log, LogUnavailable, Pending
+from ._log import CallLogged, Log, LogUnavailable, Pending
 from ._node import Node
 from ._partition import partition_of, subject_of
 
@@ -277,8 +277,10 @@ class ClusterEngine(LogWriter):
 
         Raises:
             The engine's own error for the call (raised on the owner when it applied it).
-            LogUnavailable: this node is not the partition's owner any more, or the log did
-                not take or deliver the entry in time (it may still apply later).
+            LogUnavailable: this node is not the partition's owner (nothing was logged), or
+                the log did not take the entry in time.
+            CallLogged: the entry is in the log but was not seen applied in time: its owner
+                applies it; not to be retried.
         """
         # Its time, logged: the owner, and every node that replays it, applies it then.
         return await self._applied(method, LogCall(user_id, method, args,
@@ -297,8 +299,9 @@ class ClusterEngine(LogWriter):
         seq, _ = await self._log.publish(subject_of(user_id, self._partitions),
                                          self._encoded(entry), "c_" + new_turn_id()[2:])
         if not await node.wait_applied(p, seq, CALL_WAIT):
-            raise LogUnavailable(f"{method} is in the log at {seq} but was not applied here "
-                                 f"within {CALL_WAIT} s; it applies once the owner catches up")
+            raise CallLogged(f"{method} is in the log at {seq} but was not seen applied here "
+                             f"within {CALL_WAIT} s; the partition's owner applies it once: "
+                             f"do not retry it; read with min_seq={seq} to see it", seq)
         result = node.results.pop(seq, None)
         if isinstance(result, BaseException):
             raise result

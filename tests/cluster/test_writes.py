@@ -47,3 +47,44 @@ async def test_durable_is_true_or_false_and_anything_else_publishes_nothing(dura
     assert (await writer.add_turn("ana", "s1", "user", "hi", durable=True)).log_seq == 1
     assert len(await writer.add_turns([turn], durable=False)) == 1
     assert len(log.published) == 2
+
+
+class BehindNode:
+    """A node that owns every partition but never sees a call applied in time (it lost the
+    lease right after publishing, or its applier is behind)."""
+
+    results: dict = {}
+
+    def owns(self, p: int) -> bool:
+        return True
+
+    async def wait_applied(self, p: int, min_seq: int, timeout: float) -> bool:
+        return False
+
+
+async def test_a_call_in_the_log_but_not_seen_applied_is_not_an_invitation_to_retry(
+        store_path) -> None:
+    """A logged call (a note, a fact) whose application the node did not see in time was a
+    503 LogUnavailable, which a client retries; but the call was in the log, and the
+    partition's owner applies it: the retry stored the note twice. It is CallLogged now,
+    with the call's log_seq, a 202 over HTTP, saying not to retry and how to read it."""
+    import httpx
+
+    from engine._server import create_app
+    from engine.cluster import CallLogged, ClusterEngine, LogUnavailable
+
+    from ..conftest import open_engine
+
+    log = KeptLog()
+    async with open_engine(store_path) as engine:
+        cluster = ClusterEngine(engine, log, BehindNode())  # type: ignore[arg-type]
+        with pytest.raises(CallLogged, match=r"in the log at 1.*do not retry.*min_seq=1"
+                           ) as caught:
+            await cluster.store_note("ana", "Allergic to peanuts")
+        assert caught.value.log_seq == 1 and not isinstance(caught.value, LogUnavailable)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(cluster)),
+                                     base_url="http://127.0.0.1") as http:
+            answer = await http.post("/v1/users/ana/notes", json={"text": "Likes jazz"})
+        assert answer.status_code == 202, answer.text
+        assert answer.json()["error"] == "CallLogged" and answer.json()["log_seq"] == 2
+    assert len(log.published) == 2
