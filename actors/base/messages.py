@@ -31,7 +31,7 @@ class AppendTurn(msgspec.Struct, frozen=True, tag=True):
         started_at: the session's earliest turn time, for its SessionInfo.
         id_key: the turn's key in the ``ids`` database.
         last_at: the session's latest turn time, for its SessionInfo (a turn may be
-            back-dated: this is not always its own); None: the turn's.
+            back-dated: this is not always its own).
     """
 
     turn: Turn
@@ -39,7 +39,7 @@ class AppendTurn(msgspec.Struct, frozen=True, tag=True):
     value: bytes
     started_at: datetime
     id_key: bytes
-    last_at: datetime | None = None
+    last_at: datetime
 
     @property
     def lsn(self) -> int:

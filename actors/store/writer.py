@@ -210,7 +210,7 @@ def _plan(ops: list[StoreOp]) -> list[Any]:
             puts.entries.append(LOG_TURN + op.key)
             key = op.key[:-9]  # the turn key less NUL + seq is the sessions key
             latest[key] = t
-            spans[key] = (op.started_at, op.last_at or t.at)
+            spans[key] = (op.started_at, op.last_at)
         elif kind is _Slot:
             continue  # its AppendTurns follows
         elif kind is AppendTurns:
@@ -252,7 +252,7 @@ def _put_one(txn: lmdb.Transaction, dbs: dict[bytes, Any], op: AppendTurn) -> No
     txn.put(op.key, op.value, db=dbs[b"turns"])
     txn.put(op.id_key, op.key, db=dbs[b"ids"])
     txn.put(lsn_key(t.lsn), LOG_TURN + op.key, db=dbs[b"log"])
-    info = SessionInfo(t.user_id, t.session_id, op.started_at, op.last_at or t.at, t.seq + 1,
+    info = SessionInfo(t.user_id, t.session_id, op.started_at, op.last_at, t.seq + 1,
                        t.agent_id, t.run_id)
     txn.put(op.key[:-9], _encode(info), db=dbs[b"sessions"])
 

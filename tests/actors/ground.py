@@ -75,7 +75,7 @@ class Ground:
         turn = Turn(lsn, f"t{lsn}", user_id, session_id, seq, role, text, at)
         key = store_mod.session_prefix(user_id, session_id) + seq.to_bytes(8, "big")
         store.submit(AppendTurn(turn, key, msgspec.msgpack.encode(turn), at,
-                                store_mod.user_prefix(user_id) + turn.turn_id.encode()))
+                                store_mod.user_prefix(user_id) + turn.turn_id.encode(), at))
         if durable:
             await store.wait_committed(lsn)
         return lsn

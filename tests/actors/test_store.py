@@ -277,7 +277,7 @@ def _append(store: store_mod.Store, session: str, seq: int, text: str = "hi") ->
     turn = Turn(store.next_lsn, f"t{store.next_lsn}", "ana", session, seq, "user", text, at)
     key = store_mod.session_prefix("ana", session) + seq.to_bytes(8, "big")
     return AppendTurn(turn, key, msgspec.msgpack.encode(turn), at,
-                      store_mod.user_prefix("ana") + turn.turn_id.encode())
+                      store_mod.user_prefix("ana") + turn.turn_id.encode(), at)
 
 
 async def test_a_receipt_is_released_by_a_flush_begun_after_its_commit(store_path,
