@@ -70,6 +70,13 @@ def test_a_closed_pipe_ends_quietly(store) -> None:
     assert process.returncode == 141 and b"Traceback" not in err and b"Exception" not in err
 
 
+def _interruptible() -> None:
+    """In a child about to get SIGINT: the disposition a terminal's Ctrl-C meets. A suite run
+    in the background (`nohup ... &`) hands its children SIGINT ignored, which the command
+    rightly keeps, and these tests would then wait for an interrupt that never comes."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 # Ctrl-C that lands while the command imports trio (a finder on the import path sends it).
 _INTERRUPTED_IMPORT = """
 import importlib.abc, os, runpy, signal, sys
@@ -87,7 +94,8 @@ runpy.run_module("engine", run_name="__main__", alter_sys=True)
 def test_ctrl_c_during_the_first_imports_exits_130_without_a_traceback(tmp_path) -> None:
     """The first second of a command is its imports: Ctrl-C there exits as it does later."""
     done = subprocess.run([sys.executable, "-c", _INTERRUPTED_IMPORT, str(tmp_path / "s")],
-                          capture_output=True, timeout=60)
+                          capture_output=True, timeout=60,
+                          preexec_fn=_interruptible)
     assert done.returncode == 130 and b"Traceback" not in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "s").exists()  # stopped before the command ran
 
@@ -100,7 +108,8 @@ _INTERRUPTED_PARSE = _INTERRUPTED_IMPORT.replace('name == "trio"', 'name == "eng
 def test_ctrl_c_while_the_command_line_is_parsed_exits_130(tmp_path) -> None:
     """The imports the parser makes are cut short as quietly as the first ones."""
     done = subprocess.run([sys.executable, "-c", _INTERRUPTED_PARSE, str(tmp_path / "s")],
-                          capture_output=True, timeout=60)
+                          capture_output=True, timeout=60,
+                          preexec_fn=_interruptible)
     assert done.returncode == 130 and b"Traceback" not in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "s").exists()
 
@@ -108,7 +117,8 @@ def test_ctrl_c_while_the_command_line_is_parsed_exits_130(tmp_path) -> None:
 def test_serve_stops_on_ctrl_c_with_exit_130(tmp_path) -> None:
     """SIGINT stops `serve` gracefully: the engine closes, exit 130, no traceback."""
     with subprocess.Popen([sys.executable, "-m", "engine", "serve", str(tmp_path / "s"),
-                           "--port", "0"], stderr=subprocess.PIPE, text=True) as process:
+                           "--port", "0"], stderr=subprocess.PIPE, text=True,
+                          preexec_fn=_interruptible) as process:
         try:
             for line in process.stderr:
                 if "serving" in line:
@@ -166,7 +176,8 @@ def test_mcp_stops_on_ctrl_c_with_exit_130(tmp_path) -> None:
                         "clientInfo": {"name": "test", "version": "0"}}}
     with subprocess.Popen([sys.executable, "-m", "engine", "mcp", str(tmp_path / "s"),
                            "--user", "ana"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as process:
+                          stderr=subprocess.PIPE, text=True,
+                          preexec_fn=_interruptible) as process:
         try:
             process.stdin.write(json.dumps(hello) + "\n")
             process.stdin.flush()
