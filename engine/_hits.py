@@ -29,6 +29,8 @@ class Explain(msgspec.Struct, frozen=True, kw_only=True):
         lift: what neighbouring turns and covering episodes added to ``fused``.
         lifted_by: the memories (turn or episode ids) that lifted it.
         fsrs: the FSRS retrievability factor the score was multiplied by (1.0 but episodes).
+        speaker: what was added to ``fused`` because the turn was said by the one speaker the
+            query names (0 otherwise; see ``engine._retrieval.speaker_of``).
         cosine: its similarity to the query, when the vector leg scored it.
         chunk: for a text long enough to be embedded in chunks (``actors.chunking``), the
             place (from 0) of the chunk the vector leg found it by; None otherwise.
@@ -39,6 +41,7 @@ class Explain(msgspec.Struct, frozen=True, kw_only=True):
     lift: float = 0.0
     lifted_by: tuple[str, ...] = ()
     fsrs: float = 1.0
+    speaker: float = 0.0
     cosine: float | None = None
     chunk: int | None = None
 

@@ -3,7 +3,13 @@ the relevance floor, explained scores, and retrieve_memory filling its episodic 
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
+import pytest
+
+from actors.base.records import Turn
 from engine import Engine
+from engine._retrieval import asked_speaker, speaker_of
 
 from .conftest import StepClock, open_engine
 
@@ -157,3 +163,78 @@ async def test_a_neighbour_with_no_relevance_of_its_own_is_not_lifted(store_path
         hits = await mem.recall("ana", "name of the new puppy", limit=50, kinds=["turn"])
     assert hits[0].text == "what did you name the new puppy?"
     assert "Noted." not in [h.text for h in hits]
+
+
+async def _two_speakers(mem: Engine, session: str, said: list[tuple[str, str]],
+                        meta: bool = False) -> None:
+    """A two-person transcript: each turn "Name: text", or with meta ``speaker`` instead."""
+    for i, (name, text) in enumerate(said):
+        role = "user" if name == said[0][0] else "assistant"
+        if meta:
+            await mem.add_turn("ana", session, role, text, meta={"speaker": name})
+        else:
+            await mem.add_turn("ana", session, role, f"{name}: {text}")
+
+
+PAINTED = [("Melanie", "I painted a lake at sunrise last weekend"),
+           ("Caroline", "I painted a lake at sunrise too, years ago")]
+
+
+async def test_a_question_about_one_speaker_favours_what_that_speaker_said(store_path) -> None:
+    """"What did Caroline paint?" in a two-person chat: of two turns that say the same thing,
+    the one Caroline said ranks first, by the transcript's "Name: " or by meta ``speaker``;
+    Melanie's turn ranks first when she is asked about."""
+    for meta in (False, True):
+        async with open_engine(store_path / str(meta), clock=StepClock()) as mem:
+            filler = [(("Melanie", "Caroline")[i % 2], TOPICS[i % len(TOPICS)]) for i in range(30)]
+            await _two_speakers(mem, "s", [*filler[:10], *PAINTED, *filler[10:]], meta)
+            await mem.flush()
+            for name in ("Caroline", "Melanie"):
+                hits = await mem.recall("ana", f"What did {name} paint at sunrise?", limit=5)
+                said = [h for h in hits if "lake at sunrise" in h.text]
+                assert len(said) == 2, hits
+                first = dict(PAINTED)[name]
+                assert first in said[0].text, (name, meta, said)
+                assert said[0].explain.speaker > 0 and said[1].explain.speaker == 0
+
+
+async def test_naming_both_speakers_or_none_favours_neither(store_path) -> None:
+    """A question naming both speakers, or neither, adds nothing for who said a turn; nor does
+    a prefix that is not a name ("A: ..." in a Q&A transcript, "note to self: ...")."""
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        await _two_speakers(mem, "s", [*PAINTED, ("Melanie", TOPICS[0])])
+        await mem.add_turn("ana", "qa", "user", "A: a lake at sunrise, painted in oils")
+        await mem.add_turn("ana", "qa", "user", "note to self: paint a lake at sunrise")
+        await mem.flush()
+        for query in ("What did Caroline and Melanie paint at sunrise?",
+                      "Who painted a lake at sunrise?", "A lake at sunrise: a note"):
+            for hit in await mem.recall("ana", query, limit=10):
+                assert hit.explain.speaker == 0, (query, hit)
+
+
+@pytest.mark.parametrize(("text", "meta", "speaker"), [
+    ("Caroline: I went to a support group", {}, "caroline"),
+    ("Jean-Luc Picard: engage", {}, "jean-luc"),
+    ("O'Brien: the transporter is fixed", {}, "o'brien"),
+    ("Zoë: hallo", {}, "zoë"),
+    ("A: a lake at sunrise", {}, None),  # a Q&A transcript's answer, not a person
+    ("note to self: buy milk", {}, None),
+    ("Caroline:no space", {}, None),
+    ("I said it twice: at noon and at night", {}, None),
+    ("The Very Long Name Here: x", {}, None),
+    ("just text", {"speaker": "Melanie Z"}, "melanie"),
+    ("Caroline: hi", {"name": "Bob"}, "bob"),  # meta says who, over the text
+    ("Caroline: hi", {"name": 3}, "caroline"),
+])
+def test_who_said_a_turn(text: str, meta: dict, speaker: str | None) -> None:
+    turn = Turn(1, "t", "ana", "s", 0, "user", text, datetime.now(timezone.utc), meta, "", "")
+    assert speaker_of(turn) == speaker
+
+
+def test_which_speaker_a_question_names() -> None:
+    both = ["caroline", "melanie", None]
+    assert asked_speaker("What is Caroline's job?", both) == "caroline"
+    assert asked_speaker("what did o'brien fix?", ["o'brien", "kira"]) == "o'brien"
+    assert asked_speaker("How did Caroline and Melanie meet?", both) is None
+    assert asked_speaker("What did Caroline say?", ["caroline"]) is None  # one voice only
+    assert asked_speaker("What happened in May?", both) is None
