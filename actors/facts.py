@@ -332,6 +332,29 @@ class Facts:
                                                      last_access_at=now)
                              for f in active.values() if f.fact_id in ids])
 
+    async def count_use(self, user_id: str, fact_ids: Iterable[str],
+                        puts: tuple[tuple[bytes, bytes, bytes | None, int], ...] = ()
+                        ) -> list[Fact]:
+        """Count a use of these active facts, as :meth:`touch` does, but read from the store
+        when the user is not cached, so every node that applies a cluster's logged use counts
+        the same; ``puts`` (a ``PutState``'s) go in the same write. Returns once written.
+
+        Returns:
+            The facts counted (ids not of an active fact are left out).
+        """
+        ids = set(fact_ids)
+        async with self._lock:
+            active = await self._user(user_id) if ids else {}
+            now = self._clock().astimezone(timezone.utc)
+            used = [msgspec.structs.replace(f, access_count=f.access_count + 1,
+                                            last_access_at=now)
+                    for f in active.values() if f.fact_id in ids]
+            if used or puts:
+                self._store.check_usable()
+                self._queue_rewrite(used, puts)
+                await self._store.wait_written()
+            return used
+
     async def decay_and_prune(self, user_ids: Iterable[str]) -> int:
         """Retire the facts whose effective confidence fell below PRUNE_BELOW."""
         pruned = 0
@@ -349,13 +372,15 @@ class Facts:
         self._forgets += 1
         self._forgotten.add(user_id)
 
-    def _queue_rewrite(self, facts: list[Fact]) -> None:
+    def _queue_rewrite(self, facts: list[Fact],
+                       extra: tuple[tuple[bytes, bytes, bytes | None, int], ...] = ()) -> None:
         """Change facts in place (same version, same lsn: no index sees a difference), in the
         cache at once and in the store in queue order. Each put is guarded by the fact's lsn,
-        so a version retired or forgotten before it lands is not brought back."""
-        if not facts:
+        so a version retired or forgotten before it lands is not brought back. ``extra``
+        puts go first, in the same op."""
+        if not facts and not extra:
             return
-        puts = tuple((b"facts", fact_key(f), _encode(f), f.lsn) for f in facts)
+        puts = extra + tuple((b"facts", fact_key(f), _encode(f), f.lsn) for f in facts)
         self._store.submit(PutState(puts))
         for f in facts:
             active = self._cache.get(f.user_id)

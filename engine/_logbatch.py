@@ -32,10 +32,11 @@ from actors.store import read_meta_lsn, user_prefix
 
 from ._forget import Forgetting
 from ._parts import Parts, pinned
+from ._recall import record_shown
 from .errors import EngineError, InvalidInput
 
-__all__ = ["LogTurn", "LogForget", "LogForgetScope", "LogCall", "CALLS", "LogEntry",
-           "encode_entry", "decode_entry", "PartitionLog", "watermark_key"]
+__all__ = ["LogTurn", "LogForget", "LogForgetScope", "LogCall", "CALLS", "RECORD_SHOWN",
+           "LogEntry", "encode_entry", "decode_entry", "PartitionLog", "watermark_key"]
 
 RECENT_IDS = 65_536  # turn ids applied lately, checked before the store (commits in flight)
 MAX_BATCH = 1_024  # entries per call: one transaction, and a few ms of loop time
@@ -78,7 +79,8 @@ class LogForgetScope(msgspec.Struct, frozen=True, tag="forget_scope", omit_defau
 
 class LogCall(msgspec.Struct, frozen=True, tag="call", omit_defaults=True):
     """Any other write a caller makes (notes, facts, links, reviews, summaries, closing a
-    session): the engine method of that name, called on the owner with these arguments.
+    session): the engine method of that name, called on the owner with these arguments; or
+    what a read recorded (``RECORD_SHOWN``), which the applier writes itself.
     Ids a call would make (a new note's) are made by the writer and carried here, and so is
     the time it was logged (``at``): the call applies with the engine's clock reading that
     time, so every node that applies the entry makes the same record, with the same times,
@@ -91,12 +93,19 @@ class LogCall(msgspec.Struct, frozen=True, tag="call", omit_defaults=True):
     at: datetime | None = None
 
 
-# The engine methods a LogCall may name: every write a caller makes that is not a turn or a
-# forget. What the engine derives by itself (episodes, extracted facts, entities, vectors) is
-# recomputed by each node from the turns, so it is never logged.
+# What a read records (a pending review, the facts' use) is a write too: a node's reads log
+# it as a call of this name, which the applier runs itself (``_recall.record_shown``), never an
+# engine method a caller may make. A node of an older version refuses the entry as a method
+# not in its CALLS (counted invalid, the watermark moves on) rather than misapplying it.
+RECORD_SHOWN = "record_shown"
+
+# The methods a LogCall may name: every write a caller makes that is not a turn or a forget,
+# and what a read records. What the engine derives by itself (episodes, extracted facts,
+# entities, vectors) is recomputed by each node from the turns, so it is never logged.
 CALLS = frozenset({
     "store_note", "update_note", "delete_note", "remember_fact", "correct_fact",
     "confirm_fact", "forget_fact", "link", "review", "write_session_summary", "close_session",
+    RECORD_SHOWN,
 })
 
 LogEntry = LogTurn | LogForget | LogForgetScope | LogCall
@@ -255,6 +264,8 @@ class PartitionLog:
         try:
             at = None if entry.at is None else v.check_at(entry.at, "at")
             with pinned(at, place):
+                if entry.method == RECORD_SHOWN:
+                    return await record_shown(self._parts, entry.user_id, **entry.args)
                 return await self._call(entry.method, entry.user_id, entry.args)
         except (EngineError, TypeError) as exc:
             # TypeError: arguments the method does not take (a newer writer's entry).

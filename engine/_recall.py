@@ -2,12 +2,16 @@
 as the facade takes them. Each checks its arguments, resolves the focus level, runs the
 pipeline (``_retrieval.py``) or seed 001's sections over it (``_briefing.py``), flags the legs
 whose index was incomplete, and records what it showed: a pending review of the episodes, a
-use of the facts (both queued, never awaited: the reply does not wait for a write).
+use of the facts (both queued, never awaited: the reply does not wait for a write). On a
+cluster node (:func:`recorded_by`) what a read records is a log entry instead, applied by
+:func:`record_shown` on every node that applies the log.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import timezone
 from typing import Any
 
@@ -19,7 +23,7 @@ from actors.base.messages import PutState
 from actors.base.records import PendingReview
 from actors.base.where import Node, conjunction
 from actors.base.where import parse as parse_where
-from actors.store import user_prefix
+from actors.store import read_memories_by_id, user_prefix
 
 from ._args import check_count, check_fraction, check_labels, choices, words
 from ._briefing import Briefing, render_markdown
@@ -27,11 +31,83 @@ from ._hits import Hits, RetrieveResult
 from ._parts import Parts
 from ._retrieval import FOCUS_LEVELS, LEGS, Retriever, focus_settings
 
-__all__ = ["Recall"]
+__all__ = ["Recall", "record_shown", "recorded_by"]
 
 _ENCODE = msgspec.msgpack.Encoder().encode
 ROLES = ("user", "assistant", "system", "tool")
 KINDS = ("turn", "episode", "fact", "note")
+MAX_SHOWN = 1_000  # ids a logged record_shown may name (a read shows at most a few hundred)
+
+# Set by a cluster node around a read it answers (:func:`recorded_by`): what the read would
+# record goes there, as a logged ``record_shown``'s arguments, instead of to this store.
+_recording: ContextVar[Callable[[str, dict[str, Any]], None] | None] = ContextVar(
+    "engram_recording", default=None)
+
+
+@contextmanager
+def recorded_by(publish: Callable[[str, dict[str, Any]], None]) -> Iterator[None]:
+    """Within the block, a read of this task records nothing in the store: it hands
+    ``publish`` the user id and the arguments of :func:`record_shown` (once per read, if it
+    showed anything to record), to log. ``publish`` must not block: the reply waits for it."""
+    token = _recording.set(publish)
+    try:
+        yield
+    finally:
+        _recording.reset(token)
+
+
+async def record_shown(parts: Parts, user_id: Any, *, conversation_id: Any = None,
+                       query: Any = "", memory_ids: Any = (), texts: Any = (),
+                       fact_ids: Any = ()) -> None:
+    """Record what a read on a cluster node showed, as the read itself records it on a
+    single node: a pending review of the episodic memories (``memory_ids`` with their
+    ``texts``, found by ``query``, for ``conversation_id``'s next reply to rate) and a use of
+    the facts (``fact_ids``: their decay restarts). A cluster's applier runs it for a logged
+    ``record_shown`` entry, with the engine's clock reading the entry's time; it is no
+    engine method (a caller would forge reviews with it).
+
+    Every node that applies the entry writes the same: memories gone by the entry's place in
+    the log are left out (none left: no pending review), the facts are read from the store
+    when they are not cached, and the review and the uses go in one write.
+
+    Raises:
+        InvalidInput: a bad argument (ids, a summary per memory id, a query if any memory).
+    """
+    parts.check_open()
+    parts.check_ids(user_id)
+    if conversation_id is not None:
+        parts.check_id("conversation_id", conversation_id)
+    memory_ids = _shown_ids(parts, "memory_ids", memory_ids)
+    fact_ids = _shown_ids(parts, "fact_ids", fact_ids)
+    if (not isinstance(texts, list | tuple) or len(texts) != len(memory_ids)
+            or any(type(t) is not str for t in texts)):
+        raise InvalidInput("texts", f"expected a list of {len(memory_ids)} summaries (str), "
+                                    f"one per memory id, found {_cut(texts)}")
+    puts: tuple[tuple[bytes, bytes, bytes | None, int], ...] = ()
+    if memory_ids:
+        parts.check_text("query", query)
+        await parts.committed()  # the memories shown, as the log held them before the entry
+        found = await parts.store.read(read_memories_by_id, user_id, memory_ids)
+        kept = [(m, t) for m, t in zip(memory_ids, texts, strict=True) if m in found]
+        if kept:
+            pending = PendingReview(tuple(m for m, _ in kept), tuple(t for _, t in kept),
+                                    query, parts.clock().astimezone(timezone.utc))
+            key = user_prefix(user_id) + (conversation_id or "").encode()
+            puts = ((b"pending", key, _ENCODE(pending), 0),)
+    await parts.facts.count_use(user_id, fact_ids, puts)
+
+
+def _shown_ids(parts: Parts, field: str, value: Any) -> list[str]:
+    if not isinstance(value, list | tuple) or len(value) > MAX_SHOWN:
+        raise InvalidInput(field, f"expected a list of at most {MAX_SHOWN} ids, found "
+                                  f"{_cut(value)}")
+    return [parts.check_id(f"{field}[{i}]", item) for i, item in enumerate(value)]
+
+
+def _cut(value: Any) -> str:
+    """A found value for an error message, cut short."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class Recall:
@@ -149,9 +225,8 @@ class Recall:
             result = msgspec.structs.replace(result, degraded=degraded)
         if not record:  # a look, not a use: nothing to rate, no decay restarted
             return result
-        if forgets == parts.forgets:  # a deletion meanwhile: what was shown may be gone
-            self._record_pending(user_id, conversation_id, query, result)
-        self._count_use(user_id, result)
+        # A deletion meanwhile: what was shown may be gone, so no review of it.
+        self._record(user_id, conversation_id, query, result, forgets == parts.forgets)
         return result
 
     async def context_pre_retrieve(self, user_id: Any, query: Any, conversation_id: Any,
@@ -162,7 +237,7 @@ class Recall:
             user_id, query, conversation_id=conversation_id, episodic_limit=0,
             semantic_limit=semantic_limit, category=category, min_importance=min_importance,
             episodic=False)
-        self._count_use(user_id, result)
+        self._record(user_id, conversation_id, query, result, False)
         return render_markdown(result, self._parts.clock(), "none", episodic=False)
 
     def _check(self, user_id: Any, query: Any, conversation_id: Any, semantic_limit: Any,
@@ -177,6 +252,27 @@ class Recall:
         if category is not None:
             parts.check_id("category", category)
         check_fraction("min_importance", min_importance)
+
+    def _record(self, user_id: str, conversation_id: str | None, query: str,
+                result: RetrieveResult, review: bool) -> None:
+        """Record what a read showed: a pending review of its episodic memories (if
+        ``review``) and a use of its facts; or, on a cluster node (:func:`recorded_by`),
+        hand them to be logged as one ``record_shown``."""
+        publish = _recording.get()
+        if publish is None:
+            if review:
+                self._record_pending(user_id, conversation_id, query, result)
+            self._count_use(user_id, result)
+            return
+        args: dict[str, Any] = {}
+        if review and result.episodic:
+            args.update(conversation_id=conversation_id, query=query,
+                        memory_ids=[i.id for i in result.episodic],
+                        texts=[i.summary for i in result.episodic])
+        if result.semantic:
+            args["fact_ids"] = [f.id for f in result.semantic]
+        if args and not self._parts.read_only:
+            publish(user_id, args)
 
     def _count_use(self, user_id: str, result: RetrieveResult) -> None:
         """Facts shown in a prompt were used: their decay restarts. Queued, not awaited, so

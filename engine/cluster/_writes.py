@@ -1,7 +1,9 @@
 """The engine a cluster node's HTTP app drives: a write on any node (``add_turn``, a
 batch, a forget, a logged call such as ``store_note``) becomes a log entry published to the
 user's partition; the node that holds the partition's lease applies it (:class:`Node`).
-Reads go to the local engine, which the router only lets the owner answer.
+Reads go to the local engine, which the router only lets the owner answer; what a read
+records (a pending review, the facts' use) is a log entry too, published without the read
+waiting for it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .._engine import Engine
 from .._stats import Stats
 from .._logbatch import (
     CALLS,
+    RECORD_SHOWN,
     LogCall,
     LogEntry,
     LogForget,
@@ -32,8 +35,9 @@ from .._logbatch import (
     decode_entry,
     encode_entry,
 )
+from .._recall import recorded_by
 from .._tools import call_tool
-from ..errors import EngineError, InvalidInput
+from ..errors import EngineClosed, EngineError, InvalidInput
 from ._log import CallLogged, Log, LogUnavailable, Pending
 from ._node import Node
 from ._partition import partition_of, subject_of
@@ -269,6 +273,40 @@ class ClusterEngine(LogWriter):
         """
         raise NotInCluster(_IMPORT_REFUSED.format(method="import_users"))
 
+    async def retrieve_memory(self, user_id: str, query: str, *args: Any, **kwargs: Any
+                              ) -> str:
+        """:meth:`Engine.retrieve_memory` of this node's engine, whose pending review and
+        use of the facts shown are logged (see :meth:`_record_shown`), not written here."""
+        with recorded_by(self._record_shown):
+            return await self._engine.retrieve_memory(user_id, query, *args, **kwargs)
+
+    async def retrieve_memory_raw(self, user_id: str, query: str, *args: Any, **kwargs: Any
+                                  ) -> Any:
+        """:meth:`Engine.retrieve_memory_raw`, recorded through the log as
+        :meth:`retrieve_memory`."""
+        with recorded_by(self._record_shown):
+            return await self._engine.retrieve_memory_raw(user_id, query, *args, **kwargs)
+
+    async def context_pre_retrieve(self, user_id: str, query: str, *args: Any,
+                                   **kwargs: Any) -> str:
+        """:meth:`Engine.context_pre_retrieve`, its use of the facts shown recorded through
+        the log as :meth:`retrieve_memory`'s."""
+        with recorded_by(self._record_shown):
+            return await self._engine.context_pre_retrieve(user_id, query, *args, **kwargs)
+
+    def _record_shown(self, user_id: str, args: dict[str, Any]) -> None:
+        """Log what a read recorded as a ``record_shown`` call, without the read waiting:
+        the owner writes it when it applies the entry, as does every node that replays the
+        log, so they all hold the same pending reviews and fact uses. A record the log does
+        not take (too large, the log closing, no PubAck) is lost, as a single node loses one
+        when its store closes: the facts decay a little sooner, nothing is rated."""
+        entry = LogCall(user_id, RECORD_SHOWN, args, at=datetime.now(timezone.utc))
+        try:
+            self._log.publish_soon(subject_of(user_id, self._partitions), self._encoded(entry),
+                                   "c_" + new_turn_id()[2:])
+        except (InvalidInput, EngineClosed):
+            pass
+
     async def _logged(self, method: str, user_id: str, args: dict[str, Any]) -> Any:
         """Publish a :class:`LogCall` and return what the owner's engine returned applying it.
 
@@ -405,5 +443,5 @@ def _plain(value: Any) -> Any:
     return list(value)
 
 
-for _name in sorted(CALLS):
+for _name in sorted(CALLS - {RECORD_SHOWN}):  # RECORD_SHOWN: logged by the reads above
     setattr(ClusterEngine, _name, _logged_method(_name))
