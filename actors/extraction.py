@@ -440,7 +440,8 @@ _HYPOTHETICAL = re.compile(r"\s*(?:if|what if|suppose|maybe|do you|can you|could
 
 
 def extract_facts(text: str) -> list[Candidate]:
-    """The facts a user turn states, by rule; questions and hypotheticals are skipped."""
+    """The facts a user turn states, by rule, at most MAX_CANDIDATES of them; questions and
+    hypotheticals are skipped."""
     found: dict[tuple[str, str], Candidate] = {}
     greeting = _GREETING_NAME.search(text)
     if greeting:
@@ -453,7 +454,13 @@ def extract_facts(text: str) -> list[Candidate]:
         for rule in _RULES:
             for m in rule.pattern.finditer(sentence):
                 candidate = rule.build(m)
-                if candidate is not None:
-                    found[(candidate.category, candidate.key)] = candidate
+                if candidate is None:
+                    continue
+                key = (candidate.category, candidate.key)
+                # A turn of thousands of "I like ..." must not flood the profile (and have
+                # each fact compared with all the others): the first keys said are kept, and
+                # a later value of one of them still wins.
+                if key in found or len(found) < MAX_CANDIDATES:
+                    found[key] = candidate
     return [c for c in found.values()
             if c.confidence >= MIN_CONFIDENCE and c.importance >= MIN_IMPORTANCE]
