@@ -852,12 +852,15 @@ async def _write(parts: Parts, imports: list[tuple[_Parsed, str]],
                                                         "(as_user)")
                 lsn_map[turn.lsn] = there.lsn
             user.skipped += min(present, len(turns))
+            for turn in turns[present:]:
+                _check_new(user_id, turn, have.get(turn.turn_id))
             mine.extend(turns[present:])
         for line in (*parsed.notes, *parsed.episodes, *parsed.facts):
             there = have.get(_id_of(line))
             if there is None:
                 mine.append(line)
             else:
+                _check_new(user_id, line, there)
                 lsn_map[line.lsn] = there.lsn
                 user.skipped += 1
         mine.sort(key=lambda line: line.lsn)  # the source's log order: entities' stay in order
@@ -908,6 +911,25 @@ async def _write(parts: Parts, imports: list[tuple[_Parsed, str]],
         parts.compressor.forget(user.user_id, None)
         parts.entities.forget(user.user_id)
     return [{**user.written, "skipped": user.skipped} for user in users]
+
+
+_KINDS = {TurnLine: Turn, NoteLine: Note, EpisodeLine: Episode, FactLine: Fact}
+
+
+def _check_new(user_id: str, line: Any, there: Any) -> None:
+    """A turn to append holds an id the user has no record of; a note, episode or fact the
+    user holds under its id is a record of its kind (an earlier import of it), not another
+    one: the id would be filed under one record and the other no longer read by it.
+
+    Raises:
+        InvalidInput: the id names another of the user's records.
+    """
+    if there is None or (type(line) is not TurnLine and type(there) is _KINDS[type(line)]):
+        return
+    kind = type(line).__struct_config__.tag
+    raise _bad(f"{kind} {_id_of(line)}", f"expected an id {user_id} does not hold yet, found a "
+                                         f"{type(there).__name__.lower()} of that id here: "
+                                         "import under another user (as_user)")
 
 
 def _id_of(line: Any) -> str:

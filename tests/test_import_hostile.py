@@ -1,0 +1,77 @@
+"""Imports of crafted exports: a file whose records clash with what the store holds, or whose
+order cannot be written as it stands, is refused with InvalidInput before anything is written,
+and the store answers as before."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from engine import Engine, InvalidInput
+
+from .conftest import StepClock, open_engine
+
+
+async def _lines_of(mem: Engine, user: str) -> list[dict]:
+    out = io.BytesIO()
+    await mem.export_user(user, out)
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def _file(lines: list[dict]) -> bytes:
+    """The lines as an export, its end line counting them."""
+    lines = [*lines[:-1], {"record": "end", "records": len(lines) - 2}]
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+async def _maya(mem: Engine) -> tuple[list[dict], str]:
+    """Maya's export (four turns of s1 and a note) and her note's id."""
+    for i in range(4):
+        await mem.add_turn("maya", "s1", "user", f"My dog Pixel likes the beach, day {i}")
+    note = await mem.store_note("maya", "Maya plans a trip to Madeira", tags=["travel"])
+    await mem.flush()
+    return await _lines_of(mem, "maya"), note.note_id
+
+
+@pytest.mark.parametrize("clash", ["note", "turn of another session"])
+async def test_a_turn_taking_an_id_the_user_holds_is_refused(tmp_path, clash) -> None:
+    """A turn of a new session whose id the user already holds (a note's, or a turn's in
+    another session) would file the id under the new turn, so the old record could no longer
+    be read, deleted or exported whole: refused, and the store is as it was."""
+    async with open_engine(tmp_path / "a", clock=StepClock()) as mem:
+        lines, note_id = await _maya(mem)
+        turn = next(line for line in lines if line["record"] == "turn")
+        taken = note_id if clash == "note" else turn["turn_id"]
+        crafted = [lines[0], turn | {"turn_id": taken, "session_id": "s9", "lsn": 99},
+                   lines[-1]]
+        before = await mem.stats()
+        with pytest.raises(InvalidInput, match=f"turn {taken}: expected an id maya does not "
+                                               "hold yet") as e:
+            await mem.import_user(_file(crafted), as_user="maya")
+        assert e.value.field == "source"
+        await mem.flush()
+        assert await mem.stats() == before
+        assert [s.session_id for s in await mem.list_sessions("maya")] == ["s1"]
+        assert (await mem.get_note("maya", note_id)).text == "Maya plans a trip to Madeira"
+        again = io.BytesIO()
+        await mem.export_user("maya", again)
+    async with open_engine(tmp_path / "b", clock=StepClock()) as other:
+        assert (await other.import_user(again.getvalue()))["turns"] == 4
+
+
+async def test_a_record_taking_the_id_of_another_kind_is_refused(tmp_path) -> None:
+    """A note whose id is one of the user's turns is not that turn already imported: it is
+    refused (skipping it would drop the note, and tie its entities and review to the turn)."""
+    async with open_engine(tmp_path / "a", clock=StepClock()) as mem:
+        lines, _ = await _maya(mem)
+        turn = next(line for line in lines if line["record"] == "turn")
+        note = next(line for line in lines if line["record"] == "note")
+        crafted = [lines[0], note | {"note_id": turn["turn_id"], "lsn": 99}, lines[-1]]
+        before = await mem.stats()
+        with pytest.raises(InvalidInput, match=f"note {turn['turn_id']}: expected an id maya "
+                                               "does not hold yet, found a turn"):
+            await mem.import_user(_file(crafted), as_user="maya")
+        await mem.flush()
+        assert await mem.stats() == before
