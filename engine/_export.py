@@ -591,6 +591,12 @@ def _check(parsed: _Parsed, parts: Parts) -> None:
         if [t.seq for t in in_session] != list(range(len(in_session))):
             raise _bad(f"session {session_id}", "expected turns numbered 0, 1, 2... without gaps, "
                                                 f"found {[t.seq for t in in_session][:10]}...")
+        # The import appends in lsn order, each turn taking its session's next seq.
+        for before, after in zip(in_session, in_session[1:]):
+            if not before.lsn < after.lsn:
+                raise _bad(f"session {session_id}", "expected its turns' lsns to rise with their "
+                                                    f"seqs, found lsn {after.lsn} at seq "
+                                                    f"{after.seq} after lsn {before.lsn}")
     for note in parsed.notes:
         new_id("note_id", note.note_id)
         _check_record(note)
@@ -630,6 +636,16 @@ def _check(parsed: _Parsed, parts: Parts) -> None:
                 raise _bad(f"fact {fact.fact_id}", "expected one active version per category "
                                                    f"and key, found two for {fact.key!r}")
             active.add(spelling(fact.category, fact.key))
+    logged = (*parsed.turns, *parsed.notes, *parsed.episodes, *parsed.facts)
+    lsns = [line.lsn for line in logged]
+    if len(set(lsns)) != len(lsns):
+        # An lsn ties a record to its vectors and to the entities that mention it.
+        taken: set[int] = set()
+        for line in logged:
+            if line.lsn in taken:
+                raise _bad(f"{type(line).__struct_config__.tag} {_id_of(line)}",
+                           f"expected an lsn of its own, found {line.lsn} twice")
+            taken.add(line.lsn)
     for link in parsed.links:
         _check_record(link)
         for field in ("from_id", "to_id", "type"):

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from engine import Engine, InvalidInput
+from engine import Engine, InvalidInput, NewTurn
 
-from .conftest import StepClock, open_engine
+from .conftest import T0, StepClock, open_engine
 
 
 async def _lines_of(mem: Engine, user: str) -> list[dict]:
@@ -75,3 +75,43 @@ async def test_a_record_taking_the_id_of_another_kind_is_refused(tmp_path) -> No
             await mem.import_user(_file(crafted), as_user="maya")
         await mem.flush()
         assert await mem.stats() == before
+
+
+async def test_turns_whose_positions_disagree_with_their_seqs_are_refused_whole(
+        tmp_path, monkeypatch) -> None:
+    """Turns are written in the order of their lsns and must take their seqs in that order:
+    a file where a later seq has an earlier lsn is refused before any block is written, not
+    half-imported with advice to import it again (which could never finish it)."""
+    from engine import _export
+
+    monkeypatch.setattr(_export, "IMPORT_CHUNK", 4)
+    async with open_engine(tmp_path / "a") as a:
+        await a.add_turns([NewTurn(user_id="maya", session_id="s1", role="user",
+                                   text=f"turn {i}", at=T0) for i in range(10)])
+        lines = await _lines_of(a, "maya")
+    at = [i for i, line in enumerate(lines) if line["record"] == "turn"]
+    lines[at[5]]["lsn"], lines[at[6]]["lsn"] = lines[at[6]]["lsn"], lines[at[5]]["lsn"]
+    async with open_engine(tmp_path / "b") as b:
+        with pytest.raises(InvalidInput, match="session s1: expected its turns' lsns to rise "
+                                               "with their seqs"):
+            await b.import_user(_file(lines), as_user="new")
+        await b.flush()
+        assert await b.list_sessions("new") == []
+    assert (await Engine.verify(tmp_path / "b"))["ok"]
+
+
+async def test_records_sharing_an_lsn_are_refused(tmp_path) -> None:
+    """An lsn ties a record to its vectors and to the entities that mention it: two records
+    of one lsn would give the note the turn's vector. Refused, nothing written."""
+    async with open_engine(tmp_path / "a", clock=StepClock()) as mem:
+        lines, _ = await _maya(mem)
+        vectors = await mem.export_vectors("maya")
+    turn = next(line for line in lines if line["record"] == "turn")
+    note = next(line for line in lines if line["record"] == "note")
+    note["lsn"] = turn["lsn"]
+    async with open_engine(tmp_path / "b", clock=StepClock()) as mem:
+        with pytest.raises(InvalidInput, match=f"note {note['note_id']}: expected an lsn of "
+                                               f"its own, found {turn['lsn']} twice"):
+            await mem.import_users([_file(lines)], vectors=[vectors])
+        await mem.flush()
+        assert await mem.list_users() == []
