@@ -12,6 +12,7 @@ that matches exactly the documents the filter admits.
 from __future__ import annotations
 
 from datetime import datetime
+from decimal import Decimal
 
 import tantivy
 
@@ -182,5 +183,12 @@ class QueryBuilder:
         if column is not None:  # a range over a text column matches nothing
             return Q.empty_query()
         bound = {"gt": ">", "gte": ">=", "lt": "<", "lte": "<="}[op]
-        return index.parse_query(f"attrs.{'.'.join(node.path)}:{bound}{float(value)!r}",
+        return index.parse_query(f"attrs.{'.'.join(node.path)}:{bound}{_positional(value)}",
                                  ["attrs"])
+
+
+def _positional(value: int | float) -> str:
+    """A range bound as the query grammar reads it: a float in positional notation (the grammar
+    takes ``-1e-05`` for a syntax error), exactly the double ``value`` is nearest to."""
+    text = format(Decimal(repr(float(value))), "f")
+    return text if "." in text else f"{text}.0"
