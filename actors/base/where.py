@@ -20,7 +20,8 @@ name is a key of a turn's ``meta``; dots go into nested objects (``"trip.city"``
 ``meta.NAME`` names a meta key that a record field shadows. A field a record lacks matches no
 comparison except ``ne`` and ``nin`` (as in MongoDB: ``NOT`` of ``eq`` and ``in``). A field
 holding a list matches when any element does. Numbers compare as numbers (``2`` equals
-``2.0``), never with booleans or strings; ``gt``/``gte``/``lt``/``lte`` take numbers only;
+``2.0``), never with booleans or strings; ``gt``/``gte``/``lt``/``lte`` take numbers only,
+strictly between -2**53 and 2**53;
 ``contains`` is a case-sensitive substring of a string (of any string in a list).
 """
 
@@ -42,6 +43,9 @@ MAX_DEPTH = 6  # AND / OR / NOT nested inside each other at most this deep
 MAX_CONDITIONS = 64  # comparisons in one filter: each is a term or range in every text search
 MAX_VALUES = 256  # values of one in / nin
 MAX_VALUE_CHARS = 1_000  # characters of one string a filter compares with
+# gt / gte / lt / lte bounds lie strictly inside +-2**53: the text index compares a range's
+# numbers as 64-bit floats, which tell every integer apart only below that.
+MAX_RANGE = 2**53
 # String attributes longer than this are not filterable (the text index keeps a term of at
 # most 65,530 bytes; 4,096 characters are at most 16 KiB of UTF-8).
 MAX_ATTR_CHARS = 4_096
@@ -348,6 +352,10 @@ def _conditions(name: Any, value: Any, field: str, count: list[int]) -> list[Nod
             if not _number(operand):
                 raise InvalidInput(at, f"expected a finite number, found {_found(operand)}")
             _in_range(operand, at)
+            if not -MAX_RANGE < operand < MAX_RANGE:
+                raise InvalidInput(at, "expected a number between -2**53 and 2**53 (a range "
+                                       "compares numbers as 64-bit floats, exact only there), "
+                                       f"found {operand!r}; compare larger ones with eq or in")
             if kind is str:
                 raise InvalidInput(at, f"expected a field holding numbers ({name} is text), "
                                        f"found {op} {operand!r}")
