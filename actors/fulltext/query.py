@@ -183,8 +183,16 @@ class QueryBuilder:
         if column is not None:  # a range over a text column matches nothing
             return Q.empty_query()
         bound = {"gt": ">", "gte": ">=", "lt": "<", "lte": "<="}[op]
-        return index.parse_query(f"attrs.{'.'.join(node.path)}:{bound}{_positional(value)}",
-                                 ["attrs"])
+        path = "attrs." + ".".join(node.path)
+        query = index.parse_query(f"{path}:{bound}{_positional(value)}", ["attrs"])
+        if value == 0 and op in ("gte", "lt"):
+            # The index sorts a stored -0.0 below 0.0, where Python (and its term for 0) has
+            # them equal: gte 0 must take it, lt 0 must not.
+            zero = Q.term_query(schema, path, 0)
+            if op == "gte":
+                return Q.boolean_query([(Occur.Should, query), (Occur.Should, zero)])
+            return Q.boolean_query([(Occur.Must, query), (Occur.MustNot, zero)])
+        return query
 
 
 def _positional(value: int | float) -> str:
