@@ -24,9 +24,12 @@ from .base.records import Entity, Link
 from .imported import Imported
 from .store import LogFollower, Store, entity_key, read_entities, read_entity_keys
 
-__all__ = ["Entities", "extract_entities", "MEMORIES_PER_ENTITY", "MAX_ENTITIES"]
+__all__ = ["Entities", "extract_entities", "MEMORIES_PER_ENTITY", "MAX_ENTITIES", "MAX_ALIASES"]
 
 MEMORIES_PER_ENTITY = 256  # newest memories kept per entity: entity_info and the entity leg
+# Other spellings kept per entity (a first name it was mentioned by, a short form folded in);
+# one differing only in case is not another spelling, and a user cannot grow the record for ever.
+MAX_ALIASES = 16
 CACHED_USERS = 4096  # users whose registry keys stay in RAM for the entity leg
 CACHED_RECORDS = 1024  # registry records kept per user for the entity leg (its queries' names)
 FOLLOW_CHUNK = 512  # log records per step: ~1 ms of regex work between checkpoints
@@ -257,7 +260,7 @@ class Entities:
                     links.append((user_id, Link(record.memory_id, entity.last_id,
                                                 "shares_entity", at), record.lsn))
                 aliases = entity.aliases
-                if name != entity.name and name not in aliases:
+                if len(aliases) < MAX_ALIASES and _another_spelling(name, entity):
                     aliases = (*aliases, name)
                 lsns = entity.lsns if record.lsn in entity.lsns else (
                     *entity.lsns[-(MEMORIES_PER_ENTITY - 1):], record.lsn)
@@ -272,8 +275,10 @@ class Entities:
                 # the full entity and point the short form at it.
                 short = changed.get(first) or registry.get(first)
                 if short is not None and short.type != "alias":
-                    entity = Entity(entity.name, entity.type,
-                                    tuple(dict.fromkeys((*entity.aliases, short.name))),
+                    aliases = entity.aliases
+                    if len(aliases) < MAX_ALIASES and _another_spelling(short.name, entity):
+                        aliases = (*aliases, short.name)
+                    entity = Entity(entity.name, entity.type, aliases,
                                     entity.mentions + short.mentions,
                                     min(entity.first_seen, short.first_seen),
                                     max(entity.last_seen, short.last_seen),
@@ -311,6 +316,12 @@ def _from_cache(cached: dict[str, Entity | None], names: list[str]) -> dict[str,
             if cached[target] is not None:
                 found[target] = cached[target]
     return found
+
+
+def _another_spelling(name: str, entity: Entity) -> bool:
+    """Whether ``name`` differs from the entity's name and aliases other than in case."""
+    low = name.lower()
+    return low != entity.name.lower() and all(low != a.lower() for a in entity.aliases)
 
 
 def _pointer(name: str, key: str) -> Entity:

@@ -4,10 +4,12 @@ follower, another user's memories, the loop's responsiveness, or a store that ve
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 
 from actors.base.config import Config
+from actors.entities import MAX_ALIASES
 from actors.extraction import MAX_CANDIDATES, extract_facts
 from engine import Engine
 
@@ -50,4 +52,25 @@ async def test_a_flood_of_facts_in_turns_does_not_stall_the_followers(store_path
             assert time.perf_counter() - start < BOUND
         assert len(await mem.profile("eve")) <= 2 * MAX_CANDIDATES
         assert [(f.key, f.value) for f in await mem.profile("bob")] == [("location", "Lisbon")]
+    await _verified(store_path)
+
+
+async def test_case_variants_of_one_entity_do_not_grow_its_record(store_path) -> None:
+    """A URL (or an address, hashtag, handle) typed in a new mix of cases each turn is one entity whose
+    aliases stay bounded (before: every spelling kept, a 3,000-character URL in 1,000 turns made
+    a 3 MB registry record rewritten at every step, and without end)."""
+    rng = random.Random(7)
+    base = "https://example.com/" + "a" * 300
+
+    def spelt() -> str:
+        return "".join(c.upper() if rng.random() < 0.5 else c for c in base)
+
+    async with open_engine(store_path) as mem:
+        await mem.add_turns([{"user_id": "eve", "session_id": "s", "role": "user",
+                              "text": f"see {spelt()}"}
+                             for _ in range(200)])
+        await mem.flush()
+        info = await mem.entity_info("eve", base)
+        assert info is not None and info.entity.mentions >= 200  # and the episodes
+        assert len(info.entity.aliases) <= MAX_ALIASES
     await _verified(store_path)
