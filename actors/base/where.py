@@ -100,7 +100,18 @@ def attributes(record: Any) -> dict[str, dict[str, Any]]:
         value = getattr(record, name, None)
         if value is not None and value != "" and name not in fields:
             fields[name] = value
-    return {"f": fields, "m": meta}
+    return {"f": fields, "m": _nameable(meta) if meta else meta}
+
+
+def _nameable(value: Any) -> Any:
+    """``value`` without the keys no field name of a filter can reach, at every level: the
+    text index would read a key holding its separators ("\x01" between path levels, "\x00"
+    before a ``contains`` value) as another path, found under a name the record lacks."""
+    if isinstance(value, dict):
+        return {k: _nameable(v) for k, v in value.items() if _SEGMENT.match(k)}
+    if isinstance(value, list):
+        return [_nameable(item) for item in value]
+    return value
 
 
 def _leaves(value: Any, path: tuple[str, ...]) -> list[Any]:
