@@ -874,6 +874,13 @@ async def _write(parts: Parts, imports: list[tuple[_Parsed, str]],
         for line in (*parsed.notes, *parsed.episodes, *parsed.facts):
             there = have.get(_id_of(line))
             if there is None:
+                if (type(line) is EpisodeLine and line.session_id not in sessions
+                        and buffer.next_seq(user_id, line.session_id) is None):
+                    # The store drops an episode of a session it does not hold.
+                    raise _bad(f"episode {line.episode_id}", "expected a session of the user's "
+                                                             f"turns, found {line.session_id}, "
+                                                             "which holds none here or in "
+                                                             "the export")
                 mine.append(line)
             else:
                 _check_new(user_id, line, there)

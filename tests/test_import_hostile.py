@@ -115,3 +115,31 @@ async def test_records_sharing_an_lsn_are_refused(tmp_path) -> None:
             await mem.import_users([_file(lines)], vectors=[vectors])
         await mem.flush()
         assert await mem.list_users() == []
+
+
+async def test_an_episode_of_a_session_with_no_turns_is_refused(tmp_path) -> None:
+    """The store drops an episode of a session it does not hold (one forgotten while it was
+    made): an import of one counted it as written and lost it, every time it was run again.
+    Refused, nothing written."""
+    async with open_engine(tmp_path / "a", clock=StepClock()) as mem:
+        lines, _ = await _maya(mem)
+    turn = next(line for line in lines if line["record"] == "turn")
+    episode = {"record": "episode", "lsn": 99, "episode_id": "ep_lost", "session_id": "s9",
+               "first_seq": 0, "last_seq": 1, "turn_ids": [turn["turn_id"]],
+               "title": "The beach", "summary": "Pixel at the beach.", "keywords": ["beach"],
+               "start_at": turn["at"], "end_at": turn["at"], "surprise": 0.5,
+               "stability": 1.0, "difficulty": 5.0, "created_at": turn["at"]}
+    async with open_engine(tmp_path / "b", clock=StepClock()) as mem:
+        with pytest.raises(InvalidInput, match="episode ep_lost: expected a session of the "
+                                               "user's turns, found s9"):
+            await mem.import_user(_file([*lines[:-1], episode, lines[-1]]))
+        await mem.flush()
+        assert await mem.list_users() == []
+        await mem.import_user(_file(lines))
+        await mem.flush()
+        with pytest.raises(InvalidInput, match="found s9"):
+            await mem.import_user(_file([lines[0], episode, lines[-1]]))
+        assert await mem.episodes("maya") == []
+        ok = await mem.import_user(_file([lines[0], episode | {"session_id": "s1"}, lines[-1]]))
+        assert ok["episodes"] == 1
+        assert [e.episode_id for e in await mem.episodes("maya")] == ["ep_lost"]
