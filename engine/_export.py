@@ -886,6 +886,17 @@ async def _write(parts: Parts, imports: list[tuple[_Parsed, str]],
                 _check_new(user_id, line, there)
                 lsn_map[line.lsn] = there.lsn
                 user.skipped += 1
+        for summary in parsed.summaries:  # held to write_session_summary's rules
+            here = buffer.next_seq(user_id, summary.session_id)
+            if here is None and summary.session_id not in sessions:
+                raise InvalidInput("source.session_id", f"expected a session of user "
+                                                        f"{user_id!r}, found none called "
+                                                        f"{summary.session_id!r} for its summary")
+            turns = max(here or 0, len(sessions.get(summary.session_id, ())))
+            if summary.upper_seq > turns:
+                raise InvalidInput("source.upper_seq", f"expected an integer from 0 to {turns}, "
+                                                       f"found {summary.upper_seq} in the "
+                                                       f"summary of {summary.session_id}")
         mine.sort(key=lambda line: line.lsn)  # the source's log order: entities' stay in order
         todo.extend((user, line) for line in mine)
     imported = parts.imported

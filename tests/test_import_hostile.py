@@ -143,3 +143,28 @@ async def test_an_episode_of_a_session_with_no_turns_is_refused(tmp_path) -> Non
         ok = await mem.import_user(_file([lines[0], episode | {"session_id": "s1"}, lines[-1]]))
         assert ok["episodes"] == 1
         assert [e.episode_id for e in await mem.episodes("maya")] == ["ep_lost"]
+
+
+@pytest.mark.parametrize("summary, found", [
+    ({"session_id": "s9"}, "session_id: expected a session of user 'maya', found none called "
+                           "'s9'"),
+    ({"upper_seq": 5}, "upper_seq: expected an integer from 0 to 4, found 5"),
+])
+async def test_a_summary_the_summary_call_would_refuse_is_refused(tmp_path, summary,
+                                                                  found) -> None:
+    """A session's summary is held to write_session_summary's rules: a session the user has
+    (here or in the file) and an upper_seq within its turns; one past them would stand for
+    turns the session has not had yet, and leave them out of every later prompt."""
+    async with open_engine(tmp_path / "a", clock=StepClock()) as mem:
+        lines, _ = await _maya(mem)
+    turn = next(line for line in lines if line["record"] == "turn")
+    line = {"record": "summary", "session_id": "s1", "epoch": 1, "summary": "Pixel again.",
+            "upper_seq": 4, "updated_at": turn["at"]} | summary
+    async with open_engine(tmp_path / "b", clock=StepClock()) as mem:
+        with pytest.raises(InvalidInput, match=found):
+            await mem.import_user(_file([*lines[:-1], line, lines[-1]]))
+        await mem.flush()
+        assert await mem.list_users() == []
+        assert (await mem.import_user(_file([*lines[:-1], line | {"upper_seq": 4,
+                                                                  "session_id": "s1"},
+                                             lines[-1]])))["summaries"] == 1
