@@ -22,7 +22,8 @@ comparison except ``ne`` and ``nin`` (as in MongoDB: ``NOT`` of ``eq`` and ``in`
 holding a list matches when any element does. Numbers compare as numbers (``2`` equals
 ``2.0``), never with booleans or strings; ``gt``/``gte``/``lt``/``lte`` take numbers only,
 strictly between -2**53 and 2**53;
-``contains`` is a case-sensitive substring of a string (of any string in a list).
+``contains`` is a case-sensitive substring (at most 200 bytes of UTF-8) of a string (of any
+string in a list).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ MAX_DEPTH = 6  # AND / OR / NOT nested inside each other at most this deep
 MAX_CONDITIONS = 64  # comparisons in one filter: each is a term or range in every text search
 MAX_VALUES = 256  # values of one in / nin
 MAX_VALUE_CHARS = 1_000  # characters of one string a filter compares with
+# A contains value's bytes of UTF-8: the text index runs contains as a regular expression, and
+# tantivy stops at 1,000 states, which 219 bytes reach under the longest field name.
+MAX_CONTAINS_BYTES = 200
 # gt / gte / lt / lte bounds lie strictly inside +-2**53: the text index compares a range's
 # numbers as 64-bit floats, which tell every integer apart only below that.
 MAX_RANGE = 2**53
@@ -377,6 +381,11 @@ def _conditions(name: Any, value: Any, field: str, count: list[int]) -> list[Nod
                 raise InvalidInput(at, f"expected a text field ({name} is a number), found "
                                        f"contains {operand!r}")
             operand = _scalar(operand, at, kind)
+            size = len(operand.encode())
+            if size > MAX_CONTAINS_BYTES:
+                raise InvalidInput(at, f"expected at most {MAX_CONTAINS_BYTES} bytes of UTF-8 "
+                                       f"in a contains, found {size}; search for a shorter "
+                                       "part of it")
         else:
             operand = _scalar(operand, at, kind)
         out.append(Node(op, path, operand))
