@@ -48,6 +48,9 @@ PENDING_TTL = timedelta(days=1)  # a pending review nobody rated by then is drop
 REFLECTION_MIN_ITEMS = 3  # new facts + episodes in a week before a reflection is worth writing
 REFLECTION_WINDOW = timedelta(days=7)
 SESSION_REFLECTION = "reflection-latest"  # the note a session switch rewrites, per user
+# Characters of one title or fact a reflection quotes: a caller's fact text may be as long as
+# a turn, and six of them would make a note longer than a note may be.
+QUOTED_CHARS = 300
 
 
 class MaintenanceReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -189,6 +192,8 @@ class Maintenance:
         parts = self._parts
         if parts.forgets != forgets:
             return False
+        # A note may be no longer than a turn (Config.max_text_chars may be set low).
+        text = text[:parts.config.max_text_chars]
         await self._memory.put_note(user_id, text, note_id, tags, replace=replace)
         if parts.forgets != forgets:
             # Queued while the note was written, the forget may have landed before it: the
@@ -234,14 +239,19 @@ def reflection_text(now: datetime, facts: list[Any], episodes: list[Any],
     lines = [heading or f"Weekly reflection, week ending {now.date().isoformat()}."]
     moments = sorted(episodes, key=lambda e: -e.surprise)[:3]
     if moments:
-        lines.append("Key moments: " + "; ".join(e.title for e in moments) + ".")
+        lines.append("Key moments: " + "; ".join(_quoted(e.title) for e in moments) + ".")
     active = [f for f in facts if f.status == "active"]
     changed = [f for f in facts if f.status == "superseded"]
     if active:
-        lines.append("Learned: " + "; ".join(f.text for f in active[:6]) + ".")
+        lines.append("Learned: " + "; ".join(_quoted(f.text) for f in active[:6]) + ".")
     if changed:
-        lines.append("Changed: " + "; ".join(f"{f.text} (no longer)" for f in changed[:4]) + ".")
+        lines.append("Changed: " + "; ".join(f"{_quoted(f.text)} (no longer)"
+                                             for f in changed[:4]) + ".")
     topics = keyphrases([" ".join(e.keywords) for e in episodes] + [f.text for f in facts], 5)
     if topics:
         lines.append("Recurring topics: " + ", ".join(topics) + ".")
     return "\n".join(lines)
+
+
+def _quoted(text: str) -> str:
+    return text if len(text) <= QUOTED_CHARS else text[:QUOTED_CHARS].rstrip() + "..."

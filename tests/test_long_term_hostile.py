@@ -10,10 +10,12 @@ from pathlib import Path
 
 from actors.base.config import Config
 from actors.entities import MAX_ALIASES
+from actors.episodic import MAX_KEYWORD_CHARS, MAX_TITLE_CHARS
 from actors.extraction import MAX_CANDIDATES, extract_facts
 from engine import Engine
 
-from .conftest import open_engine
+from .actors.test_facts import ManualClock
+from .conftest import T0, open_engine
 
 MAX_TEXT = Config().max_text_chars
 BOUND = 5.0  # seconds of wall time for what took tens of seconds before its fix
@@ -74,3 +76,51 @@ async def test_case_variants_of_one_entity_do_not_grow_its_record(store_path) ->
         assert info is not None and info.entity.mentions >= 200  # and the episodes
         assert len(info.entity.aliases) <= MAX_ALIASES
     await _verified(store_path)
+
+
+def _one_long_word_turn(n: int) -> str:
+    """A sentence whose tenth word is a run of letters filling the text: an extractive title
+    keeps ten words, whatever their length."""
+    head = f"Zebras walk north through valleys number {n} carrying "
+    return head + "w" * (MAX_TEXT - len(head))
+
+
+async def test_long_episode_titles_do_not_stop_the_weekly_reflections(store_path) -> None:
+    """Episodes of a user whose titles are tens of thousands of characters long: maintenance
+    still writes every user's weekly reflection (before, the reflection was longer than a
+    note may be, the pass raised at that user and the users after her got none, every week);
+    so does a user whose facts' texts are that long; and the store verifies."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        for n in range(3):
+            await mem.add_turn("eve", f"s{n}", "user", _one_long_word_turn(n))
+            await mem.add_turn("eve", f"s{n}", "assistant", _one_long_word_turn(n))
+            assert await mem.close_session("eve", f"s{n}")
+        await mem.add_turn("kim", "s", "user", "Hello.")
+        for topic in ("Ferries", "Gardens", "Harbours"):  # a bot's facts, each a text long
+            text = f"{topic} " + "w" * (MAX_TEXT - len(topic) - 1)
+            await mem.remember_fact("kim", "notes", topic.lower(), "v", text=text)
+        for text in ("I'm allergic to peanuts.", "I moved to Porto last month.",
+                     "I work as a pharmacist, long shifts."):
+            await mem.add_turn("zed", "s", "user", text)
+        await mem.flush()
+        assert (await mem.maintain()).reflections == 3
+        year, week, _ = T0.isocalendar()
+        for user_id in ("eve", "kim", "zed"):
+            assert await mem.get_note(user_id, f"reflection-{year}-W{week:02d}") is not None
+    await _verified(store_path)
+
+
+async def test_an_offline_episode_title_and_keywords_are_bounded_as_the_models_are(
+        store_path) -> None:
+    """Ten words of a turn can be a whole text: the extractive title and keywords are cut as
+    the LLM's are (before, a 31,000-character title and keyword, quoted whole wherever the
+    episode is shown)."""
+    word = "a" + "\u4e2d" * 31_000
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("eve", "s", "user", "alpha beta gamma delta " + word)
+        await mem.add_turn("eve", "s", "assistant", word + " alpha beta")
+        assert await mem.close_session("eve", "s")
+        (episode,) = await mem.episodes("eve")
+    assert len(episode.title) <= MAX_TITLE_CHARS + len("...")
+    assert episode.keywords and all(len(k) <= MAX_KEYWORD_CHARS for k in episode.keywords)
