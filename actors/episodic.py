@@ -59,6 +59,10 @@ WATERMARK = b"episodic_lsn"
 SUMMARY_SENTENCES = 3  # sentences an extractive summary keeps
 MMR_LAMBDA = 0.7  # relevance (centrality) against redundancy when picking summary sentences
 KEYWORDS = 6
+# A title's characters and a keyword's, as the LLM's are cut: ten "words" of a turn may be
+# thousands of characters each, and titles are quoted whole (reflections, Markdown).
+MAX_TITLE_CHARS = 120
+MAX_KEYWORD_CHARS = 64
 FIRST_SURPRISE = 0.5  # a user's first episode has nothing to be novel against
 USED_WORDS = 2  # content words a reply must share with a shown memory to have used it
 # Surprise waits for the user's previous episode to be embedded, unless the background lane
@@ -162,7 +166,7 @@ def keyphrases(texts: list[str], limit: int = KEYWORDS) -> tuple[str, ...]:
     for text in texts:
         for n, word in enumerate(_WORD.findall(text)):
             low = word.lower()
-            if len(low) <= 2 or low in STOPWORDS:
+            if len(low) <= 2 or len(low) > MAX_KEYWORD_CHARS or low in STOPWORDS:
                 continue
             weight[low] = weight.get(low, 0.0) + (2.0 if word[0].isupper() and n else 1.0)
             first.setdefault(low, len(first))
@@ -210,7 +214,9 @@ def summarise(turns: list[Turn], vectors: np.ndarray, sentences: list[tuple[int,
     by_relevance = sorted(range(n), key=lambda i: -relevance[i])
     head = next((i for i in by_relevance if len(content_words(sentences[i][1])) >= 4), picked[0])
     words = sentences[head][1].split()
-    title = " ".join(words[:10]) + ("..." if len(words) > 10 else "")
+    title = " ".join(words[:10])
+    if len(words) > 10 or len(title) > MAX_TITLE_CHARS:
+        title = title[:MAX_TITLE_CHARS].rstrip() + "..."
     weights = np.maximum(centrality, 1e-3)[:, None]
     centroid = (vectors * weights).sum(axis=0)
     centroid /= max(float(np.linalg.norm(centroid)), 1e-12)
