@@ -1060,12 +1060,15 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
         parsed, user_id, have, lsn_map = user.parsed, user.user_id, user.have, user.lsn_map
         counts = user.written
         prefix = user_prefix(user_id)
+        # Each put is guarded by the position of a record it belongs to (PutState), so that
+        # nothing of a user or session forgotten since those records were written comes back.
+        anchor = max(lsn_map.values(), default=0)
         for fact in parsed.facts:
             if fact.status != "active" and (fact.fact_id not in have
                                             or fact.fact_id in user.unfiled):
                 version = _fact(fact, lsn_map[fact.lsn], user_id)
                 puts.append((b"ids", prefix + fact.fact_id.encode(),
-                             IDS_FACT + fact_key(version), 0))
+                             IDS_FACT + fact_key(version), lsn_map[fact.lsn]))
         by_id = {_id_of(line): line.lsn
                  for line in (*parsed.turns, *parsed.notes, *parsed.episodes, *parsed.facts)}
         for review in parsed.reviews:
@@ -1084,11 +1087,14 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
             lsns = tuple(sorted(lsn_map[lsn] for lsn in entity.lsns if lsn in lsn_map))
             record = Entity(entity.name, entity.type, tuple(entity.aliases), entity.mentions,
                             entity.first_seen, entity.last_seen, lsns, entity.last_id)
-            puts.append((b"entities", entity_key(user_id, key), _encode(record), 0))
+            puts.append((b"entities", entity_key(user_id, key), _encode(record),
+                         lsns[-1] if lsns else anchor))
             counts["entities"] = counts.get("entities", 0) + 1
         present = {(l.from_id, l.to_id, l.type) for found_links in there.values()
                    for l in found_links}
-        new_links = [(user_id, Link(link.from_id, link.to_id, link.type, link.at), 0)
+        new_links = [(user_id, Link(link.from_id, link.to_id, link.type, link.at),
+                      lsn_map.get(by_id.get(link.from_id, -1))
+                      or lsn_map.get(by_id.get(link.to_id, -1)) or anchor)
                      for link in parsed.links
                      if (link.from_id, link.to_id, link.type) not in present]
         if new_links:

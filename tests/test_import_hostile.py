@@ -168,3 +168,43 @@ async def test_a_summary_the_summary_call_would_refuse_is_refused(tmp_path, summ
         assert (await mem.import_user(_file([*lines[:-1], line | {"upper_seq": 4,
                                                                   "session_id": "s1"},
                                              lines[-1]])))["summaries"] == 1
+
+
+async def test_a_user_forgotten_as_an_import_finishes_stays_forgotten(tmp_path) -> None:
+    """forget_user can land between an import's logged records and what it writes outside
+    the log (entities, links, review states, past fact versions' ids, summaries): none of
+    those may come back for the forgotten user."""
+    async with open_engine(tmp_path / "a", clock=StepClock()) as mem:
+        lines, _ = await _maya(mem)
+        history = await mem.session_history("maya", "s1")
+        await mem.link("maya", history[0].turn_id, history[1].turn_id, "relates_to")
+        await mem.review("maya", history[0].turn_id, "easy")
+        await mem.remember_fact("maya", "pet", "dog", "Pixel")
+        await mem.correct_fact("maya", "pet", "dog", "Pixel the terrier")
+        await mem.write_session_summary("maya", "s1", "Pixel at the beach.", 4, 0)
+        await mem.flush()
+        lines = await _lines_of(mem, "maya")
+    assert {"link", "review", "summary", "entity"} <= {line["record"] for line in lines}
+    async with open_engine(tmp_path / "b", clock=StepClock()) as mem:
+        store, write_unlogged = mem._store, mem._store.write_unlogged
+
+        async def forget_first(*ops):
+            if not forgotten:
+                forgotten.append(True)
+                await mem.forget_user("maya")
+            await write_unlogged(*ops)
+
+        forgotten: list[bool] = []
+        store.write_unlogged = forget_first
+        try:
+            await mem.import_user(_file(lines))
+        finally:
+            del store.write_unlogged
+        await mem.flush()
+        assert forgotten
+        assert await mem.list_users() == []
+        assert await mem.list_entities("maya") == []
+        assert await mem.links("maya", history[0].turn_id) == []
+        assert await mem.session_summary("maya", "s1") is None
+        assert await mem.export_user("maya", io.BytesIO()) == {}
+    assert (await Engine.verify(tmp_path / "b"))["ok"]

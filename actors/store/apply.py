@@ -71,6 +71,9 @@ class Appliers:
         return note, None, replaces
 
     def _write_summary_in(self, txn: lmdb.Transaction, op: WriteSummary) -> bool:
+        if txn.get(session_prefix(op.user_id, op.session_id)[:-1],
+                   db=self._dbs[b"sessions"]) is None:
+            return False  # the session was forgotten since the writer read it: it stays so
         key = user_prefix(op.user_id) + op.session_id.encode()
         raw = txn.get(key, db=self._dbs[b"summaries"])
         epoch = 0 if raw is None else _decode_summary(raw).epoch
