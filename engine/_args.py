@@ -6,6 +6,7 @@ take them. Each raises ``InvalidInput`` naming the argument, what was expected a
 from __future__ import annotations
 
 import re
+import reprlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -13,10 +14,19 @@ from actors.base import validate as v
 from actors.base.errors import InvalidInput
 
 __all__ = ["check_count", "check_fraction", "check_label", "check_labels", "check_texts",
-           "choices", "reason", "words"]
+           "choices", "reason", "shown", "words"]
 
 MAX_LABEL_CHARS = 64  # a note's emotion: a word or two
+# What an error message shows of a value: a few levels of it, so a list nested 50,000 deep
+# is shown rather than raising RecursionError.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 60
 _LABEL = re.compile(r"[^\W_][\w -]*\Z")
+
+
+def shown(value: Any) -> str:
+    """A value as an error message shows it: a few levels and characters of its repr."""
+    return _SHOWN.repr(value)
 
 
 def check_fraction(field: str, value: Any) -> float:
@@ -29,7 +39,8 @@ def check_label(field: str, value: Any) -> str:
     """A free label (a note's emotion): letters, digits, spaces, '-' and '_', at most
     MAX_LABEL_CHARS, returned lower-case with its spacing tidied; "" stays "" (none)."""
     if type(value) is not str:
-        raise InvalidInput(field, f"expected a string, found {type(value).__name__} {value!r}")
+        raise InvalidInput(field, f"expected a string, found {type(value).__name__} "
+                                  f"{shown(value)}")
     label = " ".join(value.split()).lower()
     if len(label) > MAX_LABEL_CHARS:
         raise InvalidInput(field, f"expected at most {MAX_LABEL_CHARS} characters, found "
@@ -47,7 +58,7 @@ def check_labels(field: str, values: Any) -> tuple[str, ...] | None:
     items = [values] if isinstance(values, str) else values
     if not isinstance(items, list | tuple) or not items:
         raise InvalidInput(field, f"expected a label or a non-empty list of labels, found "
-                                  f"{values!r}")
+                                  f"{shown(values)}")
     labels = tuple(check_label(field, item) for item in items)
     if not all(labels):
         raise InvalidInput(field, "expected a label (e.g. 'joy'), found an empty one")
@@ -78,7 +89,7 @@ def choices(field: str, values: Iterable[str] | None,
     for value in values:
         if value not in allowed:
             raise InvalidInput(field, f"expected values among {', '.join(allowed)}, "
-                                      f"found {value!r}")
+                                      f"found {shown(value)}")
     return values
 
 
@@ -86,6 +97,12 @@ def words(field: str, values: Iterable[str] | None) -> tuple[str, ...] | None:
     """A filter's tags or link types: one, or a non-empty list of them; None stays None."""
     if values is None:
         return None
+    if isinstance(values, list | tuple):
+        for i, value in enumerate(values):
+            if type(value) is not str:  # shown here, a few levels deep: see _SHOWN
+                raise InvalidInput(f"{field}[{i}]", "expected a non-empty string, found "
+                                                    f"{type(value).__name__} "
+                                                    f"{shown(value)}")
     checked = v.check_words(field, values)
     _non_empty(field, checked, values, field.replace("_", " "))
     return checked

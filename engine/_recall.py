@@ -25,7 +25,7 @@ from actors.base.where import Node, conjunction
 from actors.base.where import parse as parse_where
 from actors.store import read_memories_by_id, user_prefix
 
-from ._args import check_count, check_fraction, check_labels, choices, words
+from ._args import check_count, check_fraction, check_labels, choices, shown, words
 from ._briefing import Briefing, render_markdown
 from ._hits import Hits, RetrieveResult
 from ._parts import Parts
@@ -178,9 +178,10 @@ class Recall:
         nodes = []
         if category is not None:
             items = [category] if isinstance(category, str) else category
-            if not isinstance(items, list | tuple) or not items:
+            if not isinstance(items, list | tuple) or not items or not all(
+                    type(c) is str for c in items):
                 raise InvalidInput("category", "expected a category or a non-empty list of "
-                                               f"them, found {category!r}")
+                                               f"them, found {shown(category)}")
             values = tuple(self._parts.check_lookup_id("category", c) for c in items)
             nodes.append(Node("in", ("f", "category"), values))
         if min_importance is not None:

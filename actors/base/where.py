@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import re
+import reprlib
 from typing import Any
 
 from .errors import InvalidInput
@@ -214,8 +215,14 @@ class Node:
         return f"{'.'.join(self.path)} {self.op} {self.value!r}"
 
 
+# What an error message shows of a value: a few levels of it, so a list nested 50,000 deep
+# is shown rather than raising RecursionError.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 60
+
+
 def _found(value: Any) -> str:
-    text = repr(value)
+    text = _SHOWN.repr(value)
     return f"{type(value).__name__} {text[:57] + '...' if len(text) > 60 else text}"
 
 
@@ -354,7 +361,7 @@ def _conditions(name: Any, value: Any, field: str, count: list[int]) -> list[Nod
         at = f"{place}.{op}"
         if op not in OPERATORS:
             raise InvalidInput(at, f"expected an operator among {', '.join(OPERATORS)}, "
-                                   f"found {op!r}")
+                                   f"found {_found(op)}")
         if op in ("in", "nin"):
             if not isinstance(operand, list | tuple) or not operand:
                 raise InvalidInput(at, f"expected a non-empty list of values, found "

@@ -1,0 +1,125 @@
+"""recall's filters under hostile input: every bad filter is the engine's InvalidInput, and a
+filter admits in every leg exactly what the filter means, judged by a plain-Python reference."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import InvalidInput
+
+from .conftest import open_engine
+
+
+async def _texts(mem, where, **kwargs) -> set[str]:
+    return {h.text for h in await mem.recall("ana", "turn", limit=1000, where=where, **kwargs)}
+
+
+def _deep(levels: int) -> list:
+    value: list = []
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+async def test_a_range_bound_python_writes_with_an_exponent_is_searched(store_path) -> None:
+    """-1e-05 is written with an exponent by repr, which the text index's query grammar took for a
+    syntax error: the bound is handed over in positional notation."""
+    async with open_engine(store_path, config={"long_term": False}) as mem:
+        for i, n in enumerate([-1.0, -0.00002, 0.0, 0.5]):
+            await mem.add_turn("ana", "s", "user", f"turn {i}", meta={"n": n})
+        await mem.flush()
+        for legs in (None, ["bm25"], ["vector"]):
+            assert await _texts(mem, {"n": {"gt": -1e-05}}, legs=legs) == {"turn 2", "turn 3"}
+            assert await _texts(mem, {"n": {"lte": -1e-05}}, legs=legs) == {"turn 0", "turn 1"}
+
+
+async def test_a_range_bound_past_2_to_the_53_is_refused(store_path) -> None:
+    """The text index compares numbers in a range as 64-bit floats, so past 2**53 it could not
+    tell 2**63-1 from 2**63-2: such a bound is refused rather than answered wrongly."""
+    async with open_engine(store_path, config={"long_term": False}) as mem:
+        await mem.add_turn("ana", "s", "user", "turn big", meta={"n": 2**63 - 1})
+        await mem.add_turn("ana", "s", "user", "turn small", meta={"n": 2**53 - 1})
+        await mem.flush()
+        for where, place in [({"n": {"gt": 2**63 - 2}}, "where.n.gt"),
+                             ({"n": {"lte": -(2**53)}}, "where.n.lte"),
+                             ({"n": {"gte": 1e19}}, "where.n.gte")]:
+            with pytest.raises(InvalidInput) as err:
+                await _texts(mem, where)
+            assert err.value.field == place
+            assert "expected a number between -2**53 and 2**53" in str(err.value)
+        assert await _texts(mem, {"n": {"gt": 2**53 - 2}}) == {"turn big", "turn small"}
+        assert await _texts(mem, {"n": {"gte": 2**53 - 1}}) == {"turn big", "turn small"}
+        assert await _texts(mem, {"n": {"lt": 2**53 - 1}}) == set()
+        # Equality is exact at any size: it compares terms, not floats.
+        assert await _texts(mem, {"n": 2**63 - 1}) == {"turn big"}
+
+
+async def test_negative_zero_in_meta_compares_as_zero(store_path) -> None:
+    """-0.0 == 0 in Python and in JSON; the text index sorts -0.0 below 0.0, so a stored -0.0
+    failed gte 0 and passed lt 0 in the search legs but not in the window legs."""
+    async with open_engine(store_path, config={"long_term": False}) as mem:
+        await mem.add_turn("ana", "s", "user", "turn zero", meta={"n": -0.0})
+        await mem.add_turn("ana", "s", "user", "turn minus", meta={"n": -1})
+        await mem.flush()
+        for legs in (None, ["bm25"], ["vector"]):
+            assert await _texts(mem, {"n": {"gte": 0}}, legs=legs) == {"turn zero"}
+            assert await _texts(mem, {"n": {"lt": 0}}, legs=legs) == {"turn minus"}
+            assert await _texts(mem, {"n": {"lte": -0.0}}, legs=legs) == {"turn zero",
+                                                                         "turn minus"}
+            assert await _texts(mem, {"n": {"gt": -0.0}}, legs=legs) == set()
+
+
+async def test_meta_keys_no_filter_can_name_are_not_found_under_another_name(
+        store_path) -> None:
+    """A key holding the text index's path separator (\\x01) or its path/value separator
+    (\\x00) read as a nested path or as a longer value: {"a.b": 5} found {"a\\x01b": 5}, and
+    contains "val" under "a" found {"a\\x00b": "val"}."""
+    async with open_engine(store_path, config={"long_term": False}) as mem:
+        await mem.add_turn("ana", "s", "user", "turn sep", meta={"a\x01b": 5, "a\x00b": "val"})
+        await mem.add_turn("ana", "s", "user", "turn nested", meta={"a": {"b": 5}})
+        await mem.flush()
+        for legs in (None, ["bm25"], ["vector"]):
+            assert await _texts(mem, {"a.b": 5}, legs=legs) == {"turn nested"}
+            assert await _texts(mem, {"a": {"contains": "val"}}, legs=legs) == set()
+        assert await _texts(mem, {"a.b": {"ne": 5}}) == {"turn sep"}
+
+
+async def test_a_long_contains_is_refused_before_the_index_sees_it(mem) -> None:
+    """tantivy's regular expressions stop at 1,000 states: a contains of a few hundred
+    characters was a raw ValueError out of recall; it is refused naming its place, and one at
+    the limit works under the longest field name a filter may use."""
+    await mem.add_turn("ana", "s", "user", "turn one", meta={"t": "x" * 300})
+    await mem.flush()
+    for value in ["x" * 1000, "\U0001f600" * 60]:
+        with pytest.raises(InvalidInput) as err:
+            await _texts(mem, {"t": {"contains": value}})
+        assert err.value.field == "where.t.contains"
+        assert "expected at most 200 bytes of UTF-8" in str(err.value)
+    assert await _texts(mem, {"t": {"contains": "x" * 200}}) == {"turn one"}
+    longest = ".".join(["k" * 64] * 8)
+    assert await _texts(mem, {longest: {"contains": "\U0001f600" * 50}}) == set()
+    assert await _texts(mem, {"tags": {"contains": "\u00e9" * 100}}) == set()
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"where": {"a": _deep(50_000)}}, "where.a"),
+    ({"where": {"a": {"in": _deep(50_000)}}}, "where.a.in[0]"),
+    ({"where": _deep(50_000)}, "where"),
+    ({"where": {"a": {"eq": {"x": _deep(50_000)}}}}, "where.a.eq"),
+    ({"tags": [_deep(50_000)]}, "tags[0]"),
+    ({"kinds": [_deep(50_000)]}, "kinds"),
+    ({"roles": _deep(50_000)}, "roles"),
+    ({"link_types": [_deep(50_000)]}, "link_types[0]"),
+    ({"legs": [_deep(50_000)]}, "legs"),
+    ({"emotion": [_deep(50_000)]}, "emotion"),
+    ({"emotion": _deep(50_000)}, "emotion"),
+    ({"category": [_deep(50_000)]}, "category"),
+    ({"category": {"x": _deep(50_000)}}, "category"),
+])
+async def test_a_deeply_nested_value_is_refused_not_a_recursion_error(mem, kwargs, field) -> None:
+    """An error message shows what it found; showing a list nested 50,000 deep raised
+    RecursionError instead of the engine's own error."""
+    with pytest.raises(InvalidInput) as err:
+        await mem.recall("ana", "anything", **kwargs)
+    assert err.value.field == field
+    assert len(str(err.value)) < 400
