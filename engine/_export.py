@@ -913,6 +913,9 @@ async def _write(parts: Parts, imports: list[tuple[_Parsed, str]],
         # From here to the end of the block nothing yields: its positions are contiguous.
         first = store.next_lsn
         last = first + len(chunk) - 1
+        # The range's mark commits with its records: kept without them (a store that failed
+        # between two commits), the next live turns after a restart would take its positions.
+        store.hold_together(len(chunk) + 1)
         imported.add(first, last)
         store.submit(PutState((Imported.marker(first, last),)))
         for kind, group in groupby(chunk, lambda item: type(item[1])):  # runs of one type

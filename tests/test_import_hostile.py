@@ -208,3 +208,36 @@ async def test_a_user_forgotten_as_an_import_finishes_stays_forgotten(tmp_path) 
         assert await mem.session_summary("maya", "s1") is None
         assert await mem.export_user("maya", io.BytesIO()) == {}
     assert (await Engine.verify(tmp_path / "b"))["ok"]
+
+
+async def test_an_import_block_cut_by_a_failed_commit_leaves_no_position_marked(
+        tmp_path, monkeypatch) -> None:
+    """An import block's range is marked imported (the long-term layer skips it) in the same
+    queue as its records. Committed apart, a store that failed between the two kept the mark
+    without the records, and after a restart the next live turns took the marked positions:
+    their facts were never extracted. The mark and its records commit together."""
+    import lmdb
+
+    from actors.store import writer
+    from engine import EngineError
+
+    async with open_engine(tmp_path / "a") as a:
+        await a.add_turns([NewTurn(user_id="maya", session_id="s1", role="user",
+                                   text=f"turn {i}", at=T0) for i in range(6)])
+        lines = await _lines_of(a, "maya")
+
+    def failing(*args):
+        raise lmdb.Error("the disk went away")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(writer, "BATCH_MAX", 1)
+        patch.setattr(writer, "BATCH_MAX_WHILE_WAITED", 1)
+        patch.setattr(writer, "_put_run", failing)
+        with pytest.raises(EngineError, match="the disk went away"):
+            async with open_engine(tmp_path / "b") as b:
+                await b.import_user(_file(lines), as_user="new")
+    async with open_engine(tmp_path / "b") as b:
+        await b.add_turn("new", "s2", "user", "I live in Lisbon.")
+        await b.flush()
+        assert [f.value for f in await b.profile("new")] == ["Lisbon"]
+    assert (await Engine.verify(tmp_path / "b"))["ok"]
