@@ -3,7 +3,11 @@ filter admits in every leg exactly what the filter means, judged by a plain-Pyth
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine import InvalidInput
 
@@ -123,3 +127,140 @@ async def test_a_deeply_nested_value_is_refused_not_a_recursion_error(mem, kwarg
         await mem.recall("ana", "anything", **kwargs)
     assert err.value.field == field
     assert len(str(err.value)) < 400
+
+
+# -- the same filter in every leg, against a plain-Python reference --------------------------
+
+VALUES = ["web", "Web", "\u00e9", "e\u0301", "a b", 0, 1, -1, 0.0, -0.0, 2.5, 1e-05, -1e-05,
+          True, False, 2**60, 2**53 + 1]
+BOUNDS = [0, -0.0, 1, -1, 2.5, 1e-05, -1e-05, 2**53 - 1, -(2**53 - 1)]
+NEEDLES = ["e", "W", "\u00e9", " ", "\u0301", "web"]
+META_FIELDS = ["a", "b", "o.x", "meta.tags", "missing"]
+TEXT_FIELDS = {"role": ["user", "assistant"], "session_id": ["s1", "s2"],
+               "tags": ["red", "blue", "web"], "kind": ["turn", "note"]}
+
+_meta_value = st.one_of(st.sampled_from(VALUES), st.none(),
+                        st.lists(st.sampled_from(VALUES), max_size=3))
+META = st.fixed_dictionaries({}, optional={
+    "a": _meta_value, "b": _meta_value,
+    "o": st.one_of(st.fixed_dictionaries({"x": _meta_value}),
+                   st.lists(st.fixed_dictionaries({"x": _meta_value}), max_size=2)),
+    "tags": st.lists(st.sampled_from(["red", "blue", "web"]), max_size=2, unique=True),
+    "a\x01b": st.just(5), "o\x00x": st.just("web")})
+
+
+@st.composite
+def _conditions(draw) -> dict:
+    field = draw(st.sampled_from(META_FIELDS + list(TEXT_FIELDS)))
+    if field in TEXT_FIELDS:
+        op = draw(st.sampled_from(["eq", "ne", "in", "nin", "contains"]))
+        pool = TEXT_FIELDS[field]
+        if op == "contains":
+            return {field: {op: draw(st.sampled_from(["e", "s", "r", "ur"]))}}
+    else:
+        op = draw(st.sampled_from(["eq", "ne", "in", "nin", "contains", "gt", "gte", "lt",
+                                   "lte"]))
+        pool = VALUES
+        if op == "contains":
+            return {field: {op: draw(st.sampled_from(NEEDLES))}}
+        if op in ("gt", "gte", "lt", "lte"):
+            return {field: {op: draw(st.sampled_from(BOUNDS))}}
+    if op in ("in", "nin"):
+        return {field: {op: draw(st.lists(st.sampled_from(pool), min_size=1, max_size=3))}}
+    value = draw(st.sampled_from(pool))
+    return {field: value} if op == "eq" and draw(st.booleans()) else {field: {op: value}}
+
+
+FILTERS = st.recursive(
+    _conditions(),
+    lambda inner: st.one_of(
+        st.fixed_dictionaries({"AND": st.lists(inner, min_size=1, max_size=3)}),
+        st.fixed_dictionaries({"OR": st.lists(inner, min_size=1, max_size=3)}),
+        st.fixed_dictionaries({"NOT": inner})),
+    max_leaves=6)
+
+
+def _leaves(value: Any, path: list[str]) -> list[Any]:
+    if isinstance(value, list):
+        return [leaf for item in value for leaf in _leaves(item, path)]
+    if not path:
+        return [] if value is None or isinstance(value, dict) else [value]
+    if isinstance(value, dict) and path[0] in value:
+        return _leaves(value[path[0]], path[1:])
+    return []
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, bool | str) or isinstance(b, bool | str):
+        return type(a) is type(b) and a == b
+    return a == b
+
+
+def _admits(where: dict, turn: dict) -> bool:
+    """The filter as the README states it, over what was stored: the reference."""
+    for name, value in where.items():
+        if name in ("AND", "OR"):
+            results = [_admits(w, turn) for w in value]
+            if not (all(results) if name == "AND" else any(results)):
+                return False
+            continue
+        if name == "NOT":
+            if _admits(value, turn):
+                return False
+            continue
+        if name in TEXT_FIELDS:
+            tags = turn["meta"].get("tags", [])
+            leaves = {"kind": ["turn"], "role": [turn["role"]], "session_id": [turn["session"]],
+                      "tags": tags}[name]
+        else:
+            leaves = _leaves(turn["meta"], name.removeprefix("meta.").split("."))
+        op, operand = next(iter(value.items())) if isinstance(value, dict) else ("eq", value)
+        if op == "eq":
+            ok = any(_same(leaf, operand) for leaf in leaves)
+        elif op == "ne":
+            ok = not any(_same(leaf, operand) for leaf in leaves)
+        elif op == "in":
+            ok = any(_same(leaf, v) for leaf in leaves for v in operand)
+        elif op == "nin":
+            ok = not any(_same(leaf, v) for leaf in leaves for v in operand)
+        elif op == "contains":
+            ok = any(isinstance(leaf, str) and operand in leaf for leaf in leaves)
+        else:
+            numbers = [x for x in leaves if isinstance(x, int | float) and not isinstance(x, bool)]
+            ok = any(x > operand if op == "gt" else x >= operand if op == "gte"
+                     else x < operand if op == "lt" else x <= operand for x in numbers)
+        if not ok:
+            return False
+    return True
+
+
+TURNS = st.lists(st.tuples(st.sampled_from(["user", "assistant"]), st.sampled_from(["s1", "s2"]),
+                           META), min_size=1, max_size=12)
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(turns=TURNS, where=FILTERS, indexed=st.integers(0, 12),
+       tags=st.one_of(st.none(), st.lists(st.sampled_from(["red", "blue"]), min_size=1,
+                                          max_size=2)),
+       roles=st.one_of(st.none(), st.just(["user"])))
+async def test_every_leg_admits_what_the_filter_means(tmp_path_factory, turns, where, indexed,
+                                                      tags, roles) -> None:
+    """Random meta and random filters (with tags and roles beside them): recall, its BM25 leg
+    and its vector leg admit exactly the turns a plain-Python reading of the filter admits,
+    turns written before the last flush and turns written after it alike."""
+    path = tmp_path_factory.mktemp("where") / "store"
+    stored = []
+    async with open_engine(path, config={"long_term": False}) as mem:
+        for i, (role, session, meta) in enumerate(turns):
+            if i == indexed:
+                await mem.flush()
+            await mem.add_turn("ana", session, role, f"turn {i}", meta=meta)
+            stored.append({"text": f"turn {i}", "role": role, "session": session, "meta": meta})
+        expected = {t["text"] for t in stored if _admits(where, t)
+                    and (tags is None or set(tags) & set(t["meta"].get("tags", [])))
+                    and (roles is None or t["role"] in roles)}
+        assert await _texts(mem, where, tags=tags, roles=roles) == expected
+        await mem.flush()
+        for legs in (None, ["bm25"], ["vector"]):
+            assert await _texts(mem, where, tags=tags, roles=roles, legs=legs) == expected, legs
