@@ -73,6 +73,11 @@ ROLLING_SENTENCES = 5  # sentences a rolling session summary keeps
 # Sentences of one turn a summary weighs, its first: a turn of thousands of short sentences
 # must not cost thousands of embeddings and an n-by-n similarity matrix of gigabytes.
 SENTENCES_PER_TURN = 20
+# Sentences one summary weighs, spread evenly over what was said (an episode of ten turns has
+# at most this many): a session closed, or a rolling summary brought up to date, right after a
+# burst of a thousand turns gave one similarity matrix 20,000 sentences square (1.6 GB, 9 s
+# of the loop).
+MAX_SENTENCES = 200
 
 RATINGS = {"again": Rating.Again, "hard": Rating.Hard, "good": Rating.Good, "easy": Rating.Easy,
            1: Rating.Again, 2: Rating.Hard, 3: Rating.Good, 4: Rating.Easy}
@@ -156,7 +161,14 @@ def _sentences(turns: list[Turn]) -> list[tuple[int, str]]:
                     break
     if not out:  # nothing but small talk: keep the turns whole
         out = [(i, t.text.strip()) for i, t in enumerate(turns) if t.text.strip()]
-    return out
+    return _spread(out, MAX_SENTENCES)
+
+
+def _spread(items: list, limit: int) -> list:
+    """At most ``limit`` of ``items``, evenly spaced, in their order."""
+    if len(items) <= limit:
+        return items
+    return [items[i * len(items) // limit] for i in range(limit)]
 
 
 def keyphrases(texts: list[str], limit: int = KEYWORDS) -> tuple[str, ...]:
@@ -380,7 +392,7 @@ class EpisodicCompressor:
             except Exception as exc:  # the extractive summary stands in for a failing model
                 self._model_failed("rolling summary", turns[-1], exc)
         sentences = [(-1, s.strip()) for s in _SENTENCE.split(previous) if s.strip()]
-        sentences += _sentences(turns)
+        sentences = _spread(sentences + _sentences(turns), MAX_SENTENCES)
         if len(sentences) <= ROLLING_SENTENCES:
             return " ".join(s for _, s in sentences)
         vectors = await self._embedder.embed([s for _, s in sentences], query=False)
@@ -412,11 +424,22 @@ class EpisodicCompressor:
                 del cache[key]
 
     async def consolidate(self, user_id: str, session_id: str, turn_count: int) -> bool:
-        """Make an episode of a finished session's remaining turns (maintenance)."""
-        start = await self._mark((user_id, session_id))
+        """Make episodes of a finished session's remaining turns (maintenance): those the
+        follower has not reached yet in the episodes it would make, the rest in one."""
+        key = (user_id, session_id)
+        made = False
+        # A session closed right after a burst of thousands of turns: not one episode of them
+        # all (one record naming every turn, one summary over all their sentences).
+        while turn_count - (start := await self._mark(key)) >= self._after:
+            last_seq = start + self._after - self._keep - 1
+            made = await self.compress(user_id, session_id, start, last_seq,
+                                       consolidated=True) or made
+            if await self._mark(key) == start:  # its turns are gone (forgotten meanwhile)
+                return made
         if turn_count - start < 2:
-            return False
-        return await self.compress(user_id, session_id, start, turn_count - 1, consolidated=True)
+            return made
+        return await self.compress(user_id, session_id, start, turn_count - 1,
+                                   consolidated=True) or made
 
     async def compress(self, user_id: str, session_id: str, first_seq: int, last_seq: int, *,
                        consolidated: bool, queued: bool = False) -> bool:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from actors.base.config import Config
 from actors.entities import MAX_ALIASES
-from actors.episodic import MAX_KEYWORD_CHARS, MAX_TITLE_CHARS
+from actors import episodic
+from actors.episodic import MAX_KEYWORD_CHARS, MAX_SENTENCES, MAX_TITLE_CHARS, mmr
 from actors.extraction import MAX_CANDIDATES, extract_facts
 from engine import Engine
 
@@ -124,3 +125,29 @@ async def test_an_offline_episode_title_and_keywords_are_bounded_as_the_models_a
         (episode,) = await mem.episodes("eve")
     assert len(episode.title) <= MAX_TITLE_CHARS + len("...")
     assert episode.keywords and all(len(k) <= MAX_KEYWORD_CHARS for k in episode.keywords)
+
+
+async def test_a_session_closed_after_a_burst_is_summarised_in_bounded_pieces(
+        store_path, monkeypatch) -> None:
+    """A thousand turns of twenty sentences, closed before the follower reached them: the
+    episodes are the follower's ten-turn ones, no summary weighs more than MAX_SENTENCES
+    sentences (before: one episode of all 1,000 turns, and it and the rolling summary each
+    built a 20,000-square similarity matrix, 9 s of the loop), and the store verifies."""
+    sizes: list[int] = []
+
+    def spied(vectors, weights, k):
+        sizes.append(len(vectors))
+        return mmr(vectors, weights, k)
+
+    monkeypatch.setattr(episodic, "mmr", spied)
+    text = " ".join(f"Green trains carry {j} boxes." for j in range(20))
+    async with open_engine(store_path) as mem:
+        await mem.add_turns([{"user_id": "eve", "session_id": "s", "role": "user",
+                              "text": text}] * 1_000)
+        assert await mem.close_session("eve", "s")
+        await mem.flush()
+        episodes = await mem.episodes("eve")
+    assert max(sizes) <= MAX_SENTENCES
+    assert max(e.last_seq - e.first_seq for e in episodes) < 20
+    assert sorted((e.first_seq, e.last_seq) for e in episodes)[-1][1] == 999
+    await _verified(store_path)
