@@ -105,8 +105,13 @@ class Maintenance:
             dropped = await self._drop_stale_reviews(now)
             reflections = 0
             for user_id in users:
-                if await self._reflect(user_id, now):
-                    reflections += 1
+                try:
+                    if await self._reflect(user_id, now):
+                        reflections += 1
+                except EngineClosed:
+                    raise
+                except Exception as exc:  # one user's (a legacy id no write takes) stops no other's
+                    log.warning("weekly reflection for user %r failed: %r", user_id, exc)
             return MaintenanceReport(pruned_facts=pruned, consolidated_sessions=consolidated,
                                      dropped_reviews=dropped, reflections=reflections)
 

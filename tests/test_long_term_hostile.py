@@ -8,6 +8,7 @@ import random
 import time
 from pathlib import Path
 
+import actors.base.validate as validate
 from actors.base.config import Config
 from actors.entities import MAX_ALIASES
 from actors import episodic
@@ -59,8 +60,8 @@ async def test_a_flood_of_facts_in_turns_does_not_stall_the_followers(store_path
 
 
 async def test_case_variants_of_one_entity_do_not_grow_its_record(store_path) -> None:
-    """A URL (or an address, hashtag, handle) typed in a new mix of cases each turn is one entity whose
-    aliases stay bounded (before: every spelling kept, a 3,000-character URL in 1,000 turns made
+    """A URL (or an address, hashtag, handle) typed in a new mix of cases each turn is one
+    entity whose aliases stay bounded (before: every spelling kept, a 3,000-character URL in 1,000 turns made
     a 3 MB registry record rewritten at every step, and without end)."""
     rng = random.Random(7)
     base = "https://example.com/" + "a" * 300
@@ -151,3 +152,24 @@ async def test_a_session_closed_after_a_burst_is_summarised_in_bounded_pieces(
     assert max(e.last_seq - e.first_seq for e in episodes) < 20
     assert sorted((e.first_seq, e.last_seq) for e in episodes)[-1][1] == 999
     await _verified(store_path)
+
+
+async def test_a_legacy_length_user_does_not_stop_the_others_reflections(
+        store_path, monkeypatch) -> None:
+    """A store written before the id byte limit holds a 253-byte user, whose reflection note
+    no write may take: the pass still writes the other users' reflections (before, it raised
+    at her, every pass, and nobody after her got one)."""
+    facts = ("I'm allergic to peanuts.", "I moved to Porto last month.",
+             "I work as a pharmacist, long shifts.")
+    with monkeypatch.context() as old_rules:
+        old_rules.setattr(validate, "MAX_ID_BYTES", 256)
+        async with open_engine(store_path, clock=ManualClock()) as mem:
+            for text in facts:
+                await mem.add_turn("u" * 253, "s", "user", text)
+    async with open_engine(store_path, clock=ManualClock()) as mem:
+        for text in facts:
+            await mem.add_turn("zed", "s", "user", text)
+        await mem.flush()
+        assert (await mem.maintain()).reflections == 1
+        year, week, _ = T0.isocalendar()
+        assert await mem.get_note("zed", f"reflection-{year}-W{week:02d}") is not None
