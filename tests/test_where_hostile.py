@@ -3,6 +3,7 @@ filter admits in every leg exactly what the filter means, judged by a plain-Pyth
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from engine import InvalidInput
 
-from .conftest import open_engine
+from .conftest import T0, open_engine
 
 
 async def _texts(mem, where, **kwargs) -> set[str]:
@@ -243,24 +244,31 @@ TURNS = st.lists(st.tuples(st.sampled_from(["user", "assistant"]), st.sampled_fr
 @given(turns=TURNS, where=FILTERS, indexed=st.integers(0, 12),
        tags=st.one_of(st.none(), st.lists(st.sampled_from(["red", "blue"]), min_size=1,
                                           max_size=2)),
-       roles=st.one_of(st.none(), st.just(["user"])))
+       roles=st.one_of(st.none(), st.just(["user"])),
+       session_id=st.sampled_from([None, "s1"]), until=st.one_of(st.none(), st.integers(0, 12)))
 async def test_every_leg_admits_what_the_filter_means(tmp_path_factory, turns, where, indexed,
-                                                      tags, roles) -> None:
-    """Random meta and random filters (with tags and roles beside them): recall, its BM25 leg
-    and its vector leg admit exactly the turns a plain-Python reading of the filter admits,
-    turns written before the last flush and turns written after it alike."""
+                                                      tags, roles, session_id, until) -> None:
+    """Random meta and random filters (with tags, roles, a session and a time range beside
+    them): recall, its BM25 leg and its vector leg admit exactly the turns a plain-Python
+    reading of the filter admits, turns written before the last flush and after it alike."""
     path = tmp_path_factory.mktemp("where") / "store"
     stored = []
+    others = {"tags": tags, "roles": roles, "session_id": session_id,
+              "until": None if until is None else T0 + timedelta(minutes=until)}
     async with open_engine(path, config={"long_term": False}) as mem:
         for i, (role, session, meta) in enumerate(turns):
             if i == indexed:
                 await mem.flush()
-            await mem.add_turn("ana", session, role, f"turn {i}", meta=meta)
-            stored.append({"text": f"turn {i}", "role": role, "session": session, "meta": meta})
+            await mem.add_turn("ana", session, role, f"turn {i}", meta=meta,
+                               at=T0 + timedelta(minutes=i))
+            stored.append({"text": f"turn {i}", "role": role, "session": session, "meta": meta,
+                           "minute": i})
         expected = {t["text"] for t in stored if _admits(where, t)
                     and (tags is None or set(tags) & set(t["meta"].get("tags", [])))
-                    and (roles is None or t["role"] in roles)}
-        assert await _texts(mem, where, tags=tags, roles=roles) == expected
+                    and (roles is None or t["role"] in roles)
+                    and (session_id is None or t["session"] == session_id)
+                    and (until is None or t["minute"] <= until)}
+        assert await _texts(mem, where, **others) == expected
         await mem.flush()
         for legs in (None, ["bm25"], ["vector"]):
-            assert await _texts(mem, where, tags=tags, roles=roles, legs=legs) == expected, legs
+            assert await _texts(mem, where, legs=legs, **others) == expected, legs
