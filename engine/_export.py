@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import os
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from itertools import groupby
@@ -76,6 +77,9 @@ VERSION = 3  # bumped when a reader of the previous version could not read the l
 READS = (1, 2, 3)
 IMPORT_CHUNK = 1_024  # logged records per import block: one queue burst, well under QUEUE_LIMIT
 FACT_STATUSES = ("active", "superseded", "retracted", "pruned")  # what the Facts actor writes
+# The users each engine's imports are writing: an import checks what its users hold before it
+# writes, so a second import of one of them meanwhile would write the same records again.
+_IMPORTING: weakref.WeakKeyDictionary[Parts, set[str]] = weakref.WeakKeyDictionary()
 
 
 # -- the lines (docs/EXPORT.md) -----------------------------------------------------------------
@@ -723,7 +727,16 @@ async def import_users(parts: Parts,
                                      f"{user_id!r} in {seen[user_id]} too")
         seen[user_id] = name
         imports.append((one, user_id))
-    return await _write(parts, imports, checked)
+    busy = _IMPORTING.setdefault(parts, set())
+    for user_id, name in seen.items():
+        if user_id in busy:
+            raise InvalidInput(name, f"expected no other import of user {user_id!r} under way, "
+                                     "found one: import this once it has finished")
+    busy.update(seen)
+    try:
+        return await _write(parts, imports, checked)
+    finally:
+        busy.difference_update(seen)
 
 
 async def _source_bytes(source: str | os.PathLike[str] | bytes | IO[bytes], name: str

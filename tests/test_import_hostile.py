@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 
@@ -241,3 +242,49 @@ async def test_an_import_block_cut_by_a_failed_commit_leaves_no_position_marked(
         await b.flush()
         assert [f.value for f in await b.profile("new")] == ["Lisbon"]
     assert (await Engine.verify(tmp_path / "b"))["ok"]
+
+
+async def test_a_second_import_of_a_user_while_one_is_under_way_is_refused(tmp_path) -> None:
+    """Each import checks what the user holds before it writes; two of one user at once each
+    found the other's records absent and both wrote them: an episode stored twice under one
+    key (the store then failed verify) and a fact version twice. The second is refused."""
+    async with open_engine(tmp_path / "a", clock=StepClock()) as mem:
+        lines, _ = await _maya(mem)
+        turn = next(line for line in lines if line["record"] == "turn")
+        ids = [line["turn_id"] for line in lines if line["record"] == "turn"]
+        episode = {"record": "episode", "lsn": 98, "episode_id": "ep_x", "session_id": "s1",
+                   "first_seq": 0, "last_seq": 3, "turn_ids": ids, "title": "The beach",
+                   "summary": "Pixel at the beach.", "keywords": ["beach"],
+                   "start_at": turn["at"], "end_at": turn["at"], "surprise": 0.5,
+                   "stability": 1.0, "difficulty": 5.0, "created_at": turn["at"]}
+        fact = {"record": "fact", "lsn": 99, "fact_id": "f_x", "category": "pet", "key": "dog",
+                "value": "Pixel", "text": "Maya's dog is Pixel", "confidence": 0.9,
+                "importance": 0.5, "keywords": ["dog"], "source_turn_ids": [],
+                "source_episode_ids": [], "session_id": "", "valid_at": turn["at"],
+                "invalid_at": None, "created_at": turn["at"], "expired_at": None,
+                "status": "active", "protected": False, "origin": "api", "access_count": 0,
+                "last_access_at": None}
+        data = _file([lines[0], episode, fact, lines[-1]])
+        store, reserve = mem._store, mem._store.reserve
+        refused: list[BaseException] = []
+
+        async def second_import_first(n: int) -> None:
+            if not refused:
+                refused.append(AssertionError("the second import did not stop"))
+                try:
+                    await mem.import_user(data)
+                except InvalidInput as exc:
+                    refused[0] = exc
+            await reserve(n)
+
+        store.reserve = second_import_first
+        try:
+            assert await mem.import_user(data) == {"episodes": 1, "facts": 1, "skipped": 0}
+        finally:
+            del store.reserve
+        assert re.search("expected no other import of user 'maya' under way, found one",
+                         str(refused[0]))
+        await mem.flush()
+        assert [f.fact_id for f in await mem.fact_versions("maya")].count("f_x") == 1
+        assert [e.episode_id for e in await mem.episodes("maya")] == ["ep_x"]
+    assert (await Engine.verify(tmp_path / "a"))["ok"]
