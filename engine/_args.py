@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 import reprlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from actors.base import validate as v
@@ -78,6 +78,7 @@ def choices(field: str, values: Iterable[str] | None,
     if values is None:
         return None
     given = values
+    _not_a_mapping(field, values, f"a list of {', '.join(allowed)}")
     if isinstance(values, str):
         values = (values,)
     try:
@@ -97,6 +98,7 @@ def words(field: str, values: Iterable[str] | None) -> tuple[str, ...] | None:
     """A filter's tags or link types: one, or a non-empty list of them; None stays None."""
     if values is None:
         return None
+    _not_a_mapping(field, values, f"a list of {field.replace('_', ' ')}")
     if isinstance(values, list | tuple):
         for i, value in enumerate(values):
             if type(value) is not str:  # shown here, a few levels deep: see _SHOWN
@@ -106,6 +108,14 @@ def words(field: str, values: Iterable[str] | None) -> tuple[str, ...] | None:
     checked = v.check_words(field, values)
     _non_empty(field, checked, values, field.replace("_", " "))
     return checked
+
+
+def _not_a_mapping(field: str, values: Any, expected: str) -> None:
+    """Refuse a dict for a list filter: iterating it gives its keys, so tags={"in": ["red"]}
+    (where's shape in the wrong argument) would filter by the one tag "in"."""
+    if isinstance(values, Mapping):
+        raise InvalidInput(field, f"expected {expected}, found {type(values).__name__} "
+                                  f"{shown(values)}; a filter with operators goes in where=")
 
 
 def _non_empty(field: str, values: tuple[Any, ...], given: Any, what: str) -> None:

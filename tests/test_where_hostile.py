@@ -272,3 +272,15 @@ async def test_every_leg_admits_what_the_filter_means(tmp_path_factory, turns, w
         await mem.flush()
         for legs in (None, ["bm25"], ["vector"]):
             assert await _texts(mem, where, legs=legs, **others) == expected, legs
+
+
+@pytest.mark.parametrize("field", ["tags", "kinds", "roles", "legs", "link_types"])
+async def test_a_dict_for_a_list_filter_is_refused_not_read_as_its_keys(mem, field) -> None:
+    """tags={"in": ["red"]} (where's shape in the wrong argument) was read as the one tag "in"
+    and silently matched nothing; kinds={"turn": 1} as the kind "turn"."""
+    await mem.add_turn("ana", "s", "user", "turn red", meta={"tags": ["red"]})
+    value = {"in": ["red"]} if field == "tags" else {"turn": 1}
+    with pytest.raises(InvalidInput) as err:
+        await mem.recall("ana", "turn", **{field: value})
+    assert err.value.field == field
+    assert "found dict" in str(err.value)
