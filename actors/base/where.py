@@ -22,8 +22,8 @@ comparison except ``ne`` and ``nin`` (as in MongoDB: ``NOT`` of ``eq`` and ``in`
 holding a list matches when any element does. Numbers compare as numbers (``2`` equals
 ``2.0``), never with booleans or strings; ``gt``/``gte``/``lt``/``lte`` take numbers only,
 strictly between -2**53 and 2**53;
-``contains`` is a case-sensitive substring (at most 200 bytes of UTF-8) of a string (of any
-string in a list).
+``contains`` is a case-sensitive substring (at most 200 bytes of UTF-8, at most 4 contains
+in a filter) of a string (of any string in a list).
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ LOGICAL = ("AND", "OR", "NOT")
 MAX_DEPTH = 6  # AND / OR / NOT nested inside each other at most this deep
 MAX_CONDITIONS = 64  # comparisons in one filter: each is a term or range in every text search
 MAX_VALUES = 256  # values of one in / nin
+# contains in one filter: each scans every distinct string attribute of the whole text index
+# (0.3-0.5 s per 200,000 on a 2-core machine) in each of a recall's three searches.
+MAX_CONTAINS = 4
 MAX_VALUE_CHARS = 1_000  # characters of one string a filter compares with
 # A contains value's bytes of UTF-8: the text index runs contains as a regular expression, and
 # tantivy stops at 1,000 states, which 219 bytes reach under the longest field name.
@@ -295,7 +298,7 @@ def parse(where: Any, field: str = "where") -> Node:
             type, more than MAX_DEPTH levels of AND / OR / NOT, more than MAX_CONDITIONS
             comparisons; the field names the place (``where.OR[1].priority.gte``).
     """
-    count = [0]
+    count = [0, 0]  # comparisons, contains among them
     node = _parse(where, field, 0, count)
     return node
 
@@ -382,6 +385,10 @@ def _conditions(name: Any, value: Any, field: str, count: list[int]) -> list[Nod
                 raise InvalidInput(at, f"expected a field holding numbers ({name} is text), "
                                        f"found {op} {operand!r}")
         elif op == "contains":
+            count[1] += 1
+            if count[1] > MAX_CONTAINS:
+                raise InvalidInput(field, f"expected at most {MAX_CONTAINS} contains in one "
+                                          "filter, found more")
             if type(operand) is not str or not operand:
                 raise InvalidInput(at, f"expected a non-empty string, found {_found(operand)}")
             if kind is float:
