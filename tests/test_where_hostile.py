@@ -296,3 +296,19 @@ async def test_more_than_4_contains_in_one_filter_are_refused(mem) -> None:
     assert "expected at most 4 contains in one filter, found more" in str(err.value)
     where = {"OR": [{"title": {"contains": f"trip {i}"}} for i in range(4)]}
     assert await mem.recall("ana", "anything", where=where) == []
+
+
+@pytest.mark.parametrize(("where", "field", "found"), [
+    ({"kind": "turns"}, "where.kind.eq", "'turns'"),
+    ({"kind": {"ne": "Note"}}, "where.kind.ne", "'Note'"),
+    ({"role": {"in": ["user", "bot"]}}, "where.role.in[1]", "'bot'"),
+    ({"NOT": {"role": {"nin": ["User"]}}}, "where.NOT[0].role.nin[0]", "'User'"),
+])
+async def test_a_kind_or_role_no_memory_has_is_refused(mem, where, field, found) -> None:
+    """kind and role take a few known values, as kinds= and roles= do: {"kind": "turns"}
+    matched nothing and {"kind": {"ne": "Note"}} everything, silently."""
+    await mem.add_turn("ana", "s", "user", "turn one")
+    with pytest.raises(InvalidInput) as err:
+        await mem.recall("ana", "turn", where=where)
+    assert err.value.field == field
+    assert "expected one of" in str(err.value) and found in str(err.value)

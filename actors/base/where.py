@@ -21,7 +21,8 @@ name is a key of a turn's ``meta``; dots go into nested objects (``"trip.city"``
 comparison except ``ne`` and ``nin`` (as in MongoDB: ``NOT`` of ``eq`` and ``in``). A field
 holding a list matches when any element does. Numbers compare as numbers (``2`` equals
 ``2.0``), never with booleans or strings; ``gt``/``gte``/``lt``/``lte`` take numbers only,
-strictly between -2**53 and 2**53;
+strictly between -2**53 and 2**53; ``kind`` and ``role`` take only the values records have
+(``turn``, ``episode``, ``fact``, ``note``; ``user``, ``assistant``, ``system``, ``tool``);
 ``contains`` is a case-sensitive substring (at most 200 bytes of UTF-8, at most 4 contains
 in a filter) of a string (of any string in a list).
 """
@@ -34,6 +35,7 @@ import reprlib
 from typing import Any
 
 from .errors import InvalidInput
+from .records import ROLES
 from .validate import check_int, check_utf8
 
 __all__ = ["OPERATORS", "RECORD_FIELDS", "Node", "attributes", "conjunction", "parse",
@@ -65,6 +67,9 @@ MAX_SEGMENTS = 8
 RECORD_FIELDS = {"kind": str, "role": str, "session_id": str, "tags": str, "category": str,
                  "key": str, "value": str, "importance": float, "confidence": float,
                  "emotion": str, "origin": str, "agent_id": str, "run_id": str}
+# Record fields with a few known values: any other is a slip that would match nothing (or,
+# with ne / nin, everything), so it is refused as recall's kinds= and roles= refuse it.
+_KNOWN = {"kind": ("turn", "episode", "fact", "note"), "role": ROLES}
 _RANGES = {"gt": (lambda a, b: a > b), "gte": (lambda a, b: a >= b),
            "lt": (lambda a, b: a < b), "lte": (lambda a, b: a <= b)}
 _REGEX_META = frozenset("\\.+*?()|[]{}^$")
@@ -402,6 +407,12 @@ def _conditions(name: Any, value: Any, field: str, count: list[int]) -> list[Nod
                                        "part of it")
         else:
             operand = _scalar(operand, at, kind)
+        known = _KNOWN.get(path[1]) if path[0] == "f" else None
+        if known is not None and op != "contains":
+            for i, item in enumerate(operand if op in ("in", "nin") else (operand,)):
+                if item not in known:
+                    raise InvalidInput(at if op not in ("in", "nin") else f"{at}[{i}]",
+                                       f"expected one of {', '.join(known)}, found {item!r}")
         out.append(Node(op, path, operand))
     return out
 
