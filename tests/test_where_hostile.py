@@ -312,3 +312,12 @@ async def test_a_kind_or_role_no_memory_has_is_refused(mem, where, field, found)
         await mem.recall("ana", "turn", where=where)
     assert err.value.field == field
     assert "expected one of" in str(err.value) and found in str(err.value)
+
+
+async def test_a_huge_field_name_is_cut_in_the_error(mem) -> None:
+    """A field name of a million characters was quoted whole, twice, in the error (its place
+    and its message): a 2 MB reply to a bad filter."""
+    with pytest.raises(InvalidInput) as err:
+        await mem.recall("ana", "turn", where={"x" * 1_000_000: 1})
+    assert err.value.field.startswith("where.xxx") and len(str(err.value)) < 400
+    assert "expected a field name of letters, digits" in str(err.value)

@@ -247,9 +247,10 @@ def _path(name: Any, where: str) -> tuple[str, ...]:
         space, rest = "m", name
     segments = rest.split(".")
     if len(segments) > MAX_SEGMENTS or not all(_SEGMENT.match(s) for s in segments):
-        raise InvalidInput(f"{where}.{name}", "expected a field name of letters, digits, '_' "
+        shown = name if len(name) <= 60 else name[:57] + "..."
+        raise InvalidInput(f"{where}.{shown}", "expected a field name of letters, digits, '_' "
                            f"and '-' (dots between at most {MAX_SEGMENTS} levels), found "
-                           f"{name!r}; use AND, OR or NOT (upper case) to combine filters")
+                           f"{shown!r}; use AND, OR or NOT (upper case) to combine filters")
     return (space, *segments)
 
 
