@@ -6,27 +6,18 @@ take them. Each raises ``InvalidInput`` naming the argument, what was expected a
 from __future__ import annotations
 
 import re
-import reprlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from actors.base import validate as v
 from actors.base.errors import InvalidInput
+from actors.base.validate import shown
 
 __all__ = ["check_count", "check_fraction", "check_label", "check_labels", "check_texts",
            "choices", "reason", "shown", "words"]
 
 MAX_LABEL_CHARS = 64  # a note's emotion: a word or two
-# What an error message shows of a value: a few levels of it, so a list nested 50,000 deep
-# is shown rather than raising RecursionError.
-_SHOWN = reprlib.Repr()
-_SHOWN.maxstring = _SHOWN.maxother = 60
 _LABEL = re.compile(r"[^\W_][\w -]*\Z")
-
-
-def shown(value: Any) -> str:
-    """A value as an error message shows it: a few levels and characters of its repr."""
-    return _SHOWN.repr(value)
 
 
 def check_fraction(field: str, value: Any) -> float:

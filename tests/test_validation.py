@@ -140,3 +140,30 @@ async def test_durable_is_true_or_false_and_anything_else_writes_nothing(mem: En
     await mem.add_turn(**OK, durable=False)
     await mem.add_turns([OK], durable=True)
     assert [t.text for t in await mem.session_history("ana", "s1")] == ["hello", "hello"]
+
+
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("field", ["user_id", "session_id", "role", "text"])
+async def test_a_value_nested_thousands_deep_is_refused_not_a_recursion_error(
+        mem: Engine, field: str) -> None:
+    """The error message showed the whole repr of what was found: a list nested 50,000 deep
+    raised RecursionError (and a million-item list built a megabyte's repr to cut it)."""
+    for bad in (_nested(50_000), list(range(1_000_000))):
+        with pytest.raises(InvalidInput) as info:
+            await mem.add_turn(**{**OK, field: bad})
+        assert info.value.field == field and len(str(info.value)) < 300
+    assert (await mem.stats()).turns == 0
+
+
+async def test_a_dict_for_a_notes_tags_is_refused_not_read_as_its_keys(mem: Engine) -> None:
+    """store_note(tags={"topic": "food"}) stored the tag "topic" (a dict iterates its keys):
+    a caller who meant key/value tags silently got others."""
+    with pytest.raises(InvalidInput, match="tags: expected a list of strings, found dict"):
+        await mem.store_note("ana", "I like rice", tags={"topic": "food"})
+    assert await mem.list_notes("ana") == []

@@ -8,6 +8,8 @@ run on what the caller actually passed.
 from __future__ import annotations
 
 import math
+import reprlib
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from operator import attrgetter
 from typing import Any
@@ -31,17 +33,29 @@ _json_encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder().decode
 
 
-def _found(value: Any) -> str:
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{type(value).__name__} {text}"
+# What an error message shows of a value: a few levels and characters of its repr, so a
+# list nested 50,000 deep is shown rather than raising RecursionError, and a million items
+# are not all written out to be cut.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 60
+
+
+def shown(value: Any) -> str:
+    """A value as an error message shows it: a few levels and characters of its repr."""
+    return _SHOWN.repr(value)
+
+
+def found(value: Any) -> str:
+    """What was found, for an error message: its type and :func:`shown`, cut to 60 chars."""
+    text = _SHOWN.repr(value)
+    return f"{type(value).__name__} {text[:57] + '...' if len(text) > 60 else text}"
+
 
 
 def _check_string(field: str, value: Any, max_chars: int, fix: str) -> str:
     """A non-empty, non-blank str of at most ``max_chars`` that UTF-8 can encode."""
     if type(value) is not str:
-        raise InvalidInput(field, f"expected a non-empty string, found {_found(value)}")
+        raise InvalidInput(field, f"expected a non-empty string, found {found(value)}")
     if not value or value.isspace():
         raise InvalidInput(field, f"expected a non-empty string, found {value!r}")
     if len(value) > max_chars:
@@ -104,10 +118,12 @@ def check_words(field: str, values: Any) -> tuple[str, ...]:
         return ()
     if isinstance(values, str):
         values = (values,)
+    if isinstance(values, Mapping):  # its keys are not what a caller with a dict meant
+        raise InvalidInput(field, f"expected a list of strings, found {found(values)}")
     try:
         values = tuple(values)
     except TypeError:
-        raise InvalidInput(field, f"expected a list of strings, found {_found(values)}") from None
+        raise InvalidInput(field, f"expected a list of strings, found {found(values)}") from None
     if len(values) > MAX_WORDS:
         raise InvalidInput(field, f"expected at most {MAX_WORDS} {field}, found {len(values)}")
     for i, value in enumerate(values):
@@ -118,14 +134,14 @@ def check_words(field: str, values: Any) -> tuple[str, ...]:
 def check_role(value: Any) -> str:
     if type(value) is not str or value not in _ROLES:  # the type first: a list is unhashable
         expected = ", ".join(repr(r) for r in ROLES)
-        raise InvalidInput("role", f"expected one of {expected}, found {_found(value)}")
+        raise InvalidInput("role", f"expected one of {expected}, found {found(value)}")
     return value
 
 
 def check_flag(field: str, value: Any) -> bool:
     """True or False itself: a flag taken by its truth would read "no" (or "false") as True."""
     if type(value) is not bool:
-        raise InvalidInput(field, f"expected True or False, found {_found(value)}")
+        raise InvalidInput(field, f"expected True or False, found {found(value)}")
     return value
 
 
@@ -139,7 +155,7 @@ def check_at(value: Any, field: str = "at") -> datetime:
     ``datetime`` itself: a subclass's (pandas' Timestamp, pendulum's, arrow's), which the
     record encoder refuses, comes back as the plain UTC datetime of the same instant."""
     if not isinstance(value, datetime):
-        raise InvalidInput(field, f"expected a timezone-aware datetime, found {_found(value)}")
+        raise InvalidInput(field, f"expected a timezone-aware datetime, found {found(value)}")
     try:
         offset = value.utcoffset()
     except Exception as exc:  # a tzinfo of the caller's that fails
@@ -193,12 +209,12 @@ def _check_json(value: Any, path: str, depth: int) -> None:
     if isinstance(value, dict):
         for key, item in value.items():
             if type(key) is not str:
-                raise InvalidInput(path, f"expected string keys, found key {_found(key)}")
+                raise InvalidInput(path, f"expected string keys, found key {found(key)}")
             if not key.isascii():
                 check_utf8(path, key)
             _check_json(item, f"{path}[{key!r}]", depth + 1)
         return
-    raise InvalidInput(path, f"expected a JSON-serialisable value, found {_found(value)}")
+    raise InvalidInput(path, f"expected a JSON-serialisable value, found {found(value)}")
 
 
 def check_meta(value: Any, max_bytes: int) -> dict[str, Any]:
@@ -208,7 +224,7 @@ def check_meta(value: Any, max_bytes: int) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise InvalidInput("meta", f"expected a JSON-serialisable dict, found {_found(value)}")
+        raise InvalidInput("meta", f"expected a JSON-serialisable dict, found {found(value)}")
     if not value:
         return {}
     _check_json(value, "meta", 0)

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import math
 import re
-import reprlib
 from typing import Any
 
 from .errors import InvalidInput
 from .records import ROLES
 from .validate import check_int, check_utf8
+from .validate import found as _found
 
 __all__ = ["OPERATORS", "RECORD_FIELDS", "Node", "attributes", "conjunction", "parse",
            "regex_escape", "string_leaves", "turn_tags"]
@@ -221,17 +221,6 @@ class Node:
         if self.children:
             return f"{self.op}({', '.join(map(repr, self.children))})"
         return f"{'.'.join(self.path)} {self.op} {self.value!r}"
-
-
-# What an error message shows of a value: a few levels of it, so a list nested 50,000 deep
-# is shown rather than raising RecursionError.
-_SHOWN = reprlib.Repr()
-_SHOWN.maxstring = _SHOWN.maxother = 60
-
-
-def _found(value: Any) -> str:
-    text = _SHOWN.repr(value)
-    return f"{type(value).__name__} {text[:57] + '...' if len(text) > 60 else text}"
 
 
 def _path(name: Any, where: str) -> tuple[str, ...]:
