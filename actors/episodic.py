@@ -273,6 +273,10 @@ class EpisodicCompressor:
         self._keep = keep_turns
         self._llm = llm
         self._next_seq: dict[tuple[str, str], int] = {}  # first seq not yet in an episode
+        # The session ``compress`` works on (one at a time: it holds the lock), and whether a
+        # forget took that session meanwhile.
+        self._compressing: tuple[str, str] | None = None
+        self._compressing_forgotten = False
         self._vectors_follow = vectors_follow  # background embedding runs
         # Log positions of imported records: they came with their episodes and ratings.
         self._imported = imported if imported is not None else Imported()
@@ -416,6 +420,9 @@ class EpisodicCompressor:
         return self._next_seq[key]
 
     def forget(self, user_id: str, session_id: str | None) -> None:
+        if (self._compressing is not None and self._compressing[0] == user_id
+                and session_id in (None, self._compressing[1])):
+            self._compressing_forgotten = True
         if session_id is None:
             self._last_episode.pop(user_id, None)
         for cache in (self._next_seq, self._summarised):
@@ -450,42 +457,54 @@ class EpisodicCompressor:
         queued. Two commit waits an episode made a bulk import's episodes ~8 a second on a
         loaded machine; the store still drops the episode if its session is forgotten first."""
         async with self._lock:
-            if await self._mark((user_id, session_id)) > first_seq:
-                return False
-            store = self._store
-            if not queued:  # turns counted from the session buffer may not be committed yet
-                await store.wait_logged()
-            turns = await store.read(read_session_turns, user_id, session_id, first_seq, last_seq)
-            if not turns:
-                return False
-            title, summary, keywords, surprise = await self._describe(user_id, turns)
-            now = self._clock().astimezone(timezone.utc)
-            stability, difficulty = initial_state(surprise, now)
-            await store.reserve(1)
-            lsn = store.next_lsn
-            episode = Episode(
-                lsn, "e_" + self._new_id(), user_id, session_id, turns[0].seq, turns[-1].seq,
-                tuple(t.turn_id for t in turns), title, summary, keywords, turns[0].at,
-                turns[-1].at, surprise, stability, difficulty, now, now if consolidated else None)
-            links = tuple(Link(episode.episode_id, t.turn_id, "summarises", now) for t in turns)
-            stored: list[Episode | None] = []
+            self._compressing, self._compressing_forgotten = (user_id, session_id), False
+            try:
+                return await self._compress(user_id, session_id, first_seq, last_seq,
+                                            consolidated, queued)
+            finally:
+                self._compressing = None
 
-            def committed(episode: Episode | None) -> None:
-                stored.append(episode)
-                if episode is not None:
-                    self.episodes_made += 1
+    async def _compress(self, user_id: str, session_id: str, first_seq: int, last_seq: int,
+                        consolidated: bool, queued: bool) -> bool:
+        if await self._mark((user_id, session_id)) > first_seq:
+            return False
+        store = self._store
+        if not queued:  # turns counted from the session buffer may not be committed yet
+            await store.wait_logged()
+        turns = await store.read(read_session_turns, user_id, session_id, first_seq, last_seq)
+        if not turns:
+            return False
+        title, summary, keywords, surprise = await self._describe(user_id, turns)
+        now = self._clock().astimezone(timezone.utc)
+        stability, difficulty = initial_state(surprise, now)
+        await store.reserve(1)
+        lsn = store.next_lsn
+        episode = Episode(
+            lsn, "e_" + self._new_id(), user_id, session_id, turns[0].seq, turns[-1].seq,
+            tuple(t.turn_id for t in turns), title, summary, keywords, turns[0].at,
+            turns[-1].at, surprise, stability, difficulty, now, now if consolidated else None)
+        links = tuple(Link(episode.episode_id, t.turn_id, "summarises", now) for t in turns)
+        stored: list[Episode | None] = []
 
-            store.submit(PutEpisode(lsn, episode, links, committed))
+        def committed(episode: Episode | None) -> None:
+            stored.append(episode)
+            if episode is not None:
+                self.episodes_made += 1
+
+        store.submit(PutEpisode(lsn, episode, links, committed))
+        if not self._compressing_forgotten:
             self._next_seq[(user_id, session_id)] = turns[-1].seq + 1
-            if queued:
-                # Surprise waits for this one's vector next: a dropped episode's position is
-                # passed by the embedder as any other.
-                self._last_episode[user_id] = lsn
-                return True
-            await store.wait_committed(lsn)
-            if stored[0] is not None:
-                self._last_episode[user_id] = lsn
-            return stored[0] is not None
+        # Else a forget took these turns meanwhile (the store drops the episode) and the
+        # session may start again at seq 0: where its episodes end is read again.
+        if queued:
+            # Surprise waits for this one's vector next: a dropped episode's position is
+            # passed by the embedder as any other.
+            self._last_episode[user_id] = lsn
+            return True
+        await store.wait_committed(lsn)
+        if stored[0] is not None:
+            self._last_episode[user_id] = lsn
+        return stored[0] is not None
 
     async def _describe(self, user_id: str, turns: list[Turn]
                         ) -> tuple[str, str, tuple[str, ...], float]:

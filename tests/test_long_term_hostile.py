@@ -4,9 +4,12 @@ follower, another user's memories, the loop's responsiveness, or a store that ve
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from pathlib import Path
+
+import trio
 
 import actors.base.validate as validate
 from actors.base.config import Config
@@ -61,8 +64,8 @@ async def test_a_flood_of_facts_in_turns_does_not_stall_the_followers(store_path
 
 async def test_case_variants_of_one_entity_do_not_grow_its_record(store_path) -> None:
     """A URL (or an address, hashtag, handle) typed in a new mix of cases each turn is one
-    entity whose aliases stay bounded (before: every spelling kept, a 3,000-character URL in 1,000 turns made
-    a 3 MB registry record rewritten at every step, and without end)."""
+    entity whose aliases stay bounded (before: every spelling kept, a 3,000-character URL in
+    1,000 turns made a 3 MB registry record rewritten at every step, and without end)."""
     rng = random.Random(7)
     base = "https://example.com/" + "a" * 300
 
@@ -173,3 +176,45 @@ async def test_a_legacy_length_user_does_not_stop_the_others_reflections(
         assert (await mem.maintain()).reflections == 1
         year, week, _ = T0.isocalendar()
         assert await mem.get_note("zed", f"reflection-{year}-W{week:02d}") is not None
+
+
+class _GatedSummaries:
+    """A fake LLM whose episode summaries wait for ``release`` (``entered`` is set when one
+    is waiting); no facts."""
+
+    def __init__(self) -> None:
+        self.entered = trio.Event()  # set when a summary waits
+        self.release = trio.Event()  # set by the test to let summaries answer
+
+    async def complete(self, system: str, prompt: str) -> str:
+        if "extract durable facts" in system:
+            return '{"facts": []}'
+        if not self.release.is_set():
+            self.entered.set()
+            await self.release.wait()
+        return json.dumps({"title": "Cargo", "summary": "They talked cargo.", "keywords": []})
+
+
+async def test_a_session_forgotten_while_compressed_gets_episodes_when_written_again(
+        store_path) -> None:
+    """close_session's episode is being summarised when the session is forgotten; the same
+    session id is then written again: its new turns get their episodes from seq 0 (before,
+    the compressor kept the forgotten episode's end, and the new session's first fifteen
+    turns never became an episode)."""
+    model = _GatedSummaries()
+    async with open_engine(store_path, llm=model, config={"summary_every_turns": 0}) as mem:
+        for i in range(15):
+            await mem.add_turn("eve", "s", "user", f"Green trains carry {i} boxes today.")
+        await mem.flush()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(mem.close_session, "eve", "s")
+            await model.entered.wait()
+            await mem.forget_session("eve", "s")
+            model.release.set()
+        await mem.flush()
+        assert await mem.episodes("eve") == []
+        for i in range(25):
+            await mem.add_turn("eve", "s", "user", f"Blue boats carry {i} crates today.")
+        await mem.flush()
+        assert [(e.first_seq, e.last_seq) for e in await mem.episodes("eve")] == [(0, 9)]
+    await _verified(store_path)
