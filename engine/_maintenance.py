@@ -99,9 +99,17 @@ class Maintenance:
                 now - timedelta(seconds=parts.config.session_idle_seconds))
             await parts.compressor.prefetch([(i.user_id, i.session_id) for i in idle])
             for info in idle:
-                if await parts.compressor.consolidate(info.user_id, info.session_id,
-                                                      info.turn_count):
-                    consolidated += 1
+                try:
+                    if await parts.compressor.consolidate(info.user_id, info.session_id,
+                                                          info.turn_count):
+                        consolidated += 1
+                except EngineClosed:
+                    raise
+                except Exception as exc:
+                    # One session's failure (a text the embedding model fails on, already a
+                    # failure record of the embedder's) stops no other session's.
+                    log.warning("consolidating session %r of user %r failed: %r",
+                                info.session_id, info.user_id, exc)
             dropped = await self._drop_stale_reviews(now)
             reflections = 0
             for user_id in users:

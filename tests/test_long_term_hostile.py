@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import random
 import time
+from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import trio
 
 import actors.base.validate as validate
@@ -17,7 +19,7 @@ from actors.entities import MAX_ALIASES
 from actors import episodic
 from actors.episodic import MAX_KEYWORD_CHARS, MAX_SENTENCES, MAX_TITLE_CHARS, mmr
 from actors.extraction import MAX_CANDIDATES, extract_facts
-from engine import Engine
+from engine import Engine, HashEmbedder
 
 from .actors.test_facts import ManualClock
 from .conftest import T0, open_engine
@@ -217,4 +219,35 @@ async def test_a_session_forgotten_while_compressed_gets_episodes_when_written_a
             await mem.add_turn("eve", "s", "user", f"Blue boats carry {i} crates today.")
         await mem.flush()
         assert [(e.first_seq, e.last_seq) for e in await mem.episodes("eve")] == [(0, 9)]
+    await _verified(store_path)
+
+
+class _Poisoned(HashEmbedder):
+    """An embedding model that fails on any text naming poison."""
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        if any("Poison" in t for t in texts):
+            raise RuntimeError("the model fails on this text")
+        return super().encode(texts)
+
+
+async def test_a_session_the_model_cannot_summarise_does_not_stop_maintenance(
+        store_path) -> None:
+    """An idle session whose sentences the embedding model fails on is not consolidated, but
+    the sessions after it are and the reflections are written (before, the pass raised at it,
+    every pass)."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock, embedder=_Poisoned()) as mem:
+        for i in range(3):
+            await mem.add_turn("amy", "s", "user", f"Poison ivy grows {i} meters here.")
+        for text in ("I'm allergic to peanuts.", "I moved to Porto last month.",
+                     "I work as a pharmacist, long shifts."):
+            await mem.add_turn("zed", "s", "user", text)
+        await mem.flush()
+        clock.now = T0 + timedelta(days=3)
+        report = await mem.maintain()
+        assert (report.consolidated_sessions, report.reflections) == (1, 1)
+        assert await mem.episodes("amy") == []
+        assert len(await mem.episodes("zed")) == 1
+        assert {f.actor for f in await mem.failures("amy")} == {"embedder"}
     await _verified(store_path)
