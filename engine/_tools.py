@@ -19,6 +19,7 @@ import msgspec
 
 from actors.base.errors import InvalidInput, NotFound
 from actors.base.records import Fact, Note
+from actors.base.validate import shown
 
 from ._hits import Hits
 from ._memory import EntityInfo
@@ -152,6 +153,9 @@ TOOLS: list[dict[str, Any]] = [
 ]
 
 _SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+# Levels of lists and objects an argument may hold: a where filter's deepest (AND / OR / NOT
+# six deep) is well within it.
+MAX_NESTING = 32
 
 
 def parameters(name: str, *, one_user: bool = False) -> dict[str, Any]:
@@ -202,10 +206,27 @@ def _check_arguments(name: str, args: Mapping[str, Any], one_user: bool) -> None
                                        f"found {_shown(error.instance)}")
 
 
+def _check_depth(args: dict[str, Any]) -> None:
+    """Raise InvalidInput for an argument nested deeper than MAX_NESTING: the schema check
+    descends by recursion (a list nested 50,000 deep raised RecursionError in it), and no
+    tool takes anything near that deep. Walked without recursion."""
+    stack: list[tuple[str, Any, int]] = [(k, v, 1) for k, v in args.items()]
+    while stack:
+        field, value, depth = stack.pop()
+        if isinstance(value, dict | list | tuple):
+            if depth > MAX_NESTING:
+                name = str(field) if len(str(field)) <= 60 else str(field)[:57] + "..."
+                raise InvalidInput(f"arguments.{name}", f"expected a value nested at most "
+                                                        f"{MAX_NESTING} levels deep, found one "
+                                                        "nested deeper")
+            items = value.values() if isinstance(value, dict) else value
+            stack.extend((field, item, depth + 1) for item in items)
+
+
 def _shown(value: Any) -> str:
-    """``repr(value)`` cut to 60 characters for an error: a model may send a megabyte where a
-    word goes, and the error goes back into its context."""
-    found = repr(value)
+    """A value for an error, cut to 60 characters: a model may send a megabyte where a word
+    goes (or a list nested thousands deep), and the error goes back into its context."""
+    found = shown(value)
     return found if len(found) <= 60 else found[:57] + "..."
 
 
@@ -249,6 +270,7 @@ async def call_tool(engine: ToolHost, name: str, arguments: Mapping[str, Any] | 
     if not isinstance(arguments, Mapping):
         raise InvalidInput("arguments", f"expected an object, found {type(arguments).__name__}")
     args = dict(arguments)
+    _check_depth(args)
     _check_arguments(name, args, user is not None)
     for field, rule in schema["properties"].items():
         if rule.get("type") == "integer" and type(args.get(field)) is float:

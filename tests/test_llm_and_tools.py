@@ -231,3 +231,14 @@ async def test_a_tool_error_never_echoes_a_huge_argument_whole(mem) -> None:
         await mem.call_tool("search_memory", {"user_id": "ana", "query": "x", "as_of": huge})
     for caught in (unknown, extra, as_of):
         assert len(str(caught.value)) < 500, str(caught.value)[:200]
+
+
+async def test_a_tool_argument_nested_thousands_deep_is_refused(mem) -> None:
+    """An in-process call_tool with a where nested 50,000 deep raised RecursionError inside
+    the schema check (over HTTP and MCP the JSON parser stops it first)."""
+    nested: list = []
+    for _ in range(50_000):
+        nested = [nested]
+    with pytest.raises(InvalidInput) as info:
+        await mem.call_tool("search_memory", {"user_id": "ana", "query": "x", "where": nested})
+    assert info.value.field == "arguments.where" and len(str(info.value)) < 300
