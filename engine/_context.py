@@ -19,6 +19,7 @@ from actors.store import read_episodes, user_prefix
 
 from ._briefing import block_text, one_line, relative_time
 from ._hits import estimate_tokens
+from ._recall import count_use
 
 if TYPE_CHECKING:
     from ._parts import Parts
@@ -109,8 +110,7 @@ async def context_for_prompt(parts: Parts, retriever: Retriever, user_id: str,
     section("## From earlier conversations", [
         f"- {relative_time(e.end_at, now)}, turns {e.first_seq}-{e.last_seq}: "
         f"{one_line(e.title)}: {_cut(e.summary)}" for e in episodes])
-    if shown and not parts.read_only:
-        parts.facts.touch(user_id, shown)  # shown in a prompt: their decay restarts
+    count_use(parts, user_id, shown)  # shown in a prompt: their decay restarts
     return "\n".join(out) + ("\n" if out else "")
 
 

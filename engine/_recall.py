@@ -31,7 +31,7 @@ from ._hits import Hits, RetrieveResult
 from ._parts import Parts
 from ._retrieval import FOCUS_LEVELS, LEGS, Retriever, focus_settings
 
-__all__ = ["Recall", "record_shown", "recorded_by"]
+__all__ = ["Recall", "count_use", "record_shown", "recorded_by"]
 
 _ENCODE = msgspec.msgpack.Encoder().encode
 ROLES = ("user", "assistant", "system", "tool")
@@ -54,6 +54,19 @@ def recorded_by(publish: Callable[[str, dict[str, Any]], None]) -> Iterator[None
         yield
     finally:
         _recording.reset(token)
+
+
+def count_use(parts: Parts, user_id: str, fact_ids: list[str]) -> None:
+    """Facts shown in a prompt outside a retrieval (``context_for_prompt``) were used: their
+    decay restarts, queued as a retrieval's are; on a cluster node (:func:`recorded_by`)
+    handed to be logged as a ``record_shown`` instead."""
+    if not fact_ids or parts.read_only:
+        return
+    publish = _recording.get()
+    if publish is None:
+        parts.facts.touch(user_id, fact_ids)
+    else:
+        publish(user_id, {"fact_ids": list(fact_ids)})
 
 
 async def record_shown(parts: Parts, user_id: Any, *, conversation_id: Any = None,

@@ -294,6 +294,12 @@ class ClusterEngine(LogWriter):
         with recorded_by(self._record_shown):
             return await self._engine.context_pre_retrieve(user_id, query, *args, **kwargs)
 
+    async def context_for_prompt(self, user_id: str, session_id: str, **kwargs: Any) -> str:
+        """:meth:`Engine.context_for_prompt`, its use of the facts shown recorded through the
+        log as :meth:`retrieve_memory`'s."""
+        with recorded_by(self._record_shown):
+            return await self._engine.context_for_prompt(user_id, session_id, **kwargs)
+
     def _record_shown(self, user_id: str, args: dict[str, Any]) -> None:
         """Log what a read recorded as a ``record_shown`` call, without the read waiting:
         the owner writes it when it applies the entry, as does every node that replays the

@@ -28,8 +28,8 @@ SETTLE_SECONDS = 10.0  # how long the test lets a read's record reach the log
 
 async def test_a_read_on_the_owner_records_what_a_replaying_node_records_too(
         nats_servers, cluster_config, tmp_path: Path) -> None:
-    """retrieve_memory and context_pre_retrieve on the owner record their pending review and
-    fact uses as log entries: the owner counts each once, and a store replaying the log holds
+    """retrieve_memory, context_pre_retrieve and context_for_prompt on the owner record their
+    pending review and fact uses as log entries: the owner counts each once, and a store replaying the log holds
     the same pending reviews and access counts."""
     config = msgspec.structs.replace(cluster_config, partitions=1)
     log = await connect(nats_servers, config)
@@ -52,6 +52,7 @@ async def test_a_read_on_the_owner_records_what_a_replaying_node_records_too(
                 shown = await owner.retrieve_memory_raw("ana", "my cat", conversation_id="s2")
                 assert shown.episodic and shown.semantic
                 assert "Miso" in await owner.context_pre_retrieve("ana", "my cat")
+                assert "Miso" in await owner.context_for_prompt("ana", "s4")
                 looked = await owner.retrieve_memory_raw("ana", "cat", "s3", record=False)
                 assert looked.episodic  # a look, not a use: nothing recorded or logged
                 await _grown(log, before)
@@ -60,7 +61,7 @@ async def test_a_read_on_the_owner_records_what_a_replaying_node_records_too(
             first = await _recorded(a)
         assert [c for c, _ in first["pending"]] == ["s2"]  # not s3, looked at only
         assert first["pending"][0][1] == [i.id for i in shown.episodic]
-        assert first["uses"] == [("pets", "cat", 2)]  # once per read, not twice on the owner
+        assert first["uses"] == [("pets", "cat", 3)]  # once per read, not twice on the owner
         async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
             await _replay(b, log)
             assert await _recorded(b) == first
