@@ -31,6 +31,7 @@ import trio
 from fsrs import Card, Rating, Scheduler, State
 
 from .ann_index import AnnIndex, Filters
+from .base.errors import EngineBroken
 from .base.logs import RepeatedWarning
 from .base.messages import PutEpisode, PutState, Searchable, WriteSummary
 from .base.records import Episode, Link, PendingReview, ReviewState, SessionInfo, SummaryState, Turn
@@ -225,14 +226,28 @@ def summarise(turns: list[Turn], vectors: np.ndarray, sentences: list[tuple[int,
     # The title: the most relevant sentence that says something (four content words or more).
     by_relevance = sorted(range(n), key=lambda i: -relevance[i])
     head = next((i for i in by_relevance if len(content_words(sentences[i][1])) >= 4), picked[0])
-    words = sentences[head][1].split()
-    title = " ".join(words[:10])
-    if len(words) > 10 or len(title) > MAX_TITLE_CHARS:
-        title = title[:MAX_TITLE_CHARS].rstrip() + "..."
+    title = _title(sentences[head][1])
     weights = np.maximum(centrality, 1e-3)[:, None]
     centroid = (vectors * weights).sum(axis=0)
     centroid /= max(float(np.linalg.norm(centroid)), 1e-12)
     return title, summary, keyphrases([t.text for t in turns]), centroid.astype(np.float32)
+
+
+def plain_summary(turns: list[Turn], sentences: list[tuple[int, str]]
+                  ) -> tuple[str, str, tuple[str, ...]]:
+    """Title, summary and keywords without sentence vectors (the model failed on them): the
+    first sentences said."""
+    summary = " ".join(s for _, s in sentences[:SUMMARY_SENTENCES])
+    head = next((s for _, s in sentences if len(content_words(s)) >= 4), sentences[0][1])
+    return _title(head), summary, keyphrases([t.text for t in turns])
+
+
+def _title(sentence: str) -> str:
+    words = sentence.split()
+    title = " ".join(words[:10])
+    if len(words) > 10 or len(title) > MAX_TITLE_CHARS:
+        title = title[:MAX_TITLE_CHARS].rstrip() + "..."
+    return title
 
 
 def _read_review_inputs(txn: Any, dbs: dict[bytes, Any], keys: list[tuple[str, str]]
@@ -399,7 +414,11 @@ class EpisodicCompressor:
         sentences = _spread(sentences + _sentences(turns), MAX_SENTENCES)
         if len(sentences) <= ROLLING_SENTENCES:
             return " ".join(s for _, s in sentences)
-        vectors = await self._embedder.embed([s for _, s in sentences], query=False)
+        try:
+            vectors = await self._embedder.embed([s for _, s in sentences], query=False)
+        except EngineBroken as exc:  # the model failed on these sentences: the latest stand in
+            self._embedding_failed("rolling summary", turns[-1], exc)
+            return " ".join(s for _, s in sentences[-ROLLING_SENTENCES:])
         weights = np.array([1.0 if i < 0 or turns[i].role == "user" else 0.8
                             for i, _ in sentences])
         picked = sorted(mmr(vectors, weights, ROLLING_SENTENCES))
@@ -509,15 +528,25 @@ class EpisodicCompressor:
     async def _describe(self, user_id: str, turns: list[Turn]
                         ) -> tuple[str, str, tuple[str, ...], float]:
         sentences = _sentences(turns)
-        vectors = await self._embedder.embed([s for _, s in sentences], query=False)
-        # The numpy work is a few hundred microseconds for a 10-turn episode: no thread hop.
-        title, summary, keywords, centroid = summarise(turns, vectors, sentences)
+        try:
+            vectors = await self._embedder.embed([s for _, s in sentences], query=False)
+        except EngineBroken as exc:
+            # The model failed on these sentences (the embedder goes on, keeping the records it
+            # fails on as failures): an episode all the same, without the centroid of surprise.
+            self._embedding_failed("summary", turns[-1], exc)
+            title, summary, keywords = plain_summary(turns, sentences)
+            centroid = None
+        else:
+            # The numpy work is a few hundred microseconds for a 10-turn episode: no thread hop.
+            title, summary, keywords, centroid = summarise(turns, vectors, sentences)
         if self._llm is not None:
             try:
                 title, summary, keywords = await self._llm.summarise(
                     [(t.role, t.text) for t in turns])
             except Exception as exc:  # the offline summary stands in for a failing model
                 self._model_failed("summary", turns[-1], exc)
+        if centroid is None:
+            return title, summary, keywords, FIRST_SURPRISE
         # Novelty is measured against every earlier episode, so the last one made must have
         # its vector (the background lane embeds in log order).
         last = self._last_episode.get(user_id)
@@ -536,6 +565,14 @@ class EpisodicCompressor:
         """The model failed on turns ending with ``turn``: kept as that turn's failure
         (``Engine.failures``), guarded by it, so a forgotten session leaves none behind."""
         self._model_warning("LLM %s failed, keeping the extractive one: %r", what, exc)
+        self._store.submit(PutState((failure_put(turn.lsn, "episodic", turn.user_id,
+                                                 turn.turn_id, exc),)))
+
+    def _embedding_failed(self, what: str, turn: Turn, exc: Exception) -> None:
+        """The embedding model failed on the sentences of turns ending with ``turn``: kept as
+        that turn's failure, as a model's failure is."""
+        self._model_warning("embedding for a %s failed, keeping the first sentences: %r", what,
+                            exc)
         self._store.submit(PutState((failure_put(turn.lsn, "episodic", turn.user_id,
                                                  turn.turn_id, exc),)))
 

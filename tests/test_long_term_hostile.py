@@ -231,23 +231,26 @@ class _Poisoned(HashEmbedder):
         return super().encode(texts)
 
 
-async def test_a_session_the_model_cannot_summarise_does_not_stop_maintenance(
-        store_path) -> None:
-    """An idle session whose sentences the embedding model fails on is not consolidated, but
-    the sessions after it are and the reflections are written (before, the pass raised at it,
-    every pass)."""
+async def test_sentences_the_model_fails_on_still_make_episodes(store_path) -> None:
+    """A session whose sentences the embedding model fails on: its episodes are made from its
+    first sentences, the failure is kept, the sessions after it are consolidated and the
+    reflections written, and the engine goes on (before, the compressor's follower raised
+    EngineBroken and took the engine down, again at every open; maintenance raised at it)."""
     clock = ManualClock()
     async with open_engine(store_path, clock=clock, embedder=_Poisoned()) as mem:
-        for i in range(3):
+        for i in range(25):
             await mem.add_turn("amy", "s", "user", f"Poison ivy grows {i} meters here.")
+        await mem.add_turn("amy", "t", "user", "Poison ivy again, here and there.")
+        await mem.add_turn("amy", "t", "user", "Poison everywhere in the garden.")
         for text in ("I'm allergic to peanuts.", "I moved to Porto last month.",
                      "I work as a pharmacist, long shifts."):
             await mem.add_turn("zed", "s", "user", text)
         await mem.flush()
+        assert [(e.first_seq, e.last_seq) for e in await mem.episodes("amy", "s")] == [(0, 9)]
         clock.now = T0 + timedelta(days=3)
         report = await mem.maintain()
-        assert (report.consolidated_sessions, report.reflections) == (1, 1)
-        assert await mem.episodes("amy") == []
+        assert (report.consolidated_sessions, report.reflections) == (3, 2)
         assert len(await mem.episodes("zed")) == 1
-        assert {f.actor for f in await mem.failures("amy")} == {"embedder"}
+        assert {f.actor for f in await mem.failures("amy")} == {"embedder", "episodic"}
+        assert await mem.failures("zed") == []
     await _verified(store_path)
