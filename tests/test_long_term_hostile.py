@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,7 +24,6 @@ from .actors.test_facts import ManualClock
 from .conftest import T0, open_engine
 
 MAX_TEXT = Config().max_text_chars
-BOUND = 5.0  # seconds of wall time for what took tens of seconds before its fix
 
 
 def _at_length(unit: str, length: int = MAX_TEXT) -> str:
@@ -48,17 +46,16 @@ def test_one_turn_of_rule_bait_gives_at_most_max_candidates_facts() -> None:
 
 
 async def test_a_flood_of_facts_in_turns_does_not_stall_the_followers(store_path) -> None:
-    """Two 32,000-character turns of distinct likes: flush returns in seconds (15 s, then 45 s
-    before: every fact compared with every active one), the profile stays bounded, another
-    user's profile is untouched and the store verifies."""
+    """Two 32,000-character turns of distinct likes: the profile stays bounded (before: 2,207
+    facts a turn, each compared with every active one, so flush took 15 s, then 45 s), another
+    user's profile is untouched and the store verifies. (Timing is the benchmarks' to judge;
+    the count is what made it slow.)"""
     async with open_engine(store_path) as mem:
         await mem.add_turn("bob", "s", "user", "I live in Lisbon.")
         for prefix in ("zq", "zr"):
             text = " ".join(f"I like {prefix}{i}." for i in range(4_000))[:MAX_TEXT]
             await mem.add_turn("eve", "s", "user", text)
-            start = time.perf_counter()
             await mem.flush()
-            assert time.perf_counter() - start < BOUND
         assert len(await mem.profile("eve")) <= 2 * MAX_CANDIDATES
         assert [(f.key, f.value) for f in await mem.profile("bob")] == [("location", "Lisbon")]
     await _verified(store_path)
