@@ -10,6 +10,7 @@ Rules (seeds 002 and 004):
 
 - exact duplicate (same key and value), or a sentence with word-set Jaccard >= DEDUP_JACCARD
   against an active fact: the existing fact is reinforced (confidence, sources, use count);
+  a fact a caller names (``remember_fact``) under another key only if it holds the same value;
 - same key, new value: the new value supersedes the old one unless its confidence is lower, or
   the old one was confirmed by the user and the new one only inferred;
 - no shared key, but the same category and the same words with opposite polarity ("likes
@@ -237,9 +238,15 @@ class Facts:
         if current is not None and _same_value(current.value, c.value):
             return await self._reinforce(current, c, sources, now, wait)
         if not force:
+            # A caller's key is its own: under another key a near sentence is the same fact
+            # only when it holds the same value (an extractor's keys vary, so its facts merge
+            # on the sentence alone).
+            named = origin == "api"
             words = _words(c.text)
             for other in state.values():
-                if other is not current and jaccard(words, _words(other.text)) >= DEDUP_JACCARD:
+                if (other is not current
+                        and (not named or _same_value(other.value, c.value))
+                        and jaccard(words, _words(other.text)) >= DEDUP_JACCARD):
                     return await self._reinforce(other, c, sources, now, wait)
         rivals = [current] if current is not None else []
         rivals += [f for f in _contradicted(state, c) if f is not current]

@@ -73,6 +73,20 @@ async def test_duplicates_reinforce_instead_of_adding(mem) -> None:
     assert len(await mem.profile("ana")) == 1
 
 
+async def test_a_fact_the_caller_names_with_another_key_and_value_is_its_own(mem) -> None:
+    """remember_fact of (work, role) = "engineer" after (work, employer) = "Acme", in sentences
+    alike (Jaccard >= 0.75), returned the employer fact: the caller's role was never stored
+    and a lookup of it found nothing. A near sentence under another key is the same fact only
+    when it holds the same value."""
+    employer = await mem.remember_fact("ana", "work", "employer", "Acme",
+                                       text="Works at Acme as an engineer in the Lisbon office")
+    role = await mem.remember_fact("ana", "work", "role", "engineer",
+                                   text="Works at Acme as engineer in the Lisbon office")
+    assert role.fact_id != employer.fact_id and (role.key, role.value) == ("role", "engineer")
+    assert {(f.key, f.value) for f in await mem.profile("ana")} == {
+        ("employer", "Acme"), ("role", "engineer")}
+
+
 async def test_a_contradiction_without_a_shared_key_is_resolved_by_the_same_rule(mem) -> None:
     """'Likes jazz' and 'No longer likes jazz' under different keys: the newer supersedes."""
     await mem.remember_fact("ana", "preference", "music", "jazz", text="Likes jazz music",
