@@ -109,6 +109,7 @@ EPISODE_TURNS = 1
 # is chosen; temporal questions start to lose above it.
 SPEAKER_LIFT = 1.0
 SPEAKER_PREFIX = 40  # characters of a turn's text a transcript's "Name: " may take
+_SPEAKING = frozenset({"user", "assistant"})  # the roles whose turns a participant said
 _WORDS = re.compile(r"[^\W\d_]+")  # runs of letters: a name's words, a query's
 # A word of a name (O'Brien, Jean-Luc), and a transcript's "Name: ": one to three of them.
 _NAME = r"[^\W\d_]+(?:['’.-][^\W\d_]+)*"
@@ -803,7 +804,10 @@ def speaker_of(turn: Turn) -> str | None:
     whole): meta ``speaker`` or ``name`` (the participant's name in OpenAI's chat messages)
     when it is text, else a transcript's "Name: " at the start of the text (one to three
     capitalised words, within SPEAKER_PREFIX characters). A one-letter first word names
-    nobody ("A: " in a Q&A transcript). None when neither says."""
+    nobody ("A: " in a Q&A transcript). A tool's or the system's turn has no speaker (a tool
+    message's ``name`` is its function's, "Error: ..." is no name). None when neither says."""
+    if turn.role not in _SPEAKING:
+        return None
     meta = turn.meta
     if meta:
         for key in ("speaker", "name"):

@@ -212,22 +212,26 @@ async def test_naming_both_speakers_or_none_favours_neither(store_path) -> None:
                 assert hit.explain.speaker == 0, (query, hit)
 
 
-@pytest.mark.parametrize(("text", "meta", "speaker"), [
-    ("Caroline: I went to a support group", {}, "caroline"),
-    ("Jean-Luc Picard: engage", {}, "jean-luc"),
-    ("O'Brien: the transporter is fixed", {}, "o'brien"),
-    ("Zoë: hallo", {}, "zoë"),
-    ("A: a lake at sunrise", {}, None),  # a Q&A transcript's answer, not a person
-    ("note to self: buy milk", {}, None),
-    ("Caroline:no space", {}, None),
-    ("I said it twice: at noon and at night", {}, None),
-    ("The Very Long Name Here: x", {}, None),
-    ("just text", {"speaker": "Melanie Z"}, "melanie"),
-    ("Caroline: hi", {"name": "Bob"}, "bob"),  # meta says who, over the text
-    ("Caroline: hi", {"name": 3}, "caroline"),
+@pytest.mark.parametrize(("text", "meta", "speaker", "role"), [
+    ("Caroline: I went to a support group", {}, "caroline", "user"),
+    ("Caroline: I went to a support group", {}, "caroline", "assistant"),
+    ('{"temp": 21}', {"name": "get_weather"}, None, "tool"),  # a function's name, no one's
+    ("Error: the city is unknown", {}, None, "tool"),
+    ("Reminder: be brief", {}, None, "system"),
+    ("Jean-Luc Picard: engage", {}, "jean-luc", "user"),
+    ("O'Brien: the transporter is fixed", {}, "o'brien", "user"),
+    ("Zoë: hallo", {}, "zoë", "user"),
+    ("A: a lake at sunrise", {}, None, "user"),  # a Q&A transcript's answer, not a person
+    ("note to self: buy milk", {}, None, "user"),
+    ("Caroline:no space", {}, None, "user"),
+    ("I said it twice: at noon and at night", {}, None, "user"),
+    ("The Very Long Name Here: x", {}, None, "user"),
+    ("just text", {"speaker": "Melanie Z"}, "melanie", "user"),
+    ("Caroline: hi", {"name": "Bob"}, "bob", "user"),  # meta says who, over the text
+    ("Caroline: hi", {"name": 3}, "caroline", "user"),
 ])
-def test_who_said_a_turn(text: str, meta: dict, speaker: str | None) -> None:
-    turn = Turn(1, "t", "ana", "s", 0, "user", text, datetime.now(timezone.utc), meta, "", "")
+def test_who_said_a_turn(text: str, meta: dict, speaker: str | None, role: str) -> None:
+    turn = Turn(1, "t", "ana", "s", 0, role, text, datetime.now(timezone.utc), meta, "", "")
     assert speaker_of(turn) == speaker
 
 
