@@ -80,11 +80,14 @@ def effective_confidence(fact: Fact, now: datetime) -> float:
 
 
 def known_at(fact: Fact, when: datetime) -> bool:
-    """Whether the store held this version as true at ``when``: recorded by then and not yet
-    retired (transaction time), and in force by then (valid time). Its ``invalid_at`` is
-    learned when it is retired (``expired_at``), so before that the store did not know it."""
-    return (fact.created_at <= when and (fact.expired_at is None or fact.expired_at > when)
-            and fact.valid_at <= when)
+    """Whether the store held this version as true at ``when``: recorded by then (transaction
+    time) and in force then (valid time) on what the store knew then. Its ``invalid_at`` is
+    learned when it is retired (``expired_at``): until then it is in force from ``valid_at``
+    on; from then until ``invalid_at``, which is later only when a value in force from a
+    later date superseded it (Lisbon until the move to Faro on the 20th)."""
+    return (fact.created_at <= when and fact.valid_at <= when
+            and (fact.expired_at is None or fact.expired_at > when
+                 or (fact.invalid_at is not None and fact.invalid_at > when)))
 
 
 # -- the actor -----------------------------------------------------------------------------------
