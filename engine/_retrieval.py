@@ -435,7 +435,8 @@ class Retriever:
 
         Excluded: facts recorded by ``as_of`` but not yet in force then (``valid_at`` later),
         and episodes of turns before ``as_of`` made after it. Added: fact versions the store
-        held as true at ``as_of`` (:func:`known_at`) and retired since, by lsn."""
+        held as true at ``as_of`` (:func:`known_at`) and retired by now (since, or before it
+        but still in force then: superseded by a value in force from later), by lsn."""
         facts: list[Fact] = []
         episodes: list[Episode] = []
         if kinds is None or "fact" in kinds:
