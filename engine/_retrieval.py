@@ -119,6 +119,9 @@ DERIVED_SHARE = 0.2  # at most this share of the slots go to facts (and episodes
 RARE_ENTITY = 0.05  # an entity named in more than this share of the memories is no evidence
 COMMON_AFTER = 8  # ... once it is named in more memories than this (a new user has few)
 LINK_DECAY = 0.5  # a linked memory scores this fraction of the memory it was reached from
+# Memories link expansion takes from any one memory, and per hit in all: a memory linked to
+# thousands (a hub a caller made) turned a recall of three into 2,200 hits.
+LINK_FANOUT = 8
 TAGGED_LIMIT = 100_000  # records a tag filter can admit to the vector leg
 # Log positions the window leg looks back over for notes and facts the text index does not hold
 # yet: what a steady text index leaves uncommitted at most (fulltext.COMMIT_DOCS). Further
@@ -636,16 +639,21 @@ class Retriever:
         memories already found are skipped, and those the query's filters do not admit
         (``admits``: kinds, session, time range, roles, tags, ``where``), which still lead
         on to the memories linked to them; with ``as_of``, links and memories made later
-        too."""
+        too. At most LINK_FANOUT memories are taken from any one memory, and LINK_FANOUT per
+        hit in all."""
         seen = {h.id for h in hits}
         score_of = {h.id: h.score for h in hits}
         frontier = [h.id for h in hits]
         found: list[tuple[str, float]] = []
+        room = LINK_FANOUT * len(hits)
         for _ in range(depth):
             links = await self.store.read(read_links, user_id, frontier)
             next_frontier = []
             for source in frontier:
+                taken = 0
                 for link in links.get(source, []):
+                    if taken == LINK_FANOUT or len(found) == room:
+                        break
                     if ((types is not None and link.type not in types)
                             or (as_of is not None and link.at > as_of)):
                         continue
@@ -655,8 +663,9 @@ class Retriever:
                         score_of[other] = score_of[source] * LINK_DECAY
                         found.append((other, score_of[other]))
                         next_frontier.append(other)
+                        taken += 1
             frontier = next_frontier
-            if not frontier:
+            if not frontier or len(found) == room:
                 break
         memories = await self.store.read(read_memories_by_id, user_id, [i for i, _ in found])
         return [hit_for(memories[i], score, ("link",)) for i, score in found if i in memories

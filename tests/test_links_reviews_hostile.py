@@ -1,0 +1,255 @@
+"""Hostile calls to links, reviews and session closing and summaries: each gives a correct
+result or an InvalidInput naming its field, and the store verifies afterwards."""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import pytest
+import trio
+
+from engine import Engine, InvalidInput, NotFound
+from engine._retrieval import LINK_FANOUT
+
+from .conftest import T0, StepClock, open_engine
+
+
+async def _verified(store_path) -> None:
+    report = await Engine.verify(store_path)
+    assert report["ok"], report["problems"]
+
+
+async def test_a_user_never_links_to_or_reaches_another_users_memory(store_path) -> None:
+    """Linking across users is refused, and neither links nor recall show one user another's
+    memory."""
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        ana = await mem.add_turn("ana", "s1", "user", "zebra stripes are unique")
+        bo = await mem.add_turn("bo", "s1", "user", "zebra secrets of bo")
+        await mem.flush()
+        with pytest.raises(NotFound, match="to_id"):
+            await mem.link("ana", ana.turn_id, bo.turn_id, "relates_to")
+        with pytest.raises(NotFound, match="from_id"):
+            await mem.link("ana", bo.turn_id, ana.turn_id, "relates_to")
+        assert await mem.links("ana", bo.turn_id) == []
+        assert await mem.links("bo", ana.turn_id) == []
+        hits = await mem.recall("bo", "zebra", limit=5, link_depth=5)
+        assert {h.id for h in hits} == {bo.turn_id}
+    await _verified(store_path)
+
+
+async def test_self_links_deleted_ends_and_bad_types_are_refused(store_path) -> None:
+    """A self-link, a deleted note and malformed types are refused by field; any unicode
+    type and a second type for one pair are kept."""
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        a = await mem.add_turn("ana", "s1", "user", "alpha")
+        note = await mem.store_note("ana", "a note to delete")
+        await mem.flush()
+        with pytest.raises(InvalidInput, match="to_id"):
+            await mem.link("ana", a.turn_id, a.turn_id, "self")
+        await mem.delete_note("ana", note.note_id)
+        with pytest.raises(NotFound, match="to_id"):
+            await mem.link("ana", a.turn_id, note.note_id, "relates_to")
+        for bad in ("", "x" * 300, "a\x00b", "\ud800", None, 3, b"t"):
+            with pytest.raises(InvalidInput, match="type"):
+                await mem.link("ana", a.turn_id, "nope", bad)
+        b = await mem.add_turn("ana", "s1", "user", "beta")
+        await mem.flush()
+        await mem.link("ana", a.turn_id, b.turn_id, "関連 🦓")
+        await mem.link("ana", b.turn_id, a.turn_id, "relates_to")
+        got = {(l.from_id, l.to_id, l.type) for l in await mem.links("ana", a.turn_id)}
+        assert got == {(a.turn_id, b.turn_id, "関連 🦓"), (b.turn_id, a.turn_id, "relates_to")}
+    await _verified(store_path)
+
+
+async def test_a_ring_of_links_is_walked_once_at_the_deepest_depth(store_path) -> None:
+    """A ring (and a two-cycle) expands to each memory once, at link_depth 5."""
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        ring = [await mem.add_turn("ana", "s1", "user", f"ring member {i} quokka" if i == 0
+                                   else f"plain member {i}") for i in range(9)]
+        await mem.flush()
+        for i, t in enumerate(ring):
+            await mem.link("ana", t.turn_id, ring[(i + 1) % len(ring)].turn_id, "next")
+            await mem.link("ana", ring[(i + 1) % len(ring)].turn_id, t.turn_id, "prev")
+        hits = await mem.recall("ana", "quokka", limit=1, link_depth=5, legs=["bm25"])
+        ids = [h.id for h in hits]
+        assert ids[0] == ring[0].turn_id and len(ids) == len(set(ids)) == 9
+    await _verified(store_path)
+
+
+async def test_a_hub_of_thousands_of_links_gives_a_bounded_recall(store_path) -> None:
+    """One memory linked to 2,000 others: expansion returns a bounded number of hits."""
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        hub = await mem.add_turn("ana", "s1", "user", "the quokka hub")
+        spokes = await mem.add_turns([{"user_id": "ana", "session_id": "s2", "role": "user",
+                                       "text": f"spoke {i}"} for i in range(2000)])
+        await mem.flush()
+        async with trio.open_nursery() as nursery:
+            limiter = trio.Semaphore(32)
+
+            async def link(to_id: str) -> None:
+                async with limiter:
+                    await mem.link("ana", hub.turn_id, to_id, "relates_to")
+            for s in spokes:
+                nursery.start_soon(link, s.turn_id)
+        assert len(await mem.links("ana", hub.turn_id)) == 2000
+        hits = await mem.recall("ana", "quokka", limit=3, link_depth=2, legs=["bm25"])
+        assert hits[0].id == hub.turn_id
+        assert 1 < len(hits) <= 3 + 3 * LINK_FANOUT, len(hits)
+    await _verified(store_path)
+
+
+async def test_review_refuses_other_users_notes_facts_and_odd_ratings(store_path) -> None:
+    """Only the caller's episodes and turns are reviewable, with the four ratings."""
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        ana = await mem.add_turn("ana", "s1", "user", "I like tea")
+        bo = await mem.add_turn("bo", "s1", "user", "I like coffee")
+        note = await mem.store_note("ana", "a note")
+        fact = await mem.remember_fact("ana", "drink", "tea", "green")
+        await mem.flush()
+        for other in (bo.turn_id, note.note_id, fact.fact_id, "missing"):
+            with pytest.raises(NotFound, match="memory_id"):
+                await mem.review("ana", other, "good")
+        for rating in (True, 1.0, "GOOD", 0, 5, None, [], "", 3.0):
+            with pytest.raises(InvalidInput, match="rating"):
+                await mem.review("ana", ana.turn_id, rating)
+        assert (await mem.review("ana", ana.turn_id, 3)).reps == 1
+    await _verified(store_path)
+
+
+async def test_reviews_with_the_clock_going_back_and_by_the_thousand_stay_finite(
+        store_path) -> None:
+    """A clock set back never moves a review before the last; a thousand reviews of each
+    rating keep stability and difficulty finite and in range."""
+    clock = StepClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        turn = await mem.add_turn("ana", "s1", "user", "I like tea")
+        await mem.flush()
+        clock.now = T0 + timedelta(days=30)
+        first = await mem.review("ana", turn.turn_id, "easy")
+        clock.now = T0 - timedelta(days=365)
+        back = await mem.review("ana", turn.turn_id, "good")
+        assert back.last_review >= first.last_review and back.reps == 2
+        for i in range(1000):
+            state = await mem.review("ana", turn.turn_id, ("again", "easy", 1, 4)[i % 4])
+            assert math.isfinite(state.stability) and state.stability > 0
+            assert math.isfinite(state.difficulty) and 1 <= state.difficulty <= 10
+    await _verified(store_path)
+
+
+async def test_pending_reviews_survive_forgets_and_other_sessions(store_path) -> None:
+    """A pending review is rated only by its conversation's next assistant turn; a forgotten
+    memory or conversation leaves nothing broken."""
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        for i in range(6):
+            await mem.add_turn("ana", "old", "user", f"We hiked the volcano trail {i}")
+        await mem.flush()
+        raw = await mem.retrieve_memory_raw("ana", "volcano trail", conversation_id="chat")
+        shown = raw.episodic[0].id
+        await mem.add_turn("ana", "other", "assistant", "The volcano trail was steep.")
+        await mem.flush()
+        # Another session's reply rated nothing: this review is the memory's first.
+        assert (await mem.review("ana", shown, "good")).reps == 1
+        await mem.add_turn("ana", "chat", "assistant", "The volcano trail was steep.")
+        await mem.flush()
+        assert (await mem.review("ana", shown, "good")).reps == 3
+        await mem.retrieve_memory("ana", "volcano trail", conversation_id="chat")
+        await mem.forget_session("ana", "old")
+        await mem.add_turn("ana", "chat", "assistant", "The volcano trail was steep.")
+        await mem.flush()
+        with pytest.raises(NotFound, match="memory_id"):
+            await mem.review("ana", shown, "good")
+        for i in range(3):
+            await mem.add_turn("ana", "new", "user", f"the volcano erupted {i}")
+        await mem.flush()
+        await mem.retrieve_memory("ana", "volcano", conversation_id="chat2")
+        await mem.add_turn("ana", "chat2", "user", "tell me")
+        await mem.forget_session("ana", "chat2")
+        await mem.add_turn("ana", "chat2", "assistant", "volcano again")
+        await mem.flush()
+        assert await mem.failures() == []
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        assert [t.seq for t in await mem.session_history("ana", "chat2")] == [0]
+    await _verified(store_path)
+
+
+async def test_close_session_unknown_twice_and_beside_add_turn(store_path) -> None:
+    """An unknown session is NotFound; closing twice or beside add_turn loses no turn."""
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        with pytest.raises(NotFound, match="session_id"):
+            await mem.close_session("ana", "nope")
+        for i in range(3):
+            await mem.add_turn("ana", "s1", "user", f"turn {i} about gardening")
+        assert await mem.close_session("ana", "s1") is True
+        assert await mem.close_session("ana", "s1") is False
+        async with trio.open_nursery() as nursery:
+            async def add() -> None:
+                for i in range(50):
+                    await mem.add_turn("ana", "s1", "user", f"later {i} about roses")
+
+            async def close() -> None:
+                for _ in range(10):
+                    await mem.close_session("ana", "s1")
+                    await trio.lowlevel.checkpoint()
+            nursery.start_soon(add)
+            nursery.start_soon(close)
+        await mem.close_session("ana", "s1")
+        await mem.flush()
+        turns = await mem.session_history("ana", "s1", limit=100)
+        assert [t.seq for t in turns] == list(range(53))
+        covered = sorted(s for e in await mem.episodes("ana", "s1")
+                         for s in range(e.first_seq, e.last_seq + 1))
+        assert covered == list(range(53))
+    await _verified(store_path)
+
+
+async def test_write_session_summary_refuses_bad_bounds_and_forgotten_sessions(
+        store_path) -> None:
+    """upper_seq past the end, negative or bool, huge text and a forgotten session are
+    refused by field; racing close_session keeps one summary."""
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        for i in range(4):
+            await mem.add_turn("ana", "s1", "user", f"turn {i}")
+        for bad in (5, -1, True, 2**70, 1.0, None):
+            with pytest.raises(InvalidInput, match="upper_seq"):
+                await mem.write_session_summary("ana", "s1", "sum", bad, 0)
+        with pytest.raises(InvalidInput, match="expected_epoch"):
+            await mem.write_session_summary("ana", "s1", "sum", 2, True)
+        with pytest.raises(InvalidInput, match="summary"):
+            await mem.write_session_summary("ana", "s1", "x" * 40_000, 2, 0)
+        with pytest.raises(NotFound, match="session_id"):
+            await mem.write_session_summary("ana", "nope", "sum", 0, 0)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(mem.close_session, "ana", "s1")
+            nursery.start_soon(mem.write_session_summary, "ana", "s1", "first", 4, 0)
+        assert await mem.write_session_summary("ana", "s1", "stale", 4, 0) is False
+        state = await mem.session_summary("ana", "s1")
+        assert state.summary == "first" and state.epoch == 1
+        await mem.forget_session("ana", "s1")
+        await mem.flush()
+        assert await mem.session_summary("ana", "s1") is None
+        with pytest.raises(NotFound, match="session_id"):
+            await mem.write_session_summary("ana", "s1", "ghost", 0, 1)
+        assert await mem.session_summary("ana", "s1") is None
+    await _verified(store_path)
+
+
+
+async def test_forgetting_one_end_of_a_link_takes_the_link(store_path) -> None:
+    """A link between two sessions goes with the session forgotten at either end, and the
+    surviving end's recall no longer reaches the forgotten memory."""
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        a = await mem.add_turn("ana", "s1", "user", "private okapi detail")
+        b = await mem.add_turn("ana", "s2", "user", "zebra public detail")
+        await mem.flush()
+        await mem.link("ana", a.turn_id, b.turn_id, "relates_to")
+        await mem.link("ana", b.turn_id, a.turn_id, "back")
+        await mem.forget_session("ana", "s1")
+        await mem.flush()
+        assert await mem.links("ana", b.turn_id) == []
+        hits = await mem.recall("ana", "zebra", limit=1, link_depth=5, legs=["bm25"])
+        assert [h.id for h in hits] == [b.turn_id]
+        with pytest.raises(NotFound, match="from_id"):
+            await mem.link("ana", a.turn_id, b.turn_id, "relates_to")
+    await _verified(store_path)
+
