@@ -669,7 +669,7 @@ class Retriever:
                 break
         memories = await self.store.read(read_memories_by_id, user_id, [i for i, _ in found])
         return [hit_for(memories[i], score, ("link",)) for i, score in found if i in memories
-                and admits(memories[i]) and (as_of is None or known_then(memories[i], as_of))]
+                and admits(memories[i]) and _current(memories[i], as_of)]
 
 def _read_fresh(txn: Any, dbs: dict[bytes, Any], user_id: str, kinds: tuple[str, ...],
                 after: int, upto: int) -> list[Any]:
@@ -883,6 +883,15 @@ def _matches(memory: Turn | Note | Episode | Fact, session_id: str | None,
             and (since is None or turn.at >= since) and (until is None or turn.at <= until)
             and (roles is None or turn.role in roles) and (kinds is None or "turn" in kinds)
             and (tags is None or not set(tags).isdisjoint(turn_tags(turn))))
+
+
+def _current(memory: Turn | Note | Episode | Fact, as_of: datetime | None) -> bool:
+    """Whether a memory a link reaches may be shown: as it was known at ``as_of``, or, now,
+    any but a fact version retired since it was linked (forgotten, corrected, decayed), which
+    the search legs no longer find either."""
+    if as_of is not None:
+        return known_then(memory, as_of)
+    return type(memory) is not Fact or memory.status == "active"
 
 
 def known_then(memory: Turn | Note | Episode | Fact, as_of: datetime) -> bool:

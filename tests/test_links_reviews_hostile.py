@@ -234,6 +234,30 @@ async def test_write_session_summary_refuses_bad_bounds_and_forgotten_sessions(
     await _verified(store_path)
 
 
+async def test_expansion_never_brings_back_a_retracted_or_replaced_fact(store_path) -> None:
+    """A fact forgotten or corrected after it was linked is not a linked hit of a recall
+    of now (an ``as_of`` recall still sees the version it held then)."""
+    clock = StepClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        turn = await mem.add_turn("ana", "s1", "user", "zebra crossing talk")
+        tea = await mem.remember_fact("ana", "drink", "tea", "green")
+        home = await mem.remember_fact("ana", "home", "city", "Porto")
+        await mem.flush()
+        await mem.link("ana", turn.turn_id, tea.fact_id, "relates_to")
+        await mem.link("ana", turn.turn_id, home.fact_id, "relates_to")
+        linked_at = clock()
+        await mem.forget_fact("ana", "drink", "tea")
+        await mem.correct_fact("ana", "home", "city", "Lisbon")
+        await mem.flush()
+        hits = await mem.recall("ana", "zebra", limit=1, link_depth=2, legs=["bm25"])
+        texts = [h.text for h in hits]
+        assert hits[0].id == turn.turn_id
+        assert not any("green" in t or "Porto" in t for t in texts), texts
+        then = await mem.recall("ana", "zebra", limit=1, link_depth=2, legs=["bm25"],
+                                as_of=linked_at)
+        assert any("Porto" in h.text for h in then)
+    await _verified(store_path)
+
 
 async def test_forgetting_one_end_of_a_link_takes_the_link(store_path) -> None:
     """A link between two sessions goes with the session forgotten at either end, and the
