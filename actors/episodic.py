@@ -253,7 +253,10 @@ def _title(sentence: str) -> str:
 def _read_review_inputs(txn: Any, dbs: dict[bytes, Any], keys: list[tuple[str, str]]
                         ) -> dict[tuple[str, str],
                                   tuple[PendingReview, dict[str, tuple[ReviewState, int]]]]:
-    """Pending reviews of these conversations, with each shown memory's current FSRS state."""
+    """Pending reviews of these conversations, with each shown memory's current FSRS state:
+    an episode's or a turn's, the memories ``review`` accepts (a note or fact a cluster's
+    logged ``record_shown`` names has no FSRS state; it failed every reply of the
+    conversation, whose pending review then stayed)."""
     out = {}
     for user_id, conversation in keys:
         raw = txn.get(user_prefix(user_id) + conversation.encode(), db=dbs[b"pending"])
@@ -263,6 +266,8 @@ def _read_review_inputs(txn: Any, dbs: dict[bytes, Any], keys: list[tuple[str, s
         states: dict[str, tuple[ReviewState, int]] = {}
         memories = read_memories_by_id(txn, dbs, user_id, list(pending.memory_ids))
         for memory_id, memory in memories.items():
+            if type(memory) not in (Episode, Turn):
+                continue
             stored = txn.get(user_prefix(user_id) + memory_id.encode(), db=dbs[b"reviews"])
             states[memory_id] = (decode_review(stored) if stored is not None
                                  else memory_review_state(memory), memory.lsn)

@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from engine import Engine, InvalidInput, NotFound
+from engine._recall import record_shown
 from engine._retrieval import LINK_FANOUT
 
 from .conftest import T0, StepClock, open_engine
@@ -277,3 +278,22 @@ async def test_forgetting_one_end_of_a_link_takes_the_link(store_path) -> None:
             await mem.link("ana", a.turn_id, b.turn_id, "relates_to")
     await _verified(store_path)
 
+
+async def test_a_pending_review_naming_a_note_or_fact_rates_only_what_is_reviewable(
+        store_path) -> None:
+    """A pending review that names a note and a fact (a cluster's logged ``record_shown``
+    may) does not fail the conversation's replies: they rate the turn and drop the rest."""
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        turn = await mem.add_turn("ana", "s1", "user", "We hiked the volcano trail")
+        note = await mem.store_note("ana", "volcano note")
+        fact = await mem.remember_fact("ana", "drink", "tea", "green")
+        await mem.flush()
+        await record_shown(mem._parts, "ana", conversation_id="c", query="volcano",
+                           memory_ids=[note.note_id, fact.fact_id, turn.turn_id],
+                           texts=["volcano note", "tea: green", "We hiked the volcano trail"])
+        for _ in range(2):
+            await mem.add_turn("ana", "c", "assistant", "The volcano trail was steep.")
+        await mem.flush()
+        assert await mem.failures() == []
+        assert (await mem.review("ana", turn.turn_id, "good")).reps == 2
+    await _verified(store_path)
