@@ -335,3 +335,20 @@ async def test_random_chains_agree_at_every_boundary(store_path, seed, flush) ->
         for t in sorted(instants):
             for when in (t - US, t, t + US):
                 await agree(mem, "maya", when, legs_alone=flush)
+
+
+async def test_as_of_across_spellings_of_one_key(store_path) -> None:
+    """"Location" and " location" are one key at every as_of: the later spelling supersedes
+    the earlier, history lists both, a category filter folds case and spacing then too."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.remember_fact("maya", "Identity", "Location", "Lisbon")
+        clock.now = T0 + timedelta(days=1)
+        await mem.remember_fact("maya", "identity", " location", "Porto", confidence=0.95)
+        await mem.flush()
+        for when, value in ((T0, "Lisbon"), (T0 + timedelta(days=1), "Porto")):
+            facts = await mem.profile("maya", category=" IDENTITY", as_of=when)
+            assert [f.value for f in facts] == [value]
+        history = await mem.fact_history("maya", "IDENTITY", "LOCATION ")
+        assert [(f.category, f.key, f.status) for f in history] == [
+            ("Identity", "Location", "superseded"), ("identity", " location", "active")]
