@@ -12,9 +12,10 @@ import trio
 
 from actors.base import validate as v
 from actors.base.errors import InvalidInput, NotFound
-from actors.base.messages import PutLink
+from actors.base.messages import PutLink, PutState
 from actors.base.records import Link
 from actors.store import read_links, read_memories_by_id
+from actors.store.layout import link_keys
 
 from ._parts import Parts
 
@@ -46,6 +47,21 @@ class Links:
                                       f"found none with id {memory_id!r}")
         link = Link(from_id, to_id, type, at.astimezone(timezone.utc))
         await parts.store.write_unlogged(PutLink(user_id, link, trio.Event()))
+        # A forget of an end that committed between the read and the write would have left
+        # a link to a memory that is gone (forgetting means gone): take it back, even if the
+        # caller is cancelled meanwhile. A forget committed after the write took it itself.
+        with trio.CancelScope(shield=True):
+            now_found = await parts.store.read(read_memories_by_id, user_id, [from_id, to_id])
+            gone = [pair for pair in (("from_id", from_id), ("to_id", to_id))
+                    if pair[1] not in now_found]
+            if gone:
+                await parts.store.write_unlogged(PutState(
+                    tuple((b"links", key, None, 0) for key in link_keys(user_id, link)), (),
+                    trio.Event()))
+        if gone:
+            field, memory_id = gone[0]
+            raise NotFound(field, f"expected the id of a memory of user {user_id!r}, found "
+                                  f"none with id {memory_id!r} (forgotten meanwhile)")
         return link
 
     async def links(self, user_id: Any, memory_id: Any) -> list[Link]:

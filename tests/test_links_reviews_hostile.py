@@ -3,6 +3,7 @@ result or an InvalidInput naming its field, and the store verifies afterwards.""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from datetime import timedelta
 
@@ -13,7 +14,7 @@ from engine import Engine, InvalidInput, NotFound
 from engine._recall import record_shown
 from engine._retrieval import LINK_FANOUT
 
-from .conftest import T0, StepClock, open_engine
+from .conftest import T0, StepClock, open_engine, raw_databases
 
 
 async def _verified(store_path) -> None:
@@ -296,4 +297,27 @@ async def test_a_pending_review_naming_a_note_or_fact_rates_only_what_is_reviewa
         await mem.flush()
         assert await mem.failures() == []
         assert (await mem.review("ana", turn.turn_id, "good")).reps == 2
+    await _verified(store_path)
+
+
+async def test_a_link_racing_the_forget_of_its_end_leaves_nothing_behind(store_path) -> None:
+    """link() beside forget_session of one end: whichever lands first, no link to the
+    forgotten memory stays, on disk or in links()."""
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        keep = await mem.add_turn("ana", "keep", "user", "kept turn")
+        for i in range(20):
+            doomed = await mem.add_turn("ana", f"s{i}", "user", "doomed turn")
+            await mem.flush()
+
+            async def link(doomed_id: str = doomed.turn_id) -> None:
+                with contextlib.suppress(NotFound):
+                    await mem.link("ana", keep.turn_id, doomed_id, "relates_to")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(link)
+                for _ in range(i % 5):
+                    await trio.lowlevel.checkpoint()
+                nursery.start_soon(mem.forget_session, "ana", f"s{i}")
+        await mem.flush()
+        assert await mem.links("ana", keep.turn_id) == []
+    assert raw_databases(store_path).get("links", []) == []
     await _verified(store_path)
