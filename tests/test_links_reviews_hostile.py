@@ -321,3 +321,23 @@ async def test_a_link_racing_the_forget_of_its_end_leaves_nothing_behind(store_p
         assert await mem.links("ana", keep.turn_id) == []
     assert raw_databases(store_path).get("links", []) == []
     await _verified(store_path)
+
+
+async def test_links_of_ids_at_the_byte_limit_are_kept_apart_and_go_with_a_note(
+        store_path) -> None:
+    """A user, two note ids and link types of 250 bytes each (past LMDB's 511-byte key):
+    two types of one pair are two links, recall follows them, and deleting a note takes
+    them."""
+    user, first, second, kind = "ü" * 125, "é" * 124 + "a", "é" * 124 + "b", "ß" * 125
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        await mem.store_note(user, "first note text", note_id=first)
+        await mem.store_note(user, "second note different", note_id=second)
+        await mem.flush()
+        await mem.link(user, first, second, kind)
+        await mem.link(user, first, second, kind[:-1] + "x")
+        assert {l.type for l in await mem.links(user, second)} == {kind, kind[:-1] + "x"}
+        hits = await mem.recall(user, "first", limit=1, link_depth=5, legs=["bm25"])
+        assert [h.id for h in hits] == [first, second]
+        await mem.delete_note(user, second)
+        assert await mem.links(user, first) == []
+    await _verified(store_path)
