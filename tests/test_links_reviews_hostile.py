@@ -341,3 +341,33 @@ async def test_links_of_ids_at_the_byte_limit_are_kept_apart_and_go_with_a_note(
         await mem.delete_note(user, second)
         assert await mem.links(user, first) == []
     await _verified(store_path)
+
+
+async def test_close_and_summary_racing_forget_session_leave_nothing(store_path) -> None:
+    """close_session and write_session_summary beside forget_session of the same session:
+    each answers or raises NotFound, and no episode, summary or session stays."""
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        for i in range(12):
+            session = f"s{i}"
+            for j in range(5):
+                await mem.add_turn("ana", session, "user", f"turn {j} about hiking {i}")
+
+            async def close(session: str = session) -> None:
+                with contextlib.suppress(NotFound):
+                    await mem.close_session("ana", session)
+
+            async def summarise(session: str = session) -> None:
+                with contextlib.suppress(NotFound):
+                    await mem.write_session_summary("ana", session, "hiking", 5, 0)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(close)
+                nursery.start_soon(summarise)
+                for _ in range(i % 4):
+                    await trio.lowlevel.checkpoint()
+                nursery.start_soon(mem.forget_session, "ana", session)
+        await mem.flush()
+        assert await mem.episodes("ana") == [] and await mem.list_sessions("ana") == []
+        assert await mem.failures() == []
+    left = raw_databases(store_path)
+    assert not any(left.get(name) for name in ("episodes", "summaries", "sessions", "turns"))
+    await _verified(store_path)
