@@ -50,6 +50,7 @@ import trio
 
 from actors.ann_index import KINDS, AnnIndex, Filters
 from actors.base.errors import EngineBroken, EngineClosed, EngineError
+from actors.base.messages import Searchable
 from actors.base.records import Episode, Fact, Note, Turn
 from actors.base.where import Node, attributes
 from actors.embedder import Embedder
@@ -427,8 +428,7 @@ class Retriever:
         if indexed < self.store.committed_lsn:
             records = await self.store.read(_read_fresh, user_id, ("note", "fact"), indexed,
                                             self.store.committed_lsn)
-            fresh += [r.lsn for r in records
-                      if _matches(r, None, None, None, None, None, tags, where)]
+            fresh += [r.lsn for r in records if _fresh_matches(r, tags, where)]
         return lsns + fresh if fresh else lsns
 
     async def _past(self, user_id: str, as_of: datetime, kinds: tuple[str, ...] | None
@@ -624,7 +624,7 @@ class Retriever:
                                         self.store.committed_lsn)
         scored = []
         for record in records:
-            if where is not None and not where.matches(attributes(record)):
+            if not _fresh_matches(record, None, where):
                 continue
             shared = len(terms.intersection(self.fulltext.terms(record.text)))
             if shared:
@@ -883,6 +883,15 @@ def _matches(memory: Turn | Note | Episode | Fact, session_id: str | None,
             and (since is None or turn.at >= since) and (until is None or turn.at <= until)
             and (roles is None or turn.role in roles) and (kinds is None or "turn" in kinds)
             and (tags is None or not set(tags).isdisjoint(turn_tags(turn))))
+
+
+def _fresh_matches(record: Searchable, tags: tuple[str, ...] | None, where: Node | None
+                   ) -> bool:
+    """Whether tags and ``where`` admit a note or fact read back as the text index takes it
+    (:func:`_read_fresh`): its ``tags`` (a fact's are its category) and ``attrs`` are what
+    the index holds of it, so it is admitted exactly as it will be once indexed."""
+    return ((tags is None or not set(tags).isdisjoint(record.tags))
+            and (where is None or where.matches(record.attrs)))
 
 
 def _current(memory: Turn | Note | Episode | Fact, as_of: datetime | None) -> bool:

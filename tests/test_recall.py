@@ -349,3 +349,59 @@ async def test_retrieve_memory_refuses_an_empty_list_of_legs(mem: Engine) -> Non
         with pytest.raises(InvalidInput, match=r"legs: expected a non-empty list") as info:
             await call("ana", "dog", legs=[])
         assert info.value.field == "legs"
+
+
+async def test_a_filter_holds_for_notes_and_facts_the_text_index_has_not_taken(
+        store_path, monkeypatch) -> None:
+    """Read-your-writes with a filter: a fact and a note stored a moment ago, not yet in the
+    text index, were dropped by every filter that names a field (category, where, a note's
+    tag), because the window leg judged the index's record, whose fields it did not read; with
+    tags and where together the mask failed outright on that record. A filter now admits them
+    exactly as it admits them once indexed."""
+    import threading
+
+    import actors.fulltext as fulltext_mod
+
+    gate = threading.Event()  # set: the text index may commit again
+    original = fulltext_mod.FullText._commit
+
+    def held_commit(self):
+        gate.wait(10)
+        return original(self)
+
+    async with open_engine(store_path, config={"background_embedding": False}) as mem:
+        monkeypatch.setattr(fulltext_mod.FullText, "_commit", held_commit)
+        try:
+            fact = await mem.remember_fact("ana", "identity", "employer", "Acme Robotics",
+                                           text="works at Acme Robotics")
+            await mem.remember_fact("ana", "preference", "robots", "Acme Robotics kits",
+                                    text="likes Acme Robotics kits")
+            note = await mem.store_note("ana", "Acme Robotics badge is in the drawer",
+                                        tags=["work"])
+            assert mem._fulltext.indexed_lsn < fact.lsn
+            unindexed = [
+                [h.id for h in await mem.recall("ana", "Acme Robotics", kinds=["fact"],
+                                                category="identity")],
+                [h.id for h in await mem.recall("ana", "Acme Robotics", kinds=["fact"],
+                                                where={"category": "identity"})],
+                [h.id for h in await mem.recall("ana", "Acme Robotics", kinds=["note"],
+                                                where={"tags": {"contains": "work"}})],
+                [h.id for h in await mem.recall("ana", "Acme Robotics", tags=["work"],
+                                                where={"kind": "note"})],
+            ]
+            assert mem._fulltext.indexed_lsn < fact.lsn
+        finally:
+            gate.set()
+        await mem.flush()
+        indexed = [
+            [h.id for h in await mem.recall("ana", "Acme Robotics", kinds=["fact"],
+                                            category="identity")],
+            [h.id for h in await mem.recall("ana", "Acme Robotics", kinds=["fact"],
+                                            where={"category": "identity"})],
+            [h.id for h in await mem.recall("ana", "Acme Robotics", kinds=["note"],
+                                            where={"tags": {"contains": "work"}})],
+            [h.id for h in await mem.recall("ana", "Acme Robotics", tags=["work"],
+                                            where={"kind": "note"})],
+        ]
+        assert indexed == [[fact.fact_id], [fact.fact_id], [note.note_id], [note.note_id]]
+        assert unindexed == indexed
