@@ -18,7 +18,7 @@ from actors.store import read_entities, read_entity_keys, read_facts, user_prefi
 
 from ._parts import Parts
 
-__all__ = ["list_users", "list_notes", "list_entities", "fact_versions"]
+__all__ = ["list_users", "list_notes", "list_entities", "fact_versions", "users_with"]
 
 _decode_note = msgspec.msgpack.Decoder(Note).decode
 
@@ -28,7 +28,7 @@ async def list_users(parts: Parts) -> list[str]:
     on; users with only notes or facts are read from those two tables, one seek per user."""
     parts.check_open()
     await parts.committed()
-    others = await parts.store.read(_users_with, (b"notes", b"facts"))
+    others = await parts.store.read(users_with, (b"notes", b"facts"))
     return sorted(set(parts.buffer.users()) | others)
 
 
@@ -60,7 +60,7 @@ async def fact_versions(parts: Parts, user_id: Any) -> list[Fact]:
     return facts
 
 
-def _users_with(txn: Any, dbs: dict[bytes, Any], tables: tuple[bytes, ...]) -> set[str]:
+def users_with(txn: Any, dbs: dict[bytes, Any], tables: tuple[bytes, ...]) -> set[str]:
     """The users holding a key in any of ``tables`` (keys start ``user NUL``): after each user
     found, the cursor jumps past all of that user's keys."""
     users: set[str] = set()

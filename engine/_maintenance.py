@@ -4,7 +4,8 @@ Every ``Config.maintenance_seconds`` of the engine's trio clock (so tests with t
 ``autojump_clock`` run weeks of it instantly):
 
 1. decay and prune facts (seed 004: confidence x exp(-rate x days since use), retired below
-   ``actors.facts.PRUNE_BELOW``; confirmed facts never decay);
+   ``actors.facts.PRUNE_BELOW``; confirmed facts never decay), of every user with a session
+   or a fact;
 2. consolidate finished sessions (idle for ``Config.session_idle_seconds``): their remaining
    turns become an episode;
 3. drop pending reviews nobody answered within a day;
@@ -37,6 +38,7 @@ from actors.base.messages import PutState
 from actors.episodic import keyphrases
 from actors.store import failure_put, read_episodes, read_facts, read_pending, user_prefix
 
+from ._browse import users_with
 from ._memory import Memory
 from ._parts import Parts
 
@@ -92,7 +94,11 @@ class Maintenance:
         async with self._lock:
             parts = self._parts
             now = parts.clock().astimezone(timezone.utc)
-            users = parts.buffer.users()
+            # Users with a session, and those whose facts all came from remember_fact (no
+            # turn said): their facts fade and their weeks are reflected on alike.
+            await parts.committed()
+            users = sorted(set(parts.buffer.users())
+                           | await parts.store.read(users_with, (b"facts",)))
             pruned = await parts.facts.decay_and_prune(users)
             consolidated = 0
             idle = parts.buffer.idle_sessions(

@@ -122,6 +122,19 @@ async def test_confirmed_facts_never_decay_and_inferred_values_cannot_replace_th
         assert [lsn for lsn, _ in nearest] == [f.lsn for f in await mem.profile("ana")]
 
 
+async def test_a_user_with_facts_and_no_turns_decays_too(store_path) -> None:
+    """Maintenance pruned only the users the session buffer holds: a user whose facts all
+    came through remember_fact (no turn said) kept a faded fact for ever."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.remember_fact("bob", "preference", "snack", "crisps", confidence=0.6)
+        await mem.remember_fact("ana", "preference", "snack", "olives", confidence=0.6)
+        await mem.add_turn("ana", "s", "user", "hello")
+        clock.now = T0 + timedelta(days=200)  # 0.6 x exp(-0.02 x 200) = 0.011 < 0.05
+        assert (await mem.maintain()).pruned_facts == 2
+        assert await mem.profile("bob") == [] and await mem.profile("ana") == []
+
+
 async def test_showing_a_fact_restarts_its_decay(store_path) -> None:
     """A fact retrieve_memory showed counts a use: maintenance measures decay from then."""
     clock = ManualClock()
