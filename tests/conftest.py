@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,7 @@ import lmdb
 import pytest
 import trio
 
+import actors.fulltext as fulltext_mod
 from engine import Engine, HashEmbedder
 
 T0 = datetime(2026, 3, 1, 9, 0, tzinfo=timezone.utc)
@@ -33,6 +36,24 @@ def open_engine(path: Path, **kwargs: Any):
     """Engine.open with the deterministic HashEmbedder, for tests not about embeddings."""
     kwargs.setdefault("embedder", HashEmbedder())
     return Engine.open(path, **kwargs)
+
+
+@contextmanager
+def text_index_held(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The text index's commits held back until the block ends (at most 10 s each): what is
+    stored meanwhile is not in the index yet, as right after a write (read-your-writes)."""
+    gate = threading.Event()  # set: the text index may commit again
+    original = fulltext_mod.FullText._commit
+
+    def held_commit(self: Any) -> Any:
+        gate.wait(10)
+        return original(self)
+
+    monkeypatch.setattr(fulltext_mod.FullText, "_commit", held_commit)
+    try:
+        yield
+    finally:
+        gate.set()
 
 
 @pytest.fixture

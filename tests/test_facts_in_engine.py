@@ -4,18 +4,16 @@ retrieve_memory and recall, and forgetting a session (the actor alone: tests/act
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 
 import pytest
 
-import actors.fulltext as fulltext_mod
 from actors.ann_index import Filters
 from actors.base.messages import Candidate
 from actors.facts import Proposal
 from engine import InvalidInput
 
-from .conftest import T0, StepClock, open_engine, raw_databases
+from .conftest import T0, StepClock, open_engine, raw_databases, text_index_held
 
 
 class ManualClock:
@@ -302,22 +300,12 @@ async def test_a_lagging_text_index_still_drops_every_retired_version(store_path
                                                                      monkeypatch) -> None:
     """With the text index's commits held back, new values keep carrying the versions it may
     hold; once it catches up, no old value is left in it."""
-    gate = threading.Event()  # set: the text index may commit again
-    original = fulltext_mod.FullText._commit
-
-    def held_commit(self):
-        gate.wait(10)
-        return original(self)
-
     async with open_engine(store_path, config={"background_embedding": False}) as mem:
         await mem.remember_fact("ana", "identity", "location", "Qwzxzero", confidence=0.9)
         await mem.flush()
-        monkeypatch.setattr(fulltext_mod.FullText, "_commit", held_commit)
-        try:
+        with text_index_held(monkeypatch):
             for name in ("Qwzxone", "Qwzxtwo", "Qwzxthree"):
                 await mem.remember_fact("ana", "identity", "location", name, confidence=0.9)
-        finally:
-            gate.set()
         await mem.flush()
         for old in ("qwzxzero", "qwzxone", "qwzxtwo"):
             assert await mem._fulltext.search("ana", old, 10) == [], old

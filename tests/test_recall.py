@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from engine import Engine, HashEmbedder, InvalidInput, RetrieveResult
 
-from .conftest import T0, StepClock, open_engine
+from .conftest import T0, StepClock, open_engine, text_index_held
 
 
 class SynonymEmbedder(HashEmbedder):
@@ -91,20 +91,8 @@ async def test_a_note_and_a_fact_are_recallable_before_the_text_index_has_them(
     """Read-your-writes for notes and facts: with the text index's commits held back and no
     vectors made, recall finds a note and a fact stored a moment ago (the window leg); an
     updated note is found by its new text only, a deleted one not at all."""
-    import threading
-
-    import actors.fulltext as fulltext_mod
-
-    gate = threading.Event()  # set: the text index may commit again
-    original = fulltext_mod.FullText._commit
-
-    def held_commit(self):
-        gate.wait(10)
-        return original(self)
-
     async with open_engine(store_path, config={"background_embedding": False}) as mem:
-        monkeypatch.setattr(fulltext_mod.FullText, "_commit", held_commit)
-        try:
+        with text_index_held(monkeypatch):
             await mem.add_turn("ana", "s", "user", "we talked about the weather")
             note = await mem.store_note("ana", "the spare key is under the blue flowerpot")
             fact = await mem.remember_fact("ana", "identity", "employer", "Acme Robotics",
@@ -124,8 +112,6 @@ async def test_a_note_and_a_fact_are_recallable_before_the_text_index_has_them(
             await mem.delete_note("ana", note.note_id)
             assert await mem.recall("ana", "spare key") == []
             assert mem._fulltext.indexed_lsn < fact.lsn
-        finally:
-            gate.set()
 
 
 async def test_filters_restrict_every_leg(store_path) -> None:
@@ -358,20 +344,8 @@ async def test_a_filter_holds_for_notes_and_facts_the_text_index_has_not_taken(
     tag), because the window leg judged the index's record, whose fields it did not read; with
     tags and where together the mask failed outright on that record. A filter now admits them
     exactly as it admits them once indexed."""
-    import threading
-
-    import actors.fulltext as fulltext_mod
-
-    gate = threading.Event()  # set: the text index may commit again
-    original = fulltext_mod.FullText._commit
-
-    def held_commit(self):
-        gate.wait(10)
-        return original(self)
-
     async with open_engine(store_path, config={"background_embedding": False}) as mem:
-        monkeypatch.setattr(fulltext_mod.FullText, "_commit", held_commit)
-        try:
+        with text_index_held(monkeypatch):
             fact = await mem.remember_fact("ana", "identity", "employer", "Acme Robotics",
                                            text="works at Acme Robotics")
             await mem.remember_fact("ana", "preference", "robots", "Acme Robotics kits",
@@ -390,8 +364,6 @@ async def test_a_filter_holds_for_notes_and_facts_the_text_index_has_not_taken(
                                                 where={"kind": "note"})],
             ]
             assert mem._fulltext.indexed_lsn < fact.lsn
-        finally:
-            gate.set()
         await mem.flush()
         indexed = [
             [h.id for h in await mem.recall("ana", "Acme Robotics", kinds=["fact"],
