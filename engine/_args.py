@@ -92,7 +92,7 @@ def words(field: str, values: Iterable[str] | None) -> tuple[str, ...] | None:
     _not_a_mapping(field, values, f"a list of {field.replace('_', ' ')}")
     if isinstance(values, list | tuple):
         for i, value in enumerate(values):
-            if type(value) is not str:  # shown here, a few levels deep: see _SHOWN
+            if type(value) is not str:  # shown here, a few levels deep (validate.shown)
                 raise InvalidInput(f"{field}[{i}]", "expected a non-empty string, found "
                                                     f"{type(value).__name__} "
                                                     f"{shown(value)}")

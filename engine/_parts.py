@@ -181,13 +181,19 @@ class Parts:
         then (indexes and vectors are not needed)."""
         await self.store.wait_logged()
 
-    def degraded(self) -> tuple[str, ...]:
+    def degraded(self, masked: bool = False) -> tuple[str, ...]:
         """The search legs whose index lacks records the store held when the engine opened:
         a rebuild or a long catch-up is under way (the normal lag of new records is not this;
-        the window leg covers it)."""
+        the window leg covers it). ``masked``: the query filters by tags or ``where``, whose
+        mask of the vector and entity legs the text index gives, so a text index catching up
+        degrades those legs too."""
         legs: tuple[str, ...] = ()
-        if self.fulltext.catching_up:
+        text_behind = self.fulltext.catching_up
+        if text_behind:
             legs += ("bm25",)
-        if max(self.embedder.embedded_lsn, self.store.embedded_lsn) < self.open_lsn:
+        if (max(self.embedder.embedded_lsn, self.store.embedded_lsn) < self.open_lsn
+                or (masked and text_behind)):
             legs += ("vector",)
+        if masked and text_behind:
+            legs += ("entity",)
         return legs

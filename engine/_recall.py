@@ -169,15 +169,17 @@ class Recall:
         compiled = conjunction(None if where is None else parse_where(where),
                                *self._seed_filters(category, min_importance, emotion),
                                *self._scope_filters(agent_id, run_id))
-        degraded = parts.degraded()  # before the search: a leg that completes meanwhile
+        tags = words("tags", tags)
+        masked = tags is not None or compiled is not None  # the text index masks other legs
+        degraded = parts.degraded(masked)  # before the search: a leg that completes meanwhile
         hits = await self._retriever.recall(  # may or may not have served this query
             user_id, query, limit=limit, session_id=session_id, since=since, until=until,
             roles=choices("roles", roles, ROLES), kinds=choices("kinds", kinds, KINDS),
-            link_depth=link_depth, budget_tokens=budget_tokens, tags=words("tags", tags),
+            link_depth=link_depth, budget_tokens=budget_tokens, tags=tags,
             legs=choices("legs", legs, LEGS) or LEGS,
             link_types=words("link_types", link_types), where=compiled,
             as_of=as_of)
-        return Hits(hits, _during(degraded, parts.degraded()))
+        return Hits(hits, _during(degraded, parts.degraded(masked)))
 
     def _scope_filters(self, agent_id: Any, run_id: Any) -> list[Node]:
         """mem0's scopes as ``where`` conditions (inside every leg, like any filter)."""

@@ -147,6 +147,37 @@ async def test_while_a_deleted_text_index_is_rebuilt_recall_says_it_is_partial(
         assert await _answers(mem) == expected
 
 
+async def test_a_filtered_recall_during_a_rebuild_flags_the_legs_the_filter_masks(
+        template, tmp_path, monkeypatch) -> None:
+    """With tags or where, the vector and entity legs search only what the text index admits
+    (their mask comes from it): while it is rebuilt they miss what it has not taken yet, and
+    recall says so, not only of BM25. A recall without a filter flags BM25 alone."""
+    source, _ = template
+    store = tmp_path / "store"
+    shutil.copytree(source, store)
+    shutil.rmtree(store / "fulltext")
+    rebuilding = threading.Event()  # set when the test has seen the flags
+    apply = fulltext_mod.FullText._apply
+
+    def held(self, *args):
+        rebuilding.wait(60)
+        return apply(self, *args)
+
+    monkeypatch.setattr(fulltext_mod.FullText, "_apply", held)
+    async with open_engine(store, config=TURNS_ONLY) as mem:
+        try:
+            plain = await mem.recall("ana", "lisbon flat", limit=10)
+            masked = await mem.recall("ana", "lisbon flat", limit=10, where={"role": "user"})
+            tagged = await mem.recall("ana", "lisbon flat", limit=10, tags=["home"])
+        finally:
+            rebuilding.set()
+        assert plain.degraded == ("bm25",)
+        assert masked.degraded == tagged.degraded == ("bm25", "vector", "entity")
+        await mem.flush()
+        after = await mem.recall("ana", "lisbon flat", limit=10, where={"role": "user"})
+        assert after.degraded == () and after
+
+
 async def test_recall_flags_the_vector_leg_while_vectors_are_missing(tmp_path) -> None:
     """A store whose records were never embedded (background embedding off): recall answers
     from BM25 and says the vector leg was degraded."""
