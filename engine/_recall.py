@@ -57,9 +57,9 @@ def recorded_by(publish: Callable[[str, dict[str, Any]], None]) -> Iterator[None
 
 
 def count_use(parts: Parts, user_id: str, fact_ids: list[str]) -> None:
-    """Facts shown in a prompt outside a retrieval (``context_for_prompt``) were used: their
-    decay restarts, queued as a retrieval's are; on a cluster node (:func:`recorded_by`)
-    handed to be logged as a ``record_shown`` instead."""
+    """Facts shown in a prompt were used: their decay restarts, queued, not awaited, so the
+    reply does not wait for the write (``flush`` does); on a cluster node
+    (:func:`recorded_by`) handed to be logged as a ``record_shown`` instead."""
     if not fact_ids or parts.read_only:
         return
     publish = _recording.get()
@@ -278,7 +278,7 @@ class Recall:
         if publish is None:
             if review:
                 self._record_pending(user_id, conversation_id, query, result)
-            self._count_use(user_id, result)
+            count_use(self._parts, user_id, [f.id for f in result.semantic])
             return
         args: dict[str, Any] = {}
         if review and result.episodic:
@@ -289,12 +289,6 @@ class Recall:
             args["fact_ids"] = [f.id for f in result.semantic]
         if args and not self._parts.read_only:
             publish(user_id, args)
-
-    def _count_use(self, user_id: str, result: RetrieveResult) -> None:
-        """Facts shown in a prompt were used: their decay restarts. Queued, not awaited, so
-        the reply does not wait for the write (``flush`` does)."""
-        if result.semantic and not self._parts.read_only:
-            self._parts.facts.touch(user_id, [f.id for f in result.semantic])
 
     def _record_pending(self, user_id: str, conversation_id: str | None, query: str,
                         result: RetrieveResult) -> None:
