@@ -337,10 +337,7 @@ class Facts:
         active = self._cache.get(user_id)
         if not ids or active is None or not self._store.usable():
             return
-        now = self._clock().astimezone(timezone.utc)
-        self._queue_rewrite([msgspec.structs.replace(f, access_count=f.access_count + 1,
-                                                     last_access_at=now)
-                             for f in active.values() if f.fact_id in ids])
+        self._queue_rewrite(self._used(active, ids))
 
     async def count_use(self, user_id: str, fact_ids: Iterable[str],
                         puts: tuple[tuple[bytes, bytes, bytes | None, int], ...] = ()
@@ -354,16 +351,18 @@ class Facts:
         """
         ids = set(fact_ids)
         async with self._lock:
-            active = await self._user(user_id) if ids else {}
-            now = self._clock().astimezone(timezone.utc)
-            used = [msgspec.structs.replace(f, access_count=f.access_count + 1,
-                                            last_access_at=now)
-                    for f in active.values() if f.fact_id in ids]
+            used = self._used(await self._user(user_id), ids) if ids else []
             if used or puts:
                 self._store.check_usable()
                 self._queue_rewrite(used, puts)
                 await self._store.wait_written()
             return used
+
+    def _used(self, active: Active, ids: set[str]) -> list[Fact]:
+        """The active facts among ``ids``, each with one more use, now."""
+        now = self._clock().astimezone(timezone.utc)
+        return [msgspec.structs.replace(f, access_count=f.access_count + 1, last_access_at=now)
+                for f in active.values() if f.fact_id in ids]
 
     async def decay_and_prune(self, user_ids: Iterable[str]) -> int:
         """Retire the facts whose effective confidence fell below PRUNE_BELOW."""
