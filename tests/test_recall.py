@@ -344,7 +344,16 @@ async def test_a_filter_holds_for_notes_and_facts_the_text_index_has_not_taken(
     tag), because the window leg judged the index's record, whose fields it did not read; with
     tags and where together the mask failed outright on that record. A filter now admits them
     exactly as it admits them once indexed."""
+    filters = [{"kinds": ["fact"], "category": "identity"},
+               {"kinds": ["fact"], "where": {"category": "identity"}},
+               {"kinds": ["note"], "where": {"tags": {"contains": "work"}}},
+               {"tags": ["work"], "where": {"kind": "note"}}]
     async with open_engine(store_path, config={"background_embedding": False}) as mem:
+
+        async def admitted() -> list[list[str]]:
+            return [[h.id for h in await mem.recall("ana", "Acme Robotics", **f)]
+                    for f in filters]
+
         with text_index_held(monkeypatch):
             fact = await mem.remember_fact("ana", "identity", "employer", "Acme Robotics",
                                            text="works at Acme Robotics")
@@ -353,27 +362,9 @@ async def test_a_filter_holds_for_notes_and_facts_the_text_index_has_not_taken(
             note = await mem.store_note("ana", "Acme Robotics badge is in the drawer",
                                         tags=["work"])
             assert mem._fulltext.indexed_lsn < fact.lsn
-            unindexed = [
-                [h.id for h in await mem.recall("ana", "Acme Robotics", kinds=["fact"],
-                                                category="identity")],
-                [h.id for h in await mem.recall("ana", "Acme Robotics", kinds=["fact"],
-                                                where={"category": "identity"})],
-                [h.id for h in await mem.recall("ana", "Acme Robotics", kinds=["note"],
-                                                where={"tags": {"contains": "work"}})],
-                [h.id for h in await mem.recall("ana", "Acme Robotics", tags=["work"],
-                                                where={"kind": "note"})],
-            ]
+            unindexed = await admitted()
             assert mem._fulltext.indexed_lsn < fact.lsn
         await mem.flush()
-        indexed = [
-            [h.id for h in await mem.recall("ana", "Acme Robotics", kinds=["fact"],
-                                            category="identity")],
-            [h.id for h in await mem.recall("ana", "Acme Robotics", kinds=["fact"],
-                                            where={"category": "identity"})],
-            [h.id for h in await mem.recall("ana", "Acme Robotics", kinds=["note"],
-                                            where={"tags": {"contains": "work"}})],
-            [h.id for h in await mem.recall("ana", "Acme Robotics", tags=["work"],
-                                            where={"kind": "note"})],
-        ]
+        indexed = await admitted()
         assert indexed == [[fact.fact_id], [fact.fact_id], [note.note_id], [note.note_id]]
         assert unindexed == indexed

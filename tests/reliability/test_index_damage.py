@@ -112,17 +112,14 @@ async def test_a_stale_text_index_from_a_larger_copy_is_rebuilt(template, tmp_pa
         assert len(found) == 20
 
 
-async def test_while_a_deleted_text_index_is_rebuilt_recall_says_it_is_partial(
-        template, tmp_path, monkeypatch) -> None:
-    """fulltext/ deleted: the engine opens at once and rebuilds in the background; until the
-    rebuild is committed recall's hits carry degraded == ("bm25",), and stats says the same;
-    then the answers are the old ones and nothing is flagged."""
-    source, expected = template
+def _text_index_deleted_and_held(template, tmp_path, monkeypatch
+                                 ) -> tuple[Path, threading.Event]:
+    """A copy of the template store without its text index, whose rebuild is held at its
+    first batch until the returned event is set (it commits as soon as it has caught up,
+    which on a fast machine could come before the test's first recall)."""
     store = tmp_path / "store"
-    shutil.copytree(source, store)
+    shutil.copytree(template[0], store)
     shutil.rmtree(store / "fulltext")
-    # The rebuild is held at its first batch while the test looks (it commits as soon as it
-    # has caught up, which on a fast machine could come before the first recall).
     rebuilding = threading.Event()  # set when the test has seen the flags
     apply = fulltext_mod.FullText._apply
 
@@ -131,6 +128,16 @@ async def test_while_a_deleted_text_index_is_rebuilt_recall_says_it_is_partial(
         return apply(self, *args)
 
     monkeypatch.setattr(fulltext_mod.FullText, "_apply", held)
+    return store, rebuilding
+
+
+async def test_while_a_deleted_text_index_is_rebuilt_recall_says_it_is_partial(
+        template, tmp_path, monkeypatch) -> None:
+    """fulltext/ deleted: the engine opens at once and rebuilds in the background; until the
+    rebuild is committed recall's hits carry degraded == ("bm25",), and stats says the same;
+    then the answers are the old ones and nothing is flagged."""
+    expected = template[1]
+    store, rebuilding = _text_index_deleted_and_held(template, tmp_path, monkeypatch)
     async with open_engine(store, config=TURNS_ONLY) as mem:
         try:
             assert mem._fulltext.damage == "missing"
@@ -152,18 +159,7 @@ async def test_a_filtered_recall_during_a_rebuild_flags_the_legs_the_filter_mask
     """With tags or where, the vector and entity legs search only what the text index admits
     (their mask comes from it): while it is rebuilt they miss what it has not taken yet, and
     recall says so, not only of BM25. A recall without a filter flags BM25 alone."""
-    source, _ = template
-    store = tmp_path / "store"
-    shutil.copytree(source, store)
-    shutil.rmtree(store / "fulltext")
-    rebuilding = threading.Event()  # set when the test has seen the flags
-    apply = fulltext_mod.FullText._apply
-
-    def held(self, *args):
-        rebuilding.wait(60)
-        return apply(self, *args)
-
-    monkeypatch.setattr(fulltext_mod.FullText, "_apply", held)
+    store, rebuilding = _text_index_deleted_and_held(template, tmp_path, monkeypatch)
     async with open_engine(store, config=TURNS_ONLY) as mem:
         try:
             plain = await mem.recall("ana", "lisbon flat", limit=10)
