@@ -1,6 +1,6 @@
 """Typed links between two memories of one user, which recall follows in both directions
-(``Retriever._expand``). A link is written through the store's group commit, unlogged: it
-carries no text to embed or index.
+(``Retriever._expand``). A link is written through the store's group commit, unlogged (it
+carries no text to embed or index), and only if the write transaction finds both its ends.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ import trio
 
 from actors.base import validate as v
 from actors.base.errors import InvalidInput, NotFound
-from actors.base.messages import PutLink, PutState
+from actors.base.messages import PutLink
 from actors.base.records import Link
 from actors.store import read_links, read_memories_by_id
-from actors.store.layout import link_keys
 
 from ._parts import Parts
 
@@ -46,22 +45,15 @@ class Links:
                 raise NotFound(field, f"expected the id of a memory of user {user_id!r}, "
                                       f"found none with id {memory_id!r}")
         link = Link(from_id, to_id, type, at.astimezone(timezone.utc))
-        await parts.store.write_unlogged(PutLink(user_id, link, trio.Event()))
-        # A forget of an end that committed between the read and the write would have left
-        # a link to a memory that is gone (forgetting means gone): take it back, even if the
-        # caller is cancelled meanwhile. A forget committed after the write took it itself.
-        with trio.CancelScope(shield=True):
-            now_found = await parts.store.read(read_memories_by_id, user_id, [from_id, to_id])
-            gone = [pair for pair in (("from_id", from_id), ("to_id", to_id))
-                    if pair[1] not in now_found]
-            if gone:
-                await parts.store.write_unlogged(PutState(
-                    tuple((b"links", key, None, 0) for key in link_keys(user_id, link)), (),
-                    trio.Event()))
-        if gone:
-            field, memory_id = gone[0]
-            raise NotFound(field, f"expected the id of a memory of user {user_id!r}, found "
-                                  f"none with id {memory_id!r} (forgotten meanwhile)")
+        # An end forgotten between the read above and the write is found by the write itself,
+        # in its transaction: no link to a memory that is gone is ever stored, even for a
+        # moment a crash could keep (forgetting means gone).
+        missing: list[tuple[str, ...]] = []
+        await parts.store.write_unlogged(PutLink(user_id, link, trio.Event(), missing.append))
+        for field, memory_id in (("from_id", from_id), ("to_id", to_id)):
+            if memory_id in missing[0]:
+                raise NotFound(field, f"expected the id of a memory of user {user_id!r}, found "
+                                      f"none with id {memory_id!r} (forgotten meanwhile)")
         return link
 
     async def links(self, user_id: Any, memory_id: Any) -> list[Link]:

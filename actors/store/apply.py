@@ -37,6 +37,7 @@ from .layout import (
     session_prefix,
     user_prefix,
 )
+from .reads import read_memories_by_id
 
 
 class Appliers:
@@ -145,9 +146,18 @@ class Appliers:
                 txn.put(link_key, _encode(link), db=dbs[b"links"])
         return left
 
-    def _put_link_in(self, txn: lmdb.Transaction, op: PutLink) -> None:
-        for key in link_keys(op.user_id, op.link):
-            txn.put(key, _encode(op.link), db=self._dbs[b"links"])
+    def _put_link_in(self, txn: lmdb.Transaction, op: PutLink) -> tuple[str, ...]:
+        """Write the link if both its ends are the user's memories now, in this transaction:
+        an end forgotten after the caller looked for it would otherwise leave a link to
+        nothing, and a check after the write leaves that link to any crash before it. Returns
+        the ends not found (none: written)."""
+        link = op.link
+        found = read_memories_by_id(txn, self._dbs, op.user_id, [link.from_id, link.to_id])
+        missing = tuple(end for end in (link.from_id, link.to_id) if end not in found)
+        if not missing:
+            for key in link_keys(op.user_id, link):
+                txn.put(key, _encode(link), db=self._dbs[b"links"])
+        return missing
 
     def _put_state_in(self, txn: lmdb.Transaction, op: PutState) -> None:
         dbs = self._dbs
