@@ -1,0 +1,131 @@
+"""What the long-term followers derive from the log's turns (episodes, extracted facts) has
+the same ids on every node that applies the log, so a logged call naming one (a review, what
+a retrieval showed) applies on a replaying node as it did on the owner."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+
+from actors.store import read_facts, read_pending, read_review_states
+from engine._logbatch import decode_entry
+from engine.cluster._log import Log
+from engine.cluster._node import FETCH_SECONDS, Node
+from engine.cluster._writes import ClusterEngine
+
+from ..conftest import open_engine
+from .conftest import connect, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+SETTLE_SECONDS = 10.0  # how long the test lets a read's record reach the log
+# Twenty turns make one episode of the oldest ten (the default window); the user's turns
+# state facts the rules extract, one of them superseding another.
+TURNS = [("user", "I live in Lisbon, near the old market."),
+         ("assistant", "Lisbon is lovely, the old market is a fine place to live."),
+         ("user", "My sister Ana is visiting next week."),
+         ("assistant", "How nice that your sister Ana is coming to Lisbon."),
+         ("user", "I'm allergic to peanuts, so we cook at home."),
+         ("assistant", "Cooking at home keeps the peanuts away, good plan."),
+         ("user", "Big change: I moved to Porto last month."),
+         ("assistant", "Porto! The river and the bridges must be a change from Lisbon."),
+         ("user", "I love hiking in the hills around Porto."),
+         ("assistant", "Hiking the hills around Porto sounds wonderful.")] * 2
+
+
+async def test_a_replaying_store_holds_the_owners_episodes_and_facts_under_their_ids(
+        nats_servers, cluster_config, tmp_path: Path) -> None:
+    """An owner applies twenty turns (an episode, extracted facts, one superseded), a review
+    of the episode and a retrieval's record of what it showed, all through the log; a store
+    that applies the same log holds the same episodes and facts under the same ids, the
+    episode rated as on the owner, the same pending review. The replaying store has taken
+    in the turns before it applies the calls, as the owner had when they were logged."""
+    config = msgspec.structs.replace(cluster_config, partitions=1)
+    log = await connect(nats_servers, config)
+    try:
+        async with open_engine(tmp_path / "a") as a:
+            node = Node(a, log, "a", "http://127.0.0.1:1")
+            owner = ClusterEngine(a, log, node)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(node.run)
+                await wait_for(lambda: node.owns(0), 30, "the partition held")
+                for role, text in TURNS:
+                    await owner.add_turn("ana", "s1", role, text, durable=True)
+                await _settle(node, log)
+                await a.flush()
+                turns_end = await log.last_seq()
+                [episode] = await a.episodes("ana")
+                rated = await owner.review("ana", episode.episode_id, "easy")
+                before = await log.last_seq()
+                shown = await owner.retrieve_memory_raw("ana", "Porto hiking hills",
+                                                        conversation_id="s2")
+                assert shown.episodic
+                await _grown(log, before)
+                await _settle(node, log)
+                nursery.cancel_scope.cancel()
+            first = await _derived(a)
+        assert first["reviews"] == {episode.episode_id: (1, rated.difficulty)}
+        assert sorted((f[3], f[4]) for f in first["facts"] if f[2] == "location") == [
+            ("Lisbon", "superseded"), ("Porto", "active")]
+        async with open_engine(tmp_path / "b") as b:
+            await _apply_log(b, log, 1, turns_end)
+            await b.flush()  # its followers took the turns in, as the owner's had
+            await _apply_log(b, log, turns_end + 1, await log.last_seq())
+            assert await _derived(b) == first
+            assert b._partition_log.invalid == 0  # the review found its episode
+    finally:
+        await log.close()
+
+
+async def _derived(engine: Any) -> dict[str, Any]:
+    """What ``engine`` derived for ana and what the logged calls wrote about it."""
+    await engine.flush()
+    store = engine._parts.store
+    episodes = await engine.episodes("ana")
+    ids = [e.episode_id for e in episodes]
+    return {
+        "episodes": [(e.episode_id, e.first_seq, e.last_seq, e.turn_ids) for e in episodes],
+        "facts": sorted((f.fact_id, f.category, f.key, f.value, f.status)
+                        for f in await store.read(read_facts, "ana", False)),
+        # Rated once, as hard to recall as on the owner. Its stability and time are left
+        # out: they count from the episode's creation, which each node times by its clock.
+        "reviews": {i: (r.reps, r.difficulty)
+                    for i, r in (await store.read(read_review_states, "ana", ids)).items()},
+        "pending": [(c, p.memory_ids) for u, c, p in await store.read(read_pending)
+                    if u == "ana"],
+    }
+
+
+async def _apply_log(engine: Any, log: Log, start: int, upto: int) -> None:
+    """Apply the one-partition log's entries ``start``..``upto`` to ``engine``, as a node
+    replaying it would."""
+    sub = await log.subscribe(0, start, f"replay-{start}")
+    entries: list[tuple[int, Any]] = []
+    try:
+        with trio.fail_after(30):
+            while not entries or entries[-1][0] < upto:
+                entries += [(d.stream_seq, decode_entry(d.data))
+                            for d in await log.fetch(sub, 256, FETCH_SECONDS)
+                            if d.stream_seq <= upto]
+    finally:
+        await log.drop(sub)
+    await engine.apply_log_batch(0, entries)
+
+
+async def _grown(log: Log, before: int) -> None:
+    """Wait (at most SETTLE_SECONDS, without failing) for the log to pass ``before``: a
+    read's record is published without the read waiting for it."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while await log.last_seq() <= before and time.monotonic() < deadline:
+        await trio.sleep(0.1)
+
+
+async def _settle(node: Node, log: Log) -> None:
+    """Wait until ``node`` has applied the whole one-partition log."""
+    last = await log.last_seq()
+    await wait_for(lambda: node.marks.get(0, 0) >= last, 30, "the log applied")
