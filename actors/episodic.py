@@ -36,6 +36,7 @@ from .base.logs import RepeatedWarning
 from .base.messages import PutEpisode, PutState, Searchable, WriteSummary
 from .base.records import Episode, Link, PendingReview, ReviewState, SessionInfo, SummaryState, Turn
 from .embedder import Embedder
+from .extraction import read_derived_id
 from .imported import Imported
 from .store import (
     LogFollower,
@@ -279,7 +280,7 @@ class EpisodicCompressor:
     """The actor. ``follow`` runs in the engine's nursery."""
 
     def __init__(self, store: Store, embedder: Embedder, ann: AnnIndex,
-                 clock: Callable[[], datetime], new_id: Callable[[], str], *,
+                 clock: Callable[[], datetime], *,
                  after_turns: int, keep_turns: int, llm: Any = None,
                  vectors_follow: bool = True, imported: Imported | None = None,
                  sessions: Callable[[str], list[SessionInfo]] | None = None,
@@ -288,7 +289,6 @@ class EpisodicCompressor:
         self._embedder = embedder
         self._ann = ann
         self._clock = clock
-        self._new_id = new_id
         self._after = after_turns
         self._keep = keep_turns
         self._llm = llm
@@ -501,10 +501,15 @@ class EpisodicCompressor:
         title, summary, keywords, surprise = await self._describe(user_id, turns)
         now = self._clock().astimezone(timezone.utc)
         stability, difficulty = initial_state(surprise, now)
+        # Its id is its turns' (their ids are the log's in a cluster): every node that
+        # applies the log makes this episode under the same id, and one made of the same
+        # session's turns after a forget does not take the old one's.
+        episode_id = await store.read(read_derived_id, user_id, "e_",
+                                      (user_id, session_id, tuple(t.turn_id for t in turns)))
         await store.reserve(1)
         lsn = store.next_lsn
         episode = Episode(
-            lsn, "e_" + self._new_id(), user_id, session_id, turns[0].seq, turns[-1].seq,
+            lsn, episode_id, user_id, session_id, turns[0].seq, turns[-1].seq,
             tuple(t.turn_id for t in turns), title, summary, keywords, turns[0].at,
             turns[-1].at, surprise, stability, difficulty, now, now if consolidated else None)
         links = tuple(Link(episode.episode_id, t.turn_id, "summarises", now) for t in turns)

@@ -47,7 +47,8 @@ class _Pin:
 # Set in the task that applies a log entry (and seen in what that task awaits): the engine's
 # clock reads the entry's time and its id makers derive ids from the entry's place in the log,
 # so every node that applies the entry makes the same records (a fact's id and times, a
-# note's times, a review's, an episode's id).
+# note's times, a review's, an episode's times; an episode's id is its turns', see
+# actors.extraction.read_derived_id).
 _pinned: ContextVar[_Pin | None] = ContextVar("engram_pinned_entry", default=None)
 
 
@@ -79,7 +80,8 @@ def pinnable_ids(make: Callable[[], str]) -> Callable[[], str]:
 def pinned(at: datetime | None, seed: str) -> Iterator[None]:
     """Apply a log entry in this task until the block ends: the engine's clock reads ``at``
     (None: the clock itself) and new ids derive from ``seed`` (the entry's place in the
-    log). Other tasks, the followers' among them, keep the clock and random ids."""
+    log). Other tasks keep the clock and random ids; the followers hash the ids of what
+    they derive from what it stands for, the same on every node."""
     token = _pinned.set(_Pin(at, seed))
     try:
         yield

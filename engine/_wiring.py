@@ -157,7 +157,7 @@ async def running(root: Path, config: Config, clock: Clock, embedding: Embedder,
                 facts = Facts(store, lambda user, lsns: ann.removed(user, lsns, False),
                               clock, new_id)
                 compressor = EpisodicCompressor(
-                    store, embedding, ann, clock, new_id,
+                    store, embedding, ann, clock,
                     after_turns=config.episode_after_turns,
                     keep_turns=config.episode_keep_turns, llm=tasks,
                     vectors_follow=config.background_embedding, imported=imported,

@@ -10,7 +10,6 @@ are in tests/test_episodes_in_engine.py.
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -24,9 +23,10 @@ import trio
 
 import actors.store as store_mod
 from actors.base.config import Config
-from actors.base.messages import PutState
-from actors.base.records import Episode, PendingReview
+from actors.base.messages import AppendTurn, PutState
+from actors.base.records import Episode, PendingReview, Turn
 from actors.episodic import EpisodicCompressor
+from actors.extraction import derived_id
 
 from ..conftest import T0, StepClock
 from .ground import Ground, hash_vectors, running_store
@@ -72,11 +72,10 @@ async def running_compressor(path: Path, clock: Callable[[], datetime] | None = 
     """A store at ``path`` and the compressor's follower on its log, both running, with the
     engine's default window (Config: 20 turns, the newest 10 kept)."""
     config = Config()
-    ids = itertools.count(1)
     async with running_store(path) as ground:
         vectors = HashVectors(ground.store)
         compressor = EpisodicCompressor(
-            ground.store, vectors, vectors, clock or StepClock(), lambda: f"{next(ids):016x}",
+            ground.store, vectors, vectors, clock or StepClock(),
             after_turns=config.episode_after_turns, keep_turns=config.episode_keep_turns,
             vectors_follow=False, summary_every=config.summary_every_turns)
         await ground.start(compressor.follower.run)
@@ -192,3 +191,40 @@ def test_fsrs_state_is_computed_without_sleeping(monkeypatch) -> None:
     assert 0 < retrievability(stability, T0, T0 + timedelta(days=3)) < 1
     state = ReviewState(stability, difficulty, T0, 1)
     assert review_state(state, RATINGS["good"], T0 + timedelta(days=3)).stability > stability
+
+
+async def test_an_episode_is_named_by_its_turns_alike_in_two_stores(tmp_path: Path) -> None:
+    """Two stores given the same turns (as two cluster nodes applying one log) make the
+    episode under one id, hashed from its user, session and turn ids."""
+    made = []
+    for name in ("a", "b"):
+        async with running_compressor(tmp_path / name) as (ground, compressor):
+            await _session(ground, "trip", TRIP, 20)
+            await flush(ground, compressor)
+            made += await episodes(ground, "ana")
+    first, second = made
+    assert first.episode_id == second.episode_id == "e_" + derived_id(
+        ("ana", "trip", first.turn_ids))
+
+
+async def test_an_episode_whose_id_is_taken_gets_the_next_salted_one(store_path) -> None:
+    """A memory already holding the id an episode's turns give (here a turn of another
+    session) keeps it: the episode takes the id salted with 1, and both stay readable."""
+    # The trip's turns will be t2..t21 (Ground names a turn by its lsn; this one is lsn 1).
+    taken = "e_" + derived_id(("ana", "trip", tuple(f"t{lsn}" for lsn in range(2, 12))))
+    async with running_compressor(store_path) as (ground, compressor):
+        store = ground.store
+        await store.reserve(1)
+        lsn = store.next_lsn
+        turn = Turn(lsn, taken, "ana", "other", 0, "user", "An unrelated remark.", T0)
+        store.submit(AppendTurn(turn, store_mod.session_prefix("ana", "other") + bytes(8),
+                                msgspec.msgpack.encode(turn), T0,
+                                store_mod.user_prefix("ana") + taken.encode(), T0))
+        await _session(ground, "trip", TRIP, 20)
+        await flush(ground, compressor)
+        (episode,) = await episodes(ground, "ana", "trip")
+        found = await store.read(store_mod.read_memories_by_id, "ana",
+                                 [taken, episode.episode_id])
+    assert episode.turn_ids[0] == "t2"
+    assert episode.episode_id == "e_" + derived_id(("ana", "trip", episode.turn_ids), 1)
+    assert found == {taken: turn, episode.episode_id: episode}
