@@ -42,6 +42,7 @@ from .extraction import (
     checked_candidates,
     extract_facts,
     jaccard,
+    read_derived_id,
 )
 from .extraction import words as _words
 from .imported import Imported
@@ -263,9 +264,15 @@ class Facts:
             if rival.protected and origin != "api":
                 return Outcome("refused", None, rival, "the active value was confirmed")
         store = self._store
+        # An extracted fact's id is what it stands for (its turn, key and value, and the
+        # versions it retires: a value said again in the same turn is a new version), the
+        # same on every node that applies the log; a caller's is the call's (_parts.pinned).
+        fact_id = ("f_" + self._new_id() if not sources else await store.read(
+            read_derived_id, user_id, "f_", (user_id, sources, c.category, c.key, c.value,
+                                             tuple(sorted(r.fact_id for r in rivals)))))
         await store.reserve(1)
         lsn = store.next_lsn
-        fact = Fact(lsn, "f_" + self._new_id(), user_id, c.category, c.key, c.value, c.text,
+        fact = Fact(lsn, fact_id, user_id, c.category, c.key, c.value, c.text,
                     c.confidence, c.importance, c.keywords, sources, (), session_id, valid_at,
                     None, now, None, "active", False, origin)
         retired = tuple(msgspec.structs.replace(r, status="superseded", invalid_at=valid_at,
