@@ -5,18 +5,25 @@ engine: tests/test_extraction.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from actors import extraction
 from actors.extraction import Candidate, derived_id, extract_facts
 from actors.facts import Facts
 
 from ..conftest import StepClock
 from .ground import running_store
 
+DEMO = Path(__file__).resolve().parents[2] / "engine" / "demo_data" / "conversation.json"
 
-@pytest.mark.parametrize(("text", "expected"), [
+
+CASES = [
     ("My name is Maya Lindqvist and I live in Lisbon now.",
      {("identity", "name", "Maya Lindqvist"), ("identity", "location", "Lisbon")}),
     ("Big change: I moved to Porto, the flat is much brighter.",
@@ -85,7 +92,10 @@ from .ground import running_store
     ("Je m'appelle Élodie.", {("identity", "name", "Élodie")}),
     ("Ich heiße Jürgen und ich wohne in München.",
      {("identity", "name", "Jürgen"), ("identity", "location", "München")}),
-])
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), CASES)
 def test_the_rules_extract_the_common_facts_and_skip_questions(text, expected) -> None:
     """Each rule turns its phrasing into (category, key, value); questions and hypotheticals
     state nothing."""
@@ -117,3 +127,38 @@ async def test_an_extracted_fact_is_named_by_what_it_states_and_never_reuses_an_
     assert first[0] == "f_" + derived_id(what)
     assert [f.status for f in history] == ["superseded", "superseded", "active"]
     assert name_fact.fact is not None and name_fact.fact.fact_id == "f_call"
+
+
+GATED = [(rule.pattern, rule.needs) for rule in extraction._RULES]
+GATED.append((extraction._GREETING_NAME, extraction._GREETING_NEEDS))
+
+
+@pytest.mark.parametrize("index", range(len(GATED)))
+def test_every_match_of_a_rule_holds_one_of_its_needs(index) -> None:
+    """A rule (or the greeting) is skipped for ASCII text that holds none of its needs, so
+    each needs list must be something every match holds: here for random ASCII text the
+    rule's own pattern matches (hypothesis writes it from the pattern, case mixed at random)."""
+    pattern, needs = GATED[index]
+
+    @settings(max_examples=25, derandomize=True, deadline=None)
+    @given(st.from_regex(pattern, alphabet=st.characters(max_codepoint=127)))
+    def check(text: str) -> None:
+        assert pattern.search(text)
+        assert any(need in text.lower() for need in needs), (text, needs)
+
+    check()
+
+
+def test_the_needs_change_no_fact_extracted(monkeypatch) -> None:
+    """The demo's conversation and the phrasings above give the same facts with every rule
+    run on every sentence."""
+    texts = [text for user in json.loads(DEMO.read_text())["users"]
+             for session in user["sessions"] for role, text in session["turns"]]
+    texts += [text for text, _ in CASES]
+    gated = [extract_facts(text) for text in texts]
+    monkeypatch.setattr(extraction, "_RULES", tuple(
+        dataclasses.replace(rule, needs=("",)) for rule in extraction._RULES))
+    monkeypatch.setattr(extraction, "_NEEDS", ("",))
+    monkeypatch.setattr(extraction, "_GREETING_NEEDS", ("",))
+    assert [extract_facts(text) for text in texts] == gated
+    assert sum(map(len, gated)) > 40
