@@ -24,18 +24,21 @@ the vector index in commit order, the facts and entities), then the Scrubber is 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from datetime import timezone
 from typing import Any
 
 import trio
 
 from actors.ann_index import AnnIndex
 from actors.base.errors import EngineClosed, InvalidInput
-from actors.base.messages import Forget
+from actors.base.messages import DeleteNote, Forget
 from actors.base.keys import MAX_KEY_BYTES
 from actors.fulltext import FullText
-from actors.store import Store
+from actors.store import Store, read_episodes, read_facts
 
-from ._browse import list_notes
+from ._browse import _read_notes, list_notes
+from ._reflections import reflections_quoting
 from ._parts import Parts
 
 __all__ = ["Forgetting", "Scrubber"]
@@ -115,7 +118,23 @@ class Forgetting:
             # ever stored (and a key built from them would be refused by the store).
             await trio.lowlevel.checkpoint()
             return
-        await parts.store.wait_committed(await self._queue(user_id, session_id))
+        store = parts.store
+        # What of the session a reflection may quote, read before the forget is queued.
+        await parts.committed()
+        made = [m.created_at for m in (
+            *await store.read(read_episodes, user_id, session_id),
+            *[f for f in await store.read(read_facts, user_id, False)
+              if f.session_id == session_id])]
+        notes = await store.read(_read_notes, user_id) if made else []
+        doomed = sorted(reflections_quoting(notes, made, parts.clock().astimezone(timezone.utc)))
+        lsn = await self._queue(user_id, session_id, doomed)
+        try:
+            await store.wait_committed(lsn + len(doomed))
+        finally:
+            if parts.notes_md is not None:
+                with trio.CancelScope(shield=True):  # it commits, the caller cancelled or not
+                    for at, note_id in enumerate(doomed, lsn + 1):
+                        await parts.notes_md.remove(user_id, note_id, at)
 
     async def forget_scope(self, user_id: Any, agent_id: Any, run_id: Any,
                            delete_note: Any) -> dict[str, int]:
@@ -149,8 +168,11 @@ class Forgetting:
                 with trio.CancelScope(shield=True):  # it commits, the caller cancelled or not
                     await parts.notes_md.remove_user(user_id, lsn)
 
-    async def _queue(self, user_id: str, session_id: str | None) -> int:
+    async def _queue(self, user_id: str, session_id: str | None,
+                     notes: Sequence[str] = ()) -> int:
         """Queue the deletion of a session (or, ``session_id`` None, a user); returns its lsn.
+        The user's ``notes`` (reflections quoting the session) are deleted in the same write
+        transaction, at the lsns that follow.
 
         Once there is room in the store's queue, the RAM copies are dropped and the op queued
         in one step, no checkpoint between: a turn of the user added while the wait for room
@@ -161,7 +183,7 @@ class Forgetting:
         """
         parts = self._parts
         store = parts.store
-        await store.reserve(1)  # cancel-safe: nothing is taken yet
+        await store.reserve(1 + len(notes))  # cancel-safe: nothing is taken yet
         parts.check_open()
         parts.forgets += 1
         if session_id is None:
@@ -178,6 +200,14 @@ class Forgetting:
             parts.facts.forget(user_id)  # the facts extracted from what went, with it
             parts.entities.forget(user_id)  # ...and the entities only it mentioned
 
+        def notes_committed(lsns: list[int]) -> None:
+            parts.ann.removed(user_id, lsns, False)
+            if lsns:
+                self._scrubber.ask()
+
         lsn = store.next_lsn
+        store.hold_together(1 + len(notes))
         store.submit(Forget(lsn, user_id, session_id, committed))
+        for note_id in notes:
+            store.submit(DeleteNote(store.next_lsn, user_id, note_id, notes_committed))
         return lsn

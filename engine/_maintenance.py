@@ -41,6 +41,7 @@ from actors.store import failure_put, read_episodes, read_facts, read_pending, u
 from ._browse import users_with
 from ._memory import Memory
 from ._parts import Parts
+from ._reflections import REFLECTION_WINDOW, SESSION_REFLECTION, weekly_note_id
 
 __all__ = ["Maintenance", "MaintenanceReport"]
 
@@ -48,8 +49,6 @@ log = logging.getLogger("engram.maintenance")
 
 PENDING_TTL = timedelta(days=1)  # a pending review nobody rated by then is dropped
 REFLECTION_MIN_ITEMS = 3  # new facts + episodes in a week before a reflection is worth writing
-REFLECTION_WINDOW = timedelta(days=7)
-SESSION_REFLECTION = "reflection-latest"  # the note a session switch rewrites, per user
 # Characters of one title or fact a reflection quotes: a caller's fact text may be as long as
 # a turn, and six of them would make a note longer than a note may be.
 QUOTED_CHARS = 300
@@ -207,18 +206,23 @@ class Maintenance:
         """Write a reflection made from what was read after :meth:`_settled` returned
         ``forgets``, unless a forget was queued since: the note would quote what it removed,
         and one landing after the forget of its user would bring the user back. Returns
-        whether the note stays."""
+        whether the note was written.
+
+        The check and the note's submit are one step (no checkpoint between them), so a
+        forget queued after the check commits after the note and deletes it in its own
+        transaction (:func:`reflections_quoting`): no moment, and no crash, leaves a note
+        quoting a forgotten session.
+        """
         parts = self._parts
-        if parts.forgets != forgets:
-            return False
+        parts.check_ids(user_id)  # a legacy-length id no write takes
         # A note may be no longer than a turn (Config.max_text_chars may be set low).
         text = text[:parts.config.max_text_chars]
-        await self._memory.put_note(user_id, text, note_id, tags, replace=replace)
+        await parts.store.reserve(1)
         if parts.forgets != forgets:
-            # Queued while the note was written, the forget may have landed before it: the
-            # note goes too (the next pass writes it again from what the user still has).
-            await self._memory.delete_note(user_id, note_id)
             return False
+        # _write_note reserves again, which returns at once without a checkpoint: there is
+        # room, and nothing ran since the check.
+        await self._memory._write_note(user_id, text, note_id, tags, replace, {})
         return True
 
     async def _recent(self, user_id: str, now: datetime) -> tuple[list[Any], list[Any]]:
@@ -239,8 +243,7 @@ class Maintenance:
         return len(stale)
 
     async def _reflect(self, user_id: str, now: datetime) -> bool:
-        year, week, _ = now.isocalendar()
-        note_id = f"reflection-{year}-W{week:02d}"
+        note_id = weekly_note_id(now)
         forgets = await self._settled()
         if await self._memory.get_note(user_id, note_id) is not None:
             return False

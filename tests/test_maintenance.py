@@ -67,8 +67,8 @@ async def test_a_retrieval_racing_forget_user_leaves_no_pending_review(store_pat
 
 async def test_a_reflection_racing_forget_user_never_brings_the_user_back(store_path) -> None:
     """A weekly reflection read from a user's facts before the user was forgotten is not
-    left after the forget, whether the forget lands after the read or while the note is
-    being written: no note quoting the forgotten facts, no user left."""
+    left after the forget, whether the forget lands after the read or right after the note
+    is queued: no note quoting the forgotten facts, no user left."""
     clock = ManualClock()
     async with open_engine(store_path, clock=clock) as mem:
         for user in ("ana", "bo"):
@@ -76,7 +76,7 @@ async def test_a_reflection_racing_forget_user_never_brings_the_user_back(store_
             await mem.add_turn(user, "s", "user", "I moved to Porto last month.")
             await mem.add_turn(user, "s", "user", "I work as a pharmacist, long shifts.")
         await mem.flush()
-        recent, put_note = mem._maintenance._recent, mem._memory.put_note
+        recent, write_note = mem._maintenance._recent, mem._memory._write_note
 
         async def recent_then_forget(user_id, now):
             found = await recent(user_id, now)
@@ -84,17 +84,70 @@ async def test_a_reflection_racing_forget_user_never_brings_the_user_back(store_
                 await mem.forget_user(user_id)
             return found
 
-        async def forget_then_put_note(user_id, *args, **kwargs):
-            if user_id == "bo":  # the forget queued before the note is
+        async def write_note_then_forget(user_id, *args, **kwargs):
+            written = await write_note(user_id, *args, **kwargs)
+            if user_id == "bo":  # the forget queued once the note is
                 await mem.forget_user(user_id)
-            return await put_note(user_id, *args, **kwargs)
+            return written
 
         mem._maintenance._recent = recent_then_forget
-        mem._memory.put_note = forget_then_put_note
-        assert (await mem.maintain()).reflections == 0
+        mem._memory._write_note = write_note_then_forget
+        assert (await mem.maintain()).reflections == 1  # bo's, which bo's forget took
         await mem.flush()
         for user in ("ana", "bo"):
             assert await mem.list_notes(user) == []
         assert await mem.list_users() == []
+    assert not any(b"peanuts" in value for rows in raw_databases(store_path).values()
+                   for _, value in rows)
+
+
+async def _reflected_on(mem, clock) -> None:
+    """Ana's facts of two sessions, a weekly reflection and a session reflection quoting them."""
+    await mem.add_turn("ana", "private", "user", "I'm allergic to peanuts.")
+    await mem.add_turn("ana", "private", "user", "I moved to Porto last month.")
+    await mem.add_turn("ana", "other", "user", "I work as a pharmacist, long shifts.")
+    await mem.flush()
+    assert (await mem.maintain()).reflections == 1
+    assert await mem._maintenance.reflect_on_switch("ana", mem._parts.store.next_lsn)
+    notes = await mem.list_notes("ana")
+    assert len(notes) == 2 and all("peanuts" in n.text for n in notes)
+
+
+async def test_forget_session_takes_every_reflection_quoting_it(store_path) -> None:
+    """The weekly and the session reflection quote the forgotten session's facts: the forget
+    deletes both, so nothing of the session is left in a note, a recall or the store."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await _reflected_on(mem, clock)
+        await mem.forget_session("ana", "private")
+        await mem.flush()
+        assert await mem.list_notes("ana") == []
+        assert await mem.recall("ana", "peanuts allergic", tags=["reflection"]) == []
+    assert not any(b"peanuts" in value for rows in raw_databases(store_path).values()
+                   for _, value in rows)
+
+
+async def test_a_reflection_read_before_forget_session_is_not_left_after_it(
+        store_path) -> None:
+    """A reflection pass that read the session's facts before the forget and writes after it
+    (weekly and session reflections alike) leaves no note quoting the session."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.add_turn("ana", "private", "user", "I'm allergic to peanuts.")
+        await mem.add_turn("ana", "private", "user", "I moved to Porto last month.")
+        await mem.add_turn("ana", "other", "user", "I work as a pharmacist, long shifts.")
+        await mem.flush()
+        recent = mem._maintenance._recent
+
+        async def recent_then_forget(user_id, now):
+            found = await recent(user_id, now)
+            await mem.forget_session(user_id, "private")
+            return found
+
+        mem._maintenance._recent = recent_then_forget
+        assert (await mem.maintain()).reflections == 0
+        assert not await mem._maintenance.reflect_on_switch("ana", mem._parts.store.next_lsn)
+        await mem.flush()
+        assert await mem.list_notes("ana") == []
     assert not any(b"peanuts" in value for rows in raw_databases(store_path).values()
                    for _, value in rows)

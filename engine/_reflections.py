@@ -1,0 +1,37 @@
+"""Which reflection notes quote what: shared by the maintenance passes that write them and
+the forget that deletes those quoting a forgotten session (seed 004's reflections)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from actors.base.records import Note
+
+__all__ = ["REFLECTION_WINDOW", "SESSION_REFLECTION", "reflections_quoting", "weekly_note_id"]
+
+REFLECTION_WINDOW = timedelta(days=7)  # a reflection quotes what was made this long before it
+SESSION_REFLECTION = "reflection-latest"  # the note a session switch rewrites, per user
+
+
+def weekly_note_id(at: datetime) -> str:
+    """The id of the weekly reflection a pass at ``at`` writes (one per ISO week)."""
+    year, week, _ = at.isocalendar()
+    return f"reflection-{year}-W{week:02d}"
+
+
+def reflections_quoting(notes: list[Note], made: list[datetime], now: datetime) -> set[str]:
+    """The reflections that may quote (or have drawn topics from) facts and episodes made at
+    ``made``, which a forget is about to remove: every reflection note whose window (the
+    REFLECTION_WINDOW up to when it was written) holds one of those times, and, if one is
+    recent enough for a pass running now to have read it, the notes such a pass could be
+    writing (the session reflection, the weekly one of this week and of the week the window
+    begins in). The forget deletes them all in its own transaction; the next switch and the
+    next pass write them again from what the user still has."""
+    doomed = {n.note_id for n in notes if "reflection" in n.tags
+              and any(n.updated_at - REFLECTION_WINDOW <= at <= n.updated_at for at in made)}
+    # A pass that began up to a window ago reads back a window from then.
+    recent = [at for at in made if at >= now - 2 * REFLECTION_WINDOW]
+    if recent:
+        doomed |= {SESSION_REFLECTION, weekly_note_id(now),
+                   weekly_note_id(max(min(recent), now - REFLECTION_WINDOW))}
+    return doomed
