@@ -214,16 +214,10 @@ class Maintenance:
         quoting a forgotten session.
         """
         parts = self._parts
-        parts.check_ids(user_id)  # a legacy-length id no write takes
         # A note may be no longer than a turn (Config.max_text_chars may be set low).
         text = text[:parts.config.max_text_chars]
-        await parts.store.reserve(1)
-        if parts.forgets != forgets:
-            return False
-        # _write_note reserves again, which returns at once without a checkpoint: there is
-        # room, and nothing ran since the check.
-        await self._memory._write_note(user_id, text, note_id, tags, replace, {})
-        return True
+        return await self._memory.put_note(user_id, text, note_id, tags, replace=replace,
+                                           unless=lambda: parts.forgets != forgets) is not None
 
     async def _recent(self, user_id: str, now: datetime) -> tuple[list[Any], list[Any]]:
         """The user's facts and episodes made in the past REFLECTION_WINDOW."""

@@ -9,7 +9,7 @@ embedded and indexed like turns), summaries and review states not.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timezone
 from typing import Any
 
@@ -142,13 +142,18 @@ class Memory:
     async def put_note(self, user_id: Any, text: Any, note_id: Any,
                        tags: Iterable[str] | None, replace: bool, importance: Any = None,
                        emotion: Any = None, category: Any = None, agent_id: Any = None,
-                       run_id: Any = None) -> Note:
+                       run_id: Any = None, unless: Callable[[], bool] | None = None
+                       ) -> Note | None:
         """Store a new note (``replace`` False: the id must be free) or replace one (True:
         it must exist). A new note without an id of its own that repeats one of the user's
         notes (the same text: skipped) or nearly does (word Jaccard >= DEDUP_JACCARD: merged,
         the new wording and both notes' tags) is not stored twice (seeds 003 and 004).
         ``importance`` / ``emotion`` / ``category`` None: a new note's defaults, an update
-        keeps the note's (a merge too, and keeps the higher importance)."""
+        keeps the note's (a merge too, and keeps the higher importance).
+
+        ``unless`` (a note with an id): asked in the same step that queues the note, nothing
+        run between; if it holds, nothing is written and None returned (the maintenance
+        passes' reflections: see ``Maintenance._write``)."""
         parts = self._parts
         parts.check_open()
         parts.check_ids(user_id)
@@ -178,7 +183,7 @@ class Memory:
                                               f"use by a {type(taken).__name__.lower()} of "
                                               f"user {user_id!r}; choose another id")
         if note_id is not None or replace:
-            return await self._write_note(user_id, text, note_id, tags, replace, given)
+            return await self._write_note(user_id, text, note_id, tags, replace, given, unless)
         async with self._new_notes:
             twin = await parts.store.read(_twin_note, user_id, text,
                                           (given.get("agent_id", ""), given.get("run_id", "")))
@@ -201,12 +206,15 @@ class Memory:
                                               False, given)
 
     async def _write_note(self, user_id: str, text: str, note_id: str, tags: tuple[str, ...],
-                          replace: bool, given: dict[str, Any]) -> Note:
+                          replace: bool, given: dict[str, Any],
+                          unless: Callable[[], bool] | None = None) -> Note | None:
         parts = self._parts
         now = parts.now().astimezone(timezone.utc)
         store = parts.store
         await store.reserve(1)
         parts.check_open()
+        if unless is not None and unless():
+            return None
         lsn = store.next_lsn
         note = Note(lsn, note_id, user_id, text, tags, now, now, **given)
         # An update keeps what it does not name (read in the write transaction).

@@ -127,6 +127,19 @@ async def test_forget_session_takes_every_reflection_quoting_it(store_path) -> N
                    for _, value in rows)
 
 
+async def test_forget_session_leaves_a_callers_own_note_tagged_reflection(store_path) -> None:
+    """Only the reflections the engine wrote go with a forgotten session: a caller's own
+    note, tagged "reflection" and written in the same week, stays."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await _reflected_on(mem, clock)
+        mine = await mem.store_note("ana", "My reflection: slow down on weekends.",
+                                    tags=["reflection"])
+        await mem.forget_session("ana", "private")
+        await mem.flush()
+        assert [n.note_id for n in await mem.list_notes("ana")] == [mine.note_id]
+
+
 async def test_a_reflection_read_before_forget_session_is_not_left_after_it(
         store_path) -> None:
     """A reflection pass that read the session's facts before the forget and writes after it
