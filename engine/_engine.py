@@ -53,7 +53,17 @@ from . import _browse, _stats
 from ._args import check_count, check_texts
 from ._briefing import Briefing
 from ._context import context_for_prompt
-from ._export import UserVectors, export_user, export_vectors, import_user, import_users
+from ._export import (
+    UserRecords,
+    UserVectors,
+    VectorRows,
+    export_records,
+    export_user,
+    export_vectors,
+    import_user,
+    import_users,
+    restore_users,
+)
 from ._forget import Forgetting
 from ._hits import Hits, RetrieveResult
 from ._ingest import Ingest
@@ -908,6 +918,38 @@ class Engine:
         applied (``duplicates``) and entries that failed the engine's checks (``invalid``)."""
         applied = self._partition_log
         return {"duplicates": applied.duplicates, "invalid": applied.invalid}
+
+    async def export_records(self, user_id: str) -> tuple[UserRecords, VectorRows]:
+        """Every record of the user as ``export_user`` writes them, as structs rather than
+        JSON, and their stored vectors in one buffer: what ``engine.cluster`` puts in a
+        partition snapshot, for :meth:`restore_users`."""
+        self._parts.check_open()
+        self._parts.check_ids(user_id)
+        return await export_records(self._parts, user_id)
+
+    async def restore_users(self, users: Sequence[UserRecords],
+                            vectors: Sequence[VectorRows | None]) -> list[dict[str, int]]:
+        """Write users as :meth:`export_records` read them (``engine.cluster``: a partition
+        snapshot into a copy that holds none of them), as one import: its checks, and the
+        vectors kept when this engine has their model. The log's followers catch up once the
+        last record is written; until they hold every restored record, recall names their
+        legs in ``degraded``.
+
+        Returns:
+            For each user, what ``import_user`` returns.
+
+        Raises:
+            InvalidInput: a user's records or vectors do not pass an import's checks
+                (``users[3]``, ``vectors[3]``); nothing was written.
+        """
+        self._parts.check_open()
+        if not all(isinstance(user, UserRecords) for user in users):
+            raise InvalidInput("users", "expected UserRecords (Engine.export_records), found "
+                                        f"{sorted({type(u).__name__ for u in users})}")
+        if len(users) != len(vectors):
+            raise InvalidInput("vectors", f"expected one per user ({len(users)}), found "
+                                          f"{len(vectors)}")
+        return await restore_users(self._parts, list(users), list(vectors))
 
     async def set_log_watermark(self, partition: int, seq: int) -> None:
         """Set a partition's watermark (``engine.cluster``: 0 before a copy of the partition

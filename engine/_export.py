@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from ._parts import Parts
 
 __all__ = ["export_user", "export_vectors", "import_user", "import_users", "UserVectors",
-           "FORMAT", "VERSION"]
+           "export_records", "restore_users", "UserRecords", "VectorRows", "FORMAT", "VERSION"]
 
 FORMAT = "engram-user-export"
 VERSION = 3  # bumped when a reader of the previous version could not read the lines
@@ -402,6 +402,52 @@ async def export_vectors(parts: Parts, user_id: str) -> UserVectors:
                        {lsn: value[HEADER.itemsize:] for lsn, value in zip(lsns, values)})
 
 
+class VectorRows(msgspec.Struct, frozen=True, gc=False):
+    """A user's stored vectors as a partition snapshot carries them: one buffer of every
+    vector (a record's chunk vectors next to each other), in record order, where
+    :class:`UserVectors` holds a bytes object a record (100k of them cost a restore a
+    tenth of a second to make and as much to check).
+
+    Attributes:
+        user_id / model / dim: as :class:`UserVectors`'s.
+        lsns: each record's position in the exporting store (its lines' ``lsn``).
+        counts: how many vectors each record has (one, or one per chunk).
+        data: ``sum(counts) * dim`` little-endian float16 values.
+    """
+
+    user_id: str
+    model: str
+    dim: int
+    lsns: list[int]
+    counts: list[int]
+    data: bytes
+
+
+def _rows(parts: Parts, user_id: str, lsns: list[int], values: list[bytes]) -> VectorRows:
+    model = parts.embedder.model
+    row = model.dim * STORED.itemsize
+    body = [value[HEADER.itemsize:] for value in values]
+    return VectorRows(user_id, model.id, model.dim, lsns, [len(b) // row for b in body],
+                      b"".join(body))
+
+
+async def export_records(parts: Parts, user_id: str) -> tuple[UserRecords, VectorRows]:
+    """Every record of ``user_id`` as :func:`export_user` writes them, without the JSON, and
+    the vectors the store holds of them: what a cluster's partition snapshot carries."""
+    await parts.store.wait_logged()
+    found = await parts.store.read(_read_user, user_id)
+    lsns, values = await parts.store.read(read_user_vector_values, user_id)
+    records = UserRecords(user_id, [], [], [], [], [], [], [], [])
+    by_kind: dict[type, list[Any]] = {
+        TurnLine: records.turns, NoteLine: records.notes, EpisodeLine: records.episodes,
+        FactLine: records.facts, LinkLine: records.links, ReviewLine: records.reviews,
+        SummaryLine: records.summaries, EntityLine: records.entities}
+    for line in _lines(user_id, found, parts.clock().astimezone(timezone.utc), ""):
+        if type(line) is not Header:
+            by_kind[type(line)].append(line)
+    return records, _rows(parts, user_id, lsns, values)
+
+
 def _vectors_of(given: Any, exported_user: str, model: ModelInfo, name: str
                 ) -> dict[int, np.ndarray] | None:
     """An import's vectors by export lsn, checked (in a worker thread: a partition's are
@@ -409,12 +455,12 @@ def _vectors_of(given: Any, exported_user: str, model: ModelInfo, name: str
     embedded here).
 
     Raises:
-        InvalidInput: not a UserVectors of the export's user, or a value that is not a
-            whole number of ``dim`` finite float16 vectors, none all zeros.
+        InvalidInput: not a UserVectors (or VectorRows) of the export's user, or a value that
+            is not a whole number of ``dim`` finite float16 vectors, none all zeros.
     """
     if given is None:
         return None
-    if not isinstance(given, UserVectors):
+    if not isinstance(given, (UserVectors, VectorRows)):
         raise InvalidInput(name, "expected UserVectors (Engine.export_vectors), found "
                                  f"{type(given).__name__}")
     if given.user_id != exported_user:
@@ -422,25 +468,35 @@ def _vectors_of(given: Any, exported_user: str, model: ModelInfo, name: str
                                  f"export's), found those of {given.user_id!r}")
     if (given.model, given.dim) != (model.id, model.dim):
         return None
-    if type(given.vectors) is not dict:
-        raise InvalidInput(name, "expected vectors as a dict of record lsn -> bytes, found "
-                                 f"{type(given.vectors).__name__}")
-    lsns, datas = list(given.vectors), list(given.vectors.values())
-    for lsn, data in zip(lsns, datas):
-        if type(lsn) is not int or type(data) is not bytes:
-            raise InvalidInput(name, "expected vectors as a dict of record lsn (int) -> "
-                                     f"bytes, found {type(lsn).__name__} -> "
-                                     f"{type(data).__name__}")
+    row = model.dim * STORED.itemsize
+    if isinstance(given, VectorRows):
+        lsns = given.lsns
+        counts = np.asarray(given.counts, dtype=np.int64)
+        if len(lsns) != len(counts) or int(counts.sum()) * row != len(given.data):
+            raise InvalidInput(name, f"expected {len(lsns)} vector counts and "
+                                     f"{int(counts.sum()) * row} bytes of vectors, found "
+                                     f"{len(counts)} counts and {len(given.data)} bytes")
+        sizes, data = counts * row, given.data
+    else:
+        if type(given.vectors) is not dict:
+            raise InvalidInput(name, "expected vectors as a dict of record lsn -> bytes, "
+                                     f"found {type(given.vectors).__name__}")
+        lsns, datas = list(given.vectors), list(given.vectors.values())
+        for lsn, value in zip(lsns, datas):
+            if type(lsn) is not int or type(value) is not bytes:
+                raise InvalidInput(name, "expected vectors as a dict of record lsn (int) -> "
+                                         f"bytes, found {type(lsn).__name__} -> "
+                                         f"{type(value).__name__}")
+        sizes = np.fromiter(map(len, datas), dtype=np.int64, count=len(datas))
+        data = b"".join(datas)
     # Checked and cut a user at a time: one array of every vector, each record a view of its
     # rows (a numpy call a record cost a restore of 100k turns a second).
-    row = model.dim * STORED.itemsize
-    sizes = np.fromiter(map(len, datas), dtype=np.int64, count=len(datas))
-    bad = np.flatnonzero((sizes == 0) | (sizes % row != 0) | (sizes > MAX_CHUNKS * row))
+    bad = np.flatnonzero((sizes <= 0) | (sizes % row != 0) | (sizes > MAX_CHUNKS * row))
     if bad.size:
         raise InvalidInput(name, f"expected 1 to {MAX_CHUNKS} vectors of {model.dim} float16 "
                                  f"values, found {sizes[bad[0]]} bytes for record "
                                  f"{lsns[bad[0]]}")
-    matrix = np.frombuffer(b"".join(datas), dtype=STORED).reshape(-1, model.dim)
+    matrix = np.frombuffer(data, dtype=STORED).reshape(-1, model.dim)
     rows = sizes // row
     ends = np.cumsum(rows)
     # On the bits (numpy's isfinite on float16 took 0.3 s for 100k vectors): a float16 is
@@ -459,7 +515,10 @@ def _vectors_of(given: Any, exported_user: str, model: ModelInfo, name: str
 
 # -- import ------------------------------------------------------------------------------------
 
-class _Parsed(msgspec.Struct):
+class UserRecords(msgspec.Struct):
+    """One user's records as an export's lines carry them, by kind: parsed from JSON Lines
+    (:func:`parse`), or as a cluster's partition snapshot holds them (msgpack, no JSON)."""
+
     user_id: str
     turns: list[TurnLine]
     notes: list[NoteLine]
@@ -475,7 +534,7 @@ def _bad(where: str, reason: str) -> InvalidInput:
     return InvalidInput("source", f"{where}: {reason}")
 
 
-def parse(data: bytes) -> _Parsed:
+def parse(data: bytes) -> UserRecords:
     """Decode and check an export: its lines in one call, and line by line to name the
     first that does not read.
 
@@ -498,7 +557,7 @@ def parse(data: bytes) -> _Parsed:
         raise _bad("line 1", f"expected format version {known}, found "
                              f"{head.get('version')!r} (written by another engram-trio "
                              "version: export again with this one)")
-    parsed = _Parsed("", [], [], [], [], [], [], [], [])
+    parsed = UserRecords("", [], [], [], [], [], [], [], [])
     by_kind: dict[type, list[Any]] = {
         TurnLine: parsed.turns, NoteLine: parsed.notes, EpisodeLine: parsed.episodes,
         FactLine: parsed.facts, LinkLine: parsed.links, ReviewLine: parsed.reviews,
@@ -549,7 +608,7 @@ def parse(data: bytes) -> _Parsed:
     return parsed
 
 
-def _check(parsed: _Parsed, parts: Parts) -> None:
+def _check(parsed: UserRecords, parts: Parts) -> None:
     """What must hold before anything is written: ids, turn order, one active fact per key."""
     config = parts.config
     limit = config.max_id_chars
@@ -718,7 +777,33 @@ async def import_users(parts: Parts,
     # trio thread serves the node's other partitions meanwhile.
     parsed, checked = await trio.to_thread.run_sync(_parse_all, datas, names, as_users, given,
                                                     parts)
-    imports: list[tuple[_Parsed, str]] = []
+    return await _import(parts, parsed, checked, as_users, names)
+
+
+async def restore_users(parts: Parts, users: list[UserRecords],
+                        vectors: list[VectorRows | None]) -> list[dict[str, int]]:
+    """Write users' records as :func:`export_records` read them (a partition snapshot's),
+    as one import: checked as an import checks an export, every block queued back to back,
+    so the log's followers (text index, embedder, long-term layer) wait until the last is
+    committed instead of halving the writes' pace (:meth:`Store.yield_to_receipts`). Then
+    they catch up, and until they hold every restored record their search legs are
+    reported degraded, as after an open that finds them behind. Returns what
+    :func:`import_users` returns, per user."""
+    names = [f"users[{i}]" for i in range(len(users))]
+    parsed, checked = await trio.to_thread.run_sync(_check_all, users, names,
+                                                    [None] * len(users), vectors, parts)
+    counts = await _import(parts, parsed, checked, [None] * len(users), names)
+    # What the indexes lack of the restore now counts as what they lacked at open.
+    restored = parts.store.committed_lsn
+    parts.open_lsn = max(parts.open_lsn, restored)
+    parts.fulltext.open_lsn = max(parts.fulltext.open_lsn, restored)
+    return counts
+
+
+async def _import(parts: Parts, parsed: list[UserRecords],
+                  checked: list[dict[int, np.ndarray] | None], as_users: list[str | None],
+                  names: list[str]) -> list[dict[str, int]]:
+    imports: list[tuple[UserRecords, str]] = []
     seen: dict[str, str] = {}
     for one, as_user, name in zip(parsed, as_users, names):
         user_id = as_user if as_user is not None else one.user_id
@@ -782,19 +867,28 @@ def _named(name: str) -> Iterator[None]:
 
 def _parse_all(datas: list[bytes], names: list[str], as_users: list[str | None],
                vectors: list[Any], parts: Parts
-               ) -> tuple[list[_Parsed], list[dict[int, np.ndarray] | None]]:
-    """Each export parsed and checked (:func:`_check`, its user id), and the vectors given
-    with it checked (a worker thread's call: it reads only the config and the model)."""
-    parsed, checked = [], []
-    for i, (data, name, as_user, given) in enumerate(
-            zip(datas, names, as_users, vectors, strict=True)):
+               ) -> tuple[list[UserRecords], list[dict[int, np.ndarray] | None]]:
+    """Each export parsed and checked (:func:`_check_all`; a worker thread's call)."""
+    parsed = []
+    for data, name in zip(datas, names, strict=True):
         with _named(name):
-            one = parse(data)
+            parsed.append(parse(data))
+    return _check_all(parsed, names, as_users, vectors, parts)
+
+
+def _check_all(parsed: list[UserRecords], names: list[str], as_users: list[str | None],
+               vectors: list[Any], parts: Parts
+               ) -> tuple[list[UserRecords], list[dict[int, np.ndarray] | None]]:
+    """Each user's records checked (:func:`_check`, its user id), and the vectors given
+    with them checked (a worker thread's call: it reads only the config and the model)."""
+    checked = []
+    for i, (one, name, as_user, given) in enumerate(
+            zip(parsed, names, as_users, vectors, strict=True)):
+        with _named(name):
             v.check_id("as_user" if as_user is not None else "source.user_id",
                        as_user if as_user is not None else one.user_id,
                        parts.config.max_id_chars)
             _check(one, parts)
-        parsed.append(one)
         checked.append(_vectors_of(given, one.user_id, parts.embedder.model,
                                    "vectors" if name == "source" else f"vectors[{i}]"))
     return parsed, checked
@@ -807,7 +901,7 @@ class _User:
     __slots__ = ("parsed", "user_id", "lsn_map", "written", "skipped", "have", "unfiled",
                  "vectors")
 
-    def __init__(self, parsed: _Parsed, user_id: str, have: dict[str, Any], unfiled: set[str],
+    def __init__(self, parsed: UserRecords, user_id: str, have: dict[str, Any], unfiled: set[str],
                  vectors: dict[int, np.ndarray] | None) -> None:
         self.parsed, self.user_id, self.have, self.vectors = parsed, user_id, have, vectors
         self.unfiled = unfiled  # past fact versions here without their id's entry
@@ -816,7 +910,7 @@ class _User:
         self.skipped = 0  # records the store already held
 
 
-def _every_id(parsed: _Parsed) -> list[str]:
+def _every_id(parsed: UserRecords) -> list[str]:
     return ([t.turn_id for t in parsed.turns] + [n.note_id for n in parsed.notes]
             + [e.episode_id for e in parsed.episodes] + [f.fact_id for f in parsed.facts])
 
@@ -839,7 +933,7 @@ def _read_present(txn: Any, dbs: dict[bytes, Any],
     return out
 
 
-async def _write(parts: Parts, imports: list[tuple[_Parsed, str]],
+async def _write(parts: Parts, imports: list[tuple[UserRecords, str]],
                  vectors: list[dict[int, np.ndarray] | None]) -> list[dict[str, int]]:
     store, buffer = parts.store, parts.buffer
     await store.wait_logged()

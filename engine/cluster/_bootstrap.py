@@ -1,13 +1,17 @@
 """Partition snapshots: what an owner publishes to the object store, and how a new owner
 starts from one instead of replaying the whole log.
 
-A snapshot is every user of one partition as the engine exports them (``export_user``'s
-JSON Lines: records with their ids, times, history and derivations) with its stored
-vectors, tagged with the partition's watermark, taken while nothing is applied to the partition: it is the memory
-after exactly the log up to that watermark. A new owner whose copy starts from nothing
-(watermark 0) drops whatever a half-done earlier restore or deletion left of the partition,
-imports the users, then sets the watermark in the store; a crash before that leaves the
-watermark at 0, and the next owner starts over. It then replays the log after the watermark.
+A snapshot is every user of one partition, tagged with the partition's watermark, taken while
+nothing is applied to the partition: it is the memory after exactly the log up to that
+watermark. Each user's records are those ``export_user`` writes (ids, times, history and
+derivations) as msgpack structs (``Engine.export_records``), with their stored vectors in one
+buffer; a snapshot of the first format (tag ``engram-partition-snapshot``: each user's JSON
+Lines export and ``export_vectors``) still restores. A new owner whose copy starts from
+nothing (watermark 0) drops whatever a half-done earlier restore or deletion left of the
+partition, writes the users (``Engine.restore_users``: one import, the log's followers held
+until its last record is written), then sets the watermark in the store; a crash before that
+leaves the watermark at 0, and the next owner starts over. It then replays the log after the
+watermark.
 """
 
 from __future__ import annotations
@@ -21,23 +25,26 @@ import msgspec
 import trio
 
 from .._engine import Engine
-from .._export import UserVectors
+from .._export import UserRecords, UserVectors, VectorRows
 from ..errors import InvalidInput, RecordRefused
 from ._partition import partition_of
 
-__all__ = ["PartitionSnapshot", "take", "settle", "restore", "drop_local", "users_of"]
+__all__ = ["PartitionSnapshot", "PartitionRecords", "take", "settle", "restore", "drop_local",
+           "users_of"]
 
 log = logging.getLogger("engine.cluster")
 
 LEVEL = 1  # zlib level: exports are text and shrink several times even at the fastest
-# Bytes of exports and vectors a restore imports in one ``import_users`` call: large enough
-# that a partition of many small users costs a few round trips to the store, not ~17 a
-# user, and small enough that one call's parsed records stay a bounded share of memory.
+# Bytes of exports and vectors a restore of the first format imports in one
+# ``import_users`` call: large enough that a partition of many small users costs a few round
+# trips to the store, not ~17 a user, and small enough that one call's parsed records stay a
+# bounded share of memory.
 RESTORE_BATCH_BYTES = 32 << 20
 
 
 class PartitionSnapshot(msgspec.Struct, frozen=True, tag="engram-partition-snapshot"):
-    """One partition's users at one watermark.
+    """One partition's users at one watermark, as snapshots of the first format hold them
+    (restored still; taken no more).
 
     Attributes:
         partition / partitions: which partition, of how many (a snapshot of another
@@ -59,8 +66,33 @@ class PartitionSnapshot(msgspec.Struct, frozen=True, tag="engram-partition-snaps
     vectors: dict[str, UserVectors] = msgspec.field(default_factory=dict)
 
 
+class PartitionRecords(msgspec.Struct, frozen=True, tag="engram-partition-snapshot-2"):
+    """One partition's users at one watermark.
+
+    Attributes:
+        partition / partitions: which partition, of how many (a snapshot of another
+            partition count is refused: its users belong elsewhere).
+        watermark: the last log sequence its memory includes.
+        node / taken_at: who took it, and when.
+        users: each user's records (``Engine.export_records``): msgpack decodes them in a
+            fraction of the time the JSON Lines of an export took to parse.
+        vectors: each user's stored vectors, in the order of ``users``, so that a new owner
+            with the same model stores them instead of embedding every text again.
+    """
+
+    partition: int
+    partitions: int
+    watermark: int
+    node: str
+    taken_at: datetime
+    users: list[UserRecords]
+    vectors: list[VectorRows]
+
+
+Snapshot = PartitionSnapshot | PartitionRecords
+
 _encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(PartitionSnapshot).decode
+_decode = msgspec.msgpack.Decoder(Snapshot).decode
 
 
 async def users_of(engine: Engine, partition: int, partitions: int) -> list[str]:
@@ -83,27 +115,26 @@ async def take(engine: Engine, partition: int, partitions: int, watermark: int, 
                ) -> bytes:
     """The partition's snapshot at ``watermark``: the caller holds the partition still (no
     batch applied meanwhile). Everything applied is first taken in by every index and by the
-    long-term layer (:func:`settle`), so the exports carry what the engine derived from it."""
+    long-term layer (:func:`settle`), so the records carry what the engine derived from it."""
     await settle(engine)
-    users, vectors = [], {}
+    users, vectors = [], []
     for user in await users_of(engine, partition, partitions):
-        out = io.BytesIO()
-        await engine.export_user(user, out)
-        users.append((user, out.getvalue()))
-        vectors[user] = await engine.export_vectors(user)
-    snapshot = PartitionSnapshot(partition, partitions, watermark, node,
-                                 datetime.now(timezone.utc), users, vectors)
+        records, rows = await engine.export_records(user)
+        users.append(records)
+        vectors.append(rows)
+    snapshot = PartitionRecords(partition, partitions, watermark, node,
+                                datetime.now(timezone.utc), users, vectors)
     # In a worker thread: ~100 MB for 100k turns (the vectors are most of it) held the
     # node's trio thread, which serves every other partition, for about a second.
     return await trio.to_thread.run_sync(_pack, snapshot)
 
 
-def _pack(snapshot: PartitionSnapshot) -> bytes:
+def _pack(snapshot: Snapshot) -> bytes:
     return zlib.compress(_encode(snapshot), LEVEL)
 
 
-def decode(data: bytes, partition: int, partitions: int) -> PartitionSnapshot:
-    """A snapshot from its bytes, checked to be of this partition.
+def decode(data: bytes, partition: int, partitions: int) -> Snapshot:
+    """A snapshot from its bytes (either format), checked to be of this partition.
 
     Raises:
         InvalidInput: not a snapshot, or one of another partition or partition count.
@@ -115,6 +146,10 @@ def decode(data: bytes, partition: int, partitions: int) -> PartitionSnapshot:
     if (snapshot.partition, snapshot.partitions) != (partition, partitions):
         raise InvalidInput("snapshot", f"expected partition {partition} of {partitions}, found "
                                        f"{snapshot.partition} of {snapshot.partitions}")
+    if isinstance(snapshot, PartitionRecords) and len(snapshot.vectors) != len(snapshot.users):
+        raise InvalidInput("snapshot", f"expected the vectors of each of its "
+                                       f"{len(snapshot.users)} users, found "
+                                       f"{len(snapshot.vectors)}")
     return snapshot
 
 
@@ -128,15 +163,23 @@ async def drop_local(engine: Engine, partition: int, partitions: int) -> int:
     return len(users)
 
 
-async def restore(engine: Engine, snapshot: PartitionSnapshot) -> None:
-    """Import the snapshot's users into a copy of the partition that holds nothing (the
+async def restore(engine: Engine, snapshot: Snapshot) -> None:
+    """Write the snapshot's users into a copy of the partition that holds nothing (the
     caller dropped it), then set the partition's watermark to the snapshot's.
 
-    Users go in batches of up to :data:`RESTORE_BATCH_BYTES` (exports and vectors), each one
-    ``import_users``, with the vectors the snapshot carries (used when this engine has the
-    same model: its embedder stores them instead of running the model). A failing batch is
-    raised as the import raised it; the watermark is then never set, and the next owner
-    starts over."""
+    The users go in with their vectors (stored when this engine has the same model: its
+    embedder takes them instead of running the model): a snapshot of records as one
+    ``restore_users``; one of exports in ``import_users`` calls of up to
+    :data:`RESTORE_BATCH_BYTES`. A failing write is raised as it was raised; the watermark
+    is then never set, and the next owner starts over."""
+    if isinstance(snapshot, PartitionRecords):
+        await engine.restore_users(snapshot.users, snapshot.vectors)
+    else:
+        await _import_exports(engine, snapshot)
+    await engine.set_log_watermark(snapshot.partition, snapshot.watermark)
+
+
+async def _import_exports(engine: Engine, snapshot: PartitionSnapshot) -> None:
     batch: list[bytes] = []
     vectors: list[UserVectors | None] = []
     size = 0
@@ -151,4 +194,3 @@ async def restore(engine: Engine, snapshot: PartitionSnapshot) -> None:
         size += bytes_
     if batch:
         await engine.import_users(batch, vectors=vectors)
-    await engine.set_log_watermark(snapshot.partition, snapshot.watermark)

@@ -3,6 +3,9 @@ log after it; a copy the node no longer owns is deleted after the grace period."
 
 from __future__ import annotations
 
+import io
+import signal
+import sys
 import zlib
 from datetime import datetime
 from pathlib import Path
@@ -12,7 +15,15 @@ import pytest
 import trio
 
 from engine._logbatch import LogTurn
-from engine.cluster._bootstrap import decode, drop_local, restore, take
+from engine.cluster._bootstrap import (
+    PartitionRecords,
+    PartitionSnapshot,
+    decode,
+    drop_local,
+    restore,
+    take,
+)
+from engine.cluster import _bootstrap
 from engine.cluster._node import Node
 from engine.cluster._partition import partition_of
 from engine.cluster._writes import ClusterEngine
@@ -20,8 +31,8 @@ from engine.cluster._writes import ClusterEngine
 from actors.base.messages import PutNote
 from engine import Candidate, Engine, InvalidInput, Note
 
-from ..conftest import T0, open_engine
-from .conftest import connect, one_node, wait_for
+from ..conftest import T0, open_engine, text_index_held
+from .conftest import ROOT, connect, one_node, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,7 +73,8 @@ async def test_a_snapshot_restores_into_an_empty_store_as_the_memory_at_its_wate
         expected = await _memory(a, "ana")
         vectors = sorted((await a.export_vectors("ana")).vectors.values())
     snapshot = decode(data, p, 4)
-    assert len(snapshot.vectors["ana"].vectors) == len(vectors) >= 21
+    assert isinstance(snapshot, PartitionRecords) and len(snapshot.vectors[0].lsns) == len(
+        vectors) >= 21
     with pytest.raises(InvalidInput, match="partition"):
         decode(data, (p + 1) % 4, 4)
     async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
@@ -74,6 +86,7 @@ async def test_a_snapshot_restores_into_an_empty_store_as_the_memory_at_its_wate
         assert (await b.stats()).texts_embedded == 0
         assert await drop_local(b, p, 4) == 1
         assert await b.apply_log_batch(p, []) == 0 and await b.list_users() == []
+    assert (await Engine.verify(tmp_path / "b"))["ok"]
 
 
 def test_a_snapshot_taken_before_vectors_were_carried_still_decodes() -> None:
@@ -93,20 +106,36 @@ def test_a_snapshot_taken_before_vectors_were_carried_still_decodes() -> None:
     assert (snapshot.watermark, snapshot.users, snapshot.vectors) == (9, [("ana", b"x")], {})
 
 
-async def test_a_restore_imports_users_in_batches_and_one_bad_export_stops_it_unmarked(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A snapshot of many users restores them in batches (here of a few users each) into the
-    same memory; an export that does not read stops the restore with its own InvalidInput,
-    naming it, and the partition's watermark is not set, so the next owner starts over."""
-    from engine.cluster import _bootstrap
+async def _exports(engine: Engine, p: int, partitions: int, watermark: int
+                   ) -> PartitionSnapshot:
+    """A snapshot of the first format, as nodes took them before they carried records: each
+    user's export and vectors, through the bytes a node stored."""
+    users, vectors = [], {}
+    for user in sorted(u for u in await engine.list_users() if partition_of(u, partitions) == p):
+        out = io.BytesIO()
+        await engine.export_user(user, out)
+        users.append((user, out.getvalue()))
+        vectors[user] = await engine.export_vectors(user)
+    data = _bootstrap._pack(PartitionSnapshot(p, partitions, watermark, "a", T0, users, vectors))
+    snapshot = decode(data, p, partitions)
+    assert isinstance(snapshot, PartitionSnapshot)
+    return snapshot
 
+
+async def test_a_snapshot_of_the_first_format_restores_in_batches_and_a_bad_export_unmarked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot stored before snapshots carried records (users' exports) restores, in
+    batches (here of a few users each), into the same memory as one of records; an export
+    that does not read stops the restore with its own InvalidInput, naming it, and the
+    partition's watermark is not set, so the next owner starts over."""
     p = 0
     users = [u for u in (f"user-{i}" for i in range(200)) if partition_of(u, 4) == p][:24]
     async with open_engine(tmp_path / "a", config={"long_term": False}) as a:
         entries = [(i + 1, LogTurn(users[i % len(users)], "s", f"t_{i:020x}", "user",
                                    f"turn {i}", T0)) for i in range(10 * len(users))]
         assert await a.apply_log_batch(p, entries) == len(entries)
-        snapshot = decode(await take(a, p, 4, len(entries), "a"), p, 4)
+        snapshot = await _exports(a, p, 4, len(entries))
+        records = decode(await take(a, p, 4, len(entries), "a"), p, 4)
         expected = {u: await _memory(a, u) for u in users}
     batches: list[int] = []
     import_users = Engine.import_users
@@ -122,12 +151,114 @@ async def test_a_restore_imports_users_in_batches_and_one_bad_export_stops_it_un
         assert {u: await _memory(b, u) for u in users} == expected
         assert await b.apply_log_batch(p, []) == len(entries)
     assert len(batches) > 3 and sum(batches) == len(users), batches
+    async with open_engine(tmp_path / "c", config={"long_term": False}) as c:
+        await restore(c, records)
+        assert {u: await _memory(c, u) for u in users} == expected
     bad = msgspec.structs.replace(snapshot, users=[*snapshot.users[:-1],
                                                    (users[-1], b"not an export")])
-    async with open_engine(tmp_path / "c", config={"long_term": False}) as c:
+    async with open_engine(tmp_path / "d", config={"long_term": False}) as d:
         with pytest.raises(InvalidInput, match=r"sources\[\d+\]: line 1"):
-            await restore(c, bad)
-        assert await c.apply_log_batch(p, []) == 0
+            await restore(d, bad)
+        assert await d.apply_log_batch(p, []) == 0
+
+
+async def test_a_snapshot_of_records_that_fail_the_checks_is_refused_and_writes_nothing(
+        tmp_path: Path) -> None:
+    """A snapshot whose bytes are not one, or whose records do not pass an import's checks
+    (a session's turns with a gap, vectors of another user), is refused with InvalidInput
+    naming the user; nothing is written and the watermark stays 0."""
+    p = 0
+    users = [u for u in (f"user-{i}" for i in range(200)) if partition_of(u, 4) == p][:3]
+    async with open_engine(tmp_path / "a", config={"long_term": False}) as a:
+        entries = [(i + 1, LogTurn(users[i % 3], "s", f"t_{i:020x}", "user", f"turn {i}", T0))
+                   for i in range(30)]
+        await a.apply_log_batch(p, entries)
+        data = await take(a, p, 4, 30, "a")
+    snapshot = decode(data, p, 4)
+    with pytest.raises(InvalidInput, match="snapshot: expected a partition snapshot"):
+        decode(data[:len(data) // 2], p, 4)
+    gap = msgspec.structs.replace(snapshot.users[1], turns=snapshot.users[1].turns[1:])
+    swapped = [snapshot.vectors[0], snapshot.vectors[2], snapshot.vectors[1]]
+    async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
+        with pytest.raises(InvalidInput, match=r"users\[1\]: session s: expected turns "
+                                               "numbered 0, 1, 2"):
+            await restore(b, msgspec.structs.replace(
+                snapshot, users=[snapshot.users[0], gap, snapshot.users[2]]))
+        with pytest.raises(InvalidInput, match=r"vectors\[1\]: expected the vectors of user"):
+            await restore(b, msgspec.structs.replace(snapshot, vectors=swapped))
+        assert await b.apply_log_batch(p, []) == 0
+        assert await b.list_users() == [] and (await b.stats()).last_lsn == 0
+
+
+async def test_recall_after_a_restore_says_its_legs_are_degraded_until_the_indexes_hold_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The text index and the vectors catch up after a restore returns (the writes go
+    first): until they hold every restored record, recall names those legs in
+    ``degraded``, as after an open that finds them behind; then it names none."""
+    p = partition_of("ana", 4)
+    async with open_engine(tmp_path / "a", config={"long_term": False}) as a:
+        entries = [(i + 1, LogTurn("ana", "s", f"t_{i:020x}", "user", f"kestrel {i}", T0))
+                   for i in range(40)]
+        await a.apply_log_batch(p, entries)
+        snapshot = decode(await take(a, p, 4, 40, "a"), p, 4)
+    async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
+        with text_index_held(monkeypatch):
+            await restore(b, snapshot)
+            hits = await b.recall("ana", "kestrel")
+            assert "bm25" in hits.degraded and "bm25" in (await b.stats()).degraded
+        await b.flush()
+        hits = await b.recall("ana", "kestrel")
+        assert hits and hits.degraded == () and (await b.stats()).degraded == ()
+
+
+async def test_log_entries_after_a_restore_apply_as_on_the_copy_it_was_taken_from(
+        tmp_path: Path) -> None:
+    """The restored copy goes on from the snapshot's watermark as the copy it was taken
+    from does: the same next seqs, entries at or below the watermark skipped."""
+    p = partition_of("ana", 4)
+    first = [(i + 1, LogTurn("ana", "s", f"t_{i:020x}", "user", f"turn {i}", T0))
+             for i in range(10)]
+    later = [(i + 1, LogTurn("ana", "s", f"t_{i:020x}", "user", f"turn {i}", T0))
+             for i in range(8, 14)]
+    async with open_engine(tmp_path / "a", config={"long_term": False}) as a:
+        await a.apply_log_batch(p, first)
+        snapshot = decode(await take(a, p, 4, 10, "a"), p, 4)
+        assert await a.apply_log_batch(p, later) == 14
+        expected = await _memory(a, "ana")
+    async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
+        await restore(b, snapshot)
+        assert await b.apply_log_batch(p, later) == 14
+        assert await _memory(b, "ana") == expected
+        assert [t.seq for t in await b.session_history("ana", "s", limit=100)] == list(range(14))
+    assert (await Engine.verify(tmp_path / "b"))["ok"]
+
+
+async def test_a_restore_killed_midway_leaves_a_copy_the_next_owner_starts_over(
+        tmp_path: Path) -> None:
+    """A process restoring a snapshot dies by SIGKILL with some of its records committed:
+    the partition's watermark is still 0, so the next owner drops what it left and restores
+    again, ending with the snapshot's memory in a store that verifies."""
+    p = 0
+    users = [u for u in (f"user-{i}" for i in range(200)) if partition_of(u, 4) == p][:6]
+    async with open_engine(tmp_path / "a", config={"long_term": False}) as a:
+        entries = [(i + 1, LogTurn(users[i % len(users)], "s", f"t_{i:020x}", "user",
+                                   f"turn {i}", T0)) for i in range(120)]
+        await a.apply_log_batch(p, entries)
+        data = await take(a, p, 4, 120, "a")
+        expected = {u: await _memory(a, u) for u in users}
+    (tmp_path / "snapshot").write_bytes(data)
+    child = await trio.run_process(
+        [sys.executable, "-m", "tests.cluster.restore_child", str(tmp_path / "snapshot"),
+         str(tmp_path / "b"), str(p), "4"], cwd=ROOT, check=False)
+    assert child.returncode == -signal.SIGKILL
+    async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
+        assert await b.apply_log_batch(p, []) == 0
+        assert 0 < (await b.stats()).last_lsn < len(entries), "killed before or after it"
+        assert await drop_local(b, p, 4) > 0
+        await restore(b, decode(data, p, 4))
+        assert await b.apply_log_batch(p, []) == 120
+        assert {u: await _memory(b, u) for u in users} == expected
+    assert (await Engine.verify(tmp_path / "b"))["ok"]
 
 
 async def test_a_new_owner_restores_the_newest_snapshot_and_the_old_copy_goes_after_grace(
@@ -254,8 +385,8 @@ async def test_a_snapshot_waits_for_a_lagging_long_term_layer_without_holding_th
         assert taken == [second.log_seq]
         mark, data = await log.get_snapshot(0)
         assert mark == second.log_seq
-        ((user, export),) = decode(data, 0, 1).users
-        assert user == "ana" and b'"value":"Kiwi"' in export
+        (records,) = decode(data, 0, 1).users
+        assert records.user_id == "ana" and [f.value for f in records.facts] == ["Kiwi"]
 
 
 async def test_a_record_the_store_refused_does_not_stop_a_snapshot(
