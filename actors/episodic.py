@@ -15,6 +15,11 @@ Reviews: ``retrieve_memory`` records what it showed as a pending review; when th
 turn of that conversation is committed, each shown memory is rated GOOD if the reply used it
 (shares content words with it) and HARD if not. HARD, not AGAIN: a memory that was not needed
 this time was not forgotten. ``review`` rates explicitly.
+
+Times: an episode's creation (its initial FSRS state), its links' and a rating's are the
+clock's; on a cluster node (``timed_by_log``) they are the time of the logged turn that made
+the episode or rating due, so every node that applies the log makes the same ones, however
+much later it replays it (a ``close_session`` call's are the call's, ``engine._parts.pinned``).
 """
 
 from __future__ import annotations
@@ -315,12 +320,18 @@ class EpisodicCompressor:
         # two episodes of the same turns.
         self._lock = trio.Lock()
         self.episodes_made = 0
+        # A cluster node's (set once, by the engine): what the follower derives is timed by
+        # the logged turn that made it due, never by this node's clock when it replays.
+        self.timed_by_log = False
         self._model_warning = RepeatedWarning(log)  # each failure is a failure record
         self.follower = LogFollower(store, WATERMARK, FOLLOW_CHUNK, self._handle)
 
     async def _handle(self, records: list[Searchable], last: int) -> tuple[tuple, tuple]:
         counts: dict[tuple[str, str], int] = {}
-        replies: dict[tuple[str, str], list[str]] = {}
+        # Each conversation's first reply of the step, which rates its pending review (a
+        # later one finds none: the review is taken), with its time.
+        replies: dict[tuple[str, str], tuple[str, datetime]] = {}
+        times: dict[tuple[str, str, int], datetime] = {}  # the step's turns' times, by seq
         # Sessions whose first turn this is, with its time and lsn.
         started: list[tuple[str, str, datetime, int]] = []
         for r in records:
@@ -328,10 +339,11 @@ class EpisodicCompressor:
                 continue
             key = (r.user_id, r.session_id)
             counts[key] = max(counts.get(key, 0), r.seq + 1)
+            times[(r.user_id, r.session_id, r.seq)] = r.at
             if r.seq == 0 and self._sessions is not None:
                 started.append((r.user_id, r.session_id, r.at, r.lsn))
             if r.role == "assistant":
-                replies.setdefault(key, []).append(r.text)
+                replies.setdefault(key, (r.text, r.at))
         puts = await self._rate_replies(replies) if replies else ()
         for key, turn_count in counts.items():
             start = await self._mark(key)
@@ -339,12 +351,15 @@ class EpisodicCompressor:
             # far behind the follower was.
             while turn_count - start >= self._after:
                 last_seq = start + self._after - self._keep - 1
+                # Due at the session's after-th turn not in an episode.
+                at = await self._log_time(key, start + self._after - 1, times)
                 await self.compress(key[0], key[1], start, last_seq, consolidated=False,
-                                    queued=True)
+                                    queued=True, at=at)
                 start = last_seq + 1
             if self._summary_every and turn_count >= self._summary_every:
-                await self._roll_summary(key[0], key[1],
-                                         turn_count - turn_count % self._summary_every)
+                upper = turn_count - turn_count % self._summary_every
+                await self._roll_summary(key[0], key[1], upper,
+                                         await self._log_time(key, upper - 1, times))
         for user_id, session_id, at, lsn in started:
             if await self._consolidate_earlier(user_id, session_id, at):
                 self._switched[user_id] = lsn
@@ -366,19 +381,35 @@ class EpisodicCompressor:
         switched, self._switched = self._switched, {}
         return switched
 
+    async def _log_time(self, key: tuple[str, str], seq: int,
+                        times: dict[tuple[str, str, int], datetime]) -> datetime | None:
+        """On a cluster node (``timed_by_log``), the time of the session's turn ``seq``,
+        which made a derivation due: from the step's turns (``times``), else the store's.
+        None: the clock's (not a cluster node, or the turn is gone)."""
+        if not self.timed_by_log:
+            return None
+        at = times.get((*key, seq))
+        if at is None:
+            turns = await self._store.read(read_session_turns, key[0], key[1], seq, seq)
+            at = turns[0].at if turns else None
+        return at
+
     async def _consolidate_earlier(self, user_id: str, session_id: str, at: datetime) -> bool:
         """A new session started (seed 004): the user's sessions begun before it are over as
-        far as memory goes; their remaining turns become episodes now. Sessions begun later
-        are left alone, so replaying the log after a restart consolidates only what had
-        ended by then. Returns whether there were earlier sessions."""
+        far as memory goes; their remaining turns become episodes now (on a cluster node,
+        at ``at``, the new session's first turn's time). Sessions begun later are left
+        alone, so replaying the log after a restart consolidates only what had ended by
+        then. Returns whether there were earlier sessions."""
         earlier = [info for info in self._sessions(user_id)
                    if info.session_id != session_id and info.started_at <= at]
         await self.prefetch([(user_id, info.session_id) for info in earlier])
+        made_at = at if self.timed_by_log else None
         for info in earlier:
-            await self.consolidate(user_id, info.session_id, info.turn_count)
+            await self.consolidate(user_id, info.session_id, info.turn_count, at=made_at)
         return bool(earlier)
 
-    async def _roll_summary(self, user_id: str, session_id: str, upper: int) -> None:
+    async def _roll_summary(self, user_id: str, session_id: str, upper: int,
+                            at: datetime | None = None) -> None:
         """Bring the session's rolling summary (seed 003) up to turn ``upper``: the previous
         summary's sentences and the new turns', the most central kept. Written with the epoch
         it read, so a summary someone wrote meanwhile is never overwritten by a late one."""
@@ -398,7 +429,7 @@ class EpisodicCompressor:
         previous = "" if state is None else state.summary
         text = await self._rolling_text(user_id, previous, turns)
         epoch = 0 if state is None else state.epoch
-        now = self._clock().astimezone(timezone.utc)
+        now = (self._clock() if at is None else at).astimezone(timezone.utc)
         applied: list[bool] = []
         await store.write_unlogged(WriteSummary(
             user_id, session_id, SummaryState(epoch + 1, text, upper, now), epoch,
@@ -454,9 +485,11 @@ class EpisodicCompressor:
                         if k[0] == user_id and (session_id is None or k[1] == session_id)]:
                 del cache[key]
 
-    async def consolidate(self, user_id: str, session_id: str, turn_count: int) -> bool:
+    async def consolidate(self, user_id: str, session_id: str, turn_count: int,
+                          at: datetime | None = None) -> bool:
         """Make episodes of a finished session's remaining turns (maintenance): those the
-        follower has not reached yet in the episodes it would make, the rest in one."""
+        follower has not reached yet in the episodes it would make, the rest in one; made
+        at ``at`` (None: the clock's)."""
         key = (user_id, session_id)
         made = False
         # A session closed right after a burst of thousands of turns: not one episode of them
@@ -464,32 +497,34 @@ class EpisodicCompressor:
         while turn_count - (start := await self._mark(key)) >= self._after:
             last_seq = start + self._after - self._keep - 1
             made = await self.compress(user_id, session_id, start, last_seq,
-                                       consolidated=True) or made
+                                       consolidated=True, at=at) or made
             if await self._mark(key) == start:  # its turns are gone (forgotten meanwhile)
                 return made
         if turn_count - start < 2:
             return made
         return await self.compress(user_id, session_id, start, turn_count - 1,
-                                   consolidated=True) or made
+                                   consolidated=True, at=at) or made
 
     async def compress(self, user_id: str, session_id: str, first_seq: int, last_seq: int, *,
-                       consolidated: bool, queued: bool = False) -> bool:
+                       consolidated: bool, queued: bool = False,
+                       at: datetime | None = None) -> bool:
         """Make one episode of the session's turns first_seq..last_seq; False if they are gone
         (forgotten meanwhile) or already in an episode. ``queued``: the follower's call, whose
         turns are committed (it read them from the log); the episode's write is queued, not
         awaited (the step's watermark commits after it, in queue order), and True means
         queued. Two commit waits an episode made a bulk import's episodes ~8 a second on a
-        loaded machine; the store still drops the episode if its session is forgotten first."""
+        loaded machine; the store still drops the episode if its session is forgotten first.
+        ``at``: the episode's time (None: the clock's)."""
         async with self._lock:
             self._compressing, self._compressing_forgotten = (user_id, session_id), False
             try:
                 return await self._compress(user_id, session_id, first_seq, last_seq,
-                                            consolidated, queued)
+                                            consolidated, queued, at)
             finally:
                 self._compressing = None
 
     async def _compress(self, user_id: str, session_id: str, first_seq: int, last_seq: int,
-                        consolidated: bool, queued: bool) -> bool:
+                        consolidated: bool, queued: bool, at: datetime | None) -> bool:
         if await self._mark((user_id, session_id)) > first_seq:
             return False
         store = self._store
@@ -499,7 +534,7 @@ class EpisodicCompressor:
         if not turns:
             return False
         title, summary, keywords, surprise = await self._describe(user_id, turns)
-        now = self._clock().astimezone(timezone.utc)
+        now = (self._clock() if at is None else at).astimezone(timezone.utc)
         stability, difficulty = initial_state(surprise, now)
         # Its id is its turns' (their ids are the log's in a cluster): every node that
         # applies the log makes this episode under the same id, and one made of the same
@@ -586,12 +621,19 @@ class EpisodicCompressor:
         self._store.submit(PutState((failure_put(turn.lsn, "episodic", turn.user_id,
                                                  turn.turn_id, exc),)))
 
-    async def _rate_replies(self, replies: dict[tuple[str, str], list[str]]) -> tuple:
+    async def _rate_replies(self, replies: dict[tuple[str, str], tuple[str, datetime]]
+                            ) -> tuple:
+        """Rate the pending reviews of these conversations by their first reply of the step
+        (text, time): the next reply after the review was recorded, however the follower's
+        steps fall (a logged record of a read applies only once the follower has passed
+        the turns before it). Rated at the clock's time, or on a cluster node the reply's."""
         found = await self._store.read(_read_review_inputs, list(replies))
-        now = self._clock().astimezone(timezone.utc)
+        clock = self._clock().astimezone(timezone.utc)
         puts: list[tuple[bytes, bytes, bytes | None, int]] = []
         for (user_id, conversation), (pending, states) in found.items():
-            reply = content_words(" ".join(replies[(user_id, conversation)]))
+            text, said_at = replies[(user_id, conversation)]
+            reply = content_words(text)
+            now = said_at.astimezone(timezone.utc) if self.timed_by_log else clock
             prefix = user_prefix(user_id)
             for memory_id, text in zip(pending.memory_ids, pending.texts, strict=True):
                 if memory_id not in states:

@@ -143,6 +143,9 @@ class Facts:
         # Held while a decision is taken and applied: two decisions on one key never interleave.
         self._lock = trio.Lock()
         self._extraction_failed = RepeatedWarning(log)  # each turn's is a failure record
+        # A cluster node's (set once, by the engine): an extracted fact is decided and timed
+        # at its turn's logged time, never by this node's clock when it replays the log.
+        self.timed_by_log = False
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -222,7 +225,8 @@ class Facts:
         async with self._lock:
             for p in proposals:
                 await self._propose(p.user_id, p.candidate, p.origin, p.sources, p.session_id,
-                                    p.valid_at, False, p.requires, wait=False)
+                                    p.valid_at, False, p.requires, wait=False,
+                                    at=p.valid_at if self.timed_by_log else None)
                 if p.user_id in self._forgotten:
                     # Its turn may be forgotten: the store refuses the fact then, and until
                     # that lands the cache must not show it (it is read again).
@@ -231,12 +235,14 @@ class Facts:
 
     async def _propose(self, user_id: str, c: Candidate, origin: str,
                        sources: tuple[str, ...], session_id: str, valid_at: datetime | None,
-                       force: bool, requires: int, wait: bool = True) -> Outcome:
-        """One decision, applied. With ``wait`` False the write is queued, not awaited: the
-        outcome is the one the store will apply unless it refuses the fact (see
-        ``propose_all``)."""
+                       force: bool, requires: int, wait: bool = True,
+                       at: datetime | None = None) -> Outcome:
+        """One decision, applied, at ``at`` (None: the clock's time): the fact's creation,
+        a rival's decay and a reinforcement count from it. With ``wait`` False the write is
+        queued, not awaited: the outcome is the one the store will apply unless it refuses
+        the fact (see ``propose_all``)."""
         state = await self._user(user_id)
-        now = self._clock().astimezone(timezone.utc)
+        now = (self._clock() if at is None else at).astimezone(timezone.utc)
         valid_at = (valid_at or now).astimezone(timezone.utc)
         current = _find(state, c.category, c.key)
         if current is not None and _same_value(current.value, c.value):
@@ -441,7 +447,9 @@ class Facts:
         """The follower that extracts facts from every committed user turn, in log order,
         with ``extractor`` (default: the rules); the rules stand in for a turn it fails on,
         which is kept as a failure (``Engine.failures``) saying what went wrong. Imported
-        turns (``imported``; default: none) came with their facts: they are skipped."""
+        turns (``imported``; default: none) came with their facts: they are skipped. On a
+        cluster node (``timed_by_log``) a turn's facts are decided and timed at the turn's
+        logged time, so every node that applies the log decides alike."""
         extractor = RuleExtractor() if extractor is None else extractor
         imported = Imported() if imported is None else imported
         rules = isinstance(extractor, RuleExtractor)  # no fallback needed: run them inline

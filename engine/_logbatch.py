@@ -11,7 +11,8 @@ promises the log needs:
   entry applied once. A turn id already in the store is skipped too (a publisher that
   retried past the log's duplicate window), and counted.
 - **Same log, same memory.** Per-session ``seq`` is assigned here, in log order, so two nodes
-  that apply the same log hold the same sessions.
+  that apply the same log hold the same sessions; the long-term followers time what they
+  derive from its turns by the log (``Parts.time_by_log``).
 
 The entries are plain records of this module: the engine knows nothing of NATS.
 """
@@ -36,7 +37,8 @@ from ._recall import record_shown
 from .errors import EngineError, InvalidInput
 
 __all__ = ["LogTurn", "LogForget", "LogForgetScope", "LogCall", "CALLS", "RECORD_SHOWN",
-           "LogEntry", "encode_entry", "decode_entry", "PartitionLog", "watermark_key"]
+           "LogEntry", "encode_entry", "decode_entry", "PartitionLog",
+           "watermark_key", "holds_a_log"]
 
 RECENT_IDS = 65_536  # turn ids applied lately, checked before the store (commits in flight)
 MAX_BATCH = 1_024  # entries per call: one transaction, and a few ms of loop time
@@ -213,6 +215,7 @@ class PartitionLog:
                 raise InvalidInput(f"entries[{index}]", f"expected log sequences increasing "
                                                         f"from 1, found {seq!r} after {last}")
             last = seq
+        self._parts.time_by_log()  # before the first turn of a log reaches the followers
         async with self._lock(partition):
             mark = await self.watermark(partition)
             turns: list[tuple[int, LogTurn]] = []
@@ -367,6 +370,13 @@ def _check_scope(turn: LogTurn, held: tuple[str, str] | None,
         if given is not None and given != own:
             raise InvalidInput(field, f"expected {own!r}, the {field} of session "
                                       f"{turn.session_id!r}, found {given!r}")
+
+
+def holds_a_log(txn: Any, dbs: dict[bytes, Any]) -> bool:
+    """Whether the store holds a partition's watermark: it applied a cluster's log."""
+    prefix = watermark_key(0).rsplit(b":", 1)[0] + b":"
+    cursor = txn.cursor(dbs[b"meta"])
+    return cursor.set_range(prefix) and cursor.key().startswith(prefix)
 
 
 def _mark_puts(partition: int, seq: int) -> tuple[tuple[bytes, bytes, bytes, int]]:

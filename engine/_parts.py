@@ -141,6 +141,14 @@ class Parts:
         self.closed = False
         self.forgets = 0
 
+    def time_by_log(self) -> None:
+        """Have the long-term followers time what they derive by the log, not by the clock:
+        an episode or a rating at the logged turn that made it due, an extracted fact at
+        its turn's time. Set for good once the engine applies a cluster's log (or opens a
+        store that did), before its followers see a turn of it: every node then derives
+        the same times and decisions, however much later it replays the log."""
+        self.compressor.timed_by_log = self.facts.timed_by_log = True
+
     def check_open(self) -> None:
         """Raise EngineClosed if the caller closed the engine, the store's own error if it
         broke underneath."""

@@ -43,6 +43,7 @@ from actors.store import Store
 
 from ._forget import Scrubber
 from ._llm import LLM, ModelTasks
+from ._logbatch import holds_a_log
 from ._parts import Clock, Parts, pinnable, pinnable_ids
 
 __all__ = ["Running", "checked_open", "embedding_for", "running"]
@@ -171,6 +172,8 @@ async def running(root: Path, config: Config, clock: Clock, embedding: Embedder,
                     await parts.notes_md.sync(store)
                 if not read_only:  # a reader writes nothing; the owner scrubs
                     await run.start_background(run.scrubber.run)
+                if await store.read(holds_a_log):  # a cluster node's store (see Parts)
+                    parts.time_by_log()
                 if config.long_term:
                     parts.followers = [entities.follower, facts.follower(extractor, imported),
                                        compressor.follower]

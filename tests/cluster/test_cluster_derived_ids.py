@@ -1,10 +1,12 @@
 """What the long-term followers derive from the log's turns (episodes, extracted facts) has
-the same ids on every node that applies the log, so a logged call naming one (a review, what
-a retrieval showed) applies on a replaying node as it did on the owner."""
+the same ids and times on every node that applies the log, so a logged call naming one (a
+review, what a retrieval showed) applies on a replaying node as it did on the owner, however
+much later it replays."""
 
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +20,13 @@ from engine.cluster._log import Log
 from engine.cluster._node import FETCH_SECONDS, Node
 from engine.cluster._writes import ClusterEngine
 
-from ..conftest import open_engine
+from ..conftest import T0, StepClock, open_engine
 from .conftest import connect, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
 SETTLE_SECONDS = 10.0  # how long the test lets a read's record reach the log
+LATER = timedelta(days=365)  # how much later than the owner the replaying node's clock reads
 # Twenty turns make one episode of the oldest ten (the default window); the user's turns
 # state facts the rules extract, one of them superseding another.
 TURNS = [("user", "I live in Lisbon, near the old market."),
@@ -42,37 +45,13 @@ async def test_a_replaying_store_holds_the_owners_episodes_and_facts_under_their
         nats_servers, cluster_config, tmp_path: Path) -> None:
     """An owner applies twenty turns (an episode, extracted facts, one superseded), a review
     of the episode and a retrieval's record of what it showed, all through the log; a store
-    that applies the same log holds the same episodes and facts under the same ids, the
-    episode rated as on the owner, the same pending review. The replaying store has taken
-    in the turns before it applies the calls, as the owner had when they were logged."""
-    config = msgspec.structs.replace(cluster_config, partitions=1)
-    log = await connect(nats_servers, config)
+    that applies the same log a year later by its clock holds the same episodes and facts
+    under the same ids and times, the episode rated as on the owner (the same FSRS state),
+    the same pending review. The replaying store has taken in the turns before it applies
+    the calls, as the owner had when they were logged."""
+    log, first, turns_end = await _owner(nats_servers, cluster_config, tmp_path / "a")
     try:
-        async with open_engine(tmp_path / "a") as a:
-            node = Node(a, log, "a", "http://127.0.0.1:1")
-            owner = ClusterEngine(a, log, node)
-            async with trio.open_nursery() as nursery:
-                await nursery.start(node.run)
-                await wait_for(lambda: node.owns(0), 30, "the partition held")
-                for role, text in TURNS:
-                    await owner.add_turn("ana", "s1", role, text, durable=True)
-                await _settle(node, log)
-                await a.flush()
-                turns_end = await log.last_seq()
-                [episode] = await a.episodes("ana")
-                rated = await owner.review("ana", episode.episode_id, "easy")
-                before = await log.last_seq()
-                shown = await owner.retrieve_memory_raw("ana", "Porto hiking hills",
-                                                        conversation_id="s2")
-                assert shown.episodic
-                await _grown(log, before)
-                await _settle(node, log)
-                nursery.cancel_scope.cancel()
-            first = await _derived(a)
-        assert first["reviews"] == {episode.episode_id: (1, rated.difficulty)}
-        assert sorted((f[3], f[4]) for f in first["facts"] if f[2] == "location") == [
-            ("Lisbon", "superseded"), ("Porto", "active")]
-        async with open_engine(tmp_path / "b") as b:
+        async with open_engine(tmp_path / "b", clock=StepClock(T0 + LATER)) as b:
             await _apply_log(b, log, 1, turns_end)
             await b.flush()  # its followers took the turns in, as the owner's had
             await _apply_log(b, log, turns_end + 1, await log.last_seq())
@@ -82,21 +61,58 @@ async def test_a_replaying_store_holds_the_owners_episodes_and_facts_under_their
         await log.close()
 
 
+async def _owner(nats_servers: Any, cluster_config: Any, path: Path
+                 ) -> tuple[Log, dict[str, Any], int]:
+    """Run an owner of a one-partition log on a store at ``path``: twenty turns, a review of
+    their episode, a retrieval. Returns the log, what the owner derived and recorded, and
+    the sequence of the last turn."""
+    config = msgspec.structs.replace(cluster_config, partitions=1)
+    log = await connect(nats_servers, config)
+    async with open_engine(path, clock=StepClock()) as a:
+        node = Node(a, log, "a", "http://127.0.0.1:1")
+        owner = ClusterEngine(a, log, node)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.run)
+            await wait_for(lambda: node.owns(0), 30, "the partition held")
+            for n, (role, text) in enumerate(TURNS):
+                await owner.add_turn("ana", "s1", role, text, at=T0 + timedelta(minutes=n),
+                                     durable=True)
+            await _settle(node, log)
+            await a.flush()
+            turns_end = await log.last_seq()
+            [episode] = await a.episodes("ana")
+            rated = await owner.review("ana", episode.episode_id, "easy")
+            before = await log.last_seq()
+            shown = await owner.retrieve_memory_raw("ana", "Porto hiking hills",
+                                                    conversation_id="s2")
+            assert shown.episodic
+            await _grown(log, before)
+            await _settle(node, log)
+            nursery.cancel_scope.cancel()
+        first = await _derived(a)
+    assert first["reviews"] == {episode.episode_id: (
+        rated.stability, rated.difficulty, rated.last_review, 1)}
+    assert sorted((f[3], f[4]) for f in first["facts"] if f[2] == "location") == [
+        ("Lisbon", "superseded"), ("Porto", "active")]
+    return log, first, turns_end
+
+
 async def _derived(engine: Any) -> dict[str, Any]:
-    """What ``engine`` derived for ana and what the logged calls wrote about it."""
+    """What ``engine`` derived for ana and what the logged calls wrote about it, with the
+    times each node gives them."""
     await engine.flush()
     store = engine._parts.store
     episodes = await engine.episodes("ana")
     ids = [e.episode_id for e in episodes]
     return {
-        "episodes": [(e.episode_id, e.first_seq, e.last_seq, e.turn_ids) for e in episodes],
-        "facts": sorted((f.fact_id, f.category, f.key, f.value, f.status)
+        "episodes": [(e.episode_id, e.first_seq, e.last_seq, e.turn_ids, e.created_at,
+                      e.stability, e.difficulty) for e in episodes],
+        "facts": sorted((f.fact_id, f.category, f.key, f.value, f.status, f.created_at,
+                         f.valid_at, f.expired_at, f.access_count, f.last_access_at)
                         for f in await store.read(read_facts, "ana", False)),
-        # Rated once, as hard to recall as on the owner. Its stability and time are left
-        # out: they count from the episode's creation, which each node times by its clock.
-        "reviews": {i: (r.reps, r.difficulty)
+        "reviews": {i: (r.stability, r.difficulty, r.last_review, r.reps)
                     for i, r in (await store.read(read_review_states, "ana", ids)).items()},
-        "pending": [(c, p.memory_ids) for u, c, p in await store.read(read_pending)
+        "pending": [(c, p.memory_ids, p.shown_at) for u, c, p in await store.read(read_pending)
                     if u == "ana"],
     }
 
