@@ -11,14 +11,17 @@ promises the log needs:
   entry applied once. A turn id already in the store is skipped too (a publisher that
   retried past the log's duplicate window), and counted.
 - **Same log, same memory.** Per-session ``seq`` is assigned here, in log order, so two nodes
-  that apply the same log hold the same sessions; the long-term followers time what they
-  derive from its turns by the log (``Parts.time_by_log``).
+  that apply the same log hold the same sessions. A call that reads what the long-term
+  followers derive from the turns (episodes, extracted facts) applies only once they have
+  taken in everything before it, so its outcome is the log's, not how far behind this
+  node's followers were; and they time what they derive by the log (``Parts.time_by_log``).
 
 The entries are plain records of this module: the engine knows nothing of NATS.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
@@ -37,11 +40,17 @@ from ._recall import record_shown
 from .errors import EngineError, InvalidInput
 
 __all__ = ["LogTurn", "LogForget", "LogForgetScope", "LogCall", "CALLS", "RECORD_SHOWN",
-           "LogEntry", "encode_entry", "decode_entry", "PartitionLog",
+           "READS_DERIVED", "LogEntry", "encode_entry", "decode_entry", "PartitionLog",
            "watermark_key", "holds_a_log"]
+
+log = logging.getLogger("engine.cluster")
 
 RECENT_IDS = 65_536  # turn ids applied lately, checked before the store (commits in flight)
 MAX_BATCH = 1_024  # entries per call: one transaction, and a few ms of loop time
+# How long a call waits for the long-term followers before the wait is logged and counted
+# (a node's own caller hears CallLogged after as long); it waits on, the followers always
+# move on (a record they fail on is kept as a failure and passed).
+FOLLOWERS_WAIT = 10.0
 
 
 class LogTurn(msgspec.Struct, frozen=True, tag="turn", omit_defaults=True):
@@ -110,6 +119,12 @@ CALLS = frozenset({
     RECORD_SHOWN,
 })
 
+# The calls whose outcome reads what the long-term followers derive from the turns: a review
+# or a link names an episode or an extracted fact, what a read recorded names both, a fact
+# call decides against the extracted facts, closing a session or writing its summary goes
+# by the episodes and summaries made so far. Notes are the caller's own: they apply at once.
+READS_DERIVED = CALLS - {"store_note", "update_note", "delete_note"}
+
 LogEntry = LogTurn | LogForget | LogForgetScope | LogCall
 
 _encoder = msgspec.msgpack.Encoder()
@@ -162,6 +177,8 @@ class PartitionLog:
         # Entries whose apply wrote more than one op: only the first is in the watermark's
         # transaction (each call writes one op today; a test holds every call to that).
         self.split = 0
+        self.waited = 0  # calls that waited for the long-term followers to catch up
+        self.waited_long = 0  # of those, the ones that waited FOLLOWERS_WAIT or more
 
     async def watermark(self, partition: int) -> int:
         """The last log sequence applied to ``partition`` (0: none)."""
@@ -226,6 +243,8 @@ class PartitionLog:
                     if turns:
                         mark = await self._write_turns(partition, turns)
                         turns = []
+                    if type(entry) is LogCall and entry.method in READS_DERIVED:
+                        await self._followed(f"{partition}:{seq}")
                     if type(entry) is LogForgetScope:
                         result = await self._forget_scope(partition, seq, entry)
                     else:
@@ -238,6 +257,41 @@ class PartitionLog:
             if turns:
                 mark = await self._write_turns(partition, turns)
             return mark
+
+    async def _followed(self, place: str) -> None:
+        """Wait until every long-term follower has taken in what the store held when the
+        applier reached the call at ``place``: the episodes and facts the turns before it
+        make are derived then, on every node, however far behind its followers were. Not
+        bounded by time: a follower always moves on (a record it fails on is kept as a
+        failure), and applying the call without it would diverge; a wait past
+        FOLLOWERS_WAIT is logged and counted (``waited_long``), and the partition's lag
+        shows it meanwhile.
+
+        Raises:
+            EngineClosed / EngineBroken: the engine closed or broke meanwhile (the followers
+                stop then: the call is left to the next open's replay).
+        """
+        parts = self._parts
+        if not parts.followers:
+            return
+        store = parts.store
+        await store.wait_logged()
+        target = store.next_lsn - 1
+        if all(f.watermark >= target for f in parts.followers):
+            return
+        self.waited += 1
+        while True:
+            with trio.move_on_after(FOLLOWERS_WAIT) as waiting:
+                for follower in parts.followers:
+                    await follower.wait(target)
+            if not waiting.cancelled_caught:
+                break
+            self.waited_long += 1
+            behind = ", ".join(f"{f.name} at {f.watermark}" for f in parts.followers
+                               if f.watermark < target)
+            log.warning("the call at %s waits for the long-term followers to reach %d (%s)",
+                        place, target, behind)
+        parts.check_open()
 
     async def _apply_one(self, partition: int, seq: int, entry: LogForget | LogCall) -> Any:
         """A forget or a call, with the watermark moved to ``seq`` in the transaction of the

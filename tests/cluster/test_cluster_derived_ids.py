@@ -1,7 +1,7 @@
 """What the long-term followers derive from the log's turns (episodes, extracted facts) has
 the same ids and times on every node that applies the log, so a logged call naming one (a
 review, what a retrieval showed) applies on a replaying node as it did on the owner, however
-much later it replays."""
+much later it replays, and however far behind its followers are."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from typing import Any
 import msgspec
 import pytest
 import trio
+import trio.testing
 
+from actors.episodic import EpisodicCompressor
 from actors.store import read_facts, read_pending, read_review_states
 from engine._logbatch import decode_entry
 from engine.cluster._log import Log
@@ -55,6 +57,35 @@ async def test_a_replaying_store_holds_the_owners_episodes_and_facts_under_their
             await _apply_log(b, log, 1, turns_end)
             await b.flush()  # its followers took the turns in, as the owner's had
             await _apply_log(b, log, turns_end + 1, await log.last_seq())
+            assert await _derived(b) == first
+            assert b._partition_log.invalid == 0  # the review found its episode
+    finally:
+        await log.close()
+
+
+async def test_a_call_waits_for_the_followers_to_derive_what_it_names(
+        nats_servers, cluster_config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """A store that applies the owner's whole log in one batch, its episodes' follower held
+    back until its applier has nothing else to do, applies the logged review of the episode
+    as the owner did: the applier waits for the followers to derive the episode first."""
+    log, first, turns_end = await _owner(nats_servers, cluster_config, tmp_path / "a")
+    gate = trio.Event()  # set: the replaying store's episodes' follower may step again
+    handle = EpisodicCompressor._handle
+
+    async def held(self: EpisodicCompressor, records: list, last: int) -> Any:
+        await gate.wait()
+        return await handle(self, records, last)
+
+    monkeypatch.setattr(EpisodicCompressor, "_handle", held)
+    try:
+        async with open_engine(tmp_path / "b", clock=StepClock(T0 + LATER)) as b:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_apply_log, b, log, 1, await log.last_seq())
+                await wait_for(lambda: (b._partition_log.known_watermark(0) or 0) >= turns_end,
+                               30, "the turns applied")
+                await trio.testing.wait_all_tasks_blocked(0.1)
+                gate.set()
             assert await _derived(b) == first
             assert b._partition_log.invalid == 0  # the review found its episode
     finally:
