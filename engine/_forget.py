@@ -25,7 +25,6 @@ the vector index in commit order, the facts and entities), then the Scrubber is 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timezone
 from typing import Any
 
 import trio
@@ -119,6 +118,10 @@ class Forgetting:
             await trio.lowlevel.checkpoint()
             return
         store = parts.store
+        # From here a reflection pass writes no note (it checks the count in the step that
+        # queues its note, Maintenance._write): one queued before is committed by the read
+        # below and judged with the others, so none quoting the session is left.
+        parts.forgets += 1
         # What of the session a reflection may quote, read before the forget is queued.
         await parts.committed()
         made = [m.created_at for m in (
@@ -126,7 +129,7 @@ class Forgetting:
             *[f for f in await store.read(read_facts, user_id, False)
               if f.session_id == session_id])]
         notes = await store.read(_read_notes, user_id) if made else []
-        doomed = sorted(reflections_quoting(notes, made, parts.clock().astimezone(timezone.utc)))
+        doomed = sorted(reflections_quoting(notes, made))
         lsn = await self._queue(user_id, session_id, doomed)
         try:
             await store.wait_committed(lsn + len(doomed))

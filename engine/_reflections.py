@@ -28,19 +28,11 @@ def _written_by_a_pass(note: Note) -> bool:
                                           or _WEEKLY.fullmatch(note.note_id) is not None)
 
 
-def reflections_quoting(notes: list[Note], made: list[datetime], now: datetime) -> set[str]:
+def reflections_quoting(notes: list[Note], made: list[datetime]) -> set[str]:
     """The reflections that may quote (or have drawn topics from) facts and episodes made at
-    ``made``, which a forget is about to remove: every reflection note whose window (the
-    REFLECTION_WINDOW up to when it was written) holds one of those times, and, if one is
-    recent enough for a pass running now to have read it, the notes such a pass could be
-    writing (the session reflection, the weekly one of this week and of the week the window
-    begins in). The forget deletes them all in its own transaction; the next switch and the
-    next pass write them again from what the user still has."""
-    doomed = {n.note_id for n in notes if _written_by_a_pass(n)
-              and any(n.updated_at - REFLECTION_WINDOW <= at <= n.updated_at for at in made)}
-    # A pass that began up to a window ago reads back a window from then.
-    recent = [at for at in made if at >= now - 2 * REFLECTION_WINDOW]
-    if recent:
-        doomed |= {SESSION_REFLECTION, weekly_note_id(now),
-                   weekly_note_id(max(min(recent), now - REFLECTION_WINDOW))}
-    return doomed
+    ``made``, which a forget is about to remove: every reflection the passes wrote whose
+    window (the REFLECTION_WINDOW up to when it was written) holds one of those times. The
+    forget deletes them in its own transaction; the next switch and the next pass write them
+    again from what the user still has."""
+    return {n.note_id for n in notes if _written_by_a_pass(n)
+            and any(n.updated_at - REFLECTION_WINDOW <= at <= n.updated_at for at in made)}
