@@ -19,10 +19,12 @@ snapshot in the object store, against a single-node restore of the same memory, 
 3. The hand-over: A is reopened on its store and holds every partition again; node B
    starts on an empty store beside it; A stops (its leases released); B claims the
    partition at its next lease tick (seen by a 10 ms poll), fetches and decodes the
-   snapshot, imports its users, replays the log after its watermark. Measured
+   snapshot, writes its users, replays the log after its watermark. Measured
    from the moment B holds the lease: B's first ``recall`` answered with the partition
    applied to its last entry ("serves"; B's engine was open before, the single node's open
-   is in its figure), B's own ``bootstrap_seconds`` (fetch, decode, import), and the time
+   is in its figure; the legs it names ``degraded`` are those whose index was still taking
+   in the restore), B's own ``bootstrap_seconds`` (fetch, decode, write) with the three
+   steps timed apart, and the time
    until B's text index and vectors hold every turn (with how many vectors B stored from the
    snapshot and how many texts its model embedded), and how many of the single node's hits
    B then gives (``single_hits_found_once_indexed``).
@@ -47,8 +49,10 @@ from typing import Any
 import trio
 from _report import write_results
 
-from engine import Engine, HashEmbedder, UserVectors
+from engine import Engine, HashEmbedder
+from engine._export import UserRecords, VectorRows
 from engine.cluster import ClusterConfig, ClusterEngine, LocalNats, Log, Node, partition_of
+from engine.cluster import _node
 
 CONFIG = {"long_term": False}  # the log, the store and the indexes are under test, as in cluster.py
 PARTITIONS = 8  # bench/cluster.py's count: a partition holds an eighth of a fleet's users
@@ -164,6 +168,7 @@ async def hand_over(urls: list[str], config: ClusterConfig, base: Path, built: d
                             embedder=_embedder()) as b:
             node_a = Node(a, log_a, "a", "http://127.0.0.1:1")
             node_b = Node(b, log_b, "b", "http://127.0.0.1:2")
+            steps = _time_bootstrap_steps(node_b)
             claimed: list[float] = []  # when B was seen holding the partition's lease
             async with trio.open_nursery() as outer:
                 a_scope = trio.CancelScope()
@@ -191,8 +196,10 @@ async def hand_over(urls: list[str], config: ClusterConfig, base: Path, built: d
                 hits = await b.recall(users[0], QUERY, limit=10)
                 out["serves_s"] = time.perf_counter() - claimed[0]
                 out["hits"] = len(hits)
+                out["degraded"] = list(hits.degraded)
                 counts = node_b.partitions[PARTITION]
                 out["bootstrap_s"] = counts.bootstrap_seconds
+                out.update(steps)
                 out["bootstraps"] = counts.bootstraps
                 out["replayed_entries"] = counts.entries
                 with trio.fail_after(WAIT_SECONDS):
@@ -222,6 +229,34 @@ async def hand_over(urls: list[str], config: ClusterConfig, base: Path, built: d
     return out
 
 
+def _time_bootstrap_steps(node: Node) -> dict[str, float]:
+    """Seconds of each step of ``node``'s bootstrap (the snapshot's fetch, its decode in a
+    worker thread, the write of its users and watermark), filled in as they end."""
+    steps: dict[str, float] = {}
+    decode_snapshot = _node.decode_snapshot
+
+    def timed(name: str, call: Any) -> Any:
+        async def run(*args: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return await call(*args)
+            finally:
+                steps[name] = time.perf_counter() - started
+        return run
+
+    def decode(*args: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return decode_snapshot(*args)
+        finally:
+            steps["decode_s"] = time.perf_counter() - started
+
+    node.log.get_snapshot = timed("fetch_s", node.log.get_snapshot)  # type: ignore[method-assign]
+    _node.restore = timed("write_s", _node.restore)  # type: ignore[assignment]
+    _node.decode_snapshot = decode  # type: ignore[assignment]
+    return steps
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--turns", type=int, default=100_000)
@@ -236,10 +271,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     MODEL["real"] = args.model
     if args.without_vectors:
-        async def no_vectors(self: Engine, user_id: str) -> UserVectors:
-            return UserVectors(user_id, "", 0, {})  # of no model: an import does not use them
+        export_records = Engine.export_records
 
-        Engine.export_vectors = no_vectors  # type: ignore[method-assign]
+        async def no_vectors(self: Engine, user_id: str) -> tuple[UserRecords, VectorRows]:
+            records, _ = await export_records(self, user_id)
+            # Of no model: a restore does not use them.
+            return records, VectorRows(user_id, "", 0, [], [], b"")
+
+        Engine.export_records = no_vectors  # type: ignore[method-assign]
     base = Path(tempfile.mkdtemp(prefix="engram-bench-bootstrap-"))
     # A short TTL so B's claim comes within a second of A's release (ticks are TTL/5); the
     # snapshot is taken by hand once A has applied everything.
@@ -269,7 +308,9 @@ def report(r: dict[str, Any]) -> None:
           f"{r['single_first_answer_s']:.2f} s after the restore began")
     print(f"  new owner: claimed {r['claim_wait_s']:.2f} s after A's release; serves "
           f"{r['serves_s']:.2f} s after its claim ({r['serves_over_single']:.2f}x the single "
-          f"node; target <= 2x); bootstrap {r['bootstrap_s']:.2f} s, {r['replayed_entries']} "
+          f"node; target <= 2x; degraded legs {r['degraded']}); bootstrap "
+          f"{r['bootstrap_s']:.2f} s (fetch {r['fetch_s']:.2f}, decode {r['decode_s']:.2f}, "
+          f"write {r['write_s']:.2f}), {r['replayed_entries']} "
           f"entries replayed after the snapshot; indexes caught up "
           f"{r['indexes_caught_up_s']:.1f} s after the claim ({r['vectors_imported']:,} "
           f"vectors from the snapshot, {r['texts_embedded']:,} texts embedded), then "
