@@ -260,10 +260,14 @@ class Node:
             return 0
         try:
             snapshot = await trio.to_thread.run_sync(decode_snapshot, found[1], p, partitions)
+            await restore(self.engine, snapshot)
         except InvalidInput as exc:
+            # Not a snapshot, one of elsewhere, or records an import refuses: the log has
+            # the partition all the same. What a batch before the refused one wrote (a
+            # snapshot of exports) goes first, as a half-done restore's would.
             log.warning("partition %d: snapshot refused (%s); replaying the whole log", p, exc)
+            await drop_local(self.engine, p, partitions)
             return 0
-        await restore(self.engine, snapshot)
         counts.bootstraps += 1
         counts.bootstrap_seconds = time.monotonic() - started
         counts.snapshot_watermark = max(counts.snapshot_watermark, snapshot.watermark)

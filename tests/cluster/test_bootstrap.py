@@ -458,3 +458,40 @@ async def test_a_copy_whose_next_entries_aged_out_of_the_log_restores_the_newer_
                 assert [t.text for t in history] == ["first", "second"]
     finally:
         await log.close()
+
+
+async def test_a_snapshot_whose_records_fail_the_checks_is_refused_and_the_log_replayed(
+        nats_servers, cluster_config, tmp_path: Path) -> None:
+    """A new owner given a snapshot that decodes but whose records do not pass an import's
+    checks (here a session's first turn missing) refuses it, as one that does not decode,
+    and replays the whole log instead of ending the node."""
+    from engine._logbatch import encode_entry
+    from engine.cluster._partition import subject_of
+    from engine.cluster._writes import LogWriter
+    from actors.base.config import Config
+
+    config = msgspec.structs.replace(cluster_config, partitions=1, snapshot_interval=3600.0)
+    log = await connect(nats_servers, config, "w")
+    try:
+        writer = LogWriter(log, Config())
+        turns = [writer._turn("", "ana", "s", "user", text, None, None)
+                 for text in ("first", "second")]
+        seqs = [(await log.publish(subject_of("ana", 1), encode_entry(turn), turn.turn_id))[0]
+                for turn in turns]
+        async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
+            await b.apply_log_batch(0, list(zip(seqs, turns)))
+            snapshot = decode(await take(b, 0, 1, seqs[-1], "b"), 0, 1)
+        (records,) = snapshot.users
+        damaged = msgspec.structs.replace(
+            snapshot, users=[msgspec.structs.replace(records, turns=records.turns[1:])])
+        await log.put_snapshot(0, seqs[-1], _bootstrap._pack(damaged))
+        with trio.fail_after(60):
+            async with one_node(nats_servers, config, tmp_path / "a",
+                                config={"long_term": False}) as (engine, node, _w, _l):
+                await wait_for(lambda: node.marks.get(0, 0) >= seqs[-1], 20,
+                               "the whole log replayed")
+                history = await engine.session_history("ana", "s")
+                assert [t.text for t in history] == ["first", "second"]
+                assert node.partitions[0].bootstraps == 0
+    finally:
+        await log.close()
