@@ -517,6 +517,7 @@ async def test_an_export_into_a_file_that_takes_part_of_a_write_is_whole_or_refu
     byte is written now, or the export is refused, naming dest, with what it took."""
     for i in range(50):
         await mem.add_turn("ana", "s", "user", f"turn {i} " + "words " * 40)
+    await mem.flush()  # the episodes the turns make are in, not made between two exports
     whole = io.BytesIO()
     await mem.export_user("ana", whole)
     trickle = _Trickle(1000)
