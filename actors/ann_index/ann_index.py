@@ -592,13 +592,22 @@ class AnnIndex:
         yet cannot be judged here and is kept (its caller checks the record itself)."""
         user = await self._user(user_id)
         out = set(lsns)
-        for _, uv in user.parts():
+        for part, uv in user.parts():
             row_of = uv.row_of
             pairs = [(lsn, row) for lsn in lsns if (row := row_of.get(lsn)) is not None]
             if not pairs:
                 continue
+            # As a search plans it: a partition none of whose kinds the filters admit keeps
+            # nothing, and one they admit whole is judged without the kind filter (a recall
+            # of turns only: every turn row passes, no mask is made).
+            if not filters.admits(part):
+                out.difference_update(lsn for lsn, _ in pairs)
+                continue
+            within = filters.within(part)
+            if not within.any():
+                continue
             rows = np.array([row for _, row in pairs], dtype=np.int64)
-            keep = filters.mask(uv.meta[rows], uv.lsns[rows])
+            keep = within.mask(uv.meta[rows], uv.lsns[rows])
             out.difference_update(lsn for (lsn, _), kept in zip(pairs, keep.tolist(),
                                                                  strict=True) if not kept)
         return out

@@ -158,19 +158,31 @@ async def test_filters_apply_inside_the_search(store_path) -> None:
 async def test_admitted_judges_records_by_their_rows_and_keeps_those_without_one(
         store_path) -> None:
     """``admitted`` answers, for given records, what a search with the same filters could
-    return; a record with no vector yet cannot be judged and is kept."""
+    return, in each partition (a kind filter admits a partition whole, or none of it); a
+    record with no vector yet cannot be judged and is kept."""
     async with running_index(store_path) as v:
         early = await v.add_turn("ana", "a", "dog lisbon", at_offset=timedelta(0))
         late = await v.add_turn("ana", "b", "dog lisbon", role="assistant",
                                 at_offset=timedelta(days=3))
         bare = await v.ground.add_turn("ana", "a", "no vector yet", durable=True)
-        ann, every = v.ann, [early, late, bare]
-        assert await ann.admitted("ana", every, Filters(session_id="b")) == {late, bare}
-        assert await ann.admitted("ana", every, Filters(roles=("user",))) == {early, bare}
+        episode, fact = (await v.add_turns("ana", [("a", "dog episode")], "episode")
+                         + await v.add_turns("ana", [("a", "dog fact")], "fact"))
+        ann, turns = v.ann, [early, late, bare]
+        every = [*turns, episode, fact]
+        assert await ann.admitted("ana", every, Filters(kinds=("turn",))) == set(turns)
+        assert await ann.admitted("ana", every, Filters(kinds=("episode", "fact", "note"))) == {
+            bare, episode, fact}
+        assert await ann.admitted("ana", every, Filters(kinds=("episode",))) == {bare, episode}
+        assert await ann.admitted("ana", every, Filters(kinds=("turn", "fact"),
+                                                        roles=("user",))) == {early, bare, fact}
+        assert await ann.admitted("ana", every, Filters(kinds=("turn",),
+                                                        exclude=[early])) == {late, bare}
+        assert await ann.admitted("ana", turns, Filters(session_id="b")) == {late, bare}
+        assert await ann.admitted("ana", turns, Filters(roles=("user",))) == {early, bare}
         since = Filters(since=T0 + timedelta(days=1))
-        assert await ann.admitted("ana", every, since) == {late, bare}
-        assert await ann.admitted("ana", every, Filters(kinds=("fact",))) == {bare}
-        assert await ann.admitted("ana", every, Filters(exclude=[late])) == {early, bare}
+        assert await ann.admitted("ana", turns, since) == {late, bare}
+        assert await ann.admitted("ana", turns, Filters(kinds=("fact",))) == {bare}
+        assert await ann.admitted("ana", turns, Filters(exclude=[late])) == {early, bare}
 
 
 async def test_vectors_committed_while_a_user_loads_are_not_lost(store_path) -> None:
