@@ -50,6 +50,9 @@ _IMPORT_REFUSED = ("{method} writes this node's store without log entries; in a 
                    "send the history through add_turns (each turn becomes an entry), or "
                    "import into a single-node engine")
 
+_APPLIER_ONLY = ("{method} is the node's applier's own (it applies the log and moves the "
+                 "watermarks); a caller writes through add_turn, the logged calls and the forgets")
+
 
 class NotInCluster(EngineError):
     """This write is not carried by the cluster's log yet, so a node refuses it rather than
@@ -272,6 +275,32 @@ class ClusterEngine(LogWriter):
             NotInCluster: always (see the message for what to do instead).
         """
         raise NotInCluster(_IMPORT_REFUSED.format(method="import_users"))
+
+    async def restore_users(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused, as :meth:`import_users`: the node's own bootstrap restores a partition
+        snapshot through its engine, never a caller.
+
+        Raises:
+            NotInCluster: always.
+        """
+        raise NotInCluster(_IMPORT_REFUSED.format(method="restore_users"))
+
+    async def set_log_watermark(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: only the node's applier moves a partition's watermark (moved by a caller,
+        this copy would skip or repeat part of the log).
+
+        Raises:
+            NotInCluster: always.
+        """
+        raise NotInCluster(_APPLIER_ONLY.format(method="set_log_watermark"))
+
+    async def apply_log_batch(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused, as :meth:`set_log_watermark`: the node applies its partitions' entries.
+
+        Raises:
+            NotInCluster: always.
+        """
+        raise NotInCluster(_APPLIER_ONLY.format(method="apply_log_batch"))
 
     async def retrieve_memory(self, user_id: str, query: str, *args: Any, **kwargs: Any
                               ) -> str:

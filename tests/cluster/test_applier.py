@@ -387,6 +387,16 @@ async def test_writes_the_log_does_not_carry_are_refused_on_a_node(
                 await writer.import_user(source)
             with pytest.raises(NotInCluster, match="import_users"):
                 await writer.import_users([source])
+            records, _ = await engine.export_records("ana")
+            with pytest.raises(NotInCluster, match="restore_users"):
+                await writer.restore_users([records], [None])
+            # The applier's own entry points: a caller moving a watermark or applying entries
+            # itself would make this copy skip or repeat the log.
+            with pytest.raises(NotInCluster, match="set_log_watermark"):
+                await writer.set_log_watermark(0, 7)
+            with pytest.raises(NotInCluster, match="apply_log_batch"):
+                await writer.apply_log_batch(0, [])
+            assert await engine.apply_log_batch(0, []) == 0  # the watermark did not move
             assert await engine.list_users() == []  # nothing reached the store
             assert await engine.session_history("ana", "s1", limit=10) == []
     finally:
