@@ -41,7 +41,6 @@ from .base.logs import RepeatedWarning
 from .base.messages import PutEpisode, PutState, Searchable, WriteSummary
 from .base.records import Episode, Link, PendingReview, ReviewState, SessionInfo, SummaryState, Turn
 from .embedder import Embedder
-from .extraction import read_derived_id
 from .imported import Imported
 from .store import (
     LogFollower,
@@ -49,6 +48,7 @@ from .store import (
     decode_pending,
     decode_review,
     failure_put,
+    read_derived_id,
     read_last_episode_seqs,
     read_memories_by_id,
     read_session_turns,

@@ -17,30 +17,21 @@ eat"), standing instructions ("always / never / from now on / don't / I want you
 relationships ("my sister Ana", "Ana is my sister", "my wife is called Ines") with pets kept
 apart from people, schedules and routines, and a few other languages' ways of saying one's
 name and home. Text no rule matches is still stored and searchable: extraction only adds facts.
-
-What the long-term followers derive (an episode, an extracted fact) takes its id from what it
-stands for (:func:`read_derived_id`), so every node of a cluster that applies the same log
-makes it under the same id, and a logged call naming it (a review) finds it everywhere.
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
-
-import msgspec
+from typing import Protocol, runtime_checkable
 
 from .base.keys import MAX_ID_BYTES
 from .base.validate import encodable
 from .base.messages import Candidate
-from .store import read_memories_by_id
 
 __all__ = ["Candidate", "Extractor", "RuleExtractor", "extract_facts", "checked_candidates",
-           "MIN_CONFIDENCE", "MIN_IMPORTANCE", "MAX_CANDIDATES", "STOPWORDS", "jaccard", "words",
-           "derived_id", "read_derived_id"]
+           "MIN_CONFIDENCE", "MIN_IMPORTANCE", "MAX_CANDIDATES", "STOPWORDS", "jaccard", "words"]
 
 MIN_CONFIDENCE = 0.4  # extracted candidates below this are dropped (seed 002)
 MIN_IMPORTANCE = 0.2  # ... and below this importance
@@ -138,33 +129,6 @@ def checked_candidates(found: object) -> list[Candidate]:
         out.append(Candidate(category, key, value, text, float(c.confidence),
                              float(c.importance), keywords))
     return out
-
-
-# -- ids of derived memories ---------------------------------------------------------------------
-
-_encode_parts = msgspec.msgpack.Encoder().encode
-
-
-def derived_id(what: Any, salt: int = 0) -> str:
-    """20 hex digits (as random and pinned ids have) hashed from ``what`` (msgpack-encodable:
-    nested tuples keep their parts apart) and ``salt``: the same on every node."""
-    data = _encode_parts((what, salt) if salt else what)
-    return hashlib.blake2b(data, digest_size=10).hexdigest()
-
-
-def read_derived_id(txn: Any, dbs: dict[bytes, Any], user_id: str, prefix: str,
-                    what: Any) -> str:
-    """``prefix`` and :func:`derived_id` of ``what``, salted (1, 2, ...) until no memory of
-    the user holds it: a derived memory made again from what an earlier one, since retired,
-    stood for (a fact extracted again from a turn a failed step read twice) never takes the
-    id of a version history keeps. Salts are tried in order, so nodes holding the same
-    memories pick the same one. A store read (``Store.read``)."""
-    salt = 0
-    while True:
-        memory_id = prefix + derived_id(what, salt)
-        if not read_memories_by_id(txn, dbs, user_id, [memory_id]):
-            return memory_id
-        salt += 1
 
 
 def _fitted(word: str) -> str:

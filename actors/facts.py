@@ -42,11 +42,10 @@ from .extraction import (
     checked_candidates,
     extract_facts,
     jaccard,
-    read_derived_id,
 )
 from .extraction import words as _words
 from .imported import Imported
-from .store import LogFollower, Store, failure_put, fact_key, read_facts
+from .store import LogFollower, Store, failure_put, fact_key, read_derived_id, read_facts
 
 __all__ = ["Facts", "effective_confidence", "known_at", "spelling", "DECAY_RATES",
            "DEDUP_JACCARD", "PRUNE_BELOW"]

@@ -48,7 +48,7 @@ class _Pin:
 # clock reads the entry's time and its id makers derive ids from the entry's place in the log,
 # so every node that applies the entry makes the same records (a fact's id and times, a
 # note's times, a review's, an episode's times; an episode's id is its turns', see
-# actors.extraction.read_derived_id).
+# actors.store.read_derived_id).
 _pinned: ContextVar[_Pin | None] = ContextVar("engram_pinned_entry", default=None)
 
 

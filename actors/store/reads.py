@@ -9,6 +9,7 @@ from typing import Any
 import lmdb
 
 from ..base.errors import StoreTampered
+from ..base.ids import derived_id
 from ..base.keys import is_fitted
 from ..base.records import (
     Entity,
@@ -190,6 +191,21 @@ def read_memories_by_id(
         if raw is not None:
             out[memory_id] = _decode_note(raw)
     return out
+
+def read_derived_id(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str, prefix: str,
+                    what: Any) -> str:
+    """``prefix`` and :func:`~actors.base.ids.derived_id` of ``what``, salted (1, 2, ...)
+    until no memory of the user holds it: a derived memory made again from what an earlier
+    one, since retired, stood for (a fact extracted again from a turn a failed step read
+    twice) never takes the id of a version history keeps. Salts are tried in order, so nodes
+    holding the same memories pick the same one."""
+    salt = 0
+    while True:
+        memory_id = prefix + derived_id(what, salt)
+        if not read_memories_by_id(txn, dbs, user_id, [memory_id]):
+            return memory_id
+        salt += 1
+
 
 
 def read_turn_contexts(

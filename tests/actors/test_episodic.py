@@ -26,7 +26,7 @@ from actors.base.config import Config
 from actors.base.messages import AppendTurn, PutState
 from actors.base.records import Episode, PendingReview, Turn
 from actors.episodic import EpisodicCompressor
-from actors.extraction import derived_id
+from actors.base.ids import derived_id
 
 from ..conftest import T0, StepClock
 from .ground import Ground, hash_vectors, running_store

@@ -13,12 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors import extraction
-from actors.extraction import Candidate, derived_id, extract_facts
-from actors.facts import Facts
-
-from ..conftest import StepClock
-from .ground import running_store
+import actors.extraction as extraction
+from actors.extraction import extract_facts
 
 DEMO = Path(__file__).resolve().parents[2] / "engine" / "demo_data" / "conversation.json"
 
@@ -100,33 +96,6 @@ def test_the_rules_extract_the_common_facts_and_skip_questions(text, expected) -
     """Each rule turns its phrasing into (category, key, value); questions and hypotheticals
     state nothing."""
     assert {(c.category, c.key, c.value) for c in extract_facts(text)} == expected
-
-
-async def test_an_extracted_fact_is_named_by_what_it_states_and_never_reuses_an_id(
-        tmp_path: Path) -> None:
-    """A fact extracted from a turn takes its id from the user, the turn, its key and value
-    and the versions it retires, alike in two stores (two cluster nodes); the same value
-    said again in that turn after another superseded it is a new version under a new id; a
-    caller's fact keeps the id maker's."""
-    location = [Candidate("identity", "location", city, f"Lives in {city}", confidence, 0.8)
-                for city, confidence in (("Lisbon", 0.8), ("Porto", 0.85), ("Lisbon", 0.9))]
-    made = []
-    for name in ("a", "b"):
-        async with running_store(tmp_path / name) as ground:
-            facts = Facts(ground.store, lambda user, lsns: None, StepClock(), lambda: "call")
-            for candidate in location:
-                await facts.propose("ana", candidate, origin="rules", source_turn_ids=("t1",))
-            history = await facts.history("ana", "identity", "location")
-            name_fact = await facts.propose("ana", Candidate("identity", "name", "Ana",
-                                                             "Name: Ana", 0.9, 0.9),
-                                            origin="api")
-            made.append([f.fact_id for f in history])
-    first, second = made
-    assert first == second and len(set(first)) == 3
-    what = ("ana", ("t1",), "identity", "location", "Lisbon", ())
-    assert first[0] == "f_" + derived_id(what)
-    assert [f.status for f in history] == ["superseded", "superseded", "active"]
-    assert name_fact.fact is not None and name_fact.fact.fact_id == "f_call"
 
 
 GATED = [(rule.pattern, rule.needs) for rule in extraction._RULES]
