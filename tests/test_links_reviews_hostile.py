@@ -10,6 +10,8 @@ from datetime import timedelta
 import pytest
 import trio
 
+import actors.store as store_mod
+
 from engine import Engine, InvalidInput, NotFound
 from engine._recall import record_shown
 from engine._retrieval import LINK_FANOUT
@@ -371,3 +373,38 @@ async def test_close_and_summary_racing_forget_session_leave_nothing(store_path)
     left = raw_databases(store_path)
     assert not any(left.get(name) for name in ("episodes", "summaries", "sessions", "turns"))
     await _verified(store_path)
+
+
+async def test_a_crash_after_links_write_leaves_no_link_to_a_forgotten_memory(
+        store_path) -> None:
+    """link() whose end is forgotten between its check and its write, the process dying
+    right after the write (here: the next store read raises): no link is left on disk."""
+
+    class Crash(Exception):
+        """Stands for the process dying at this point."""
+
+    async with open_engine(store_path) as mem:
+        keep = await mem.add_turn("ana", "keep", "user", "kept turn", durable=True)
+        doomed = await mem.add_turn("ana", "doomed", "user", "doomed turn", durable=True)
+        store = mem._parts.store
+        read = store.read
+        reads = 0
+
+        async def forget_after_the_check_then_crash(fn, *args):
+            nonlocal reads
+            if fn is store_mod.read_memories_by_id:
+                reads += 1
+                if reads == 2:
+                    raise Crash
+            result = await read(fn, *args)
+            if fn is store_mod.read_memories_by_id and reads == 1:
+                await mem.forget_session("ana", "doomed")
+            return result
+
+        store.read = forget_after_the_check_then_crash
+        with pytest.raises((NotFound, Crash)) as raised:
+            await mem.link("ana", keep.turn_id, doomed.turn_id, "relates_to")
+        store.read = read
+        assert await mem.links("ana", keep.turn_id) == []
+        assert raised.type is NotFound and "forgotten meanwhile" in str(raised.value)
+    assert raw_databases(store_path).get("links", []) == []
