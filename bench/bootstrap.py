@@ -23,8 +23,8 @@ snapshot in the object store, against a single-node restore of the same memory, 
    from the moment B holds the lease: B's first ``recall`` answered with the partition
    applied to its last entry ("serves"; B's engine was open before, the single node's open
    is in its figure; the legs it names ``degraded`` are those whose index was still taking
-   in the restore), B's own ``bootstrap_seconds`` (fetch, decode, write) with the three
-   steps timed apart, and the time
+   in the restore), B's own ``bootstrap_seconds`` and its steps (``bootstrap_steps``: the
+   fetch, the decode, the write, as the node times them), and the time
    until B's text index and vectors hold every turn (with how many vectors B stored from the
    snapshot and how many texts its model embedded), and how many of the single node's hits
    B then gives (``single_hits_found_once_indexed``).
@@ -49,10 +49,8 @@ from typing import Any
 import trio
 from _report import write_results
 
-from engine import Engine, HashEmbedder
-from engine._export import UserRecords, VectorRows
+from engine import Engine, HashEmbedder, UserRecords, VectorRows
 from engine.cluster import ClusterConfig, ClusterEngine, LocalNats, Log, Node, partition_of
-from engine.cluster import _node
 
 CONFIG = {"long_term": False}  # the log, the store and the indexes are under test, as in cluster.py
 PARTITIONS = 8  # bench/cluster.py's count: a partition holds an eighth of a fleet's users
@@ -168,7 +166,6 @@ async def hand_over(urls: list[str], config: ClusterConfig, base: Path, built: d
                             embedder=_embedder()) as b:
             node_a = Node(a, log_a, "a", "http://127.0.0.1:1")
             node_b = Node(b, log_b, "b", "http://127.0.0.1:2")
-            steps = _time_bootstrap_steps(node_b)
             claimed: list[float] = []  # when B was seen holding the partition's lease
             async with trio.open_nursery() as outer:
                 a_scope = trio.CancelScope()
@@ -199,7 +196,8 @@ async def hand_over(urls: list[str], config: ClusterConfig, base: Path, built: d
                 out["degraded"] = list(hits.degraded)
                 counts = node_b.partitions[PARTITION]
                 out["bootstrap_s"] = counts.bootstrap_seconds
-                out.update(steps)
+                out.update({f"{step}_s": seconds
+                            for step, seconds in (counts.bootstrap_steps or {}).items()})
                 out["bootstraps"] = counts.bootstraps
                 out["replayed_entries"] = counts.entries
                 with trio.fail_after(WAIT_SECONDS):
@@ -227,34 +225,6 @@ async def hand_over(urls: list[str], config: ClusterConfig, base: Path, built: d
         await log_a.close()
         await log_b.close()
     return out
-
-
-def _time_bootstrap_steps(node: Node) -> dict[str, float]:
-    """Seconds of each step of ``node``'s bootstrap (the snapshot's fetch, its decode in a
-    worker thread, the write of its users and watermark), filled in as they end."""
-    steps: dict[str, float] = {}
-    decode_snapshot = _node.decode_snapshot
-
-    def timed(name: str, call: Any) -> Any:
-        async def run(*args: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return await call(*args)
-            finally:
-                steps[name] = time.perf_counter() - started
-        return run
-
-    def decode(*args: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return decode_snapshot(*args)
-        finally:
-            steps["decode_s"] = time.perf_counter() - started
-
-    node.log.get_snapshot = timed("fetch_s", node.log.get_snapshot)  # type: ignore[method-assign]
-    _node.restore = timed("write_s", _node.restore)  # type: ignore[assignment]
-    _node.decode_snapshot = decode  # type: ignore[assignment]
-    return steps
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

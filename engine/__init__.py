@@ -39,7 +39,7 @@ if _typing.TYPE_CHECKING:  # what type checkers see; _HOMES below holds the same
     from actors.session_buffer import Receipt
     from ._demo import demo_turns
     from ._engine import Engine
-    from ._export import UserVectors
+    from ._export import UserRecords, UserVectors, VectorRows
     from ._hits import (
         EpisodicItem,
         Hit,
@@ -86,7 +86,7 @@ _HOMES = {
     "actors.session_buffer": ("Receipt",),
     "._demo": ("demo_turns",),
     "._engine": ("Engine",),
-    "._export": ("UserVectors",),
+    "._export": ("UserRecords", "UserVectors", "VectorRows"),
     "._hits": ("EpisodicItem", "Hit", "Hits", "Message", "RetrieveResult", "SemanticItem"),
     "._llm": ("LLM", "LLMFailed", "OpenAICompatibleLLM"),
     "._maintenance": ("MaintenanceReport",),
@@ -152,7 +152,9 @@ __all__ = [
     "StoreInUse",
     "SummaryState",
     "Turn",
+    "UserRecords",
     "UserVectors",
+    "VectorRows",
     "demo_turns",
 ]
 

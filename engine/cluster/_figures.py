@@ -20,7 +20,8 @@ class PartitionCounts:
     frozen view). Kept after the partition leaves, so the counts of a process never go back."""
 
     __slots__ = ("lag", "gaps", "consumers", "batches", "entries", "replays",
-                 "replay_seconds", "bootstraps", "bootstrap_seconds", "log_errors",
+                 "replay_seconds", "bootstraps", "bootstrap_seconds", "bootstrap_steps",
+                 "log_errors",
                  "snapshots", "snapshot_seconds", "snapshot_bytes", "snapshot_watermark",
                  "dropped")
 
@@ -34,6 +35,8 @@ class PartitionCounts:
         self.replay_seconds: float | None = None  # the last catch-up's duration
         self.bootstraps = 0  # snapshots restored before replaying
         self.bootstrap_seconds: float | None = None  # the last restore's duration
+        # ... and its steps': the snapshot's fetch, its decode, the write of its users
+        self.bootstrap_steps: dict[str, float] | None = None
         self.log_errors = 0  # reads of the log that failed (retried from the watermark)
         self.snapshots = 0  # snapshots published to the object store
         self.snapshot_seconds: float | None = None  # the last one's taking and storing
@@ -56,6 +59,9 @@ class PartitionStats(msgspec.Struct, frozen=True, kw_only=True):
             :class:`PartitionCounts`).
         replay_seconds / bootstrap_seconds / snapshot_seconds: the last catch-up's,
             restore's and snapshot's durations; snapshot_bytes: the last snapshot's size.
+        bootstrap_steps: the last restore's seconds by step (``fetch``: the snapshot from
+            the object store, ``decode``: checked and decoded, ``write``: its users and the
+            watermark written), where a slow hand-over spends its time.
         snapshot_watermark: the newest snapshot's watermark known here.
     """
 
@@ -71,6 +77,7 @@ class PartitionStats(msgspec.Struct, frozen=True, kw_only=True):
     replay_seconds: float | None = None
     bootstraps: int = 0
     bootstrap_seconds: float | None = None
+    bootstrap_steps: dict[str, float] | None = None
     log_errors: int = 0
     snapshots: int = 0
     snapshot_seconds: float | None = None
@@ -149,6 +156,13 @@ class _Collector:
                 lambda s: s.snapshot_bytes),
                ("dropped", CounterMetricFamily, "copies deleted after the grace period",
                 lambda s: s.dropped)]
+        steps = GaugeMetricFamily("engram_cluster_partition_bootstrap_step_seconds",
+                                  "the last restore's duration by step",
+                                  labels=["partition", "step"])
+        for s in stats.partitions:
+            for step, seconds in (s.bootstrap_steps or {}).items():
+                steps.add_metric([str(s.partition), step], seconds)
+        yield steps
         for name, family, doc, value in per:
             metric = family(f"engram_cluster_partition_{name}", doc, labels=["partition"])
             for s in stats.partitions:

@@ -255,11 +255,14 @@ class Node:
         started = time.monotonic()
         partitions = self.config.partitions
         await drop_local(self.engine, p, partitions)  # what a half-done restore left
+        fetching = time.monotonic()
         found = await self._asking(p, counts, "snapshot", self.log.get_snapshot, p)
         if found is None:
             return 0
+        decoding = time.monotonic()
         try:
             snapshot = await trio.to_thread.run_sync(decode_snapshot, found[1], p, partitions)
+            writing = time.monotonic()
             await restore(self.engine, snapshot)
         except InvalidInput as exc:
             # Not a snapshot, one of elsewhere, or records an import refuses: the log has
@@ -269,7 +272,10 @@ class Node:
             await drop_local(self.engine, p, partitions)
             return 0
         counts.bootstraps += 1
-        counts.bootstrap_seconds = time.monotonic() - started
+        ended = time.monotonic()
+        counts.bootstrap_seconds = ended - started
+        counts.bootstrap_steps = {"fetch": decoding - fetching, "decode": writing - decoding,
+                                  "write": ended - writing}
         counts.snapshot_watermark = max(counts.snapshot_watermark, snapshot.watermark)
         log.info("partition %d: restored %d users at log sequence %d in %.2f s", p,
                  len(snapshot.users), snapshot.watermark, counts.bootstrap_seconds)
@@ -365,7 +371,8 @@ class Node:
                 lag=c.lag if p in self._scopes else None, gaps=c.gaps, consumers=c.consumers,
                 batches=c.batches, entries=c.entries, replays=c.replays,
                 replay_seconds=c.replay_seconds, bootstraps=c.bootstraps,
-                bootstrap_seconds=c.bootstrap_seconds, log_errors=c.log_errors,
+                bootstrap_seconds=c.bootstrap_seconds, bootstrap_steps=c.bootstrap_steps,
+                log_errors=c.log_errors,
                 snapshots=c.snapshots, snapshot_seconds=c.snapshot_seconds,
                 snapshot_bytes=c.snapshot_bytes, snapshot_watermark=c.snapshot_watermark,
                 dropped=c.dropped))
