@@ -18,7 +18,8 @@ def test_public_names_are_exported_and_nothing_private_leaks() -> None:
         "SummaryState", "Turn", "Entity", "EntityInfo", "Episode", "Fact", "LLM", "LLMFailed",
         "MaintenanceReport", "OpenAICompatibleLLM", "ReviewState", "TOOLS", "StoreCorrupt",
         "StoreTampered", "Failure", "RecordRefused", "Hits", "StoreInUse", "demo_turns",
-        "Candidate", "Extractor", "RuleExtractor", "UserVectors", "NotFound",
+        "Candidate", "Extractor", "RuleExtractor", "UserVectors", "NotFound", "UserRecords",
+        "VectorRows",
     }
     for name in engine.__all__:
         assert getattr(engine, name) is not None
