@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -198,6 +199,14 @@ class Facts:
                       key=lambda f: f.lsn)
 
     # -- writes --------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """No decision is taken while the block runs, and every one taken before it is queued
+        to the store: a writer of facts from outside the actor (an import) checks the active
+        facts and writes its own with no decision in between."""
+        async with self._lock:
+            yield
 
     async def propose(self, user_id: str, candidate: Candidate, *, origin: str,
                       source_turn_ids: tuple[str, ...] = (), session_id: str = "",

@@ -819,7 +819,14 @@ async def _import(parts: Parts, parsed: list[UserRecords],
                                      "found one: import this once it has finished")
     busy.update(seen)
     try:
-        return await _write(parts, imports, checked)
+        if not any(one.facts for one, _ in imports):
+            return await _write(parts, imports, checked)
+        # Its facts are checked against the users' active ones, then written: no decision
+        # of the Facts actor (a remember_fact, the extraction follower) may come between, or
+        # a key would hold two active values, one hidden and never superseded. Those wait
+        # for the import, then decide against what it wrote.
+        async with parts.facts.held():
+            return await _write(parts, imports, checked)
     finally:
         busy.difference_update(seen)
 

@@ -9,6 +9,7 @@ import json
 import re
 
 import pytest
+import trio
 
 from engine import Engine, InvalidInput, NewTurn
 
@@ -288,3 +289,47 @@ async def test_a_second_import_of_a_user_while_one_is_under_way_is_refused(tmp_p
         assert [f.fact_id for f in await mem.fact_versions("maya")].count("f_x") == 1
         assert [e.episode_id for e in await mem.episodes("maya")] == ["ep_x"]
     assert (await Engine.verify(tmp_path / "a"))["ok"]
+
+
+async def test_a_fact_remembered_while_an_import_writes_that_key_leaves_one_active_value(
+        tmp_path) -> None:
+    """The import checks that the user holds no other active value of each fact's key, then
+    writes; a remember_fact of that key landing between the two left two active versions,
+    one hidden and never superseded. Now the import takes the facts' decisions' turn: the
+    live call waits for it, then decides against the imported value."""
+    async with open_engine(tmp_path / "a", clock=StepClock()) as mem:
+        await mem.remember_fact("maya", "identity", "location", "Lisbon")
+        lines = await _lines_of(mem, "maya")
+    async with open_engine(tmp_path / "b", clock=StepClock()) as mem:
+        store, reserve = mem._store, mem._store.reserve
+        lock = mem._parts.facts._lock
+
+        async def remember_on_first_write(n):
+            if not started:
+                started.append(True)
+                nursery.start_soon(remember)
+                # The live call runs as far as it can: through its commit (the old code), or
+                # until it waits for the decisions the import holds.
+                while not done and not lock.statistics().tasks_waiting:
+                    await trio.sleep(0.001)
+            await reserve(n)
+
+        async def remember():
+            await mem.remember_fact("maya", "identity", "location", "Porto")
+            done.append(True)
+
+        started: list[bool] = []
+        done: list[bool] = []
+        store.reserve = remember_on_first_write
+        try:
+            async with trio.open_nursery() as nursery:
+                await mem.import_user(_file(lines))
+        finally:
+            del store.reserve
+        assert done
+        active = await mem.profile("maya")
+        assert [(f.key, f.value) for f in active] == [("location", "Porto")]
+        history = await mem.fact_history("maya", "identity", "location")
+        assert [(f.value, f.status) for f in history] == [("Lisbon", "superseded"),
+                                                          ("Porto", "active")]
+    assert (await Engine.verify(tmp_path / "b"))["ok"]
