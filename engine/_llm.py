@@ -27,6 +27,11 @@ __all__ = ["LLM", "OpenAICompatibleLLM", "ModelTasks", "LLMFailed"]
 log = logging.getLogger("engram.llm")
 
 MAX_SUMMARY_CHARS = 1_000
+# A transcript summarise sends: ~6k tokens, what a small local model takes, whatever was
+# queued (a session's rolling summary after a bulk add covers up to ~1,000 turns of up to
+# 32,000 characters). One message in it is cut first: a pasted document is not the chat.
+MAX_TRANSCRIPT_CHARS = 24_000
+MAX_MESSAGE_CHARS = 4_000
 MAX_FACTS_PER_TURN = 10
 MAX_KEYWORD_CHARS = 64  # a summary's keyword, as a fact's
 CALL_SECONDS = 600.0  # a model call taking longer is abandoned (the adapter's defaults: < 450)
@@ -156,6 +161,25 @@ def _addressable(category: str, key: str, value: str, keywords: tuple[str, ...])
     return bool(value)
 
 
+def _transcript(messages: list[tuple[str, str]]) -> str:
+    """``role: text`` lines of the messages, at most MAX_TRANSCRIPT_CHARS: each message cut
+    to MAX_MESSAGE_CHARS, then the newest that fit, after a leading "summary so far" (which
+    stands for what came before), and a line saying how many were left out."""
+    lines = [f"{role}: {text[:MAX_MESSAGE_CHARS]}"
+             + (" [...]" if len(text) > MAX_MESSAGE_CHARS else "") for role, text in messages]
+    head = lines[:1] if messages and messages[0][0] == "summary so far" else []
+    size = sum(len(line) + 1 for line in head)
+    kept: list[str] = []
+    for line in reversed(lines[len(head):]):
+        if size + len(line) + 1 > MAX_TRANSCRIPT_CHARS:
+            break
+        kept.append(line)
+        size += len(line) + 1
+    left_out = len(lines) - len(head) - len(kept)
+    gap = [f"[{left_out} earlier messages left out]"] if left_out else []
+    return "\n".join([*head, *gap, *reversed(kept)])
+
+
 class ModelTasks:
     """The engine's prompts, over any :class:`LLM`; replies are validated before use. It is
     also the :class:`~actors.extraction.Extractor` the engine uses when given an LLM and no
@@ -168,8 +192,8 @@ class ModelTasks:
 
     async def summarise(self, messages: list[tuple[str, str]]
                         ) -> tuple[str, str, tuple[str, ...]]:
-        transcript = "\n".join(f"{role}: {text}" for role, text in messages)
-        got = _json_object(await _ask(self.llm, _SUMMARY_SYSTEM, transcript), _Summary)
+        got = _json_object(await _ask(self.llm, _SUMMARY_SYSTEM, _transcript(messages)),
+                           _Summary)
         title, summary = _clean(got.title).strip(), _clean(got.summary).strip()
         if not title or not summary:
             raise LLMFailed("the model's summary has an empty title or summary")

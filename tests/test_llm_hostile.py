@@ -5,6 +5,7 @@ the API would refuse, unbounded time)."""
 from __future__ import annotations
 
 import json
+import re
 import logging
 from collections.abc import Callable
 
@@ -14,7 +15,13 @@ import trio
 
 from actors.base import validate as v
 from engine import LLMFailed, OpenAICompatibleLLM
-from engine._llm import MAX_REPLY_BYTES, MAX_RETRY_AFTER, ModelTasks
+from engine._llm import (
+    MAX_MESSAGE_CHARS,
+    MAX_REPLY_BYTES,
+    MAX_RETRY_AFTER,
+    MAX_TRANSCRIPT_CHARS,
+    ModelTasks,
+)
 
 from .conftest import open_engine
 
@@ -413,3 +420,25 @@ async def test_a_failing_reflection_writes_the_extractive_one_and_is_a_failure(s
     note, failures = await _reflection_on_a_session_switch(store_path, clock, model)
     assert note is not None and "Lisbon" in note.text
     assert [f.actor for f in failures] == ["reflection"] and "LLMFailed" in failures[0].error
+
+
+async def test_a_summary_prompt_is_bounded_whatever_was_queued() -> None:
+    """A rolling summary after a bulk add covers ~1,000 turns of up to 32,000 characters:
+    the prompt was all of them (32 MB). It holds the summary so far, the newest messages
+    that fit, each cut, and says how many earlier ones it left out."""
+    prompts: list[str] = []
+
+    def answer(system: str, prompt: str) -> str:
+        prompts.append(prompt)
+        return json.dumps({"title": "A chat", "summary": "They chatted.", "keywords": []})
+
+    messages = [("summary so far", "Ana moved to Porto.")]
+    messages += [("user", f"turn {i} " + "x" * 32_000) for i in range(1_024)]
+    await ModelTasks(Scripted(answer)).summarise(messages)
+    prompt, = prompts
+    assert len(prompt) <= MAX_TRANSCRIPT_CHARS
+    lines = prompt.split("\n")
+    assert lines[0] == "summary so far: Ana moved to Porto."
+    assert re.fullmatch(r"\[\d+ earlier messages left out\]", lines[1])
+    assert lines[-1].startswith("user: turn 1023 ") and lines[-1].endswith(" [...]")
+    assert len(lines[-1]) <= MAX_MESSAGE_CHARS + len("user:  [...]")
