@@ -274,7 +274,15 @@ class Retriever:
         # memory said later within it is not lost (the exact bound is checked on the records).
         text_since = None if since is None else since.replace(microsecond=0)
 
+        # The query's embedding is the longest stage, and the vector leg and everything after
+        # it wait for it: the legs that do not need it let the vector leg run first, so its
+        # request is in the model before they take the loop (the order of tasks started
+        # together is the scheduler's).
+        embedding_first = "vector" in legs
+
         async def bm25_leg() -> None:
+            if embedding_first:
+                await trio.lowlevel.checkpoint()
             # Every part's search in one worker thread call, over one searcher.
             found = await self.fulltext.search_each(user_id, query, depth, [
                 TextFilters(session_id, text_since, until, roles, part_kinds, tags, only, where,
@@ -288,6 +296,8 @@ class Retriever:
                 put("window", part, found)
 
         async def entity_leg() -> None:
+            if embedding_first:
+                await trio.lowlevel.checkpoint()
             found = await self._entity_leg(user_id, query)
             # The recall's filters inside the leg, as in the others: a memory they exclude
             # takes no place in its ranking nor in how its scores are normalised.

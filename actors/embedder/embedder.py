@@ -318,7 +318,14 @@ class Embedder:
         if not texts:
             await trio.lowlevel.checkpoint()
             return np.zeros((0, self.model.dim), dtype=np.float32)
-        await self._slots.acquire()
+        try:
+            # A free slot is taken at once: the request reaches the model now, not after a
+            # round of the scheduler in which the caller's other tasks run first (a recall's
+            # other legs, while its query waits to be embedded). ``done.wait`` below is the
+            # checkpoint.
+            self._slots.acquire_nowait()
+        except trio.WouldBlock:
+            await self._slots.acquire()
         # Checked after the last checkpoint and right before the put: a request queued behind
         # close()'s stop marker would never be answered.
         if self._closed:
