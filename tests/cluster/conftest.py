@@ -29,6 +29,7 @@ import trio
 
 from engine.cluster._local import LocalNats, free_port, kill_recorded, nats_server_binary
 from engine.cluster._log import ClusterConfig, Log
+from engine.cluster._node import Node
 
 from ..conftest import open_engine
 
@@ -305,3 +306,20 @@ async def all_held(nodes: list[NodeProcess], partitions: int) -> bool:
 
 __all__ = ["AsyncIterator", "all_held", "connect", "make_store", "NodeProcess", "retrying",
            "start_all", "wait_for"]
+
+
+SETTLE_SECONDS = 10.0  # how long a test lets a read's record reach the log
+
+
+async def log_grown(log: Log, before: int) -> None:
+    """Wait (at most SETTLE_SECONDS, without failing) for the log to pass ``before``: a
+    read's record is published without the read waiting for it."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while await log.last_seq() <= before and time.monotonic() < deadline:
+        await trio.sleep(0.1)
+
+
+async def log_applied(node: Node, log: Log) -> None:
+    """Wait until ``node`` has applied the whole one-partition log."""
+    last = await log.last_seq()
+    await wait_for(lambda: node.marks.get(0, 0) >= last, 30, "the log applied")

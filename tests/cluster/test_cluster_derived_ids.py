@@ -5,7 +5,6 @@ much later it replays, and however far behind its followers are."""
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,11 +22,10 @@ from engine.cluster._node import FETCH_SECONDS, Node
 from engine.cluster._writes import ClusterEngine
 
 from ..conftest import T0, StepClock, open_engine
-from .conftest import connect, wait_for
+from .conftest import connect, log_applied, log_grown, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
-SETTLE_SECONDS = 10.0  # how long the test lets a read's record reach the log
 LATER = timedelta(days=365)  # how much later than the owner the replaying node's clock reads
 # Twenty turns make one episode of the oldest ten (the default window); the user's turns
 # state facts the rules extract, one of them superseding another.
@@ -108,7 +106,7 @@ async def _owner(nats_servers: Any, cluster_config: Any, path: Path
             for n, (role, text) in enumerate(TURNS):
                 await owner.add_turn("ana", "s1", role, text, at=T0 + timedelta(minutes=n),
                                      durable=True)
-            await _settle(node, log)
+            await log_applied(node, log)
             await a.flush()
             turns_end = await log.last_seq()
             [episode] = await a.episodes("ana")
@@ -117,8 +115,8 @@ async def _owner(nats_servers: Any, cluster_config: Any, path: Path
             shown = await owner.retrieve_memory_raw("ana", "Porto hiking hills",
                                                     conversation_id="s2")
             assert shown.episodic
-            await _grown(log, before)
-            await _settle(node, log)
+            await log_grown(log, before)
+            await log_applied(node, log)
             nursery.cancel_scope.cancel()
         first = await _derived(a)
     assert first["reviews"] == {episode.episode_id: (
@@ -162,17 +160,3 @@ async def _apply_log(engine: Any, log: Log, start: int, upto: int) -> None:
     finally:
         await log.drop(sub)
     await engine.apply_log_batch(0, entries)
-
-
-async def _grown(log: Log, before: int) -> None:
-    """Wait (at most SETTLE_SECONDS, without failing) for the log to pass ``before``: a
-    read's record is published without the read waiting for it."""
-    deadline = time.monotonic() + SETTLE_SECONDS
-    while await log.last_seq() <= before and time.monotonic() < deadline:
-        await trio.sleep(0.1)
-
-
-async def _settle(node: Node, log: Log) -> None:
-    """Wait until ``node`` has applied the whole one-partition log."""
-    last = await log.last_seq()
-    await wait_for(lambda: node.marks.get(0, 0) >= last, 30, "the log applied")

@@ -3,7 +3,6 @@ cluster, so a node that replays the log ends with the owner's memory (issue 18).
 
 from __future__ import annotations
 
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -19,11 +18,10 @@ from engine.cluster._node import Node
 from engine.cluster._writes import ClusterEngine
 
 from ..conftest import open_engine
-from .conftest import connect, wait_for
+from .conftest import connect, log_applied, log_grown, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
-SETTLE_SECONDS = 10.0  # how long the test lets a read's record reach the log
 
 
 async def test_a_read_on_the_owner_records_what_a_replaying_node_records_too(
@@ -46,7 +44,7 @@ async def test_a_read_on_the_owner_records_what_a_replaying_node_records_too(
                                      durable=True)
                 await owner.remember_fact("ana", "pets", "cat", "Miso",
                                           text="Has a cat called Miso")
-                await _settle(node, log)
+                await log_applied(node, log)
                 await a.flush()
                 before = await log.last_seq()
                 shown = await owner.retrieve_memory_raw("ana", "my cat", conversation_id="s2")
@@ -55,8 +53,8 @@ async def test_a_read_on_the_owner_records_what_a_replaying_node_records_too(
                 assert "Miso" in await owner.context_for_prompt("ana", "s4")
                 looked = await owner.retrieve_memory_raw("ana", "cat", "s3", record=False)
                 assert looked.episodic  # a look, not a use: nothing recorded or logged
-                await _grown(log, before)
-                await _settle(node, log)
+                await log_grown(log, before)
+                await log_applied(node, log)
                 nursery.cancel_scope.cancel()
             first = await _recorded(a)
         assert [c for c, _ in first["pending"]] == ["s2"]  # not s3, looked at only
@@ -107,26 +105,12 @@ async def test_a_logged_record_applies_the_same_on_two_stores_and_refuses_bad_ar
     assert memories[0] == memories[1]
 
 
-async def _grown(log: Log, before: int) -> None:
-    """Wait (at most SETTLE_SECONDS, without failing) for the log to pass ``before``: a
-    read's record is published without the read waiting for it."""
-    deadline = time.monotonic() + SETTLE_SECONDS
-    while await log.last_seq() <= before and time.monotonic() < deadline:
-        await trio.sleep(0.1)
-
-
-async def _settle(node: Node, log: Log) -> None:
-    """Wait until ``node`` has applied the whole one-partition log."""
-    last = await log.last_seq()
-    await wait_for(lambda: node.marks.get(0, 0) >= last, 30, "the log applied")
-
-
 async def _replay(engine, log: Log) -> None:
     """Run a node of the one-partition log on ``engine`` until it has applied the whole log."""
     node = Node(engine, log, "b", "http://127.0.0.1:1")
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
-        await _settle(node, log)
+        await log_applied(node, log)
         nursery.cancel_scope.cancel()
 
 
