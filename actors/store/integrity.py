@@ -32,6 +32,7 @@ import hmac
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Iterator
 from pathlib import Path
@@ -107,6 +108,28 @@ class CheckedTxn:
             return default
         name = self._names[db]
         return raw if name in _UNSEALED else unseal(raw, name, key)
+
+    def getter(self, db: Any) -> Callable[[bytes], bytes | None]:
+        """:meth:`get` of one database as a function of the key, for a loop over many keys:
+        the same check, with the database's name and the CRC's primitives bound once and
+        LMDB's get called with positional arguments (its keyword parsing cost as much as the
+        CRC). Reads through it are checked exactly as through :meth:`get`."""
+        raw_get = self.raw.get
+        name = self._names[db]
+        if name in _UNSEALED:
+            return lambda key: raw_get(key, None, db)
+        crc, number = _crc, int.from_bytes
+
+        def get(key: bytes) -> bytes | None:
+            raw = raw_get(key, None, db)
+            if raw is None:
+                return None
+            body = raw[:-SEAL]
+            if len(raw) < SEAL or crc(body) != number(raw[-SEAL:], "big"):
+                unseal(raw, name, key)  # raises StoreCorrupt, the message in one place
+            return body
+
+        return get
 
     def put(self, key: bytes, value: bytes, db: Any = None, **kwargs: Any) -> bool:
         if self._names[db] not in _UNSEALED:
@@ -201,11 +224,13 @@ class CheckedCursor:
         return self.iternext(keys=True, values=True)
 
 
+_BLAKE = hashlib.blake2b(digest_size=DIGEST)  # copied: cheaper than parsing the parameters
+
+
 def content_digest(lsn: bytes, entry: bytes, content: bytes) -> bytes:
     """The digest of one log position's entry and the record it names."""
-    h = hashlib.blake2b(lsn, digest_size=DIGEST)
-    h.update(entry)
-    h.update(content)
+    h = _BLAKE.copy()
+    h.update(lsn + entry + content)  # one update of ~300 bytes: cheaper than three calls
     return h.digest()
 
 
@@ -213,9 +238,6 @@ def link(previous: bytes, lsn: bytes, content: bytes, removed: bytes) -> bytes:
     """The chain digest at ``lsn``: it covers the previous one, so no record can be changed,
     dropped, moved or added without changing every digest after it."""
     return hashlib.blake2b(previous + lsn + content + removed, digest_size=DIGEST).digest()
-
-
-_BLAKE = hashlib.blake2b(digest_size=DIGEST)  # copied: cheaper than parsing the parameters
 
 
 def chain_records(previous: bytes, lsns: list[bytes], entries: list[bytes],

@@ -22,11 +22,12 @@ import trio
 
 import actors.store as store_mod
 from actors.base.config import Config
-from actors.base.errors import EngineBroken, EngineClosed, StoreIncompatible
+from actors.base.errors import EngineBroken, EngineClosed, StoreCorrupt, StoreIncompatible
 from actors.base.messages import AppendTurn, PutVectors
 from actors.base.records import SCHEMA_VERSION, Turn
 from actors.store.integrity import (
     ZERO,
+    CheckedTxn,
     chain_records,
     content_digest,
     link,
@@ -555,6 +556,40 @@ def test_chain_records_of_a_run_are_its_links_one_at_a_time() -> None:
     assert chain_records(bytes(range(16)), lsns, entries, values) == (expected, previous)
     assert chain_records(ZERO, [], [], []) == ([], ZERO)
     assert list(seal_all(values)) == [seal(v) for v in values]
+
+
+def test_a_getter_checks_each_value_as_get_does(tmp_path) -> None:
+    """CheckedTxn.getter (read_records' loop) returns what get returns and refuses each
+    damaged value, a flipped byte in the value or in its seal and a value shorter than a seal,
+    with get's StoreCorrupt; meta is read raw through both."""
+    env = lmdb.open(str(tmp_path), max_dbs=4)
+    turns, meta = env.open_db(b"turns"), env.open_db(b"meta")
+    good = seal(b"a turn's bytes")
+    body_flip = bytearray(good)
+    body_flip[3] ^= 0x20
+    seal_flip = bytearray(good)
+    seal_flip[-1] ^= 0x01
+    values = {b"good": good, b"empty": seal(b""), b"body": bytes(body_flip),
+              b"seal": bytes(seal_flip), b"short": b"\x00\x00", b"none": b""}
+    with env.begin(write=True) as raw:
+        for key, value in values.items():
+            raw.put(key, value, db=turns)
+        raw.put(b"m", b"raw", db=meta)
+    with env.begin(buffers=False) as raw:
+        txn = CheckedTxn(raw, {turns: b"turns", meta: b"meta"})
+        get = txn.getter(turns)
+        assert get(b"good") == txn.get(b"good", db=turns) == b"a turn's bytes"
+        assert get(b"empty") == b""
+        assert get(b"missing") is None
+        assert txn.getter(meta)(b"m") == b"raw"
+        for key in (b"body", b"seal", b"short", b"none"):
+            with pytest.raises(StoreCorrupt) as by_get:
+                txn.get(key, db=turns)
+            with pytest.raises(StoreCorrupt) as by_getter:
+                get(key)
+            assert str(by_getter.value) == str(by_get.value)
+            assert (by_getter.value.database, by_getter.value.key) == ("turns", key)
+    env.close()
 
 
 async def test_a_batch_is_planned_on_the_writers_thread(store_path, monkeypatch) -> None:
