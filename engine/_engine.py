@@ -915,9 +915,12 @@ class Engine:
     @property
     def log_counts(self) -> dict[str, int]:
         """What applying a cluster's log has skipped since open: turns whose id was already
-        applied (``duplicates``) and entries that failed the engine's checks (``invalid``)."""
+        applied (``duplicates``) and entries that failed the engine's checks (``invalid``);
+        and the entries (calls, forgets) that waited for the long-term followers to take in
+        the log before them (``waited``), of which 10 s or more (``waited_long``)."""
         applied = self._partition_log
-        return {"duplicates": applied.duplicates, "invalid": applied.invalid}
+        return {"duplicates": applied.duplicates, "invalid": applied.invalid,
+                "waited": applied.waited, "waited_long": applied.waited_long}
 
     async def export_records(self, user_id: str) -> tuple[UserRecords, VectorRows]:
         """Every record of the user as ``export_user`` writes them, as structs rather than

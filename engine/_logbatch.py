@@ -243,7 +243,10 @@ class PartitionLog:
                     if turns:
                         mark = await self._write_turns(partition, turns)
                         turns = []
-                    if type(entry) is LogCall and entry.method in READS_DERIVED:
+                    # A forget too: it deletes the facts extracted from its session and
+                    # not the versions they retired, so what it leaves depends on how far
+                    # the extraction had come.
+                    if type(entry) is not LogCall or entry.method in READS_DERIVED:
                         await self._followed(f"{partition}:{seq}")
                     if type(entry) is LogForgetScope:
                         result = await self._forget_scope(partition, seq, entry)

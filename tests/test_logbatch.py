@@ -6,7 +6,11 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
 
+import actors.store as store_mod
+from actors.facts import Facts
 from engine import InvalidInput
 from engine._logbatch import LogForget, LogForgetScope, LogTurn, decode_entry, encode_entry
 
@@ -307,3 +311,41 @@ async def test_two_stores_that_apply_a_call_at_different_times_make_the_same_rec
     assert second.created_at == first.invalid_at == logged + timedelta(hours=8)
     assert results[10].last_review == logged + timedelta(hours=10)  # the review's state
     assert results[11] is True and len(episodes) == 1  # close_session made one
+
+
+async def test_a_forget_applies_after_the_followers_as_on_a_node_that_kept_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forget deletes the facts extracted from its session without restoring the versions
+    they retired: applied before a lagging node's fact extraction reached the session, it
+    left "Lisbon" active where a node that kept up had it superseded by the forgotten
+    "Porto". A forget now waits for the long-term followers, as a call that reads what they
+    derive does."""
+    entries = [(1, LogTurn("ana", "s1", "t1", "user", "I live in Lisbon.", T0)),
+               (2, LogTurn("ana", "s2", "t2", "user", "I moved to Porto.",
+                           T0 + timedelta(minutes=1))),
+               (3, LogForget("ana", "s2"))]
+
+    async def statuses(engine) -> list[tuple[str, str]]:
+        await engine.flush()
+        return sorted((f.value, f.status) for f in await engine._parts.store.read(
+            store_mod.read_facts, "ana", False))
+
+    async with open_engine(tmp_path / "kept-up", clock=StepClock()) as engine:
+        await engine.apply_log_batch(0, entries[:2])
+        await engine.flush()
+        await engine.apply_log_batch(0, entries[2:])
+        kept_up = await statuses(engine)
+    gate = trio.Event()
+    propose_all = Facts.propose_all
+
+    async def held_back(self, proposals):
+        await gate.wait()
+        return await propose_all(self, proposals)
+
+    monkeypatch.setattr(Facts, "propose_all", held_back)
+    async with open_engine(tmp_path / "lagging", clock=StepClock()) as engine:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.apply_log_batch, 0, entries)
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
+        assert await statuses(engine) == kept_up == [("Lisbon", "superseded")]

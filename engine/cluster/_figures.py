@@ -98,6 +98,9 @@ class NodeStats(msgspec.Struct, frozen=True, kw_only=True):
         duplicates / invalid / undecodable: entries skipped as already applied, as failing
             the engine's checks, as unreadable (or filed under another partition than
             their user's).
+        waited / waited_long: entries (calls, forgets) that waited for the long-term
+            followers to take in the log before them, and of those the ones that waited
+            10 s or more (a node whose followers lag far).
         forwarded / unavailable: requests the router sent to an owner, and answered 503.
         looked_up / reforwarded: leases the router read from the bucket because its view
             named no holder it could forward to (a move since the last tick, or this node
@@ -115,6 +118,8 @@ class NodeStats(msgspec.Struct, frozen=True, kw_only=True):
     duplicates: int
     invalid: int
     undecodable: int
+    waited: int = 0
+    waited_long: int = 0
     forwarded: int = 0
     unavailable: int = 0
     looked_up: int = 0
@@ -181,6 +186,8 @@ class _Collector:
                           ("duplicates", "entries skipped as already applied"),
                           ("invalid", "entries skipped as failing the engine's checks"),
                           ("undecodable", "entries skipped as unreadable"),
+                          ("waited", "entries that waited for the long-term followers"),
+                          ("waited_long", "entries that waited 10 s or more for them"),
                           ("forwarded", "requests forwarded to a partition's owner"),
                           ("unavailable", "requests answered 503 (no owner, not caught up)"),
                           ("looked_up", "leases read from the bucket: no holder in the view"),

@@ -383,6 +383,7 @@ class Node:
                          leases={k: v for k, v in self.leases.counts.items()},
                          publish_retries=self.log.retries, duplicates=applied["duplicates"],
                          invalid=applied["invalid"], undecodable=self.counts["undecodable"],
+                         waited=applied["waited"], waited_long=applied["waited_long"],
                          forwarded=routed.get("forwarded", 0),
                          unavailable=routed.get("unavailable", 0),
                          looked_up=routed.get("looked_up", 0),
