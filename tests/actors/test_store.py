@@ -559,9 +559,9 @@ def test_chain_records_of_a_run_are_its_links_one_at_a_time() -> None:
 
 
 def test_a_getter_checks_each_value_as_get_does(tmp_path) -> None:
-    """CheckedTxn.getter (read_records' loop) returns what get returns and refuses each
-    damaged value, a flipped byte in the value or in its seal and a value shorter than a seal,
-    with get's StoreCorrupt; meta is read raw through both."""
+    """CheckedTxn.getter (read_records' loop) and a checked cursor's scan return what get
+    returns and refuse each damaged value, a flipped byte in the value or in its seal and a
+    value shorter than a seal, with get's StoreCorrupt; meta is read raw."""
     env = lmdb.open(str(tmp_path), max_dbs=4)
     turns, meta = env.open_db(b"turns"), env.open_db(b"meta")
     good = seal(b"a turn's bytes")
@@ -587,7 +587,11 @@ def test_a_getter_checks_each_value_as_get_does(tmp_path) -> None:
                 txn.get(key, db=turns)
             with pytest.raises(StoreCorrupt) as by_getter:
                 get(key)
-            assert str(by_getter.value) == str(by_get.value)
+            cursor = txn.cursor(turns)
+            assert cursor.set_key(key)
+            with pytest.raises(StoreCorrupt) as by_scan:
+                next(cursor.iternext())
+            assert str(by_getter.value) == str(by_scan.value) == str(by_get.value)
             assert (by_getter.value.database, by_getter.value.key) == ("turns", key)
     env.close()
 
