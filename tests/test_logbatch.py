@@ -349,3 +349,42 @@ async def test_a_forget_applies_after_the_followers_as_on_a_node_that_kept_up(
             await trio.testing.wait_all_tasks_blocked()
             gate.set()
         assert await statuses(engine) == kept_up == [("Lisbon", "superseded")]
+
+
+async def test_a_logged_forget_and_the_reflections_it_deletes_commit_with_its_watermark(
+        store_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """forget_session deletes the reflections quoting the session in the forget's own
+    transaction; applied from the log, each of its ops is followed by the watermark's puts,
+    and the group held together counted only the ops: a batch could be cut between the
+    Forget (with the watermark) and the notes' deletions, and a crash there left the entry
+    applied and the reflections quoting what it forgot. Batches of two ops show it."""
+    from actors.store import writer as writer_mod
+
+    from .actors.test_facts import ManualClock
+
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        texts = [("private", "I'm allergic to peanuts."), ("private", "I moved to Porto."),
+                 ("other", "I work as a pharmacist, long shifts.")]
+        await mem.apply_log_batch(0, [
+            (n, LogTurn("ana", session, f"t{n}", "user", text, T0))
+            for n, (session, text) in enumerate(texts, 1)])
+        await mem.flush()
+        assert (await mem.maintain()).reflections == 1
+        assert await mem._maintenance.reflect_on_switch("ana", mem._parts.store.next_lsn)
+        assert len(await mem.list_notes("ana")) == 2
+        store = mem._store
+        commits: list[list[str]] = []
+        real = store._write
+
+        def spy(segments, last, flush):
+            commits.append([type(seg).__name__ for seg in segments])
+            return real(segments, last, flush)
+
+        monkeypatch.setattr(store, "_write", spy)
+        monkeypatch.setattr(writer_mod, "BATCH_MAX", 2)
+        await mem.apply_log_batch(0, [(4, LogForget("ana", "private"))])
+        await mem.flush()
+        assert await mem.list_notes("ana") == []
+    [forget] = [ops for ops in commits if "Forget" in ops]
+    assert forget == ["Forget", "PutState", "DeleteNote", "PutState", "DeleteNote", "PutState"]

@@ -435,7 +435,10 @@ class Writer:
         """Make the next ``count`` ops queued commit in one write transaction: the commit loop
         never cuts a batch inside them (a batch may then pass BATCH_MAX by their number).
         Queue them without a checkpoint in between. A cluster's applier writes turns and the
-        partition's watermark this way."""
+        partition's watermark this way. Within :meth:`attached`, each op takes the puts after
+        it, and the group holds those too."""
+        if _ATTACHED.get() is not None:
+            count *= 2
         if count > 1:
             self._groups.append((self._submitted, self._submitted + count))
 
