@@ -118,19 +118,23 @@ class Forgetting:
             await trio.lowlevel.checkpoint()
             return
         store = parts.store
-        # From here a reflection pass writes no note (it checks the count in the step that
-        # queues its note, Maintenance._write): one queued before is committed by the read
-        # below and judged with the others, so none quoting the session is left.
-        parts.forgets += 1
-        # What of the session a reflection may quote, read before the forget is queued.
-        await parts.committed()
-        made = [m.created_at for m in (
-            *await store.read(read_episodes, user_id, session_id),
-            *[f for f in await store.read(read_facts, user_id, False)
-              if f.session_id == session_id])]
-        notes = await store.read(_read_notes, user_id) if made else []
-        doomed = sorted(reflections_quoting(notes, made))
-        lsn = await self._queue(user_id, session_id, doomed)
+        # Until the forget is queued a reflection pass writes no note (it checks in the step
+        # that queues its note, Maintenance._write; after, the forgets' count has moved): one
+        # queued before is committed by the read below and judged with the others, so none
+        # quoting the session is left.
+        parts.forgetting += 1
+        try:
+            # What of the session a reflection may quote, read before the forget is queued.
+            await parts.committed()
+            made = [m.created_at for m in (
+                *await store.read(read_episodes, user_id, session_id),
+                *[f for f in await store.read(read_facts, user_id, False)
+                  if f.session_id == session_id])]
+            notes = await store.read(_read_notes, user_id) if made else []
+            doomed = sorted(reflections_quoting(notes, made))
+            lsn = await self._queue(user_id, session_id, doomed)
+        finally:
+            parts.forgetting -= 1
         try:
             await store.wait_committed(lsn + len(doomed))
         finally:

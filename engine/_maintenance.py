@@ -204,9 +204,9 @@ class Maintenance:
     async def _write(self, user_id: str, text: str, note_id: str, tags: tuple[str, ...],
                      replace: bool, forgets: int) -> bool:
         """Write a reflection made from what was read after :meth:`_settled` returned
-        ``forgets``, unless a forget was queued since: the note would quote what it removed,
-        and one landing after the forget of its user would bring the user back. Returns
-        whether the note was written.
+        ``forgets``, unless a forget was queued since, or one of a session is under way: the
+        note would quote what it removed, and one landing after the forget of its user would
+        bring the user back. Returns whether the note was written.
 
         The check and the note's submit are one step (no checkpoint between them), so a
         forget queued after the check commits after the note and deletes it in its own
@@ -216,8 +216,9 @@ class Maintenance:
         parts = self._parts
         # A note may be no longer than a turn (Config.max_text_chars may be set low).
         text = text[:parts.config.max_text_chars]
-        return await self._memory.put_note(user_id, text, note_id, tags, replace=replace,
-                                           unless=lambda: parts.forgets != forgets) is not None
+        return await self._memory.put_note(
+            user_id, text, note_id, tags, replace=replace,
+            unless=lambda: parts.forgets != forgets or parts.forgetting > 0) is not None
 
     async def _recent(self, user_id: str, now: datetime) -> tuple[list[Any], list[Any]]:
         """The user's facts and episodes made in the past REFLECTION_WINDOW."""

@@ -109,6 +109,8 @@ class Parts:
         closed: set when the engine begins to close; every later call raises EngineClosed.
         forgets: forget_session / forget_user calls so far (a retrieval that raced one does
             not record what it showed).
+        forgetting: forget_session calls under way, from their first read to their queued
+            op (a reflection pass writes no note meanwhile).
     """
 
     def __init__(self, store: Store, buffer: SessionBuffer, embedder: Embedder, ann: AnnIndex,
@@ -140,6 +142,7 @@ class Parts:
         self.open_lsn = store.committed_lsn
         self.closed = False
         self.forgets = 0
+        self.forgetting = 0
 
     def time_by_log(self) -> None:
         """Have the long-term followers time what they derive by the log, not by the clock:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from engine import _forget
+
 from .actors.test_facts import ManualClock
 from .conftest import T0, open_engine, raw_databases
 
@@ -138,6 +140,35 @@ async def test_forget_session_leaves_a_callers_own_note_tagged_reflection(store_
         await mem.forget_session("ana", "private")
         await mem.flush()
         assert [n.note_id for n in await mem.list_notes("ana")] == [mine.note_id]
+
+
+async def test_a_reflection_pass_begun_during_forget_session_writes_nothing_quoting_it(
+        store_path, monkeypatch) -> None:
+    """A pass that starts after forget_session began and queues its note after the forget
+    read the user's notes (the second reader's interleaving: a pass run right before the
+    forget's queue) left a weekly note quoting the forgotten session: its note was neither
+    among those the forget deletes nor refused. A pass writes no note while a forget of a
+    session is under way."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.add_turn("ana", "private", "user", "I'm allergic to peanuts.")
+        await mem.add_turn("ana", "private", "user", "I moved to Porto last month.")
+        await mem.add_turn("ana", "other", "user", "I work as a pharmacist, long shifts.")
+        await mem.flush()
+        queue = _forget.Forgetting._queue
+        passes = []
+
+        async def a_pass_first(self, user_id, session_id, notes=()):
+            passes.append((await mem.maintain()).reflections)
+            return await queue(self, user_id, session_id, notes)
+
+        monkeypatch.setattr(_forget.Forgetting, "_queue", a_pass_first)
+        await mem.forget_session("ana", "private")
+        await mem.flush()
+        assert passes == [0]
+        assert await mem.list_notes("ana") == []
+    assert not any(b"peanuts" in value for rows in raw_databases(store_path).values()
+                   for _, value in rows)
 
 
 async def test_a_reflection_read_before_forget_session_is_not_left_after_it(
