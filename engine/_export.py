@@ -471,7 +471,11 @@ def _vectors_of(given: Any, exported_user: str, model: ModelInfo, name: str
     row = model.dim * STORED.itemsize
     if isinstance(given, VectorRows):
         lsns = given.lsns
-        counts = np.asarray(given.counts, dtype=np.int64)
+        try:
+            counts = np.asarray(given.counts, dtype=np.int64)
+        except (OverflowError, ValueError, TypeError):
+            raise InvalidInput(name, "expected vector counts of 1 to "
+                                     f"{MAX_CHUNKS}, found {v.found(given.counts)}") from None
         if len(lsns) != len(counts) or int(counts.sum()) * row != len(given.data):
             raise InvalidInput(name, f"expected {len(lsns)} vector counts and "
                                      f"{int(counts.sum()) * row} bytes of vectors, found "
@@ -528,6 +532,11 @@ class UserRecords(msgspec.Struct):
     reviews: list[ReviewLine]
     summaries: list[SummaryLine]
     entities: list[EntityLine]
+
+
+_LINE_KINDS = (("turns", TurnLine), ("notes", NoteLine), ("episodes", EpisodeLine),
+               ("facts", FactLine), ("links", LinkLine), ("reviews", ReviewLine),
+               ("summaries", SummaryLine), ("entities", EntityLine))
 
 
 def _bad(where: str, reason: str) -> InvalidInput:
@@ -790,6 +799,8 @@ async def restore_users(parts: Parts, users: list[UserRecords],
     reported degraded, as after an open that finds them behind. Returns what
     :func:`import_users` returns, per user."""
     names = [f"users[{i}]" for i in range(len(users))]
+    for user, name in zip(users, names):
+        _check_kinds(user, name)
     parsed, checked = await trio.to_thread.run_sync(_check_all, users, names,
                                                     [None] * len(users), vectors, parts)
     counts = await _import(parts, parsed, checked, [None] * len(users), names)
@@ -798,6 +809,22 @@ async def restore_users(parts: Parts, users: list[UserRecords],
     parts.open_lsn = max(parts.open_lsn, restored)
     parts.fulltext.open_lsn = max(parts.fulltext.open_lsn, restored)
     return counts
+
+
+def _check_kinds(user: UserRecords, name: str) -> None:
+    """Each of a UserRecords' lists holds lines of its kind: a snapshot's typed decode makes
+    it so, a caller's struct may not (the import's checks read the lines' fields).
+
+    Raises:
+        InvalidInput: a line of another type, naming the list and what was found.
+    """
+    for field, kind in _LINE_KINDS:
+        lines = getattr(user, field)
+        if type(lines) is not list or any(type(line) is not kind for line in lines):
+            wrong = (lines if type(lines) is not list
+                     else next(line for line in lines if type(line) is not kind))
+            raise InvalidInput(f"{name}.{field}", f"expected {kind.__name__} items in a list, "
+                                                  f"found {type(wrong).__name__}")
 
 
 async def _import(parts: Parts, parsed: list[UserRecords],

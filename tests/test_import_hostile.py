@@ -8,6 +8,7 @@ import io
 import json
 import re
 
+import msgspec
 import pytest
 import trio
 
@@ -333,3 +334,28 @@ async def test_a_fact_remembered_while_an_import_writes_that_key_leaves_one_acti
         assert [(f.value, f.status) for f in history] == [("Lisbon", "superseded"),
                                                           ("Porto", "active")]
     assert (await Engine.verify(tmp_path / "b"))["ok"]
+
+
+@pytest.mark.parametrize("bad", ["counts past int64", "counts not numbers", "not a turn line",
+                                 "a text that is no string"])
+async def test_records_restore_users_cannot_read_are_refused_as_invalid_input(
+        tmp_path, bad) -> None:
+    """restore_users (a partition snapshot's records and vectors) raised OverflowError,
+    ValueError or AttributeError for records or counts it could not read, and a node's
+    bootstrap, which falls back to the log on InvalidInput only, stopped on them."""
+    async with open_engine(tmp_path / "a") as mem:
+        await mem.add_turn("ana", "s1", "user", "hello there", durable=True)
+        await mem.flush()
+        records, rows = await mem.export_records("ana")
+    turn = records.turns[0]
+    users, vectors = [records], [rows]
+    if bad.startswith("counts"):
+        counts = [2**63] if bad == "counts past int64" else ["x"]
+        vectors = [msgspec.structs.replace(rows, counts=counts)]
+    else:
+        line = object() if bad == "not a turn line" else msgspec.structs.replace(turn, text=123)
+        users = [msgspec.structs.replace(records, turns=[line])]
+    async with open_engine(tmp_path / "b") as mem:
+        with pytest.raises(InvalidInput):
+            await mem.restore_users(users, vectors)
+        assert await mem.list_users() == []
