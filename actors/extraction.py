@@ -177,7 +177,7 @@ class _Rule:
     the extraction follower's time (~120 µs a sentence on the trio thread, half of it in
     the patterns with case-insensitive parts, which the regex engine cannot start by a
     literal); a rule none of whose needs an ASCII sentence holds cannot match it and is
-    skipped, which leaves what is extracted exactly as it was (tests/test_extraction.py
+    skipped, which leaves what is extracted exactly as it was (tests/actors/test_extraction.py
     holds each rule's needs to random matches of its pattern)."""
 
     pattern: re.Pattern[str]
