@@ -18,7 +18,7 @@ from actors.store import read_entities, read_entity_keys, read_facts, user_prefi
 
 from ._parts import Parts
 
-__all__ = ["list_users", "list_notes", "list_entities", "fact_versions", "users_with"]
+__all__ = ["list_users", "list_notes", "list_entities", "fact_versions", "users_with", "read_notes"]
 
 _decode_note = msgspec.msgpack.Decoder(Note).decode
 
@@ -37,7 +37,7 @@ async def list_notes(parts: Parts, user_id: Any) -> list[Note]:
     parts.check_open()
     parts.check_ids(user_id)
     await parts.committed()
-    notes = await parts.store.read(_read_notes, user_id)
+    notes = await parts.store.read(read_notes, user_id)
     notes.sort(key=lambda n: (n.updated_at, n.lsn), reverse=True)
     return notes
 
@@ -74,7 +74,8 @@ def users_with(txn: Any, dbs: dict[bytes, Any], tables: tuple[bytes, ...]) -> se
     return users
 
 
-def _read_notes(txn: Any, dbs: dict[bytes, Any], user_id: str) -> list[Note]:
+def read_notes(txn: Any, dbs: dict[bytes, Any], user_id: str) -> list[Note]:
+    """Every note of the user, in key order (a store read: ``Store.read``)."""
     prefix = user_prefix(user_id)
     cursor = txn.cursor(dbs[b"notes"])
     out: list[Note] = []

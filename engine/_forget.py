@@ -36,7 +36,7 @@ from actors.base.keys import MAX_KEY_BYTES
 from actors.fulltext import FullText
 from actors.store import Store, read_episodes, read_facts
 
-from ._browse import _read_notes, list_notes
+from ._browse import read_notes, list_notes
 from ._reflections import reflections_quoting
 from ._parts import Parts
 
@@ -130,7 +130,7 @@ class Forgetting:
                 *await store.read(read_episodes, user_id, session_id),
                 *[f for f in await store.read(read_facts, user_id, False)
                   if f.session_id == session_id])]
-            notes = await store.read(_read_notes, user_id) if made else []
+            notes = await store.read(read_notes, user_id) if made else []
             doomed = sorted(reflections_quoting(notes, made))
             lsn = await self._queue(user_id, session_id, doomed)
         finally:
