@@ -3,6 +3,7 @@ add_turn one turn at a time, the same checks, and the followers see them."""
 
 from __future__ import annotations
 
+import math
 import threading
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -168,9 +169,11 @@ async def test_a_follower_waits_before_its_step_for_an_import_for_at_most_a_seco
 
         lasts: list[int] = []  # each import's last lsn
         for release in (True, False):
-            # Released, only the commit may end the wait, however slow the writer's thread.
+            # Released, only the commit may end the wait, however slow the writer's thread:
+            # no deadline at all (the mock clock jumps to the next deadline whenever a commit
+            # takes longer than its threshold in real time, and a 3,600 s one ended the wait).
             monkeypatch.setattr(writer_mod, "IMPORT_YIELD_SECONDS",
-                                3600.0 if release else IMPORT_YIELD_SECONDS)
+                                math.inf if release else IMPORT_YIELD_SECONDS)
             gate.clear()
             receipts = await mem.add_turns(
                 [NewTurn(user_id="ana", session_id=f"s{i // 50}", role="user", text=f"turn {i}")
