@@ -16,7 +16,6 @@ watermark.
 
 from __future__ import annotations
 
-import io
 import logging
 import zlib
 from datetime import datetime, timezone
@@ -29,8 +28,8 @@ from .._export import UserRecords, UserVectors, VectorRows
 from ..errors import InvalidInput, RecordRefused
 from ._partition import partition_of
 
-__all__ = ["PartitionSnapshot", "PartitionRecords", "take", "settle", "restore", "drop_local",
-           "users_of"]
+__all__ = ["PartitionSnapshot", "PartitionRecords", "take", "read", "pack", "settle", "restore",
+           "drop_local", "users_of"]
 
 log = logging.getLogger("engine.cluster")
 
@@ -113,7 +112,13 @@ async def settle(engine: Engine) -> None:
 
 async def take(engine: Engine, partition: int, partitions: int, watermark: int, node: str
                ) -> bytes:
-    """The partition's snapshot at ``watermark``: the caller holds the partition still (no
+    """The partition's snapshot at ``watermark``, as stored: :func:`read`, then :func:`pack`."""
+    return await pack(await read(engine, partition, partitions, watermark, node))
+
+
+async def read(engine: Engine, partition: int, partitions: int, watermark: int, node: str
+               ) -> PartitionRecords:
+    """The partition's records at ``watermark``: the caller holds the partition still (no
     batch applied meanwhile). Everything applied is first taken in by every index and by the
     long-term layer (:func:`settle`), so the records carry what the engine derived from it."""
     await settle(engine)
@@ -122,10 +127,14 @@ async def take(engine: Engine, partition: int, partitions: int, watermark: int, 
         records, rows = await engine.export_records(user)
         users.append(records)
         vectors.append(rows)
-    snapshot = PartitionRecords(partition, partitions, watermark, node,
-                                datetime.now(timezone.utc), users, vectors)
-    # In a worker thread: ~100 MB for 100k turns (the vectors are most of it) held the
-    # node's trio thread, which serves every other partition, for about a second.
+    return PartitionRecords(partition, partitions, watermark, node, datetime.now(timezone.utc),
+                            users, vectors)
+
+
+async def pack(snapshot: PartitionRecords) -> bytes:
+    """A snapshot's bytes, compressed in a worker thread: ~100 MB for 100k turns (the vectors
+    are most of it) held the node's trio thread, which serves every other partition, for
+    about a second. The records are already read: the partition need not be held."""
     return await trio.to_thread.run_sync(_pack, snapshot)
 
 

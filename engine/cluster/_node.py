@@ -23,7 +23,8 @@ from .._logbatch import LogEntry, decode_entry
 from ..errors import InvalidInput
 from ._bootstrap import decode as decode_snapshot
 from ._bootstrap import drop_local, restore, settle
-from ._bootstrap import take as take_snapshot
+from ._bootstrap import pack as pack_snapshot
+from ._bootstrap import read as read_snapshot
 from ._figures import NodeStats, PartitionCounts, PartitionStats
 from ._leases import Leases
 from ._log import TRANSIENT, Log, LogUnavailable
@@ -315,8 +316,10 @@ class Node:
             mark = self.marks.get(p, 0)
             if p not in self._scopes or mark <= counts.snapshot_watermark:
                 return None
-            data = await take_snapshot(self.engine, p, self.config.partitions, mark,
-                                       self.node_id)
+            records = await read_snapshot(self.engine, p, self.config.partitions, mark,
+                                          self.node_id)
+        # Compressed once the partition applies again: its records are read.
+        data = await pack_snapshot(records)
         await self.log.put_snapshot(p, mark, data)
         counts.snapshots += 1
         counts.snapshot_seconds = time.monotonic() - started

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import signal
 import sys
+import threading
 import zlib
 from datetime import datetime
 from pathlib import Path
@@ -387,6 +388,47 @@ async def test_a_snapshot_waits_for_a_lagging_long_term_layer_without_holding_th
         assert mark == second.log_seq
         (records,) = decode(data, 0, 1).users
         assert records.user_id == "ana" and [f.value for f in records.facts] == ["Kiwi"]
+
+
+async def test_a_snapshot_compresses_without_holding_the_partition(
+        nats_servers, cluster_config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compressing a partition's snapshot (about a second for 100k turns, in a worker thread)
+    ran under the partition's guard, so its applies, and the reads waiting on them, waited
+    for it. The records are read under the guard; they are compressed after it."""
+    config = msgspec.structs.replace(cluster_config, partitions=1, snapshot_interval=3600.0)
+    packing, unpack = threading.Event(), threading.Event()
+    pack = _bootstrap._pack
+
+    def held_pack(snapshot):
+        packing.set()
+        unpack.wait(30)
+        return pack(snapshot)
+
+    monkeypatch.setattr(_bootstrap, "_pack", held_pack)
+    async with one_node(nats_servers, config, tmp_path / "a") as (a, node, writer, log):
+        first = await writer.add_turn("ana", "s", "user", "I live in Lisbon.", durable=True)
+        await node.wait_applied(0, first.log_seq, 10)
+        taken: list[int | None] = []
+
+        async def snapshot() -> None:
+            taken.append(await node.snapshot(0))
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(snapshot)
+                await wait_for(packing.is_set, 30, "the snapshot compressing")
+                second = await writer.add_turn("ana", "s", "user", "Kiwi is my parrot.",
+                                               durable=True)
+                assert await node.wait_applied(0, second.log_seq, 10), \
+                    "an apply waited for the snapshot's compression"
+                unpack.set()
+        finally:
+            unpack.set()
+        assert taken == [first.log_seq]
+        mark, data = await log.get_snapshot(0)
+        assert mark == first.log_seq
+        (records,) = decode(data, 0, 1).users
+        assert [t.text for t in records.turns] == ["I live in Lisbon."]
 
 
 async def test_a_record_the_store_refused_does_not_stop_a_snapshot(
