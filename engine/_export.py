@@ -799,16 +799,24 @@ async def restore_users(parts: Parts, users: list[UserRecords],
     reported degraded, as after an open that finds them behind. Returns what
     :func:`import_users` returns, per user."""
     names = [f"users[{i}]" for i in range(len(users))]
-    for user, name in zip(users, names):
-        _check_kinds(user, name)
-    parsed, checked = await trio.to_thread.run_sync(_check_all, users, names,
-                                                    [None] * len(users), vectors, parts)
+    parsed, checked = await trio.to_thread.run_sync(_check_restored, users, names, vectors,
+                                                    parts)
     counts = await _import(parts, parsed, checked, [None] * len(users), names)
     # What the indexes lack of the restore now counts as what they lacked at open.
     restored = parts.store.committed_lsn
     parts.open_lsn = max(parts.open_lsn, restored)
     parts.fulltext.open_lsn = max(parts.fulltext.open_lsn, restored)
     return counts
+
+
+def _check_restored(users: list[UserRecords], names: list[str],
+                    vectors: list[VectorRows | None], parts: Parts
+                    ) -> tuple[list[UserRecords], list[dict[int, np.ndarray] | None]]:
+    """:func:`_check_all` of a restore's records, each first held to :func:`_check_kinds`
+    (worker thread: a line at a time over a partition's records)."""
+    for user, name in zip(users, names):
+        _check_kinds(user, name)
+    return _check_all(users, names, [None] * len(users), vectors, parts)
 
 
 def _check_kinds(user: UserRecords, name: str) -> None:
