@@ -103,12 +103,17 @@ async def test_a_reflection_racing_forget_user_never_brings_the_user_back(store_
                    for _, value in rows)
 
 
-async def _reflected_on(mem, clock) -> None:
-    """Ana's facts of two sessions, a weekly reflection and a session reflection quoting them."""
+async def _facts_of_two_sessions(mem) -> None:
+    """Ana's three facts: two from session "private" (one a peanut allergy), one from "other"."""
     await mem.add_turn("ana", "private", "user", "I'm allergic to peanuts.")
     await mem.add_turn("ana", "private", "user", "I moved to Porto last month.")
     await mem.add_turn("ana", "other", "user", "I work as a pharmacist, long shifts.")
     await mem.flush()
+
+
+async def _reflected_on(mem, clock) -> None:
+    """Ana's facts of two sessions, a weekly reflection and a session reflection quoting them."""
+    await _facts_of_two_sessions(mem)
     assert (await mem.maintain()).reflections == 1
     assert await mem._maintenance.reflect_on_switch("ana", mem._parts.store.next_lsn)
     notes = await mem.list_notes("ana")
@@ -151,10 +156,7 @@ async def test_a_reflection_pass_begun_during_forget_session_writes_nothing_quot
     session is under way."""
     clock = ManualClock()
     async with open_engine(store_path, clock=clock) as mem:
-        await mem.add_turn("ana", "private", "user", "I'm allergic to peanuts.")
-        await mem.add_turn("ana", "private", "user", "I moved to Porto last month.")
-        await mem.add_turn("ana", "other", "user", "I work as a pharmacist, long shifts.")
-        await mem.flush()
+        await _facts_of_two_sessions(mem)
         queue = _forget.Forgetting._queue
         passes = []
 
@@ -177,10 +179,7 @@ async def test_a_reflection_read_before_forget_session_is_not_left_after_it(
     (weekly and session reflections alike) leaves no note quoting the session."""
     clock = ManualClock()
     async with open_engine(store_path, clock=clock) as mem:
-        await mem.add_turn("ana", "private", "user", "I'm allergic to peanuts.")
-        await mem.add_turn("ana", "private", "user", "I moved to Porto last month.")
-        await mem.add_turn("ana", "other", "user", "I work as a pharmacist, long shifts.")
-        await mem.flush()
+        await _facts_of_two_sessions(mem)
         recent = mem._maintenance._recent
 
         async def recent_then_forget(user_id, now):
