@@ -499,8 +499,10 @@ def extract_facts(text: str) -> list[Candidate]:
     """The facts a user turn states, by rule, at most MAX_CANDIDATES of them; questions and
     hypotheticals are skipped."""
     found: dict[tuple[str, str], Candidate] = {}
-    greeting = (None if text.isascii() and not any(
-        word in text.lower() for word in _GREETING_NEEDS) else _GREETING_NAME.search(text))
+    folded = text.lower() if text.isascii() else None  # once, for the greeting's needs
+    greeting = (None if folded is not None and not any(word in folded
+                                                       for word in _GREETING_NEEDS)
+                else _GREETING_NAME.search(text))
     if greeting:
         found[("identity", "name")] = Candidate("identity", "name", greeting.group(1),
                                                 f"Name: {greeting.group(1)}", 0.8, 0.9,
