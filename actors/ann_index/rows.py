@@ -21,6 +21,9 @@ HNSW_EF_SEARCH = 96
 # rest alone (knn_behind).
 HALF = np.float16
 DOT_BLOCK = 8_192  # rows cast to float32 at a time by an exact scan of a float16 matrix
+# A float32 scan gathers the rows a filter admits when they are fewer than 1/GATHER_BELOW of
+# the matrix: a gather reads and writes each row it takes, a product only reads every row.
+GATHER_BELOW = 4
 
 
 class _UserVectors:
@@ -211,13 +214,24 @@ def _exact(matrix: np.ndarray, lsns: np.ndarray, query: np.ndarray, k: int,
            matched: dict[int, int] | None = None) -> list[tuple[int, float]]:
     """The k best records among the rows of ``matrix`` that ``keep`` admits: [(lsn,
     cosine)], each record at its best row (chunk, noted in ``matched``). ``extra``: rows of
-    chunks past the first, so k + extra rows hold k records."""
-    scores = _dot(matrix, query)
-    scores[~keep] = -np.inf
+    chunks past the first, so k + extra rows hold k records.
+
+    A filter that admits a small share of the rows (or any share less than all of a float16
+    matrix, whose cast is most of a scan's cost) has its rows gathered and only they are
+    multiplied: a session of a 100k-row partition is ~50 rows, not 100k cast and multiplied."""
+    admitted = int(keep.sum())
     want = k
-    k = min(k + extra, int(keep.sum()))
+    k = min(k + extra, admitted)
     if k <= 0:
         return []
+    if admitted < len(keep) and (matrix.dtype == HALF or admitted * GATHER_BELOW < len(keep)):
+        rows = np.flatnonzero(keep)
+        matrix, lsns = matrix[rows], lsns[rows]
+        chunks = None if chunks is None else chunks[rows]
+        scores = _dot(matrix, query)
+    else:
+        scores = _dot(matrix, query)
+        scores[~keep] = -np.inf
     # Equal scores go by lsn: rows arrive in embedding order, which a restored or reopened
     # index does not repeat, and the same store must give the same answer.
     if k == len(scores) and not extra:  # every row (each its own record): sort them all
