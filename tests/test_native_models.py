@@ -8,14 +8,20 @@ import json
 import pytest
 
 from actors.embedder import MODELS, default_model, default_model_dir
-from native_models.build import VARIANTS, built, measure, preferred
+import numpy as np
+
+from native_models.build import VARIANTS, built, fidelity, measure, preferred
 
 
-def speeds(fp32: float, q8: float, i8: float, queries: tuple[float, float, float] = (5, 5, 5)
-           ) -> dict[str, dict[str, float]]:
-    return {name: {"texts_per_s": rate, "query_ms": query} for name, rate, query in
-            zip(("model.onnx", "model.q8.onnx", "model.i8.onnx"), (fp32, q8, i8), queries,
-                strict=True)}
+def speeds(fp32: float, q8: float, i8: float, queries: tuple[float, float, float] = (5, 5, 5),
+           i8_fidelity: tuple[float, int] = (0.98, 0)) -> dict[str, dict[str, float]]:
+    faithful = {"min_cosine": 0.999, "neighbours_flipped": 0}
+    out = {name: {"texts_per_s": rate, "query_ms": query, **faithful} for name, rate, query in
+           zip(("model.onnx", "model.q8.onnx", "model.i8.onnx"), (fp32, q8, i8), queries,
+               strict=True)}
+    out["model.i8.onnx"].update(zip(("min_cosine", "neighbours_flipped"), i8_fidelity,
+                                    strict=True))
+    return out
 
 
 @pytest.mark.parametrize(("speed", "expected"), [
@@ -24,11 +30,14 @@ def speeds(fp32: float, q8: float, i8: float, queries: tuple[float, float, float
     (speeds(100, 130, 140), "model.i8.onnx"),  # both clearly faster: the faster
     (speeds(100, 110, 105), "model.onnx"),  # within timing noise: the reference model
     (speeds(100, 130, 90, (5.0, 6.0, 5.0)), "model.onnx"),  # q8 faster in batches only
+    (speeds(100, 130, 140, i8_fidelity=(0.96, 0)), "model.q8.onnx"),  # i8 too far from fp32
+    (speeds(100, 110, 140, i8_fidelity=(0.98, 1)), "model.onnx"),  # i8 moved a clear neighbour
 ])
 def test_a_quantised_variant_is_preferred_only_where_it_is_clearly_faster(speed, expected
                                                                           ) -> None:
     """The fastest quantised variant is chosen over fp32 only when its batch rate is clearly
-    higher and one query is no slower; where they are close, fp32 (the reference) stays."""
+    higher, one query is no slower and its vectors stay near fp32's on this machine; where
+    they are close, or an 8-bit kernel here strays, fp32 (the reference) stays."""
     assert preferred(speed) == expected
 
 
@@ -45,10 +54,27 @@ def test_the_build_records_each_variants_speed_and_the_one_new_stores_get() -> N
 
 
 def test_the_speed_check_runs_every_variant_as_the_engine_does() -> None:
-    """measure() runs each built variant on the calibration texts and one query at a time."""
+    """measure() runs each built variant on the calibration texts and one query at a time,
+    and compares its vectors with fp32's: fp32 is itself, the 8-bit ones near it."""
     speed = measure(default_model_dir())
     assert set(speed) == set(VARIANTS)
     assert all(s["texts_per_s"] > 1 and 0 < s["query_ms"] < 1_000 for s in speed.values())
+    assert speed["model.onnx"]["min_cosine"] >= 0.9999
+    assert speed["model.onnx"]["neighbours_flipped"] == 0
+    assert all(0.9 < s["min_cosine"] < 1.0001 for s in speed.values())
+
+
+def test_fidelity_counts_only_neighbours_that_were_clearly_nearest() -> None:
+    """A text whose nearest neighbour changes counts only when fp32 had it clearly nearer
+    than the new one (a near tie may go either way)."""
+    fp32 = np.eye(4, dtype=np.float32)[:, :3].copy()
+    fp32[0] = [0.0, 1.0, 0.0]  # text 0's nearest is text 1 (cosine 1) ...
+    fp32[3] = [0.0, 0.96, 0.28]  # ... by 0.04 over text 3
+    moved = fp32.copy()
+    moved[1] = [0.0, 0.9, 0.436]  # now text 3 is text 0's nearest
+    moved /= np.linalg.norm(moved, axis=1, keepdims=True)
+    assert fidelity(fp32, fp32) == {"min_cosine": 1.0, "neighbours_flipped": 0}
+    assert fidelity(moved, fp32)["neighbours_flipped"] >= 1
 
 
 def test_a_failed_download_says_how_to_go_on_without_a_traceback(tmp_path, monkeypatch,

@@ -28,6 +28,7 @@ import actors.store as store_mod
 from actors.base.config import Config
 from actors.base.errors import EngineBroken, EngineClosed, ModelMismatch, ModelMissing
 from actors.embedder import EmbeddingBackend, Embedder, HashEmbedder, OnnxEmbedder
+from native_models.build import NEIGHBOUR_MARGIN, fidelity
 
 from ..conftest import raw_databases
 from .ground import Ground, running_store
@@ -123,20 +124,17 @@ def reference() -> dict:
     return json.loads(REFERENCE.read_text())
 
 
-def _nearest(vectors: np.ndarray) -> np.ndarray:
-    sims = vectors @ vectors.T
-    np.fill_diagonal(sims, -np.inf)
-    return sims.argmax(axis=1)
-
-
-@pytest.mark.parametrize(("model", "min_cosine", "flipped"), [("minilm-l6-v2", 0.9999, 0),
-                                                             ("minilm-l6-v2-q8", 0.995, 0),
-                                                             ("minilm-l6-v2-i8", 0.97, 3)])
+@pytest.mark.parametrize(("model", "min_cosine", "margin"), [
+    ("minilm-l6-v2", 0.9999, 0.0), ("minilm-l6-v2-q8", 0.995, 0.0),
+    ("minilm-l6-v2-i8", 0.97, NEIGHBOUR_MARGIN)])
 async def test_model_matches_the_reference_implementation(reference, model, min_cosine,
-                                                          flipped) -> None:
+                                                          margin) -> None:
     """Through the actor, at batch 1 and in batches, every text embeds like sentence-transformers
-    does, and keeps its nearest neighbour (i8's integer arithmetic flips 2 of the 64, at any
-    batch size measured; its retrieval recall is fp32's, bench/embed.py --quality)."""
+    does, and keeps its nearest neighbour wherever the reference had it nearer than the
+    runner-up by more than ``margin``. i8's integer arithmetic differs by processor: it
+    flipped 2 of the 64 on an AVX2 EPYC and up to 5 batched on an AVX-512 VNNI Xeon, each
+    with a reference margin under 0.025; its retrieval recall is fp32's on both
+    (bench/embed.py --quality)."""
     expected = np.asarray(reference["embeddings"], dtype=np.float32)
     texts = reference["texts"]
     async with running_model(OnnxEmbedder(model)) as embedder:
@@ -147,7 +145,7 @@ async def test_model_matches_the_reference_implementation(reference, model, min_
     for got in (batched, one_by_one):
         cosines = (got * expected).sum(axis=1)
         assert cosines.min() >= min_cosine, (model, int(cosines.argmin()), float(cosines.min()))
-        assert (_nearest(got) != _nearest(expected)).sum() <= flipped
+        assert fidelity(got, expected)["neighbours_flipped"] == 0, model
 
 
 def _tasks() -> set[int]:
