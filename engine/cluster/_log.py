@@ -13,9 +13,10 @@ TTL is the lease TTL: a key nobody renews expires by itself.
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import functools
-import io
+import hashlib
 import logging
 import math
 import os
@@ -31,6 +32,7 @@ import nats.errors
 import nats.js.errors
 import trio
 from nats.js import api
+from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from actors.base.config import converted
 
@@ -563,7 +565,7 @@ class _Client:
         """Stop a consumer (unsubscribe and delete it; it would expire by itself anyway)."""
         try:
             await sub.close()
-            await self.js.delete_consumer(self.config.stream, sub.name)
+            await self.js.delete_consumer(sub.stream, sub.name)
         except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError):
             pass  # an ephemeral consumer expires after its inactive threshold
 
@@ -598,13 +600,45 @@ class _Client:
             return None
         return _mark_of(info)
 
-    async def get_snapshot(self, partition: int) -> tuple[int, bytes] | None:
-        out = io.BytesIO()
+    async def get_snapshot(self, partition: int, name: str) -> tuple[int, bytes] | None:
+        """The snapshot's chunks, read through a pull consumer of their subject (``name``)
+        and checked against the object's digest. nats-py's ``ObjectStore.get`` reads them
+        with an ordered push consumer, which delivered 7.5 MB in 0.51 s on loopback whatever
+        the chunk size; pulled in one batch, 21-26 ms.
+
+        Raises:
+            nats.js.errors.DigestMismatchError: the chunks are not the object's (as ``get``).
+            LogUnavailable: the chunks did not arrive (replaced meanwhile by a newer one).
+        """
         try:
-            result = await self.objects.get(_snapshot_name(partition), writeinto=out)
+            info = await self.objects.get_info(_snapshot_name(partition))
         except nats.js.errors.ObjectNotFoundError:
             return None
-        return _mark_of(result.info), out.getvalue()
+        if not info.size:
+            return _mark_of(info), b""
+        stream = OBJ_STREAM_TEMPLATE.format(bucket=self.config.objects)
+        await self.js.add_consumer(stream, config=api.ConsumerConfig(
+            name=name, deliver_policy=api.DeliverPolicy.ALL, ack_policy=api.AckPolicy.NONE,
+            filter_subject=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.config.objects,
+                                                          obj=info.nuid),
+            mem_storage=True, num_replicas=1, inactive_threshold=30.0))
+        pull = Pull(self.nc, self.js, stream, name)
+        chunks: list[bytes] = []
+        try:
+            await pull.open()
+            while len(chunks) < info.chunks:
+                got = await pull.fetch(info.chunks - len(chunks), SCAN_TIMEOUT)
+                if not got:
+                    raise LogUnavailable(f"snapshot of partition {partition}: {len(chunks)} of "
+                                         f"{info.chunks} chunks arrived within {SCAN_TIMEOUT} s")
+                chunks += [d.data for d in got]
+        finally:
+            await self.drop(pull)
+        data = b"".join(chunks)
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+        if info.digest.split("=", 1)[-1].rstrip("=") != digest.rstrip("="):
+            raise nats.js.errors.DigestMismatchError
+        return _mark_of(info), data
 
     async def put_snapshot(self, partition: int, watermark: int, data: bytes) -> None:
         name = _snapshot_name(partition)
@@ -841,7 +875,8 @@ class Log:
 
     async def get_snapshot(self, partition: int) -> tuple[int, bytes] | None:
         """The partition's newest snapshot: (its watermark, its bytes), or None."""
-        return await self.thread.run(self._client.get_snapshot, partition)
+        return await self.thread.run(self._client.get_snapshot, partition,
+                                     f"snapshot-{os.urandom(6).hex()}")
 
     async def put_snapshot(self, partition: int, watermark: int, data: bytes) -> None:
         """Store a snapshot of the partition, tagged with its watermark (it replaces the

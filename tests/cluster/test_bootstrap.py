@@ -4,6 +4,7 @@ log after it; a copy the node no longer owns is deleted after the grace period."
 from __future__ import annotations
 
 import io
+import random
 import signal
 import sys
 import threading
@@ -535,5 +536,25 @@ async def test_a_snapshot_whose_records_fail_the_checks_is_refused_and_the_log_r
                 history = await engine.session_history("ana", "s")
                 assert [t.text for t in history] == ["first", "second"]
                 assert node.partitions[0].bootstraps == 0
+    finally:
+        await log.close()
+
+
+async def test_a_snapshot_of_many_chunks_comes_back_whole_and_leaves_no_consumer(
+        nats_servers, cluster_config) -> None:
+    """A snapshot larger than one object chunk (128 KiB) is read back byte for byte, checked
+    against its digest, through a consumer that is gone afterwards; a partition with no
+    snapshot has none."""
+    config = msgspec.structs.replace(cluster_config, partitions=2)
+    log = await connect(nats_servers, config, "r")
+    try:
+        data = random.Random(5).randbytes(700_000)
+        await log.put_snapshot(1, 42, data)
+        assert await log.get_snapshot(1) == (42, data)
+        assert await log.get_snapshot(0) is None
+        stream = f"OBJ_{config.objects}"
+        consumers = await log.thread.run(
+            lambda: log._client.js.consumers_info(stream))
+        assert consumers == []
     finally:
         await log.close()
