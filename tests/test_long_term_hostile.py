@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import numpy as np
 import trio
 
 import actors.base.validate as validate
+import actors.embedder.embedder as embedder_actor
 from actors.base.config import Config
 from actors.entities import MAX_ALIASES
 from actors import episodic
@@ -226,6 +228,46 @@ class _Poisoned(HashEmbedder):
         if any("Poison" in t for t in texts):
             raise RuntimeError("the model fails on this text")
         return super().encode(texts)
+
+
+class _PoisonedLate(HashEmbedder):
+    """The model fails on poison only once let go: the failure lands when the test wants."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside, self.go = threading.Event(), threading.Event()
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        if any("Poison" in t for t in texts):
+            self.inside.set()
+            self.go.wait(30)
+            raise RuntimeError("the model fails on this text")
+        return super().encode(texts)
+
+
+async def test_a_model_failure_landing_while_the_engine_closes_does_not_fail_the_close(
+        store_path, monkeypatch) -> None:
+    """The model fails on a turn's text just as the engine closes: the close ends cleanly
+    (before, the embedder saw it was closed and raised the model's failure as EngineBroken,
+    and the engine's exit raised "the engine failed"), and the next open takes the turn up
+    again and keeps the failure as a record's."""
+    model = _PoisonedLate()
+    close = embedder_actor.Embedder.close
+
+    def closing(self) -> None:
+        close(self)
+        model.go.set()  # the model's answer arrives after the actor is closed
+
+    monkeypatch.setattr(embedder_actor.Embedder, "close", closing)
+    async with open_engine(store_path, embedder=model) as mem:
+        await mem.add_turn("amy", "s", "user", "Poison ivy grows here.")
+        await trio.to_thread.run_sync(model.inside.wait, 30)
+    monkeypatch.setattr(embedder_actor.Embedder, "close", close)
+    async with open_engine(store_path, embedder=_Poisoned()) as mem:
+        await mem.flush()
+        assert [f.actor for f in await mem.failures()] == ["embedder"]
+        assert [t.text for t in await mem.session_history("amy", "s")] == [
+            "Poison ivy grows here."]
 
 
 async def test_sentences_the_model_fails_on_still_make_episodes(store_path) -> None:

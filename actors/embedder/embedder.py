@@ -598,12 +598,14 @@ class Embedder:
                             ) -> tuple[list[Piece], list[np.ndarray]]:
         """The batch's pieces and their vectors. If the model fails on the batch, each piece
         is embedded alone: a record with a piece the model cannot take is kept as a failure
-        in the store and left without vectors (BM25 still finds it), and the others go on."""
+        in the store and left without vectors (BM25 still finds it), and the others go on.
+        A failure that lands once the actor is closed ends the follower as a close does
+        (EngineClosed): its records are taken up again at the next open."""
         try:
             return chunk, list(await self.embed([p.text for p in chunk], query=False))
-        except EngineBroken:
+        except EngineBroken as exc:
             if self._closed:
-                raise
+                raise EngineClosed("the engine closed while the batch was embedded") from exc
         kept, vectors, failures = [], [], []
         failed: set[int] = set()
         for piece in chunk:
@@ -613,7 +615,7 @@ class Embedder:
                 kept.append(piece)
             except EngineBroken as exc:
                 if self._closed:
-                    raise
+                    raise EngineClosed("the engine closed while the batch was embedded") from exc
                 if record.lsn in failed:
                     continue
                 failed.add(record.lsn)
