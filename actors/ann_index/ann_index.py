@@ -10,7 +10,8 @@ truth: vectors are never read back from hnswlib) and kept while the loaded total
 ``Config.ann_cache_vectors``, least recently used first out.
 
 - Below HNSW_THRESHOLD vectors a partition is searched exactly: one matrix product over a float32
-  matrix (up to ~1 ms at 5k rows on this machine with a cold cache; a filter's rows alone).
+  matrix (up to ~1 ms at 5k rows on this machine with a cold cache); a filter that admits a
+  small share of a partition's rows has only those rows multiplied (``rows.GATHER_SHARE``).
 - Above it an hnswlib graph is built in the background (~2,200 vectors/s on one thread) while
   exact search serves; then queries use the graph, and the partition's matrix becomes float16
   (``rows.HALF``): the graph holds the float32 copy. Graphs are saved at clean close (under
@@ -65,7 +66,9 @@ except (OSError, AttributeError):  # no glibc (musl, macOS): nothing to trim
 HNSW_THRESHOLD = 5_000
 HNSW_M = 16  # graph degree: recall@10 >= 0.98 on the bench corpus with HNSW_EF_SEARCH
 HNSW_EF_CONSTRUCTION = 100
-EXACT_IN_THREAD = 4_096  # smaller exact scans (< ~0.15 ms) run on the loop, larger in a thread
+# Smaller exact scans run on the loop (at 4k rows ~0.25 ms with the matrix in cache, ~0.75 ms
+# cold on this machine), larger ones in a worker thread.
+EXACT_IN_THREAD = 4_096
 WRITER_INBOX = 256  # users with new rows waiting for their graph
 
 
@@ -617,6 +620,12 @@ class AnnIndex:
             out.difference_update(lsn for (lsn, _), kept in zip(pairs, keep.tolist(),
                                                                  strict=True) if not kept)
         return out
+
+    async def in_others(self, user_id: str, lsns: list[int]) -> set[int]:
+        """Those of ``lsns`` whose vectors are in the other kinds' partition (episodes, facts,
+        notes): not a turn's, nor a record's that has no vector yet."""
+        row_of = (await self._user(user_id)).other.row_of
+        return {lsn for lsn in lsns if lsn in row_of}
 
     async def count(self, user_id: str) -> int:
         """The user's records with vectors (loading the user, as a search would)."""

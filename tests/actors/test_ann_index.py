@@ -566,16 +566,17 @@ async def test_a_narrow_filter_scans_only_the_rows_it_admits(store_path, monkeyp
     monkeypatch.setattr(rows_mod, "DOT_BLOCK", 64)
     multiplied = []  # rows each matrix product covered
     real_dot = rows_mod._dot
-    monkeypatch.setattr(rows_mod, "_dot", lambda matrix, query: multiplied.append(len(matrix))
-                        or real_dot(matrix, query))
+    monkeypatch.setattr(rows_mod, "_dot", lambda matrix, query, rows=None: multiplied.append(
+        len(matrix) if rows is None else len(rows)) or real_dot(matrix, query, rows))
     texts = _texts(600, seed=41)
     async with running_index(store_path) as v:
         lsns = await v.add_turns("ana", [(f"s{i % 12}", t) for i, t in enumerate(texts)])
         await v.ann.search("ana", await _vector("dog"), 1)
         await _graph_ready(v.ann)
         uv = v.ann._users["ana"].turn
-        while uv.matrix.dtype != np.float16:
-            await trio.sleep(0.01)
+        with trio.fail_after(30):
+            while uv.matrix.dtype != np.float16:
+                await trio.sleep(0.01)
         in_s3 = {lsn for i, lsn in enumerate(lsns) if i % 12 == 3}
         for text in _texts(5, seed=42):
             query = await _vector(text)
