@@ -26,7 +26,7 @@ native trio, for what HTTP adds. Beside the rates, the CPU each side spent per r
 clients; the server's loop thread, its model threads and its worker threads, from /proc),
 which a shared machine's load moves much less than req/s, and the load average at each
 phase's start and end. Before each phase the bench waits until the server's indexes have
-caught up (``/readyz``) and its long-term followers too (``/v1/stats``), so the background
+caught up and its long-term followers too (one reading of ``/v1/stats``), so the background
 embedding of one mix's turns, and the episodes and facts made of them, are not counted in the
 next one's CPU. Prints a table and writes JSON (--out, default bench/results/http.json).
 """
@@ -146,18 +146,20 @@ async def wait_ready(base: str, process: subprocess.Popen) -> None:
 
 
 async def caught_up(base: str, limit: float = 300.0) -> float:
-    """Wait (up to ``limit`` seconds) until the server's indexes cover everything committed
-    (``/readyz`` 200) and its long-term followers have taken it in (``/v1/stats``), so that
-    one mix's background embedding and the episodes, facts and entities made of its turns are
-    not counted in the next's CPU; the seconds waited."""
+    """Wait (up to ``limit`` seconds) until, in one reading of ``/v1/stats``, the server's
+    two indexes and its long-term followers have taken in everything committed (what
+    ``/readyz`` checks, and the followers), so that one mix's background embedding and the
+    episodes, facts and entities made of its turns are not counted in the next's CPU; the
+    seconds waited."""
     started = time.perf_counter()
     async with httpx.AsyncClient(base_url=base, timeout=30,
                                  headers={"Authorization": f"Bearer {KEY}"}) as http:
         while time.perf_counter() - started < limit:
-            if (await http.get("/readyz")).status_code == 200:
-                stats = (await http.get("/v1/stats")).json()
-                if all(lsn >= stats["committed_lsn"] for lsn in stats["long_term_lsn"].values()):
-                    break
+            stats = (await http.get("/v1/stats")).json()
+            taken = [stats["embedded_lsn"], stats["indexed_lsn"],
+                     *stats["long_term_lsn"].values()]
+            if min(taken) >= stats["committed_lsn"]:
+                break
             await trio.sleep(0.5)
     return time.perf_counter() - started
 
