@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from actors.embedder import MODELS, default_model, default_model_dir
-import numpy as np
-
 from native_models.build import VARIANTS, built, fidelity, measure, preferred
 
 
@@ -65,16 +64,20 @@ def test_the_speed_check_runs_every_variant_as_the_engine_does() -> None:
 
 
 def test_fidelity_counts_only_neighbours_that_were_clearly_nearest() -> None:
-    """A text whose nearest neighbour changes counts only when fp32 had it clearly nearer
-    than the new one (a near tie may go either way)."""
-    fp32 = np.eye(4, dtype=np.float32)[:, :3].copy()
-    fp32[0] = [0.0, 1.0, 0.0]  # text 0's nearest is text 1 (cosine 1) ...
-    fp32[3] = [0.0, 0.96, 0.28]  # ... by 0.04 over text 3
-    moved = fp32.copy()
-    moved[1] = [0.0, 0.9, 0.436]  # now text 3 is text 0's nearest
-    moved /= np.linalg.norm(moved, axis=1, keepdims=True)
+    """A text whose nearest neighbour changes counts only when fp32 had the new one clearly
+    further away (by more than the margin): a near tie may go either way."""
+    def unit(*v: float) -> np.ndarray:
+        return np.array(v, dtype=np.float32) / np.linalg.norm(v)
+
+    fp32 = np.stack([unit(1, 0, 0), unit(0.99, 0.141, 0), unit(0.97, 0, 0.243), unit(0, 0, 1)])
+    tie = fp32.copy()
+    tie[2] = unit(0.995, 0, 0.0999)  # text 0's nearest: 1 -> 2, 0.02 behind 1 in fp32
+    clear = fp32.copy()
+    clear[3] = unit(1, 0, 0.01)  # text 3 moves onto text 0: three neighbours change clearly
     assert fidelity(fp32, fp32) == {"min_cosine": 1.0, "neighbours_flipped": 0}
-    assert fidelity(moved, fp32)["neighbours_flipped"] >= 1
+    assert fidelity(tie, fp32)["neighbours_flipped"] == 0
+    assert fidelity(tie, fp32, margin=0.0)["neighbours_flipped"] == 1
+    assert fidelity(clear, fp32)["neighbours_flipped"] == 3
 
 
 def test_a_failed_download_says_how_to_go_on_without_a_traceback(tmp_path, monkeypatch,

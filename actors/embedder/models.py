@@ -113,7 +113,8 @@ def default_model(model_dir: str | Path | None = None) -> str:
     faster on this machine (``preferred`` in its provenance.json; native_models/build.py says
     how), else :data:`REFERENCE_MODEL`. The variants give the same recall on the LoCoMo dev
     split (bench/embed.py --quality, turns-only vector recall@10 within 0.005 of fp32's), so
-    speed decides, and which is faster depends on the processor's 8-bit instructions. A
+    speed decides, and which is faster depends on the processor's 8-bit instructions; the
+    build also requires a quantised variant's vectors to stay near fp32's on its machine. A
     store keeps the model it was made with (:func:`model_for_store`), so a build that prefers
     another never strands an existing store."""
     record = (Path(model_dir) if model_dir else default_model_dir()) / "provenance.json"

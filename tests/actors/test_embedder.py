@@ -130,8 +130,8 @@ def reference() -> dict:
 async def test_model_matches_the_reference_implementation(reference, model, min_cosine,
                                                           margin) -> None:
     """Through the actor, at batch 1 and in batches, every text embeds like sentence-transformers
-    does, and keeps its nearest neighbour wherever the reference had it nearer than the
-    runner-up by more than ``margin``. i8's integer arithmetic differs by processor: it
+    does, and keeps its nearest neighbour unless the new one was within ``margin`` of it in
+    the reference (fp32 and q8: none may change). i8's integer arithmetic differs by processor: it
     flipped 2 of the 64 on an AVX2 EPYC and up to 5 batched on an AVX-512 VNNI Xeon, each
     with a reference margin under 0.025; its retrieval recall is fp32's on both
     (bench/embed.py --quality)."""
@@ -145,7 +145,7 @@ async def test_model_matches_the_reference_implementation(reference, model, min_
     for got in (batched, one_by_one):
         cosines = (got * expected).sum(axis=1)
         assert cosines.min() >= min_cosine, (model, int(cosines.argmin()), float(cosines.min()))
-        assert fidelity(got, expected)["neighbours_flipped"] == 0, model
+        assert fidelity(got, expected, margin)["neighbours_flipped"] == 0, model
 
 
 def _tasks() -> set[int]:
