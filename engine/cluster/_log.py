@@ -233,7 +233,8 @@ def _settle_all(batch: list[tuple[Pending, tuple[int, bool] | None, BaseExceptio
 
 
 class Pull:
-    """One partition's pull consumer, read continuously (asyncio thread).
+    """A pull consumer (a partition's, a scan's of one subject, a snapshot's chunks), read
+    continuously (asyncio thread).
 
     One pull request stays open on the server (``batch`` entries, expiring after the fetch
     timeout), and whatever it delivers is handed over as soon as it arrives: an entry never
@@ -247,7 +248,8 @@ class Pull:
     Args:
         nc: the NATS connection.
         stream: the stream's name.
-        name: the consumer's name (made by :meth:`_Client.subscribe`).
+        name: the consumer's name (made by its user: :meth:`_Client.subscribe`,
+            ``delete_where``, ``get_snapshot``).
     """
 
     def __init__(self, nc: Any, js: Any, stream: str, name: str) -> None:
