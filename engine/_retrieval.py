@@ -8,8 +8,8 @@
    does not hold yet, by terms shared with the query: turns acknowledged, from the RAM
    windows; notes and facts stored, from the log's newest end).
    Each leg brings ``max(CANDIDATES_PER_LEG, 2 x limit)`` candidates with scores. When the
-   query admits turns and other kinds, the vector, BM25 and entity legs search the turns and
-   the other kinds (episodes, facts, notes) as two lists of that depth: the turns' list is exactly what a
+   query admits turns and other kinds, the vector and BM25 legs search the turns and the other
+   kinds (episodes, facts, notes) as two lists of that depth: the turns' list is exactly what a
    turns-only recall has, so the other kinds never push a turn out of a leg's candidates nor
    change how its score is normalised; they only add (their hits, their lifts).
 3. Fuse: each leg's scores become z-scores (how far above that leg's typical candidate), summed
@@ -307,16 +307,17 @@ class Retriever:
             # naming the entity never moves a turn's rank or z-score from turns-only's.
             # A record without a vector yet (kind unknown here) goes with the turns.
             lsns = [lsn for lsn, _ in found]
-            filters = Filters(session_id, since, until, roles, kinds, None, hidden)
-            admitted = (await self.ann.admitted(user_id, lsns, filters) if filters.any()
-                        else set(lsns))
-            if masked:
-                await mask_ready.wait()
-                admitted.intersection_update(mask[0])
-            found = [pair for pair in found if pair[0] in admitted]
-            other = await self.ann.in_others(user_id, lsns) if split else set()
-            for part in searches:  # unless split, "" is the one list, of every kind admitted
-                listed = [pair for pair in found if (pair[0] in other) == bool(part)]
+            taken: set[int] = set()
+            for part, part_kinds in searches.items():
+                filters = Filters(session_id, since, until, roles, part_kinds, None, hidden)
+                admitted = (await self.ann.admitted(user_id, lsns, filters)
+                            if filters.any() else set(lsns))
+                admitted -= taken
+                taken |= admitted
+                if masked:
+                    await mask_ready.wait()
+                    admitted.intersection_update(mask[0])
+                listed = [pair for pair in found if pair[0] in admitted]
                 if listed:
                     put("entity", part, listed[:depth])
 
