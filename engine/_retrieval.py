@@ -299,27 +299,18 @@ class Retriever:
             if embedding_first:
                 await trio.lowlevel.checkpoint()
             found = await self._entity_leg(user_id, query)
-            if not found:
-                return
             # The recall's filters inside the leg, as in the others: a memory they exclude
-            # takes no place in its ranking nor in how its scores are normalised. Like the
-            # other legs, the turns and the other kinds are two lists, so an episode or fact
-            # naming the entity never moves a turn's rank or z-score from turns-only's.
-            # A record without a vector yet (kind unknown here) goes with the turns.
-            lsns = [lsn for lsn, _ in found]
-            taken: set[int] = set()
-            for part, part_kinds in searches.items():
-                filters = Filters(session_id, since, until, roles, part_kinds, None, hidden)
-                admitted = (await self.ann.admitted(user_id, lsns, filters)
-                            if filters.any() else set(lsns))
-                admitted -= taken
-                taken |= admitted
-                if masked:
-                    await mask_ready.wait()
-                    admitted.intersection_update(mask[0])
-                listed = [pair for pair in found if pair[0] in admitted]
-                if listed:
-                    put("entity", part, listed[:depth])
+            # takes no place in its ranking nor in how its scores are normalised.
+            filters = Filters(session_id, since, until, roles, kinds, None, hidden)
+            if found and filters.any():
+                admitted = await self.ann.admitted(user_id, [lsn for lsn, _ in found], filters)
+                found = [pair for pair in found if pair[0] in admitted]
+            if masked:
+                await mask_ready.wait()
+                admitted = set(mask[0])
+                found = [pair for pair in found if pair[0] in admitted]
+            if found:
+                ranked["entity"] = found[:depth]
 
         retired: dict[str, tuple[str, list[tuple[int, float]]]] = {}
         with one_error():
@@ -376,8 +367,7 @@ class Retriever:
                    | {lsn for lsn in second
                       if added[lsn][0] > 0 and added[lsn][0] >= above(2 * limit + 10)})
         primary = {lsn: fused[lsn][0] for lsn in first}
-        # A memory both lists found (one the entity leg could not tell the kind of yet, having
-        # no vector, goes in the turns' list) sums its legs.
+        # A memory both lists found (the entity leg's are in the turns' list) sums its legs.
         for lsn, (score, ranks) in added.items():
             if lsn in fused:
                 fused[lsn] = (fused[lsn][0] + score, fused[lsn][1] | ranks)

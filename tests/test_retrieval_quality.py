@@ -152,30 +152,6 @@ async def test_other_kinds_never_change_how_turns_are_scored(store_path) -> None
             assert hit.explain.fused == turns[hit.id].explain.fused
 
 
-async def test_other_kinds_naming_the_entity_never_change_how_turns_are_scored(
-        store_path) -> None:
-    """The entity leg too keeps the turns and the other kinds in two lists: notes that name
-    the query's rare entity, more often than any turn does, take no entity rank from a turn
-    nor move its fused score from what a turns-only recall gives it."""
-    async with open_engine(store_path, clock=StepClock()) as mem:
-        texts = [f"{TOPICS[i % len(TOPICS)]}, day {i}" for i in range(60)]
-        texts[10] = "we might move to Lisbon next year"
-        texts[30] = "Lisbon has the best custard tarts"
-        await _chat(mem, "s", texts)
-        for i in range(4):
-            await mem.store_note("ana", f"Lisbon flat viewing number {i}, Lisbon again")
-        await mem.flush()
-        query = "Tell me about Lisbon"
-        turns = {h.id: h for h in await mem.recall("ana", query, limit=10, kinds=["turn"])}
-        mixed = await mem.recall("ana", query, limit=30, kinds=["turn", "note"])
-    assert any("entity" in h.explain.ranks for h in turns.values())
-    assert any(h.kind == "note" and "entity" in h.explain.ranks for h in mixed)
-    for hit in mixed:
-        if hit.kind == "turn" and hit.id in turns:
-            assert hit.explain.ranks == turns[hit.id].explain.ranks
-            assert hit.explain.fused == turns[hit.id].explain.fused
-
-
 async def test_a_neighbour_with_no_relevance_of_its_own_is_not_lifted(store_path) -> None:
     """A filler next to a strong hit ("Noted.") says nothing about anything: no leg found it
     and it is not like the query, so it takes no lift and stays out of the results."""
