@@ -621,12 +621,6 @@ class AnnIndex:
                                                                  strict=True) if not kept)
         return out
 
-    async def in_others(self, user_id: str, lsns: list[int]) -> set[int]:
-        """Those of ``lsns`` whose vectors are in the other kinds' partition (episodes, facts,
-        notes): not a turn's, nor a record's that has no vector yet."""
-        row_of = (await self._user(user_id)).other.row_of
-        return {lsn for lsn in lsns if lsn in row_of}
-
     async def count(self, user_id: str) -> int:
         """The user's records with vectors (loading the user, as a search would)."""
         user = await self._user(user_id)
