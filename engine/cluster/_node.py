@@ -21,8 +21,7 @@ import trio
 from .._engine import Engine
 from .._logbatch import LogEntry, decode_entry
 from ..errors import InvalidInput
-from ._bootstrap import decode as decode_snapshot
-from ._bootstrap import drop_local, restore, settle
+from ._bootstrap import Framed, drop_local, opened, restore, settle, unframed
 from ._bootstrap import pack as pack_snapshot
 from ._bootstrap import read as read_snapshot
 from ._figures import NodeStats, PartitionCounts, PartitionStats
@@ -262,7 +261,9 @@ class Node:
             return 0
         decoding = time.monotonic()
         try:
-            snapshot = await trio.to_thread.run_sync(decode_snapshot, found[1], p, partitions)
+            snapshot = await trio.to_thread.run_sync(opened, found[1], p, partitions)
+            if isinstance(snapshot, Framed):
+                snapshot = await unframed(snapshot)
             writing = time.monotonic()
             await restore(self.engine, snapshot)
         except InvalidInput as exc:

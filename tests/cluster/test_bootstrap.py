@@ -18,10 +18,12 @@ import trio
 
 from engine._logbatch import LogTurn
 from engine.cluster._bootstrap import (
+    Framed,
     PartitionRecords,
     PartitionSnapshot,
     decode,
     drop_local,
+    opened,
     restore,
     take,
 )
@@ -558,3 +560,33 @@ async def test_a_snapshot_of_many_chunks_comes_back_whole_and_leaves_no_consumer
         assert consumers == []
     finally:
         await log.close()
+
+
+async def test_a_snapshot_in_frames_is_restored_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot is stored as frames of users, each compressed alone; a new owner decodes
+    them in worker threads, then restores them as one: the copy holds what the source held.
+    A damaged frame is refused as no snapshot, and nothing is written."""
+    monkeypatch.setattr(_bootstrap, "FRAME_BYTES", 1)  # a frame a user
+    p = 0
+    users = [u for u in (f"user-{i}" for i in range(200)) if partition_of(u, 4) == p][:3]
+    async with open_engine(tmp_path / "a", config={"long_term": False}) as a:
+        entries = [(i + 1, LogTurn(users[i % 3], "s", f"t_{i:020x}", "user", f"turn {i}", T0))
+                   for i in range(30)]
+        await a.apply_log_batch(p, entries)
+        data = await take(a, p, 4, 30, "a")
+        before = {u: [t.text for t in await a.session_history(u, "s", limit=100)] for u in users}
+    found = opened(data, p, 4)
+    assert isinstance(found, Framed) and len(found.frames) == 3 and found.head.users == 3
+    async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
+        await restore(b, found)
+        assert {u: [t.text for t in await b.session_history(u, "s", limit=100)]
+                for u in users} == before
+        assert await b.apply_log_batch(p, []) == 30
+    damaged = bytearray(data)
+    damaged[-5] ^= 0xFF  # inside the last frame
+    async with open_engine(tmp_path / "c", config={"long_term": False}) as c:
+        with pytest.raises(InvalidInput, match="snapshot: expected a partition snapshot"):
+            await restore(c, opened(bytes(damaged), p, 4))
+        assert await c.apply_log_batch(p, []) == 0
+        assert await c.list_users() == [] and (await c.stats()).last_lsn == 0
