@@ -21,7 +21,8 @@ import os
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from itertools import groupby
+from itertools import groupby, repeat
+from operator import attrgetter
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Union
@@ -1017,9 +1018,12 @@ async def _write(parts: Parts, imports: list[tuple[UserRecords, str]],
                                                         "(as_user)")
                 lsn_map[turn.lsn] = there.lsn
             user.skipped += min(present, len(turns))
-            for turn in turns[present:]:
-                _check_new(user_id, turn, have.get(turn.turn_id))
-            mine.extend(turns[present:])
+            new = turns[present:]
+            if have:  # an id held already: only an import of the same file again
+                for turn in new:
+                    if (there := have.get(turn.turn_id)) is not None:
+                        _check_new(user_id, turn, there)
+            mine.extend(new)
         for line in (*parsed.notes, *parsed.episodes, *parsed.facts):
             there = have.get(_id_of(line))
             if there is None:
@@ -1046,8 +1050,8 @@ async def _write(parts: Parts, imports: list[tuple[UserRecords, str]],
                 raise InvalidInput("source.upper_seq", f"expected an integer from 0 to {turns}, "
                                                        f"found {summary.upper_seq} in the "
                                                        f"summary of {summary.session_id}")
-        mine.sort(key=lambda line: line.lsn)  # the source's log order: entities' stay in order
-        todo.extend((user, line) for line in mine)
+        mine.sort(key=_LSN)  # the source's log order: entities' stay in order
+        todo.extend(zip(repeat(user), mine))
     imported = parts.imported
     last = 0
     for start in range(0, len(todo), IMPORT_CHUNK):
@@ -1100,6 +1104,7 @@ async def _write(parts: Parts, imports: list[tuple[UserRecords, str]],
 
 
 _KINDS = {TurnLine: Turn, NoteLine: Note, EpisodeLine: Episode, FactLine: Fact}
+_LSN = attrgetter("lsn")
 
 
 def _check_new(user_id: str, line: Any, there: Any) -> None:
@@ -1221,8 +1226,8 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
                 version = _fact(fact, lsn_map[fact.lsn], user_id)
                 puts.append((b"ids", prefix + fact.fact_id.encode(),
                              IDS_FACT + fact_key(version), lsn_map[fact.lsn]))
-        by_id = {_id_of(line): line.lsn
-                 for line in (*parsed.turns, *parsed.notes, *parsed.episodes, *parsed.facts)}
+        by_id = {_id_of(line): line.lsn for line in (
+            *parsed.turns, *parsed.notes, *parsed.episodes, *parsed.facts)} if parsed.reviews else {}
         for review in parsed.reviews:
             lsn = lsn_map.get(by_id.get(review.memory_id, -1))
             if lsn is not None and review.memory_id not in reviewed:
