@@ -1226,8 +1226,8 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
                 version = _fact(fact, lsn_map[fact.lsn], user_id)
                 puts.append((b"ids", prefix + fact.fact_id.encode(),
                              IDS_FACT + fact_key(version), lsn_map[fact.lsn]))
-        by_id = {_id_of(line): line.lsn for line in (
-            *parsed.turns, *parsed.notes, *parsed.episodes, *parsed.facts)} if parsed.reviews else {}
+        by_id = {_id_of(line): line.lsn
+                 for line in (*parsed.turns, *parsed.notes, *parsed.episodes, *parsed.facts)}
         for review in parsed.reviews:
             lsn = lsn_map.get(by_id.get(review.memory_id, -1))
             if lsn is not None and review.memory_id not in reviewed:
