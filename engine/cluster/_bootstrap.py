@@ -5,7 +5,9 @@ A snapshot is every user of one partition, tagged with the partition's watermark
 nothing is applied to the partition: it is the memory after exactly the log up to that
 watermark. Each user's records are those ``export_user`` writes (ids, times, history and
 derivations) as msgpack structs (``Engine.export_records``), with their stored vectors in one
-buffer; a snapshot of the first format (tag ``engram-partition-snapshot``: each user's JSON
+buffer, stored in frames of users compressed apart (``engram-partition-snapshot-3``, decoded on
+both cores by a new owner; one zlib stream of them, ``-2``, still restores); a snapshot of the
+first format (tag ``engram-partition-snapshot``: each user's JSON
 Lines export and ``export_vectors``) still restores. A new owner whose copy starts from
 nothing (watermark 0) drops whatever a half-done earlier restore or deletion left of the
 partition, writes the users (``Engine.restore_users``: one import, the log's followers held
@@ -226,7 +228,7 @@ def opened(data: bytes, partition: int, partitions: int) -> Snapshot | Framed:
     except msgspec.DecodeError as exc:
         raise _not_a_snapshot(exc) from None
     _check_partition(head, partition, partitions)
-    if end + sum(head.frames) != len(data):
+    if any(length < 1 for length in head.frames) or end + sum(head.frames) != len(data):
         raise InvalidInput("snapshot", f"expected a partition snapshot of "
                                        f"{end + sum(head.frames)} bytes (its head and frames), "
                                        f"found {len(data)}")
@@ -317,20 +319,29 @@ async def unframed(snapshot: Framed) -> PartitionRecords:
     time of one zlib stream of the whole partition).
 
     Raises:
-        InvalidInput: a frame is not one.
+        InvalidInput: a frame is not one (the first such, when several are not).
     """
     decoded: list[tuple[list[UserRecords], list[VectorRows]]] = [([], [])] * len(snapshot.frames)
+    refused: list[InvalidInput] = []  # each frame's decode runs to its end in its thread
     limiter = trio.CapacityLimiter(DECODE_THREADS)
 
     async def decode(i: int) -> None:
-        decoded[i] = await trio.to_thread.run_sync(frame_users, snapshot.frames[i],
-                                                   limiter=limiter)
+        try:
+            decoded[i] = await trio.to_thread.run_sync(frame_users, snapshot.frames[i],
+                                                       limiter=limiter)
+        except InvalidInput as exc:
+            refused.append(exc)
 
     with one_error():
         async with trio.open_nursery() as nursery:
             for i in range(len(snapshot.frames)):
                 nursery.start_soon(decode, i)
+    if refused:
+        raise refused[0]
     head = snapshot.head
+    if sum(len(users) for users, _ in decoded) != head.users:
+        raise InvalidInput("snapshot", f"expected a partition snapshot of {head.users} users, "
+                                       f"found {sum(len(users) for users, _ in decoded)}")
     return PartitionRecords(head.partition, head.partitions, head.watermark, head.node,
                             head.taken_at, [user for users, _ in decoded for user in users],
                             [rows for _, vectors in decoded for rows in vectors])

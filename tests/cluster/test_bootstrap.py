@@ -13,6 +13,7 @@ from datetime import datetime
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 import trio
 
@@ -583,10 +584,34 @@ async def test_a_snapshot_in_frames_is_restored_whole(
         assert {u: [t.text for t in await b.session_history(u, "s", limit=100)]
                 for u in users} == before
         assert await b.apply_log_batch(p, []) == 30
-    damaged = bytearray(data)
-    damaged[-5] ^= 0xFF  # inside the last frame
-    async with open_engine(tmp_path / "c", config={"long_term": False}) as c:
-        with pytest.raises(InvalidInput, match="snapshot: expected a partition snapshot"):
-            await restore(c, opened(bytes(damaged), p, 4))
-        assert await c.apply_log_batch(p, []) == 0
-        assert await c.list_users() == [] and (await c.stats()).last_lsn == 0
+    ends = np.cumsum([len(frame) for frame in found.frames]) + (len(data) - len(
+        b"".join(found.frames)))
+    for bad in ([ends[-1] - 5], [ends[0] - 5, ends[1] - 5, ends[2] - 5]):  # one frame, three
+        damaged = bytearray(data)
+        for at in bad:
+            damaged[at] ^= 0xFF
+        async with open_engine(tmp_path / f"c{len(bad)}", config={"long_term": False}) as c:
+            with pytest.raises(InvalidInput, match="snapshot: expected a partition snapshot"):
+                await restore(c, opened(bytes(damaged), p, 4))
+            assert await c.apply_log_batch(p, []) == 0
+            assert await c.list_users() == [] and (await c.stats()).last_lsn == 0
+
+
+async def test_a_snapshot_of_the_single_stream_format_still_restores(tmp_path: Path) -> None:
+    """A snapshot stored before frames (``engram-partition-snapshot-2``: one zlib stream of
+    every user's records) restores as it did."""
+    p = 0
+    users = [u for u in (f"user-{i}" for i in range(200)) if partition_of(u, 4) == p][:2]
+    async with open_engine(tmp_path / "a", config={"long_term": False}) as a:
+        entries = [(i + 1, LogTurn(users[i % 2], "s", f"t_{i:020x}", "user", f"turn {i}", T0))
+                   for i in range(10)]
+        await a.apply_log_batch(p, entries)
+        records = decode(await take(a, p, 4, 10, "a"), p, 4)
+        before = {u: [t.text for t in await a.session_history(u, "s")] for u in users}
+    old = zlib.compress(_bootstrap._encode(records), 1)
+    found = opened(old, p, 4)
+    assert isinstance(found, PartitionRecords) and not old.startswith(_bootstrap.MAGIC)
+    async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
+        await restore(b, found)
+        assert {u: [t.text for t in await b.session_history(u, "s")] for u in users} == before
+        assert await b.apply_log_batch(p, []) == 10
