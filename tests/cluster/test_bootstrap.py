@@ -167,18 +167,29 @@ async def test_a_snapshot_of_the_first_format_restores_in_batches_and_a_bad_expo
         assert await d.apply_log_batch(p, []) == 0
 
 
+async def _snapshot_of(path: Path, users: int, turns: int, p: int = 0, partitions: int = 4
+                       ) -> tuple[bytes, list[str], dict[str, list[str]]]:
+    """A store at ``path`` applies ``turns`` turns of ``users`` users of partition ``p``
+    (round robin, one session each) and takes the partition's snapshot: its bytes, the
+    users, and each user's texts."""
+    ids = [u for u in (f"user-{i}" for i in range(200)) if partition_of(u, partitions) == p]
+    ids = ids[:users]
+    async with open_engine(path, config={"long_term": False}) as a:
+        entries = [(i + 1, LogTurn(ids[i % users], "s", f"t_{i:020x}", "user", f"turn {i}", T0))
+                   for i in range(turns)]
+        await a.apply_log_batch(p, entries)
+        data = await take(a, p, partitions, turns, "a")
+        texts = {u: [t.text for t in await a.session_history(u, "s", limit=1000)] for u in ids}
+    return data, ids, texts
+
+
 async def test_a_snapshot_of_records_that_fail_the_checks_is_refused_and_writes_nothing(
         tmp_path: Path) -> None:
     """A snapshot whose bytes are not one, or whose records do not pass an import's checks
     (a session's turns with a gap, vectors of another user), is refused with InvalidInput
     naming the user; nothing is written and the watermark stays 0."""
     p = 0
-    users = [u for u in (f"user-{i}" for i in range(200)) if partition_of(u, 4) == p][:3]
-    async with open_engine(tmp_path / "a", config={"long_term": False}) as a:
-        entries = [(i + 1, LogTurn(users[i % 3], "s", f"t_{i:020x}", "user", f"turn {i}", T0))
-                   for i in range(30)]
-        await a.apply_log_batch(p, entries)
-        data = await take(a, p, 4, 30, "a")
+    data, _, _ = await _snapshot_of(tmp_path / "a", 3, 30, p)
     snapshot = decode(data, p, 4)
     with pytest.raises(InvalidInput, match="snapshot: expected a partition snapshot"):
         decode(data[:len(data) // 2], p, 4)
@@ -570,18 +581,12 @@ async def test_a_snapshot_in_frames_is_restored_whole(
     A damaged frame is refused as no snapshot, and nothing is written."""
     monkeypatch.setattr(_bootstrap, "FRAME_BYTES", 1)  # a frame a user
     p = 0
-    users = [u for u in (f"user-{i}" for i in range(200)) if partition_of(u, 4) == p][:3]
-    async with open_engine(tmp_path / "a", config={"long_term": False}) as a:
-        entries = [(i + 1, LogTurn(users[i % 3], "s", f"t_{i:020x}", "user", f"turn {i}", T0))
-                   for i in range(30)]
-        await a.apply_log_batch(p, entries)
-        data = await take(a, p, 4, 30, "a")
-        before = {u: [t.text for t in await a.session_history(u, "s", limit=100)] for u in users}
+    data, users, before = await _snapshot_of(tmp_path / "a", 3, 30, p)
     found = opened(data, p, 4)
     assert isinstance(found, Framed) and len(found.frames) == 3 and found.head.users == 3
     async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
         await restore(b, found)
-        assert {u: [t.text for t in await b.session_history(u, "s", limit=100)]
+        assert {u: [t.text for t in await b.session_history(u, "s", limit=1000)]
                 for u in users} == before
         assert await b.apply_log_batch(p, []) == 30
     ends = np.cumsum([len(frame) for frame in found.frames]) + (len(data) - len(
@@ -601,17 +606,12 @@ async def test_a_snapshot_of_the_single_stream_format_still_restores(tmp_path: P
     """A snapshot stored before frames (``engram-partition-snapshot-2``: one zlib stream of
     every user's records) restores as it did."""
     p = 0
-    users = [u for u in (f"user-{i}" for i in range(200)) if partition_of(u, 4) == p][:2]
-    async with open_engine(tmp_path / "a", config={"long_term": False}) as a:
-        entries = [(i + 1, LogTurn(users[i % 2], "s", f"t_{i:020x}", "user", f"turn {i}", T0))
-                   for i in range(10)]
-        await a.apply_log_batch(p, entries)
-        records = decode(await take(a, p, 4, 10, "a"), p, 4)
-        before = {u: [t.text for t in await a.session_history(u, "s")] for u in users}
+    data, users, before = await _snapshot_of(tmp_path / "a", 2, 10, p)
+    records = decode(data, p, 4)
     old = zlib.compress(_bootstrap._encode(records), 1)
     found = opened(old, p, 4)
     assert isinstance(found, PartitionRecords) and not old.startswith(_bootstrap.MAGIC)
     async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
         await restore(b, found)
-        assert {u: [t.text for t in await b.session_history(u, "s")] for u in users} == before
+        assert {u: [t.text for t in await b.session_history(u, "s", limit=1000)] for u in users} == before
         assert await b.apply_log_batch(p, []) == 10
