@@ -613,5 +613,6 @@ async def test_a_snapshot_of_the_single_stream_format_still_restores(tmp_path: P
     assert isinstance(found, PartitionRecords) and not old.startswith(_bootstrap.MAGIC)
     async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
         await restore(b, found)
-        assert {u: [t.text for t in await b.session_history(u, "s", limit=1000)] for u in users} == before
+        assert {u: [t.text for t in await b.session_history(u, "s", limit=1000)]
+                for u in users} == before
         assert await b.apply_log_batch(p, []) == 10
