@@ -263,15 +263,22 @@ def decode(data: bytes, partition: int, partitions: int) -> Snapshot:
     found = opened(data, partition, partitions)
     if not isinstance(found, Framed):
         return found
-    users: list[UserRecords] = []
-    vectors: list[VectorRows] = []
-    for frame in found.frames:
-        some, rows = frame_users(frame)
-        users += some
-        vectors += rows
-    head = found.head
+    return _joined(found.head, [frame_users(frame) for frame in found.frames])
+
+
+def _joined(head: PartitionFrames,
+            decoded: list[tuple[list[UserRecords], list[VectorRows]]]) -> PartitionRecords:
+    """A framed snapshot's frames, decoded, as one :class:`PartitionRecords`.
+
+    Raises:
+        InvalidInput: the frames do not hold the users its head counts.
+    """
+    users = [user for some, _ in decoded for user in some]
+    if len(users) != head.users:
+        raise InvalidInput("snapshot", f"expected a partition snapshot of {head.users} users, "
+                                       f"found {len(users)}")
     return PartitionRecords(head.partition, head.partitions, head.watermark, head.node,
-                            head.taken_at, users, vectors)
+                            head.taken_at, users, [rows for _, some in decoded for rows in some])
 
 
 def _not_a_snapshot(exc: Exception) -> InvalidInput:
@@ -338,13 +345,7 @@ async def unframed(snapshot: Framed) -> PartitionRecords:
                 nursery.start_soon(decode, i)
     if refused:
         raise refused[0]
-    head = snapshot.head
-    if sum(len(users) for users, _ in decoded) != head.users:
-        raise InvalidInput("snapshot", f"expected a partition snapshot of {head.users} users, "
-                                       f"found {sum(len(users) for users, _ in decoded)}")
-    return PartitionRecords(head.partition, head.partitions, head.watermark, head.node,
-                            head.taken_at, [user for users, _ in decoded for user in users],
-                            [rows for _, vectors in decoded for rows in vectors])
+    return _joined(snapshot.head, decoded)
 
 
 async def _import_exports(engine: Engine, snapshot: PartitionSnapshot) -> None:
