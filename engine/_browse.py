@@ -18,7 +18,8 @@ from actors.store import read_entities, read_entity_keys, read_facts, user_prefi
 
 from ._parts import Parts
 
-__all__ = ["list_users", "list_notes", "list_entities", "fact_versions", "users_with", "read_notes"]
+__all__ = ["list_users", "list_notes", "list_entities", "fact_versions", "users_with",
+           "read_notes"]
 
 _decode_note = msgspec.msgpack.Decoder(Note).decode
 
