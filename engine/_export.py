@@ -1021,8 +1021,7 @@ async def _write(parts: Parts, imports: list[tuple[UserRecords, str]],
             new = turns[present:]
             if have:  # an id held already: only an import of the same file again
                 for turn in new:
-                    if (there := have.get(turn.turn_id)) is not None:
-                        _check_new(user_id, turn, there)
+                    _check_new(user_id, turn, have.get(turn.turn_id))
             mine.extend(new)
         for line in (*parsed.notes, *parsed.episodes, *parsed.facts):
             there = have.get(_id_of(line))
