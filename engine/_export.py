@@ -52,6 +52,7 @@ from actors.store import (
     ModelInfo,
     entity_key,
     fact_key,
+    holds_memories,
     read_entity_keys,
     read_facts,
     read_links,
@@ -504,12 +505,11 @@ def _vectors_of(given: Any, exported_user: str, model: ModelInfo, name: str
     matrix = np.frombuffer(data, dtype=STORED).reshape(-1, model.dim)
     rows = sizes // row
     ends = np.cumsum(rows)
-    # On the bits (numpy's isfinite on float16 took 0.3 s for 100k vectors): a float16 is
-    # NaN or infinite when its exponent bits are all set, zero when all but its sign are clear.
-    bits = matrix.view(np.uint16)
-    exponent = np.uint16(0x7C00)
-    unusable = ((bits & exponent) == exponent).any(axis=1) | ~(bits & np.uint16(0x7FFF)).any(
-        axis=1)
+    # On the bits (numpy's isfinite on float16 took 0.3 s for 100k vectors): without its sign
+    # bit, a float16 is NaN or infinite from 0x7C00 up (exponent bits all set) and zero at 0,
+    # so a row's largest such value tells both in one pass.
+    top = (matrix.view(np.uint16) & np.uint16(0x7FFF)).max(axis=1, initial=0)
+    unusable = (top >= 0x7C00) | (top == 0)
     if unusable.any():
         record = int(np.searchsorted(ends, np.flatnonzero(unusable)[0], side="right"))
         raise InvalidInput(name, "expected finite vectors, not all zeros, found another in "
@@ -958,16 +958,18 @@ def _every_id(parsed: UserRecords) -> list[str]:
             + [e.episode_id for e in parsed.episodes] + [f.fact_id for f in parsed.facts])
 
 
-def _read_present(txn: Any, dbs: dict[bytes, Any],
-                  wanted: list[tuple[str, list[str], list[str]]]
+def _read_present(txn: Any, dbs: dict[bytes, Any], wanted: list[tuple[str, UserRecords]]
                   ) -> list[tuple[dict[str, Any], set[str], dict[tuple[str, str], Fact]]]:
-    """Each user's records among these ids, in one read transaction; the past fact
-    versions among them stored without their id's entry (an import stopped before it wrote
-    its records outside the log), found in the user's fact history; and the user's active
-    facts by their spelling (:func:`actors.facts.spelling`)."""
+    """Each user's records among those of its export, in one read transaction; the past
+    fact versions among them stored without their id's entry (an import stopped before it
+    wrote its records outside the log), found in the user's fact history; and the user's
+    active facts by their spelling (:func:`actors.facts.spelling`). The ids are listed only
+    for a user the store holds memories of (a restore's users are new here)."""
     out = []
-    for user_id, ids, past in wanted:
-        have = read_memories_by_id(txn, dbs, user_id, ids)
+    for user_id, parsed in wanted:
+        past = [f.fact_id for f in parsed.facts if f.status != "active"]
+        have = (read_memories_by_id(txn, dbs, user_id, _every_id(parsed))
+                if holds_memories(txn, dbs, user_id) else {})
         versions = {f.fact_id: f for f in read_facts(txn, dbs, user_id, False)}
         unfiled = {f: versions[f] for f in past if f not in have and f in versions}
         active = {spelling(f.category, f.key): f for f in versions.values()
@@ -980,9 +982,7 @@ async def _write(parts: Parts, imports: list[tuple[UserRecords, str]],
                  vectors: list[dict[int, np.ndarray] | None]) -> list[dict[str, int]]:
     store, buffer = parts.store, parts.buffer
     await store.wait_logged()
-    haves = await store.read(_read_present, [
-        (user_id, _every_id(parsed), [f.fact_id for f in parsed.facts if f.status != "active"])
-        for parsed, user_id in imports])
+    haves = await store.read(_read_present, [(user_id, parsed) for parsed, user_id in imports])
     users = [_User(parsed, user_id, have, unfiled, given)
              for (parsed, user_id), (have, unfiled, _), given in zip(imports, haves, vectors)]
     for user, (_, _, active) in zip(users, haves):
@@ -999,7 +999,9 @@ async def _write(parts: Parts, imports: list[tuple[UserRecords, str]],
                                                    "it first")
     # Where a record is already in this store (an earlier import of the same file, or a part
     # of one a crash cut short), its position here stands for the exported one.
-    todo: list[tuple[_User, Any]] = []
+    # The records to write in order, and whose each is (side by side: no pair per record).
+    todo: list[Any] = []
+    owners: list[_User] = []
     for user in users:
         parsed, user_id, have, lsn_map = user.parsed, user.user_id, user.have, user.lsn_map
         mine: list[Any] = []
@@ -1050,18 +1052,20 @@ async def _write(parts: Parts, imports: list[tuple[UserRecords, str]],
                                                        f"found {summary.upper_seq} in the "
                                                        f"summary of {summary.session_id}")
         mine.sort(key=_LSN)  # the source's log order: entities' stay in order
-        todo.extend(zip(repeat(user), mine))
+        todo.extend(mine)
+        owners.extend(repeat(user, len(mine)))
     imported = parts.imported
     last = 0
     for start in range(0, len(todo), IMPORT_CHUNK):
         chunk = todo[start:start + IMPORT_CHUNK]
+        whose = owners[start:start + IMPORT_CHUNK]
         await store.reserve(len(chunk) + 1)
         parts.check_open()
         # A live turn may have reached a session of the import while it waited for room:
         # checked before any of the block is queued, since the block's positions are marked
         # imported (the long-term layer skips them) and a block cut short would leave the
         # rest marked for the next live turns to take.
-        _check_seqs(parts, chunk)
+        _check_seqs(parts, whose, chunk)
         # From here to the end of the block nothing yields: its positions are contiguous.
         first = store.next_lsn
         last = first + len(chunk) - 1
@@ -1070,20 +1074,25 @@ async def _write(parts: Parts, imports: list[tuple[UserRecords, str]],
         store.hold_together(len(chunk) + 1)
         imported.add(first, last)
         store.submit(PutState((Imported.marker(first, last),)))
-        for kind, group in groupby(chunk, lambda item: type(item[1])):  # runs of one type
+        at = 0
+        for kind, group in groupby(chunk, type):  # runs of one type
             run = list(group)
+            run_owners = whose[at:at + len(run)]
+            at += len(run)
             if kind is TurnLine:
-                for (user, line), receipt in zip(run, _append_turns(parts, run), strict=True):
+                for user, line, receipt in zip(run_owners, run,
+                                               _append_turns(parts, run_owners, run),
+                                               strict=True):
                     user.lsn_map[line.lsn] = receipt.lsn
             else:
-                for user, line in run:
+                for user, line in zip(run_owners, run):
                     user.lsn_map[line.lsn] = store.next_lsn
                     _submit(parts, user.user_id, line)
             tag = kind.__struct_config__.tag + "s"
-            for user, _ in run:
+            for user in run_owners:
                 user.written[tag] = user.written.get(tag, 0) + 1
         # Vectors that came with the block's records, before the embedder can read them.
-        preset = [(user.lsn_map[line.lsn], vector) for user, line in chunk
+        preset = [(user.lsn_map[line.lsn], vector) for user, line in zip(whose, chunk)
                   if user.vectors is not None
                   and (vector := user.vectors.get(line.lsn)) is not None]
         if preset and parts.config.background_embedding:  # else no follower would take them
@@ -1091,7 +1100,7 @@ async def _write(parts: Parts, imports: list[tuple[UserRecords, str]],
     if last:
         await store.wait_committed(last)
     if parts.notes_md is not None:
-        for user, line in todo:
+        for user, line in zip(owners, todo):
             if isinstance(line, NoteLine):
                 await parts.notes_md.write(_note(line, user.lsn_map[line.lsn], user.user_id))
     await _write_unlogged(parts, users)
@@ -1127,12 +1136,12 @@ def _id_of(line: Any) -> str:
         line, "episode_id", None) or line.fact_id
 
 
-def _check_seqs(parts: Parts, items: list[tuple[_User, Any]]) -> None:
-    """Each turn among ``items`` takes its own seq in its session when they are appended in
-    order: no other turn reached the session since the import read it."""
+def _check_seqs(parts: Parts, owners: list[_User], lines: list[Any]) -> None:
+    """Each turn among ``lines`` (of ``owners``) takes its own seq in its session when they
+    are appended in order: no other turn reached the session since the import read it."""
     buffer = parts.buffer
     next_seq: dict[tuple[str, str], int] = {}
-    for user, line in items:
+    for user, line in zip(owners, lines):
         if type(line) is not TurnLine:
             continue
         session = (user.user_id, line.session_id)
@@ -1145,12 +1154,12 @@ def _check_seqs(parts: Parts, items: list[tuple[_User, Any]]) -> None:
         next_seq[session] = seq + 1
 
 
-def _append_turns(parts: Parts, run: list[tuple[_User, TurnLine]]) -> list[Receipt]:
-    """Queue a run of turns at the store's next positions in one bulk append, as a history
-    import does (synchronous); each keeps its id and its seq (:func:`_check_seqs`)."""
-    lines = [line for _, line in run]
+def _append_turns(parts: Parts, owners: list[_User], lines: list[TurnLine]) -> list[Receipt]:
+    """Queue a run of turns (of ``owners``) at the store's next positions in one bulk append,
+    as a history import does (synchronous); each keeps its id and its seq
+    (:func:`_check_seqs`)."""
     return parts.buffer.append_many(
-        [user.user_id for user, _ in run], [line.session_id for line in lines],
+        [user.user_id for user in owners], [line.session_id for line in lines],
         [line.role for line in lines], [line.text for line in lines],
         [line.at for line in lines], [line.meta for line in lines],
         [line.agent_id or None for line in lines], [line.run_id or None for line in lines],
@@ -1225,8 +1234,9 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
                 version = _fact(fact, lsn_map[fact.lsn], user_id)
                 puts.append((b"ids", prefix + fact.fact_id.encode(),
                              IDS_FACT + fact_key(version), lsn_map[fact.lsn]))
-        by_id = {_id_of(line): line.lsn
-                 for line in (*parsed.turns, *parsed.notes, *parsed.episodes, *parsed.facts)}
+        by_id = ({_id_of(line): line.lsn
+                  for line in (*parsed.turns, *parsed.notes, *parsed.episodes, *parsed.facts)}
+                 if parsed.reviews or parsed.links else {})
         for review in parsed.reviews:
             lsn = lsn_map.get(by_id.get(review.memory_id, -1))
             if lsn is not None and review.memory_id not in reviewed:

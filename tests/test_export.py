@@ -326,6 +326,12 @@ async def test_vectors_exported_beside_a_user_are_stored_without_running_the_mod
             (edited(vectors={**vectors.vectors, first: b"\x00" * (row + 1)}), "found 769 bytes"),
             (edited(vectors={**vectors.vectors, first: b"\x00\x7c" * vectors.dim}),
              "expected finite vectors"),  # float16 infinity
+            (edited(vectors={**vectors.vectors,
+                             first: b"\x00\x3c" * (vectors.dim - 1) + b"\x00\x7e"}),
+             "expected finite vectors"),  # ones, then a NaN
+            (edited(vectors={**vectors.vectors,
+                             first: b"\x00\xfc" + b"\x00\xbc" * (vectors.dim - 1)}),
+             "expected finite vectors"),  # minus infinity, then minus ones
             (edited(vectors={**vectors.vectors, first: b"\x00\x80" * vectors.dim}),
              "not all zeros"),  # -0.0
             (edited(vectors={**vectors.vectors, first: b"\x00" * (row * 65537)}),

@@ -44,6 +44,7 @@ from .migrate import MIGRATIONS
 from .reads import (
                      Memory,
                      count_failures,
+                     holds_memories,
                      read_entities,
                      read_derived_id,
                      read_entity_keys,
@@ -80,7 +81,8 @@ __all__ = [
     "LOG_EPISODE", "LOG_FACT", "LOG_NOTE", "LOG_TOMBSTONE", "LOG_TURN", "MAX_DBS", "MIGRATIONS",
     "Damaged", "LogFollower", "damage_puts", "Memory", "ModelInfo", "Store", "check_chain", "clean_copy", "count_failures",
     "decode_entity", "decode_episode", "decode_fact", "decode_failure", "decode_pending",
-    "decode_review", "entity_key", "episode_key", "fact_key", "failure_put", "lsn_key",
+    "decode_review", "entity_key", "episode_key", "fact_key", "failure_put", "holds_memories",
+    "lsn_key",
     "open_databases", "read_derived_id", "read_entities", "read_entity_keys", "read_episodes",
     "read_facts", "read_failures", "read_last_episode_seqs", "read_links", "read_log_range",
     "read_memories_by_id", "read_meta_lsn", "read_pending", "read_records",

@@ -183,7 +183,7 @@ def read_memories_by_id(
     uprefix = user_prefix(user_id)
     ids, notes = dbs[b"ids"], dbs[b"notes"]
     out: dict[str, Memory] = {}
-    if len(memory_ids) > 16 and not (_holds(txn, ids, uprefix) or _holds(txn, notes, uprefix)):
+    if len(memory_ids) > 16 and not holds_memories(txn, dbs, user_id):
         return out  # a user this store has nothing of (an import's): two seeks, not a get each
     for memory_id in memory_ids:
         key = txn.get(uprefix + memory_id.encode(), db=ids)
@@ -198,6 +198,12 @@ def read_memories_by_id(
         if raw is not None:
             out[memory_id] = _decode_note(raw)
     return out
+
+def holds_memories(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str) -> bool:
+    """Whether the store holds any turn, note, episode or fact of the user (two seeks)."""
+    uprefix = user_prefix(user_id)
+    return _holds(txn, dbs[b"ids"], uprefix) or _holds(txn, dbs[b"notes"], uprefix)
+
 
 def read_derived_id(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str, prefix: str,
                     what: Any) -> str:
