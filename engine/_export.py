@@ -471,6 +471,14 @@ def _vectors_of(given: Any, exported_user: str, model: ModelInfo, name: str
     if (given.model, given.dim) != (model.id, model.dim):
         return None
     row = model.dim * STORED.itemsize
+    counts_of = getattr(given, "counts", None)
+    if (type(counts_of) is list and counts_of.count(1) == len(counts_of) == len(given.lsns)
+            and len(given.data) == len(counts_of) * row):
+        # One vector a record, as an export has them but for a text longer than the model's
+        # window: record i is row i, and the per-record sizes need no arrays.
+        matrix = np.frombuffer(given.data, dtype=STORED).reshape(-1, model.dim)
+        _check_usable(matrix, None, given.lsns, name)
+        return dict(zip(given.lsns, matrix))
     if isinstance(given, VectorRows):
         lsns = given.lsns
         try:
@@ -505,17 +513,28 @@ def _vectors_of(given: Any, exported_user: str, model: ModelInfo, name: str
     matrix = np.frombuffer(data, dtype=STORED).reshape(-1, model.dim)
     rows = sizes // row
     ends = np.cumsum(rows)
+    _check_usable(matrix, ends, lsns, name)
+    return {lsn: matrix[end - n:end]
+            for lsn, end, n in zip(lsns, ends.tolist(), rows.tolist(), strict=True)}
+
+
+def _check_usable(matrix: np.ndarray, ends: np.ndarray | None, lsns: Any, name: str) -> None:
+    """Each row of ``matrix`` finite and not all zeros; ``ends``: where each record's rows
+    end (None: a row a record).
+
+    Raises:
+        InvalidInput: naming the first record holding another row.
+    """
     # On the bits (numpy's isfinite on float16 took 0.3 s for 100k vectors): without its sign
     # bit, a float16 is NaN or infinite from 0x7C00 up (exponent bits all set) and zero at 0,
-    # so a row's largest such value tells both in one pass.
+    # so a row's largest such value tells both.
     top = (matrix.view(np.uint16) & np.uint16(0x7FFF)).max(axis=1, initial=0)
     unusable = (top >= 0x7C00) | (top == 0)
     if unusable.any():
-        record = int(np.searchsorted(ends, np.flatnonzero(unusable)[0], side="right"))
+        first = int(np.flatnonzero(unusable)[0])
+        record = first if ends is None else int(np.searchsorted(ends, first, side="right"))
         raise InvalidInput(name, "expected finite vectors, not all zeros, found another in "
                                  f"record {lsns[record]}")
-    return {lsn: matrix[end - n:end]
-            for lsn, end, n in zip(lsns, ends.tolist(), rows.tolist(), strict=True)}
 
 
 # -- import ------------------------------------------------------------------------------------

@@ -337,7 +337,8 @@ async def test_a_fact_remembered_while_an_import_writes_that_key_leaves_one_acti
 
 
 @pytest.mark.parametrize("bad", ["counts past int64", "counts not numbers", "not a turn line",
-                                 "a text that is no string"])
+                                 "a text that is no string", "a NaN in a vector",
+                                 "a vector of zeros"])
 async def test_records_restore_users_cannot_read_are_refused_as_invalid_input(
         tmp_path, bad) -> None:
     """restore_users (a partition snapshot's records and vectors) raised OverflowError,
@@ -352,10 +353,18 @@ async def test_records_restore_users_cannot_read_are_refused_as_invalid_input(
     if bad.startswith("counts"):
         counts = [2**63] if bad == "counts past int64" else ["x"]
         vectors = [msgspec.structs.replace(rows, counts=counts)]
+    elif "vector" in bad:  # one vector a record: the rows' own check
+        assert rows.counts == [1]
+        data = (rows.data[:-2] + b"\x00\x7e" if "NaN" in bad
+                else b"\x00\x80" * (len(rows.data) // 2))
+        vectors = [msgspec.structs.replace(rows, data=data)]
     else:
         line = object() if bad == "not a turn line" else msgspec.structs.replace(turn, text=123)
         users = [msgspec.structs.replace(records, turns=[line])]
     async with open_engine(tmp_path / "b") as mem:
-        with pytest.raises(InvalidInput):
+        with pytest.raises(InvalidInput) as refused:
             await mem.restore_users(users, vectors)
+        if "vector" in bad:
+            assert refused.value.field == "vectors[0]" and (
+                f"record {rows.lsns[0]}" in str(refused.value))
         assert await mem.list_users() == []

@@ -440,11 +440,11 @@ class Embedder:
             return  # the engine is closing; the watermark on disk says where to resume
 
     def preset(self, vectors: list[tuple[int, np.ndarray]]) -> None:
-        """Take vectors that came with imported records (lsn, chunks x dim), in lsn order,
-        before the follower can read those records (synchronous: the import calls this in
-        the same step that queues them). The follower stores them instead of embedding the
-        records; one it never reads (a record refused, or forgotten first) is dropped once
-        its step has passed that lsn."""
+        """Take vectors that came with imported records (lsn, its vector or chunks x dim),
+        in lsn order, before the follower can read those records (synchronous: the import
+        calls this in the same step that queues them). The follower stores them instead of
+        embedding the records; one it never reads (a record refused, or forgotten first) is
+        dropped once its step has passed that lsn."""
         for lsn, vector in vectors:
             self._preset[lsn] = vector
             self._preset_order.append(lsn)

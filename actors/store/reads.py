@@ -199,6 +199,7 @@ def read_memories_by_id(
             out[memory_id] = _decode_note(raw)
     return out
 
+
 def holds_memories(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str) -> bool:
     """Whether the store holds any turn, note, episode or fact of the user (two seeks)."""
     uprefix = user_prefix(user_id)
