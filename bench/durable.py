@@ -7,6 +7,10 @@ Phases, each on a fresh store with fsync on (the engine default) and the real mo
 in the background, each preceded by its own floor measured in the same process:
   floor      bare LMDB, one small put per transaction, fsync on, sequential: the least a
              durable receipt can cost on this disk.
+  hops       first, once: the floor's commits alternated with the same commits made on a
+             thread of their own that wakes the trio loop when done, as the store's writer
+             does, on an otherwise idle loop: what the two thread hops cost that any design
+             keeping the fsync off the trio thread pays, before the engine does anything.
   shaped     bare LMDB doing one turn's writes as the engine lays them out (six databases,
              the same texts), opened and flushed as the engine does, sequential: what the
              store's layout adds to the floor, apart from the engine around it.
@@ -32,10 +36,12 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import queue
 import random
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -69,6 +75,47 @@ def floor(path: Path, n: int) -> dict[str, list[int]]:
     env.close()
     shutil.rmtree(path)
     return {"raw": latencies}
+
+
+async def hopped_floor(path: Path, n: int) -> dict[str, list[int]]:
+    """The floor's commits, each followed by the same commit on a thread of its own that
+    wakes the trio loop when it is done (``TrioToken.run_sync_soon``, as the store's writer
+    wakes a receipt), the loop otherwise idle: ``raw`` the inline ones, ``hopped`` the
+    others, each timed from the trio thread."""
+    env = lmdb.open(str(path), map_size=1 << 28, max_dbs=2, sync=True)
+    db = env.open_db(b"t")
+    token = trio.lowlevel.current_trio_token()
+    jobs: queue.SimpleQueue[tuple[int, trio.Event] | None] = queue.SimpleQueue()
+
+    def commit(i: int) -> None:
+        with env.begin(write=True) as txn:
+            txn.put(i.to_bytes(8, "big"), b"x" * 200, db=db)
+
+    def serve() -> None:
+        while (job := jobs.get()) is not None:
+            commit(job[0])
+            token.run_sync_soon(job[1].set)
+
+    thread = threading.Thread(target=serve, name="bench-hops", daemon=True)
+    thread.start()
+    inline, hopped = [], []
+    try:
+        for i in range(n):
+            start = time.perf_counter_ns()
+            commit(2 * i)
+            inline.append(time.perf_counter_ns() - start)
+            done = trio.Event()
+            start = time.perf_counter_ns()
+            jobs.put((2 * i + 1, done))
+            await done.wait()
+            hopped.append(time.perf_counter_ns() - start)
+            await trio.sleep(0.001)  # a caller's pace, not a queue
+    finally:
+        jobs.put(None)
+        thread.join()
+        env.close()
+        shutil.rmtree(path)
+    return {"raw": inline, "hopped": hopped}
 
 
 def shaped_floor(path: Path, n: int, texts: list[str]) -> dict[str, list[int]]:
@@ -197,6 +244,9 @@ def main() -> None:
                                       args.burst_writers, texts, False, config),
     }
     try:
+        hops = trio.run(hopped_floor, work / "hops", args.floor_commits // 2)
+        results["hops_floor"] = percentiles(hops["raw"], 1e-3, "us")
+        results["hops"] = percentiles(hops["hopped"], 1e-3, "us")
         for name, run in phases.items():
             half = args.floor_commits // 2
             before = floor(work / f"{name}_floor_before", half)["raw"]
@@ -212,6 +262,8 @@ def main() -> None:
     print(f"\n{'phase':<48}{'n':>6}{'p50':>11}{'p99':>11}{'p99.9':>11}")
     shaped_label = "bare LMDB, a turn's writes + flush (shaped)"
     for name, label in (
+            ("hops_floor", "bare LMDB commit, fsync (floor)"),
+            ("hops", "the same, on a thread waking the trio loop"),
             ("steady_floor", "bare LMDB commit, fsync (floor)"),
             ("steady_shaped", shaped_label),
             ("steady", f"durable add_turn @{args.rate:g}/s x{args.writers}"),
@@ -225,6 +277,9 @@ def main() -> None:
         r = results[name]
         print(f"{label:<48}{r['n']:>6}{r['p50_us']:>9.0f}µs{r['p99_us']:>9.0f}µs"
               f"{r['p999_us']:>9.0f}µs")
+    h, f = results["hops"], results["hops_floor"]
+    h["ratio_p50"], h["ratio_p99"] = h["p50_us"] / f["p50_us"], h["p99_us"] / f["p99_us"]
+    print(f"hops: two thread hops / floor  p50 {h['ratio_p50']:.2f}x  p99 {h['ratio_p99']:.2f}x")
     for name in phases:
         r, f = results[name], results[f"{name}_floor"]
         r["ratio_p50"] = r["p50_us"] / f["p50_us"]
