@@ -21,7 +21,7 @@ class PartitionCounts:
 
     __slots__ = ("lag", "gaps", "consumers", "batches", "entries", "replays",
                  "replay_seconds", "bootstraps", "bootstrap_seconds", "bootstrap_steps",
-                 "log_errors",
+                 "snapshots_refused", "log_errors",
                  "snapshots", "snapshot_seconds", "snapshot_bytes", "snapshot_watermark",
                  "dropped")
 
@@ -37,6 +37,9 @@ class PartitionCounts:
         self.bootstrap_seconds: float | None = None  # the last restore's duration
         # ... and its steps': the snapshot's fetch, its decode, the write of its users
         self.bootstrap_steps: dict[str, float] | None = None
+        # snapshots found and refused (damaged, not a snapshot, records an import refuses):
+        # the whole log replayed instead
+        self.snapshots_refused = 0
         self.log_errors = 0  # reads of the log that failed (retried from the watermark)
         self.snapshots = 0  # snapshots published to the object store
         self.snapshot_seconds: float | None = None  # the last one's taking and storing
@@ -54,8 +57,8 @@ class PartitionStats(msgspec.Struct, frozen=True, kw_only=True):
         watermark: the last log sequence applied to this node's store (None: never read).
         lag: entries of the partition in the log after the watermark, as the last fetch
             counted them (None: not applied here by this process).
-        gaps / consumers / batches / entries / replays / bootstraps / log_errors /
-            snapshots / dropped: counts since the process started (see
+        gaps / consumers / batches / entries / replays / bootstraps / snapshots_refused /
+            log_errors / snapshots / dropped: counts since the process started (see
             :class:`PartitionCounts`).
         replay_seconds / bootstrap_seconds / snapshot_seconds: the last catch-up's,
             restore's and snapshot's durations; snapshot_bytes: the last snapshot's size.
@@ -78,6 +81,7 @@ class PartitionStats(msgspec.Struct, frozen=True, kw_only=True):
     bootstraps: int = 0
     bootstrap_seconds: float | None = None
     bootstrap_steps: dict[str, float] | None = None
+    snapshots_refused: int = 0
     log_errors: int = 0
     snapshots: int = 0
     snapshot_seconds: float | None = None
@@ -152,6 +156,9 @@ class _Collector:
                ("bootstraps", CounterMetricFamily, "snapshots restored", lambda s: s.bootstraps),
                ("bootstrap_seconds", GaugeMetricFamily, "the last restore's duration",
                 lambda s: s.bootstrap_seconds),
+               ("snapshots_refused", CounterMetricFamily,
+                "snapshots refused (damaged, unreadable): the log replayed instead",
+                lambda s: s.snapshots_refused),
                ("log_errors", CounterMetricFamily, "failed reads of the log",
                 lambda s: s.log_errors),
                ("snapshots", CounterMetricFamily, "snapshots published", lambda s: s.snapshots),

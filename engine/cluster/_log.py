@@ -609,7 +609,9 @@ class _Client:
         the chunk size; pulled in one batch, 21-26 ms.
 
         Raises:
-            nats.js.errors.DigestMismatchError: the chunks are not the object's (as ``get``).
+            InvalidInput: the chunks are not the object's (its digest, as ``get`` checks it):
+                damaged in the store. Not a failure to reach the log: asked again, the same
+                chunks would come back.
             LogUnavailable: the chunks did not arrive (replaced meanwhile by a newer one).
         """
         try:
@@ -638,8 +640,12 @@ class _Client:
             await self.drop(pull)
         data = b"".join(chunks)
         digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
-        if info.digest.split("=", 1)[-1].rstrip("=") != digest.rstrip("="):
-            raise nats.js.errors.DigestMismatchError
+        expected = info.digest.split("=", 1)[-1]
+        if expected.rstrip("=") != digest.rstrip("="):
+            raise InvalidInput("snapshot", f"expected the {info.size} bytes of partition "
+                                           f"{partition}'s snapshot under their sha256 digest "
+                                           f"{expected}, found {len(data)} bytes of digest "
+                                           f"{digest}: damaged in the object store")
         return _mark_of(info), data
 
     async def put_snapshot(self, partition: int, watermark: int, data: bytes) -> None:
@@ -876,7 +882,11 @@ class Log:
         return await self.thread.run(self._client.snapshot_mark, partition)
 
     async def get_snapshot(self, partition: int) -> tuple[int, bytes] | None:
-        """The partition's newest snapshot: (its watermark, its bytes), or None."""
+        """The partition's newest snapshot: (its watermark, its bytes), or None.
+
+        Raises:
+            InvalidInput: its bytes do not match its digest (damaged in the object store).
+        """
         return await self.thread.run(self._client.get_snapshot, partition,
                                      f"snapshot-{os.urandom(6).hex()}")
 

@@ -256,20 +256,22 @@ class Node:
         partitions = self.config.partitions
         await drop_local(self.engine, p, partitions)  # what a half-done restore left
         fetching = time.monotonic()
-        found = await self._asking(p, counts, "snapshot", self.log.get_snapshot, p)
-        if found is None:
-            return 0
-        decoding = time.monotonic()
         try:
+            found = await self._asking(p, counts, "snapshot", self.log.get_snapshot, p)
+            if found is None:
+                return 0
+            decoding = time.monotonic()
             snapshot = await trio.to_thread.run_sync(opened, found[1], p, partitions)
             if isinstance(snapshot, Framed):
                 snapshot = await unframed(snapshot)
             writing = time.monotonic()
             await restore(self.engine, snapshot)
         except InvalidInput as exc:
-            # Not a snapshot, one of elsewhere, or records an import refuses: the log has
-            # the partition all the same. What a batch before the refused one wrote (a
-            # snapshot of exports) goes first, as a half-done restore's would.
+            # Bytes that fail their digest, not a snapshot, one of elsewhere, or records an
+            # import refuses: the log has the partition all the same. What a batch before
+            # the refused one wrote (a snapshot of exports) goes first, as a half-done
+            # restore's would.
+            counts.snapshots_refused += 1
             log.warning("partition %d: snapshot refused (%s); replaying the whole log", p, exc)
             await drop_local(self.engine, p, partitions)
             return 0
@@ -376,7 +378,7 @@ class Node:
                 batches=c.batches, entries=c.entries, replays=c.replays,
                 replay_seconds=c.replay_seconds, bootstraps=c.bootstraps,
                 bootstrap_seconds=c.bootstrap_seconds, bootstrap_steps=c.bootstrap_steps,
-                log_errors=c.log_errors,
+                snapshots_refused=c.snapshots_refused, log_errors=c.log_errors,
                 snapshots=c.snapshots, snapshot_seconds=c.snapshot_seconds,
                 snapshot_bytes=c.snapshot_bytes, snapshot_watermark=c.snapshot_watermark,
                 dropped=c.dropped))
