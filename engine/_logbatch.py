@@ -37,7 +37,7 @@ from actors.store import read_meta_lsn, user_prefix
 from ._forget import Forgetting
 from ._parts import Parts, pinned
 from ._recall import record_shown
-from .errors import EngineError, InvalidInput
+from .errors import InvalidInput
 
 __all__ = ["LogTurn", "LogForget", "LogForgetScope", "LogCall", "CALLS", "RECORD_SHOWN",
            "READS_DERIVED", "LogEntry", "encode_entry", "decode_entry", "PartitionLog",
@@ -315,8 +315,11 @@ class PartitionLog:
 
     async def _apply_call(self, entry: LogCall, place: str) -> Any:
         """Run the call at its writer's time, the ids it makes drawn from its ``place`` in
-        the log (partition and sequence; see :func:`pinned`); its engine error is its result
-        (the log goes on: every node that replays the entry gets the same error)."""
+        the log (partition and sequence; see :func:`pinned`); the error its arguments meet
+        (InvalidInput) is its result (the log goes on: every node that replays the entry
+        gets the same error). An error of this engine's state (closed, broken, a store it
+        cannot use) is raised: the entry was not applied, and the watermark must stay
+        before it."""
         if entry.method not in CALLS:
             self.invalid += 1
             return InvalidInput("method", f"expected one of {sorted(CALLS)}, found "
@@ -327,10 +330,10 @@ class PartitionLog:
                 if entry.method == RECORD_SHOWN:
                     return await record_shown(self._parts, entry.user_id, **entry.args)
                 return await self._call(entry.method, entry.user_id, entry.args)
-        except (EngineError, TypeError) as exc:
+        except (InvalidInput, TypeError) as exc:
             # TypeError: arguments the method does not take (a newer writer's entry).
             self.invalid += 1
-            return exc if isinstance(exc, EngineError) else InvalidInput("args", str(exc))
+            return exc if isinstance(exc, InvalidInput) else InvalidInput("args", str(exc))
 
     async def _forget_scope(self, partition: int, seq: int, entry: LogForgetScope) -> Any:
         """A scope's tombstone: ``forget_scope`` writes one op per session and note, so the

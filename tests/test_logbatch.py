@@ -11,7 +11,7 @@ import trio.testing
 
 import actors.store as store_mod
 from actors.facts import Facts
-from engine import InvalidInput
+from engine import EngineBroken, EngineClosed, InvalidInput
 from engine._logbatch import LogForget, LogForgetScope, LogTurn, decode_entry, encode_entry
 
 from .conftest import T0, StepClock, open_engine
@@ -91,6 +91,33 @@ async def test_an_entry_that_fails_the_engines_checks_is_skipped_not_fatal(
         assert await mem.apply_log_batch(0, [(1, bad), (2, turn(2))]) == 2
         assert [t.turn_id for t in await mem.session_history("ana", "s1")] == [turn(2).turn_id]
         assert mem._partition_log.invalid == 1
+
+
+@pytest.mark.parametrize("error", [EngineClosed("the engine was closed"),
+                                   EngineBroken("the store failed")])
+async def test_a_call_the_engine_could_not_run_is_not_passed_by_the_watermark(
+        store_path: Path, error: Exception) -> None:
+    """A logged call that met a closing or broken engine was counted invalid, its error kept
+    as the entry's result, and its position written as applied: a restart resumed after a
+    call it never ran. That error is this engine's state, not the entry's outcome: it is
+    raised, and the watermark stays before the entry, which a replay then applies."""
+    from engine._logbatch import LogCall
+
+    call = LogCall("ana", "store_note", {"text": "tea at five", "note_id": "n_1"})
+    async with open_engine(store_path) as mem:
+        assert await mem.apply_log_batch(0, [(1, turn(1))]) == 1
+
+        async def failing(*args: object, **kwargs: object) -> None:
+            raise error
+
+        mem.store_note = failing
+        with pytest.raises(type(error)):
+            await mem.apply_log_batch(0, [(2, call)])
+        del mem.store_note
+        assert await mem.apply_log_batch(0, []) == 1
+        assert mem._partition_log.invalid == 0
+        assert await mem.apply_log_batch(0, [(2, call)]) == 2
+        assert [n.text for n in await mem.list_notes("ana")] == ["tea at five"]
 
 
 def test_entries_round_trip_through_their_bytes() -> None:
