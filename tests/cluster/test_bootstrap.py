@@ -517,11 +517,11 @@ async def test_a_copy_whose_next_entries_aged_out_of_the_log_restores_the_newer_
         await log.close()
 
 
-async def test_a_snapshot_whose_records_fail_the_checks_is_refused_and_the_log_replayed(
-        nats_servers, cluster_config, tmp_path: Path) -> None:
-    """A new owner given a snapshot that decodes but whose records do not pass an import's
-    checks (here a session's first turn missing) refuses it, as one that does not decode,
-    and replays the whole log instead of ending the node."""
+async def _a_damaged_snapshot_is_refused(nats_servers, cluster_config, tmp_path: Path,
+                                         damage) -> None:
+    """Two turns in the log and a snapshot of them, which ``await damage(log, config, data,
+    mark)`` stores damaged: a new owner refuses it, counts it, and replays the whole log
+    instead of ending the node or waiting for ever."""
     from engine._logbatch import encode_entry
     from engine.cluster._partition import subject_of
     from engine.cluster._writes import LogWriter
@@ -537,59 +537,8 @@ async def test_a_snapshot_whose_records_fail_the_checks_is_refused_and_the_log_r
                 for turn in turns]
         async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
             await b.apply_log_batch(0, list(zip(seqs, turns)))
-            snapshot = decode(await take(b, 0, 1, seqs[-1], "b"), 0, 1)
-        (records,) = snapshot.users
-        damaged = msgspec.structs.replace(
-            snapshot, users=[msgspec.structs.replace(records, turns=records.turns[1:])])
-        await log.put_snapshot(0, seqs[-1], _bootstrap._pack(damaged))
-        with trio.fail_after(60):
-            async with one_node(nats_servers, config, tmp_path / "a",
-                                config={"long_term": False}) as (engine, node, _w, _l):
-                await wait_for(lambda: node.marks.get(0, 0) >= seqs[-1], 20,
-                               "the whole log replayed")
-                history = await engine.session_history("ana", "s")
-                assert [t.text for t in history] == ["first", "second"]
-                assert node.partitions[0].bootstraps == 0
-    finally:
-        await log.close()
-
-
-async def test_a_snapshot_that_fails_its_digest_is_refused_and_the_log_replayed(
-        nats_servers, cluster_config, tmp_path: Path) -> None:
-    """A snapshot object whose chunks no longer match its digest (damaged in the object
-    store) was asked for again every second for ever, as if the log were unreachable, and
-    the partition never served; it is refused as one that does not decode is, and the whole
-    log replayed."""
-    from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
-
-    from engine._logbatch import encode_entry
-    from engine.cluster._log import _snapshot_name
-    from engine.cluster._partition import subject_of
-    from engine.cluster._writes import LogWriter
-    from actors.base.config import Config
-
-    config = msgspec.structs.replace(cluster_config, partitions=1, snapshot_interval=3600.0)
-    log = await connect(nats_servers, config, "w")
-    try:
-        writer = LogWriter(log, Config())
-        turns = [writer._turn("", "ana", "s", "user", text, None, None)
-                 for text in ("first", "second")]
-        seqs = [(await log.publish(subject_of("ana", 1), encode_entry(turn), turn.turn_id))[0]
-                for turn in turns]
-        async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
-            await b.apply_log_batch(0, list(zip(seqs, turns)))
-            await log.put_snapshot(0, seqs[-1], await take(b, 0, 1, seqs[-1], "b"))
-        client = log._client
-
-        async def damage() -> None:  # the same number of chunks, other bytes
-            info = await client.objects.get_info(_snapshot_name(0))
-            subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=config.objects, obj=info.nuid)
-            await client.js.purge_stream(OBJ_STREAM_TEMPLATE.format(bucket=config.objects),
-                                         subject=subject)
-            for _ in range(info.chunks):
-                await client.js.publish(subject, b"damaged")
-
-        await log.thread.run(damage)
+            data = await take(b, 0, 1, seqs[-1], "b")
+        await damage(log, config, data, seqs[-1])
         with trio.fail_after(60):
             async with one_node(nats_servers, config, tmp_path / "a",
                                 config={"long_term": False}) as (engine, node, _w, _l):
@@ -601,6 +550,51 @@ async def test_a_snapshot_that_fails_its_digest_is_refused_and_the_log_replayed(
                 assert node.partitions[0].snapshots_refused == 1
     finally:
         await log.close()
+
+
+async def test_a_snapshot_whose_records_fail_the_checks_is_refused_and_the_log_replayed(
+        nats_servers, cluster_config, tmp_path: Path) -> None:
+    """A new owner given a snapshot that decodes but whose records do not pass an import's
+    checks (here a session's first turn missing) refuses it, as one that does not decode,
+    and replays the whole log instead of ending the node."""
+
+    async def first_turn_missing(log, config, data: bytes, mark: int) -> None:
+        snapshot = decode(data, 0, 1)
+        (records,) = snapshot.users
+        damaged = msgspec.structs.replace(
+            snapshot, users=[msgspec.structs.replace(records, turns=records.turns[1:])])
+        await log.put_snapshot(0, mark, _bootstrap._pack(damaged))
+
+    await _a_damaged_snapshot_is_refused(nats_servers, cluster_config, tmp_path,
+                                         first_turn_missing)
+
+
+async def test_a_snapshot_that_fails_its_digest_is_refused_and_the_log_replayed(
+        nats_servers, cluster_config, tmp_path: Path) -> None:
+    """A snapshot object whose chunks no longer match its digest (damaged in the object
+    store) was asked for again every second for ever, as if the log were unreachable, and
+    the partition never served; it is refused as one that does not decode is, and the whole
+    log replayed."""
+    from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
+
+    from engine.cluster._log import _snapshot_name
+
+    async def chunks_replaced(log, config, data: bytes, mark: int) -> None:
+        await log.put_snapshot(0, mark, data)
+        client = log._client
+
+        async def damage() -> None:  # the same number of chunks, other bytes
+            info = await client.objects.get_info(_snapshot_name(0))
+            subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=config.objects, obj=info.nuid)
+            await client.js.purge_stream(OBJ_STREAM_TEMPLATE.format(bucket=config.objects),
+                                         subject=subject)
+            for _ in range(info.chunks):
+                await client.js.publish(subject, b"damaged")
+
+        await log.thread.run(damage)
+
+    await _a_damaged_snapshot_is_refused(nats_servers, cluster_config, tmp_path,
+                                         chunks_replaced)
 
 
 async def test_a_snapshot_of_many_chunks_comes_back_whole_and_leaves_no_consumer(
