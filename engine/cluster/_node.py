@@ -36,6 +36,9 @@ T = TypeVar("T")
 
 FETCH_SECONDS = 1.0  # a pull waits this long for entries before asking again
 RETRY_SECONDS = 0.5  # pause before a partition's reader asks a failing log again
+# Pause before a partition whose snapshot was refused, and whose log no longer holds its
+# first entries, asks for a snapshot again (one an operator stored, or none: see _bootstrap).
+UNRESTORABLE_RETRY_SECONDS = 30.0
 RESULTS_KEPT = 4096  # applied calls' results kept for their publishers (popped on answer)
 
 
@@ -251,30 +254,44 @@ class Node:
 
     async def _bootstrap(self, p: int, counts: PartitionCounts) -> int:
         """Start a copy that holds nothing of the partition from its newest snapshot, if
-        there is one; return the watermark to replay from (0: the whole log)."""
-        started = time.monotonic()
+        there is one; return the watermark to replay from (0: the whole log).
+
+        A snapshot refused (bytes that fail their digest, not a snapshot, one of elsewhere,
+        records an import refuses) is replaced by the whole log while the log still holds
+        its first entries. Once some aged out (or were purged), the log alone would make a
+        copy without them, and this node's next snapshot would spread that loss: the
+        partition then waits, unserved and counted, asking again every
+        UNRESTORABLE_RETRY_SECONDS, until a snapshot restores, or until there is none (an
+        operator deleted the damaged one: what the log holds is then what there is)."""
         partitions = self.config.partitions
-        await drop_local(self.engine, p, partitions)  # what a half-done restore left
-        fetching = time.monotonic()
-        try:
-            found = await self._asking(p, counts, "snapshot", self.log.get_snapshot, p)
-            if found is None:
-                return 0
-            decoding = time.monotonic()
-            snapshot = await trio.to_thread.run_sync(opened, found[1], p, partitions)
-            if isinstance(snapshot, Framed):
-                snapshot = await unframed(snapshot)
-            writing = time.monotonic()
-            await restore(self.engine, snapshot)
-        except InvalidInput as exc:
-            # Bytes that fail their digest, not a snapshot, one of elsewhere, or records an
-            # import refuses: the log has the partition all the same. What a batch before
-            # the refused one wrote (a snapshot of exports) goes first, as a half-done
-            # restore's would.
-            counts.snapshots_refused += 1
-            log.warning("partition %d: snapshot refused (%s); replaying the whole log", p, exc)
-            await drop_local(self.engine, p, partitions)
-            return 0
+        while True:
+            started = time.monotonic()
+            await drop_local(self.engine, p, partitions)  # what a half-done restore left
+            fetching = time.monotonic()
+            try:
+                found = await self._asking(p, counts, "snapshot", self.log.get_snapshot, p)
+                if found is None:
+                    return 0
+                decoding = time.monotonic()
+                snapshot = await trio.to_thread.run_sync(opened, found[1], p, partitions)
+                if isinstance(snapshot, Framed):
+                    snapshot = await unframed(snapshot)
+                writing = time.monotonic()
+                await restore(self.engine, snapshot)
+                break
+            except InvalidInput as exc:
+                # What a batch before the refused one wrote (a snapshot of exports) goes
+                # first, as a half-done restore's would.
+                counts.snapshots_refused += 1
+                await drop_local(self.engine, p, partitions)
+                if await self._asking(p, counts, "stream state", self.log.first_seq) <= 1:
+                    log.warning("partition %d: snapshot refused (%s); replaying the whole log",
+                                p, exc)
+                    return 0
+                log.error("partition %d: snapshot refused (%s), and the log no longer holds "
+                          "its first entries: not served until a snapshot restores (deleting "
+                          "the damaged one replays what the log holds)", p, exc)
+                await trio.sleep(UNRESTORABLE_RETRY_SECONDS)
         counts.bootstraps += 1
         ended = time.monotonic()
         counts.bootstrap_seconds = ended - started

@@ -569,32 +569,80 @@ async def test_a_snapshot_whose_records_fail_the_checks_is_refused_and_the_log_r
                                          first_turn_missing)
 
 
+async def _stored_with_chunks_replaced(log, config, data: bytes, mark: int) -> None:
+    """Store ``data`` as partition 0's snapshot, then replace its chunks by as many others
+    (the object's digest no longer matches: damaged in the object store)."""
+    from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
+
+    from engine.cluster._log import _snapshot_name
+
+    await log.put_snapshot(0, mark, data)
+    client = log._client
+
+    async def damage() -> None:
+        info = await client.objects.get_info(_snapshot_name(0))
+        subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=config.objects, obj=info.nuid)
+        await client.js.purge_stream(OBJ_STREAM_TEMPLATE.format(bucket=config.objects),
+                                     subject=subject)
+        for _ in range(info.chunks):
+            await client.js.publish(subject, b"damaged")
+
+    await log.thread.run(damage)
+
+
 async def test_a_snapshot_that_fails_its_digest_is_refused_and_the_log_replayed(
         nats_servers, cluster_config, tmp_path: Path) -> None:
     """A snapshot object whose chunks no longer match its digest (damaged in the object
     store) was asked for again every second for ever, as if the log were unreachable, and
     the partition never served; it is refused as one that does not decode is, and the whole
     log replayed."""
-    from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
-
-    from engine.cluster._log import _snapshot_name
-
-    async def chunks_replaced(log, config, data: bytes, mark: int) -> None:
-        await log.put_snapshot(0, mark, data)
-        client = log._client
-
-        async def damage() -> None:  # the same number of chunks, other bytes
-            info = await client.objects.get_info(_snapshot_name(0))
-            subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=config.objects, obj=info.nuid)
-            await client.js.purge_stream(OBJ_STREAM_TEMPLATE.format(bucket=config.objects),
-                                         subject=subject)
-            for _ in range(info.chunks):
-                await client.js.publish(subject, b"damaged")
-
-        await log.thread.run(damage)
-
     await _a_damaged_snapshot_is_refused(nats_servers, cluster_config, tmp_path,
-                                         chunks_replaced)
+                                         _stored_with_chunks_replaced)
+
+
+async def test_a_refused_snapshot_is_not_replaced_by_a_log_missing_its_first_entries(
+        nats_servers, cluster_config, tmp_path: Path, monkeypatch) -> None:
+    """Refused, a snapshot was replaced by the whole log replayed even when the log no
+    longer held its first entries (aged out): the new owner served a copy without them,
+    and its next snapshot would have spread the loss. The partition now waits, unserved and
+    counted, and restores the first snapshot that restores."""
+    from engine._logbatch import encode_entry
+    from engine.cluster import _node
+    from engine.cluster._partition import subject_of
+    from engine.cluster._writes import LogWriter
+    from actors.base.config import Config
+
+    monkeypatch.setattr(_node, "UNRESTORABLE_RETRY_SECONDS", 0.5)
+    config = msgspec.structs.replace(cluster_config, partitions=1, snapshot_interval=3600.0)
+    log = await connect(nats_servers, config, "w")
+    try:
+        writer = LogWriter(log, Config())
+        turns = [writer._turn("", "ana", "s", "user", text, None, None)
+                 for text in ("first", "second")]
+        seqs = [(await log.publish(subject_of("ana", 1), encode_entry(turn), turn.turn_id))[0]
+                for turn in turns]
+        async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
+            await b.apply_log_batch(0, list(zip(seqs, turns)))
+            data = await take(b, 0, 1, seqs[-1], "b")
+        await log.purge(subject_of("ana", 1), seqs[1])  # the first turn aged out
+        assert await log.first_seq() == seqs[1]
+        await _stored_with_chunks_replaced(log, config, data, seqs[-1])
+        with trio.fail_after(60):
+            async with one_node(nats_servers, config, tmp_path / "a",
+                                config={"long_term": False}) as (engine, node, _w, _l):
+                await wait_for(lambda: node.partitions.get(0) is not None
+                               and node.partitions[0].snapshots_refused >= 2, 20,
+                               "the snapshot refused, and asked for again")
+                assert node.marks.get(0, 0) == 0
+                assert await engine.session_history("ana", "s") == []
+                await log.put_snapshot(0, seqs[-1], data)
+                await wait_for(lambda: node.marks.get(0, 0) >= seqs[-1], 20,
+                               "the good snapshot restored")
+                history = await engine.session_history("ana", "s")
+                assert [t.text for t in history] == ["first", "second"]
+                assert node.partitions[0].bootstraps == 1
+    finally:
+        await log.close()
 
 
 async def test_a_snapshot_of_many_chunks_comes_back_whole_and_leaves_no_consumer(
