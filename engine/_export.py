@@ -472,7 +472,8 @@ def _vectors_of(given: Any, exported_user: str, model: ModelInfo, name: str
         return None
     row = model.dim * STORED.itemsize
     counts_of = getattr(given, "counts", None)
-    if (type(counts_of) is list and counts_of.count(1) == len(counts_of) == len(given.lsns)
+    if (type(counts_of) is list and set(map(type, counts_of)) == {int}
+            and counts_of.count(1) == len(counts_of) == len(given.lsns)
             and len(given.data) == len(counts_of) * row):
         # One vector a record, as an export has them but for a text longer than the model's
         # window: record i is row i, and the per-record sizes need no arrays.

@@ -9,6 +9,7 @@ import json
 import re
 
 import msgspec
+import numpy as np
 import pytest
 import trio
 
@@ -336,7 +337,8 @@ async def test_a_fact_remembered_while_an_import_writes_that_key_leaves_one_acti
     assert (await Engine.verify(tmp_path / "b"))["ok"]
 
 
-@pytest.mark.parametrize("bad", ["counts past int64", "counts not numbers", "not a turn line",
+@pytest.mark.parametrize("bad", ["counts past int64", "counts not numbers",
+                                 "counts of arrays", "counts of complex ones", "not a turn line",
                                  "a text that is no string", "a NaN in a vector",
                                  "a vector of zeros"])
 async def test_records_restore_users_cannot_read_are_refused_as_invalid_input(
@@ -351,7 +353,8 @@ async def test_records_restore_users_cannot_read_are_refused_as_invalid_input(
     turn = records.turns[0]
     users, vectors = [records], [rows]
     if bad.startswith("counts"):
-        counts = [2**63] if bad == "counts past int64" else ["x"]
+        counts = {"counts past int64": [2**63], "counts not numbers": ["x"],
+                  "counts of arrays": [np.array([1, 1])], "counts of complex ones": [1 + 0j]}[bad]
         vectors = [msgspec.structs.replace(rows, counts=counts)]
     elif "vector" in bad:  # one vector a record: the rows' own check
         assert rows.counts == [1]
