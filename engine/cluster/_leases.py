@@ -251,8 +251,18 @@ class Leases:
                                {p: v.node for p, v in owners.items()}, set(members))
         if release is not None:
             await self.release(release)
-        for p in claims:
-            await self._claim(p)
+        # Survivors of a dead node read the bucket at about the same time and aim at the
+        # same lowest free partitions: a claim another node won moves on to the next free
+        # one, so this tick still ends at the share, not a whole tick short of it.
+        wanted = len(claims)
+        for p in [p for p in range(self.config.partitions) if p not in owners]:
+            if not wanted:
+                break
+            claimed = await self._claim(p)
+            if claimed is None:
+                break  # the bucket is unavailable: the next tick decides
+            if claimed:
+                wanted -= 1
 
     def _read(self, snapshot: dict[str, tuple[bytes, int, datetime]]
               ) -> tuple[dict[int, LeaseValue], dict[str, Beat]]:
@@ -373,16 +383,21 @@ class Leases:
             pass
         await self._drop(p, "lost")
 
-    async def _claim(self, p: int) -> None:
+    async def _claim(self, p: int) -> bool | None:
+        """Claim ``p``: True once held, False if another node holds it, None if the bucket
+        did not answer."""
         sent = self._clock()
         try:
             self.held[p] = await self.log.kv("create", LEASE_PREFIX + str(p), self._value)
-        except (*_MOVED, *_UNSURE):
-            return  # someone was faster, or the bucket is unavailable: next tick decides
+        except _MOVED:
+            return False  # someone was faster
+        except _UNSURE:
+            return None
         self.confirmed[p] = sent
         self.owners[p] = LeaseValue(self.node, self.incarnation)
         self.counts["claimed"] += 1
         await self._acquired(p)
+        return True
 
     async def release(self, p: int) -> None:
         """Hand a partition back (delete on the revision this node wrote)."""

@@ -163,6 +163,38 @@ async def test_two_nodes_split_the_partitions_between_them(nats_servers, cluster
         await log.close()
 
 
+async def test_a_claim_another_node_won_goes_on_to_the_next_free_partition(
+        nats_servers, cluster_config) -> None:
+    """Two survivors of a dead node plan from views read at about the same time, so both aim
+    at the lowest free partitions. The one that lost a claim took none of the others until
+    its next tick (TTL/5 later: the owner-kill bench claimed a dead node's last partition
+    17.8 s after the kill, TTL 15 s, against issue 18's TTL + 1.5 s). It now goes on to the
+    next free partitions in the same tick, up to its share."""
+    config = msgspec.structs.replace(cluster_config, partitions=4)
+    log_a = await connect(nats_servers, config, "a")
+    log_b = await connect(nats_servers, config, "b")
+    try:
+        a, b = await _leases(log_a, "a", []), await _leases(log_b, "b", [])
+        await a._beat()
+        await b._beat()
+        before = await log_b.kv_entries()  # both members, no lease yet
+        await a.tick()
+        assert sorted(a.held) == [0, 1]  # its share of 4 with 2 members
+        read = log_b.kv_entries
+
+        async def from_before() -> dict:
+            log_b.kv_entries = read
+            return before
+
+        log_b.kv_entries = from_before  # b read the bucket before a's claims landed
+        await b.tick()
+        assert sorted(b.held) == [2, 3]
+        assert b.counts["claimed"] == 2
+    finally:
+        await log_a.close()
+        await log_b.close()
+
+
 def test_cluster_config_refuses_a_retry_longer_than_the_duplicate_window() -> None:
     """A publish retried past the window would be stored twice: refused up front."""
     from engine import InvalidInput
