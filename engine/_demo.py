@@ -137,7 +137,7 @@ async def _run_demo(store: Path | None, scratch: Path, say: Callable[[str], None
             say(f"  {question}  ({timings[-1]:.1f} ms)")
             for hit in hits:
                 text = " ".join(hit.text.split())
-                say(f"    {hit.score:.3f} {'+'.join(hit.via):<11} {hit.role}: "
+                say(f"    {hit.score:.3f} {'+'.join(hit.via):<11} {hit.role or hit.kind}: "
                     f"{text[:80]}{'...' if len(text) > 80 else ''}")
         figures["recall_ms"] = {"p50": statistics.median(timings), "max": max(timings)}
         leaked = [h for h in await mem.recall("tomas", "Lisbon flat dog", limit=10)
@@ -173,7 +173,7 @@ async def _run_demo(store: Path | None, scratch: Path, say: Callable[[str], None
                                              semantic_limit=5, detail="high")
         figures["retrieve_memory_ms"] = (time.perf_counter() - start) * 1e3
         for line in markdown.strip().splitlines():
-            say(f"  | {line[:96]}")
+            say(f"  | {line[:96]}{'...' if len(line) > 96 else ''}")
         say(f"  ({figures['retrieve_memory_ms']:.1f} ms)")
 
         say("\nmaya's sessions, most recent first:")

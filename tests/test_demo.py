@@ -18,6 +18,8 @@ async def test_demo_replays_the_conversation_and_reads_it_back(tmp_path) -> None
     assert figures["bulk_turns_per_s"] > 0 and figures["query_embed_ms"]["p50"] > 0
     assert figures["tenancy_leaks"] == 0 and figures["recall_ms"]["p50"] > 0
     assert any("Pixel" in line for line in lines)  # "What is my dog called?" finds the dog
+    # A hit without a speaker (a fact, an episode) is labelled by its kind, not "None".
+    assert not any(" None: " in line for line in lines)
     assert any("forget   user 'tomas': gone" in line for line in lines)
 
 
