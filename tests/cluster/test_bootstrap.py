@@ -517,27 +517,33 @@ async def test_a_copy_whose_next_entries_aged_out_of_the_log_restores_the_newer_
         await log.close()
 
 
-async def _a_damaged_snapshot_is_refused(nats_servers, cluster_config, tmp_path: Path,
-                                         damage) -> None:
-    """Two turns in the log and a snapshot of them, which ``await damage(log, config, data,
-    mark)`` stores damaged: a new owner refuses it, counts it, and replays the whole log
-    instead of ending the node or waiting for ever."""
+async def _two_turns_and_their_snapshot(log, tmp_path: Path) -> tuple[list[int], bytes]:
+    """ana's turns "first" and "second" published to partition 0 of 1; their stream
+    sequences, and a snapshot of a store that applied them."""
     from engine._logbatch import encode_entry
     from engine.cluster._partition import subject_of
     from engine.cluster._writes import LogWriter
     from actors.base.config import Config
 
+    writer = LogWriter(log, Config())
+    turns = [writer._turn("", "ana", "s", "user", text, None, None)
+             for text in ("first", "second")]
+    seqs = [(await log.publish(subject_of("ana", 1), encode_entry(turn), turn.turn_id))[0]
+            for turn in turns]
+    async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
+        await b.apply_log_batch(0, list(zip(seqs, turns)))
+        return seqs, await take(b, 0, 1, seqs[-1], "b")
+
+
+async def _a_damaged_snapshot_is_refused(nats_servers, cluster_config, tmp_path: Path,
+                                         damage) -> None:
+    """Two turns in the log and a snapshot of them, which ``await damage(log, config, data,
+    mark)`` stores damaged: a new owner refuses it, counts it, and replays the whole log
+    instead of ending the node or waiting for ever."""
     config = msgspec.structs.replace(cluster_config, partitions=1, snapshot_interval=3600.0)
     log = await connect(nats_servers, config, "w")
     try:
-        writer = LogWriter(log, Config())
-        turns = [writer._turn("", "ana", "s", "user", text, None, None)
-                 for text in ("first", "second")]
-        seqs = [(await log.publish(subject_of("ana", 1), encode_entry(turn), turn.turn_id))[0]
-                for turn in turns]
-        async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
-            await b.apply_log_batch(0, list(zip(seqs, turns)))
-            data = await take(b, 0, 1, seqs[-1], "b")
+        seqs, data = await _two_turns_and_their_snapshot(log, tmp_path)
         await damage(log, config, data, seqs[-1])
         with trio.fail_after(60):
             async with one_node(nats_servers, config, tmp_path / "a",
@@ -606,24 +612,14 @@ async def test_a_refused_snapshot_is_not_replaced_by_a_log_missing_its_first_ent
     longer held its first entries (aged out): the new owner served a copy without them,
     and its next snapshot would have spread the loss. The partition now waits, unserved and
     counted, and restores the first snapshot that restores."""
-    from engine._logbatch import encode_entry
     from engine.cluster import _node
     from engine.cluster._partition import subject_of
-    from engine.cluster._writes import LogWriter
-    from actors.base.config import Config
 
     monkeypatch.setattr(_node, "UNRESTORABLE_RETRY_SECONDS", 0.5)
     config = msgspec.structs.replace(cluster_config, partitions=1, snapshot_interval=3600.0)
     log = await connect(nats_servers, config, "w")
     try:
-        writer = LogWriter(log, Config())
-        turns = [writer._turn("", "ana", "s", "user", text, None, None)
-                 for text in ("first", "second")]
-        seqs = [(await log.publish(subject_of("ana", 1), encode_entry(turn), turn.turn_id))[0]
-                for turn in turns]
-        async with open_engine(tmp_path / "b", config={"long_term": False}) as b:
-            await b.apply_log_batch(0, list(zip(seqs, turns)))
-            data = await take(b, 0, 1, seqs[-1], "b")
+        seqs, data = await _two_turns_and_their_snapshot(log, tmp_path)
         await log.purge(subject_of("ana", 1), seqs[1])  # the first turn aged out
         assert await log.first_seq() == seqs[1]
         await _stored_with_chunks_replaced(log, config, data, seqs[-1])
