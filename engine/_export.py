@@ -471,17 +471,16 @@ def _vectors_of(given: Any, exported_user: str, model: ModelInfo, name: str
     if (given.model, given.dim) != (model.id, model.dim):
         return None
     row = model.dim * STORED.itemsize
-    counts_of = getattr(given, "counts", None)
-    if (type(counts_of) is list and set(map(type, counts_of)) == {int}
-            and counts_of.count(1) == len(counts_of) == len(given.lsns)
-            and len(given.data) == len(counts_of) * row):
-        # One vector a record, as an export has them but for a text longer than the model's
-        # window: record i is row i, and the per-record sizes need no arrays.
-        matrix = np.frombuffer(given.data, dtype=STORED).reshape(-1, model.dim)
-        _check_usable(matrix, None, given.lsns, name)
-        return dict(zip(given.lsns, matrix))
     if isinstance(given, VectorRows):
         lsns = given.lsns
+        if (type(given.counts) is list and set(map(type, given.counts)) == {int}
+                and given.counts.count(1) == len(given.counts) == len(lsns)
+                and len(given.data) == len(lsns) * row):
+            # One vector a record, as an export has them but for a text longer than the
+            # model's window: record i is row i, and the per-record sizes need no arrays.
+            matrix = np.frombuffer(given.data, dtype=STORED).reshape(-1, model.dim)
+            _check_usable(matrix, None, lsns, name)
+            return dict(zip(lsns, matrix))
         try:
             counts = np.asarray(given.counts, dtype=np.int64)
         except (OverflowError, ValueError, TypeError):
