@@ -21,6 +21,7 @@ import trio
 
 from .base.messages import Searchable
 from .base.records import Entity, Link
+from .base.text import composed
 from .imported import Imported
 from .store import LogFollower, Store, entity_key, read_entities, read_entity_keys
 
@@ -101,7 +102,9 @@ class _Sentences:
 
 
 def extract_entities(text: str) -> list[tuple[str, str]]:
-    """(name, type) for each distinct entity a text mentions, in order of first mention."""
+    """(name, type) for each distinct entity a text mentions, in order of first mention;
+    names as composed text (:func:`composed`), however the text came."""
+    text = composed(text)
     found: dict[str, tuple[str, str]] = {}
 
     def add(name: str, kind: str) -> None:

@@ -20,6 +20,7 @@ from actors.base import validate as v
 from actors.base.errors import InvalidInput, NotFound
 from actors.base.messages import DeleteNote, PutNote, PutState, WriteSummary
 from actors.base.records import Entity, Episode, Fact, Note, ReviewState, SummaryState, Turn
+from actors.base.text import composed
 from actors.episodic import RATINGS, memory_review_state, review_state
 from actors.extraction import Candidate, jaccard, words
 from actors.facts import DEDUP_JACCARD
@@ -361,7 +362,7 @@ class Memory:
         parts.check_lookup_ids(user_id)
         parts.check_text("name", name)
         check_count("limit", limit, 1, 1000)
-        key = name.strip().lower()
+        key = composed(name.strip()).lower()  # as the registry keys names (extract_entities)
         store = parts.store
         registry = await store.read(read_entities, user_id, [key])
         found = registry.get(key)

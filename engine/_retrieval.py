@@ -52,6 +52,7 @@ from actors.ann_index import KINDS, AnnIndex, Filters
 from actors.base.errors import EngineBroken, EngineClosed, EngineError
 from actors.base.messages import Searchable
 from actors.base.records import Episode, Fact, Note, Turn
+from actors.base.text import composed
 from actors.base.where import Node, attributes
 from actors.embedder import Embedder
 from actors.entities import Entities, extract_entities
@@ -929,7 +930,8 @@ def known_then(memory: Turn | Note | Episode | Fact, as_of: datetime) -> bool:
 
 def _entity_keys(query: str) -> list[str]:
     """Registry keys a query may name: its entities, and its words and word pairs lower-cased
-    (people ask "what did maya say", not "Maya")."""
+    (people ask "what did maya say", not "Maya"), as composed text like the registry's."""
+    query = composed(query)
     keys = [name.lower() for name, kind in extract_entities(query) if kind != "date"]
     words = [w for w in re.findall(r"[\w@#'.-]+", query.lower()) if len(w) > 2]
     words = [w.strip(".'") for w in words]

@@ -3,6 +3,8 @@ entity leg of recall, and what forgetting leaves (the actor alone: tests/actors/
 
 from __future__ import annotations
 
+import unicodedata
+
 from .conftest import open_engine, raw_databases
 
 
@@ -33,6 +35,21 @@ async def test_memories_sharing_an_entity_are_linked_and_found_by_the_entity_leg
     hits = await mem.recall("ana", "what about tomás", kinds=["turn"])
     assert {h.id for h in hits[:2]} == {a.turn_id, b.turn_id}
     assert all("entity" in h.via for h in hits[:2])
+
+
+async def test_a_name_typed_decomposed_finds_what_the_composed_name_said(mem) -> None:
+    """A name sent decomposed (NFD, a letter then its accent: macOS and some keyboards) is the
+    name sent composed, in entity_info, the entity leg and the text index alike."""
+    a = await mem.add_turn("ana", "s1", "user", "Tomás is my climbing partner.")
+    b = await mem.add_turn("ana", "s2", "user", unicodedata.normalize(
+        "NFD", "Booked a gym session with Tomás for Monday."))
+    await mem.flush()
+    nfd = unicodedata.normalize("NFD", "Tomás")
+    info = await mem.entity_info("ana", nfd)
+    assert info is not None and info.entity.name == "Tomás" and info.entity.mentions == 2
+    for legs in (["entity"], ["bm25"]):
+        hits = await mem.recall("ana", f"what about {nfd}", kinds=["turn"], legs=legs)
+        assert {h.id for h in hits[:2]} == {a.turn_id, b.turn_id}, legs
 
 
 async def test_forgetting_removes_entities(store_path) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import tantivy
 
 from ..base.messages import Searchable
+from ..base.text import composed
 from ..base.where import string_leaves
 from ..store import read_log_range
 
@@ -32,7 +33,10 @@ __all__ = ["ANALYZER", "WRITER_HEAP", "FOLLOW_CHUNK", "FOOTER_MAGIC", "SEGMENT_F
 
 FOLLOW_CHUNK = 2_048  # log records read per step, by the actor and by build_index
 WRITER_HEAP = 64_000_000  # tantivy's writer heap: one thread's worth, well above its 3 MB floor
-ANALYZER = "engram_en"
+# The analyser's name is in every index's meta.json (the text field's tokenizer): an index
+# whose name differs was analysed otherwise and is rebuilt (:func:`_check_schema`). Renamed
+# whenever the analyser's chain changes: "engram_en" folded no accents.
+ANALYZER = "engram_en_folded"
 FOOTER_MAGIC = 1337  # tantivy's footer magic number, the last 4 bytes of every segment file
 # Files every segment has (our schema has fast fields and a stored-nothing doc store);
 # ``.pos`` is left out: which segments have one depends on the fields' options.
@@ -40,14 +44,21 @@ SEGMENT_FILES = ("idx", "term", "store", "fast", "fieldnorm")
 
 
 def _analyzer() -> tantivy.TextAnalyzer:
+    """Words (runs of letters and digits), lower-cased, accents folded to ASCII where Latin
+    script has a plain letter ("café", "São", "ﬁancé" as "cafe", "sao", "fiance": people type
+    names and borrowed words both ways, and the embedding model's tokenizer folds them too),
+    then stemmed. Text reaches it composed (:func:`composed`)."""
     return (tantivy.TextAnalyzerBuilder(tantivy.Tokenizer.simple())
             .filter(tantivy.Filter.remove_long(40))
             .filter(tantivy.Filter.lowercase())
+            .filter(tantivy.Filter.ascii_fold())
             .filter(tantivy.Filter.stemmer("english"))
             .build())
 
 
-def _schema() -> tantivy.Schema:
+def _schema(analyzer: str = ANALYZER) -> tantivy.Schema:
+    """The index's fields; ``analyzer``: the text field's tokenizer name (an older engine's,
+    to write the index it left in a test)."""
     b = tantivy.SchemaBuilder()
     b.add_unsigned_field("lsn", stored=False, indexed=True, fast=True)
     for raw in ("user", "session", "role", "kind", "tags"):
@@ -55,7 +66,7 @@ def _schema() -> tantivy.Schema:
     b.add_date_field("at", stored=False, indexed=True, fast=True)
     # Term frequencies without positions: BM25 needs no more, and no phrase query is offered
     # (a third less index to write, copy and snapshot).
-    b.add_text_field("text", stored=False, tokenizer_name=ANALYZER, index_option="freq")
+    b.add_text_field("text", stored=False, tokenizer_name=analyzer, index_option="freq")
     # What recall's ``where`` filters see (``base.where.attributes``): the record's own fields
     # and a turn's meta as one JSON document (terms for equality, a fast column for ranges),
     # and each string attribute as one "path NUL value" term, which ``contains`` matches with
@@ -93,7 +104,7 @@ def write_records(writer: Any, schema: tantivy.Schema, records: list[Searchable]
             doc.add_text("role", r.role)
             doc.add_text("kind", r.kind)
             doc.add_date("at", r.at)
-            doc.add_text("text", r.text)
+            doc.add_text("text", composed(r.text))
             for tag in r.tags:
                 doc.add_text("tags", tag)
             if r.attrs:
@@ -114,14 +125,24 @@ class IndexDamaged(Exception):
 
 def _check_schema(path: Path) -> None:
     """An index written with other fields (by an older engine: before ``attrs`` came for
-    recall's filters) is rebuilt with this schema; tantivy itself would refuse to open it."""
+    recall's filters) is rebuilt with this schema; tantivy itself would refuse to open it.
+    So is one whose text an older analyser cut into terms (its tokenizer's name differs):
+    its terms would not be the ones queries now look for."""
     try:
-        fields = tuple(f["name"] for f in json.loads((path / "meta.json").read_bytes())["schema"])
+        schema = json.loads((path / "meta.json").read_bytes())["schema"]
+        fields = tuple(f["name"] for f in schema)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise IndexDamaged(f"meta.json is unreadable: {exc!r}") from exc
     if fields != SCHEMA_FIELDS:
         raise IndexDamaged(f"it was written with the fields {', '.join(fields)} and this engine "
                            f"indexes {', '.join(SCHEMA_FIELDS)} (an older engine's index)")
+    try:
+        analyzer = schema[SCHEMA_FIELDS.index("text")]["options"]["indexing"]["tokenizer"]
+    except (KeyError, TypeError) as exc:
+        raise IndexDamaged(f"meta.json names no analyser for the text: {exc!r}") from exc
+    if analyzer != ANALYZER:
+        raise IndexDamaged(f"its text was analysed by {analyzer!r} and this engine analyses "
+                           f"by {ANALYZER!r} (an older engine's index)")
 
 
 def _is_panic(exc: BaseException) -> bool:

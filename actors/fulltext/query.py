@@ -1,7 +1,7 @@
 """The query builder: what a text search asks tantivy, built in code from the user's text.
 
 User text is never parsed as query syntax: the query is cut into terms by the very analyser the
-index uses (simple tokenizer, lowercase, English stemmer) and those terms are combined in code,
+index uses (composed, simple tokenizer, lowercase, accents folded, English stemmer) and those terms are combined in code,
 so quotes, colons, parentheses, ``AND``, ``*`` and emoji are just text. Every query carries a
 mandatory term on the user field.
 
@@ -16,6 +16,7 @@ from decimal import Decimal
 
 import tantivy
 
+from ..base.text import composed
 from ..base.where import Node, regex_escape
 from .index import COLUMNS
 
@@ -87,7 +88,7 @@ class QueryBuilder:
 
     def terms(self, text: str) -> list[str]:
         """The query's terms, as the index analyses text (deduplicated, in order)."""
-        return list(dict.fromkeys(self._analyzer.analyze(text)))
+        return list(dict.fromkeys(self._analyzer.analyze(composed(text))))
 
     def query_terms(self, text: str) -> list[str]:
         """The terms a query searches with: its terms without QUERY_STOPWORDS, or all of them

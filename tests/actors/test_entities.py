@@ -6,13 +6,14 @@ and the engine's forgetting are tested through the engine in tests/test_entities
 
 from __future__ import annotations
 
-import pytest
-import trio
-import trio.testing
-
+import unicodedata
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
 
 import actors.store as store_mod
 from actors.entities import Entities, extract_entities
@@ -63,6 +64,15 @@ def test_entities_are_extracted_by_kind(text, expected) -> None:
     """Mentions, hashtags, emails, URLs, dates and capitalised names; sentence starters and
     pleasantries are not names."""
     assert extract_entities(text) == expected
+
+
+def test_a_decomposed_name_is_the_name_composed() -> None:
+    """Text typed decomposed (NFD: a letter, then its accent as a combining mark) names what
+    the composed text names: 'São Paulo' was the place 'Sa' and the person 'Paulo'."""
+    text = "José and Zoë moved to São Paulo."
+    expected = [("José", "person"), ("Zoë", "person"), ("São Paulo", "place")]
+    assert extract_entities(text) == expected
+    assert extract_entities(unicodedata.normalize("NFD", text)) == expected
 
 
 async def test_a_first_name_is_an_alias_of_the_full_name(store_path) -> None:

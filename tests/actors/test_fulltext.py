@@ -8,19 +8,23 @@ from __future__ import annotations
 
 import shutil
 import threading
+import unicodedata
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import tantivy
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import actors.fulltext as fulltext_mod
 import actors.fulltext.fulltext as actor_mod
+import actors.fulltext.index as fulltext_index
+from actors.base.messages import Searchable
 from actors.fulltext import FullText, TextFilters
 
-from .ground import Ground, running_store
+from .ground import T0, Ground, running_store
 
 
 @asynccontextmanager
@@ -53,6 +57,50 @@ async def test_search_is_stemmed_and_scoped_to_the_user(store_path) -> None:
         await flush(ground, index)
         assert await _texts(ground, index, "ana", "running dogs") == ["the dog runs fast (ana)"]
         assert await _texts(ground, index, "nobody", "dog") == []
+
+
+async def test_a_word_matches_however_its_accents_are_typed(store_path) -> None:
+    """A word is found whether it was typed composed (NFC), decomposed (NFD, as macOS and some
+    keyboards send it) or without its accents. An NFD 'São' was cut at its combining mark
+    into 'sa' and 'o', so neither 'São' nor 'Sao' found the turn, nor 'cafe' a 'café'."""
+    nfd = unicodedata.normalize("NFD", "We met at a café in São Paulo")
+    nfc = "a naïve plan for Zoë"
+    async with running_index(store_path) as (ground, index):
+        await ground.add_turn("ana", "s", nfd)
+        await ground.add_turn("ana", "s", nfc)
+        await flush(ground, index)
+        for query in ("São Paulo", "sao", unicodedata.normalize("NFD", "São"), "cafe", "CAFÉ"):
+            assert await _texts(ground, index, "ana", query) == [nfd], query
+        for query in ("naive", unicodedata.normalize("NFD", "naïve"), "zoe", "Zoë"):
+            assert await _texts(ground, index, "ana", query) == [nfc], query
+        # The terms the unindexed turns are matched by (read-your-writes) agree.
+        assert index.terms(nfd) == index.terms(unicodedata.normalize("NFC", nfd))
+        assert index.terms("São") == index.terms("sao")
+
+
+async def test_an_index_an_older_analyser_wrote_is_rebuilt_at_open(store_path) -> None:
+    """An index whose text an older engine cut into terms (no composing, no accent folding)
+    holds terms today's queries never ask for: it is rebuilt from the store at open."""
+    nfd = unicodedata.normalize("NFD", "lunch in São Paulo")
+    async with running_index(store_path) as (ground, index):
+        lsn = await ground.add_turn("ana", "s", nfd, durable=True)
+    path = store_path / "fulltext"
+    shutil.rmtree(path)
+    path.mkdir()
+    schema = fulltext_index._schema("engram_en")
+    old = tantivy.Index(schema, path=str(path))
+    old.register_tokenizer("engram_en", tantivy.TextAnalyzerBuilder(tantivy.Tokenizer.simple())
+                           .filter(tantivy.Filter.lowercase()).build())
+    writer = old.writer(15_000_000, 1)
+    fulltext_index.write_records(writer, schema, [Searchable(
+        lsn=lsn, kind="turn", user_id="ana", session_id="s", role="user", at=T0, text=nfd)], [])
+    writer.commit()
+    writer.wait_merging_threads()
+    del writer, old
+    async with running_index(store_path) as (ground, index):
+        assert "analysed by 'engram_en'" in index.damage
+        await flush(ground, index)
+        assert await _texts(ground, index, "ana", "Sao Paulo") == [nfd]
 
 
 async def test_searches_of_several_lists_answer_as_one_search_each(store_path) -> None:

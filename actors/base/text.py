@@ -1,0 +1,15 @@
+"""Text as the analysers must see it (the text index's terms, the entities' names)."""
+
+from __future__ import annotations
+
+import unicodedata
+
+__all__ = ["composed"]
+
+
+def composed(text: str) -> str:
+    """``text`` in Unicode's composed form (NFC). Word patterns and tantivy's simple tokenizer
+    cut a word at a combining mark, so a decomposed "São" (S, a, U+0303, o: what macOS and
+    some keyboards send) would be the two words "sa" and "o", and "São Paulo" the place "Sa"
+    and the person "Paulo". Canonically equivalent text, so nothing a reader sees changes."""
+    return text if text.isascii() else unicodedata.normalize("NFC", text)
