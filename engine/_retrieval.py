@@ -95,7 +95,15 @@ NEIGHBOUR_LIFT = (0.3, 0.1)  # share of a turn's fused score given to turns 1 an
 # similarity to the query reaches the relevance floor. An answer sits next to its question,
 # but so do fillers ("Noted.", "Nice!") that say nothing about anything.
 NEIGHBOUR_MIN_COSINE = MIN_COSINE
-EPISODE_LIFT = 0.1  # share of an episode's fused score given to its best covered turn
+# An episode lifts its best covered turn by this share of what the episode's fused score
+# exceeds the turn's own (the floor for a turn no leg found), and not at all when it does not.
+# The episode matched the query through its turns' words: an episode no better than its best
+# turn knows nothing that turn does not say, and lifting the turn anyway counts the same
+# words twice, enough to pass a turn whose evidence counts once (on the LoCoMo dev split the
+# lift by a share of the episode's whole score took two half-answered multi-hop questions'
+# evidence out of the top 10, and gained as much at R@5 elsewhere: near-ties, either way). A
+# summary that matches better than every turn it covers holds what is spread over them.
+EPISODE_LIFT = 0.1
 # An episode lifts one covered turn, the one that matches the query best: an episode matched
 # because of what one of its turns says, the rest of it shares the topic only. Lifting more
 # spends one match several times and lets one episode push several turns out of a cut (on the
@@ -473,7 +481,8 @@ class Retriever:
               matched: dict[int, int] | None = None, query: str = ""
               ) -> tuple[list[tuple[float, Any]], Callable[[int], tuple[Explain, tuple[str, ...]]]]:
         """Candidates with lifted scores, best first: each of ``lifting`` that is a turn lifts
-        its neighbours, each that is an episode its best covered turn (an episode drops out
+        its neighbours, each that is an episode its best covered turn by what the episode
+        matches beyond that turn (see EPISODE_LIFT; an episode drops out
         unless ``kinds`` names episodes or its turns are gone), and the turns of the one
         speaker ``query`` names take SPEAKER_LIFT (:func:`asked_speaker`). ``primary``: the
         fused scores from the turns' lists alone (see ``recall``). Returns [(score, memory)]
@@ -547,7 +556,9 @@ class Retriever:
                     best = sorted(turns, key=lambda t: (t.lsn not in base, -base.get(t.lsn, 0.0),
                                                         -near.get(t.lsn, -1.0)))
                     for turn in best[:EPISODE_TURNS]:
-                        give(turn, EPISODE_LIFT * r * score, memory.episode_id, "episode")
+                        beyond = score - base.get(turn.lsn, floor)
+                        if beyond > 0:
+                            give(turn, EPISODE_LIFT * r * beyond, memory.episode_id, "episode")
         candidates = (*memories.items(), *extra.items())
         speakers = {lsn: speaker_of(m) for lsn, m in candidates if type(m) is Turn}
         asked = asked_speaker(query, speakers.values())
