@@ -635,12 +635,18 @@ class Engine:
 
     async def correct_fact(self, user_id: str, category: str, key: str, value: str, *,
                            text: str | None = None, importance: float = 0.7,
-                           keywords: Iterable[str] = ()) -> Fact:
+                           keywords: Iterable[str] = (),
+                           valid_at: datetime | None = None) -> Fact:
         """Replace a fact's value whatever the old one's confidence (seed 004's correct_fact):
-        the old version is retired with ``invalid_at`` now and kept in the history; the new
-        one has confidence 1."""
+        the old version is retired with ``invalid_at`` set to when the new one is true
+        (``valid_at``, default: now) and kept in the history; the new one has confidence 1.
+
+        Raises:
+            InvalidInput: a bad argument (``valid_at`` must be timezone-aware).
+        """
         return await self._memory.correct_fact(user_id, category, key, value, text=text,
-                                                importance=importance, keywords=keywords)
+                                                importance=importance, keywords=keywords,
+                                                valid_at=valid_at)
 
     async def confirm_fact(self, user_id: str, category: str, key: str) -> Fact:
         """Protect the active fact (seed 004's confirm_fact): confidence 1, never decays, and

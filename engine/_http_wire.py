@@ -167,6 +167,8 @@ class FactIn(_Body):
     confidence: float = 0.9
     importance: float = 0.7
     keywords: list[str] = []
+    valid_at: datetime | None = Field(None, description="since when it is true (a time with "
+                                      "its zone; default: now)", examples=["2026-01-15T09:00:00Z"])
 
     _check_numbers = _numbers("confidence", "importance")
 
@@ -176,6 +178,9 @@ class FactCorrection(_Body):
     text: str | None = None
     importance: float = 0.7
     keywords: list[str] = []
+    valid_at: datetime | None = Field(None, description="since when the new value is true (a "
+                                      "time with its zone; default: now): the old one is true "
+                                      "until then", examples=["2026-01-15T09:00:00Z"])
 
     _check_numbers = _numbers("importance")
 

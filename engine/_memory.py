@@ -84,10 +84,12 @@ class Memory:
         return outcome.fact
 
     async def correct_fact(self, user_id: Any, category: Any, key: Any, value: Any, *,
-                           text: Any, importance: Any, keywords: Any) -> Fact:
+                           text: Any, importance: Any, keywords: Any, valid_at: Any) -> Fact:
         candidate = self._candidate(user_id, category, key, value, text, 1.0, importance,
                                     keywords)
-        outcome = await self._parts.facts.propose(user_id, candidate, origin="api", force=True)
+        valid_at = None if valid_at is None else v.check_at(valid_at, "valid_at")
+        outcome = await self._parts.facts.propose(user_id, candidate, origin="api", force=True,
+                                                  valid_at=valid_at)
         return outcome.fact
 
     async def confirm_fact(self, user_id: Any, category: Any, key: Any) -> Fact:

@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -406,23 +407,27 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
 
     @app.get("/v1/users/{user_id:id}/facts", tags=["facts"])
     async def profile(user_id: User, category: str | None = None,
-                      min_importance: Annotated[float, Query(ge=0, le=1)] = 0.0) -> Response:
-        """Active facts, most important first."""
+                      min_importance: Annotated[float, Query(ge=0, le=1)] = 0.0,
+                      as_of: datetime | None = None) -> Response:
+        """The facts in force now, most important first; with ``as_of`` (a time with its zone),
+        the versions the store held as true then."""
         return json_response(await engine.profile(user_id, category=category,
-                                                  min_importance=min_importance))
+                                                  min_importance=min_importance, as_of=as_of))
 
     @app.post("/v1/users/{user_id:id}/facts", status_code=201, tags=["facts"])
     async def remember_fact(user_id: User, body: FactIn) -> Response:
         return json_response(await engine.remember_fact(
             user_id, body.category, body.key, body.value, text=body.text,
-            confidence=body.confidence, importance=body.importance, keywords=body.keywords), 201)
+            confidence=body.confidence, importance=body.importance, keywords=body.keywords,
+            valid_at=body.valid_at), 201)
 
     @app.put("/v1/users/{user_id:id}/facts/{category:id}/{key:id}", tags=["facts"])
     async def correct_fact(user_id: User, category: str, key: str,
                            body: FactCorrection) -> Response:
         return json_response(await engine.correct_fact(user_id, category, key, body.value,
                                                        text=body.text, importance=body.importance,
-                                                       keywords=body.keywords))
+                                                       keywords=body.keywords,
+                                                       valid_at=body.valid_at))
 
     @app.post("/v1/users/{user_id:id}/facts/{category:id}/{key:id}/confirm", tags=["facts"])
     async def confirm_fact(user_id: User, category: str, key: str) -> Response:

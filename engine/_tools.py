@@ -83,6 +83,8 @@ _RUN = {"type": "string", "description": "The run (one conversation or task) who
                                          "these are."}
 _KEY = {"type": "string", "description": "What the fact is about within its category, e.g. "
                                          "location, likes:jazz, allergy:peanuts."}
+_VALID_AT = {"type": "string", "description": "Since when it is true, if not now (the user "
+             "said when): an ISO 8601 time with its zone, e.g. 2026-01-15T09:00:00Z."}
 
 TOOLS: list[dict[str, Any]] = [
     _tool("search_memory", "Hybrid search (keywords + meaning) over the user's memories: "
@@ -110,11 +112,12 @@ TOOLS: list[dict[str, Any]] = [
           "and key replaces the old one (kept in history).",
           {"user_id": _USER, "category": _CATEGORY, "key": _KEY, "value": {"type": "string"},
            "text": {"type": "string", "description": "The fact as one sentence."},
-           "importance": {"type": "number", "minimum": 0, "maximum": 1}},
+           "importance": {"type": "number", "minimum": 0, "maximum": 1},
+           "valid_at": _VALID_AT},
           ["user_id", "category", "key", "value"]),
     _tool("correct_fact", "Replace a wrong fact with the right value; the old one is retired.",
           {"user_id": _USER, "category": _CATEGORY, "key": _KEY, "value": {"type": "string"},
-           "text": {"type": "string"}},
+           "text": {"type": "string"}, "valid_at": _VALID_AT},
           ["user_id", "category", "key", "value"]),
     _tool("confirm_fact", "Mark a fact as confirmed by the user: protected, it never decays.",
           {"user_id": _USER, "category": _CATEGORY, "key": _KEY},
@@ -290,11 +293,12 @@ async def call_tool(engine: ToolHost, name: str, arguments: Mapping[str, Any] | 
     if name == "remember_fact":
         fact = await engine.remember_fact(user_id, args["category"], args["key"], args["value"],
                                           text=args.get("text"),
-                                          importance=args.get("importance", 0.7))
+                                          importance=args.get("importance", 0.7),
+                                          valid_at=_time(args, "valid_at"))
         return {"fact": _plain(fact)}
     if name == "correct_fact":
         fact = await engine.correct_fact(user_id, args["category"], args["key"], args["value"],
-                                         text=args.get("text"))
+                                         text=args.get("text"), valid_at=_time(args, "valid_at"))
         return {"fact": _plain(fact)}
     if name == "confirm_fact":
         return {"fact": _plain(await engine.confirm_fact(user_id, args["category"],

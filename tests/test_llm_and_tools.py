@@ -154,6 +154,10 @@ async def test_call_tool_runs_each_tool(mem) -> None:
     out = await mem.call_tool("correct_fact", {"user_id": "ana", "category": "identity",
                                                "key": "location", "value": "Porto"})
     assert out["fact"]["value"] == "Porto" and out["fact"]["confidence"] == 1.0
+    out = await mem.call_tool("correct_fact", {"user_id": "ana", "category": "identity",
+                                               "key": "location", "value": "Faro",
+                                               "valid_at": "2026-01-15T09:00:00Z"})
+    assert out["fact"]["valid_at"] == "2026-01-15T09:00:00Z"
     out = await mem.call_tool("confirm_fact", {"user_id": "ana", "category": "identity",
                                                "key": "location"})
     assert out["fact"]["protected"] is True

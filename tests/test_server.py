@@ -142,6 +142,23 @@ async def test_notes_facts_links_review_entities_tools_and_forget(engine) -> Non
         assert (await http.delete("/v1/users/ana/facts/identity/location")).status_code == 200
         assert (await http.delete("/v1/users/ana/facts/identity/location")).status_code == 404
 
+        # Since when a value is true, and the profile as the store knew it then.
+        then = datetime(2026, 1, 1, tzinfo=timezone.utc)
+        assert (await http.post("/v1/users/ana/facts", json={
+            "category": "home", "key": "city", "value": "Braga", "valid_at": then.isoformat()})
+                ).json()["valid_at"] == "2026-01-01T00:00:00Z"
+        corrected = (await http.put("/v1/users/ana/facts/home/city", json={
+            "value": "Faro", "valid_at": "2026-02-01T00:00:00Z"})).json()
+        assert (corrected["value"], corrected["valid_at"]) == ("Faro", "2026-02-01T00:00:00Z")
+        # as_of is the store's knowledge too: in January it had not been told either.
+        before = await http.get("/v1/users/ana/facts", params={"as_of": "2026-01-15T00:00:00Z"})
+        assert before.status_code == 200 and before.json() == []
+        naive_as_of = await http.get("/v1/users/ana/facts", params={"as_of": "2026-01-15T00:00"})
+        assert naive_as_of.status_code == 422 and "as_of" in naive_as_of.text
+        naive = await http.put("/v1/users/ana/facts/home/city", json={
+            "value": "Faro", "valid_at": "2026-02-01T00:00:00"})
+        assert naive.status_code == 422 and "valid_at" in naive.text
+
         a = (await http.post("/v1/users/ana/sessions/s1/turns", json={
             "role": "user", "text": "Pixel is my dog", "durable": True})).json()["turn_id"]
         b = (await http.post("/v1/users/ana/sessions/s1/turns", json={

@@ -78,6 +78,25 @@ async def test_profile_holds_what_is_in_force_now_not_a_version_due_later(store_
         assert await standing() == {("location", "Porto"), ("coffee", "espresso")}
 
 
+async def test_a_correction_says_since_when_it_is_true(store_path) -> None:
+    """correct_fact takes valid_at as remember_fact does: "I moved to Porto on the 1st of
+    April", told in May, retires Lisbon from April, not from the day it was told."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.remember_fact("maya", "identity", "location", "Lisbon", valid_at=T0)
+        clock.now = T0 + timedelta(days=61)
+        fact = await mem.correct_fact("maya", "identity", "location", "Porto",
+                                      valid_at=T0 + timedelta(days=31))
+        assert (fact.value, fact.valid_at, fact.confidence) == (
+            "Porto", T0 + timedelta(days=31), 1.0)
+        history = await mem.fact_history("maya", "identity", "location")
+        assert [(f.value, f.invalid_at) for f in history] == [
+            ("Lisbon", T0 + timedelta(days=31)), ("Porto", None)]
+        with pytest.raises(InvalidInput, match="valid_at"):
+            await mem.correct_fact("maya", "identity", "location", "Faro",
+                                   valid_at=datetime(2026, 5, 1))
+
+
 async def test_recall_as_of_answers_as_the_store_knew_it_then(store_path) -> None:
     """recall(as_of=) sees, on both of a fact's time axes, the version held as true then (a
     retired one included), no fact not yet in force, and no turn, note, episode or link made
