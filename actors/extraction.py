@@ -29,6 +29,7 @@ from typing import Protocol, runtime_checkable
 from .base.keys import MAX_ID_BYTES
 from .base.validate import encodable
 from .base.messages import Candidate
+from .base.text import composed
 
 __all__ = ["Candidate", "Extractor", "RuleExtractor", "extract_facts", "checked_candidates",
            "MIN_CONFIDENCE", "MIN_IMPORTANCE", "MAX_CANDIDATES", "STOPWORDS", "jaccard", "words"]
@@ -47,8 +48,9 @@ STOPWORDS = frozenset("a an the i i'm my me is am are was be to of in on at for 
 
 
 def words(text: str) -> set[str]:
-    """The lower-cased words of a text (any script)."""
-    return set(_WORD.findall(text.lower()))
+    """The lower-cased words of a text (any script), composed (:func:`composed`): a word's
+    combining accent would cut it in two."""
+    return set(_WORD.findall(composed(text).lower()))
 
 
 def jaccard(a: set[str], b: set[str]) -> float:

@@ -35,6 +35,7 @@ import trio
 from .base.logs import RepeatedWarning
 from .base.messages import PutFact, PutState, Searchable
 from .base.records import Fact, Link
+from .base.text import composed
 from .extraction import STOPWORDS as _STOP
 from .extraction import (
     Candidate,
@@ -502,16 +503,17 @@ class Facts:
 
 
 def _same_value(a: str, b: str) -> bool:
-    return " ".join(a.lower().split()) == " ".join(b.lower().split())
+    return _fold(a) == _fold(b)
 
 
 def spelling(category: str, key: str) -> tuple[str, str]:
-    """A fact's category and key as a reader tells them apart: case and spacing aside."""
+    """A fact's category and key as a reader tells them apart: case, spacing and Unicode's
+    composed or decomposed forms aside."""
     return _fold(category), _fold(key)
 
 
 def _fold(word: str) -> str:
-    return " ".join(word.casefold().split())
+    return " ".join(composed(word).casefold().split())
 
 
 def _find(state: Active, category: str, key: str) -> Fact | None:

@@ -382,8 +382,9 @@ _decode_note = msgspec.msgpack.Decoder(Note).decode
 
 
 def _normal(text: str) -> str:
-    """A note's text as its duplicates share it: case and spacing aside."""
-    return " ".join(text.casefold().split())
+    """A note's text as its duplicates share it: case, spacing and Unicode's composed or
+    decomposed forms aside."""
+    return " ".join(composed(text).casefold().split())
 
 
 def _twin_note(txn: Any, dbs: dict[bytes, Any], user_id: str, text: str,

@@ -721,10 +721,11 @@ def _read_fresh(txn: Any, dbs: dict[bytes, Any], user_id: str, kinds: tuple[str,
 
 def _content_key(memory: Turn | Note) -> tuple[str, ...]:
     """What makes two turns or notes the same memory for recall (seed 003 indexes a content
-    hash once per scope): kind, role, scope and the words, ignoring case and spacing."""
+    hash once per scope): kind, role, scope and the words, ignoring case, spacing and
+    Unicode's composed or decomposed forms."""
     role = memory.role if type(memory) is Turn else ""
     return (type(memory).__name__, role, memory.agent_id, memory.run_id,
-            " ".join(memory.text.casefold().split()))
+            " ".join(composed(memory.text).casefold().split()))
 
 
 def fuse(ranked: dict[str, list[tuple[int, float]]], population: int,

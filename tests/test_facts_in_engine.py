@@ -4,6 +4,7 @@ retrieve_memory and recall, and forgetting a session (the actor alone: tests/act
 
 from __future__ import annotations
 
+import unicodedata
 from datetime import timedelta
 
 import pytest
@@ -41,6 +42,20 @@ async def test_a_new_value_supersedes_the_old_one_and_history_keeps_both(store_p
     assert (old.value, old.status, new.value) == ("Lisbon", "superseded", "Porto")
     assert old.invalid_at == new.valid_at and old.expired_at is not None
     assert new.invalid_at is None and new.source_turn_ids and new.origin == "rules"
+
+
+async def test_a_key_or_value_typed_decomposed_is_the_same_key_or_value(mem) -> None:
+    """A key sent decomposed (NFD: 'cafe' then a combining accent, as macOS and some keyboards
+    send it) is the key sent composed: the new value supersedes the old one instead of
+    standing beside it as a second active fact; the same value so sent reinforces."""
+    nfd = unicodedata.normalize("NFD", "café")
+    await mem.remember_fact("ana", "preference", "café", "flat white")
+    second = await mem.remember_fact("ana", "preference", nfd, "espresso")
+    assert [f.value for f in await mem.profile("ana")] == ["espresso"]
+    again = await mem.remember_fact("ana", "preference", "café",
+                                    unicodedata.normalize("NFD", "espresso"))
+    assert again.fact_id == second.fact_id
+    assert [f.value for f in await mem.profile("ana")] == ["espresso"]
 
 
 async def test_a_less_confident_value_does_not_supersede(mem) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import unicodedata
+
 import pytest
 
 from engine import InvalidInput
@@ -120,3 +122,16 @@ async def test_a_repeated_note_is_kept_once_and_a_near_repeat_merged(mem) -> Non
     assert (await mem.memory_stats("maya"))["notes"] == 3
     elsewhere = await mem.store_note("ana", "Maya is planning a trip to Madeira in May")
     assert elsewhere.note_id != first.note_id  # per user
+
+
+async def test_a_note_repeated_with_its_accents_decomposed_is_the_same_note(mem) -> None:
+    """The same words sent decomposed (NFD: a letter, then its accent as a combining mark) are
+    the same note: skipped when exactly the same, merged when nearly so."""
+    first = await mem.store_note("maya", "Coffee at the café in São Bento on Friday")
+    again = await mem.store_note("maya", unicodedata.normalize(
+        "NFD", "Coffee at the café in São Bento on Friday"))
+    assert again == first
+    near = await mem.store_note("maya", unicodedata.normalize(
+        "NFD", "Coffee at the café in São Bento on Friday morning"))
+    assert near.note_id == first.note_id
+    assert (await mem.memory_stats("maya"))["notes"] == 1
