@@ -176,16 +176,15 @@ class Facts:
     async def profile(self, user_id: str, category: str | None = None,
                       min_importance: float = 0.0, as_of: datetime | None = None
                       ) -> list[Fact]:
-        """Facts in force by importance, then effective confidence: the active ones, unless
-        one is due later (recorded with ``valid_at`` ahead of now; the store's answer as of
-        now then, which keeps the version it supersedes until that day). With ``as_of``: the
+        """Active facts by importance, then effective confidence. With ``as_of``: the
         versions the store held as true then (see :func:`known_at`), as they were stored."""
         now = self._clock() if as_of is None else as_of
-        found = [] if as_of is not None else list((await self._user(user_id)).values())
-        if as_of is not None or any(f.valid_at > now for f in found):
+        if as_of is None:
+            found = list((await self._user(user_id)).values())
+        else:
             await self._store.wait_logged()
             found = [f for f in await self._store.read(read_facts, user_id, False)
-                     if known_at(f, now)]
+                     if known_at(f, as_of)]
         wanted = None if category is None else _fold(category)
         facts = [f for f in found
                  if (wanted is None or _fold(f.category) == wanted)

@@ -88,10 +88,9 @@ class Briefing:
         chosen: list[tuple[Fact, float]] = [(by_id[h.id], h.score) for h in hits
                                             if h.id in by_id]
         # Read-your-writes: facts stored but not yet in the text index, by shared terms (what
-        # recall's window leg does for notes and facts); so too a version the indexes no
-        # longer hold that stays in force until the day its successor is due (see profile).
+        # recall's window leg does for notes and facts).
         indexed = self.retriever.fulltext.indexed_lsn
-        fresh = ([f for f in profile if f.lsn > indexed or f.status != "active"]
+        fresh = ([f for f in profile if f.lsn > indexed]
                  if legs is None or "window" in legs else [])
         if fresh:
             terms = set(self.retriever.fulltext.query_terms(query))

@@ -664,10 +664,8 @@ class Engine:
 
     async def profile(self, user_id: str, *, category: str | None = None,
                       min_importance: float = 0.0, as_of: datetime | None = None) -> list[Fact]:
-        """The user's facts in force now, most important first: the deterministic lookup
-        that never misses a standing fact (no search involved). A version recorded to take
-        effect later (``valid_at`` ahead) is left out until then, and the one it supersedes
-        stays until then (status ``superseded``, ``invalid_at`` that day).
+        """The user's active facts, most important first: the deterministic lookup that
+        never misses a standing fact (no search involved).
 
         Args:
             category / min_importance: which facts.

@@ -409,8 +409,8 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     async def profile(user_id: User, category: str | None = None,
                       min_importance: Annotated[float, Query(ge=0, le=1)] = 0.0,
                       as_of: datetime | None = None) -> Response:
-        """The facts in force now, most important first; with ``as_of`` (a time with its zone),
-        the versions the store held as true then."""
+        """Active facts, most important first; with ``as_of`` (a time with its zone), the
+        versions the store held as true then."""
         return json_response(await engine.profile(user_id, category=category,
                                                   min_importance=min_importance, as_of=as_of))
 

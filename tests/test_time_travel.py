@@ -53,31 +53,6 @@ async def test_profile_as_of_answers_as_the_store_knew_it_then(store_path) -> No
             await mem.profile("maya", as_of=datetime(2026, 3, 1))
 
 
-async def test_profile_holds_what_is_in_force_now_not_a_version_due_later(store_path) -> None:
-    """"From next month I live in Porto": until then the profile (and the prompt's semantic
-    section built from it) still says Lisbon, and Porto is not yet a standing fact; once the
-    day comes, Porto alone."""
-    clock = ManualClock()
-    async with open_engine(store_path, clock=clock) as mem:
-        await mem.remember_fact("maya", "identity", "location", "Lisbon", valid_at=T0)
-        clock.now = T0 + timedelta(days=10)
-        await mem.remember_fact("maya", "identity", "location", "Porto",
-                                valid_at=T0 + timedelta(days=40))
-        await mem.remember_fact("maya", "preference", "coffee", "espresso")
-
-        async def standing() -> set[tuple[str, str]]:
-            return {(f.key, f.value) for f in await mem.profile("maya")}
-
-        assert await standing() == {("location", "Lisbon"), ("coffee", "espresso")}
-        assert await standing() == {(f.key, f.value) for f in await mem.profile(
-            "maya", as_of=clock.now)}
-        briefing = await mem.retrieve_memory_raw("maya", "what is maya's location")
-        assert [item.fact for item in briefing.semantic if "location" in item.fact] == [
-            "location: Lisbon"]
-        clock.now = T0 + timedelta(days=40)
-        assert await standing() == {("location", "Porto"), ("coffee", "espresso")}
-
-
 async def test_a_correction_says_since_when_it_is_true(store_path) -> None:
     """correct_fact takes valid_at as remember_fact does: "I moved to Porto on the 1st of
     April", told in May, retires Lisbon from April, not from the day it was told."""
