@@ -846,8 +846,8 @@ def speaker_of(turn: Turn) -> str | None:
         for key in ("speaker", "name"):
             value = meta.get(key)
             if type(value) is str:
-                return _name_key(value)
-    text = turn.text
+                return _name_key(composed(value))
+    text = composed(turn.text[:SPEAKER_PREFIX])  # a name sent decomposed is the name
     if text.find(": ", 0, SPEAKER_PREFIX) < 0:
         return None
     found = _SPEAKER.match(text, 0, SPEAKER_PREFIX)
@@ -872,7 +872,7 @@ def asked_speaker(query: str, speakers: Iterable[str | None]) -> str | None:
     present = set(speakers)
     if len(present) < 2:
         return None
-    query = query.lower()  # its words, and its names whole ("Caroline's": caroline)
+    query = composed(query).lower()  # its words, and its names whole ("Caroline's": caroline)
     asked = present.intersection([*_WORDS.findall(query), *_NAMES.findall(query)])
     return asked.pop() if len(asked) == 1 else None
 

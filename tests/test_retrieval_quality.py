@@ -3,6 +3,7 @@ the relevance floor, explained scores, and retrieve_memory filling its episodic 
 
 from __future__ import annotations
 
+import unicodedata
 from datetime import datetime, timezone
 
 import pytest
@@ -239,6 +240,8 @@ async def test_naming_both_speakers_or_none_favours_neither(store_path) -> None:
     ("Jean-Luc Picard: engage", {}, "jean-luc", "user"),
     ("O'Brien: the transporter is fixed", {}, "o'brien", "user"),
     ("Zoë: hallo", {}, "zoë", "user"),
+    (unicodedata.normalize("NFD", "Zoë: hallo"), {}, "zoë", "user"),  # decomposed: the same
+    ("hallo", {"speaker": unicodedata.normalize("NFD", "José")}, "josé", "user"),
     ("A: a lake at sunrise", {}, None, "user"),  # a Q&A transcript's answer, not a person
     ("note to self: buy milk", {}, None, "user"),
     ("Caroline:no space", {}, None, "user"),
@@ -260,3 +263,5 @@ def test_which_speaker_a_question_names() -> None:
     assert asked_speaker("How did Caroline and Melanie meet?", both) is None
     assert asked_speaker("What did Caroline say?", ["caroline"]) is None  # one voice only
     assert asked_speaker("What happened in May?", both) is None
+    assert asked_speaker(unicodedata.normalize("NFD", "What did José paint?"),
+                         ["josé", "zoë"]) == "josé"

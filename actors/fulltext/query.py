@@ -1,9 +1,9 @@
 """The query builder: what a text search asks tantivy, built in code from the user's text.
 
 User text is never parsed as query syntax: the query is cut into terms by the very analyser the
-index uses (composed, simple tokenizer, lowercase, accents folded, English stemmer) and those terms are combined in code,
-so quotes, colons, parentheses, ``AND``, ``*`` and emoji are just text. Every query carries a
-mandatory term on the user field.
+index uses (composed, simple tokenizer, lowercase, accents folded, English stemmer) and those
+terms are combined in code, so quotes, colons, parentheses, ``AND``, ``*`` and emoji are just
+text. Every query carries a mandatory term on the user field.
 
 Recall's ``where`` filters are translated here too (:meth:`QueryBuilder.where`), into a query
 that matches exactly the documents the filter admits.
