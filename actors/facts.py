@@ -252,9 +252,13 @@ class Facts:
         the fact (see ``propose_all``)."""
         state = await self._user(user_id)
         now = (self._clock() if at is None else at).astimezone(timezone.utc)
+        # A correction that names a new date for the value in force is a new version (the
+        # value was right, since when was not); anything else saying that value reinforces it.
+        redated = force and valid_at is not None
         valid_at = (valid_at or now).astimezone(timezone.utc)
         current = _find(state, c.category, c.key)
-        if current is not None and _same_value(current.value, c.value):
+        if (current is not None and _same_value(current.value, c.value)
+                and not (redated and valid_at != current.valid_at)):
             return await self._reinforce(current, c, sources, now, wait)
         if not force:
             # A caller's key is its own: under another key a near sentence is the same fact
@@ -502,7 +506,9 @@ class Facts:
 
 
 def _same_value(a: str, b: str) -> bool:
-    return _fold(a) == _fold(b)
+    """Case and spacing aside (lower(), not casefold(): 'Straße' is not 'Strasse'), and
+    Unicode's composed or decomposed forms."""
+    return " ".join(composed(a).lower().split()) == " ".join(composed(b).lower().split())
 
 
 def spelling(category: str, key: str) -> tuple[str, str]:

@@ -58,6 +58,15 @@ async def test_a_key_or_value_typed_decomposed_is_the_same_key_or_value(mem) -> 
     assert [f.value for f in await mem.profile("ana")] == ["espresso"]
 
 
+async def test_values_that_differ_beyond_case_are_different_values(mem) -> None:
+    """'Straße 5' corrects 'Strasse 5': full case folding would take them for one value (ß
+    folds to ss) and reinforce the old one; values are told apart by case and spacing only."""
+    await mem.remember_fact("ana", "home", "street", "Strasse 5")
+    fixed = await mem.correct_fact("ana", "home", "street", "Straße 5")
+    assert fixed.value == "Straße 5"
+    assert [f.value for f in await mem.profile("ana")] == ["Straße 5"]
+
+
 async def test_a_less_confident_value_does_not_supersede(mem) -> None:
     """Seed 002's rule: a lower-confidence value loses; correct_fact replaces regardless."""
     await mem.remember_fact("ana", "identity", "location", "Lisbon", confidence=0.9)

@@ -70,6 +70,15 @@ async def test_a_correction_says_since_when_it_is_true(store_path) -> None:
         with pytest.raises(InvalidInput, match="valid_at"):
             await mem.correct_fact("maya", "identity", "location", "Faro",
                                    valid_at=datetime(2026, 5, 1))
+        # The value was right and its date wrong: "Porto since March, not April".
+        moved = await mem.correct_fact("maya", "identity", "location", "Porto",
+                                       valid_at=T0 + timedelta(days=10))
+        assert (moved.value, moved.valid_at) == ("Porto", T0 + timedelta(days=10))
+        assert [(f.value, f.valid_at) for f in await mem.profile("maya")] == [
+            ("Porto", T0 + timedelta(days=10))]
+        # The same value and no date: nothing to correct, the fact is reinforced.
+        same = await mem.correct_fact("maya", "identity", "location", "Porto")
+        assert same.fact_id == moved.fact_id
 
 
 async def test_recall_as_of_answers_as_the_store_knew_it_then(store_path) -> None:
