@@ -315,6 +315,9 @@ async def test_two_stores_that_apply_a_call_at_different_times_make_the_same_rec
         9: ("confirm_fact", {"category": "pets", "key": "cat"}),
         10: ("review", {"memory_id": t1, "rating": "good"}),
         11: ("close_session", {"session_id": "s1"}),
+        # Re-dated: Mochi since the second day (a datetime argument, through the entry's bytes).
+        12: ("correct_fact", {"category": "pets", "key": "cat", "value": "Mochi",
+                              "valid_at": T0 + timedelta(days=1)}),
     }
     answers = []
     for name, start in (("a", T0 + timedelta(days=10)), ("b", T0 + timedelta(days=400))):
@@ -323,9 +326,9 @@ async def test_two_stores_that_apply_a_call_at_different_times_make_the_same_rec
             await mem.apply_log_batch(0, [(n, turn(n)) for n in range(1, 5)])
             results: dict = {}
             for seq, (method, args) in calls.items():
-                await mem.apply_log_batch(
-                    0, [(seq, LogCall("ana", method, args, at=logged + timedelta(hours=seq)))],
-                    results)
+                entry = LogCall("ana", method, args, at=logged + timedelta(hours=seq))
+                await mem.apply_log_batch(0, [(seq, decode_entry(encode_entry(entry)))],
+                                          results)
             assert not any(isinstance(r, BaseException) for r in results.values()), results
             answers.append((results, await mem.fact_history("ana", "pets", "cat"),
                             await mem.get_note("ana", "n_1"), await mem.episodes("ana")))
@@ -333,9 +336,12 @@ async def test_two_stores_that_apply_a_call_at_different_times_make_the_same_rec
     results, history, note, episodes = answers[0]
     assert note.created_at == logged + timedelta(hours=5)
     assert note.updated_at == logged + timedelta(hours=6)
-    first, second = sorted(history, key=lambda f: f.created_at)
+    first, second, third = sorted(history, key=lambda f: f.created_at)
     assert first.created_at == logged + timedelta(hours=7)
     assert second.created_at == first.invalid_at == logged + timedelta(hours=8)
+    assert (third.value, third.valid_at, third.status) == ("Mochi", T0 + timedelta(days=1),
+                                                           "active")
+    assert second.status == "superseded" and second.invalid_at == third.valid_at
     assert results[10].last_review == logged + timedelta(hours=10)  # the review's state
     assert results[11] is True and len(episodes) == 1  # close_session made one
 
