@@ -40,6 +40,7 @@ from .base.errors import EngineBroken
 from .base.logs import RepeatedWarning
 from .base.messages import PutEpisode, PutState, Searchable, WriteSummary
 from .base.records import Episode, Link, PendingReview, ReviewState, SessionInfo, SummaryState, Turn
+from .base.text import composed
 from .embedder import Embedder
 from .imported import Imported
 from .store import (
@@ -111,7 +112,9 @@ _SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
 
 
 def content_words(text: str) -> set[str]:
-    return {w.lower() for w in _WORD.findall(text)
+    """A text's lower-case words of three letters or more, stopwords aside, composed first
+    (:func:`composed`): a combining accent would cut a word in two."""
+    return {w.lower() for w in _WORD.findall(composed(text))
             if len(w) > 2 and w.lower() not in STOPWORDS}
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from actors.base import validate as v
 from actors.base.errors import InvalidInput
+from actors.base.text import composed
 from actors.base.validate import shown
 
 __all__ = ["check_count", "check_fraction", "check_label", "check_labels", "check_texts",
@@ -28,11 +29,12 @@ def check_fraction(field: str, value: Any) -> float:
 
 def check_label(field: str, value: Any) -> str:
     """A free label (a note's emotion): letters, digits, spaces, '-' and '_', at most
-    MAX_LABEL_CHARS, returned lower-case with its spacing tidied; "" stays "" (none)."""
+    MAX_LABEL_CHARS, returned composed (NFC) and lower-case with its spacing tidied; ""
+    stays "" (none)."""
     if type(value) is not str:
         raise InvalidInput(field, f"expected a string, found {type(value).__name__} "
                                   f"{shown(value)}")
-    label = " ".join(value.split()).lower()
+    label = " ".join(composed(value).split()).lower()
     if len(label) > MAX_LABEL_CHARS:
         raise InvalidInput(field, f"expected at most {MAX_LABEL_CHARS} characters, found "
                                   f"{len(label)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import unicodedata
 from datetime import datetime
 
 import httpx
@@ -13,6 +14,16 @@ from actors.base.records import Note
 from engine import InvalidInput
 
 from .conftest import open_engine
+
+
+async def test_an_emotion_label_typed_decomposed_is_the_label(mem) -> None:
+    """'alegría' sent decomposed (NFD: the accent a combining mark) is the label 'alegría',
+    not a refusal for a character outside letters and digits, nor a label of its own."""
+    note = await mem.store_note("ana", "got the Lisbon offer",
+                                emotion=unicodedata.normalize("NFD", "Alegría"))
+    assert note.emotion == "alegría"
+    found = await mem.recall("ana", "Lisbon offer", emotion="alegría")
+    assert [h.id for h in found] == [note.note_id]
 
 
 async def test_a_note_keeps_importance_emotion_and_category(store_path) -> None:

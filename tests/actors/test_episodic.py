@@ -11,6 +11,7 @@ are in tests/test_episodes_in_engine.py.
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
@@ -25,7 +26,7 @@ import actors.store as store_mod
 from actors.base.config import Config
 from actors.base.messages import AppendTurn, PutState
 from actors.base.records import Episode, PendingReview, Turn
-from actors.episodic import EpisodicCompressor
+from actors.episodic import EpisodicCompressor, content_words
 from actors.base.ids import derived_id
 
 from ..conftest import T0, StepClock
@@ -228,3 +229,12 @@ async def test_an_episode_whose_id_is_taken_gets_the_next_salted_one(store_path)
     assert episode.turn_ids[0] == "t2"
     assert episode.episode_id == "e_" + derived_id(("ana", "trip", episode.turn_ids), 1)
     assert found == {taken: turn, episode.episode_id: episode}
+
+
+def test_a_word_typed_decomposed_is_one_content_word() -> None:
+    """An episode's keywords and the check of whether a reply used a memory compare content
+    words: a decomposed 'café' (a combining accent after the e) was cut into 'caf' and
+    nothing, so it matched neither 'café' nor itself as a word."""
+    text = "Coffee at the café near São Bento"
+    assert content_words(unicodedata.normalize("NFD", text)) == content_words(text)
+    assert "café" in content_words(text)
