@@ -192,6 +192,22 @@ class Facts:
         facts.sort(key=lambda f: (-f.importance, -effective_confidence(f, now), f.category, f.key))
         return facts
 
+    async def _replanned(self, user_id: str, rivals: list[Fact], valid_at: datetime
+                         ) -> tuple[Fact, ...]:
+        """The retired versions of the rivals' keys held true past ``valid_at`` because a
+        rival was due later (Lisbon until Porto's day 40), now true only until ``valid_at``
+        (Faro's day 20, a new plan recorded before Porto's day): otherwise both would be in
+        force between the two dates. Their ``expired_at`` stays, so an ``as_of`` before now
+        still answers as the store knew it then (:func:`known_at`)."""
+        keys = {spelling(r.category, r.key) for r in rivals if r.valid_at > valid_at}
+        ids = {r.fact_id for r in rivals}
+        await self._store.wait_logged()  # the versions decisions before this one queued
+        return tuple(
+            msgspec.structs.replace(f, invalid_at=max(valid_at, f.valid_at))
+            for f in await self._store.read(read_facts, user_id, False)
+            if f.status != "active" and f.fact_id not in ids and f.invalid_at is not None
+            and f.invalid_at > valid_at and spelling(f.category, f.key) in keys)
+
     async def history(self, user_id: str, category: str, key: str) -> list[Fact]:
         await self._store.wait_logged()
         facts = await self._store.read(read_facts, user_id, False)
@@ -282,6 +298,9 @@ class Facts:
                                needed)
             if rival.protected and origin != "api":
                 return Outcome("refused", None, rival, "the active value was confirmed")
+        # Read before the lsn is taken: nothing may be queued between taking it and the op.
+        replanned = (await self._replanned(user_id, rivals, valid_at)
+                     if any(r.valid_at > valid_at for r in rivals) else ())
         store = self._store
         # An extracted fact's id is what it stands for (its turn, key and value, and the
         # versions it retires: a value said again in the same turn is a new version), the
@@ -295,7 +314,7 @@ class Facts:
                     c.confidence, c.importance, c.keywords, sources, (), session_id, valid_at,
                     None, now, None, "active", False, origin)
         retired = tuple(msgspec.structs.replace(r, status="superseded", invalid_at=valid_at,
-                                                expired_at=now) for r in rivals)
+                                                expired_at=now) for r in rivals) + replanned
         links = tuple(Link(fact.fact_id, s, "derived_from", now) for s in sources)
         links += tuple(Link(fact.fact_id, r.fact_id, "supersedes", now) for r in rivals)
         op = PutFact(lsn, user_id, fact, retired, links, requires=requires)

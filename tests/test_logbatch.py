@@ -338,10 +338,12 @@ async def test_two_stores_that_apply_a_call_at_different_times_make_the_same_rec
     assert note.updated_at == logged + timedelta(hours=6)
     first, second, third = sorted(history, key=lambda f: f.created_at)
     assert first.created_at == logged + timedelta(hours=7)
-    assert second.created_at == first.invalid_at == logged + timedelta(hours=8)
+    assert second.created_at == logged + timedelta(hours=8)
     assert (third.value, third.valid_at, third.status) == ("Mochi", T0 + timedelta(days=1),
                                                            "active")
     assert second.status == "superseded" and second.invalid_at == third.valid_at
+    # Mochi since day 1: Miso, recorded as true from later, was never in force.
+    assert first.invalid_at == first.valid_at == logged + timedelta(hours=7)
     assert results[10].last_review == logged + timedelta(hours=10)  # the review's state
     assert results[11] is True and len(episodes) == 1  # close_session made one
 

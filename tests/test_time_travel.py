@@ -81,6 +81,32 @@ async def test_a_correction_says_since_when_it_is_true(store_path) -> None:
         assert same.fact_id == moved.fact_id
 
 
+async def test_a_plan_changed_before_its_day_leaves_one_value_in_force(store_path) -> None:
+    """Lisbon; on day 10, "I move to Porto on day 40"; on day 12, "no: Faro, on day 20".
+    Lisbon was left true until day 40 (Porto's date) and Faro superseded only Porto, so
+    between day 20 and 40 the store held two places for one key. Now Lisbon is true until
+    Faro's date, and what the store knew before day 12 is kept."""
+    clock = ManualClock()
+    day = lambda n: T0 + timedelta(days=n)  # noqa: E731
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.remember_fact("maya", "identity", "location", "Lisbon", valid_at=day(0))
+        clock.now = day(10)
+        await mem.remember_fact("maya", "identity", "location", "Porto", valid_at=day(40))
+        clock.now = day(12)
+        await mem.correct_fact("maya", "identity", "location", "Faro", valid_at=day(20))
+
+        async def at(n: float) -> list[str]:
+            return sorted(f.value for f in await mem.profile("maya", as_of=day(n)))
+
+        assert await at(11) == ["Lisbon"]  # as known then: Porto was still to come
+        assert await at(15) == ["Lisbon"]
+        assert await at(25) == ["Faro"]
+        assert await at(45) == ["Faro"]
+        history = await mem.fact_history("maya", "identity", "location")
+        assert [(f.value, f.invalid_at) for f in history] == [
+            ("Lisbon", day(20)), ("Porto", day(20)), ("Faro", None)]
+
+
 async def test_recall_as_of_answers_as_the_store_knew_it_then(store_path) -> None:
     """recall(as_of=) sees, on both of a fact's time axes, the version held as true then (a
     retired one included), no fact not yet in force, and no turn, note, episode or link made
