@@ -47,7 +47,15 @@ from .extraction import (
 )
 from .extraction import words as _words
 from .imported import Imported
-from .store import LogFollower, Store, failure_put, fact_key, read_derived_id, read_facts
+from .store import (
+    LogFollower,
+    Store,
+    failure_put,
+    fact_key,
+    read_derived_id,
+    read_fact_versions,
+    read_facts,
+)
 
 __all__ = ["Facts", "effective_confidence", "known_at", "spelling", "DECAY_RATES",
            "DEDUP_JACCARD", "PRUNE_BELOW"]
@@ -192,21 +200,20 @@ class Facts:
         facts.sort(key=lambda f: (-f.importance, -effective_confidence(f, now), f.category, f.key))
         return facts
 
-    async def _replanned(self, user_id: str, rivals: list[Fact], valid_at: datetime
+    async def _replanned(self, current: Fact, valid_at: datetime, now: datetime
                          ) -> tuple[Fact, ...]:
-        """The retired versions of the rivals' keys held true past ``valid_at`` because a
-        rival was due later (Lisbon until Porto's day 40), now true only until ``valid_at``
-        (Faro's day 20, a new plan recorded before Porto's day): otherwise both would be in
-        force between the two dates. Their ``expired_at`` stays, so an ``as_of`` before now
-        still answers as the store knew it then (:func:`known_at`)."""
-        keys = {spelling(r.category, r.key) for r in rivals if r.valid_at > valid_at}
-        ids = {r.fact_id for r in rivals}
+        """The retired versions of ``current``'s key held true past ``valid_at`` because
+        ``current`` was due later (Lisbon until Porto's day 40), now true only until
+        ``valid_at`` (Faro's day 20, a plan changed before Porto's day): otherwise both would
+        be in force between the two dates. Retired again now (``expired_at``), so an
+        ``as_of`` before now still answers as the store knew it then (:func:`known_at`),
+        however far back ``valid_at`` goes. Versions under the key as ``current`` spells it."""
         await self._store.wait_logged()  # the versions decisions before this one queued
         return tuple(
-            msgspec.structs.replace(f, invalid_at=max(valid_at, f.valid_at))
-            for f in await self._store.read(read_facts, user_id, False)
-            if f.status != "active" and f.fact_id not in ids and f.invalid_at is not None
-            and f.invalid_at > valid_at and spelling(f.category, f.key) in keys)
+            msgspec.structs.replace(f, invalid_at=max(valid_at, f.valid_at), expired_at=now)
+            for f in await self._store.read(read_fact_versions, current)
+            if f.status != "active" and f.invalid_at is not None
+            and f.invalid_at > max(valid_at, f.valid_at))
 
     async def history(self, user_id: str, category: str, key: str) -> list[Fact]:
         await self._store.wait_logged()
@@ -299,8 +306,8 @@ class Facts:
             if rival.protected and origin != "api":
                 return Outcome("refused", None, rival, "the active value was confirmed")
         # Read before the lsn is taken: nothing may be queued between taking it and the op.
-        replanned = (await self._replanned(user_id, rivals, valid_at)
-                     if any(r.valid_at > valid_at for r in rivals) else ())
+        replanned = (await self._replanned(current, valid_at, now)
+                     if current is not None and current.valid_at > valid_at else ())
         store = self._store
         # An extracted fact's id is what it stands for (its turn, key and value, and the
         # versions it retires: a value said again in the same turn is a new version), the

@@ -1205,9 +1205,11 @@ def _submit(parts: Parts, user_id: str, line: Any) -> None:
 
 
 def _note(line: NoteLine, lsn: int, user_id: str) -> Note:
+    """The note a checked line holds, its emotion as the engine keeps labels (composed,
+    lower-case, spacing tidied: what the emotion filter compares with)."""
     return Note(lsn, line.note_id, user_id, line.text, tuple(line.tags), line.created_at,
-                line.updated_at, line.importance, line.emotion, line.category, line.agent_id,
-                line.run_id)
+                line.updated_at, line.importance, check_label("source.emotion", line.emotion),
+                line.category, line.agent_id, line.run_id)
 
 
 def _fact(line: FactLine, lsn: int, user_id: str) -> Fact:

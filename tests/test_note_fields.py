@@ -141,6 +141,12 @@ async def test_export_import_and_the_markdown_mirror_carry_the_fields(store_path
         await other.import_user("\n".join(json.dumps(l) for l in old).encode(), as_user="bo")
         bo = await other.get_note("bo", "sea")
         assert (bo.importance, bo.emotion, bo.category) == (0.5, "", "")
+        # A label as another tool wrote it is stored as the engine keeps labels, so the
+        # emotion filter finds it.
+        odd = [lines[0]] + [l | {"emotion": unicodedata.normalize("NFD", " Alegría ")}
+                            if l["record"] == "note" else l for l in lines[1:]]
+        await other.import_user("\n".join(json.dumps(l) for l in odd).encode(), as_user="cy")
+        assert (await other.get_note("cy", "sea")).emotion == "alegría"
 
 
 async def test_the_http_api_stores_shows_and_filters_the_fields(store_path) -> None:

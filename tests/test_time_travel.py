@@ -107,6 +107,28 @@ async def test_a_plan_changed_before_its_day_leaves_one_value_in_force(store_pat
             ("Lisbon", day(20)), ("Porto", day(20)), ("Faro", None)]
 
 
+async def test_a_plan_changed_after_the_new_date_keeps_what_was_known_before(
+        store_path) -> None:
+    """The same plan changed on day 30, back to day 20: until day 30 the store held Lisbon,
+    and an as_of before it still says so; from day 30 on, Faro alone."""
+    clock = ManualClock()
+    day = lambda n: T0 + timedelta(days=n)  # noqa: E731
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.remember_fact("maya", "identity", "location", "Lisbon", valid_at=day(0))
+        clock.now = day(10)
+        await mem.remember_fact("maya", "identity", "location", "Porto", valid_at=day(40))
+        clock.now = day(30)
+        await mem.correct_fact("maya", "identity", "location", "Faro", valid_at=day(20))
+
+        async def at(n: float) -> list[str]:
+            return sorted(f.value for f in await mem.profile("maya", as_of=day(n)))
+
+        assert [await at(n) for n in (25, 29, 31, 45)] == [
+            ["Lisbon"], ["Lisbon"], ["Faro"], ["Faro"]]
+        hits = await mem.recall("maya", "location Lisbon", kinds=["fact"], as_of=day(25))
+        assert [h.text for h in hits] == ["location: Lisbon"]
+
+
 async def test_recall_as_of_answers_as_the_store_knew_it_then(store_path) -> None:
     """recall(as_of=) sees, on both of a fact's time axes, the version held as true then (a
     retired one included), no fact not yet in force, and no turn, note, episode or link made

@@ -48,6 +48,7 @@ from .layout import (
     _fact_entry_lsns,
     _int,
     entity_key,
+    fact_key,
     link_prefixes,
     session_prefix,
     user_prefix,
@@ -269,6 +270,12 @@ def read_facts(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str,
     """The user's facts in key order (category, key, lsn): every version, or the active ones."""
     facts = [decode_fact(v) for _, v in _scan(txn, dbs[b"facts"], user_prefix(user_id))]
     return [f for f in facts if f.status == "active"] if active_only else facts
+
+
+def read_fact_versions(txn: lmdb.Transaction, dbs: dict[bytes, Any], fact: Fact) -> list[Fact]:
+    """Every version stored under ``fact``'s category and key as it spells them, by lsn."""
+    prefix = fact_key(fact)[:-8]  # user NUL category NUL key NUL, without the lsn
+    return [decode_fact(v) for _, v in _scan(txn, dbs[b"facts"], prefix)]
 
 
 def read_episodes(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str,

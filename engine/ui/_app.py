@@ -37,6 +37,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException
 
+from actors.base.text import composed
+
 from .. import Engine, EngineError, Fact, InvalidInput, Manifest
 from .._hits import estimate_tokens
 from .._retrieval import LEGS
@@ -391,7 +393,8 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
             history.append((category, key, rows))
         all_notes = await engine.list_notes(user_id)
         note_filter = {"importance": _fraction(params, "note_importance"),
-                       "emotion": params.get("note_emotion", "").strip().lower(),
+                       "emotion": " ".join(composed(params.get("note_emotion", "")).split()
+                                           ).lower(),
                        "category": params.get("note_category", "").strip()}
         notes = [n for n in all_notes
                  if (note_filter["importance"] is None or n.importance >= note_filter["importance"])
