@@ -81,51 +81,49 @@ async def test_a_correction_says_since_when_it_is_true(store_path) -> None:
         assert same.fact_id == moved.fact_id
 
 
+def _day(n: float) -> datetime:
+    return T0 + timedelta(days=n)
+
+
+async def _plan_changed_on(mem, clock: ManualClock, changed: int) -> None:
+    """Lisbon from day 0; on day 10, "I move to Porto on day 40"; on day ``changed``, "no:
+    Faro, from day 20"."""
+    await mem.remember_fact("maya", "identity", "location", "Lisbon", valid_at=_day(0))
+    clock.now = _day(10)
+    await mem.remember_fact("maya", "identity", "location", "Porto", valid_at=_day(40))
+    clock.now = _day(changed)
+    await mem.correct_fact("maya", "identity", "location", "Faro", valid_at=_day(20))
+
+
+async def _places(mem, *days: float) -> list[list[str]]:
+    return [sorted(f.value for f in await mem.profile("maya", as_of=_day(n))) for n in days]
+
+
 async def test_a_plan_changed_before_its_day_leaves_one_value_in_force(store_path) -> None:
-    """Lisbon; on day 10, "I move to Porto on day 40"; on day 12, "no: Faro, on day 20".
-    Lisbon was left true until day 40 (Porto's date) and Faro superseded only Porto, so
-    between day 20 and 40 the store held two places for one key. Now Lisbon is true until
-    Faro's date, and what the store knew before day 12 is kept."""
+    """Changed on day 12: Lisbon was left true until day 40 (Porto's date) and Faro
+    superseded only Porto, so between day 20 and 40 the store held two places for one key.
+    Now Lisbon is true until Faro's date, and what the store knew before day 12 is kept."""
     clock = ManualClock()
-    day = lambda n: T0 + timedelta(days=n)  # noqa: E731
     async with open_engine(store_path, clock=clock) as mem:
-        await mem.remember_fact("maya", "identity", "location", "Lisbon", valid_at=day(0))
-        clock.now = day(10)
-        await mem.remember_fact("maya", "identity", "location", "Porto", valid_at=day(40))
-        clock.now = day(12)
-        await mem.correct_fact("maya", "identity", "location", "Faro", valid_at=day(20))
-
-        async def at(n: float) -> list[str]:
-            return sorted(f.value for f in await mem.profile("maya", as_of=day(n)))
-
-        assert await at(11) == ["Lisbon"]  # as known then: Porto was still to come
-        assert await at(15) == ["Lisbon"]
-        assert await at(25) == ["Faro"]
-        assert await at(45) == ["Faro"]
+        await _plan_changed_on(mem, clock, 12)
+        # Day 11 as known then: Porto was still to come.
+        assert await _places(mem, 11, 15, 25, 45) == [
+            ["Lisbon"], ["Lisbon"], ["Faro"], ["Faro"]]
         history = await mem.fact_history("maya", "identity", "location")
         assert [(f.value, f.invalid_at) for f in history] == [
-            ("Lisbon", day(20)), ("Porto", day(20)), ("Faro", None)]
+            ("Lisbon", _day(20)), ("Porto", _day(20)), ("Faro", None)]
 
 
 async def test_a_plan_changed_after_the_new_date_keeps_what_was_known_before(
         store_path) -> None:
-    """The same plan changed on day 30, back to day 20: until day 30 the store held Lisbon,
-    and an as_of before it still says so; from day 30 on, Faro alone."""
+    """Changed on day 30, back to day 20: until day 30 the store held Lisbon, and an as_of
+    before it still says so; from day 30 on, Faro alone."""
     clock = ManualClock()
-    day = lambda n: T0 + timedelta(days=n)  # noqa: E731
     async with open_engine(store_path, clock=clock) as mem:
-        await mem.remember_fact("maya", "identity", "location", "Lisbon", valid_at=day(0))
-        clock.now = day(10)
-        await mem.remember_fact("maya", "identity", "location", "Porto", valid_at=day(40))
-        clock.now = day(30)
-        await mem.correct_fact("maya", "identity", "location", "Faro", valid_at=day(20))
-
-        async def at(n: float) -> list[str]:
-            return sorted(f.value for f in await mem.profile("maya", as_of=day(n)))
-
-        assert [await at(n) for n in (25, 29, 31, 45)] == [
+        await _plan_changed_on(mem, clock, 30)
+        assert await _places(mem, 25, 29, 31, 45) == [
             ["Lisbon"], ["Lisbon"], ["Faro"], ["Faro"]]
-        hits = await mem.recall("maya", "location Lisbon", kinds=["fact"], as_of=day(25))
+        hits = await mem.recall("maya", "location Lisbon", kinds=["fact"], as_of=_day(25))
         assert [h.text for h in hits] == ["location: Lisbon"]
 
 
