@@ -202,18 +202,24 @@ class Facts:
 
     async def _replanned(self, current: Fact, valid_at: datetime, now: datetime
                          ) -> tuple[Fact, ...]:
-        """The retired versions of ``current``'s key held true past ``valid_at`` because
-        ``current`` was due later (Lisbon until Porto's day 40), now true only until
-        ``valid_at`` (Faro's day 20, a plan changed before Porto's day): otherwise both would
-        be in force between the two dates. Retired again now (``expired_at``), so an
-        ``as_of`` before now still answers as the store knew it then (:func:`known_at`),
-        however far back ``valid_at`` goes. Versions under the key as ``current`` spells it."""
+        """The superseded versions of ``current``'s key (however spelt) held true past
+        ``valid_at`` because ``current`` was due later (Lisbon until Porto's day 40), now true
+        only until ``valid_at`` (Faro's day 20, a plan changed before Porto's day): otherwise
+        both would be in force between the two dates. What the store knew before now stays
+        what an ``as_of`` before now answers (:func:`known_at`): a capped version's
+        ``expired_at`` moves to the end of the window it was held in, up to now, never past
+        it. A retracted version was not held true by ``current`` and is left alone."""
+        wanted = spelling(current.category, current.key)
         await self._store.wait_logged()  # the versions decisions before this one queued
-        return tuple(
-            msgspec.structs.replace(f, invalid_at=max(valid_at, f.valid_at), expired_at=now)
-            for f in await self._store.read(read_fact_versions, current)
-            if f.status != "active" and f.invalid_at is not None
-            and f.invalid_at > max(valid_at, f.valid_at))
+        versions = await self._store.read(read_fact_versions, current.user_id,
+                                          lambda c, k: spelling(c, k) == wanted)
+        capped = []
+        for f in versions:
+            end = max(valid_at, f.valid_at)
+            if f.status == "superseded" and f.invalid_at is not None and f.invalid_at > end:
+                held = min(max(f.expired_at or f.invalid_at, f.invalid_at), now)
+                capped.append(msgspec.structs.replace(f, invalid_at=end, expired_at=held))
+        return tuple(capped)
 
     async def history(self, user_id: str, category: str, key: str) -> list[Fact]:
         await self._store.wait_logged()

@@ -127,6 +127,39 @@ async def test_a_plan_changed_after_the_new_date_keeps_what_was_known_before(
         assert [h.text for h in hits] == ["location: Lisbon"]
 
 
+async def test_a_plan_changed_after_its_day_or_past_other_versions_keeps_every_past_view(
+        store_path) -> None:
+    """What the store knew before a re-plan stays what an as_of before it answers: changed
+    after both dates (Porto was in force from day 40 to the change on day 50), past a
+    version retracted before it, past one superseded by another before it; and the key's
+    versions spelt another way ("Location") are capped like the rest."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await _plan_changed_on(mem, clock, 50)
+        assert await _places(mem, 25, 41, 49, 51) == [
+            ["Lisbon"], ["Porto"], ["Porto"], ["Faro"]]
+    for case, (before, views) in {
+            "retracted": ("forget", {4: ["Lisbon"], 6: [], 11: [], 13: ["Faro"]}),
+            "superseded": ("Madrid", {4: ["Lisbon"], 6: ["Madrid"], 11: ["Madrid"],
+                                      13: ["Faro"]}),
+            "spelt": ("Location", {11: ["Lisbon"], 15: ["Lisbon"], 25: ["Faro"]})}.items():
+        clock = ManualClock()
+        async with open_engine(store_path.parent / case, clock=clock) as mem:
+            key = "Location" if before == "Location" else "location"
+            await mem.remember_fact("maya", "identity", key, "Lisbon", valid_at=_day(0))
+            clock.now = _day(5)
+            if before == "forget":
+                await mem.forget_fact("maya", "identity", "location")
+            elif before == "Madrid":
+                await mem.remember_fact("maya", "identity", "location", "Madrid")
+            clock.now = _day(10)
+            await mem.remember_fact("maya", "identity", "location", "Porto", valid_at=_day(40))
+            clock.now = _day(12)
+            await mem.correct_fact("maya", "identity", "location", "Faro",
+                                   valid_at=_day(3 if before != "Location" else 20))
+            assert await _places(mem, *views) == list(views.values()), case
+
+
 async def test_recall_as_of_answers_as_the_store_knew_it_then(store_path) -> None:
     """recall(as_of=) sees, on both of a fact's time axes, the version held as true then (a
     retired one included), no fact not yet in force, and no turn, note, episode or link made

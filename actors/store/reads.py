@@ -3,7 +3,7 @@ transaction (:meth:`Store.read`), and returns decoded records."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lmdb
@@ -48,7 +48,6 @@ from .layout import (
     _fact_entry_lsns,
     _int,
     entity_key,
-    fact_key,
     link_prefixes,
     session_prefix,
     user_prefix,
@@ -272,10 +271,24 @@ def read_facts(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str,
     return [f for f in facts if f.status == "active"] if active_only else facts
 
 
-def read_fact_versions(txn: lmdb.Transaction, dbs: dict[bytes, Any], fact: Fact) -> list[Fact]:
-    """Every version stored under ``fact``'s category and key as it spells them, by lsn."""
-    prefix = fact_key(fact)[:-8]  # user NUL category NUL key NUL, without the lsn
-    return [decode_fact(v) for _, v in _scan(txn, dbs[b"facts"], prefix)]
+def read_fact_versions(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str,
+                       same: Callable[[str, str], bool]) -> list[Fact]:
+    """The user's versions of every key ``same(category, key)`` admits (one key however it
+    is spelt), in key order. Keys are told apart by their bytes: only the versions admitted,
+    and those whose key was shortened (its full value is in the record), are decoded."""
+    prefix = user_prefix(user_id)
+    found = []
+    for key, value in _scan(txn, dbs[b"facts"], prefix):
+        name = key[len(prefix):-9]  # category NUL key, shortened if long; NUL, lsn follow
+        if is_fitted(name):
+            fact = decode_fact(value)
+            if same(fact.category, fact.key):
+                found.append(fact)
+            continue
+        category, _, fact_name = name.decode().partition("\x00")
+        if same(category, fact_name):
+            found.append(decode_fact(value))
+    return found
 
 
 def read_episodes(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str,
