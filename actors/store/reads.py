@@ -278,6 +278,7 @@ def read_fact_versions(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: st
     and those whose key was shortened (its full value is in the record), are decoded."""
     prefix = user_prefix(user_id)
     found = []
+    last, admitted = b"", False  # a key's versions are next to each other: one test a key
     for key, value in _scan(txn, dbs[b"facts"], prefix):
         name = key[len(prefix):-9]  # category NUL key, shortened if long; NUL, lsn follow
         if is_fitted(name):
@@ -285,8 +286,10 @@ def read_fact_versions(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: st
             if same(fact.category, fact.key):
                 found.append(fact)
             continue
-        category, _, fact_name = name.decode().partition("\x00")
-        if same(category, fact_name):
+        if name != last:
+            category, _, fact_name = name.decode().partition("\x00")
+            last, admitted = name, same(category, fact_name)
+        if admitted:
             found.append(decode_fact(value))
     return found
 
