@@ -35,7 +35,7 @@ import trio
 from .base.logs import RepeatedWarning
 from .base.messages import PutFact, PutState, Searchable
 from .base.records import Fact, Link
-from .base.text import composed
+from .base.text import composed, folded
 from .extraction import STOPWORDS as _STOP
 from .extraction import (
     Candidate,
@@ -193,9 +193,9 @@ class Facts:
             await self._store.wait_logged()
             found = [f for f in await self._store.read(read_facts, user_id, False)
                      if known_at(f, as_of)]
-        wanted = None if category is None else _fold(category)
+        wanted = None if category is None else folded(category)
         facts = [f for f in found
-                 if (wanted is None or _fold(f.category) == wanted)
+                 if (wanted is None or folded(f.category) == wanted)
                  and f.importance >= min_importance]
         facts.sort(key=lambda f: (-f.importance, -effective_confidence(f, now), f.category, f.key))
         return facts
@@ -546,11 +546,9 @@ def _same_value(a: str, b: str) -> bool:
 def spelling(category: str, key: str) -> tuple[str, str]:
     """A fact's category and key as a reader tells them apart: case, spacing and Unicode's
     composed or decomposed forms aside."""
-    return _fold(category), _fold(key)
+    return folded(category), folded(key)
 
 
-def _fold(word: str) -> str:
-    return " ".join(composed(word).casefold().split())
 
 
 def _find(state: Active, category: str, key: str) -> Fact | None:
@@ -571,7 +569,7 @@ def _contradicted(state: Active, c: Candidate) -> list[Fact]:
     out = []
     category, key = spelling(c.category, c.key)
     for fact in state.values():
-        if _fold(fact.category) != category or _fold(fact.key) == key:
+        if folded(fact.category) != category or folded(fact.key) == key:
             continue
         other = _words(fact.text)
         if bool(other & _NEGATIONS) == negated:

@@ -20,7 +20,7 @@ from actors.base import validate as v
 from actors.base.errors import InvalidInput, NotFound
 from actors.base.messages import DeleteNote, PutNote, PutState, WriteSummary
 from actors.base.records import Entity, Episode, Fact, Note, ReviewState, SummaryState, Turn
-from actors.base.text import composed
+from actors.base.text import composed, folded
 from actors.episodic import RATINGS, memory_review_state, review_state
 from actors.extraction import Candidate, jaccard, words
 from actors.facts import DEDUP_JACCARD
@@ -197,7 +197,7 @@ class Memory:
             into = dict(given)
             if "importance" in into:
                 into["importance"] = max(into["importance"], twin.importance)
-            if (_normal(twin.text) == _normal(text) and merged == twin.tags
+            if (folded(twin.text) == folded(text) and merged == twin.tags
                     and all(getattr(twin, f) == value for f, value in into.items())):
                 return twin  # said before: nothing new to keep
             try:
@@ -381,19 +381,13 @@ class Memory:
 _decode_note = msgspec.msgpack.Decoder(Note).decode
 
 
-def _normal(text: str) -> str:
-    """A note's text as its duplicates share it: case, spacing and Unicode's composed or
-    decomposed forms aside."""
-    return " ".join(composed(text).casefold().split())
-
-
 def _twin_note(txn: Any, dbs: dict[bytes, Any], user_id: str, text: str,
                scope: tuple[str, str]) -> Note | None:
     """The user's note of this scope (agent_id, run_id) that ``text`` repeats: the same text,
     else the one whose words it shares most if at least DEDUP_JACCARD of them (seed 004's
     threshold for facts)."""
     prefix = user_prefix(user_id)
-    wanted, mine = _normal(text), words(text)
+    wanted, mine = folded(text), words(text)
     best, best_score = None, DEDUP_JACCARD
     cursor = txn.cursor(dbs[b"notes"])
     if cursor.set_range(prefix):
@@ -403,7 +397,7 @@ def _twin_note(txn: Any, dbs: dict[bytes, Any], user_id: str, text: str,
             note = _decode_note(value)
             if (note.agent_id, note.run_id) != scope:
                 continue
-            if _normal(note.text) == wanted:
+            if folded(note.text) == wanted:
                 return note
             score = jaccard(mine, words(note.text))
             if score >= best_score:

@@ -52,7 +52,7 @@ from actors.ann_index import KINDS, AnnIndex, Filters
 from actors.base.errors import EngineBroken, EngineClosed, EngineError
 from actors.base.messages import Searchable
 from actors.base.records import Episode, Fact, Note, Turn
-from actors.base.text import composed
+from actors.base.text import composed, folded
 from actors.base.where import Node, attributes
 from actors.embedder import Embedder
 from actors.entities import Entities, extract_entities
@@ -725,7 +725,7 @@ def _content_key(memory: Turn | Note) -> tuple[str, ...]:
     Unicode's composed or decomposed forms."""
     role = memory.role if type(memory) is Turn else ""
     return (type(memory).__name__, role, memory.agent_id, memory.run_id,
-            " ".join(composed(memory.text).casefold().split()))
+            folded(memory.text))
 
 
 def fuse(ranked: dict[str, list[tuple[int, float]]], population: int,
