@@ -200,6 +200,31 @@ class Facts:
         facts.sort(key=lambda f: (-f.importance, -effective_confidence(f, now), f.category, f.key))
         return facts
 
+    async def for_prompt(self, user_id: str, category: str | None = None,
+                         min_importance: float = 0.0) -> list[Fact]:
+        """What a prompt should say of the user: :meth:`profile`, with each active version not
+        yet in force ("I move to Porto on the 10th", told on the 1st) preceded by its key's
+        version in force now (Lisbon, until the 10th), so a prompt says both with their dates
+        instead of Porto a month early. The store is read only while such a version exists."""
+        facts = await self.profile(user_id, category, min_importance)
+        now = self._clock()
+        due = {spelling(f.category, f.key) for f in facts if f.valid_at > now}
+        if not due:
+            return facts
+        await self._store.wait_logged()
+        versions = await self._store.read(read_fact_versions, user_id,
+                                          lambda c, k: spelling(c, k) in due)
+        held = {}
+        for f in versions:
+            if f.status != "active" and known_at(f, now):
+                held.setdefault(spelling(f.category, f.key), []).append(f)
+        out = []
+        for fact in facts:
+            if fact.valid_at > now:
+                out += held.pop(spelling(fact.category, fact.key), ())
+            out.append(fact)
+        return out
+
     async def _replanned(self, current: Fact, valid_at: datetime, now: datetime
                          ) -> tuple[Fact, ...]:
         """The superseded versions of ``current``'s key (however spelt) held true past

@@ -31,7 +31,8 @@ from actors.store import (
 from ._hits import EpisodicItem, Hit, Message, RetrieveResult, SemanticItem
 from ._retrieval import LEGS, Retriever, logistic, one_error
 
-__all__ = ["Briefing", "Detail", "render_markdown", "relative_time", "one_line", "block_text"]
+__all__ = ["Briefing", "Detail", "render_markdown", "relative_time", "one_line", "block_text",
+           "in_force_note"]
 
 Detail = Literal["auto", "none", "low", "high"]
 KEY_MOMENT = 0.7  # surprise at or above which an episode is a "key moment" (seed 001)
@@ -74,9 +75,20 @@ class Briefing:
     async def _semantic(self, user_id: str, query: str, limit: int, category: str | None,
                         min_importance: float,
                         legs: tuple[str, ...] | None = None) -> list[SemanticItem]:
-        profile = await self.retriever.facts.profile(user_id, category, min_importance)
+        profile = await self.retriever.facts.for_prompt(user_id, category, min_importance)
         if not profile:
             return []
+        # A version in force now goes along with the one due later that supersedes it
+        # (Facts.for_prompt puts it right before), whichever of the two the search finds.
+        along: dict[str, list[Fact]] = {}
+        held: list[Fact] = []
+        for fact in profile:
+            if fact.status != "active":
+                held.append(fact)
+            else:
+                if held:
+                    along[fact.fact_id] = held
+                held = []
         by_lsn = {f.lsn: f for f in profile}
         # Facts are searched by meaning and by words; the other legs find turns.
         search = tuple(leg for leg in FACT_LEGS if legs is None or leg in legs)
@@ -116,6 +128,11 @@ class Briefing:
                 break
             if fact.fact_id not in seen and fact.importance >= STANDING_IMPORTANCE:
                 chosen.append((fact, 0.0))
+        if along:
+            shown = {f.fact_id for f, _ in chosen}
+            chosen = [(f, score) for fact, score in chosen
+                      for f in (*(h for h in along.get(fact.fact_id, ())
+                                  if h.fact_id not in shown), fact)]
         chosen = chosen[:limit]
         # Conversations, not sources: a fact restated three times in one session came from
         # one conversation. One read finds the sessions of every shown fact's sources.
@@ -236,6 +253,16 @@ def relative_time(at: datetime, now: datetime) -> str:
     return f"{days // 365} years ago"
 
 
+def in_force_note(valid_at: datetime, invalid_at: datetime | None, now: datetime) -> str:
+    """' (from 2026-04-10)' for a fact due later, ' (until 2026-04-10)' for one in force until
+    a date to come, else nothing: how a prompt line says when a fact holds."""
+    if valid_at > now:
+        return f" (from {valid_at.date().isoformat()})"
+    if invalid_at is not None and invalid_at > now:
+        return f" (until {invalid_at.date().isoformat()})"
+    return ""
+
+
 # What may start a block of its own at the start of a Markdown line (CommonMark): a heading, a
 # quote, a list item, a rule, a code fence, HTML, a link definition, an ordered list's number.
 _BLOCK_START = re.compile(r"[#>+*_=`~<\[-]|\d{1,9}[.)](?!\S)")
@@ -263,7 +290,8 @@ def render_markdown(result: RetrieveResult, now: datetime, detail: Detail,
         lines.append("## Semantic Memory")
         for fact in result.semantic:
             n = fact.conversations
-            lines.append(f"- [{one_line(fact.category)}] {one_line(fact.fact)} "
+            lines.append(f"- [{one_line(fact.category)}] {one_line(fact.fact)}"
+                         f"{in_force_note(fact.valid_at, fact.invalid_at, now)} "
                          f"(sources: {n} conversation{'s' if n != 1 else ''})")
     if episodic:
         if lines:

@@ -17,7 +17,7 @@ import msgspec
 from actors.base.records import Episode, Note
 from actors.store import read_episodes, user_prefix
 
-from ._briefing import block_text, one_line, relative_time
+from ._briefing import block_text, in_force_note, one_line, relative_time
 from ._hits import estimate_tokens
 from ._recall import count_use
 
@@ -82,7 +82,7 @@ async def _episodes(parts: Parts, retriever: Retriever, user_id: str, session_id
 async def context_for_prompt(parts: Parts, retriever: Retriever, user_id: str,
                              session_id: str, budget_tokens: int, query: str | None) -> str:
     now = parts.clock()
-    facts = await parts.facts.profile(user_id)
+    facts = await parts.facts.for_prompt(user_id)
     reflection = await parts.store.read(_latest_reflection, user_id)
     episodes = await _episodes(parts, retriever, user_id, session_id, query)
     left = budget_tokens
@@ -103,8 +103,9 @@ async def context_for_prompt(parts: Parts, retriever: Retriever, user_id: str,
         return kept
 
     # Stored texts are shown on lines of their own making: see _briefing.block_text.
-    kept = section("## What I know about you", [f"- {block_text(f.text)}" for f in facts])
-    shown = [facts[i].fact_id for i in kept]
+    kept = section("## What I know about you", [
+        f"- {block_text(f.text)}{in_force_note(f.valid_at, f.invalid_at, now)}" for f in facts])
+    shown = [facts[i].fact_id for i in kept if facts[i].status == "active"]
     if reflection is not None:
         section("## Latest reflection", [block_text(reflection.text)])
     section("## From earlier conversations", [

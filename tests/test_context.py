@@ -3,11 +3,14 @@ for a new session (seed 004's injection, in seed 002's shape)."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
 from engine import InvalidInput
 
-from .conftest import open_engine
+from .conftest import T0, open_engine
+from .test_time_travel import ManualClock
 
 
 async def test_sources_count_conversations_not_turns(store_path, clock) -> None:
@@ -85,3 +88,36 @@ async def test_the_context_fits_its_budget_in_order_of_priority(store_path, cloc
                                 ({"query": " "}, "query: expected a non-empty string")):
             with pytest.raises(InvalidInput, match=message):
                 await mem.context_for_prompt("maya", "s3", **kwargs)
+
+
+async def test_a_prompt_says_what_is_true_now_and_what_is_due_later(store_path) -> None:
+    """On day 10: "I move to Porto on day 40" and "I fly to Japan on day 50". On day 15 a
+    prompt still says Lisbon, until Porto's day, and gives Porto and the trip their dates;
+    profile() keeps answering the decided values. Once Porto's day has passed, Porto alone."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.remember_fact("maya", "identity", "location", "Lisbon", valid_at=T0)
+        await mem.remember_fact("maya", "preference", "drink", "tea")
+        clock.now = T0 + timedelta(days=10)
+        await mem.remember_fact("maya", "identity", "location", "Porto",
+                                valid_at=T0 + timedelta(days=40))
+        await mem.remember_fact("maya", "plan", "trip", "Japan",
+                                valid_at=T0 + timedelta(days=50))
+        clock.now = T0 + timedelta(days=15)
+        assert {f.value for f in await mem.profile("maya")} == {"Porto", "Japan", "tea"}
+        context = await mem.context_for_prompt("maya", "s9")
+        briefing = await mem.retrieve_memory("maya", "my location")
+        raw = await mem.retrieve_memory_raw("maya", "my location")
+        clock.now = T0 + timedelta(days=41)
+        later = await mem.context_for_prompt("maya", "s9")
+    assert "- location: Lisbon (until 2026-04-10)" in context
+    assert "- location: Porto (from 2026-04-10)" in context
+    assert "- trip: Japan (from 2026-04-20)" in context
+    assert "- drink: tea\n" in context
+    assert "] location: Lisbon (until 2026-04-10) (sources:" in briefing
+    assert "] location: Porto (from 2026-04-10) (sources:" in briefing
+    lisbon, porto = sorted((f for f in raw.semantic if f.fact.startswith("location")),
+                           key=lambda f: f.valid_at)
+    assert (lisbon.fact, lisbon.invalid_at) == ("location: Lisbon", T0 + timedelta(days=40))
+    assert (porto.fact, porto.valid_at) == ("location: Porto", T0 + timedelta(days=40))
+    assert "Lisbon" not in later and "- location: Porto\n" in later
