@@ -456,6 +456,11 @@ def _logged_method(name: str) -> Callable[..., Awaitable[Any]]:
         except TypeError as exc:
             raise InvalidInput("arguments", f"{name}: {exc}") from None
         call = {k: _plain(v) for k, v in bound.arguments.items() if k not in ("self", "user_id")}
+        # A time is checked before it is logged: msgpack carries a naive one as a string,
+        # which every node would then refuse as a string instead of saying it has no zone.
+        for field, value in call.items():
+            if isinstance(value, datetime):
+                call[field] = v.check_at(value, field)
         # What the owner would make up when it applies, made here once, so that every node
         # that replays the entry makes the same record.
         if name == "store_note" and call.get("note_id") is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 import msgspec
@@ -144,6 +146,14 @@ async def test_notes_facts_links_and_summaries_go_through_the_log_and_replay_the
                 assert await writer.delete_note("ana", gone.note_id) is True
                 with pytest.raises(InvalidInput):
                     await writer.review("ana", note.note_id, "superb")
+                # A time without a zone is refused before it is logged, saying so.
+                logged = await log.last_seq()
+                for call in (partial(writer.remember_fact, "ana", "pets", "dog", "Rex"),
+                             partial(writer.correct_fact, "ana", "pets", "cat", "Rex")):
+                    with pytest.raises(InvalidInput, match="valid_at: expected a timezone-aware "
+                                                           "datetime, found a naive"):
+                        await call(valid_at=datetime(2026, 5, 1))
+                assert await log.last_seq() == logged
                 assert fact.value == "Miso"
                 told = await writer.call_tool("store_note", {"user_id": "ana",
                                                              "text": "allergic to peanuts"})
