@@ -32,6 +32,7 @@ import numpy as np
 import trio
 
 from actors.base import validate as v
+from actors.base.text import composed
 from actors.base.messages import PutEpisode, PutFact, PutNote, PutState, WriteSummary
 from actors.base.records import (
     ROLES,
@@ -1268,12 +1269,16 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
                 counts["reviews"] = counts.get("reviews", 0) + 1
         known = set(known_keys)
         for entity in parsed.entities:
-            key = entity.name.lower()
+            # Keyed as the engine keys a name it extracts: composed, then lower-case, so an
+            # export that spelt it decomposed is found by entity_info however it is typed.
+            name = composed(entity.name)
+            key = name.lower()
             if key in known:
                 continue  # the registry here has it already (an earlier import): keep it
             lsns = tuple(sorted(lsn_map[lsn] for lsn in entity.lsns if lsn in lsn_map))
-            record = Entity(entity.name, entity.type, tuple(entity.aliases), entity.mentions,
-                            entity.first_seen, entity.last_seen, lsns, entity.last_id)
+            record = Entity(name, entity.type, tuple(composed(a) for a in entity.aliases),
+                            entity.mentions, entity.first_seen, entity.last_seen, lsns,
+                            entity.last_id)
             puts.append((b"entities", entity_key(user_id, key), _encode(record),
                          lsns[-1] if lsns else anchor))
             counts["entities"] = counts.get("entities", 0) + 1

@@ -7,6 +7,7 @@ import io
 import os
 import json
 import re
+import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -562,3 +563,25 @@ async def test_an_export_to_dev_stdout_on_a_pipe_writes_into_the_pipe(mem, tmp_p
         nursery.start_soon(trio.to_thread.run_sync, lambda: got.append(fifo.read_bytes()))
         await mem.export_user("ana", fifo)
     assert b"I moved to Lisbon" in got[0] and fifo.exists() and not fifo.is_file()
+
+
+async def test_an_entity_imported_with_a_decomposed_name_is_found_however_it_is_typed(
+        tmp_path) -> None:
+    """An export written elsewhere may spell "São Paulo" decomposed (an accent as its own
+    mark). The engine keys names composed, so the imported entity is found by entity_info
+    whichever way the name is sent, as one extracted here is."""
+    export = io.BytesIO()
+    async with open_engine(tmp_path / "a", config=CONFIG) as mem:
+        await mem.add_turn("maya", "s1", "user", "I flew to São Paulo with Inês.")
+        await mem.flush()
+        await mem.export_user("maya", export)
+    lines = export.getvalue().decode().splitlines()
+    nfd = "\n".join(unicodedata.normalize("NFD", line) if '"entity"' in line else line
+                    for line in lines)
+    assert nfd != "\n".join(lines)
+    async with open_engine(tmp_path / "b", config=CONFIG) as mem:
+        await mem.import_user(nfd.encode())
+        for name in ("São Paulo", unicodedata.normalize("NFD", "São Paulo"), "Inês"):
+            info = await mem.entity_info("maya", name)
+            assert info is not None and info.memories, name
+            assert unicodedata.is_normalized("NFC", info.entity.name), name
