@@ -32,6 +32,7 @@ from datetime import datetime, timezone
 import msgspec
 import trio
 
+from .base.errors import RecordRefused
 from .base.logs import RepeatedWarning
 from .base.messages import PutFact, PutState, Searchable
 from .base.records import Fact, Link
@@ -144,6 +145,10 @@ class Facts:
         self._clock = clock
         self._new_id = new_id
         self._cache: dict[str, Active] = {}
+        # Each user's latest decision's lsn until it is committed (see _decisions_written),
+        # and the largest that gave way to newer users'.
+        self._decided: dict[str, int] = {}
+        self._evicted_upto = 0
         self._forgets = 0  # forget calls so far: a read that overlapped one is not cached
         # Users forgotten since the extraction follower's step in flight read its turns
         # (cleared as each step ends, before the next reads): what it decides for them may
@@ -201,29 +206,39 @@ class Facts:
         return facts
 
     async def for_prompt(self, user_id: str, category: str | None = None,
-                         min_importance: float = 0.0) -> list[Fact]:
-        """What a prompt should say of the user: :meth:`profile`, with each active version not
-        yet in force ("I move to Porto on the 10th", told on the 1st) preceded by its key's
-        version in force now (Lisbon, until the 10th), so a prompt says both with their dates
-        instead of Porto a month early. The store is read only while such a version exists."""
-        facts = await self.profile(user_id, category, min_importance)
+                         min_importance: float = 0.0) -> list[tuple[Fact, Fact | None]]:
+        """What a prompt should say of the user: :meth:`profile`'s facts, each active version
+        not yet in force ("I move to Porto on the 10th", told on the 1st) preceded by the
+        versions held true until it (Lisbon, until the 10th), so a prompt says each with its
+        dates instead of Porto a month early. Pairs of (fact, the version due later that
+        ends it; None for an active one); a held version's ``invalid_at`` is where it gives
+        way to the next one shown of its key. The filters apply to each version alone. The
+        store is read only while the user has a version due later."""
         now = self._clock()
-        due = {spelling(f.category, f.key) for f in facts if f.valid_at > now}
-        if not due:
-            return facts
-        await self._store.wait_logged()
-        versions = await self._store.read(read_fact_versions, user_id,
-                                          lambda c, k: spelling(c, k) in due)
-        held = {}
-        for f in versions:
-            if f.status != "active" and known_at(f, now):
-                held.setdefault(spelling(f.category, f.key), []).append(f)
-        out = []
-        for fact in facts:
-            if fact.valid_at > now:
-                out += held.pop(spelling(fact.category, fact.key), ())
-            out.append(fact)
-        return out
+        active = await self.profile(user_id)
+        shown: list[tuple[Fact, Fact | None]] = [(f, None) for f in active]
+        due = [f for f in active if f.valid_at > now]
+        if due:
+            await self._decisions_written(user_id)
+            versions = await self._store.read(read_facts, user_id, False)
+            shown = _with_held(active, due, versions, now)
+        wanted = None if category is None else folded(category)
+        return [(f, then) for f, then in shown
+                if (wanted is None or folded(f.category) == wanted)
+                and f.importance >= min_importance]
+
+    async def _decisions_written(self, user_id: str) -> None:
+        """Return once the user's decisions taken so far are committed (a read then sees
+        what they retired): a wait for the last one's lsn, not for every turn queued."""
+        lsn = self._decided.get(user_id, self._evicted_upto)
+        if not lsn:
+            return
+        try:
+            await self._store.wait_committed(lsn)
+        except RecordRefused:
+            pass  # refused: its caller hears of it, and the read sees the store as it is
+        if self._decided.get(user_id) == lsn:
+            del self._decided[user_id]
 
     async def _replanned(self, current: Fact, valid_at: datetime, now: datetime
                          ) -> tuple[Fact, ...]:
@@ -496,6 +511,16 @@ class Facts:
                 self._removed(user_id, left)
 
         self._store.submit(msgspec.structs.replace(op, committed=committed))
+        self._decided_at(user_id, op.lsn)
+
+    def _decided_at(self, user_id: str, lsn: int) -> None:
+        """Remember the user's latest decision's lsn (see :meth:`_decisions_written`); past
+        CACHE_USERS users the oldest's gives way to a bound every forgotten one is under."""
+        self._decided.pop(user_id, None)
+        self._decided[user_id] = lsn
+        if len(self._decided) > CACHE_USERS:
+            oldest = next(iter(self._decided))
+            self._evicted_upto = max(self._evicted_upto, self._decided.pop(oldest))
 
     async def _apply(self, user_id: str, op: PutFact) -> bool:
         applied: list[bool] = []
@@ -507,6 +532,7 @@ class Facts:
 
         op = msgspec.structs.replace(op, committed=committed)
         self._store.submit(op)
+        self._decided_at(user_id, op.lsn)
         await self._store.wait_committed(op.lsn)
         return applied[0]
 
@@ -566,6 +592,49 @@ def _same_value(a: str, b: str) -> bool:
     """Case and spacing aside (lower(), not casefold(): 'Straße' is not 'Strasse'), and
     Unicode's composed or decomposed forms."""
     return " ".join(composed(a).lower().split()) == " ".join(composed(b).lower().split())
+
+
+def _with_held(active: list[Fact], due: list[Fact], versions: list[Fact], now: datetime
+               ) -> list[tuple[Fact, Fact | None]]:
+    """``active`` in order, each of ``due`` preceded by the superseded versions held true
+    until it, oldest first: a version of its key, or of another key it contradicted from its
+    date on. A held version's window is cut where the next version of its key shown starts
+    (a plan forgotten and made again left it the forgotten one's end); one that leads to no
+    version due later is left out, as :meth:`Facts.profile` leaves it."""
+    held = [f for f in versions if f.status == "superseded" and f.invalid_at is not None
+            and f.invalid_at > now and f.invalid_at > f.valid_at]
+    if not held:
+        return [(f, None) for f in active]
+    by_key: dict[tuple[str, str], list[Fact]] = {}
+    for f in (*held, *due):
+        by_key.setdefault(spelling(f.category, f.key), []).append(f)
+    due_on: dict[datetime, Fact] = {}
+    for f in due:
+        due_on.setdefault(f.valid_at, f)
+    then: dict[str, Fact] = {}  # a held version's fact_id: the version after it
+    for f in held:
+        later = [g for g in by_key[spelling(f.category, f.key)] if g.valid_at > f.valid_at]
+        if later:
+            then[f.fact_id] = min(later, key=lambda g: (g.valid_at, g.lsn))
+        elif f.invalid_at in due_on:
+            then[f.fact_id] = due_on[f.invalid_at]
+    before: dict[str, list[Fact]] = {}  # a due version's fact_id: the held chain up to it
+    for f in held:
+        step = then.get(f.fact_id)
+        while step is not None and step.status != "active":
+            step = then.get(step.fact_id)
+        if step is None:
+            continue
+        ends = min(f.invalid_at, then[f.fact_id].valid_at)
+        if ends > now:
+            before.setdefault(step.fact_id, []).append(
+                msgspec.structs.replace(f, invalid_at=ends))
+    out: list[tuple[Fact, Fact | None]] = []
+    for fact in active:
+        chain = sorted(before.get(fact.fact_id, ()), key=lambda g: (g.valid_at, g.lsn))
+        out += [(f, fact) for f in chain]
+        out.append((fact, None))
+    return out
 
 
 def spelling(category: str, key: str) -> tuple[str, str]:

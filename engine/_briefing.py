@@ -75,27 +75,26 @@ class Briefing:
     async def _semantic(self, user_id: str, query: str, limit: int, category: str | None,
                         min_importance: float,
                         legs: tuple[str, ...] | None = None) -> list[SemanticItem]:
-        profile = await self.retriever.facts.for_prompt(user_id, category, min_importance)
-        if not profile:
+        shown = await self.retriever.facts.for_prompt(user_id, category, min_importance)
+        if not shown:
             return []
-        # A version in force now goes along with the one due later that supersedes it
-        # (Facts.for_prompt puts it right before), whichever of the two the search finds.
+        # The search runs over the active versions. A version held true until one due later
+        # is in neither index (it was retired): it comes along right before that one, or
+        # stands alone where the filters left that one out (Facts.for_prompt).
+        profile = [f for f, _ in shown if f.status == "active"]
+        kept = {f.fact_id for f in profile}
         along: dict[str, list[Fact]] = {}
-        held: list[Fact] = []
-        for fact in profile:
-            if fact.status != "active":
-                held.append(fact)
-            else:
-                if held:
-                    along[fact.fact_id] = held
-                held = []
+        for fact, then in shown:
+            if then is not None and then.fact_id in kept:
+                along.setdefault(then.fact_id, []).append(fact)
+        companions = {f.fact_id for held in along.values() for f in held}
         by_lsn = {f.lsn: f for f in profile}
         # Facts are searched by meaning and by words; the other legs find turns.
         search = tuple(leg for leg in FACT_LEGS if legs is None or leg in legs)
         hits = await self.retriever.recall(user_id, query, limit=limit, session_id=None,
                                            since=None, until=None, roles=None, kinds=("fact",),
                                            link_depth=0, budget_tokens=None, only=sorted(by_lsn),
-                                           legs=search) if search else []
+                                           legs=search) if search and profile else []
         by_id = {f.fact_id: f for f in profile}
         chosen: list[tuple[Fact, float]] = [(by_id[h.id], h.score) for h in hits
                                             if h.id in by_id]
@@ -123,17 +122,15 @@ class Briefing:
         # The deterministic part: standing facts (name, allergies, instructions...) always
         # come along, after the ones the query found.
         seen = {f.fact_id for f, _ in chosen}
-        for fact in profile:
+        for fact, _ in shown:
             if len(chosen) >= limit:
                 break
-            if fact.fact_id not in seen and fact.importance >= STANDING_IMPORTANCE:
+            if (fact.fact_id not in seen and fact.fact_id not in companions
+                    and fact.importance >= STANDING_IMPORTANCE):
                 chosen.append((fact, 0.0))
-        if along:
-            shown = {f.fact_id for f, _ in chosen}
-            chosen = [(f, score) for fact, score in chosen
-                      for f in (*(h for h in along.get(fact.fact_id, ())
-                                  if h.fact_id not in shown), fact)]
-        chosen = chosen[:limit]
+        # Cut first: a held version rides along with the one it gives way to, taking no place.
+        chosen = [(f, score) for fact, score in chosen[:limit]
+                  for f in (*along.get(fact.fact_id, ()), fact)]
         # Conversations, not sources: a fact restated three times in one session came from
         # one conversation. One read finds the sessions of every shown fact's sources.
         sources = sorted({s for f, _ in chosen for s in (f.source_episode_ids
@@ -254,10 +251,12 @@ def relative_time(at: datetime, now: datetime) -> str:
 
 
 def in_force_note(valid_at: datetime, invalid_at: datetime | None, now: datetime) -> str:
-    """' (from 2026-04-10)' for a fact due later, ' (until 2026-04-10)' for one in force until
-    a date to come, else nothing: how a prompt line says when a fact holds."""
+    """' (from 2026-04-10)' for a fact due later (' (from 2026-04-10 until 2026-05-01)' if it
+    gives way to another then), ' (until 2026-04-10)' for one in force until a date to come,
+    else nothing: how a prompt line says when a fact holds."""
     if valid_at > now:
-        return f" (from {valid_at.date().isoformat()})"
+        until = "" if invalid_at is None else f" until {invalid_at.date().isoformat()}"
+        return f" (from {valid_at.date().isoformat()}{until})"
     if invalid_at is not None and invalid_at > now:
         return f" (until {invalid_at.date().isoformat()})"
     return ""

@@ -82,7 +82,7 @@ async def _episodes(parts: Parts, retriever: Retriever, user_id: str, session_id
 async def context_for_prompt(parts: Parts, retriever: Retriever, user_id: str,
                              session_id: str, budget_tokens: int, query: str | None) -> str:
     now = parts.clock()
-    facts = await parts.facts.for_prompt(user_id)
+    facts = [fact for fact, _ in await parts.facts.for_prompt(user_id)]
     reflection = await parts.store.read(_latest_reflection, user_id)
     episodes = await _episodes(parts, retriever, user_id, session_id, query)
     left = budget_tokens

@@ -110,14 +110,41 @@ async def test_a_prompt_says_what_is_true_now_and_what_is_due_later(store_path) 
         raw = await mem.retrieve_memory_raw("maya", "my location")
         clock.now = T0 + timedelta(days=41)
         later = await mem.context_for_prompt("maya", "s9")
-    assert "- location: Lisbon (until 2026-04-10)" in context
-    assert "- location: Porto (from 2026-04-10)" in context
+    assert ("- location: Lisbon (until 2026-04-10)\n"
+            "- location: Porto (from 2026-04-10)\n") in context
     assert "- trip: Japan (from 2026-04-20)" in context
     assert "- drink: tea\n" in context
-    assert "] location: Lisbon (until 2026-04-10) (sources:" in briefing
-    assert "] location: Porto (from 2026-04-10) (sources:" in briefing
+    assert ("] location: Lisbon (until 2026-04-10) (sources: 0 conversations)\n"
+            "- [identity] location: Porto (from 2026-04-10) (sources:") in briefing
     lisbon, porto = sorted((f for f in raw.semantic if f.fact.startswith("location")),
                            key=lambda f: f.valid_at)
     assert (lisbon.fact, lisbon.invalid_at) == ("location: Lisbon", T0 + timedelta(days=40))
     assert (porto.fact, porto.valid_at) == ("location: Porto", T0 + timedelta(days=40))
     assert "Lisbon" not in later and "- location: Porto\n" in later
+
+
+async def test_each_version_to_come_is_shown_in_turn_and_filtered_alone(store_path) -> None:
+    """Lisbon; on day 10 "Porto from day 20", on day 12 "Faro from day 40": on day 15 a prompt
+    gives all three in order with their dates. A pair takes one place of semantic_limit, and
+    min_importance keeps or drops each version on its own importance."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.remember_fact("maya", "identity", "name", "Maya", importance=0.95)
+        await mem.remember_fact("maya", "identity", "location", "Lisbon", valid_at=T0,
+                                importance=0.9)
+        clock.now = T0 + timedelta(days=10)
+        await mem.remember_fact("maya", "identity", "location", "Porto", importance=0.3,
+                                valid_at=T0 + timedelta(days=20))
+        clock.now = T0 + timedelta(days=12)
+        await mem.remember_fact("maya", "identity", "location", "Faro", importance=0.3,
+                                valid_at=T0 + timedelta(days=40))
+        clock.now = T0 + timedelta(days=15)
+        context = await mem.context_for_prompt("maya", "s9")
+        one = await mem.retrieve_memory_raw("maya", "location", semantic_limit=1)
+        important = await mem.retrieve_memory_raw("maya", "location", min_importance=0.6)
+    assert ("- location: Lisbon (until 2026-03-21)\n"
+            "- location: Porto (from 2026-03-21 until 2026-04-10)\n"
+            "- location: Faro (from 2026-04-10)\n") in context
+    assert [f.fact for f in one.semantic] == [
+        "location: Lisbon", "location: Porto", "location: Faro"]
+    assert [f.fact for f in important.semantic] == ["name: Maya", "location: Lisbon"]
