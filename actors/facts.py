@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Any
 
 import msgspec
 import trio
@@ -56,6 +57,7 @@ from .store import (
     read_derived_id,
     read_fact_versions,
     read_facts,
+    read_links,
 )
 
 __all__ = ["Facts", "effective_confidence", "known_at", "spelling", "DECAY_RATES",
@@ -206,22 +208,26 @@ class Facts:
         return facts
 
     async def for_prompt(self, user_id: str, category: str | None = None,
-                         min_importance: float = 0.0) -> list[tuple[Fact, Fact | None]]:
-        """What a prompt should say of the user: :meth:`profile`'s facts, each active version
-        not yet in force ("I move to Porto on the 10th", told on the 1st) preceded by the
-        versions held true until it (Lisbon, until the 10th), so a prompt says each with its
-        dates instead of Porto a month early. Pairs of (fact, the version due later that
-        ends it; None for an active one); a held version's ``invalid_at`` is where it gives
-        way to the next one shown of its key. The filters apply to each version alone. The
-        store is read only while the user has a version due later."""
-        now = self._clock()
+                         min_importance: float = 0.0, now: datetime | None = None
+                         ) -> list[tuple[Fact, Fact | None]]:
+        """What a prompt should say of the user at ``now`` (default: the clock): the active
+        facts as :meth:`profile` orders them, each version not yet in force ("I move to
+        Porto on the 10th", told on the 1st) preceded by the versions held true until it
+        (Lisbon, until the 10th), so a prompt says each with its dates instead of Porto a
+        month early. Pairs of (fact, the version due later it gives way to, for a held one;
+        None for an active one); a held version's ``invalid_at`` is where it gives way. The
+        filters apply to each version alone. The store is read only while the user has a
+        version due later."""
+        now = self._clock() if now is None else now
         active = await self.profile(user_id)
         shown: list[tuple[Fact, Fact | None]] = [(f, None) for f in active]
-        due = [f for f in active if f.valid_at > now]
-        if due:
+        if any(f.valid_at > now for f in active):
             await self._decisions_written(user_id)
-            versions = await self._store.read(read_facts, user_id, False)
-            shown = _with_held(active, due, versions, now)
+            active = await self.profile(user_id)  # as the decisions waited for left it
+            due = [f for f in active if f.valid_at > now]
+            versions, rivals = await self._store.read(_read_versions_and_rivals, user_id,
+                                                      [f.fact_id for f in due])
+            shown = _with_held(active, due, versions, rivals, now)
         wanted = None if category is None else folded(category)
         return [(f, then) for f, then in shown
                 if (wanted is None or folded(f.category) == wanted)
@@ -594,13 +600,24 @@ def _same_value(a: str, b: str) -> bool:
     return " ".join(composed(a).lower().split()) == " ".join(composed(b).lower().split())
 
 
-def _with_held(active: list[Fact], due: list[Fact], versions: list[Fact], now: datetime
-               ) -> list[tuple[Fact, Fact | None]]:
+def _read_versions_and_rivals(txn: Any, dbs: dict[bytes, Any], user_id: str,
+                              due_ids: list[str]) -> tuple[list[Fact], dict[str, set[str]]]:
+    """Every version of the user's facts, and the ids each of ``due_ids`` superseded when it
+    was decided (its ``supersedes`` links): one read."""
+    rivals = {memory_id: {link.to_id for link in links
+                          if link.type == "supersedes" and link.from_id == memory_id}
+              for memory_id, links in read_links(txn, dbs, user_id, due_ids).items()}
+    return read_facts(txn, dbs, user_id, False), rivals
+
+
+def _with_held(active: list[Fact], due: list[Fact], versions: list[Fact],
+               rivals: dict[str, set[str]], now: datetime) -> list[tuple[Fact, Fact | None]]:
     """``active`` in order, each of ``due`` preceded by the superseded versions held true
-    until it, oldest first: a version of its key, or of another key it contradicted from its
-    date on. A held version's window is cut where the next version of its key shown starts
-    (a plan forgotten and made again left it the forgotten one's end); one that leads to no
-    version due later is left out, as :meth:`Facts.profile` leaves it."""
+    until it, oldest first. A held version gives way to the next version of its key shown
+    (a plan forgotten and made again: where the new one starts, whatever the forgotten one
+    had said), else to the version due later that superseded it under another key ("no
+    longer likes jazz" from May); one that leads to no version due later is left out, as
+    :meth:`Facts.profile` leaves it. ``rivals``: what each of ``due`` superseded."""
     held = [f for f in versions if f.status == "superseded" and f.invalid_at is not None
             and f.invalid_at > now and f.invalid_at > f.valid_at]
     if not held:
@@ -608,25 +625,24 @@ def _with_held(active: list[Fact], due: list[Fact], versions: list[Fact], now: d
     by_key: dict[tuple[str, str], list[Fact]] = {}
     for f in (*held, *due):
         by_key.setdefault(spelling(f.category, f.key), []).append(f)
-    due_on: dict[datetime, Fact] = {}
-    for f in due:
-        due_on.setdefault(f.valid_at, f)
-    then: dict[str, Fact] = {}  # a held version's fact_id: the version after it
+    then: dict[str, tuple[Fact, datetime]] = {}  # a held version's id: the next, and when
     for f in held:
         later = [g for g in by_key[spelling(f.category, f.key)] if g.valid_at > f.valid_at]
         if later:
-            then[f.fact_id] = min(later, key=lambda g: (g.valid_at, g.lsn))
-        elif f.invalid_at in due_on:
-            then[f.fact_id] = due_on[f.invalid_at]
-    before: dict[str, list[Fact]] = {}  # a due version's fact_id: the held chain up to it
+            after = min(later, key=lambda g: (g.valid_at, g.lsn))
+            then[f.fact_id] = (after, after.valid_at)
+        else:
+            by = [g for g in due if f.fact_id in rivals.get(g.fact_id, ())]
+            if by:
+                then[f.fact_id] = (by[0], f.invalid_at)
+    before: dict[str, list[Fact]] = {}  # a due version's id: the held chain up to it
     for f in held:
-        step = then.get(f.fact_id)
-        while step is not None and step.status != "active":
-            step = then.get(step.fact_id)
-        if step is None:
+        if f.fact_id not in then:
             continue
-        ends = min(f.invalid_at, then[f.fact_id].valid_at)
-        if ends > now:
+        step, ends = then[f.fact_id]
+        while step.status != "active" and step.fact_id in then:
+            step = then[step.fact_id][0]
+        if step.status == "active" and ends > now:
             before.setdefault(step.fact_id, []).append(
                 msgspec.structs.replace(f, invalid_at=ends))
     out: list[tuple[Fact, Fact | None]] = []

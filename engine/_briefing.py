@@ -14,7 +14,7 @@ Two sections, searched in parallel through the recall pipeline (``_retrieval.py`
 from __future__ import annotations
 
 import re
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 import trio
@@ -84,9 +84,12 @@ class Briefing:
         profile = [f for f, _ in shown if f.status == "active"]
         kept = {f.fact_id for f in profile}
         along: dict[str, list[Fact]] = {}
+        alone: list[Fact] = []
         for fact, then in shown:
             if then is not None and then.fact_id in kept:
                 along.setdefault(then.fact_id, []).append(fact)
+            elif then is not None:
+                alone.append(fact)
         companions = {f.fact_id for held in along.values() for f in held}
         by_lsn = {f.lsn: f for f in profile}
         # Facts are searched by meaning and by words; the other legs find turns.
@@ -99,9 +102,9 @@ class Briefing:
         chosen: list[tuple[Fact, float]] = [(by_id[h.id], h.score) for h in hits
                                             if h.id in by_id]
         # Read-your-writes: facts stored but not yet in the text index, by shared terms (what
-        # recall's window leg does for notes and facts).
+        # recall's window leg does for notes and facts); so are held versions standing alone.
         indexed = self.retriever.fulltext.indexed_lsn
-        fresh = ([f for f in profile if f.lsn > indexed]
+        fresh = ([f for f in profile if f.lsn > indexed] + alone
                  if legs is None or "window" in legs else [])
         if fresh:
             terms = set(self.retriever.fulltext.query_terms(query))
@@ -252,14 +255,24 @@ def relative_time(at: datetime, now: datetime) -> str:
 
 def in_force_note(valid_at: datetime, invalid_at: datetime | None, now: datetime) -> str:
     """' (from 2026-04-10)' for a fact due later (' (from 2026-04-10 until 2026-05-01)' if it
-    gives way to another then), ' (until 2026-04-10)' for one in force until a date to come,
-    else nothing: how a prompt line says when a fact holds."""
+    gives way to another then), ' (until 2026-04-10)' for one in force until a time to come,
+    else nothing: how a prompt line says when a fact holds (:func:`moment`)."""
     if valid_at > now:
-        until = "" if invalid_at is None else f" until {invalid_at.date().isoformat()}"
-        return f" (from {valid_at.date().isoformat()}{until})"
+        until = "" if invalid_at is None else f" until {moment(invalid_at)}"
+        return f" (from {moment(valid_at)}{until})"
     if invalid_at is not None and invalid_at > now:
-        return f" (until {invalid_at.date().isoformat()})"
+        return f" (until {moment(invalid_at)})"
     return ""
+
+
+def moment(at: datetime) -> str:
+    """A time as a prompt says it: '2026-04-10' at midnight UTC, else with its hour and the
+    zone it was given in ('2026-04-10 00:00 +01:00'), so that a date is never a day off."""
+    if at.utcoffset() == timedelta(0) and (at.hour, at.minute, at.second) == (0, 0, 0):
+        return at.date().isoformat()
+    zone = at.strftime("%z")
+    zone = "UTC" if zone in ("+0000", "") else f"{zone[:3]}:{zone[3:]}"
+    return f"{at:%Y-%m-%d %H:%M} {zone}"
 
 
 # What may start a block of its own at the start of a Markdown line (CommonMark): a heading, a

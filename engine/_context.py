@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from actors.base.records import Episode, Note
+from actors.base.records import Episode, Fact, Note
 from actors.store import read_episodes, user_prefix
 
 from ._briefing import block_text, in_force_note, one_line, relative_time
@@ -82,35 +82,46 @@ async def _episodes(parts: Parts, retriever: Retriever, user_id: str, session_id
 async def context_for_prompt(parts: Parts, retriever: Retriever, user_id: str,
                              session_id: str, budget_tokens: int, query: str | None) -> str:
     now = parts.clock()
-    facts = [fact for fact, _ in await parts.facts.for_prompt(user_id)]
+    shown_facts = await parts.facts.for_prompt(user_id, now=now)
     reflection = await parts.store.read(_latest_reflection, user_id)
     episodes = await _episodes(parts, retriever, user_id, session_id, query)
     left = budget_tokens
     out: list[str] = []
 
-    def section(title: str, lines: list[str]) -> list[int]:
-        """Add the lines that fit what is left, in order; returns their positions."""
+    def section(title: str, groups: list[list[str]]) -> list[int]:
+        """Add the groups of lines that fit what is left, each whole, in order; returns
+        their positions."""
         nonlocal left
         kept: list[int] = []
         cost = estimate_tokens(title + "\n")
-        for i, line in enumerate(lines):
-            need = estimate_tokens(line + "\n") + (0 if kept else cost)
+        for i, lines in enumerate(groups):
+            need = sum(estimate_tokens(line + "\n") for line in lines) + (0 if kept else cost)
             if need <= left:
                 kept.append(i)
                 left -= need
         if kept:
-            out.extend(([""] if out else []) + [title, *(lines[i] for i in kept)])
+            out.extend(([""] if out else []) + [title, *(line for i in kept for line in groups[i])])
         return kept
 
-    # Stored texts are shown on lines of their own making: see _briefing.block_text.
+    # Stored texts are shown on lines of their own making: see _briefing.block_text. A value
+    # due later and the versions held until it are kept or cut together.
+    groups: list[list[Fact]] = []
+    held: list[Fact] = []
+    for fact, then in shown_facts:
+        if then is not None:
+            held.append(fact)
+        else:
+            groups.append([*held, fact])
+            held = []
     kept = section("## What I know about you", [
-        f"- {block_text(f.text)}{in_force_note(f.valid_at, f.invalid_at, now)}" for f in facts])
-    shown = [facts[i].fact_id for i in kept if facts[i].status == "active"]
+        [f"- {block_text(f.text)}{in_force_note(f.valid_at, f.invalid_at, now)}" for f in group]
+        for group in groups])
+    shown = [f.fact_id for i in kept for f in groups[i] if f.status == "active"]
     if reflection is not None:
-        section("## Latest reflection", [block_text(reflection.text)])
-    section("## From earlier conversations", [
+        section("## Latest reflection", [[block_text(reflection.text)]])
+    section("## From earlier conversations", [[
         f"- {relative_time(e.end_at, now)}, turns {e.first_seq}-{e.last_seq}: "
-        f"{one_line(e.title)}: {_cut(e.summary)}" for e in episodes])
+        f"{one_line(e.title)}: {_cut(e.summary)}"] for e in episodes])
     count_use(parts, user_id, shown)  # shown in a prompt: their decay restarts
     return "\n".join(out) + ("\n" if out else "")
 

@@ -3,7 +3,7 @@ for a new session (seed 004's injection, in seed 002's shape)."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
@@ -110,12 +110,12 @@ async def test_a_prompt_says_what_is_true_now_and_what_is_due_later(store_path) 
         raw = await mem.retrieve_memory_raw("maya", "my location")
         clock.now = T0 + timedelta(days=41)
         later = await mem.context_for_prompt("maya", "s9")
-    assert ("- location: Lisbon (until 2026-04-10)\n"
-            "- location: Porto (from 2026-04-10)\n") in context
-    assert "- trip: Japan (from 2026-04-20)" in context
+    assert ("- location: Lisbon (until 2026-04-10 09:00 UTC)\n"
+            "- location: Porto (from 2026-04-10 09:00 UTC)\n") in context
+    assert "- trip: Japan (from 2026-04-20 09:00 UTC)" in context
     assert "- drink: tea\n" in context
-    assert ("] location: Lisbon (until 2026-04-10) (sources: 0 conversations)\n"
-            "- [identity] location: Porto (from 2026-04-10) (sources:") in briefing
+    assert ("] location: Lisbon (until 2026-04-10 09:00 UTC) (sources: 0 conversations)\n"
+            "- [identity] location: Porto (from 2026-04-10 09:00 UTC) (sources:") in briefing
     lisbon, porto = sorted((f for f in raw.semantic if f.fact.startswith("location")),
                            key=lambda f: f.valid_at)
     assert (lisbon.fact, lisbon.invalid_at) == ("location: Lisbon", T0 + timedelta(days=40))
@@ -142,9 +142,48 @@ async def test_each_version_to_come_is_shown_in_turn_and_filtered_alone(store_pa
         context = await mem.context_for_prompt("maya", "s9")
         one = await mem.retrieve_memory_raw("maya", "location", semantic_limit=1)
         important = await mem.retrieve_memory_raw("maya", "location", min_importance=0.6)
-    assert ("- location: Lisbon (until 2026-03-21)\n"
-            "- location: Porto (from 2026-03-21 until 2026-04-10)\n"
-            "- location: Faro (from 2026-04-10)\n") in context
+    assert ("- location: Lisbon (until 2026-03-21 09:00 UTC)\n"
+            "- location: Porto (from 2026-03-21 09:00 UTC until 2026-04-10 09:00 UTC)\n"
+            "- location: Faro (from 2026-04-10 09:00 UTC)\n") in context
     assert [f.fact for f in one.semantic] == [
         "location: Lisbon", "location: Porto", "location: Faro"]
-    assert [f.fact for f in important.semantic] == ["name: Maya", "location: Lisbon"]
+    assert [f.fact for f in important.semantic] == ["location: Lisbon", "name: Maya"]
+
+
+async def test_a_held_value_goes_with_what_ended_it_not_with_what_shares_its_date(
+        store_path) -> None:
+    """"No longer likes jazz" from day 40 (another key) holds "likes jazz" until then; a job
+    due the same day has nothing to do with Lisbon, whose move was forgotten; and a new plan
+    after the forgotten one ends Lisbon where it starts, not on the forgotten date."""
+    clock = ManualClock()
+    day = lambda n: T0 + timedelta(days=n)  # noqa: E731
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.remember_fact("maya", "identity", "location", "Lisbon", valid_at=T0)
+        await mem.remember_fact("maya", "preference", "jazz", "yes", text="likes jazz music")
+        clock.now = day(10)
+        await mem.remember_fact("maya", "identity", "location", "Porto", valid_at=day(40))
+        await mem.remember_fact("maya", "preference", "jazz_from_may", "no",
+                                text="no longer likes jazz music", valid_at=day(40))
+        await mem.remember_fact("maya", "work", "job", "doctor", valid_at=day(40))
+        clock.now = day(12)
+        await mem.forget_fact("maya", "identity", "location")
+        clock.now = day(15)
+        forgotten = await mem.context_for_prompt("maya", "s9")
+        await mem.remember_fact("maya", "identity", "location", "Faro", valid_at=day(60))
+        planned = await mem.context_for_prompt("maya", "s9")
+    assert ("- likes jazz music (until 2026-04-10 09:00 UTC)\n"
+            "- no longer likes jazz music (from 2026-04-10 09:00 UTC)\n") in forgotten
+    assert "Lisbon" not in forgotten and "- job: doctor (from" in forgotten
+    assert ("- location: Lisbon (until 2026-04-30 09:00 UTC)\n"
+            "- location: Faro (from 2026-04-30 09:00 UTC)\n") in planned
+
+
+def test_a_time_in_a_prompt_is_a_date_at_midnight_utc_else_names_its_hour_and_zone() -> None:
+    from zoneinfo import ZoneInfo
+
+    from engine._briefing import moment
+
+    assert moment(datetime(2026, 4, 10, tzinfo=timezone.utc)) == "2026-04-10"
+    assert moment(datetime(2026, 4, 10, 15, 30, tzinfo=timezone.utc)) == "2026-04-10 15:30 UTC"
+    lisbon = datetime(2026, 4, 10, tzinfo=ZoneInfo("Europe/Lisbon"))
+    assert moment(lisbon) == "2026-04-10 00:00 +01:00"
