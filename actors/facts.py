@@ -539,7 +539,11 @@ class Facts:
         op = msgspec.structs.replace(op, committed=committed)
         self._store.submit(op)
         self._decided_at(user_id, op.lsn)
-        await self._store.wait_committed(op.lsn)
+        # Queued, the decision lands whether or not its caller stays for it; the caller's
+        # cached facts must learn of it (a caller cancelled here left the old value cached
+        # beside the new one stored: two active versions of one key, for good).
+        with trio.CancelScope(shield=True):
+            await self._store.wait_committed(op.lsn)
         return applied[0]
 
     # -- the extraction follower ---------------------------------------------------------------

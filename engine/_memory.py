@@ -230,13 +230,14 @@ class Memory:
                 parts.ann.removed(user_id, [result[2]], False)
 
         store.submit(PutNote(lsn, note, 1 if replace else -1, committed, keep))
-        try:
-            await store.wait_committed(lsn)
-        finally:
-            # Committed, the caller cancelled meanwhile or not: its file follows (the mirror
-            # orders the files of concurrent calls by lsn).
-            if parts.notes_md is not None and outcome and outcome[0][0] is not None:
-                with trio.CancelScope(shield=True):
+        # Queued, the note lands whether or not its caller stays for it: the wait is shielded,
+        # so its file follows (the mirror orders the files of concurrent calls by lsn) and the
+        # next call's duplicate check, under the lock this one holds, finds it.
+        with trio.CancelScope(shield=True):
+            try:
+                await store.wait_committed(lsn)
+            finally:
+                if parts.notes_md is not None and outcome and outcome[0][0] is not None:
                     await parts.notes_md.write(outcome[0][0])
         stored, refused, _ = outcome[0]
         if refused == "exists":

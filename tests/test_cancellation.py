@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import trio
 
 from engine import NewTurn
 
 from .conftest import open_engine, raw_databases
+from .test_concurrency_hostile import _gate_writer
 
 
 async def test_recall_cancelled_midway_leaves_engine_usable(store_path) -> None:
@@ -56,3 +59,56 @@ async def test_add_turns_cancelled_midway_keeps_a_gapless_log(store_path) -> Non
     assert [t.text for t in history[:-1]] == [f"t{i}" for i in range(len(history) - 1)]
     log_keys = [int.from_bytes(k, "big") for k, _ in raw_databases(store_path)["log"]]
     assert log_keys == list(range(1, len(history) + 1))
+
+
+async def _cancelled_while_written(mem, call) -> None:
+    """Run ``call`` and cancel it while its write waits in the store's writer (held there),
+    then let the write land."""
+    gate = _gate_writer(mem)
+    gate.clear()
+    try:
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call)
+                await trio.testing.wait_all_tasks_blocked()
+                scope.cancel()
+                gate.set()
+    finally:
+        gate.set()
+    await mem.flush()
+
+
+async def test_a_fact_write_cancelled_after_it_was_queued_leaves_one_value(store_path) -> None:
+    """remember_fact cancelled while its write waited to commit: the write landed, and the
+    next value for the key supersedes it (before, the cache never learned of it, so two
+    versions stayed active for good and forget_fact retracted only one); a cancelled
+    forget_fact leaves the fact out of the profile at once, as the store holds it."""
+    async with open_engine(store_path) as mem:
+        await mem.remember_fact("ana", "identity", "location", "Faro")
+        await _cancelled_while_written(
+            mem, partial(mem.remember_fact, "ana", "identity", "location", "Porto"))
+        await mem.remember_fact("ana", "identity", "location", "Lisbon")
+        active = [f.value for f in await mem.fact_versions("ana") if f.status == "active"]
+        assert active == ["Lisbon"]
+        assert [f.value for f in await mem.profile("ana")] == ["Lisbon"]
+        await _cancelled_while_written(
+            mem, partial(mem.forget_fact, "ana", "identity", "location"))
+        assert await mem.profile("ana") == []
+    async with open_engine(store_path) as mem:
+        assert await mem.profile("ana") == []
+        history = await mem.fact_history("ana", "identity", "location")
+        assert [(f.value, f.status) for f in history] == [
+            ("Faro", "superseded"), ("Porto", "superseded"), ("Lisbon", "retracted")]
+
+
+async def test_a_note_cancelled_after_it_was_queued_has_its_file_and_is_not_stored_twice(
+        store_path, tmp_path) -> None:
+    """store_note cancelled while its write waited to commit: the note landed, so its
+    Markdown file is written and the same note stored again is that note, not a second."""
+    root = tmp_path / "notes"
+    async with open_engine(store_path, config={"notes_markdown_dir": str(root)}) as mem:
+        await _cancelled_while_written(mem, partial(mem.store_note, "ana", "walks at seven"))
+        again = await mem.store_note("ana", "walks at seven")
+        notes = await mem.list_notes("ana")
+    assert [n.note_id for n in notes] == [again.note_id]
+    assert [p.name for p in (root / "ana").iterdir()] == [f"{again.note_id}.md"]
