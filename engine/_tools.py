@@ -271,6 +271,9 @@ async def call_tool(engine: ToolHost, name: str, arguments: Mapping[str, Any] | 
             arguments = msgspec.json.decode(arguments)
         except msgspec.DecodeError as exc:
             raise InvalidInput("arguments", f"expected a JSON object, found {exc}") from None
+        except RecursionError:  # the decoder recurses into each level of nesting
+            raise InvalidInput("arguments", "expected a JSON object, found one nested deeper "
+                                            "than the decoder descends") from None
     if not isinstance(arguments, Mapping):
         raise InvalidInput("arguments", f"expected an object, found {type(arguments).__name__}")
     args = dict(arguments)

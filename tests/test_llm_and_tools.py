@@ -246,3 +246,10 @@ async def test_a_tool_argument_nested_thousands_deep_is_refused(mem) -> None:
     with pytest.raises(InvalidInput) as info:
         await mem.call_tool("search_memory", {"user_id": "ana", "query": "x", "where": nested})
     assert info.value.field == "arguments.where" and len(str(info.value)) < 300
+    # The same given as JSON text: the decoder's own recursion limit, as the engine's error.
+    for text in ("[" * 5_000 + "]" * 5_000,
+                 '{"user_id": "ana", "query": "x", "where": ' + '{"a": ' * 5_000 + "1"
+                 + "}" * 5_000 + "}"):
+        with pytest.raises(InvalidInput) as info:
+            await mem.call_tool("search_memory", text)
+        assert info.value.field == "arguments" and "nested" in str(info.value)
