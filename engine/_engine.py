@@ -44,7 +44,7 @@ from actors.base.records import (
     SummaryState,
     Turn,
 )
-from actors.base.validate import check_flag
+from actors.base.validate import check_at, check_flag
 from actors.embedder import EmbeddingBackend
 from actors.extraction import Extractor
 from actors.session_buffer import Receipt
@@ -108,6 +108,7 @@ def _checked_clock(clock: Any) -> Clock:
                                     f"{type(now).__name__} (a subclass: pendulum's, pandas'); "
                                     "wrap it: lambda: datetime.fromtimestamp(clock().timestamp(), "
                                     "timezone.utc)")
+    check_at(now, "clock")  # a time the text index can hold, as every stored time must be
     return clock
 
 

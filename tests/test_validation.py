@@ -95,6 +95,13 @@ async def test_a_clock_without_a_timezone_is_refused_at_open(tmp_path) -> None:
     with pytest.raises(InvalidInput, match=r"clock: expected .*datetime itself, found Stamp"):
         async with Engine.open(path, clock=lambda: Stamp.now(timezone.utc)):
             pass
+    # A time the text index cannot hold: remember_fact stamped a fact with it, which the index
+    # then refused (a failure kept for good) and recall(focus=) broke on.
+    for year in (1, 9999):
+        with pytest.raises(InvalidInput, match=r"clock: expected a date from 1700-01-01"):
+            async with Engine.open(path, clock=lambda: datetime(year, 6, 1,
+                                                                tzinfo=timezone.utc)):
+                pass
     assert not path.exists()
 
 
