@@ -711,6 +711,14 @@ def _check(parsed: UserRecords, parts: Parts) -> None:
         v.check_id("source.session_id", episode.session_id, limit)
         _check_positive("stability", episode.stability)
         _check_positive("difficulty", episode.difficulty)
+        check_fraction("source.surprise", episode.surprise)
+        if not episode.turn_ids or episode.first_seq > episode.last_seq:
+            raise _bad(f"episode {episode.episode_id}", "expected the turns it covers, first to "
+                                                        f"last, found {len(episode.turn_ids)} "
+                                                        f"turn ids, seqs {episode.first_seq} to "
+                                                        f"{episode.last_seq}")
+        for i, turn_id in enumerate(episode.turn_ids):
+            v.check_id(f"source.turn_ids[{i}]", turn_id, limit)
     active: set[tuple[str, str]] = set()
     for fact in parsed.facts:
         new_id("fact_id", fact.fact_id)
@@ -721,6 +729,12 @@ def _check(parsed: UserRecords, parts: Parts) -> None:
             v.check_text(f"source.{field}", getattr(fact, field), config.max_text_chars)
         for field in ("confidence", "importance"):
             check_fraction(f"source.{field}", getattr(fact, field))
+        for field in ("session_id", "origin"):
+            if getattr(fact, field):
+                v.check_id(f"source.{field}", getattr(fact, field), limit)
+        for field in ("source_turn_ids", "source_episode_ids"):
+            for i, memory_id in enumerate(getattr(fact, field)):
+                v.check_id(f"source.{field}[{i}]", memory_id, limit)
         if fact.status not in FACT_STATUSES:
             raise InvalidInput("source.status", f"expected one of {', '.join(FACT_STATUSES)}, "
                                                 f"found {fact.status!r} in fact {fact.fact_id}")
@@ -756,6 +770,10 @@ def _check(parsed: UserRecords, parts: Parts) -> None:
     for entity in parsed.entities:
         _check_record(entity)
         v.check_text("source.name", entity.name, config.max_text_chars)
+        for i, name in enumerate((entity.name, *entity.aliases)):
+            if "\x00" in name:  # a registry key's separator, as in every id
+                raise InvalidInput("source.name" if i == 0 else f"source.aliases[{i - 1}]",
+                                   f"expected a name with no NUL, found {name!r}"[:200])
         if entity.type == "alias" and len(entity.aliases) != 1:
             # An alias names the entity it stands for: entity_info and every later mention
             # of it read that one key.
@@ -1284,11 +1302,14 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
             counts["entities"] = counts.get("entities", 0) + 1
         present = {(l.from_id, l.to_id, l.type) for found_links in there.values()
                    for l in found_links}
+        # A link joins two of the export's memories (link() refuses any other, and a
+        # memory's links go when it is forgotten): one naming another id is skipped.
         new_links = [(user_id, Link(link.from_id, link.to_id, link.type, link.at),
                       lsn_map.get(by_id.get(link.from_id, -1))
                       or lsn_map.get(by_id.get(link.to_id, -1)) or anchor)
                      for link in parsed.links
-                     if (link.from_id, link.to_id, link.type) not in present]
+                     if (link.from_id, link.to_id, link.type) not in present
+                     and link.from_id in by_id and link.to_id in by_id]
         if new_links:
             counts["links"] = len(new_links)
             links.extend(new_links)

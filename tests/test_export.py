@@ -242,6 +242,29 @@ async def test_bad_sources_are_refused_and_nothing_is_written(tmp_path) -> None:
             with pytest.raises(InvalidInput, match=message) as e:
                 await mem.import_user(data, as_user="new")
             assert e.value.field == field
+
+        def edited(kind: str, **fields: object) -> bytes:
+            lines = list(good)
+            i = next(i for i, line in enumerate(good) if json.loads(line)["record"] == kind)
+            lines[i] = json.dumps(json.loads(good[i]) | fields).encode()
+            return b"\n".join(lines)
+
+        # Every other record's ids and ranges, as the calls that write one hold theirs.
+        bad_records = [
+            (edited("fact", session_id="s\u0000"), "source.session_id", "no NUL"),
+            (edited("fact", origin="o" * 300), "source.origin", "at most"),
+            (edited("fact", source_turn_ids=["t\u0000"]), "source.source_turn_ids[0]",
+             "no NUL"),
+            (edited("episode", surprise=-1), "source.surprise", "from 0 to 1"),
+            (edited("episode", turn_ids=[], first_seq=0, last_seq=0), "source",
+             "expected the turns it covers"),
+            (edited("episode", turn_ids=["t\u0000"]), "source.turn_ids[0]", "no NUL"),
+            (edited("entity", name="\u0000"), "source.name", "no NUL"),
+        ]
+        for data, field, message in bad_records:
+            with pytest.raises(InvalidInput, match=message) as e:
+                await mem.import_user(data, as_user="new")
+            assert e.value.field == field
         with pytest.raises(InvalidInput, match="session s1: expected its 1 turns here"):
             await mem.import_user(b"\n".join(good), as_user="ana")
         with pytest.raises(InvalidInput, match="expected an export file, found nothing"):
@@ -585,3 +608,21 @@ async def test_an_entity_imported_with_a_decomposed_name_is_found_however_it_is_
             info = await mem.entity_info("maya", name)
             assert info is not None and info.memories, name
             assert unicodedata.is_normalized("NFC", info.entity.name), name
+
+
+async def test_a_link_to_a_memory_the_export_does_not_hold_is_not_imported(tmp_path) -> None:
+    """link() joins two of the user's memories only; an export edited to link one of its
+    memories to an id it does not hold imports without that link (and the rest whole)."""
+    clock = FixedClock()
+    async with open_engine(tmp_path / "a", clock=clock, config=CONFIG) as mem:
+        await _fill(mem, clock)
+        buffer = io.BytesIO()
+        await mem.export_user("maya", buffer)
+        lines = [json.loads(line) for line in buffer.getvalue().splitlines()]
+        links = [line for line in lines if line["record"] == "link"]
+        links[0]["to_id"] = "t_not_here"
+        data = "\n".join(json.dumps(line) for line in lines).encode()
+        counts = await mem.import_user(data, as_user="maya2")
+        assert counts["links"] == len(links) - 1 and counts["turns"] > 0
+        assert "t_not_here" not in {l.to_id for l in await mem.links("maya2",
+                                                                     links[0]["from_id"])}
