@@ -58,6 +58,7 @@ from .store import (
     read_fact_versions,
     read_facts,
     read_links,
+    read_memories_by_id,
 )
 
 __all__ = ["Facts", "effective_confidence", "known_at", "spelling", "DECAY_RATES",
@@ -254,10 +255,12 @@ class Facts:
         both would be in force between the two dates. What the store knew before now stays
         what an ``as_of`` before now answers (:func:`known_at`): a capped version's
         ``expired_at`` moves to the end of the window it was held in, up to now, never past
-        it. A retracted version was not held true by ``current`` and is left alone."""
+        it. A retracted version was not held true by ``current`` and is left alone. So are
+        the versions ``current`` superseded under other keys ("likes jazz", ended by "no
+        longer likes jazz" from day 40, a plan now moved to day 20)."""
         wanted = spelling(current.category, current.key)
         await self._store.wait_logged()  # the versions decisions before this one queued
-        versions = await self._store.read(read_fact_versions, current.user_id,
+        versions = await self._store.read(_read_replanned, current.user_id, current.fact_id,
                                           lambda c, k: spelling(c, k) == wanted)
         capped = []
         for f in versions:
@@ -376,6 +379,10 @@ class Facts:
                                                 expired_at=now) for r in rivals) + replanned
         links = tuple(Link(fact.fact_id, s, "derived_from", now) for s in sources)
         links += tuple(Link(fact.fact_id, r.fact_id, "supersedes", now) for r in rivals)
+        # A version of another key that current had ended from a later date is ended by
+        # this one from its own date now: the prompts pair it with this one (_with_held).
+        links += tuple(Link(fact.fact_id, r.fact_id, "supersedes", now) for r in replanned
+                       if spelling(r.category, r.key) != spelling(fact.category, fact.key))
         op = PutFact(lsn, user_id, fact, retired, links, requires=requires)
         if not wait:
             self._queue(user_id, op)
@@ -602,6 +609,17 @@ def _same_value(a: str, b: str) -> bool:
     """Case and spacing aside (lower(), not casefold(): 'Straße' is not 'Strasse'), and
     Unicode's composed or decomposed forms."""
     return " ".join(composed(a).lower().split()) == " ".join(composed(b).lower().split())
+
+
+def _read_replanned(txn: Any, dbs: dict[bytes, Any], user_id: str, fact_id: str,
+                    same: Callable[[str, str], bool]) -> list[Fact]:
+    """The user's versions of the key ``same`` admits, then the facts of other keys that
+    ``fact_id`` superseded (its ``supersedes`` links): one read."""
+    versions = read_fact_versions(txn, dbs, user_id, same)
+    ended = [link.to_id for link in read_links(txn, dbs, user_id, [fact_id])[fact_id]
+             if link.type == "supersedes" and link.from_id == fact_id]
+    others = read_memories_by_id(txn, dbs, user_id, ended).values()
+    return versions + [f for f in others if type(f) is Fact and not same(f.category, f.key)]
 
 
 def _read_versions_and_rivals(txn: Any, dbs: dict[bytes, Any], user_id: str,

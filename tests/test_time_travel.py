@@ -160,6 +160,32 @@ async def test_a_plan_changed_after_its_day_or_past_other_versions_keeps_every_p
             assert await _places(mem, *views) == list(views.values()), case
 
 
+async def test_a_contradiction_moved_earlier_ends_what_it_contradicted_then(
+        store_path) -> None:
+    """"No longer likes jazz" from day 40 (a key of its own) holds "likes jazz" until then;
+    corrected on day 12 to day 20, it ends "likes jazz" on day 20 too, or both were true from
+    day 20 to 40. What the store knew before day 12 stays."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.remember_fact("maya", "preference", "jazz", "yes", text="likes jazz",
+                                valid_at=_day(0))
+        clock.now = _day(10)
+        await mem.remember_fact("maya", "preference", "jazz_later", "no",
+                                text="no longer likes jazz", valid_at=_day(40))
+        clock.now = _day(12)
+        await mem.correct_fact("maya", "preference", "jazz_later", "no",
+                               text="no longer likes jazz", valid_at=_day(20))
+        clock.now = _day(15)
+        context = await mem.context_for_prompt("maya", "s9")
+        clock.now = _day(30)
+        views = [sorted(f.text for f in await mem.profile("maya", as_of=_day(n)))
+                 for n in (11, 15, 25, 45)]
+    assert views == [["likes jazz"], ["likes jazz"], ["no longer likes jazz"],
+                     ["no longer likes jazz"]]
+    assert ("- likes jazz (until 2026-03-21 09:00 UTC)\n"
+            "- no longer likes jazz (from 2026-03-21 09:00 UTC)\n") in context
+
+
 async def test_recall_as_of_answers_as_the_store_knew_it_then(store_path) -> None:
     """recall(as_of=) sees, on both of a fact's time axes, the version held as true then (a
     retired one included), no fact not yet in force, and no turn, note, episode or link made
