@@ -91,6 +91,9 @@ LEGS = ("vector", "bm25", "entity", "window")  # the search legs; recall(legs=) 
 _LEG_ORDER = {leg: i for i, leg in enumerate(LEGS)}  # the order fusion sums them in
 MIN_COSINE = 0.2  # a candidate only the vector leg found needs this similarity to the query
 NEIGHBOUR_LIFT = (0.3, 0.1)  # share of a turn's fused score given to turns 1 and 2 seqs away
+# (seqs away, share): the turn before, then the one after, nearest first.
+_NEIGHBOURS = tuple((side * distance, share) for distance, share in enumerate(NEIGHBOUR_LIFT, 1)
+                    for side in (-1, 1))
 # A neighbour takes that lift only if it has some relevance of its own: a leg found it, or its
 # similarity to the query reaches the relevance floor. An answer sits next to its question,
 # but so do fillers ("Noted.", "Nice!") that say nothing about anything.
@@ -404,7 +407,7 @@ class Retriever:
         # The turns an episode or a fact ranked above them stands for: their slots go to
         # memories that add something.
         represented: set[str] = set()
-        for score, memory in scored:
+        for score, _, memory in scored:
             if (not _matches(memory, session_id, since, until, roles, kinds, tags, where)
                     or (as_of is not None and not known_then(memory, as_of))):
                 continue  # deleted since it was indexed, or not quite what the filter asked
@@ -479,14 +482,16 @@ class Retriever:
               states: dict[str, Any], cosine: dict[int, float], vector: Any,
               kinds: tuple[str, ...] | None, primary: dict[int, float],
               matched: dict[int, int] | None = None, query: str = ""
-              ) -> tuple[list[tuple[float, Any]], Callable[[int], tuple[Explain, tuple[str, ...]]]]:
+              ) -> tuple[list[tuple[float, int, Any]],
+                         Callable[[int], tuple[Explain, tuple[str, ...]]]]:
         """Candidates with lifted scores, best first: each of ``lifting`` that is a turn lifts
         its neighbours, each that is an episode its best covered turn by what the episode
         matches beyond that turn (see EPISODE_LIFT; an episode drops out
         unless ``kinds`` names episodes or its turns are gone), and the turns of the one
         speaker ``query`` names take SPEAKER_LIFT (:func:`asked_speaker`). ``primary``: the
-        fused scores from the turns' lists alone (see ``recall``). Returns [(score, memory)]
-        and what explains a memory's score and says what found it (made only for the hits)."""
+        fused scores from the turns' lists alone (see ``recall``). Returns [(score, lsn,
+        memory)] and what explains a memory's score and says what found it (made only for the
+        hits)."""
         base = {lsn: fused[lsn][0] for lsn in memories}
         # Where a turn no leg found starts: below every candidate of the turns' lists (the
         # other kinds' lists leave it where turns-only has it), and never above a leg's
@@ -523,7 +528,6 @@ class Retriever:
             relevant = {place: turn for place, turn in around.items()
                         if turn.lsn in fused or near.get(turn.lsn, NEIGHBOUR_MIN_COSINE)
                         >= NEIGHBOUR_MIN_COSINE}
-        steps = [(distance, share) for distance, share in enumerate(NEIGHBOUR_LIFT, 1)]
 
         now = self.clock()
         fsrs: dict[int, float] = {}
@@ -534,17 +538,20 @@ class Retriever:
                 if not relevant:
                     continue
                 score = base[lsn]
-                session, seq, source = memory.session_id, memory.seq, memory.turn_id
-                for distance, share in steps:
-                    amount = share * score
-                    for other in (relevant.get((session, seq - distance)),
-                                  relevant.get((session, seq + distance))):
-                        if other is not None:  # give(), inline: the most frequent call here
-                            near_lsn = other.lsn
-                            if near_lsn not in memories:
-                                extra[near_lsn] = other
-                            lift[near_lsn] = lift.get(near_lsn, 0.0) + amount
-                            lifted_by.setdefault(near_lsn, []).append((source, "neighbour"))
+                session, seq = memory.session_id, memory.seq
+                by = (memory.turn_id, "neighbour")
+                for offset, share in _NEIGHBOURS:
+                    other = relevant.get((session, seq + offset))
+                    if other is not None:  # give(), inline: the most frequent call here
+                        near_lsn = other.lsn
+                        if near_lsn not in memories:
+                            extra[near_lsn] = other
+                        lift[near_lsn] = lift.get(near_lsn, 0.0) + share * score
+                        sources = lifted_by.get(near_lsn)
+                        if sources is None:
+                            lifted_by[near_lsn] = [by]
+                        else:
+                            sources.append(by)
             elif kind is Episode:
                 state = states.get(memory.episode_id) or memory_review_state(memory)
                 r = fsrs[lsn] = retrievability(state.stability, state.last_review, now)
@@ -559,22 +566,33 @@ class Retriever:
                         beyond = score - base.get(turn.lsn, floor)
                         if beyond > 0:
                             give(turn, EPISODE_LIFT * r * beyond, memory.episode_id, "episode")
-        candidates = (*memories.items(), *extra.items())
-        speakers = {lsn: speaker_of(m) for lsn, m in candidates if type(m) is Turn}
+        # ``extra`` holds turns only: the neighbours and episodes' turns lifted.
+        speakers = {lsn: speaker_of(m) for lsn, m in memories.items() if type(m) is Turn}
+        speakers.update((lsn, speaker_of(m)) for lsn, m in extra.items())
         asked = asked_speaker(query, speakers.values())
         bonus = {lsn for lsn, who in speakers.items() if who == asked} if asked else set()
         out = []
         exp = math.exp
-        for lsn, memory in candidates:
+        # logistic(total), inline (its clamp too, without the min and max calls): this runs
+        # for every candidate of every recall. (score, lsn, memory) sorted in reverse: best
+        # first, equal scores newest first; lsns are unique, so no memory is ever compared.
+        for lsn, memory in memories.items():
             if type(memory) is Episode and lsn not in standing:
                 continue
-            total = base.get(lsn, floor) + lift.get(lsn, 0.0)
+            total = base[lsn] + lift.get(lsn, 0.0)
             if lsn in bonus:
                 total += SPEAKER_LIFT
-            # logistic(total), inline: this runs for every candidate of every recall.
-            score = 1.0 / (1.0 + exp(-max(-50.0, min(50.0, total))))
-            out.append((score * fsrs.get(lsn, 1.0), -lsn, memory))
-        out.sort(key=_best_first)
+            total = total if total < 50.0 else 50.0
+            total = total if total > -50.0 else -50.0
+            out.append((1.0 / (1.0 + exp(-total)) * fsrs.get(lsn, 1.0), lsn, memory))
+        for lsn, memory in extra.items():  # no fused score of their own, no FSRS factor
+            total = floor + lift[lsn]
+            if lsn in bonus:
+                total += SPEAKER_LIFT
+            total = total if total < 50.0 else 50.0
+            total = total if total > -50.0 else -50.0
+            out.append((1.0 / (1.0 + exp(-total)), lsn, memory))
+        out.sort(reverse=True)
 
         def explain_of(lsn: int) -> tuple[Explain, tuple[str, ...]]:
             ranks = fused[lsn][1] if lsn in memories else {}
@@ -589,7 +607,7 @@ class Retriever:
             # What found it: its legs; a turn no leg found, what lifted it.
             return explain, tuple(ranks) or tuple(sorted({w for _, w in sources}))
 
-        return [(score, memory) for score, _, memory in out], explain_of
+        return out, explain_of
 
     async def _entity_leg(self, user_id: str, query: str) -> list[tuple[int, float]]:
         """Memories naming the query's rare entities, scored by the entities' inverse document
@@ -771,11 +789,6 @@ def fuse(ranked: dict[str, list[tuple[int, float]]], population: int,
     return out
 
 
-def _best_first(item: tuple[float, int, Any]) -> tuple[float, int]:
-    """(score, -lsn, memory): higher scores first, then later memories."""
-    return -item[0], item[1]
-
-
 def logistic(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-max(-50.0, min(50.0, x))))
 
@@ -847,7 +860,13 @@ def speaker_of(turn: Turn) -> str | None:
             value = meta.get(key)
             if type(value) is str:
                 return _name_key(composed(value))
-    text = composed(turn.text[:SPEAKER_PREFIX])  # a name sent decomposed is the name
+    text = turn.text
+    # Most turns name no one. An ASCII text is its own composed form (and CPython keeps
+    # whether a string is ASCII as a flag: no scan), so no ": " among its first
+    # SPEAKER_PREFIX characters says so without copying and composing them.
+    if text.isascii() and text.find(": ", 0, SPEAKER_PREFIX) < 0:
+        return None
+    text = composed(text[:SPEAKER_PREFIX])  # a name sent decomposed is the name
     if text.find(": ", 0, SPEAKER_PREFIX) < 0:
         return None
     found = _SPEAKER.match(text, 0, SPEAKER_PREFIX)
