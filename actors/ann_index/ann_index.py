@@ -591,8 +591,11 @@ class AnnIndex:
                     rows.append(row)
             if rows:
                 scores = _dot(uv.matrix[rows], query)
+                # max(x, best), without the call: this runs for every neighbour of every
+                # recall's candidates.
                 for lsn, x in zip(owners, scores.tolist(), strict=True):
-                    out[lsn] = max(x, out.get(lsn, -1.0))
+                    best = out.get(lsn, -1.0)
+                    out[lsn] = best if best > x else x
         return out
 
     async def admitted(self, user_id: str, lsns: list[int], filters: Filters) -> set[int]:
