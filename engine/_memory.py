@@ -94,6 +94,7 @@ class Memory:
 
     async def confirm_fact(self, user_id: Any, category: Any, key: Any) -> Fact:
         self._check_fact_key(user_id, category, key)
+        self._parts.now()  # a decision is stamped with the clock: a time the index can hold
         fact = await self._parts.facts.confirm(user_id, category, key)
         if fact is None:
             raise NotFound("key", f"expected an active fact ({category!r}, {key!r}) of user "
@@ -102,6 +103,7 @@ class Memory:
 
     async def forget_fact(self, user_id: Any, category: Any, key: Any) -> bool:
         self._check_fact_key(user_id, category, key)
+        self._parts.now()
         return bool(await self._parts.facts.retire(user_id, [(category, key)], "retracted"))
 
     async def profile(self, user_id: Any, category: Any, min_importance: Any,
@@ -131,6 +133,7 @@ class Memory:
                    confidence: Any, importance: Any, keywords: Iterable[str]) -> Candidate:
         parts = self._parts
         self._check_fact_key(user_id, category, key)
+        parts.now()
         parts.check_text("value", value)
         if text is not None:
             parts.check_text("text", text)

@@ -75,12 +75,25 @@ async def test_fact_and_link_dates_are_checked(mem: Engine) -> None:
 
 
 async def test_an_engine_clock_outside_the_range_is_refused(store_path: Path) -> None:
-    """A clock that stamps turns outside the range fails the call that uses it, not the store."""
-    async with open_engine(store_path, clock=lambda: datetime(2500, 1, 1, tzinfo=UTC)) as mem:
-        with pytest.raises(InvalidInput, match=RANGE) as info:
-            await mem.add_turn("ana", "s1", "user", "hello")
-        assert info.value.field == "clock"
+    """A clock outside the range is refused at open; one that leaves it later fails the call
+    that uses it (a turn, a fact: the text index cannot hold either), not the store."""
+    with pytest.raises(InvalidInput, match=RANGE) as info:
+        async with open_engine(store_path, clock=lambda: datetime(2500, 1, 1, tzinfo=UTC)):
+            pass
+    assert info.value.field == "clock"
+    readings = iter([datetime(2026, 1, 1, tzinfo=UTC)])
+    async with open_engine(store_path,
+                           clock=lambda: next(readings, datetime(2500, 1, 1, tzinfo=UTC))
+                           ) as mem:
+        for call in (lambda: mem.add_turn("ana", "s1", "user", "hello"),
+                     lambda: mem.remember_fact("ana", "identity", "location", "Porto"),
+                     lambda: mem.correct_fact("ana", "identity", "location", "Faro"),
+                     lambda: mem.forget_fact("ana", "identity", "location")):
+            with pytest.raises(InvalidInput, match=RANGE) as info:
+                await call()
+            assert info.value.field == "clock"
         with pytest.raises(InvalidInput, match=RANGE) as info:
             mem.add_turn_nowait("ana", "s1", "user", "hello")
         assert info.value.field == "clock"
         assert await mem.session_history("ana", "s1") == []
+        assert await mem.fact_versions("ana") == []
