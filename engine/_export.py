@@ -20,7 +20,7 @@ import io
 import os
 import weakref
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from itertools import groupby, repeat
 from operator import attrgetter
 from datetime import datetime, timezone
@@ -66,7 +66,7 @@ from actors.store.layout import IDS_FACT
 
 from ._args import check_fraction, check_label
 from ._files import PATH_ERRNOS, refused, resolved, write_atomically
-from .errors import InvalidInput
+from .errors import EngineError, InvalidInput
 
 if TYPE_CHECKING:
     from ._parts import Parts
@@ -729,9 +729,8 @@ def _check(parsed: UserRecords, parts: Parts) -> None:
             v.check_text(f"source.{field}", getattr(fact, field), config.max_text_chars)
         for field in ("confidence", "importance"):
             check_fraction(f"source.{field}", getattr(fact, field))
-        for field in ("session_id", "origin"):
-            if getattr(fact, field):
-                v.check_id(f"source.{field}", getattr(fact, field), limit)
+        if fact.session_id:
+            v.check_id("source.session_id", fact.session_id, limit)
         for field in ("source_turn_ids", "source_episode_ids"):
             for i, memory_id in enumerate(getattr(fact, field)):
                 v.check_id(f"source.{field}[{i}]", memory_id, limit)
@@ -770,10 +769,6 @@ def _check(parsed: UserRecords, parts: Parts) -> None:
     for entity in parsed.entities:
         _check_record(entity)
         v.check_text("source.name", entity.name, config.max_text_chars)
-        for i, name in enumerate((entity.name, *entity.aliases)):
-            if "\x00" in name:  # a registry key's separator, as in every id
-                raise InvalidInput("source.name" if i == 0 else f"source.aliases[{i - 1}]",
-                                   f"expected a name with no NUL, found {name!r}"[:200])
         if entity.type == "alias" and len(entity.aliases) != 1:
             # An alias names the entity it stands for: entity_info and every later mention
             # of it read that one key.
@@ -1094,58 +1089,67 @@ async def _write(parts: Parts, imports: list[tuple[UserRecords, str]],
         owners.extend(repeat(user, len(mine)))
     imported = parts.imported
     last = 0
-    for start in range(0, len(todo), IMPORT_CHUNK):
-        chunk = todo[start:start + IMPORT_CHUNK]
-        whose = owners[start:start + IMPORT_CHUNK]
-        await store.reserve(len(chunk) + 1)
-        parts.check_open()
-        # A live turn may have reached a session of the import while it waited for room:
-        # checked before any of the block is queued, since the block's positions are marked
-        # imported (the long-term layer skips them) and a block cut short would leave the
-        # rest marked for the next live turns to take.
-        _check_seqs(parts, whose, chunk)
-        # From here to the end of the block nothing yields: its positions are contiguous.
-        first = store.next_lsn
-        last = first + len(chunk) - 1
-        # The range's mark commits with its records: kept without them (a store that failed
-        # between two commits), the next live turns after a restart would take its positions.
-        store.hold_together(len(chunk) + 1)
-        imported.add(first, last)
-        store.submit(PutState((Imported.marker(first, last),)))
-        at = 0
-        for kind, group in groupby(chunk, type):  # runs of one type
-            run = list(group)
-            run_owners = whose[at:at + len(run)]
-            at += len(run)
-            if kind is TurnLine:
-                for user, line, receipt in zip(run_owners, run,
-                                               _append_turns(parts, run_owners, run),
-                                               strict=True):
-                    user.lsn_map[line.lsn] = receipt.lsn
-            else:
-                for user, line in zip(run_owners, run):
-                    user.lsn_map[line.lsn] = store.next_lsn
-                    _submit(parts, user.user_id, line)
-            tag = kind.__struct_config__.tag + "s"
-            for user in run_owners:
-                user.written[tag] = user.written.get(tag, 0) + 1
-        # Vectors that came with the block's records, before the embedder can read them.
-        preset = [(user.lsn_map[line.lsn], vector) for user, line in zip(whose, chunk)
-                  if user.vectors is not None
-                  and (vector := user.vectors.get(line.lsn)) is not None]
-        if preset and parts.config.background_embedding:  # else no follower would take them
-            parts.embedder.preset(preset)
-    if last:
-        await store.wait_committed(last)
-    if parts.notes_md is not None:
-        for user, line in zip(owners, todo):
-            if isinstance(line, NoteLine):
-                await parts.notes_md.write(_note(line, user.lsn_map[line.lsn], user.user_id))
-    await _write_unlogged(parts, users)
-    for user in users:  # caches that read the user before the import: they read again
-        parts.facts.forget(user.user_id)
-        parts.compressor.forget(user.user_id, None)
-        parts.entities.forget(user.user_id)
+    try:
+        for start in range(0, len(todo), IMPORT_CHUNK):
+            chunk = todo[start:start + IMPORT_CHUNK]
+            whose = owners[start:start + IMPORT_CHUNK]
+            await store.reserve(len(chunk) + 1)
+            parts.check_open()
+            # A live turn may have reached a session of the import while it waited for room:
+            # checked before any of the block is queued, since the block's positions are marked
+            # imported (the long-term layer skips them) and a block cut short would leave the
+            # rest marked for the next live turns to take.
+            _check_seqs(parts, whose, chunk)
+            # From here to the end of the block nothing yields: its positions are contiguous.
+            first = store.next_lsn
+            last = first + len(chunk) - 1
+            # The range's mark commits with its records: kept without them (a store that failed
+            # between two commits), the next live turns after a restart would take its positions.
+            store.hold_together(len(chunk) + 1)
+            imported.add(first, last)
+            store.submit(PutState((Imported.marker(first, last),)))
+            at = 0
+            for kind, group in groupby(chunk, type):  # runs of one type
+                run = list(group)
+                run_owners = whose[at:at + len(run)]
+                at += len(run)
+                if kind is TurnLine:
+                    for user, line, receipt in zip(run_owners, run,
+                                                   _append_turns(parts, run_owners, run),
+                                                   strict=True):
+                        user.lsn_map[line.lsn] = receipt.lsn
+                else:
+                    for user, line in zip(run_owners, run):
+                        user.lsn_map[line.lsn] = store.next_lsn
+                        _submit(parts, user.user_id, line)
+                tag = kind.__struct_config__.tag + "s"
+                for user in run_owners:
+                    user.written[tag] = user.written.get(tag, 0) + 1
+            # Vectors that came with the block's records, before the embedder can read them.
+            preset = [(user.lsn_map[line.lsn], vector) for user, line in zip(whose, chunk)
+                      if user.vectors is not None
+                      and (vector := user.vectors.get(line.lsn)) is not None]
+            if preset and parts.config.background_embedding:  # else no follower would take them
+                parts.embedder.preset(preset)
+        if last:
+            await store.wait_committed(last)
+        if parts.notes_md is not None:
+            for user, line in zip(owners, todo):
+                if isinstance(line, NoteLine):
+                    await parts.notes_md.write(_note(line, user.lsn_map[line.lsn], user.user_id))
+        await _write_unlogged(parts, users)
+    finally:
+        # Queued records land whether or not the caller stays for them (a cancel, a failed
+        # write of the unlogged ones): the caches that read the user before the import learn
+        # of them once they have, and read the user again. Dropped before the commit, a read
+        # in between would cache the user without them again.
+        if last:
+            with trio.CancelScope(shield=True), suppress(EngineError):
+                await store.wait_committed(last)
+        for user in users:
+            parts.facts.forget(user.user_id)
+            parts.compressor.forget(user.user_id, None)
+            parts.entities.forget(user.user_id)
     return [{**user.written, "skipped": user.skipped} for user in users]
 
 
@@ -1300,6 +1304,7 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
             puts.append((b"entities", entity_key(user_id, key), _encode(record),
                          lsns[-1] if lsns else anchor))
             counts["entities"] = counts.get("entities", 0) + 1
+            known.add(key)  # another of the export's names composed the same: the first stays
         present = {(l.from_id, l.to_id, l.type) for found_links in there.values()
                    for l in found_links}
         # A link joins two of the export's memories (link() refuses any other, and a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from functools import partial
 
 import trio
@@ -66,10 +67,13 @@ async def _cancelled_while_written(mem, call) -> None:
     then let the write land."""
     gate = _gate_writer(mem)
     gate.clear()
+    queued = mem._store.next_lsn
     try:
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(call)
+                while mem._store.next_lsn == queued:  # until it has queued its write
+                    await trio.sleep(0.001)
                 await trio.testing.wait_all_tasks_blocked()
                 scope.cancel()
                 gate.set()
@@ -112,3 +116,22 @@ async def test_a_note_cancelled_after_it_was_queued_has_its_file_and_is_not_stor
         notes = await mem.list_notes("ana")
     assert [n.note_id for n in notes] == [again.note_id]
     assert [p.name for p in (root / "ana").iterdir()] == [f"{again.note_id}.md"]
+
+
+async def test_an_import_cancelled_while_its_records_commit_still_reaches_the_caches(
+        store_path, tmp_path) -> None:
+    """import_user cancelled while its records waited to commit: they landed, and the user's
+    cached facts, read before the import, learn of them (before, the imported active fact
+    stayed active beside the next value of its key, for good)."""
+    export = io.BytesIO()
+    async with open_engine(tmp_path / "a") as mem:
+        await mem.remember_fact("maya", "identity", "location", "Lisbon")
+        await mem.export_user("maya", export)
+    async with open_engine(store_path) as mem:
+        await mem.remember_fact("maya", "preference", "drink", "tea")
+        assert [f.value for f in await mem.profile("maya")] == ["tea"]  # cached
+        await _cancelled_while_written(mem, partial(mem.import_user, export.getvalue()))
+        assert {f.value for f in await mem.profile("maya")} == {"tea", "Lisbon"}
+        await mem.remember_fact("maya", "identity", "location", "Porto")
+        active = {f.value for f in await mem.fact_versions("maya") if f.status == "active"}
+    assert active == {"tea", "Porto"}
