@@ -147,6 +147,9 @@ def decode_entry(data: bytes) -> LogEntry:
     except msgspec.DecodeError as exc:
         raise InvalidInput("entry", f"expected a log entry (msgpack, tagged), found: {exc}"
                            ) from None
+    except RecursionError:  # the decoder recurses into each level of nesting
+        raise InvalidInput("entry", "expected a log entry (msgpack, tagged), found one nested "
+                                    "deeper than the decoder descends") from None
 
 
 def watermark_key(partition: int) -> bytes:

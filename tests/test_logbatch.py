@@ -126,6 +126,10 @@ def test_entries_round_trip_through_their_bytes() -> None:
         assert decode_entry(encode_entry(entry)) == entry
     with pytest.raises(InvalidInput, match="log entry"):
         decode_entry(b"\x93garbage")
+    # Nested past the decoder's depth (a hand-published entry): the same InvalidInput, which
+    # the applier counts and skips, where a RecursionError broke the node on it every restart.
+    with pytest.raises(InvalidInput, match="nested deeper"):
+        decode_entry(b"\x81\xa1a" * 5_000 + b"\xc0")
 
 
 async def test_turns_and_watermark_commit_in_one_transaction_even_past_the_batch_limit(

@@ -26,6 +26,9 @@ def _json_arg(text: str) -> dict[str, Any]:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"expected a JSON object, found {text!r}: {exc}")
+    except RecursionError:
+        raise argparse.ArgumentTypeError("expected a JSON object, found one nested deeper "
+                                         "than the parser descends") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, found {text!r}")
     return value

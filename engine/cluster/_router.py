@@ -88,8 +88,8 @@ class Router:
             body = await _read_body(receive)
             try:
                 user = msgspec.json.decode(body).get("user_id")
-            except (msgspec.DecodeError, AttributeError):
-                user = None
+            except (msgspec.DecodeError, AttributeError, RecursionError):
+                user = None  # the app answers it (422), as on a single node
         if not isinstance(user, str) or _is_log_write(method, path, user):
             await self.app(scope, _replay(body, receive) if body is not None else receive, send)
             return

@@ -3,6 +3,8 @@ lease from the real bucket instead of answering 503 NoOwner for up to a lease ti
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import httpx
 import msgspec
 import pytest
@@ -231,3 +233,30 @@ async def test_the_inspector_of_a_user_is_sent_to_the_owner(routed) -> None:
         answers.append((sent[0]["status"], dict(sent[0]["headers"]).get(b"location")))
     assert answers[0] == (307, f"http://c.test/ui/users/{USER}/memory?q=cats".encode())
     assert answers[1:] == [(200, None), (200, None)] and here == ["/ui/", "/ui/login"]
+
+
+async def test_a_body_nested_past_the_decoders_depth_goes_to_the_app() -> None:
+    """The router reads a POST body for its user_id; one nested deeper than the decoder
+    descends raised RecursionError out of the router (a 500) where a single node answers
+    422. It goes to the app, which answers it, as a body that is not JSON does."""
+    seen: list[bytes] = []
+
+    async def app(scope: dict, receive: Callable, send: Callable) -> None:
+        seen.append((await receive())["body"])
+        await send({"type": "http.response.start", "status": 422, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    body = b"[" * 5_000 + b"]" * 5_000
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    path = "/v1/retrieve_memory"
+    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "headers": [(b"host", b"a.test")]}
+    await Router(app, None)(scope, receive, send)
+    assert seen == [body] and sent[0]["status"] == 422
