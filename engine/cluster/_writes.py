@@ -459,7 +459,7 @@ def _logged_method(name: str) -> Callable[..., Awaitable[Any]]:
         # A time is checked before it is logged: msgpack carries a naive one as a string,
         # which every node would then refuse as a string instead of saying it has no zone.
         for field, value in call.items():
-            if isinstance(value, datetime):
+            if isinstance(value, datetime) or (field in _TIMES and value is not None):
                 call[field] = v.check_at(value, field)
         # What the owner would make up when it applies, made here once, so that every node
         # that replays the entry makes the same record.
@@ -474,6 +474,11 @@ def _logged_method(name: str) -> Callable[..., Awaitable[Any]]:
     method.__name__ = name
     method.__doc__ = f":meth:`Engine.{name}` through the log, applied by the owner."
     return method
+
+
+# The logged calls' time arguments: checked whatever they are (a date, a string), as the
+# engine checks them, before msgpack carries one as a string every node would refuse.
+_TIMES = frozenset({"valid_at", "at"})
 
 
 def _plain(value: Any) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import date, datetime
 from functools import partial
 from pathlib import Path
 
@@ -153,6 +153,9 @@ async def test_notes_facts_links_and_summaries_go_through_the_log_and_replay_the
                     with pytest.raises(InvalidInput, match="valid_at: expected a timezone-aware "
                                                            "datetime, found a naive"):
                         await call(valid_at=datetime(2026, 5, 1))
+                    with pytest.raises(InvalidInput, match="valid_at: expected a timezone-aware "
+                                                           "datetime, found date"):
+                        await call(valid_at=date(2026, 5, 1))
                 assert await log.last_seq() == logged
                 assert fact.value == "Miso"
                 told = await writer.call_tool("store_note", {"user_id": "ana",
