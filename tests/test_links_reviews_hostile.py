@@ -282,6 +282,28 @@ async def test_forgetting_one_end_of_a_link_takes_the_link(store_path) -> None:
     await _verified(store_path)
 
 
+async def test_a_later_mention_never_links_to_a_forgotten_memory(store_path) -> None:
+    """Maria's last mention was in a session since forgotten: her registry record no longer
+    names it, and the next turn naming her is not linked to it (a shares_entity link to the
+    forgotten id kept that id in the store)."""
+    def holds(memory_id: str) -> bool:
+        return memory_id.encode() in b"".join(
+            k + v for rows in raw_databases(store_path).values() for k, v in rows)
+
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        await mem.add_turn("ana", "s0", "user", "Maria lives in Lisbon.")
+        gone = await mem.add_turn("ana", "s1", "user", "I met Maria in Lisbon.")
+        await mem.flush()
+        await mem.forget_session("ana", "s1")
+    assert not holds(gone.turn_id)
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        new = await mem.add_turn("ana", "s2", "user", "Maria called me from Lisbon.")
+        await mem.flush()
+        assert await mem.links("ana", new.turn_id) == []
+    assert not holds(gone.turn_id)
+    await _verified(store_path)
+
+
 async def test_a_pending_review_naming_a_note_or_fact_rates_only_what_is_reviewable(
         store_path) -> None:
     """A pending review that names a note and a fact (a cluster's logged ``record_shown``

@@ -37,7 +37,7 @@ from .layout import (
     session_prefix,
     user_prefix,
 )
-from .reads import read_memories_by_id
+from .reads import holds_memory, read_memories_by_id
 
 
 class Appliers:
@@ -171,6 +171,11 @@ class Appliers:
                 txn.put(key, value, db=dbs[name])
         for user_id, link, guard in op.links:
             if guard and txn.get(lsn_key(guard), db=log) is None:
+                continue
+            # A derived link's other end may have been forgotten since it was found (an
+            # entity's last mention, in a session forgotten meanwhile): a link to it would
+            # keep a forgotten id in the store.
+            if not holds_memory(txn, dbs, user_id, link.to_id):
                 continue
             for link_key in link_keys(user_id, link):
                 txn.put(link_key, _encode(link), db=dbs[b"links"])

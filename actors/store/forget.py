@@ -35,7 +35,7 @@ from .layout import (
     user_prefix,
 )
 from .pages import PageFormatError, Scrubbed, zero_stale_bytes
-from .reads import _scan
+from .reads import _scan, holds_memory
 
 SCRUB_RETRY = 0.05  # seconds between looks while a reader's snapshot keeps freed pages in use
 
@@ -178,7 +178,12 @@ class Forgetting:
                         break
                     continue
                 if len(kept) != len(entity.lsns):
-                    cursor.put(cursor.key(), _encode(msgspec.structs.replace(entity, lsns=kept)))
+                    # Its last mention may be among the forgotten: the next one then links
+                    # to nothing rather than to a forgotten id.
+                    last = (entity.last_id if not entity.last_id
+                            or holds_memory(txn, dbs, op.user_id, entity.last_id) else "")
+                    cursor.put(cursor.key(), _encode(msgspec.structs.replace(
+                        entity, lsns=kept, last_id=last)))
                 if not cursor.next():
                     break
 

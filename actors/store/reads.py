@@ -200,6 +200,20 @@ def read_memories_by_id(
     return out
 
 
+def holds_memory(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str,
+                 memory_id: str) -> bool:
+    """Whether the user's turn, note, episode or fact (any version) ``memory_id`` is stored:
+    :func:`read_memories_by_id`'s lookups, without decoding the record."""
+    key = user_prefix(user_id) + memory_id.encode()
+    found = txn.get(key, db=dbs[b"ids"])
+    if found is not None:
+        tag = found[:2]
+        name = _IDS_TARGETS[tag][0] if tag in _IDS_TARGETS else b"turns"
+        if txn.get(found[2:] if tag in _IDS_TARGETS else found, db=dbs[name]) is not None:
+            return True
+    return txn.get(key, db=dbs[b"notes"]) is not None
+
+
 def holds_memories(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str) -> bool:
     """Whether the store holds any turn, note, episode or fact of the user (two seeks)."""
     uprefix = user_prefix(user_id)
