@@ -53,11 +53,14 @@ _pinned: ContextVar[_Pin | None] = ContextVar("engram_pinned_entry", default=Non
 
 
 def pinnable(clock: Clock) -> Clock:
-    """The engine's clock: ``clock``, or the time :func:`pinned` holds for this task."""
+    """The engine's clock: ``clock``, or the time :func:`pinned` holds for this task. A
+    reading is held to the range every stored time keeps (InvalidInput ``clock``): the actors
+    stamp records with it, and a clock that left the range after open must not reach the
+    store (what a follower then fails on is kept as a failure, and nothing is written)."""
 
     def now() -> datetime:
         pin = _pinned.get()
-        return clock() if pin is None or pin.at is None else pin.at
+        return v.check_at(clock(), "clock") if pin is None or pin.at is None else pin.at
 
     return now
 

@@ -97,3 +97,40 @@ async def test_an_engine_clock_outside_the_range_is_refused(store_path: Path) ->
         assert info.value.field == "clock"
         assert await mem.session_history("ana", "s1") == []
         assert await mem.fact_versions("ana") == []
+
+
+async def test_a_clock_that_leaves_the_range_stamps_nothing(store_path: Path,
+                                                             tmp_path: Path) -> None:
+    """Turns given their own times go on being taken in after the clock has left the range;
+    what the engine would stamp with the clock (an extracted fact, an episode, a review, a
+    summary, a pruned fact) is refused or kept as a failure, never stored with a time the
+    text index cannot hold, so the store's own export still imports."""
+    late = [False]
+
+    def clock() -> datetime:
+        return datetime(2500, 1, 1, tzinfo=UTC) if late[0] else datetime(2026, 1, 1,
+                                                                          tzinfo=UTC)
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    async with open_engine(store_path, clock=clock,
+                           config={"episode_after_turns": 4, "episode_keep_turns": 1}) as mem:
+        turn = await mem.add_turn("ana", "s1", "user", "I live in Lisbon.", at=at)
+        await mem.flush()
+        late[0] = True
+        for i in range(6):
+            await mem.add_turn("ana", "s1", "user", f"I moved to Porto, day {i}.",
+                               at=at + timedelta(minutes=i + 1))
+        await mem.flush()
+        for call in (lambda: mem.close_session("ana", "s1"),
+                     lambda: mem.review("ana", turn.turn_id, "good"),
+                     lambda: mem.write_session_summary("ana", "s1", "lives in Porto", 1, 0),
+                     mem.maintain):
+            try:
+                await call()
+            except InvalidInput as exc:
+                assert exc.field == "clock"
+        await mem.flush()
+        late[0] = False  # the clock back in range: what was stored is what the export holds
+        export = tmp_path / "ana.jsonl"
+        await mem.export_user("ana", export)
+    async with open_engine(tmp_path / "other") as mem:
+        await mem.import_user(export)
