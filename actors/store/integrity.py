@@ -40,6 +40,7 @@ from typing import Any
 
 from ..base.errors import StoreCorrupt
 from .layout import HEAD_KEY
+from .pages import in_use_fits
 
 __all__ = ["CheckedTxn", "seal", "seal_all", "unseal", "check_file", "content_digest", "link",
            "chain_records", "ABSENT", "DIGEST", "ZERO", "Head", "encode_head", "decode_head",
@@ -309,8 +310,9 @@ def _index_files(path: Path) -> list[Path]:
     return [file for folder, pattern in _INDEX_FILES for file in (path / folder).glob(pattern)]
 
 
-def check_file(path: Path) -> None:
-    """Refuse a ``data.mdb`` shorter than its own meta pages say, before LMDB maps it.
+def check_file(path: Path, extend: bool = False) -> None:
+    """Refuse a ``data.mdb`` shorter than its own meta pages say, before LMDB maps it, unless
+    every page in use lies inside it (``extend``: then lengthen it to what they say).
 
     LMDB keeps two meta pages and uses the one with the higher transaction id; its
     ``mm_last_pg`` is the last page the store uses, so the file needs ``(last + 1) * page``
@@ -371,6 +373,13 @@ def check_file(path: Path) -> None:
             f"the start, found {size} bytes without them); restore the store from a snapshot",
             "data.mdb")
     if size < needed:
+        if in_use_fits(data):
+            # Short only of free pages a commit took and gave back (pages.in_use_fits): what
+            # LMDB reads is all there. The owner gives the file its full length, so that a
+            # walk of every page (the scrub) finds them; a reader leaves it as it is.
+            if extend:
+                os.truncate(data, needed)
+            return
         raise StoreCorrupt(
             f"{data} is cut short: its meta page says the store uses {needed:,} bytes, the file "
             f"has {size:,}; the end of the store is lost (a copy that stopped early, or a full "

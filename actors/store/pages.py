@@ -46,6 +46,7 @@ P_INVALID = 2 ** 64 - 1  # the root of an empty tree
 CHUNK = 65_536  # pages one vectorised step of a walk parses (bounds its temporary arrays)
 DIRTY_ONE_BY_ONE = 1024  # fewer ranges than this are looked at one by one, not in one pass
 PAST_STEP = 1 << 20  # bytes past the last page looked at (and zeroed) at a time
+META_BYTES = 1 << 16  # read to hold both meta pages (pages 0 and 1) of any page size
 
 
 class PageFormatError(Exception):
@@ -255,6 +256,14 @@ def zero_stale_bytes(path: Path, txnid: int | None, oldest: int | None, *,
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
+        if txnid is not None:
+            # Inside the environment's write transaction: the committed trees' pages are all
+            # written, so pages past the end of the file are ones a commit took and gave back
+            # (in_use_fits): free, and zeros are what a free page may hold.
+            meta = read_meta(np.frombuffer(os.pread(fd, META_BYTES, 0), dtype=np.uint8))
+            if size < (meta.last_pgno + 1) * meta.psize:
+                size = (meta.last_pgno + 1) * meta.psize
+                os.ftruncate(fd, size)
         problem = None
         # Written through a shared mapping (the page cache LMDB's own map and writes share):
         # millions of scattered bytes (padding) cost a store each, not a system call each.
@@ -276,6 +285,39 @@ def zero_stale_bytes(path: Path, txnid: int | None, oldest: int | None, *,
         return Scrubbed(zeroed, free, kept)
     finally:
         os.close(fd)
+
+
+def in_use_fits(path: Path) -> bool:
+    """Whether every page the newest meta page's trees use lies inside ``path``'s length.
+
+    LMDB may end a commit with its last page numbers free: pages a transaction took and
+    gave back before it committed are never written, so the file can end before the meta
+    page's last page and still hold everything any tree reads (a later commit that takes
+    them writes them). A file cut short loses pages a tree reads; this tells the two apart
+    by walking the trees with plain reads (a mapped read past the end is SIGBUS)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as view:
+            buf = np.frombuffer(view, dtype=np.uint8)
+            fits = _trees_fit(buf)
+            del buf  # the map closes only once no array views it
+        return fits
+    finally:
+        os.close(fd)
+
+
+def _trees_fit(buf: np.ndarray) -> bool:
+    try:
+        meta = read_meta(buf)
+        inside = meta._replace(last_pgno=len(buf) // meta.psize - 1)
+        _walk(buf, inside, meta.free_root, keep_leaves=False)
+        main = _walk(buf, inside, meta.main_root, keep_leaves=True)
+        for root in _subdb_roots(buf, main):
+            _walk(buf, inside, root, keep_leaves=False)
+    except (PageFormatError, IndexError, ValueError):
+        return False
+    return True
 
 
 def _plan(buf: np.ndarray, txnid: int | None, oldest: int | None, live: bool,

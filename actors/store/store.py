@@ -227,7 +227,7 @@ class Store(Writer, Appliers, Forgetting):
         if self.path.exists() and not self.path.is_dir():
             raise InvalidInput("path", f"expected a store directory, found a file at {self.path}")
         self.path.mkdir(parents=True, exist_ok=True)
-        check_file(self.path)
+        check_file(self.path, extend=True)
         try:
             env = self._lmdb_open(self._config.initial_map_bytes)
         except lmdb.Error as exc:
