@@ -166,15 +166,21 @@ async def _wire(lines: _Lines, out: _Out) -> AsyncIterator[tuple[Any, Any]]:
 def _answer_unreadable(line: str, error: pydantic.ValidationError) -> types.JSONRPCMessage | None:
     """The answer to a request on a line the SDK could not read: a tool error for a tool
     call, a JSON-RPC error otherwise; None when the line holds no request id to answer."""
+    deep = False
     try:
         message = json.loads(line)  # Python's parser takes lone surrogates and deep nesting
-    except (ValueError, RecursionError):
+    except ValueError:
         return None
+    except RecursionError:  # deeper than Python's parser goes: its top level read alone
+        message, deep = _top_level(line), True
     id_ = message.get("id") if isinstance(message, dict) and "method" in message else None
     if isinstance(id_, bool) or not isinstance(id_, int | str):
         return None
-    where = _unencodable(message.get("params"), "params")
-    if where is not None:
+    where = None if deep else _unencodable(message.get("params"), "params")
+    if deep:
+        detail = ("expected a JSON-RPC 2.0 request the server can read, found one nested "
+                  "deeper than the parser descends")
+    elif where is not None:
         detail = (f"{where}: expected text encodable as UTF-8, found a lone surrogate (half "
                   "of a UTF-16 pair, e.g. an emoji cut in two); send whole characters")
     else:
@@ -188,6 +194,48 @@ def _answer_unreadable(line: str, error: pydantic.ValidationError) -> types.JSON
             by_alias=True, mode="json", exclude_none=True))
     return types.JSONRPCError(jsonrpc="2.0", id=id_, error=types.ErrorData(
         code=types.INVALID_REQUEST, message=detail))
+
+
+def _top_level(line: str) -> dict[str, Any]:
+    """The members of the JSON object on ``line`` whose values are strings, numbers, booleans
+    or null, read without descending into the others (which may nest past any parser's
+    depth): enough to answer the request by its id. Empty if the line is no such object."""
+    found: dict[str, Any] = {}
+    depth, key, at, n = 0, None, 0, len(line)
+    decoder = json.JSONDecoder()
+    while at < n:
+        c = line[at]
+        if c == '"':
+            try:
+                text, end = decoder.raw_decode(line, at)
+            except ValueError:
+                return {}
+            if depth == 1:
+                rest = line[end:].lstrip()
+                if key is None and rest.startswith(":"):
+                    key = text
+                elif key is not None:
+                    found[key], key = text, None
+            at = end
+            continue
+        if c in "[{":
+            depth += 1
+            key = None if depth > 2 else key
+        elif c in "]}":
+            depth -= 1
+            if depth == 1:
+                key = None
+        elif depth == 1 and key is not None and c not in " \t\r\n:,":
+            try:
+                value, end = decoder.raw_decode(line, at)
+            except ValueError:
+                return {}
+            found[key], key, at = value, None, end
+            continue
+        elif c == "," and depth == 1:
+            key = None
+        at += 1
+    return found
 
 
 def _unencodable(value: Any, path: str) -> str | None:

@@ -44,11 +44,12 @@ class _Wire:
         line, self._buffer = self._buffer.split(b"\n", 1)
         return json.loads(line)
 
-    async def call(self, id_: int, name: str, arguments: dict | str) -> dict:
+    async def call(self, id_: int | str, name: str, arguments: dict | str) -> dict:
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments)
-        await self.send('{"jsonrpc": "2.0", "id": %d, "method": "tools/call", "params": '
-                        '{"name": %s, "arguments": %s}}' % (id_, json.dumps(name), arguments))
+        await self.send('{"jsonrpc": "2.0", "id": %s, "method": "tools/call", "params": '
+                        '{"name": %s, "arguments": %s}}' % (json.dumps(id_), json.dumps(name),
+                                                             arguments))
         answer = await self.receive()
         assert answer["id"] == id_
         return answer
@@ -86,6 +87,11 @@ async def test_a_request_the_sdk_cannot_read_is_answered_not_dropped(tmp_path, n
     answer = await wire.call(2, "search_memory", deep)
     assert answer["result"]["isError"]
     assert "recursion limit" in answer["result"]["content"][0]["text"]
+    # Deeper than Python's own parser goes: the id is read from the line's top level.
+    deeper = '{"user_id": "ana", "query": %s}' % ("[" * 5_000 + "]" * 5_000)
+    answer = await wire.call("deep", "search_memory", deeper)
+    assert answer["id"] == "deep" and answer["result"]["isError"]
+    assert "nested deeper" in answer["result"]["content"][0]["text"]
 
     await wire.send({"jsonrpc": "1.0", "id": 3, "method": "ping"})
     answer = await wire.receive()
