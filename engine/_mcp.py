@@ -27,7 +27,7 @@ from mcp.server.lowlevel import Server
 from mcp.shared.message import SessionMessage
 
 from actors.base.errors import EngineError
-from actors.base.validate import encodable
+from actors.base.validate import encodable, found
 
 from ._engine import Engine
 from ._tools import TOOLS, call_tool as _call_tool, parameters
@@ -137,6 +137,11 @@ async def _wire(lines: _Lines, out: _Out) -> AsyncIterator[tuple[Any, Any]]:
                         await answers.send(SessionMessage(answer))
                     continue
                 if isinstance(message, types.JSONRPCRequest):
+                    if (refused := _call_refused(message)) is not None:
+                        await answers.send(SessionMessage(types.JSONRPCResponse(
+                            jsonrpc="2.0", id=message.id, result=refused.model_dump(
+                                by_alias=True, mode="json", exclude_none=True))))
+                        continue
                     pending.add(message.id)
                 elif (isinstance(message, types.JSONRPCNotification)
                       and message.method == "notifications/cancelled"):
@@ -161,6 +166,21 @@ async def _wire(lines: _Lines, out: _Out) -> AsyncIterator[tuple[Any, Any]]:
         nursery.start_soon(read, to_wire.clone())
         nursery.start_soon(write)
         yield from_wire, to_wire
+
+
+def _call_refused(request: types.JSONRPCRequest) -> types.CallToolResult | None:
+    """A tool error for a tools/call whose name or arguments the SDK would refuse with a bare
+    "Invalid request parameters" (arguments that are not an object, no tool name), naming
+    the field instead; None for any other request."""
+    if request.method != "tools/call":
+        return None
+    params = request.params if isinstance(request.params, dict) else {}
+    name, arguments = params.get("name"), params.get("arguments")
+    if not isinstance(name, str):
+        return _failure(f"name: expected the name of a tool, found {found(name)}")
+    if arguments is not None and not isinstance(arguments, dict):
+        return _failure(f"arguments: expected an object, found {found(arguments)}")
+    return None
 
 
 def _answer_unreadable(line: str, error: pydantic.ValidationError) -> types.JSONRPCMessage | None:

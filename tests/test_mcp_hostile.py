@@ -93,6 +93,16 @@ async def test_a_request_the_sdk_cannot_read_is_answered_not_dropped(tmp_path, n
     assert answer["id"] == "deep" and answer["result"]["isError"]
     assert "nested deeper" in answer["result"]["content"][0]["text"]
 
+    # Arguments that are no object, or no tool name: a tool error naming the field (the SDK
+    # answered a bare "Invalid request parameters").
+    answer = await wire.call(5, "search_memory", "[]")
+    assert answer["result"]["isError"]
+    assert "arguments: expected an object, found list" in answer["result"]["content"][0]["text"]
+    await wire.send({"jsonrpc": "2.0", "id": 6, "method": "tools/call", "params": {}})
+    answer = await wire.receive()
+    assert answer["id"] == 6 and answer["result"]["isError"]
+    assert "name: expected the name of a tool" in answer["result"]["content"][0]["text"]
+
     await wire.send({"jsonrpc": "1.0", "id": 3, "method": "ping"})
     answer = await wire.receive()
     assert answer["id"] == 3 and answer["error"]["code"] == -32600
