@@ -73,6 +73,29 @@ async def test_bad_limit_and_config_are_refused(store_path, mem: Engine) -> None
     assert Config.checked(Config(window_turns=3)).window_turns == 3
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("window_turns", 2 ** 64, "window_turns"),
+    ("query_cache", 10 ** 30, "query_cache"),
+    ("initial_map_bytes", 2 ** 64, "initial_map_bytes"),
+    ("initial_map_bytes", 2 ** 47, "initial_map_bytes"),
+    ("integrity_key", "\ud800" * 16, "integrity_key: expected text encodable as UTF-8"),
+    ("notes_markdown_dir", "/tmp/x\x00y", "notes_markdown_dir: expected a path with no NUL"),
+    ("notes_markdown_dir", "/tmp/" + "a" * 300, "notes_markdown_dir: expected a path whose "
+                                                 "names are at most 255 bytes"),
+    ("model_dir", "\x00", "model_dir: expected a path with no NUL"),
+])
+async def test_a_config_value_the_engine_cannot_use_is_refused_before_any_file(
+        tmp_path, field: str, value: object, message: str) -> None:
+    """Values that passed the config's checks and failed later, after the store's files were
+    made: an OverflowError from the window's deque, a map LMDB cannot reserve (reported as an
+    incompatible store), a key UTF-8 cannot encode, a mirror directory no file system takes."""
+    store = tmp_path / "store"
+    with pytest.raises(InvalidInput, match=message):
+        async with open_engine(store, config={field: value}):
+            pass
+    assert not store.exists() or not any(store.iterdir())
+
+
 async def test_a_clock_without_a_timezone_is_refused_at_open(tmp_path) -> None:
     """The engine's clock stamps turns and bounds focus windows against aware times; a naive
     one (``datetime.now``) opened fine, and recall(focus=...) and retrieve_memory then failed

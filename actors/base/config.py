@@ -7,6 +7,7 @@ from typing import Annotated, Literal, TypeVar
 import msgspec
 
 from .errors import InvalidInput
+from .validate import encodable
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -28,7 +29,11 @@ def converted(cls: type[S], config: S | dict | None, field: str) -> S:
 
 __all__ = ["Config"]
 
-Positive = Annotated[int, msgspec.Meta(ge=1)]
+# Counts and sizes: at most what a C int holds, so no later deque, array or LMDB call
+# overflows on one that passed here.
+MAX_COUNT = 2 ** 31 - 1
+Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
+NAME_MAX = 255  # bytes of one name in a path, on the file systems Linux mounts
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -104,7 +109,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     max_id_chars: Positive = 256
     fsync: bool = True
     receipt_switch_us: Annotated[int, msgspec.Meta(ge=0, le=5000)] = 250
-    initial_map_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 256 << 20
+    # Up to 16 TiB: LMDB reserves the whole map in the address space at open (47 bits).
+    initial_map_bytes: Annotated[int, msgspec.Meta(ge=1 << 20, le=1 << 44)] = 256 << 20
     model: Literal["minilm-l6-v2", "minilm-l6-v2-q8", "minilm-l6-v2-i8"] | None = None
     model_dir: str | None = None
     embed_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
@@ -113,14 +119,14 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     background_embedding: bool = True
     ann_cache_vectors: Positive = 1_000_000
     long_term: bool = True
-    episode_after_turns: Annotated[int, msgspec.Meta(ge=2)] = 20
-    episode_keep_turns: Annotated[int, msgspec.Meta(ge=0)] = 10
+    episode_after_turns: Annotated[int, msgspec.Meta(ge=2, le=MAX_COUNT)] = 20
+    episode_keep_turns: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 10
     session_idle_seconds: Annotated[float, msgspec.Meta(gt=0)] = 1800.0
     maintenance_seconds: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
     integrity_key: Annotated[str, msgspec.Meta(min_length=16)] | None = None
     notes_markdown_dir: Annotated[str, msgspec.Meta(min_length=1)] | None = None
     consolidate_on_new_session: bool = False
-    summary_every_turns: Annotated[int, msgspec.Meta(ge=0)] = 10
+    summary_every_turns: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 10
 
     def __repr__(self) -> str:
         # The integrity key is a secret: a Config in a log line or a traceback must not show it.
@@ -137,8 +143,28 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             InvalidInput: a field is unknown or out of range.
         """
         config = converted(cls, config, "config")
+        if config.integrity_key is not None and not encodable(config.integrity_key):
+            raise InvalidInput("integrity_key", "expected text encodable as UTF-8, found a lone "
+                                                "surrogate in it")
+        for field in ("model_dir", "notes_markdown_dir"):
+            path = getattr(config, field)
+            if path is not None:
+                _check_path(field, path)
         if config.episode_keep_turns >= config.episode_after_turns:
             raise InvalidInput("config", "expected episode_keep_turns below episode_after_turns, "
                                          f"found {config.episode_keep_turns} and "
                                          f"{config.episode_after_turns}")
         return config
+
+
+def _check_path(field: str, path: str) -> None:
+    """A directory path the file system can take: no NUL, UTF-8, names of NAME_MAX bytes at
+    most (found after the store's files were made, each failed its first use)."""
+    if "\x00" in path:
+        raise InvalidInput(field, f"expected a path with no NUL, found {path!r}"[:200])
+    if not encodable(path):
+        raise InvalidInput(field, "expected a path encodable as UTF-8, found a lone surrogate")
+    longest = max(len(name.encode()) for name in path.split("/"))
+    if longest > NAME_MAX:
+        raise InvalidInput(field, f"expected a path whose names are at most {NAME_MAX} bytes, "
+                                  f"found one of {longest}")
