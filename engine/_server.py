@@ -36,6 +36,7 @@ from fastapi.responses import Response
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from actors.base.errors import EngineError, InvalidInput
 from actors.base.records import Episode, Fact, Link, Note, ReviewState, SessionInfo, Turn
@@ -219,6 +220,14 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
         names = {401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 405: "MethodNotAllowed"}
         return error_response(exc.status_code, names.get(exc.status_code, "HTTPError"),
                               str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def gone(request: Request, exc: ClientDisconnect) -> Response:
+        # The client went away before its request was read: nothing failed here, nothing
+        # was done, and nobody reads the answer. Counted as 499 (the client closed it).
+        log.info("%s %s: the client went away before its request was read", request.method,
+                 request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> Response:
