@@ -327,10 +327,11 @@ class Edge:
         too_large = False  # the body passed the limit while streaming: answer 413 ourselves
         stalled = False  # no byte of the body came for BODY_WAIT: answer 408 ourselves
         body_done = False  # the request's last body message came: later waits are the app's
+        gone = False  # the client went away before its body was whole: counted as 499
         started_response = False
 
         async def counted_receive() -> dict:
-            nonlocal seen, too_large, stalled, body_done
+            nonlocal seen, too_large, stalled, body_done, gone
             if too_large or stalled:
                 return {"type": "http.disconnect"}
             if body_done:
@@ -343,6 +344,7 @@ class Edge:
                 stalled = True
                 return {"type": "http.disconnect"}
             body_done = message["type"] != "http.request" or not message.get("more_body")
+            gone = message["type"] == "http.disconnect"
             seen += len(message.get("body", b""))
             if seen > self.max_body:
                 # Tell the app the client went away (it stops reading and answers something
@@ -379,6 +381,10 @@ class Edge:
                                                                  "request's body, found none "
                                                                  f"for {BODY_WAIT:g} s")
                 await response(scope, receive, send)
+            elif gone:
+                # Whatever the app made of a body cut short (a 422 for a body it could not
+                # read), the client closed the request and reads no answer.
+                status = 499
             self._count({**routed, "method": "HEAD"} if head else routed, status, started)
 
     def _count(self, scope: dict, status: int, started: float) -> None:

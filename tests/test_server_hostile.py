@@ -512,25 +512,29 @@ async def test_a_client_gone_mid_body_is_no_server_failure(mem, caplog) -> None:
     as an error, and /metrics counts it as 499 (the client closed it), not 500 (before, a
     traceback at ERROR and a 500 in the metrics for every dropped upload)."""
     app = create_app(mem)
-    messages = [{"type": "http.request", "body": b'{"role": "user", "te', "more_body": True},
-                {"type": "http.disconnect"}]
-
-    async def receive() -> dict:
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
 
     async def send(message: dict) -> None:
         pass
 
-    path = "/v1/users/ana/sessions/s/turns"
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
-             "query_string": b"", "headers": [(b"host", b"127.0.0.1")],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "root_path": ""}
-    with caplog.at_level("WARNING"):
-        await app(scope, receive, send)
+    # A route that reads its own body, and one whose body FastAPI reads (answering a 422).
+    for path in ("/v1/users/ana/sessions/s/turns", "/v1/users/ana/notes"):
+        messages = [{"type": "http.request", "body": b'{"role": "user", "te',
+                     "more_body": True}, {"type": "http.disconnect"}]
+
+        async def receive() -> dict:
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+                 "query_string": b"", "headers": [(b"host", b"127.0.0.1")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "root_path": ""}
+        with caplog.at_level("WARNING"):
+            await app(scope, receive, send)
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
     async with lenient(app) as http:
         counted = [line for line in (await http.get("/metrics")).text.splitlines()
-                   if line.startswith("engram_http_requests_total") and "turns" in line]
-    assert counted and all('status="499"' in line for line in counted), counted
+                   if line.startswith("engram_http_requests_total")
+                   and ("turns" in line or "notes" in line)]
+    assert len(counted) == 2 and all('status="499"' in line for line in counted), counted
     assert await mem.session_history("ana", "s") == []
+    assert await mem.list_notes("ana") == []
