@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import datetime, timezone
 
 import pytest
@@ -94,6 +95,18 @@ async def test_a_config_value_the_engine_cannot_use_is_refused_before_any_file(
         async with open_engine(store, config={field: value}):
             pass
     assert not store.exists() or not any(store.iterdir())
+
+
+async def test_a_mirror_path_of_bytes_that_are_not_utf8_is_taken_as_linux_holds_it(
+        tmp_path) -> None:
+    """A directory named in Latin-1 ('caf\xe9'), as Python hands it over (os.fsdecode): the
+    path checks take it, and the notes are mirrored there."""
+    root = os.fsdecode(os.fsencode(str(tmp_path)) + b"/caf\xe9")
+    async with open_engine(tmp_path / "store", config={"notes_markdown_dir": root}) as mem:
+        note = await mem.store_note("ana", "a note")
+    assert (os.fsencode(root) + f"/ana/{note.note_id}.md".encode()) in {
+        os.fsencode(os.path.join(d, f)) for d, _, files in os.walk(os.fsencode(root))
+        for f in files}
 
 
 async def test_a_clock_without_a_timezone_is_refused_at_open(tmp_path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Literal, TypeVar
 
 import msgspec
@@ -158,13 +159,17 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
 
 def _check_path(field: str, path: str) -> None:
-    """A directory path the file system can take: no NUL, UTF-8, names of NAME_MAX bytes at
-    most (found after the store's files were made, each failed its first use)."""
-    if "\x00" in path:
+    """A directory path the file system can take: no NUL, names of NAME_MAX bytes at most
+    (found after the store's files were made, each failed its first use). Bytes that are not
+    UTF-8 are taken as Python hands them over (os.fsdecode), as the file system holds them."""
+    try:
+        raw = os.fsencode(path)
+    except UnicodeEncodeError:
+        raise InvalidInput(field, "expected a path the file system can hold, found a lone "
+                                  "surrogate in it") from None
+    if b"\x00" in raw:
         raise InvalidInput(field, f"expected a path with no NUL, found {path!r}"[:200])
-    if not encodable(path):
-        raise InvalidInput(field, "expected a path encodable as UTF-8, found a lone surrogate")
-    longest = max(len(name.encode()) for name in path.split("/"))
+    longest = max(len(name) for name in raw.split(b"/"))
     if longest > NAME_MAX:
         raise InvalidInput(field, f"expected a path whose names are at most {NAME_MAX} bytes, "
                                   f"found one of {longest}")
