@@ -310,7 +310,21 @@ def _index_files(path: Path) -> list[Path]:
     return [file for folder, pattern in _INDEX_FILES for file in (path / folder).glob(pattern)]
 
 
-def check_file(path: Path, extend: bool = False) -> None:
+def _newest_txnid(data: Path) -> int | None:
+    """The transaction id of the newer of ``data``'s two meta pages (None: not LMDB's)."""
+    with data.open("rb") as f:
+        first = f.read(4096)
+        if len(first) < _LAST_PAGE_OFFSET + 16:
+            return None
+        f.seek(struct.unpack_from("<I", first, _META_OFFSET + 24)[0])
+        second = f.read(_LAST_PAGE_OFFSET + 16)
+    found = [struct.unpack_from("<QQ", meta, _LAST_PAGE_OFFSET)[1] for meta in (first, second)
+             if len(meta) >= _LAST_PAGE_OFFSET + 16
+             and struct.unpack_from("<I", meta, _META_OFFSET)[0] == _LMDB_MAGIC]
+    return max(found, default=None)
+
+
+def check_file(path: Path, extend: bool = False, _tries: int = 8) -> None:
     """Refuse a ``data.mdb`` shorter than its own meta pages say, before LMDB maps it, unless
     every page in use lies inside it (``extend``: then lengthen it to what they say).
 
@@ -380,6 +394,10 @@ def check_file(path: Path, extend: bool = False) -> None:
             if extend:
                 os.truncate(data, needed)
             return
+        if _tries > 1 and _newest_txnid(data) != best[1]:
+            # A live owner committed while the trees were walked (a reader's check: the
+            # owner reuses free pages meanwhile): look again at the file as it is now.
+            return check_file(path, extend, _tries - 1)
         raise StoreCorrupt(
             f"{data} is cut short: its meta page says the store uses {needed:,} bytes, the file "
             f"has {size:,}; the end of the store is lost (a copy that stopped early, or a full "

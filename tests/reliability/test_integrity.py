@@ -650,3 +650,38 @@ def _cut_after_last_page_in_use(data: Path) -> int:
     last = max(int(p.max()) for tree in trees for p in tree.pages if len(p))
     os.truncate(data, (last + 1) * meta.psize)
     return meta.last_pgno - last
+
+
+async def test_a_reader_checking_a_live_store_looks_again_after_a_commit(
+        tmp_path, monkeypatch) -> None:
+    """A reader (verify, a read-only open) checks a file short of free pages while the owner
+    commits: the walk of the trees can then meet pages the owner just reused and call the
+    file cut short. When the newest meta page changed meanwhile, the check looks again."""
+    from actors.store import integrity
+
+    store = tmp_path / "store"
+    async with open_engine(store) as mem:
+        await mem.add_turn("bo", "s", "user", "a bystander's turn", durable=True)
+    env = lmdb.open(str(store), max_dbs=32, lock=False)
+    with env.begin(write=True) as txn:  # pages at the end of the file, then freed
+        txn.put(b"engram-test", b"x" * 400_000)
+    with env.begin(write=True) as txn:
+        txn.delete(b"engram-test")
+    env.close()
+    assert _cut_after_last_page_in_use(store / "data.mdb") > 0
+    walks = []
+
+    def walked_during_a_commit(data: Path) -> bool:
+        walks.append(data)
+        if len(walks) == 1:  # the owner commits while this walk runs: it sees a torn tree
+            env = lmdb.open(str(store), max_dbs=32, lock=False)
+            with env.begin(write=True) as txn:
+                txn.put(b"engram-test", b"a commit meanwhile")
+            env.close()
+            return False
+        return fits(data)
+
+    fits = integrity.in_use_fits
+    monkeypatch.setattr(integrity, "in_use_fits", walked_during_a_commit)
+    integrity.check_file(store)
+    assert len(walks) == 2
