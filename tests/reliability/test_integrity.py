@@ -627,7 +627,9 @@ async def test_a_commit_that_gives_back_its_last_pages_leaves_a_store_that_opens
         assert [t.text for t in await mem.session_history("bo", "s")] == ["a bystander's turn"]
     assert (await Engine.verify(store))["ok"]
     # The same file as a process killed right after such a commit leaves it: cut after its
-    # last page in use. A reader and verify take it as it is; the owner gives it its length.
+    # last page in use (free pages made at its end first, so that there are some to cut). A
+    # reader and verify take it as it is; the owner gives it its length.
+    _free_pages_at_the_end(store)
     data = store / "data.mdb"
     cut = _cut_after_last_page_in_use(data)
     assert cut > 0
@@ -635,6 +637,16 @@ async def test_a_commit_that_gives_back_its_last_pages_leaves_a_store_that_opens
     async with open_engine(store) as mem:
         assert [t.text for t in await mem.session_history("bo", "s")] == ["a bystander's turn"]
     assert data.stat().st_size % 4096 == 0 and (await Engine.verify(store))["ok"]
+
+
+def _free_pages_at_the_end(store: Path) -> None:
+    """A value written at the end of the file, then deleted: free pages there."""
+    env = lmdb.open(str(store), max_dbs=32, lock=False)
+    with env.begin(write=True) as txn:
+        txn.put(b"engram-test", b"x" * 400_000)
+    with env.begin(write=True) as txn:
+        txn.delete(b"engram-test")
+    env.close()
 
 
 def _cut_after_last_page_in_use(data: Path) -> int:
@@ -662,12 +674,7 @@ async def test_a_reader_checking_a_live_store_looks_again_after_a_commit(
     store = tmp_path / "store"
     async with open_engine(store) as mem:
         await mem.add_turn("bo", "s", "user", "a bystander's turn", durable=True)
-    env = lmdb.open(str(store), max_dbs=32, lock=False)
-    with env.begin(write=True) as txn:  # pages at the end of the file, then freed
-        txn.put(b"engram-test", b"x" * 400_000)
-    with env.begin(write=True) as txn:
-        txn.delete(b"engram-test")
-    env.close()
+    _free_pages_at_the_end(store)
     assert _cut_after_last_page_in_use(store / "data.mdb") > 0
     walks = []
 
