@@ -251,7 +251,8 @@ def zero_stale_bytes(path: Path, txnid: int | None, oldest: int | None, *,
         What was overwritten and what was left.
 
     Raises:
-        PageFormatError: the file is not laid out as expected (nothing was written).
+        PageFormatError: the file is not laid out as expected (nothing was written, but for
+            a file short of free pages given its full length first, inside a transaction).
     """
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     try:
