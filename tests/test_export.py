@@ -586,17 +586,22 @@ async def test_an_export_to_dev_stdout_on_a_pipe_writes_into_the_pipe(mem, tmp_p
     assert b"I moved to Lisbon" in got[0] and fifo.exists() and not fifo.is_file()
 
 
+async def _export_of_one_turn(path: Path, text: str) -> list[str]:
+    """maya's export, as lines, from a store of one turn saying ``text``."""
+    export = io.BytesIO()
+    async with open_engine(path, config=CONFIG) as mem:
+        await mem.add_turn("maya", "s1", "user", text)
+        await mem.flush()
+        await mem.export_user("maya", export)
+    return export.getvalue().decode().splitlines()
+
+
 async def test_an_entity_imported_with_a_decomposed_name_is_found_however_it_is_typed(
         tmp_path) -> None:
     """An export written elsewhere may spell "São Paulo" decomposed (an accent as its own
     mark). The engine keys names composed, so the imported entity is found by entity_info
     whichever way the name is sent, as one extracted here is."""
-    export = io.BytesIO()
-    async with open_engine(tmp_path / "a", config=CONFIG) as mem:
-        await mem.add_turn("maya", "s1", "user", "I flew to São Paulo with Inês.")
-        await mem.flush()
-        await mem.export_user("maya", export)
-    lines = export.getvalue().decode().splitlines()
+    lines = await _export_of_one_turn(tmp_path / "a", "I flew to São Paulo with Inês.")
     nfd = "\n".join(unicodedata.normalize("NFD", line) if '"entity"' in line else line
                     for line in lines)
     assert nfd != "\n".join(lines)
@@ -630,12 +635,8 @@ async def test_the_engines_own_export_imports_whatever_its_entities_hold(tmp_pat
     """A turn may hold any character, and the entity patterns keep what a URL holds, NUL
     included: the export of such a store imports whole. Two of an export's entities whose
     names compose the same are one entity here, counted once."""
-    export = io.BytesIO()
-    async with open_engine(tmp_path / "a", config=CONFIG) as mem:
-        await mem.add_turn("maya", "s1", "user", "see https://example.com/a\x00b and São Paulo")
-        await mem.flush()
-        await mem.export_user("maya", export)
-    lines = export.getvalue().decode().splitlines()
+    lines = await _export_of_one_turn(tmp_path / "a",
+                                      "see https://example.com/a\x00b and São Paulo")
     entity = next(line for line in lines if '"entity"' in line and "Paulo" in line)
     twin = entity.replace("São", unicodedata.normalize("NFD", "São"))
     data = "\n".join([*lines[:-1], twin, lines[-1].replace(
