@@ -631,7 +631,8 @@ class EpisodicCompressor:
         steps fall (a logged record of a read applies only once the follower has passed
         the turns before it). Rated at the clock's time, or on a cluster node the reply's."""
         found = await self._store.read(_read_review_inputs, list(replies))
-        clock = self._clock().astimezone(timezone.utc)
+        # A cluster node rates at the replies' logged times and never reads its own clock.
+        clock = None if self.timed_by_log else self._clock().astimezone(timezone.utc)
         puts: list[tuple[bytes, bytes, bytes | None, int]] = []
         for (user_id, conversation), (pending, states) in found.items():
             text, said_at = replies[(user_id, conversation)]

@@ -134,3 +134,28 @@ async def test_a_clock_that_leaves_the_range_stamps_nothing(store_path: Path,
         await mem.export_user("ana", export)
     async with open_engine(tmp_path / "other") as mem:
         await mem.import_user(export)
+
+
+async def test_a_cluster_node_rates_reviews_at_the_replys_logged_time(store_path: Path) -> None:
+    """A cluster node rates a pending review at its reply's logged time and never reads its
+    own clock for it: a node whose clock left the range kept the reply as a failure."""
+    late = [False]
+
+    def clock() -> datetime:
+        return datetime(2500, 1, 1, tzinfo=UTC) if late[0] else datetime(2026, 1, 1,
+                                                                          tzinfo=UTC)
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    async with open_engine(store_path, clock=clock) as mem:
+        mem._parts.compressor.timed_by_log = True  # as a cluster node's engine is
+        for i in range(3):
+            await mem.add_turn("ana", "old", "user", f"We hiked the volcano trail {i}",
+                               at=at + timedelta(minutes=i))
+        await mem.flush()
+        raw = await mem.retrieve_memory_raw("ana", "volcano trail", conversation_id="chat")
+        late[0] = True
+        await mem.add_turn("ana", "chat", "assistant", "The volcano trail was steep.",
+                           at=at + timedelta(hours=1))
+        await mem.flush()
+        assert await mem.failures() == []
+        late[0] = False
+        assert (await mem.review("ana", raw.episodic[0].id, "good")).reps == 2
