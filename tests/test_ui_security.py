@@ -121,4 +121,11 @@ async def test_a_sign_in_behind_a_tls_proxy_can_act(mem, keys) -> None:
                                  data={"session": "s2", "csrf": csrf},
                                  headers={"origin": "https://evil.example"})
         assert forged.status_code == 403
+        # An origin or referer that is no URL at all is another site too, not a 500.
+        for header in ({"origin": "http://[::1"}, {"origin": "null", "referer": "http://[x/"}):
+            malformed = await http.post("/ui/users/ana/do/forget-session",
+                                        data={"session": "s2", "csrf": csrf}, headers=header)
+            assert malformed.status_code == 403, header
+    async with browser(app, origin="http://[::1") as http:
+        assert (await http.post("/ui/login", data={"key": ANA_KEY})).status_code == 403
     assert [s.session_id for s in await mem.list_sessions("ana")] == ["s2"]

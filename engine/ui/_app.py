@@ -243,7 +243,10 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
         origin = request.headers.get("origin")
         if not origin or origin == "null":
             origin = request.headers.get("referer", "")
-        found = urlsplit(origin).netloc.lower()
+        try:
+            found = urlsplit(origin).netloc.lower()
+        except ValueError:  # no URL ("http://[::1"): no site this server can be
+            found = ""
         if not found or found != expected:
             raise Refused(403, f"Cross-site request refused: expected it from {expected}, "
                                f"found {found or 'no origin'}.")
