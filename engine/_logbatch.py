@@ -47,6 +47,7 @@ log = logging.getLogger("engine.cluster")
 
 RECENT_IDS = 65_536  # turn ids applied lately, checked before the store (commits in flight)
 MAX_BATCH = 1_024  # entries per call: one transaction, and a few ms of loop time
+MAX_PARTITION = 2 ** 31 - 1  # a partition's watermark key holds its number in decimal
 # How long a call waits for the long-term followers before the wait is logged and counted
 # (a node's own caller hears CallLogged after as long); it waits on, the followers always
 # move on (a record they fail on is kept as a failure and passed).
@@ -223,17 +224,18 @@ class PartitionLog:
             EngineClosed / EngineBroken: as any write.
         """
         self._parts.check_open()
-        if type(partition) is not int or partition < 0:
-            raise InvalidInput("partition", f"expected a partition number >= 0, found "
-                                            f"{partition!r}")
+        if type(partition) is not int or not 0 <= partition <= MAX_PARTITION:
+            raise InvalidInput("partition", f"expected a partition number from 0 to "
+                                            f"{MAX_PARTITION}, found {v.found(partition)}")
         if len(entries) > MAX_BATCH:
             raise InvalidInput("entries", f"expected at most {MAX_BATCH} entries a batch, "
                                           f"found {len(entries)}; split the batch")
         last = 0
         for index, (seq, _) in enumerate(entries):
-            if type(seq) is not int or seq <= last:
+            if type(seq) is not int or seq <= last or seq > v.MAX_INT:
                 raise InvalidInput(f"entries[{index}]", f"expected log sequences increasing "
-                                                        f"from 1, found {seq!r} after {last}")
+                                                        f"from 1 to 2**63-1, found "
+                                                        f"{v.found(seq)} after {last}")
             last = seq
         self._parts.time_by_log()  # before the first turn of a log reaches the followers
         async with self._lock(partition):

@@ -80,6 +80,13 @@ async def test_malformed_batches_are_refused_before_anything_is_written(
             await mem.apply_log_batch(0, [(2, turn(2)), (2, turn(3))])
         with pytest.raises(InvalidInput, match="partition"):
             await mem.apply_log_batch(-1, [(1, turn(1))])
+        # Past what a sequence or a watermark key holds: refused too, not written and then
+        # failed (an OverflowError, a key LMDB refused) with the turns already in.
+        with pytest.raises(InvalidInput, match="partition"):
+            await mem.apply_log_batch(10 ** 600, [(1, turn(1))])
+        with pytest.raises(InvalidInput, match=r"2\*\*63-1"):
+            await mem.apply_log_batch(1, [(1, turn(1)), (2 ** 64, turn(2))])
+        await mem.flush()
         assert await mem.list_sessions("ana") == []
 
 
