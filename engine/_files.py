@@ -16,17 +16,27 @@ PATH_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST
                          errno.EINVAL})
 
 
+MAX_DEPTH = 256  # folders in a path the engine makes or opens: far past any real one
+
+
 def resolved(field: str, path: Path) -> Path:
     """``path`` made absolute, its links followed.
 
     Raises:
         InvalidInput: naming ``field``: ``path`` holds a NUL or a lone surrogate, which no
             file name can, or bytes that are not UTF-8, which the store's libraries cannot
-            open, or goes through a loop of symbolic links.
+            open, nests more than MAX_DEPTH folders deep, or goes through a loop of symbolic
+            links.
     """
     name = str(path)
     if "\x00" in name:
         raise InvalidInput(field, f"expected a path, found a NUL character in {name!r}")
+    depth = name.count("/")
+    if depth > MAX_DEPTH:
+        # pathlib makes missing parents (and resolves) one recursion a level: ~1,000 levels
+        # deep raised RecursionError.
+        raise InvalidInput(field, f"expected a path at most {MAX_DEPTH} folders deep, found "
+                                  f"one {depth} deep")
     try:
         os.fsencode(name)
     except UnicodeEncodeError:

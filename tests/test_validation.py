@@ -210,3 +210,16 @@ async def test_a_dict_for_a_notes_tags_is_refused_not_read_as_its_keys(mem: Engi
     with pytest.raises(InvalidInput, match="tags: expected a list of strings, found dict"):
         await mem.store_note("ana", "I like rice", tags={"topic": "food"})
     assert await mem.list_notes("ana") == []
+
+
+async def test_a_path_thousands_of_folders_deep_is_refused_by_name(tmp_path, mem) -> None:
+    """pathlib makes a path's missing folders one recursion a level: a store or a snapshot
+    2,000 folders deep raised RecursionError (a 500 over HTTP, a traceback on the command
+    line). It is InvalidInput naming the path, and nothing is made."""
+    deep = tmp_path / ("f/" * 2_000)
+    with pytest.raises(InvalidInput, match="path: expected a path at most 256 folders deep"):
+        async with open_engine(deep):
+            pass
+    with pytest.raises(InvalidInput, match="dest: expected a path at most 256 folders deep"):
+        await mem.snapshot(deep)
+    assert not (tmp_path / "f").exists()
