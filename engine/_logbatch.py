@@ -153,6 +153,13 @@ def decode_entry(data: bytes) -> LogEntry:
                                     "deeper than the decoder descends") from None
 
 
+def _check_partition(partition: Any) -> None:
+    """A partition number: an int itself (True is not partition 1) from 0 to MAX_PARTITION."""
+    if type(partition) is not int or not 0 <= partition <= MAX_PARTITION:
+        raise InvalidInput("partition", f"expected a partition number from 0 to "
+                                        f"{MAX_PARTITION}, found {v.found(partition)}")
+
+
 def watermark_key(partition: int) -> bytes:
     """Where a partition's watermark lives in the store's ``meta`` database."""
     return b"cluster:partition:%d" % partition
@@ -200,8 +207,10 @@ class PartitionLog:
     async def set_watermark(self, partition: int, seq: int) -> None:
         """Set the partition's watermark on disk: 0 before its users' records are dropped
         here, a snapshot's once its records are restored."""
-        if type(seq) is not int or seq < 0:
-            raise InvalidInput("seq", f"expected a log sequence >= 0, found {seq!r}")
+        _check_partition(partition)
+        if type(seq) is not int or not 0 <= seq <= v.MAX_INT:
+            raise InvalidInput("seq", f"expected a log sequence from 0 to 2**63-1, found "
+                                      f"{v.found(seq)}")
         async with self._lock(partition):
             await self._put_mark(partition, seq)
             self._marks[partition] = seq
@@ -224,9 +233,7 @@ class PartitionLog:
             EngineClosed / EngineBroken: as any write.
         """
         self._parts.check_open()
-        if type(partition) is not int or not 0 <= partition <= MAX_PARTITION:
-            raise InvalidInput("partition", f"expected a partition number from 0 to "
-                                            f"{MAX_PARTITION}, found {v.found(partition)}")
+        _check_partition(partition)
         if len(entries) > MAX_BATCH:
             raise InvalidInput("entries", f"expected at most {MAX_BATCH} entries a batch, "
                                           f"found {len(entries)}; split the batch")

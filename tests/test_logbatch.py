@@ -86,6 +86,14 @@ async def test_malformed_batches_are_refused_before_anything_is_written(
             await mem.apply_log_batch(10 ** 600, [(1, turn(1))])
         with pytest.raises(InvalidInput, match=r"2\*\*63-1"):
             await mem.apply_log_batch(1, [(1, turn(1)), (2 ** 64, turn(2))])
+        # set_log_watermark holds the same rules (True was partition 1's watermark).
+        for partition, seq, field in ((True, 7, "partition"), (-1, 7, "partition"),
+                                      (10 ** 600, 7, "partition"), ("3", 7, "partition"),
+                                      (1, 2 ** 64, "seq")):
+            with pytest.raises(InvalidInput) as info:
+                await mem.set_log_watermark(partition, seq)
+            assert info.value.field == field
+        assert await mem._partition_log.watermark(1) == 0
         await mem.flush()
         assert await mem.list_sessions("ana") == []
 
