@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from actors.base.errors import InvalidInput
+from actors.base.validate import MAX_DEPTH
 
 # What a path the process cannot write at (or read from) raises: the caller's path, not a
 # failure of the engine.
@@ -16,27 +17,19 @@ PATH_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST
                          errno.EINVAL})
 
 
-MAX_DEPTH = 256  # folders in a path the engine makes or opens: far past any real one
-
-
 def resolved(field: str, path: Path) -> Path:
     """``path`` made absolute, its links followed.
 
     Raises:
         InvalidInput: naming ``field``: ``path`` holds a NUL or a lone surrogate, which no
             file name can, or bytes that are not UTF-8, which the store's libraries cannot
-            open, nests more than MAX_DEPTH folders deep, or goes through a loop of symbolic
+            open, nests more than MAX_DEPTH folders deep (as given or resolved), or goes through a loop of symbolic
             links.
     """
     name = str(path)
     if "\x00" in name:
         raise InvalidInput(field, f"expected a path, found a NUL character in {name!r}")
-    depth = name.count("/")
-    if depth > MAX_DEPTH:
-        # pathlib makes missing parents (and resolves) one recursion a level: ~1,000 levels
-        # deep raised RecursionError.
-        raise InvalidInput(field, f"expected a path at most {MAX_DEPTH} folders deep, found "
-                                  f"one {depth} deep")
+    _check_depth(field, name)
     try:
         os.fsencode(name)
     except UnicodeEncodeError:
@@ -49,13 +42,22 @@ def resolved(field: str, path: Path) -> Path:
         raise InvalidInput(field, f"expected a path in UTF-8, found bytes that are not in "
                                   f"{os.fsencode(name)!r}") from None
     try:
-        return path.resolve()
+        found = path.resolve()
     except (RuntimeError, OSError) as exc:
         # A loop of symbolic links: RuntimeError before Python 3.13, OSError (ELOOP) since.
         if isinstance(exc, OSError) and exc.errno != errno.ELOOP:
             raise
         raise InvalidInput(field, f"expected a path, found a loop of symbolic links in {name!r}; "
                                   "point it at a real directory") from exc
+    _check_depth(field, str(found))  # a link may lead deeper than the path given
+    return found
+
+
+def _check_depth(field: str, name: str) -> None:
+    depth = name.count("/")
+    if depth > MAX_DEPTH:
+        raise InvalidInput(field, f"expected a path at most {MAX_DEPTH} folders deep, found "
+                                  f"one {depth} deep")
 
 
 def refused(field: str, exc: OSError, expected: str) -> InvalidInput:

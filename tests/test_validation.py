@@ -84,6 +84,9 @@ async def test_bad_limit_and_config_are_refused(store_path, mem: Engine) -> None
     ("notes_markdown_dir", "/tmp/" + "a" * 300, "notes_markdown_dir: expected a path whose "
                                                  "names are at most 255 bytes"),
     ("model_dir", "\x00", "model_dir: expected a path with no NUL"),
+    ("model_dir", os.fsdecode(b"/tmp/mod\xe9le"), "model_dir: expected a path in UTF-8"),
+    ("notes_markdown_dir", "/tmp/" + "f/" * 1_500, "notes_markdown_dir: expected a path at "
+                                                   "most 256 folders deep"),
 ])
 async def test_a_config_value_the_engine_cannot_use_is_refused_before_any_file(
         tmp_path, field: str, value: object, message: str) -> None:
@@ -222,4 +225,8 @@ async def test_a_path_thousands_of_folders_deep_is_refused_by_name(tmp_path, mem
             pass
     with pytest.raises(InvalidInput, match="dest: expected a path at most 256 folders deep"):
         await mem.snapshot(deep)
+    # A short name that leads there through a link.
+    (tmp_path / "link").symlink_to(deep)
+    with pytest.raises(InvalidInput, match="dest: expected a path at most 256 folders deep"):
+        await mem.snapshot(tmp_path / "link")
     assert not (tmp_path / "f").exists()

@@ -8,7 +8,7 @@ from typing import Annotated, Literal, TypeVar
 import msgspec
 
 from .errors import InvalidInput
-from .validate import encodable
+from .validate import MAX_DEPTH, encodable
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -150,7 +150,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         for field in ("model_dir", "notes_markdown_dir"):
             path = getattr(config, field)
             if path is not None:
-                _check_path(field, path)
+                # The model's libraries (onnxruntime, tokenizers) open UTF-8 paths only.
+                _check_path(field, path, utf8=field == "model_dir")
         if config.episode_keep_turns >= config.episode_after_turns:
             raise InvalidInput("config", "expected episode_keep_turns below episode_after_turns, "
                                          f"found {config.episode_keep_turns} and "
@@ -158,18 +159,26 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         return config
 
 
-def _check_path(field: str, path: str) -> None:
-    """A directory path the file system can take: no NUL, names of NAME_MAX bytes at most
-    (found after the store's files were made, each failed its first use). Bytes that are not
-    UTF-8 are taken as Python hands them over (os.fsdecode), as the file system holds them."""
+def _check_path(field: str, path: str, utf8: bool) -> None:
+    """A directory path the file system can take: no NUL, names of NAME_MAX bytes at most, at
+    most MAX_DEPTH folders deep (found after the store's files were made, each failed its
+    first use). Bytes that are not UTF-8 are taken as Python hands them over (os.fsdecode), as
+    the file system holds them, unless ``utf8``: the path is handed to a library that opens
+    UTF-8 paths only."""
     try:
         raw = os.fsencode(path)
+        if utf8:
+            path.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidInput(field, "expected a path the file system can hold, found a lone "
-                                  "surrogate in it") from None
+        raise InvalidInput(field, "expected a path in UTF-8, found bytes that are not (or a "
+                                  "lone surrogate)" if utf8 else "expected a path the file "
+                                  "system can hold, found a lone surrogate in it") from None
     if b"\x00" in raw:
         raise InvalidInput(field, f"expected a path with no NUL, found {path!r}"[:200])
     longest = max(len(name) for name in raw.split(b"/"))
     if longest > NAME_MAX:
         raise InvalidInput(field, f"expected a path whose names are at most {NAME_MAX} bytes, "
                                   f"found one of {longest}")
+    if raw.count(b"/") > MAX_DEPTH:
+        raise InvalidInput(field, f"expected a path at most {MAX_DEPTH} folders deep, found "
+                                  f"one {raw.count(b'/')} deep")

@@ -28,6 +28,9 @@ MIN_AT = datetime(1700, 1, 1, tzinfo=timezone.utc)
 MAX_AT = datetime(2199, 12, 31, 23, 59, 59, 999999, tzinfo=timezone.utc)
 MIN_INT, MAX_INT = -(2**63), 2**63 - 1  # what msgpack (and every index) round-trips as an int
 MAX_WORDS = 64  # tags or keywords on one call
+# Folders in a path the engine makes or opens: far past any real one. pathlib makes missing
+# parents (and resolves) one recursion a level, and ~1,000 levels raised RecursionError.
+MAX_DEPTH = 256
 _JSON_SCALARS = (str, int, float, bool, type(None))
 _json_encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder().decode
