@@ -394,10 +394,14 @@ def check_file(path: Path, extend: bool = False, _tries: int = 8) -> None:
             if extend:
                 os.truncate(data, needed)
             return
-        if _tries > 1 and _newest_txnid(data) != best[1]:
+        if _newest_txnid(data) != best[1]:
             # A live owner committed while the trees were walked (a reader's check: the
-            # owner reuses free pages meanwhile): look again at the file as it is now.
-            return check_file(path, extend, _tries - 1)
+            # owner reuses free pages meanwhile): look again at the file as it is now. An
+            # owner committing through every walk is a live store, not a lost end: LMDB
+            # maps it and its owner reads it, so it is taken as it is.
+            if _tries > 1:
+                return check_file(path, extend, _tries - 1)
+            return
         raise StoreCorrupt(
             f"{data} is cut short: its meta page says the store uses {needed:,} bytes, the file "
             f"has {size:,}; the end of the store is lost (a copy that stopped early, or a full "

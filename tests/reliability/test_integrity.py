@@ -681,14 +681,30 @@ async def test_a_reader_checking_a_live_store_looks_again_after_a_commit(
     def walked_during_a_commit(data: Path) -> bool:
         walks.append(data)
         if len(walks) == 1:  # the owner commits while this walk runs: it sees a torn tree
-            env = lmdb.open(str(store), max_dbs=32, lock=False)
-            with env.begin(write=True) as txn:
-                txn.put(b"engram-test", b"a commit meanwhile")
-            env.close()
-            return False
+            return _commit_meanwhile(store)
         return fits(data)
 
     fits = integrity.in_use_fits
     monkeypatch.setattr(integrity, "in_use_fits", walked_during_a_commit)
     integrity.check_file(store)
     assert len(walks) == 2
+    # An owner committing through every walk: a live store, taken as it is after the last
+    # try, not called cut short.
+    walks.clear()
+
+    def always_during_a_commit(data: Path) -> bool:
+        walks.append(data)
+        return _commit_meanwhile(store)
+
+    monkeypatch.setattr(integrity, "in_use_fits", always_during_a_commit)
+    integrity.check_file(store)
+    assert len(walks) == 8
+
+
+def _commit_meanwhile(store: Path) -> bool:
+    """A commit by another process while a walk runs; the walk saw a torn tree."""
+    env = lmdb.open(str(store), max_dbs=32, lock=False)
+    with env.begin(write=True) as txn:
+        txn.put(b"engram-test", b"a commit meanwhile")
+    env.close()
+    return False
