@@ -1133,19 +1133,21 @@ async def _write(parts: Parts, imports: list[tuple[UserRecords, str]],
                 parts.embedder.preset(preset)
         if last:
             await store.wait_committed(last)
-        if parts.notes_md is not None:
-            for user, line in zip(owners, todo):
-                if isinstance(line, NoteLine):
-                    await parts.notes_md.write(_note(line, user.lsn_map[line.lsn], user.user_id))
         await _write_unlogged(parts, users)
     finally:
-        # Queued records land whether or not the caller stays for them (a cancel, a failed
-        # write of the unlogged ones): the caches that read the user before the import learn
-        # of them once they have, and read the user again. Dropped before the commit, a read
-        # in between would cache the user without them again.
+        # Queued records land whether or not the caller stays for them (a cancel, a block
+        # refused after others were queued, a failed write of the unlogged ones): once
+        # everything this import queued has, its notes' files are written and the caches that
+        # read the user before it learn of them, reading the user again. Dropped before the
+        # commit, a read in between would cache the user without them again.
         if last:
             with trio.CancelScope(shield=True), suppress(EngineError):
-                await store.wait_committed(last)
+                await store.wait_written()
+                if parts.notes_md is not None:
+                    for user, line in zip(owners, todo):
+                        lsn = user.lsn_map.get(line.lsn) if type(line) is NoteLine else None
+                        if lsn is not None:
+                            await parts.notes_md.write(_note(line, lsn, user.user_id))
         for user in users:
             parts.facts.forget(user.user_id)
             parts.compressor.forget(user.user_id, None)

@@ -135,3 +135,47 @@ async def test_an_import_cancelled_while_its_records_commit_still_reaches_the_ca
         await mem.remember_fact("maya", "identity", "location", "Porto")
         active = {f.value for f in await mem.fact_versions("maya") if f.status == "active"}
     assert active == {"tea", "Porto"}
+
+
+async def test_an_import_cancelled_while_its_links_and_entities_commit_reaches_them_too(
+        store_path, tmp_path) -> None:
+    """import_user cancelled while its records without a log position (entities, links,
+    reviews) waited to commit, its notes already stored: they land, the user's entity names
+    read before the import learn of them, and the notes' Markdown files are written (before,
+    the entity cache kept the user without them until a restart, and no file was made)."""
+    export = io.BytesIO()
+    async with open_engine(tmp_path / "a") as mem:
+        await mem.add_turn("maya", "s1", "user", "I met Carlos Mendes in Lisbon yesterday")
+        await mem.store_note("maya", "Carlos is a friend from Porto")
+        await mem.flush()
+        await mem.export_user("maya", export)
+    root = tmp_path / "notes"
+    async with open_engine(store_path, config={"notes_markdown_dir": str(root)}) as mem:
+        assert await mem.entity_info("maya", "Carlos Mendes") is None  # cached: none
+        gate = _gate_writer(mem)
+        store = mem._store
+        write_unlogged = store.write_unlogged
+        entered = trio.Event()
+
+        async def held(*ops):
+            gate.clear()  # this write waits in the writer, the logged records landed
+            entered.set()
+            return await write_unlogged(*ops)
+
+        store.write_unlogged = held
+        try:
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(mem.import_user, export.getvalue())
+                    await entered.wait()
+                    await trio.testing.wait_all_tasks_blocked()
+                    scope.cancel()
+                    gate.set()
+        finally:
+            gate.set()
+            store.write_unlogged = write_unlogged
+        await mem.flush()
+        info = await mem.entity_info("maya", "Carlos Mendes")
+        notes = await mem.list_notes("maya")
+    assert info is not None and info.memories
+    assert [p.name for p in (root / "maya").iterdir()] == [f"{notes[0].note_id}.md"]
