@@ -38,9 +38,10 @@ WRITER_HEAP = 64_000_000  # tantivy's writer heap: one thread's worth, well abov
 # whenever the analyser's chain changes: "engram_en" folded no accents.
 ANALYZER = "engram_en_folded"
 FOOTER_MAGIC = 1337  # tantivy's footer magic number, the last 4 bytes of every segment file
-# Files every segment has (our schema has fast fields and a stored-nothing doc store);
-# ``.pos`` is left out: which segments have one depends on the fields' options.
-SEGMENT_FILES = ("idx", "term", "store", "fast", "fieldnorm")
+# Files every segment has: our schema has fast fields and a stored-nothing doc store, and
+# tantivy writes a positions file (``.pos``) beside the postings and opens it for every text
+# field, positions recorded or not, so a segment without one fails every search.
+SEGMENT_FILES = ("idx", "pos", "term", "store", "fast", "fieldnorm")
 
 
 def _analyzer() -> tantivy.TextAnalyzer:
@@ -182,8 +183,6 @@ def check_index(path: Path) -> int:
             expected += [f"{sid}.{ext}" for ext in SEGMENT_FILES]
             if segment.get("deletes"):
                 expected.append(f"{sid}.{segment['deletes']['opstamp']}.del")
-            if (path / f"{sid}.pos").exists():
-                expected.append(f"{sid}.pos")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise IndexDamaged(f"meta.json is unreadable: {exc!r}") from exc
     checked = 0
