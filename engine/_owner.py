@@ -24,9 +24,13 @@ from actors.base.errors import InvalidInput, StoreInUse
 
 from ._files import PATH_ERRNOS, refused, resolved
 
-__all__ = ["OwnerLock", "LOCK_NAME", "claim_in_process", "release_in_process"]
+__all__ = ["OwnerLock", "LOCK_NAME", "SNAPSHOT_STORE", "MANIFEST_NAME", "claim_in_process",
+           "release_in_process"]
 
 LOCK_NAME = "owner.lock"
+# A snapshot's layout: its manifest, and the store's data.mdb in a folder of this name.
+MANIFEST_NAME = "manifest.json"
+SNAPSHOT_STORE = "store"
 
 # Store directories (device, inode) that an engine of this process has open, owner or reader:
 # LMDB must not have one environment open twice in a process (closing either would drop the
@@ -55,7 +59,14 @@ class OwnerLock:
                 this process cannot create or write.
             StoreInUse: another engine or command holds it (its pid is in the message).
         """
-        resolved("path", self.store)
+        path = resolved("path", self.store)
+        if path.name == SNAPSHOT_STORE and (path.parent / MANIFEST_NAME).is_file():
+            # Written to, its data.mdb would no longer match the manifest, and the snapshot
+            # (maybe the only backup) would not restore.
+            raise InvalidInput("path", f"expected a store, found the copy of one inside the "
+                                       f"snapshot {path.parent}; restore the snapshot to a "
+                                       "new directory and open that, or open this one with "
+                                       "read_only=True")
         try:
             if self.store.exists() and not self.store.is_dir():
                 raise InvalidInput("path", f"expected a store directory, found a file at "

@@ -42,7 +42,7 @@ from actors.store import LOG_TOMBSTONE, MAX_DBS, clean_copy, lsn_key, open_datab
 from actors.store.integrity import HEAD_KEY
 
 from ._files import PATH_ERRNOS, refused, resolved
-from ._owner import OwnerLock
+from ._owner import MANIFEST_NAME, SNAPSHOT_STORE, OwnerLock
 from ._parts import Parts
 from ._verify import require_store, verify_chain
 from ._version import __version__
@@ -52,7 +52,7 @@ __all__ = ["Manifest", "take_snapshot", "restore", "compact", "MANIFEST_FORMAT"]
 MANIFEST_FORMAT = 1
 CHUNK = 64 << 20  # checksum unit: large files are hashed a chunk per thread
 READ_STEP = 8 << 20  # one read of a chunk being hashed or copied
-STORE_FILE = "store/data.mdb"  # the one file every snapshot has
+STORE_FILE = f"{SNAPSHOT_STORE}/data.mdb"  # the one file every snapshot has
 _copy_buffers = threading.local()  # each restore thread's READ_STEP buffer (_copy_chunk)
 
 
@@ -128,7 +128,7 @@ async def _checksums(root: Path, sync: bool = False,
     ``known`` gives the chunks' sha256s of files hashed as they were written (not read
     again)."""
     known = known or {}
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != "manifest.json")
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
     sizes = {p: p.stat().st_size for p in files}
     chunks: dict[tuple[Path, int], str] = {}
     for path, digests in known.items():
@@ -282,8 +282,8 @@ async def take_snapshot(parts: Parts, dest: Path,
         key = parts.config.integrity_key
         if key is not None:
             manifest = msgspec.structs.replace(manifest, mac=manifest_mac(manifest, key))
-        (partial / "manifest.json").write_bytes(msgspec.json.format(msgspec.json.encode(manifest)))
-        await trio.to_thread.run_sync(_fsync, partial / "manifest.json")
+        (partial / MANIFEST_NAME).write_bytes(msgspec.json.format(msgspec.json.encode(manifest)))
+        await trio.to_thread.run_sync(_fsync, partial / MANIFEST_NAME)
         if dest.exists():
             dest.rmdir()
         partial.rename(dest)
@@ -295,7 +295,7 @@ async def take_snapshot(parts: Parts, dest: Path,
 
 
 def read_manifest(snapshot: Path) -> Manifest:
-    path = snapshot / "manifest.json"
+    path = snapshot / MANIFEST_NAME
     try:
         # A folder of that name is no manifest either (reading it would be IsADirectoryError).
         body = path.read_bytes() if path.is_file() else None

@@ -322,6 +322,32 @@ async def test_a_restore_into_the_snapshot_itself_is_refused_and_the_snapshot_ke
         assert [t.text for t in await mem.session_history("ana", "s")] == ["hello"]
 
 
+async def test_a_snapshots_own_store_is_never_opened_to_write(tmp_path) -> None:
+    """The ``store/`` folder inside a snapshot holds a data.mdb that is an LMDB store: opened
+    to write or compacted, it no longer matched the manifest, and the snapshot (maybe the
+    only backup) would not restore. Both are refused naming the snapshot, a read-only open
+    is not, and the snapshot restores afterwards."""
+    async with open_engine(tmp_path / "live") as mem:
+        await mem.add_turn("ana", "s", "user", "hello")
+        await mem.flush()
+        await mem.snapshot(tmp_path / "snap")
+    inside = tmp_path / "snap" / "store"
+    before = (inside / "data.mdb").read_bytes()
+    refusal = rf"path: expected a store, found the copy of one inside the snapshot {tmp_path}"
+    with pytest.raises(InvalidInput, match=refusal):
+        async with open_engine(inside):
+            pass
+    with pytest.raises(InvalidInput, match=refusal):
+        await Engine.compact(inside)
+    assert [p.name for p in inside.iterdir()] == ["data.mdb"]
+    async with open_engine(inside, read_only=True) as mem:
+        assert [t.text for t in await mem.session_history("ana", "s")] == ["hello"]
+    assert (inside / "data.mdb").read_bytes() == before
+    await Engine.restore(tmp_path / "snap", tmp_path / "again")
+    async with open_engine(tmp_path / "again") as mem:
+        assert [t.text for t in await mem.session_history("ana", "s")] == ["hello"]
+
+
 async def test_a_leftover_name_that_is_a_store_or_a_snapshot_is_never_removed(tmp_path) -> None:
     """A snapshot clears ``DEST.partial`` and a restore ``STORE.restoring`` (what one cut
     short left): when that name is the live store, or the snapshot being restored, it is
