@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from actors.base.errors import InvalidInput
@@ -64,6 +66,23 @@ def refused(field: str, exc: OSError, expected: str) -> InvalidInput:
     """The caller's error for a path the system refused with one of :data:`PATH_ERRNOS`
     (any other, a full disk or an I/O error, is not the caller's path: re-raise it)."""
     return InvalidInput(field, f"expected {expected}, found {exc.strerror} for {exc.filename}")
+
+
+@contextmanager
+def one_disk_error() -> Iterator[None]:
+    """Let a disk's error out of task groups alone. Files are copied and flushed a few at a
+    time: a full disk or a failing device fails each of those tasks, and their nursery raises
+    an ExceptionGroup of the same OSError where the caller (and the command line's one-line
+    errors) expects the OSError. A group holding anything else passes unchanged."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        if group.split(OSError)[1] is not None:
+            raise
+        first: BaseException = group
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
 
 
 def write_atomically(path: Path, data: bytes) -> None:

@@ -41,7 +41,7 @@ from actors.fulltext import build_index
 from actors.store import LOG_TOMBSTONE, MAX_DBS, clean_copy, lsn_key, open_databases
 from actors.store.integrity import HEAD_KEY
 
-from ._files import PATH_ERRNOS, refused, resolved
+from ._files import PATH_ERRNOS, one_disk_error, refused, resolved
 from ._owner import MANIFEST_NAME, SNAPSHOT_STORE, OwnerLock
 from ._parts import Parts
 from ._verify import require_store, verify_chain
@@ -251,6 +251,15 @@ async def take_snapshot(parts: Parts, dest: Path,
     are done: the copy of a scrubbed store needs no zeroing (``Store.copy_to``)."""
     started = trio.current_time()
     dest, partial = await trio.to_thread.run_sync(_partial, dest, parts.store.path)
+    with one_disk_error():
+        return await _snapshot_into(parts, dest, partial, scrubbed, started)
+
+
+async def _snapshot_into(parts: Parts, dest: Path, partial: Path,
+                         scrubbed: Callable[[], Awaitable[None]] | None, started: float
+                         ) -> Manifest:
+    """:func:`take_snapshot`'s copy into ``partial``, renamed ``dest`` once whole; removed if
+    it fails."""
     try:
         if scrubbed is not None:
             await scrubbed()
@@ -374,7 +383,8 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
     # Replacing a store another engine serves would pull it from under that engine.
     owner = OwnerLock(store, "restore").acquire() if there else None
     try:
-        await _install(snapshot, store, manifest, progress, integrity_key)
+        with one_disk_error():
+            await _install(snapshot, store, manifest, progress, integrity_key)
     finally:
         if owner is not None:
             owner.release()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 import pytest
 import trio
 
+import engine._snapshot as snapshot_mod
 from engine import Engine, InvalidInput, Manifest, StoreIncompatible, StoreInUse
 
 from .conftest import StepClock, open_engine
@@ -346,6 +348,28 @@ async def test_a_snapshots_own_store_is_never_opened_to_write(tmp_path) -> None:
     await Engine.restore(tmp_path / "snap", tmp_path / "again")
     async with open_engine(tmp_path / "again") as mem:
         assert [t.text for t in await mem.session_history("ana", "s")] == ["hello"]
+
+
+async def test_a_restore_onto_a_full_disk_raises_one_os_error_and_leaves_nothing(
+        tmp_path, monkeypatch) -> None:
+    """Files are copied two chunks at a time: when the disk fills, both copies fail, and the
+    caller got an ExceptionGroup (the command line a traceback) where a snapshot onto a full
+    disk gives one OSError. The restore raises the disk's error alone, and nothing of it is
+    left beside the target."""
+    async with open_engine(tmp_path / "live") as mem:
+        await mem.add_turns([{"user_id": "ana", "session_id": "s", "role": "user",
+                              "text": f"turn {i}"} for i in range(50)])
+        await mem.flush()
+        await mem.snapshot(tmp_path / "snap")
+
+    def full(source: Path, target: Path, offset: int) -> str:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
+
+    monkeypatch.setattr(snapshot_mod, "_copy_chunk", full)
+    with pytest.raises(OSError) as raised:
+        await Engine.restore(tmp_path / "snap", tmp_path / "restored")
+    assert type(raised.value) is OSError and raised.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["live", "snap"]
 
 
 async def test_a_leftover_name_that_is_a_store_or_a_snapshot_is_never_removed(tmp_path) -> None:
