@@ -89,6 +89,21 @@ def _utc_now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def _path_arg(field: str, value: Any) -> Path:
+    """A path argument of a store command, refused before ``os.fspath`` raises TypeError."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise InvalidInput(field, f"expected a directory path, found {type(value).__name__}")
+    return Path(value)
+
+
+def _key_arg(key: Any) -> str | None:
+    """An ``integrity_key`` argument: a string or None (the key's rules are Config's)."""
+    if key is not None and not isinstance(key, str):
+        raise InvalidInput("integrity_key", f"expected a string or None, found "
+                                            f"{type(key).__name__}")
+    return key
+
+
 def _checked_clock(clock: Any) -> Clock:
     """``clock``, once one reading shows it gives timezone-aware datetimes: every time the
     engine compares is aware, and a naive clock failed only later, inside recall."""
@@ -1061,9 +1076,7 @@ class Engine:
             InvalidInput: ``dest`` has files in it.
         """
         self._parts.check_open()
-        if not isinstance(dest, (str, os.PathLike)):
-            raise InvalidInput("dest", f"expected a directory path, found {type(dest).__name__}")
-        return await take_snapshot(self._parts, Path(dest), self._scrubbed)
+        return await take_snapshot(self._parts, _path_arg("dest", dest), self._scrubbed)
 
     @staticmethod
     async def restore(snapshot_dir: str | os.PathLike[str], store_path: str | os.PathLike[str],
@@ -1095,8 +1108,9 @@ class Engine:
                 store's hash chain breaks.
             StoreInUse: an engine serves the store at ``store_path``; nothing was replaced.
         """
-        return await restore(Path(snapshot_dir), Path(store_path), overwrite, progress,
-                             integrity_key)
+        return await restore(_path_arg("snapshot", snapshot_dir),
+                             _path_arg("store_path", store_path), overwrite, progress,
+                             _key_arg(integrity_key))
 
     @staticmethod
     async def verify(store_path: str | os.PathLike[str], *, integrity_key: str | None = None,
@@ -1121,7 +1135,8 @@ class Engine:
             InvalidInput: no store there, ``seal`` without a key, or a store an engine of
                 this process serves.
         """
-        return await trio.to_thread.run_sync(verify_store, Path(store_path), integrity_key, seal)
+        return await trio.to_thread.run_sync(verify_store, _path_arg("store_path", store_path),
+                                             _key_arg(integrity_key), seal)
 
     @staticmethod
     async def compact(store_path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -1131,7 +1146,7 @@ class Engine:
         Raises:
             StoreInUse: an engine has the store open (the message names its pid).
         """
-        return await trio.to_thread.run_sync(compact, Path(store_path))
+        return await trio.to_thread.run_sync(compact, _path_arg("store_path", store_path))
 
     # -- upkeep ------------------------------------------------------------------------------
 

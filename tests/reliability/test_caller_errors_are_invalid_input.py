@@ -82,3 +82,31 @@ async def test_no_exception_group_escapes_a_search(mem: Engine) -> None:
         with pytest.raises(InvalidInput):
             await mem.recall("ana", "hello", **kwargs)
     await trio.lowlevel.checkpoint()
+
+
+async def test_a_store_commands_paths_and_key_of_the_wrong_type_are_invalid_input(
+        tmp_path: Path) -> None:
+    """restore, verify and compact took any value: a number as a path was a TypeError out of
+    os.fspath, a number or bytes as the key an AttributeError out of its encoding."""
+    async with open_engine(tmp_path / "live") as mem:
+        await mem.add_turn("ana", "s", "user", "hello")
+        await mem.snapshot(tmp_path / "snap")
+    snap, live = tmp_path / "snap", tmp_path / "live"
+    calls = {
+        "snapshot": lambda: Engine.restore(123, tmp_path / "r"),
+        "store_path": lambda: Engine.restore(snap, None),
+        "integrity_key": lambda: Engine.restore(snap, tmp_path / "r", integrity_key=5),
+    }
+    for field, call in calls.items():
+        with pytest.raises(InvalidInput, match=rf"^{field}: expected") as info:
+            await call()
+        assert info.value.field == field
+    for call in (lambda: Engine.verify(live, integrity_key=5),
+                 lambda: Engine.verify(live, integrity_key=b"a key of sixteen bytes")):
+        with pytest.raises(InvalidInput, match=r"^integrity_key: expected a string"):
+            await call()
+    for call in (lambda: Engine.verify(3.5), lambda: Engine.compact(["x"])):
+        with pytest.raises(InvalidInput, match=r"^store_path: expected a directory path"):
+            await call()
+    assert not (tmp_path / "r").exists()
+    assert (await Engine.verify(live))["ok"]
