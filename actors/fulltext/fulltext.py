@@ -61,6 +61,18 @@ log = logging.getLogger("engram.fulltext")
 COMMIT_DOCS = 4_096  # pending documents that trigger a commit
 COMMIT_INTERVAL = 1.0  # seconds a document may wait for its commit when nobody is waiting
 DAMAGED_SUFFIX = ".damaged-"  # a damaged index moved aside before it is removed
+
+
+def _remove(path: Path) -> None:
+    """Remove a damaged index moved aside, as far as it can go now (a folder, or a file that
+    stood where the folder goes); what is left goes at the next open."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass
 SEARCH_THREADS = 2  # concurrent searches: one per core
 PROGRESS_EVERY = 50_000  # log positions between progress lines of a rebuild
 # Pending documents that trigger a commit while the index catches up with what the store held
@@ -187,13 +199,13 @@ class FullText:
     def _open(self) -> None:
         committed = self._store.committed_lsn
         for left in self.path.parent.glob(f"{self.path.name}{DAMAGED_SUFFIX}*"):
-            shutil.rmtree(left, ignore_errors=True)
+            _remove(left)
         # No index where the store has records: it was lost (or never built) and is rebuilt.
         self.rebuilt = (not (self.path / "meta.json").exists() and committed > 0)
         if self.rebuilt:
             self.damage = "missing"
-        self.path.mkdir(parents=True, exist_ok=True)
         try:
+            self.path.mkdir(parents=True, exist_ok=True)  # a file of that name: damage too
             if (self.path / "meta.json").exists():
                 check_index(self.path)
                 _check_schema(self.path)
@@ -215,9 +227,9 @@ class FullText:
             # watcher) can still put a file in it, which made a plain rmtree fail now and then
             # with "Directory not empty"; what is left aside goes at the next open.
             aside = self.path.with_name(f"{self.path.name}{DAMAGED_SUFFIX}{os.getpid()}")
-            shutil.rmtree(aside, ignore_errors=True)
+            _remove(aside)
             os.rename(self.path, aside)
-            shutil.rmtree(aside, ignore_errors=True)
+            _remove(aside)
             self.path.mkdir(parents=True)
             index = tantivy.Index(self._schema, path=str(self.path), reuse=False)
             index.register_tokenizer(ANALYZER, self._analyzer)

@@ -307,3 +307,20 @@ async def test_a_panic_in_a_text_search_is_the_engines_own_error(tmp_path, monke
         # Through recall, whose legs run in a nursery: the one error, not an exception group.
         with pytest.raises(EngineBroken, match="failed a search: index out of bounds"):
             await mem.recall("ana", "lisbon")
+
+
+async def test_a_file_where_the_text_index_folder_goes_is_replaced_by_a_rebuilt_index(
+        template, tmp_path) -> None:
+    """A file named fulltext in the store's folder: the open raised FileExistsError out of
+    pathlib. It is damage like any other: moved aside, removed, and the index rebuilt."""
+    source, expected = template
+    store = tmp_path / "store"
+    shutil.copytree(source, store)
+    shutil.rmtree(store / "fulltext")
+    (store / "fulltext").write_bytes(b"not a folder")
+    async with open_engine(store, config=TURNS_ONLY) as mem:
+        assert mem._fulltext.rebuilt
+        await mem.flush()
+        assert await _answers(mem) == expected
+    assert sorted(p.name for p in store.iterdir() if p.name.startswith("fulltext")) == [
+        "fulltext"]
