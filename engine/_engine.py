@@ -1074,6 +1074,7 @@ class Engine:
 
         Raises:
             InvalidInput: ``dest`` has files in it.
+            OSError: the disk under ``dest`` is full or failed; nothing of the copy is left.
         """
         self._parts.check_open()
         return await take_snapshot(self._parts, _path_arg("dest", dest), self._scrubbed)
@@ -1107,6 +1108,8 @@ class Engine:
             StoreTampered: its manifest's MAC fails under the key (or it has none), or its
                 store's hash chain breaks.
             StoreInUse: an engine serves the store at ``store_path``; nothing was replaced.
+            OSError: the disk under ``store_path`` is full or failed; nothing of the copy is
+                left, and a store it would have replaced is still there.
         """
         return await restore(_path_arg("snapshot", snapshot_dir),
                              _path_arg("store_path", store_path), overwrite, progress,
