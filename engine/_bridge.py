@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from actors.base.config import Config
-from actors.base.errors import EngineClosed
+import outcome
+
+from actors.base.errors import EngineBroken, EngineClosed, EngineError
 
 from ._engine import Engine as TrioEngine
 
@@ -58,6 +60,17 @@ def forked_error(opened_in: int) -> EngineClosed | None:
                         f"({pid}) was forked from it, where its trio loop does not run; "
                         "open an engine in the process that uses it (one engine owns a store "
                         "at a time: the other process's must be closed first)")
+
+
+def stopped_error(result: outcome.Outcome | None) -> EngineError:
+    """What a facade's call gets once the engine's trio run ended without being closed:
+    EngineBroken with the failure as its cause if the engine failed, else EngineClosed."""
+    if isinstance(result, outcome.Error):
+        error = EngineBroken("the engine failed and stopped (the cause says why); open it "
+                             "again with Engine.open(path)")
+        error.__cause__ = result.error
+        return error
+    return EngineClosed("the engine stopped; open a new one with Engine.open(path)")
 
 
 class Settings:

@@ -258,6 +258,9 @@ class Engine(_bridge.Settings):
             raise forked
         if self._closed:
             raise _closed_error()
+        if self._done.done() and not self._done.cancelled():
+            # The trio run ended by itself (the engine broke): nothing is there to call.
+            raise _bridge.stopped_error(self._done.result())
         if self._loop.is_closed():  # closed with the engine open: its trio run went with it
             raise EngineClosed("the engine cannot be reached: the asyncio loop it was opened "
                                "on is closed; open the engine in the loop that uses it, with "

@@ -73,6 +73,7 @@ class Engine(_bridge.Settings):
         self._closed = False
         self._thread: threading.Thread | None = None  # runs the engine's trio loop
         self._pid = _bridge.pid  # the process whose thread runs the engine
+        self._result: list[outcome.Outcome] = []  # the trio run's outcome, once it ended
 
     @classmethod
     @contextmanager
@@ -85,7 +86,7 @@ class Engine(_bridge.Settings):
         """
         facade = cls()
         ready = threading.Event()  # set once the engine is open, or its opening failed
-        result: list[outcome.Outcome] = []
+        result = facade._result
         holder: dict[str, trio.Event] = {}
 
         async def trio_main() -> None:
@@ -148,8 +149,9 @@ class Engine(_bridge.Settings):
         try:
             return trio.from_thread.run(lambda: fn(*args, **kwargs), trio_token=self._token)
         except trio.RunFinishedError:
-            raise EngineClosed("the engine stopped; open a new one with Engine.open(path)"
-                               ) from None
+            # The trio run ended by itself (the engine broke): say why, not only that.
+            error = _bridge.stopped_error(self._result[0] if self._result else None)
+            raise error from error.__cause__
 
     def add_turn(self, user_id: str, session_id: str, role: str, text: str,
                  at: datetime | None = None, meta: dict[str, Any] | None = None,

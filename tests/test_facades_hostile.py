@@ -6,6 +6,7 @@ while opening, engines never closed. Each misuse ends in an error of the engine'
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import sys
 import threading
@@ -13,7 +14,7 @@ import threading
 import pytest
 import trio
 
-from engine import EngineClosed, HashEmbedder, NotFound, StoreInUse
+from engine import EngineBroken, EngineClosed, HashEmbedder, NotFound, StoreInUse
 from engine import aio, sync
 
 trio_loops = pytest.mark.parametrize("trio_loop", ["guest", "thread"])
@@ -163,6 +164,38 @@ async def later():
 
 asyncio.run(later())
 """
+
+
+@trio_loops
+def test_asyncio_calls_after_the_engine_broke_say_engine_broken(tmp_path, trio_loop) -> None:
+    """The engine's trio run ends by itself (its text index deleted under it): later calls
+    raised trio's own AttributeError in guest mode, and EngineClosed ("the engine stopped")
+    on a thread, hiding why. Both say EngineBroken, with the failure as its cause."""
+    path = tmp_path / "s"
+
+    async def main() -> list[BaseException]:
+        raised = []
+        with pytest.raises(EngineBroken):
+            async with aio.Engine.open(path, embedder=HashEmbedder(),
+                                       trio_loop=trio_loop) as mem:
+                await mem.add_turn("ana", "s1", "user", "before", durable=True)
+                await mem.flush()
+                shutil.rmtree(path / "fulltext")
+                mem.add_turn_nowait("ana", "s1", "user", "after")
+                while not mem._done.done():
+                    await asyncio.sleep(0.01)
+                for call in (mem.stats, lambda: mem.recall("ana", "before"),
+                             lambda: mem.add_turn("ana", "s1", "user", "later")):
+                    try:
+                        await call()
+                    except Exception as exc:  # noqa: BLE001 (what it is, is the test)
+                        raised.append(exc)
+        return raised
+
+    raised = asyncio.run(main())
+    assert [type(exc) for exc in raised] == [EngineBroken] * 3, raised
+    assert all("the engine failed" in str(exc) and exc.__cause__ is not None for exc in raised)
+    assert history(path) == ["before", "after"]
 
 
 @trio_loops
@@ -462,6 +495,28 @@ def test_a_blocking_engine_used_in_a_forked_child_says_it_cannot_be_reached(tmp_
     assert "child: left the block" in child.stdout, child.stdout + child.stderr
     assert history(tmp_path / "s") == ["said in the parent"]
 
+
+
+def test_blocking_calls_after_the_engine_broke_say_engine_broken(tmp_path) -> None:
+    """The blocking facade's engine broke by itself: its calls said EngineClosed ("the engine
+    stopped"), hiding why; they say EngineBroken, with the failure as its cause."""
+    path = tmp_path / "s"
+    raised = []
+    with pytest.raises(EngineBroken):
+        with sync.Engine.open(path, embedder=HashEmbedder()) as mem:
+            mem.add_turn("ana", "s1", "user", "before", durable=True)
+            mem.flush()
+            shutil.rmtree(path / "fulltext")
+            mem.add_turn("ana", "s1", "user", "after")
+            mem._thread.join(CHILD_SECONDS)
+            for call in (mem.stats, lambda: mem.recall("ana", "before")):
+                try:
+                    call()
+                except Exception as exc:  # noqa: BLE001 (what it is, is the test)
+                    raised.append(exc)
+    assert [type(exc) for exc in raised] == [EngineBroken] * 2, raised
+    assert all("the engine failed" in str(exc) and exc.__cause__ is not None for exc in raised)
+    assert history(path) == ["before", "after"]
 
 
 def test_a_receipt_awaited_after_the_blocking_engine_closed_says_the_turn_is_on_disk(
