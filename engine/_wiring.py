@@ -81,6 +81,8 @@ def checked_open(path: Any, config: Config | Mapping[str, Any] | None, llm: Any,
     """
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidInput("path", f"expected a directory path, found {type(path).__name__}")
+    if os.fspath(path) == "":  # an unset setting, not "." (Path("") is "." already)
+        raise InvalidInput("path", "expected a directory path, found an empty one")
     if llm is not None and not isinstance(llm, LLM):
         raise InvalidInput("llm", "expected an object with an async complete(system, prompt) "
                                   f"method, found {type(llm).__name__}")
@@ -116,6 +118,16 @@ async def embedding_for(root: Path, config: Config, embedder: EmbeddingBackend |
     ``reembed``). Nothing is loaded here: the actor reads the model files when it starts
     (``running``), and raises ModelMissing then.
     """
+    if embedder is not None and (isinstance(embedder, type) or not (
+            callable(getattr(embedder, "load", None))
+            and callable(getattr(embedder, "encode", None))
+            and isinstance(getattr(embedder, "model_id", None), str)
+            and type(getattr(embedder, "dim", None)) is int)):
+        raise InvalidInput("embedder", "expected an embedding backend (load(), encode(texts), "
+                                       "a str model_id and an int dim), found "
+                                       + (f"the class {embedder.__name__}: pass an instance"
+                                          if isinstance(embedder, type)
+                                          else type(embedder).__name__))
     if embedder is None:
         model = config.model
         if model is None and reembed:  # the faster variant on this machine

@@ -110,3 +110,23 @@ async def test_a_store_commands_paths_and_key_of_the_wrong_type_are_invalid_inpu
             await call()
     assert not (tmp_path / "r").exists()
     assert (await Engine.verify(live))["ok"]
+
+
+async def test_an_empty_path_or_an_embedder_that_is_none_is_invalid_input(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine.open("") opened the current folder as a store (an unset variable defaulting to
+    "" put LMDB files wherever the bot ran); embedder=5 failed inside the actor with an
+    AttributeError."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidInput, match=r"^path: expected a directory path, found an "
+                                           r"empty one"):
+        async with Engine.open(""):
+            pass
+    assert list(tmp_path.iterdir()) == []
+    from engine import HashEmbedder
+    for wrong, found in ((5, "int"), (HashEmbedder, "the class HashEmbedder"),
+                         (object(), "object")):
+        with pytest.raises(InvalidInput, match=rf"^embedder: expected .*, found {found}"):
+            async with Engine.open(tmp_path / "s", embedder=wrong):
+                pass
+    assert list(tmp_path.iterdir()) == []
