@@ -519,7 +519,7 @@ class Engine:
         """
         parts = self._parts
         parts.check_open()
-        parts.check_ids(user_id, session_id)
+        parts.check_session(user_id, session_id)
         check_count("budget_tokens", budget_tokens, 1, 1_000_000)
         if query is not None:
             parts.check_text("query", query)

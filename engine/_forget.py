@@ -111,7 +111,7 @@ class Forgetting:
     async def forget_session(self, user_id: Any, session_id: Any) -> None:
         parts = self._parts
         parts.check_open()
-        parts.check_lookup_ids(user_id, session_id)
+        parts.check_session(user_id, session_id, lookup=True)
         if len(user_id.encode()) + len(session_id.encode()) + 10 > MAX_KEY_BYTES:
             # Two legacy-length ids: no turn key of theirs fits LMDB, so no such session was
             # ever stored (and a key built from them would be refused by the store).

@@ -225,7 +225,7 @@ class Ingest:
     async def session_history(self, user_id: Any, session_id: Any, limit: Any) -> list[Turn]:
         parts = self._parts
         parts.check_open()
-        parts.check_lookup_ids(user_id, session_id)
+        parts.check_session(user_id, session_id, lookup=True)
         check_count("limit", limit, 1, 1_000_000)
         return await parts.buffer.history(user_id, session_id, limit)
 

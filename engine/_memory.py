@@ -293,7 +293,7 @@ class Memory:
     async def session_summary(self, user_id: Any, session_id: Any) -> SummaryState | None:
         parts = self._parts
         parts.check_open()
-        parts.check_lookup_ids(user_id, session_id)
+        parts.check_session(user_id, session_id, lookup=True)
         await parts.committed()
         return await parts.store.read(read_summary, user_id, session_id)
 
@@ -301,7 +301,7 @@ class Memory:
                                     upper_seq: Any, expected_epoch: Any) -> bool:
         parts = self._parts
         parts.check_open()
-        parts.check_ids(user_id, session_id)
+        parts.check_session(user_id, session_id)
         parts.check_text("summary", summary)
         turns = self._session_turns(user_id, session_id)
         check_count("upper_seq", upper_seq, 0, turns)
@@ -334,7 +334,7 @@ class Memory:
     async def close_session(self, user_id: Any, session_id: Any) -> bool:
         parts = self._parts
         parts.check_open()
-        parts.check_ids(user_id, session_id)
+        parts.check_session(user_id, session_id)
         turns = self._session_turns(user_id, session_id)
         return await parts.compressor.consolidate(user_id, session_id, turns)
 

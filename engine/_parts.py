@@ -167,6 +167,12 @@ class Parts:
         if session_id is not None:
             v.check_id("session_id", session_id, self.config.max_id_chars)
 
+    def check_session(self, user_id: Any, session_id: Any, lookup: bool = False) -> None:
+        """:meth:`check_ids` (``lookup``: :meth:`check_lookup_ids`) for a call that names one
+        session: None is refused there, not read as "no session given"."""
+        v.check_id("user_id", user_id, self.config.max_id_chars, lookup=lookup)
+        v.check_id("session_id", session_id, self.config.max_id_chars, lookup=lookup)
+
     def check_id(self, field: str, value: Any) -> str:
         return v.check_id(field, value, self.config.max_id_chars)
 

@@ -130,3 +130,24 @@ async def test_an_empty_path_or_an_embedder_that_is_none_is_invalid_input(
             async with Engine.open(tmp_path / "s", embedder=wrong):
                 pass
     assert list(tmp_path.iterdir()) == []
+
+
+async def test_a_session_id_of_none_where_one_is_needed_is_invalid_input(mem: Engine) -> None:
+    """None read as "no session given": forget_session and session_summary raised an
+    AttributeError out of encoding it, session_history answered [] as if the session were
+    empty, and the others failed later or answered for no session."""
+    await mem.add_turn("ana", "s", "user", "hello", durable=True)
+    calls = {
+        "forget_session": lambda: mem.forget_session("ana", None),
+        "session_summary": lambda: mem.session_summary("ana", None),
+        "session_history": lambda: mem.session_history("ana", None),
+        "context_for_prompt": lambda: mem.context_for_prompt("ana", None),
+        "write_session_summary": lambda: mem.write_session_summary("ana", None, "s", 0, 0),
+        "close_session": lambda: mem.close_session("ana", None),
+    }
+    for name, call in calls.items():
+        with pytest.raises(InvalidInput, match=r"^session_id: expected") as info:
+            await call()
+        assert info.value.field == "session_id", name
+    assert [t.text for t in await mem.session_history("ana", "s")] == ["hello"]
+    assert await mem.episodes("ana", None) == []  # None there means every session
