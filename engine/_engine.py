@@ -875,6 +875,9 @@ class Engine:
                                           f"{type(sources).__name__}")
         if as_users is None:
             as_users = [None] * len(sources)
+        if isinstance(as_users, (str, bytes)) or not isinstance(as_users, Sequence):
+            raise InvalidInput("as_users", "expected a list of user ids (or None), one per "
+                                           f"source, found {type(as_users).__name__}")
         if len(as_users) != len(sources):
             raise InvalidInput("as_users", f"expected one per source ({len(sources)}), found "
                                            f"{len(as_users)}")

@@ -263,7 +263,7 @@ async def call_tool(engine: ToolHost, name: str, arguments: Mapping[str, Any] | 
     Raises:
         InvalidInput: an unknown tool, or arguments that do not fit its schema.
     """
-    schema = _SCHEMAS.get(name)
+    schema = _SCHEMAS.get(name) if isinstance(name, str) else None
     if schema is None:
         raise NotFound("name", f"expected one of {', '.join(_SCHEMAS)}, found {_shown(name)}")
     if isinstance(arguments, str):

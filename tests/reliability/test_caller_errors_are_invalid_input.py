@@ -3,6 +3,7 @@ writes nothing (case 9 of issue 11)."""
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
@@ -151,3 +152,24 @@ async def test_a_session_id_of_none_where_one_is_needed_is_invalid_input(mem: En
         assert info.value.field == "session_id", name
     assert [t.text for t in await mem.session_history("ana", "s")] == ["hello"]
     assert await mem.episodes("ana", None) == []  # None there means every session
+
+
+async def test_import_users_as_users_and_a_tool_name_of_the_wrong_type_are_invalid_input(
+        mem: Engine) -> None:
+    """as_users="xy" imported two exports under users "x" and "y" (a string is a sequence),
+    as_users=0 raised TypeError; call_tool with a list or a dict as its name raised
+    TypeError (unhashable) before the name was checked."""
+    await mem.add_turn("ana", "s", "user", "hello", durable=True)
+    await mem.add_turn("bo", "s", "user", "hi", durable=True)
+    exports = []
+    for user in ("ana", "bo"):
+        out = io.BytesIO()
+        await mem.export_user(user, out)
+        exports.append(out.getvalue())
+    for wrong in ("xy", 0, b"xy"):
+        with pytest.raises(InvalidInput, match=r"^as_users: expected a list of user ids"):
+            await mem.import_users(exports, as_users=wrong)
+    for name in ([], {}, ["recall"]):
+        with pytest.raises(InvalidInput, match=r"^name: expected one of"):
+            await mem.call_tool(name, {})
+    assert sorted(await mem.list_users()) == ["ana", "bo"]
