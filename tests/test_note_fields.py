@@ -170,3 +170,32 @@ async def test_the_http_api_stores_shows_and_filters_the_fields(store_path) -> N
         assert [h["text"] for h in hits] == ["Lisbon flat signed"]
         bad = await http.post("/v1/users/ana/notes", json={"text": "x", "importance": 2})
         assert bad.status_code == 422
+
+
+async def test_a_category_filter_matches_however_the_category_was_spelt(store_path) -> None:
+    """The engine takes "Identity", " identity " and "IDENTITY" (and a decomposed "é") as one
+    category: a fact under one supersedes the fact under another, and profile(category=)
+    finds either. recall's category filter and where={"category": ...} compared the spelling
+    exactly, in every leg, and silently left out memories of that category."""
+    nfd = unicodedata.normalize("NFD", "Préférence")
+    async with open_engine(store_path, config={"long_term": False}) as mem:
+        await mem.remember_fact("ana", "Identity", "location", "Lisbon")
+        await mem.remember_fact("ana", " identity", "location", "Porto")
+        await mem.store_note("ana", "Porto tram rides at dawn", category="préférence")
+        await mem.store_note("ana", "Porto bakeries first", category=f" {nfd} ")
+        await mem.flush()
+        assert [f.value for f in await mem.profile("ana", category="IDENTITY")] == ["Porto"]
+
+        async def texts(**filters) -> set[str]:
+            return {h.text for h in await mem.recall("ana", "Porto", limit=20, **filters)}
+
+        for spelling in ("identity", "Identity", "  IDENTITY "):
+            assert await texts(category=spelling) == {"location: Porto"}
+            assert await texts(where={"category": spelling}) == {"location: Porto"}
+            assert await texts(category=[spelling], legs=["vector"]) == {"location: Porto"}
+        both = {"Porto tram rides at dawn", "Porto bakeries first"}
+        for spelling in ("préférence", "PRÉFÉRENCE", nfd, " Préférence "):
+            assert await texts(category=spelling) == both
+            assert await texts(where={"category": {"in": [spelling, "x"]}}) == both
+        assert await texts(where={"category": {"contains": "FÉR"}}) == both
+        assert await texts(where={"category": {"ne": "Préférence"}, "kind": "note"}) == set()

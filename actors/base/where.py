@@ -24,7 +24,9 @@ holding a list matches when any element does. Numbers compare as numbers (``2`` 
 strictly between -2**53 and 2**53; ``kind`` and ``role`` take only the values records have
 (``turn``, ``episode``, ``fact``, ``note``; ``user``, ``assistant``, ``system``, ``tool``);
 ``contains`` is a case-sensitive substring (at most 200 bytes of UTF-8, at most 4 contains
-in a filter) of a string (of any string in a list).
+in a filter) of a string (of any string in a list). ``category`` compares as the engine tells
+categories apart everywhere else (a fact under " identity" supersedes one under "Identity"):
+case, spacing and composed or decomposed accents aside, ``contains`` too (:func:`folded`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any
 
 from .errors import InvalidInput
 from .records import ROLES
+from .text import folded
 from .validate import check_int, check_utf8
 from .validate import found as _found
 
@@ -70,6 +73,8 @@ RECORD_FIELDS = {"kind": str, "role": str, "session_id": str, "tags": str, "cate
 # Record fields with a few known values: any other is a slip that would match nothing (or,
 # with ne / nin, everything), so it is refused as recall's kinds= and roles= refuse it.
 _KNOWN = {"kind": ("turn", "episode", "fact", "note"), "role": ROLES}
+# Record fields held and compared folded (:func:`folded`), as the engine matches them.
+_FOLDED = frozenset({"category"})
 _RANGES = {"gt": (lambda a, b: a > b), "gte": (lambda a, b: a >= b),
            "lt": (lambda a, b: a < b), "lte": (lambda a, b: a <= b)}
 _REGEX_META = frozenset("\\.+*?()|[]{}^$")
@@ -100,7 +105,7 @@ def attributes(record: Any) -> dict[str, dict[str, Any]]:
         fields = {"kind": "note", "tags": record.tags}
         meta = {}
     elif kind == "Fact":
-        fields = {"kind": "fact", "tags": (record.category,), "category": record.category,
+        fields = {"kind": "fact", "tags": (record.category,), "category": folded(record.category),
                   "key": record.key, "value": record.value, "importance": record.importance,
                   "confidence": record.confidence, "origin": record.origin}
         meta = {}
@@ -112,7 +117,7 @@ def attributes(record: Any) -> dict[str, dict[str, Any]]:
     for name in ("category", "importance", "emotion", "agent_id", "run_id"):
         value = getattr(record, name, None)
         if value is not None and value != "" and name not in fields:
-            fields[name] = value
+            fields[name] = folded(value) if name in _FOLDED else value
     return {"f": fields, "m": _nameable(meta) if meta else meta}
 
 
@@ -397,6 +402,8 @@ def _conditions(name: Any, value: Any, field: str, count: list[int]) -> list[Nod
                                        "part of it")
         else:
             operand = _scalar(operand, at, kind)
+        if path[0] == "f" and path[1] in _FOLDED:
+            operand = (tuple(map(folded, operand)) if op in ("in", "nin") else folded(operand))
         known = _KNOWN.get(path[1]) if path[0] == "f" else None
         if known is not None and op != "contains":
             for i, item in enumerate(operand if op in ("in", "nin") else (operand,)):

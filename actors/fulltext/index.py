@@ -34,9 +34,11 @@ __all__ = ["ANALYZER", "WRITER_HEAP", "FOLLOW_CHUNK", "FOOTER_MAGIC", "SEGMENT_F
 FOLLOW_CHUNK = 2_048  # log records read per step, by the actor and by build_index
 WRITER_HEAP = 64_000_000  # tantivy's writer heap: one thread's worth, well above its 3 MB floor
 # The analyser's name is in every index's meta.json (the text field's tokenizer): an index
-# whose name differs was analysed otherwise and is rebuilt (:func:`_check_schema`). Renamed
-# whenever the analyser's chain changes: "engram_en" folded no accents.
-ANALYZER = "engram_en_folded"
+# whose name differs was analysed otherwise, or holds its filters' attributes otherwise, and
+# is rebuilt (:func:`_check_schema`). Renamed whenever either changes: "engram_en" folded no
+# accents; "engram_en_folded" held categories as spelt, where filters now compare them
+# folded (``base.where``).
+ANALYZER = "engram_en_folded_2"
 FOOTER_MAGIC = 1337  # tantivy's footer magic number, the last 4 bytes of every segment file
 # Files every segment has: our schema has fast fields and a stored-nothing doc store, and
 # tantivy writes a positions file (``.pos``) beside the postings and opens it for every text
