@@ -264,7 +264,9 @@ def reflection_text(now: datetime, facts: list[Any], episodes: list[Any],
     if changed:
         lines.append("Changed: " + "; ".join(f"{_quoted(f.text)} (no longer)"
                                              for f in changed[:4]) + ".")
-    topics = keyphrases([" ".join(e.keywords) for e in episodes] + [f.text for f in facts], 5)
+    # Never a retracted fact's words: forget_fact deleted the notes that quoted it.
+    topics = keyphrases([" ".join(e.keywords) for e in episodes]
+                        + [f.text for f in facts if f.status != "retracted"], 5)
     if topics:
         lines.append("Recurring topics: " + ", ".join(topics) + ".")
     return "\n".join(lines)

@@ -36,9 +36,11 @@ from actors.store import (
 )
 
 from ._args import check_count, check_fraction, check_label
+from ._browse import read_notes
 from ._forget import Scrubber
 from ._hits import Hit, hit_for
 from ._parts import Parts
+from ._reflections import reflections_quoting
 
 __all__ = ["EntityInfo", "Memory"]
 
@@ -103,8 +105,24 @@ class Memory:
 
     async def forget_fact(self, user_id: Any, category: Any, key: Any) -> bool:
         self._check_fact_key(user_id, category, key)
-        self._parts.now()
-        return bool(await self._parts.facts.retire(user_id, [(category, key)], "retracted"))
+        parts = self._parts
+        parts.now()
+        # The reflections that may quote the fact go with it, as a forgotten session's do: a
+        # pass under way writes no note meanwhile, nor one from what it read before
+        # (Maintenance._write), and the next quotes only what the user still has.
+        parts.forgetting += 1
+        try:
+            retired = await parts.facts.retire(user_id, [(category, key)], "retracted")
+            if not retired:
+                return False
+            parts.forgets += 1
+            await parts.committed()  # a note a pass queued before is judged with the others
+            notes = await parts.store.read(read_notes, user_id)
+            for note_id in sorted(reflections_quoting(notes, [f.created_at for f in retired])):
+                await self.delete_note(user_id, note_id)
+        finally:
+            parts.forgetting -= 1
+        return True
 
     async def profile(self, user_id: Any, category: Any, min_importance: Any,
                       as_of: Any = None) -> list[Fact]:

@@ -34,6 +34,39 @@ async def test_a_weekly_reflection_is_written_once_per_week(store_path) -> None:
         assert (await mem.maintain()).reflections == 0  # nothing new in the past week
 
 
+async def test_a_forgotten_fact_leaves_the_reflections_that_quote_it(store_path) -> None:
+    """forget_fact took the fact out of the profile and recall, but the weekly and the session
+    reflection went on saying "Learned: Allergic to peanuts" to every prompt. They go with it
+    (as a forgotten session's do), and the next pass quotes only what the user still has."""
+    clock = ManualClock()
+    config = {"consolidate_on_new_session": True}
+    async with open_engine(store_path, clock=clock, config=config) as mem:
+        await mem.add_turn("ana", "s1", "user", "I'm allergic to peanuts.")
+        await mem.add_turn("ana", "s1", "user", "I moved to Porto last month.")
+        await mem.add_turn("ana", "s1", "user", "I work as a pharmacist, long shifts.")
+        await mem.flush()
+        assert (await mem.maintain()).reflections == 1
+        await mem.add_turn("ana", "s2", "user", "hello again")  # the session reflection
+        await mem.flush()
+        year, week, _ = T0.isocalendar()
+        weekly = f"reflection-{year}-W{week:02d}"
+        for note_id in (weekly, "reflection-latest"):
+            assert "Allergic to peanuts" in (await mem.get_note("ana", note_id)).text
+        assert await mem.forget_fact("ana", "constraint", "allergy:peanuts")
+        await mem.flush()
+        # The turn that said it stays (forget_session forgets what was said); no
+        # reflection, fact or note presents it as known any more.
+        context = await mem.context_for_prompt("ana", "s3", budget_tokens=2000)
+        assert "Allergic to peanuts" not in context and "reflection" not in context.lower()
+        hits = await mem.recall("ana", "peanuts allergic", limit=20, kinds=["note", "fact"])
+        assert not [h for h in hits if "peanut" in h.text.lower()]
+        assert await mem.get_note("ana", weekly) is None
+        assert (await mem.maintain()).reflections == 1  # written again, without it
+        again = (await mem.get_note("ana", weekly)).text
+        assert "Learned: " in again and "Allergic to peanuts" not in again and "Porto" in again
+        assert not await mem.forget_fact("ana", "constraint", "allergy:peanuts")
+
+
 async def test_pending_reviews_nobody_rated_are_dropped_after_a_day(store_path) -> None:
     """A retrieval whose conversation never answered leaves no pending review behind."""
     clock = ManualClock()
