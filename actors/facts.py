@@ -420,7 +420,9 @@ class Facts:
     async def retire(self, user_id: str, facts: Iterable[tuple[str, str]], status: str
                      ) -> list[Fact]:
         """Retire active facts by (category, key) as ``retracted`` or ``pruned``; they leave
-        both indexes and stay in history."""
+        both indexes and stay in history. A retired value that was due later (a plan) ended
+        the versions held true until it only because it was planned: each of those in force
+        now is in force again, as a new active version (see :meth:`_resumed`)."""
         async with self._lock:
             state = await self._user(user_id)
             now = self._clock().astimezone(timezone.utc)
@@ -430,12 +432,54 @@ class Facts:
                 return []
             retired = tuple(msgspec.structs.replace(f, status=status, invalid_at=now,
                                                     expired_at=now) for f in found)
+            held: list[Fact] = []
+            for f in found:
+                if f.valid_at > now:
+                    held += await self._held_by(f, now)
             store = self._store
             await store.reserve(1)
-            await self._apply(user_id, PutFact(store.next_lsn, user_id, None, retired))
+            resumed = self._resumed(held[:1], store.next_lsn, now)
+            capped = tuple(msgspec.structs.replace(f, invalid_at=now, expired_at=now)
+                           for f in held)
+            await self._apply(user_id, PutFact(store.next_lsn, user_id,
+                                               resumed[0][0] if resumed else None,
+                                               retired + capped,
+                                               resumed[0][1] if resumed else ()))
             for f in found:
                 state.pop((f.category, f.key), None)
+            for f in held[1:]:  # the versions of other keys the plan had ended, if any
+                await store.reserve(1)
+                ((fact, links),) = self._resumed([f], store.next_lsn, now)
+                await self._apply(user_id, PutFact(fact.lsn, user_id, fact, (), links))
+                resumed.append((fact, links))
+            for fact, _ in resumed:
+                state[(fact.category, fact.key)] = fact
             return list(retired)
+
+    async def _held_by(self, plan: Fact, now: datetime) -> list[Fact]:
+        """The superseded versions in force now that ``plan`` (a value due later) ends: of
+        its key (however spelt), ended where it starts, and of the other keys it superseded
+        ("likes jazz", ended by "no longer likes jazz" from day 40)."""
+        wanted = spelling(plan.category, plan.key)
+        await self._store.wait_logged()
+        versions = await self._store.read(_read_replanned, plan.user_id, plan.fact_id,
+                                          lambda c, k: spelling(c, k) == wanted)
+        return [f for f in versions if f.status == "superseded" and f.valid_at <= now
+                and f.invalid_at is not None and f.invalid_at == plan.valid_at]
+
+    def _resumed(self, held: list[Fact], lsn: int, now: datetime
+                 ) -> list[tuple[Fact, tuple[Link, ...]]]:
+        """Each of ``held`` in force again from now on, a new active version (with its
+        sources' links) at ``lsn``: the old one stays what an ``as_of`` before now answers,
+        once capped at now (:func:`known_at`)."""
+        out = []
+        for f in held:
+            fact = msgspec.structs.replace(f, lsn=lsn, fact_id="f_" + self._new_id(),
+                                           invalid_at=None, created_at=now, expired_at=None,
+                                           status="active")
+            out.append((fact, tuple(Link(fact.fact_id, s, "derived_from", now)
+                                    for s in f.source_turn_ids)))
+        return out
 
     def touch(self, user_id: str, fact_ids: Iterable[str]) -> None:
         """Count a use of these active facts (shown in a prompt): resets their decay.

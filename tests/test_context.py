@@ -153,8 +153,9 @@ async def test_each_version_to_come_is_shown_in_turn_and_filtered_alone(store_pa
 async def test_a_held_value_goes_with_what_ended_it_not_with_what_shares_its_date(
         store_path) -> None:
     """"No longer likes jazz" from day 40 (another key) holds "likes jazz" until then; a job
-    due the same day has nothing to do with Lisbon, whose move was forgotten; and a new plan
-    after the forgotten one ends Lisbon where it starts, not on the forgotten date."""
+    due the same day has nothing to do with Lisbon, whose move was forgotten (Lisbon is in
+    force again, with no end); and a new plan after the forgotten one ends Lisbon where it
+    starts, not on the forgotten date."""
     clock = ManualClock()
     day = lambda n: T0 + timedelta(days=n)  # noqa: E731
     async with open_engine(store_path, clock=clock) as mem:
@@ -173,7 +174,8 @@ async def test_a_held_value_goes_with_what_ended_it_not_with_what_shares_its_dat
         planned = await mem.context_for_prompt("maya", "s9")
     assert ("- likes jazz music (until 2026-04-10 09:00 UTC)\n"
             "- no longer likes jazz music (from 2026-04-10 09:00 UTC)\n") in forgotten
-    assert "Lisbon" not in forgotten and "- job: doctor (from" in forgotten
+    assert "- location: Lisbon\n" in forgotten and "- job: doctor (from" in forgotten
+    assert "Lisbon (until" not in forgotten and "Porto" not in forgotten
     assert ("- location: Lisbon (until 2026-04-30 09:00 UTC)\n"
             "- location: Faro (from 2026-04-30 09:00 UTC)\n") in planned
 

@@ -186,6 +186,44 @@ async def test_a_contradiction_moved_earlier_ends_what_it_contradicted_then(
             "- no longer likes jazz (from 2026-03-21 09:00 UTC)\n") in context
 
 
+async def test_a_plan_forgotten_before_its_day_leaves_the_value_in_force_now(
+        store_path) -> None:
+    """Lisbon from day 0; on day 10, "I move to Porto on day 40"; on day 12 the plan is
+    forgotten. Lisbon had been ended on day 40 only because of the plan, yet every current
+    view (profile, recall, prompts) dropped it while profile(as_of=now) still held it. It is
+    in force again, as a new version; what the store knew before day 12 stays."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.remember_fact("maya", "identity", "location", "Lisbon", valid_at=_day(0))
+        await mem.remember_fact("maya", "preference", "jazz", "yes", text="likes jazz",
+                                valid_at=_day(0))
+        clock.now = _day(10)
+        await mem.remember_fact("maya", "identity", "location", "Porto", valid_at=_day(40))
+        await mem.remember_fact("maya", "preference", "jazz_later", "no",
+                                text="no longer likes jazz", valid_at=_day(40))
+        clock.now = _day(12)
+        assert await mem.forget_fact("maya", "identity", "location")
+        assert await mem.forget_fact("maya", "preference", "jazz_later")
+        await mem.flush()
+        clock.now = _day(14)
+        assert sorted(f.text for f in await mem.profile("maya")) == [
+            "likes jazz", "location: Lisbon"]
+        assert [[f.value for f in await mem.profile("maya", category="identity", as_of=_day(n))]
+                for n in (5, 11, 13, 45)] == [["Lisbon"]] * 4
+        assert [h.text for h in await mem.recall("maya", "location", kinds=["fact"])] == [
+            "location: Lisbon"]
+        context = await mem.context_for_prompt("maya", "s9")
+        assert "- location: Lisbon\n" in context and "Porto" not in context
+        assert "- likes jazz\n" in context and "no longer" not in context
+        history = await mem.fact_history("maya", "identity", "location")
+        assert [(f.value, f.status, f.invalid_at) for f in history] == [
+            ("Lisbon", "superseded", _day(12)), ("Porto", "retracted", _day(12)),
+            ("Lisbon", "active", None)]
+        assert await mem.forget_fact("maya", "identity", "location")  # now Lisbon goes
+        assert [[f.value for f in await mem.profile("maya", category="identity", as_of=_day(n))]
+                for n in (13, 20)] == [["Lisbon"], []]
+
+
 async def test_recall_as_of_answers_as_the_store_knew_it_then(store_path) -> None:
     """recall(as_of=) sees, on both of a fact's time axes, the version held as true then (a
     retired one included), no fact not yet in force, and no turn, note, episode or link made
