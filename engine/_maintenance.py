@@ -221,12 +221,15 @@ class Maintenance:
             unless=lambda: parts.forgets != forgets or parts.forgetting > 0) is not None
 
     async def _recent(self, user_id: str, now: datetime) -> tuple[list[Any], list[Any]]:
-        """The user's facts and episodes made in the past REFLECTION_WINDOW."""
+        """The user's facts and episodes made in the REFLECTION_WINDOW up to ``now``: none made
+        after it (a clock stepped back), which a forget of what they came from would not look
+        for in this reflection (:func:`reflections_quoting`)."""
         since = now - REFLECTION_WINDOW
         store = self._parts.store
-        facts = [f for f in await store.read(read_facts, user_id, False) if f.created_at >= since]
+        facts = [f for f in await store.read(read_facts, user_id, False)
+                 if since <= f.created_at <= now]
         episodes = [e for e in await store.read(read_episodes, user_id, None)
-                    if e.created_at >= since]
+                    if since <= e.created_at <= now]
         return facts, episodes
 
     async def _drop_stale_reviews(self, now: datetime) -> int:

@@ -67,6 +67,25 @@ async def test_a_forgotten_fact_leaves_the_reflections_that_quote_it(store_path)
         assert not await mem.forget_fact("ana", "constraint", "allergy:peanuts")
 
 
+async def test_a_reflection_after_the_clock_stepped_back_quotes_nothing_made_after_it(
+        store_path) -> None:
+    """The clock stepped back an hour (NTP): a pass took the facts made "later" than its own
+    time into its reflection, which the forget of their session then left behind (it deletes
+    the reflections written within a week after what it removes was made), quoting them."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.add_turn("ana", "private", "user", "I'm allergic to peanuts.")
+        await mem.add_turn("ana", "private", "user", "I moved to Porto last month.")
+        await mem.add_turn("ana", "private", "user", "I work as a pharmacist, long shifts.")
+        await mem.flush()
+        clock.now = T0 - timedelta(hours=1)
+        assert (await mem.maintain()).reflections == 0
+        await mem.forget_session("ana", "private")
+        await mem.flush()
+        hits = await mem.recall("ana", "peanuts allergic pharmacist", limit=20)
+        assert not [h for h in hits if "peanut" in h.text.lower()]
+
+
 async def test_pending_reviews_nobody_rated_are_dropped_after_a_day(store_path) -> None:
     """A retrieval whose conversation never answered leaves no pending review behind."""
     clock = ManualClock()
