@@ -548,8 +548,11 @@ class EpisodicCompressor:
         lsn = store.next_lsn
         episode = Episode(
             lsn, episode_id, user_id, session_id, turns[0].seq, turns[-1].seq,
-            tuple(t.turn_id for t in turns), title, summary, keywords, turns[0].at,
-            turns[-1].at, surprise, stability, difficulty, now, now if consolidated else None)
+            # From the earliest turn to the latest, whatever their order (a late note's
+            # ``at`` may be a month back), as the session's listing spans them.
+            tuple(t.turn_id for t in turns), title, summary, keywords, min(t.at for t in turns),
+            max(t.at for t in turns), surprise, stability, difficulty, now,
+            now if consolidated else None)
         links = tuple(Link(episode.episode_id, t.turn_id, "summarises", now) for t in turns)
         stored: list[Episode | None] = []
 

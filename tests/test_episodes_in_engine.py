@@ -177,3 +177,24 @@ async def test_forgetting_a_session_takes_its_episodes(store_path) -> None:
         assert await mem.recall("ana", "sourdough rye starter") == []
     everything = b"".join(k + v for rows in raw_databases(store_path).values() for k, v in rows)
     assert b"sourdough" not in everything and episode.episode_id.encode() not in everything
+
+
+async def test_an_episode_spans_its_turns_times_whatever_their_order(store_path) -> None:
+    """A late note (``at`` a month back) at the end of a session: the episode took its first
+    and last turns' times in order of their seq, ended before it started, and prompts called
+    today's conversation "4 weeks ago". It spans the earliest to the latest, as the session's
+    listing does."""
+    clock = StepClock(step=timedelta(seconds=0))
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.add_turn("ana", "trip", "user", "We booked the night train to Vienna.")
+        await mem.add_turn("ana", "trip", "assistant", "The opera in Vienna sounds wonderful.")
+        await mem.add_turn("ana", "trip", "user", "Note from last month: tickets were bought.",
+                           at=T0 - timedelta(days=30))
+        await mem.close_session("ana", "trip")
+        await mem.flush()
+        (episode,) = await mem.episodes("ana")
+        assert (episode.start_at, episode.end_at) == (T0 - timedelta(days=30), T0)
+        hits = await mem.recall("ana", "Vienna opera", kinds=["episode"],
+                                since=T0 - timedelta(hours=1))
+        assert [h.id for h in hits] == [episode.episode_id]
+        assert "4 weeks ago" not in await mem.context_for_prompt("ana", "other")
