@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from datetime import timezone
+from datetime import datetime, timezone
 from typing import Any
 
 import msgspec
@@ -150,7 +150,10 @@ class Recall:
             v.check_at(as_of, "as_of")
         now = parts.clock()
         # The focus level's window reaches back from the time the answer is given as of.
-        settings = focus_settings(focus, now if as_of is None else min(now, as_of))
+        # Compared as instants: two times of one zone compare by their wall clocks, and in a
+        # DST fall-back hour the earlier of two can read later (fold).
+        settings = focus_settings(focus, now if as_of is None
+                                  else min(now, as_of, key=datetime.timestamp))
         limit = settings["limit"] if limit is None else check_count("limit", limit, 1, 1000)
         link_depth = (settings["link_depth"] if link_depth is None
                       else check_count("link_depth", link_depth, 0, 5))
@@ -158,7 +161,7 @@ class Recall:
             v.check_at(since, "since")
         if until is not None:
             v.check_at(until, "until")
-            if since is not None and until < since:
+            if since is not None and until.timestamp() < since.timestamp():
                 raise InvalidInput("until", f"expected a time at or after since "
                                             f"({since.isoformat()}), found {until.isoformat()}")
         if since is None:

@@ -352,3 +352,23 @@ async def test_as_of_across_spellings_of_one_key(store_path) -> None:
         history = await mem.fact_history("maya", "IDENTITY", "LOCATION ")
         assert [(f.category, f.key, f.status) for f in history] == [
             ("Identity", "Location", "superseded"), ("identity", " location", "active")]
+
+
+async def test_a_window_across_a_dst_fall_back_hour_is_compared_in_real_time(
+        store_path) -> None:
+    """In Europe/Lisbon on 2026-10-25, 01:45 (the first, summer one) comes 30 minutes before
+    01:15 (fold=1, the winter one). Python compares two times of one zone by their wall
+    clocks, fold ignored, so recall refused the window as ending before it began."""
+    from zoneinfo import ZoneInfo
+
+    lisbon = ZoneInfo("Europe/Lisbon")
+    since = datetime(2026, 10, 25, 1, 45, tzinfo=lisbon)
+    until = datetime(2026, 10, 25, 1, 15, tzinfo=lisbon, fold=1)
+    at = datetime(2026, 10, 25, 1, 0, tzinfo=timezone.utc)  # between the two
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("ana", "s", "user", "The night bus to Porto was late.", at=at)
+        await mem.flush()
+        hits = await mem.recall("ana", "night bus", since=since, until=until)
+        assert [h.text for h in hits] == ["The night bus to Porto was late."]
+        with pytest.raises(InvalidInput, match="until: expected a time at or after since"):
+            await mem.recall("ana", "night bus", since=until, until=since)
