@@ -110,8 +110,9 @@ def known_at(fact: Fact, when: datetime) -> bool:
 @dataclass
 class Outcome:
     """What a proposed fact became: ``created``, ``superseded`` (it replaced ``previous``),
-    ``reinforced`` (a duplicate: ``fact`` is the existing one), or ``refused`` (``reason``;
-    for a lower confidence, ``needed`` is the active value's after decay)."""
+    ``reinforced`` (a duplicate: ``fact`` is the existing one), ``past`` (true from before
+    ``previous``, the active value: kept as a past version of the key), or ``refused``
+    (``reason``; for a lower confidence, ``needed`` is the active value's after decay)."""
 
     status: str
     fact: Fact | None
@@ -349,6 +350,9 @@ class Facts:
                         and (not named or _same_value(other.value, c.value))
                         and jaccard(words, _words(other.text)) >= DEDUP_JACCARD):
                     return await self._reinforce(other, c, sources, now, wait)
+        if not force and current is not None and valid_at < current.valid_at <= now:
+            return await self._past(user_id, c, origin, sources, session_id, valid_at, current,
+                                    now, requires, wait)
         rivals = [current] if current is not None else []
         rivals += [f for f in _contradicted(state, c) if f is not current]
         for rival in rivals:
@@ -364,12 +368,7 @@ class Facts:
         replanned = (await self._replanned(current, valid_at, now)
                      if current is not None and current.valid_at > valid_at else ())
         store = self._store
-        # An extracted fact's id is what it stands for (its turn, key and value, and the
-        # versions it retires: a value said again in the same turn is a new version), the
-        # same on every node that applies the log; a caller's is the call's (_parts.pinned).
-        fact_id = ("f_" + self._new_id() if not sources else await store.read(
-            read_derived_id, user_id, "f_", (user_id, sources, c.category, c.key, c.value,
-                                             tuple(sorted(r.fact_id for r in rivals)))))
+        fact_id = await self._fact_id(user_id, c, sources, rivals)
         await store.reserve(1)
         lsn = store.next_lsn
         fact = Fact(lsn, fact_id, user_id, c.category, c.key, c.value, c.text,
@@ -392,6 +391,40 @@ class Facts:
             state.pop((r.category, r.key), None)
         state[(fact.category, fact.key)] = fact
         return Outcome("superseded" if rivals else "created", fact, rivals[0] if rivals else None)
+
+    async def _fact_id(self, user_id: str, c: Candidate, sources: tuple[str, ...],
+                       rivals: list[Fact]) -> str:
+        """An extracted fact's id is what it stands for (its turn, key and value, and the
+        versions it retires: a value said again in the same turn is a new version), the same
+        on every node that applies the log; a caller's is the call's (_parts.pinned)."""
+        if not sources:
+            return "f_" + self._new_id()
+        return await self._store.read(read_derived_id, user_id, "f_", (
+            user_id, sources, c.category, c.key, c.value,
+            tuple(sorted(r.fact_id for r in rivals))))
+
+    async def _past(self, user_id: str, c: Candidate, origin: str, sources: tuple[str, ...],
+                    session_id: str, valid_at: datetime, current: Fact, now: datetime,
+                    requires: int, wait: bool) -> Outcome:
+        """A value stated as true from before the active one, which is in force (a back-filled
+        turn, a late note, ``remember_fact`` with an earlier ``valid_at``): a past version of
+        the key, true until the active one's date and retired as it is recorded, so no
+        ``as_of`` takes it for the value in force; the active one stays (a correction, not
+        this, replaces it whatever its date)."""
+        fact_id = await self._fact_id(user_id, c, sources, [])
+        store = self._store
+        await store.reserve(1)
+        lsn = store.next_lsn
+        past = Fact(lsn, fact_id, user_id, c.category, c.key, c.value, c.text, c.confidence,
+                    c.importance, c.keywords, sources, (), session_id, valid_at,
+                    current.valid_at, now, now, "superseded", False, origin)
+        # Written as history an import writes: at the op's own lsn, never logged as searchable.
+        op = PutFact(lsn, user_id, None, (past,), requires=requires)
+        if not wait:
+            self._queue(user_id, op)
+        elif not await self._apply(user_id, op):
+            return Outcome("refused", None, None, "its source was forgotten")
+        return Outcome("past", past, current)
 
     async def _reinforce(self, fact: Fact, c: Candidate, sources: tuple[str, ...],
                          now: datetime, wait: bool = True) -> Outcome:

@@ -224,6 +224,36 @@ async def test_a_plan_forgotten_before_its_day_leaves_the_value_in_force_now(
                 for n in (13, 20)] == [["Lisbon"], []]
 
 
+async def test_a_value_stated_as_true_from_before_the_active_one_goes_into_history(
+        store_path) -> None:
+    """"I live in Lisbon" today, then a back-filled turn from a year ago: "I live in Berlin".
+    The older statement replaced today's value, which history then showed as never in force
+    (ending a year before it began). It is a past version now, true until Lisbon's date, and
+    Lisbon stays active; a correction still replaces it, whatever its date."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.add_turn("ana", "today", "user", "I live in Lisbon.")
+        await mem.flush()
+        await mem.add_turn("ana", "old", "user", "I live in Berlin.", at=_day(-365))
+        await mem.flush()
+        await mem.remember_fact("ana", "work", "job", "baker")
+        remembered = await mem.remember_fact("ana", "work", "job", "nurse", valid_at=_day(-30))
+        assert remembered.status == "superseded" and remembered.invalid_at == _day(0)
+        assert sorted(f.value for f in await mem.profile("ana")) == ["Lisbon", "baker"]
+        history = await mem.fact_history("ana", "identity", "location")
+        assert [(f.value, f.status, f.valid_at, f.invalid_at) for f in history] == [
+            ("Lisbon", "active", _day(0), None),
+            ("Berlin", "superseded", _day(-365), _day(0))]
+        clock.now = _day(1)
+        assert [f.value for f in await mem.profile("ana", category="identity",
+                                                    as_of=_day(1))] == ["Lisbon"]
+        assert [h.text for h in await mem.recall("ana", "where does she live",
+                                                 kinds=["fact"], category="identity")] == [
+            "Lives in Lisbon"]
+        await mem.correct_fact("ana", "work", "job", "nurse", valid_at=_day(-30))
+        assert sorted(f.value for f in await mem.profile("ana")) == ["Lisbon", "nurse"]
+
+
 async def test_recall_as_of_answers_as_the_store_knew_it_then(store_path) -> None:
     """recall(as_of=) sees, on both of a fact's time axes, the version held as true then (a
     retired one included), no fact not yet in force, and no turn, note, episode or link made
