@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -450,12 +450,18 @@ class Facts:
             await self._rewrite([updated])
             return updated
 
-    async def retire(self, user_id: str, facts: Iterable[tuple[str, str]], status: str
-                     ) -> list[Fact]:
+    async def retire(self, user_id: str, facts: Iterable[tuple[str, str]], status: str,
+                     along: Callable[[list[Fact]], Awaitable[list[Callable[[int], Any]]]]
+                     | None = None) -> list[Fact]:
         """Retire active facts by (category, key) as ``retracted`` or ``pruned``; they leave
         both indexes and stay in history. A retired value that was due later (a plan) ended
         the versions held true until it only because it was planned: each of those in force
-        now is in force again, as a new active version (see :meth:`_resumed`)."""
+        now, of a key with no other active value, is in force again as a new active version
+        (see :meth:`_resumed`). ``along`` gets the facts about to be retired and returns
+        makers of ops (each given its lsn) that commit with the retirement.
+
+        Everything commits in one write transaction (a cluster's applier moves the
+        partition's watermark in it: a crash leaves all or none of it)."""
         async with self._lock:
             state = await self._user(user_id)
             now = self._clock().astimezone(timezone.utc)
@@ -465,28 +471,43 @@ class Facts:
                 return []
             retired = tuple(msgspec.structs.replace(f, status=status, invalid_at=now,
                                                     expired_at=now) for f in found)
-            held: list[Fact] = []
+            gone = {f.fact_id for f in found}
+            held: dict[str, Fact] = {}
             for f in found:
                 if f.valid_at > now:
-                    held += await self._held_by(f, now)
+                    for h in await self._held_by(f, now):
+                        other = _find(state, h.category, h.key)
+                        if other is None or other.fact_id in gone:  # no newer value of its own
+                            held[h.fact_id] = h
+            extra = await along(found) if along is not None else []
             store = self._store
-            await store.reserve(1)
-            resumed = self._resumed(held[:1], store.next_lsn, now)
+            count = max(1, len(held)) + len(extra)
+            await store.reserve(count)  # cancel-safe: nothing is taken yet
+            lsn = store.next_lsn
+            resumed = self._resumed(list(held.values()), lsn, now)
             capped = tuple(msgspec.structs.replace(f, invalid_at=now, expired_at=now)
-                           for f in held)
-            await self._apply(user_id, PutFact(store.next_lsn, user_id,
-                                               resumed[0][0] if resumed else None,
-                                               retired + capped,
-                                               resumed[0][1] if resumed else ()))
+                           for f in held.values())
+            first, links = resumed[0] if resumed else (None, ())
+            ops = [PutFact(lsn, user_id, first, retired + capped, links)]
+            ops += [PutFact(fact.lsn, user_id, fact, (), links) for fact, links in resumed[1:]]
+            ops += [make(lsn + len(ops) + i) for i, make in enumerate(extra)]
+            store.hold_together(len(ops))
+            for op in ops[:-1]:  # no checkpoint between them: one group, in lsn order
+                if type(op) is PutFact:
+                    self._queue(user_id, op)
+                else:
+                    store.submit(op)
             for f in found:
                 state.pop((f.category, f.key), None)
-            for f in held[1:]:  # the versions of other keys the plan had ended, if any
-                await store.reserve(1)
-                ((fact, links),) = self._resumed([f], store.next_lsn, now)
-                await self._apply(user_id, PutFact(fact.lsn, user_id, fact, (), links))
-                resumed.append((fact, links))
             for fact, _ in resumed:
                 state[(fact.category, fact.key)] = fact
+            last = ops[-1]
+            if type(last) is PutFact:
+                await self._apply(user_id, last)
+            else:
+                store.submit(last)
+                with trio.CancelScope(shield=True):  # it lands; the cache knows it already
+                    await store.wait_committed(last.lsn)
             return list(retired)
 
     async def _held_by(self, plan: Fact, now: datetime) -> list[Fact]:
@@ -503,11 +524,11 @@ class Facts:
     def _resumed(self, held: list[Fact], lsn: int, now: datetime
                  ) -> list[tuple[Fact, tuple[Link, ...]]]:
         """Each of ``held`` in force again from now on, a new active version (with its
-        sources' links) at ``lsn``: the old one stays what an ``as_of`` before now answers,
-        once capped at now (:func:`known_at`)."""
+        sources' links) at ``lsn`` and the lsns after it: the old one stays what an ``as_of``
+        before now answers, once capped at now (:func:`known_at`)."""
         out = []
-        for f in held:
-            fact = msgspec.structs.replace(f, lsn=lsn, fact_id="f_" + self._new_id(),
+        for i, f in enumerate(held):
+            fact = msgspec.structs.replace(f, lsn=lsn + i, fact_id="f_" + self._new_id(),
                                            invalid_at=None, created_at=now, expired_at=None,
                                            status="active")
             out.append((fact, tuple(Link(fact.fact_id, s, "derived_from", now)

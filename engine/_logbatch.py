@@ -185,8 +185,9 @@ class PartitionLog:
         self._recent: OrderedDict[str, None] = OrderedDict()
         self.duplicates = 0  # turns skipped because their id was already applied
         self.invalid = 0  # entries skipped because they failed the engine's checks
-        # Entries whose apply wrote more than one op: only the first is in the watermark's
-        # transaction (each call writes one op today; a test holds every call to that).
+        # Entries whose apply wrote ops in more than one transaction: only the first holds
+        # the watermark (each call writes one op, or holds its ops together; a test holds
+        # every call to that).
         self.split = 0
         self.waited = 0  # calls that waited for the long-term followers to catch up
         self.waited_long = 0  # of those, the ones that waited FOLLOWERS_WAIT or more
@@ -321,7 +322,7 @@ class PartitionLog:
                 result = await self._apply_call(entry, f"{partition}:{seq}")
         if attached.ops == 0:
             await self._put_mark(partition, seq)
-        elif attached.ops > 1:
+        elif attached.ops > attached.together:
             self.split += 1
         return result
 

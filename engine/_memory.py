@@ -10,6 +10,7 @@ embedded and indexed like turns), summaries and review states not.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from datetime import timezone
 from typing import Any
 
@@ -107,22 +108,33 @@ class Memory:
         self._check_fact_key(user_id, category, key)
         parts = self._parts
         parts.now()
-        # The reflections that may quote the fact go with it, as a forgotten session's do: a
-        # pass under way writes no note meanwhile, nor one from what it read before
-        # (Maintenance._write), and the next quotes only what the user still has.
+        doomed: list[tuple[str, int]] = []  # reflections deleted, at their ops' lsns
+
+        def deletion(note_id: str, lsn: int) -> DeleteNote:
+            doomed.append((note_id, lsn))
+            return self._note_deletion(user_id, note_id, lambda lsns: None, lsn)
+
+        async def reflections(retired: list[Fact]) -> list[Callable[[int], DeleteNote]]:
+            """The reflections that may quote the facts, deleted in the retirement's
+            transaction, as a forgotten session's are: read once every note a pass queued
+            before is committed (one queued after is refused: Maintenance._write)."""
+            parts.forgets += 1
+            await parts.committed()
+            notes = await parts.store.read(read_notes, user_id)
+            return [partial(deletion, note_id) for note_id in
+                    sorted(reflections_quoting(notes, [f.created_at for f in retired]))]
+
         parts.forgetting += 1
         try:
-            retired = await parts.facts.retire(user_id, [(category, key)], "retracted")
-            if not retired:
-                return False
-            parts.forgets += 1
-            await parts.committed()  # a note a pass queued before is judged with the others
-            notes = await parts.store.read(read_notes, user_id)
-            for note_id in sorted(reflections_quoting(notes, [f.created_at for f in retired])):
-                await self.delete_note(user_id, note_id)
+            retired = await parts.facts.retire(user_id, [(category, key)], "retracted",
+                                               along=reflections)
         finally:
             parts.forgetting -= 1
-        return True
+            if parts.notes_md is not None and doomed:
+                with trio.CancelScope(shield=True):  # they commit, the caller cancelled or not
+                    for note_id, lsn in doomed:
+                        await parts.notes_md.remove(user_id, note_id, lsn)
+        return bool(retired)
 
     async def profile(self, user_id: Any, category: Any, min_importance: Any,
                       as_of: Any = None) -> list[Fact]:
@@ -288,15 +300,7 @@ class Memory:
         parts.check_open()
         lsn = store.next_lsn
         deleted: list[list[int]] = []
-
-        def committed(lsns: list[int]) -> None:
-            # In the commit's own step: a caller cancelled meanwhile still has it scrubbed.
-            deleted.append(lsns)
-            parts.ann.removed(user_id, lsns, False)
-            if lsns:
-                self._scrubber.ask()
-
-        store.submit(DeleteNote(lsn, user_id, note_id, committed))
+        store.submit(self._note_deletion(user_id, note_id, deleted.append, lsn))
         try:
             await store.wait_committed(lsn)
         finally:
@@ -305,6 +309,20 @@ class Memory:
                 with trio.CancelScope(shield=True):
                     await parts.notes_md.remove(user_id, note_id, lsn)
         return bool(deleted[0])
+
+    def _note_deletion(self, user_id: str, note_id: str,
+                       deleted: Callable[[list[int]], None], lsn: int) -> DeleteNote:
+        """The op deleting a note at ``lsn``; ``deleted`` gets the lsns it removed."""
+        parts = self._parts
+
+        def committed(lsns: list[int]) -> None:
+            # In the commit's own step: a caller cancelled meanwhile still has it scrubbed.
+            deleted(lsns)
+            parts.ann.removed(user_id, lsns, False)
+            if lsns:
+                self._scrubber.ask()
+
+        return DeleteNote(lsn, user_id, note_id, committed)
 
     # -- rolling session summaries -----------------------------------------------------------
 

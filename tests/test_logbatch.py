@@ -442,3 +442,59 @@ async def test_a_logged_forget_and_the_reflections_it_deletes_commit_with_its_wa
         assert await mem.list_notes("ana") == []
     [forget] = [ops for ops in commits if "Forget" in ops]
     assert forget == ["Forget", "PutState", "DeleteNote", "PutState", "DeleteNote", "PutState"]
+
+
+async def test_a_logged_forget_of_a_plan_writes_all_it_changes_with_its_watermark(
+        store_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """forget_fact of a value due later puts back what it held true (of its key and of
+    another key it superseded) and deletes the reflections quoting it: several ops. Written
+    one transaction each, a crash after the first (which holds the watermark) left the rest
+    unwritten on that node for good, since a replay skips the entry. They commit together."""
+    from engine._logbatch import LogCall, watermark_key
+
+    class Clock:
+        now = T0
+
+        def __call__(self):
+            return self.now
+
+    clock = Clock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.remember_fact("ana", "identity", "location", "Lisbon")
+        await mem.remember_fact("ana", "preference", "jazz", "yes", text="likes jazz")
+        await mem.remember_fact("ana", "work", "job", "nurse")
+        await mem.remember_fact("ana", "preference", "jazz_later", "unsure",
+                                text="unsure about jazz later")
+        clock.now = T0 + timedelta(days=1)
+        await mem.remember_fact("ana", "identity", "location", "Porto",
+                                valid_at=T0 + timedelta(days=40))
+        await mem.remember_fact("ana", "preference", "jazz_later", "no",
+                                text="no longer likes jazz", valid_at=T0 + timedelta(days=40))
+        await mem.flush()
+        assert (await mem.maintain()).reflections == 1
+        store = mem._store
+        commits: list[list[tuple[str, bool]]] = []  # (op kind, holds the watermark) a commit
+        real = store._write
+
+        def spy(segments, last, flush):
+            commits.append([(type(seg).__name__, any(
+                db == b"meta" and key == watermark_key(0)
+                for db, key, _, _ in getattr(seg, "puts", ()))) for seg in segments])
+            return real(segments, last, flush)
+
+        monkeypatch.setattr(store, "_write", spy)
+        for seq, key in ((1, ("identity", "location")), (2, ("preference", "jazz_later"))):
+            commits.clear()
+            call = LogCall("ana", "forget_fact", {"category": key[0], "key": key[1]},
+                           at=clock.now)
+            results: dict = {}
+            assert await mem.apply_log_batch(0, [(seq, call)], results) == seq
+            assert results[seq] is True
+            marked = [ops for ops in commits if any(mark for _, mark in ops)]
+            assert len(marked) == 1, commits
+            kinds = [kind for kind, _ in marked[0]]
+            assert kinds.count("PutFact") == (1 if seq == 1 else 2), kinds
+            assert kinds.count("DeleteNote") == (1 if seq == 1 else 0), kinds
+        assert mem._partition_log.split == 0
+        assert sorted(f.text for f in await mem.profile("ana")) == [
+            "job: nurse", "likes jazz", "location: Lisbon", "unsure about jazz later"]

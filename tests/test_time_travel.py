@@ -224,6 +224,27 @@ async def test_a_plan_forgotten_before_its_day_leaves_the_value_in_force_now(
                 for n in (13, 20)] == [["Lisbon"], []]
 
 
+async def test_a_forgotten_plan_puts_back_nothing_a_newer_value_replaced(store_path) -> None:
+    """"No longer likes jazz" from day 40 ended "likes jazz" (another key); on day 11 the
+    user said "adores jazz" under that key. Forgetting the plan put "likes jazz" back beside
+    it: two active versions of one key. A key with a value of its own keeps it."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.remember_fact("maya", "preference", "jazz", "yes", text="likes jazz")
+        clock.now = _day(10)
+        await mem.remember_fact("maya", "preference", "jazz_later", "no",
+                                text="no longer likes jazz", valid_at=_day(40))
+        clock.now = _day(11)
+        await mem.remember_fact("maya", "preference", "jazz", "very much",
+                                text="adores jazz")
+        clock.now = _day(12)
+        assert await mem.forget_fact("maya", "preference", "jazz_later")
+        history = await mem.fact_history("maya", "preference", "jazz")
+        assert [(f.text, f.status) for f in history] == [
+            ("likes jazz", "superseded"), ("adores jazz", "active")]
+        assert [f.text for f in await mem.profile("maya")] == ["adores jazz"]
+
+
 async def test_a_value_stated_as_true_from_before_the_active_one_goes_into_history(
         store_path) -> None:
     """"I live in Lisbon" today, then a back-filled turn from a year ago: "I live in Berlin".

@@ -137,13 +137,16 @@ class Attached:
     Attributes:
         puts: ``PutState`` puts written in the same transaction as each op.
         ops: how many ops took them so far.
+        together: the most ops :meth:`Writer.hold_together` held in one transaction here
+            (ops up to that many commit with one another, and with the puts).
     """
 
-    __slots__ = ("puts", "ops")
+    __slots__ = ("puts", "ops", "together")
 
     def __init__(self, puts: tuple[tuple[bytes, bytes, bytes | None, int], ...]) -> None:
         self.puts = puts
         self.ops = 0
+        self.together = 1
 
 
 # The puts attached to every op the current task queues (None: none). A context variable, so
@@ -437,7 +440,9 @@ class Writer:
         Queue them without a checkpoint in between. A cluster's applier writes turns and the
         partition's watermark this way. Within :meth:`attached`, each op takes the puts after
         it, and the group holds those too."""
-        if _ATTACHED.get() is not None:
+        attached = _ATTACHED.get()
+        if attached is not None:
+            attached.together = max(attached.together, count)
             count *= 2
         if count > 1:
             self._groups.append((self._submitted, self._submitted + count))
