@@ -20,22 +20,40 @@ import fcntl
 import os
 from pathlib import Path
 
+import msgspec
+
 from actors.base.errors import InvalidInput, StoreInUse
 
 from ._files import PATH_ERRNOS, refused, resolved
 
-__all__ = ["OwnerLock", "LOCK_NAME", "SNAPSHOT_STORE", "MANIFEST_NAME", "claim_in_process",
-           "release_in_process"]
+__all__ = ["OwnerLock", "LOCK_NAME", "SNAPSHOT_DATA", "SNAPSHOT_STORE", "MANIFEST_NAME",
+           "claim_in_process", "in_a_snapshot", "release_in_process"]
 
 LOCK_NAME = "owner.lock"
 # A snapshot's layout: its manifest, and the store's data.mdb in a folder of this name.
 MANIFEST_NAME = "manifest.json"
 SNAPSHOT_STORE = "store"
+SNAPSHOT_DATA = f"{SNAPSHOT_STORE}/data.mdb"  # the one file every snapshot has
 
 # Store directories (device, inode) that an engine of this process has open, owner or reader:
 # LMDB must not have one environment open twice in a process (closing either would drop the
 # other's locks on lock.mdb), so a second engine on a store here is refused before LMDB opens.
 _OPEN_HERE: dict[tuple[int, int], str] = {}
+
+
+def in_a_snapshot(path: Path) -> bool:
+    """Whether ``path`` is the copy of a store inside a snapshot: ``<snapshot>/store`` beside
+    a manifest that lists its data.mdb (another program's manifest.json beside a store
+    folder of that name is no snapshot's)."""
+    if path.name != SNAPSHOT_STORE:
+        return False
+    try:
+        manifest = msgspec.json.decode((path.parent / MANIFEST_NAME).read_bytes())
+    except (OSError, msgspec.DecodeError):
+        return False
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    return (isinstance(files, dict) and SNAPSHOT_DATA in files
+            and "schema_version" in manifest)
 
 
 class OwnerLock:
@@ -60,7 +78,7 @@ class OwnerLock:
             StoreInUse: another engine or command holds it (its pid is in the message).
         """
         path = resolved("path", self.store)
-        if path.name == SNAPSHOT_STORE and (path.parent / MANIFEST_NAME).is_file():
+        if in_a_snapshot(path):
             # Written to, its data.mdb would no longer match the manifest, and the snapshot
             # (maybe the only backup) would not restore.
             raise InvalidInput("path", f"expected a store, found the copy of one inside the "

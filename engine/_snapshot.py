@@ -42,7 +42,7 @@ from actors.store import LOG_TOMBSTONE, MAX_DBS, clean_copy, lsn_key, open_datab
 from actors.store.integrity import HEAD_KEY
 
 from ._files import PATH_ERRNOS, one_disk_error, refused, resolved
-from ._owner import MANIFEST_NAME, SNAPSHOT_STORE, OwnerLock
+from ._owner import MANIFEST_NAME, SNAPSHOT_DATA, OwnerLock
 from ._parts import Parts
 from ._verify import require_store, verify_chain
 from ._version import __version__
@@ -52,7 +52,7 @@ __all__ = ["Manifest", "take_snapshot", "restore", "compact", "MANIFEST_FORMAT"]
 MANIFEST_FORMAT = 1
 CHUNK = 64 << 20  # checksum unit: large files are hashed a chunk per thread
 READ_STEP = 8 << 20  # one read of a chunk being hashed or copied
-STORE_FILE = f"{SNAPSHOT_STORE}/data.mdb"  # the one file every snapshot has
+STORE_FILE = SNAPSHOT_DATA
 _copy_buffers = threading.local()  # each restore thread's READ_STEP buffer (_copy_chunk)
 
 

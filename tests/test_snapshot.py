@@ -350,6 +350,18 @@ async def test_a_snapshots_own_store_is_never_opened_to_write(tmp_path) -> None:
         assert [t.text for t in await mem.session_history("ana", "s")] == ["hello"]
 
 
+async def test_a_store_folder_beside_another_programs_manifest_still_opens(tmp_path) -> None:
+    """A web app keeps its store in webapp/store beside its own manifest.json (a PWA's): that
+    is no snapshot, and the store opens and compacts as before."""
+    store = tmp_path / "webapp" / "store"
+    async with open_engine(store) as mem:
+        await mem.add_turn("ana", "s", "user", "hello")
+    (tmp_path / "webapp" / "manifest.json").write_text('{"name": "My PWA", "files": {}}')
+    async with open_engine(store) as mem:
+        assert [t.text for t in await mem.session_history("ana", "s")] == ["hello"]
+    await Engine.compact(store)
+
+
 async def test_a_restore_onto_a_full_disk_raises_one_os_error_and_leaves_nothing(
         tmp_path, monkeypatch) -> None:
     """Files are copied two chunks at a time: when the disk fills, both copies fail, and the
