@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from datetime import datetime, timezone
+from datetime import timezone
 from typing import Any
 
 import msgspec
@@ -146,22 +146,21 @@ class Recall:
         parts.check_text("query", query)
         if focus is not None and (type(focus) is not int or focus not in FOCUS_LEVELS):
             raise InvalidInput("focus", f"expected an integer from 0 to 5, found {focus!r}")
+        # Times in UTC from here on: two times of one zone compare by their wall clocks, and in
+        # a DST fall-back hour the earlier of two can read later (fold).
         if as_of is not None:
-            v.check_at(as_of, "as_of")
+            as_of = v.check_at(as_of, "as_of").astimezone(timezone.utc)
         now = parts.clock()
         # The focus level's window reaches back from the time the answer is given as of.
-        # Compared as instants: two times of one zone compare by their wall clocks, and in a
-        # DST fall-back hour the earlier of two can read later (fold).
-        settings = focus_settings(focus, now if as_of is None
-                                  else min(now, as_of, key=datetime.timestamp))
+        settings = focus_settings(focus, now if as_of is None else min(now, as_of))
         limit = settings["limit"] if limit is None else check_count("limit", limit, 1, 1000)
         link_depth = (settings["link_depth"] if link_depth is None
                       else check_count("link_depth", link_depth, 0, 5))
         if since is not None:
-            v.check_at(since, "since")
+            since = v.check_at(since, "since").astimezone(timezone.utc)
         if until is not None:
-            v.check_at(until, "until")
-            if since is not None and until.timestamp() < since.timestamp():
+            until = v.check_at(until, "until").astimezone(timezone.utc)
+            if since is not None and until < since:
                 raise InvalidInput("until", f"expected a time at or after since "
                                             f"({since.isoformat()}), found {until.isoformat()}")
         if since is None:
