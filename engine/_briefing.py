@@ -206,7 +206,7 @@ class Briefing:
                     id=hit.id, conversation_id=hit.session_id, messages=messages,
                     title=_title(hit.text), summary=hit.text,
                     stability=state.stability, difficulty=state.difficulty, surprise=0.0,
-                    start_at=times[0], end_at=times[-1], created_at=hit.at,
+                    start_at=min(times), end_at=max(times), created_at=hit.at,
                     last_reviewed_at=reviewed.last_review if reviewed else None,
                     consolidated_at=None, score=hit.score))
         return items

@@ -198,3 +198,17 @@ async def test_an_episode_spans_its_turns_times_whatever_their_order(store_path)
                                 since=T0 - timedelta(hours=1))
         assert [h.id for h in hits] == [episode.episode_id]
         assert "4 weeks ago" not in await mem.context_for_prompt("ana", "other")
+
+
+async def test_a_turn_hits_context_spans_its_turns_times_whatever_their_order(
+        store_path) -> None:
+    """retrieve_memory_raw's item for a turn hit took its context's first and last times in
+    seq order: a late note after it made the item end before it started."""
+    async with open_engine(store_path, clock=lambda: T0 + timedelta(days=1),
+                           config={"long_term": False}) as mem:
+        await mem.add_turn("ana", "s1", "user", "my red bicycle got a flat", at=T0)
+        await mem.add_turn("ana", "s1", "user", "note: bought the red bicycle",
+                           at=T0 - timedelta(days=30))
+        await mem.flush()
+        raw = await mem.retrieve_memory_raw("ana", "red bicycle", record=False)
+        assert raw.episodic and all(i.start_at <= i.end_at for i in raw.episodic)
