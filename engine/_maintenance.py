@@ -35,7 +35,9 @@ import trio
 
 from actors.base.errors import EngineClosed
 from actors.base.messages import PutState
+from actors.base.text import folded
 from actors.episodic import keyphrases
+from actors.facts import spelling
 from actors.store import failure_put, read_episodes, read_facts, read_pending, user_prefix
 
 from ._browse import users_with
@@ -261,7 +263,11 @@ def reflection_text(now: datetime, facts: list[Any], episodes: list[Any],
     if moments:
         lines.append("Key moments: " + "; ".join(_quoted(e.title) for e in moments) + ".")
     active = [f for f in facts if f.status == "active"]
-    changed = [f for f in facts if f.status == "superseded"]
+    # A superseded version whose value is in force again (a plan forgotten put it back as a
+    # new version) did not change.
+    standing = {(*spelling(f.category, f.key), folded(f.value)) for f in active}
+    changed = [f for f in facts if f.status == "superseded"
+               and (*spelling(f.category, f.key), folded(f.value)) not in standing]
     if active:
         lines.append("Learned: " + "; ".join(_quoted(f.text) for f in active[:6]) + ".")
     if changed:

@@ -86,6 +86,28 @@ async def test_a_reflection_after_the_clock_stepped_back_quotes_nothing_made_aft
         assert not [h for h in hits if "peanut" in h.text.lower()]
 
 
+async def test_a_reflection_never_says_a_value_in_force_changed(store_path) -> None:
+    """A plan forgotten puts Lisbon back in force as a new version beside the old one, which
+    it capped: the week's reflection said "Learned: location: Lisbon" and then "Changed:
+    location: Lisbon (no longer)". A value that is in force again is not listed as changed."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.remember_fact("maya", "identity", "location", "Lisbon")
+        await mem.remember_fact("maya", "work", "job", "baker")
+        await mem.remember_fact("maya", "pet", "cat", "Miso")
+        clock.now = T0 + timedelta(days=1)
+        await mem.remember_fact("maya", "identity", "location", "Porto",
+                                valid_at=T0 + timedelta(days=40))
+        clock.now = T0 + timedelta(days=2)
+        await mem.forget_fact("maya", "identity", "location")
+        await mem.correct_fact("maya", "work", "job", "teacher")
+        await mem.flush()
+        assert (await mem.maintain()).reflections == 1
+        (note,) = [n for n in await mem.list_notes("maya") if "reflection" in n.tags]
+        assert "location: Lisbon" in note.text and "Lisbon (no longer)" not in note.text
+        assert "job: baker (no longer)" in note.text
+
+
 async def test_pending_reviews_nobody_rated_are_dropped_after_a_day(store_path) -> None:
     """A retrieval whose conversation never answered leaves no pending review behind."""
     clock = ManualClock()
