@@ -198,4 +198,6 @@ async def test_a_category_filter_matches_however_the_category_was_spelt(store_pa
             assert await texts(category=spelling) == both
             assert await texts(where={"category": {"in": [spelling, "x"]}}) == both
         assert await texts(where={"category": {"contains": "FÉR"}}) == both
+        # A space is looked for as it is: no category here has one once folded.
+        assert await texts(where={"category": {"contains": " "}}) == set()
         assert await texts(where={"category": {"ne": "Préférence"}, "kind": "note"}) == set()

@@ -37,7 +37,7 @@ from typing import Any
 
 from .errors import InvalidInput
 from .records import ROLES
-from .text import folded
+from .text import composed, folded
 from .validate import check_int, check_utf8
 from .validate import found as _found
 
@@ -395,6 +395,10 @@ def _conditions(name: Any, value: Any, field: str, count: list[int]) -> list[Nod
                 raise InvalidInput(at, f"expected a text field ({name} is a number), found "
                                        f"contains {operand!r}")
             operand = _scalar(operand, at, kind)
+            if path[0] == "f" and path[1] in _FOLDED:
+                # A part of a folded value: cased and composed as it is, its spaces kept (one
+                # space of a run; an edge space is part of what is looked for).
+                operand = re.sub(r"\s+", " ", composed(operand).casefold())
             size = len(operand.encode())
             if size > MAX_CONTAINS_BYTES:
                 raise InvalidInput(at, f"expected at most {MAX_CONTAINS_BYTES} bytes of UTF-8 "
@@ -402,7 +406,7 @@ def _conditions(name: Any, value: Any, field: str, count: list[int]) -> list[Nod
                                        "part of it")
         else:
             operand = _scalar(operand, at, kind)
-        if path[0] == "f" and path[1] in _FOLDED:
+        if path[0] == "f" and path[1] in _FOLDED and op != "contains":
             operand = (tuple(map(folded, operand)) if op in ("in", "nin") else folded(operand))
         known = _KNOWN.get(path[1]) if path[0] == "f" else None
         if known is not None and op != "contains":
