@@ -350,7 +350,11 @@ class Facts:
                         and (not named or _same_value(other.value, c.value))
                         and jaccard(words, _words(other.text)) >= DEDUP_JACCARD):
                     return await self._reinforce(other, c, sources, now, wait)
-        if not force and current is not None and valid_at < current.valid_at <= now:
+        # The value in force began before the statement is decided, or when it was recorded
+        # (not a plan, due later): a cluster node decides a back-filled turn at its own time,
+        # a year back, and must come to what one engine alone does.
+        if (not force and current is not None
+                and valid_at < current.valid_at <= max(now, current.created_at)):
             return await self._past(user_id, c, origin, sources, session_id, valid_at, current,
                                     now, requires, wait)
         rivals = [current] if current is not None else []

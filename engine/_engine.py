@@ -639,7 +639,10 @@ class Engine:
             valid_at: since when it is true (default: now).
 
         Returns:
-            The active fact for the key (the new one, or the reinforced one).
+            The active fact for the key (the new one, or the reinforced one); or, for a value
+            given as true from before the one in force (``valid_at`` earlier than its), the
+            past version kept in history (``status`` "superseded", ``invalid_at`` where the
+            value in force begins): the value in force stays.
 
         Raises:
             InvalidInput: a bad argument, or an active value with higher confidence exists

@@ -275,6 +275,21 @@ async def test_a_value_stated_as_true_from_before_the_active_one_goes_into_histo
         assert sorted(f.value for f in await mem.profile("ana")) == ["Lisbon", "nurse"]
 
 
+async def test_a_cluster_node_keeps_a_back_filled_value_in_history_too(store_path) -> None:
+    """A cluster node decides a turn's facts at the turn's own time (every node the same):
+    for a back-filled turn that time is a year back, before the value in force began, and
+    the node took that value for a plan and let the older statement replace it, where one
+    engine alone kept it. Both keep it now."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        mem._parts.time_by_log()
+        await mem.add_turn("ana", "today", "user", "I live in Lisbon.")
+        await mem.flush()
+        await mem.add_turn("ana", "old", "user", "I live in Berlin.", at=_day(-365))
+        await mem.flush()
+        assert [f.value for f in await mem.profile("ana")] == ["Lisbon"]
+
+
 async def test_recall_as_of_answers_as_the_store_knew_it_then(store_path) -> None:
     """recall(as_of=) sees, on both of a fact's time axes, the version held as true then (a
     retired one included), no fact not yet in force, and no turn, note, episode or link made
