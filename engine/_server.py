@@ -22,7 +22,9 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -641,19 +643,42 @@ def hypercorn_config(host: str, port: int | str) -> Any:
 
 
 class Shutdown:
-    """What stops a server: ``event``, set by the first SIGINT/SIGTERM that ``watch_signals``
-    receives (kept as ``signal``) or by anyone who sets it."""
+    """What stops a server: ``event``, set by the first SIGINT/SIGTERM received while
+    :meth:`signals` holds them (kept as ``signal``) or by anyone who sets it."""
 
     def __init__(self) -> None:
         self.event = trio.Event()  # set: stop accepting, finish what is in flight, close
         self.signal: int | None = None
 
-    async def watch_signals(self) -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for signum in signals:
-                self.signal = signum
-                self.event.set()
-                return
+    @contextmanager
+    def signals(self, handle: bool = True) -> Iterator[None]:
+        """Hold SIGINT and SIGTERM for the block, which spans the engine's whole life, its
+        drain included: the first sets ``event``, later ones are absorbed. A second SIGTERM
+        from a process manager or an impatient ``kill`` must not kill the process (its
+        default action, which trio's receiver gave back once it closed) before the engine
+        has written the turns it acknowledged. Only SIGKILL stops a drain at once; it is
+        bounded (Hypercorn's graceful timeout, then the store's queue). The handlers found
+        come back when the block ends. ``handle`` False (or off the main thread): nothing."""
+        if not handle or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        token = trio.lowlevel.current_trio_token()
+
+        def received(signum: int, frame: object) -> None:
+            # trio's own signal handlers do this: run_sync_soon is safe in a signal handler.
+            token.run_sync_soon(self._received, signum, idempotent=True)
+
+        found = {s: signal.signal(s, received) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for signum, handler in found.items():
+                signal.signal(signum, handler)
+
+    def _received(self, signum: int) -> None:
+        if self.signal is None:
+            self.signal = signum
+        self.event.set()
 
 
 async def serve(store: str | Path, *, host: str = LOOPBACK, port: int = 8080,
@@ -681,8 +706,6 @@ async def serve(store: str | Path, *, host: str = LOOPBACK, port: int = 8080,
     Raises:
         InvalidInput: a bad keys file or config.
     """
-    from hypercorn.trio import serve as hypercorn_serve
-
     keys = load_api_keys(api_keys) if api_keys is not None else None
     if keys is None:
         if not is_loopback(host):
@@ -693,6 +716,16 @@ async def serve(store: str | Path, *, host: str = LOOPBACK, port: int = 8080,
         host = LOOPBACK
     hc = hypercorn_config(host, port)
     shutdown = Shutdown()
+    with shutdown.signals(handle_signals):
+        return await _serve_app(store, keys, config, hc, shutdown, say, task_status)
+
+
+async def _serve_app(store: str | Path, keys: ApiKeys | None, config: Any, hc: Any,
+                     shutdown: Shutdown, say: Callable[[str], None],
+                     task_status: trio.TaskStatus[list[str]]) -> int | None:
+    """:func:`serve`'s engine and server, until ``shutdown``; the signal that stopped it."""
+    from hypercorn.trio import serve as hypercorn_serve
+
     async with Engine.open(store, config=config) as mem:
         app = create_app(mem, keys)
         # What exists now (modules, the app, the engine's long-lived state: ~95k objects) lives
@@ -702,8 +735,6 @@ async def serve(store: str | Path, *, host: str = LOOPBACK, port: int = 8080,
         gc.freeze()
         try:
             async with trio.open_nursery() as nursery:
-                if handle_signals:
-                    nursery.start_soon(shutdown.watch_signals)
                 binds = await nursery.start(
                     lambda task_status: hypercorn_serve(
                         app, hc, shutdown_trigger=shutdown.event.wait, task_status=task_status))

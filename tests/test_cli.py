@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -130,6 +132,48 @@ def test_serve_stops_on_ctrl_c_with_exit_130(tmp_path) -> None:
             if process.poll() is None:
                 process.kill()
     assert "Traceback" not in rest
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_serve_signalled_twice_still_drains_what_it_acknowledged(tmp_path, signum,
+                                                                 capsys) -> None:
+    """A process manager (or an impatient kill) signals twice: the first stops the server,
+    which lets the request in flight finish (1,000 turns, answered 202 once buffered); the
+    second came after trio's signal receiver had closed, so SIGTERM had its default action
+    back and killed the process before the engine drained those turns. Every later signal
+    is absorbed until the engine has closed: exit 0 (130 for SIGINT), every turn there."""
+    store = tmp_path / "s"
+    with subprocess.Popen([sys.executable, "-m", "engine", "serve", str(store), "--port",
+                           "0"], stderr=subprocess.PIPE, text=True,
+                          preexec_fn=_interruptible) as process:
+        try:
+            for line in process.stderr:
+                if "serving" in line:
+                    break
+            host, port = line.split(" on http://", 1)[1].split()[0].rstrip(",").rsplit(":", 1)
+            body = json.dumps({"turns": [{"session_id": "s", "role": "user",
+                                          "text": f"turn {i} " + "x" * 200}
+                                         for i in range(1000)]}).encode()
+            with socket.create_connection((host, int(port))) as held:
+                held.sendall(b"POST /v1/users/ana/turns HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(body) + body[:10])
+                time.sleep(0.3)
+                process.send_signal(signum)  # the held request is in flight
+                time.sleep(0.5)
+                held.sendall(body[10:])
+                answer = b""
+                while b"\r\n\r\n" not in answer:
+                    answer += held.recv(65536)
+                process.send_signal(signum)  # as soon as the 202 came
+            assert answer.startswith(b"HTTP/1.1 202"), answer
+            rest = process.stderr.read()
+            assert process.wait(timeout=60) == (130 if signum == signal.SIGINT else 0), rest
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert "Traceback" not in rest
+    assert main(["stats", str(store), "--json"]) == 0
+    assert _json(capsys)["turns"] == 1000
 
 
 def test_snapshot_restore_round_trip_and_refusals(store, tmp_path, capsys) -> None:

@@ -71,8 +71,6 @@ async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id:
         InvalidInput: bad flags; StoreInUse: another process serves the store;
         LogUnavailable: the log could not be reached.
     """
-    from hypercorn.trio import serve as hypercorn_serve
-
     from ..errors import InvalidInput
 
     host, _, port = http.rpartition(":")
@@ -90,6 +88,19 @@ async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id:
     store = Path(store)
     hc = hypercorn_config(host, port)
     shutdown = Shutdown()  # also releases the node's leases before the engine closes
+    with shutdown.signals(handle_signals):
+        return await _serve_node(store, node_id, nats, keys, config, cluster_config, hc, url,
+                                 shutdown, say, task_status)
+
+
+async def _serve_node(store: Path, node_id: str, nats: Any, keys: Any, config: Any,
+                      cluster_config: Any, hc: Any, url: str, shutdown: Shutdown,
+                      say: Callable[[str], None], task_status: trio.TaskStatus[Any]
+                      ) -> int | None:
+    """:func:`serve_node`'s engine, node and server, until ``shutdown``; the signal that
+    stopped it."""
+    from hypercorn.trio import serve as hypercorn_serve
+
     async with Engine.open(store, **node_engine_options(store, config)) as engine:
         log = await Log.connect(nats, cluster_config, name=node_id)
         try:
@@ -101,8 +112,6 @@ async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id:
             app = router if keys is not None else LocalOnly(router)
             writer.routed = router.counts  # stats() shows what the router did, as /cluster/node
             async with trio.open_nursery() as nursery:
-                if handle_signals:
-                    nursery.start_soon(shutdown.watch_signals)
                 node_scope = trio.CancelScope()  # the node's leases and appliers
 
                 async def run_node(task_status: trio.TaskStatus[None]) -> None:
