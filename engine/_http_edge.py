@@ -170,6 +170,8 @@ def is_loopback(host: str) -> bool:
 
 
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "CONNECT",
+                      "TRACE"})  # what /metrics labels by name
 
 
 def cross_site(scope: dict) -> str | None:
@@ -391,6 +393,10 @@ class Edge:
         route = scope.get("route")
         # Route templates, never raw paths: user ids must not become label values.
         name = getattr(route, "path_format", None) or getattr(route, "path", None) or "unmatched"
+        # HTTP's own methods only: any other name a client sends (no key needed) would be a
+        # label value, kept for good.
         method = scope.get("method", "")
+        if method not in _METHODS:
+            method = "other"
         self.metrics.requests.labels(method, name, str(status)).inc()
         self.metrics.latency.labels(method, name).observe(time.perf_counter() - started)
