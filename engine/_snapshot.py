@@ -20,6 +20,7 @@ checked with the integrity key, its head alone.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import hmac
 import json
@@ -208,13 +209,15 @@ def _deleted_after(store_dir: Path, lsn: int) -> bool:
         env.close()
 
 
-def _partial(dest: Path, store: Path) -> tuple[Path, Path]:
-    """``dest`` resolved, and the empty ``DEST.partial`` directory a snapshot to it is written
-    in, made (an earlier one left behind is removed first).
+def _partial(dest: Path, store: Path) -> tuple[Path, Path, int]:
+    """``dest`` resolved, the empty ``DEST.partial`` directory a snapshot to it is written
+    in, made (an earlier one left behind is removed first), and the descriptor that holds
+    it for this snapshot (:func:`_claimed`; close it once the copy is renamed or removed).
 
     Raises:
         InvalidInput: ``dest`` is no path (a NUL, a lone surrogate), a file, a directory with
-            files in it, inside the store, or a place this process cannot create.
+            files in it, inside the store, a place this process cannot create, or the
+            destination of another snapshot under way.
     """
     dest = resolved("dest", dest)  # "." or "snap/..": the name its .partial sibling is made from
     try:
@@ -235,14 +238,48 @@ def _partial(dest: Path, store: Path) -> tuple[Path, Path]:
             raise InvalidInput("dest", f"expected a destination whose {partial.name} is free "
                                        f"for the copy, found the store at {partial}; choose "
                                        "another name")
-        if partial.exists():
-            shutil.rmtree(partial)
-        partial.mkdir(parents=True)
+        held = _claimed(partial, "dest")
     except OSError as exc:
         if exc.errno not in PATH_ERRNOS:
             raise
         raise refused("dest", exc, "a directory this process can create") from exc
-    return dest, partial
+    return dest, partial, held
+
+
+def _claimed(partial: Path, field: str) -> int:
+    """Make ``partial`` and hold it for one copy (a snapshot's, a restore's): a descriptor of
+    the folder with an exclusive ``flock`` (nothing is added inside it). A second copy to the
+    same place meanwhile, of this process or another, is refused (InvalidInput naming
+    ``field``) rather than deleting the first one's under it; a folder a crash left behind
+    (nobody holds it) is removed."""
+    while True:
+        try:
+            partial.mkdir(parents=True)
+        except FileExistsError:
+            fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise _under_way(partial, field) from None
+            try:
+                shutil.rmtree(partial)  # a snapshot cut short left it
+            finally:
+                os.close(fd)
+            continue
+        fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another took it for a leftover between the two calls
+            os.close(fd)
+            raise _under_way(partial, field) from None
+        return fd
+
+
+def _under_way(partial: Path, field: str) -> InvalidInput:
+    return InvalidInput(field, f"expected a destination no other copy is written to, found "
+                               f"one under way in {partial}; wait for it, or choose another "
+                               "name")
 
 
 async def take_snapshot(parts: Parts, dest: Path,
@@ -250,9 +287,12 @@ async def take_snapshot(parts: Parts, dest: Path,
     """See ``Engine.snapshot``. ``scrubbed`` returns once the scrubs of the deletions so far
     are done: the copy of a scrubbed store needs no zeroing (``Store.copy_to``)."""
     started = trio.current_time()
-    dest, partial = await trio.to_thread.run_sync(_partial, dest, parts.store.path)
-    with one_disk_error():
-        return await _snapshot_into(parts, dest, partial, scrubbed, started)
+    dest, partial, held = await trio.to_thread.run_sync(_partial, dest, parts.store.path)
+    try:
+        with one_disk_error():
+            return await _snapshot_into(parts, dest, partial, scrubbed, started)
+    finally:
+        os.close(held)
 
 
 async def _snapshot_into(parts: Parts, dest: Path, partial: Path,
@@ -406,17 +446,26 @@ async def _install(snapshot: Path, store: Path, manifest: Manifest,
     is what catches an edit that left the chain's links behind."""
     incoming = store.with_name(store.name + ".restoring")
     try:
-        try:
-            # Made before the copy's tasks start: a place this process cannot write (a path
-            # through a file, a read-only folder, a name too long for the suffix; one longer
-            # than ".replaced" below) is the caller's path, not a failure.
-            if incoming.exists():
-                await trio.to_thread.run_sync(shutil.rmtree, incoming)
-            incoming.mkdir(parents=True)
-        except OSError as exc:
-            if exc.errno not in PATH_ERRNOS:
-                raise
-            raise refused("store_path", exc, "a directory this process can create") from exc
+        # Made before the copy's tasks start: a place this process cannot write (a path
+        # through a file, a read-only folder, a name too long for the suffix; one longer
+        # than ".replaced" below) is the caller's path, not a failure. Held for this restore
+        # alone: another to the same place meanwhile is refused.
+        held = await trio.to_thread.run_sync(_claimed, incoming, "store_path")
+    except OSError as exc:
+        if exc.errno not in PATH_ERRNOS:
+            raise
+        raise refused("store_path", exc, "a directory this process can create") from exc
+    try:
+        await _install_held(snapshot, store, manifest, integrity_key, incoming, progress)
+    finally:
+        os.close(held)
+
+
+async def _install_held(snapshot: Path, store: Path, manifest: Manifest,
+                        integrity_key: str | None, incoming: Path,
+                        progress: Callable[[int, int], None] | None) -> None:
+    """:func:`_install` once ``incoming`` is made and held."""
+    try:
         found = await _copy_checked(snapshot, incoming, manifest, progress)
         if found != manifest.files:
             damaged = sorted(set(found.items()) ^ set(manifest.files.items()))

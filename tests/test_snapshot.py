@@ -362,6 +362,46 @@ async def test_a_store_folder_beside_another_programs_manifest_still_opens(tmp_p
     await Engine.compact(store)
 
 
+async def test_snapshots_to_one_destination_at_once_give_one_snapshot(tmp_path) -> None:
+    """Every snapshot to a destination wrote in DEST.partial and began by deleting it: a
+    second one deleted the first's copy under it, and they raced on the rename (the engine
+    broke; over HTTP, 500s and at times no snapshot at all). One writes it; the others are
+    refused. So with restores to one place, which shared STORE.restoring alike."""
+    async with open_engine(tmp_path / "live") as mem:
+        await mem.add_turns([{"user_id": "ana", "session_id": "s", "role": "user",
+                              "text": f"turn {i}"} for i in range(200)])
+        await mem.flush()
+        outcomes: list[object] = []
+
+        async def one() -> None:
+            try:
+                outcomes.append(await mem.snapshot(tmp_path / "same"))
+            except InvalidInput as exc:
+                outcomes.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(6):
+                nursery.start_soon(one)
+    assert sum(isinstance(o, Manifest) for o in outcomes) == 1, outcomes
+    assert all(isinstance(o, Manifest) or o.field == "dest" for o in outcomes)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["live", "same"]
+    restored: list[object] = []
+
+    async def restore() -> None:
+        try:
+            restored.append(await Engine.restore(tmp_path / "same", tmp_path / "again"))
+        except InvalidInput as exc:
+            restored.append(exc)
+
+    async with trio.open_nursery() as nursery:  # restores to one place: one restores it
+        for _ in range(4):
+            nursery.start_soon(restore)
+    assert sum(isinstance(o, Manifest) for o in restored) == 1, restored
+    assert all(isinstance(o, Manifest) or o.field == "store_path" for o in restored)
+    async with open_engine(tmp_path / "again") as mem:
+        assert len(await mem.session_history("ana", "s", limit=1000)) == 200
+
+
 async def test_a_restore_onto_a_full_disk_raises_one_os_error_and_leaves_nothing(
         tmp_path, monkeypatch) -> None:
     """Files are copied two chunks at a time: when the disk fills, both copies fail, and the
