@@ -118,7 +118,6 @@ class Memory:
             """The reflections that may quote the facts, deleted in the retirement's
             transaction, as a forgotten session's are: read once every note a pass queued
             before is committed (one queued after is refused: Maintenance._write)."""
-            parts.forgets += 1
             await parts.committed()
             notes = await parts.store.read(read_notes, user_id)
             return [partial(deletion, note_id) for note_id in
@@ -129,6 +128,9 @@ class Memory:
             retired = await parts.facts.retire(user_id, [(category, key)], "retracted",
                                                along=reflections)
         finally:
+            # Counted once it is queued (it lands, the caller cancelled or not): a pass that
+            # read the facts before, while it was under way, writes no note (_write).
+            parts.forgets += 1
             parts.forgetting -= 1
             if parts.notes_md is not None and doomed:
                 with trio.CancelScope(shield=True):  # they commit, the caller cancelled or not

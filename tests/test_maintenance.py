@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import trio
+
 from engine import _forget
 
 from .actors.test_facts import ManualClock
@@ -106,6 +108,59 @@ async def test_a_reflection_never_says_a_value_in_force_changed(store_path) -> N
         (note,) = [n for n in await mem.list_notes("maya") if "reflection" in n.tags]
         assert "location: Lisbon" in note.text and "Lisbon (no longer)" not in note.text
         assert "job: baker (no longer)" in note.text
+
+
+async def test_a_pass_that_read_before_a_fact_was_forgotten_writes_no_reflection_of_it(
+        store_path, monkeypatch) -> None:
+    """A weekly pass reads the user's facts while forget_fact is under way (here: while it
+    reads the notes to delete), and queues its note once the forget returned: the note
+    quoted the fact the caller had just forgotten. It is refused, as after a forgotten
+    session, and the next pass writes it without the fact."""
+    from engine._browse import read_notes
+
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        for text in ("I'm allergic to peanuts.", "I moved to Porto last month.",
+                     "I work as a pharmacist, long shifts."):
+            await mem.add_turn("ana", "s", "user", text)
+        await mem.flush()
+        store, maintenance = mem._store, mem._maintenance
+        reading, pass_read, forgotten = trio.Event(), trio.Event(), trio.Event()
+        real_read, real_recent = store.read, maintenance._recent
+
+        async def read(fn, *args):
+            out = await real_read(fn, *args)
+            if fn is read_notes and not reading.is_set():
+                reading.set()
+                await pass_read.wait()
+            return out
+
+        async def recent(user_id, now):
+            out = await real_recent(user_id, now)
+            pass_read.set()
+            await forgotten.wait()
+            return out
+
+        monkeypatch.setattr(store, "read", read)
+        monkeypatch.setattr(maintenance, "_recent", recent)
+        written: list[bool] = []
+
+        async def forget() -> None:
+            assert await mem.forget_fact("ana", "constraint", "allergy:peanuts")
+            forgotten.set()
+
+        async def reflect() -> None:
+            await reading.wait()
+            written.append(await maintenance._reflect("ana", T0))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(forget)
+            nursery.start_soon(reflect)
+        assert written == [False]
+        monkeypatch.undo()
+        assert (await mem.maintain()).reflections == 1
+        (note,) = await mem.list_notes("ana")
+        assert "peanut" not in note.text.lower().split("recurring topics")[0]
 
 
 async def test_pending_reviews_nobody_rated_are_dropped_after_a_day(store_path) -> None:
