@@ -23,8 +23,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -644,23 +643,23 @@ def hypercorn_config(host: str, port: int | str) -> Any:
 
 class Shutdown:
     """What stops a server: ``event``, set by the first SIGINT/SIGTERM received while
-    :meth:`signals` holds them (kept as ``signal``) or by anyone who sets it."""
+    :meth:`hold_signals` holds them (kept as ``signal``) or by anyone who sets it."""
 
     def __init__(self) -> None:
         self.event = trio.Event()  # set: stop accepting, finish what is in flight, close
         self.signal: int | None = None
+        self._found: dict[int, Any] = {}  # the handlers hold_signals replaced
 
-    @contextmanager
-    def signals(self, handle: bool = True) -> Iterator[None]:
-        """Hold SIGINT and SIGTERM for the block, which spans the engine's whole life, its
-        drain included: the first sets ``event``, later ones are absorbed. A second SIGTERM
-        from a process manager or an impatient ``kill`` must not kill the process (its
-        default action, which trio's receiver gave back once it closed) before the engine
-        has written the turns it acknowledged. Only SIGKILL stops a drain at once; it is
-        bounded (Hypercorn's graceful timeout, then the store's queue). The handlers found
-        come back when the block ends. ``handle`` False (or off the main thread): nothing."""
-        if not handle or threading.current_thread() is not threading.main_thread():
-            yield
+    def hold_signals(self) -> None:
+        """From now (the server serves) until :meth:`release_signals`, which comes after
+        the engine's drain: the first SIGINT or SIGTERM sets ``event``, later ones are
+        absorbed. A second SIGTERM from a process manager or an impatient ``kill`` must not
+        kill the process (its default action, which trio's receiver gave back once it
+        closed) before the engine has written the turns it acknowledged. Only SIGKILL stops
+        a drain at once; it is bounded (Hypercorn's graceful timeout, then the store's
+        queue). Before, while the engine opens, Ctrl-C interrupts at once. Main thread only
+        (elsewhere: nothing)."""
+        if threading.current_thread() is not threading.main_thread():
             return
         token = trio.lowlevel.current_trio_token()
 
@@ -668,12 +667,13 @@ class Shutdown:
             # trio's own signal handlers do this: run_sync_soon is safe in a signal handler.
             token.run_sync_soon(self._received, signum, idempotent=True)
 
-        found = {s: signal.signal(s, received) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for signum, handler in found.items():
-                signal.signal(signum, handler)
+        self._found = {s: signal.signal(s, received) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def release_signals(self) -> None:
+        """Give back the handlers :meth:`hold_signals` found."""
+        for signum, handler in self._found.items():
+            signal.signal(signum, handler)
+        self._found = {}
 
     def _received(self, signum: int) -> None:
         if self.signal is None:
@@ -716,12 +716,15 @@ async def serve(store: str | Path, *, host: str = LOOPBACK, port: int = 8080,
         host = LOOPBACK
     hc = hypercorn_config(host, port)
     shutdown = Shutdown()
-    with shutdown.signals(handle_signals):
-        return await _serve_app(store, keys, config, hc, shutdown, say, task_status)
+    try:
+        return await _serve_app(store, keys, config, hc, shutdown, handle_signals, say,
+                                task_status)
+    finally:
+        shutdown.release_signals()
 
 
 async def _serve_app(store: str | Path, keys: ApiKeys | None, config: Any, hc: Any,
-                     shutdown: Shutdown, say: Callable[[str], None],
+                     shutdown: Shutdown, handle_signals: bool, say: Callable[[str], None],
                      task_status: trio.TaskStatus[list[str]]) -> int | None:
     """:func:`serve`'s engine and server, until ``shutdown``; the signal that stopped it."""
     from hypercorn.trio import serve as hypercorn_serve
@@ -741,6 +744,8 @@ async def _serve_app(store: str | Path, keys: ApiKeys | None, config: Any, hc: A
                 say(f"engram-trio serving {store} on {', '.join(binds)} "
                     f"({'api keys' if keys else 'no auth'})")
                 task_status.started(binds)
+                if handle_signals:
+                    shutdown.hold_signals()
                 await shutdown.event.wait()
                 nursery.cancel_scope.deadline = trio.current_time() + hc.graceful_timeout + 1
         finally:

@@ -134,6 +134,42 @@ def test_serve_stops_on_ctrl_c_with_exit_130(tmp_path) -> None:
     assert "Traceback" not in rest
 
 
+# serve whose engine takes 30 s to open (a model loading on a slow disk): Ctrl-C meanwhile.
+_SLOW_OPEN = """
+import contextlib, runpy, sys, trio
+import engine._server as server
+real = server.Engine.open
+@contextlib.asynccontextmanager
+async def slow(*args, **kwargs):
+    print("opening", file=sys.stderr, flush=True)
+    await trio.sleep(30)
+    async with real(*args, **kwargs) as mem:
+        yield mem
+server.Engine.open = slow
+sys.argv = ["engram-trio", "serve", sys.argv[1], "--port", "0"]
+runpy.run_module("engine", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ctrl_c_while_serve_opens_its_engine_stops_it_at_once(tmp_path) -> None:
+    """The signals a serving server absorbs until its drain is done are held only once it
+    serves: while the engine opens, Ctrl-C stops the command at once, exit 130."""
+    with subprocess.Popen([sys.executable, "-c", _SLOW_OPEN, str(tmp_path / "s")],
+                          stderr=subprocess.PIPE, text=True,
+                          preexec_fn=_interruptible) as process:
+        try:
+            for line in process.stderr:
+                if "opening" in line:
+                    break
+            process.send_signal(signal.SIGINT)
+            rest = process.stderr.read()
+            assert process.wait(timeout=20) == 130, rest
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert "serving" not in rest and "Traceback" not in rest
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_serve_signalled_twice_still_drains_what_it_acknowledged(tmp_path, signum,
                                                                  capsys) -> None:

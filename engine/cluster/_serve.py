@@ -88,15 +88,17 @@ async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id:
     store = Path(store)
     hc = hypercorn_config(host, port)
     shutdown = Shutdown()  # also releases the node's leases before the engine closes
-    with shutdown.signals(handle_signals):
+    try:
         return await _serve_node(store, node_id, nats, keys, config, cluster_config, hc, url,
-                                 shutdown, say, task_status)
+                                 shutdown, handle_signals, say, task_status)
+    finally:
+        shutdown.release_signals()
 
 
 async def _serve_node(store: Path, node_id: str, nats: Any, keys: Any, config: Any,
                       cluster_config: Any, hc: Any, url: str, shutdown: Shutdown,
-                      say: Callable[[str], None], task_status: trio.TaskStatus[Any]
-                      ) -> int | None:
+                      handle_signals: bool, say: Callable[[str], None],
+                      task_status: trio.TaskStatus[Any]) -> int | None:
     """:func:`serve_node`'s engine, node and server, until ``shutdown``; the signal that
     stopped it."""
     from hypercorn.trio import serve as hypercorn_serve
@@ -125,6 +127,8 @@ async def _serve_node(store: Path, node_id: str, nats: Any, keys: Any, config: A
                 say(f"engram-trio node {node_id} serving {store} on {', '.join(binds)}, "
                     f"log at {', '.join(nats)}")
                 task_status.started(node)
+                if handle_signals:
+                    shutdown.hold_signals()
                 await shutdown.event.wait()
                 node_scope.cancel()  # hands its leases back at once (the run's finally)
                 nursery.cancel_scope.deadline = trio.current_time() + hc.graceful_timeout + 1
