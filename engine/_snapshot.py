@@ -402,6 +402,38 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
             f"{snapshot}/manifest.json {'carries no MAC' if not manifest.mac else 'fails its MAC'}"
             " under the given integrity key: it was not written by an engine holding that key, "
             "or was edited since; take the snapshot again", "manifest.json")
+    incoming = store.with_name(store.name + ".restoring")
+    try:
+        # Made first, and held for this restore alone: another to the same place meanwhile
+        # is refused, so what is found there below stays as found until the rename. A place
+        # this process cannot write (a path through a file, a read-only folder, a name too
+        # long for the suffix; one longer than ".replaced" below) is the caller's path.
+        held = await trio.to_thread.run_sync(_claimed, incoming, "store_path")
+    except OSError as exc:
+        if exc.errno not in PATH_ERRNOS:
+            raise
+        raise refused("store_path", exc, "a directory this process can create") from exc
+    try:
+        owner = _restorable(snapshot, store, overwrite)
+        try:
+            with one_disk_error():
+                await _install(snapshot, store, manifest, progress, integrity_key, incoming)
+        finally:
+            if owner is not None:
+                owner.release()
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(shutil.rmtree, incoming, True)
+        raise
+    finally:
+        os.close(held)
+    return manifest
+
+
+def _restorable(snapshot: Path, store: Path, overwrite: bool) -> OwnerLock | None:
+    """Check what is at ``store`` now (its ``.restoring`` held): a new or empty directory,
+    or with ``overwrite`` a store, which is then locked for the restore (replacing a store
+    another engine serves would pull it from under that engine)."""
     try:
         there = store.exists()
         holding = there and (not store.is_dir() or any(store.iterdir()))
@@ -420,23 +452,15 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
     if overwrite and snapshot.is_relative_to(store):
         raise InvalidInput("snapshot", f"expected a snapshot outside the store it replaces, "
                                        f"found {snapshot} inside {store}; move it out first")
-    # Replacing a store another engine serves would pull it from under that engine.
-    owner = OwnerLock(store, "restore").acquire() if there else None
-    try:
-        with one_disk_error():
-            await _install(snapshot, store, manifest, progress, integrity_key)
-    finally:
-        if owner is not None:
-            owner.release()
-    return manifest
+    return OwnerLock(store, "restore").acquire() if there else None
 
 
 async def _install(snapshot: Path, store: Path, manifest: Manifest,
                    progress: Callable[[int, int], None] | None,
-                   integrity_key: str | None) -> None:
-    """Copy the snapshot's files next to ``store`` while checking their checksums (one read
-    of each byte), check the copy's hash chain while it is flushed to disk, then put it in
-    place of ``store``.
+                   integrity_key: str | None, incoming: Path) -> None:
+    """Copy the snapshot's files into ``incoming`` (made and held, beside ``store``) while
+    checking their checksums (one read of each byte), check the copy's hash chain while it
+    is flushed to disk, then put it in place of ``store``.
 
     With ``integrity_key`` (the manifest's MAC checked by the caller), the chain's head
     alone: the MAC says the manifest is the one an engine holding the key wrote, its
@@ -444,60 +468,35 @@ async def _install(snapshot: Path, store: Path, manifest: Manifest,
     re-check the source store as it was (``engram verify``'s job; opening the restored
     store checks the tail). Without the key anyone can rewrite the manifest, and the walk
     is what catches an edit that left the chain's links behind."""
-    incoming = store.with_name(store.name + ".restoring")
-    try:
-        # Made before the copy's tasks start: a place this process cannot write (a path
-        # through a file, a read-only folder, a name too long for the suffix; one longer
-        # than ".replaced" below) is the caller's path, not a failure. Held for this restore
-        # alone: another to the same place meanwhile is refused.
-        held = await trio.to_thread.run_sync(_claimed, incoming, "store_path")
-    except OSError as exc:
-        if exc.errno not in PATH_ERRNOS:
-            raise
-        raise refused("store_path", exc, "a directory this process can create") from exc
-    try:
-        await _install_held(snapshot, store, manifest, integrity_key, incoming, progress)
-    finally:
-        os.close(held)
+    # Removed by the caller if anything here fails.
+    found = await _copy_checked(snapshot, incoming, manifest, progress)
+    if found != manifest.files:
+        damaged = sorted(set(found.items()) ^ set(manifest.files.items()))
+        name = damaged[0][0] if damaged else "?"
+        raise StoreIncompatible(
+            f"{snapshot} is damaged: {name} does not match the manifest (size and sha256 "
+            f"of {len(manifest.files)} files are recorded); take the snapshot again")
+    # On disk before it takes its name: a power cut after restore returns finds the
+    # whole store, not files the page cache still held. The flush (the disk's time) runs
+    # beside the chain's check (a core's time: a walk of every link without the key),
+    # which reads the copy from the page cache; a copy that fails it never takes the
+    # store's name.
+    checked: list[tuple[bytes, list[str]]] = []
 
+    async def check() -> None:
+        checked.append(await trio.to_thread.run_sync(
+            verify_chain, incoming, integrity_key, integrity_key is None))
 
-async def _install_held(snapshot: Path, store: Path, manifest: Manifest,
-                        integrity_key: str | None, incoming: Path,
-                        progress: Callable[[int, int], None] | None) -> None:
-    """:func:`_install` once ``incoming`` is made and held."""
-    try:
-        found = await _copy_checked(snapshot, incoming, manifest, progress)
-        if found != manifest.files:
-            damaged = sorted(set(found.items()) ^ set(manifest.files.items()))
-            name = damaged[0][0] if damaged else "?"
-            raise StoreIncompatible(
-                f"{snapshot} is damaged: {name} does not match the manifest (size and sha256 "
-                f"of {len(manifest.files)} files are recorded); take the snapshot again")
-        # On disk before it takes its name: a power cut after restore returns finds the
-        # whole store, not files the page cache still held. The flush (the disk's time) runs
-        # beside the chain's check (a core's time: a walk of every link without the key),
-        # which reads the copy from the page cache; a copy that fails it never takes the
-        # store's name.
-        checked: list[tuple[bytes, list[str]]] = []
-
-        async def check() -> None:
-            checked.append(await trio.to_thread.run_sync(
-                verify_chain, incoming, integrity_key, integrity_key is None))
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(check)
-            nursery.start_soon(_fsync_tree, incoming)
-        head, problems = checked[0]
-        if manifest.chain_head and head.hex() != manifest.chain_head:
-            problems.append("the store's chain head is not the one the manifest records")
-        if problems:
-            raise StoreTampered(
-                f"{snapshot} does not verify: {problems[0]} ({len(problems)} problem(s)); it "
-                "was edited after it was taken: take the snapshot again", "manifest.json")
-    except BaseException:
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(shutil.rmtree, incoming, True)
-        raise
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(check)
+        nursery.start_soon(_fsync_tree, incoming)
+    head, problems = checked[0]
+    if manifest.chain_head and head.hex() != manifest.chain_head:
+        problems.append("the store's chain head is not the one the manifest records")
+    if problems:
+        raise StoreTampered(
+            f"{snapshot} does not verify: {problems[0]} ({len(problems)} problem(s)); it "
+            "was edited after it was taken: take the snapshot again", "manifest.json")
     if not store.exists():
         incoming.rename(store)
     else:

@@ -402,6 +402,46 @@ async def test_snapshots_to_one_destination_at_once_give_one_snapshot(tmp_path) 
         assert len(await mem.session_history("ana", "s", limit=1000)) == 200
 
 
+async def test_a_restore_finds_what_is_there_once_it_holds_its_place(
+        tmp_path, monkeypatch) -> None:
+    """A restore checked that its target was new, then waited to take STORE.restoring while
+    another restore to the same place finished: it then replaced that store, without
+    overwrite and without its owner's lock. It looks once it holds the place."""
+    async with open_engine(tmp_path / "live") as mem:
+        await mem.add_turn("ana", "s", "user", "hello")
+        await mem.snapshot(tmp_path / "snap")
+    first_claimed, first_done = trio.Event(), trio.Event()
+    real = snapshot_mod._claimed
+    calls = []
+
+    def claimed(path, field):  # on a worker thread of trio's
+        calls.append(path)
+        if len(calls) == 1:
+            held = real(path, field)
+            trio.from_thread.run_sync(first_claimed.set)
+            return held
+        trio.from_thread.run(first_done.wait)  # the second takes it after the first is done
+        return real(path, field)
+
+    monkeypatch.setattr(snapshot_mod, "_claimed", claimed)
+    outcomes: dict[str, object] = {}
+
+    async def restore(name: str) -> None:
+        try:
+            outcomes[name] = await Engine.restore(tmp_path / "snap", tmp_path / "new")
+        except InvalidInput as exc:
+            outcomes[name] = exc
+        if name == "a":
+            first_done.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(restore, "a")
+        await first_claimed.wait()
+        nursery.start_soon(restore, "b")
+    assert isinstance(outcomes["a"], Manifest), outcomes
+    assert isinstance(outcomes["b"], InvalidInput) and "with files in it" in str(outcomes["b"])
+
+
 async def test_a_restore_onto_a_full_disk_raises_one_os_error_and_leaves_nothing(
         tmp_path, monkeypatch) -> None:
     """Files are copied two chunks at a time: when the disk fills, both copies fail, and the
