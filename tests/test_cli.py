@@ -116,22 +116,29 @@ def test_ctrl_c_while_the_command_line_is_parsed_exits_130(tmp_path) -> None:
     assert not (tmp_path / "s").exists()
 
 
-def test_serve_stops_on_ctrl_c_with_exit_130(tmp_path) -> None:
-    """SIGINT stops `serve` gracefully: the engine closes, exit 130, no traceback."""
-    with subprocess.Popen([sys.executable, "-m", "engine", "serve", str(tmp_path / "s"),
-                           "--port", "0"], stderr=subprocess.PIPE, text=True,
+def _interrupted(argv: list[str], ready: str, within: float = 60) -> str:
+    """Run ``argv``; once a line of its stderr holds ``ready``, Ctrl-C (SIGINT): it must exit
+    130 within ``within`` seconds, with no traceback. Returns its stderr after that line."""
+    with subprocess.Popen(argv, stderr=subprocess.PIPE, text=True,
                           preexec_fn=_interruptible) as process:
         try:
             for line in process.stderr:
-                if "serving" in line:
+                if ready in line:
                     break
             process.send_signal(signal.SIGINT)
             rest = process.stderr.read()
-            assert process.wait(timeout=60) == 130
+            assert process.wait(timeout=within) == 130, rest
         finally:
             if process.poll() is None:
                 process.kill()
     assert "Traceback" not in rest
+    return rest
+
+
+def test_serve_stops_on_ctrl_c_with_exit_130(tmp_path) -> None:
+    """SIGINT stops `serve` gracefully: the engine closes, exit 130, no traceback."""
+    _interrupted([sys.executable, "-m", "engine", "serve", str(tmp_path / "s"), "--port", "0"],
+                 "serving")
 
 
 # serve whose engine takes 30 s to open (a model loading on a slow disk): Ctrl-C meanwhile.
@@ -154,20 +161,9 @@ runpy.run_module("engine", run_name="__main__", alter_sys=True)
 def test_ctrl_c_while_serve_opens_its_engine_stops_it_at_once(tmp_path) -> None:
     """The signals a serving server absorbs until its drain is done are held only once it
     serves: while the engine opens, Ctrl-C stops the command at once, exit 130."""
-    with subprocess.Popen([sys.executable, "-c", _SLOW_OPEN, str(tmp_path / "s")],
-                          stderr=subprocess.PIPE, text=True,
-                          preexec_fn=_interruptible) as process:
-        try:
-            for line in process.stderr:
-                if "opening" in line:
-                    break
-            process.send_signal(signal.SIGINT)
-            rest = process.stderr.read()
-            assert process.wait(timeout=20) == 130, rest
-        finally:
-            if process.poll() is None:
-                process.kill()
-    assert "serving" not in rest and "Traceback" not in rest
+    rest = _interrupted([sys.executable, "-c", _SLOW_OPEN, str(tmp_path / "s")], "opening",
+                        within=20)
+    assert "serving" not in rest
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

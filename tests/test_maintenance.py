@@ -13,14 +13,19 @@ from .actors.test_facts import ManualClock
 from .conftest import T0, open_engine, raw_databases
 
 
+async def _tell(mem, session: str) -> None:
+    """Three turns the rules make three facts of: an allergy, a home, a job."""
+    for text in ("I'm allergic to peanuts.", "I moved to Porto last month.",
+                 "I work as a pharmacist, long shifts."):
+        await mem.add_turn("ana", session, "user", text)
+
+
 async def test_a_weekly_reflection_is_written_once_per_week(store_path) -> None:
     """Three new facts in a week earn one reflection note, tagged, searchable, never twice in
     the same ISO week; a quiet week earns none."""
     clock = ManualClock()
     async with open_engine(store_path, clock=clock) as mem:
-        await mem.add_turn("ana", "s", "user", "I'm allergic to peanuts.")
-        await mem.add_turn("ana", "s", "user", "I moved to Porto last month.")
-        await mem.add_turn("ana", "s", "user", "I work as a pharmacist, long shifts.")
+        await _tell(mem, "s")
         await mem.flush()
         report = await mem.maintain()
         assert report.reflections == 1
@@ -43,9 +48,7 @@ async def test_a_forgotten_fact_leaves_the_reflections_that_quote_it(store_path)
     clock = ManualClock()
     config = {"consolidate_on_new_session": True}
     async with open_engine(store_path, clock=clock, config=config) as mem:
-        await mem.add_turn("ana", "s1", "user", "I'm allergic to peanuts.")
-        await mem.add_turn("ana", "s1", "user", "I moved to Porto last month.")
-        await mem.add_turn("ana", "s1", "user", "I work as a pharmacist, long shifts.")
+        await _tell(mem, "s1")
         await mem.flush()
         assert (await mem.maintain()).reflections == 1
         await mem.add_turn("ana", "s2", "user", "hello again")  # the session reflection
@@ -76,9 +79,7 @@ async def test_a_reflection_after_the_clock_stepped_back_quotes_nothing_made_aft
     the reflections written within a week after what it removes was made), quoting them."""
     clock = ManualClock()
     async with open_engine(store_path, clock=clock) as mem:
-        await mem.add_turn("ana", "private", "user", "I'm allergic to peanuts.")
-        await mem.add_turn("ana", "private", "user", "I moved to Porto last month.")
-        await mem.add_turn("ana", "private", "user", "I work as a pharmacist, long shifts.")
+        await _tell(mem, "private")
         await mem.flush()
         clock.now = T0 - timedelta(hours=1)
         assert (await mem.maintain()).reflections == 0
@@ -120,9 +121,7 @@ async def test_a_pass_that_read_before_a_fact_was_forgotten_writes_no_reflection
 
     clock = ManualClock()
     async with open_engine(store_path, clock=clock) as mem:
-        for text in ("I'm allergic to peanuts.", "I moved to Porto last month.",
-                     "I work as a pharmacist, long shifts."):
-            await mem.add_turn("ana", "s", "user", text)
+        await _tell(mem, "s")
         await mem.flush()
         store, maintenance = mem._store, mem._maintenance
         reading, pass_read, forgotten = trio.Event(), trio.Event(), trio.Event()
