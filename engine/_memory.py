@@ -109,6 +109,7 @@ class Memory:
         parts = self._parts
         parts.now()
         doomed: list[tuple[str, int]] = []  # reflections deleted, at their ops' lsns
+        found: list[bool] = []  # set once there is a fact to retire
 
         def deletion(note_id: str, lsn: int) -> DeleteNote:
             doomed.append((note_id, lsn))
@@ -118,6 +119,7 @@ class Memory:
             """The reflections that may quote the facts, deleted in the retirement's
             transaction, as a forgotten session's are: read once every note a pass queued
             before is committed (one queued after is refused: Maintenance._write)."""
+            found.append(True)
             await parts.committed()
             notes = await parts.store.read(read_notes, user_id)
             return [partial(deletion, note_id) for note_id in
@@ -129,8 +131,10 @@ class Memory:
                                                along=reflections)
         finally:
             # Counted once it is queued (it lands, the caller cancelled or not): a pass that
-            # read the facts before, while it was under way, writes no note (_write).
-            parts.forgets += 1
+            # read the facts before, while it was under way, writes no note (_write). One that
+            # found nothing to retire changed nothing a pass read.
+            if found:
+                parts.forgets += 1
             parts.forgetting -= 1
             if parts.notes_md is not None and doomed:
                 with trio.CancelScope(shield=True):  # they commit, the caller cancelled or not

@@ -322,3 +322,35 @@ async def test_a_reflection_read_before_forget_session_is_not_left_after_it(
         assert await mem.list_notes("ana") == []
     assert not any(b"peanuts" in value for rows in raw_databases(store_path).values()
                    for _, value in rows)
+
+
+async def test_a_forget_of_nothing_leaves_a_pass_under_way_alone(store_path, monkeypatch) -> None:
+    """forget_fact of a key the user has no value for changed nothing a pass read, yet
+    counted as a forget: a session reflection being written meanwhile was refused, and lost
+    until the next session switch."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await _tell(mem, "s")
+        await mem.flush()
+        maintenance = mem._maintenance
+        read, forgotten = trio.Event(), trio.Event()
+        real_recent = maintenance._recent
+
+        async def recent(user_id, now):
+            out = await real_recent(user_id, now)
+            read.set()
+            await forgotten.wait()
+            return out
+
+        monkeypatch.setattr(maintenance, "_recent", recent)
+        written: list[bool] = []
+
+        async def reflect() -> None:
+            written.append(await maintenance._reflect("ana", T0))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reflect)
+            await read.wait()
+            assert not await mem.forget_fact("ana", "constraint", "no-such-key")
+            forgotten.set()
+        assert written == [True]
