@@ -414,26 +414,46 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
             raise
         raise refused("store_path", exc, "a directory this process can create") from exc
     try:
-        owner = _restorable(snapshot, store, overwrite)
+        owner, made = _restorable(snapshot, store, overwrite)
         try:
             with one_disk_error():
                 await _install(snapshot, store, manifest, progress, integrity_key, incoming)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                # Not once it took the store's name: the name is free then, and may be
+                # another restore's folder by now. Nor a store it replaced.
+                if await trio.to_thread.run_sync(_drop_if_held, incoming, held) and made:
+                    await trio.to_thread.run_sync(shutil.rmtree, store, True)
+            raise
         finally:
-            if owner is not None:
-                owner.release()
+            owner.release()
     except BaseException:
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(shutil.rmtree, incoming, True)
+            await trio.to_thread.run_sync(_drop_if_held, incoming, held)
         raise
     finally:
         os.close(held)
     return manifest
 
 
-def _restorable(snapshot: Path, store: Path, overwrite: bool) -> OwnerLock | None:
+def _drop_if_held(incoming: Path, held: int) -> bool:
+    """Remove ``incoming`` if it is still the folder ``held`` holds (not renamed to the store
+    since, nor another restore's); whether it was."""
+    try:
+        here, ours = os.stat(incoming), os.fstat(held)
+    except OSError:
+        return False
+    if (here.st_dev, here.st_ino) != (ours.st_dev, ours.st_ino):
+        return False
+    shutil.rmtree(incoming, ignore_errors=True)
+    return True
+
+
+def _restorable(snapshot: Path, store: Path, overwrite: bool) -> tuple[OwnerLock, bool]:
     """Check what is at ``store`` now (its ``.restoring`` held): a new or empty directory,
-    or with ``overwrite`` a store, which is then locked for the restore (replacing a store
-    another engine serves would pull it from under that engine)."""
+    or with ``overwrite`` a store. Either is locked for the restore, a new one made for it
+    (whether it was made is the second value): an engine opened there meanwhile would be
+    pulled from under it, as would one serving a store it replaces."""
     try:
         there = store.exists()
         holding = there and (not store.is_dir() or any(store.iterdir()))
@@ -452,7 +472,7 @@ def _restorable(snapshot: Path, store: Path, overwrite: bool) -> OwnerLock | Non
     if overwrite and snapshot.is_relative_to(store):
         raise InvalidInput("snapshot", f"expected a snapshot outside the store it replaces, "
                                        f"found {snapshot} inside {store}; move it out first")
-    return OwnerLock(store, "restore").acquire() if there else None
+    return OwnerLock(store, "restore").acquire(), not there
 
 
 async def _install(snapshot: Path, store: Path, manifest: Manifest,

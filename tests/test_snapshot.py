@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -440,6 +441,88 @@ async def test_a_restore_finds_what_is_there_once_it_holds_its_place(
         nursery.start_soon(restore, "b")
     assert isinstance(outcomes["a"], Manifest), outcomes
     assert isinstance(outcomes["b"], InvalidInput) and "with files in it" in str(outcomes["b"])
+
+
+async def test_an_engine_opened_where_a_restore_copies_is_refused(tmp_path,
+                                                                  monkeypatch) -> None:
+    """A restore to a new path locked nothing there while it copied: an engine opened the
+    path meanwhile, wrote a turn, and the restore then moved its store aside and deleted it
+    under it, without overwrite. The place is the restore's from the start."""
+    async with open_engine(tmp_path / "live") as mem:
+        await mem.add_turn("ana", "s", "user", "from the snapshot", durable=True)
+        await mem.snapshot(tmp_path / "snap")
+    copying, tried = trio.Event(), trio.Event()
+    real = snapshot_mod._fsync_tree
+
+    async def fsync_tree(path):
+        copying.set()
+        await tried.wait()
+        await real(path)
+
+    monkeypatch.setattr(snapshot_mod, "_fsync_tree", fsync_tree)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(Engine.restore, tmp_path / "snap", tmp_path / "new")
+        await copying.wait()
+        with pytest.raises(StoreInUse, match="restore"):
+            async with open_engine(tmp_path / "new"):
+                pass
+        tried.set()
+    async with open_engine(tmp_path / "new") as mem:
+        assert [t.text for t in await mem.session_history("ana", "s")] == ["from the snapshot"]
+
+
+async def test_a_restore_failing_after_its_rename_leaves_the_next_ones_copy(
+        tmp_path, monkeypatch) -> None:
+    """Once a restore's STORE.restoring took the store's name, the name is free, and a second
+    restore may hold a folder of that name: the first one failing after (its last fsync)
+    deleted the second one's copy under it. It deletes only the folder it still holds."""
+    async with open_engine(tmp_path / "live") as mem:
+        await mem.add_turn("ana", "s", "user", "hello", durable=True)
+        await mem.snapshot(tmp_path / "snap")
+    store = tmp_path / "store"
+    await Engine.restore(tmp_path / "snap", store)
+    renamed, first_done = trio.Event(), trio.Event()
+    second_claimed = threading.Event()
+    real_fsync, real_claimed = snapshot_mod._fsync, snapshot_mod._claimed
+    claims, kept = [], []
+
+    def fsync(path):
+        if Path(path) == tmp_path and not renamed.is_set():
+            trio.from_thread.run_sync(renamed.set)
+            second_claimed.wait(30)
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+        return real_fsync(path)
+
+    def claimed(path, field):
+        held = real_claimed(path, field)
+        claims.append(path)
+        if len(claims) == 2:
+            second_claimed.set()
+            trio.from_thread.run(first_done.wait)  # copies once the first has failed
+            kept.append(path.exists())
+        return held
+
+    monkeypatch.setattr(snapshot_mod, "_fsync", fsync)
+    monkeypatch.setattr(snapshot_mod, "_claimed", claimed)
+    outcomes: dict[str, object] = {}
+
+    async def restore(name: str) -> None:
+        try:
+            outcomes[name] = await Engine.restore(tmp_path / "snap", store, overwrite=True)
+        except OSError as exc:
+            outcomes[name] = exc
+        if name == "first":
+            first_done.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(restore, "first")
+        await renamed.wait()
+        nursery.start_soon(restore, "second")
+    assert isinstance(outcomes["first"], OSError), outcomes
+    assert isinstance(outcomes["second"], Manifest), outcomes
+    assert kept == [True]
+    async with open_engine(store) as mem:
+        assert [t.text for t in await mem.session_history("ana", "s")] == ["hello"]
 
 
 async def test_a_restore_onto_a_full_disk_raises_one_os_error_and_leaves_nothing(
