@@ -255,25 +255,38 @@ def _claimed(partial: Path, field: str) -> int:
     while True:
         try:
             partial.mkdir(parents=True)
+            made = True
         except FileExistsError:
+            made = False
+        try:
             fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise _under_way(partial, field) from None
-            try:
-                shutil.rmtree(partial)  # a snapshot cut short left it
-            finally:
-                os.close(fd)
+        except FileNotFoundError:  # renamed into place or removed meanwhile: look again
             continue
-        fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # another took it for a leftover between the two calls
+        except BlockingIOError:
             os.close(fd)
             raise _under_way(partial, field) from None
-        return fd
+        if not _same(fd, partial):
+            # Between the open and the lock, another copy took the folder for a leftover,
+            # removed it and made its own: look again (it holds the new one).
+            os.close(fd)
+            continue
+        if made:
+            return fd
+        try:
+            shutil.rmtree(partial)  # a copy cut short left it; nobody holds it
+        finally:
+            os.close(fd)
+
+
+def _same(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the folder open as ``fd``."""
+    try:
+        here, held = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _under_way(partial: Path, field: str) -> InvalidInput:
@@ -439,11 +452,7 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
 def _drop_if_held(incoming: Path, held: int) -> bool:
     """Remove ``incoming`` if it is still the folder ``held`` holds (not renamed to the store
     since, nor another restore's); whether it was."""
-    try:
-        here, ours = os.stat(incoming), os.fstat(held)
-    except OSError:
-        return False
-    if (here.st_dev, here.st_ino) != (ours.st_dev, ours.st_ino):
+    if not _same(held, incoming):
         return False
     shutil.rmtree(incoming, ignore_errors=True)
     return True
