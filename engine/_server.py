@@ -706,6 +706,8 @@ async def serve(store: str | Path, *, host: str = LOOPBACK, port: int = 8080,
     Raises:
         InvalidInput: a bad keys file or config.
     """
+    from hypercorn.trio import serve as hypercorn_serve
+
     keys = load_api_keys(api_keys) if api_keys is not None else None
     if keys is None:
         if not is_loopback(host):
@@ -717,38 +719,31 @@ async def serve(store: str | Path, *, host: str = LOOPBACK, port: int = 8080,
     hc = hypercorn_config(host, port)
     shutdown = Shutdown()
     try:
-        return await _serve_app(store, keys, config, hc, shutdown, handle_signals, say,
-                                task_status)
+        async with Engine.open(store, config=config) as mem:
+            app = create_app(mem, keys)
+            # What exists now (modules, the app, the engine's long-lived state: ~95k objects)
+            # lives as long as the server: out of the collector's generations, so each full
+            # collection walks only what serving made (each took ~55 ms of the loop under HTTP
+            # load here).
+            gc.collect()
+            gc.freeze()
+            try:
+                async with trio.open_nursery() as nursery:
+                    binds = await nursery.start(
+                        lambda task_status: hypercorn_serve(
+                            app, hc, shutdown_trigger=shutdown.event.wait,
+                            task_status=task_status))
+                    say(f"engram-trio serving {store} on {', '.join(binds)} "
+                        f"({'api keys' if keys else 'no auth'})")
+                    task_status.started(binds)
+                    if handle_signals:
+                        shutdown.hold_signals()
+                    await shutdown.event.wait()
+                    nursery.cancel_scope.deadline = (trio.current_time() + hc.graceful_timeout
+                                                     + 1)
+            finally:
+                gc.unfreeze()
     finally:
         shutdown.release_signals()
-
-
-async def _serve_app(store: str | Path, keys: ApiKeys | None, config: Any, hc: Any,
-                     shutdown: Shutdown, handle_signals: bool, say: Callable[[str], None],
-                     task_status: trio.TaskStatus[list[str]]) -> int | None:
-    """:func:`serve`'s engine and server, until ``shutdown``; the signal that stopped it."""
-    from hypercorn.trio import serve as hypercorn_serve
-
-    async with Engine.open(store, config=config) as mem:
-        app = create_app(mem, keys)
-        # What exists now (modules, the app, the engine's long-lived state: ~95k objects) lives
-        # as long as the server: out of the collector's generations, so each full collection
-        # walks only what serving made (each took ~55 ms of the loop under HTTP load here).
-        gc.collect()
-        gc.freeze()
-        try:
-            async with trio.open_nursery() as nursery:
-                binds = await nursery.start(
-                    lambda task_status: hypercorn_serve(
-                        app, hc, shutdown_trigger=shutdown.event.wait, task_status=task_status))
-                say(f"engram-trio serving {store} on {', '.join(binds)} "
-                    f"({'api keys' if keys else 'no auth'})")
-                task_status.started(binds)
-                if handle_signals:
-                    shutdown.hold_signals()
-                await shutdown.event.wait()
-                nursery.cancel_scope.deadline = trio.current_time() + hc.graceful_timeout + 1
-        finally:
-            gc.unfreeze()
     # The engine closed after Hypercorn's graceful stop (its drain is shielded and bounded).
     return shutdown.signal

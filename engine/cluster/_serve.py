@@ -71,6 +71,8 @@ async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id:
         InvalidInput: bad flags; StoreInUse: another process serves the store;
         LogUnavailable: the log could not be reached.
     """
+    from hypercorn.trio import serve as hypercorn_serve
+
     from ..errors import InvalidInput
 
     host, _, port = http.rpartition(":")
@@ -89,52 +91,40 @@ async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id:
     hc = hypercorn_config(host, port)
     shutdown = Shutdown()  # also releases the node's leases before the engine closes
     try:
-        return await _serve_node(store, node_id, nats, keys, config, cluster_config, hc, url,
-                                 shutdown, handle_signals, say, task_status)
+        async with Engine.open(store, **node_engine_options(store, config)) as engine:
+            log = await Log.connect(nats, cluster_config, name=node_id)
+            try:
+                node = Node(engine, log, node_id, url)
+                writer = ClusterEngine(engine, log, node)
+                router = Router(create_app(writer, keys), node, log)
+                # Without keys, what the owner's Edge would refuse is refused before the router
+                # forwards it.
+                app = router if keys is not None else LocalOnly(router)
+                writer.routed = router.counts  # stats() shows what the router did, as /cluster/node
+                async with trio.open_nursery() as nursery:
+                    node_scope = trio.CancelScope()  # the node's leases and appliers
+
+                    async def run_node(task_status: trio.TaskStatus[None]) -> None:
+                        with node_scope:
+                            await node.run(task_status=task_status)
+
+                    await nursery.start(run_node)
+                    binds = await nursery.start(
+                        lambda task_status: hypercorn_serve(
+                            app, hc, shutdown_trigger=shutdown.event.wait, task_status=task_status))
+                    say(f"engram-trio node {node_id} serving {store} on {', '.join(binds)}, "
+                        f"log at {', '.join(nats)}")
+                    task_status.started(node)
+                    if handle_signals:
+                        shutdown.hold_signals()
+                    await shutdown.event.wait()
+                    node_scope.cancel()  # hands its leases back at once (the run's finally)
+                    nursery.cancel_scope.deadline = trio.current_time() + hc.graceful_timeout + 1
+            finally:
+                with trio.CancelScope(shield=True):
+                    await log.close()
     finally:
         shutdown.release_signals()
-
-
-async def _serve_node(store: Path, node_id: str, nats: Any, keys: Any, config: Any,
-                      cluster_config: Any, hc: Any, url: str, shutdown: Shutdown,
-                      handle_signals: bool, say: Callable[[str], None],
-                      task_status: trio.TaskStatus[Any]) -> int | None:
-    """:func:`serve_node`'s engine, node and server, until ``shutdown``; the signal that
-    stopped it."""
-    from hypercorn.trio import serve as hypercorn_serve
-
-    async with Engine.open(store, **node_engine_options(store, config)) as engine:
-        log = await Log.connect(nats, cluster_config, name=node_id)
-        try:
-            node = Node(engine, log, node_id, url)
-            writer = ClusterEngine(engine, log, node)
-            router = Router(create_app(writer, keys), node, log)
-            # Without keys, what the owner's Edge would refuse is refused before the router
-            # forwards it.
-            app = router if keys is not None else LocalOnly(router)
-            writer.routed = router.counts  # stats() shows what the router did, as /cluster/node
-            async with trio.open_nursery() as nursery:
-                node_scope = trio.CancelScope()  # the node's leases and appliers
-
-                async def run_node(task_status: trio.TaskStatus[None]) -> None:
-                    with node_scope:
-                        await node.run(task_status=task_status)
-
-                await nursery.start(run_node)
-                binds = await nursery.start(
-                    lambda task_status: hypercorn_serve(
-                        app, hc, shutdown_trigger=shutdown.event.wait, task_status=task_status))
-                say(f"engram-trio node {node_id} serving {store} on {', '.join(binds)}, "
-                    f"log at {', '.join(nats)}")
-                task_status.started(node)
-                if handle_signals:
-                    shutdown.hold_signals()
-                await shutdown.event.wait()
-                node_scope.cancel()  # hands its leases back at once (the run's finally)
-                nursery.cancel_scope.deadline = trio.current_time() + hc.graceful_timeout + 1
-        finally:
-            with trio.CancelScope(shield=True):
-                await log.close()
     return shutdown.signal
 
 
