@@ -496,7 +496,7 @@ class Facts:
             ops += [PutFact(fact.lsn, user_id, fact, (), links) for fact, links in resumed[1:]]
             ops += [make(lsn + len(ops) + i) for i, make in enumerate(extra)]
             store.hold_together(len(ops))
-            for op in ops[:-1]:  # no checkpoint between them: one group, in lsn order
+            for op in ops:  # no checkpoint between them: one group, in lsn order
                 if type(op) is PutFact:
                     self._queue(user_id, op)
                 else:
@@ -505,13 +505,8 @@ class Facts:
                 state.pop((f.category, f.key), None)
             for fact, _ in resumed:
                 state[(fact.category, fact.key)] = fact
-            last = ops[-1]
-            if type(last) is PutFact:
-                await self._apply(user_id, last)
-            else:
-                store.submit(last)
-                with trio.CancelScope(shield=True):  # it lands; the cache knows it already
-                    await store.wait_committed(last.lsn)
+            with trio.CancelScope(shield=True):  # it lands; the cache knows it already
+                await store.wait_committed(ops[-1].lsn)
             return list(retired)
 
     async def _held_by(self, plan: Fact, now: datetime) -> list[Fact]:
