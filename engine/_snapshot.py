@@ -303,56 +303,49 @@ async def take_snapshot(parts: Parts, dest: Path,
     dest, partial, held = await trio.to_thread.run_sync(_partial, dest, parts.store.path)
     try:
         with one_disk_error():
-            return await _snapshot_into(parts, dest, partial, scrubbed, started)
-    finally:
-        os.close(held)
-
-
-async def _snapshot_into(parts: Parts, dest: Path, partial: Path,
-                         scrubbed: Callable[[], Awaitable[None]] | None, started: float
-                         ) -> Manifest:
-    """:func:`take_snapshot`'s copy into ``partial``, renamed ``dest`` once whole; removed if
-    it fails."""
-    try:
-        if scrubbed is not None:
-            await scrubbed()
-        fulltext_lsn, copied = await parts.fulltext.copy_to(partial / "fulltext")
-        # Hashed as it is written (when it needs no zeroing after); fsynced below.
-        lsn, digests = await parts.store.copy_to(partial / "store", sync=False, hash_chunk=CHUNK)
-        if copied and lsn > fulltext_lsn:
-            # A deletion between the two copies is in the store copy, but the index copy
-            # still holds its documents: tantivy would only mark them deleted on replay.
-            copied = not await trio.to_thread.run_sync(
-                _deleted_after, partial / "store", fulltext_lsn)
-        if not copied:
-            if (partial / "fulltext").exists():
-                await trio.to_thread.run_sync(shutil.rmtree, partial / "fulltext")
-            fulltext_lsn = await trio.to_thread.run_sync(
-                build_index, partial / "store", partial / "fulltext")
-        counts = await trio.to_thread.run_sync(_counts, partial / "store")
-        embedded_lsn = counts.pop("embedded_lsn")
-        chain_head = counts.pop("chain_head")
-        known = {} if digests is None else {partial / "store" / "data.mdb": digests}
-        files = await _checksums(partial, sync=True, known=known)  # durable before it is done
-        manifest = Manifest(
-            format=MANIFEST_FORMAT, engine_version=__version__, schema_version=SCHEMA_VERSION,
-            model=parts.embedder.model.id, dim=parts.embedder.model.dim, lsn=lsn,
-            fulltext_lsn=fulltext_lsn, fulltext="copied" if copied else "rebuilt",
-            embedded_lsn=embedded_lsn, counts=counts, files=files,
-            created_at=datetime.now(timezone.utc), seconds=trio.current_time() - started,
-            chain_head=chain_head)
-        key = parts.config.integrity_key
-        if key is not None:
-            manifest = msgspec.structs.replace(manifest, mac=manifest_mac(manifest, key))
-        (partial / MANIFEST_NAME).write_bytes(msgspec.json.format(msgspec.json.encode(manifest)))
-        await trio.to_thread.run_sync(_fsync, partial / MANIFEST_NAME)
-        if dest.exists():
-            dest.rmdir()
-        partial.rename(dest)
+            if scrubbed is not None:
+                await scrubbed()
+            fulltext_lsn, copied = await parts.fulltext.copy_to(partial / "fulltext")
+            # Hashed as it is written (when it needs no zeroing after); fsynced below.
+            lsn, digests = await parts.store.copy_to(partial / "store", sync=False,
+                                                     hash_chunk=CHUNK)
+            if copied and lsn > fulltext_lsn:
+                # A deletion between the two copies is in the store copy, but the index copy
+                # still holds its documents: tantivy would only mark them deleted on replay.
+                copied = not await trio.to_thread.run_sync(
+                    _deleted_after, partial / "store", fulltext_lsn)
+            if not copied:
+                if (partial / "fulltext").exists():
+                    await trio.to_thread.run_sync(shutil.rmtree, partial / "fulltext")
+                fulltext_lsn = await trio.to_thread.run_sync(
+                    build_index, partial / "store", partial / "fulltext")
+            counts = await trio.to_thread.run_sync(_counts, partial / "store")
+            embedded_lsn = counts.pop("embedded_lsn")
+            chain_head = counts.pop("chain_head")
+            known = {} if digests is None else {partial / "store" / "data.mdb": digests}
+            files = await _checksums(partial, sync=True, known=known)  # durable before it is done
+            manifest = Manifest(
+                format=MANIFEST_FORMAT, engine_version=__version__, schema_version=SCHEMA_VERSION,
+                model=parts.embedder.model.id, dim=parts.embedder.model.dim, lsn=lsn,
+                fulltext_lsn=fulltext_lsn, fulltext="copied" if copied else "rebuilt",
+                embedded_lsn=embedded_lsn, counts=counts, files=files,
+                created_at=datetime.now(timezone.utc), seconds=trio.current_time() - started,
+                chain_head=chain_head)
+            key = parts.config.integrity_key
+            if key is not None:
+                manifest = msgspec.structs.replace(manifest, mac=manifest_mac(manifest, key))
+            (partial / MANIFEST_NAME).write_bytes(
+                msgspec.json.format(msgspec.json.encode(manifest)))
+            await trio.to_thread.run_sync(_fsync, partial / MANIFEST_NAME)
+            if dest.exists():
+                dest.rmdir()
+            partial.rename(dest)
     except BaseException:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(shutil.rmtree, partial, True)
         raise
+    finally:
+        os.close(held)
     return manifest
 
 
@@ -426,25 +419,21 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
         if exc.errno not in PATH_ERRNOS:
             raise
         raise refused("store_path", exc, "a directory this process can create") from exc
+    owner, made = None, False
     try:
         owner, made = _restorable(snapshot, store, overwrite)
-        try:
-            with one_disk_error():
-                await _install(snapshot, store, manifest, progress, integrity_key, incoming)
-        except BaseException:
-            with trio.CancelScope(shield=True):
-                # Not once it took the store's name: the name is free then, and may be
-                # another restore's folder by now. Nor a store it replaced.
-                if await trio.to_thread.run_sync(_drop_if_held, incoming, held) and made:
-                    await trio.to_thread.run_sync(shutil.rmtree, store, True)
-            raise
-        finally:
-            owner.release()
+        with one_disk_error():
+            await _install(snapshot, store, manifest, progress, integrity_key, incoming)
     except BaseException:
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(_drop_if_held, incoming, held)
+            # Not once it took the store's name: the name is free then, and may be another
+            # restore's folder by now. Nor a store it replaced; a folder made for it, yes.
+            if await trio.to_thread.run_sync(_drop_if_held, incoming, held) and made:
+                await trio.to_thread.run_sync(shutil.rmtree, store, True)
         raise
     finally:
+        if owner is not None:
+            owner.release()
         os.close(held)
     return manifest
 
