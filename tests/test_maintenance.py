@@ -20,6 +20,21 @@ async def _tell(mem, session: str) -> None:
         await mem.add_turn("ana", session, "user", text)
 
 
+def _pause_after_reading(maintenance, monkeypatch, read: trio.Event,
+                         go_on: trio.Event) -> None:
+    """Make a pass set ``read`` once it has read the user's facts, and wait for ``go_on``
+    before it writes its reflection."""
+    real = maintenance._recent
+
+    async def recent(user_id, now):
+        out = await real(user_id, now)
+        read.set()
+        await go_on.wait()
+        return out
+
+    monkeypatch.setattr(maintenance, "_recent", recent)
+
+
 async def test_a_weekly_reflection_is_written_once_per_week(store_path) -> None:
     """Three new facts in a week earn one reflection note, tagged, searchable, never twice in
     the same ISO week; a quiet week earns none."""
@@ -125,7 +140,7 @@ async def test_a_pass_that_read_before_a_fact_was_forgotten_writes_no_reflection
         await mem.flush()
         store, maintenance = mem._store, mem._maintenance
         reading, pass_read, forgotten = trio.Event(), trio.Event(), trio.Event()
-        real_read, real_recent = store.read, maintenance._recent
+        real_read = store.read
 
         async def read(fn, *args):
             out = await real_read(fn, *args)
@@ -134,14 +149,8 @@ async def test_a_pass_that_read_before_a_fact_was_forgotten_writes_no_reflection
                 await pass_read.wait()
             return out
 
-        async def recent(user_id, now):
-            out = await real_recent(user_id, now)
-            pass_read.set()
-            await forgotten.wait()
-            return out
-
         monkeypatch.setattr(store, "read", read)
-        monkeypatch.setattr(maintenance, "_recent", recent)
+        _pause_after_reading(maintenance, monkeypatch, pass_read, forgotten)
         written: list[bool] = []
 
         async def forget() -> None:
@@ -334,15 +343,7 @@ async def test_a_forget_of_nothing_leaves_a_pass_under_way_alone(store_path, mon
         await mem.flush()
         maintenance = mem._maintenance
         read, forgotten = trio.Event(), trio.Event()
-        real_recent = maintenance._recent
-
-        async def recent(user_id, now):
-            out = await real_recent(user_id, now)
-            read.set()
-            await forgotten.wait()
-            return out
-
-        monkeypatch.setattr(maintenance, "_recent", recent)
+        _pause_after_reading(maintenance, monkeypatch, read, forgotten)
         written: list[bool] = []
 
         async def reflect() -> None:

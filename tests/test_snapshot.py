@@ -403,6 +403,29 @@ async def test_snapshots_to_one_destination_at_once_give_one_snapshot(tmp_path) 
         assert len(await mem.session_history("ana", "s", limit=1000)) == 200
 
 
+async def _restore_twice(snapshot: Path, target: Path, overwrite: bool,
+                         second_after: trio.Event, first_done: trio.Event
+                         ) -> dict[str, object]:
+    """Restore ``snapshot`` to ``target`` twice, the second once ``second_after`` is set;
+    ``first_done`` is set when the first returns. Each outcome, a Manifest or the engine's
+    or the disk's error, by "first" and "second"."""
+    outcomes: dict[str, object] = {}
+
+    async def restore(name: str) -> None:
+        try:
+            outcomes[name] = await Engine.restore(snapshot, target, overwrite=overwrite)
+        except (InvalidInput, OSError) as exc:
+            outcomes[name] = exc
+        if name == "first":
+            first_done.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(restore, "first")
+        await second_after.wait()
+        nursery.start_soon(restore, "second")
+    return outcomes
+
+
 async def test_a_restore_finds_what_is_there_once_it_holds_its_place(
         tmp_path, monkeypatch) -> None:
     """A restore checked that its target was new, then waited to take STORE.restoring while
@@ -425,22 +448,11 @@ async def test_a_restore_finds_what_is_there_once_it_holds_its_place(
         return real(path, field)
 
     monkeypatch.setattr(snapshot_mod, "_claimed", claimed)
-    outcomes: dict[str, object] = {}
-
-    async def restore(name: str) -> None:
-        try:
-            outcomes[name] = await Engine.restore(tmp_path / "snap", tmp_path / "new")
-        except InvalidInput as exc:
-            outcomes[name] = exc
-        if name == "a":
-            first_done.set()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(restore, "a")
-        await first_claimed.wait()
-        nursery.start_soon(restore, "b")
-    assert isinstance(outcomes["a"], Manifest), outcomes
-    assert isinstance(outcomes["b"], InvalidInput) and "with files in it" in str(outcomes["b"])
+    outcomes = await _restore_twice(tmp_path / "snap", tmp_path / "new", False,
+                                    first_claimed, first_done)
+    assert isinstance(outcomes["first"], Manifest), outcomes
+    assert (isinstance(outcomes["second"], InvalidInput)
+            and "with files in it" in str(outcomes["second"]))
 
 
 async def test_an_engine_opened_where_a_restore_copies_is_refused(tmp_path,
@@ -504,20 +516,7 @@ async def test_a_restore_failing_after_its_rename_leaves_the_next_ones_copy(
 
     monkeypatch.setattr(snapshot_mod, "_fsync", fsync)
     monkeypatch.setattr(snapshot_mod, "_claimed", claimed)
-    outcomes: dict[str, object] = {}
-
-    async def restore(name: str) -> None:
-        try:
-            outcomes[name] = await Engine.restore(tmp_path / "snap", store, overwrite=True)
-        except OSError as exc:
-            outcomes[name] = exc
-        if name == "first":
-            first_done.set()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(restore, "first")
-        await renamed.wait()
-        nursery.start_soon(restore, "second")
+    outcomes = await _restore_twice(tmp_path / "snap", store, True, renamed, first_done)
     assert isinstance(outcomes["first"], OSError), outcomes
     assert isinstance(outcomes["second"], Manifest), outcomes
     assert kept == [True]
