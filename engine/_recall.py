@@ -21,8 +21,7 @@ from actors.base import validate as v
 from actors.base.errors import InvalidInput
 from actors.base.messages import PutState
 from actors.base.records import PendingReview
-from actors.base.text import folded
-from actors.base.where import Node, conjunction
+from actors.base.where import Node, category_in, conjunction
 from actors.base.where import parse as parse_where
 from actors.store import read_memories_by_id, user_prefix
 
@@ -200,9 +199,8 @@ class Recall:
                     type(c) is str for c in items):
                 raise InvalidInput("category", "expected a category or a non-empty list of "
                                                f"them, found {shown(category)}")
-            # Held folded in the indexes, as the engine tells categories apart (base.where).
-            values = tuple(folded(self._parts.check_lookup_id("category", c)) for c in items)
-            nodes.append(Node("in", ("f", "category"), values))
+            nodes.append(category_in(tuple(self._parts.check_lookup_id("category", c)
+                                           for c in items)))
         if min_importance is not None:
             nodes.append(Node("gte", ("f", "importance"),
                               check_fraction("min_importance", min_importance)))

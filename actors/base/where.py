@@ -41,8 +41,8 @@ from .text import composed, folded
 from .validate import check_int, check_utf8
 from .validate import found as _found
 
-__all__ = ["OPERATORS", "RECORD_FIELDS", "Node", "attributes", "conjunction", "parse",
-           "regex_escape", "string_leaves", "turn_tags"]
+__all__ = ["OPERATORS", "RECORD_FIELDS", "Node", "attributes", "category_in", "conjunction",
+           "parse", "regex_escape", "string_leaves", "turn_tags"]
 
 OPERATORS = ("eq", "ne", "gt", "gte", "lt", "lte", "in", "nin", "contains")
 LOGICAL = ("AND", "OR", "NOT")
@@ -105,8 +105,9 @@ def attributes(record: Any) -> dict[str, dict[str, Any]]:
         fields = {"kind": "note", "tags": record.tags}
         meta = {}
     elif kind == "Fact":
-        fields = {"kind": "fact", "tags": (record.category,), "category": folded(record.category),
-                  "key": record.key, "value": record.value, "importance": record.importance,
+        # Its category as every record's, folded (below).
+        fields = {"kind": "fact", "tags": (record.category,), "key": record.key,
+                  "value": record.value, "importance": record.importance,
                   "confidence": record.confidence, "origin": record.origin}
         meta = {}
     elif kind == "Episode":
@@ -416,6 +417,12 @@ def _conditions(name: Any, value: Any, field: str, count: list[int]) -> list[Nod
                                        f"expected one of {', '.join(known)}, found {item!r}")
         out.append(Node(op, path, operand))
     return out
+
+
+def category_in(categories: tuple[str, ...]) -> Node:
+    """recall's ``category=``: any of these categories, compared as ``where`` compares them
+    (folded)."""
+    return Node("in", ("f", "category"), tuple(map(folded, categories)))
 
 
 def conjunction(*nodes: Node | None) -> Node | None:
