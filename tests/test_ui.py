@@ -283,6 +283,50 @@ async def test_ids_holding_slashes_open_every_page_and_action(engine, tmp_path) 
         assert [s.session_id for s in await engine.list_sessions("team")] == ["s1"]
 
 
+def submitted(html: str) -> dict[str, str]:
+    """The confirmation form's fields as a browser submits them: HTML unescaped, and line
+    breaks in values turned into CR LF (the form's data set normalises them)."""
+    import html as markup
+
+    fields = re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">', html)
+    return {name: re.sub(r"\r\n|\r|\n", "\r\n", markup.unescape(value))
+            for name, value in fields}
+
+
+async def test_ids_holding_line_breaks_survive_the_confirmation_form(engine, keys) -> None:
+    """A session, note or fact key holding a line break reaches the action as it was asked
+    about, though a browser sends the form's line breaks as CR LF: the session is forgotten,
+    the note deleted, the fact confirmed; and an action on a session that is not there says
+    so (404) instead of reporting a forget that did nothing."""
+    session, note_id, key = "chat\n42", "note\nA", "drink\nat night"
+    await engine.add_turn("ana", session, "user", "my secret diary entry")
+    await engine.add_turn("ana", "other", "user", "the other session stays")
+    await engine.store_note("ana", "a private note", note_id=note_id)
+    await engine.remember_fact("ana", "preference", key, "tea")
+    await engine.flush()
+    app = create_app(engine, keys)
+    home = "/ui/users/ana"
+    async with browser(app, origin="http://127.0.0.1") as http:
+        await http.post("/ui/login", data={"key": ANA_KEY})
+        for action, params in (("forget-session", {"session": session}),
+                               ("delete-note", {"note": note_id}),
+                               ("confirm-fact", {"category": "preference", "key": key})):
+            asked = await http.get(f"{home}/do/{action}", params=params)
+            assert asked.status_code == 200, asked.text
+            done = await http.post(f"{home}/do/{action}", data=submitted(asked.text))
+            assert done.status_code == 303, (action, done.text)
+        assert [s.session_id for s in await engine.list_sessions("ana")] == ["other"]
+        assert await engine.get_note("ana", note_id) is None
+        [fact] = [f for f in await engine.profile("ana") if f.key == key]
+        assert fact.protected
+        missing = await http.get(f"{home}/do/forget-session", params={"session": "no-such"})
+        assert missing.status_code == 404 and "no session" in missing.text
+        token = csrf_of((await http.get(home)).text)
+        gone = await http.post(f"{home}/do/forget-session",
+                               data={"session": session, "csrf": token})
+        assert gone.status_code == 404 and "forgot" not in gone.text
+
+
 async def test_notes_show_importance_emotion_and_category_and_filter_by_them(
         engine, keys) -> None:
     """The memory page shows each note's importance, emotion and category, and keeps only the

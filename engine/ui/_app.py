@@ -29,7 +29,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
 import jinja2
 import trio
@@ -502,6 +502,8 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
         """(question, button, hidden fields) of an action, or Refused for an unknown one."""
         if action == "forget-session":
             session = need(fields, "session")
+            if not await engine.session_history(user_id, session, limit=1):
+                raise Refused(404, f"User {user_id!r} has no session {session!r}.")
             return (f"Forget session {session!r} of {user_id!r}: every turn, its episodes and "
                     "the facts taken from it, from the store, the indexes and later snapshots?",
                     "Forget this session", {"session": session})
@@ -552,13 +554,17 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
     async def confirm(request: Request, user_id: str, action: str) -> Response:
         viewer = for_user(request, user_id)
         question, button, hidden = await describe(user_id, action, request.query_params)
+        # One field, percent-encoded: a browser sends a form's line breaks as CR LF, which
+        # would name another session, note or fact than the one asked about.
         return page(request, "confirm.html", viewer, user_id=user_id, action=action,
-                    question=question, button=button, hidden=hidden)
+                    question=question, button=button, fields=urlencode(hidden))
 
     @app.post("/users/{user_id:id}/do/{action:id}")
     async def do(request: Request, user_id: str, action: str) -> Response:
         viewer = for_user(request, user_id)
         fields = await posted(request, viewer)
+        if "fields" in fields:  # the confirmation form's
+            fields = dict(parse_qsl(fields["fields"], keep_blank_values=True))
         _, _, hidden = await describe(user_id, action, fields)
         return await act(user_id, action, hidden)
 
