@@ -3,6 +3,7 @@ documents them), the JSON, Markdown and error responses, and the examples its Op
 """
 
 # No `from __future__ import annotations`: FastAPI reads these models' annotations at run time.
+import os
 import types
 import typing
 from datetime import datetime
@@ -13,6 +14,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException
+
+from actors.base.errors import InvalidInput
 
 from ._hits import Hit
 
@@ -209,6 +212,14 @@ class ReviewIn(_Body):
 class SnapshotIn(_Body):
     dest: str = Field(description="a new or empty directory on the server",
                       examples=["/backups/2026-11-22"])
+
+
+def server_path(field: str, path: str) -> str:
+    """``path`` if absolute; a relative one would land in the server's working directory,
+    which no client knows: refused, naming ``field``."""
+    if not os.path.isabs(path):
+        raise InvalidInput(field, f"expected an absolute path on the server, found {path!r}")
+    return path
 
 
 # -- responses ----------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ through are ``_http_edge.py``; the request bodies and responses ``_http_wire.py`
 # the dependency aliases (User, Who) are local to create_app.
 import gc
 import logging
-import os
 import signal
 import sys
 import threading
@@ -72,6 +71,7 @@ from ._http_wire import (
     markdown_response,
     not_found,
     response_schemas,
+    server_path,
 )
 from ._hits import RetrieveResult
 from ._memory import EntityInfo
@@ -522,11 +522,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     async def snapshot(body: SnapshotIn, who: Who) -> Response:
         """A point-in-time snapshot to a directory on the server, taken while serving."""
         who.check_admin()
-        if not os.path.isabs(body.dest):
-            # A relative one would land in the server's working directory, which no client knows.
-            raise InvalidInput("dest", f"expected an absolute path on the server, found "
-                                       f"{body.dest!r}")
-        manifest = await engine.snapshot(body.dest)  # it checks the path as the engine takes it
+        manifest = await engine.snapshot(server_path("dest", body.dest))  # it checks the path as the engine takes it
         ui.state.journal.snapshot_taken(body.dest, manifest)  # the operator view lists it
         return Response(msgspec.json.encode(manifest), media_type="application/json")
 

@@ -228,7 +228,7 @@ async def test_looking_at_why_a_memory_was_recalled_is_not_a_use(store_path, clo
 
 
 async def test_operator_view_runs_the_integrity_check_and_lists_snapshots(
-        engine, keys, tmp_path) -> None:
+        engine, keys, tmp_path, monkeypatch) -> None:
     """The operator view shows counts and lag, runs the integrity check on the served store,
     and lists snapshots taken through the pages and through the API."""
     await seed(engine)
@@ -245,6 +245,13 @@ async def test_operator_view_runs_the_integrity_check_and_lists_snapshots(
         page = (await admin.get("/ui/operator")).text
         assert "<strong>ok</strong>" in page
         assert str(tmp_path / "api") in page and str(tmp_path / "ui") in page
+        # A relative path would land in the server's working directory: refused by the page
+        # as by the API, and nothing written.
+        monkeypatch.chdir(tmp_path)
+        for refused in (await admin.post("/ui/operator/snapshot", data={"dest": "rel"}),
+                        await admin.post("/v1/snapshot", json={"dest": "rel"})):
+            assert refused.status_code == 422 and "absolute path" in refused.text
+        assert not (tmp_path / "rel").exists()
 
 
 async def test_ids_holding_slashes_open_every_page_and_action(engine, tmp_path) -> None:
@@ -296,7 +303,7 @@ def submitted(html: str) -> dict[str, str]:
 async def test_ids_holding_line_breaks_survive_the_confirmation_form(engine, keys) -> None:
     """A session, note or fact key holding a line break reaches the action as it was asked
     about, though a browser sends the form's line breaks as CR LF: the session is forgotten,
-    the note deleted, the fact confirmed; and an action on a session that is not there says
+    the note deleted, the fact confirmed and corrected from the memory page's form; and an action on a session that is not there says
     so (404) instead of reporting a forget that did nothing."""
     session, note_id, key = "chat\n42", "note\nA", "drink\nat night"
     await engine.add_turn("ana", session, "user", "my secret diary entry")
@@ -308,6 +315,13 @@ async def test_ids_holding_line_breaks_survive_the_confirmation_form(engine, key
     home = "/ui/users/ana"
     async with browser(app, origin="http://127.0.0.1") as http:
         await http.post("/ui/login", data={"key": ANA_KEY})
+        memory = (await http.get(f"{home}/memory")).text
+        form = memory.split('/do/correct-fact"')[1].split("</form>")[0]
+        asked = await http.get(f"{home}/do/correct-fact", params={**submitted(form),
+                                                                   "value": "coffee"})
+        assert asked.status_code == 200, asked.text
+        done = await http.post(f"{home}/do/correct-fact", data=submitted(asked.text))
+        assert done.status_code == 303, done.text
         for action, params in (("forget-session", {"session": session}),
                                ("delete-note", {"note": note_id}),
                                ("confirm-fact", {"category": "preference", "key": key})):
@@ -318,7 +332,7 @@ async def test_ids_holding_line_breaks_survive_the_confirmation_form(engine, key
         assert [s.session_id for s in await engine.list_sessions("ana")] == ["other"]
         assert await engine.get_note("ana", note_id) is None
         [fact] = [f for f in await engine.profile("ana") if f.key == key]
-        assert fact.protected
+        assert fact.protected and fact.value == "coffee"
         missing = await http.get(f"{home}/do/forget-session", params={"session": "no-such"})
         assert missing.status_code == 404 and "no session" in missing.text
         token = csrf_of((await http.get(home)).text)
@@ -335,8 +349,8 @@ async def test_notes_show_importance_emotion_and_category_and_filter_by_them(
     await engine.store_note("ana", "loves the sea at Cascais", importance=0.9, emotion="joy",
                             category="travel")
     await engine.store_note("ana", "afraid of flying", importance=0.3, emotion="fear",
-                            category="travel")
-    await engine.store_note("ana", "plays the piano", category="music")
+                            category=" Travel")
+    await engine.store_note("ana", "plays the piano", category="music  lessons")
     app = create_app(engine, keys)
     async with browser(app, ANA_KEY) as ana:
         page = (await ana.get("/ui/users/ana/memory")).text
@@ -355,5 +369,12 @@ async def test_notes_show_importance_emotion_and_category_and_filter_by_them(
         assert await shown(note_importance="0.5") == {"loves the sea", "plays the piano"}
         assert await shown(note_emotion="fear") == {"afraid of flying"}
         assert await shown(note_category="travel", note_importance="0.6") == {"loves the sea"}
+        # A category is told apart as the engine tells it everywhere (case and spacing aside):
+        # one option for "travel" and " Travel", and what the browser sends finds both.
+        options = re.findall(r"<option>([^<]*)</option>",
+                             page.split('name="note_category"')[1].split("</select>")[0])
+        assert options == ["music lessons", "travel"]
+        assert await shown(note_category="travel") == {"loves the sea", "afraid of flying"}
+        assert await shown(note_category="Music lessons") == {"plays the piano"}
         bad = await ana.get("/ui/users/ana/memory", params={"note_importance": "lots"})
         assert bad.status_code == 422 and "note_importance" in bad.text

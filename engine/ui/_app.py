@@ -37,10 +37,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException
 
-from actors.base.text import composed
+from actors.base.text import composed, folded
 
 from .. import Engine, EngineError, Fact, InvalidInput, Manifest
 from .._hits import estimate_tokens
+from .._http_wire import server_path
 from .._retrieval import LEGS
 from ._graph import Graph, neighbourhood
 
@@ -398,11 +399,12 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
         note_filter = {"importance": _fraction(params, "note_importance"),
                        "emotion": " ".join(composed(params.get("note_emotion", "")).split()
                                            ).lower(),
-                       "category": params.get("note_category", "").strip()}
+                       "category": folded(params.get("note_category", ""))}
         notes = [n for n in all_notes
                  if (note_filter["importance"] is None or n.importance >= note_filter["importance"])
                  and (not note_filter["emotion"] or n.emotion == note_filter["emotion"])
-                 and (not note_filter["category"] or n.category == note_filter["category"])
+                 and (not note_filter["category"]
+                      or folded(n.category) == note_filter["category"])
                  ][:NOTES_SHOWN]
         note_links = {n.note_id: len(await engine.links(user_id, n.note_id)) for n in notes}
         entities = (await engine.list_entities(user_id))[:ENTITIES_SHOWN]
@@ -416,7 +418,8 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
         return page(request, "memory.html", viewer, user_id=user_id, history=history,
                     notes=notes, note_count=len(all_notes), note_filter=note_filter,
                     emotions=sorted({n.emotion for n in all_notes} - {""}),
-                    categories=sorted({n.category for n in all_notes} - {""}),
+                    # categories as the engine tells them apart: case and spacing aside
+                    categories=sorted({folded(n.category) for n in all_notes} - {""}),
                     note_links=note_links, entities=entities, node=node,
                     depth=depth, max_depth=MAX_DEPTH, graph=graph, entity=entity,
                     mentions=mentions)
@@ -485,7 +488,7 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
     @app.post("/operator/snapshot")
     async def snapshot(request: Request) -> Response:
         viewer = admin_of(request)
-        dest = need(await posted(request, viewer), "dest")
+        dest = server_path("dest", need(await posted(request, viewer), "dest"))
         manifest = await engine.snapshot(dest)
         journal.snapshot_taken(dest, manifest)
         return back("/ui/operator", f"snapshot taken at lsn {manifest.lsn} in {dest}")
@@ -497,6 +500,14 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
             if fact.category == category and fact.key == key:
                 return fact
         raise Refused(404, f"User {user_id!r} has no active fact {category}/{key}.")
+
+    def action_fields(given: Any) -> dict[str, str]:
+        """An action's fields as a page's form sent them: those it carries percent-encoded in
+        one ``fields`` field (ids and keys, whose line breaks a browser would send as CR LF,
+        naming something else) and the rest as typed."""
+        fields = {name: value for name, value in given.items() if name not in ("fields", "csrf")}
+        fields.update(parse_qsl(given.get("fields", ""), keep_blank_values=True))
+        return fields
 
     async def describe(user_id: str, action: str, fields: Any) -> tuple[str, str, dict]:
         """(question, button, hidden fields) of an action, or Refused for an unknown one."""
@@ -553,18 +564,15 @@ def create_ui(engine: Engine, keys: Any = None) -> FastAPI:
     @app.get("/users/{user_id:id}/do/{action:id}")
     async def confirm(request: Request, user_id: str, action: str) -> Response:
         viewer = for_user(request, user_id)
-        question, button, hidden = await describe(user_id, action, request.query_params)
-        # One field, percent-encoded: a browser sends a form's line breaks as CR LF, which
-        # would name another session, note or fact than the one asked about.
+        question, button, hidden = await describe(user_id, action,
+                                                  action_fields(request.query_params))
         return page(request, "confirm.html", viewer, user_id=user_id, action=action,
                     question=question, button=button, fields=urlencode(hidden))
 
     @app.post("/users/{user_id:id}/do/{action:id}")
     async def do(request: Request, user_id: str, action: str) -> Response:
         viewer = for_user(request, user_id)
-        fields = await posted(request, viewer)
-        if "fields" in fields:  # the confirmation form's
-            fields = dict(parse_qsl(fields["fields"], keep_blank_values=True))
+        fields = action_fields(await posted(request, viewer))
         _, _, hidden = await describe(user_id, action, fields)
         return await act(user_id, action, hidden)
 
