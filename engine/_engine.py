@@ -533,7 +533,8 @@ class Engine:
         """Link two of the user's memories; recall follows links in both directions.
 
         Raises:
-            InvalidInput: an id is not a memory of this user, or the two are the same.
+            InvalidInput: an id is not a memory of this user, the two are the same, or the
+                pair holds a link of this type the other way (one link of each type a pair).
         """
         return await self._links.link(user_id, from_id, to_id, type, at)
 

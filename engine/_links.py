@@ -48,10 +48,15 @@ class Links:
         # An end forgotten between the read above and the write is found by the write itself,
         # in its transaction: no link to a memory that is gone is ever stored, even for a
         # moment a crash could keep (forgetting means gone).
-        missing: list[tuple[str, ...]] = []
-        await parts.store.write_unlogged(PutLink(user_id, link, trio.Event(), missing.append))
+        written: list[tuple[str, ...] | Link] = []
+        await parts.store.write_unlogged(PutLink(user_id, link, trio.Event(), written.append))
+        if isinstance(held := written[0], Link):
+            raise InvalidInput("to_id", f"expected memories not linked by a {type!r} link the "
+                                        f"other way (a pair holds one link of each type), found "
+                                        f"one from {to_id!r} to {from_id!r}, made "
+                                        f"{held.at.isoformat()}")
         for field, memory_id in (("from_id", from_id), ("to_id", to_id)):
-            if memory_id in missing[0]:
+            if memory_id in held:
                 raise NotFound(field, f"expected the id of a memory of user {user_id!r}, found "
                                       f"none with id {memory_id!r} (forgotten meanwhile)")
         return link

@@ -41,6 +41,33 @@ async def test_one_pair_holds_several_types_each_once(mem) -> None:
     assert await mem.links("maya", a.turn_id) == []
 
 
+async def test_a_link_the_other_way_of_a_type_the_pair_holds_is_refused(mem) -> None:
+    """The pair's key is the same both ways, so link(b, a, T) used to replace link(a, b, T):
+    an episode's ``summarises`` link turned into the turn summarising the episode. It is
+    refused, and the link the pair holds keeps its direction and time."""
+    a = await mem.add_turn("maya", "s1", "user", "We booked the flat.")
+    b = await mem.add_turn("maya", "s1", "user", "We paid the deposit.")
+    await mem.flush()
+    first = await mem.link("maya", a.turn_id, b.turn_id, "derived_from")
+    with pytest.raises(InvalidInput, match="to_id.*'derived_from' link the other way"):
+        await mem.link("maya", b.turn_id, a.turn_id, "derived_from")
+    await mem.link("maya", b.turn_id, a.turn_id, "follows")  # another type: its own link
+    await mem.link("maya", a.turn_id, b.turn_id, "derived_from")  # the same way: replaced
+    found = sorted((l.from_id, l.to_id, l.type) for l in await mem.links("maya", b.turn_id))
+    assert found == [(a.turn_id, b.turn_id, "derived_from"), (b.turn_id, a.turn_id, "follows")]
+    for i in range(6):
+        await mem.add_turn("maya", "s2", "user", f"packing box {i} for the move")
+    await mem.close_session("maya", "s2")
+    await mem.flush()
+    [episode] = await mem.episodes("maya", "s2")
+    [summarises] = [l for l in await mem.links("maya", episode.episode_id)
+                    if l.type == "summarises"][:1]
+    with pytest.raises(InvalidInput, match="the other way"):
+        await mem.link("maya", summarises.to_id, episode.episode_id, "summarises")
+    assert summarises in await mem.links("maya", episode.episode_id)
+    assert first.from_id == a.turn_id
+
+
 async def test_expansion_follows_only_the_types_asked_for(mem) -> None:
     """recall(link_types=[...]) walks links of those types only."""
     a = await mem.add_turn("maya", "s1", "user", "zebra crossing near the school")

@@ -133,8 +133,9 @@ class PutVectors(msgspec.Struct, frozen=True, tag=True):
 
 class PutLink(msgspec.Struct, frozen=True, tag=True):
     """Store a typed link between two memories of one user (both directions are indexed),
-    if both ends exist when the write transaction applies it; ``committed`` gets the ends it
-    did not find (empty: written)."""
+    if both ends exist when the write transaction applies it and the pair holds no link of
+    its type the other way; ``committed`` gets the ends it did not find (empty: written) or
+    that other link."""
 
     user_id: str
     link: Any  # records.Link

@@ -17,8 +17,8 @@ from ..base.messages import (
     PutVectors,
     WriteSummary,
 )
-from ..base.records import Episode, Note
-from .codecs import _decode_note, _decode_summary, _encode
+from ..base.records import Episode, Link, Note
+from .codecs import _decode_link, _decode_note, _decode_summary, _encode
 from .layout import (
     _EMBEDDED_KEY,
     EMBED_BACKLOG_KEY,
@@ -146,18 +146,27 @@ class Appliers:
                 txn.put(link_key, _encode(link), db=dbs[b"links"])
         return left
 
-    def _put_link_in(self, txn: lmdb.Transaction, op: PutLink) -> tuple[str, ...]:
+    def _put_link_in(self, txn: lmdb.Transaction, op: PutLink) -> tuple[str, ...] | Link:
         """Write the link if both its ends are the user's memories now, in this transaction:
         an end forgotten after the caller looked for it would otherwise leave a link to
         nothing, and a check after the write leaves that link to any crash before it. Returns
-        the ends not found (none: written)."""
+        the ends not found (none: written), or the link of this type the pair holds the other
+        way: the pair's keys are the same both ways, so writing would turn it around (an
+        episode's ``summarises`` into the turn summarising the episode)."""
         link = op.link
         found = read_memories_by_id(txn, self._dbs, op.user_id, [link.from_id, link.to_id])
         missing = tuple(end for end in (link.from_id, link.to_id) if end not in found)
-        if not missing:
-            for key in link_keys(op.user_id, link):
-                txn.put(key, _encode(link), db=self._dbs[b"links"])
-        return missing
+        if missing:
+            return missing
+        keys = link_keys(op.user_id, link)
+        held = txn.get(keys[0], db=self._dbs[b"links"])
+        if held is not None:
+            other = _decode_link(held)
+            if (other.from_id, other.to_id) == (link.to_id, link.from_id):
+                return other
+        for key in keys:
+            txn.put(key, _encode(link), db=self._dbs[b"links"])
+        return ()
 
     def _put_state_in(self, txn: lmdb.Transaction, op: PutState) -> None:
         dbs = self._dbs
