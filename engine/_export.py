@@ -55,6 +55,7 @@ from actors.store import (
     fact_key,
     holds_memories,
     read_entity_keys,
+    read_episodes,
     read_facts,
     read_links,
     read_memories_by_id,
@@ -705,9 +706,18 @@ def _check(parsed: UserRecords, parts: Parts) -> None:
         for field in ("agent_id", "run_id"):
             if getattr(note, field):
                 v.check_id(f"source.{field}", getattr(note, field), limit)
+    starts: dict[tuple[str, int], str] = {}
     for episode in parsed.episodes:
         new_id("episode_id", episode.episode_id)
         _check_record(episode)
+        # The store keeps an episode under its session and first turn: a second one there
+        # would replace the first.
+        other = starts.setdefault((episode.session_id, episode.first_seq), episode.episode_id)
+        if other != episode.episode_id:
+            raise _bad(f"episode {episode.episode_id}", "expected one episode starting at each "
+                                                        f"turn of a session, found {other} at "
+                                                        f"seq {episode.first_seq} of "
+                                                        f"{episode.session_id} too")
         v.check_id("source.session_id", episode.session_id, limit)
         _check_positive("stability", episode.stability)
         _check_positive("difficulty", episode.difficulty)
@@ -992,22 +1002,28 @@ def _every_id(parsed: UserRecords) -> list[str]:
 
 
 def _read_present(txn: Any, dbs: dict[bytes, Any], wanted: list[tuple[str, UserRecords]]
-                  ) -> list[tuple[dict[str, Any], set[str], dict[tuple[str, str], Fact]]]:
+                  ) -> list[tuple[dict[str, Any], set[str], dict[tuple[str, str], Fact],
+                                  dict[tuple[str, int], str]]]:
     """Each user's records among those of its export, in one read transaction; the past
     fact versions among them stored without their id's entry (an import stopped before it
-    wrote its records outside the log), found in the user's fact history; and the user's
-    active facts by their spelling (:func:`actors.facts.spelling`). The ids are listed only
-    for a user the store holds memories of (a restore's users are new here)."""
+    wrote its records outside the log), found in the user's fact history; the user's
+    active facts by their spelling (:func:`actors.facts.spelling`); and the user's episodes
+    of the export's episodes' sessions, by (session, first seq): where the store keeps them.
+    The ids are listed only for a user the store holds memories of (a restore's users are
+    new here)."""
     out = []
     for user_id, parsed in wanted:
         past = [f.fact_id for f in parsed.facts if f.status != "active"]
-        have = (read_memories_by_id(txn, dbs, user_id, _every_id(parsed))
-                if holds_memories(txn, dbs, user_id) else {})
+        held = holds_memories(txn, dbs, user_id)
+        have = read_memories_by_id(txn, dbs, user_id, _every_id(parsed)) if held else {}
         versions = {f.fact_id: f for f in read_facts(txn, dbs, user_id, False)}
         unfiled = {f: versions[f] for f in past if f not in have and f in versions}
         active = {spelling(f.category, f.key): f for f in versions.values()
                   if f.status == "active"}
-        out.append(({**have, **unfiled}, set(unfiled), active))
+        starts = {(e.session_id, e.first_seq): e.episode_id
+                  for session_id in ({e.session_id for e in parsed.episodes} if held else ())
+                  for e in read_episodes(txn, dbs, user_id, session_id)}
+        out.append(({**have, **unfiled}, set(unfiled), active, starts))
     return out
 
 
@@ -1017,8 +1033,17 @@ async def _write(parts: Parts, imports: list[tuple[UserRecords, str]],
     await store.wait_logged()
     haves = await store.read(_read_present, [(user_id, parsed) for parsed, user_id in imports])
     users = [_User(parsed, user_id, have, unfiled, given)
-             for (parsed, user_id), (have, unfiled, _), given in zip(imports, haves, vectors)]
-    for user, (_, _, active) in zip(users, haves):
+             for (parsed, user_id), (have, unfiled, _, _), given in zip(imports, haves, vectors)]
+    for user, (_, _, active, starts) in zip(users, haves):
+        for episode in user.parsed.episodes:
+            there = starts.get((episode.session_id, episode.first_seq))
+            if there is not None and there != episode.episode_id:
+                # Kept under its session and first turn, it would replace the user's own.
+                raise _bad(f"episode {episode.episode_id}", "expected no episode of session "
+                                                            f"{episode.session_id} starting at "
+                                                            f"seq {episode.first_seq} here, "
+                                                            f"found {there}: import under "
+                                                            "another user (as_user)")
         for fact in user.parsed.facts:
             there = active.get(spelling(fact.category, fact.key))
             if (fact.status == "active" and fact.fact_id not in user.have

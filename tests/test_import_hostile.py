@@ -149,6 +149,39 @@ async def test_an_episode_of_a_session_with_no_turns_is_refused(tmp_path) -> Non
         assert [e.episode_id for e in await mem.episodes("maya")] == ["ep_lost"]
 
 
+async def test_an_episode_at_the_place_of_another_is_refused(tmp_path) -> None:
+    """An episode is kept under its session and first turn: one of another id starting at
+    the same turn (in the file, or the user's own, made by closing the session here after an
+    earlier import) replaced the other, whose log entry then named a record it no longer
+    was: recall raised StoreTampered and verify failed. Refused, nothing written."""
+    async with open_engine(tmp_path / "a", clock=StepClock()) as mem:
+        lines, _ = await _maya(mem)
+    turns = [line for line in lines if line["record"] == "turn"]
+    episode = {"record": "episode", "lsn": 99, "episode_id": "ep_file", "session_id": "s1",
+               "first_seq": 0, "last_seq": 3, "turn_ids": [t["turn_id"] for t in turns],
+               "title": "The beach", "summary": "Pixel at the beach.", "keywords": ["beach"],
+               "start_at": turns[0]["at"], "end_at": turns[-1]["at"], "surprise": 0.5,
+               "stability": 1.0, "difficulty": 5.0, "created_at": turns[-1]["at"]}
+    twin = episode | {"episode_id": "ep_twin", "lsn": 98, "last_seq": 1,
+                      "turn_ids": episode["turn_ids"][:2]}
+    async with open_engine(tmp_path / "b", clock=StepClock()) as mem:
+        with pytest.raises(InvalidInput, match="episode ep_file: expected one episode starting "
+                                               "at each turn of a session, found ep_twin"):
+            await mem.import_user(_file([*lines[:-1], twin, episode, lines[-1]]))
+        assert await mem.list_users() == []
+        await mem.import_user(_file(lines))
+        await mem.close_session("maya", "s1")
+        await mem.flush()
+        [mine] = await mem.episodes("maya", "s1")
+        with pytest.raises(InvalidInput, match=f"episode ep_file: expected no episode of session "
+                                               f"s1 starting at seq 0 here, found {mine.episode_id}"):
+            await mem.import_user(_file([*lines[:-1], episode, lines[-1]]))
+        await mem.flush()
+        assert await mem.episodes("maya", "s1") == [mine]
+        assert await mem.recall("maya", "Pixel beach", kinds=["episode"])
+    assert (await Engine.verify(tmp_path / "b"))["ok"]
+
+
 @pytest.mark.parametrize("summary, found", [
     ({"session_id": "s9"}, "session_id: expected a session of user 'maya', found none called "
                            "'s9'"),
