@@ -67,6 +67,7 @@ from actors.store.layout import IDS_FACT
 
 from ._args import check_fraction, check_label
 from ._files import PATH_ERRNOS, refused, resolved, write_atomically
+from ._ingest import other_scope
 from .errors import EngineError, InvalidInput
 
 if TYPE_CHECKING:
@@ -685,6 +686,12 @@ def _check(parsed: UserRecords, parts: Parts) -> None:
         if [t.seq for t in in_session] != list(range(len(in_session))):
             raise _bad(f"session {session_id}", "expected turns numbered 0, 1, 2... without gaps, "
                                                 f"found {[t.seq for t in in_session][:10]}...")
+        first = in_session[0]
+        for turn in in_session:  # a session belongs to its first turn's agent and run
+            for field in ("agent_id", "run_id"):
+                if getattr(turn, field) != getattr(first, field):
+                    raise other_scope(session_id, field, getattr(first, field),
+                                      getattr(turn, field))
         # The import appends in lsn order, each turn taking its session's next seq.
         for before, after in zip(in_session, in_session[1:]):
             if not before.lsn < after.lsn:
@@ -1079,6 +1086,12 @@ async def _write(parts: Parts, imports: list[tuple[UserRecords, str]],
                 lsn_map[turn.lsn] = there.lsn
             user.skipped += min(present, len(turns))
             new = turns[present:]
+            held = buffer.scope(user_id, session_id)
+            if new and held is not None:
+                for field, own, given in zip(("agent_id", "run_id"), held,
+                                             (new[0].agent_id, new[0].run_id)):
+                    if given != own:
+                        raise other_scope(session_id, field, own, given)
             if have:  # an id held already: only an import of the same file again
                 for turn in new:
                     _check_new(user_id, turn, have.get(turn.turn_id))

@@ -37,6 +37,13 @@ BULK_CHUNK = 256
 _NONE = type(None)
 
 
+
+def other_scope(session_id: str, field: str, own: str, given: str) -> InvalidInput:
+    """The error of a turn naming another scope than its session's."""
+    return InvalidInput(field, f"expected {own!r}, the {field} of session {session_id!r} (a "
+                               f"session belongs to one agent and run: its first turn's), "
+                               f"found {given!r}; start another session for another scope")
+
 class Ingest:
     """The checks of ``add_turn`` (which the facade runs itself: the hot path has no hop to
     spare), ``add_turns``, the history reads, and ``flush``."""
@@ -80,10 +87,7 @@ class Ingest:
             return
         for field, given, own in (("agent_id", agent_id, held[0]), ("run_id", run_id, held[1])):
             if given is not None and given != own:
-                raise InvalidInput(field, f"expected {own!r}, the {field} of session "
-                                          f"{session_id!r} (a session belongs to one agent and "
-                                          f"run: its first turn's), found {given!r}; start "
-                                          "another session for another scope")
+                raise other_scope(session_id, field, own, given)
 
     async def add_turns(self, items: Iterable[NewTurn | Mapping[str, Any]],
                         durable: bool) -> list[Receipt]:

@@ -182,6 +182,37 @@ async def test_an_episode_at_the_place_of_another_is_refused(tmp_path) -> None:
     assert (await Engine.verify(tmp_path / "b"))["ok"]
 
 
+async def test_a_session_of_two_scopes_is_refused(tmp_path) -> None:
+    """A session belongs to its first turn's agent and run, and add_turn refuses a turn of
+    another: an import stored such turns under the session's scope instead, so
+    forget_scope(agent_id=) of the scope they named forgot nothing of them. Refused, in
+    the file and against the session here, nothing written."""
+    async with open_engine(tmp_path / "a", clock=StepClock()) as mem:
+        lines, _ = await _maya(mem)
+    head = [line for line in lines if line["record"] != "note"][:-1]
+    turns = [i for i, line in enumerate(head) if line["record"] == "turn"]
+
+    def scoped(*agents: str) -> bytes:
+        out = [dict(line) for line in head]
+        for i, agent in zip(turns, agents):
+            out[i]["agent_id"] = agent
+        return _file([*out[:len(agents) + 1], lines[-1]])
+
+    async with open_engine(tmp_path / "b", clock=StepClock()) as mem:
+        for agents in (("alpha", "beta"), ("", "beta"), ("alpha", "")):
+            with pytest.raises(InvalidInput, match="agent_id: expected .*, the agent_id of "
+                                                   "session 's1'"):
+                await mem.import_user(scoped(*agents))
+        assert await mem.list_users() == []
+        await mem.import_user(scoped("alpha", "alpha"))
+        with pytest.raises(InvalidInput, match="agent_id: expected 'alpha', the agent_id of "
+                                               "session 's1'.*found 'beta'"):
+            await mem.import_user(scoped("alpha", "alpha", "beta"))
+        await mem.flush()
+        assert [t.agent_id for t in await mem.session_history("maya", "s1")] == ["alpha"] * 2
+        assert await mem.import_user(scoped("alpha", "alpha", "alpha"))
+
+
 @pytest.mark.parametrize("summary, found", [
     ({"session_id": "s9"}, "session_id: expected a session of user 'maya', found none called "
                            "'s9'"),
