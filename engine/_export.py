@@ -867,6 +867,7 @@ def _check_restored(users: list[UserRecords], names: list[str],
     (worker thread: a line at a time over a partition's records)."""
     for user, name in zip(users, names):
         _check_kinds(user, name)
+        _check_encodable(user, name)
     return _check_all(users, names, [None] * len(users), vectors, parts)
 
 
@@ -884,6 +885,37 @@ def _check_kinds(user: UserRecords, name: str) -> None:
                      else next(line for line in lines if type(line) is not kind))
             raise InvalidInput(f"{name}.{field}", f"expected {kind.__name__} items in a list, "
                                                   f"found {type(wrong).__name__}")
+
+
+def _check_encodable(user: UserRecords, name: str) -> None:
+    """Every text of a UserRecords' lines can be stored: records built in Python never met
+    the JSON decoder, which refuses a lone surrogate, and the import's checks read only some
+    fields; the store's writer would find one after the user's other records were written.
+    One encode a list (C speed); the field is looked for only in a list that fails.
+
+    Raises:
+        InvalidInput: a lone surrogate, naming the line's field.
+    """
+    for field, _ in _LINE_KINDS:
+        lines = getattr(user, field)
+        try:
+            _ENCODE(lines)
+            continue
+        except (UnicodeEncodeError, TypeError, ValueError, OverflowError):
+            pass  # found below; a value of the wrong type or range: _check_all names it
+        for i, line in enumerate(lines):
+            for attribute in line.__struct_fields__:
+                try:
+                    _ENCODE(getattr(line, attribute))
+                except UnicodeEncodeError as exc:
+                    raise InvalidInput(f"{name}.{field}[{i}].{attribute}",
+                                       f"expected text encodable as UTF-8, found {exc.reason} "
+                                       f"at {exc.start} (a lone surrogate)") from None
+                except (TypeError, ValueError, OverflowError):
+                    pass
+
+
+_ENCODE = msgspec.msgpack.Encoder().encode
 
 
 async def _import(parts: Parts, parsed: list[UserRecords],

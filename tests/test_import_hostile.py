@@ -435,3 +435,33 @@ async def test_records_restore_users_cannot_read_are_refused_as_invalid_input(
             assert refused.value.field == "vectors[0]" and (
                 f"record {rows.lsns[0]}" in str(refused.value))
         assert await mem.list_users() == []
+
+
+@pytest.mark.parametrize("kind, field, value", [
+    ("episodes", "title", "\ud800"), ("facts", "origin", "\ud800"),
+    ("entities", "aliases", ("\ud800",)), ("facts", "keywords", ("ok", "\udfff"))])
+async def test_a_lone_surrogate_in_any_field_of_restored_records_writes_nothing(
+        tmp_path, kind, field, value) -> None:
+    """restore_users takes records built in Python, which JSON's decoder never checked: a
+    lone surrogate in a field the import did not look at was found by the store's writer
+    after the user's other records were written (an episode's title), dropped a record and
+    answered success (a fact's origin), or raised UnicodeEncodeError (an entity's alias).
+    Refused as InvalidInput naming the field, nothing written, and the store serves on."""
+    async with open_engine(tmp_path / "a") as mem:
+        await mem.add_turn("maya", "s1", "user", "I'm moving to Lisbon with my sister Ana")
+        await mem.add_turn("maya", "s1", "user", "Ana works in Porto")
+        await mem.remember_fact("maya", "identity", "location", "Lisbon")
+        await mem.close_session("maya", "s1")
+        await mem.flush()
+        records, _ = await mem.export_records("maya")
+    lines = list(getattr(records, kind))
+    lines[0] = msgspec.structs.replace(lines[0], **{field: value})
+    bad = msgspec.structs.replace(records, **{kind: lines})
+    async with open_engine(tmp_path / "b") as mem:
+        with pytest.raises(InvalidInput) as refused:
+            await mem.restore_users([bad], [None])
+        assert refused.value.field == f"users[0].{kind}[0].{field}"
+        assert "lone surrogate" in str(refused.value)
+        await mem.add_turn("bo", "s", "user", "hello")
+        await mem.flush()
+        assert await mem.list_users() == ["bo"]
