@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
@@ -949,14 +950,25 @@ async def _import(parts: Parts, parsed: list[UserRecords],
         busy.difference_update(seen)
 
 
+_KIND_OF_FILE = {stat.S_IFREG: "file", stat.S_IFIFO: "named pipe", stat.S_IFDIR: "directory",
+                 stat.S_IFCHR: "character device", stat.S_IFBLK: "block device",
+                 stat.S_IFSOCK: "socket"}
+
+
 async def _source_bytes(source: str | os.PathLike[str] | bytes | IO[bytes], name: str
                         ) -> bytes:
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         try:
-            if not path.is_file():
-                raise InvalidInput(name, f"expected an export file, found nothing at {path}")
+            # A file, or a named pipe (a shell's <(...)); whatever else is there would be
+            # read for ever (/dev/zero) or not at all (a directory).
+            kind = _KIND_OF_FILE.get(stat.S_IFMT(path.stat().st_mode), "special file")
+            if kind not in ("file", "named pipe"):
+                raise InvalidInput(name, f"expected an export file, found a {kind} at {path}")
             return await trio.to_thread.run_sync(path.read_bytes)
+        except FileNotFoundError:
+            raise InvalidInput(name, f"expected an export file, found nothing at {path}"
+                               ) from None
         except OSError as exc:  # a name too long, a file this process may not read
             if exc.errno not in PATH_ERRNOS:
                 raise

@@ -267,8 +267,38 @@ async def test_bad_sources_are_refused_and_nothing_is_written(tmp_path) -> None:
             await mem.import_user(b"\n".join(good), as_user="ana")
         with pytest.raises(InvalidInput, match="expected an export file, found nothing"):
             await mem.import_user(tmp_path / "missing.jsonl")
+        with pytest.raises(InvalidInput, match="expected an export file, found a directory"):
+            await mem.import_user(tmp_path)
+        with pytest.raises(InvalidInput, match="found a character device at /dev/zero"):
+            await mem.import_user("/dev/zero")  # would be read for ever
         await mem.flush()
         assert await mem.stats() == stats
+
+
+async def test_an_export_is_read_from_a_named_pipe(tmp_path) -> None:
+    """A named pipe (a shell's <(...) names one under /dev/fd) is read like a file; it used
+    to be refused as "found nothing" though the CLI's own stdin worked."""
+    async with open_engine(tmp_path / "a") as mem:
+        await mem.add_turn("ana", "s1", "user", "hello through a pipe")
+        await mem.flush()
+        out = io.BytesIO()
+        await mem.export_user("ana", out)
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+
+    async def feed() -> None:
+        await trio.to_thread.run_sync(pipe.write_bytes, out.getvalue(), abandon_on_cancel=True)
+
+    async with open_engine(tmp_path / "b") as mem:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(feed)
+            try:
+                assert (await mem.import_user(pipe))["turns"] == 1
+            finally:  # a writer no reader opened would wait for ever
+                nursery.cancel_scope.cancel()
+        await mem.flush()
+        assert [t.text for t in await mem.session_history("ana", "s1")] == [
+            "hello through a pipe"]
 
 
 async def _two_users(path: Path, clock: FixedClock) -> tuple[list[bytes], dict]:
