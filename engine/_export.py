@@ -770,13 +770,25 @@ def _check(parsed: UserRecords, parts: Parts) -> None:
                 raise _bad(f"{type(line).__struct_config__.tag} {_id_of(line)}",
                            f"expected an lsn of its own, found {line.lsn} twice")
             taken.add(line.lsn)
+    pairs: set[tuple[str, str, str]] = set()
     for link in parsed.links:
         _check_record(link)
         for field in ("from_id", "to_id", "type"):
             v.check_id(f"source.{field}", getattr(link, field), limit)
+        pair = (*sorted((link.from_id, link.to_id)), link.type)  # either way: one key
+        if pair in pairs:
+            raise _bad(f"link {link.from_id} -> {link.to_id}", "expected one link of each type "
+                                                               "between two memories, found a "
+                                                               f"{link.type!r} link twice")
+        pairs.add(pair)
+    reviewed: set[str] = set()
     for review in parsed.reviews:
         _check_record(review)
         v.check_id("source.memory_id", review.memory_id, limit)
+        if review.memory_id in reviewed:
+            raise _bad(f"review {review.memory_id}", "expected one review state a memory, "
+                                                     "found one twice")
+        reviewed.add(review.memory_id)
         _check_positive("stability", review.stability)
         _check_positive("difficulty", review.difficulty)
     for summary in parsed.summaries:
@@ -1393,11 +1405,13 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
                    for l in found_links}
         # A link joins two of the export's memories (link() refuses any other, and a
         # memory's links go when it is forgotten): one naming another id is skipped.
+        # One the pair holds the other way here stays as it is (link() refuses to turn it).
         new_links = [(user_id, Link(link.from_id, link.to_id, link.type, link.at),
                       lsn_map.get(by_id.get(link.from_id, -1))
                       or lsn_map.get(by_id.get(link.to_id, -1)) or anchor)
                      for link in parsed.links
                      if (link.from_id, link.to_id, link.type) not in present
+                     and (link.to_id, link.from_id, link.type) not in present
                      and link.from_id in by_id and link.to_id in by_id]
         if new_links:
             counts["links"] = len(new_links)

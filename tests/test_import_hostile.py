@@ -213,6 +213,30 @@ async def test_a_session_of_two_scopes_is_refused(tmp_path) -> None:
         assert await mem.import_user(scoped("alpha", "alpha", "alpha"))
 
 
+async def test_a_link_or_review_given_twice_is_refused(tmp_path) -> None:
+    """A pair holds one link of each type and a memory one review state: a file giving one
+    twice (or a link both ways) was stored once and counted twice in the result. Refused,
+    as a record id given twice is; nothing written."""
+    async with open_engine(tmp_path / "a", clock=StepClock()) as mem:
+        lines, note_id = await _maya(mem)
+        turn = next(line for line in lines if line["record"] == "turn")
+        await mem.link("maya", note_id, turn["turn_id"], "about")
+        await mem.review("maya", turn["turn_id"], 3)
+        await mem.flush()
+        lines = await _lines_of(mem, "maya")
+    link = next(line for line in lines if line["record"] == "link" and line["type"] == "about")
+    review = next(line for line in lines if line["record"] == "review")
+    back = link | {"from_id": link["to_id"], "to_id": link["from_id"]}
+    async with open_engine(tmp_path / "b", clock=StepClock()) as mem:
+        for extra, found in ((link, "link"), (back, "link"), (review, "review")):
+            with pytest.raises(InvalidInput, match=f"{found}.*twice"):
+                await mem.import_user(_file([*lines[:-1], extra, lines[-1]]))
+        assert await mem.list_users() == []
+        done = await mem.import_user(_file(lines))
+        assert done["reviews"] == 1 and done["links"] == sum(
+            line["record"] == "link" for line in lines)
+
+
 @pytest.mark.parametrize("summary, found", [
     ({"session_id": "s9"}, "session_id: expected a session of user 'maya', found none called "
                            "'s9'"),
