@@ -47,6 +47,7 @@ from actors.base.records import (
     Turn,
 )
 from actors.ann_index.vectors import HEADER, STORED
+from actors.entities import MAX_ALIASES, MEMORIES_PER_ENTITY
 from actors.facts import spelling
 from actors.imported import Imported
 from actors.session_buffer import Receipt
@@ -55,7 +56,7 @@ from actors.store import (
     entity_key,
     fact_key,
     holds_memories,
-    read_entity_keys,
+    read_entities,
     read_episodes,
     read_facts,
     read_links,
@@ -1338,14 +1339,36 @@ def _fact(line: FactLine, lsn: int, user_id: str) -> Fact:
     return Fact(lsn=lsn, user_id=user_id, **fields)
 
 
+def _merged(here: Entity, imported: Entity) -> Entity | None:
+    """The user's registry record of a name with the mentions an import brings of it added
+    (the long-term layer never derives them: it skips imported positions); None when there
+    is nothing to add: the record here is an alias, or holds these memories already."""
+    new = [lsn for lsn in imported.lsns if lsn not in here.lsns]
+    if here.type == "alias" or not new:
+        return None
+    # Every mention the export counted when none of its memories were here; else (a part
+    # of it imported before) only those it adds.
+    mentions = imported.mentions if len(new) == len(imported.lsns) else len(new)
+    aliases = here.aliases
+    for alias in (imported.name, *imported.aliases):
+        if (len(aliases) < MAX_ALIASES and alias.lower() != here.name.lower()
+                and alias.lower() not in {a.lower() for a in aliases}):
+            aliases = (*aliases, alias)
+    latest = imported if imported.last_seen > here.last_seen else here
+    return Entity(here.name, here.type, aliases, here.mentions + mentions,
+                  min(here.first_seen, imported.first_seen),
+                  max(here.last_seen, imported.last_seen),
+                  tuple(sorted({*here.lsns, *new}))[-MEMORIES_PER_ENTITY:], latest.last_id)
+
+
 def _read_unlogged(txn: Any, dbs: dict[bytes, Any],
-                   wanted: list[tuple[str, list[str], list[str]]]
-                   ) -> list[tuple[list[str], dict[str, list[Link]], set[str]]]:
-    """Each user's entity keys, the links of these memories and which of those reviewed
-    have a review state here, in one read transaction."""
-    return [(read_entity_keys(txn, dbs, user_id), read_links(txn, dbs, user_id, ids),
+                   wanted: list[tuple[str, list[str], list[str], list[str]]]
+                   ) -> list[tuple[dict[str, Entity], dict[str, list[Link]], set[str]]]:
+    """Each user's registry records under these keys, the links of these memories and which
+    of those reviewed have a review state here, in one read transaction."""
+    return [(read_entities(txn, dbs, user_id, keys), read_links(txn, dbs, user_id, ids),
              set(read_review_states(txn, dbs, user_id, reviewed)))
-            for user_id, ids, reviewed in wanted]
+            for user_id, keys, ids, reviewed in wanted]
 
 
 async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
@@ -1355,13 +1378,14 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
     puts: list[tuple[bytes, bytes, bytes | None, int]] = []
     links: list[tuple[str, Link, int]] = []
     found = await store.read(_read_unlogged, [
-        (user.user_id, sorted({link.from_id for link in user.parsed.links}),
+        (user.user_id, sorted({composed(e.name).lower() for e in user.parsed.entities}),
+         sorted({link.from_id for link in user.parsed.links}),
          [review.memory_id for review in user.parsed.reviews]) for user in users])
     summaries: list[tuple[_User, WriteSummary, list[bool]]] = []
     # What is written here is keyed on what the store holds of it, not on whether its
     # memory was new: an import stopped after its records and before these is completed
     # by importing it again.
-    for user, (known_keys, there, reviewed) in zip(users, found):
+    for user, (registry, there, reviewed) in zip(users, found):
         parsed, user_id, have, lsn_map = user.parsed, user.user_id, user.have, user.lsn_map
         counts = user.written
         prefix = user_prefix(user_id)
@@ -1385,22 +1409,27 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
                 puts.append((b"reviews", prefix + review.memory_id.encode(), _encode(state),
                              lsn))
                 counts["reviews"] = counts.get("reviews", 0) + 1
-        known = set(known_keys)
+        known: set[str] = set()
         for entity in parsed.entities:
             # Keyed as the engine keys a name it extracts: composed, then lower-case, so an
             # export that spelt it decomposed is found by entity_info however it is typed.
             name = composed(entity.name)
             key = name.lower()
             if key in known:
-                continue  # the registry here has it already (an earlier import): keep it
+                continue  # another of the export's names composed the same: the first stays
+            known.add(key)
             lsns = tuple(sorted(lsn_map[lsn] for lsn in entity.lsns if lsn in lsn_map))
             record = Entity(name, entity.type, tuple(composed(a) for a in entity.aliases),
                             entity.mentions, entity.first_seen, entity.last_seen, lsns,
                             entity.last_id)
+            here = registry.get(key)
+            if here is not None:
+                record = _merged(here, record)
+                if record is None:
+                    continue  # an alias here, or these mentions are in it (an earlier import)
             puts.append((b"entities", entity_key(user_id, key), _encode(record),
                          lsns[-1] if lsns else anchor))
             counts["entities"] = counts.get("entities", 0) + 1
-            known.add(key)  # another of the export's names composed the same: the first stays
         present = {(l.from_id, l.to_id, l.type) for found_links in there.values()
                    for l in found_links}
         # A link joins two of the export's memories (link() refuses any other, and a

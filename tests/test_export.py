@@ -185,6 +185,31 @@ async def test_import_under_another_user_and_beside_live_turns(tmp_path) -> None
         assert episodes and episodes[0].first_seq == 0  # the imported tail was compressed too
 
 
+async def test_an_entity_the_user_has_here_takes_in_the_imports_mentions(tmp_path) -> None:
+    """Imported into a user who already mentioned Lisbon here, the export's record of Lisbon
+    was dropped: its memories were out of entity_info and the entity leg for good (the
+    long-term layer skips imported positions). The two are merged; an import of the same
+    file again adds nothing."""
+    async with open_engine(tmp_path / "a") as mem:
+        await mem.add_turn("maya", "trip", "user", "I flew to Lisbon last spring with Ana")
+        await mem.add_turn("maya", "trip", "user", "Lisbon had amazing pastel de nata")
+        await mem.flush()
+        export = io.BytesIO()
+        await mem.export_user("maya", export)
+    async with open_engine(tmp_path / "b") as mem:
+        await mem.add_turn("maya", "home", "user", "My cousin lives in Lisbon")
+        await mem.flush()
+        for _ in range(2):
+            await mem.import_user(export.getvalue())
+            await mem.flush()
+            info = await mem.entity_info("maya", "Lisbon")
+            assert info.entity.mentions == 3
+            assert sorted(h.text for h in info.memories) == [
+                "I flew to Lisbon last spring with Ana", "Lisbon had amazing pastel de nata",
+                "My cousin lives in Lisbon"]
+        assert (await mem.entity_info("maya", "Ana")).entity.mentions == 1
+
+
 async def test_bad_sources_are_refused_and_nothing_is_written(tmp_path) -> None:
     """Not an export, another version, a file cut short, a broken line, or a session that holds
     other turns here: InvalidInput naming what is wrong, and the store is as it was."""
