@@ -68,6 +68,26 @@ async def test_forgetting_removes_entities(store_path) -> None:
     assert b"Zebulon" not in everything
 
 
+async def test_a_name_only_a_forgotten_sessions_superseded_fact_held_goes(store_path) -> None:
+    """A name said in a session whose fact was superseded by another session's: the fact
+    version had left the log when it was superseded, so forget_session did not count its
+    position among those gone, and the name stayed in the registry (and in the file), an
+    entity pointing at nothing."""
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("u", "s1", "user", "my name is Zqfoobar")
+        await mem.flush()
+        await mem.add_turn("u", "s2", "user", "my name is Quxwell")
+        await mem.flush()
+        assert "Zqfoobar" in {e.name for e in await mem.list_entities("u")}
+        await mem.forget_session("u", "s1")
+        await mem.flush()
+        assert await mem.entity_info("u", "Zqfoobar") is None
+        assert "Zqfoobar" not in {e.name for e in await mem.list_entities("u")}
+        assert await mem.entity_info("u", "Quxwell") is not None
+    everything = b"".join(k + v for rows in raw_databases(store_path).values() for k, v in rows)
+    assert b"Zqfoobar" not in everything and b"zqfoobar" not in everything
+
+
 async def test_the_entity_leg_searches_only_what_the_filters_admit(mem) -> None:
     """The entity leg takes the recall's filters inside the leg, as the others do: memories of
     other sessions, times, roles or kinds naming the entity take no place in its ranking (they

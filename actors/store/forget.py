@@ -141,7 +141,12 @@ class Forgetting:
         uprefix = user_prefix(op.user_id)
         log, vectors, links = dbs[b"log"], dbs[b"vectors"], dbs[b"links"]
 
+        # Every position of what goes, for the entity registry: a superseded fact version
+        # left the log when it was superseded, but the names it mentions still point at it.
+        dropped: set[int] = set()
+
         def drop(lsn: int, memory_id: str) -> None:
+            dropped.add(lsn)
             if txn.delete(lsn_key(lsn), db=log):
                 deleted.append(lsn)
             txn.delete(uprefix + lsn_key(lsn), db=vectors)
@@ -167,7 +172,7 @@ class Forgetting:
                         break
                 elif not cursor.next():
                     break
-        gone = set(deleted)
+        gone = dropped.union(deleted)
         cursor = txn.cursor(dbs[b"entities"])
         if cursor.set_range(uprefix):
             while cursor.key().startswith(uprefix):
