@@ -149,7 +149,7 @@ async def running(root: Path, config: Config, clock: Clock, embedding: Embedder,
     new_id = pinnable_ids(lambda: new_turn_id()[2:])
     store = Store(root, config, embedding.model, reembed, read_only)
     ann = AnnIndex(store, embedding.model.dim, config.ann_cache_vectors, root / "ann",
-                   read_only)
+                   read_only, embedding.model.id)
     fulltext = FullText(root / "fulltext", store, read_only)
     body_error: BaseException | None = None
     raised: BaseException | None = None

@@ -149,11 +149,14 @@ class AnnIndex:
     the store calls in commit order."""
 
     def __init__(self, store: Store, dim: int, cache_vectors: int, path: Path,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False, model_id: str = "") -> None:
         self._store = store
         self._path = path  # where graphs are saved at close, three files per user
         self._read_only = read_only  # the graphs belong to another process: never saved
         self._dim = dim
+        # The model whose vectors the graphs hold: a re-embed writes every vector anew under
+        # the same records, so a graph saved before would match them row for row.
+        self._model_id = model_id
         self._cache_vectors = cache_vectors
         self._users: OrderedDict[str, _User] = OrderedDict()
         # Users being loaded: the adds and removals that commit meanwhile, replayed after.
@@ -211,7 +214,8 @@ class AnnIndex:
         np.save(lsns_tmp, uv.lsns[:rows] if not uv.chunks[:rows].any()
                 else np.stack([uv.lsns[:rows], uv.chunks[:rows].astype(np.int64)], axis=1))
         uv.graph.save_index(str(graph_tmp))
-        sums = {"rows": uv.graph_rows, "hnsw": _sha256(graph_tmp), "lsns": _sha256(lsns_tmp)}
+        sums = {"rows": uv.graph_rows, "hnsw": _sha256(graph_tmp), "lsns": _sha256(lsns_tmp),
+                "model": self._model_id}
         sum_file.with_suffix(".tmp").write_text(json.dumps(sums))
         os.replace(lsns_tmp, lsns_file)
         os.replace(graph_tmp, graph_file)
@@ -245,6 +249,12 @@ class AnnIndex:
             return None
         try:
             sums = json.loads(sum_file.read_text())
+            # Another model's (saved before a re-embed): its files go, the graph is built anew.
+            # One saved before graphs named their model is taken as this one's.
+            if sums.get("model", self._model_id) != self._model_id:
+                for path in (graph_file, lsns_file, sum_file):
+                    path.unlink(missing_ok=True)
+                return None
             if (sums["hnsw"] != _sha256(graph_file) or sums["lsns"] != _sha256(lsns_file)):
                 self.damaged += 1
                 return None  # damaged, or not the pair that was saved together: rebuild

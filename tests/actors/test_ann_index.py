@@ -89,11 +89,12 @@ class Vectors:
 
 
 @asynccontextmanager
-async def running_index(path: Path) -> AsyncIterator[Vectors]:
+async def running_index(path: Path, model_id: str = "hash") -> AsyncIterator[Vectors]:
     """A store at ``path`` and its vector index (graphs saved in ``path/ann``), running; the
     index is closed (saving its graphs) before the store, as the engine closes them."""
     async with running_store(path) as ground:
-        ann = AnnIndex(ground.store, DIM, Config().ann_cache_vectors, path / "ann")
+        ann = AnnIndex(ground.store, DIM, Config().ann_cache_vectors, path / "ann",
+                       model_id=model_id)
         await ground.start(ann.run)
         try:
             yield Vectors(ground, ann)
@@ -231,6 +232,30 @@ async def test_graphs_saved_at_close_are_reused_and_reconciled(store_path, monke
         assert int(uv.alive[: uv.n].sum()) == 401
         await v.forget("ana", None)
         assert list((store_path / "ann").iterdir()) == []
+
+
+async def test_a_graph_saved_under_another_model_is_not_reused(store_path, monkeypatch) -> None:
+    """A re-embed (a model change) writes every vector anew under the same records: a graph
+    saved before matched them record for record and was searched with the new model's
+    vectors, its neighbours those of the old one's (12 of 20 exact-text queries missed). A
+    graph names its model; another model's is dropped and built anew."""
+    monkeypatch.setattr(ann_mod, "HNSW_THRESHOLD", 200)
+    texts = _texts(300, seed=5)
+    async with running_index(store_path, model_id="model-a") as v:
+        await v.add_turns("ana", [(f"s{i % 5}", t) for i, t in enumerate(texts)])
+        await v.ann.search("ana", await _vector("dog"), 1)
+        await _graph_ready(v.ann)
+    sums = [p for p in (store_path / "ann").iterdir() if p.name.endswith(".sum.json")]
+    assert [json.loads(p.read_text())["model"] for p in sums] == ["model-a"]
+    async with running_index(store_path, model_id="model-b") as v:
+        await v.ann.search("ana", await _vector("dog"), 1)
+        assert list((store_path / "ann").iterdir()) == []  # dropped, not loaded
+        await _graph_ready(v.ann)
+    assert [json.loads(p.read_text())["model"] for p in sums] == ["model-b"]
+    async with running_index(store_path, model_id="model-b") as v:
+        await v.ann.search("ana", await _vector("dog"), 1)
+        uv = v.ann._users["ana"].turn
+        assert uv.graph is not None and uv.graph_rows == 300  # its own model's: reused
 
 
 async def test_rows_appended_during_a_search_do_not_break_it(store_path, monkeypatch) -> None:
