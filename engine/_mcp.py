@@ -189,11 +189,19 @@ def _answer_unreadable(line: str, error: pydantic.ValidationError) -> types.JSON
     deep = False
     try:
         message = json.loads(line)  # Python's parser takes lone surrogates and deep nesting
-    except ValueError:
-        return None
+    except ValueError as exc:  # not JSON, or an integer of more digits than Python reads
+        return types.JSONRPCError(jsonrpc="2.0", id=None, error=types.ErrorData(
+            code=types.PARSE_ERROR, message=f"expected a line of JSON, found one that is not: "
+                                            f"{str(exc)[:200]}"))
     except RecursionError:  # deeper than Python's parser goes: its top level read alone
         message, deep = _top_level(line), True
     id_ = message.get("id") if isinstance(message, dict) and "method" in message else None
+    if isinstance(id_, str) and not encodable(id_):
+        # Echoed back, it could not be written: the answer's id is null, as JSON-RPC's is
+        # for a request whose id cannot be told.
+        return types.JSONRPCError(jsonrpc="2.0", id=None, error=types.ErrorData(
+            code=types.INVALID_REQUEST, message="id: expected a number or text encodable as "
+                                                "UTF-8, found a lone surrogate"))
     if isinstance(id_, bool) or not isinstance(id_, int | str):
         return None
     where = None if deep else _unencodable(message.get("params"), "params")

@@ -19,6 +19,7 @@ import msgspec
 
 from actors.base.errors import InvalidInput, NotFound
 from actors.base.records import Fact, Note
+from actors.base import validate as v
 from actors.base.validate import shown
 
 from ._hits import Hits
@@ -92,7 +93,7 @@ TOOLS: list[dict[str, Any]] = [
           "turns, episodes, facts and notes. The main retrieval tool.",
           {"user_id": _USER, "query": {"type": "string"},
            "limit": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10},
-           "kinds": {"type": "array", "minItems": 1,
+           "kinds": {"type": "array", "minItems": 1, "maxItems": 16,
                      "items": {"enum": ["turn", "episode", "fact", "note"]}},
            "where": {"type": "object", "description": "Only memories passing this filter, e.g. "
                      "{\"channel\": \"web\", \"priority\": {\"gte\": 2}}: operators eq ne "
@@ -110,7 +111,8 @@ TOOLS: list[dict[str, Any]] = [
            "agent_id": _AGENT, "run_id": _RUN},
           ["user_id", "query"]),
     _tool("remember_fact", "Save a fact the user stated. A new value for the same category "
-          "and key replaces the old one (kept in history).",
+          "and key replaces the old one (kept in history), unless the user confirmed or "
+          "corrected that one: replace it with correct_fact then.",
           {"user_id": _USER, "category": _CATEGORY, "key": _KEY, "value": {"type": "string"},
            "text": {"type": "string", "description": "The fact as one sentence."},
            "importance": {"type": "number", "minimum": 0, "maximum": 1},
@@ -142,7 +144,7 @@ TOOLS: list[dict[str, Any]] = [
           ["user_id", "query"]),
     _tool("store_note", "Keep a note about the user (recall finds it like any memory).",
           {"user_id": _USER, "text": {"type": "string"},
-           "tags": {"type": "array", "items": {"type": "string"}},
+           "tags": {"type": "array", "maxItems": v.MAX_WORDS, "items": {"type": "string"}},
            "importance": {"type": "number", "minimum": 0, "maximum": 1,
                           "description": "How much it matters, 0-1 (default 0.5)."},
            "emotion": {"type": "string", "description": "The feeling it carries, one or two "
@@ -183,6 +185,18 @@ _RULES = {(name, one_user): _rule(name, one_user) for name in _SCHEMAS
           for one_user in (False, True)}
 
 
+def _check_lengths(name: str, args: Mapping[str, Any], one_user: bool) -> None:
+    """Raise InvalidInput for a list argument longer than its schema's maxItems, before
+    anything reads its items: the schema check finds an error in every wrong item (a
+    million wrong tags held the loop for 14 s), and the depth check walks them all."""
+    properties = _RULES[name, one_user][0]["properties"]
+    for field, value in args.items():
+        limit = properties.get(field, {}).get("maxItems") if isinstance(field, str) else None
+        if limit is not None and isinstance(value, list) and len(value) > limit:
+            raise InvalidInput(f"arguments.{field}", f"expected at most {limit} items, found "
+                                                     f"{len(value)}")
+
+
 def _check_arguments(name: str, args: Mapping[str, Any], one_user: bool) -> None:
     """Raise InvalidInput for the first schema violation, naming the argument's path."""
     schema, validator = _RULES[name, one_user]
@@ -198,6 +212,9 @@ def _check_arguments(name: str, args: Mapping[str, Any], one_user: bool) -> None
         case "additionalProperties":
             extra = next(f for f in error.instance if f not in schema["properties"])
             extra = extra if len(extra) <= 60 else extra[:57] + "..."
+            if not schema["properties"]:
+                raise InvalidInput(".".join([*path, extra]),
+                                   f"expected no arguments for tool {name!r}, found one")
             raise InvalidInput(".".join([*path, extra]),
                                f"expected one of {', '.join(schema['properties'])}, found an "
                                "unknown argument")
@@ -277,6 +294,7 @@ async def call_tool(engine: ToolHost, name: str, arguments: Mapping[str, Any] | 
     if not isinstance(arguments, Mapping):
         raise InvalidInput("arguments", f"expected an object, found {type(arguments).__name__}")
     args = dict(arguments)
+    _check_lengths(name, args, user is not None)
     _check_depth(args)
     _check_arguments(name, args, user is not None)
     for field, rule in schema["properties"].items():

@@ -113,6 +113,33 @@ async def test_a_request_the_sdk_cannot_read_is_answered_not_dropped(tmp_path, n
     assert code == 0, stderr
 
 
+async def test_a_line_that_is_no_json_or_names_no_usable_id_is_answered_with_a_null_id(
+        tmp_path, nursery) -> None:
+    """A request id holding a lone surrogate was echoed into the answer, which could not be
+    written: the server died (exit 1), every call in flight unanswered. A line that is not
+    JSON (a raw tab in a string, a trailing comma) or holds an integer of more digits than
+    Python reads got no answer at all, and the host waited for ever. JSON-RPC answers each
+    with an error whose id is null; the server goes on."""
+    wire = await _open_wire(nursery, tmp_path / "store")
+    await wire.send(r'{"jsonrpc": "2.0", "id": "\ud83d", "method": "ping"}')
+    answer = await wire.receive()
+    assert answer["id"] is None and answer["error"]["code"] == -32600
+    assert "id: expected" in answer["error"]["message"]
+    for line in ('{"jsonrpc": "2.0", "id": 7, "method": "ping",}',
+                 '{"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": '
+                 '"memory_stats", "arguments": {"user_id": "a\tb"}}}',
+                 '{"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": '
+                 '"search_memory", "arguments": {"user_id": "ana", "query": "x", "limit": %s}}}'
+                 % ("9" * 5000)):
+        await wire.send(line)
+        answer = await wire.receive()
+        assert answer["id"] is None and answer["error"]["code"] == -32700, answer
+    ok = await wire.call(4, "memory_stats", {"user_id": "ana"})
+    assert ok["result"]["structuredContent"]["notes"] == 0
+    code, stderr = await _exit_code(wire)
+    assert code == 0, stderr
+
+
 async def test_a_byte_order_mark_before_the_first_line_is_skipped(tmp_path, nursery) -> None:
     """A host that writes UTF-8 with a BOM (.NET's Encoding.UTF8 does) is served: the mark
     made its initialize unreadable, so the host waited for the handshake for ever."""
@@ -207,3 +234,25 @@ async def test_with_a_fixed_user_a_huge_user_id_is_not_echoed_back(mem) -> None:
         text = result.content[0].text
         assert result.is_error and text.startswith("arguments.user_id: expected no user_id")
         assert len(text) < 500
+
+
+async def test_an_overlong_list_argument_is_refused_before_its_items_are_read(mem) -> None:
+    """A million tags held the server's one loop for 14 s while the schema check collected an
+    error for every item; every other call waited. A list longer than its schema's maxItems
+    is refused at once, naming the argument."""
+    async with Client(create_server(mem)) as client:
+        result = await client.call_tool("store_note", {"user_id": "ana", "text": "x",
+                                                       "tags": [5] * 200_000})
+        text = result.content[0].text
+        assert result.is_error and "arguments.tags: expected at most 64 items, found 200000" \
+            in text
+
+
+async def test_with_a_fixed_user_a_tool_of_no_arguments_says_so(mem) -> None:
+    """`--user ana`: memory_stats then takes no argument; one sent anyway was refused as
+    "expected one of , found an unknown argument"."""
+    async with Client(create_server(mem, user="ana")) as client:
+        result = await client.call_tool("memory_stats", {"userId": "bo"})
+        text = result.content[0].text
+        assert result.is_error and "arguments.userId: expected no arguments for tool " \
+            "'memory_stats', found one" in text
