@@ -24,6 +24,7 @@ import msgspec
 import pydantic
 import trio
 from mcp.server.lowlevel import Server
+from mcp.shared.dispatcher import as_request_id, coerce_request_id
 from mcp.shared.message import SessionMessage
 
 from actors.base.errors import EngineError
@@ -142,11 +143,14 @@ async def _wire(lines: _Lines, out: _Out) -> AsyncIterator[tuple[Any, Any]]:
                             jsonrpc="2.0", id=message.id, result=refused.model_dump(
                                 by_alias=True, mode="json", exclude_none=True))))
                         continue
-                    pending.add(message.id)
+                    pending.add(coerce_request_id(message.id))
                 elif (isinstance(message, types.JSONRPCNotification)
                       and message.method == "notifications/cancelled"):
-                    # A request the host cancelled is never answered (the spec says so).
-                    pending.discard((message.params or {}).get("requestId"))
+                    # A request the host cancelled is never answered (the spec says so); the
+                    # SDK takes "7" and 7 for one id, and so must this.
+                    cancelled = as_request_id((message.params or {}).get("requestId"))
+                    if cancelled is not None:
+                        pending.discard(coerce_request_id(cancelled))
                 await to_server.send(SessionMessage(message))
             with trio.move_on_after(DRAIN_SECONDS):
                 while pending:
@@ -159,7 +163,7 @@ async def _wire(lines: _Lines, out: _Out) -> AsyncIterator[tuple[Any, Any]]:
                 await out.write(message.message.model_dump_json(by_alias=True,
                                                                 exclude_unset=True) + "\n")
                 if isinstance(message.message, types.JSONRPCResponse | types.JSONRPCError):
-                    pending.discard(message.message.id)
+                    pending.discard(coerce_request_id(message.message.id))
                     answered.set()
 
     async with trio.open_nursery() as nursery:

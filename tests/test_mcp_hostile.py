@@ -11,7 +11,7 @@ import pytest
 import trio
 from mcp import Client
 
-from engine._mcp import create_server
+from engine._mcp import DRAIN_SECONDS, create_server
 
 from .conftest import raw_databases
 
@@ -138,6 +138,21 @@ async def test_a_line_that_is_no_json_or_names_no_usable_id_is_answered_with_a_n
     assert ok["result"]["structuredContent"]["notes"] == 0
     code, stderr = await _exit_code(wire)
     assert code == 0, stderr
+
+
+async def test_a_call_cancelled_by_its_id_as_text_is_not_waited_for_at_exit(
+        tmp_path, nursery) -> None:
+    """The SDK takes "500" and 500 for one request id, so a cancel naming the id as text
+    cancels the call (which is then never answered); the transport looked for the text in
+    the calls it waits for at stdin's end, and the server exited only after its 10 s drain."""
+    wire = await _open_wire(nursery, tmp_path / "store")
+    await wire.send({"jsonrpc": "2.0", "id": 500, "method": "tools/call", "params": {
+        "name": "search_memory", "arguments": {"user_id": "ana", "query": "note"}}})
+    await wire.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                     "params": {"requestId": "500"}})
+    await wire.process.stdin.aclose()
+    with trio.fail_after(DRAIN_SECONDS * 0.7):
+        assert await wire.process.wait() == 0
 
 
 async def test_a_byte_order_mark_before_the_first_line_is_skipped(tmp_path, nursery) -> None:
