@@ -14,6 +14,12 @@ in the background, each preceded by its own floor measured in the same process:
   shaped     bare LMDB doing one turn's writes as the engine lays them out (six databases,
              the same texts), opened and flushed as the engine does, sequential: what the
              store's layout adds to the floor, apart from the engine around it.
+  ideal      right before the steady phase, between its floors: the steady phase's arrivals (--writers threads
+             sharing --rate) on the least group commit there is: one plain thread takes
+             whatever is queued, commits the floor's puts in one transaction with fsync and
+             wakes each waiter; no trio, no model, no other work. What any design that waits
+             for a commit it may arrive behind could reach on this disk and these cores: the
+             engine's target is within reach iff this is.
   steady     add_turn(durable=True) from --writers concurrent tasks sharing --rate turns/s.
   burst      --bursts times: --burst-turns buffered turns at once (add_turns); once they are
              committed, at once --burst-writers concurrent durable add_turns, while the
@@ -34,6 +40,7 @@ the shaped floor, measured the same way. Prints a table and writes JSON (--out).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import queue
@@ -153,6 +160,59 @@ def shaped_floor(path: Path, n: int, texts: list[str]) -> dict[str, list[int]]:
     return {"raw": latencies}
 
 
+def ideal(path: Path, rate: float, seconds: float, writers: int) -> dict[str, list[int]]:
+    """The steady phase's arrivals on a bare group commit run by plain threads (see ideal in
+    the module's docstring): each writer queues a put, the committing thread takes all that
+    is queued into one fsynced transaction, then sets each writer's event."""
+    env = lmdb.open(str(path), map_size=1 << 28, max_dbs=2, sync=True)
+    db = env.open_db(b"t")
+    jobs: queue.SimpleQueue[threading.Event | None] = queue.SimpleQueue()
+
+    def commit_loop() -> None:
+        key, stop = 0, False
+        while not stop:
+            batch = [jobs.get()]
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    batch.append(jobs.get_nowait())
+            stop = None in batch
+            waiters = [job for job in batch if job is not None]
+            with env.begin(write=True) as txn:
+                for _ in waiters:
+                    txn.put(key.to_bytes(8, "big"), b"x" * 200, db=db)
+                    key += 1
+            for waiter in waiters:
+                waiter.set()
+
+    latencies: list[int] = []
+    n_each, interval = int(rate * seconds / writers), writers / rate
+
+    def writer(w: int) -> None:
+        due = time.perf_counter() + w * interval / writers  # spread, as the loop's timers are
+        for _ in range(n_each):
+            if (wait := due - time.perf_counter()) > 0:
+                time.sleep(wait)
+            done = threading.Event()
+            start = time.perf_counter_ns()
+            jobs.put(done)
+            done.wait()
+            latencies.append(time.perf_counter_ns() - start)
+            due += interval
+
+    committer = threading.Thread(target=commit_loop, name="bench-ideal", daemon=True)
+    committer.start()
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(writers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    jobs.put(None)
+    committer.join()
+    env.close()
+    shutil.rmtree(path)
+    return {"raw": latencies}
+
+
 async def steady(path: Path, rate: float, seconds: float, writers: int,
                  texts: list[str], config: dict[str, Any]) -> dict[str, Any]:
     latencies: list[int] = []
@@ -251,6 +311,9 @@ def main() -> None:
             half = args.floor_commits // 2
             before = floor(work / f"{name}_floor_before", half)["raw"]
             shaped = shaped_floor(work / f"{name}_shaped_before", half, texts)["raw"]
+            if name == "steady":  # between the same two floors
+                results["ideal"] = percentiles(ideal(work / "ideal", args.rate, args.seconds,
+                                                     args.writers)["raw"], 1e-3, "us")
             results[name] = run()
             after = floor(work / f"{name}_floor_after", half)["raw"]
             shaped += shaped_floor(work / f"{name}_shaped_after", half, texts)["raw"]
@@ -266,6 +329,7 @@ def main() -> None:
             ("hops", "the same, on a thread waking the trio loop"),
             ("steady_floor", "bare LMDB commit, fsync (floor)"),
             ("steady_shaped", shaped_label),
+            ("ideal", "the same arrivals, bare group commit (ideal)"),
             ("steady", f"durable add_turn @{args.rate:g}/s x{args.writers}"),
             ("burst_floor", "bare LMDB commit, fsync (floor)"),
             ("burst_shaped", shaped_label),
@@ -280,6 +344,12 @@ def main() -> None:
     h, f = results["hops"], results["hops_floor"]
     h["ratio_p50"], h["ratio_p99"] = h["p50_us"] / f["p50_us"], h["p99_us"] / f["p99_us"]
     print(f"hops: two thread hops / floor  p50 {h['ratio_p50']:.2f}x  p99 {h['ratio_p99']:.2f}x")
+    i, f = results["ideal"], results["steady_floor"]
+    i["ratio_p50"], i["ratio_p99"], i["ratio_p999"] = (
+        i["p50_us"] / f["p50_us"], i["p99_us"] / f["p99_us"], i["p999_us"] / f["p999_us"])
+    print(f"ideal: bare group commit / floor  p50 {i['ratio_p50']:.2f}x  p99 {i['ratio_p99']:.2f}x"
+          f"  p99.9 {i['ratio_p999']:.2f}x; steady durable / ideal  p99 "
+          f"{results['steady']['p99_us'] / i['p99_us']:.2f}x")
     for name in phases:
         r, f = results[name], results[f"{name}_floor"]
         r["ratio_p50"] = r["p50_us"] / f["p50_us"]

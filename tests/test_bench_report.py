@@ -103,6 +103,7 @@ def fixtures() -> dict[str, dict]:
                              "burst_writers": 25},
                     "steady_floor": dist(rng, 400, "us"),
                     "steady": {**dist(rng, 900, "us"), "ratio_p99": 2.2},
+                    "ideal": dist(rng, 500, "us"),
                     "burst_floor": dist(rng, 400, "us"),
                     "burst": {**dist(rng, 9000, "us"), "ratio_p99": 20.0}},
         "memory": {"results": [{"memories": n, "users": users, "raw_bytes": n * 1640,
