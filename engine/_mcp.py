@@ -137,6 +137,10 @@ async def _wire(lines: _Lines, out: _Out) -> AsyncIterator[tuple[Any, Any]]:
                     if (answer := _answer_unreadable(line, exc)) is not None:
                         await answers.send(SessionMessage(answer))
                     continue
+                if (isinstance(message, types.JSONRPCNotification) and '"id"' in line
+                        and (answer := _misread_request(line)) is not None):
+                    await answers.send(SessionMessage(answer))
+                    continue
                 if isinstance(message, types.JSONRPCRequest):
                     if (refused := _call_refused(message)) is not None:
                         await answers.send(SessionMessage(types.JSONRPCResponse(
@@ -199,15 +203,19 @@ def _answer_unreadable(line: str, error: pydantic.ValidationError) -> types.JSON
                                             f"{str(exc)[:200]}"))
     except RecursionError:  # deeper than Python's parser goes: its top level read alone
         message, deep = _top_level(line), True
-    id_ = message.get("id") if isinstance(message, dict) and "method" in message else None
-    if isinstance(id_, str) and not encodable(id_):
-        # Echoed back, it could not be written: the answer's id is null, as JSON-RPC's is
-        # for a request whose id cannot be told.
-        return types.JSONRPCError(jsonrpc="2.0", id=None, error=types.ErrorData(
-            code=types.INVALID_REQUEST, message="id: expected a number or text encodable as "
-                                                "UTF-8, found a lone surrogate"))
+    if isinstance(message, list):
+        return _no_id("expected one JSON-RPC message a line, found a batch (MCP has none)")
+    if not isinstance(message, dict) or "method" not in message or "id" not in message:
+        return None  # a notification, or a response: nothing to answer
+    id_ = message["id"]
+    # An id that cannot be echoed back (not a number or text, or text that cannot be
+    # written): the answer's id is null, as JSON-RPC's is for a request whose id cannot be
+    # told.
     if isinstance(id_, bool) or not isinstance(id_, int | str):
-        return None
+        return _no_id(f"id: expected a number or text, found {found(id_)}")
+    if isinstance(id_, str) and not encodable(id_):
+        return _no_id("id: expected a number or text encodable as UTF-8, found a lone "
+                      "surrogate")
     where = None if deep else _unencodable(message.get("params"), "params")
     if deep:
         detail = ("expected a JSON-RPC 2.0 request the server can read, found one nested "
@@ -225,6 +233,25 @@ def _answer_unreadable(line: str, error: pydantic.ValidationError) -> types.JSON
         return types.JSONRPCResponse(jsonrpc="2.0", id=id_, result=result.model_dump(
             by_alias=True, mode="json", exclude_none=True))
     return types.JSONRPCError(jsonrpc="2.0", id=id_, error=types.ErrorData(
+        code=types.INVALID_REQUEST, message=detail))
+
+
+def _misread_request(line: str) -> types.JSONRPCError | None:
+    """The answer to a request the SDK read as a notification because its id is no number
+    or text (1.5, null, an object): it drops the id and the host waits for ever. None when
+    the line holds no id member (a notification naming "id" elsewhere)."""
+    try:
+        message = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(message, dict) or "id" not in message:
+        return None
+    return _no_id(f"id: expected a number or text, found {found(message['id'])}")
+
+
+def _no_id(detail: str) -> types.JSONRPCError:
+    """An Invalid Request answered with a null id."""
+    return types.JSONRPCError(jsonrpc="2.0", id=None, error=types.ErrorData(
         code=types.INVALID_REQUEST, message=detail))
 
 

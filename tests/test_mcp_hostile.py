@@ -134,7 +134,18 @@ async def test_a_line_that_is_no_json_or_names_no_usable_id_is_answered_with_a_n
         await wire.send(line)
         answer = await wire.receive()
         assert answer["id"] is None and answer["error"]["code"] == -32700, answer
-    ok = await wire.call(4, "memory_stats", {"user_id": "ana"})
+    # A request whose id is no number or text (JSON-RPC's Invalid Request), or a batch (MCP
+    # has none): no answer at all before.
+    for line in ('{"jsonrpc": "2.0", "id": 1.5, "method": "ping"}',
+                 '{"jsonrpc": "2.0", "id": null, "method": "ping"}',
+                 '{"jsonrpc": "2.0", "id": {"a": 1}, "method": "ping"}',
+                 '{"jsonrpc": "2.0", "id": NaN, "method": "ping"}',
+                 '[{"jsonrpc": "2.0", "id": 5, "method": "ping"}]'):
+        await wire.send(line)
+        answer = await wire.receive()
+        assert answer["id"] is None and answer["error"]["code"] == -32600, (line, answer)
+    await wire.send('{"jsonrpc": "2.0", "method": "notifications/nonsense", "params": 5}')
+    ok = await wire.call(4, "memory_stats", {"user_id": "ana"})  # a notification: no answer
     assert ok["result"]["structuredContent"]["notes"] == 0
     code, stderr = await _exit_code(wire)
     assert code == 0, stderr
