@@ -38,6 +38,7 @@ import hashlib
 import json
 import mmap
 import os
+import shutil
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -207,6 +208,13 @@ class AnnIndex:
         dead, uv.graph_dead = uv.graph_dead, []
         _scrub_rows(uv.graph, dead, self._dim)  # deletions the writer had not applied yet
         graph_file, lsns_file, sum_file = self._graph_files(user_id, part)
+        # Saved graphs are derived: whatever stands where one goes (a file where the folder
+        # goes, a folder where a file goes) is in the way of every close, and goes.
+        if not self._path.is_dir():
+            self._path.unlink(missing_ok=True)
+        for path in (graph_file, lsns_file, sum_file):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
         self._path.mkdir(parents=True, exist_ok=True)
         lsns_tmp, graph_tmp = lsns_file.with_suffix(".tmp.npy"), graph_file.with_suffix(".tmp")
         rows = uv.graph_rows
@@ -249,22 +257,26 @@ class AnnIndex:
             return None
         try:
             sums = json.loads(sum_file.read_text())
-            # Another model's (saved before a re-embed): its files go, the graph is built anew.
-            # One saved before graphs named their model is taken as this one's.
-            if sums.get("model", self._model_id) != self._model_id:
+            if not isinstance(sums, dict):
+                raise ValueError("not an object")
+            # Another model's, or one saved before graphs named their model (perhaps before
+            # a re-embed, which writes new vectors under the same records): its files go,
+            # the graph is built anew.
+            if sums.get("model") != self._model_id:
                 for path in (graph_file, lsns_file, sum_file):
                     path.unlink(missing_ok=True)
                 return None
             if (sums["hnsw"] != _sha256(graph_file) or sums["lsns"] != _sha256(lsns_file)):
                 self.damaged += 1
                 return None  # damaged, or not the pair that was saved together: rebuild
+            rows = sums["rows"]
             saved = np.load(lsns_file)
             graph = hnswlib.Index(space="ip", dim=self._dim)
             graph.load_index(str(graph_file), max_elements=max(len(saved), len(lsns)) * 2 + 1024)
         except (OSError, RuntimeError, ValueError, KeyError, TypeError):
             self.damaged += 1
             return None
-        if graph.get_current_count() != len(saved) or sums["rows"] != len(saved):
+        if graph.get_current_count() != len(saved) or rows != len(saved):
             return None  # the pair was not written together: rebuild instead
         graph.set_num_threads(1)
         # A graph saved before records had chunks (or with none) names one chunk per row.

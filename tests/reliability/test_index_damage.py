@@ -272,6 +272,57 @@ async def test_a_damaged_graph_file_is_detected_and_rebuilt(graph_store) -> None
     assert (after, reused, damaged) == (before, False, 1)
 
 
+@pytest.mark.parametrize("damage", ["a flipped key", "no rows", "a list", "null",
+                                    "no model named", "another model"])
+async def test_a_damaged_or_foreign_graph_checksum_file_means_a_rebuild(graph_store,
+                                                                       damage) -> None:
+    """sum.json with a bit flipped in a key, or not an object, made every recall of the user
+    fail (KeyError, AttributeError) on every open. A graph of another model, or of no model
+    named (saved by a build before graphs named theirs, perhaps before a re-embed), is not
+    trusted either. Each is rebuilt, with the same answers."""
+    queries, before = await _saved_graph(graph_store)
+    (sum_file,) = (graph_store / "ann").glob("*.sum.json")
+    sums = json.loads(sum_file.read_text())
+    if damage == "a flipped key":
+        sum_file.write_text(sum_file.read_text().replace('"rows"', '"rqws"'))
+    elif damage == "no rows":
+        del sums["rows"]
+        sum_file.write_text(json.dumps(sums))
+    elif damage in ("a list", "null"):
+        sum_file.write_text(json.dumps([sums] if damage == "a list" else None))
+    else:
+        if damage == "no model named":
+            del sums["model"]
+        else:
+            sums["model"] = "another-model"
+        sum_file.write_text(json.dumps(sums))
+    after, reused, _ = await _graph_answers(graph_store, queries)
+    assert (after, reused) == (before, False)
+    again, reused, damaged = await _graph_answers(graph_store, queries)
+    assert (again, reused, damaged) == (before, True, 0)
+
+
+@pytest.mark.parametrize("where", ["sum.json", "hnsw", "lsns.npy", "ann"])
+async def test_a_folder_or_file_where_a_graph_file_goes_is_cleared_at_close(graph_store,
+                                                                           where) -> None:
+    """A folder where a graph's file goes (or a file where ann/ goes) made every close raise
+    EngineBroken, on every open, as nothing removed it. The obstacle goes; the graph is
+    saved again."""
+    queries, before = await _saved_graph(graph_store)
+    ann = graph_store / "ann"
+    if where == "ann":
+        shutil.rmtree(ann)
+        ann.write_text("not a folder")
+    else:
+        (target,) = ann.glob(f"*.{where}")
+        target.unlink()
+        target.mkdir()
+    after, reused, _ = await _graph_answers(graph_store, queries)
+    assert (after, reused) == (before, False)
+    again, reused, damaged = await _graph_answers(graph_store, queries)
+    assert (again, reused, damaged) == (before, True, 0)
+
+
 async def test_a_panic_in_the_text_index_breaks_the_engine_with_its_own_error(
         tmp_path, monkeypatch, autojump_clock) -> None:
     """tantivy reports some failures by panicking: pyo3's PanicException, a BaseException
