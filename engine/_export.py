@@ -20,7 +20,7 @@ import io
 import os
 import stat
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from itertools import groupby, repeat
 from operator import attrgetter
@@ -771,25 +771,13 @@ def _check(parsed: UserRecords, parts: Parts) -> None:
                 raise _bad(f"{type(line).__struct_config__.tag} {_id_of(line)}",
                            f"expected an lsn of its own, found {line.lsn} twice")
             taken.add(line.lsn)
-    pairs: set[tuple[str, str, str]] = set()
     for link in parsed.links:
         _check_record(link)
         for field in ("from_id", "to_id", "type"):
             v.check_id(f"source.{field}", getattr(link, field), limit)
-        pair = (*sorted((link.from_id, link.to_id)), link.type)  # either way: one key
-        if pair in pairs:
-            raise _bad(f"link {link.from_id} -> {link.to_id}", "expected one link of each type "
-                                                               "between two memories, found a "
-                                                               f"{link.type!r} link twice")
-        pairs.add(pair)
-    reviewed: set[str] = set()
     for review in parsed.reviews:
         _check_record(review)
         v.check_id("source.memory_id", review.memory_id, limit)
-        if review.memory_id in reviewed:
-            raise _bad(f"review {review.memory_id}", "expected one review state a memory, "
-                                                     "found one twice")
-        reviewed.add(review.memory_id)
         _check_positive("stability", review.stability)
         _check_positive("difficulty", review.difficulty)
     for summary in parsed.summaries:
@@ -1361,6 +1349,21 @@ def _merged(here: Entity, imported: Entity) -> Entity | None:
                   tuple(sorted({*here.lsns, *new}))[-MEMORIES_PER_ENTITY:], latest.last_id)
 
 
+def _first_of_each(lines: list[Any], key: Callable[[Any], Any]) -> Iterator[Any]:
+    """The first of the lines sharing a key: a pair holds one link of each type (either way)
+    and a memory one review state, so a file (an older store's export, holding a link both
+    ways) giving one twice writes it once and counts it once."""
+    seen: set[Any] = set()
+    for line in lines:
+        if (k := key(line)) not in seen:
+            seen.add(k)
+            yield line
+
+
+def _pair_and_type(link: LinkLine) -> tuple[str, str, str]:
+    return (*sorted((link.from_id, link.to_id)), link.type)
+
+
 def _read_unlogged(txn: Any, dbs: dict[bytes, Any],
                    wanted: list[tuple[str, list[str], list[str], list[str]]]
                    ) -> list[tuple[dict[str, Entity], dict[str, list[Link]], set[str]]]:
@@ -1401,7 +1404,7 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
         by_id = ({_id_of(line): line.lsn
                   for line in (*parsed.turns, *parsed.notes, *parsed.episodes, *parsed.facts)}
                  if parsed.reviews or parsed.links else {})
-        for review in parsed.reviews:
+        for review in _first_of_each(parsed.reviews, attrgetter("memory_id")):
             lsn = lsn_map.get(by_id.get(review.memory_id, -1))
             if lsn is not None and review.memory_id not in reviewed:
                 state = ReviewState(review.stability, review.difficulty, review.last_review,
@@ -1438,7 +1441,7 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
         new_links = [(user_id, Link(link.from_id, link.to_id, link.type, link.at),
                       lsn_map.get(by_id.get(link.from_id, -1))
                       or lsn_map.get(by_id.get(link.to_id, -1)) or anchor)
-                     for link in parsed.links
+                     for link in _first_of_each(parsed.links, _pair_and_type)
                      if (link.from_id, link.to_id, link.type) not in present
                      and (link.to_id, link.from_id, link.type) not in present
                      and link.from_id in by_id and link.to_id in by_id]

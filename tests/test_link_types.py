@@ -3,9 +3,12 @@ follow chosen types only."""
 
 from __future__ import annotations
 
+import io
+
 import lmdb
 import pytest
 
+from actors.base.messages import PutState
 from actors.store import MAX_DBS
 from actors.store.layout import legacy_link_keys, link_keys
 from engine import InvalidInput
@@ -113,3 +116,58 @@ async def test_links_stored_before_they_carried_their_type_are_read_and_forgotte
         await mem.forget_session("maya", "s1")
         await mem.flush()
     assert raw_databases(store_path).get("links", []) == []
+
+
+async def test_a_link_held_in_the_untyped_key_form_is_not_turned_around(store_path) -> None:
+    """A store from before typed link keys holds a link under the pair alone: link(b, a, T)
+    did not see it, so the pair held T both ways, and the store's own export was refused by
+    import as a link given twice. Refused as for a typed one; the export imports."""
+    async with open_engine(store_path) as mem:
+        a = await mem.add_turn("maya", "s1", "user", "We booked the flat.")
+        b = await mem.add_turn("maya", "s1", "user", "We paid the deposit.")
+        await mem.flush()
+        await mem.link("maya", a.turn_id, b.turn_id, "derived_from")
+    env = lmdb.open(str(store_path), max_dbs=MAX_DBS)
+    with env.begin(write=True) as txn:
+        links = env.open_db(b"links", txn=txn)
+        for key, value in list(txn.cursor(links)):
+            txn.delete(key, db=links)
+            txn.put(key.rsplit(b"\x00", 1)[0], value, db=links)  # the untyped form
+    env.close()
+    async with open_engine(store_path) as mem:
+        with pytest.raises(InvalidInput, match="the other way"):
+            await mem.link("maya", b.turn_id, a.turn_id, "derived_from")
+        assert [(l.from_id, l.to_id) for l in await mem.links("maya", a.turn_id)] == [
+            (a.turn_id, b.turn_id)]
+        out = io.BytesIO()
+        await mem.export_user("maya", out)
+    async with open_engine(store_path.parent / "b") as mem:
+        assert (await mem.import_user(out.getvalue()))["links"] == 1
+
+
+async def test_a_link_made_the_other_way_while_an_import_writes_its_links_stays(
+        store_path, monkeypatch) -> None:
+    """The import looks at the links a pair holds, then writes its own in a later
+    transaction: a link() the other way in between was turned around by the import's. The
+    write itself now keeps a link of its type the pair holds the other way."""
+    async with open_engine(store_path / "a") as mem:
+        a = await mem.add_turn("maya", "s1", "user", "We booked the flat.")
+        b = await mem.add_turn("maya", "s1", "user", "We paid the deposit.")
+        await mem.flush()
+        await mem.link("maya", a.turn_id, b.turn_id, "about")
+        export = io.BytesIO()
+        await mem.export_user("maya", export)
+    async with open_engine(store_path / "b") as mem:
+        store = mem._parts.store
+        original = store.write_unlogged
+
+        async def bot_links_first(*ops):
+            if any(isinstance(op, PutState) and op.links for op in ops):
+                store.write_unlogged = original
+                await mem.link("maya", b.turn_id, a.turn_id, "about")
+            return await original(*ops)
+
+        monkeypatch.setattr(store, "write_unlogged", bot_links_first)
+        await mem.import_user(export.getvalue())
+        assert [(l.from_id, l.to_id) for l in await mem.links("maya", a.turn_id)] == [
+            (b.turn_id, a.turn_id)]

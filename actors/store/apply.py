@@ -4,6 +4,7 @@ transaction (worker thread); what an applier returns goes to the op's ``committe
 from __future__ import annotations
 
 from array import array
+from typing import Any
 
 import lmdb
 import msgspec
@@ -32,6 +33,7 @@ from .layout import (
     episode_key,
     fact_entry,
     fact_key,
+    legacy_link_keys,
     link_keys,
     lsn_key,
     session_prefix,
@@ -158,13 +160,10 @@ class Appliers:
         missing = tuple(end for end in (link.from_id, link.to_id) if end not in found)
         if missing:
             return missing
-        keys = link_keys(op.user_id, link)
-        held = txn.get(keys[0], db=self._dbs[b"links"])
-        if held is not None:
-            other = _decode_link(held)
-            if (other.from_id, other.to_id) == (link.to_id, link.from_id):
-                return other
-        for key in keys:
+        other = _held_other_way(txn, self._dbs[b"links"], op.user_id, link)
+        if other is not None:
+            return other
+        for key in link_keys(op.user_id, link):
             txn.put(key, _encode(link), db=self._dbs[b"links"])
         return ()
 
@@ -185,6 +184,10 @@ class Appliers:
             # entity's last mention, in a session forgotten meanwhile): a link to it would
             # keep a forgotten id in the store.
             if not holds_memory(txn, dbs, user_id, link.to_id):
+                continue
+            # One of its type the pair holds the other way (a caller's link() since this
+            # was decided) stays: writing would turn it around.
+            if _held_other_way(txn, dbs[b"links"], user_id, link) is not None:
                 continue
             for link_key in link_keys(user_id, link):
                 txn.put(link_key, _encode(link), db=dbs[b"links"])
@@ -207,3 +210,17 @@ class Appliers:
             else:
                 txn.delete(EMBED_BACKLOG_KEY, db=meta)
         return written
+
+
+def _held_other_way(txn: lmdb.Transaction, links: Any, user_id: str, link: Link) -> Link | None:
+    """The link of ``link``'s type that the pair holds the other way, if any: under the
+    typed keys, or the untyped ones a store from before them holds (one link a pair, read
+    still). The pair's keys are the same both ways, so writing ``link`` would replace it."""
+    for key in (link_keys(user_id, link)[0], legacy_link_keys(user_id, link)[0]):
+        raw = txn.get(key, db=links)
+        if raw is not None:
+            other = _decode_link(raw)
+            if other.type == link.type and (other.from_id, other.to_id) == (link.to_id,
+                                                                             link.from_id):
+                return other
+    return None
