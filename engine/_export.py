@@ -21,6 +21,7 @@ import os
 import stat
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from contextlib import contextmanager, suppress
 from itertools import groupby, repeat
 from operator import attrgetter
@@ -53,10 +54,10 @@ from actors.imported import Imported
 from actors.session_buffer import Receipt
 from actors.store import (
     ModelInfo,
+    decode_entity,
     entity_key,
     fact_key,
     holds_memories,
-    read_entities,
     read_episodes,
     read_facts,
     read_links,
@@ -1036,14 +1037,15 @@ class _User:
     """One export's part of an import: its records' positions here (the export's lsn to
     this store's), and what was written and skipped."""
 
-    __slots__ = ("parsed", "user_id", "lsn_map", "written", "skipped", "have", "unfiled",
-                 "vectors")
+    __slots__ = ("parsed", "user_id", "lsn_map", "fresh", "written", "skipped", "have",
+                 "unfiled", "vectors")
 
     def __init__(self, parsed: UserRecords, user_id: str, have: dict[str, Any], unfiled: set[str],
                  vectors: dict[int, np.ndarray] | None) -> None:
         self.parsed, self.user_id, self.have, self.vectors = parsed, user_id, have, vectors
         self.unfiled = unfiled  # past fact versions here without their id's entry
         self.lsn_map: dict[int, int] = {}
+        self.fresh: set[int] = set()  # positions this import wrote (the rest were here)
         self.written: dict[str, int] = {}
         self.skipped = 0  # records the store already held
 
@@ -1201,9 +1203,11 @@ async def _write(parts: Parts, imports: list[tuple[UserRecords, str]],
                                                    _append_turns(parts, run_owners, run),
                                                    strict=True):
                         user.lsn_map[line.lsn] = receipt.lsn
+                        user.fresh.add(receipt.lsn)
                 else:
                     for user, line in zip(run_owners, run):
                         user.lsn_map[line.lsn] = store.next_lsn
+                        user.fresh.add(store.next_lsn)
                         _submit(parts, user.user_id, line)
                 tag = kind.__struct_config__.tag + "s"
                 for user in run_owners:
@@ -1327,14 +1331,28 @@ def _fact(line: FactLine, lsn: int, user_id: str) -> Fact:
     return Fact(lsn=lsn, user_id=user_id, **fields)
 
 
-def _merged(here: Entity, imported: Entity) -> Entity | None:
+def _merge_entity(imported: Entity, fresh: frozenset[int], counts: dict[str, int],
+                  raw: bytes | None) -> bytes | None:
+    """The registry value of an imported entity, merged with the one the key holds (``raw``)
+    in the import's write transaction (writer's thread); None to leave it. Counts what it
+    writes in ``counts``."""
+    record = imported if raw is None else _merged(decode_entity(raw), imported, fresh)
+    if record is None:
+        return None
+    counts["entities"] = counts.get("entities", 0) + 1
+    return _encode(record)
+
+
+def _merged(here: Entity, imported: Entity, fresh: frozenset[int]) -> Entity | None:
     """The user's registry record of a name with the mentions an import brings of it added
     (the long-term layer never derives them: it skips imported positions); None when there
-    is nothing to add: the record here is an alias, or holds these memories already."""
-    new = [lsn for lsn in imported.lsns if lsn not in here.lsns]
+    is nothing to add: the record here is an alias, or none of the import's memories are
+    new here (an earlier import of the file brought them, whether or not the record still
+    lists them among its newest)."""
+    new = [lsn for lsn in imported.lsns if lsn in fresh and lsn not in here.lsns]
     if here.type == "alias" or not new:
         return None
-    # Every mention the export counted when none of its memories were here; else (a part
+    # Every mention the export counted when all of its memories are new here; else (a part
     # of it imported before) only those it adds.
     mentions = imported.mentions if len(new) == len(imported.lsns) else len(new)
     aliases = here.aliases
@@ -1364,14 +1382,13 @@ def _pair_and_type(link: LinkLine) -> tuple[str, str, str]:
     return (*sorted((link.from_id, link.to_id)), link.type)
 
 
-def _read_unlogged(txn: Any, dbs: dict[bytes, Any],
-                   wanted: list[tuple[str, list[str], list[str], list[str]]]
-                   ) -> list[tuple[dict[str, Entity], dict[str, list[Link]], set[str]]]:
-    """Each user's registry records under these keys, the links of these memories and which
-    of those reviewed have a review state here, in one read transaction."""
-    return [(read_entities(txn, dbs, user_id, keys), read_links(txn, dbs, user_id, ids),
+def _read_unlogged(txn: Any, dbs: dict[bytes, Any], wanted: list[tuple[str, list[str], list[str]]]
+                   ) -> list[tuple[dict[str, list[Link]], set[str]]]:
+    """Each user's links of these memories and which of those reviewed have a review state
+    here, in one read transaction."""
+    return [(read_links(txn, dbs, user_id, ids),
              set(read_review_states(txn, dbs, user_id, reviewed)))
-            for user_id, keys, ids, reviewed in wanted]
+            for user_id, ids, reviewed in wanted]
 
 
 async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
@@ -1381,14 +1398,14 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
     puts: list[tuple[bytes, bytes, bytes | None, int]] = []
     links: list[tuple[str, Link, int]] = []
     found = await store.read(_read_unlogged, [
-        (user.user_id, sorted({composed(e.name).lower() for e in user.parsed.entities}),
-         sorted({link.from_id for link in user.parsed.links}),
+        (user.user_id, sorted({link.from_id for link in user.parsed.links}),
          [review.memory_id for review in user.parsed.reviews]) for user in users])
     summaries: list[tuple[_User, WriteSummary, list[bool]]] = []
     # What is written here is keyed on what the store holds of it, not on whether its
     # memory was new: an import stopped after its records and before these is completed
     # by importing it again.
-    for user, (registry, there, reviewed) in zip(users, found):
+    merges: list[tuple[bytes, bytes, Any, int]] = []
+    for user, (there, reviewed) in zip(users, found):
         parsed, user_id, have, lsn_map = user.parsed, user.user_id, user.have, user.lsn_map
         counts = user.written
         prefix = user_prefix(user_id)
@@ -1425,14 +1442,11 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
             record = Entity(name, entity.type, tuple(composed(a) for a in entity.aliases),
                             entity.mentions, entity.first_seen, entity.last_seen, lsns,
                             entity.last_id)
-            here = registry.get(key)
-            if here is not None:
-                record = _merged(here, record)
-                if record is None:
-                    continue  # an alias here, or these mentions are in it (an earlier import)
-            puts.append((b"entities", entity_key(user_id, key), _encode(record),
-                         lsns[-1] if lsns else anchor))
-            counts["entities"] = counts.get("entities", 0) + 1
+            # Merged in the write's own transaction with what the registry holds then: a
+            # live mention registered meanwhile is kept, not written over.
+            merges.append((b"entities", entity_key(user_id, key),
+                           partial(_merge_entity, record, frozenset(user.fresh), counts),
+                           lsns[-1] if lsns else anchor))
         present = {(l.from_id, l.to_id, l.type) for found_links in there.values()
                    for l in found_links}
         # A link joins two of the export's memories (link() refuses any other, and a
@@ -1455,8 +1469,8 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
             summaries.append((user, WriteSummary(user_id, summary.session_id, state, 0,
                                                  trio.Event(), applied.append), applied))
     ops: list[Any] = [op for _, op, _ in summaries]
-    if puts or links:
-        ops.insert(0, PutState(tuple(puts), tuple(links), trio.Event()))
+    if puts or links or merges:
+        ops.insert(0, PutState(tuple(puts), tuple(links), trio.Event(), tuple(merges)))
     if ops:
         await store.write_unlogged(*ops)
     for user, _, applied in summaries:

@@ -17,6 +17,7 @@ import pytest
 import trio
 
 import engine
+from actors.base.messages import PutState
 from engine import Engine, InvalidInput
 from engine.__main__ import main
 
@@ -208,6 +209,48 @@ async def test_an_entity_the_user_has_here_takes_in_the_imports_mentions(tmp_pat
                 "I flew to Lisbon last spring with Ana", "Lisbon had amazing pastel de nata",
                 "My cousin lives in Lisbon"]
         assert (await mem.entity_info("maya", "Ana")).entity.mentions == 1
+
+
+async def test_an_entitys_live_mentions_meanwhile_and_later_stay_counted_once(
+        tmp_path, monkeypatch) -> None:
+    """The import merged the export's Lisbon with the record it had read, then wrote it: a
+    live mention registered in between was written over. And once 256 later mentions had
+    pushed the imported memories out of the record's list, importing the file again counted
+    them again. The merge now runs in the write's transaction, and adds only the memories
+    this import wrote."""
+    async with open_engine(tmp_path / "a") as mem:
+        await mem.add_turn("maya", "trip", "user", "I flew to Lisbon last spring with Ana")
+        await mem.add_turn("maya", "trip", "user", "Lisbon had amazing pastel de nata")
+        await mem.flush()
+        export = io.BytesIO()
+        await mem.export_user("maya", export)
+    async with open_engine(tmp_path / "b") as mem:
+        await mem.add_turn("maya", "home", "user", "My cousin lives in Lisbon")
+        await mem.flush()
+        store = mem._parts.store
+        original = store.write_unlogged
+
+        async def a_live_mention_first(*ops):
+            if any(isinstance(op, PutState) and op.merges for op in ops):
+                store.write_unlogged = original
+                await mem.add_turn("maya", "home", "user", "Back in Lisbon tonight")
+                await mem.flush()
+            return await original(*ops)
+
+        monkeypatch.setattr(store, "write_unlogged", a_live_mention_first)
+        await mem.import_user(export.getvalue())
+        await mem.flush()
+        info = await mem.entity_info("maya", "Lisbon")
+        assert info.entity.mentions == 4
+        assert "Back in Lisbon tonight" in {h.text for h in info.memories}
+        await mem.add_turns([{"user_id": "maya", "session_id": "later", "role": "user",
+                              "text": f"Lisbon again, day {i}"} for i in range(260)])
+        await mem.flush()
+        before = (await mem.entity_info("maya", "Lisbon")).entity.mentions
+        assert before >= 264  # and the episodes made of them
+        await mem.import_user(export.getvalue())
+        await mem.flush()
+        assert (await mem.entity_info("maya", "Lisbon")).entity.mentions == before
 
 
 async def test_bad_sources_are_refused_and_nothing_is_written(tmp_path) -> None:

@@ -222,15 +222,20 @@ class PutState(msgspec.Struct, frozen=True, tag=True):
     Attributes:
         puts: (database name, key, value or None to delete, guard lsn).
         links: (user id, link, guard lsn).
+        merges: (database name, key, merge, guard lsn): ``merge(value)`` takes the value
+            the key holds in the transaction (None: none) and gives the one to put (None:
+            leave it), so a record another write changed since the caller read it is merged
+            with, not written over. Runs in the writer's thread: quick and pure.
 
-    A put or link with a guard lsn other than 0 is skipped if that lsn's record has left the
-    log (deleted while this was derived from it), so that nothing of a forgotten session or
-    user comes back.
+    A put, link or merge with a guard lsn other than 0 is skipped if that lsn's record has
+    left the log (deleted while this was derived from it), so that nothing of a forgotten
+    session or user comes back.
     """
 
     puts: tuple[tuple[bytes, bytes, bytes | None, int], ...]
     links: tuple[tuple[str, Any, int], ...] = ()
     done: Any = None  # set once committed (write_unlogged waits on it); None: nobody waits
+    merges: tuple[tuple[bytes, bytes, Any, int], ...] = ()
 
     lsn = None  # not searchable: not part of the log
 

@@ -177,6 +177,12 @@ class Appliers:
                 txn.delete(key, db=dbs[name])
             else:
                 txn.put(key, value, db=dbs[name])
+        for name, key, merge, guard in op.merges:
+            if guard and txn.get(lsn_key(guard), db=log) is None:
+                continue
+            value = merge(txn.get(key, db=dbs[name]))
+            if value is not None:
+                txn.put(key, value, db=dbs[name])
         for user_id, link, guard in op.links:
             if guard and txn.get(lsn_key(guard), db=log) is None:
                 continue
