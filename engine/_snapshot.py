@@ -511,6 +511,9 @@ async def _install(snapshot: Path, store: Path, manifest: Manifest,
     head, problems = checked[0]
     if manifest.chain_head and head.hex() != manifest.chain_head:
         problems.append("the store's chain head is not the one the manifest records")
+    elif int.from_bytes(head[:8], "big") != manifest.lsn:  # the head begins with its lsn
+        problems.append(f"the manifest's lsn {manifest.lsn} is not the store's last "
+                        f"({int.from_bytes(head[:8], 'big')})")
     if problems:
         raise StoreTampered(
             f"{snapshot} does not verify: {problems[0]} ({len(problems)} problem(s)); it "

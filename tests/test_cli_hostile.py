@@ -119,6 +119,15 @@ def test_restore_refuses_a_manifest_naming_files_outside_the_snapshot(snap, tmp_
     assert not deep.exists() and not (tmp_path / "a" / "outside").exists()
 
 
+def test_restore_refuses_a_manifest_whose_lsn_is_not_the_stores(snap, tmp_path, capsys) -> None:
+    """A manifest's lsn edited (+100) was taken as it stood, and restore returned a Manifest
+    naming positions the store never had, though its chain head says where the store ends."""
+    _edit_manifest(snap, lambda m: m.__setitem__("lsn", m["lsn"] + 100))
+    assert main(["restore", str(snap), str(tmp_path / "new")]) == 1
+    _failed(capsys, "StoreTampered:", "the manifest's lsn")
+    assert not (tmp_path / "new").exists()
+
+
 def test_restore_refuses_a_manifest_without_the_store_file(snap, tmp_path, capsys) -> None:
     """A manifest that lists no files is refused before anything is copied."""
     _edit_manifest(snap, lambda m: (m.__setitem__("files", {}), m.__setitem__("chain_head", "")))
