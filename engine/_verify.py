@@ -273,7 +273,9 @@ def verify_chain(path: Path, integrity_key: str | None = None, links: bool = Tru
             crc, blake2b, number = zlib.crc32, hashlib.blake2b, int.from_bytes
             for key, value in txn.cursor(chain).iternext():
                 record = value[:-SEAL]
-                if len(value) < SEAL or crc(record) != number(value[-SEAL:], "big"):
+                stored = number(value[-SEAL:], "big") if len(value) >= SEAL else None
+                if stored is None or (crc(record, crc(key)) != stored
+                                      and crc(record) != stored):  # sealed before keys were
                     problems.append(f"lsn {number(key, 'big')}: its chain record fails its "
                                     "checksum")
                     break

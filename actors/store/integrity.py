@@ -1,7 +1,11 @@
 """Record checksums, the log's hash chain and the store file's length check.
 
 Checksums. Every value the store keeps, in every database but ``meta``, ends with the CRC-32 of
-the bytes before it (4 bytes, big-endian). :class:`CheckedTxn` wraps an LMDB transaction so
+its key and the bytes before it (4 bytes, big-endian): a record a damaged key moved under
+another key (another user's, a bit away) fails it. A value written before checksums took in
+the key ends with the CRC-32 of its bytes alone, and still reads (a store is not rewritten to
+seal its records anew; such a record is caught when its key moves only by the checks that
+know whose it is). :class:`CheckedTxn` wraps an LMDB transaction so
 that every write seals a value and every read checks and strips the seal: the store's readers
 and writers go through it and nothing else, so no reader can see a damaged record as a value.
 A value that fails its check raises :class:`StoreCorrupt` naming the database and the key.
@@ -62,15 +66,22 @@ _crc = zlib.crc32
 _pack_crc = struct.Struct(">I").pack  # SEAL bytes, big-endian
 
 
-def seal(value: bytes) -> bytes:
-    """``value`` with its CRC-32 appended."""
-    return value + _pack_crc(_crc(value))
+def seal(value: bytes, key: bytes = b"") -> bytes:
+    """``value`` with the CRC-32 of ``key`` and ``value`` appended (CRC-32 of b"" is 0, so no
+    key seals as values were sealed before keys were)."""
+    return value + _pack_crc(_crc(value, _crc(key)))
 
 
-def seal_all(values: Iterable[bytes]) -> Iterable[bytes]:
-    """Each of ``values`` sealed, lazily: :func:`seal` as one loop in C."""
+def seal_all(values: Iterable[bytes], keys: Iterable[bytes]) -> Iterable[bytes]:
+    """Each of ``values`` sealed under its key, lazily: :func:`seal` as one loop in C."""
     values = values if isinstance(values, list) else list(values)
-    return map(bytes.__add__, values, map(_pack_crc, map(_crc, values)))
+    return map(bytes.__add__, values, map(_pack_crc, map(_crc, values, map(_crc, keys))))
+
+
+def _fails(body: bytes, key: bytes, stored: int) -> bool:
+    """Whether ``body`` fails the checksum ``stored``: of its key and itself, or (a value
+    sealed before checksums took in the key) of itself."""
+    return _crc(body, _crc(key)) != stored and _crc(body) != stored
 
 
 def unseal(raw: bytes, database: bytes, key: bytes) -> bytes:
@@ -80,10 +91,11 @@ def unseal(raw: bytes, database: bytes, key: bytes) -> bytes:
         StoreCorrupt: the record fails its checksum.
     """
     body = raw[:-SEAL]
-    if len(raw) < SEAL or zlib.crc32(body) != int.from_bytes(raw[-SEAL:], "big"):
+    if len(raw) < SEAL or _fails(body, key, int.from_bytes(raw[-SEAL:], "big")):
         raise StoreCorrupt(
             f"the store record {key!r} in database {database.decode()!r} fails its checksum "
-            f"(expected a CRC-32 of its {max(len(raw) - SEAL, 0)} bytes, found another); the "
+            f"(expected a CRC-32 of its key and its {max(len(raw) - SEAL, 0)} bytes, found "
+            "another); the "
             "store was damaged on disk or edited: run `engram-trio verify STORE` to see every "
             "damaged record, and restore from a snapshot", database.decode(), bytes(key))
     return body
@@ -126,15 +138,15 @@ class CheckedTxn:
             if raw is None:
                 return None
             body = raw[:-SEAL]
-            if len(raw) < SEAL or crc(body) != number(raw[-SEAL:], "big"):
-                unseal(raw, name, key)  # raises StoreCorrupt, the message in one place
+            if len(raw) < SEAL or crc(body, crc(key)) != number(raw[-SEAL:], "big"):
+                unseal(raw, name, key)  # raises StoreCorrupt unless sealed without the key
             return body
 
         return get
 
     def put(self, key: bytes, value: bytes, db: Any = None, **kwargs: Any) -> bool:
         if self._names[db] not in _UNSEALED:
-            value = seal(value)
+            value = seal(value, key)
         return self.raw.put(key, value, db=db, **kwargs)
 
     def delete(self, key: bytes, value: bytes = b"", db: Any = None) -> bool:
@@ -198,19 +210,19 @@ class CheckedCursor:
         return self._cursor.delete()
 
     def put(self, key: bytes, value: bytes, **kwargs: Any) -> bool:
-        return self._cursor.put(key, seal(value) if self._sealed else value, **kwargs)
+        return self._cursor.put(key, seal(value, key) if self._sealed else value, **kwargs)
 
     def putmulti(self, items: list[tuple[bytes, bytes]], **kwargs: Any) -> tuple[int, int]:
         if self._sealed:
-            items = [(k, seal(v)) for k, v in items]
+            items = [(k, seal(v, k)) for k, v in items]
         return self._cursor.putmulti(items, **kwargs)
 
     def put_columns(self, keys: list[bytes], values: list[bytes],
                     **kwargs: Any) -> tuple[int, int]:
         """:meth:`putmulti` of ``keys[i] -> values[i]``: the pairs made one at a time as LMDB
         takes them, not built ahead."""
-        return self._cursor.putmulti(zip(keys, seal_all(values) if self._sealed else values,
-                                         strict=True), **kwargs)
+        return self._cursor.putmulti(zip(keys, seal_all(values, keys) if self._sealed
+                                         else values, strict=True), **kwargs)
 
     def iternext(self, keys: bool = True, values: bool = True) -> Iterator[Any]:
         if not values or not self._sealed:
@@ -220,8 +232,8 @@ class CheckedCursor:
         for key, raw in self._cursor.iternext(keys=True, values=True):
             # unseal's check inline: a call less per value of a scan
             value = raw[:-SEAL]
-            if len(raw) < SEAL or crc(value) != number(raw[-SEAL:], "big"):
-                unseal(raw, name, key)  # raises StoreCorrupt
+            if len(raw) < SEAL or crc(value, crc(key)) != number(raw[-SEAL:], "big"):
+                unseal(raw, name, key)  # raises StoreCorrupt unless sealed without the key
             yield (key, value) if keys else value
 
     def __iter__(self) -> Iterator[tuple[bytes, bytes]]:

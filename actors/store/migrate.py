@@ -88,7 +88,7 @@ def _seal_and_chain(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> None:
         cursor = txn.cursor(dbs[name])
         moved = cursor.first()
         while moved:
-            cursor.put(cursor.key(), seal(cursor.value()))
+            cursor.put(cursor.key(), seal(cursor.value(), cursor.key()))
             progress.step()
             moved = cursor.next()
     checked = CheckedTxn(txn, {handle: name for name, handle in dbs.items()})

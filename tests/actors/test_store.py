@@ -555,7 +555,7 @@ def test_chain_records_of_a_run_are_its_links_one_at_a_time() -> None:
         expected.append(previous + content)
     assert chain_records(bytes(range(16)), lsns, entries, values) == (expected, previous)
     assert chain_records(ZERO, [], [], []) == ([], ZERO)
-    assert list(seal_all(values)) == [seal(v) for v in values]
+    assert list(seal_all(values, lsns)) == [seal(v, k) for v, k in zip(values, lsns)]
 
 
 def test_a_getter_checks_each_value_as_get_does(tmp_path) -> None:

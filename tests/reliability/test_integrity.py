@@ -257,6 +257,45 @@ def test_another_users_turn_copied_in_is_caught_by_verify_and_by_the_read(store)
         trio.run(_open_and_read, store)
 
 
+@pytest.mark.parametrize("database", ["ids", "summaries"])
+def test_a_record_moved_to_another_users_key_fails_its_checksum(tmp_path, database) -> None:
+    """A bit flipped in a key moves a record under another user ("u1" and "u3" differ by
+    one): its checksum covered the value alone, so verify passed and u3 was served u1's
+    turn (through the id's entry) or u1's session summary. A record's checksum now covers
+    its key: the read is StoreCorrupt and verify names it."""
+    path = tmp_path / "store"
+
+    async def fill() -> str:
+        async with open_engine(path, config={"long_term": False}) as mem:
+            turn = await mem.add_turn("u1", "s1", "user", "SECRET of u1")
+            await mem.add_turn("u3", "s1", "user", "u3's own turn")
+            await mem.write_session_summary("u1", "s1", "SECRET summary of u1", 1, 0)
+            await mem.flush()
+            return turn.turn_id
+
+    turn_id = trio.run(fill)
+    with Raw(path) as raw:
+        db = raw.db(database)
+        [(key, value)] = [(k, v) for k, v in raw.txn.cursor(db)
+                          if k.startswith(b"u1\0") and (database != "ids"
+                                                        or k.endswith(turn_id.encode()))]
+        raw.txn.delete(key, db=db)
+        moved = b"u3" + key[2:]
+        raw.txn.put(moved, value, db=db)  # the bytes as they were: one bit of the key flipped
+
+    async def read() -> None:
+        async with open_engine(path, config={"long_term": False}) as mem:
+            if database == "ids":
+                await mem.get_turn("u3", turn_id)
+            else:
+                await mem.session_summary("u3", "s1")
+
+    with pytest.raises(StoreCorrupt) as info:
+        trio.run(read)
+    assert (info.value.database, info.value.key) == (database, moved)
+    assert f"{database} {moved!r}: fails its checksum" in _problems(_verify(path))
+
+
 def test_verify_cli_says_where_it_breaks_and_exits_non_zero(store, capsys) -> None:
     """`engram-trio verify` exits 0 on a sound store and 1 on an edited one, naming the place."""
     assert main(["verify", str(store), "--json"]) == 0
