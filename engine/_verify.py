@@ -28,6 +28,7 @@ from actors.base.errors import EngineError, InvalidInput, StoreCorrupt
 from actors.base.records import SessionInfo, Turn
 from actors.store import LOG_TURN, MAX_DBS, check_chain, lsn_key, open_databases
 from actors.store.layout import SCHEMA_KEY
+from actors.store.pages import damaged_page
 from actors.store.integrity import (
     DIGEST,
     HEAD_KEY,
@@ -194,6 +195,13 @@ def _walk(env: lmdb.Environment, report: dict[str, Any], problems: list[tuple[st
           key: bytes | None, seal: bool) -> dict[str, Any]:
     """Every check of :func:`verify_store` in one read transaction, then the seal."""
     with env.begin() as raw:
+        # Before LMDB's cursors walk the trees: some damage (a zeroed leaf page) trips an
+        # assertion in LMDB that aborts the process, not an error this report could give.
+        damage = damaged_page(Path(env.path()) / "data.mdb")
+        if damage is not None:
+            problems.append(("data.mdb", f"a page of its trees is damaged ({damage}); restore "
+                                         "the store from a snapshot"))
+            return _done(report, problems)
         dbs = open_databases(env, raw)
         txn = CheckedTxn(raw, {handle: name for name, handle in dbs.items()})
         report["records"] = _checksums(raw, dbs, problems)

@@ -246,6 +246,41 @@ def test_verify_reports_damaged_pages_and_other_commands_refuse_them(store, tmp_
         assert done.returncode == 1 and "restore" in done.stderr, (argv, done.stderr)
 
 
+def test_verify_reports_a_zeroed_leaf_page_instead_of_dying_with_lmdb(tmp_path) -> None:
+    """A 4 KiB leaf page of the vectors zeroed (a disk's lost write): LMDB's cursor trusts the
+    page's layout, and its assertion (IS_LEAF) aborted verify with SIGABRT, no report. The
+    trees' pages are now walked with plain reads first, and the damage is reported."""
+    store = tmp_path / "store"
+
+    async def fill() -> None:
+        async with open_engine(store, config={"long_term": False}) as mem:
+            await mem.add_turns([NewTurn(user_id="ana", session_id="s", role="user",
+                                         text=f"lisbon flat number {i}") for i in range(300)])
+            await mem.flush()
+
+    trio.run(fill)
+    data = bytearray((store / "data.mdb").read_bytes())
+    leaves = []
+    for page in range(2, len(data) // 4096):  # leaf pages whose first record is a vector
+        at = page * 4096
+        flags, lower = int.from_bytes(data[at + 10:at + 12], "little"), int.from_bytes(
+            data[at + 12:at + 14], "little")
+        if flags != 0x02 or lower <= 16:
+            continue
+        node = at + int.from_bytes(data[at + 16:at + 18], "little")
+        size = int.from_bytes(data[node:node + 2], "little")
+        if data[node + 6] == 12 and data[node + 8:node + 12] == b"ana\x00" and 700 < size < 900:
+            leaves.append(at)
+    at = leaves[len(leaves) // 2]  # one in the middle of the tree: LMDB's cursor steps onto it
+    data[at:at + 4096] = bytes(4096)
+    (store / "data.mdb").write_bytes(bytes(data))
+    done = subprocess.run([sys.executable, "-m", "engine", "verify", str(store), "--json"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 1, (done.returncode, done.stderr[-500:])
+    report = json.loads(done.stdout)
+    assert "a page of its trees is damaged" in report["problems"][0]["what"]
+
+
 # -- sealing and keys ---------------------------------------------------------------------------
 
 _HOLD = """

@@ -311,14 +311,45 @@ def in_use_fits(path: Path) -> bool:
 def _trees_fit(buf: np.ndarray) -> bool:
     try:
         meta = read_meta(buf)
-        inside = meta._replace(last_pgno=len(buf) // meta.psize - 1)
-        _walk(buf, inside, meta.free_root, keep_leaves=False)
-        main = _walk(buf, inside, meta.main_root, keep_leaves=True)
-        for root in _subdb_roots(buf, main):
-            _walk(buf, inside, root, keep_leaves=False)
     except (PageFormatError, IndexError, ValueError):
         return False
-    return True
+    return _trees_problem(buf, meta._replace(last_pgno=len(buf) // meta.psize - 1)) is None
+
+
+def _trees_problem(buf: np.ndarray, meta: Meta) -> str | None:
+    """What keeps a page of ``meta``'s trees (the free list, the main database and every
+    named one) from parsing as LMDB lays it out, or None."""
+    try:
+        _walk(buf, meta, meta.free_root, keep_leaves=False)
+        main = _walk(buf, meta, meta.main_root, keep_leaves=True)
+        for root in _subdb_roots(buf, main):
+            _walk(buf, meta, root, keep_leaves=False)
+    except (PageFormatError, IndexError, ValueError) as exc:
+        return f"{exc}" or type(exc).__name__  # not the exception: it holds views of the map
+    return None
+
+
+def damaged_page(path: Path) -> str | None:
+    """What makes a page of the newest meta page's trees unreadable, or None: LMDB's own
+    reads trust a page's layout, and some damage (a zeroed leaf page) trips an assertion that
+    aborts the process instead of an error. Read with plain reads of the file; call it
+    holding a read transaction of the environment, so that no page of a tree committed since
+    that transaction began is reused under the walk."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as view:
+            buf = np.frombuffer(view, dtype=np.uint8)
+            try:
+                meta = read_meta(buf)
+                problem = _trees_problem(buf, meta._replace(
+                    last_pgno=min(meta.last_pgno, len(buf) // meta.psize - 1)))
+            except (PageFormatError, IndexError, ValueError) as exc:
+                problem = f"{exc}" or type(exc).__name__
+            del buf  # the map closes only once no array views it
+        return problem
+    finally:
+        os.close(fd)
 
 
 def _plan(buf: np.ndarray, txnid: int | None, oldest: int | None, live: bool,
