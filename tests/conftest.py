@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import zlib
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
@@ -97,6 +98,23 @@ def raw_databases(path: Path) -> dict[str, list[tuple[bytes, bytes]]]:
                 db = env.open_db(name, txn=txn, create=False)
                 out[name.decode()] = list(txn.cursor(db))
         return out
+    finally:
+        env.close()
+
+
+def downgrade_to_schema_5(path: Path) -> None:
+    """Turn a closed store into what a schema-5 build wrote: each value's checksum of its
+    bytes alone (the migration to schema 6 takes the key in)."""
+    env = lmdb.open(str(path), max_dbs=32)
+    try:
+        with env.begin(write=True) as txn:
+            for name in [key for key, _ in txn.cursor()]:
+                if name != b"meta":
+                    db = env.open_db(name, txn=txn, create=False)
+                    for key, value in list(txn.cursor(db)):
+                        txn.put(key, value[:-4] + zlib.crc32(value[:-4]).to_bytes(4, "big"),
+                                db=db)
+            txn.put(b"schema", (5).to_bytes(8, "big"), db=env.open_db(b"meta", txn=txn))
     finally:
         env.close()
 

@@ -21,7 +21,8 @@ __all__ = ["Turn", "SessionInfo", "NewTurn", "Link", "Note", "SummaryState", "Ep
 # 3: episodes, facts, entities and review state (new databases: an older build must refuse).
 # 4: notes and facts that the writer left without vectors are listed for embedding.
 # 5: every value carries a CRC-32; the log a hash chain (actors.store migrates 4 -> 5).
-SCHEMA_VERSION = 5
+# 6: every value's CRC-32 takes in its key (actors.store migrates 5 -> 6).
+SCHEMA_VERSION = 6
 
 Role = Literal["user", "assistant", "system", "tool"]
 ROLES: tuple[str, ...] = ("user", "assistant", "system", "tool")

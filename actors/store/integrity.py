@@ -2,10 +2,9 @@
 
 Checksums. Every value the store keeps, in every database but ``meta``, ends with the CRC-32 of
 its key and the bytes before it (4 bytes, big-endian): a record a damaged key moved under
-another key (another user's, a bit away) fails it. A value written before checksums took in
-the key ends with the CRC-32 of its bytes alone, and still reads (a store is not rewritten to
-seal its records anew; such a record is caught when its key moves only by the checks that
-know whose it is). :class:`CheckedTxn` wraps an LMDB transaction so
+another key (another user's, a bit away) fails it. A store of schema 5 sealed its values'
+bytes alone: the migration to 6 seals them again at its first writable open, and until then
+(verify, a restore of such a snapshot) they read as they were sealed. :class:`CheckedTxn` wraps an LMDB transaction so
 that every write seals a value and every read checks and strips the seal: the store's readers
 and writers go through it and nothing else, so no reader can see a damaged record as a value.
 A value that fails its check raises :class:`StoreCorrupt` naming the database and the key.

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import zlib
 from array import array
 from collections.abc import Callable
 from typing import Any
@@ -11,7 +12,8 @@ from typing import Any
 import lmdb
 
 from .chain import content_of
-from .integrity import ABSENT, ZERO, CheckedTxn, content_digest, encode_head, link, seal
+from .integrity import (ABSENT, SEAL, ZERO, CheckedTxn, content_digest, encode_head, link,
+                        seal)
 from .layout import (
     _EMBEDDED_KEY,
     _LAST_LSN_KEY,
@@ -107,6 +109,29 @@ def _seal_and_chain(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> None:
     txn.put(HEAD_KEY, encode_head(last, digest, None), db=dbs[b"meta"])
 
 
+def _seal_with_keys(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> None:
+    """Schema 5 -> 6: every value's checksum takes in its key (``integrity``'s docstring), so
+    a record a damaged key moved under another key (another user's, a bit away) fails it. A
+    value sealed with its bytes alone is sealed again; one that fails both checksums is left
+    as it is, for verify to name. The version moves so that a build of schema 5, whose check
+    would call every record edited, refuses the store as newer. Progress goes to the
+    ``engram.store`` logger (one pass over every record)."""
+    names = [name for name in DB_NAMES if name != b"meta"]
+    progress = _Progress("sealing records with their keys",
+                         sum(txn.stat(dbs[n])["entries"] for n in names))
+    crc = zlib.crc32
+    for name in names:
+        cursor = txn.cursor(dbs[name])
+        moved = cursor.first()
+        while moved:
+            key, raw = cursor.key(), cursor.value()
+            body, stored = raw[:-SEAL], int.from_bytes(raw[-SEAL:], "big")
+            if len(raw) >= SEAL and crc(body, crc(key)) != stored and crc(body) == stored:
+                cursor.put(key, seal(body, key))
+            progress.step()
+            moved = cursor.next()
+
+
 class _Progress:
     """Logs how far a long migration got, every tenth of the way (when there is much to do)."""
 
@@ -128,4 +153,5 @@ MIGRATIONS: dict[int, Callable[[lmdb.Transaction, dict[bytes, Any]], None]] = {
     2: _long_term_databases,
     3: _backlog_unembedded,
     4: _seal_and_chain,
+    5: _seal_with_keys,
 }

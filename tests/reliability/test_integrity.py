@@ -24,7 +24,8 @@ from actors.store.integrity import content_digest, seal, unseal
 from engine import Engine, NotFound, StoreCorrupt, StoreIncompatible, StoreTampered, Turn
 from engine.__main__ import main
 
-from ..conftest import StepClock, downgrade_to_schema_4, open_engine
+from ..conftest import (StepClock, downgrade_to_schema_4, downgrade_to_schema_5,
+                        open_engine)
 
 KEY = "k" * 32
 FILLER = 70  # turns logged after ana's: her records lie outside the tail that open checks
@@ -475,6 +476,35 @@ def test_a_schema_4_store_is_migrated_to_checksums_and_a_chain(store, monkeypatc
     progress = [r.getMessage() for r in caplog.records]
     assert any("sealing records" in m and "(100%)" in m for m in progress), progress
     assert any("building the hash chain" in m and "(100%)" in m for m in progress), progress
+    report = _verify(store)
+    assert report["ok"], _problems(report)
+
+
+def test_a_schema_5_store_is_sealed_again_with_its_keys(store, monkeypatch, caplog) -> None:
+    """A store whose checksums are of values alone (schema 5) is sealed again at its first
+    open: every record's checksum then takes in its key, so a record a damaged key moves is
+    caught in it too, and a build of schema 5 refuses the store as newer (its checks would
+    call every record edited) instead of calling it tampered."""
+    downgrade_to_schema_5(store)
+    monkeypatch.setattr(store_mod.migrate, "PROGRESS_FROM", 10)
+    caplog.set_level(logging.INFO, logger="engram.store")
+
+    async def reopen() -> list[str]:
+        async with open_engine(store, config={"long_term": False}) as mem:
+            return [t.text for t in await mem.session_history("ana", "s1")]
+
+    assert trio.run(reopen) == [f"ana says thing number {i} about lisbon" for i in range(6)]
+    progress = [r.getMessage() for r in caplog.records]
+    assert any("sealing records with their keys" in m and "(100%)" in m for m in progress)
+    env = lmdb.open(str(store), max_dbs=32, readonly=True, lock=False)
+    with env.begin() as txn:
+        assert int.from_bytes(txn.get(b"schema", db=env.open_db(b"meta", txn=txn)),
+                              "big") == 6
+        for name in [key for key, _ in txn.cursor()]:
+            if name != b"meta":
+                for key, value in txn.cursor(env.open_db(name, txn=txn, create=False)):
+                    assert seal(value[:-4], key) == value, (name, key)
+    env.close()
     report = _verify(store)
     assert report["ok"], _problems(report)
 
