@@ -337,15 +337,18 @@ def damaged_page(path: Path) -> str | None:
     that transaction began is reused under the walk."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
+        # The meta page first, then the length: LMDB writes a tree's pages before the meta
+        # page naming it, so the file then holds all of them though a writer commits
+        # meanwhile (read the other way round, a commit in between named pages past the map).
+        try:
+            meta = read_meta(np.frombuffer(os.pread(fd, META_BYTES, 0), dtype=np.uint8))
+        except (PageFormatError, IndexError, ValueError) as exc:
+            return f"{exc}" or type(exc).__name__
         size = os.fstat(fd).st_size
         with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as view:
             buf = np.frombuffer(view, dtype=np.uint8)
-            try:
-                meta = read_meta(buf)
-                problem = _trees_problem(buf, meta._replace(
-                    last_pgno=min(meta.last_pgno, len(buf) // meta.psize - 1)))
-            except (PageFormatError, IndexError, ValueError) as exc:
-                problem = f"{exc}" or type(exc).__name__
+            problem = _trees_problem(buf, meta._replace(
+                last_pgno=min(meta.last_pgno, len(buf) // meta.psize - 1)))
             del buf  # the map closes only once no array views it
         return problem
     finally:

@@ -770,6 +770,34 @@ async def test_a_reader_checking_a_live_store_looks_again_after_a_commit(
     assert len(walks) == 8
 
 
+def test_verify_beside_a_commit_that_grows_the_file_reports_no_damaged_page(
+        store, monkeypatch) -> None:
+    """verify's walk of the pages took the file's length, then read the newest meta page from
+    the map: a commit by the owner in between that grew the file named pages past the map,
+    and a healthy live store was reported damaged. The meta page is read first now."""
+    from actors.store import pages
+
+    grow = ("import lmdb, sys\n"
+            "env = lmdb.open(sys.argv[1], max_dbs=32)\n"
+            "with env.begin(write=True) as txn:\n"
+            "    txn.put(b'engram-test', b'x' * 2_000_000)\n")
+    real_fstat = pages.os.fstat
+
+    class _Os:
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def fstat(fd):
+            taken = real_fstat(fd)  # the length, then the owner commits
+            subprocess.run([sys.executable, "-c", grow, str(store)], check=True)
+            return taken
+
+    monkeypatch.setattr(pages, "os", _Os())
+    report = _verify(store)
+    assert report["ok"], _problems(report)
+
+
 def _commit_meanwhile(store: Path) -> bool:
     """A commit by another process while a walk runs; the walk saw a torn tree."""
     env = lmdb.open(str(store), max_dbs=32, lock=False)
