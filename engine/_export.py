@@ -58,6 +58,7 @@ from actors.store import (
     entity_key,
     fact_key,
     holds_memories,
+    read_entities,
     read_episodes,
     read_facts,
     read_links,
@@ -1331,16 +1332,11 @@ def _fact(line: FactLine, lsn: int, user_id: str) -> Fact:
     return Fact(lsn=lsn, user_id=user_id, **fields)
 
 
-def _merge_entity(imported: Entity, fresh: frozenset[int], counts: dict[str, int],
-                  raw: bytes | None) -> bytes | None:
+def _merge_entity(imported: Entity, fresh: frozenset[int], raw: bytes | None) -> bytes | None:
     """The registry value of an imported entity, merged with the one the key holds (``raw``)
-    in the import's write transaction (writer's thread); None to leave it. Counts what it
-    writes in ``counts``."""
+    in the import's write transaction (writer's thread); None to leave it."""
     record = imported if raw is None else _merged(decode_entity(raw), imported, fresh)
-    if record is None:
-        return None
-    counts["entities"] = counts.get("entities", 0) + 1
-    return _encode(record)
+    return None if record is None else _encode(record)
 
 
 def _merged(here: Entity, imported: Entity, fresh: frozenset[int]) -> Entity | None:
@@ -1382,13 +1378,18 @@ def _pair_and_type(link: LinkLine) -> tuple[str, str, str]:
     return (*sorted((link.from_id, link.to_id)), link.type)
 
 
-def _read_unlogged(txn: Any, dbs: dict[bytes, Any], wanted: list[tuple[str, list[str], list[str]]]
+def _read_unlogged(txn: Any, dbs: dict[bytes, Any],
+                   wanted: list[tuple[str, list[str], list[str], list[str]]]
                    ) -> list[tuple[dict[str, list[Link]], set[str]]]:
     """Each user's links of these memories and which of those reviewed have a review state
-    here, in one read transaction."""
-    return [(read_links(txn, dbs, user_id, ids),
-             set(read_review_states(txn, dbs, user_id, reviewed)))
-            for user_id, ids, reviewed in wanted]
+    here, in one read transaction; the registry records under these keys are read too, so a
+    damaged one fails the import here (StoreCorrupt) rather than the merge in the writer."""
+    out = []
+    for user_id, keys, ids, reviewed in wanted:
+        read_entities(txn, dbs, user_id, keys)
+        out.append((read_links(txn, dbs, user_id, ids),
+                    set(read_review_states(txn, dbs, user_id, reviewed))))
+    return out
 
 
 async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
@@ -1397,8 +1398,12 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
     store = parts.store
     puts: list[tuple[bytes, bytes, bytes | None, int]] = []
     links: list[tuple[str, Link, int]] = []
+    # Whose each link and merge is: counted from what the write reports it wrote.
+    link_owners: list[_User] = []
+    merge_owners: list[_User] = []
     found = await store.read(_read_unlogged, [
-        (user.user_id, sorted({link.from_id for link in user.parsed.links}),
+        (user.user_id, sorted({composed(e.name).lower() for e in user.parsed.entities}),
+         sorted({link.from_id for link in user.parsed.links}),
          [review.memory_id for review in user.parsed.reviews]) for user in users])
     summaries: list[tuple[_User, WriteSummary, list[bool]]] = []
     # What is written here is keyed on what the store holds of it, not on whether its
@@ -1445,8 +1450,9 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
             # Merged in the write's own transaction with what the registry holds then: a
             # live mention registered meanwhile is kept, not written over.
             merges.append((b"entities", entity_key(user_id, key),
-                           partial(_merge_entity, record, frozenset(user.fresh), counts),
+                           partial(_merge_entity, record, frozenset(user.fresh)),
                            lsns[-1] if lsns else anchor))
+            merge_owners.append(user)
         present = {(l.from_id, l.to_id, l.type) for found_links in there.values()
                    for l in found_links}
         # A link joins two of the export's memories (link() refuses any other, and a
@@ -1459,9 +1465,8 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
                      if (link.from_id, link.to_id, link.type) not in present
                      and (link.to_id, link.from_id, link.type) not in present
                      and link.from_id in by_id and link.to_id in by_id]
-        if new_links:
-            counts["links"] = len(new_links)
-            links.extend(new_links)
+        links.extend(new_links)
+        link_owners.extend(repeat(user, len(new_links)))
         for summary in parsed.summaries:
             state = SummaryState(summary.epoch, summary.summary, summary.upper_seq,
                                  summary.updated_at)
@@ -1469,10 +1474,17 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
             summaries.append((user, WriteSummary(user_id, summary.session_id, state, 0,
                                                  trio.Event(), applied.append), applied))
     ops: list[Any] = [op for _, op, _ in summaries]
+    wrote: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     if puts or links or merges:
-        ops.insert(0, PutState(tuple(puts), tuple(links), trio.Event(), tuple(merges)))
+        ops.insert(0, PutState(tuple(puts), tuple(links), trio.Event(), tuple(merges),
+                               wrote.append))
     if ops:
         await store.write_unlogged(*ops)
+    for kind, owners, written in zip(("links", "entities"), (link_owners, merge_owners),
+                                     wrote[0] if wrote else ((), ())):
+        for i in written:
+            counts = owners[i].written
+            counts[kind] = counts.get(kind, 0) + 1
     for user, _, applied in summaries:
         if applied and applied[0]:
             user.written["summaries"] = user.written.get("summaries", 0) + 1

@@ -12,13 +12,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import lmdb
 import msgspec
 import pytest
 import trio
 
 import engine
 from actors.base.messages import PutState
-from engine import Engine, InvalidInput
+from engine import Engine, InvalidInput, StoreCorrupt
 from engine.__main__ import main
 
 from .conftest import T0, open_engine
@@ -251,6 +252,57 @@ async def test_an_entitys_live_mentions_meanwhile_and_later_stay_counted_once(
         await mem.import_user(export.getvalue())
         await mem.flush()
         assert (await mem.entity_info("maya", "Lisbon")).entity.mentions == before
+
+
+async def test_entities_an_import_writes_are_counted_once_whatever_the_writer_retries(
+        tmp_path) -> None:
+    """The writer writes a batch again when the map fills (it grows it first) or an op of
+    it is refused; the entity merges counted themselves at every attempt, so an import
+    reported twice the entities it wrote. A merge is counted from what the commit wrote."""
+    async with open_engine(tmp_path / "a") as mem:
+        await mem.add_turn("maya", "trip", "user", "I flew to Lisbon last spring with Ana")
+        await mem.flush()
+        export = io.BytesIO()
+        await mem.export_user("maya", export)
+    lines = [json.loads(line) for line in export.getvalue().splitlines()]
+    turn = next(line for line in lines if line["record"] == "turn")
+    body = [line for line in lines if line["record"] not in ("entity", "end")]
+    body += [{"record": "entity", "name": f"Entity number {i} " + "x" * 150, "type": "person",
+              "aliases": [f"alias {i} {j} " + "y" * 100 for j in range(5)], "mentions": 1,
+              "first_seen": turn["at"], "last_seen": turn["at"], "lsns": [turn["lsn"]],
+              "last_id": turn["turn_id"]} for i in range(1500)]
+    body.append({"record": "end", "records": len(body) - 1})
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in body)
+    async with open_engine(tmp_path / "b", config={"initial_map_bytes": 1 << 20}) as mem:
+        done = await mem.import_user(data)
+        assert done["entities"] == len(await mem.list_entities("maya")) == 1500
+
+
+async def test_a_damaged_registry_record_fails_the_import_not_the_engine(tmp_path) -> None:
+    """The import's merge of an entity read the registry in the writer's transaction: a
+    damaged record there (StoreCorrupt) broke the writer, and the engine stopped serving
+    every user. The import reads the records it merges first, and fails alone."""
+    async with open_engine(tmp_path / "a") as mem:
+        await mem.add_turn("maya", "trip", "user", "I flew to Berlin last spring")
+        await mem.flush()
+        export = io.BytesIO()
+        await mem.export_user("maya", export)
+    async with open_engine(tmp_path / "b") as mem:
+        await mem.add_turn("maya", "home", "user", "Berlin is cold in winter")
+        await mem.flush()
+    env = lmdb.open(str(tmp_path / "b"), max_dbs=32)
+    with env.begin(write=True) as txn:
+        db = env.open_db(b"entities", txn=txn)
+        key = next(k for k, _ in txn.cursor(db) if k.endswith(b"berlin"))
+        value = bytearray(txn.get(key, db=db))
+        value[len(value) // 2] ^= 0x01
+        txn.put(key, bytes(value), db=db)
+    env.close()
+    async with open_engine(tmp_path / "b") as mem:
+        with pytest.raises(StoreCorrupt):
+            await mem.import_user(export.getvalue())
+        await mem.add_turn("bo", "s", "user", "a bystander's turn", durable=True)
+        assert [t.text for t in await mem.session_history("bo", "s")] == ["a bystander's turn"]
 
 
 async def test_bad_sources_are_refused_and_nothing_is_written(tmp_path) -> None:

@@ -171,6 +171,7 @@ async def test_a_link_made_the_other_way_while_an_import_writes_its_links_stays(
             return await original(*ops)
 
         monkeypatch.setattr(store, "write_unlogged", bot_links_first)
-        await mem.import_user(export.getvalue())
+        done = await mem.import_user(export.getvalue())
         assert [(l.from_id, l.to_id) for l in await mem.links("maya", a.turn_id)] == [
             (b.turn_id, a.turn_id)]
+        assert done.get("links", 0) == 0  # counted from what the write wrote

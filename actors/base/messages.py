@@ -225,7 +225,8 @@ class PutState(msgspec.Struct, frozen=True, tag=True):
         merges: (database name, key, merge, guard lsn): ``merge(value)`` takes the value
             the key holds in the transaction (None: none) and gives the one to put (None:
             leave it), so a record another write changed since the caller read it is merged
-            with, not written over. Runs in the writer's thread: quick and pure.
+            with, not written over. Runs in the writer's thread, perhaps more than once (a
+            batch written again): quick and pure. A damaged value there is left as it is.
 
     A put, link or merge with a guard lsn other than 0 is skipped if that lsn's record has
     left the log (deleted while this was derived from it), so that nothing of a forgotten
@@ -236,6 +237,9 @@ class PutState(msgspec.Struct, frozen=True, tag=True):
     links: tuple[tuple[str, Any, int], ...] = ()
     done: Any = None  # set once committed (write_unlogged waits on it); None: nobody waits
     merges: tuple[tuple[bytes, bytes, Any, int], ...] = ()
+    # Called once committed with (the indexes of the links written, those of the merges that
+    # put a value): a link the pair holds the other way, or whose end is gone, is not.
+    committed: Any = None
 
     lsn = None  # not searchable: not part of the log
 

@@ -9,6 +9,7 @@ from typing import Any
 import lmdb
 import msgspec
 
+from ..base.errors import StoreCorrupt
 from ..base.messages import (
     PutEpisode,
     PutFact,
@@ -167,7 +168,10 @@ class Appliers:
             txn.put(key, _encode(link), db=self._dbs[b"links"])
         return ()
 
-    def _put_state_in(self, txn: lmdb.Transaction, op: PutState) -> None:
+    def _put_state_in(self, txn: lmdb.Transaction, op: PutState
+                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The puts, merges and links; returns the indexes of the links written and of the
+        merges that put a value."""
         dbs = self._dbs
         log = dbs[b"log"]
         for name, key, value, guard in op.puts:
@@ -177,13 +181,20 @@ class Appliers:
                 txn.delete(key, db=dbs[name])
             else:
                 txn.put(key, value, db=dbs[name])
-        for name, key, merge, guard in op.merges:
+        merged = []
+        for i, (name, key, merge, guard) in enumerate(op.merges):
             if guard and txn.get(lsn_key(guard), db=log) is None:
                 continue
-            value = merge(txn.get(key, db=dbs[name]))
+            try:
+                held = txn.get(key, db=dbs[name])
+            except StoreCorrupt:
+                continue  # damaged: left for verify to name, and for its reader's read to fail
+            value = merge(held)
             if value is not None:
                 txn.put(key, value, db=dbs[name])
-        for user_id, link, guard in op.links:
+                merged.append(i)
+        linked = []
+        for i, (user_id, link, guard) in enumerate(op.links):
             if guard and txn.get(lsn_key(guard), db=log) is None:
                 continue
             # A derived link's other end may have been forgotten since it was found (an
@@ -197,6 +208,8 @@ class Appliers:
                 continue
             for link_key in link_keys(user_id, link):
                 txn.put(link_key, _encode(link), db=dbs[b"links"])
+            linked.append(i)
+        return tuple(linked), tuple(merged)
 
     def _put_vectors_in(self, txn: lmdb.Transaction, op: PutVectors) -> list[tuple[int, str, bytes]]:
         log, vectors = self._dbs[b"log"], self._dbs[b"vectors"]
