@@ -261,10 +261,11 @@ class AnnIndex:
                 raise ValueError("not an object")
             # Another model's, or one saved before graphs named their model (perhaps before
             # a re-embed, which writes new vectors under the same records): its files go,
-            # the graph is built anew.
+            # the graph is built anew; a read-only engine leaves them to their owner.
             if sums.get("model") != self._model_id:
-                for path in (graph_file, lsns_file, sum_file):
-                    path.unlink(missing_ok=True)
+                if not self._read_only:
+                    for path in (graph_file, lsns_file, sum_file):
+                        path.unlink(missing_ok=True)
                 return None
             if (sums["hnsw"] != _sha256(graph_file) or sums["lsns"] != _sha256(lsns_file)):
                 self.damaged += 1

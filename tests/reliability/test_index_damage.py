@@ -302,6 +302,22 @@ async def test_a_damaged_or_foreign_graph_checksum_file_means_a_rebuild(graph_st
     assert (again, reused, damaged) == (before, True, 0)
 
 
+async def test_a_read_only_open_leaves_a_graph_of_no_model_named_to_its_owner(
+        graph_store) -> None:
+    """A read-only engine never writes the owner's files: it deleted every graph saved by a
+    build before graphs named their model. It searches without it; the owner rebuilds it."""
+    queries, _ = await _saved_graph(graph_store)
+    (sum_file,) = (graph_store / "ann").glob("*.sum.json")
+    sums = json.loads(sum_file.read_text())
+    del sums["model"]
+    sum_file.write_text(json.dumps(sums))
+    files = sorted(p.name for p in (graph_store / "ann").iterdir())
+    async with open_engine(graph_store, config=TURNS_ONLY, read_only=True) as mem:
+        found = [await mem._ann.search("ana", q, 10) for q in queries]
+    assert all(len(hits) == 10 for hits in found)  # the exact scan answers meanwhile
+    assert sorted(p.name for p in (graph_store / "ann").iterdir()) == files
+
+
 @pytest.mark.parametrize("where", ["sum.json", "hnsw", "lsns.npy", "ann"])
 async def test_a_folder_or_file_where_a_graph_file_goes_is_cleared_at_close(graph_store,
                                                                            where) -> None:
