@@ -436,7 +436,7 @@ class EpisodicCompressor:
         applied: list[bool] = []
         await store.write_unlogged(WriteSummary(
             user_id, session_id, SummaryState(epoch + 1, text, upper, now), epoch,
-            trio.Event(), applied.append))
+            trio.Event(), applied.append, tuple(t.turn_id for t in turns)))
         if applied and applied[0]:
             self._summarised[key] = upper
 

@@ -221,6 +221,52 @@ async def test_a_session_forgotten_while_compressed_gets_episodes_when_written_a
     await _verified(store_path)
 
 
+async def test_what_a_slow_model_made_of_forgotten_turns_is_not_written_to_their_session_anew(
+        store_path) -> None:
+    """The model is summarising a session's turns when the session is forgotten, and the bot
+    writes to the same session id again before the model answers: the store checked only
+    that the session existed, so the episode of the forgotten turns (their ids, the model's
+    words about them) and the rolling summary of them were written into the new session.
+    Neither is written now: the store checks, in the write, that every turn they were made
+    of is still held."""
+    model = _GatedSummaries()
+    async with open_engine(store_path, llm=model, config={"summary_every_turns": 0}) as mem:
+        for i in range(15):
+            await mem.add_turn("eve", "s", "user", f"Green trains carry {i} boxes today.")
+        await mem.flush()
+        forgotten = {t.turn_id for t in await mem.session_history("eve", "s")}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(mem.close_session, "eve", "s")
+            await model.entered.wait()
+            await mem.forget_session("eve", "s")
+            await mem.add_turn("eve", "s", "user", "Hello again, a fresh start.")
+            model.release.set()
+        await mem.flush()
+        for episode in await mem.episodes("eve"):
+            assert not set(episode.turn_ids) & forgotten, episode
+    await _verified(store_path)
+
+
+async def test_a_rolling_summary_of_forgotten_turns_is_not_written_to_their_session_anew(
+        store_path) -> None:
+    """The same race for the session's rolling summary: made of the forgotten turns with the
+    epoch read before the forget (0, as the forget leaves it), it was taken for the new
+    session's, claiming turns it never had."""
+    model = _GatedSummaries()
+    async with open_engine(store_path, llm=model,
+                           config={"summary_every_turns": 3, "episode_after_turns": 1000}) as mem:
+        for i in range(3):
+            await mem.add_turn("eve", "s", "user", f"Green trains carry {i} boxes today.")
+        await model.entered.wait()
+        await mem.forget_session("eve", "s")
+        await mem.add_turn("eve", "s", "user", "Hello again, a fresh start.")
+        model.release.set()
+        await mem.flush()
+        summary = await mem.session_summary("eve", "s")
+        assert summary is None or summary.upper_seq <= 1, summary
+    await _verified(store_path)
+
+
 class _Poisoned(HashEmbedder):
     """An embedding model that fails on any text naming poison."""
 

@@ -168,7 +168,8 @@ class DeleteNote(msgspec.Struct, frozen=True, tag=True):
 
 class WriteSummary(msgspec.Struct, frozen=True, tag=True):
     """Compare-and-set a session's summary: applied (with epoch ``expected_epoch + 1``) only if
-    the stored epoch is still ``expected_epoch``; ``committed`` gets True or False."""
+    the stored epoch is still ``expected_epoch`` and every turn of ``made_of`` (the ids of the
+    turns the new text was made from) is still held; ``committed`` gets True or False."""
 
     user_id: str
     session_id: str
@@ -176,6 +177,7 @@ class WriteSummary(msgspec.Struct, frozen=True, tag=True):
     expected_epoch: int
     done: Any = None
     committed: Any = None
+    made_of: tuple[str, ...] = ()
 
     lsn = None  # not searchable: not part of the log
 

@@ -78,6 +78,10 @@ class Appliers:
         if txn.get(session_prefix(op.user_id, op.session_id)[:-1],
                    db=self._dbs[b"sessions"]) is None:
             return False  # the session was forgotten since the writer read it: it stays so
+        if not all(holds_memory(txn, self._dbs, op.user_id, turn_id) for turn_id in op.made_of):
+            # Turns it was made of were forgotten meanwhile, the session written again since:
+            # the summary of them would be taken for the new turns'.
+            return False
         key = user_prefix(op.user_id) + op.session_id.encode()
         raw = txn.get(key, db=self._dbs[b"summaries"])
         epoch = 0 if raw is None else _decode_summary(raw).epoch
@@ -90,9 +94,11 @@ class Appliers:
         dbs = self._dbs
         episode = op.episode
         if txn.get(session_prefix(episode.user_id, episode.session_id)[:-1],
-                   db=dbs[b"sessions"]) is None:
-            # The session was forgotten while the episode was being made: drop it, and keep
-            # the log gapless with an empty tombstone.
+                   db=dbs[b"sessions"]) is None or not all(
+                holds_memory(txn, dbs, episode.user_id, turn_id) for turn_id in episode.turn_ids):
+            # The session, or turns of it, forgotten while the episode was being made (the
+            # session perhaps written again since): drop it, and keep the log gapless with an
+            # empty tombstone.
             txn.put(lsn_key(op.lsn), LOG_TOMBSTONE, db=dbs[b"log"], append=True)
             return None
         key = episode_key(episode)
