@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
 from contextlib import aclosing
 from typing import Any, Protocol, runtime_checkable
@@ -272,7 +273,20 @@ class OpenAICompatibleLLM:
                  transport: httpx.AsyncBaseTransport | None = None,
                  auth_pause: float = AUTH_PAUSE,
                  clock: Callable[[], float] = trio.current_time) -> None:
+        if api_key is not None:
+            _check_key(api_key)
+        for name, value, least in (("timeout", timeout, 0.0), ("backoff", backoff, 0.0),
+                                   ("auth_pause", auth_pause, 0.0)):
+            if (isinstance(value, bool) or not isinstance(value, int | float)
+                    or not least <= value < math.inf or (name == "timeout" and value == 0)):
+                raise InvalidInput(name, f"expected a finite number of seconds"
+                                         f"{' above 0' if name == 'timeout' else ' from 0'}, "
+                                         f"found {value!r}")
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise InvalidInput("retries", f"expected an integer from 0, found {retries!r}")
         self.url = base_url.rstrip("/") + "/chat/completions"
+        # What messages name: the URL without credentials it may hold (user:password@).
+        self._shown_url = str(httpx.URL(self.url).copy_with(username=None, password=None))
         self.model = model
         self.api_key = api_key
         self.timeout = timeout
@@ -281,20 +295,39 @@ class OpenAICompatibleLLM:
         self.auth_pause = auth_pause
         self._transport = transport
         self._clock = clock
+        # Never in a message, whatever a server or httpx puts there.
+        self._secrets = [secret for secret in (api_key, httpx.URL(self.url).password)
+                         if secret]
         # After a 401/403: (when calls may reach the endpoint again, what it answered).
         self._refused: tuple[float, str] | None = None
 
+    def _clean(self, text: str) -> str:
+        """``text`` with the URL's credentials and the API key taken out."""
+        text = text.replace(self.url, self._shown_url)
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
     async def complete(self, system: str, prompt: str) -> str:
+        trying = None
         if self._refused is not None:
             until, answered = self._refused
             now = self._clock()
             if now < until:
-                raise LLMFailed(f"not calling {self.url} for {until - now:.0f} s more: it "
-                                f"{answered}; expected a valid API key")
+                raise LLMFailed(f"not calling {self._shown_url} for {until - now:.0f} s more: "
+                                f"it {answered}; expected a valid API key")
             # This call tries again; the others keep failing at once meanwhile.
-            self._refused = (now + self.auth_pause, answered)
-        async with httpx.AsyncClient(transport=self._transport, timeout=self.timeout) as http:
-            return await self._complete(http, system, prompt)
+            self._refused = trying = (now + self.auth_pause, answered)
+        try:
+            async with httpx.AsyncClient(transport=self._transport,
+                                         timeout=self.timeout) as http:
+                return await self._complete(http, system, prompt)
+        except LLMFailed as exc:
+            raise LLMFailed(self._clean(str(exc))) from None
+        finally:
+            if trying is not None and self._refused is trying:
+                # No 401 or 403 came back (no answer at all): the next call tries again.
+                self._refused = None
 
     async def _complete(self, http: httpx.AsyncClient, system: str, prompt: str) -> str:
         body = {"model": self.model, "temperature": 0,
@@ -319,7 +352,7 @@ class OpenAICompatibleLLM:
                 if status in AUTH_STATUSES:
                     self._refuse(f"answered HTTP {status}: {_shown(data, 300)}")
                 elif self._refused is not None:
-                    log.info("%s took the API key again (HTTP %d)", self.url, status)
+                    log.info("%s took the API key again (HTTP %d)", self._shown_url, status)
                     self._refused = None
                 if status < 400:
                     return _content(data, self.url)
@@ -334,9 +367,10 @@ class OpenAICompatibleLLM:
     def _refuse(self, answered: str) -> None:
         """Stop calling for ``auth_pause`` seconds; logged when the pause begins, not when a
         retry after it is refused again."""
+        answered = self._clean(answered)  # a server may echo the request's header
         if self._refused is None:
             log.error("%s %s: a bad or revoked API key; the model is not called for %g s "
-                      "(the offline summaries and rules stand in)", self.url, answered,
+                      "(the offline summaries and rules stand in)", self._shown_url, answered,
                       self.auth_pause)
         self._refused = (self._clock() + self.auth_pause, answered)
 
@@ -363,6 +397,23 @@ def _retry_after(response: httpx.Response) -> float:
     except ValueError:
         return 0.0
     return min(seconds, MAX_RETRY_AFTER) if seconds >= 0 else 0.0  # NaN: 0
+
+
+def _check_key(key: object) -> None:
+    """An API key a header can carry: printable ASCII without spaces. The error says what is
+    wrong, never what the key is."""
+    if not isinstance(key, str):
+        raise InvalidInput("api_key", f"expected text, found {type(key).__name__}")
+    if not key:
+        raise InvalidInput("api_key", "expected a key, found an empty key")
+    for at, char in enumerate(key):
+        if not "!" <= char <= "~":
+            what = {"\n": "a line feed", "\r": "a carriage return", " ": "a space",
+                    "\t": "a tab"}.get(char, "a character beyond ASCII" if ord(char) > 127
+                                        else "a control character")
+            raise InvalidInput("api_key", f"expected printable ASCII without spaces, found "
+                                          f"{what} at {at} (a key read from a file keeps its "
+                                          "line feed: strip it)")
 
 
 def _shown(data: bytes, chars: int) -> str:

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from actors.base import validate as v
-from engine import LLMFailed, OpenAICompatibleLLM
+from engine import InvalidInput, LLMFailed, OpenAICompatibleLLM
 from engine._llm import (
     MAX_MESSAGE_CHARS,
     MAX_REPLY_BYTES,
@@ -220,6 +220,69 @@ async def test_an_auth_failure_stops_the_calls_until_the_pause_is_over(caplog) -
     refusals = [r for r in caplog.records if r.name == "engram.llm"
                 and r.levelno >= logging.WARNING]
     assert len(refusals) == 1 and "HTTP 401" in refusals[0].getMessage()
+
+
+@pytest.mark.parametrize("key, found", [
+    ("sk-secret-123\n", "a line feed at 13"), ("sk-secret-123\r\n", "a carriage return at 13"),
+    ("\u201csk-secret-123\u201d", "a character beyond ASCII at 0"), ("sk secret", "a space at 2"),
+    ("", "an empty key")])
+def test_a_malformed_api_key_is_refused_when_the_adapter_is_made_and_never_shown(
+        key, found) -> None:
+    """A key read from a file keeps its line feed, and one pasted from a document may hold
+    curly quotes: httpx refused the header with the key in its message (or raised
+    UnicodeEncodeError, the whole header in it), which the engine logged and stored as each
+    turn's failure. Refused at once, saying what is wrong with it and not what it is."""
+    with pytest.raises(InvalidInput, match=f"api_key: .*found {found}") as refused:
+        OpenAICompatibleLLM("http://model.invalid/v1", "m", api_key=key)
+    assert "secret" not in str(refused.value)
+
+
+@pytest.mark.parametrize("setting, value", [("timeout", None), ("timeout", -5.0),
+                                            ("timeout", float("nan")), ("retries", -1),
+                                            ("backoff", float("inf")), ("auth_pause", -1)])
+def test_a_setting_no_call_could_use_is_refused_when_the_adapter_is_made(setting,
+                                                                         value) -> None:
+    """timeout=None (httpx's "no timeout") was taken, then every call failed with a
+    TypeError recorded as each turn's failure."""
+    with pytest.raises(InvalidInput, match=setting):
+        OpenAICompatibleLLM("http://model.invalid/v1", "m", **{setting: value})
+
+
+async def test_the_key_never_reaches_a_message_even_when_the_server_echoes_it() -> None:
+    """A server that echoes the request's Authorization header in its error body, and a
+    base URL holding credentials: the key and the password appeared in every failure."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(500, text=f"bad request: {request.headers['authorization']}")
+
+    llm = OpenAICompatibleLLM("http://bob:hunter2@model.invalid/v1", "m",
+                              api_key="sk-secret-123", retries=0, timeout=5,
+                              transport=httpx.MockTransport(handler))
+    with pytest.raises(LLMFailed) as failed:
+        await llm.complete("s", "p")
+    assert "sk-secret-123" not in str(failed.value) and "hunter2" not in str(failed.value)
+    assert "model.invalid" in str(failed.value)
+
+
+async def test_a_call_after_the_pause_that_gets_no_answer_does_not_pause_again() -> None:
+    """The first call after an auth pause could not connect: the adapter armed another full
+    pause, every call failing with the old 401 though the endpoint never answered one
+    again. Only a 401 or 403 pauses; a failure without an answer leaves the next call to try."""
+    now = [0.0]
+    answers: list[object] = [401, httpx.ConnectError("no route"), 200]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        answer = answers.pop(0) if len(answers) > 1 else answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return _chat("ok") if answer == 200 else httpx.Response(answer, json={})
+
+    llm = _mock(handler, retries=0, auth_pause=300, clock=lambda: now[0])
+    with pytest.raises(LLMFailed, match="HTTP 401"):
+        await llm.complete("s", "p")
+    now[0] = 300.0
+    with pytest.raises(LLMFailed, match="ConnectError"):
+        await llm.complete("s", "p")
+    assert await llm.complete("s", "p") == "ok"
 
 
 async def test_retry_waits_are_bounded_whatever_the_server_or_settings_ask(autojump_clock
