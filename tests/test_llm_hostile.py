@@ -505,3 +505,30 @@ async def test_a_summary_prompt_is_bounded_whatever_was_queued() -> None:
     assert re.fullmatch(r"\[\d+ earlier messages left out\]", lines[1])
     assert lines[-1].startswith("user: turn 1023 ") and lines[-1].endswith(" [...]")
     assert len(lines[-1]) <= MAX_MESSAGE_CHARS + len("user:  [...]")
+
+
+class _Unprintable(Exception):
+    """An SDK's error whose message is built from a field it never got."""
+
+    def __str__(self) -> str:
+        return self.body["message"]  # AttributeError
+
+
+async def test_a_model_error_that_cannot_be_printed_still_lets_the_fallbacks_stand_in(
+        store_path) -> None:
+    """Recording the model's failure formatted the error, whose str() raised inside the
+    except block: no episode, no summary and no fact was made, though the offline ones stand
+    in for a failing model. The failure is recorded as what can be told of it."""
+    class Failing:
+        async def complete(self, system: str, prompt: str) -> str:
+            raise _Unprintable()
+
+    config = {"episode_after_turns": 4, "episode_keep_turns": 1, "summary_every_turns": 3}
+    async with open_engine(store_path, llm=Failing(), config=config) as mem:
+        for i in range(12):
+            await mem.add_turn("ana", "s", ("user", "assistant")[i % 2],
+                               f"I live in Lisbon, turn {i}.")
+        await mem.flush()
+        assert await mem.episodes("ana") and await mem.session_summary("ana", "s")
+        assert [f.value for f in await mem.profile("ana") if f.key == "location"] == ["Lisbon"]
+        assert any("_Unprintable" in f.error for f in await mem.failures())

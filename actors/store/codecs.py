@@ -54,11 +54,20 @@ def _printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode()
 
 
+def described(error: BaseException) -> str:
+    """``Type: message`` of an error, whatever its ``__str__`` does (a model SDK's may raise:
+    recording a failure must not fail the fallback that follows it)."""
+    try:
+        message = str(error)
+    except Exception as exc:
+        message = f"(its message raised {type(exc).__name__})"
+    return f"{type(error).__name__}: {message}"
+
+
 def failure_put(lsn: int, actor: str, user_id: str, memory_id: str,
                 error: BaseException) -> tuple[bytes, bytes, bytes, int]:
     """A PutState put that records a failure, guarded by its record (a record forgotten
     meanwhile leaves no failure behind)."""
     failure = Failure(lsn, actor, _printable(user_id), _printable(memory_id),
-                      _printable(f"{type(error).__name__}: {error}")[:1000],
-                      datetime.now(timezone.utc))
+                      _printable(described(error))[:1000], datetime.now(timezone.utc))
     return (b"failures", failure_key(lsn, actor), _encode(failure), lsn)
