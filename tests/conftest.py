@@ -105,7 +105,7 @@ def raw_databases(path: Path) -> dict[str, list[tuple[bytes, bytes]]]:
 def downgrade_to_schema_5(path: Path) -> None:
     """Turn a closed store into what a schema-5 build wrote: each value's checksum of its
     bytes alone (the migration to schema 6 takes the key in)."""
-    env = lmdb.open(str(path), max_dbs=32)
+    env = lmdb.open(str(path), max_dbs=32, map_size=1 << 30)
     try:
         with env.begin(write=True) as txn:
             for name in [key for key, _ in txn.cursor()]:

@@ -233,24 +233,15 @@ class Store(Writer, Appliers, Forgetting):
         except lmdb.Error as exc:
             raise StoreIncompatible(f"cannot open an LMDB store at {self.path}: {exc}") from exc
         try:
-            with env.begin(write=True) as txn:
-                self._dbs = {name: env.open_db(name, txn=txn) for name in DB_NAMES}
-                self._names = {handle: name for name, handle in self._dbs.items()}
-                self._check_schema(txn)
-                self._check_model(txn)
-                self._check_chain(txn)
-                meta = self._dbs[b"meta"]
-                self._next_lsn = (_int(txn.get(_LAST_LSN_KEY, db=meta)) or 0) + 1
-                self.embedded_lsn = _int(txn.get(_EMBEDDED_KEY, db=meta)) or 0
-                self.scrub_pending = txn.get(SCRUB_KEY, db=meta) is not None
-                if not self.scrub_pending and txn.get(SCRUBBED_KEY, db=meta) is None:
-                    # Scrubbed (if ever) by an older build, whose scrub could leave a few
-                    # bytes in pages written beside it: scrub once more, as after a forget.
-                    self.scrub_owed = True
-                    txn.put(SCRUB_KEY, (1).to_bytes(8, "big"), db=meta)
-                backlog = array("Q", txn.get(EMBED_BACKLOG_KEY, db=meta) or b"")
-                backlog.byteswap()
-                self.embed_backlog = backlog.tolist()
+            while True:
+                try:
+                    self._open_txn(env)
+                    break
+                except lmdb.MapFullError:
+                    # A migration rewrites every record, and copy on write needs room for
+                    # both copies: grow the map as the writer does, and open again (the
+                    # transaction was aborted: nothing of it stays).
+                    env.set_mapsize(env.info()["map_size"] * 2)
         except (lmdb.CorruptedError, lmdb.PageNotFoundError) as exc:
             env.close()
             raise _damaged(self.path, exc) from exc
@@ -362,6 +353,28 @@ class Store(Writer, Appliers, Forgetting):
             raise
         self._committed_lsn = self._next_lsn - 1
         return env
+
+    def _open_txn(self, env: lmdb.Environment) -> None:
+        """The open's write transaction: the databases, the schema (migrated), the model, the
+        chain's head, and what the store's state starts from."""
+        with env.begin(write=True) as txn:
+            self._dbs = {name: env.open_db(name, txn=txn) for name in DB_NAMES}
+            self._names = {handle: name for name, handle in self._dbs.items()}
+            self._check_schema(txn)
+            self._check_model(txn)
+            self._check_chain(txn)
+            meta = self._dbs[b"meta"]
+            self._next_lsn = (_int(txn.get(_LAST_LSN_KEY, db=meta)) or 0) + 1
+            self.embedded_lsn = _int(txn.get(_EMBEDDED_KEY, db=meta)) or 0
+            self.scrub_pending = txn.get(SCRUB_KEY, db=meta) is not None
+            if not self.scrub_pending and txn.get(SCRUBBED_KEY, db=meta) is None:
+                # Scrubbed (if ever) by an older build, whose scrub could leave a few
+                # bytes in pages written beside it: scrub once more, as after a forget.
+                self.scrub_owed = True
+                txn.put(SCRUB_KEY, (1).to_bytes(8, "big"), db=meta)
+            backlog = array("Q", txn.get(EMBED_BACKLOG_KEY, db=meta) or b"")
+            backlog.byteswap()
+            self.embed_backlog = backlog.tolist()
 
     def _check_schema(self, txn: lmdb.Transaction) -> None:
         meta = self._dbs[b"meta"]

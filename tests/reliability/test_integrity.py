@@ -21,7 +21,8 @@ import trio
 import actors.store as store_mod
 import engine._snapshot as snapshot_mod
 from actors.store.integrity import content_digest, seal, unseal
-from engine import Engine, NotFound, StoreCorrupt, StoreIncompatible, StoreTampered, Turn
+from engine import (Engine, NewTurn, NotFound, StoreCorrupt, StoreIncompatible, StoreTampered,
+                    Turn)
 from engine.__main__ import main
 
 from ..conftest import (StepClock, downgrade_to_schema_4, downgrade_to_schema_5,
@@ -505,6 +506,31 @@ def test_a_schema_5_store_is_sealed_again_with_its_keys(store, monkeypatch, capl
                 for key, value in txn.cursor(env.open_db(name, txn=txn, create=False)):
                     assert seal(value[:-4], key) == value, (name, key)
     env.close()
+    report = _verify(store)
+    assert report["ok"], _problems(report)
+
+
+def test_a_migration_that_outgrows_the_map_grows_it(tmp_path) -> None:
+    """Sealing every record again rewrites every page, and LMDB's copy on write needs room
+    for both copies: a schema-5 store larger than half the map (256 MiB by default, here 1
+    MiB) failed every open with lmdb.MapFullError and stayed at schema 5. The open grows
+    the map and tries again, as the writer does."""
+    store = tmp_path / "store"
+    config = {"long_term": False, "initial_map_bytes": 1 << 20}
+
+    async def fill() -> None:
+        async with open_engine(store, config=config) as mem:
+            await mem.add_turns([NewTurn(user_id="ana", session_id="s", role="user",
+                                         text=f"turn {i} " + "x" * 900) for i in range(1500)])
+            await mem.flush()
+
+    async def reopen() -> int:
+        async with open_engine(store, config=config) as mem:
+            return len(await mem.session_history("ana", "s", limit=5000))
+
+    trio.run(fill)
+    downgrade_to_schema_5(store)
+    assert trio.run(reopen) == 1500
     report = _verify(store)
     assert report["ok"], _problems(report)
 
