@@ -8,6 +8,7 @@ caller's choice: the engine never calls a model unless one is passed to ``Engine
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import math
@@ -273,6 +274,8 @@ class OpenAICompatibleLLM:
                  transport: httpx.AsyncBaseTransport | None = None,
                  auth_pause: float = AUTH_PAUSE,
                  clock: Callable[[], float] = trio.current_time) -> None:
+        if api_key == "":  # os.environ.get("KEY", "") for a local server that wants none
+            api_key = None
         if api_key is not None:
             _check_key(api_key)
         for name, value, least in (("timeout", timeout, 0.0), ("backoff", backoff, 0.0),
@@ -284,9 +287,12 @@ class OpenAICompatibleLLM:
                                          f"found {value!r}")
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise InvalidInput("retries", f"expected an integer from 0, found {retries!r}")
-        self.url = base_url.rstrip("/") + "/chat/completions"
-        # What messages name: the URL without credentials it may hold (user:password@).
-        self._shown_url = str(httpx.URL(self.url).copy_with(username=None, password=None))
+        url = httpx.URL(base_url.rstrip("/") + "/chat/completions")
+        # Credentials in the URL (user:password@) go as Basic auth, out of the URL that
+        # messages and httpx's own log lines name.
+        self._basic = (url.username, url.password) if url.userinfo else None
+        self.url = str(url.copy_with(username=None, password=None))
+        self._shown_url = self.url
         self.model = model
         self.api_key = api_key
         self.timeout = timeout
@@ -295,18 +301,25 @@ class OpenAICompatibleLLM:
         self.auth_pause = auth_pause
         self._transport = transport
         self._clock = clock
-        # Never in a message, whatever a server or httpx puts there.
-        self._secrets = [secret for secret in (api_key, httpx.URL(self.url).password)
-                         if secret]
+        # Never in a message, whatever a server or httpx puts there (a server may echo the
+        # Authorization header: the key, or Basic auth's base64).
+        self._secrets = [api_key] if api_key else []
+        if self._basic and self._basic[1]:
+            pair = f"{self._basic[0]}:{self._basic[1]}".encode()
+            self._secrets += [self._basic[1], base64.b64encode(pair).decode()]
         # After a 401/403: (when calls may reach the endpoint again, what it answered).
         self._refused: tuple[float, str] | None = None
 
     def _clean(self, text: str) -> str:
         """``text`` with the URL's credentials and the API key taken out."""
-        text = text.replace(self.url, self._shown_url)
         for secret in self._secrets:
             text = text.replace(secret, "***")
         return text
+
+    def _body(self, data: bytes, chars: int) -> str:
+        """A reply's body for a message: its secrets taken out, then cut (cut first, an
+        echoed key crossing the cut would show its first part)."""
+        return self._clean(data[:MAX_REPLY_BYTES].decode("utf-8", "replace"))[:chars]
 
     async def complete(self, system: str, prompt: str) -> str:
         trying = None
@@ -350,13 +363,13 @@ class OpenAICompatibleLLM:
                                 ) from exc
             else:
                 if status in AUTH_STATUSES:
-                    self._refuse(f"answered HTTP {status}: {_shown(data, 300)}")
+                    self._refuse(f"answered HTTP {status}: {self._body(data, 300)}")
                 elif self._refused is not None:
                     log.info("%s took the API key again (HTTP %d)", self._shown_url, status)
                     self._refused = None
                 if status < 400:
-                    return _content(data, self.url)
-                failure = f"{self.url} answered HTTP {status}: {_shown(data, 300)}"
+                    return _content(data, self.url, self._body)
+                failure = f"{self.url} answered HTTP {status}: {self._body(data, 300)}"
                 if status not in RETRY_STATUSES:
                     raise LLMFailed(failure)
                 wait = max(wait, retry_after)
@@ -378,7 +391,8 @@ class OpenAICompatibleLLM:
                     ) -> tuple[int, float, bytes]:
         """One request: the status, the seconds its Retry-After asks and the body, read up
         to MAX_REPLY_BYTES (a provider in trouble may send megabytes, or never stop)."""
-        async with http.stream("POST", self.url, json=body, headers=headers) as response:
+        async with http.stream("POST", self.url, json=body, headers=headers,
+                               auth=self._basic) as response:
             data = bytearray()
             async with aclosing(response.aiter_bytes()) as chunks:
                 async for chunk in chunks:
@@ -416,16 +430,12 @@ def _check_key(key: object) -> None:
                                           "line feed: strip it)")
 
 
-def _shown(data: bytes, chars: int) -> str:
-    return data[:chars * 4].decode("utf-8", "replace")[:chars]
-
-
-def _content(data: bytes, url: str) -> str:
+def _content(data: bytes, url: str, shown: Callable[[bytes, int], str]) -> str:
     try:
         content = json.loads(data)["choices"][0]["message"]["content"]
     except (ValueError, KeyError, IndexError, TypeError, RecursionError) as exc:
         content = exc
     if not isinstance(content, str):
         raise LLMFailed(f"expected choices[0].message.content from {url}, found "
-                        f"{_shown(data, 200)!r}")
+                        f"{shown(data, 200)!r}")
     return content

@@ -4,6 +4,7 @@ the API would refuse, unbounded time)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import logging
@@ -225,7 +226,7 @@ async def test_an_auth_failure_stops_the_calls_until_the_pause_is_over(caplog) -
 @pytest.mark.parametrize("key, found", [
     ("sk-secret-123\n", "a line feed at 13"), ("sk-secret-123\r\n", "a carriage return at 13"),
     ("\u201csk-secret-123\u201d", "a character beyond ASCII at 0"), ("sk secret", "a space at 2"),
-    ("", "an empty key")])
+    ("\tsk-secret", "a tab at 0")])
 def test_a_malformed_api_key_is_refused_when_the_adapter_is_made_and_never_shown(
         key, found) -> None:
     """A key read from a file keeps its line feed, and one pasted from a document may hold
@@ -248,19 +249,36 @@ def test_a_setting_no_call_could_use_is_refused_when_the_adapter_is_made(setting
         OpenAICompatibleLLM("http://model.invalid/v1", "m", **{setting: value})
 
 
-async def test_the_key_never_reaches_a_message_even_when_the_server_echoes_it() -> None:
-    """A server that echoes the request's Authorization header in its error body, and a
-    base URL holding credentials: the key and the password appeared in every failure."""
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(500, text=f"bad request: {request.headers['authorization']}")
+def test_an_empty_key_sends_none() -> None:
+    """api_key=os.environ.get("KEY", "") for a local server that wants none: as None."""
+    assert OpenAICompatibleLLM("http://model.invalid/v1", "m", api_key="").api_key is None
 
-    llm = OpenAICompatibleLLM("http://bob:hunter2@model.invalid/v1", "m",
-                              api_key="sk-secret-123", retries=0, timeout=5,
-                              transport=httpx.MockTransport(handler))
-    with pytest.raises(LLMFailed) as failed:
-        await llm.complete("s", "p")
-    assert "sk-secret-123" not in str(failed.value) and "hunter2" not in str(failed.value)
-    assert "model.invalid" in str(failed.value)
+
+@pytest.mark.parametrize("status, pad", [(500, 0), (401, 0), (500, 270), (401, 270)])
+async def test_the_key_never_reaches_a_message_or_log_even_when_the_server_echoes_it(
+        status, pad, caplog) -> None:
+    """A server that echoes the request's Authorization header in its error body (cut at
+    300 characters, after its first part when it crosses the cut), and a base URL holding
+    credentials (sent as Basic auth, echoed as base64, logged by httpx in the URL): the key
+    and the password appeared in failures and logs."""
+    caplog.set_level(logging.INFO)
+    key = "sk-proj-" + "A1b2C3d4E5f6" * 10
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, text="x" * pad + " bad request: "
+                              + request.headers["authorization"])
+
+    for url, api_key, secrets in (("http://model.invalid/v1", key, [key[:20]]),
+                                  ("http://bob:hunter2@model.invalid/v1", None,
+                                   ["hunter2", base64.b64encode(b"bob:hunter2").decode()])):
+        llm = OpenAICompatibleLLM(url, "m", api_key=api_key, retries=0, timeout=5,
+                                  transport=httpx.MockTransport(handler))
+        with pytest.raises(LLMFailed) as failed:
+            await llm.complete("s", "p")
+        shown = str(failed.value) + "\n".join(r.getMessage() for r in caplog.records)
+        assert "model.invalid" in str(failed.value)
+        for secret in secrets:
+            assert secret not in shown
 
 
 async def test_a_call_after_the_pause_that_gets_no_answer_does_not_pause_again() -> None:
