@@ -1070,7 +1070,10 @@ def _read_present(txn: Any, dbs: dict[bytes, Any], wanted: list[tuple[str, UserR
     for user_id, parsed in wanted:
         past = [f.fact_id for f in parsed.facts if f.status != "active"]
         held = holds_memories(txn, dbs, user_id)
-        have = read_memories_by_id(txn, dbs, user_id, _every_id(parsed)) if held else {}
+        # The turns episodes name are looked for too: an episode is written only if every
+        # one is held once the import's own are.
+        wanted = _every_id(parsed) + [turn_id for e in parsed.episodes for turn_id in e.turn_ids]
+        have = read_memories_by_id(txn, dbs, user_id, wanted) if held else {}
         versions = {f.fact_id: f for f in read_facts(txn, dbs, user_id, False)}
         unfiled = {f: versions[f] for f in past if f not in have and f in versions}
         active = {spelling(f.category, f.key): f for f in versions.values()
@@ -1144,6 +1147,7 @@ async def _write(parts: Parts, imports: list[tuple[UserRecords, str]],
                 for turn in new:
                     _check_new(user_id, turn, have.get(turn.turn_id))
             mine.extend(new)
+        file_turns = {turn.turn_id for turn in parsed.turns} if parsed.episodes else set()
         for line in (*parsed.notes, *parsed.episodes, *parsed.facts):
             there = have.get(_id_of(line))
             if there is None:
@@ -1154,6 +1158,12 @@ async def _write(parts: Parts, imports: list[tuple[UserRecords, str]],
                                                              f"turns, found {line.session_id}, "
                                                              "which holds none here or in "
                                                              "the export")
+                if type(line) is EpisodeLine:
+                    for turn_id in line.turn_ids:  # and one of a turn it does not hold
+                        if turn_id not in file_turns and type(have.get(turn_id)) is not Turn:
+                            raise _bad(f"episode {line.episode_id}",
+                                       "expected the turns it covers among the user's, found "
+                                       f"{turn_id!r}, which is neither in the export nor here")
                 mine.append(line)
             else:
                 _check_new(user_id, line, there)

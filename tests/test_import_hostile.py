@@ -149,6 +149,30 @@ async def test_an_episode_of_a_session_with_no_turns_is_refused(tmp_path) -> Non
         assert [e.episode_id for e in await mem.episodes("maya")] == ["ep_lost"]
 
 
+async def test_an_episode_of_a_turn_neither_in_the_file_nor_here_is_refused(tmp_path) -> None:
+    """An episode is written only if every turn it was made of is held (8f6e71f): one naming
+    a turn the export lacks was counted as imported and dropped by the store. Refused before
+    anything is written, as an episode of a session with no turns is."""
+    async with open_engine(tmp_path / "a", clock=StepClock()) as mem:
+        lines, _ = await _maya(mem)
+    turns = [line for line in lines if line["record"] == "turn"]
+    episode = {"record": "episode", "lsn": 99, "episode_id": "ep_ghost", "session_id": "s1",
+               "first_seq": 0, "last_seq": 3,
+               "turn_ids": [t["turn_id"] for t in turns[:3]] + ["t_never_said"],
+               "title": "The beach", "summary": "Pixel at the beach.", "keywords": ["beach"],
+               "start_at": turns[0]["at"], "end_at": turns[-1]["at"], "surprise": 0.5,
+               "stability": 1.0, "difficulty": 5.0, "created_at": turns[-1]["at"]}
+    async with open_engine(tmp_path / "b", clock=StepClock()) as mem:
+        with pytest.raises(InvalidInput, match="episode ep_ghost: expected the turns it covers "
+                                               ".*found 't_never_said'"):
+            await mem.import_user(_file([*lines[:-1], episode, lines[-1]]))
+        assert await mem.list_users() == []
+        await mem.import_user(_file(lines))  # the turns here now, then the episode alone
+        done = await mem.import_user(_file([lines[0], episode | {
+            "turn_ids": [t["turn_id"] for t in turns]}, lines[-1]]))
+        assert done["episodes"] == 1 and len(await mem.episodes("maya")) == 1
+
+
 async def test_an_episode_at_the_place_of_another_is_refused(tmp_path) -> None:
     """An episode is kept under its session and first turn: one of another id starting at
     the same turn (in the file, or the user's own, made by closing the session here after an
