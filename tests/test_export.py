@@ -187,22 +187,28 @@ async def test_import_under_another_user_and_beside_live_turns(tmp_path) -> None
         assert episodes and episodes[0].first_seq == 0  # the imported tail was compressed too
 
 
-async def test_an_entity_the_user_has_here_takes_in_the_imports_mentions(tmp_path) -> None:
-    """Imported into a user who already mentioned Lisbon here, the export's record of Lisbon
-    was dropped: its memories were out of entity_info and the entity leg for good (the
-    long-term layer skips imported positions). The two are merged; an import of the same
-    file again adds nothing."""
-    async with open_engine(tmp_path / "a") as mem:
+async def _lisbon_trip(store: Path) -> bytes:
+    """An export of maya's two turns naming Lisbon (and Ana)."""
+    async with open_engine(store) as mem:
         await mem.add_turn("maya", "trip", "user", "I flew to Lisbon last spring with Ana")
         await mem.add_turn("maya", "trip", "user", "Lisbon had amazing pastel de nata")
         await mem.flush()
         export = io.BytesIO()
         await mem.export_user("maya", export)
+    return export.getvalue()
+
+
+async def test_an_entity_the_user_has_here_takes_in_the_imports_mentions(tmp_path) -> None:
+    """Imported into a user who already mentioned Lisbon here, the export's record of Lisbon
+    was dropped: its memories were out of entity_info and the entity leg for good (the
+    long-term layer skips imported positions). The two are merged; an import of the same
+    file again adds nothing."""
+    export = await _lisbon_trip(tmp_path / "a")
     async with open_engine(tmp_path / "b") as mem:
         await mem.add_turn("maya", "home", "user", "My cousin lives in Lisbon")
         await mem.flush()
         for _ in range(2):
-            await mem.import_user(export.getvalue())
+            await mem.import_user(export)
             await mem.flush()
             info = await mem.entity_info("maya", "Lisbon")
             assert info.entity.mentions == 3
@@ -219,12 +225,7 @@ async def test_an_entitys_live_mentions_meanwhile_and_later_stay_counted_once(
     pushed the imported memories out of the record's list, importing the file again counted
     them again. The merge now runs in the write's transaction, and adds only the memories
     this import wrote."""
-    async with open_engine(tmp_path / "a") as mem:
-        await mem.add_turn("maya", "trip", "user", "I flew to Lisbon last spring with Ana")
-        await mem.add_turn("maya", "trip", "user", "Lisbon had amazing pastel de nata")
-        await mem.flush()
-        export = io.BytesIO()
-        await mem.export_user("maya", export)
+    export = await _lisbon_trip(tmp_path / "a")
     async with open_engine(tmp_path / "b") as mem:
         await mem.add_turn("maya", "home", "user", "My cousin lives in Lisbon")
         await mem.flush()
@@ -239,7 +240,7 @@ async def test_an_entitys_live_mentions_meanwhile_and_later_stay_counted_once(
             return await original(*ops)
 
         monkeypatch.setattr(store, "write_unlogged", a_live_mention_first)
-        await mem.import_user(export.getvalue())
+        await mem.import_user(export)
         await mem.flush()
         info = await mem.entity_info("maya", "Lisbon")
         assert info.entity.mentions == 4
@@ -249,7 +250,7 @@ async def test_an_entitys_live_mentions_meanwhile_and_later_stay_counted_once(
         await mem.flush()
         before = (await mem.entity_info("maya", "Lisbon")).entity.mentions
         assert before >= 264  # and the episodes made of them
-        await mem.import_user(export.getvalue())
+        await mem.import_user(export)
         await mem.flush()
         assert (await mem.entity_info("maya", "Lisbon")).entity.mentions == before
 

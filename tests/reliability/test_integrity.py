@@ -461,11 +461,9 @@ def test_a_restore_under_the_key_checks_the_chains_head_not_every_link(tmp_path,
         trio.run(functools.partial(_open_and_read, tmp_path / restored, integrity_key=KEY))
 
 
-def test_a_schema_4_store_is_migrated_to_checksums_and_a_chain(store, monkeypatch,
-                                                                caplog) -> None:
-    """A store written before checksums opens (logging its progress), verifies, and answers
-    as before."""
-    downgrade_to_schema_4(store)
+def _migrated(store: Path, monkeypatch, caplog) -> list[str]:
+    """Open an older store (migrating it), check ana's turns read as before; the progress
+    lines the migration logged."""
     monkeypatch.setattr(store_mod.migrate, "PROGRESS_FROM", 10)
     caplog.set_level(logging.INFO, logger="engram.store")
 
@@ -474,7 +472,15 @@ def test_a_schema_4_store_is_migrated_to_checksums_and_a_chain(store, monkeypatc
             return [t.text for t in await mem.session_history("ana", "s1")]
 
     assert trio.run(reopen) == [f"ana says thing number {i} about lisbon" for i in range(6)]
-    progress = [r.getMessage() for r in caplog.records]
+    return [r.getMessage() for r in caplog.records]
+
+
+def test_a_schema_4_store_is_migrated_to_checksums_and_a_chain(store, monkeypatch,
+                                                                caplog) -> None:
+    """A store written before checksums opens (logging its progress), verifies, and answers
+    as before."""
+    downgrade_to_schema_4(store)
+    progress = _migrated(store, monkeypatch, caplog)
     assert any("sealing records" in m and "(100%)" in m for m in progress), progress
     assert any("building the hash chain" in m and "(100%)" in m for m in progress), progress
     report = _verify(store)
@@ -487,15 +493,7 @@ def test_a_schema_5_store_is_sealed_again_with_its_keys(store, monkeypatch, capl
     caught in it too, and a build of schema 5 refuses the store as newer (its checks would
     call every record edited) instead of calling it tampered."""
     downgrade_to_schema_5(store)
-    monkeypatch.setattr(store_mod.migrate, "PROGRESS_FROM", 10)
-    caplog.set_level(logging.INFO, logger="engram.store")
-
-    async def reopen() -> list[str]:
-        async with open_engine(store, config={"long_term": False}) as mem:
-            return [t.text for t in await mem.session_history("ana", "s1")]
-
-    assert trio.run(reopen) == [f"ana says thing number {i} about lisbon" for i in range(6)]
-    progress = [r.getMessage() for r in caplog.records]
+    progress = _migrated(store, monkeypatch, caplog)
     assert any("sealing records with their keys" in m and "(100%)" in m for m in progress)
     env = lmdb.open(str(store), max_dbs=32, readonly=True, lock=False)
     with env.begin() as txn:
