@@ -189,6 +189,7 @@ SCAN_TIMEOUT = 5.0  # seconds a scan waits for the next entries of a subject (al
 DELETES_IN_FLIGHT = 16  # deletions of single entries sent at once (each a replicated request)
 WATCH_IDLE_SECONDS = 10.0  # the server deletes a stopped watch's consumer after this (not 5 min)
 RETRY_PAUSE = (0.05, 0.1, 0.2, 0.4, 0.5)  # seconds between attempts, the last one repeated
+IN_PROCESS = 10158  # JetStream: "duplicate message id is in process" (its first attempt's)
 LOST_PULL_SECONDS = 2.0  # a pull request this long past its expiry without an answer is lost
 HEADER_ROOM = 1024  # bytes of max_payload left to a publish's headers and framing (Nats-Msg-Id)
 
@@ -466,7 +467,12 @@ class _Client:
                         f"(last: {type(exc).__name__}); is a quorum of its servers up?"
                     ) from exc
             except nats.js.errors.APIError as exc:
-                if exc.code not in (None, 503) or time.monotonic() > deadline:
+                # 503: no quorum yet; 409 with err_code 10158: this id's first attempt is in
+                # process (it will land): both wait, as a refusal would be retried under a
+                # new id and stored twice.
+                passing = exc.code in (None, 503) or (exc.code == 409
+                                                      and exc.err_code == IN_PROCESS)
+                if not passing or time.monotonic() > deadline:
                     raise LogUnavailable(f"the log refused the entry: {exc}") from exc
             except nats.errors.MaxPayloadError:
                 raise _too_large(len(payload), self.nc.max_payload) from None

@@ -88,3 +88,33 @@ async def test_a_call_in_the_log_but_not_seen_applied_is_not_an_invitation_to_re
         assert answer.status_code == 202, answer.text
         assert answer.json()["error"] == "CallLogged" and answer.json()["log_seq"] == 2
     assert len(log.published) == 2
+
+
+def test_a_publish_whose_id_is_in_process_waits_for_it_instead_of_refusing() -> None:
+    """JetStream answers 409 (err_code 10158, "duplicate message id is in process") to a
+    retry of an entry whose first attempt has not settled, as while the log regains its
+    quorum: the entry then lands. The client took that for a refusal and answered 503,
+    which invites the caller to retry with a new id, so the turn was stored twice. It waits
+    for the first attempt's PubAck, as for a 503."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import nats.js.errors
+
+    from engine.cluster._log import _Client
+
+    class InProcess:  # the JetStream context at the client's edge
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def publish(self, subject, payload, timeout, headers):
+            self.calls += 1
+            if self.calls < 3:
+                raise nats.js.errors.APIError(
+                    code=409, err_code=10158, description="duplicate message id is in process")
+            return SimpleNamespace(seq=41, duplicate=True)
+
+    client = _Client(ClusterConfig.checked({"publish_retry_seconds": 30.0}))
+    client.js = InProcess()
+    assert asyncio.run(client.publish("turns.p4", b"{}", "t_1")) == (41, True)
+    assert client.js.calls == 3
