@@ -7,6 +7,7 @@ once its watermark for the partition reaches N, or 503 with ``Retry-After`` afte
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import urllib.parse
@@ -16,7 +17,8 @@ import httpx
 import msgspec
 import trio
 
-from .._http_edge import IdConvertor, routed_path
+from .._http_edge import BODY_WAIT, IdConvertor, routed_path
+from .._server import MAX_BODY_BYTES
 from ._figures import render_metrics
 from ._log import TRANSIENT, Log, LogUnavailable
 from ._node import Node
@@ -83,13 +85,19 @@ class Router:
         path, method = routed_path(scope), scope["method"]
         body: bytes | None = None
         user = _path_user(path)
-        if user is None and method == "POST" and (path in _BODY_USER
-                                                  or path.startswith(_TOOLS)):
-            body = await _read_body(receive)
-            try:
-                user = msgspec.json.decode(body).get("user_id")
-            except (msgspec.DecodeError, AttributeError, RecursionError):
-                user = None  # the app answers it (422), as on a single node
+        try:
+            if user is None and method == "POST" and (path in _BODY_USER
+                                                      or path.startswith(_TOOLS)):
+                body = await _read_body(receive)
+                user = _user_in(body)
+            await self._route(scope, receive, send, path, method, user, body)
+        except _BodyRefused as refused:
+            status, error, message = refused.args
+            await _respond(send, status, {"error": error, "message": message})
+
+    async def _route(self, scope: dict, receive: Callable, send: Callable, path: str,
+                     method: str, user: object, body: bytes | None) -> None:
+        """Serve, wait for or forward a request whose user (None: none) is known."""
         if not isinstance(user, str) or _is_log_write(method, path, user):
             await self.app(scope, _replay(body, receive) if body is not None else receive, send)
             return
@@ -309,13 +317,49 @@ def _is_log_write(method: str, path: str, user: str) -> bool:
                                                   and tail.count("/") == 2))
 
 
-async def _read_body(receive: Callable) -> bytes:
-    chunks = []
+class _BodyRefused(Exception):
+    """A request body the router will not read on: (status, error, message) to answer."""
+
+
+async def _read_body(receive: Callable, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request's body, held to the app's edge's rules (it reads a body forwarded or
+    routed by its user here first): at most ``limit`` bytes, and no wait of BODY_WAIT for
+    its next part.
+
+    Raises:
+        _BodyRefused: 413 past the limit, 408 for a body that stalls.
+    """
+    chunks, seen = [], 0
     while True:
-        message = await receive()
-        chunks.append(message.get("body", b""))
+        message = None
+        with trio.move_on_after(BODY_WAIT):
+            message = await receive()
+        if message is None:
+            raise _BodyRefused(408, "RequestTimeout", "expected the rest of the request's "
+                                                      f"body, found none for {BODY_WAIT:g} s")
+        chunk = message.get("body", b"")
+        seen += len(chunk)
+        if seen > limit:
+            raise _BodyRefused(413, "TooLarge", f"expected a body of at most {limit} bytes, "
+                                                "found more")
+        chunks.append(chunk)
         if not message.get("more_body"):
             return b"".join(chunks)
+
+
+def _user_in(body: bytes) -> object:
+    """The ``user_id`` of a JSON object body, or None. Read as the app reads it: a byte order
+    mark, or UTF-16 or UTF-32, is JSON still (RFC 8259 lets a parser take them, and the
+    app's does), and a body naming a user must go where that user is."""
+    try:
+        return msgspec.json.decode(body).get("user_id")
+    except (msgspec.DecodeError, AttributeError, RecursionError):
+        pass
+    try:
+        found = json.loads(body)
+    except (ValueError, RecursionError):
+        return None  # the app answers it (422), as on a single node
+    return found.get("user_id") if isinstance(found, dict) else None
 
 
 def _replay(body: bytes, receive: Callable) -> Callable:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import httpx
 import msgspec
 import pytest
+import trio
 
 from engine.cluster._leases import LEASE_PREFIX, NODE_PREFIX, Beat, Leases, LeaseValue
 from engine.cluster._partition import partition_of
@@ -260,3 +261,60 @@ async def test_a_body_nested_past_the_decoders_depth_goes_to_the_app() -> None:
              "query_string": b"", "headers": [(b"host", b"a.test")]}
     await Router(app, None)(scope, receive, send)
     assert seen == [body] and sent[0]["status"] == 422
+
+
+async def _post(router: Router, path: str, receive: Callable) -> tuple[int, dict]:
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "headers": [(b"host", b"a.test")]}
+    await router(scope, receive, send)
+    return sent[0]["status"], msgspec.json.decode(sent[1]["body"])
+
+
+@pytest.mark.parametrize("encode", [lambda text: b"\xef\xbb\xbf" + text.encode(),
+                                    lambda text: text.encode("utf-16")])
+async def test_a_body_with_a_byte_order_mark_or_in_utf_16_goes_to_the_users_owner(
+        routed, encode) -> None:
+    """The app reads a JSON body with a BOM, or in UTF-16, as JSON says it may come; the
+    router's decoder did not, took the body for one naming no user, and served the read
+    here: a non-owner answered empty results (and a write tool 503 for ever)."""
+    router, log, owners, p = routed
+    await put(log, LEASE_PREFIX + str(p), LeaseValue("c", "c-1"))
+    body = encode(msgspec.json.encode({"user_id": USER, "query": "x"}).decode())
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    assert await _post(router, "/v1/retrieve_memory/raw", receive) == (200, {"served_by": "c"})
+    assert owners.seen == ["c.test"]
+
+
+async def test_a_forwarded_body_is_held_to_the_apps_size_and_wait(routed, monkeypatch) -> None:
+    """The app's edge refuses a body over 8 MiB (413) and one that stalls for 30 s (408); a
+    request the router forwards was read whole first, with neither: a 300 MB body took a
+    non-owner's memory to a gigabyte, and a stalled one held its connection for ever."""
+    router, log, owners, p = routed
+    await put(log, LEASE_PREFIX + str(p), LeaseValue("c", "c-1"))
+    monkeypatch.setattr("engine.cluster._router.BODY_WAIT", 0.2)
+    chunk = b"x" * (1 << 20)
+
+    async def huge() -> dict:
+        return {"type": "http.request", "body": chunk, "more_body": True}
+
+    recall = f"/v1/users/{USER}/recall"  # a read: forwarded to the owner
+    status, answer = await _post(router, recall, huge)
+    assert (status, answer["error"]) == (413, "TooLarge")
+    parts = [{"type": "http.request", "body": b'{"query": ', "more_body": True}]
+
+    async def stalls() -> dict:
+        if parts:
+            return parts.pop()
+        await trio.sleep_forever()
+
+    status, answer = await _post(router, recall, stalls)
+    assert (status, answer["error"]) == (408, "RequestTimeout")
+    assert owners.seen == []
