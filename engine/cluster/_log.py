@@ -660,7 +660,11 @@ class _Client:
             name=name, description=msgspec.json.encode({"watermark": watermark}).decode()))
 
     async def purge(self, subject: str, before: int | None) -> None:
-        await self.js.purge_stream(self.config.stream, subject=subject, seq=before)
+        try:
+            await self.js.purge_stream(self.config.stream, subject=subject, seq=before)
+        except TRANSIENT as exc:  # no quorum for a moment: the caller answers 503, retry
+            raise LogUnavailable(f"purging {subject} failed ({type(exc).__name__}: {exc}); "
+                                 "is a quorum of its servers up?") from exc
 
     async def delete_where(self, subject: str, before: int, match: Callable[[bytes], bool],
                            name: str) -> int:
@@ -670,21 +674,27 @@ class _Client:
         config = api.ConsumerConfig(
             name=name, deliver_policy=api.DeliverPolicy.ALL, ack_policy=api.AckPolicy.NONE,
             filter_subject=subject, mem_storage=True, num_replicas=1, inactive_threshold=30.0)
-        await self.js.add_consumer(self.config.stream, config=config)
-        pull = Pull(self.nc, self.js, self.config.stream, name)
         doomed: list[int] = []
         try:
-            await pull.open()
-            while True:
-                got = await pull.fetch(FETCH_BATCH, SCAN_TIMEOUT)
-                if not got:  # the subject ends at ``before`` (the caller's own entry)
-                    raise LogUnavailable(f"the log did not deliver {subject} up to {before} "
-                                         f"within {SCAN_TIMEOUT} s; nothing was deleted")
-                doomed += [d.stream_seq for d in got if d.stream_seq < before and match(d.data)]
-                if got[-1].stream_seq >= before - 1:
-                    break
-        finally:
-            await self.drop(pull)
+            await self.js.add_consumer(self.config.stream, config=config)
+            pull = Pull(self.nc, self.js, self.config.stream, name)
+            try:
+                await pull.open()
+                while True:
+                    got = await pull.fetch(FETCH_BATCH, SCAN_TIMEOUT)
+                    if not got:  # the subject ends at ``before`` (the caller's own entry)
+                        raise LogUnavailable(f"the log did not deliver {subject} up to "
+                                             f"{before} within {SCAN_TIMEOUT} s; nothing was "
+                                             "deleted")
+                    doomed += [d.stream_seq for d in got
+                               if d.stream_seq < before and match(d.data)]
+                    if got[-1].stream_seq >= before - 1:
+                        break
+            finally:
+                await self.drop(pull)
+        except TRANSIENT as exc:  # no quorum for a moment: the caller answers 503, retry
+            raise LogUnavailable(f"reading {subject} to delete from it failed "
+                                 f"({type(exc).__name__}: {exc}); nothing was deleted") from exc
         slots = asyncio.Semaphore(DELETES_IN_FLIGHT)
 
         async def delete(seq: int) -> None:

@@ -118,3 +118,30 @@ def test_a_publish_whose_id_is_in_process_waits_for_it_instead_of_refusing() -> 
     client.js = InProcess()
     assert asyncio.run(client.publish("turns.p4", b"{}", "t_1")) == (41, True)
     assert client.js.calls == 3
+
+
+@pytest.mark.parametrize("step", ["purge", "delete_where"])
+def test_a_forget_that_meets_a_log_without_quorum_is_log_unavailable(step) -> None:
+    """forget_user purges the user's subject and forget_session deletes its entries through
+    a consumer: a log without quorum for a moment raised nats' TimeoutError or
+    ServiceUnavailableError out of both, and the node answered 500 with a traceback. Both
+    are LogUnavailable (503, retry), as a failed delete already was."""
+    import asyncio
+
+    import nats.errors
+
+    from engine.cluster._log import LogUnavailable, _Client
+
+    class NoQuorum:  # the JetStream context at the client's edge
+        async def purge_stream(self, *args, **kwargs):
+            raise nats.errors.TimeoutError
+
+        async def add_consumer(self, *args, **kwargs):
+            raise nats.errors.TimeoutError
+
+    client = _Client(ClusterConfig.checked({}))
+    client.js = NoQuorum()
+    call = (client.purge("turns.p4.ana", None) if step == "purge"
+            else client.delete_where("turns.p4.ana", 10, lambda data: True, "forget-1"))
+    with pytest.raises(LogUnavailable, match="TimeoutError"):
+        asyncio.run(call)
