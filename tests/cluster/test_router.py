@@ -293,6 +293,24 @@ async def test_a_body_with_a_byte_order_mark_or_in_utf_16_goes_to_the_users_owne
     assert owners.seen == ["c.test"]
 
 
+async def test_a_body_naming_a_user_with_a_lone_surrogate_goes_to_the_app() -> None:
+    """msgspec refuses a lone surrogate; the fallback reader took the id, and partitioning
+    it raised UnicodeEncodeError (a 500) where a single node answers 422. It names no
+    partition: the app answers it."""
+    async def app(scope: dict, receive: Callable, send: Callable) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 422, "headers": []})
+        await send({"type": "http.response.body", "body": b'{"error": "InvalidInput"}'})
+
+    body = b'{"user_id": "\\ud800", "query": "x"}'
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    assert await _post(Router(app, None), "/v1/retrieve_memory/raw", receive) == (
+        422, {"error": "InvalidInput"})
+
+
 async def test_a_forwarded_body_is_held_to_the_apps_size_and_wait(routed, monkeypatch) -> None:
     """The app's edge refuses a body over 8 MiB (413) and one that stalls for 30 s (408); a
     request the router forwards was read whole first, with neither: a 300 MB body took a
