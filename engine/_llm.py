@@ -287,7 +287,12 @@ class OpenAICompatibleLLM:
                                          f"found {value!r}")
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise InvalidInput("retries", f"expected an integer from 0, found {retries!r}")
-        url = httpx.URL(base_url.rstrip("/") + "/chat/completions")
+        try:
+            url = httpx.URL(base_url.rstrip("/") + "/chat/completions")
+        except (httpx.InvalidURL, TypeError, AttributeError) as exc:
+            raise InvalidInput("base_url", f"expected an http(s) URL, found one httpx cannot "
+                                           f"read ({exc}); a URL read from a file keeps its "
+                                           "line feed") from None
         # Credentials in the URL (user:password@) go as Basic auth, out of the URL that
         # messages and httpx's own log lines name.
         self._basic = (url.username, url.password) if url.userinfo else None
@@ -304,9 +309,10 @@ class OpenAICompatibleLLM:
         # Never in a message, whatever a server or httpx puts there (a server may echo the
         # Authorization header: the key, or Basic auth's base64).
         self._secrets = [api_key] if api_key else []
-        if self._basic and self._basic[1]:
+        if self._basic:  # user:password@, or a token alone as the user (TOKEN@)
             pair = f"{self._basic[0]}:{self._basic[1]}".encode()
-            self._secrets += [self._basic[1], base64.b64encode(pair).decode()]
+            self._secrets += [part for part in self._basic if part]
+            self._secrets.append(base64.b64encode(pair).decode())
         # After a 401/403: (when calls may reach the endpoint again, what it answered).
         self._refused: tuple[float, str] | None = None
 

@@ -238,6 +238,14 @@ def test_a_malformed_api_key_is_refused_when_the_adapter_is_made_and_never_shown
     assert "secret" not in str(refused.value)
 
 
+@pytest.mark.parametrize("url", ["http://model.invalid\n/v1", "http://[::1/v1"])
+def test_a_base_url_httpx_cannot_read_is_invalid_input(url) -> None:
+    """A URL read from a file with its line feed raised httpx's InvalidURL out of the
+    adapter's construction."""
+    with pytest.raises(InvalidInput, match="base_url: expected an http"):
+        OpenAICompatibleLLM(url, "m")
+
+
 @pytest.mark.parametrize("setting, value", [("timeout", None), ("timeout", -5.0),
                                             ("timeout", float("nan")), ("retries", -1),
                                             ("backoff", float("inf")), ("auth_pause", -1)])
@@ -270,7 +278,9 @@ async def test_the_key_never_reaches_a_message_or_log_even_when_the_server_echoe
 
     for url, api_key, secrets in (("http://model.invalid/v1", key, [key[:20]]),
                                   ("http://bob:hunter2@model.invalid/v1", None,
-                                   ["hunter2", base64.b64encode(b"bob:hunter2").decode()])):
+                                   ["hunter2", base64.b64encode(b"bob:hunter2").decode()]),
+                                  ("http://sk-usertoken@model.invalid/v1", None,
+                                   ["sk-usertoken", base64.b64encode(b"sk-usertoken:").decode()])):
         llm = OpenAICompatibleLLM(url, "m", api_key=api_key, retries=0, timeout=5,
                                   transport=httpx.MockTransport(handler))
         with pytest.raises(LLMFailed) as failed:
