@@ -211,6 +211,7 @@ class Forgetting:
             parts.ann.removed(user_id, lsns, False)
             if lsns:
                 self._scrubber.ask()
+                parts.entities.forget(user_id)  # the registry records it rewrote
 
         lsn = store.next_lsn
         store.hold_together(1 + len(notes))

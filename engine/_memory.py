@@ -327,6 +327,7 @@ class Memory:
             parts.ann.removed(user_id, lsns, False)
             if lsns:
                 self._scrubber.ask()
+                parts.entities.forget(user_id)  # the registry records it rewrote
 
         return DeleteNote(lsn, user_id, note_id, committed)
 

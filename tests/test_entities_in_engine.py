@@ -88,6 +88,28 @@ async def test_a_name_only_a_forgotten_sessions_superseded_fact_held_goes(store_
     assert b"Zqfoobar" not in everything and b"zqfoobar" not in everything
 
 
+async def test_a_name_only_a_deleted_note_held_goes_with_it(store_path) -> None:
+    """delete_note (and forget_scope's notes, and the reflections forget_session deletes)
+    never touched the entity registry: a name only the note held stayed in list_entities
+    and entity_info, pointing at the deleted note, and in the file after flush."""
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("u", "s0", "user", "I flew to Berlin today")
+        await mem.flush()
+        note = await mem.store_note("u", "The user met Zqnoteonlyx in Berlin.")
+        await mem.store_note("u", "Scoped note about Zqscopedabc.", agent_id="a1")
+        await mem.flush()
+        assert {"Zqnoteonlyx", "Zqscopedabc"} <= {e.name for e in await mem.list_entities("u")}
+        await mem.delete_note("u", note.note_id)
+        await mem.forget_scope("u", agent_id="a1")
+        await mem.flush()
+        names = {e.name for e in await mem.list_entities("u")}
+        assert not names & {"Zqnoteonlyx", "Zqscopedabc"}
+        assert await mem.entity_info("u", "Zqnoteonlyx") is None
+        assert (await mem.entity_info("u", "Berlin")).entity.last_id != note.note_id
+    everything = b"".join(k + v for rows in raw_databases(store_path).values() for k, v in rows)
+    assert b"Zqnoteonlyx" not in everything and note.note_id.encode() not in everything
+
+
 async def test_the_entity_leg_searches_only_what_the_filters_admit(mem) -> None:
     """The entity leg takes the recall's filters inside the leg, as the others do: memories of
     other sessions, times, roles or kinds naming the entity take no place in its ranking (they

@@ -48,6 +48,32 @@ def _delete_prefix(txn: lmdb.Transaction, db: Any, prefix: bytes) -> None:
                 break
 
 
+def _drop_mentions(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str,
+                   gone: set[int]) -> None:
+    """The user's entity registry without the mentions at positions ``gone`` (records this
+    transaction deletes): an entity no other record mentions goes, and one whose latest
+    mention went no longer names it (the next mention links to nothing rather than to a
+    forgotten id)."""
+    uprefix = user_prefix(user_id)
+    cursor = txn.cursor(dbs[b"entities"])
+    if not cursor.set_range(uprefix):
+        return
+    while cursor.key().startswith(uprefix):
+        entity = decode_entity(cursor.value())
+        kept = tuple(lsn for lsn in entity.lsns if lsn not in gone)
+        if not kept:
+            if not cursor.delete():
+                break
+            continue
+        if len(kept) != len(entity.lsns):
+            last = (entity.last_id if not entity.last_id
+                    or holds_memory(txn, dbs, user_id, entity.last_id) else "")
+            cursor.put(cursor.key(), _encode(msgspec.structs.replace(entity, lsns=kept,
+                                                                    last_id=last)))
+        if not cursor.next():
+            break
+
+
 def _delete_links_of(txn: lmdb.Transaction, db: Any, user_id: str, memory_id: str) -> None:
     """Every link touching one memory, in both directions, in either key form (links written
     before they carried their type in the key too)."""
@@ -172,25 +198,7 @@ class Forgetting:
                         break
                 elif not cursor.next():
                     break
-        gone = dropped.union(deleted)
-        cursor = txn.cursor(dbs[b"entities"])
-        if cursor.set_range(uprefix):
-            while cursor.key().startswith(uprefix):
-                entity = decode_entity(cursor.value())
-                kept = tuple(lsn for lsn in entity.lsns if lsn not in gone)
-                if not kept:
-                    if not cursor.delete():
-                        break
-                    continue
-                if len(kept) != len(entity.lsns):
-                    # Its last mention may be among the forgotten: the next one then links
-                    # to nothing rather than to a forgotten id.
-                    last = (entity.last_id if not entity.last_id
-                            or holds_memory(txn, dbs, op.user_id, entity.last_id) else "")
-                    cursor.put(cursor.key(), _encode(msgspec.structs.replace(
-                        entity, lsns=kept, last_id=last)))
-                if not cursor.next():
-                    break
+        _drop_mentions(txn, dbs, op.user_id, dropped.union(deleted))
 
     def _delete_note_in(self, txn: lmdb.Transaction, op: DeleteNote) -> list[int]:
         dbs = self._dbs
@@ -205,6 +213,7 @@ class Forgetting:
             txn.delete(lsn_key(lsn), db=dbs[b"log"])
             txn.delete(uprefix + lsn_key(lsn), db=dbs[b"vectors"])
             _delete_links_of(txn, dbs[b"links"], op.user_id, op.note_id)
+            _drop_mentions(txn, dbs, op.user_id, {lsn})  # the names only it held go with it
             self._mark_scrub(txn)
         result = deleted.tolist()
         deleted.byteswap()
