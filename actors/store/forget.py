@@ -20,6 +20,7 @@ from .codecs import (
     decode_episode,
     decode_fact,
     decode_failure,
+    decode_pending,
 )
 from .layout import (
     _SCRUB_FILL,
@@ -70,6 +71,24 @@ def _drop_mentions(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str,
                     or holds_memory(txn, dbs, user_id, entity.last_id) else "")
             cursor.put(cursor.key(), _encode(msgspec.structs.replace(entity, lsns=kept,
                                                                     last_id=last)))
+        if not cursor.next():
+            break
+
+
+def _drop_stale_reviews(txn: lmdb.Transaction, dbs: dict[bytes, Any], user_id: str) -> None:
+    """The user's pending reviews (what a retrieve_memory showed, kept for the next reply to
+    rate, under the conversation that asked) that name a memory this transaction deleted:
+    they quote its text. A conversation holds one at most, so this reads a few records."""
+    uprefix = user_prefix(user_id)
+    cursor = txn.cursor(dbs[b"pending"])
+    if not cursor.set_range(uprefix):
+        return
+    while cursor.key().startswith(uprefix):
+        shown = decode_pending(cursor.value()).memory_ids
+        if not all(holds_memory(txn, dbs, user_id, memory_id) for memory_id in shown):
+            if not cursor.delete():
+                break
+            continue
         if not cursor.next():
             break
 
@@ -127,6 +146,7 @@ class Forgetting:
             for name in (b"sessions", b"summaries", b"pending"):
                 txn.delete(tprefix[:-1], db=dbs[name])
             self._forget_session_derived(txn, op, deleted)
+            _drop_stale_reviews(txn, dbs, op.user_id)
         else:
             for name in (b"notes", b"episodes", b"facts"):
                 cursor = txn.cursor(dbs[name])
@@ -214,6 +234,7 @@ class Forgetting:
             txn.delete(uprefix + lsn_key(lsn), db=dbs[b"vectors"])
             _delete_links_of(txn, dbs[b"links"], op.user_id, op.note_id)
             _drop_mentions(txn, dbs, op.user_id, {lsn})  # the names only it held go with it
+            _drop_stale_reviews(txn, dbs, op.user_id)
             self._mark_scrub(txn)
         result = deleted.tolist()
         deleted.byteswap()

@@ -507,3 +507,23 @@ async def test_a_forgotten_sessions_reviewed_turns_leave_no_review_state(store_p
     reviews = b"".join(key for key, _ in raw_databases(store_path)["reviews"])
     assert gone.turn_id.encode() not in reviews
     assert kept.turn_id.encode() in reviews
+
+
+@pytest.mark.parametrize("conversation", ["s1", None])
+async def test_a_review_another_conversation_holds_leaves_with_the_session_it_quotes(
+        tmp_path: Path, conversation) -> None:
+    """retrieve_memory in one conversation keeps what it showed for the next reply to rate;
+    forgetting the session those turns came from left their text and ids in that record,
+    in data.mdb after flush and close. The records naming what a forget removes go."""
+    store = tmp_path / "store"
+    async with open_engine(store) as mem:
+        turn = await mem.add_turn("u", "s0", "user", "My friend Zqpendingmarker moved to Berlin.")
+        await mem.add_turn("u", "s1", "user", "I like tea.")
+        await mem.flush()
+        shown = await mem.retrieve_memory("u", "friend moved Berlin", conversation_id=conversation)
+        assert "Zqpendingmarker" in shown
+        await mem.flush()
+        await mem.forget_session("u", "s0")
+        await mem.flush()
+    everything = b"".join(k + v for rows in raw_databases(store).values() for k, v in rows)
+    assert b"Zqpendingmarker" not in everything and turn.turn_id.encode() not in everything
