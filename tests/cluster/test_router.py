@@ -54,20 +54,26 @@ class Node:
         return False
 
 
-async def get(router: Router) -> tuple[int, dict]:
-    """A GET of the user's session through the router, as hypercorn would pass it."""
+async def request(router: Router, method: str, path: str,
+                  receive: Callable) -> tuple[int, dict]:
+    """A request through the router, as hypercorn would pass it: the status and JSON body."""
     sent: list[dict] = []
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": b"", "more_body": False}
 
     async def send(message: dict) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": "GET", "path": PATH, "raw_path": PATH.encode(),
+    scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(),
              "query_string": b"", "headers": [(b"host", b"a.test")]}
     await router(scope, receive, send)
     return sent[0]["status"], msgspec.json.decode(sent[1]["body"])
+
+
+async def get(router: Router) -> tuple[int, dict]:
+    """A GET of the user's session through the router."""
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    return await request(router, "GET", PATH, receive)
 
 
 async def put(log, key: str, value) -> None:
@@ -263,18 +269,6 @@ async def test_a_body_nested_past_the_decoders_depth_goes_to_the_app() -> None:
     assert seen == [body] and sent[0]["status"] == 422
 
 
-async def _post(router: Router, path: str, receive: Callable) -> tuple[int, dict]:
-    sent: list[dict] = []
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(),
-             "query_string": b"", "headers": [(b"host", b"a.test")]}
-    await router(scope, receive, send)
-    return sent[0]["status"], msgspec.json.decode(sent[1]["body"])
-
-
 @pytest.mark.parametrize("encode", [lambda text: b"\xef\xbb\xbf" + text.encode(),
                                     lambda text: text.encode("utf-16")])
 async def test_a_body_with_a_byte_order_mark_or_in_utf_16_goes_to_the_users_owner(
@@ -289,7 +283,8 @@ async def test_a_body_with_a_byte_order_mark_or_in_utf_16_goes_to_the_users_owne
     async def receive() -> dict:
         return {"type": "http.request", "body": body, "more_body": False}
 
-    assert await _post(router, "/v1/retrieve_memory/raw", receive) == (200, {"served_by": "c"})
+    assert await request(router, "POST", "/v1/retrieve_memory/raw", receive) == (
+        200, {"served_by": "c"})
     assert owners.seen == ["c.test"]
 
 
@@ -307,7 +302,7 @@ async def test_a_body_naming_a_user_with_a_lone_surrogate_goes_to_the_app() -> N
     async def receive() -> dict:
         return {"type": "http.request", "body": body, "more_body": False}
 
-    assert await _post(Router(app, None), "/v1/retrieve_memory/raw", receive) == (
+    assert await request(Router(app, None), "POST", "/v1/retrieve_memory/raw", receive) == (
         422, {"error": "InvalidInput"})
 
 
@@ -324,7 +319,7 @@ async def test_a_forwarded_body_is_held_to_the_apps_size_and_wait(routed, monkey
         return {"type": "http.request", "body": chunk, "more_body": True}
 
     recall = f"/v1/users/{USER}/recall"  # a read: forwarded to the owner
-    status, answer = await _post(router, recall, huge)
+    status, answer = await request(router, "POST", recall, huge)
     assert (status, answer["error"]) == (413, "TooLarge")
     parts = [{"type": "http.request", "body": b'{"query": ', "more_body": True}]
 
@@ -333,6 +328,6 @@ async def test_a_forwarded_body_is_held_to_the_apps_size_and_wait(routed, monkey
             return parts.pop()
         await trio.sleep_forever()
 
-    status, answer = await _post(router, recall, stalls)
+    status, answer = await request(router, "POST", recall, stalls)
     assert (status, answer["error"]) == (408, "RequestTimeout")
     assert owners.seen == []
