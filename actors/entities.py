@@ -39,7 +39,7 @@ WATERMARK = b"entities_lsn"
 # names): a pasted list of thousands of capitalised words must not make thousands of registry
 # records in one step.
 MAX_ENTITIES = 128
-LINKED_TYPES = frozenset({"person", "place", "email", "url", "hashtag", "mention"})
+LINKED_TYPES = frozenset({"person", "pet", "place", "email", "url", "hashtag", "mention"})
 
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -59,8 +59,12 @@ _DATE = re.compile(r"\b(?:\d{4}-\d{2}-\d{2}|\d{1,2}/\d{1,2}/\d{2,4}|"
                    re.IGNORECASE)
 _DIGIT = re.compile(r"\d")  # what every date _DATE finds holds
 _NAME = re.compile(r"\b[A-ZÀ-ÖØ-Þ][a-zà-öø-ÿ]+(?:[ -][A-ZÀ-ÖØ-Þ][a-zà-öø-ÿ]+)*\b")
-# Where a cue ends, a name starting there is a place ("in Lisbon"); found in one pass.
-_PLACE_CUE = re.compile(r"\b(?:in|to|from|at|near|visit|visited|visiting)\s+", re.IGNORECASE)
+# Where a cue ends, a name starting there is a place ("in Lisbon") or a pet ("my dog Pixel",
+# "a cat called Miso", "a puppy, Biscuit"); both found in one pass.
+_CUE = re.compile(r"\b(?:(?P<place>in|to|from|at|near|visit|visited|visiting)|"
+                  r"(?P<pet>dog|cat|puppy|kitten|pet|parrot|budgie|hamster|rabbit|bunny|horse|"
+                  r"pony|tortoise|turtle|ferret|goldfish)(?:,?\s+(?:called|named))?,?)\s+",
+                  re.IGNORECASE)
 # Capitalised words that are not names: sentence starters, pronouns, days, months, greetings.
 _NOT_NAMES = frozenset(
     "I A An The This That These Those It Its He She We They You Your My Our Their His Her "
@@ -124,7 +128,7 @@ def extract_entities(text: str) -> list[tuple[str, str]]:
             add(m.group(0).rstrip(".,;:!?"), "url")
         scrubbed = _URL.sub(" ", scrubbed)
     sentences = _Sentences(scrubbed)
-    cues = {m.end() for m in _PLACE_CUE.finditer(scrubbed)}
+    cues = {m.end(): m.lastgroup for m in _CUE.finditer(scrubbed)}
     if "@" in scrubbed:
         for m in _MENTION.finditer(scrubbed):
             add("@" + m.group(1), "mention")
@@ -150,9 +154,16 @@ def extract_entities(text: str) -> list[tuple[str, str]]:
             name = " ".join(words)
             if name.lower() in found:
                 continue
-            place = n == 0 and m.start() in cues
-            add(name, "place" if place else ("person" if len(words) <= 3 else "other"))
+            cue = cues.get(m.start()) if n == 0 else None
+            add(name, cue or ("person" if len(words) <= 3 else "other"))
     return list(found.values())
+
+
+def _better_type(held: str, found: str) -> str:
+    """The type to keep when a mention of an entity finds ``found`` and the registry holds
+    ``held``: a name taken for a person for want of a cue is the pet a later mention says it
+    is ("my dog Pixel"); otherwise the first word stands."""
+    return found if held == "person" and found == "pet" else held
 
 
 class Entities:
@@ -278,7 +289,8 @@ class Entities:
                     aliases = (*aliases, name)
                 lsns = entity.lsns if record.lsn in entity.lsns else (
                     *entity.lsns[-(MEMORIES_PER_ENTITY - 1):], record.lsn)
-                changed[key] = Entity(entity.name, entity.type, aliases, entity.mentions + 1,
+                changed[key] = Entity(entity.name, _better_type(entity.type, kind), aliases,
+                                      entity.mentions + 1,
                                       min(entity.first_seen, at), max(entity.last_seen, at), lsns,
                                       record.memory_id or entity.last_id)
             for key, entity in list(changed.items()):

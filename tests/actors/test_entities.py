@@ -59,6 +59,11 @@ async def registry(ground: Ground, user_id: str, *names: str) -> dict:
     ("Hi Marta We went to the market on Tuesdays The stalls were busy",
      [("Marta", "person")]),
     ("Pixel is a border collie.", [("Pixel", "person")]),
+    # The demo showed "Pixel (person)" beside the fact "Has a dog called Pixel": a name right
+    # after the animal it is (or "called", "named") is a pet.
+    ("Also, my dog Pixel is coming with me to Lisbon.", [("Pixel", "pet"), ("Lisbon", "place")]),
+    ("We adopted a cat called Miso and a puppy, Biscuit.", [("Miso", "pet"), ("Biscuit", "pet")]),
+    ("Our horse named Storm Chaser won.", [("Storm Chaser", "pet")]),
 ])
 def test_entities_are_extracted_by_kind(text, expected) -> None:
     """Mentions, hashtags, emails, URLs, dates and capitalised names; sentence starters and
@@ -93,6 +98,20 @@ async def test_a_first_name_is_an_alias_of_the_full_name(store_path) -> None:
         assert {"maya", "maya lindqvist"} <= await entities.keys("ana")
         assert await registry(ground, "ana", "nobody") == {}
         assert await registry(ground, "bob", "maya") == {}  # another user's registry is empty
+
+
+async def test_a_name_first_guessed_a_person_becomes_the_pet_a_later_turn_says_it_is(
+        store_path) -> None:
+    """A capitalised name with no cue is taken for a person; a later "my dog Pixel" says what
+    it is, and the registry keeps the better word. A cue never turns a pet back."""
+    async with running_entities(store_path) as (ground, entities):
+        for text in ("Pixel loves the beach.", "My dog Pixel is coming with me.",
+                     "Pixel slept all day."):
+            await ground.add_turn("maya", "s1", text)
+        await flush(ground, entities)
+        found = await registry(ground, "maya", "pixel")
+    assert found["pixel"].type == "pet"
+    assert found["pixel"].mentions == 3
 
 
 async def test_memories_sharing_an_entity_are_linked(store_path) -> None:
