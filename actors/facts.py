@@ -478,11 +478,15 @@ class Facts:
             gone = {f.fact_id for f in found}
             held: dict[str, Fact] = {}
             for f in found:
-                if f.valid_at > now:
+                # A plan is a value due after it was recorded and after now: one in force when
+                # recorded is none, whatever a clock behind the recording one reads (a step
+                # back, a cluster node behind), as when _past decided what it ended.
+                if f.valid_at > max(now, f.created_at):
                     for h in await self._held_by(f, now):
                         other = _find(state, h.category, h.key)
                         if other is None or other.fact_id in gone:  # no newer value of its own
                             held[h.fact_id] = h
+            held = _latest_of_each_key(held)
             extra = await along(found) if along is not None else []
             store = self._store
             count = max(1, len(held)) + len(extra)
@@ -778,6 +782,18 @@ def spelling(category: str, key: str) -> tuple[str, str]:
     return folded(category), folded(key)
 
 
+
+
+def _latest_of_each_key(held: dict[str, Fact]) -> dict[str, Fact]:
+    """Of the versions a retired plan held, the one of each key in force last before it (the
+    latest begun; of those, the latest recorded): a key gets one value back, never two."""
+    latest: dict[str, Fact] = {}
+    for f in held.values():
+        key = spelling(f.category, f.key)
+        kept = latest.get(key)
+        if kept is None or (f.valid_at, f.created_at) > (kept.valid_at, kept.created_at):
+            latest[key] = f
+    return {f.fact_id: f for f in latest.values()}
 
 
 def _find(state: Active, category: str, key: str) -> Fact | None:

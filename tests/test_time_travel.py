@@ -224,6 +224,48 @@ async def test_a_plan_forgotten_before_its_day_leaves_the_value_in_force_now(
                 for n in (13, 20)] == [["Lisbon"], []]
 
 
+async def test_a_value_forgotten_by_a_clock_behind_its_own_puts_back_no_past_version(
+        store_path, tmp_path) -> None:
+    """Porto recorded at noon; a clock an hour behind (a step back, or a cluster node behind
+    the one that recorded it) back-fills Lisbon from 2020 and Faro from 2024, then forgets the
+    key. Porto, in force when recorded, was taken for a plan not yet due, and both past
+    versions it ended came back active: two values of one key, which a correction did not
+    clear and the user's own export then failed to import. The forget ends the key."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.remember_fact("u", "identity", "city", "Porto")
+        clock.now = T0 - timedelta(hours=1)
+        await mem.remember_fact("u", "identity", "city", "Lisbon", valid_at=_day(-2250))
+        await mem.remember_fact("u", "identity", "city", "Faro", valid_at=_day(-800))
+        assert await mem.forget_fact("u", "identity", "city")
+        assert [f.value for f in await mem.fact_history("u", "identity", "city")
+                if f.status == "active"] == []
+        await mem.correct_fact("u", "identity", "city", "Braga")
+        assert [f.value for f in await mem.profile("u")] == ["Braga"]
+        await mem.export_user("u", tmp_path / "u.jsonl")
+    async with open_engine(tmp_path / "copy") as copy:
+        await copy.import_user(tmp_path / "u.jsonl")
+        assert [f.value for f in await copy.profile("u")] == ["Braga"]
+
+
+async def test_a_forgotten_plan_puts_back_one_value_of_its_key(store_path) -> None:
+    """Lisbon from day 0; on day 10, Porto planned from day 40; a clock run ahead to day 50
+    back-fills Faro from day 5 (a past version ended where Porto begins, as Lisbon is), then
+    comes back to day 12 and the plan is forgotten: both came back active. Only the last in
+    force before the plan does."""
+    clock = ManualClock()
+    async with open_engine(store_path, clock=clock) as mem:
+        await mem.remember_fact("u", "identity", "city", "Lisbon", valid_at=_day(0))
+        clock.now = _day(10)
+        await mem.remember_fact("u", "identity", "city", "Porto", valid_at=_day(40))
+        clock.now = _day(50)
+        await mem.remember_fact("u", "identity", "city", "Faro", valid_at=_day(5))
+        clock.now = _day(12)
+        assert await mem.forget_fact("u", "identity", "city")
+        assert [f.value for f in await mem.fact_history("u", "identity", "city")
+                if f.status == "active"] == ["Faro"]
+
+
 async def test_a_forgotten_plan_puts_back_nothing_a_newer_value_replaced(store_path) -> None:
     """"No longer likes jazz" from day 40 ended "likes jazz" (another key); on day 11 the
     user said "adores jazz" under that key. Forgetting the plan put "likes jazz" back beside
