@@ -87,6 +87,9 @@ async def test_bad_limit_and_config_are_refused(store_path, mem: Engine) -> None
     ("model_dir", os.fsdecode(b"/tmp/mod\xe9le"), "model_dir: expected a path in UTF-8"),
     ("notes_markdown_dir", "/tmp/" + "f/" * 1_500, "notes_markdown_dir: expected a path at "
                                                    "most 256 folders deep"),
+    # Taken, then every maintenance pass failed with OverflowError: idle since before year 1.
+    ("session_idle_seconds", float("inf"), "session_idle_seconds"),
+    ("session_idle_seconds", 1e11, "session_idle_seconds"),
 ])
 async def test_a_config_value_the_engine_cannot_use_is_refused_before_any_file(
         tmp_path, field: str, value: object, message: str) -> None:

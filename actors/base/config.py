@@ -33,6 +33,7 @@ __all__ = ["Config"]
 # Counts and sizes: at most what a C int holds, so no later deque, array or LMDB call
 # overflows on one that passed here.
 MAX_COUNT = 2 ** 31 - 1
+MAX_IDLE_SECONDS = 100 * 365 * 86_400  # session_idle_seconds: "idle since" stays after year 1
 Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
 NAME_MAX = 255  # bytes of one name in a path, on the file systems Linux mounts
 
@@ -83,7 +84,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         episode_after_turns / episode_keep_turns: when a session has this many turns not in
             an episode, all but the newest ``episode_keep_turns`` become one (seed 002: 20/10).
         session_idle_seconds: a session this long without a turn is finished: maintenance
-            makes an episode of its remaining turns.
+            makes an episode of its remaining turns (at most 100 years: a longer wait would
+            reach before year 1, and no pass could run).
         maintenance_seconds: how often maintenance runs (decay and pruning of facts,
             consolidation of finished sessions, weekly reflections), on the engine's trio clock.
         consolidate_on_new_session: when a user's new session starts, consolidate their
@@ -122,7 +124,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     long_term: bool = True
     episode_after_turns: Annotated[int, msgspec.Meta(ge=2, le=MAX_COUNT)] = 20
     episode_keep_turns: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 10
-    session_idle_seconds: Annotated[float, msgspec.Meta(gt=0)] = 1800.0
+    session_idle_seconds: Annotated[float, msgspec.Meta(gt=0, le=MAX_IDLE_SECONDS)] = 1800.0
     maintenance_seconds: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
     integrity_key: Annotated[str, msgspec.Meta(min_length=16)] | None = None
     notes_markdown_dir: Annotated[str, msgspec.Meta(min_length=1)] | None = None
