@@ -4,14 +4,15 @@ documents them), the JSON, Markdown and error responses, and the examples its Op
 
 # No `from __future__ import annotations`: FastAPI reads these models' annotations at run time.
 import os
+import re
 import types
 import typing
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException
 
@@ -35,6 +36,24 @@ def _a_number(value: Any) -> Any:
     return value
 
 
+# An ISO 8601 time starts with its date and the separator before its hour.
+_ISO_TIME = re.compile(r"\d{4}-\d{2}-\d{2}[Tt _]")
+
+
+def _a_time(value: Any) -> Any:
+    """A time field's ``before`` check: pydantic's lax datetime takes a number, or a string
+    of digits, for a Unix time in a unit it guesses from its size (2.5e10 was a turn of
+    1970); the API speaks ISO 8601 only."""
+    if isinstance(value, datetime) or (isinstance(value, str) and _ISO_TIME.match(value)):
+        return value
+    raise PydanticCustomError("datetime_type", "Input should be an ISO 8601 time with its "
+                                               "zone, e.g. 2026-03-01T09:00:00Z")
+
+
+# What every time field of the API's bodies and queries is.
+Time = Annotated[datetime, BeforeValidator(_a_time)]
+
+
 def _numbers(*fields: str) -> Any:
     """The :func:`_a_number` check on ``fields`` of a body (it runs on those sent only)."""
     return field_validator(*fields, mode="before")(classmethod(lambda cls, v: _a_number(v)))
@@ -46,7 +65,7 @@ Role = Literal["user", "assistant", "system", "tool"]
 class TurnIn(_Body):
     role: Role = Field(examples=["user"])
     text: str = Field(examples=["I'm moving to Lisbon in January"])
-    at: datetime | None = Field(None, description="timezone-aware; default: now",
+    at: Time | None = Field(None, description="timezone-aware; default: now",
                                 examples=["2026-03-01T09:00:00Z"])
     meta: dict[str, Any] | None = Field(None, examples=[{"channel": "web"}])
     # strict: pydantic's lax bool reads "no", "off" and 0 as false, "yes" and 1 as true.
@@ -60,7 +79,7 @@ class BatchTurn(_Body):
     session_id: str = Field(examples=["s1"])
     role: Role = Field(examples=["user"])
     text: str = Field(examples=["I'm moving to Lisbon in January"])
-    at: datetime | None = None
+    at: Time | None = None
     meta: dict[str, Any] | None = None
     agent_id: str | None = None
     run_id: str | None = None
@@ -82,8 +101,8 @@ class RecallIn(_Body):
     limit: int | None = Field(None, ge=1, le=1000, examples=[5])
     focus: int | None = Field(None, ge=0, le=5)
     session_id: str | None = None
-    since: datetime | None = None
-    until: datetime | None = None
+    since: Time | None = None
+    until: Time | None = None
     roles: list[str] | None = None
     kinds: list[str] | None = Field(None, examples=[["turn", "fact"]])
     tags: list[str] | None = None
@@ -101,7 +120,7 @@ class RecallIn(_Body):
     category: str | list[str] | None = Field(None, description="notes' and facts' category")
     min_importance: float | None = Field(None, ge=0, le=1)
     emotion: str | list[str] | None = Field(None, description="notes' emotion label")
-    as_of: datetime | None = Field(
+    as_of: Time | None = Field(
         None, description="answer as the store knew it then (a time with its zone)",
         examples=["2026-01-15T09:00:00Z"])
     agent_id: str | None = Field(None, description="only turns and notes of this agent")
@@ -170,7 +189,7 @@ class FactIn(_Body):
     confidence: float = 0.9
     importance: float = 0.7
     keywords: list[str] = []
-    valid_at: datetime | None = Field(None, description="since when it is true (a time with "
+    valid_at: Time | None = Field(None, description="since when it is true (a time with "
                                       "its zone; default: now)", examples=["2026-01-15T09:00:00Z"])
 
     _check_numbers = _numbers("confidence", "importance")
@@ -181,7 +200,7 @@ class FactCorrection(_Body):
     text: str | None = None
     importance: float = 0.7
     keywords: list[str] = []
-    valid_at: datetime | None = Field(None, description="since when the new value is true (a "
+    valid_at: Time | None = Field(None, description="since when the new value is true (a "
                                       "time with its zone; default: now): the old one is true "
                                       "until then", examples=["2026-01-15T09:00:00Z"])
 

@@ -23,7 +23,6 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -63,6 +62,7 @@ from ._http_wire import (
     RetrieveIn,
     ReviewIn,
     SnapshotIn,
+    Time,
     TurnAnswer,
     TurnIn,
     error_response,
@@ -418,7 +418,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     @app.get("/v1/users/{user_id:id}/facts", tags=["facts"])
     async def profile(user_id: User, category: str | None = None,
                       min_importance: Annotated[float, Query(ge=0, le=1)] = 0.0,
-                      as_of: datetime | None = None) -> Response:
+                      as_of: Time | None = None) -> Response:
         """Active facts, most important first; with ``as_of`` (a time with its zone), the
         versions the store held as true then."""
         return json_response(await engine.profile(user_id, category=category,

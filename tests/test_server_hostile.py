@@ -553,3 +553,27 @@ async def test_a_made_up_method_is_no_label_of_its_own_in_the_metrics(mem) -> No
                for line in text.splitlines()
                if line.startswith("engram_http_requests_total{")}
     assert methods == {"PATCH", "other"}, methods  # the GET is counted once it is answered
+
+
+async def test_a_time_is_an_iso_string_never_a_number_read_in_a_guessed_unit(mem) -> None:
+    """The API documents ISO 8601 times. pydantic's lax reading took a JSON number (or a
+    string of digits) as a Unix time whose unit it guessed from its size: at=2.5e10 was
+    stored as a turn of 17 October 1970, and "1700000000" as one of 2023. Each is a 422
+    naming the field; an ISO time still goes in."""
+    async with lenient(create_app(mem), ADMIN_KEY) as http:
+        for at in (2.5e10, 1_700_000_000, "1700000000", "1.7e9", True):
+            turn = {"role": "user", "text": "x", "at": at}
+            invalid(await http.post("/v1/users/ana/sessions/s1/turns", json=turn), "at")
+            batch = {"turns": [{"session_id": "s2", **turn}]}
+            assert invalid(await http.post("/v1/users/ana/turns", json=batch), "turns.0.at")
+            invalid(await http.post("/v1/users/ana/recall", json={"query": "x", "since": at}),
+                    "since")
+            invalid(await http.post("/v1/users/ana/facts", json={
+                "category": "identity", "key": "city", "value": "Porto", "valid_at": at}),
+                "valid_at")
+            invalid(await http.get("/v1/users/ana/facts", params={"as_of": str(at)}), "as_of")
+        ok = await http.post("/v1/users/ana/sessions/s1/turns",
+                             json={"role": "user", "text": "x", "at": "2026-03-01T09:00:00Z"})
+        assert ok.status_code == 202, ok.text
+        assert (await http.get("/v1/users/ana/sessions/s1/turns")).json()[0]["at"].startswith(
+            "2026-03-01T09:00:00")
