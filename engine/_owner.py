@@ -22,7 +22,7 @@ from pathlib import Path
 
 import msgspec
 
-from actors.base.errors import InvalidInput, StoreInUse
+from actors.base.errors import EngineBroken, InvalidInput, StoreInUse
 
 from ._files import PATH_ERRNOS, refused, resolved
 
@@ -112,8 +112,15 @@ class OwnerLock:
         except BaseException:
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {self.purpose}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {self.purpose}\n".encode(), 0)
+        except BaseException as exc:
+            os.close(fd)  # releases the lock: nothing is kept of an open that failed
+            if isinstance(exc, OSError):
+                raise EngineBroken(f"cannot write the owner lock of {self.store}: {exc}; free "
+                                   "space (or fix the device) and open it again") from exc
+            raise
         self._file = fd
         return self
 

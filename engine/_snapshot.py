@@ -470,7 +470,12 @@ def _restorable(snapshot: Path, store: Path, overwrite: bool) -> tuple[OwnerLock
     if overwrite and snapshot.is_relative_to(store):
         raise InvalidInput("snapshot", f"expected a snapshot outside the store it replaces, "
                                        f"found {snapshot} inside {store}; move it out first")
-    return OwnerLock(store, "restore").acquire(), not there
+    try:
+        return OwnerLock(store, "restore").acquire(), not there
+    except BaseException:
+        if not there:  # the lock made the folder: a retry must find the place as it was
+            shutil.rmtree(store, ignore_errors=True)
+        raise
 
 
 async def _install(snapshot: Path, store: Path, manifest: Manifest,

@@ -11,7 +11,14 @@ import pytest
 import trio
 
 import engine._snapshot as snapshot_mod
-from engine import Engine, InvalidInput, Manifest, StoreIncompatible, StoreInUse
+from engine import (
+    Engine,
+    EngineBroken,
+    InvalidInput,
+    Manifest,
+    StoreIncompatible,
+    StoreInUse,
+)
 
 from .conftest import StepClock, open_engine
 
@@ -544,6 +551,31 @@ async def test_a_restore_onto_a_full_disk_raises_one_os_error_and_leaves_nothing
         await Engine.restore(tmp_path / "snap", tmp_path / "restored")
     assert type(raised.value) is OSError and raised.value.errno == errno.ENOSPC
     assert sorted(p.name for p in tmp_path.iterdir()) == ["live", "snap"]
+
+
+async def test_a_restore_whose_lock_a_full_disk_refused_leaves_nothing_to_block_a_retry(
+        tmp_path, monkeypatch) -> None:
+    """The disk filled as the restore wrote its pid into the new store's owner lock: the
+    folder it made, holding that lock file, stayed, and every retry once space was freed was
+    refused (a folder with files in it; with overwrite, not a store). It is removed, the
+    restore fails as EngineBroken saying the disk is full, and the retry restores."""
+    import engine._owner as owner_mod
+
+    async with open_engine(tmp_path / "live") as mem:
+        await mem.add_turn("ana", "s", "user", "hello", durable=True)
+        await mem.snapshot(tmp_path / "snap")
+
+    def full(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(owner_mod.os, "pwrite", full)
+        with pytest.raises(EngineBroken, match="No space left on device"):
+            await Engine.restore(tmp_path / "snap", tmp_path / "restored")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["live", "snap"]
+    await Engine.restore(tmp_path / "snap", tmp_path / "restored")
+    async with open_engine(tmp_path / "restored") as mem:
+        assert [t.text for t in await mem.session_history("ana", "s")] == ["hello"]
 
 
 async def test_a_leftover_name_that_is_a_store_or_a_snapshot_is_never_removed(tmp_path) -> None:

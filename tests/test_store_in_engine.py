@@ -56,3 +56,26 @@ async def test_a_failing_disk_breaks_the_engine_loudly(store_path, monkeypatch) 
     assert isinstance(info.value.__cause__, BaseExceptionGroup)
     (failure,) = outcomes
     assert "store failed before committing" in str(failure)
+
+
+async def test_an_open_on_a_full_disk_leaves_no_lock_behind(store_path, monkeypatch) -> None:
+    """Writing its pid into the owner lock failed with ENOSPC after the lock was taken: the
+    open raised a bare OSError and the descriptor stayed locked, so once space was freed every
+    open, in this process or another, was refused as "in use (it is starting)" until the
+    process exited. The open fails as EngineBroken saying the disk is full, and the next open
+    after space comes back works."""
+    import errno
+    import os
+
+    import engine._owner as owner_mod
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(owner_mod.os, "pwrite", full)
+        with pytest.raises(EngineBroken, match="No space left on device"):
+            async with open_engine(store_path):
+                pass
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("ana", "s1", "user", "space is back", durable=True)
