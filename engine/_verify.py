@@ -24,7 +24,7 @@ import lmdb
 import msgspec
 
 from actors.base.config import Config
-from actors.base.errors import EngineError, InvalidInput, StoreCorrupt
+from actors.base.errors import EngineBroken, EngineError, InvalidInput, StoreCorrupt
 from actors.base.records import SessionInfo, Turn
 from actors.store import LOG_TURN, MAX_DBS, check_chain, lsn_key, open_databases
 from actors.store.layout import SCHEMA_KEY
@@ -48,6 +48,7 @@ from ._owner import OwnerLock
 __all__ = ["verify_store", "verify_chain", "require_store"]
 
 MAX_LISTED = 50  # problems listed in the report; the count covers all of them
+SEAL_ROOM = 1 << 20  # map bytes past the file for the seal: its page or two, and LMDB's
 
 _decode_turn = msgspec.msgpack.Decoder(Turn).decode
 _decode_session = msgspec.msgpack.Decoder(SessionInfo).decode
@@ -168,8 +169,11 @@ def _verify(path: Path, integrity_key: str | None, seal: bool) -> dict[str, Any]
     key = None if integrity_key is None else integrity_key.encode()
     # lock=True: an engine in another process may be writing, and only a reader in LMDB's
     # reader table is safe from its writer reusing the pages being read.
+    # The seal writes one page or two: a map no larger than the file (py-lmdb's default
+    # 10 MiB, and a compacted store fills its file) would have no room for them.
+    room = (path / "data.mdb").stat().st_size + SEAL_ROOM if seal else 10 << 20
     try:
-        env = lmdb.open(str(path), readonly=not seal, lock=True, max_dbs=MAX_DBS)
+        env = lmdb.open(str(path), readonly=not seal, lock=True, max_dbs=MAX_DBS, map_size=room)
     except lmdb.Error as exc:
         if "already open in this process" not in str(exc):
             return _done(report, [("data.mdb", f"LMDB does not open it: {exc}")])
@@ -230,9 +234,13 @@ def _walk(env: lmdb.Environment, report: dict[str, Any], problems: list[tuple[st
                             check_chain(txn, dbs, 1, max(head.lsn, last), head.digest))
         report["sessions"] = _sessions(txn, dbs, problems)
     if seal and not problems and head is not None and not head.mac:
-        with env.begin(write=True) as wtxn:
-            wtxn.put(HEAD_KEY, encode_head(head.lsn, head.digest, key),
-                     db=env.open_db(b"meta", txn=wtxn, create=False))
+        try:
+            with env.begin(write=True) as wtxn:
+                wtxn.put(HEAD_KEY, encode_head(head.lsn, head.digest, key),
+                         db=env.open_db(b"meta", txn=wtxn, create=False))
+        except lmdb.Error as exc:  # a write's failure (a full disk), not the store's damage
+            raise EngineBroken(f"{env.path()} verifies, but its seal could not be written: "
+                               f"{exc}; free space and seal it again") from exc
         report["mac"] = "sealed"
     return _done(report, problems)
 

@@ -21,3 +21,24 @@ async def test_verify_and_compact_refuse_a_path_that_holds_no_store_as_invalid_i
                 await call(store)
             assert refused.value.field == "store", (call, store)
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+async def test_a_compacted_store_above_lmdbs_default_map_is_sealed(tmp_path) -> None:
+    """verify --seal opened LMDB with py-lmdb's default 10 MiB map: a store compacted to more
+    than that had no page for the seal's one write (MDB_MAP_FULL), and verify called the
+    healthy store broken and said to restore it from a snapshot, which would throw away
+    everything written since. It is sealed; the MAC then checks."""
+    from engine import Config, HashEmbedder
+
+    key = "k0123456789abcdef0123456789abcdef"
+    store = tmp_path / "store"
+    async with Engine.open(store, config=Config(background_embedding=False, long_term=False),
+                           embedder=HashEmbedder()) as mem:
+        await mem.add_turns([{"user_id": "u", "session_id": f"s{i // 100}", "role": "user",
+                              "text": f"turn {i} " + "w" * 1500} for i in range(8000)])
+        await mem.flush()
+    await Engine.compact(store)
+    assert (store / "data.mdb").stat().st_size > 10 << 20
+    report = await Engine.verify(store, integrity_key=key, seal=True)
+    assert (report["ok"], report["mac"]) == (True, "sealed"), report
+    assert (await Engine.verify(store, integrity_key=key))["mac"] == "checked"
