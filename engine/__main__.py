@@ -583,7 +583,9 @@ def _failed(args: argparse.Namespace, kind: str, message: str) -> int:
 
 
 def _run(argv: list[str] | None) -> int:
+    from lmdb import DiskError as LMDBDiskError
     from lmdb import Error as LMDBError  # its errors out of a damaged file end here
+    from lmdb import MapFullError as LMDBMapFullError
 
     args = _parser().parse_args(argv)
     try:
@@ -675,6 +677,10 @@ def _run(argv: list[str] | None) -> int:
         _print(result, args.json)
     except EngineError as exc:
         return _failed(args, type(exc).__name__, str(exc))
+    except (LMDBDiskError, LMDBMapFullError) as exc:
+        # A write with no room, not damage: nothing to restore.
+        return _failed(args, "EngineBroken", f"{exc}: the disk or the map is full; free "
+                                             "space and run the command again")
     except LMDBError as exc:
         # A damaged page that a read met before any checksum could (the engine's own
         # translation of these belongs in actors/store).

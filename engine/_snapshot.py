@@ -20,6 +20,7 @@ checked with the integrity key, its head alone.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import hmac
@@ -36,7 +37,7 @@ import lmdb
 import msgspec
 import trio
 
-from actors.base.errors import InvalidInput, StoreIncompatible, StoreTampered
+from actors.base.errors import EngineBroken, InvalidInput, StoreIncompatible, StoreTampered
 from actors.base.records import SCHEMA_VERSION
 from actors.fulltext import build_index
 from actors.store import LOG_TOMBSTONE, MAX_DBS, clean_copy, lsn_key, open_databases
@@ -638,7 +639,8 @@ def _sweep_graphs(store: Path) -> None:
 
 def compact(store: Path, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Bring a closed store to the state a snapshot would have: LMDB rewritten record by
-    record into a new environment (no freed pages, no stale bytes in any page), saved graphs of users it no longer has deleted, and the text index rebuilt if its
+    record into a new environment (no freed pages, no stale bytes in any page), saved graphs
+    of users it no longer has deleted, and the text index rebuilt if its
     segments still hold deleted documents.
 
     Raises:
@@ -659,6 +661,14 @@ def _compact(store: Path, progress: Callable[[int, int], None] | None) -> dict[s
     try:
         with env.begin() as txn:
             clean_copy(env, txn, fresh)
+    except BaseException as exc:
+        shutil.rmtree(fresh, ignore_errors=True)  # a partial copy would keep the disk full
+        if isinstance(exc, lmdb.DiskError) or (isinstance(exc, OSError)
+                                                and exc.errno == errno.ENOSPC):
+            raise EngineBroken(f"compacting {store} failed: {exc}; the store is as it was: "
+                               "free space (the copy needs as much as the live records "
+                               "take) and compact it again") from exc
+        raise
     finally:
         env.close()
     os.replace(fresh / "data.mdb", store / "data.mdb")

@@ -596,3 +596,34 @@ async def test_a_leftover_name_that_is_a_store_or_a_snapshot_is_never_removed(tm
     async with open_engine(tmp_path / "elsewhere") as mem:
         assert [t.text for t in await mem.session_history("ana", "s")] == ["hello"]
     assert (store / "data.mdb").exists()
+
+
+async def test_a_compact_the_disk_cannot_hold_leaves_the_store_as_it_was(
+        tmp_path, monkeypatch, capsys) -> None:
+    """LMDB's copy ran out of disk: the API raised a bare lmdb.DiskError, the command line
+    called the store corrupt and said to restore it from a snapshot (throwing away what was
+    written since), and the partial copy stayed as STORE/compact.tmp, keeping the disk full.
+    The copy is removed, the failure is EngineBroken saying the store is as it was, and the
+    store opens with everything in it."""
+    import lmdb
+
+    store = tmp_path / "store"
+    async with open_engine(store) as mem:
+        await mem.add_turn("ana", "s", "user", "kept", durable=True)
+
+    def full(env, txn, fresh: Path) -> None:
+        (fresh / "data.mdb").write_bytes(b"\0" * 4096)
+        raise lmdb.DiskError("mdb_env_copy3: No space left on device")
+
+    monkeypatch.setattr(snapshot_mod, "clean_copy", full)
+    with pytest.raises(EngineBroken, match="No space left on device.*as it was"):
+        await Engine.compact(store)
+    assert not (store / "compact.tmp").exists()
+    from engine.__main__ import main
+
+    assert await trio.to_thread.run_sync(main, ["compact", str(store)]) == 1
+    said = capsys.readouterr().err
+    assert "EngineBroken" in said and "as it was" in said and "snapshot" not in said, said
+    monkeypatch.undo()
+    async with open_engine(store) as mem:
+        assert [t.text for t in await mem.session_history("ana", "s")] == ["kept"]
