@@ -184,17 +184,23 @@ class FullText:
             self._advanced.unpark_all()
             self._purges.unpark_all()
             with trio.CancelScope(shield=True):
-                if self._pending:
-                    await trio.to_thread.run_sync(self._commit)
-                    self.indexed_lsn = self._read_lsn
-                await trio.to_thread.run_sync(self._release_writer)
+                try:
+                    if self._pending:
+                        await trio.to_thread.run_sync(self._commit)
+                        self.indexed_lsn = self._read_lsn
+                finally:
+                    # Even when the commit failed (a full disk): the store's reopen needs it.
+                    await trio.to_thread.run_sync(self._release_writer)
 
     def _release_writer(self) -> None:
         """Finish merges and drop the writer: tantivy's directory lock goes with it, so the
-        next engine on this store can open its own."""
+        next engine on this store can open its own, even if the merges fail."""
         if self._writer is not None:
             writer, self._writer = self._writer, None
-            writer.wait_merging_threads()
+            try:
+                writer.wait_merging_threads()
+            finally:
+                del writer  # not kept alive by a failure's traceback, nor its lock
 
     def _open(self) -> None:
         committed = self._store.committed_lsn
