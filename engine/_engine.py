@@ -178,8 +178,8 @@ class Engine:
                 one the store was made with, or for a new store the variant the model's
                 build measured as the faster here); tests that are not about embeddings pass
                 a ``HashEmbedder``.
-            reembed: adopt the configured model even if the store's vectors came from another,
-                dropping them so that everything is embedded again in the background.
+            reembed: embed everything again with the configured model, in the background:
+                the store's vectors are dropped, whether another model made them or this one.
             llm: an optional language model (:class:`LLM`, e.g. :class:`OpenAICompatibleLLM`)
                 that summarises episodes and extracts facts in the background; without one
                 the offline defaults do (extractive summaries, rules).

@@ -89,6 +89,50 @@ async def test_a_store_from_another_model_is_refused_until_reembedded(tmp_path) 
         pass
 
 
+async def test_reembed_with_the_stores_own_model_embeds_every_record_again(
+        tmp_path, monkeypatch) -> None:
+    """`engram-trio reindex --force` on a store whose vectors came from its own model said it
+    had re-embedded every record and embedded none: reembed dropped the vectors only when the
+    model differed. A store whose vectors are suspect (here: made wrongly under the model's
+    name) is re-embedded with its own model, and no graph saved from the old vectors is
+    searched."""
+    import actors.ann_index.ann_index as ann_mod
+
+    monkeypatch.setattr(ann_mod, "HNSW_THRESHOLD", 16)  # a graph for 300 vectors
+
+    class Wrong(HashEmbedder):
+        def encode(self, texts: list[str]) -> np.ndarray:
+            return super().encode([t[::-1] for t in texts])
+
+    class Counting(HashEmbedder):
+        texts = 0
+
+        def encode(self, texts: list[str]) -> np.ndarray:
+            Counting.texts += len(texts)
+            return super().encode(texts)
+
+    path = tmp_path / "s"
+    texts = [f"note {i} about {w}" for i, w in enumerate(("river", "train", "market") * 100)]
+    async with open_engine(path, embedder=Wrong(), config={"long_term": False}) as mem:
+        await mem.add_turns([{"user_id": "ana", "session_id": "s", "role": "user", "text": t}
+                             for t in texts])
+        await mem.flush()
+        await mem.recall("ana", "river", legs=["vector"])  # builds her graph, saved at close
+    assert list((path / "ann").glob("*.sum.json"))
+    loaded: list[str] = []
+    load_index = ann_mod.hnswlib.Index.load_index
+    monkeypatch.setattr(ann_mod.hnswlib.Index, "load_index",
+                        lambda graph, file, **kw: (loaded.append(file), load_index(graph, file,
+                                                                                   **kw)))
+    async with open_engine(path, embedder=Counting(), config={"long_term": False},
+                           reembed=True) as mem:
+        await mem.flush()
+        assert Counting.texts >= len(texts)
+        hits = await mem.recall("ana", texts[7], legs=["vector"], limit=1)
+        assert [h.text for h in hits] == [texts[7]]
+    assert loaded == []  # the old vectors' graph was dropped, not searched
+
+
 async def test_embed_input_is_checked(tmp_path) -> None:
     """embed takes a list of strings; a lone string gets a hint."""
     async with open_engine(tmp_path / "s", config={"background_embedding": False}) as mem:

@@ -259,10 +259,11 @@ class AnnIndex:
             sums = json.loads(sum_file.read_text())
             if not isinstance(sums, dict):
                 raise ValueError("not an object")
-            # Another model's, or one saved before graphs named their model (perhaps before
-            # a re-embed, which writes new vectors under the same records): its files go,
-            # the graph is built anew; a read-only engine leaves them to their owner.
-            if sums.get("model") != self._model_id:
+            # Another model's, one saved before graphs named their model, or one saved
+            # before this open dropped the vectors to embed them again (a re-embed writes
+            # new vectors under the same records): its files go, the graph is built anew; a
+            # read-only engine leaves them to their owner.
+            if sums.get("model") != self._model_id or self._store.vectors_renewed:
                 if not self._read_only:
                     for path in (graph_file, lsns_file, sum_file):
                         path.unlink(missing_ok=True)

@@ -84,8 +84,8 @@ class Store(Writer, Appliers, Forgetting):
         path: the store directory (created if missing).
         config: the engine's config.
         model: the embedding model the engine runs; a store made with another is refused.
-        reembed: adopt ``model`` even if the store's vectors came from another one, dropping
-            those vectors so that everything is embedded again.
+        reembed: embed everything again with ``model``: the store's vectors are dropped,
+            whether another model made them or this one (suspect vectors).
         read_only: open an existing store for reading only, as another process's engine may
             be writing it (LMDB's lock file keeps its readers safe); every write is refused.
     """
@@ -98,6 +98,8 @@ class Store(Writer, Appliers, Forgetting):
         self._reembed = reembed
         self.read_only = read_only  # readers of a store another process may be writing
         self.embedded_lsn = 0  # the persisted embedding watermark, as read at open
+        # The open dropped every vector (reembed): a graph saved before holds the old ones.
+        self.vectors_renewed = False
         self.embed_backlog: list[int] = []  # lsns behind it still without a vector, at open
         self.scrub_pending = False  # a forget's freed pages may still hold its bytes (at open)
         self.scrub_owed = False  # an older build's scrub may have left bytes (at open)
@@ -470,7 +472,7 @@ class Store(Writer, Appliers, Forgetting):
         meta = self._dbs[b"meta"]
         raw = txn.get(_MODEL_KEY, db=meta)
         stored = None if raw is None else _decode_model(raw)
-        if stored == self._model:
+        if stored == self._model and not self._reembed:
             return
         if stored is not None and not self._reembed:
             raise ModelMismatch(
@@ -483,6 +485,7 @@ class Store(Writer, Appliers, Forgetting):
         if stored is not None:
             txn.drop(self._dbs[b"vectors"], delete=False)
             txn.put(_EMBEDDED_KEY, lsn_key(0), db=meta)
+            self.vectors_renewed = True
         txn.put(_MODEL_KEY, _encode(self._model), db=meta)
 
     async def _close_env(self) -> None:
