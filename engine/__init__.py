@@ -60,6 +60,7 @@ if _typing.TYPE_CHECKING:  # what type checkers see; _HOMES below holds the same
     from ._stats import Stats
     from ._tools import TOOLS
     from .errors import (
+        ClockFailed,
         EngineBroken,
         EngineClosed,
         EngineError,
@@ -96,9 +97,9 @@ _HOMES = {
     "._stats": ("Stats",),
     "._tools": ("TOOLS",),
     ".errors": (
-        "EngineBroken", "EngineClosed", "EngineError", "InvalidInput", "ModelMismatch",
-        "ModelMissing", "NotFound", "RecordRefused", "StoreCorrupt", "StoreIncompatible",
-        "StoreInUse", "StoreTampered",
+        "ClockFailed", "EngineBroken", "EngineClosed", "EngineError", "InvalidInput",
+        "ModelMismatch", "ModelMissing", "NotFound", "RecordRefused", "StoreCorrupt",
+        "StoreIncompatible", "StoreInUse", "StoreTampered",
     ),
 }
 _HOME_OF = {name: home for home, names in _HOMES.items() for name in names}
@@ -108,6 +109,7 @@ __all__ = [
     "LLM",
     "TOOLS",
     "Candidate",
+    "ClockFailed",
     "Config",
     "EmbeddingBackend",
     "Engine",

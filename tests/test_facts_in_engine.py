@@ -335,3 +335,36 @@ async def test_a_lagging_text_index_still_drops_every_retired_version(store_path
             assert await mem._fulltext.search("ana", old, 10) == [], old
         assert len(await mem._fulltext.search("ana", "qwzxthree", 10)) == 1
     assert max(_fact_entries(store_path)) >= 2  # carried while the index lagged
+
+
+async def test_a_clock_that_fails_for_a_moment_costs_no_turn_its_facts(store_path) -> None:
+    """Right after a bystander's turn was acknowledged, the engine's clock raised for a moment
+    (a time service restarting): the long-term followers, reading it as they reached the turn,
+    took its error for the turn's and kept a permanent failure; the turn's facts were never
+    extracted. A clock's failure is not the record's: the step waits and runs again, and the
+    caller of an API call the clock failed hears ClockFailed, the engine's own type."""
+    import trio
+
+    from engine import ClockFailed
+
+    class Flaky(ManualClock):
+        broken = False
+
+        def __call__(self):
+            if self.broken:
+                raise RuntimeError("clock source unavailable")
+            return super().__call__()
+
+    clock = Flaky()
+    async with open_engine(store_path, clock=clock) as mem:
+        clock.broken = True
+        await mem.add_turn("bo", "s1", "user", "My name is Bo and I live in Oslo.",
+                           at=T0, durable=True)
+        with pytest.raises(ClockFailed, match=r"^clock: .*clock source unavailable"):
+            await mem.remember_fact("bo", "identity", "pet", "cat")
+        await trio.sleep(0.3)
+        clock.broken = False
+        await mem.flush()
+        assert {(f.key, f.value) for f in await mem.profile("bo")} >= {
+            ("name", "Bo"), ("location", "Oslo")}
+        assert await mem.failures() == []

@@ -24,6 +24,7 @@ __all__ = [
     "EngineError",
     "InvalidInput",
     "NotFound",
+    "ClockFailed",
     "RecordRefused",
     "EngineClosed",
     "EngineBroken",
@@ -56,6 +57,13 @@ class NotFound(InvalidInput):
     """An id named a record the user does not have (a memory, a note, a session, a tool):
     nothing was written. An :class:`InvalidInput` (the argument was wrong), so a caller
     catching that still does; the HTTP server answers it with 404."""
+
+
+class ClockFailed(InvalidInput):
+    """The engine's clock (given at open) raised, or read a time no record can hold, when a
+    call or a background step needed it: nothing that needed the time was written. A
+    background step waits and runs again once the clock reads well; an API call is the
+    caller's to retry."""
 
 
 class RecordRefused(InvalidInput):

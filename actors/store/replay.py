@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import lmdb
 import trio
 
-from ..base.errors import EngineBroken, EngineClosed, StoreCorrupt
+from ..base.errors import ClockFailed, EngineBroken, EngineClosed, StoreCorrupt
 from ..base.messages import PutState, Searchable
 from ..base.records import Episode, Fact
 from ..base.where import attributes, turn_tags
@@ -30,6 +30,8 @@ from .layout import (
 from .reads import _note_version, read_meta_lsn
 
 T = TypeVar("T")
+# How long a step the clock failed waits before it runs again.
+CLOCK_RETRY_SECONDS = 1.0
 
 
 class FollowedStore(Protocol):
@@ -98,14 +100,22 @@ class LogFollower:
                     await store.write_unlogged(PutState(damage_puts(self.name, damaged), (),
                                                         trio.Event()))
                 try:
-                    await store.yield_to_receipts()
-                    await self._step(records, last)
-                except (EngineClosed, EngineBroken):
-                    raise
-                except Exception:
-                    if not store.usable():
+                    try:
+                        await store.yield_to_receipts()
+                        await self._step(records, last)
+                    except (EngineClosed, EngineBroken, ClockFailed):
                         raise
-                    await self._one_by_one(records, last)
+                    except Exception:
+                        if not store.usable():
+                            raise
+                        await self._one_by_one(records, last)
+                except ClockFailed as exc:
+                    # The clock's failure, not the records': they are handled again once it
+                    # reads well (what a step handles twice, it takes in once).
+                    log.warning("%s: waiting for the clock to handle record %d on: %s",
+                                self.name, self.watermark + 1, exc)
+                    await trio.sleep(CLOCK_RETRY_SECONDS)
+                    continue
                 finally:
                     if self._settled is not None:
                         self._settled()
@@ -129,7 +139,7 @@ class LogFollower:
         for record in records:
             try:
                 await self._step([record], record.lsn)
-            except (EngineClosed, EngineBroken):
+            except (EngineClosed, EngineBroken, ClockFailed):
                 raise
             except Exception as exc:
                 if not store.usable():
@@ -139,6 +149,7 @@ class LogFollower:
                 put = failure_put(record.lsn, self.name, record.user_id, record.memory_id, exc)
                 watermark = (b"meta", self._key, lsn_key(record.lsn), 0)
                 await store.write_unlogged(PutState((put, watermark), (), trio.Event()))
+            self.watermark = record.lsn  # a retry after the clock failed starts past it
         await store.write_unlogged(PutState(((b"meta", self._key, lsn_key(last), 0),), (),
                                             trio.Event()))
 
