@@ -106,3 +106,32 @@ async def test_an_engine_broken_by_its_text_index_frees_it_for_the_reopen(
         await mem.flush()  # the index replays the turn its failed commit lost
         hits = await mem.recall("ana", "ferry Barreiro", legs=["bm25"])
         assert [h.text for h in hits] == ["the ferry to Barreiro"]
+
+
+async def test_a_text_index_a_full_disk_cannot_open_is_kept_not_deleted(
+        store_path, monkeypatch) -> None:
+    """Opening a healthy text index on a full disk failed (tantivy: StorageFull), and the
+    engine took that for damage: it deleted the index to rebuild it, which then failed too.
+    The open fails as EngineBroken saying the disk is full, and the index is kept."""
+    import actors.fulltext.fulltext as fulltext_mod
+
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("ana", "s1", "user", "the ferry to Barreiro", durable=True)
+        await mem.flush()
+    index = fulltext_mod.tantivy.Index
+
+    def full(*args, **kwargs):
+        raise ValueError('IoError { io_error: Custom { kind: StorageFull, error: "No space '
+                         'left on device" } }')
+
+    with monkeypatch.context() as patched:
+        patched.setattr(fulltext_mod.tantivy, "Index", full)
+        with pytest.raises(EngineBroken, match="StorageFull"):
+            async with open_engine(store_path):
+                pass
+    assert fulltext_mod.tantivy.Index is index
+    assert (store_path / "fulltext" / "meta.json").exists()
+    async with open_engine(store_path) as mem:
+        assert not mem._parts.fulltext.rebuilt
+        assert [h.text for h in await mem.recall("ana", "ferry", legs=["bm25"])] == [
+            "the ferry to Barreiro"]
