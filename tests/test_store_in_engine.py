@@ -135,3 +135,25 @@ async def test_a_text_index_a_full_disk_cannot_open_is_kept_not_deleted(
         assert not mem._parts.fulltext.rebuilt
         assert [h.text for h in await mem.recall("ana", "ferry", legs=["bm25"])] == [
             "the ferry to Barreiro"]
+
+
+@pytest.mark.parametrize("where", ["open", "first transaction"])
+async def test_a_store_a_full_disk_cannot_open_says_so(store_path, monkeypatch, where) -> None:
+    """On a full disk LMDB's open or its first write transaction (a new store's databases, a
+    schema migration) failed with ENOSPC: the caller got StoreIncompatible ("cannot open an
+    LMDB store"), which says the store is not usable by this build, or a bare lmdb.DiskError.
+    Both are EngineBroken saying the disk is full; the store opens once there is room."""
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("ana", "s1", "user", "kept", durable=True)
+
+    def full(*args, **kwargs):
+        raise lmdb.DiskError(f"{store_path}: No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(store_mod.Store, "_lmdb_open" if where == "open" else "_open_txn",
+                        full)
+        with pytest.raises(EngineBroken, match="No space left on device"):
+            async with open_engine(store_path):
+                pass
+    async with open_engine(store_path) as mem:
+        assert [t.text for t in await mem.session_history("ana", "s1")] == ["kept"]

@@ -77,6 +77,11 @@ TAIL_CHECK = 64  # log positions whose chain opening a store recomputes: the las
 T = TypeVar("T")
 
 
+def _disk_full(exc: lmdb.Error) -> bool:
+    """Whether LMDB's error says the disk (or the user's quota) is full."""
+    return isinstance(exc, lmdb.DiskError) or "No space left on device" in str(exc)
+
+
 class Store(Writer, Appliers, Forgetting):
     """The LMDB store. Start with ``await nursery.start(store.run)``; stop with :meth:`close`.
 
@@ -233,6 +238,8 @@ class Store(Writer, Appliers, Forgetting):
         try:
             env = self._lmdb_open(self._config.initial_map_bytes)
         except lmdb.Error as exc:
+            if _disk_full(exc):
+                raise self._full(exc) from exc
             raise StoreIncompatible(f"cannot open an LMDB store at {self.path}: {exc}") from exc
         try:
             while True:
@@ -247,11 +254,17 @@ class Store(Writer, Appliers, Forgetting):
         except (lmdb.CorruptedError, lmdb.PageNotFoundError) as exc:
             env.close()
             raise _damaged(self.path, exc) from exc
-        except BaseException:
+        except BaseException as exc:
             env.close()
+            if isinstance(exc, lmdb.Error) and _disk_full(exc):  # a migration's, a new store's
+                raise self._full(exc) from exc
             raise
         self._committed_lsn = self._next_lsn - 1
         return env
+
+    def _full(self, exc: lmdb.Error) -> EngineBroken:
+        return EngineBroken(f"cannot open the store at {self.path}: {exc}: the disk is full; "
+                            "free space and open it again (nothing of it was changed)")
 
     def _lmdb_open(self, map_size: int) -> lmdb.Environment:
         return lmdb.open(
