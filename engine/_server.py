@@ -19,6 +19,7 @@ through are ``_http_edge.py``; the request bodies and responses ``_http_wire.py`
 # the dependency aliases (User, Who) are local to create_app.
 import gc
 import logging
+import re
 import signal
 import sys
 import threading
@@ -294,9 +295,17 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     @app.post("/v1/users/{user_id:id}/turns", status_code=202, tags=["turns"])
     async def add_turns(user_id: User, body: BatchIn) -> Response:
         """Add many turns at once (all validated before any is written)."""
-        receipts = await engine.add_turns(
-            [{"user_id": user_id, **t.model_dump(exclude_none=True)} for t in body.turns],
-            durable=body.durable)
+        try:
+            receipts = await engine.add_turns(
+                [{"user_id": user_id, **t.model_dump(exclude_none=True)} for t in body.turns],
+                durable=body.durable)
+        except InvalidInput as exc:
+            # The engine names an item as its call does (items[3].at); the body, turns.3.at.
+            named = re.match(r"items\[(\d+)\]", exc.field)
+            if named is None:
+                raise
+            field = f"turns.{named[1]}{exc.field[named.end():]}"
+            raise type(exc)(field, str(exc).removeprefix(f"{exc.field}: ")) from None
         return json_response({"turns": [{"turn_id": r.turn_id, "seq": r.seq}
                                         | ({"log_seq": r.log_seq}
                                            if getattr(r, "log_seq", None) is not None else {})

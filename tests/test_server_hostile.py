@@ -577,3 +577,15 @@ async def test_a_time_is_an_iso_string_never_a_number_read_in_a_guessed_unit(mem
         assert ok.status_code == 202, ok.text
         assert (await http.get("/v1/users/ana/sessions/s1/turns")).json()[0]["at"].startswith(
             "2026-03-01T09:00:00")
+
+
+async def test_a_batch_item_the_engine_refuses_is_named_as_the_body_names_it(mem) -> None:
+    """The same bad item of POST /v1/users/{u}/turns was `turns.0.at` when the body's model
+    refused it and `items[0].at`, a field the body does not have, when the engine did (a time
+    without its zone): both are named as the body names them."""
+    async with lenient(create_app(mem)) as http:
+        batch = {"turns": [{"session_id": "s", "role": "user", "text": "x"},
+                           {"session_id": "s", "role": "user", "text": "y",
+                            "at": "2026-03-01T09:00:00"}]}
+        message = invalid(await http.post("/v1/users/ana/turns", json=batch), "turns.1.at")
+        assert "timezone" in message
