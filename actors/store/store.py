@@ -171,8 +171,9 @@ class Store(Writer, Appliers, Forgetting):
         # Parked: the sync loop, until a flush is requested (or the writer is done).
         self._sync_kick = trio.lowlevel.ParkingLot()
         self._sync_limiter = trio.CapacityLimiter(1)  # one flush at a time, on its own thread
-        # Shielded from close() on, so queued turns reach the disk even when the body failed.
-        self._drain_scope = trio.CancelScope()
+        # The commit and sync loops' scope: shielded, so that only close() ends them, once
+        # what is queued is on disk (run turns a cancellation from outside into a close).
+        self._drain_scope = trio.CancelScope(shield=True)
         # How the writer applies each kind of op other than appends (batched apart, see _plan),
         # inside the batch's write transaction; what it returns goes to the op's ``committed``.
         self._appliers: dict[type, Callable[[lmdb.Transaction, Any], Any]] = {
@@ -197,10 +198,16 @@ class Store(Writer, Appliers, Forgetting):
         self._commit_times.append((self._committed_lsn, trio.current_time()))
         task_status.started()
         try:
-            with self._drain_scope:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._sync_loop)
-                    await self._commit_loop()
+            async with trio.open_nursery() as outside:
+                # A cancellation from outside (a service shutting down around the engine)
+                # is a close: it reaches this watcher, never the loops, so what callers were
+                # told is queued still reaches the disk before the store ends.
+                outside.start_soon(self._close_when_cancelled)
+                with self._drain_scope:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._sync_loop)
+                        await self._commit_loop()
+                outside.cancel_scope.cancel()  # drained: the watcher goes
         except BaseException as exc:
             # Cancelled from outside (the engine's nursery, a server's task group) is a close,
             # not a failure: a task that runs once more before its own cancellation (a
@@ -215,6 +222,12 @@ class Store(Writer, Appliers, Forgetting):
             with trio.CancelScope(shield=True):
                 await self._close_env()
 
+    async def _close_when_cancelled(self) -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            self.close()
+
     def close(self) -> None:
         """Stop taking ops; the loop commits what is queued and ends.
 
@@ -223,7 +236,6 @@ class Store(Writer, Appliers, Forgetting):
         and giving up would lose turns that callers were told are in memory.
         """
         self._closing = True
-        self._drain_scope.shield = True
         self._wakeup.unpark_all()
         self._room.unpark_all()
         self._commits.unpark_all()
