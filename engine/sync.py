@@ -111,7 +111,17 @@ class Engine(_bridge.Settings):
             facade._closed = True
             with suppress(trio.RunFinishedError):  # it stopped already (it broke): see result
                 facade._token.run_sync_soon(holder["stop"].set)
-            thread.join()
+            # A Ctrl-C meanwhile waits for the drain (bounded by what is queued) and goes on
+            # after it: the interpreter would end the engine's daemon thread mid-drain, and
+            # turns the caller was told are written with it.
+            interrupted: KeyboardInterrupt | None = None
+            while thread.is_alive():
+                try:
+                    thread.join()
+                except KeyboardInterrupt as exc:
+                    interrupted = exc
+            if interrupted is not None:
+                raise interrupted
 
         thread = facade._thread = threading.Thread(target=thread_main, name="engram-trio",
                                                    daemon=True)
@@ -136,8 +146,10 @@ class Engine(_bridge.Settings):
         try:
             yield facade
         finally:
-            atexit.unregister(close)
-            close()
+            try:
+                close()
+            finally:
+                atexit.unregister(close)
             if _bridge.forked_error(facade._pid) is None:
                 result[0].unwrap()
 
