@@ -16,6 +16,7 @@ while one writes, and the text index is read as its owner last committed it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 from pathlib import Path
@@ -39,6 +40,30 @@ SNAPSHOT_DATA = f"{SNAPSHOT_STORE}/data.mdb"  # the one file every snapshot has
 # LMDB must not have one environment open twice in a process (closing either would drop the
 # other's locks on lock.mdb), so a second engine on a store here is refused before LMDB opens.
 _OPEN_HERE: dict[tuple[int, int], str] = {}
+
+# The owner locks' descriptors this process holds. A child forked meanwhile (a pre-forking
+# server, a pool's worker) inherits them, and an flock lives while any descriptor of it is
+# open: the child closes its copies at once, or the parent could not open its own store
+# again until the child exited. The same for the text index's writer lock, which tantivy
+# takes with flock on a file of its own (LMDB's locks are fcntl's, which a child never has).
+_HELD: set[int] = set()
+_TANTIVY_LOCKS = ("/.tantivy-writer.lock", "/.tantivy-meta.lock")
+
+
+def _drop_in_child() -> None:
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    if _HELD:
+        with contextlib.suppress(OSError):
+            for name in os.listdir("/proc/self/fd"):
+                with contextlib.suppress(OSError, ValueError):
+                    if os.readlink(f"/proc/self/fd/{name}").endswith(_TANTIVY_LOCKS):
+                        os.close(int(name))
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_in_child)
 
 
 def in_a_snapshot(path: Path) -> bool:
@@ -122,13 +147,17 @@ class OwnerLock:
                                    "space (or fix the device) and open it again") from exc
             raise
         self._file = fd
+        _HELD.add(fd)
         return self
 
     def release(self) -> None:
-        """Give the lock up (closing the descriptor releases it)."""
+        """Give the lock up (closing the descriptor releases it). In a forked child, whose
+        copy was closed at the fork, nothing: the number may name another file by now."""
         if self._file is not None:
             fd, self._file = self._file, None
-            os.close(fd)
+            if fd in _HELD:
+                _HELD.discard(fd)
+                os.close(fd)
 
     def __enter__(self) -> OwnerLock:
         return self.acquire()

@@ -157,3 +157,29 @@ async def test_a_store_a_full_disk_cannot_open_says_so(store_path, monkeypatch, 
                 pass
     async with open_engine(store_path) as mem:
         assert [t.text for t in await mem.session_history("ana", "s1")] == ["kept"]
+
+
+async def test_a_child_forked_while_the_engine_runs_does_not_keep_the_store(store_path) -> None:
+    """A worker forked while the engine ran (a pre-forking server, a multiprocessing pool)
+    inherited the owner lock's descriptor, and with it the lock: once the engine closed, the
+    parent could not open its own store again (StoreInUse naming itself) until the child
+    exited. The child drops the descriptor at the fork."""
+    import os
+    import signal
+    import time
+
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("ana", "s1", "user", "before the fork", durable=True)
+        child = os.fork()
+        if child == 0:  # a worker that never touches the engine, until it is killed
+            try:
+                time.sleep(60)
+            finally:
+                os._exit(0)
+    try:
+        async with open_engine(store_path) as mem:
+            assert [t.text for t in await mem.session_history("ana", "s1")] == [
+                "before the fork"]
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
