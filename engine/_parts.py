@@ -17,7 +17,7 @@ from typing import Any
 from actors.ann_index import AnnIndex
 from actors.base import validate as v
 from actors.base.config import Config
-from actors.base.errors import ClockFailed, EngineClosed, InvalidInput
+from actors.base.errors import ClockFailed, EngineClosed
 from actors.embedder import Embedder
 from actors.entities import Entities
 from actors.episodic import EpisodicCompressor
@@ -67,10 +67,7 @@ def pinnable(clock: Clock) -> Clock:
         except Exception as exc:
             raise ClockFailed("clock", f"expected the clock given at open to read the time, "
                                        f"found it raised {exc!r}") from exc
-        try:
-            return v.check_at(reading, "clock")
-        except InvalidInput as exc:
-            raise ClockFailed("clock", str(exc).removeprefix("clock: ")) from None
+        return v.check_at(reading, "clock")
 
     return now
 

@@ -19,7 +19,7 @@ def test_public_names_are_exported_and_nothing_private_leaks() -> None:
         "MaintenanceReport", "OpenAICompatibleLLM", "ReviewState", "TOOLS", "StoreCorrupt",
         "StoreTampered", "Failure", "RecordRefused", "Hits", "StoreInUse", "demo_turns",
         "Candidate", "Extractor", "RuleExtractor", "UserVectors", "NotFound", "UserRecords",
-        "VectorRows",
+        "VectorRows", "ClockFailed",
     }
     for name in engine.__all__:
         assert getattr(engine, name) is not None

@@ -8,6 +8,7 @@ import unicodedata
 from datetime import timedelta
 
 import pytest
+import trio
 
 from actors.ann_index import Filters
 from actors.base.messages import Candidate
@@ -343,8 +344,6 @@ async def test_a_clock_that_fails_for_a_moment_costs_no_turn_its_facts(store_pat
     took its error for the turn's and kept a permanent failure; the turn's facts were never
     extracted. A clock's failure is not the record's: the step waits and runs again, and the
     caller of an API call the clock failed hears ClockFailed, the engine's own type."""
-    import trio
-
     from engine import ClockFailed
 
     class Flaky(ManualClock):
@@ -368,3 +367,27 @@ async def test_a_clock_that_fails_for_a_moment_costs_no_turn_its_facts(store_pat
         assert {(f.key, f.value) for f in await mem.profile("bo")} >= {
             ("name", "Bo"), ("location", "Oslo")}
         assert await mem.failures() == []
+
+
+async def test_a_clock_that_stays_broken_holds_the_long_term_layer_only_so_long(
+        store_path, autojump_clock) -> None:
+    """A clock that never reads again holds each step CLOCK_WAIT_SECONDS at most: then its
+    records are kept as failures, as any record's error, and a flush returns."""
+    from actors.store.replay import CLOCK_WAIT_SECONDS
+
+    class Broken(ManualClock):
+        broken = False
+
+        def __call__(self):
+            if self.broken:
+                raise RuntimeError("clock source gone")
+            return super().__call__()
+
+    clock = Broken()
+    async with open_engine(store_path, clock=clock) as mem:
+        clock.broken = True
+        await mem.add_turn("bo", "s1", "user", "My name is Bo.", at=T0, durable=True)
+        start = trio.current_time()
+        await mem.flush()
+        assert trio.current_time() - start >= CLOCK_WAIT_SECONDS
+        assert {f.actor for f in await mem.failures()} >= {"facts"}

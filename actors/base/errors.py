@@ -60,10 +60,10 @@ class NotFound(InvalidInput):
 
 
 class ClockFailed(InvalidInput):
-    """The engine's clock (given at open) raised, or read a time no record can hold, when a
-    call or a background step needed it: nothing that needed the time was written. A
-    background step waits and runs again once the clock reads well; an API call is the
-    caller's to retry."""
+    """The engine's clock (given at open) raised when a call or a background step needed the
+    time: nothing that needed it was written. A background step waits for the clock and runs
+    again (up to 30 s; then what it was handling is kept as failures); an API call is the
+    caller's to retry. A clock that reads a time no record holds is InvalidInput ``clock``."""
 
 
 class RecordRefused(InvalidInput):

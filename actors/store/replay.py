@@ -30,8 +30,10 @@ from .layout import (
 from .reads import _note_version, read_meta_lsn
 
 T = TypeVar("T")
-# How long a step the clock failed waits before it runs again.
+# How long a step the clock failed waits before it runs again, and for how long in all
+# before what the clock failed is kept as failures (a flush waits for the followers).
 CLOCK_RETRY_SECONDS = 1.0
+CLOCK_WAIT_SECONDS = 30.0
 
 
 class FollowedStore(Protocol):
@@ -79,6 +81,7 @@ class LogFollower:
         # behind another (the text index, FullText.keep_behind) waits in it. None: none.
         self.lead: Callable[[int], Awaitable[None]] | None = None
         self._stopped = False
+        self._clock_failed_at: float | None = None  # when a step first met a broken clock
         # Parked: callers of wait, until the watermark moves or the follower stops.
         self._progress = trio.lowlevel.ParkingLot()
 
@@ -103,15 +106,15 @@ class LogFollower:
                     try:
                         await store.yield_to_receipts()
                         await self._step(records, last)
-                    except (EngineClosed, EngineBroken, ClockFailed):
+                    except (EngineClosed, EngineBroken):
                         raise
-                    except Exception:
-                        if not store.usable():
+                    except Exception as exc:
+                        if not store.usable() or self._waits_for_clock(exc):
                             raise
                         await self._one_by_one(records, last)
                 except ClockFailed as exc:
                     # The clock's failure, not the records': they are handled again once it
-                    # reads well (what a step handles twice, it takes in once).
+                    # reads (what a step handles twice, it takes in once).
                     log.warning("%s: waiting for the clock to handle record %d on: %s",
                                 self.name, self.watermark + 1, exc)
                     await trio.sleep(CLOCK_RETRY_SECONDS)
@@ -119,6 +122,7 @@ class LogFollower:
                 finally:
                     if self._settled is not None:
                         self._settled()
+                self._clock_failed_at = None
                 self.watermark = last
                 self._progress.unpark_all()
         except EngineClosed:
@@ -139,10 +143,10 @@ class LogFollower:
         for record in records:
             try:
                 await self._step([record], record.lsn)
-            except (EngineClosed, EngineBroken, ClockFailed):
+            except (EngineClosed, EngineBroken):
                 raise
             except Exception as exc:
-                if not store.usable():
+                if not store.usable() or self._waits_for_clock(exc):
                     raise
                 log.warning("%s: record %d failed and is kept as a failure: %r", self.name,
                             record.lsn, exc)
@@ -152,6 +156,17 @@ class LogFollower:
             self.watermark = record.lsn  # a retry after the clock failed starts past it
         await store.write_unlogged(PutState(((b"meta", self._key, lsn_key(last), 0),), (),
                                             trio.Event()))
+
+    def _waits_for_clock(self, exc: Exception) -> bool:
+        """Whether a step that failed with ``exc`` waits for the clock and runs again: the
+        clock raised (ClockFailed), for less than CLOCK_WAIT_SECONDS so far. A clock that
+        stays broken longer is the records' failure, as any other error: the log goes on."""
+        if not isinstance(exc, ClockFailed):
+            return False
+        now = trio.current_time()
+        if self._clock_failed_at is None:
+            self._clock_failed_at = now
+        return now - self._clock_failed_at < CLOCK_WAIT_SECONDS
 
     async def wait(self, lsn: int) -> None:
         """Return once every record up to ``lsn`` was handled (or the follower stopped)."""
