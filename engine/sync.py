@@ -98,9 +98,14 @@ class Engine(_bridge.Settings):
                 ready.set()
                 await stop.wait()
 
+        finished = threading.Event()  # set once the engine's thread is done with it
+
         def thread_main() -> None:
-            result.append(outcome.capture(trio.run, trio_main))
-            ready.set()
+            try:
+                result.append(outcome.capture(trio.run, trio_main))
+            finally:
+                ready.set()
+                finished.set()
 
         def close() -> None:
             """Stop the engine (it drains what was acknowledged) and wait for its thread. The
@@ -113,11 +118,13 @@ class Engine(_bridge.Settings):
                 facade._token.run_sync_soon(holder["stop"].set)
             # A Ctrl-C meanwhile waits for the drain (bounded by what is queued) and goes on
             # after it: the interpreter would end the engine's daemon thread mid-drain, and
-            # turns the caller was told are written with it.
+            # turns the caller was told are written with it. An Event, not Thread.join: a
+            # join that KeyboardInterrupt cuts short marks the thread stopped while it runs
+            # (CPython 3.11), and every later join returns at once.
             interrupted: KeyboardInterrupt | None = None
-            while thread.is_alive():
+            while not finished.is_set():
                 try:
-                    thread.join()
+                    finished.wait()
                 except KeyboardInterrupt as exc:
                     interrupted = exc
             if interrupted is not None:
@@ -149,7 +156,8 @@ class Engine(_bridge.Settings):
             try:
                 close()
             finally:
-                atexit.unregister(close)
+                if finished.is_set():  # else a Ctrl-C cut the close short: exit drains
+                    atexit.unregister(close)
             if _bridge.forked_error(facade._pid) is None:
                 result[0].unwrap()
 
