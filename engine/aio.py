@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager, suppress
 from datetime import datetime
 from functools import partial
 from typing import Any, Literal
@@ -107,6 +108,27 @@ async def _outlast(future: asyncio.Future[Any]) -> Any:
     if cancelled is not None:
         raise cancelled
     return future.result()
+
+
+@contextmanager
+def _ctrl_c_noted() -> Iterator[list[int]]:
+    """Within the block, a Ctrl-C is noted in the yielded list, not raised. What a close
+    waits in: asyncio's second Ctrl-C raises KeyboardInterrupt wherever the main thread is,
+    in guest mode inside one of trio's ticks, which wrecked the trio run (a hang for ever,
+    or TrioInternalError) and lost the drain. Off the main thread, or where Python's handler
+    cannot be set, nothing changes."""
+    noted: list[int] = []
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        with suppress(ValueError, TypeError):
+            previous = signal.getsignal(signal.SIGINT)
+            if previous is not None:
+                signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+    try:
+        yield noted
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _cancelled(exc: BaseException) -> bool:
@@ -226,20 +248,24 @@ class Engine(_bridge.Settings):
             raise EngineClosed("the engine stopped before it was ready")
 
         async def close() -> None:
-            """Refuse new calls, stop the trio run (it drains) and wait for it to end."""
+            """Refuse new calls, stop the trio run (it drains) and wait for it to end; a
+            Ctrl-C meanwhile is raised once it has."""
             facade._closed = True
-            with suppress(trio.RunFinishedError):  # it stopped already (it broke): see below
-                facade._token.run_sync_soon(holder["stop"].set)
-            cancelled = None
-            try:
-                await _outlast(done)
-            except asyncio.CancelledError as exc:
-                # Cancelled while closing: the close finished all the same, and its failure,
-                # if any, goes first, as it would have without the cancellation.
-                cancelled = exc
+            with _ctrl_c_noted() as ctrl_c:
+                with suppress(trio.RunFinishedError):  # it stopped already (it broke)
+                    facade._token.run_sync_soon(holder["stop"].set)
+                cancelled = None
+                try:
+                    await _outlast(done)
+                except asyncio.CancelledError as exc:
+                    # Cancelled while closing: the close finished all the same, and its
+                    # failure, if any, goes first, as it would have without the cancellation.
+                    cancelled = exc
             if thread is not None:
                 thread.join()  # done is its last act: this returns at once
             done.result().unwrap()
+            if ctrl_c:
+                raise KeyboardInterrupt
             if cancelled is not None:
                 raise cancelled
 

@@ -565,3 +565,49 @@ def test_a_ctrl_c_while_the_blocking_engine_closes_still_drains_every_turn(tmp_p
     acknowledged = int(done.stdout.split()[-1])
     with sync.Engine.open(path, embedder=HashEmbedder()) as mem:
         assert len(mem.session_history("ana", "s1", limit=10**6)) == acknowledged == 15_000
+
+
+_CTRL_C_WHILE_THE_ASYNCIO_ENGINE_CLOSES = r"""
+import asyncio, os, signal, sys, threading, time
+from engine import HashEmbedder
+from engine.aio import Engine
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+n = 0
+def ctrl_c_twice():  # the first cancels asyncio.run's task; the second lands in the close
+    for _ in range(2):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.005)
+async def main():
+    global n
+    async with Engine.open(sys.argv[1], embedder=HashEmbedder(), trio_loop="guest",
+                           config={"background_embedding": False}) as mem:
+        for b in range(30):
+            await mem.add_turns([{"user_id": "ana", "session_id": "s1", "role": "user",
+                                  "text": f"t{b * 500 + k} " + "lorem ipsum " * 330}
+                                 for k in range(500)])
+            n = (b + 1) * 500
+        threading.Thread(target=ctrl_c_twice, daemon=True).start()
+        await asyncio.sleep(10)
+try:
+    asyncio.run(main())
+finally:
+    print(n, flush=True)
+"""
+
+
+def test_a_second_ctrl_c_while_the_asyncio_engine_closes_still_drains_every_turn(
+        tmp_path) -> None:
+    """Guest mode, two Ctrl-Cs 5 ms apart: asyncio's second raises KeyboardInterrupt wherever
+    the main thread is, and inside one of trio's ticks it wrecked the trio run: the process
+    hung for ever in asyncio.run's teardown, or died of TrioInternalError, with the drain
+    lost (3 runs in 10). The close notes a Ctrl-C and raises it once the drain is done."""
+    for attempt in range(3):  # the second Ctrl-C lands somewhere else each time
+        path = tmp_path / f"store{attempt}"
+        done = subprocess.run([sys.executable, "-c", _CTRL_C_WHILE_THE_ASYNCIO_ENGINE_CLOSES,
+                               str(path)], capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path)
+        assert "TrioInternalError" not in done.stderr, done.stderr
+        acknowledged = int(done.stdout.split()[-1])
+        with sync.Engine.open(path, embedder=HashEmbedder()) as mem:
+            stored = len(mem.session_history("ana", "s1", limit=10**6))
+        assert stored == acknowledged == 15_000, done.stderr
