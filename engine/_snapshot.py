@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import threading
+from contextlib import suppress
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,14 +38,20 @@ import lmdb
 import msgspec
 import trio
 
-from actors.base.errors import EngineBroken, InvalidInput, StoreIncompatible, StoreTampered
+from actors.base.errors import (
+    EngineBroken,
+    InvalidInput,
+    StoreIncompatible,
+    StoreInUse,
+    StoreTampered,
+)
 from actors.base.records import SCHEMA_VERSION
 from actors.fulltext import build_index
 from actors.store import LOG_TOMBSTONE, MAX_DBS, clean_copy, lsn_key, open_databases
 from actors.store.integrity import HEAD_KEY
 
 from ._files import PATH_ERRNOS, one_disk_error, refused, resolved
-from ._owner import MANIFEST_NAME, SNAPSHOT_DATA, OwnerLock
+from ._owner import LOCK_NAME, MANIFEST_NAME, SNAPSHOT_DATA, OwnerLock
 from ._parts import Parts
 from ._verify import require_store, verify_chain
 from ._version import __version__
@@ -471,11 +478,27 @@ def _restorable(snapshot: Path, store: Path, overwrite: bool) -> tuple[OwnerLock
     if overwrite and snapshot.is_relative_to(store):
         raise InvalidInput("snapshot", f"expected a snapshot outside the store it replaces, "
                                        f"found {snapshot} inside {store}; move it out first")
+    made = False
+    if not there:
+        try:
+            store.mkdir(parents=True)  # this restore's own, unless another made it first
+            made = True
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            if exc.errno not in PATH_ERRNOS:
+                raise
+            raise refused("store_path", exc, "a directory this process can create") from exc
     try:
-        return OwnerLock(store, "restore").acquire(), not there
+        return OwnerLock(store, "restore").acquire(), made
+    except StoreInUse:
+        raise  # another engine took the place meanwhile: what is there is its own
     except BaseException:
-        if not there:  # the lock made the folder: a retry must find the place as it was
-            shutil.rmtree(store, ignore_errors=True)
+        if made:  # a retry must find the place as it was; never files another put there
+            with suppress(OSError):
+                (store / LOCK_NAME).unlink()
+            with suppress(OSError):
+                store.rmdir()
         raise
 
 

@@ -578,6 +578,30 @@ async def test_a_restore_whose_lock_a_full_disk_refused_leaves_nothing_to_block_
         assert [t.text for t in await mem.session_history("ana", "s")] == ["hello"]
 
 
+async def test_a_restore_that_finds_another_engine_there_leaves_its_store(
+        tmp_path, monkeypatch) -> None:
+    """Between the restore's look at a new path and its lock, another process opened an
+    engine there: the lock was refused (StoreInUse), and the restore's cleanup, taking the
+    folder for one its lock had made, deleted that engine's live store. A refused lock
+    removes nothing; another failure removes only a folder this restore made and left
+    empty."""
+    async with open_engine(tmp_path / "live") as mem:
+        await mem.add_turn("ana", "s", "user", "hello", durable=True)
+        await mem.snapshot(tmp_path / "snap")
+    target = tmp_path / "target"
+
+    class Raced(snapshot_mod.OwnerLock):
+        def acquire(self):  # another engine made the folder and holds it, just now
+            self.store.mkdir(exist_ok=True)
+            (self.store / "data.mdb").write_bytes(b"the other engine's store")
+            raise StoreInUse(f"{self.store} is in use by process 1, serving", str(self.store), 1)
+
+    monkeypatch.setattr(snapshot_mod, "OwnerLock", Raced)
+    with pytest.raises(StoreInUse):
+        await Engine.restore(tmp_path / "snap", target)
+    assert (target / "data.mdb").read_bytes() == b"the other engine's store"
+
+
 async def test_a_leftover_name_that_is_a_store_or_a_snapshot_is_never_removed(tmp_path) -> None:
     """A snapshot clears ``DEST.partial`` and a restore ``STORE.restoring`` (what one cut
     short left): when that name is the live store, or the snapshot being restored, it is
