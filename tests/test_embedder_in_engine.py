@@ -125,9 +125,10 @@ async def test_reembed_with_the_stores_own_model_embeds_every_record_again(
                         lambda graph, file, **kw: (loaded.append(file), load_index(graph, file,
                                                                                    **kw)))
     async with open_engine(path, embedder=Counting(), config={"long_term": False},
-                           reembed=True) as mem:
+                           reembed=True) as mem:  # as `engram-trio reindex --force`: no search
         await mem.flush()
         assert Counting.texts >= len(texts)
+    async with open_engine(path, embedder=Counting(), config={"long_term": False}) as mem:
         hits = await mem.recall("ana", texts[7], legs=["vector"], limit=1)
         assert [h.text for h in hits] == [texts[7]]
     assert loaded == []  # the old vectors' graph was dropped, not searched

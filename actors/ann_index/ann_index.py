@@ -223,7 +223,7 @@ class AnnIndex:
                 else np.stack([uv.lsns[:rows], uv.chunks[:rows].astype(np.int64)], axis=1))
         uv.graph.save_index(str(graph_tmp))
         sums = {"rows": uv.graph_rows, "hnsw": _sha256(graph_tmp), "lsns": _sha256(lsns_tmp),
-                "model": self._model_id}
+                "model": self._model_id, "vectors_epoch": self._store.vectors_epoch}
         sum_file.with_suffix(".tmp").write_text(json.dumps(sums))
         os.replace(lsns_tmp, lsns_file)
         os.replace(graph_tmp, graph_file)
@@ -260,10 +260,11 @@ class AnnIndex:
             if not isinstance(sums, dict):
                 raise ValueError("not an object")
             # Another model's, one saved before graphs named their model, or one saved
-            # before this open dropped the vectors to embed them again (a re-embed writes
+            # before the store last dropped its vectors to embed them again (a re-embed writes
             # new vectors under the same records): its files go, the graph is built anew; a
             # read-only engine leaves them to their owner.
-            if sums.get("model") != self._model_id or self._store.vectors_renewed:
+            if (sums.get("model") != self._model_id
+                    or sums.get("vectors_epoch", 0) != self._store.vectors_epoch):
                 if not self._read_only:
                     for path in (graph_file, lsns_file, sum_file):
                         path.unlink(missing_ok=True)

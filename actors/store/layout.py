@@ -96,6 +96,9 @@ SCHEMA_KEY = b"schema"
 _LAST_LSN_KEY = b"last_lsn"
 _EMBEDDED_KEY = b"embedded_lsn"
 _MODEL_KEY = b"model"
+# How many times the store dropped its vectors to embed everything again (8 bytes; absent:
+# none): a saved graph names the count it was built at, and one of another is not searched.
+VECTORS_EPOCH_KEY = b"vectors_epoch"
 # Records behind the embedding watermark that still need a vector (8-byte lsns): what a
 # migration found missing; the embedder embeds them before following the log.
 EMBED_BACKLOG_KEY = b"embed_backlog"

@@ -63,6 +63,7 @@ from .layout import (
     MAX_READERS,
     SCRUB_KEY,
     SCRUBBED_KEY,
+    VECTORS_EPOCH_KEY,
     _int,
     lsn_key,
     open_databases,
@@ -103,8 +104,9 @@ class Store(Writer, Appliers, Forgetting):
         self._reembed = reembed
         self.read_only = read_only  # readers of a store another process may be writing
         self.embedded_lsn = 0  # the persisted embedding watermark, as read at open
-        # The open dropped every vector (reembed): a graph saved before holds the old ones.
-        self.vectors_renewed = False
+        # How many times the store dropped its vectors (reembed), as read at open: a graph
+        # saved at another count holds vectors the store no longer has.
+        self.vectors_epoch = 0
         self.embed_backlog: list[int] = []  # lsns behind it still without a vector, at open
         self.scrub_pending = False  # a forget's freed pages may still hold its bytes (at open)
         self.scrub_owed = False  # an older build's scrub may have left bytes (at open)
@@ -370,6 +372,7 @@ class Store(Writer, Appliers, Forgetting):
                         stored_model.id, self._model.id)
                 self._next_lsn = (_int(txn.get(_LAST_LSN_KEY, db=meta)) or 0) + 1
                 self.embedded_lsn = _int(txn.get(_EMBEDDED_KEY, db=meta)) or 0
+                self.vectors_epoch = _int(txn.get(VECTORS_EPOCH_KEY, db=meta)) or 0
                 if self._next_lsn > 1:  # an empty store has no chain to check
                     self._check_chain(txn)
         except (lmdb.CorruptedError, lmdb.PageNotFoundError) as exc:
@@ -393,6 +396,7 @@ class Store(Writer, Appliers, Forgetting):
             meta = self._dbs[b"meta"]
             self._next_lsn = (_int(txn.get(_LAST_LSN_KEY, db=meta)) or 0) + 1
             self.embedded_lsn = _int(txn.get(_EMBEDDED_KEY, db=meta)) or 0
+            self.vectors_epoch = _int(txn.get(VECTORS_EPOCH_KEY, db=meta)) or 0
             self.scrub_pending = txn.get(SCRUB_KEY, db=meta) is not None
             if not self.scrub_pending and txn.get(SCRUBBED_KEY, db=meta) is None:
                 # Scrubbed (if ever) by an older build, whose scrub could leave a few
@@ -510,7 +514,8 @@ class Store(Writer, Appliers, Forgetting):
         if stored is not None:
             txn.drop(self._dbs[b"vectors"], delete=False)
             txn.put(_EMBEDDED_KEY, lsn_key(0), db=meta)
-            self.vectors_renewed = True
+            epoch = (_int(txn.get(VECTORS_EPOCH_KEY, db=meta)) or 0) + 1
+            txn.put(VECTORS_EPOCH_KEY, epoch.to_bytes(8, "big"), db=meta)
         txn.put(_MODEL_KEY, _encode(self._model), db=meta)
 
     async def _close_env(self) -> None:
