@@ -370,7 +370,7 @@ async def test_a_clock_that_fails_for_a_moment_costs_no_turn_its_facts(store_pat
 
 
 async def test_a_clock_that_stays_broken_holds_the_long_term_layer_only_so_long(
-        store_path, autojump_clock) -> None:
+        store_path, autojump_clock, caplog) -> None:
     """A clock that never reads again holds each step CLOCK_WAIT_SECONDS at most: then its
     records are kept as failures, as any record's error, and a flush returns."""
     from actors.store.replay import CLOCK_WAIT_SECONDS
@@ -391,3 +391,12 @@ async def test_a_clock_that_stays_broken_holds_the_long_term_layer_only_so_long(
         await mem.flush()
         assert trio.current_time() - start >= CLOCK_WAIT_SECONDS
         assert {f.actor for f in await mem.failures()} >= {"facts"}
+        # The clock still broken: the next steps wait no more (the wait is 30 s in all,
+        # where each step waited its own 30 s, a backlog of N chunks N times that).
+        caplog.clear()
+        for i in range(3):
+            await mem.add_turn("bo", f"s{i + 2}", "user", "My name is Bo.", at=T0,
+                               durable=True)
+            await mem.flush()
+        assert not [r for r in caplog.records if "waiting for the clock" in r.getMessage()]
+        assert [f.actor for f in await mem.failures()].count("facts") == 4

@@ -82,6 +82,7 @@ class LogFollower:
         self.lead: Callable[[int], Awaitable[None]] | None = None
         self._stopped = False
         self._clock_failed_at: float | None = None  # when a step first met a broken clock
+        self._clock_met = False  # the step under way met it
         # Parked: callers of wait, until the watermark moves or the follower stops.
         self._progress = trio.lowlevel.ParkingLot()
 
@@ -102,6 +103,7 @@ class LogFollower:
                 if damaged:  # kept as failures; the step goes on without them
                     await store.write_unlogged(PutState(damage_puts(self.name, damaged), (),
                                                         trio.Event()))
+                self._clock_met = False
                 try:
                     try:
                         await store.yield_to_receipts()
@@ -122,7 +124,8 @@ class LogFollower:
                 finally:
                     if self._settled is not None:
                         self._settled()
-                self._clock_failed_at = None
+                if not self._clock_met:  # a clock that failed the step, even past the wait,
+                    self._clock_failed_at = None  # is still the one that failed before
                 self.watermark = last
                 self._progress.unpark_all()
         except EngineClosed:
@@ -159,10 +162,12 @@ class LogFollower:
 
     def _waits_for_clock(self, exc: Exception) -> bool:
         """Whether a step that failed with ``exc`` waits for the clock and runs again: the
-        clock raised (ClockFailed), for less than CLOCK_WAIT_SECONDS so far. A clock that
-        stays broken longer is the records' failure, as any other error: the log goes on."""
+        clock raised (ClockFailed), for less than CLOCK_WAIT_SECONDS since a step first met
+        it. A clock that stays broken longer is the records' failure, as any other error, in
+        this step and those after it, until a step runs without meeting it."""
         if not isinstance(exc, ClockFailed):
             return False
+        self._clock_met = True
         now = trio.current_time()
         if self._clock_failed_at is None:
             self._clock_failed_at = now
