@@ -93,6 +93,7 @@ class OwnerLock:
         self.store = store
         self.purpose = purpose
         self._file: int | None = None  # the locked descriptor while held
+        self._pid = 0  # the process that took it
 
     def acquire(self) -> OwnerLock:
         """Take the lock now or raise.
@@ -146,16 +147,17 @@ class OwnerLock:
                 raise EngineBroken(f"cannot write the owner lock of {self.store}: {exc}; free "
                                    "space (or fix the device) and open it again") from exc
             raise
-        self._file = fd
+        self._file, self._pid = fd, os.getpid()
         _HELD.add(fd)
         return self
 
     def release(self) -> None:
         """Give the lock up (closing the descriptor releases it). In a forked child, whose
-        copy was closed at the fork, nothing: the number may name another file by now."""
+        copy was closed at the fork, nothing: the number may name another file by now, even
+        another lock the child took."""
         if self._file is not None:
             fd, self._file = self._file, None
-            if fd in _HELD:
+            if self._pid == os.getpid():
                 _HELD.discard(fd)
                 os.close(fd)
 

@@ -183,3 +183,35 @@ async def test_a_child_forked_while_the_engine_runs_does_not_keep_the_store(stor
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+
+
+def test_a_forked_childs_inherited_lock_never_releases_a_lock_of_its_own(tmp_path) -> None:
+    """The child closes its copy of an inherited owner lock at the fork; the next lock it
+    takes may get the same descriptor number, and releasing the inherited lock object (a
+    `with` block unwinding in the child) closed that new lock: another process could then
+    take a store the child believed it owned. Only the process that took a lock releases it."""
+    import fcntl
+    import os
+
+    from engine._owner import LOCK_NAME, OwnerLock
+
+    inherited = OwnerLock(tmp_path / "a", "serving").acquire()
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            own = OwnerLock(tmp_path / "b", "serving").acquire()
+            inherited.release()
+            probe = os.open(tmp_path / "b" / LOCK_NAME, os.O_RDWR)
+            try:
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.write(write, b"taken")
+            except BlockingIOError:
+                os.write(write, b"held")
+            own.release()
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    assert os.read(read, 16) == b"held"
+    inherited.release()
