@@ -28,6 +28,17 @@ class ManualClock:
         return self.now
 
 
+class FailingClock(ManualClock):
+    """A ManualClock that raises while ``broken`` (a time service restarting, or gone)."""
+
+    broken = False
+
+    def __call__(self):
+        if self.broken:
+            raise RuntimeError("clock source unavailable")
+        return super().__call__()
+
+
 async def test_a_new_value_supersedes_the_old_one_and_history_keeps_both(store_path) -> None:
     """Moving city: the new location is active, the old one is kept with invalid_at set."""
     clock = StepClock(step=timedelta(days=1))
@@ -346,15 +357,7 @@ async def test_a_clock_that_fails_for_a_moment_costs_no_turn_its_facts(store_pat
     caller of an API call the clock failed hears ClockFailed, the engine's own type."""
     from engine import ClockFailed
 
-    class Flaky(ManualClock):
-        broken = False
-
-        def __call__(self):
-            if self.broken:
-                raise RuntimeError("clock source unavailable")
-            return super().__call__()
-
-    clock = Flaky()
+    clock = FailingClock()
     async with open_engine(store_path, clock=clock) as mem:
         clock.broken = True
         await mem.add_turn("bo", "s1", "user", "My name is Bo and I live in Oslo.",
@@ -375,15 +378,7 @@ async def test_a_clock_that_stays_broken_holds_the_long_term_layer_only_so_long(
     records are kept as failures, as any record's error, and a flush returns."""
     from actors.store.replay import CLOCK_WAIT_SECONDS
 
-    class Broken(ManualClock):
-        broken = False
-
-        def __call__(self):
-            if self.broken:
-                raise RuntimeError("clock source gone")
-            return super().__call__()
-
-    clock = Broken()
+    clock = FailingClock()
     async with open_engine(store_path, clock=clock) as mem:
         clock.broken = True
         await mem.add_turn("bo", "s1", "user", "My name is Bo.", at=T0, durable=True)
