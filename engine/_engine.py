@@ -1127,10 +1127,10 @@ class Engine:
                      seal: bool = False) -> dict[str, Any]:
         """Check a whole store: every record's checksum, the hash chain from the first log
         position to the head (and the head's MAC, with the key), that every removed record
-        is covered by a logged removal, and that every session's turns run without gaps. It
-        reads one consistent state, so it may run beside an engine serving the store from
-        another process (not with ``seal``); LMDB opens a store once per process, so not
-        beside one of this process.
+        is covered by a logged removal, that every session's turns run without gaps, and
+        that no key has two active fact values. It reads one consistent state, so it may run
+        beside an engine serving the store from another process (not with ``seal``); LMDB
+        opens a store once per process, so not beside one of this process.
 
         Args:
             store_path: the store directory.

@@ -9,7 +9,8 @@ consistent state):
 - every link of the chain recomputes, every logged record matches its content digest, and every
   log entry that is gone is listed as removed by a later chain record (a forget's tombstone);
 - every session's turns are numbered 0..turn_count-1 without gaps, each stored under its own
-  user, session and seq, and logged at its own lsn.
+  user, session and seq, and logged at its own lsn;
+- no user's category and key has two active fact values.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import msgspec
 from actors.base.config import Config
 from actors.base.errors import EngineBroken, EngineError, InvalidInput, StoreCorrupt
 from actors.base.records import SessionInfo, Turn
-from actors.store import LOG_TURN, MAX_DBS, check_chain, lsn_key, open_databases
+from actors.facts import spelling
+from actors.store import LOG_TURN, MAX_DBS, check_chain, decode_fact, lsn_key, open_databases
 from actors.store.layout import SCHEMA_KEY
 from actors.store.pages import damaged_page
 from actors.store.integrity import (
@@ -233,6 +235,7 @@ def _walk(env: lmdb.Environment, report: dict[str, Any], problems: list[tuple[st
             problems.extend((f"lsn {lsn}", what) for lsn, what in
                             check_chain(txn, dbs, 1, max(head.lsn, last), head.digest))
         report["sessions"] = _sessions(txn, dbs, problems)
+        _active_facts(txn, dbs, problems)
     if seal and not problems and head is not None and not head.mac:
         try:
             with env.begin(write=True) as wtxn:
@@ -333,6 +336,29 @@ def _checksums(raw: Any, dbs: dict[bytes, Any], problems: list[tuple[str, str]])
             except StoreCorrupt:
                 problems.append((f"{name.decode()} {key!r}", "fails its checksum"))
     return checked
+
+
+def _active_facts(txn: CheckedTxn, dbs: dict[bytes, Any],
+                  problems: list[tuple[str, str]]) -> None:
+    """At most one active version of each user's category and key (however spelt), as the
+    facts actor keeps them and an import requires: a store written before 79cbe2a could hold
+    two after a forget under a clock behind the one that recorded the value."""
+    active: dict[tuple[str, tuple[str, str]], str] = {}
+    for key, value in txn.raw.cursor(dbs[b"facts"]):
+        try:
+            fact = decode_fact(unseal(value, b"facts", key))
+        except (EngineError, msgspec.DecodeError):
+            continue  # already listed by the checksum pass
+        if fact.status != "active":
+            continue
+        which = (fact.user_id, spelling(fact.category, fact.key))
+        if which in active:
+            problems.append((f"facts {key!r}", f"a second active value of "
+                             f"{fact.category}/{fact.key} for user {fact.user_id!r} (beside "
+                             f"{active[which]}): call forget_fact on the key until it has no "
+                             "active value, then remember the right one"))
+        else:
+            active[which] = fact.fact_id
 
 
 def _sessions(txn: CheckedTxn, dbs: dict[bytes, Any], problems: list[tuple[str, str]]) -> int:

@@ -42,3 +42,35 @@ async def test_a_compacted_store_above_lmdbs_default_map_is_sealed(tmp_path) -> 
     report = await Engine.verify(store, integrity_key=key, seal=True)
     assert (report["ok"], report["mac"]) == (True, "sealed"), report
     assert (await Engine.verify(store, integrity_key=key))["mac"] == "checked"
+
+
+async def test_two_active_versions_of_one_fact_key_are_a_problem_verify_names(tmp_path) -> None:
+    """A store written before 79cbe2a could hold two active values of one key (a forget
+    under a clock behind the recording one): recall showed both and the user's export did
+    not import, while verify said the store was fine. It names the key and what to do."""
+    import lmdb
+    import msgspec
+
+    from actors.store import decode_fact
+    from actors.store.integrity import seal, unseal
+    from engine import HashEmbedder
+
+    store = tmp_path / "store"
+    async with Engine.open(store, embedder=HashEmbedder()) as mem:
+        await mem.remember_fact("u", "identity", "city", "Porto")
+        await mem.correct_fact("u", "identity", "city", "Lisbon")
+    assert (await Engine.verify(store))["ok"]
+    env = lmdb.open(str(store), max_dbs=32)
+    with env.begin(write=True) as txn:  # Porto made active again, as the old defect left it
+        facts = env.open_db(b"facts", txn=txn, create=False)
+        for key, value in list(txn.cursor(facts)):
+            fact = decode_fact(unseal(value, b"facts", key))
+            if fact.value == "Porto":
+                revived = msgspec.structs.replace(fact, status="active", invalid_at=None)
+                txn.put(key, seal(msgspec.msgpack.encode(revived), key), db=facts)
+    env.close()
+    report = await Engine.verify(store)
+    assert not report["ok"]
+    (problem,) = report["problems"]
+    what = problem["what"]
+    assert "identity/city" in what and "'u'" in what and "forget_fact" in what, what
