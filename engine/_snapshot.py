@@ -20,7 +20,6 @@ checked with the integrity key, its head alone.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import hmac
@@ -28,8 +27,8 @@ import json
 import os
 import shutil
 import threading
-from contextlib import suppress
 from collections.abc import Awaitable, Callable
+from contextlib import suppress
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from actors.base.errors import (
     StoreIncompatible,
     StoreInUse,
     StoreTampered,
+    disk_full,
 )
 from actors.base.records import SCHEMA_VERSION
 from actors.fulltext import build_index
@@ -686,8 +686,7 @@ def _compact(store: Path, progress: Callable[[int, int], None] | None) -> dict[s
             clean_copy(env, txn, fresh)
     except BaseException as exc:
         shutil.rmtree(fresh, ignore_errors=True)  # a partial copy would keep the disk full
-        if isinstance(exc, lmdb.DiskError) or (isinstance(exc, OSError)
-                                                and exc.errno == errno.ENOSPC):
+        if disk_full(exc):
             raise EngineBroken(f"compacting {store} failed: {exc}; the store is as it was: "
                                "free space (the copy needs as much as the live records "
                                "take) and compact it again") from exc

@@ -15,10 +15,14 @@
 - :class:`StoreInUse`: another engine (in this process or another) owns the store.
 
 Native exceptions (``lmdb.Error``, onnxruntime and tantivy errors) are translated into these at
-the actor edge and chained with ``from``, so callers need to catch only :class:`EngineError`.
+the actor edge and chained with ``from``, so callers need to catch only :class:`EngineError`;
+:func:`disk_full` tells which of them mean a full disk, the one failure that is the disk's
+state and not the store's damage.
 """
 
 from __future__ import annotations
+
+import errno
 
 __all__ = [
     "EngineError",
@@ -161,3 +165,15 @@ class StoreInUse(EngineError):
         super().__init__(message)
         self.path = path
         self.pid = pid
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether a native error says the disk, or the user's quota, is full: an OSError's errno,
+    or the text LMDB's DiskError and tantivy's StorageFull carry (their errors reach Python as
+    text). Such a failure is EngineBroken saying so, never damage: nothing may be deleted or
+    restored for it."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(error)
+    return any(sign in text for sign in ("No space left on device", "Disk quota exceeded",
+                                         "StorageFull"))

@@ -23,7 +23,6 @@ treated like any other damage.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import math
@@ -35,7 +34,7 @@ from typing import Any
 import tantivy
 import trio
 
-from ..base.errors import EngineBroken, EngineClosed
+from ..base.errors import EngineBroken, EngineClosed, disk_full
 from ..base.messages import PutState, Searchable
 from ..base.where import Node
 from ..store import Damaged, Store, damage_puts, failure_put, read_log_range, read_searchables
@@ -62,14 +61,6 @@ log = logging.getLogger("engram.fulltext")
 COMMIT_DOCS = 4_096  # pending documents that trigger a commit
 COMMIT_INTERVAL = 1.0  # seconds a document may wait for its commit when nobody is waiting
 DAMAGED_SUFFIX = ".damaged-"  # a damaged index moved aside before it is removed
-
-
-def _disk_full(exc: BaseException) -> bool:
-    """Whether an error says the disk (or the user's quota) is full: an OSError's errno, or
-    tantivy's text for it (its errors reach Python as ValueError text)."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    return "StorageFull" in str(exc) or "No space left on device" in str(exc)
 
 
 def _remove(path: Path) -> None:
@@ -234,7 +225,7 @@ class FullText:
             if not isinstance(exc, (IndexDamaged, ValueError, OSError, RuntimeError)
                               ) and not _is_panic(exc):
                 raise
-            if _disk_full(exc):  # the disk's state, not the index's: it is kept
+            if disk_full(exc):  # the disk's state, not the index's: it is kept
                 raise EngineBroken(f"cannot open the text index at {self.path}: {exc}; free "
                                    "space and open the store again") from exc
             self.damage = str(exc) or type(exc).__name__

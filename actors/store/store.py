@@ -30,6 +30,7 @@ from ..base.errors import (
     StoreCorrupt,
     StoreIncompatible,
     StoreTampered,
+    disk_full,
 )
 from ..base.messages import (
     DeleteNote,
@@ -76,11 +77,6 @@ READ_THREADS = 2  # concurrent read transactions: one per core; the writer has i
 TAIL_CHECK = 64  # log positions whose chain opening a store recomputes: the last writes
 
 T = TypeVar("T")
-
-
-def _disk_full(exc: lmdb.Error) -> bool:
-    """Whether LMDB's error says the disk (or the user's quota) is full."""
-    return isinstance(exc, lmdb.DiskError) or "No space left on device" in str(exc)
 
 
 class Store(Writer, Appliers, Forgetting):
@@ -252,7 +248,7 @@ class Store(Writer, Appliers, Forgetting):
         try:
             env = self._lmdb_open(self._config.initial_map_bytes)
         except lmdb.Error as exc:
-            if _disk_full(exc):
+            if disk_full(exc):
                 raise self._full(exc) from exc
             raise StoreIncompatible(f"cannot open an LMDB store at {self.path}: {exc}") from exc
         try:
@@ -270,7 +266,7 @@ class Store(Writer, Appliers, Forgetting):
             raise _damaged(self.path, exc) from exc
         except BaseException as exc:
             env.close()
-            if isinstance(exc, lmdb.Error) and _disk_full(exc):  # a migration's, a new store's
+            if disk_full(exc):  # a migration's, a new store's
                 raise self._full(exc) from exc
             raise
         self._committed_lsn = self._next_lsn - 1
