@@ -297,7 +297,6 @@ class OpenAICompatibleLLM:
         # messages and httpx's own log lines name.
         self._basic = (url.username, url.password) if url.userinfo else None
         self.url = str(url.copy_with(username=None, password=None))
-        self._shown_url = self.url
         self.model = model
         self.api_key = api_key
         self.timeout = timeout
@@ -333,7 +332,7 @@ class OpenAICompatibleLLM:
             until, answered = self._refused
             now = self._clock()
             if now < until:
-                raise LLMFailed(f"not calling {self._shown_url} for {until - now:.0f} s more: "
+                raise LLMFailed(f"not calling {self.url} for {until - now:.0f} s more: "
                                 f"it {answered}; expected a valid API key")
             # This call tries again; the others keep failing at once meanwhile.
             self._refused = trying = (now + self.auth_pause, answered)
@@ -371,7 +370,7 @@ class OpenAICompatibleLLM:
                 if status in AUTH_STATUSES:
                     self._refuse(f"answered HTTP {status}: {self._body(data, 300)}")
                 elif self._refused is not None:
-                    log.info("%s took the API key again (HTTP %d)", self._shown_url, status)
+                    log.info("%s took the API key again (HTTP %d)", self.url, status)
                     self._refused = None
                 if status < 400:
                     return _content(data, self.url, self._body)
@@ -389,7 +388,7 @@ class OpenAICompatibleLLM:
         answered = self._clean(answered)  # a server may echo the request's header
         if self._refused is None:
             log.error("%s %s: a bad or revoked API key; the model is not called for %g s "
-                      "(the offline summaries and rules stand in)", self._shown_url, answered,
+                      "(the offline summaries and rules stand in)", self.url, answered,
                       self.auth_pause)
         self._refused = (self._clock() + self.auth_pause, answered)
 
