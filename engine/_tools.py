@@ -252,16 +252,20 @@ def _shown(value: Any) -> str:
 
 
 def _time(args: Mapping[str, Any], name: str) -> datetime | None:
-    """An ISO 8601 argument as a datetime (the engine checks it has a zone)."""
+    """An ISO 8601 argument as a datetime with its zone, in the engine's range; a refusal
+    names the argument as the caller sent it (``arguments.as_of``), whichever check fails."""
     value = args.get(name)
     if value is None:
         return None
     try:
-        return datetime.fromisoformat(value)
+        parsed = datetime.fromisoformat(value)
     except ValueError:
+        parsed = None
+    if parsed is None or parsed.tzinfo is None:
         raise InvalidInput(f"arguments.{name}", "expected an ISO 8601 time with its zone, "
                                                 f"e.g. 2026-01-15T09:00:00Z, found "
-                                                f"{_shown(value)}") from None
+                                                f"{_shown(value)}")
+    return v.check_at(parsed, f"arguments.{name}")
 
 
 def _plain(value: msgspec.Struct) -> dict[str, Any]:

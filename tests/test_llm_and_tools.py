@@ -237,6 +237,17 @@ async def test_a_tool_error_never_echoes_a_huge_argument_whole(mem) -> None:
         assert len(str(caught.value)) < 500, str(caught.value)[:200]
 
 
+@pytest.mark.parametrize("value", ["2026-01-15T09:00:00", "9999-12-31T23:59:59+14:00",
+                                   "2026-13-01T00:00:00Z"])
+async def test_a_tool_names_a_bad_as_of_as_its_argument(mem, value) -> None:
+    """A time without its zone, or out of the engine's range, was named ``as_of`` (the
+    engine's own parameter) while an unparsable one was ``arguments.as_of``: a model, or a
+    client over HTTP or MCP, sends ``arguments`` and needs one name for the one field."""
+    with pytest.raises(InvalidInput) as info:
+        await mem.call_tool("search_memory", {"user_id": "ana", "query": "x", "as_of": value})
+    assert info.value.field == "arguments.as_of", (info.value.field, str(info.value))
+
+
 async def test_a_tool_argument_nested_thousands_deep_is_refused(mem) -> None:
     """An in-process call_tool with a where nested 50,000 deep raised RecursionError inside
     the schema check (over HTTP and MCP the JSON parser stops it first)."""
