@@ -236,9 +236,10 @@ def _translate(group: BaseExceptionGroup, body_error: BaseException | None) -> B
         return body_error
     if all(not isinstance(e, Exception) and type(e).__name__ != "PanicException"
            for e in leaves):
-        # KeyboardInterrupt and the like pass through untouched; a native library's panic
+        # KeyboardInterrupt and the like pass through untouched, one as itself (so that
+        # ``except SystemExit`` and sys.exit's status see it); a native library's panic
         # (pyo3's PanicException, a BaseException) is the engine breaking, not the caller.
-        return group
+        return leaves[0] if len(leaves) == 1 else group
     damage = [e for e in leaves if isinstance(e, StoreCorrupt)]
     if damage:
         # A part found the store damaged; the other failures are its fallout (the store

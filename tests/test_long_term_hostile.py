@@ -9,8 +9,10 @@ import random
 import threading
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 import trio
 
 import actors.base.validate as validate
@@ -23,7 +25,7 @@ from actors.extraction import MAX_CANDIDATES, extract_facts
 from engine import Engine, HashEmbedder
 
 from .actors.test_facts import ManualClock
-from .conftest import T0, open_engine
+from .conftest import T0, StepClock, open_engine
 
 MAX_TEXT = Config().max_text_chars
 
@@ -339,3 +341,31 @@ async def test_sentences_the_model_fails_on_still_make_episodes(store_path) -> N
         assert {f.actor for f in await mem.failures("amy")} == {"embedder", "episodic"}
         assert await mem.failures("zed") == []
     await _verified(store_path)
+
+
+class _ExitingExtractor:
+    """A caller's extractor that ends the program from inside the engine."""
+
+    name = "exiting"
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    async def extract(self, text: str) -> list[Any]:
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc", [SystemExit(3), KeyboardInterrupt()])
+async def test_an_extractor_ending_the_program_ends_it_as_itself(store_path, exc) -> None:
+    """SystemExit or KeyboardInterrupt raised in a caller's extractor ended the engine's
+    ``async with`` as a bare BaseExceptionGroup: an ``except SystemExit`` or ``except
+    KeyboardInterrupt`` missed it, and ``sys.exit(3)`` left the process with status 1. It
+    is now raised as itself, and the turn acknowledged durable before it is stored."""
+    with pytest.raises(type(exc)) as raised:
+        async with open_engine(store_path, clock=StepClock(),
+                               extractor=_ExitingExtractor(exc)) as mem:
+            await mem.add_turn("ana", "s", "user", "I live in Lisbon", durable=True)
+            await trio.sleep_forever()
+    assert raised.value is exc
+    async with open_engine(store_path, clock=StepClock()) as mem:
+        assert [t.text for t in await mem.session_history("ana", "s")] == ["I live in Lisbon"]
