@@ -58,6 +58,27 @@ async def test_a_failing_disk_breaks_the_engine_loudly(store_path, monkeypatch) 
     assert "store failed before committing" in str(failure)
 
 
+async def test_a_failing_disk_names_the_write_it_failed_not_a_turn(store_path,
+                                                                   monkeypatch) -> None:
+    """A forget_session (or a note, a fact) the failing disk never committed was told
+    "the store failed before committing this turn": it names the write now."""
+    def broken_write(self, segments, last_lsn, flush):
+        raise EngineBroken("writing to the store failed: No space left on device")
+
+    failures: list[BaseException] = []
+    with pytest.raises(EngineBroken):
+        async with open_engine(store_path) as mem:
+            await mem.add_turn("ana", "s1", "user", "kept", durable=True)
+            monkeypatch.setattr(store_mod.Store, "_write", broken_write)
+            try:
+                await mem.forget_session("ana", "s1")
+            except EngineBroken as exc:
+                failures.append(exc)
+            await trio.sleep_forever()
+    (failure,) = failures
+    assert "before committing this write" in str(failure) and "turn" not in str(failure)
+
+
 async def test_an_open_on_a_full_disk_leaves_no_lock_behind(store_path, monkeypatch) -> None:
     """Writing its pid into the owner lock failed with ENOSPC after the lock was taken: the
     open raised a bare OSError and the descriptor stayed locked, so once space was freed every

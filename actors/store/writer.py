@@ -507,8 +507,8 @@ class Writer:
 
     def _not_committed_error(self) -> EngineError:
         if self._failure is None:
-            return EngineClosed("the engine closed before this turn was committed")
-        error = EngineBroken("the store failed before committing this turn; reopen it to go on")
+            return EngineClosed("the engine closed before this write was committed")
+        error = EngineBroken("the store failed before committing this write; reopen it to go on")
         error.__cause__ = self._failure
         return error
 
