@@ -177,3 +177,13 @@ def disk_full(error: BaseException) -> bool:
     text = str(error)
     return any(sign in text for sign in ("No space left on device", "Disk quota exceeded",
                                          "StorageFull"))
+
+
+def out_of_descriptors(error: BaseException) -> bool:
+    """Whether a native error says the process (EMFILE) or the system (ENFILE) has no file
+    descriptor left: an OSError's errno, or the text tantivy's TooManyOpenFiles carries. A
+    passing state (a flood of connections to the server holds them), never damage."""
+    if isinstance(error, OSError) and error.errno in (errno.EMFILE, errno.ENFILE):
+        return True
+    text = str(error)
+    return "Too many open files" in text or "TooManyOpenFiles" in text

@@ -34,7 +34,7 @@ from typing import Any
 import tantivy
 import trio
 
-from ..base.errors import EngineBroken, EngineClosed, disk_full
+from ..base.errors import EngineBroken, EngineClosed, disk_full, out_of_descriptors
 from ..base.messages import PutState, Searchable
 from ..base.where import Node
 from ..store import Damaged, Store, damage_puts, failure_put, read_log_range, read_searchables
@@ -60,6 +60,8 @@ log = logging.getLogger("engram.fulltext")
 
 COMMIT_DOCS = 4_096  # pending documents that trigger a commit
 COMMIT_INTERVAL = 1.0  # seconds a document may wait for its commit when nobody is waiting
+# Seconds between attempts to go on after a commit the process had no file descriptor for.
+DESCRIPTOR_RETRY = 1.0
 DAMAGED_SUFFIX = ".damaged-"  # a damaged index moved aside before it is removed
 
 
@@ -99,6 +101,7 @@ class FullText:
         self._queries = QueryBuilder(self._schema, self._analyzer)
         self._index: tantivy.Index | None = None
         self._writer: Any = None
+        self._reloading = False  # a commit landed that searches do not see yet
         self._indexed_lsn = 0  # every log record up to here is searchable (indexed_lsn)
         self._read_lsn = 0  # every log record up to here has been handed to the writer
         self._pending = 0  # documents and deletions not yet committed
@@ -449,14 +452,63 @@ class FullText:
 
     async def _commit_now(self) -> None:
         async with self._commit_lock:
-            await trio.to_thread.run_sync(self._commit)
+            try:
+                await trio.to_thread.run_sync(self._commit)
+            except Exception as exc:
+                if not out_of_descriptors(exc):
+                    raise
+                if not self._reloading:
+                    await self._start_over(exc)
+                    return
+                while self._reloading:  # committed: searches see it once a reload can open it
+                    await trio.sleep(DESCRIPTOR_RETRY)
+                    try:
+                        await trio.to_thread.run_sync(self._reload)
+                    except Exception as again:
+                        if not out_of_descriptors(again):
+                            raise
         self._pending = 0
         self.indexed_lsn = self._read_lsn
         self._indexed.unpark_all()
 
+    async def _start_over(self, exc: Exception) -> None:
+        """A commit failed for want of file descriptors (a flood of connections to the
+        server holds them all). Tantivy's writer has then dropped the documents it held, and
+        drops every later one without a word: the index goes on with a fresh writer, once
+        one can be made, from the log position it last committed."""
+        log.warning("fulltext: a commit found no file descriptor free (%s); the index goes on "
+                    "from log position %d once one is", exc, self.indexed_lsn)
+        self._pending = 0
+        self._read_lsn = self.indexed_lsn
+        while True:
+            try:
+                await trio.to_thread.run_sync(self._fresh_writer)
+                return
+            except Exception as again:
+                if not out_of_descriptors(again):
+                    raise
+                await trio.sleep(DESCRIPTOR_RETRY)
+
+    def _fresh_writer(self) -> None:
+        """Drop the writer (what it held uncommitted goes with it) and make a new one."""
+        if self._writer is not None:
+            old, self._writer = self._writer, None
+            try:
+                old.rollback()
+                old.wait_merging_threads()
+            except Exception as exc:  # the failed writer's own state: it is dropped anyway
+                log.info("fulltext: dropping the failed writer: %r", exc)
+            del old
+        self._writer = self._index.writer(heap_size=WRITER_HEAP, num_threads=1)
+
     def _commit(self) -> None:
         self._writer.commit()
+        self._reloading = True  # committed; searches see it after the reload
+        self._reload()
+
+    def _reload(self) -> None:
         self._index.reload()
+        self._reloading = False
 
     # -- copies ------------------------------------------------------------------------------
 
