@@ -16,6 +16,7 @@ import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException
+from starlette.responses import Response
 
 from actors.base.errors import InvalidInput
 
@@ -117,6 +118,84 @@ class Caller:
     def check_admin(self) -> None:
         if self.users is not None:
             raise HTTPException(403, "this route needs an admin key ('<key> *')")
+
+
+CALLER = "engram_caller"  # where the Edge leaves who calls, in the request's state
+_REFUSALS = {401: "Unauthorized", 403: "Forbidden"}
+
+
+def authorize(keys: ApiKeys, header: str) -> Caller:
+    """The caller an ``Authorization`` header names.
+
+    Raises:
+        HTTPException: 401, no ``Bearer <key>`` or a key the file does not hold (the header
+            itself is never echoed: a key sent without its scheme would be in the answer).
+    """
+    scheme, _, key = header.partition(" ")
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key:
+        found = ("none" if not header else "'Bearer' and no key" if scheme.lower() == "bearer"
+                 else "a header with no 'Bearer ' scheme")
+        raise HTTPException(401, f"expected 'Authorization: Bearer <key>', found {found}",
+                            headers={"WWW-Authenticate": "Bearer"})
+    known, users = keys.lookup(key)
+    if not known:
+        raise HTTPException(401, "expected a key from the server's api-keys file, found an "
+                                 "unknown key", headers={"WWW-Authenticate": "Bearer"})
+    return Caller(users)
+
+
+def keyed(path: str) -> bool:
+    """Whether a path's routes need a key: the API (``/v1``) and ``/metrics``; not the probes,
+    the OpenAPI document or the inspector (``/ui``, which checks its own)."""
+    return path.startswith("/v1/") or path == "/metrics"
+
+
+def path_user(path: str) -> str | None:
+    """The user a routed ``/v1/users/{user_id}...`` path names (None for any other path)."""
+    if not path.startswith("/v1/users/"):
+        return None
+    segment = path[len("/v1/users/"):].partition("/")[0]
+    return IdConvertor().convert(segment) if segment else None
+
+
+def key_refusal(keys: ApiKeys, scope: dict, path: str
+                ) -> tuple[Caller | None, Response | None]:
+    """For a request to a routed ``path`` that needs a key (:func:`keyed`): (who calls,
+    None), or (None, the 401 or 403 to answer) when the ``Authorization`` header holds no key
+    of ``keys`` or a key that may not act for the user the path names. Reads no body: a
+    caller with no key must not make the server hold and parse one."""
+    header = next((v.decode("latin-1") for n, v in scope.get("headers", ())
+                   if n == b"authorization"), "")
+    try:
+        caller = authorize(keys, header)
+        user = path_user(path)
+        if user is not None:
+            caller.check(user)
+    except HTTPException as exc:
+        return None, error_response(exc.status_code, _REFUSALS[exc.status_code], exc.detail,
+                                    headers=exc.headers)
+    return caller, None
+
+
+class KeysFirst:
+    """Pure ASGI: what the Edge refuses for want of a key, refused in front of ``app``: a
+    cluster node's router, which reads a body to find its user and forwards requests before
+    the owner's Edge would check them."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            path = routed_path(scope)
+            if keyed(path):
+                refusal = key_refusal(self.keys, scope, path)[1]
+                if refusal is not None:
+                    await refusal(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
 
 
 # -- ids in paths -------------------------------------------------------------------------------
@@ -273,15 +352,16 @@ class Metrics:
 
 
 class Edge:
-    """Pure ASGI middleware: the body size limit, the wait for a body's bytes (BODY_WAIT) and
-    the request metrics, around every route."""
+    """Pure ASGI middleware: the key (and the user a path names) checked before the body is
+    read, the body size limit, the wait for a body's bytes (BODY_WAIT) and the request
+    metrics, around every route."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], metrics: Metrics,
-                 max_body: int, keyless: bool = False) -> None:
+                 max_body: int, keys: ApiKeys | None = None) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body = max_body
-        self.keyless = keyless  # no api keys: only this machine's own clients (cross_site)
+        self.keys = keys  # None: only this machine's own clients (cross_site), no keys
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -296,7 +376,7 @@ class Edge:
             await response(scope, receive, send)
             self._count(scope, 422, started)
             return
-        refusal = cross_site(scope) if self.keyless else None
+        refusal = cross_site(scope) if self.keys is None else None
         if refusal is not None:
             await error_response(403, "Forbidden", refusal)(scope, receive, send)
             self._count(scope, 403, started)
@@ -304,6 +384,15 @@ class Edge:
         path = routed_path(scope)
         if path != scope["path"]:
             scope = {**scope, "path": path}
+        if self.keys is not None and keyed(path):
+            # Who calls, and for which user the path says, before a byte of the body is
+            # read: an anonymous client must not make the server hold and parse 8 MiB.
+            caller, refusal = key_refusal(self.keys, scope, path)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                self._count(scope, refusal.status_code, started)
+                return
+            scope = {**scope, "state": {**scope.get("state", {}), CALLER: caller}}
         headers = scope.get("headers", [])
         if scope.get("method") in ("POST", "PUT", "PATCH") and not scope.get(
                 "path", "").startswith("/ui/"):

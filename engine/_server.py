@@ -20,7 +20,9 @@ through are ``_http_edge.py``; the request bodies and responses ``_http_wire.py`
 import gc
 import logging
 import re
+import resource
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -42,7 +44,8 @@ from actors.base.errors import EngineError, InvalidInput
 from actors.base.records import Episode, Fact, Link, Note, ReviewState, SessionInfo, Turn
 
 from ._engine import Engine
-from ._http_edge import ApiKeys, Caller, Edge, Metrics, is_loopback, load_api_keys
+from ._http_edge import (CALLER, ApiKeys, Caller, Edge, Metrics, authorize, is_loopback,
+                         load_api_keys)
 from ._http_wire import (
     ERROR_RESPONSES,
     HIT_EXAMPLE,
@@ -129,8 +132,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
         description="An in-process memory engine for chat bots and agents, over HTTP. "
                     "Send `Authorization: Bearer <key>` when the server has an api-keys file.")
     metrics = Metrics()
-    app.add_middleware(Edge, metrics=metrics, max_body=max_body_bytes,
-                       keyless=keys is None)
+    app.add_middleware(Edge, metrics=metrics, max_body=max_body_bytes, keys=keys)
     # The inspector's pages, on the same engine and keys (engine/ui).
     ui = create_ui(engine, keys)
     app.mount("/ui", ui)
@@ -138,18 +140,10 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
     async def caller(request: Request) -> Caller:
         if keys is None:
             return Caller(None)
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            # Never echo the header: a key sent without its scheme would be in the answer.
-            found = "none" if not header else "a header with no 'Bearer ' scheme"
-            raise HTTPException(401, f"expected 'Authorization: Bearer <key>', found {found}",
-                                headers={"WWW-Authenticate": "Bearer"})
-        known, users = keys.lookup(key.strip())
-        if not known:
-            raise HTTPException(401, "expected a key from the server's api-keys file, found an "
-                                     "unknown key", headers={"WWW-Authenticate": "Bearer"})
-        return Caller(users)
+        # The Edge checked the key before the body was read (every keyed route).
+        checked = request.scope.get("state", {}).get(CALLER)
+        return checked if checked is not None else authorize(
+            keys, request.headers.get("authorization", ""))
 
     Who = Annotated[Caller, Depends(caller)]
 
@@ -634,16 +628,46 @@ def lean(body: type[BaseModel], *path: str) -> dict[str, Any]:
 # -- serving ------------------------------------------------------------------------------------
 
 
+# Seconds an answer may sit in the kernel untaken by its client (no window, or no ack)
+# before the connection is dropped (TCP_USER_TIMEOUT on the listening sockets, which their
+# connections inherit). Hypercorn writes an answer in a shielded send that nothing else ends:
+# a client that never reads would hold its connection, and a graceful stop, for ever.
+SEND_WAIT = 30.0
+
+
 def hypercorn_config(host: str, port: int | str) -> Any:
     """Hypercorn's config as every server here runs it: bound to ``host:port`` (an IPv6
-    address in brackets), no access log, a 5 s graceful stop."""
+    address in brackets), no access log, a 5 s graceful stop, and connections whose
+    answers a client leaves untaken for SEND_WAIT dropped (Linux)."""
     from hypercorn.config import Config as HypercornConfig
 
-    hc = HypercornConfig()
+    class Bounded(HypercornConfig):
+        def create_sockets(self) -> Any:
+            sockets = super().create_sockets()
+            option = getattr(socket, "TCP_USER_TIMEOUT", None)
+            for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
+                if option is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                    sock.setsockopt(socket.IPPROTO_TCP, option, int(SEND_WAIT * 1000))
+            return sockets
+
+    hc = Bounded()
     hc.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     hc.accesslog = None
     hc.graceful_timeout = 5.0
     return hc
+
+
+def spare_descriptors() -> None:
+    """Raise the process's soft limit on open files to its hard limit: every connection
+    holds a descriptor, and the engine's own files need theirs (a commit of the text index
+    that finds none waits until one is free). Where the limit cannot move, it stays."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 1 << 20 if hard == resource.RLIM_INFINITY else hard  # Linux's fs.nr_open
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):
+            pass
 
 
 class Shutdown:
@@ -722,6 +746,7 @@ async def serve(store: str | Path, *, host: str = LOOPBACK, port: int = 8080,
             say("warning: no --api-keys file: every local process may read and write every user")
         host = LOOPBACK
     hc = hypercorn_config(host, port)
+    spare_descriptors()
     shutdown = Shutdown()
     try:
         async with Engine.open(store, config=config) as mem:

@@ -10,11 +10,11 @@ import pytest
 import trio
 
 from engine import InvalidInput
-from engine._http_edge import LocalOnly
+from engine._http_edge import KeysFirst, LocalOnly
 from engine._http_wire import MAX_BATCH_TURNS
 from engine._server import create_app, load_api_keys, serve
 
-from .test_server import ADMIN_KEY, ANA_KEY, _free_port, seg
+from .test_server import ADMIN_KEY, ANA_KEY, BO_KEY, ROUTES, _fill, _free_port, seg
 
 
 def lenient(app, key: str | None = None) -> httpx.AsyncClient:
@@ -412,6 +412,102 @@ async def test_a_keyless_cluster_node_refuses_before_its_router_forwards() -> No
     assert reached == ["/v1/users/ana"]
 
 
+async def test_a_keyed_cluster_node_refuses_a_keyless_caller_before_its_router(
+        tmp_path) -> None:
+    """A node's router reads a body to find its user (retrieve_memory, the tools) and forwards
+    requests to their owner before the owner's Edge checks the key: an anonymous client made
+    every node hold and parse its 8 MiB, and had it forwarded. The node puts KeysFirst in
+    front of its router: no key, an unknown one, or another user's path is refused there,
+    before a byte of the body is read."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"{ANA_KEY} ana\n{ADMIN_KEY} *\n")
+    reached = []
+
+    async def router(scope, receive, send) -> None:
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    app = KeysFirst(router, load_api_keys(keys))
+    read: list[str] = []
+
+    async def receive() -> dict:
+        read.append("receive")
+        await trio.sleep_forever()
+
+    for path, key, expected in (("/v1/retrieve_memory", None, 401),
+                                ("/v1/tools/search_memory", "wrong", 401),
+                                ("/v1/users/bo/notes", ANA_KEY, 403), ("/metrics", None, 401)):
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        headers = [(b"host", b"127.0.0.1:8080"), (b"content-length", b"1000")]
+        if key is not None:
+            headers.append((b"authorization", f"Bearer {key}".encode()))
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+                 "query_string": b"", "root_path": "", "headers": headers,
+                 "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8080)}
+        with trio.fail_after(5):
+            await app(scope, receive, send)
+        assert sent[0]["status"] == expected, (path, key)
+    assert (reached, read) == ([], [])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://127.0.0.1:8080") as http:
+        ana = {"Authorization": f"Bearer {ANA_KEY}"}
+        assert (await http.post("/v1/retrieve_memory", headers=ana, json={})).status_code == 204
+        assert (await http.get("/healthz")).status_code == 204
+    assert reached == ["/v1/retrieve_memory", "/healthz"]
+
+
+async def test_a_client_that_never_reads_its_answers_cannot_hold_the_server(
+        tmp_path, monkeypatch) -> None:
+    """Hypercorn writes an answer in a shielded send: a client that pipelines requests and
+    never reads what comes back held its connection for ever, past every timeout, and a
+    SIGTERM's graceful stop never ended (the process exited only when that client went
+    away). The listening sockets now bound how long an answer may sit untaken (SEND_WAIT,
+    TCP_USER_TIMEOUT): such a connection is dropped, and the stop ends. The server also
+    takes every file descriptor its hard limit allows, as each connection holds one."""
+    import resource
+    import socket
+    import threading
+    import time
+
+    from engine import _server
+
+    monkeypatch.setattr(_server, "SEND_WAIT", 1.0)
+    keys = tmp_path / "keys"
+    keys.write_text(f"{ANA_KEY} ana\n")
+    port = _free_port()
+    stuck = socket.socket()
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    # Were the stop to wait on that client, it waits until the client goes away: here after
+    # 30 s (a hang is a failure below, not a hung suite).
+    gone = threading.Timer(30, stuck.close)
+    gone.start()
+    started = time.monotonic()
+    try:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(lambda task_status: serve(
+                    tmp_path / "store", port=port, api_keys=keys, say=lambda line: None,
+                    handle_signals=False, config={"background_embedding": False},
+                    task_status=task_status))
+                soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+                assert soft == hard or hard == resource.RLIM_INFINITY
+                await trio.to_thread.run_sync(stuck.connect, ("127.0.0.1", port))
+                await trio.to_thread.run_sync(
+                    stuck.sendall, b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n" * 300)
+                await trio.sleep(1)  # the answers fill every buffer between the two
+                nursery.cancel_scope.cancel()  # the stop waits for the stuck send to end
+        assert time.monotonic() - started < 20, "the stop waited for a client that never reads"
+    finally:
+        gone.cancel()
+        stuck.close()
+
+
 async def test_durable_in_a_body_is_a_json_boolean_or_a_422(mem) -> None:
     """pydantic's lax bool read "no", "off" and 0 as false and "yes", "1" and 1 as true: a
     string or a number for durable is refused naming durable, and nothing is written."""
@@ -467,6 +563,54 @@ async def test_a_number_field_given_true_or_a_string_is_a_422_and_stores_nothing
         assert kept.status_code == 201 and kept.json()["importance"] == 1.0, kept.text
         assert (await http.post("/v1/users/ana/recall",
                                 json={"query": "x", "limit": 5.0})).status_code == 200
+
+
+async def test_a_caller_without_a_key_is_refused_before_its_body_is_read(mem,
+                                                                         tmp_path) -> None:
+    """Every route but the two lean ones read and parsed the whole body (up to 8 MiB) before
+    it checked the key: an anonymous client held ~8 MiB of the server a connection, and
+    twenty bodies of empty objects held the loop (and every user's turns) for seconds. Now no
+    key, an unknown key, and a key for another user's path are answered before a byte of the
+    body is asked for (a route with the user in its body checks it once the body is read)."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"{ANA_KEY} ana\n{BO_KEY} bo\n{ADMIN_KEY} *\n")
+    app = create_app(mem, load_api_keys(keys))
+    for method, path, body in [*ROUTES, ("GET", "/metrics", None), ("GET", "/v1/tools", None),
+                               ("GET", "/v1/stats", None), ("POST", "/v1/snapshot", {})]:
+        for key, user, expected in ((None, "ana", 401), ("wrong", "ana", 401),
+                                    (BO_KEY, "ana", 403), (ANA_KEY, "bo", 403)):
+            if expected == 403 and not path.startswith("/v1/users/"):
+                continue
+            asked: list[str] = []
+            sent: list[dict] = []
+
+            async def receive() -> dict:
+                asked.append("receive")
+                await trio.sleep_forever()
+
+            async def send(message: dict) -> None:
+                sent.append(message)
+
+            raw = _fill(path, user).encode()
+            target, _, query = raw.partition(b"?")
+            headers = [(b"host", b"127.0.0.1:8080"), (b"content-length", b"1000")]
+            if key is not None:
+                headers.append((b"authorization", f"Bearer {key}".encode()))
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                     "method": method, "scheme": "http", "path": target.decode(),
+                     "raw_path": target, "query_string": query, "root_path": "",
+                     "headers": headers, "client": ("127.0.0.1", 5000),
+                     "server": ("127.0.0.1", 8080)}
+            with trio.fail_after(5):
+                await app(scope, receive, send)
+            assert (sent[0]["status"], asked) == (expected, []), (method, path, key, sent[:1])
+            answer = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+            assert answer["error"] == {401: "Unauthorized", 403: "Forbidden"}[expected]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://127.0.0.1:8080") as http:
+        blank = await http.get("/v1/users/ana/notes", headers={"Authorization": "Bearer   "})
+    # The scheme is there and the key is blank: it said "a header with no 'Bearer ' scheme".
+    assert blank.status_code == 401 and "'Bearer' and no key" in blank.json()["message"]
 
 
 async def test_a_body_that_stops_arriving_is_a_408_and_nothing_is_written(mem,

@@ -12,13 +12,14 @@ import httpx
 import trio
 
 from .._engine import Engine
-from .._http_edge import LocalOnly, is_loopback
+from .._http_edge import KeysFirst, LocalOnly, is_loopback
 from .._server import (
     LOOPBACK,
     Shutdown,
     create_app,
     hypercorn_config,
     load_api_keys,
+    spare_descriptors,
 )
 from ._log import ClusterConfig, Log
 from ._node import Node
@@ -89,6 +90,7 @@ async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id:
     url = _advertised(host, port, http, advertise)
     store = Path(store)
     hc = hypercorn_config(host, port)
+    spare_descriptors()
     shutdown = Shutdown()  # also releases the node's leases before the engine closes
     try:
         async with Engine.open(store, **node_engine_options(store, config)) as engine:
@@ -97,9 +99,10 @@ async def serve_node(store: str | Path, nats: Sequence[str], http: str, node_id:
                 node = Node(engine, log, node_id, url)
                 writer = ClusterEngine(engine, log, node)
                 router = Router(create_app(writer, keys), node, log)
-                # Without keys, what the owner's Edge would refuse is refused before the router
-                # forwards it.
-                app = router if keys is not None else LocalOnly(router)
+                # What the owner's Edge would refuse (no key, another user's path; without
+                # keys, a caller from off this machine) is refused before the router reads a
+                # body or forwards it.
+                app = KeysFirst(router, keys) if keys is not None else LocalOnly(router)
                 writer.routed = router.counts  # stats() shows what the router did, as /cluster/node
                 async with trio.open_nursery() as nursery:
                     node_scope = trio.CancelScope()  # the node's leases and appliers
