@@ -490,6 +490,7 @@ def _print_inspect(report: dict[str, Any], as_json: bool) -> None:
                                  else {"type": kind, "value": item}, default=str))
         return
     from rich.table import Table
+    from rich.text import Text
 
     console = _console()
     if not console.is_terminal:
@@ -513,7 +514,8 @@ def _print_inspect(report: dict[str, Any], as_json: bool) -> None:
             table.add_column(name, overflow="fold")
         for item in items:
             row = item if isinstance(item, dict) else {"value": item}
-            table.add_row(*(_cell(name, row.get(name)) for name in names))
+            # Text, not str: a stored "[/]" or "[red]" is what a user said, not rich markup.
+            table.add_row(*(Text(_cell(name, row.get(name))) for name in names))
         console.print(table)
 
 
@@ -521,6 +523,7 @@ def _print_status(status: dict[str, Any]) -> None:
     """``cluster status`` for people: the stream and the nodes, then a table of partitions
     (owner, watermark, lag, lease age); ``--json`` gives the same as one document."""
     from rich.table import Table
+    from rich.text import Text
 
     print(f"stream last seq {status['stream_last_seq']:,}; nodes: "
           + (", ".join(f"{n} {url}" for n, url in status["nodes"].items()) or "none"))
@@ -529,7 +532,7 @@ def _print_status(status: dict[str, Any]) -> None:
         table.add_column(name, justify="left" if name == "owner" else "right")
     for p in status["partitions"]:
         age = p["lease_age_seconds"]
-        table.add_row(str(p["partition"]), p["owner"] or "-",
+        table.add_row(str(p["partition"]), Text(p["owner"] or "-"),
                       "-" if p["watermark"] is None else f"{p['watermark']:,}",
                       "-" if p["lag"] is None else f"{p['lag']:,}",
                       "-" if age is None else human_duration(age))

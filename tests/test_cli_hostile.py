@@ -421,6 +421,23 @@ def test_an_ascii_terminal_shows_stored_text_escaped(accented) -> None:
     assert "Z\\xfcrich" in done.stdout.replace("\n", "")
 
 
+def test_inspect_shows_stored_text_that_looks_like_markup_as_it_is(tmp_path) -> None:
+    """A turn holding "[/]" (a user typing it) ended `inspect --user` in rich's MarkupError
+    traceback, and "[red]hunter2[/red]" was shown as "hunter2": what a user said was read
+    as rich's markup. Stored text, ids included, is shown as it is."""
+    async def fill() -> None:
+        async with open_engine(tmp_path / "s", config={"long_term": False}) as mem:
+            await mem.add_turn("ana", "[b]s1", "user", "see the docs [/] for more")
+            await mem.add_turn("ana", "s2", "user", "my password is [red]hunter2[/red] lol")
+
+    trio.run(fill)
+    done = _run("inspect", str(tmp_path / "s"), "--user", "ana", text=True)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    shown = done.stdout.replace("\n", "").replace("│", "").replace(" ", "")
+    for said in ("[b]s1", "[/]", "[red]hunter2[/red]"):
+        assert said.replace(" ", "") in shown, (said, done.stdout)
+
+
 def test_a_store_path_that_is_not_utf8_is_refused_on_the_command_line(store, tmp_path,
                                                                       capsys) -> None:
     """A path of undecodable bytes (the text index and LMDB take UTF-8 names only): exit 2
