@@ -195,14 +195,32 @@ def _answer_unreadable(line: str, error: pydantic.ValidationError) -> types.JSON
     """The answer to a request on a line the SDK could not read: a tool error for a tool
     call, a JSON-RPC error otherwise; None when the line holds no request id to answer."""
     deep = False
+    huge: list[_Digits] = []  # integers of more digits than Python reads
+
+    def integer(text: str) -> int | _Digits:
+        try:
+            return int(text)
+        except ValueError:
+            huge.append(_Digits(text))
+            return huge[-1]
+
     try:
-        message = json.loads(line)  # Python's parser takes lone surrogates and deep nesting
-    except ValueError as exc:  # not JSON, or an integer of more digits than Python reads
+        # Python's parser takes lone surrogates and deep nesting.
+        message = json.loads(line, parse_int=integer)
+    except ValueError as exc:  # not JSON
         return types.JSONRPCError(jsonrpc="2.0", id=None, error=types.ErrorData(
             code=types.PARSE_ERROR, message=f"expected a line of JSON, found one that is not: "
                                             f"{str(exc)[:200]}"))
     except RecursionError:  # deeper than Python's parser goes: its top level read alone
         message, deep = _top_level(line), True
+    if isinstance(message, dict) and isinstance(message.get("id"), _Digits):
+        return _no_id(f"id: expected a number or text, found an integer of "
+                      f"{len(message['id'].lstrip('-'))} digits")
+    if huge:
+        return types.JSONRPCError(jsonrpc="2.0", id=None, error=types.ErrorData(
+            code=types.PARSE_ERROR, message=f"expected a line of JSON the server can read, "
+                                            f"found an integer of {len(huge[0].lstrip('-'))} "
+                                            f"digits (at most {sys.get_int_max_str_digits()})"))
     if isinstance(message, list):
         return _no_id("expected one JSON-RPC message a line, found a batch (MCP has none)")
     if not isinstance(message, dict) or "method" not in message or "id" not in message:
@@ -234,6 +252,10 @@ def _answer_unreadable(line: str, error: pydantic.ValidationError) -> types.JSON
             by_alias=True, mode="json", exclude_none=True))
     return types.JSONRPCError(jsonrpc="2.0", id=id_, error=types.ErrorData(
         code=types.INVALID_REQUEST, message=detail))
+
+
+class _Digits(str):
+    """An integer on a line of JSON with more digits than Python reads into an int."""
 
 
 def _misread_request(line: str) -> types.JSONRPCError | None:

@@ -134,6 +134,14 @@ async def test_a_line_that_is_no_json_or_names_no_usable_id_is_answered_with_a_n
         await wire.send(line)
         answer = await wire.receive()
         assert answer["id"] is None and answer["error"]["code"] == -32700, answer
+        # Python's own advice (sys.set_int_max_str_digits) is no help to a client.
+        assert "sys." not in answer["error"]["message"], answer
+    # An id of more digits than Python reads is valid JSON: an Invalid Request naming the id.
+    await wire.send('{"jsonrpc": "2.0", "id": %s, "method": "ping"}' % ("9" * 5000))
+    answer = await wire.receive()
+    assert answer["id"] is None and answer["error"]["code"] == -32600, answer
+    assert answer["error"]["message"].startswith("id: expected a number or text, found an "
+                                                 "integer of 5000 digits"), answer
     # A request whose id is no number or text (JSON-RPC's Invalid Request), or a batch (MCP
     # has none): no answer at all before.
     for line in ('{"jsonrpc": "2.0", "id": 1.5, "method": "ping"}',
