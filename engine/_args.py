@@ -6,6 +6,7 @@ take them. Each raises ``InvalidInput`` naming the argument, what was expected a
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -38,10 +39,20 @@ def check_label(field: str, value: Any) -> str:
     if len(label) > MAX_LABEL_CHARS:
         raise InvalidInput(field, f"expected at most {MAX_LABEL_CHARS} characters, found "
                                   f"{len(label)}")
-    if label and not _LABEL.match(label):
+    if label and not (_LABEL.match(label) or _marked_label(label)):
         raise InvalidInput(field, "expected a label of letters, digits, spaces, '-' and '_' "
                                   f"(e.g. 'joy', 'mild worry'), found {value!r}")
     return label
+
+
+def _marked_label(label: str) -> bool:
+    """A label whose words hold combining marks (Devanagari's vowel signs, Thai's, the dot
+    'İ' lower-cases into), which a regular expression's word class does not take: the label
+    with its marks set aside passes, and no mark starts it."""
+    if unicodedata.category(label[0]).startswith("M"):
+        return False
+    bare = "".join(c for c in label if not unicodedata.category(c).startswith("M"))
+    return bool(bare) and _LABEL.match(bare) is not None
 
 
 def check_labels(field: str, values: Any) -> tuple[str, ...] | None:

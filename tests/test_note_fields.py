@@ -26,6 +26,20 @@ async def test_an_emotion_label_typed_decomposed_is_the_label(mem) -> None:
     assert [h.id for h in found] == [note.note_id]
 
 
+@pytest.mark.parametrize("label", ["खुशी", "ความสุข", "আনন্দ", "İyi", "naïve"])
+async def test_an_emotion_label_in_a_script_with_combining_marks_is_taken(mem, label) -> None:
+    """Hindi, Thai and Bengali words, and Turkish 'İ' (lower-cased to 'i' and a combining
+    dot), were refused as "not letters": the check took combining marks for punctuation. A
+    user's own emotion words are stored, and recall filters by them."""
+    note = await mem.store_note("ana", "felt this about the Lisbon offer", emotion=label)
+    assert note.emotion == " ".join(unicodedata.normalize("NFC", label).split()).lower()
+    found = await mem.recall("ana", "Lisbon offer", emotion=label)
+    assert [h.id for h in found] == [note.note_id]
+    for bad in ("joy!", "-joy", "\u0301joy"):  # a mark alone starts no word
+        with pytest.raises(InvalidInput, match="emotion"):
+            await mem.store_note("ana", "x", emotion=bad)
+
+
 async def test_a_note_keeps_importance_emotion_and_category(store_path) -> None:
     """Stored with the note, defaults when not given, kept by an update that does not name
     them, changed by one that does; a near duplicate merges them."""
