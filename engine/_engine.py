@@ -804,6 +804,7 @@ class Engine:
             How many lines of each kind were written (``turn``, ``fact``, ...).
 
         Raises:
+            NotFound: the store holds no record of the user (nothing is written).
             InvalidInput: a bad user id or destination.
         """
         self._parts.check_open()

@@ -72,7 +72,7 @@ from actors.store.layout import IDS_FACT
 from ._args import check_fraction, check_label
 from ._files import PATH_ERRNOS, refused, resolved, write_atomically
 from ._ingest import other_scope
-from .errors import EngineError, InvalidInput
+from .errors import EngineError, InvalidInput, NotFound
 
 if TYPE_CHECKING:
     from ._parts import Parts
@@ -311,6 +311,10 @@ async def export_user(parts: Parts, user_id: str,
         counts[record] = counts.get(record, 0) + 1
         chunks.append(_encode_line(line) + b"\n")
     total = sum(counts.values()) - 1  # the header is not a record
+    if not total:
+        # A typo or a case variant in a backup script: an empty export taken for a backup.
+        raise NotFound("user_id", f"expected a user this store holds, found no record of "
+                                  f"{v.shown(user_id)} (ids are case-sensitive); nothing written")
     chunks.append(_encode_line(End(records=total)) + b"\n")
     data = b"".join(chunks)
     if isinstance(dest, Path):

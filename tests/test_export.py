@@ -796,3 +796,26 @@ async def test_the_engines_own_export_imports_whatever_its_entities_hold(tmp_pat
         counts = await mem.import_user(data.encode())
         assert counts["entities"] == len([line for line in lines if '"entity"' in line])
         assert (await mem.entity_info("maya", "São Paulo")) is not None
+
+
+def test_exporting_a_user_the_store_does_not_hold_is_not_found(tmp_path, capsys) -> None:
+    """An export of "maya" from a store holding "Maya" (a typo, a case variant in a backup
+    script) wrote an empty export, returned {} and exited 0: a backup that held nothing,
+    taken for one that did. It is NotFound now, naming the user, and writes no file."""
+    from engine import NotFound
+
+    store = tmp_path / "store"
+
+    async def run() -> None:
+        async with open_engine(store) as mem:
+            await mem.add_turn("Maya", "s1", "user", "I live in Lisbon", durable=True)
+            with pytest.raises(NotFound, match=r"'maya'.*case") as info:
+                await mem.export_user("maya", tmp_path / "maya.jsonl")
+            assert info.value.field == "user_id"
+            assert not (tmp_path / "maya.jsonl").exists()
+            assert (await mem.export_user("Maya", tmp_path / "Maya.jsonl"))["turn"] == 1
+
+    trio.run(run)
+    assert main(["export", str(store), "--user", "maya", "--out",
+                 str(tmp_path / "cli.jsonl")]) == 1
+    assert "'maya'" in capsys.readouterr().err and not (tmp_path / "cli.jsonl").exists()

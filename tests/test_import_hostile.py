@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import trio
 
-from engine import Engine, InvalidInput, NewTurn
+from engine import Engine, InvalidInput, NewTurn, NotFound
 
 from .conftest import T0, StepClock, open_engine
 
@@ -320,7 +320,8 @@ async def test_a_user_forgotten_as_an_import_finishes_stays_forgotten(tmp_path) 
         assert await mem.list_entities("maya") == []
         assert await mem.links("maya", history[0].turn_id) == []
         assert await mem.session_summary("maya", "s1") is None
-        assert await mem.export_user("maya", io.BytesIO()) == {}
+        with pytest.raises(NotFound):  # no record of maya is left to export
+            await mem.export_user("maya", io.BytesIO())
     assert (await Engine.verify(tmp_path / "b"))["ok"]
 
 
