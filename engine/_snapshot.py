@@ -50,7 +50,7 @@ from actors.fulltext import build_index
 from actors.store import LOG_TOMBSTONE, MAX_DBS, clean_copy, lsn_key, open_databases
 from actors.store.integrity import HEAD_KEY
 
-from ._files import PATH_ERRNOS, one_disk_error, refused, resolved
+from ._files import PATH_ERRNOS, aside, one_disk_error, refused, resolved
 from ._owner import LOCK_NAME, MANIFEST_NAME, SNAPSHOT_DATA, OwnerLock
 from ._parts import Parts
 from ._verify import require_store, verify_chain
@@ -240,7 +240,7 @@ def _partial(dest: Path, store: Path) -> tuple[Path, Path, int]:
             # A restore over the store would delete it, and its text index's folder with it.
             raise InvalidInput("dest", f"expected a directory outside the store, found {dest} "
                                        f"inside {store}; write the snapshot beside the store")
-        partial = dest.with_name(dest.name + ".partial")
+        partial = aside(dest, ".partial")
         if store.is_relative_to(partial):
             # What a snapshot cut short leaves is removed before the next one: not the store.
             raise InvalidInput("dest", f"expected a destination whose {partial.name} is free "
@@ -405,8 +405,8 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
         raise InvalidInput("store_path", f"expected a directory outside the snapshot, found "
                                          f"{store} inside {snapshot}; restore beside it")
     for leftover in (".restoring", ".replaced"):  # removed if found: never the snapshot
-        if snapshot.is_relative_to(aside := store.with_name(store.name + leftover)):
-            raise InvalidInput("store_path", f"expected a store whose {aside.name} is free for "
+        if snapshot.is_relative_to(beside := aside(store, leftover)):
+            raise InvalidInput("store_path", f"expected a store whose {beside.name} is free for "
                                              f"the restore, found the snapshot {snapshot} "
                                              "there; restore it under another name")
     manifest = read_manifest(snapshot)
@@ -416,12 +416,12 @@ async def restore(snapshot: Path, store: Path, overwrite: bool = False,
             f"{snapshot}/manifest.json {'carries no MAC' if not manifest.mac else 'fails its MAC'}"
             " under the given integrity key: it was not written by an engine holding that key, "
             "or was edited since; take the snapshot again", "manifest.json")
-    incoming = store.with_name(store.name + ".restoring")
+    incoming = aside(store, ".restoring")
     try:
         # Made first, and held for this restore alone: another to the same place meanwhile
         # is refused, so what is found there below stays as found until the rename. A place
-        # this process cannot write (a path through a file, a read-only folder, a name too
-        # long for the suffix; one longer than ".replaced" below) is the caller's path.
+        # this process cannot write (a path through a file, a read-only folder) is the
+        # caller's path; a name too long for the suffix has its sibling cut to fit (aside).
         held = await trio.to_thread.run_sync(_claimed, incoming, "store_path")
     except OSError as exc:
         if exc.errno not in PATH_ERRNOS:
@@ -552,7 +552,7 @@ async def _install(snapshot: Path, store: Path, manifest: Manifest,
     else:
         # Renamed aside, not deleted, until the new store has its name: a deletion cut short
         # (Ctrl-C, an I/O error) would leave neither store whole.
-        replaced = store.with_name(store.name + ".replaced")
+        replaced = aside(store, ".replaced")
         if replaced.exists():
             await trio.to_thread.run_sync(shutil.rmtree, replaced)
         store.rename(replaced)

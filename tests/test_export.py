@@ -662,7 +662,7 @@ async def test_an_export_or_import_path_that_is_no_usable_path_is_invalid_input(
         await mem.add_turn("ana", "s", "user", "hello")
         before = sorted(p.name for p in tmp_path.iterdir())
         for dest in (tmp_path / "nul\x00", tmp_path / "\ud800", tmp_path / ("x" * 300),
-                     tmp_path / ("y" * 250), Path("/proc/self/export.jsonl")):
+                     Path("/proc/self/export.jsonl")):
             with pytest.raises(InvalidInput) as refused:
                 await mem.export_user("ana", dest)
             assert refused.value.field == "dest", dest
