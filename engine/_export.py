@@ -35,7 +35,8 @@ import trio
 
 from actors.base import validate as v
 from actors.base.text import composed
-from actors.base.messages import PutEpisode, PutFact, PutNote, PutState, WriteSummary
+from actors.base.messages import (Elsewhere, PutEpisode, PutFact, PutNote, PutState,
+                                   WriteSummary)
 from actors.base.records import (
     ROLES,
     Entity,
@@ -1346,21 +1347,28 @@ def _fact(line: FactLine, lsn: int, user_id: str) -> Fact:
     return Fact(lsn=lsn, user_id=user_id, **fields)
 
 
-def _merge_entity(imported: Entity, fresh: frozenset[int], raw: bytes | None) -> bytes | None:
+def _merge_entity(user_id: str, imported: Entity, fresh: frozenset[int], raw: bytes | None
+                  ) -> bytes | Elsewhere | None:
     """The registry value of an imported entity, merged with the one the key holds (``raw``)
-    in the import's write transaction (writer's thread); None to leave it."""
-    record = imported if raw is None else _merged(decode_entity(raw), imported, fresh)
+    in the import's write transaction (writer's thread); None to leave it. A key that is an
+    alias here (a first name filed under the full one) merges into the entity it names, as
+    a live mention of the alias counts for that entity."""
+    if raw is None:
+        return _encode(imported)
+    here = decode_entity(raw)
+    if here.type == "alias":
+        return Elsewhere(entity_key(user_id, here.aliases[0])) if here.aliases else None
+    record = _merged(here, imported, fresh)
     return None if record is None else _encode(record)
 
 
 def _merged(here: Entity, imported: Entity, fresh: frozenset[int]) -> Entity | None:
     """The user's registry record of a name with the mentions an import brings of it added
     (the long-term layer never derives them: it skips imported positions); None when there
-    is nothing to add: the record here is an alias, or none of the import's memories are
-    new here (an earlier import of the file brought them, whether or not the record still
-    lists them among its newest)."""
+    is nothing to add: none of the import's memories are new here (an earlier import of the
+    file brought them, whether or not the record still lists them among its newest)."""
     new = [lsn for lsn in imported.lsns if lsn in fresh and lsn not in here.lsns]
-    if here.type == "alias" or not new:
+    if not new:
         return None
     # Every mention the export counted when all of its memories are new here; else (a part
     # of it imported before) only those it adds.
@@ -1464,7 +1472,7 @@ async def _write_unlogged(parts: Parts, users: list[_User]) -> None:
             # Merged in the write's own transaction with what the registry holds then: a
             # live mention registered meanwhile is kept, not written over.
             merges.append((b"entities", entity_key(user_id, key),
-                           partial(_merge_entity, record, frozenset(user.fresh)),
+                           partial(_merge_entity, user_id, record, frozenset(user.fresh)),
                            lsns[-1] if lsns else anchor))
             merge_owners.append(user)
         present = {(l.from_id, l.to_id, l.type) for found_links in there.values()

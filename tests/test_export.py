@@ -218,6 +218,31 @@ async def test_an_entity_the_user_has_here_takes_in_the_imports_mentions(tmp_pat
         assert (await mem.entity_info("maya", "Ana")).entity.mentions == 1
 
 
+async def test_an_imported_name_that_is_an_alias_here_counts_for_its_entity(tmp_path) -> None:
+    """Live, "São" said by a user whose registry files it as an alias of "São Paulo" counts
+    for São Paulo. Imported into such a user, an export's own entity "São" was dropped: the
+    record here was an alias, so its mention was counted nowhere and its turn listed under
+    no entity. It counts for the entity the alias names, as a live mention would; an import
+    of the same file again adds nothing."""
+    async with open_engine(tmp_path / "a") as mem:
+        await mem.add_turn("bo", "s", "user", "I met São and Fiona yesterday.")
+        await mem.flush()
+        export = io.BytesIO()
+        await mem.export_user("bo", export)
+    async with open_engine(tmp_path / "b") as mem:
+        await mem.add_turn("ana", "s1", "user", "I met São Paulo and Fiona yesterday.")
+        await mem.flush()
+        assert (await mem.entity_info("ana", "São")).entity.name == "São Paulo"
+        for _ in range(2):
+            await mem.import_user(export.getvalue(), as_user="ana")
+            await mem.flush()
+            info = await mem.entity_info("ana", "São")
+            assert (info.entity.name, info.entity.mentions) == ("São Paulo", 2)
+            assert sorted(m.text for m in info.memories) == [
+                "I met São Paulo and Fiona yesterday.", "I met São and Fiona yesterday."]
+    assert (await Engine.verify(tmp_path / "b"))["ok"]
+
+
 async def test_an_entitys_live_mentions_meanwhile_and_later_stay_counted_once(
         tmp_path, monkeypatch) -> None:
     """The import merged the export's Lisbon with the record it had read, then wrote it: a

@@ -217,6 +217,13 @@ class PutFact(msgspec.Struct, frozen=True, tag=True):
     requires: int = 0  # applied only if this lsn's record (the source turn) is still logged
 
 
+class Elsewhere(msgspec.Struct, frozen=True):
+    """A merge's answer (:class:`PutState`): the value it was given points to the record
+    under ``key`` of the same database, which it merges into instead."""
+
+    key: bytes
+
+
 class PutState(msgspec.Struct, frozen=True, tag=True):
     """Unlogged records of one user, written or deleted in one transaction: entities, review
     state, pending reviews, fact use counters, and the long-term follower's watermark.
@@ -227,8 +234,10 @@ class PutState(msgspec.Struct, frozen=True, tag=True):
         merges: (database name, key, merge, guard lsn): ``merge(value)`` takes the value
             the key holds in the transaction (None: none) and gives the one to put (None:
             leave it), so a record another write changed since the caller read it is merged
-            with, not written over. Runs in the writer's thread, perhaps more than once (a
-            batch written again): quick and pure. A damaged value there is left as it is.
+            with, not written over; or :class:`Elsewhere`: the value points to another key
+            (an entity's alias), whose value it is given and merges into instead, one hop.
+            Runs in the writer's thread, perhaps more than once (a batch written again):
+            quick and pure. A damaged value there is left as it is.
 
     A put, link or merge with a guard lsn other than 0 is skipped if that lsn's record has
     left the log (deleted while this was derived from it), so that nothing of a forgotten

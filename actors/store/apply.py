@@ -11,6 +11,7 @@ import msgspec
 
 from ..base.errors import StoreCorrupt
 from ..base.messages import (
+    Elsewhere,
     PutEpisode,
     PutFact,
     PutLink,
@@ -193,9 +194,14 @@ class Appliers:
                 continue
             try:
                 held = txn.get(key, db=dbs[name])
+                value = merge(held)
+                if type(value) is Elsewhere:  # a pointer: merged into what it points to
+                    key = value.key
+                    value = merge(txn.get(key, db=dbs[name]))
+                    if type(value) is Elsewhere:
+                        value = None  # one hop: a pointer to a pointer is left as it is
             except StoreCorrupt:
                 continue  # damaged: left for verify to name, and for its reader's read to fail
-            value = merge(held)
             if value is not None:
                 txn.put(key, value, db=dbs[name])
                 merged.append(i)
