@@ -12,7 +12,10 @@ never leave the directory or hide a file), cut to a length every filesystem take
 of the whole id when cut. A crash between the store's commit and the file's rename leaves a
 stale or missing file: ``sync``, run when the engine opens, makes the directory match the store.
 It removes only files the mirror wrote (they open with its front matter): Markdown files of
-anyone else's under the directory are left alone. Forgetting a user removes the user's folder.
+anyone else's under the directory are left alone. Forgetting a user removes the mirror's
+files of the user, and the user's folder once that empties it. A user's folder that is a
+symbolic link is never written through nor emptied (a note must not leave the directory),
+and the directory must be apart from the store (``_wiring`` refuses one that holds it).
 
 The file operations of concurrent calls run in worker threads and may land in any order, so
 each carries the log position of the change it mirrors and they are applied in that order: a
@@ -27,10 +30,10 @@ hand is rewritten from the store whatever it holds (another encoding too).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
-import shutil
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -118,12 +121,24 @@ class NotesMirror:
                 _skipped(path, exc)
 
     def _remove_user(self, user_id: str, lsn: int) -> None:
+        """The mirror's files of the user go, and the user's folder if that empties it:
+        anything else in it (a file of the operator's) stays, and a folder that is a link
+        is not followed (the mirror never wrote through one)."""
         directory = self.root / safe_name(user_id)
         with self._lock:
             self._gone[directory.name] = max(lsn, self._gone.get(directory.name, 0))
             for path in [p for p in self._newest if p.parent == directory]:
                 del self._newest[path]
-            shutil.rmtree(directory, ignore_errors=True)
+            if directory.is_symlink() or not directory.is_dir():
+                return
+            try:
+                for path in directory.iterdir():
+                    if path.suffix == ".md" and _mirrored(path):
+                        path.unlink(missing_ok=True)
+                directory.rmdir()
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                    _skipped(directory, exc)
 
     async def sync(self, store: Any) -> int:
         """Make the directory match the store's notes; returns the files written or removed."""
@@ -133,6 +148,10 @@ class NotesMirror:
     def _write(self, note: Note) -> None:
         path = self.path(note.user_id, note.note_id)
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.parent.is_symlink():
+            # A link put there by someone else: a note written through it would leave the
+            # notes folder, and its user's forget could not take it back.
+            raise OSError(errno.ELOOP, "the user's folder is a symbolic link, not followed")
         write_atomically(path, render(note).encode("utf-8"))
 
     def _sync(self, notes: Iterable[Note]) -> int:
@@ -153,7 +172,11 @@ class NotesMirror:
                     continue
                 changed += 1
         if self.root.is_dir():
-            for path in self.root.glob("*/*.md"):
+            # Each user's own folder, never one a link points to elsewhere.
+            found = [path for folder in self.root.iterdir()
+                     if folder.is_dir() and not folder.is_symlink()
+                     for path in folder.glob("*.md")]
+            for path in found:
                 if path not in wanted and _mirrored(path):
                     try:
                         path.unlink(missing_ok=True)

@@ -66,6 +66,29 @@ class Running:
         await self._nursery.start(_in_scope, scope, task, *args)
 
 
+def _apart_from_store(notes: Path, store: Path) -> None:
+    """Refuse a notes folder that holds the store, is it, or lies inside it: the mirror
+    removes a forgotten user's files from ``NOTES/<user>``, and a store of that name, or its
+    text index's folder, must never be one of them.
+
+    Raises:
+        InvalidInput: ``notes_markdown_dir``, naming both paths.
+    """
+    try:
+        notes = Path(os.path.abspath(notes)).resolve()
+        store = Path(os.path.abspath(store)).resolve()
+    except (OSError, ValueError, RuntimeError):  # no path at all: the open refuses it, naming it
+        return
+    if store.is_relative_to(notes) or notes.is_relative_to(store):
+        raise InvalidInput("notes_markdown_dir", f"expected a folder apart from the store, "
+                                                 f"found {notes}, which "
+                                                 + ("holds" if store != notes and
+                                                    store.is_relative_to(notes) else
+                                                    "is or lies inside")
+                                                 + f" the store {store}; mirror the notes "
+                                                   "in a folder of their own")
+
+
 def checked_open(path: Any, config: Config | Mapping[str, Any] | None, llm: Any,
                  extractor: Any, read_only: Any, reembed: bool
                  ) -> tuple[Config, ModelTasks | None, Extractor]:
@@ -105,6 +128,8 @@ def checked_open(path: Any, config: Config | Mapping[str, Any] | None, llm: Any,
     if read_only:  # a reader derives nothing: that is the owner's work
         config = msgspec.structs.replace(config, background_embedding=False,
                                          long_term=False)
+    elif config.notes_markdown_dir is not None:
+        _apart_from_store(Path(config.notes_markdown_dir), Path(path))
     tasks = None if llm is None else ModelTasks(llm)
     if extractor is None:
         extractor = RuleExtractor() if tasks is None else tasks

@@ -198,3 +198,67 @@ async def test_a_mirror_file_spoiled_by_hand_never_stops_the_engine(store_path, 
         files = _files(root)
         assert sorted(files) == ["maya/later.md", "maya/latin.md", "maya/new.md"]
         assert files["maya/later.md"].endswith("\nUpdated beside a spoiled mirror\n")
+
+
+async def test_a_notes_folder_that_holds_the_store_or_lies_in_it_is_refused(tmp_path) -> None:
+    """With the notes folder the store's own parent ("." beside ./memory), forget_user of a
+    user named "memory" (or of no user at all) deleted the whole store: data.mdb, the text
+    index, every user's turns. A notes folder that holds the store, is it, or lies inside it
+    is refused at open, naming the option, and nothing is made."""
+    store = tmp_path / "memory"
+    async with open_engine(store) as mem:
+        await mem.add_turn("ana", "s", "user", "kept", durable=True)
+    for notes in (tmp_path, store, store / "notes", tmp_path / "x" / ".."):
+        with pytest.raises(InvalidInput, match="notes_markdown_dir") as refused:
+            async with open_engine(store, config={"notes_markdown_dir": str(notes)}):
+                pass
+        assert refused.value.field == "notes_markdown_dir"
+    assert not (store / "notes").exists()
+    async with open_engine(store, config={"notes_markdown_dir": str(tmp_path / "notes")}) as mem:
+        assert [t.text for t in await mem.session_history("ana", "s")] == ["kept"]
+
+
+async def test_forgetting_a_user_removes_the_mirrors_files_and_nothing_else(clock,
+                                                                          tmp_path) -> None:
+    """forget_user removed the user's folder whole (rmtree), whatever it held: a folder of
+    the user's name that the mirror never wrote went too. Now the mirror's own files go,
+    and the folder if that leaves it empty; anything else stays."""
+    root = tmp_path / "notes"
+    async with open_engine(tmp_path / "s", clock=clock,
+                           config={"notes_markdown_dir": str(root)}) as mem:
+        await mem.store_note("maya", "a note", note_id="n1")
+        await mem.store_note("bo", "bo's note", note_id="n2")
+        (root / "maya" / "mine.txt").write_text("the operator's own file")
+        (root / "theirs").mkdir()
+        (root / "theirs" / "plan.md").write_text("# not a mirror file")
+        await mem.forget_user("maya")
+        await mem.forget_user("theirs")  # no such user: nothing of it is the mirror's
+        await mem.flush()
+    assert _files(root) == {"bo/n2.md": _files(root)["bo/n2.md"],
+                            "maya/mine.txt": "the operator's own file",
+                            "theirs/plan.md": "# not a mirror file"}
+
+
+async def test_the_mirror_never_writes_or_deletes_through_a_symbolic_link(clock,
+                                                                         tmp_path) -> None:
+    """A user's folder that was a symbolic link to a folder outside the notes folder: notes
+    were written out there, forget_user left them (rmtree refuses a link, and the error was
+    ignored), and the sync at open deleted files out there that looked like the mirror's.
+    Now a linked folder is left as it is: no note is written through it, none is removed."""
+    root, outside = tmp_path / "notes", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "kept.md").write_text('---\nid: "kept"\nuser: "x"\n---\n\nsomeone else\'s\n')
+    (root / "alice").symlink_to(outside, target_is_directory=True)
+    async with open_engine(tmp_path / "s", clock=clock,
+                           config={"notes_markdown_dir": str(root)}) as mem:
+        await mem.store_note("alice", "secret plans", note_id="n1")
+        await mem.flush()
+        assert sorted(p.name for p in outside.iterdir()) == ["kept.md"]
+        await mem.forget_user("alice")
+        await mem.flush()
+    async with open_engine(tmp_path / "s", clock=clock,
+                           config={"notes_markdown_dir": str(root)}):
+        pass
+    assert sorted(p.name for p in outside.iterdir()) == ["kept.md"]
+    assert "secret plans" not in "".join(p.read_text() for p in tmp_path.rglob("*.md"))
