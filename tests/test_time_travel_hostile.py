@@ -372,3 +372,23 @@ async def test_a_window_across_a_dst_fall_back_hour_is_compared_in_real_time(
         assert [h.text for h in hits] == ["The night bus to Porto was late."]
         with pytest.raises(InvalidInput, match="until: expected a time at or after since"):
             await mem.recall("ana", "night bus", since=until, until=since)
+
+
+@pytest.mark.parametrize("year", [1969, 1971])
+async def test_the_keyword_leg_finds_a_turn_before_1970_at_its_own_time(store_path,
+                                                                         year) -> None:
+    """A turn of 1969-03-01 12:00:00.25 (dates from 1700 are taken) was indexed a second
+    late: tantivy cuts a time to its second toward zero, which before 1970 is later. The
+    keyword leg then missed it for until= or as_of= at its own time (the vector leg found
+    it, as did both after 1970). The index is given the whole second, cut down, itself."""
+    at = datetime(year, 3, 1, 12, 0, 0, 250000, tzinfo=timezone.utc)
+    async with open_engine(store_path, config={"long_term": False}) as mem:
+        await mem.add_turn("u", "s", "user", "zebra crossing", at=at)
+        await mem.flush()
+        for bound in ("until", "as_of"):
+            for later in (0, 500_000):
+                hits = await mem.recall("u", "zebra", legs=("bm25",),
+                                        **{bound: at + timedelta(microseconds=later)})
+                assert [h.text for h in hits] == ["zebra crossing"], (bound, later)
+        assert await mem.recall("u", "zebra", legs=("bm25",),
+                                until=at - timedelta(microseconds=1)) == []

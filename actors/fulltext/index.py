@@ -106,7 +106,9 @@ def write_records(writer: Any, schema: tantivy.Schema, records: list[Searchable]
             doc.add_text("session", r.session_id)
             doc.add_text("role", r.role)
             doc.add_text("kind", r.kind)
-            doc.add_date("at", r.at)
+            # To the second, cut down here: tantivy cuts toward zero, which before 1970 is a
+            # second late (a turn past its own until=). Searches check the exact time after.
+            doc.add_date("at", r.at.replace(microsecond=0))
             doc.add_text("text", composed(r.text))
             for tag in r.tags:
                 doc.add_text("tags", tag)
