@@ -110,25 +110,63 @@ async def _outlast(future: asyncio.Future[Any]) -> Any:
     return future.result()
 
 
-@contextmanager
-def _ctrl_c_noted() -> Iterator[list[int]]:
-    """Within the block, a Ctrl-C is noted in the yielded list, not raised. What a close
-    waits in: asyncio's second Ctrl-C raises KeyboardInterrupt wherever the main thread is,
-    in guest mode inside one of trio's ticks, which wrecked the trio run (a hang for ever,
-    or TrioInternalError) and lost the drain. Off the main thread, or where Python's handler
-    cannot be set, nothing changes."""
-    noted: list[int] = []
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        with suppress(ValueError, TypeError):
-            previous = signal.getsignal(signal.SIGINT)
-            if previous is not None:
-                signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
-    try:
-        yield noted
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+class _CtrlC:
+    """The main thread's SIGINT handler while an engine is open, around the one
+    it found (asyncio.run's, or Python's). asyncio's second Ctrl-C raises KeyboardInterrupt
+    wherever the main thread is: inside one of trio's guest ticks that wrecked the trio run
+    (a hang for ever, or TrioInternalError) and lost the drain. So the handler it found runs
+    as before (asyncio's first Ctrl-C cancels the main task), but a KeyboardInterrupt it
+    raises is raised by the asyncio loop's next callback instead, outside any tick; and
+    while a close waits (:meth:`noting`), a Ctrl-C is only noted, for the close to raise
+    once the drain is done. Off the main thread, or where Python's handler cannot be set
+    (another language's host), nothing changes."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.noted: list[int] = []
+        self._noting = False
+        self._found: Any = None
+        self._gone: Any = None  # the handler found, once restored (or left under another's)
+        if threading.current_thread() is threading.main_thread():
+            with suppress(ValueError, TypeError):
+                found = signal.getsignal(signal.SIGINT)
+                if callable(found):
+                    signal.signal(signal.SIGINT, self._received)
+                    self._found = found
+
+    def _received(self, signum: int, frame: Any) -> None:
+        if self._noting:
+            self.noted.append(signum)
+            return
+        if self._gone is not None:  # closed, but another engine's handler came after it
+            self._gone(signum, frame)
+            return
+        try:
+            self._found(signum, frame)
+        except KeyboardInterrupt:
+            with suppress(RuntimeError):  # the loop closed: nothing runs to be interrupted
+                self.loop.call_soon_threadsafe(_interrupt)
+
+    @contextmanager
+    def noting(self) -> Iterator[list[int]]:
+        """Within the block, a Ctrl-C is noted in the yielded list, not raised."""
+        self._noting = True
+        try:
+            yield self.noted
+        finally:
+            self._noting = False
+
+    def restore(self) -> None:
+        """Give back the handler it found (if its own is still the one in place)."""
+        if self._found is not None:
+            with suppress(ValueError, TypeError):
+                if signal.getsignal(signal.SIGINT) == self._received:
+                    signal.signal(signal.SIGINT, self._found)
+            self._gone, self._found = self._found, None
+
+
+def _interrupt() -> None:
+    raise KeyboardInterrupt
 
 
 def _cancelled(exc: BaseException) -> bool:
@@ -211,6 +249,7 @@ class Engine(_bridge.Settings):
                     nursery.cancel_scope.deadline = trio.current_time() + CLOSE_GRACE_SECONDS
 
         thread = None
+        ctrl_c = _CtrlC(loop)
         if facade._guest:
             trio.lowlevel.start_guest_run(
                 trio_main,
@@ -242,8 +281,10 @@ class Engine(_bridge.Settings):
                     facade._token.run_sync_soon(holder["stop"].set)
                 with suppress(asyncio.CancelledError):
                     await _outlast(done)
+            ctrl_c.restore()
             raise
         if not ready.done():
+            ctrl_c.restore()
             done.result().unwrap()  # the open failed: raise its error here
             raise EngineClosed("the engine stopped before it was ready")
 
@@ -251,7 +292,7 @@ class Engine(_bridge.Settings):
             """Refuse new calls, stop the trio run (it drains) and wait for it to end; a
             Ctrl-C meanwhile is raised once it has."""
             facade._closed = True
-            with _ctrl_c_noted() as ctrl_c:
+            with ctrl_c.noting() as noted:
                 with suppress(trio.RunFinishedError):  # it stopped already (it broke)
                     facade._token.run_sync_soon(holder["stop"].set)
                 cancelled = None
@@ -261,10 +302,11 @@ class Engine(_bridge.Settings):
                     # Cancelled while closing: the close finished all the same, and its
                     # failure, if any, goes first, as it would have without the cancellation.
                     cancelled = exc
+            ctrl_c.restore()
             if thread is not None:
                 thread.join()  # done is its last act: this returns at once
             done.result().unwrap()
-            if ctrl_c:
+            if noted:
                 raise KeyboardInterrupt
             if cancelled is not None:
                 raise cancelled

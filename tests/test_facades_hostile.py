@@ -611,3 +611,42 @@ def test_a_second_ctrl_c_while_the_asyncio_engine_closes_still_drains_every_turn
         with sync.Engine.open(path, embedder=HashEmbedder()) as mem:
             stored = len(mem.session_history("ana", "s1", limit=10**6))
         assert stored == acknowledged == 15_000, done.stderr
+
+
+def test_asyncios_second_ctrl_c_is_raised_outside_the_engines_trio_ticks(tmp_path) -> None:
+    """The second Ctrl-C that asyncio.run raises as KeyboardInterrupt wherever the main
+    thread is: in guest mode, before the close began to note it, it could land inside one of
+    trio's ticks (CI saw TrioInternalError, 1 run in 20 of a stress at 0.5-5 ms apart). For
+    the engine's whole life, the handler asyncio installed still runs (its first Ctrl-C
+    cancels the main task), but its KeyboardInterrupt is raised by the loop's next callback,
+    where no tick runs: asyncio.run then cancels the task, whose close drains, and raises it.
+    The handler asyncio installed is back once the engine closes."""
+    import signal
+
+    from engine.aio import Engine
+
+    def asyncio_like(signum, frame) -> None:  # asyncio.run's second Ctrl-C
+        raise KeyboardInterrupt
+
+    seen: list[str] = []
+
+    async def main() -> None:
+        async with Engine.open(tmp_path / "s", embedder=HashEmbedder(), trio_loop="guest") as mem:
+            await mem.add_turn("ana", "s1", "user", "said before the Ctrl-C")
+            handler = signal.getsignal(signal.SIGINT)
+            assert handler is not asyncio_like
+            handler(signal.SIGINT, None)  # what the signal runs, wherever it lands
+            seen.append("went on")  # not raised here, in the middle of whatever ran
+            await asyncio.sleep(5)
+            seen.append("slept")
+
+    found = signal.signal(signal.SIGINT, asyncio_like)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            asyncio.run(main())
+        assert signal.getsignal(signal.SIGINT) is asyncio_like
+    finally:
+        signal.signal(signal.SIGINT, found)
+    assert seen == ["went on"]
+    with sync.Engine.open(tmp_path / "s", embedder=HashEmbedder()) as mem:
+        assert [t.text for t in mem.session_history("ana", "s1")] == ["said before the Ctrl-C"]
