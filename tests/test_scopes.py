@@ -203,3 +203,24 @@ async def test_a_text_said_again_in_the_same_scope_takes_one_slot_of_recall(stor
             assert len(said) == 3 and ("assistant", "s0") in said and ("user", "other") in said
             assert len(hits) == 8, legs  # the freed slots hold the ferry times
         assert len(await mem.session_history("ana", "s3", limit=10)) == 2
+
+
+async def test_a_forgotten_session_leaves_no_turn_id_in_a_fact_that_stays(store_path) -> None:
+    """A fact first said in s1 and restated in s2 kept s2's turn id among its sources after
+    forget_session("s2"): in profile, in recall's turn_ids, and in the store's bytes, where
+    a forget promises no byte of the session's ids is left once flush returns."""
+    async with open_engine(store_path) as mem:
+        await mem.add_turn("ana", "s1", "user", "I live in Lisbon", durable=True)
+        await mem.flush()
+        await mem.add_turn("ana", "s2", "user", "I live in Lisbon", durable=True)
+        await mem.flush()
+        first = (await mem.session_history("ana", "s1"))[0].turn_id
+        doomed = (await mem.session_history("ana", "s2"))[0].turn_id
+        await mem.forget_session("ana", "s2")
+        await mem.flush()
+        (fact,) = await mem.profile("ana")
+        assert (fact.session_id, fact.source_turn_ids) == ("s1", (first,))
+        hits = await mem.recall("ana", "Lisbon", kinds=["fact"])
+        assert all(doomed not in h.turn_ids for h in hits)
+    raw = b"".join(p.read_bytes() for p in store_path.rglob("*") if p.is_file())
+    assert doomed.encode() not in raw

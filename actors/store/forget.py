@@ -127,12 +127,14 @@ class Forgetting:
         else:
             tprefix = session_prefix(op.user_id, op.session_id)
         deleted = array("Q")
+        gone: set[str] = set()  # the session's turn ids, and then its episodes'
         ids, log, vectors = dbs[b"ids"], dbs[b"log"], dbs[b"vectors"]
         cursor = txn.cursor(dbs[b"turns"])
         if cursor.set_range(tprefix):
             while cursor.key().startswith(tprefix):
                 head = _decode_head(cursor.value())
                 deleted.append(head.lsn)
+                gone.add(head.turn_id)
                 txn.delete(uprefix + head.turn_id.encode(), db=ids)
                 txn.delete(lsn_key(head.lsn), db=log)
                 txn.delete(uprefix + lsn_key(head.lsn), db=vectors)
@@ -145,7 +147,7 @@ class Forgetting:
         if op.session_id is not None:
             for name in (b"sessions", b"summaries", b"pending"):
                 txn.delete(tprefix[:-1], db=dbs[name])
-            self._forget_session_derived(txn, op, deleted)
+            self._forget_session_derived(txn, op, deleted, gone)
             _drop_stale_reviews(txn, dbs, op.user_id)
         else:
             for name in (b"notes", b"episodes", b"facts"):
@@ -180,8 +182,10 @@ class Forgetting:
         for key in doomed:
             txn.delete(key, db=db)
 
-    def _forget_session_derived(self, txn: lmdb.Transaction, op: Forget, deleted: array) -> None:
-        """A forgotten session's episodes, the facts extracted from it (every version), and its
+    def _forget_session_derived(self, txn: lmdb.Transaction, op: Forget, deleted: array,
+                                gone: set[str]) -> None:
+        """A forgotten session's episodes, the facts extracted from it (every version), its
+        turns' and episodes' ids (``gone``: the turns') among other facts' sources, and its
         lsns in the user's entity registry."""
         dbs = self._dbs
         uprefix = user_prefix(op.user_id)
@@ -206,17 +210,29 @@ class Forgetting:
             while cursor.key().startswith(prefix):
                 episode = decode_episode(cursor.value())
                 drop(episode.lsn, episode.episode_id)
+                gone.add(episode.episode_id)
                 if not cursor.delete():
                     break
+        # The facts of the session go (every version), and those whose every source turn
+        # went with it; a fact of another session that this one restated stays, without the
+        # forgotten turns' and episodes' ids among its sources (not in the chain's digest of
+        # a version, which covers its session: a fact of this session another restated goes
+        # with it, its session id being one of this session's bytes).
         cursor = txn.cursor(dbs[b"facts"])
         if cursor.set_range(uprefix):
             while cursor.key().startswith(uprefix):
                 fact = decode_fact(cursor.value())
-                if fact.session_id == op.session_id:
+                turns = tuple(t for t in fact.source_turn_ids if t not in gone)
+                if fact.session_id == op.session_id or (fact.source_turn_ids and not turns):
                     drop(fact.lsn, fact.fact_id)
                     if not cursor.delete():
                         break
-                elif not cursor.next():
+                    continue
+                episodes = tuple(e for e in fact.source_episode_ids if e not in gone)
+                if turns != fact.source_turn_ids or episodes != fact.source_episode_ids:
+                    cursor.put(cursor.key(), _encode(msgspec.structs.replace(
+                        fact, source_turn_ids=turns, source_episode_ids=episodes)))
+                if not cursor.next():
                     break
         _drop_mentions(txn, dbs, op.user_id, dropped.union(deleted))
 
