@@ -29,6 +29,7 @@ import math
 import os
 import shutil
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import tantivy
@@ -60,8 +61,10 @@ log = logging.getLogger("engram.fulltext")
 
 COMMIT_DOCS = 4_096  # pending documents that trigger a commit
 COMMIT_INTERVAL = 1.0  # seconds a document may wait for its commit when nobody is waiting
-# Seconds between attempts to go on after a commit the process had no file descriptor for.
+# Seconds between attempts to go on after a commit the process had no file descriptor for,
+# and between the warnings that it still waits.
 DESCRIPTOR_RETRY = 1.0
+DESCRIPTOR_WARN = 30.0
 DAMAGED_SUFFIX = ".damaged-"  # a damaged index moved aside before it is removed
 
 
@@ -181,6 +184,8 @@ class FullText:
         task_status.started()
         try:
             await self._follow()
+        except EngineClosed:
+            pass  # closed while it waited for a file descriptor: the next open replays
         finally:
             self._closed = True
             self._indexed.unpark_all()
@@ -289,11 +294,12 @@ class FullText:
         store = self._store
         while True:
             if self._purge_target > self._purged and self._read_lsn >= self._purge_target:
-                if self._pending:
-                    await self._commit_now()
+                if self._pending and not await self._commit_now():
+                    continue  # started over below the forget: read up to it again first
                 target = self._purge_target
                 try:
-                    await self._purge_segments()
+                    if not await self._purge_segments():
+                        continue  # a round's commit started over: the purge runs again
                 except EngineClosed:
                     return  # the store's scrub marker has the next engine purge again
                 self._purged = target
@@ -404,19 +410,23 @@ class FullText:
             await self._purges.park()
         await trio.lowlevel.checkpoint()
 
-    async def _purge_segments(self) -> None:
+    async def _purge_segments(self) -> bool:
+        """Whether the purge is done: False if a round's commit started over (it found no
+        file descriptor), which left the index below the forget it purges for."""
         for _ in range(PURGE_ROUNDS):
             lsns, deletions = await trio.to_thread.run_sync(self._in_segments_with_deletions)
             if not deletions:
-                return
+                return True
             for at in range(0, len(lsns), FOLLOW_CHUNK):
                 chunk = lsns[at : at + FOLLOW_CHUNK]
                 records = await self._store.read(read_searchables, chunk)
                 self._pending += len(chunk)
                 await trio.to_thread.run_sync(self._apply, records, chunk)
             self._pending += 1  # commit even with nothing to re-add: empty segments drop
-            await self._commit_now()
+            if not await self._commit_now():
+                return False
         await trio.to_thread.run_sync(self._writer.garbage_collect_files)
+        return True
 
     def _in_segments_with_deletions(self) -> tuple[list[int], bool]:
         """The lsns of the live documents in committed segments that hold deleted ones, and
@@ -450,7 +460,13 @@ class FullText:
             return [], True
         return [int(v) for v in searcher.fast_field_values("lsn", chosen)], True
 
-    async def _commit_now(self) -> None:
+    async def _commit_now(self) -> bool:
+        """Commit what is pending; False if the commit found no file descriptor and the
+        index started over from its last commit (:meth:`_start_over`).
+
+        Raises:
+            EngineClosed: the store closed while descriptors stayed short.
+        """
         async with self._commit_lock:
             try:
                 await trio.to_thread.run_sync(self._commit)
@@ -459,35 +475,50 @@ class FullText:
                     raise
                 if not self._reloading:
                     await self._start_over(exc)
-                    return
-                while self._reloading:  # committed: searches see it once a reload can open it
-                    await trio.sleep(DESCRIPTOR_RETRY)
-                    try:
-                        await trio.to_thread.run_sync(self._reload)
-                    except Exception as again:
-                        if not out_of_descriptors(again):
-                            raise
+                    return False
+                # Committed: searches see it once a reload can open its files.
+                self._pending = 0
+                await self._until_descriptors(self._reload, exc)
         self._pending = 0
         self.indexed_lsn = self._read_lsn
         self._indexed.unpark_all()
+        return True
 
     async def _start_over(self, exc: Exception) -> None:
         """A commit failed for want of file descriptors (a flood of connections to the
         server holds them all). Tantivy's writer has then dropped the documents it held, and
         drops every later one without a word: the index goes on with a fresh writer, once
         one can be made, from the log position it last committed."""
-        log.warning("fulltext: a commit found no file descriptor free (%s); the index goes on "
-                    "from log position %d once one is", exc, self.indexed_lsn)
         self._pending = 0
         self._read_lsn = self.indexed_lsn
+        await self._until_descriptors(self._fresh_writer, exc)
+
+    async def _until_descriptors(self, step: Callable[[], None], exc: Exception) -> None:
+        """Run ``step`` in a worker thread each DESCRIPTOR_RETRY until it finds the file
+        descriptors it needs, saying so every DESCRIPTOR_WARN seconds.
+
+        Raises:
+            EngineClosed: the store closed meanwhile (the next open replays from the index's
+                last commit).
+        """
+        waited = 0.0
         while True:
+            if waited % DESCRIPTOR_WARN == 0:
+                log.warning("fulltext: no file descriptor free (%s) for %.0f s; the index goes "
+                            "on from log position %d once one is", exc, waited,
+                            self.indexed_lsn)
+            await trio.sleep(DESCRIPTOR_RETRY if waited else 0)
+            if not self._store.usable():
+                raise EngineClosed("the store closed while the text index waited for a file "
+                                   "descriptor")
             try:
-                await trio.to_thread.run_sync(self._fresh_writer)
+                await trio.to_thread.run_sync(step)
                 return
             except Exception as again:
                 if not out_of_descriptors(again):
                     raise
-                await trio.sleep(DESCRIPTOR_RETRY)
+                exc = again
+            waited += DESCRIPTOR_RETRY
 
     def _fresh_writer(self) -> None:
         """Drop the writer (what it held uncommitted goes with it) and make a new one."""
