@@ -69,6 +69,7 @@ async def test_a_failing_disk_names_the_write_it_failed_not_a_turn(store_path,
     with pytest.raises(EngineBroken):
         async with open_engine(store_path) as mem:
             await mem.add_turn("ana", "s1", "user", "kept", durable=True)
+            await mem.flush()  # no background write of the turn's is left to meet the disk
             monkeypatch.setattr(store_mod.Store, "_write", broken_write)
             try:
                 await mem.forget_session("ana", "s1")
