@@ -541,12 +541,22 @@ def _print_status(status: dict[str, Any]) -> None:
 
 def _cell(name: str, value: Any) -> str:
     if name == "latest" and isinstance(value, list):
-        return "\n".join(f"#{t['seq']} {t['role']}: {t['text'][:70]}" for t in value)
+        return "\n".join(_shown(f"#{t['seq']} {t['role']}: {t['text'][:70]}") for t in value)
     if isinstance(value, float):
         return f"{value:.2f}"
     if isinstance(value, (list, tuple)):
-        return ", ".join(str(v) for v in value)
-    return "" if value is None else str(value)
+        return _shown(", ".join(str(v) for v in value))
+    return "" if value is None else _shown(str(value))
+
+
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}  # C0, C1
+
+
+def _shown(text: str) -> str:
+    """Stored text as a terminal shows it safely: its control characters escaped (\\x1b),
+    so an escape sequence a user typed (clear the screen, set the title, write the
+    clipboard) reaches the operator's terminal as text."""
+    return text.translate(_CONTROLS)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -430,12 +430,16 @@ def test_inspect_shows_stored_text_that_looks_like_markup_as_it_is(tmp_path) -> 
             await mem.add_turn("ana", "[b]s1", "user", "see the docs [/] for more")
             await mem.add_turn("ana", "s2", "user", "my password is [red]hunter2[/red] lol")
 
+            # An escape sequence a user typed: clear the screen, set the terminal's title.
+            await mem.add_turn("ana", "s3", "user", "hi \x1b[2J\x1b]0;pwned\x07 there")
+
     trio.run(fill)
     done = _run("inspect", str(tmp_path / "s"), "--user", "ana", text=True)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
     shown = done.stdout.replace("\n", "").replace("│", "").replace(" ", "")
-    for said in ("[b]s1", "[/]", "[red]hunter2[/red]"):
+    for said in ("[b]s1", "[/]", "[red]hunter2[/red]", "\\x1b[2J\\x1b]0;pwned\\x07"):
         assert said.replace(" ", "") in shown, (said, done.stdout)
+    assert "\x1b]0" not in done.stdout and "\x1b[2J" not in done.stdout
 
 
 def test_a_store_path_that_is_not_utf8_is_refused_on_the_command_line(store, tmp_path,
