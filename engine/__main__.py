@@ -673,7 +673,7 @@ def _run(argv: list[str] | None) -> int:
                 code, result = cluster_run(args)
                 if result is None:
                     return code
-                if "partitions" in result and not args.json:
+                if "stream_last_seq" in result and not args.json:  # a status, not init
                     _print_status(result)
                     return code
             case "mcp":

@@ -290,6 +290,14 @@ def test_cluster_status_lists_owner_watermark_and_lag(nodes: list[NodeProcess],
     rows = [line for line in out.stdout.splitlines() if "node0" in line and "│" in line]
     assert len(rows) == cluster_config.partitions and "lease age" in out.stdout
     assert not out.stdout.lstrip().startswith("{")
+    # `cluster init` (the stream and bucket exist: it says what they are), without --json:
+    # it made them, then died of a KeyError taking its answer for a status table (exit 1).
+    out = subprocess.run(
+        [sys.executable, "-m", "engine", "cluster", "init", "--nats", ",".join(node.urls),
+         "--cluster-config", json.dumps(msgspec.structs.asdict(cluster_config))],
+        capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert cluster_config.stream in out.stdout
 
 
 def test_a_second_node_process_on_the_same_store_is_refused(nodes: list[NodeProcess],
