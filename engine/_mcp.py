@@ -217,10 +217,19 @@ def _answer_unreadable(line: str, error: pydantic.ValidationError) -> types.JSON
         return _no_id(f"id: expected a number or text, found an integer of "
                       f"{len(message['id'].lstrip('-'))} digits")
     if huge:
-        return types.JSONRPCError(jsonrpc="2.0", id=None, error=types.ErrorData(
-            code=types.PARSE_ERROR, message=f"expected a line of JSON the server can read, "
-                                            f"found an integer of {len(huge[0].lstrip('-'))} "
-                                            f"digits (at most {sys.get_int_max_str_digits()})"))
+        detail = (f"expected numbers of at most {sys.get_int_max_str_digits()} digits, found "
+                  f"an integer of {len(huge[0].lstrip('-'))} digits")
+        id_ = message.get("id") if isinstance(message, dict) else None
+        if isinstance(id_, bool) or not isinstance(id_, int | str) or "method" not in message:
+            return types.JSONRPCError(jsonrpc="2.0", id=None, error=types.ErrorData(
+                code=types.PARSE_ERROR, message=f"expected a line of JSON the server can "
+                                                f"read: {detail}"))
+        if message["method"] == "tools/call":  # the host matches the answer to its call
+            return types.JSONRPCResponse(jsonrpc="2.0", id=id_, result=_failure(
+                f"arguments: {detail}").model_dump(by_alias=True, mode="json",
+                                                   exclude_none=True))
+        return types.JSONRPCError(jsonrpc="2.0", id=id_, error=types.ErrorData(
+            code=types.INVALID_REQUEST, message=detail))
     if isinstance(message, list):
         return _no_id("expected one JSON-RPC message a line, found a batch (MCP has none)")
     if not isinstance(message, dict) or "method" not in message or "id" not in message:
