@@ -9,6 +9,7 @@ import ipaddress
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, unquote_to_bytes, urlsplit
 
 import msgspec
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
+from starlette.routing import Match
 
 from actors.base.errors import InvalidInput
 
@@ -357,11 +359,15 @@ class Edge:
     metrics, around every route."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], metrics: Metrics,
-                 max_body: int, keys: ApiKeys | None = None) -> None:
+                 max_body: int, keys: ApiKeys | None = None,
+                 routes: list[Any] | None = None) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body = max_body
         self.keys = keys  # None: only this machine's own clients (cross_site), no keys
+        # The app's routes (its own list, filled as routes are declared): what the Edge
+        # refuses before routing is counted under the template it would have reached.
+        self.routes = routes or []
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -390,7 +396,7 @@ class Edge:
             caller, refusal = key_refusal(self.keys, scope, path)
             if refusal is not None:
                 await refusal(scope, receive, send)
-                self._count(scope, refusal.status_code, started)
+                self._count(self._routed(scope), refusal.status_code, started)
                 return
             scope = {**scope, "state": {**scope.get("state", {}), CALLER: caller}}
         headers = scope.get("headers", [])
@@ -477,6 +483,13 @@ class Edge:
                 # read), the client closed the request and reads no answer.
                 status = 499
             self._count({**routed, "method": "HEAD"} if head else routed, status, started)
+
+    def _routed(self, scope: dict) -> dict:
+        """``scope`` with the route it would reach, as routing would set it."""
+        for route in self.routes:
+            if route.matches(scope)[0] == Match.FULL:
+                return {**scope, "route": route}
+        return scope
 
     def _count(self, scope: dict, status: int, started: float) -> None:
         route = scope.get("route")

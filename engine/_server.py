@@ -132,7 +132,8 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
         description="An in-process memory engine for chat bots and agents, over HTTP. "
                     "Send `Authorization: Bearer <key>` when the server has an api-keys file.")
     metrics = Metrics()
-    app.add_middleware(Edge, metrics=metrics, max_body=max_body_bytes, keys=keys)
+    app.add_middleware(Edge, metrics=metrics, max_body=max_body_bytes, keys=keys,
+                       routes=app.router.routes)
     # The inspector's pages, on the same engine and keys (engine/ui).
     ui = create_ui(engine, keys)
     app.mount("/ui", ui)

@@ -609,8 +609,14 @@ async def test_a_caller_without_a_key_is_refused_before_its_body_is_read(mem,
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://127.0.0.1:8080") as http:
         blank = await http.get("/v1/users/ana/notes", headers={"Authorization": "Bearer   "})
-    # The scheme is there and the key is blank: it said "a header with no 'Bearer ' scheme".
-    assert blank.status_code == 401 and "'Bearer' and no key" in blank.json()["message"]
+        # The scheme is there and the key is blank: it said "a header with no 'Bearer '
+        # scheme".
+        assert blank.status_code == 401 and "'Bearer' and no key" in blank.json()["message"]
+        # Refused before routing, still counted under the route's template (not "unmatched").
+        metrics = (await http.get("/metrics", headers={
+            "Authorization": f"Bearer {ADMIN_KEY}"})).text
+    assert ('engram_http_requests_total{method="GET",route="/v1/users/{user_id}/notes",'
+            'status="401"}') in metrics, [m for m in metrics.splitlines() if "401" in m]
 
 
 async def test_a_body_that_stops_arriving_is_a_408_and_nothing_is_written(mem,
