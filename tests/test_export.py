@@ -187,15 +187,21 @@ async def test_import_under_another_user_and_beside_live_turns(tmp_path) -> None
         assert episodes and episodes[0].first_seq == 0  # the imported tail was compressed too
 
 
-async def _lisbon_trip(store: Path) -> bytes:
-    """An export of maya's two turns naming Lisbon (and Ana)."""
+async def _exported(store: Path, user_id: str, session_id: str, *texts: str) -> bytes:
+    """An export of the user's turns, said in a store of their own."""
     async with open_engine(store) as mem:
-        await mem.add_turn("maya", "trip", "user", "I flew to Lisbon last spring with Ana")
-        await mem.add_turn("maya", "trip", "user", "Lisbon had amazing pastel de nata")
+        for text in texts:
+            await mem.add_turn(user_id, session_id, "user", text)
         await mem.flush()
         export = io.BytesIO()
-        await mem.export_user("maya", export)
+        await mem.export_user(user_id, export)
     return export.getvalue()
+
+
+async def _lisbon_trip(store: Path) -> bytes:
+    """An export of maya's two turns naming Lisbon (and Ana)."""
+    return await _exported(store, "maya", "trip", "I flew to Lisbon last spring with Ana",
+                           "Lisbon had amazing pastel de nata")
 
 
 async def test_an_entity_the_user_has_here_takes_in_the_imports_mentions(tmp_path) -> None:
@@ -224,17 +230,13 @@ async def test_an_imported_name_that_is_an_alias_here_counts_for_its_entity(tmp_
     record here was an alias, so its mention was counted nowhere and its turn listed under
     no entity. It counts for the entity the alias names, as a live mention would; an import
     of the same file again adds nothing."""
-    async with open_engine(tmp_path / "a") as mem:
-        await mem.add_turn("bo", "s", "user", "I met São and Fiona yesterday.")
-        await mem.flush()
-        export = io.BytesIO()
-        await mem.export_user("bo", export)
+    export = await _exported(tmp_path / "a", "bo", "s", "I met São and Fiona yesterday.")
     async with open_engine(tmp_path / "b") as mem:
         await mem.add_turn("ana", "s1", "user", "I met São Paulo and Fiona yesterday.")
         await mem.flush()
         assert (await mem.entity_info("ana", "São")).entity.name == "São Paulo"
         for _ in range(2):
-            await mem.import_user(export.getvalue(), as_user="ana")
+            await mem.import_user(export, as_user="ana")
             await mem.flush()
             info = await mem.entity_info("ana", "São")
             assert (info.entity.name, info.entity.mentions) == ("São Paulo", 2)
@@ -285,12 +287,9 @@ async def test_entities_an_import_writes_are_counted_once_whatever_the_writer_re
     """The writer writes a batch again when the map fills (it grows it first) or an op of
     it is refused; the entity merges counted themselves at every attempt, so an import
     reported twice the entities it wrote. A merge is counted from what the commit wrote."""
-    async with open_engine(tmp_path / "a") as mem:
-        await mem.add_turn("maya", "trip", "user", "I flew to Lisbon last spring with Ana")
-        await mem.flush()
-        export = io.BytesIO()
-        await mem.export_user("maya", export)
-    lines = [json.loads(line) for line in export.getvalue().splitlines()]
+    export = await _exported(tmp_path / "a", "maya", "trip",
+                             "I flew to Lisbon last spring with Ana")
+    lines = [json.loads(line) for line in export.splitlines()]
     turn = next(line for line in lines if line["record"] == "turn")
     body = [line for line in lines if line["record"] not in ("entity", "end")]
     body += [{"record": "entity", "name": f"Entity number {i} " + "x" * 150, "type": "person",
@@ -308,11 +307,7 @@ async def test_a_damaged_registry_record_fails_the_import_not_the_engine(tmp_pat
     """The import's merge of an entity read the registry in the writer's transaction: a
     damaged record there (StoreCorrupt) broke the writer, and the engine stopped serving
     every user. The import reads the records it merges first, and fails alone."""
-    async with open_engine(tmp_path / "a") as mem:
-        await mem.add_turn("maya", "trip", "user", "I flew to Berlin last spring")
-        await mem.flush()
-        export = io.BytesIO()
-        await mem.export_user("maya", export)
+    export = await _exported(tmp_path / "a", "maya", "trip", "I flew to Berlin last spring")
     async with open_engine(tmp_path / "b") as mem:
         await mem.add_turn("maya", "home", "user", "Berlin is cold in winter")
         await mem.flush()
@@ -326,7 +321,7 @@ async def test_a_damaged_registry_record_fails_the_import_not_the_engine(tmp_pat
     env.close()
     async with open_engine(tmp_path / "b") as mem:
         with pytest.raises(StoreCorrupt):
-            await mem.import_user(export.getvalue())
+            await mem.import_user(export)
         await mem.add_turn("bo", "s", "user", "a bystander's turn", durable=True)
         assert [t.text for t in await mem.session_history("bo", "s")] == ["a bystander's turn"]
 
