@@ -11,8 +11,9 @@ every byte that is not an ASCII letter, digit, ``-`` or ``_`` (so ``.``, ``/`` a
 never leave the directory or hide a file), cut to a length every filesystem takes, with a hash
 of the whole id when cut. A crash between the store's commit and the file's rename leaves a
 stale or missing file: ``sync``, run when the engine opens, makes the directory match the store.
-It removes only files the mirror wrote (they open with its front matter): Markdown files of
-anyone else's under the directory are left alone. Forgetting a user removes the mirror's
+It removes only files this store's mirror wrote (they open with its front matter, which ends
+with the store's id): Markdown files of anyone else's under the directory, and another store's
+sharing it, are left alone. Forgetting a user removes the mirror's
 files of the user, and the user's folder once that empties it. A user's folder that is a
 symbolic link is never written through nor emptied (a note must not leave the directory),
 and the directory must be apart from the store (``_wiring`` refuses one that holds it).
@@ -54,6 +55,7 @@ MAX_NAME = 180  # bytes of a file name before ".md": ext4 and most others allow 
 _SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 _decode_note = msgspec.msgpack.Decoder(Note).decode
 _FRONT = b"---\nid: "  # how every file the mirror writes begins (``render``)
+_HEAD_BYTES = 64 * 1024  # the front matter is in it: ids and tags are bounded
 
 
 def safe_name(identifier: str) -> str:
@@ -65,8 +67,9 @@ def safe_name(identifier: str) -> str:
     return name
 
 
-def render(note: Note) -> str:
-    """The note as Markdown with front matter (JSON strings are valid YAML scalars)."""
+def render(note: Note, store_id: str = "") -> str:
+    """The note as Markdown with front matter (JSON strings are valid YAML scalars); its
+    last field names the store that wrote it (``store_id``), when there is one."""
     head = [
         "---",
         f"id: {json.dumps(note.note_id, ensure_ascii=False)}",
@@ -77,6 +80,7 @@ def render(note: Note) -> str:
         f"emotion: {json.dumps(note.emotion, ensure_ascii=False)}",
         f"created_at: {note.created_at.isoformat()}",
         f"updated_at: {note.updated_at.isoformat()}",
+        *([f"store: {json.dumps(store_id)}"] if store_id else []),
         "---",
         "",
     ]
@@ -86,11 +90,19 @@ def render(note: Note) -> str:
 class NotesMirror:
     """Writes and removes the Markdown files; every file operation runs in a worker thread."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, store_id: str = "") -> None:
         self.root = root
+        # The store's id, in every file it writes: a file of another store's sharing the
+        # folder is never removed (nor one of a user this store never had).
+        self.store_id = store_id
         self._lock = threading.Lock()  # one file operation at a time, each checked under it
         self._newest: dict[Path, int] = {}  # the log position each file last mirrored
         self._gone: dict[str, int] = {}  # user directory -> the lsn of the user's forget
+
+    def _ours(self, path: Path) -> bool:
+        """Whether a file is one this store's mirror wrote (or one of no store, written
+        before files named theirs)."""
+        return _store_of(path) in ("", self.store_id)
 
     def path(self, user_id: str, note_id: str) -> Path:
         return self.root / safe_name(user_id) / f"{safe_name(note_id)}.md"
@@ -133,7 +145,7 @@ class NotesMirror:
                 return
             try:
                 for path in directory.iterdir():
-                    if path.suffix == ".md" and _mirrored(path):
+                    if path.suffix == ".md" and self._ours(path):
                         path.unlink(missing_ok=True)
                 directory.rmdir()
             except OSError as exc:
@@ -152,7 +164,7 @@ class NotesMirror:
             # A link put there by someone else: a note written through it would leave the
             # notes folder, and its user's forget could not take it back.
             raise OSError(errno.ELOOP, "the user's folder is a symbolic link, not followed")
-        write_atomically(path, render(note).encode("utf-8"))
+        write_atomically(path, render(note, self.store_id).encode("utf-8"))
 
     def _sync(self, notes: Iterable[Note]) -> int:
         changed = 0
@@ -164,7 +176,7 @@ class NotesMirror:
                 current = path.read_bytes()
             except OSError:  # none, or a folder of its name (rewriting it says which)
                 current = None
-            if current != render(note).encode("utf-8"):
+            if current != render(note, self.store_id).encode("utf-8"):
                 try:
                     self._write(note)
                 except OSError as exc:
@@ -177,7 +189,7 @@ class NotesMirror:
                      if folder.is_dir() and not folder.is_symlink()
                      for path in folder.glob("*.md")]
             for path in found:
-                if path not in wanted and _mirrored(path):
+                if path not in wanted and self._ours(path):
                     try:
                         path.unlink(missing_ok=True)
                     except OSError as exc:
@@ -187,15 +199,25 @@ class NotesMirror:
         return changed
 
 
-def _mirrored(path: Path) -> bool:
-    """Whether a file is one the mirror wrote (it opens with the front matter ``render``
-    writes): a Markdown file of anyone else's in the directory (a folder of an editor's vault,
-    a note retyped by hand) is never removed for want of a note."""
+def _store_of(path: Path) -> str | None:
+    """The store a mirror file names (``""``: a file written before files named theirs), or
+    None for a file the mirror did not write."""
     try:
         with open(path, "rb") as file:
-            return file.read(len(_FRONT)) == _FRONT
+            head = file.read(_HEAD_BYTES)
     except OSError:  # a folder of that name, or unreadable: not one to remove
-        return False
+        return None
+    if not head.startswith(_FRONT):
+        return None
+    end = head.find(b"\n---\n", len(_FRONT))
+    for line in head[: end if end >= 0 else len(head)].split(b"\n"):
+        if line.startswith(b"store: "):
+            try:
+                found = json.loads(line[len(b"store: "):])
+            except ValueError:
+                return None
+            return found if isinstance(found, str) else None
+    return ""
 
 
 def _skipped(path: Path, exc: OSError) -> None:

@@ -142,7 +142,7 @@ class Parts:
         # What flush waits for besides the followers and the indexes (background work that
         # follows them, e.g. the reflection a session switch asks for).
         self.settling: list[Callable[[], Awaitable[None]]] = []
-        self.notes_md = (NotesMirror(Path(config.notes_markdown_dir))
+        self.notes_md = (NotesMirror(Path(config.notes_markdown_dir), store.store_id)
                          if config.notes_markdown_dir is not None and not store.read_only
                          else None)
         self.config = config

@@ -31,11 +31,13 @@ async def test_each_note_is_one_markdown_file_kept_in_step_with_the_store(store_
                            config={"notes_markdown_dir": str(root)}) as mem:
         note = await mem.store_note("maya", "Planning a trip to Madeira.\nIn May.",
                                     note_id="trip", tags=["travel", "café"])
-        assert _files(root) == {"maya/trip.md": (
+        store_id = mem._parts.store.store_id  # the store that wrote it, 32 hex digits
+        assert len(store_id) == 32 and _files(root) == {"maya/trip.md": (
             '---\nid: "trip"\nuser: "maya"\ntags: ["travel", "café"]\n'
             'category: ""\nimportance: 0.5\nemotion: ""\n'
             f"created_at: {note.created_at.isoformat()}\n"
-            f"updated_at: {note.updated_at.isoformat()}\n---\n\n"
+            f"updated_at: {note.updated_at.isoformat()}\n"
+            f'store: "{store_id}"\n---\n\n'
             "Planning a trip to Madeira.\nIn May.\n")}
         updated = await mem.update_note("maya", "trip", "Booked Madeira for May.")
         text = (root / "maya" / "trip.md").read_text(encoding="utf-8")
@@ -262,3 +264,28 @@ async def test_the_mirror_never_writes_or_deletes_through_a_symbolic_link(clock,
         pass
     assert sorted(p.name for p in outside.iterdir()) == ["kept.md"]
     assert "secret plans" not in "".join(p.read_text() for p in tmp_path.rglob("*.md"))
+
+
+async def test_two_stores_sharing_a_notes_folder_keep_each_others_files(clock,
+                                                                         tmp_path) -> None:
+    """Bot B opened with the notes folder bot A mirrors to deleted A's files at its sync
+    (every file with the mirror's front matter was taken for its own), and B's forget of a
+    user it never had deleted A's files of that user: back only at A's next open. Each file
+    now names the store that wrote it (a random id the store keeps), and a store removes
+    only its own, or those of no store (written before the mark)."""
+    root = tmp_path / "vault"
+    config = {"notes_markdown_dir": str(root)}
+    async with open_engine(tmp_path / "a", clock=clock, config=config) as a:
+        await a.store_note("carol", "carol's plan", note_id="n1")
+        await a.flush()
+    mine = _files(root)
+    assert list(mine) == ["carol/n1.md"] and "\nstore: " in mine["carol/n1.md"]
+    async with open_engine(tmp_path / "b", clock=clock, config=config) as b:
+        await b.store_note("dan", "dan's note", note_id="n2")
+        await b.forget_user("carol")  # B never had carol
+        await b.flush()
+    assert _files(root)["carol/n1.md"] == mine["carol/n1.md"]
+    async with open_engine(tmp_path / "a", clock=clock, config=config) as a:
+        await a.forget_user("carol")
+        await a.flush()
+    assert list(_files(root)) == ["dan/n2.md"]

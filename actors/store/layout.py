@@ -102,6 +102,9 @@ VECTORS_EPOCH_KEY = b"vectors_epoch"
 # Records behind the embedding watermark that still need a vector (8-byte lsns): what a
 # migration found missing; the embedder embeds them before following the log.
 EMBED_BACKLOG_KEY = b"embed_backlog"
+# A random id the store is given by its first owner (a snapshot or a copy keeps it): what
+# the notes mirror marks its files with, so two stores sharing one folder keep each other's.
+STORE_ID_KEY = b"store_id"
 HEAD_KEY = b"chain_head"  # the chain's head: last lsn (8) + digest (16) + MAC (32, if keyed)
 # Set in the transaction of every forget, cleared once the file was scrubbed: a crash in
 # between leaves it, and the next engine scrubs again.

@@ -11,6 +11,7 @@ wait for in-flight reads to finish and hold new ones back meanwhile. The writes 
 from __future__ import annotations
 
 import hmac
+import os
 from array import array
 from collections import deque
 from collections.abc import Callable
@@ -57,6 +58,7 @@ from .layout import (
     _LAST_LSN_KEY,
     _MODEL_KEY,
     SCHEMA_KEY,
+    STORE_ID_KEY,
     DB_NAMES,
     EMBED_BACKLOG_KEY,
     HEAD_KEY,
@@ -100,6 +102,7 @@ class Store(Writer, Appliers, Forgetting):
         self._reembed = reembed
         self.read_only = read_only  # readers of a store another process may be writing
         self.embedded_lsn = 0  # the persisted embedding watermark, as read at open
+        self.store_id = ""  # the store's own random id (STORE_ID_KEY), made by its owner
         # How many times the store dropped its vectors (reembed), as read at open: a graph
         # saved at another count holds vectors the store no longer has.
         self.vectors_epoch = 0
@@ -393,6 +396,11 @@ class Store(Writer, Appliers, Forgetting):
             self._next_lsn = (_int(txn.get(_LAST_LSN_KEY, db=meta)) or 0) + 1
             self.embedded_lsn = _int(txn.get(_EMBEDDED_KEY, db=meta)) or 0
             self.vectors_epoch = _int(txn.get(VECTORS_EPOCH_KEY, db=meta)) or 0
+            found = txn.get(STORE_ID_KEY, db=meta)
+            if found is None:
+                found = os.urandom(16).hex().encode()
+                txn.put(STORE_ID_KEY, found, db=meta)
+            self.store_id = found.decode()
             self.scrub_pending = txn.get(SCRUB_KEY, db=meta) is not None
             if not self.scrub_pending and txn.get(SCRUBBED_KEY, db=meta) is None:
                 # Scrubbed (if ever) by an older build, whose scrub could leave a few
