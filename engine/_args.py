@@ -48,10 +48,11 @@ def check_label(field: str, value: Any) -> str:
 def _marked_label(label: str) -> bool:
     """A label whose words hold combining marks (Devanagari's vowel signs, Thai's, the dot
     'İ' lower-cases into), which a regular expression's word class does not take: the label
-    with its marks set aside passes, and no mark starts it."""
-    if unicodedata.category(label[0]).startswith("M"):
-        return False
-    bare = "".join(c for c in label if not unicodedata.category(c).startswith("M"))
+    with its marks set aside passes, and every mark follows a letter or another mark."""
+    marks = [unicodedata.category(c).startswith("M") for c in label]
+    if marks[0] or any(mark and label[i - 1] in " -_" for i, mark in enumerate(marks)):
+        return False  # a mark belongs to the letter before it
+    bare = "".join(c for c, mark in zip(label, marks) if not mark)
     return bool(bare) and _LABEL.match(bare) is not None
 
 

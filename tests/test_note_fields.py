@@ -35,7 +35,8 @@ async def test_an_emotion_label_in_a_script_with_combining_marks_is_taken(mem, l
     assert note.emotion == " ".join(unicodedata.normalize("NFC", label).split()).lower()
     found = await mem.recall("ana", "Lisbon offer", emotion=label)
     assert [h.id for h in found] == [note.note_id]
-    for bad in ("joy!", "-joy", "\u0301joy"):  # a mark alone starts no word
+    # A mark belongs to the letter before it: none after a space, a '-' or nothing.
+    for bad in ("joy!", "-joy", "\u0301joy", "joy \u0301", "joy-\u0301x"):
         with pytest.raises(InvalidInput, match="emotion"):
             await mem.store_note("ana", "x", emotion=bad)
 
