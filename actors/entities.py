@@ -67,7 +67,8 @@ _ANIMALS = ("dog|cat|puppy|kitten|pet|parrot|budgie|hamster|rabbit|bunny|horse|p
 _CUE = re.compile(rf"\b(?:(?P<place>in|to|from|at|near|visit|visited|visiting)|"
                   rf"(?P<pet>(?:my|our|his|her|their)\s+(?:{_ANIMALS})(?:,?\s+(?:called|named))?,?"
                   rf"|(?:{_ANIMALS}),?\s+(?:called|named)))\s+", re.IGNORECASE)
-# Capitalised words that are not names: sentence starters, pronouns, days, months, greetings.
+# Capitalised words that are not names: sentence starters, pronouns, days, months, greetings,
+# and the first words of the fact rules' own texts.
 _NOT_NAMES = frozenset(
     "I A An The This That These Those It Its He She We They You Your My Our Their His Her "
     "Hi Hey Hello Thanks Thank Yes No Ok Okay Sure Sorry Please Good Great Nice Well So And But "
@@ -78,7 +79,10 @@ _NOT_NAMES = frozenset(
     "All Here There Then Now Oh Ah Wow Cool Fine Right Sounds Understood Want Happy Enjoy "
     "Email Call Send Remind Book Check Find Look Make Take Give Show Get Go Try Keep Remember "
     "Note Add Set Use Answer Reply Write Read Change Always Never From Since After Before "
-    "Mondays Tuesdays Wednesdays Thursdays Fridays Saturdays Sundays".split())
+    "Mondays Tuesdays Wednesdays Thursdays Fridays Saturdays Sundays "
+    # The fact rules' texts start with these (actors/extraction.py): "Lives in Lisbon".
+    "Lives Works Prefers Speaks Allergic Intolerant Avoids Comes Favourite Usually Native "
+    "Time".split())
 _LETTER = re.compile(r"[^\W\d_]")
 _SENTENCE_END = re.compile(r"[.!?\n]")
 

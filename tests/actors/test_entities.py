@@ -69,6 +69,14 @@ async def registry(ground: Ground, user_id: str, *names: str) -> dict:
     ("I gave the dog Emma's old blanket.", [("Emma", "person")]),
     ("I fed the cat Sarah brought home.", [("Sarah", "person")]),
     ("Is it ok to pet Anna's cat?", [("Anna", "person")]),
+    # The fact rules' own texts ("Lives in Lisbon", "Works at Acme") are searchable records
+    # too: the inspector showed "Lives" as a person. Their first words are never names.
+    ("Lives in Lisbon", [("Lisbon", "place")]),
+    ("Works at Acme Labs.", [("Acme Labs", "place")]),
+    ("Prefers Earl Grey. Speaks Portuguese. Allergic to peanuts. Comes from Porto.",
+     [("Earl Grey", "person"), ("Porto", "place")]),
+    ("Usually walks Pixel at seven. Favourite cafe: Bettina.",
+     [("Pixel", "person"), ("Bettina", "person")]),
 ])
 def test_entities_are_extracted_by_kind(text, expected) -> None:
     """Mentions, hashtags, emails, URLs, dates and capitalised names; sentence starters and
