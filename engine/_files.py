@@ -89,26 +89,28 @@ def one_disk_error() -> Iterator[None]:
 NAME_MAX = 255  # bytes a file name may take (ext4, xfs, btrfs, tmpfs)
 
 
+def _cut(name: str, room: int) -> str:
+    """``name`` if its bytes fit in ``room``; else cut at a character and marked with a hash
+    of the whole, in ``room`` bytes, so one name always gives one cut."""
+    raw = os.fsencode(name)
+    if len(raw) <= room:
+        return name
+    tail = f"~{hashlib.sha256(raw).hexdigest()[:16]}"
+    return raw[: room - len(tail)].decode("utf-8", "ignore") + tail
+
+
 def aside(path: Path, suffix: str) -> Path:
     """The sibling named ``path``'s name and ``suffix`` (a copy under way, a store set aside),
-    within NAME_MAX bytes: a name too long for the suffix is cut at a character and marked
-    with a hash of the whole, so one path always gives one sibling (what a restore cut short
-    left is found again) and a legal name never gets one past the limit."""
-    name = path.name + suffix
-    if len(os.fsencode(name)) <= NAME_MAX:
-        return path.with_name(name)
-    tail = f"~{hashlib.sha256(os.fsencode(path.name)).hexdigest()[:16]}{suffix}"
-    head = os.fsencode(path.name)[: NAME_MAX - len(os.fsencode(tail))]
-    return path.with_name(head.decode("utf-8", "ignore") + tail)
+    within NAME_MAX bytes (:func:`_cut`): one path always gives one sibling (what a restore
+    cut short left is found again) and a legal name never gets one past the limit."""
+    return path.with_name(_cut(path.name, NAME_MAX - len(os.fsencode(suffix))) + suffix)
 
 
 def write_atomically(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a reader or a crash sees the old file or the new one,
     never a part: a temporary file in the same folder, fsynced, then renamed over ``path``."""
-    # mkstemp puts 8 random characters between its prefix and its suffix: the prefix is
-    # what aside() leaves of ".NAME" beside ".XXXXXXXX.tmp".
-    room = aside(path.with_name("." + path.name), ".XXXXXXXX.tmp").name
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=room[: -len("XXXXXXXX.tmp")],
+    # ".NAME." + mkstemp's 8 random characters + ".tmp": 14 bytes beside the name.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{_cut(path.name, NAME_MAX - 14)}.",
                                suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as out:
