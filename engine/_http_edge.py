@@ -367,7 +367,7 @@ class Edge:
         self.keys = keys  # None: only this machine's own clients (cross_site), no keys
         # The app's routes (its own list, filled as routes are declared): what the Edge
         # refuses before routing is counted under the template it would have reached.
-        self.routes = routes or []
+        self.routes = routes if routes is not None else []
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":

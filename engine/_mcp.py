@@ -213,13 +213,13 @@ def _answer_unreadable(line: str, error: pydantic.ValidationError) -> types.JSON
                                             f"{str(exc)[:200]}"))
     except RecursionError:  # deeper than Python's parser goes: its top level read alone
         message, deep = _top_level(line), True
-    if isinstance(message, dict) and isinstance(message.get("id"), _Digits):
-        return _no_id(f"id: expected a number or text, found an integer of "
-                      f"{len(message['id'].lstrip('-'))} digits")
     if huge:
+        id_ = message.get("id") if isinstance(message, dict) else None
+        if isinstance(id_, _Digits):
+            return _no_id(f"id: expected a number or text, found an integer of "
+                          f"{len(id_.lstrip('-'))} digits")
         detail = (f"expected numbers of at most {sys.get_int_max_str_digits()} digits, found "
                   f"an integer of {len(huge[0].lstrip('-'))} digits")
-        id_ = message.get("id") if isinstance(message, dict) else None
         if isinstance(id_, bool) or not isinstance(id_, int | str) or "method" not in message:
             return types.JSONRPCError(jsonrpc="2.0", id=None, error=types.ErrorData(
                 code=types.PARSE_ERROR, message=f"expected a line of JSON the server can "

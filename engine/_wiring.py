@@ -80,13 +80,11 @@ def _apart_from_store(notes: Path, store: Path) -> None:
     except (OSError, ValueError, RuntimeError):  # no path at all: the open refuses it, naming it
         return
     if store.is_relative_to(notes) or notes.is_relative_to(store):
+        where = "holds" if store != notes and store.is_relative_to(notes) else "is or lies in"
         raise InvalidInput("notes_markdown_dir", f"expected a folder apart from the store, "
-                                                 f"found {notes}, which "
-                                                 + ("holds" if store != notes and
-                                                    store.is_relative_to(notes) else
-                                                    "is or lies inside")
-                                                 + f" the store {store}; mirror the notes "
-                                                   "in a folder of their own")
+                                                 f"found {notes}, which {where} the store "
+                                                 f"{store}; mirror the notes in a folder of "
+                                                 "their own")
 
 
 def checked_open(path: Any, config: Config | Mapping[str, Any] | None, llm: Any,
