@@ -22,7 +22,8 @@ The baselines come from the same run, because this 2-core machine is shared and 
 figures move with its load: a bare FastAPI app on Hypercorn's trio worker with trivial JSON
 routes at the same paths (the ceiling for any app on this stack), loaded by the same clients
 for the same time right before or after each mix; and the same two engine calls in-process on
-native trio, for what HTTP adds. Beside the rates, the CPU each side spent per request (the
+native trio, for what HTTP adds, and the recall mix without HTTP (as many trio tasks as
+clients, the same queries, for as long): what the engine alone answers on these cores. Beside the rates, the CPU each side spent per request (the
 clients; the server's loop thread, its model threads and its worker threads, from /proc),
 which a shared machine's load moves much less than req/s, and the load average at each
 phase's start and end. Before each phase the bench waits until the server's indexes have
@@ -233,6 +234,35 @@ async def in_process(store: Path, queries: list[str], n: int) -> dict[str, Any]:
     return {"ingest": percentiles(ingest, 1e3, "ms"), "recall": percentiles(recall, 1e3, "ms")}
 
 
+async def in_process_recalls(store: Path, args: argparse.Namespace,
+                             queries: list[str]) -> dict[str, Any]:
+    """The recall mix without HTTP: as many trio tasks as the bench has clients, each recalling
+    back to back for as long, with the same queries in the same order, on a freshly opened
+    engine (an empty query cache, as the server had at its recall mix). What the engine alone
+    answers on these cores, for the HTTP recall rate to be read against."""
+    latencies: list[float] = []
+
+    async def client(mem: Engine, n: int, deadline: float) -> None:
+        i = 0
+        while trio.current_time() < deadline:
+            start = time.perf_counter()
+            await mem.recall(f"user{n % args.users}", queries[(n * 7 + i) % len(queries)],
+                             limit=5)
+            latencies.append(time.perf_counter() - start)
+            i += 1
+
+    async with Engine.open(store) as mem:
+        await mem.flush()  # what the server's last mix left for the followers, done first
+        started, cpu = time.perf_counter(), time.process_time()
+        async with trio.open_nursery() as nursery:
+            deadline = trio.current_time() + args.seconds
+            for n in range(args.clients):
+                nursery.start_soon(client, mem, n, deadline)
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+    return {**percentiles(latencies, 1e3, "ms"), "req_per_s": len(latencies) / elapsed,
+            "cpu_ms_per_request": cpu * 1e3 / max(len(latencies), 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
@@ -281,6 +311,7 @@ def main() -> None:
             server.terminate()
             server.wait(30)
         results["in_process"] = trio.run(in_process, store, queries, 500 if args.quick else 2000)
+        results["in_process_recalls"] = trio.run(in_process_recalls, store, args, queries)
     finally:
         for server in servers.values():
             if server.poll() is None:
@@ -307,6 +338,12 @@ def main() -> None:
     print(f"in-process, native trio: add_turn p50 {native['ingest']['p50_ms']:.3f} ms / p99 "
           f"{native['ingest']['p99_ms']:.3f} ms; recall p50 {native['recall']['p50_ms']:.2f} ms "
           f"/ p99 {native['recall']['p99_ms']:.2f} ms")
+    alone, served = results["in_process_recalls"], results["mixes"]["recall"]["http"]
+    alone["http_over_in_process_req_per_s"] = served["req_per_s"] / alone["req_per_s"]
+    print(f"in-process, native trio, {args.clients} tasks recalling: {alone['req_per_s']:,.0f} "
+          f"recalls/s, p50 {alone['p50_ms']:.2f} ms / p99 {alone['p99_ms']:.2f} ms, "
+          f"{alone['cpu_ms_per_request']:.2f} ms of CPU each; over HTTP "
+          f"{alone['http_over_in_process_req_per_s']:.2f}x of that rate")
     results["args"] = vars(args)
     results["machine"] = {"python": sys.version.split()[0], "platform": platform.platform(),
                           "cpus": os.cpu_count()}
