@@ -48,7 +48,7 @@ from actors.base.errors import (
 from actors.base.records import SCHEMA_VERSION
 from actors.fulltext import build_index
 from actors.store import LOG_TOMBSTONE, MAX_DBS, clean_copy, lsn_key, open_databases
-from actors.store.integrity import HEAD_KEY
+from actors.store.integrity import HEAD_KEY, ready_lock_file
 
 from ._files import PATH_ERRNOS, aside, one_disk_error, refused, resolved
 from ._owner import LOCK_NAME, MANIFEST_NAME, SNAPSHOT_DATA, OwnerLock
@@ -680,6 +680,7 @@ def _compact(store: Path, progress: Callable[[int, int], None] | None) -> dict[s
     fresh = store / "compact.tmp"
     shutil.rmtree(fresh, ignore_errors=True)
     fresh.mkdir()
+    ready_lock_file(store)
     env = lmdb.open(str(store), max_dbs=MAX_DBS)
     try:
         with env.begin() as txn:

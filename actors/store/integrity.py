@@ -26,10 +26,15 @@ it. Positions already missing when an older store was migrated carry :data:`ABSE
 File length. A ``data.mdb`` cut short makes LMDB's map reach past the end of the file and the
 process die of SIGBUS on the first read there; :func:`check_file` compares the file's length
 with the last page its meta pages name before anything maps it.
+
+Lock file. LMDB makes a missing ``lock.mdb`` by lengthening an empty file and writing through a
+map of it; on a full disk that write is SIGBUS too. :func:`ready_lock_file` writes one out
+first, where it fails with ENOSPC.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -41,8 +46,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..base.errors import StoreCorrupt
-from .layout import HEAD_KEY
+from ..base.errors import EngineBroken, StoreCorrupt, disk_full
+from .layout import HEAD_KEY, MAX_READERS
 from .pages import in_use_fits
 
 __all__ = ["CheckedTxn", "seal", "seal_all", "unseal", "check_file", "content_digest", "link",
@@ -333,6 +338,46 @@ def _newest_txnid(data: Path) -> int | None:
              if len(meta) >= _LAST_PAGE_OFFSET + 16
              and struct.unpack_from("<I", meta, _META_OFFSET)[0] == _LMDB_MAGIC]
     return max(found, default=None)
+
+
+# A lock file of zeros, as long as LMDB's at MAX_READERS slots of 64 bytes and its header
+# (a few cache lines) or longer: LMDB's first opener initialises one it finds, and takes one
+# longer than it needs as it is, its reader table the longer for it.
+LOCK_FILE_BYTES = 3 * 4096
+assert LOCK_FILE_BYTES >= 64 * (MAX_READERS + 8)
+
+
+def ready_lock_file(path: Path) -> None:
+    """Give the store at ``path`` a ``lock.mdb`` if it has none (after a restore, or a copy of
+    data.mdb alone), every byte of it written, before LMDB opens it with its lock. LMDB would
+    make it by lengthening an empty file and writing through a map of it, and on a full disk
+    that write is SIGBUS: the process killed without a word. Made whole under another name and
+    linked into place, so no other opener meets it half written.
+
+    Any failure but a full disk is left for LMDB to meet and say, as it would without this (a
+    folder this process may not write to: a reader, say).
+
+    Raises:
+        EngineBroken: the disk is full.
+    """
+    lock = path / "lock.mdb"
+    if os.path.lexists(lock) or not path.is_dir():
+        return
+    part = path / f".lock.mdb.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    try:
+        with open(part, "xb") as f:
+            f.write(bytes(LOCK_FILE_BYTES))
+        os.link(part, lock)
+    except FileExistsError:
+        pass  # another opener made it meanwhile: theirs is whole too
+    except OSError as exc:
+        if disk_full(exc):
+            raise EngineBroken(f"cannot open the store at {path}: its lock file cannot be "
+                               f"written ({exc}): the disk is full; free space and open it "
+                               "again (nothing of the store was changed)") from exc
+    finally:
+        with contextlib.suppress(OSError):
+            part.unlink()
 
 
 def check_file(path: Path, extend: bool = False, _tries: int = 8) -> None:

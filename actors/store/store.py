@@ -52,7 +52,8 @@ from .chain import check_chain
 from .codecs import _encode
 from .compact import clear_copy, copy_pages, copy_pages_hashed, fsync_copy
 from .forget import Forgetting
-from .integrity import ZERO, CheckedTxn, check_file, decode_head, encode_head, head_mac
+from .integrity import (ZERO, CheckedTxn, check_file, decode_head, encode_head, head_mac,
+                        ready_lock_file)
 from .layout import (
     _EMBEDDED_KEY,
     _LAST_LSN_KEY,
@@ -280,6 +281,7 @@ class Store(Writer, Appliers, Forgetting):
                             "free space and open it again (nothing of it was changed)")
 
     def _lmdb_open(self, map_size: int) -> lmdb.Environment:
+        ready_lock_file(self.path)
         return lmdb.open(
             str(self.path),
             map_size=map_size,
@@ -341,6 +343,7 @@ class Store(Writer, Appliers, Forgetting):
         try:
             # lock=True: this reader takes a slot in LMDB's reader table, so a writer in
             # another process never reuses the pages it reads.
+            ready_lock_file(self.path)
             env = lmdb.open(str(self.path), readonly=True, lock=True, max_dbs=MAX_DBS,
                             max_readers=MAX_READERS)
         except lmdb.Error as exc:

@@ -1,0 +1,92 @@
+"""A full disk is the disk's state, not the store's damage: every part that meets it says so
+with the engine's own error, the process lives on, and the store opens once space is free.
+
+Each test runs a child on a real small file system (a tmpfs mounted in a mount namespace of
+the child's own, gone with it), filled to the last byte by a ballast file."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+# What every child starts with: a store of two turns on the small disk, closed; and fill().
+PRELUDE = textwrap.dedent("""
+    import os, subprocess, sys, trio
+    from engine import Engine, EngineBroken, HashEmbedder
+
+    disk = sys.argv[1]
+    store = os.path.join(disk, "store")
+    ballast = os.path.join(disk, "ballast")
+
+    def fill():
+        with open(ballast, "ab", buffering=0) as f:
+            for size in (1 << 16, 512, 1):
+                try:
+                    while True:
+                        f.write(b"\\0" * size)
+                except OSError:
+                    pass
+
+    async def build():
+        async with Engine.open(store, embedder=HashEmbedder()) as mem:
+            await mem.add_turn("ana", "s", "user", "a first walk in Lisbon", durable=True)
+            await mem.add_turn("ana", "s", "user", "then a ferry to Porto", durable=True)
+            await mem.flush()
+
+    trio.run(build)
+""")
+
+
+def on_a_small_disk(tmp_path: Path, code: str, size: str = "24m",
+                    timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run PRELUDE + ``code`` in a child whose argv[1] is a tmpfs of ``size``."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux's unshare to mount a small file system")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = 'mount -t tmpfs -o size="$1" tmpfs "$2" && exec "$3" -c "$4" "$2"'
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", size, str(disk),
+                           sys.executable, PRELUDE + textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=timeout)
+    if done.returncode and done.stderr.startswith(("unshare:", "mount:")):
+        pytest.skip(f"cannot mount a small file system here: {done.stderr.strip()}")
+    return done
+
+
+def test_a_store_without_its_lock_file_on_a_full_disk_says_the_disk_is_full(
+        tmp_path: Path) -> None:
+    """LMDB makes a missing lock.mdb by lengthening it and writing through a map of it; on a
+    full disk that write is SIGBUS, and the process died without a word: `Engine.open`, the
+    read-only open and `verify` alike. A store has no lock.mdb after a restore (a snapshot
+    carries none) or a backup that copied data.mdb alone."""
+    done = on_a_small_disk(tmp_path, """
+        os.remove(os.path.join(store, "lock.mdb"))
+        fill()
+
+        async def opened(**kw):
+            try:
+                async with Engine.open(store, embedder=HashEmbedder(), **kw) as mem:
+                    return "opened: " + " / ".join(
+                        t.text for t in await mem.session_history("ana", "s"))
+            except EngineBroken as exc:
+                return f"EngineBroken: {exc}"
+
+        print("owner", trio.run(opened))
+        print("reader", trio.run(lambda: opened(read_only=True)))
+        verify = subprocess.run([sys.executable, "-m", "engine", "verify", store],
+                                capture_output=True, text=True)
+        print("verify", verify.returncode, (verify.stdout + verify.stderr).strip()[-300:])
+        os.remove(ballast)
+        print("freed", trio.run(opened))
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    for who in ("owner", "reader", "verify"):
+        assert "EngineBroken: " in lines[who] and "the disk is full" in lines[who], lines[who]
+    assert lines["verify"].startswith("1 "), lines["verify"]  # not killed by a signal (-7)
+    assert lines["freed"] == "opened: a first walk in Lisbon / then a ferry to Porto"
