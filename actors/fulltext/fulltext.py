@@ -234,8 +234,8 @@ class FullText:
                               ) and not _is_panic(exc):
                 raise
             if disk_full(exc):  # the disk's state, not the index's: it is kept
-                raise EngineBroken(f"cannot open the text index at {self.path}: {exc}; free "
-                                   "space and open the store again") from exc
+                raise EngineBroken(f"cannot open the text index at {self.path}: {exc}: the "
+                                   "disk is full; free space and open the store again") from exc
             self.damage = str(exc) or type(exc).__name__
             log.warning("fulltext: the index at %s is damaged (%s); deleting it and rebuilding "
                         "it from the store's %d log positions", self.path, self.damage, committed)
@@ -253,10 +253,17 @@ class FullText:
             top = 0
             self.rebuilt = True
         self._index = index
-        self._writer = index.writer(heap_size=WRITER_HEAP, num_threads=1)
-        # A commit cut short by a crash leaves files meta.json never listed; replaying the same
-        # operations would write the same names (FileAlreadyExists), so they go first.
-        self._writer.garbage_collect_files()
+        try:
+            self._writer = index.writer(heap_size=WRITER_HEAP, num_threads=1)
+            # A commit cut short by a crash leaves files meta.json never listed; replaying the
+            # same operations would write the same names (FileAlreadyExists), so they go first
+            # (which rewrites the index's list of its files).
+            self._writer.garbage_collect_files()
+        except (ValueError, OSError) as exc:
+            if disk_full(exc):
+                raise EngineBroken(f"cannot open the text index at {self.path}: {exc}: the "
+                                   "disk is full; free space and open the store again") from exc
+            raise
         self.indexed_lsn = top
 
     def _open_read_only(self) -> None:

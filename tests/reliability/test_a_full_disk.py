@@ -90,3 +90,42 @@ def test_a_store_without_its_lock_file_on_a_full_disk_says_the_disk_is_full(
         assert "EngineBroken: " in lines[who] and "the disk is full" in lines[who], lines[who]
     assert lines["verify"].startswith("1 "), lines["verify"]  # not killed by a signal (-7)
     assert lines["freed"] == "opened: a first walk in Lisbon / then a ferry to Porto"
+
+
+def test_a_text_index_with_files_to_collect_on_a_full_disk_says_the_disk_is_full(
+        tmp_path: Path) -> None:
+    """A text index that a kill left files to collect (written, never committed) rewrites
+    its list of files as it collects them at open; on a full disk tantivy's ValueError came
+    out of Engine.open as it was, an error a caller takes for bad input (InvalidInput is a
+    ValueError too), and `serve` printed its traceback."""
+    done = on_a_small_disk(tmp_path, """
+        import json
+        index = os.path.join(store, "fulltext")
+        # A file of a commit the kill cut short; empty, so that removing it frees nothing.
+        stray = "0" * 32 + ".idx"
+        open(os.path.join(index, stray), "wb").close()
+        with open(os.path.join(index, ".managed.json")) as f:
+            managed = json.load(f)
+        with open(os.path.join(index, ".managed.json"), "w") as f:
+            json.dump(managed + [stray], f)
+        fill()
+
+        async def opened():
+            try:
+                async with Engine.open(store, embedder=HashEmbedder()) as mem:
+                    return "opened: " + " / ".join(
+                        t.text for t in await mem.session_history("ana", "s"))
+            except EngineBroken as exc:
+                return f"EngineBroken: {exc}"
+
+        print("full", trio.run(opened))
+        os.remove(ballast)
+        print("freed", trio.run(opened))
+        print("collected", not os.path.exists(os.path.join(index, stray)))
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert lines["full"].startswith("EngineBroken: ") and "the disk is full" in lines["full"], \
+        lines["full"]
+    assert lines["freed"] == "opened: a first walk in Lisbon / then a ferry to Porto"
+    assert lines["collected"] == "True"
