@@ -17,8 +17,10 @@ while one writes, and the text index is read as its owner last committed it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
+import struct
 from pathlib import Path
 
 import msgspec
@@ -27,7 +29,7 @@ from actors.base.errors import EngineBroken, InvalidInput, StoreInUse
 
 from ._files import PATH_ERRNOS, refused, resolved
 
-__all__ = ["OwnerLock", "LOCK_NAME", "SNAPSHOT_DATA", "SNAPSHOT_STORE", "MANIFEST_NAME",
+__all__ = ["OwnerLock", "LOCK_NAME", "alone_in_lmdb", "SNAPSHOT_DATA", "SNAPSHOT_STORE", "MANIFEST_NAME",
            "claim_in_process", "in_a_snapshot", "release_in_process"]
 
 LOCK_NAME = "owner.lock"
@@ -166,6 +168,40 @@ class OwnerLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def alone_in_lmdb(store: Path, fd: int, doing: str) -> None:
+    """Take LMDB's own exclusive lock on the store's lock file (``fd``: byte 0, where every
+    process that has the environment open holds a shared lock for as long as it does), or
+    raise. While it is held no other process has the store open, readers included, and one
+    that opens it waits. LMDB's close in this process releases it (fcntl's locks are the
+    process's), as does closing ``fd``.
+
+    Raises:
+        StoreInUse: another process has the store open; the message names it.
+    """
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0, os.SEEK_SET)
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EAGAIN):
+            raise
+        pid = _lmdb_holder(fd)
+        who = f"process {pid}" if pid is not None else "another process"
+        raise StoreInUse(
+            f"{store} is open in {who}: a read-only engine, or engram stats, inspect, snapshot "
+            f"or verify. {doing.capitalize()} replaces the store's file under its readers: "
+            f"run it once that process has closed the store", str(store), pid) from None
+
+
+def _lmdb_holder(fd: int) -> int | None:
+    """The pid of a process holding a lock on byte 0 of the lock file ``fd`` (Linux's struct
+    flock), or None."""
+    probe = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
+    try:
+        kind, _, _, _, pid = struct.unpack("hhqqi", fcntl.fcntl(fd, fcntl.F_GETLK, probe))
+    except (OSError, struct.error):
+        return None
+    return pid if kind != fcntl.F_UNLCK and pid > 0 else None
 
 
 def claim_in_process(store: Path, how: str) -> tuple[int, int] | None:

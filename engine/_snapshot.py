@@ -51,7 +51,8 @@ from actors.store import LOG_TOMBSTONE, MAX_DBS, clean_copy, lsn_key, open_datab
 from actors.store.integrity import HEAD_KEY, ready_lock_file
 
 from ._files import PATH_ERRNOS, aside, one_disk_error, refused, resolved
-from ._owner import LOCK_NAME, MANIFEST_NAME, SNAPSHOT_DATA, OwnerLock
+from ._owner import (LOCK_NAME, MANIFEST_NAME, SNAPSHOT_DATA, OwnerLock, alone_in_lmdb,
+                     claim_in_process, release_in_process)
 from ._parts import Parts
 from ._verify import require_store, verify_chain
 from ._version import __version__
@@ -672,29 +673,48 @@ def compact(store: Path, progress: Callable[[int, int], None] | None = None) -> 
     """
     require_store(store)  # another program's LMDB file is not rewritten as a store
     with OwnerLock(store, "compact"):
-        return _compact(store, progress)
+        claim = claim_in_process(store, "compacting")  # a reader of this process refused
+        try:
+            return _compact(store, progress)
+        finally:
+            release_in_process(claim)
 
 
 def _compact(store: Path, progress: Callable[[int, int], None] | None) -> dict[str, Any]:
     before = (store / "data.mdb").stat().st_size
     fresh = store / "compact.tmp"
-    shutil.rmtree(fresh, ignore_errors=True)
-    fresh.mkdir()
     ready_lock_file(store)
-    env = lmdb.open(str(store), max_dbs=MAX_DBS)
+    lock = os.open(store / "lock.mdb", os.O_RDWR | os.O_CLOEXEC)
     try:
-        with env.begin() as txn:
-            clean_copy(env, txn, fresh)
-    except BaseException as exc:
-        shutil.rmtree(fresh, ignore_errors=True)  # a partial copy would keep the disk full
-        if disk_full(exc):
-            raise EngineBroken(f"compacting {store} failed: {exc}; the store is as it was: "
-                               "free space (the copy needs as much as the live records "
-                               "take) and compact it again") from exc
-        raise
+        # A reader in another process keeps the lock file's state (the last transaction id)
+        # alive across the swap below, and the next owner would take it, and with it the
+        # wrong one of the new file's meta pages: an empty store. So no other process may
+        # have the store open, readers included; refused before the copy, and checked again
+        # before the swap (LMDB's close released the lock).
+        alone_in_lmdb(store, lock, "compact")
+        shutil.rmtree(fresh, ignore_errors=True)
+        fresh.mkdir()
+        try:
+            env = lmdb.open(str(store), max_dbs=MAX_DBS)
+            try:
+                with env.begin() as txn:
+                    clean_copy(env, txn, fresh)
+            finally:
+                env.close()
+            alone_in_lmdb(store, lock, "compact")
+        except BaseException as exc:
+            shutil.rmtree(fresh, ignore_errors=True)  # a partial copy would keep the disk full
+            if disk_full(exc):
+                raise EngineBroken(f"compacting {store} failed: {exc}; the store is as it "
+                                   "was: free space (the copy needs as much as the live "
+                                   "records take) and compact it again") from exc
+            raise
+        os.replace(fresh / "data.mdb", store / "data.mdb")
+        # Opened alone (this process holds the lock), LMDB resets the lock file's state from
+        # the new file before any other opener, waiting meanwhile, reads it.
+        lmdb.open(str(store), max_dbs=MAX_DBS).close()
     finally:
-        env.close()
-    os.replace(fresh / "data.mdb", store / "data.mdb")
+        os.close(lock)
     shutil.rmtree(fresh)
     _sweep_graphs(store)
     rebuilt = False
