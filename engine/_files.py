@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -104,6 +106,29 @@ def aside(path: Path, suffix: str) -> Path:
     within NAME_MAX bytes (:func:`_cut`): one path always gives one sibling (what a restore
     cut short left is found again) and a legal name never gets one past the limit."""
     return path.with_name(_cut(path.name, NAME_MAX - len(os.fsencode(suffix))) + suffix)
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap what the two paths name in one step (Linux's ``renameat2`` with
+    ``RENAME_EXCHANGE``): no moment in which either name is free. False, and nothing done,
+    where the system or the file system cannot.
+
+    Raises:
+        OSError: the swap failed for any other reason.
+    """
+    if sys.platform != "linux":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)  # glibc 2.28 and later
+    if renameat2 is None:
+        return False
+    at_cwd, rename_exchange = -100, 2
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
 
 
 def write_atomically(path: Path, data: bytes) -> None:

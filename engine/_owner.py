@@ -27,10 +27,10 @@ import msgspec
 
 from actors.base.errors import EngineBroken, InvalidInput, StoreInUse
 
-from ._files import PATH_ERRNOS, refused, resolved
+from ._files import PATH_ERRNOS, aside, refused, resolved
 
-__all__ = ["OwnerLock", "LOCK_NAME", "alone_in_lmdb", "SNAPSHOT_DATA", "SNAPSHOT_STORE", "MANIFEST_NAME",
-           "claim_in_process", "in_a_snapshot", "release_in_process"]
+__all__ = ["OwnerLock", "LOCK_NAME", "SNAPSHOT_DATA", "SNAPSHOT_STORE", "MANIFEST_NAME",
+           "alone_in_lmdb", "claim_in_process", "in_a_snapshot", "release_in_process"]
 
 LOCK_NAME = "owner.lock"
 # A snapshot's layout: its manifest, and the store's data.mdb in a folder of this name.
@@ -117,6 +117,13 @@ class OwnerLock:
             if self.store.exists() and not self.store.is_dir():
                 raise InvalidInput("path", f"expected a store directory, found a file at "
                                            f"{self.store}")
+            if not self.store.exists() and (replaced := aside(self.store, ".replaced")).exists():
+                restoring = aside(self.store, ".restoring")
+                raise InvalidInput("path", (
+                    f"expected the store at {self.store}, found none there and {replaced} "
+                    "beside it: a restore over it was cut short between its two renames. "
+                    f"{restoring} holds the restored store if it is there: rename it to "
+                    f"{self.store.name} (or {replaced.name} back, for the store as it was)"))
             self.store.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.store / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:

@@ -50,7 +50,7 @@ from actors.fulltext import build_index
 from actors.store import LOG_TOMBSTONE, MAX_DBS, clean_copy, lsn_key, open_databases
 from actors.store.integrity import HEAD_KEY, ready_lock_file
 
-from ._files import PATH_ERRNOS, aside, one_disk_error, refused, resolved
+from ._files import PATH_ERRNOS, aside, exchange, one_disk_error, refused, resolved
 from ._owner import (LOCK_NAME, MANIFEST_NAME, SNAPSHOT_DATA, OwnerLock, alone_in_lmdb,
                      claim_in_process, release_in_process)
 from ._parts import Parts
@@ -550,9 +550,14 @@ async def _install(snapshot: Path, store: Path, manifest: Manifest,
             "was edited after it was taken: take the snapshot again", "manifest.json")
     if not store.exists():
         incoming.rename(store)
+    elif exchange(incoming, store):
+        # One step: a process killed at any moment leaves a whole store under the name. The
+        # replaced one, under the copy's name now, is removed as a leftover would be.
+        await trio.to_thread.run_sync(shutil.rmtree, incoming)
     else:
         # Renamed aside, not deleted, until the new store has its name: a deletion cut short
-        # (Ctrl-C, an I/O error) would leave neither store whole.
+        # (Ctrl-C, an I/O error) would leave neither store whole. A kill between the two
+        # renames leaves both aside, which the next open names (OwnerLock).
         replaced = aside(store, ".replaced")
         if replaced.exists():
             await trio.to_thread.run_sync(shutil.rmtree, replaced)
