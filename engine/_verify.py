@@ -25,7 +25,8 @@ import lmdb
 import msgspec
 
 from actors.base.config import Config
-from actors.base.errors import EngineBroken, EngineError, InvalidInput, StoreCorrupt
+from actors.base.errors import (EngineBroken, EngineError, InvalidInput, StoreCorrupt,
+                                access_denied, store_denied)
 from actors.base.records import SessionInfo, Turn
 from actors.facts import spelling
 from actors.store import LOG_TURN, MAX_DBS, check_chain, decode_fact, lsn_key, open_databases
@@ -100,6 +101,8 @@ def require_store(path: Path) -> None:
     except lmdb.Error as exc:
         if "already open in this process" in str(exc):
             return  # an engine of this process has it open: a store
+        if access_denied(exc):
+            raise store_denied(path, exc) from None
         raise StoreCorrupt(f"{data} does not open as LMDB ({exc}); restore the store from a "
                            "snapshot", "data.mdb") from None
     try:
@@ -179,6 +182,8 @@ def _verify(path: Path, integrity_key: str | None, seal: bool) -> dict[str, Any]
         ready_lock_file(path)
         env = lmdb.open(str(path), readonly=not seal, lock=True, max_dbs=MAX_DBS, map_size=room)
     except lmdb.Error as exc:
+        if access_denied(exc):
+            raise store_denied(path, exc) from None
         if "already open in this process" not in str(exc):
             return _done(report, [("data.mdb", f"LMDB does not open it: {exc}")])
         # LMDB opens an environment once per process: the engine serving it is here.

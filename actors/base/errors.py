@@ -179,6 +179,25 @@ def disk_full(error: BaseException) -> bool:
                                          "StorageFull"))
 
 
+def access_denied(error: BaseException) -> bool:
+    """Whether a native error says this process may not open or write a file (EACCES, EPERM,
+    EROFS): an OSError's errno, or the text LMDB's errors carry. The caller's permissions,
+    never damage."""
+    if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return True
+    text = str(error)
+    return any(sign in text for sign in ("Permission denied", "Operation not permitted",
+                                         "Read-only file system"))
+
+
+def store_denied(path: object, error: BaseException) -> InvalidInput:
+    """The InvalidInput for a store this process may not open (see :func:`access_denied`)."""
+    return InvalidInput("path", f"expected a store this process may open, found {path} "
+                                f"refused ({error}): LMDB's readers take a slot in its "
+                                "lock.mdb, so even reading needs write access to that file; "
+                                "open it as the user who owns it. Nothing of it was changed")
+
+
 def out_of_descriptors(error: BaseException) -> bool:
     """Whether a native error says the process (EMFILE) or the system (ENFILE) has no file
     descriptor left: an OSError's errno, or the text tantivy's TooManyOpenFiles carries. A

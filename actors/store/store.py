@@ -31,7 +31,9 @@ from ..base.errors import (
     StoreCorrupt,
     StoreIncompatible,
     StoreTampered,
+    access_denied,
     disk_full,
+    store_denied,
 )
 from ..base.messages import (
     DeleteNote,
@@ -254,6 +256,8 @@ class Store(Writer, Appliers, Forgetting):
         except lmdb.Error as exc:
             if disk_full(exc):
                 raise self._full(exc) from exc
+            if access_denied(exc):
+                raise store_denied(self.path, exc) from exc
             raise StoreIncompatible(f"cannot open an LMDB store at {self.path}: {exc}") from exc
         try:
             while True:
@@ -347,6 +351,8 @@ class Store(Writer, Appliers, Forgetting):
             env = lmdb.open(str(self.path), readonly=True, lock=True, max_dbs=MAX_DBS,
                             max_readers=MAX_READERS)
         except lmdb.Error as exc:
+            if access_denied(exc):
+                raise store_denied(self.path, exc) from exc
             raise StoreIncompatible(f"cannot open an LMDB store at {self.path}: {exc}") from exc
         try:
             try:

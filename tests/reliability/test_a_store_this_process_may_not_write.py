@@ -1,0 +1,69 @@
+"""A store this process may not write to is the caller's permissions, not damage: the
+engine's own InvalidInput says so, and nothing advises restoring a healthy store from a
+snapshot (which `restore --overwrite` would have done, replacing it with an older copy)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import trio
+
+from engine import Engine, HashEmbedder
+
+# Root with every capability dropped: file permissions apply to it.
+NO_CAPABILITIES = ["setpriv", "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all",
+                   "--"]
+OPENS = textwrap.dedent("""
+    import sys, trio
+    from engine import Engine, EngineError, HashEmbedder
+
+    async def main(path):
+        for how in ({}, {"read_only": True}):
+            try:
+                async with Engine.open(path, embedder=HashEmbedder(), **how):
+                    print(how, "opened")
+            except EngineError as exc:
+                print(how, type(exc).__name__, exc)
+
+    trio.run(main, sys.argv[1])
+""")
+
+
+def test_a_store_without_write_access_is_invalid_input_not_damage(tmp_path: Path) -> None:
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and util-linux's setpriv, to take permissions away")
+    store = tmp_path / "store"
+
+    async def build() -> None:
+        async with Engine.open(store, embedder=HashEmbedder()) as mem:
+            await mem.add_turn("ana", "s", "user", "a first walk in Lisbon", durable=True)
+
+    trio.run(build)
+    for path in [store, *store.rglob("*")]:
+        path.chmod(path.stat().st_mode & ~0o222)
+    try:
+        said = {}
+        for verb in ("stats", "verify", "inspect"):
+            extra = ["--user", "ana"] if verb == "inspect" else []
+            done = subprocess.run([*NO_CAPABILITIES, sys.executable, "-m", "engine", verb,
+                                   str(store), *extra], capture_output=True, text=True,
+                                  timeout=120)
+            said[verb] = (done.returncode, done.stdout + done.stderr)
+        opened = subprocess.run([*NO_CAPABILITIES, sys.executable, "-c", OPENS, str(store)],
+                                capture_output=True, text=True, timeout=120)
+    finally:
+        for path in [store, *store.rglob("*")]:
+            path.chmod(path.stat().st_mode | 0o200)
+    for verb, (code, text) in said.items():
+        assert code == 1, (verb, text)
+        assert "InvalidInput" in text and "Permission denied" in text, (verb, text)
+        assert "snapshot" not in text and "Corrupt" not in text, (verb, text)
+    for line in opened.stdout.splitlines():
+        assert "InvalidInput" in line and "Permission denied" in line, opened.stdout
+    assert len(opened.stdout.splitlines()) == 2, opened.stdout + opened.stderr
