@@ -32,10 +32,12 @@ scan and the graph search are ``rows.py``'s.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import hashlib
 import json
+import logging
 import mmap
 import os
 import shutil
@@ -50,6 +52,8 @@ import trio
 from ..store import Store, read_user_vectors
 from .rows import HALF, _dot, _exact, _User, _UserVectors
 from .vectors import KINDS, NO_FILTERS, PARTS, Filters, decode_rows, part_of
+
+log = logging.getLogger("engram.ann")
 
 __all__ = ["AnnIndex"]
 
@@ -190,8 +194,23 @@ class AnnIndex:
                         break
                     for part, uv in user.parts():
                         if uv.graph is not None and uv.unsaved and not uv.writing:
-                            await trio.to_thread.run_sync(self._save_graph, user_id, part, uv,
-                                                          limiter=self._graph_limiter)
+                            await trio.to_thread.run_sync(self._saved_or_said, user_id, part,
+                                                          uv, limiter=self._graph_limiter)
+
+    def _saved_or_said(self, user_id: str, part: str, uv: _UserVectors) -> None:
+        """Save a graph at close, or log why not: a graph is derived from the stored vectors,
+        and one not saved (a full disk) is built again at the next open; no reason to fail a
+        close whose every write landed."""
+        try:
+            self._save_graph(user_id, part, uv)
+        except (OSError, RuntimeError, ValueError) as exc:  # hnswlib's save is RuntimeError
+            graph_file, lsns_file, sum_file = self._graph_files(user_id, part)
+            for tmp in (graph_file.with_suffix(".tmp"), lsns_file.with_suffix(".tmp.npy"),
+                        sum_file.with_suffix(".tmp")):
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+            log.warning("ann: a vector graph could not be saved (%s); the next open builds it "
+                        "again from the stored vectors", exc)
 
     def _graph_files(self, user_id: str, part: str) -> tuple[Path, Path, Path]:
         """A partition's graph, the lsn of each of its rows, and the checksums of both; named

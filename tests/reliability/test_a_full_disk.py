@@ -129,3 +129,34 @@ def test_a_text_index_with_files_to_collect_on_a_full_disk_says_the_disk_is_full
         lines["full"]
     assert lines["freed"] == "opened: a first walk in Lisbon / then a ferry to Porto"
     assert lines["collected"] == "True"
+
+
+def test_a_vector_graph_that_cannot_be_saved_at_close_does_not_fail_the_close(
+        tmp_path: Path) -> None:
+    """A graph is saved at close so that the next open need not rebuild it; it is derived
+    from the stored vectors. On a full disk its save failed the close with EngineBroken
+    after every write had landed, and left a temporary file behind."""
+    done = on_a_small_disk(tmp_path, """
+        import actors.ann_index.ann_index as ann
+        ann.HNSW_THRESHOLD = 40  # a graph for a user of a few dozen turns
+
+        async def main():
+            async with Engine.open(store, embedder=HashEmbedder()) as mem:
+                for i in range(60):
+                    await mem.add_turn("ana", "s2", "user", f"walk {i} by the river Douro")
+                await mem.flush()
+                users = mem._parts.ann._users.values()
+                print("graph", sum(uv.graph is not None for u in users for _, uv in u.parts()))
+                fill()
+            print("closed")
+            os.remove(ballast)
+            print("left", sorted(n for n in os.listdir(os.path.join(store, "ann"))
+                                 if ".tmp" in n))
+            async with Engine.open(store, embedder=HashEmbedder()) as mem:
+                hits = await mem.recall("ana", "walk 7 by the river", legs=("vector",))
+                print("found", any(h.text == "walk 7 by the river Douro" for h in hits))
+
+        trio.run(main)
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "graph 1\nclosed\nleft []\nfound True\n" in done.stdout, done.stdout
