@@ -188,7 +188,12 @@ class OnnxEmbedder:
 
         path, tokenizer = self.model_dir / self.file, self.model_dir / "tokenizer.json"
         for needed in (path, tokenizer):
-            if not needed.exists():
+            try:
+                there = needed.exists()
+            except OSError as exc:  # a folder this process may not search
+                raise ModelMissing(f"cannot look for the embedding model at {needed}: {exc}; "
+                                   "give this process read access to it") from exc
+            if not there:
                 raise ModelMissing(f"expected the embedding model at {needed}, found nothing; "
                                    f"build it with `{self.build_command}`")
         options = ort.SessionOptions()
@@ -204,15 +209,42 @@ class OnnxEmbedder:
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
             self._session = _at_nice(MODEL_NICE, _open_session, path, options,
                                      self.build_command)
-        tok = Tokenizer.from_file(str(tokenizer))
+        try:
+            tok = Tokenizer.from_file(str(tokenizer))
+            counter = Tokenizer.from_file(str(tokenizer))  # same rules, unpadded: counts only
+        except Exception as exc:  # the tokenizers library raises bare Exceptions
+            raise ModelMissing(f"cannot load {tokenizer}: {exc}; rebuild it with "
+                               f"`{self.build_command} --force`") from exc
         tok.enable_truncation(MAX_TOKENS)
         tok.enable_padding(pad_id=0, pad_token="[PAD]")  # no length: pad to the batch's longest
         self._tokenizer = tok
-        counter = Tokenizer.from_file(str(tokenizer))  # same rules, unpadded: counts only
         counter.enable_truncation(MAX_TOKENS)
         # tokenizer.json pads every text to 128 tokens: a count must not include padding.
         counter.no_padding()
         self._counter = counter
+        self._check_output(path)
+
+    def _check_output(self, path: Path) -> None:
+        """Run the model once: other files under its names (another model, another width,
+        vectors not of unit length) are refused here, before a vector of theirs is stored.
+
+        Raises:
+            ModelMissing: naming the file and what it gives.
+        """
+        fix = f"rebuild it with `{self.build_command} --force`"
+        try:
+            probe = np.asarray(self.encode(["a probe of the model"]))
+        except Exception as exc:  # onnxruntime raises its own types
+            raise ModelMissing(f"cannot run {path} on its tokenizer's input: {exc}; {fix}"
+                               ) from exc
+        if probe.shape != (1, self.dim):
+            width = probe.shape[-1] if probe.ndim == 2 else f"shape {probe.shape}"
+            raise ModelMissing(f"{path} gives vectors of {width} dimensions where this engine "
+                               f"needs {self.dim}: not the model it builds; {fix}")
+        length = float(np.linalg.norm(probe))
+        if not abs(length - 1.0) < 1e-3:
+            raise ModelMissing(f"{path} gives vectors of length {length:.3g} where this engine "
+                               f"needs unit vectors: not the model it builds; {fix}")
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Each text's token count after truncation (no padding): the batching key."""

@@ -352,6 +352,50 @@ async def test_a_missing_model_names_the_build_command(tmp_path) -> None:
             pass
 
 
+def _other_model(path: Path, dim: int) -> None:
+    """A tiny ONNX encoder under the engine's inputs and output: each token's row of a small
+    random table, averaged (not unit vectors), ``dim`` wide."""
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    table = np.random.default_rng(0).standard_normal((16, dim)).astype(np.float32)
+    nodes = [helper.make_node("Mod", ["input_ids", "rows"], ["row"]),
+             helper.make_node("Gather", ["table", "row"], ["each"], axis=0),
+             helper.make_node("ReduceMean", ["each"], ["embeddings"], axes=[1], keepdims=0)]
+    inputs = [helper.make_tensor_value_info(name, TensorProto.INT64, ["batch", "tokens"])
+              for name in ("input_ids", "attention_mask")]
+    output = helper.make_tensor_value_info("embeddings", TensorProto.FLOAT, ["batch", dim])
+    graph = helper.make_graph(nodes, "other", inputs, [output], initializer=[
+        numpy_helper.from_array(table, "table"),
+        numpy_helper.from_array(np.array(16, dtype=np.int64), "rows")])
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+
+
+@pytest.mark.parametrize(("damage", "says"), [
+    ("tokenizer", r"cannot load .*tokenizer\.json"),
+    ("768 wide", r"vectors of 768 dimensions where this engine needs 384"),
+    ("not unit", r"vectors of length [0-9.]+ where this engine needs unit vectors"),
+])
+async def test_a_model_directory_holding_other_files_is_refused_at_load(tmp_path, damage,
+                                                                        says) -> None:
+    """Garbage in tokenizer.json came out of the load as the tokenizers library's bare
+    Exception, naming no file; a model of another width or with vectors of another length
+    under the engine's file name loaded, and the first batch of the background embedding
+    broke the engine (a numpy broadcast error), or a store filled with vectors recall
+    cannot compare."""
+    real = embedder_mod.default_model_dir()
+    where = tmp_path / "model"
+    where.mkdir()
+    for name in ("tokenizer.json", "model.onnx"):
+        (where / name).write_bytes((real / name).read_bytes())
+    if damage == "tokenizer":
+        (where / "tokenizer.json").write_text('{"not": "a tokenizer"}')
+    else:
+        _other_model(where / "model.onnx", 768 if damage == "768 wide" else 384)
+    with pytest.RaisesGroup(pytest.RaisesExc(ModelMissing, match=says)):
+        async with running_model(OnnxEmbedder(model="minilm-l6-v2", model_dir=where)):
+            pass
+
+
 async def test_without_a_checkout_model_the_backend_looks_where_model_build_writes(
         tmp_path, monkeypatch) -> None:
     """With no model in a checkout, the backend looks in the per-user data directory (or
