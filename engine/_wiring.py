@@ -24,7 +24,8 @@ import trio
 
 from actors.ann_index import AnnIndex
 from actors.base.config import Config
-from actors.base.errors import EngineBroken, InvalidInput, StoreCorrupt, StoreTampered
+from actors.base.errors import (EngineBroken, EngineClosed, InvalidInput, StoreCorrupt,
+                                StoreTampered)
 from actors.embedder import (
     Embedder,
     EmbeddingBackend,
@@ -251,10 +252,18 @@ async def _in_scope(scope: trio.CancelScope, task: Callable[..., Any], *args: An
 
 def _translate(group: BaseExceptionGroup, body_error: BaseException | None) -> BaseException:
     """One error out of the engine's nursery: the caller's own, or EngineBroken from the group."""
-    real = group.subgroup(lambda e: not isinstance(e, trio.Cancelled))
+    # A group matching a condition is taken whole: only leaves may match, so groups are
+    # looked into.
+    real = group.subgroup(lambda e: not isinstance(e, (trio.Cancelled, BaseExceptionGroup)))
     if real is None:
         return group  # pure cancellation: trio's cancel scopes take it from here
     leaves = list(_leaves(real))
+    cancelled = group.subgroup(lambda e: isinstance(e, trio.Cancelled))
+    if cancelled is not None and all(isinstance(e, EngineClosed) for e in leaves):
+        # Cancelled from outside, the engine closed its store while the block still ran; a
+        # call there that met the closed store before a checkpoint is that cancellation,
+        # which the scope that cancelled takes.
+        return cancelled
     if body_error is not None and all(e is body_error for e in leaves):
         return body_error
     if all(not isinstance(e, Exception) and type(e).__name__ != "PanicException"

@@ -217,3 +217,23 @@ async def test_an_engine_cancelled_from_outside_stores_every_turn_it_acknowledge
     async with open_engine(store_path) as mem:
         history = await mem.session_history("ana", "s1", limit=10**6)
     assert len(history) == acknowledged
+
+
+async def test_a_call_the_closing_engine_refuses_in_a_cancelled_block_is_the_cancellation(
+        store_path) -> None:
+    """Cancelled from outside, the engine closes its store at once while the block still
+    runs; a call in the block that reached the store before a checkpoint raised EngineClosed,
+    and the engine's exit made it EngineBroken("the engine failed: Cancelled ...;
+    EngineClosed ..."): a service's clean shutdown looked like a crash, escaping the scope
+    that cancelled it. It is that scope's cancellation now, which the scope takes."""
+    with trio.CancelScope() as scope:
+        async with open_engine(store_path) as mem:
+            await mem.add_turn("ana", "s1", "user", "before the shutdown", durable=True)
+            scope.cancel()
+            with trio.CancelScope(shield=True):
+                await trio.sleep(0.2)  # the engine's tasks see the cancellation meanwhile
+            await mem.recall("ana", "shutdown")
+    assert scope.cancelled_caught
+    async with open_engine(store_path) as mem:
+        assert [t.text for t in await mem.session_history("ana", "s1")] == [
+            "before the shutdown"]
