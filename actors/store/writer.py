@@ -31,17 +31,20 @@ import contextlib
 import contextvars
 import heapq
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from itertools import repeat
+from pathlib import Path
 from typing import Any
 
 import lmdb
 import msgspec
 import trio
 
-from ..base.errors import EngineBroken, EngineClosed, EngineError, InvalidInput, RecordRefused
+from ..base.errors import (EngineBroken, EngineClosed, EngineError, InvalidInput, RecordRefused,
+                           disk_full)
 from ..base.messages import (
     AppendTurn,
     AppendTurns,
@@ -96,6 +99,34 @@ RECEIPTS_TIMED = 1024  # the latest durable receipts whose stages receipt_stages
 STAGES = ("queued", "to_writer", "plan", "write", "commit", "flush_wait", "flush", "to_trio",
           "wake")
 _clock = time.perf_counter_ns
+
+
+# Free bytes under which a failed write is taken for a full disk (LMDB's commit writes up to a
+# batch's pages at once).
+FULL_MARGIN = 16 << 20
+
+
+def _if_full(path: Path, error: lmdb.Error) -> str:
+    """What to add to a failed write's message when the disk holding ``path`` is full: LMDB
+    reports a write the disk had no room for as EIO (a short pwrite), which reads as a failing
+    device."""
+    if disk_full(error):
+        return ": the disk is full; free space and open the store again"
+    try:
+        room = os.statvfs(path)
+    except OSError:
+        return ""
+    if room.f_bavail * room.f_frsize >= FULL_MARGIN:
+        return ""
+    return (f" (the disk holding it has {room.f_bavail * room.f_frsize:,} bytes free: the disk "
+            "is full; free space and open the store again)")
+
+
+def _first(failure: BaseException) -> BaseException:
+    """The first failure itself inside the groups a nursery wrapped it in."""
+    while isinstance(failure, BaseExceptionGroup) and failure.exceptions:
+        failure = failure.exceptions[0]
+    return failure
 
 
 class _Commit:
@@ -335,7 +366,8 @@ class Writer:
             EngineClosed: the store is closing.
         """
         if self._failure is not None:
-            raise EngineBroken("the store failed; reopen it to go on") from self._failure
+            raise EngineBroken(f"the store failed ({_first(self._failure)}); reopen it to "
+                               "go on") from self._failure
         if self._closing:
             raise EngineClosed("the engine is closed; open a new one with Engine.open(path)")
 
@@ -508,7 +540,8 @@ class Writer:
     def _not_committed_error(self) -> EngineError:
         if self._failure is None:
             return EngineClosed("the engine closed before this write was committed")
-        error = EngineBroken("the store failed before committing this write; reopen it to go on")
+        error = EngineBroken(f"the store failed before committing this write "
+                             f"({_first(self._failure)}); reopen it to go on")
         error.__cause__ = self._failure
         return error
 
@@ -865,7 +898,8 @@ class Writer:
         except lmdb.MapFullError:
             return None
         except lmdb.Error as exc:
-            raise EngineBroken(f"writing to the store at {self.path} failed: {exc}") from exc
+            raise EngineBroken(f"writing to the store at {self.path} failed: {exc}"
+                               f"{_if_full(self.path, exc)}") from exc
         commit.committed = _clock()
         commit.synced = env.info()["last_txnid"] != before
         # The queue's length read from this thread: one atomic read under the GIL. Stale, it

@@ -187,7 +187,7 @@ async def test_a_failing_disk_fails_receipts_and_the_store_loudly(store_path, mo
                 await Ingest(store).add_turn("s1", "lost", durable=True)
             except EngineBroken as exc:
                 outcomes.append(exc)
-            with pytest.raises(EngineBroken, match=r"the store failed; reopen it"):
+            with pytest.raises(EngineBroken, match=r"the store failed \(.*No space.*\); reopen it"):
                 store.check_usable()
     (failure,) = outcomes
     assert "store failed before committing" in str(failure)

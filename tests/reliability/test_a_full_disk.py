@@ -42,16 +42,17 @@ PRELUDE = textwrap.dedent("""
 """)
 
 
-def on_a_small_disk(tmp_path: Path, code: str, size: str = "24m",
-                    timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run PRELUDE + ``code`` in a child whose argv[1] is a tmpfs of ``size``."""
+def on_a_small_disk(tmp_path: Path, code: str, size: str = "24m", timeout: float = 120,
+                    args: list[str] = ()) -> subprocess.CompletedProcess:
+    """Run PRELUDE + ``code`` in a child whose argv[1] is a tmpfs of ``size`` (then
+    ``args``)."""
     if shutil.which("unshare") is None:
         pytest.skip("needs util-linux's unshare to mount a small file system")
     disk = tmp_path / "disk"
     disk.mkdir()
-    script = 'mount -t tmpfs -o size="$1" tmpfs "$2" && exec "$3" -c "$4" "$2"'
+    script = 'mount -t tmpfs -o size="$1" tmpfs "$2" && exec "$3" -c "$4" "$2" "$5"'
     done = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", size, str(disk),
-                           sys.executable, PRELUDE + textwrap.dedent(code)],
+                           sys.executable, PRELUDE + textwrap.dedent(code), *args],
                           capture_output=True, text=True, timeout=timeout)
     if done.returncode and done.stderr.startswith(("unshare:", "mount:")):
         pytest.skip(f"cannot mount a small file system here: {done.stderr.strip()}")
@@ -160,3 +161,39 @@ def test_a_vector_graph_that_cannot_be_saved_at_close_does_not_fail_the_close(
     """)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "graph 1\nclosed\nleft []\nfound True\n" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("size", [300, 2500, 20000])
+def test_a_commit_the_disk_has_no_room_for_says_the_disk_is_full(tmp_path: Path,
+                                                                  size: int) -> None:
+    """LMDB reports a write the disk had no room for as EIO (a short pwrite): the caller's
+    EngineBroken said "Input/output error", a failing device to whoever reads it. Every turn
+    acknowledged before is there once space is free."""
+    done = on_a_small_disk(tmp_path, """
+        async def main():
+            stored = 0
+            try:
+                async with Engine.open(store, embedder=HashEmbedder()) as mem:
+                    try:
+                        while True:
+                            await mem.add_turn("ana", "s2", "user",
+                                               f"t{stored} " + "x" * int(sys.argv[2]),
+                                               durable=True)
+                            stored += 1
+                    except EngineBroken as exc:
+                        print("said", exc)
+                        raise
+            except EngineBroken:
+                pass
+            # Room made: the store filled the disk itself.
+            subprocess.run(["mount", "-o", "remount,size=16m", disk], check=True)
+            async with Engine.open(store, embedder=HashEmbedder()) as mem:
+                kept = len(await mem.session_history("ana", "s2", limit=10**6))
+            print("kept", kept == stored)
+
+        trio.run(main)
+    """, size="4m", args=[str(size)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert "the disk" in lines["said"] and "is full" in lines["said"], lines["said"]
+    assert lines["kept"] == "True"
