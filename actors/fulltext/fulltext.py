@@ -35,7 +35,8 @@ from typing import Any
 import tantivy
 import trio
 
-from ..base.errors import EngineBroken, EngineClosed, disk_full, out_of_descriptors
+from ..base.errors import (EngineBroken, EngineClosed, access_denied, disk_full,
+                           out_of_descriptors)
 from ..base.messages import PutState, Searchable
 from ..base.where import Node
 from ..store import Damaged, Store, damage_puts, failure_put, read_log_range, read_searchables
@@ -284,6 +285,13 @@ class FullText:
                               ) and not _is_panic(exc):
                 raise
             self.damage = str(exc) or type(exc).__name__
+            if access_denied(exc):
+                # tantivy's reader takes a lock file it must be able to write (a read-only
+                # file system, another user's folder): the index is not damaged.
+                log.warning("fulltext: the index at %s cannot be read by this process (%s): "
+                            "recall searches without its keyword leg, and says so in "
+                            "degraded", self.path, self.damage)
+                return
             log.warning("fulltext: the index at %s is damaged (%s); its owner rebuilds it when "
                         "it next opens the store", self.path, self.damage)
 

@@ -67,3 +67,45 @@ def test_a_store_without_write_access_is_invalid_input_not_damage(tmp_path: Path
     for line in opened.stdout.splitlines():
         assert "InvalidInput" in line and "Permission denied" in line, opened.stdout
     assert len(opened.stdout.splitlines()) == 2, opened.stdout + opened.stderr
+
+
+READS_ON_A_READ_ONLY_MOUNT = textwrap.dedent("""
+    import logging, subprocess, sys, trio
+    from engine import Engine, HashEmbedder
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    subprocess.run(["mount", "--bind", "-o", "ro", sys.argv[1], sys.argv[1]], check=True)
+
+    async def main(path):
+        async with Engine.open(path, embedder=HashEmbedder(), read_only=True) as mem:
+            hits = await mem.recall("ana", "ferry to Porto")
+            print("found", [h.text for h in hits], "degraded", list(hits.degraded))
+
+    trio.run(main, sys.argv[1])
+""")
+
+
+def test_a_store_on_a_read_only_file_system_is_read_and_not_called_damaged(
+        tmp_path: Path) -> None:
+    """tantivy's reader takes a lock file it must be able to write, so on a read-only file
+    system (a backup, a container's image) the keyword leg cannot run: the log called the
+    index damaged ("its owner rebuilds it"). It says why now; recall answers from the other
+    legs and names the keyword leg in degraded."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux's unshare to mount a file system read-only")
+    store = tmp_path / "store"
+
+    async def build() -> None:
+        async with Engine.open(store, embedder=HashEmbedder()) as mem:
+            await mem.add_turn("ana", "s", "user", "then a ferry to Porto", durable=True)
+            await mem.flush()
+
+    trio.run(build)
+    done = subprocess.run(["unshare", "-rm", sys.executable, "-c", READS_ON_A_READ_ONLY_MOUNT,
+                           str(store)], capture_output=True, text=True, timeout=120)
+    if done.returncode and done.stderr.startswith(("unshare:", "mount:")):
+        pytest.skip(f"cannot mount read-only here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == "found ['then a ferry to Porto'] degraded ['bm25']\n", done.stdout
+    assert "damaged" not in done.stderr and "cannot be read by this process" in done.stderr, \
+        done.stderr
