@@ -14,12 +14,13 @@ in the background, each preceded by its own floor measured in the same process:
   shaped     bare LMDB doing one turn's writes as the engine lays them out (six databases,
              the same texts), opened and flushed as the engine does, sequential: what the
              store's layout adds to the floor, apart from the engine around it.
-  ideal      right before the steady phase, between its floors: the steady phase's arrivals (--writers threads
-             sharing --rate) on the least group commit there is: one plain thread takes
-             whatever is queued, commits the floor's puts in one transaction with fsync and
-             wakes each waiter; no trio, no model, no other work. What any design that waits
-             for a commit it may arrive behind could reach on this disk and these cores: the
-             engine's target is within reach iff this is.
+  ideal      right before the steady phase, between its floors: the steady phase's arrivals
+             (--writers trio tasks sharing --rate, as the engine's callers are) on the least
+             group commit there is: one plain thread takes whatever is queued, commits the
+             floor's puts in one transaction with fsync and wakes each waiter through the
+             loop; no model, no other work. What a design that keeps the fsync off the trio
+             thread and waits for a commit it may arrive behind could reach on this disk and
+             these cores: the engine's target is within reach iff this is.
   steady     add_turn(durable=True) from --writers concurrent tasks sharing --rate turns/s.
   burst      --bursts times: --burst-turns buffered turns at once (add_turns); once they are
              committed, at once --burst-writers concurrent durable add_turns, while the
@@ -160,13 +161,19 @@ def shaped_floor(path: Path, n: int, texts: list[str]) -> dict[str, list[int]]:
     return {"raw": latencies}
 
 
-def ideal(path: Path, rate: float, seconds: float, writers: int) -> dict[str, list[int]]:
-    """The steady phase's arrivals on a bare group commit run by plain threads (see ideal in
-    the module's docstring): each writer queues a put, the committing thread takes all that
-    is queued into one fsynced transaction, then sets each writer's event."""
+async def ideal(path: Path, rate: float, seconds: float, writers: int) -> dict[str, list[int]]:
+    """The steady phase's arrivals on a bare group commit (see ideal in the module's
+    docstring): each writer, a trio task as the engine's callers are, queues a put and waits;
+    one plain thread takes whatever is queued into one fsynced transaction, then wakes each
+    waiter through the loop."""
     env = lmdb.open(str(path), map_size=1 << 28, max_dbs=2, sync=True)
     db = env.open_db(b"t")
-    jobs: queue.SimpleQueue[threading.Event | None] = queue.SimpleQueue()
+    jobs: queue.SimpleQueue[trio.Event | None] = queue.SimpleQueue()
+    token = trio.lowlevel.current_trio_token()
+
+    def wake(waiters: list[trio.Event]) -> None:
+        for waiter in waiters:
+            waiter.set()
 
     def commit_loop() -> None:
         key, stop = 0, False
@@ -181,34 +188,33 @@ def ideal(path: Path, rate: float, seconds: float, writers: int) -> dict[str, li
                 for _ in waiters:
                     txn.put(key.to_bytes(8, "big"), b"x" * 200, db=db)
                     key += 1
-            for waiter in waiters:
-                waiter.set()
+            if waiters:
+                token.run_sync_soon(wake, waiters)
 
     latencies: list[int] = []
     n_each, interval = int(rate * seconds / writers), writers / rate
 
-    def writer(w: int) -> None:
-        due = time.perf_counter() + w * interval / writers  # spread, as the loop's timers are
+    async def writer(w: int) -> None:
+        due = trio.current_time() + w * interval / writers  # spread, as the steady phase's
         for _ in range(n_each):
-            if (wait := due - time.perf_counter()) > 0:
-                time.sleep(wait)
-            done = threading.Event()
+            await trio.sleep_until(due)
+            done = trio.Event()
             start = time.perf_counter_ns()
             jobs.put(done)
-            done.wait()
+            await done.wait()
             latencies.append(time.perf_counter_ns() - start)
             due += interval
 
     committer = threading.Thread(target=commit_loop, name="bench-ideal", daemon=True)
     committer.start()
-    threads = [threading.Thread(target=writer, args=(w,)) for w in range(writers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    jobs.put(None)
-    committer.join()
-    env.close()
+    try:
+        async with trio.open_nursery() as nursery:
+            for w in range(writers):
+                nursery.start_soon(writer, w)
+    finally:
+        jobs.put(None)
+        committer.join()
+        env.close()
     shutil.rmtree(path)
     return {"raw": latencies}
 
@@ -312,8 +318,9 @@ def main() -> None:
             before = floor(work / f"{name}_floor_before", half)["raw"]
             shaped = shaped_floor(work / f"{name}_shaped_before", half, texts)["raw"]
             if name == "steady":  # between the same two floors
-                results["ideal"] = percentiles(ideal(work / "ideal", args.rate, args.seconds,
-                                                     args.writers)["raw"], 1e-3, "us")
+                results["ideal"] = percentiles(trio.run(ideal, work / "ideal", args.rate,
+                                                        args.seconds, args.writers)["raw"],
+                                               1e-3, "us")
             results[name] = run()
             after = floor(work / f"{name}_floor_after", half)["raw"]
             shaped += shaped_floor(work / f"{name}_shaped_after", half, texts)["raw"]
