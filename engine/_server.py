@@ -40,7 +40,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from actors.base.errors import EngineError, InvalidInput
+from actors.base.errors import EngineError, InvalidInput, disk_full
 from actors.base.records import Episode, Fact, Link, Note, ReviewState, SessionInfo, Turn
 
 from ._engine import Engine
@@ -225,6 +225,17 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, *,
         log.info("%s %s: the client went away before its request was read", request.method,
                  request.url.path)
         return Response(status_code=499)
+
+    @app.exception_handler(OSError)
+    async def disk(request: Request, exc: OSError) -> Response:
+        # A snapshot's or an export's destination disk (the engine raises OSError for what
+        # the disk under a caller's path does): an operator frees it, nothing is broken.
+        if disk_full(exc):
+            log.warning("%s %s: %s", request.method, request.url.path, exc)
+            return error_response(507, "DiskFull", f"the disk is full ({exc.strerror}): "
+                                                   "nothing of the copy is left; free space "
+                                                   "and try again")
+        return await internal(request, exc)
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> Response:

@@ -197,3 +197,39 @@ def test_a_commit_the_disk_has_no_room_for_says_the_disk_is_full(tmp_path: Path,
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
     assert "the disk" in lines["said"] and "is full" in lines["said"], lines["said"]
     assert lines["kept"] == "True"
+
+
+def test_a_snapshot_over_http_to_a_full_disk_is_507_saying_so(tmp_path: Path) -> None:
+    """The snapshot's OSError reached the server's catch-all: 500 "the server failed
+    answering this request" and a traceback in its log, for a disk an operator can free."""
+    done = on_a_small_disk(tmp_path, """
+        import httpx
+        from engine._server import create_app, load_api_keys
+
+        with open(os.path.join(disk, "keys"), "w") as f:
+            f.write("admin-key *\\n")
+        keys = load_api_keys(os.path.join(disk, "keys"))
+
+        async def main():
+            async with Engine.open(store, embedder=HashEmbedder()) as mem:
+                fill()
+                transport = httpx.ASGITransport(app=create_app(mem, keys),
+                                                raise_app_exceptions=False)
+                async with httpx.AsyncClient(transport=transport, base_url="http://t",
+                                             headers={"Authorization": "Bearer admin-key"}
+                                             ) as http:
+                    answer = await http.post("/v1/snapshot",
+                                             json={"dest": os.path.join(disk, "snap")})
+                print("status", answer.status_code)
+                print("body", answer.json())
+                print("left", os.path.exists(os.path.join(disk, "snap")))
+
+        trio.run(main)
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert lines["status"] == "507"
+    body = eval(lines["body"])  # the dict as printed
+    assert body["error"] == "DiskFull" and "the disk is full" in body["message"], body
+    assert lines["left"] == "False"
+    assert "Traceback" not in done.stderr
