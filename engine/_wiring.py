@@ -183,6 +183,9 @@ async def running(root: Path, config: Config, clock: Clock, embedding: Embedder,
             try:
                 await nursery.start(store.run)
                 await nursery.start(embedding.run)
+                probe = getattr(embedding.backend, "probe", None)
+                if probe is not None:  # a model loaded from files: are they the store's?
+                    await store.check_probe(probe, embedding.backend.model_dir)
                 await nursery.start(ann.run)
                 await nursery.start(fulltext.run)
                 buffer = SessionBuffer(store, config)

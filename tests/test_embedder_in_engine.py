@@ -21,7 +21,7 @@ from engine import (
     OnnxEmbedder,
 )
 
-from .actors.test_embedder import GatedEmbedder, RecordingEmbedder
+from .actors.test_embedder import GatedEmbedder, RecordingEmbedder, _other_model
 from .conftest import open_engine
 
 
@@ -87,6 +87,32 @@ async def test_a_store_from_another_model_is_refused_until_reembedded(tmp_path) 
         assert vector.shape == (64,) and (await mem.stats()).model == "model-b"
     async with open_engine(path, embedder=HashEmbedder(dim=64, model_id="model-b")):
         pass
+
+
+async def test_other_files_under_the_stores_model_name_are_refused_until_reembedded(
+        tmp_path) -> None:
+    """The store recorded its model's name and width only: another model's files under the
+    same names (or another tokenizer) opened, embedded new turns into vectors unlike the
+    store's (cosine about 0 for the same text), and `reindex` said there was nothing to do.
+    The store keeps the vector its model's files gave a probe sentence and refuses files that
+    give another; a re-embedding adopts them."""
+    real, where = embedder_mod.default_model_dir(), tmp_path / "model"
+    where.mkdir()
+    for name in ("tokenizer.json", "model.onnx"):
+        (where / name).write_bytes((real / name).read_bytes())
+    path = tmp_path / "s"
+    config = {"model": "minilm-l6-v2", "model_dir": str(where)}
+    async with Engine.open(path, config=config) as mem:
+        await mem.add_turn("ana", "s", "user", "I moved to Lisbon", durable=True)
+        await mem.flush()
+    _other_model(where / "model.onnx", 384, unit=True)
+    with pytest.raises(ModelMismatch, match=r"not the ones .* agree to cosine .*reindex .* --force"):
+        async with Engine.open(path, config=config):
+            pass
+    async with Engine.open(path, config=config, reembed=True) as mem:
+        await mem.flush()
+    async with Engine.open(path, config=config) as mem:  # the new files are the store's now
+        assert (await mem.stats()).model == "sentence-transformers/all-MiniLM-L6-v2"
 
 
 async def test_reembed_with_the_stores_own_model_embeds_every_record_again(

@@ -75,6 +75,7 @@ MODELS = {
     "minilm-l6-v2-i8": ("model.i8.onnx", "sentence-transformers/all-MiniLM-L6-v2@i8-dynamic"),
 }
 BUILD_COMMAND = "engram-trio model build"
+PROBE_TEXT = "a probe of the model"
 
 
 def user_model_dir() -> Path:
@@ -181,6 +182,10 @@ class OnnxEmbedder:
         self._session = None
         self._tokenizer = None
         self._counter = None
+        # The model's vector of PROBE_TEXT once loaded: what the store compares with the one
+        # its vectors' files gave (engine/_wiring.py), so other files under the same names
+        # (another model, another tokenizer) are refused rather than mixed in.
+        self.probe: np.ndarray | None = None
 
     def load(self) -> None:
         import onnxruntime as ort
@@ -233,7 +238,7 @@ class OnnxEmbedder:
         """
         fix = f"rebuild it with `{self.build_command} --force`"
         try:
-            probe = np.asarray(self.encode(["a probe of the model"]))
+            probe = np.asarray(self.encode([PROBE_TEXT]))
         except Exception as exc:  # onnxruntime raises its own types
             raise ModelMissing(f"cannot run {path} on its tokenizer's input: {exc}; {fix}"
                                ) from exc
@@ -245,6 +250,7 @@ class OnnxEmbedder:
         if not abs(length - 1.0) < 1e-3:
             raise ModelMissing(f"{path} gives vectors of length {length:.3g} where this engine "
                                f"needs unit vectors: not the model it builds; {fix}")
+        self.probe = probe[0].astype(np.float32)
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Each text's token count after truncation (no padding): the batching key."""

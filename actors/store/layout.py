@@ -96,6 +96,9 @@ SCHEMA_KEY = b"schema"
 _LAST_LSN_KEY = b"last_lsn"
 _EMBEDDED_KEY = b"embedded_lsn"
 _MODEL_KEY = b"model"
+# The model's vector of a fixed sentence (float32), from the files the store's vectors came
+# from: other files under the same model's names give another (see engine/_wiring.py).
+MODEL_PROBE_KEY = b"model_probe"
 # How many times the store dropped its vectors to embed everything again (8 bytes; absent:
 # none): a saved graph names the count it was built at, and one of another is not searched.
 VECTORS_EPOCH_KEY = b"vectors_epoch"

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import lmdb
+import numpy as np
 import trio
 
 from ..base.config import Config
@@ -60,6 +61,7 @@ from .layout import (
     _EMBEDDED_KEY,
     _LAST_LSN_KEY,
     _MODEL_KEY,
+    MODEL_PROBE_KEY,
     SCHEMA_KEY,
     STORE_ID_KEY,
     DB_NAMES,
@@ -82,6 +84,12 @@ READ_THREADS = 2  # concurrent read transactions: one per core; the writer has i
 TAIL_CHECK = 64  # log positions whose chain opening a store recomputes: the last writes
 
 T = TypeVar("T")
+
+
+# The least cosine between a probe sentence's vectors from the files a store's vectors came
+# from and from the files loaded now: the same model on another processor agrees to ~0.9999,
+# another model to ~0.
+PROBE_AGREEMENT = 0.98
 
 
 class Store(Writer, Appliers, Forgetting):
@@ -526,10 +534,43 @@ class Store(Writer, Appliers, Forgetting):
             )
         if stored is not None:
             txn.drop(self._dbs[b"vectors"], delete=False)
+            txn.delete(MODEL_PROBE_KEY, db=meta)  # the next model's files record their own
             txn.put(_EMBEDDED_KEY, lsn_key(0), db=meta)
             epoch = (_int(txn.get(VECTORS_EPOCH_KEY, db=meta)) or 0) + 1
             txn.put(VECTORS_EPOCH_KEY, epoch.to_bytes(8, "big"), db=meta)
         txn.put(_MODEL_KEY, _encode(self._model), db=meta)
+
+    async def check_probe(self, probe: np.ndarray, where: Path) -> None:
+        """Compare the loaded model's vector of its probe sentence with the one recorded when
+        this store's vectors began (an owner records it if none is): other files under the
+        model's names (another model, another tokenizer) give another, and their vectors
+        mixed with the store's would find nothing by meaning, without a word.
+
+        Raises:
+            ModelMismatch: the files at ``where`` are not the ones the store's vectors came
+                from.
+        """
+        def recorded(txn: lmdb.Transaction, dbs: dict[bytes, Any]) -> bytes | None:
+            return txn.get(MODEL_PROBE_KEY, db=dbs[b"meta"])
+
+        raw = await self.read(recorded)
+        if raw is None:
+            if not self.read_only:
+                await self.write_unlogged(PutState(
+                    ((b"meta", MODEL_PROBE_KEY, probe.astype("<f4").tobytes(), 0),),
+                    done=trio.Event()))
+            return
+        stored = np.frombuffer(raw, dtype="<f4")
+        agree = (float(stored @ probe) / float(np.linalg.norm(stored) * np.linalg.norm(probe))
+                 if stored.shape == probe.shape else 0.0)
+        if agree < PROBE_AGREEMENT:
+            model = self._model.id if self._model is not None else "?"
+            raise ModelMismatch(
+                f"the model files at {where} are not the ones {self.path}'s vectors came from, "
+                f"though both are {model} by name (a probe sentence's vectors agree to cosine "
+                f"{agree:.3f}): put that model's own files back (`engram-trio model build "
+                f"--force` rebuilds them), or re-embed the store with them, `engram-trio "
+                f"reindex {self.path} --force`", model, model)
 
     async def _close_env(self) -> None:
         await self._enter_exclusive()

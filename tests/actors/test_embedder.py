@@ -352,15 +352,18 @@ async def test_a_missing_model_names_the_build_command(tmp_path) -> None:
             pass
 
 
-def _other_model(path: Path, dim: int) -> None:
+def _other_model(path: Path, dim: int, unit: bool = False) -> None:
     """A tiny ONNX encoder under the engine's inputs and output: each token's row of a small
-    random table, averaged (not unit vectors), ``dim`` wide."""
+    random table, averaged (made unit vectors with ``unit``), ``dim`` wide."""
     from onnx import TensorProto, helper, numpy_helper, save
 
     table = np.random.default_rng(0).standard_normal((16, dim)).astype(np.float32)
     nodes = [helper.make_node("Mod", ["input_ids", "rows"], ["row"]),
              helper.make_node("Gather", ["table", "row"], ["each"], axis=0),
-             helper.make_node("ReduceMean", ["each"], ["embeddings"], axes=[1], keepdims=0)]
+             helper.make_node("ReduceMean", ["each"], ["mean" if unit else "embeddings"],
+                              axes=[1], keepdims=0)]
+    if unit:
+        nodes.append(helper.make_node("LpNormalization", ["mean"], ["embeddings"], axis=1, p=2))
     inputs = [helper.make_tensor_value_info(name, TensorProto.INT64, ["batch", "tokens"])
               for name in ("input_ids", "attention_mask")]
     output = helper.make_tensor_value_info("embeddings", TensorProto.FLOAT, ["batch", dim])
