@@ -220,20 +220,26 @@ def human_duration(seconds: float) -> str:
     return f"{hours} h {minutes:02d} min"
 
 
-def _open(store: str, **kwargs: Any):
+def _open(store: str, embeds: bool = True, **kwargs: Any):
     """Open an existing store with the embedding backend its vectors came from, without
-    starting background work."""
+    starting background work; for a command that embeds nothing (``embeds=False``), with the
+    store's model named and not loaded (AbsentModel), so it runs without the model's files."""
     from ._verify import require_store
 
     path = Path(store)
     require_store(path)  # opened to write, another program's LMDB file would become a store
     from actors.embedder import MODELS as BUILT
-    from actors.embedder import HashEmbedder, default_model
-    from actors.store import stored_model
+    from actors.embedder import AbsentModel, HashEmbedder, OnnxEmbedder, default_model
+    from actors.store import ModelInfo, stored_model
 
     model = stored_model(path)
     config: dict[str, Any] = {"background_embedding": False, "long_term": False,
                               "integrity_key": _key()}
+    if not embeds:
+        recorded = model or ModelInfo(BUILT[default_model()][1], OnnxEmbedder.dim)
+        return Engine.open(path, config=config, embedder=AbsentModel(
+            recorded.id, recorded.dim, "this command embeds nothing and loads no model"),
+            **kwargs)
     embedder = None
     names = {model_id: name for name, (_, model_id) in BUILT.items()}
     if model is None or model.id in names:
@@ -251,12 +257,12 @@ def _open(store: str, **kwargs: Any):
 
 
 async def _stats(store: str) -> dict[str, Any]:
-    async with _open(store, read_only=True) as mem:
+    async with _open(store, embeds=False, read_only=True) as mem:
         return msgspec.structs.asdict(await mem.stats())
 
 
 async def _inspect(store: str, user: str, turns: int) -> dict[str, Any]:
-    async with _open(store, read_only=True) as mem:
+    async with _open(store, embeds=False, read_only=True) as mem:
         sessions = []
         for info in await mem.list_sessions(user):
             latest = await mem.session_history(user, info.session_id, limit=turns)
@@ -291,7 +297,7 @@ async def _failures(store: str, user: str | None) -> dict[str, Any]:
 
 
 async def _snapshot(store: str, dest: str) -> dict[str, Any]:
-    async with _open(store, read_only=True) as mem:
+    async with _open(store, embeds=False, read_only=True) as mem:
         return msgspec.to_builtins(await mem.snapshot(dest))
 
 
@@ -312,7 +318,7 @@ class _WholeWrites:
 
 
 async def _export(store: str, user: str, out: str | None) -> dict[str, int]:
-    async with _open(store, read_only=True) as mem:
+    async with _open(store, embeds=False, read_only=True) as mem:
         return await mem.export_user(user, out if out is not None
                                      else _WholeWrites(sys.stdout.buffer))
 
@@ -339,7 +345,7 @@ async def _restore(snapshot: str, store: str, overwrite: bool) -> dict[str, Any]
     manifest = await Engine.restore(snapshot, store, overwrite=overwrite,
                                     progress=_progress("restoring"), integrity_key=key)
     start = time.perf_counter()
-    async with _open(store) as mem:
+    async with _open(store, embeds=False) as mem:  # the snapshot carries the vectors
         ready = time.perf_counter() - start
         stats = await mem.stats()
     return {"lsn": manifest.lsn, "turns": stats.turns, "open_s": round(ready, 3)}

@@ -265,3 +265,39 @@ def test_mcp_stops_on_ctrl_c_with_exit_130(tmp_path) -> None:
             if process.poll() is None:
                 process.kill()
     assert "Traceback" not in rest
+
+
+def test_commands_that_embed_nothing_run_without_the_model(tmp_path, capsys,
+                                                           monkeypatch) -> None:
+    """stats, inspect, snapshot and export read a store and embed nothing, yet each loaded
+    the model and failed with ModelMissing where its files were not (a fresh install, a
+    moved model folder): no backup without a model build first."""
+    import trio
+
+    from engine import Engine
+
+    store = tmp_path / "store"
+
+    async def fill() -> None:
+        async with Engine.open(store) as mem:  # the real model: its vectors in the store
+            await mem.add_turn("ana", "s1", "user", "I moved to Lisbon", durable=True)
+            await mem.flush()
+
+    trio.run(fill)
+    monkeypatch.setenv("ENGRAM_MODEL_DIR", str(tmp_path / "no-model-here"))
+    assert main(["stats", str(store), "--json"]) == 0
+    assert _json(capsys)["turns"] == 1
+    assert main(["inspect", str(store), "--user", "ana", "--json"]) == 0
+    assert '"I moved to Lisbon"' in capsys.readouterr().out
+    assert main(["snapshot", str(store), str(tmp_path / "snap"), "--json"]) == 0
+    assert main(["export", str(store), "--user", "ana", "--out", str(tmp_path / "ana.jsonl")]) == 0
+    assert "I moved to Lisbon" in (tmp_path / "ana.jsonl").read_text()
+    assert main(["restore", str(tmp_path / "snap"), str(tmp_path / "back")]) == 0
+    monkeypatch.delenv("ENGRAM_MODEL_DIR")
+
+    async def recalled() -> list[str]:
+        async with Engine.open(tmp_path / "back") as mem:
+            return [h.text for h in await mem.recall("ana", "where do I live now",
+                                                     legs=("vector",))]
+
+    assert trio.run(recalled)  # the snapshot's vectors, searched with the model back

@@ -14,6 +14,7 @@ from .models import (
     MODEL_ENV,
     MODELS,
     REFERENCE_MODEL,
+    AbsentModel,
     EmbeddingBackend,
     HashEmbedder,
     OnnxEmbedder,
@@ -24,7 +25,7 @@ from .models import (
     user_model_dir,
 )
 
-__all__ = ["Embedder", "EmbeddingBackend", "OnnxEmbedder", "HashEmbedder", "MODELS",
-           "REFERENCE_MODEL", "default_model", "model_for_store", "default_model_dir", "build_target",
-           "user_model_dir", "MODEL_ENV", "BUILD_COMMAND", "QUERY_BATCH", "BACKGROUND_BATCH",
-           "BATCH_TOKENS", "MAX_TOKENS"]
+__all__ = ["Embedder", "EmbeddingBackend", "OnnxEmbedder", "HashEmbedder", "AbsentModel",
+           "MODELS", "REFERENCE_MODEL", "default_model", "model_for_store", "default_model_dir",
+           "build_target", "user_model_dir", "MODEL_ENV", "BUILD_COMMAND", "QUERY_BATCH",
+           "BACKGROUND_BATCH", "BATCH_TOKENS", "MAX_TOKENS"]

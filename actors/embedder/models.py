@@ -56,9 +56,10 @@ MODEL_NICE = 19
 
 T = TypeVar("T")
 
-__all__ = ["EmbeddingBackend", "OnnxEmbedder", "HashEmbedder", "MODELS", "REFERENCE_MODEL",
-           "default_model", "model_for_store", "default_model_dir", "build_target", "user_model_dir",
-           "CHECKOUT_MODEL_DIR", "MODEL_ENV", "BUILD_COMMAND", "MAX_TOKENS"]
+__all__ = ["EmbeddingBackend", "OnnxEmbedder", "HashEmbedder", "AbsentModel", "MODELS",
+           "REFERENCE_MODEL", "default_model", "model_for_store", "default_model_dir",
+           "build_target", "user_model_dir", "CHECKOUT_MODEL_DIR", "MODEL_ENV", "BUILD_COMMAND",
+           "MAX_TOKENS"]
 
 MAX_TOKENS = 256  # the model's training length (sentence-transformers max_seq_length)
 
@@ -306,6 +307,29 @@ def _at_nice(nice: int, fn: Callable[..., T], *args: object) -> T:
     thread.start()
     thread.join()
     return box[0].unwrap()
+
+
+class AbsentModel:
+    """The store's model, not loaded, for a read-only engine that embeds nothing (a
+    snapshot, an export, stats): such a command needs no model files, so a backup never waits
+    on a model build. A text given to embed is ModelMissing, with the reason.
+
+    Args:
+        model_id / dim: the store's recorded model, which the store checks as it would the
+            model's own.
+        reason: what ModelMissing says if something does ask for a vector.
+    """
+
+    def __init__(self, model_id: str, dim: int, reason: str) -> None:
+        self.model_id = model_id
+        self.dim = dim
+        self.reason = reason
+
+    def load(self) -> None:
+        pass
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        raise ModelMissing(self.reason)
 
 
 _WORD = re.compile(r"\w+")
