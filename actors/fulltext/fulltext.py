@@ -23,6 +23,7 @@ treated like any other damage.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -65,8 +66,19 @@ COMMIT_INTERVAL = 1.0  # seconds a document may wait for its commit when nobody 
 # Seconds between attempts to go on after a commit the process had no file descriptor for,
 # and between the warnings that it still waits.
 DESCRIPTOR_RETRY = 1.0
+ROOM = 16 << 20  # bytes free on the disk before a commit is tried again after a full disk
 DESCRIPTOR_WARN = 30.0
 DAMAGED_SUFFIX = ".damaged-"  # a damaged index moved aside before it is removed
+
+
+def _passing(error: BaseException) -> bool:
+    """A commit's failure the index waits out rather than fails for: no file descriptor free
+    (a flood of connections holds them), or no room on the disk (freed by its operator)."""
+    return out_of_descriptors(error) or disk_full(error)
+
+
+def _run(step: Callable[[], None]) -> None:
+    step()
 
 
 def _remove(path: Path) -> None:
@@ -197,6 +209,12 @@ class FullText:
                     if self._pending:
                         await trio.to_thread.run_sync(self._commit)
                         self.indexed_lsn = self._read_lsn
+                except Exception as exc:
+                    if not (_passing(exc) or self._killed_for_room(exc)):
+                        raise
+                    # The next open indexes again from the last commit: nothing is lost.
+                    log.warning("fulltext: the last commit at close failed (%s); the next open "
+                                "indexes from log position %d", exc, self.indexed_lsn)
                 finally:
                     # Even when the commit failed (a full disk): the store's reopen needs it.
                     await trio.to_thread.run_sync(self._release_writer)
@@ -344,7 +362,15 @@ class FullText:
                 if not self._pending:
                     self._pending_since = trio.current_time()
                 self._pending += len(records) + len(deleted)
-                failed = await trio.to_thread.run_sync(self._apply, records, deleted)
+                try:
+                    failed = await trio.to_thread.run_sync(self._apply, records, deleted)
+                except ValueError as exc:
+                    # A segment the writer's own thread flushed met a full disk, and tantivy
+                    # killed the writer: what it held is gone, as after a failed commit.
+                    if not self._killed_for_room(exc):
+                        raise
+                    await self._start_over(OSError(errno.ENOSPC, str(exc)))
+                    continue
                 if failed:
                     # Kept in the store (stats, `engram inspect --failures`) before the index
                     # can commit past them; the index goes on without those records.
@@ -486,7 +512,9 @@ class FullText:
             try:
                 await trio.to_thread.run_sync(self._commit)
             except Exception as exc:
-                if not out_of_descriptors(exc):
+                if self._killed_for_room(exc):
+                    exc = OSError(errno.ENOSPC, str(exc))
+                elif not _passing(exc):
                     raise
                 if not self._reloading:
                     await self._start_over(exc)
@@ -501,16 +529,19 @@ class FullText:
 
     async def _start_over(self, exc: Exception) -> None:
         """A commit failed for want of file descriptors (a flood of connections to the
-        server holds them all). Tantivy's writer has then dropped the documents it held, and
-        drops every later one without a word: the index goes on with a fresh writer, once
-        one can be made, from the log position it last committed."""
+        server holds them all) or of room on the disk. Tantivy's writer has then dropped the
+        documents it held, and drops every later one without a word: the index goes on with
+        a fresh writer, once one can be made and the disk has room, from the log position it
+        last committed. The store goes on meanwhile (the index is derived from it), and so
+        does every search but the keyword leg's over what came since."""
         self._pending = 0
         self._read_lsn = self.indexed_lsn
         await self._until_descriptors(self._fresh_writer, exc)
 
     async def _until_descriptors(self, step: Callable[[], None], exc: Exception) -> None:
         """Run ``step`` in a worker thread each DESCRIPTOR_RETRY until it finds the file
-        descriptors it needs, saying so every DESCRIPTOR_WARN seconds.
+        descriptors it needs (and, after a full disk, the disk has ROOM free), saying so every
+        DESCRIPTOR_WARN seconds.
 
         Raises:
             EngineClosed: the store closed meanwhile (the next open replays from the index's
@@ -519,21 +550,39 @@ class FullText:
         waited = 0.0
         while True:
             if waited % DESCRIPTOR_WARN == 0:
-                log.warning("fulltext: no file descriptor free (%s) for %.0f s; the index goes "
-                            "on from log position %d once one is", exc, waited,
-                            self.indexed_lsn)
+                wanted = "room on the disk" if disk_full(exc) else "a free file descriptor"
+                log.warning("fulltext: no %s (%s) for %.0f s; the index goes on from log "
+                            "position %d once there is", wanted, exc, waited, self.indexed_lsn)
             await trio.sleep(DESCRIPTOR_RETRY if waited else 0)
             if not self._store.usable():
                 raise EngineClosed("the store closed while the text index waited for a file "
-                                   "descriptor")
+                                   "descriptor or room on the disk")
             try:
-                await trio.to_thread.run_sync(step)
+                await trio.to_thread.run_sync(self._with_room if disk_full(exc) else _run, step)
                 return
             except Exception as again:
-                if not out_of_descriptors(again):
+                if not _passing(again):
                     raise
                 exc = again
             waited += DESCRIPTOR_RETRY
+
+    def _killed_for_room(self, error: BaseException) -> bool:
+        """Whether tantivy killed the writer (its thread's write failed) while the disk under
+        the index has less than ROOM free: a full disk, which tantivy's message does not
+        name."""
+        if "writer was killed" not in str(error):
+            return False
+        free = os.statvfs(self.path)
+        return free.f_bavail * free.f_frsize < ROOM
+
+    def _with_room(self, step: Callable[[], None]) -> None:
+        """``step``, once the disk under the index has ROOM free (a commit that starts on a
+        full disk fails again, and each failed one is the whole pending work redone)."""
+        free = os.statvfs(self.path)
+        if free.f_bavail * free.f_frsize < ROOM:
+            raise OSError(errno.ENOSPC, f"{free.f_bavail * free.f_frsize:,} bytes free under "
+                                        f"{self.path}, {ROOM:,} wanted")
+        step()
 
     def _fresh_writer(self) -> None:
         """Drop the writer (what it held uncommitted goes with it) and make a new one."""

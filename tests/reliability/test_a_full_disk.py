@@ -233,3 +233,46 @@ def test_a_snapshot_over_http_to_a_full_disk_is_507_saying_so(tmp_path: Path) ->
     assert body["error"] == "DiskFull" and "the disk is full" in body["message"], body
     assert lines["left"] == "False"
     assert "Traceback" not in done.stderr
+
+
+def test_a_full_disk_under_the_text_index_is_waited_out_not_the_engines_end(
+        tmp_path: Path) -> None:
+    """The text index's commit that met a full disk stopped the engine (EngineBroken), every
+    user's writes with it, though the store had room and the index is derived from it. The
+    index now waits for room and indexes again from its last commit, as it does for file
+    descriptors; the store takes every turn meanwhile. Here the index has a disk of its own."""
+    done = on_a_small_disk(tmp_path, """
+        import logging, shutil
+        import actors.fulltext.fulltext as fulltext
+        fulltext.DESCRIPTOR_RETRY = 0.05
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+
+        index = os.path.join(store, "fulltext")
+        shutil.copytree(index, os.path.join(disk, "index-copy"))
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", index], check=True)
+        shutil.copytree(os.path.join(disk, "index-copy"), index, dirs_exist_ok=True)
+        with open(os.path.join(index, "ballast"), "ab", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"\\0" * 4096)
+            except OSError:
+                pass
+
+        async def main():
+            async with Engine.open(store, embedder=HashEmbedder()) as mem:
+                for i in range(300):
+                    await mem.add_turn("ana", "s3", "user", f"harbour {i} of Porto",
+                                       durable=True)
+                with trio.move_on_after(2):
+                    await mem.flush()  # the index's commit meets the full disk meanwhile
+                print("stored", len(await mem.session_history("ana", "s3", limit=1000)))
+                subprocess.run(["mount", "-o", "remount,size=64m", index], check=True)
+                await mem.flush()
+                hits = await mem.recall("ana", "harbour 257", legs=("bm25",), link_depth=0)
+                print("found", [h.text for h in hits][:1])
+
+        trio.run(main)
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "stored 300\nfound ['harbour 257 of Porto']\n" in done.stdout, done.stdout
+    assert "no room on the disk" in done.stderr, done.stderr[-2000:]
