@@ -135,7 +135,7 @@ def model_for_store(path: Path, model_dir: str | Path | None = None) -> str:
         return default_model(model_dir)
     try:
         recorded = stored_model(path)
-    except (lmdb.Error, EngineError):
+    except (lmdb.Error, EngineError, UnicodeError):
         return default_model(model_dir)  # the store's own open reports what is wrong with it
     for name, (_, model_id) in MODELS.items():
         if recorded is not None and recorded.id == model_id:

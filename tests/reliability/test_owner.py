@@ -227,3 +227,20 @@ async def test_an_owner_refuses_a_path_it_cannot_lock_as_invalid_input(tmp_path)
                     pass
             assert refused.value.field == "path", (path, read_only)
     assert sorted(tmp_path.rglob("*")) == before
+
+
+async def test_an_existing_store_at_a_path_that_is_not_utf8_is_invalid_input(tmp_path) -> None:
+    """With the model picked from the store (no embedder given), the store's model was read
+    before the path was checked, and a store moved to a name that is not UTF-8 gave a bare
+    UnicodeEncodeError out of Engine.open, naming no field."""
+    from engine import Engine
+
+    async with open_engine(tmp_path / "store"):
+        pass
+    moved = tmp_path / "st\udcffore"  # the byte 0xFF, as a command line's argument arrives
+    (tmp_path / "store").rename(moved)
+    for read_only in (False, True):
+        with pytest.raises(InvalidInput) as refused:
+            async with Engine.open(moved, read_only=read_only):
+                pass
+        assert refused.value.field == "path"
