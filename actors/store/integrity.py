@@ -46,7 +46,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..base.errors import EngineBroken, StoreCorrupt, disk_full
+from ..base.errors import EngineBroken, StoreCorrupt, disk_full, store_denied
 from .layout import HEAD_KEY, MAX_READERS
 from .pages import in_use_fits
 
@@ -407,7 +407,11 @@ def check_file(path: Path, extend: bool = False, _tries: int = 8) -> None:
         raise StoreCorrupt(f"expected data.mdb to be LMDB's data file, found a folder at {data}; "
                            "point Engine.open at an Engram store or an empty directory",
                            "data.mdb")
-    with data.open("rb") as f:
+    try:
+        f = data.open("rb")
+    except PermissionError as exc:
+        raise store_denied(path, exc) from None
+    with f:
         first = f.read(4096)
         if len(first) < _LAST_PAGE_OFFSET + 16:
             needed = None

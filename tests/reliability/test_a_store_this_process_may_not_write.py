@@ -35,7 +35,10 @@ OPENS = textwrap.dedent("""
 """)
 
 
-def test_a_store_without_write_access_is_invalid_input_not_damage(tmp_path: Path) -> None:
+@pytest.mark.parametrize("taken", ["write", "read"])
+def test_a_store_without_access_is_invalid_input_not_damage(tmp_path: Path, taken) -> None:
+    """Without write access (LMDB's readers write lock.mdb) or read access (another user's
+    files at 0600: a bare PermissionError came out of the length check of data.mdb)."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and util-linux's setpriv, to take permissions away")
     store = tmp_path / "store"
@@ -46,7 +49,8 @@ def test_a_store_without_write_access_is_invalid_input_not_damage(tmp_path: Path
 
     trio.run(build)
     for path in [store, *store.rglob("*")]:
-        path.chmod(path.stat().st_mode & ~0o222)
+        path.chmod(path.stat().st_mode & ~(0o222 if taken == "write" else 0o444))
+    (store).chmod(0o755)  # the folder stays listable: the files are what is refused
     try:
         said = {}
         for verb in ("stats", "verify", "inspect"):
@@ -59,7 +63,7 @@ def test_a_store_without_write_access_is_invalid_input_not_damage(tmp_path: Path
                                 capture_output=True, text=True, timeout=120)
     finally:
         for path in [store, *store.rglob("*")]:
-            path.chmod(path.stat().st_mode | 0o200)
+            path.chmod(path.stat().st_mode | 0o600)
     for verb, (code, text) in said.items():
         assert code == 1, (verb, text)
         assert "InvalidInput" in text and "Permission denied" in text, (verb, text)
