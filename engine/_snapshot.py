@@ -48,7 +48,7 @@ from actors.base.errors import (
 from actors.base.records import SCHEMA_VERSION
 from actors.fulltext import build_index
 from actors.store import LOG_TOMBSTONE, MAX_DBS, clean_copy, lsn_key, open_databases
-from actors.store.integrity import HEAD_KEY, ready_lock_file
+from actors.store.integrity import HEAD_KEY, opening, ready_lock_file
 
 from ._files import PATH_ERRNOS, aside, exchange, one_disk_error, refused, resolved
 from ._owner import (LOCK_NAME, MANIFEST_NAME, SNAPSHOT_DATA, OwnerLock, alone_in_lmdb,
@@ -689,13 +689,14 @@ def _compact(store: Path, progress: Callable[[int, int], None] | None) -> dict[s
     before = (store / "data.mdb").stat().st_size
     fresh = store / "compact.tmp"
     ready_lock_file(store)
-    lock = os.open(store / "lock.mdb", os.O_RDWR | os.O_CLOEXEC)
+    lock = os.open(store / "lock.mdb", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         # A reader in another process keeps the lock file's state (the last transaction id)
         # alive across the swap below, and the next owner would take it, and with it the
         # wrong one of the new file's meta pages: an empty store. So no other process may
         # have the store open, readers included; refused before the copy, and checked again
-        # before the swap (LMDB's close released the lock).
+        # before the swap (LMDB's close released the lock), with every reader's open held
+        # back meanwhile (opening: LMDB opens data.mdb before it locks).
         alone_in_lmdb(store, lock, "compact")
         shutil.rmtree(fresh, ignore_errors=True)
         fresh.mkdir()
@@ -706,7 +707,6 @@ def _compact(store: Path, progress: Callable[[int, int], None] | None) -> dict[s
                     clean_copy(env, txn, fresh)
             finally:
                 env.close()
-            alone_in_lmdb(store, lock, "compact")
         except BaseException as exc:
             shutil.rmtree(fresh, ignore_errors=True)  # a partial copy would keep the disk full
             if disk_full(exc):
@@ -714,10 +714,23 @@ def _compact(store: Path, progress: Callable[[int, int], None] | None) -> dict[s
                                    "was: free space (the copy needs as much as the live "
                                    "records take) and compact it again") from exc
             raise
-        os.replace(fresh / "data.mdb", store / "data.mdb")
-        # Opened alone (this process holds the lock), LMDB resets the lock file's state from
-        # the new file before any other opener, waiting meanwhile, reads it.
-        lmdb.open(str(store), max_dbs=MAX_DBS).close()
+        with opening(store, exclusive=True):
+            try:
+                alone_in_lmdb(store, lock, "compact")
+            except BaseException:
+                shutil.rmtree(fresh, ignore_errors=True)
+                raise
+            os.replace(fresh / "data.mdb", store / "data.mdb")
+            try:
+                # Opened alone (this process holds the lock), LMDB resets the lock file's
+                # state from the new file before any other opener reads it.
+                lmdb.open(str(store), max_dbs=MAX_DBS).close()
+            except BaseException:
+                # The lock file may hold a state of neither file: gone, the next opener makes
+                # it afresh (nobody else has it open, and nobody opens meanwhile).
+                (store / "lock.mdb").unlink(missing_ok=True)
+                shutil.rmtree(fresh, ignore_errors=True)
+                raise
     finally:
         os.close(lock)
     shutil.rmtree(fresh)

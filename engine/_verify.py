@@ -15,6 +15,7 @@ consistent state):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import zlib
@@ -42,6 +43,7 @@ from actors.store.integrity import (
     decode_head,
     encode_head,
     head_mac,
+    opening,
     ready_lock_file,
     unseal,
 )
@@ -96,8 +98,9 @@ def require_store(path: Path) -> None:
     try:
         # A reader's slot in the lock file where there is one (a store has one: an engine in
         # another process may be writing); no lock file made in another program's folder.
-        env = lmdb.open(str(path), readonly=True, lock=(path / "lock.mdb").exists(),
-                        max_dbs=MAX_DBS)
+        locked = (path / "lock.mdb").exists()
+        with opening(path) if locked else contextlib.nullcontext():
+            env = lmdb.open(str(path), readonly=True, lock=locked, max_dbs=MAX_DBS)
     except lmdb.Error as exc:
         if "already open in this process" in str(exc):
             return  # an engine of this process has it open: a store
@@ -180,7 +183,9 @@ def _verify(path: Path, integrity_key: str | None, seal: bool) -> dict[str, Any]
     room = (path / "data.mdb").stat().st_size + SEAL_ROOM if seal else 10 << 20
     try:
         ready_lock_file(path)
-        env = lmdb.open(str(path), readonly=not seal, lock=True, max_dbs=MAX_DBS, map_size=room)
+        with opening(path):
+            env = lmdb.open(str(path), readonly=not seal, lock=True, max_dbs=MAX_DBS,
+                            map_size=room)
     except lmdb.Error as exc:
         if access_denied(exc):
             raise store_denied(path, exc) from None

@@ -35,6 +35,7 @@ first, where it fails with ENOSPC.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import hmac
 import os
@@ -378,6 +379,38 @@ def ready_lock_file(path: Path) -> None:
     finally:
         with contextlib.suppress(OSError):
             part.unlink()
+
+
+OPENING_LOCK = "opening.lock"
+
+
+@contextlib.contextmanager
+def opening(path: Path, exclusive: bool = False) -> Iterator[None]:
+    """Hold the store's opening lock (an ``flock`` on ``opening.lock``): shared while an LMDB
+    environment of the store is opened by anyone but its owner (a reader, a model lookup,
+    verify), exclusive while compact swaps data.mdb. LMDB opens data.mdb before it takes its
+    own lock on lock.mdb, so a reader between the two is invisible to that lock: let through
+    while compact swaps the file, it would hold the old one and then, first to lock, set the
+    lock file's state from it, and the next owner would read the new file by the old one's
+    transaction id (an empty store). A reader holds it only until LMDB has its lock.
+
+    Where the file cannot be made (a read-only file system), nothing is held: no compact
+    can swap a file there either.
+    """
+    lock = path / OPENING_LOCK
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
+        try:
+            fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            yield
+            return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # drops the flock
 
 
 def check_file(path: Path, extend: bool = False, _tries: int = 8) -> None:

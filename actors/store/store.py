@@ -56,7 +56,7 @@ from .codecs import _encode
 from .compact import clear_copy, copy_pages, copy_pages_hashed, fsync_copy
 from .forget import Forgetting
 from .integrity import (ZERO, CheckedTxn, check_file, decode_head, encode_head, head_mac,
-                        ready_lock_file)
+                        opening, ready_lock_file)
 from .layout import (
     _EMBEDDED_KEY,
     _LAST_LSN_KEY,
@@ -356,8 +356,9 @@ class Store(Writer, Appliers, Forgetting):
             # lock=True: this reader takes a slot in LMDB's reader table, so a writer in
             # another process never reuses the pages it reads.
             ready_lock_file(self.path)
-            env = lmdb.open(str(self.path), readonly=True, lock=True, max_dbs=MAX_DBS,
-                            max_readers=MAX_READERS)
+            with opening(self.path):
+                env = lmdb.open(str(self.path), readonly=True, lock=True, max_dbs=MAX_DBS,
+                                max_readers=MAX_READERS)
         except lmdb.Error as exc:
             if access_denied(exc):
                 raise store_denied(self.path, exc) from exc

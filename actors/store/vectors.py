@@ -8,7 +8,7 @@ from typing import Any
 import lmdb
 import msgspec
 
-from .integrity import check_file, ready_lock_file
+from .integrity import check_file, opening, ready_lock_file
 from .layout import _MODEL_KEY, MAX_DBS, user_prefix
 
 
@@ -57,7 +57,8 @@ def stored_model(path: Path) -> ModelInfo | None:
     # lock=True: another process may be serving the store, and only a reader in LMDB's
     # reader table is safe from its writer reusing the pages being read.
     ready_lock_file(path)
-    env = lmdb.open(str(path), readonly=True, lock=True, max_dbs=MAX_DBS)
+    with opening(path):
+        env = lmdb.open(str(path), readonly=True, lock=True, max_dbs=MAX_DBS)
     try:
         with env.begin() as txn:
             meta = env.open_db(b"meta", txn=txn, create=False)

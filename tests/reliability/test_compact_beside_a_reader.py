@@ -75,3 +75,56 @@ async def test_compact_beside_a_reader_of_this_process_is_refused(tmp_path: Path
         with pytest.raises(StoreInUse, match="this process"):
             await Engine.compact(store)
         assert len(await mem.session_history("ana", "s")) == 3
+
+
+OPENING = textwrap.dedent("""
+    import sys, lmdb
+    from pathlib import Path
+    from actors.store import MAX_DBS
+    from actors.store.integrity import opening
+
+    with opening(Path(sys.argv[1])):  # as every reader of the engine's opens
+        print("holding", flush=True)
+        sys.stdin.readline()
+        env = lmdb.open(sys.argv[1], readonly=True, lock=True, max_dbs=MAX_DBS)
+    print("open", flush=True)
+    sys.stdin.readline()
+    env.close()
+""")
+
+
+def test_compact_waits_out_a_reader_between_its_data_file_and_its_lock(tmp_path: Path) -> None:
+    """LMDB opens data.mdb before it takes its lock on lock.mdb: a reader between the two
+    was invisible to compact's check, held the old file across the swap, then set the lock
+    file's state from it, and the next owner read the new file by the old one's transaction
+    id (an empty store; reproduced with strace holding a reader there). Readers hold the
+    store's opening lock until LMDB has theirs, and compact swaps under it exclusively:
+    here it waits for the reader, finds it, and refuses."""
+    import time
+
+    store = tmp_path / "store"
+    trio.run(write, store, 0, TURNS)
+    reader = subprocess.Popen([sys.executable, "-c", OPENING, str(store)], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    compact = None
+    try:
+        assert reader.stdout.readline().strip() == "holding"
+        compact = subprocess.Popen([sys.executable, "-m", "engine", "compact", str(store)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(600):  # until the copy began: past compact's first look for readers
+            if (store / "compact.tmp").exists() or compact.poll() is not None:
+                break
+            time.sleep(0.05)
+        time.sleep(1)  # the copy of a small store is done by now; the swap is next
+        reader.stdin.write("\n")
+        reader.stdin.flush()
+        assert reader.stdout.readline().strip() == "open"
+        out, err = compact.communicate(timeout=120)
+    finally:
+        reader.communicate("\n", timeout=60)
+        if compact is not None and compact.poll() is None:
+            compact.kill()
+    assert compact.returncode == 1 and "StoreInUse" in err, (compact.returncode, err)
+    assert f"process {reader.pid}" in err
+    trio.run(write, store, TURNS, 5)
+    assert len(trio.run(turns, store)) == TURNS + 5
