@@ -231,7 +231,8 @@ async def test_a_call_the_closing_engine_refuses_in_a_cancelled_block_is_the_can
             await mem.add_turn("ana", "s1", "user", "before the shutdown", durable=True)
             scope.cancel()
             with trio.CancelScope(shield=True):
-                await trio.sleep(0.2)  # the engine's tasks see the cancellation meanwhile
+                # The engine's tasks see the cancellation meanwhile: the store closes.
+                await trio.testing.wait_all_tasks_blocked()
             await mem.recall("ana", "shutdown")
     assert scope.cancelled_caught
     async with open_engine(store_path) as mem:

@@ -49,6 +49,7 @@ import hnswlib
 import numpy as np
 import trio
 
+from ..base.errors import disk_full
 from ..store import Store, read_user_vectors
 from .rows import HALF, _dot, _exact, _User, _UserVectors
 from .vectors import KINDS, NO_FILTERS, PARTS, Filters, decode_rows, part_of
@@ -210,7 +211,7 @@ class AnnIndex:
                 with contextlib.suppress(OSError):
                     tmp.unlink()
             log.warning("ann: a vector graph could not be saved (%s); the next open builds it "
-                        "again from the stored vectors", exc)
+                        "again from the stored vectors", exc, exc_info=not disk_full(exc))
 
     def _graph_files(self, user_id: str, part: str) -> tuple[Path, Path, Path]:
         """A partition's graph, the lsn of each of its rows, and the checksums of both; named
