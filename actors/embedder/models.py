@@ -202,6 +202,10 @@ class OnnxEmbedder:
             if not there:
                 raise ModelMissing(f"expected the embedding model at {needed}, found nothing; "
                                    f"build it with `{self.build_command}`")
+            if needed.is_file() and not os.access(needed, os.R_OK):
+                raise ModelMissing(f"cannot read the embedding model's {needed}: permission "
+                                   "denied; give this process read access to it (rebuilding "
+                                   "would not help)")
         options = ort.SessionOptions()
         options.intra_op_num_threads = self.threads
         options.inter_op_num_threads = 1

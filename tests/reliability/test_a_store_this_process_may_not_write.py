@@ -113,3 +113,38 @@ def test_a_store_on_a_read_only_file_system_is_read_and_not_called_damaged(
     assert done.stdout == "found ['then a ferry to Porto'] degraded ['bm25']\n", done.stdout
     assert "damaged" not in done.stderr and "cannot be read by this process" in done.stderr, \
         done.stderr
+
+
+UNREADABLE_MODEL = textwrap.dedent("""
+    import sys, trio
+    from engine import Engine, ModelMissing
+
+    async def main(path, model_dir):
+        try:
+            async with Engine.open(path, config={"model_dir": model_dir,
+                                                 "model": "minilm-l6-v2"}):
+                print("opened")
+        except ModelMissing as exc:
+            print("ModelMissing", exc)
+
+    trio.run(main, sys.argv[1], sys.argv[2])
+""")
+
+
+def test_a_model_file_this_process_may_not_read_says_so(tmp_path: Path) -> None:
+    """onnxruntime's failure to read it was reported as a damaged model, to be rebuilt with
+    --force, which would not help."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and util-linux's setpriv, to take permissions away")
+    from actors.embedder import default_model_dir
+
+    where = tmp_path / "model"
+    where.mkdir()
+    for name in ("tokenizer.json", "model.onnx"):
+        (where / name).write_bytes((default_model_dir() / name).read_bytes())
+    (where / "model.onnx").chmod(0)
+    done = subprocess.run([*NO_CAPABILITIES, sys.executable, "-c", UNREADABLE_MODEL,
+                           str(tmp_path / "store"), str(where)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.startswith("ModelMissing cannot read"), done.stdout + done.stderr[-2000:]
+    assert "permission denied" in done.stdout and "--force" not in done.stdout
