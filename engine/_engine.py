@@ -806,6 +806,8 @@ class Engine:
         Raises:
             NotFound: the store holds no record of the user (nothing is written).
             InvalidInput: a bad user id or destination.
+            OSError: the disk under a path ``dest`` is full or failed; nothing of the file
+                is left (as ``snapshot``'s).
         """
         self._parts.check_open()
         self._parts.check_ids(user_id)
