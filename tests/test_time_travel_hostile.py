@@ -392,3 +392,28 @@ async def test_the_keyword_leg_finds_a_turn_before_1970_at_its_own_time(store_pa
                 assert [h.text for h in hits] == ["zebra crossing"], (bound, later)
         assert await mem.recall("u", "zebra", legs=("bm25",),
                                 until=at - timedelta(microseconds=1)) == []
+
+
+async def test_a_statement_after_the_clock_stepped_back_is_the_value_in_force(
+        store_path) -> None:
+    """An NTP step of 1 ms back between two statements filed the newer one as a past version
+    (its time was before the value in force began), for remember_fact given no date and for
+    a fact extracted from a turn given no time alike: the profile kept the older value. A
+    statement dated less than a minute before the value in force is taken as the later one,
+    as the log has it."""
+    now = [datetime(2026, 1, 1, 12, tzinfo=timezone.utc)]
+    async with open_engine(store_path, clock=lambda: now[0]) as mem:
+        await mem.remember_fact("u", "identity", "city", "Berlin")
+        await mem.add_turn("u", "s", "user", "I live in Berlin.")
+        await mem.flush()
+        now[0] -= timedelta(milliseconds=1)  # the clock steps back
+        porto = await mem.remember_fact("u", "identity", "city", "Porto")
+        await mem.add_turn("u", "s", "user", "I live in Porto.")
+        await mem.flush()
+        assert porto.status == "active"
+        profile = {f.key: f.value for f in await mem.profile("u")}
+        assert (profile["city"], profile["location"]) == ("Porto", "Porto")
+        history = await mem.fact_history("u", "identity", "city")
+        assert [(f.value, f.status) for f in history] == [("Berlin", "superseded"),
+                                                            ("Porto", "active")]
+        assert history[0].invalid_at == history[1].valid_at > history[0].valid_at
