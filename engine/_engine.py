@@ -73,7 +73,7 @@ from ._logbatch import PartitionLog
 from ._maintenance import Maintenance, MaintenanceReport
 from ._memory import EntityInfo, Memory
 from ._owner import OwnerLock, claim_in_process, release_in_process
-from ._parts import Clock
+from ._parts import Clock, read_clock
 from ._recall import Recall
 from ._retrieval import Retriever
 from ._snapshot import Manifest, compact, restore, take_snapshot
@@ -110,7 +110,7 @@ def _checked_clock(clock: Any) -> Clock:
     if not callable(clock):
         raise InvalidInput("clock", f"expected a callable returning a timezone-aware datetime, "
                                     f"found {type(clock).__name__} {clock!r}"[:200])
-    now = clock()
+    now = read_clock(clock)
     if not isinstance(now, datetime) or now.utcoffset() is None:
         found = (f"datetime {now.isoformat()} with no timezone" if isinstance(now, datetime)
                  else f"{type(now).__name__} {now!r}"[:80])

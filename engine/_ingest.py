@@ -25,7 +25,7 @@ from actors.store import read_memories_by_id
 
 from ._args import check_count, reason
 from ._forget import Scrubber
-from ._parts import Parts
+from ._parts import Parts, read_clock
 
 __all__ = ["Ingest"]
 
@@ -160,7 +160,7 @@ class Ingest:
             if _NONE in set(map(type, ats)):
                 # One reading of the clock for the call, checked as the caller's times are:
                 # its turns arrive together (a reading per turn was an eighth of an import).
-                now = self._parts.turn_clock()
+                now = read_clock(self._parts.turn_clock)
                 ats = [now if at is None else at for at in ats]
             if not v.ats_pass(ats):
                 ats = [v.check_at(at) for at in ats]

@@ -62,14 +62,22 @@ def pinnable(clock: Clock) -> Clock:
         pin = _pinned.get()
         if pin is not None and pin.at is not None:
             return pin.at
-        try:
-            reading = clock()
-        except Exception as exc:
-            raise ClockFailed("clock", f"expected the clock given at open to read the time, "
-                                       f"found it raised {exc!r}") from exc
-        return v.check_at(reading, "clock")
+        return v.check_at(read_clock(clock), "clock")
 
     return now
+
+
+def read_clock(clock: Clock) -> datetime:
+    """One reading of the clock given at open.
+
+    Raises:
+        ClockFailed: the clock raised.
+    """
+    try:
+        return clock()
+    except Exception as exc:
+        raise ClockFailed("clock", f"expected the clock given at open to read the time, "
+                                   f"found it raised {exc!r}") from exc
 
 
 def pinnable_ids(make: Callable[[], str]) -> Callable[[], str]:
@@ -203,7 +211,7 @@ class Parts:
 
     def turn_now(self) -> datetime:
         """:meth:`now` for a turn given no time (:attr:`turn_clock`)."""
-        return v.check_at(self.turn_clock(), "clock")
+        return v.check_at(read_clock(self.turn_clock), "clock")
 
     async def committed(self) -> None:
         """Wait until everything logged before the call is on disk: a read by id finds it

@@ -417,3 +417,33 @@ async def test_a_statement_after_the_clock_stepped_back_is_the_value_in_force(
         assert [(f.value, f.status) for f in history] == [("Berlin", "superseded"),
                                                             ("Porto", "active")]
         assert history[0].invalid_at == history[1].valid_at > history[0].valid_at
+
+
+async def test_a_clock_that_raises_is_clock_failed_for_writes_and_at_open_too(
+        store_path) -> None:
+    """recall, remember_fact and the rest raised ClockFailed (field ``clock``) as promised;
+    add_turn, add_turns, add_turn_nowait and Engine.open let the clock's own exception out."""
+    from engine import ClockFailed, Engine, HashEmbedder
+
+    broken = [False]
+
+    def clock() -> datetime:
+        if broken[0]:
+            raise RuntimeError("the time daemon restarts")
+        return datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+    async with open_engine(store_path, clock=clock) as mem:
+        broken[0] = True
+        for call in (lambda: mem.add_turn("u", "s", "user", "hello"),
+                     lambda: mem.add_turns([{"user_id": "u", "session_id": "s",
+                                             "role": "user", "text": "hi"}])):
+            with pytest.raises(ClockFailed) as failed:
+                await call()
+            assert failed.value.field == "clock"
+        with pytest.raises(ClockFailed):
+            mem.add_turn_nowait("u", "s", "user", "hi")
+        broken[0] = False
+        assert await mem.session_history("u", "s") == []
+    with pytest.raises(ClockFailed):
+        async with Engine.open(store_path, embedder=HashEmbedder(), clock=lambda: 1 / 0):
+            pass
