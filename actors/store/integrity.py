@@ -394,18 +394,19 @@ def opening(path: Path, exclusive: bool = False) -> Iterator[None]:
     lock file's state from it, and the next owner would read the new file by the old one's
     transaction id (an empty store). A reader holds it only until LMDB has its lock.
 
-    Where the file cannot be made (a read-only file system), nothing is held: no compact
-    can swap a file there either.
+    The owner's open makes the file, and compact does (``exclusive``); a reader never makes
+    one (it leaves no file in a folder it only reads, another program's included) and holds
+    nothing where there is none: no compact has had a store there to swap.
     """
     lock = path / OPENING_LOCK
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = (os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644) if exclusive
+              else os.open(lock, os.O_RDONLY | os.O_CLOEXEC))
     except OSError:
-        try:
-            fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            yield
-            return
+        if exclusive:
+            raise
+        yield
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield

@@ -56,7 +56,7 @@ from .codecs import _encode
 from .compact import clear_copy, copy_pages, copy_pages_hashed, fsync_copy
 from .forget import Forgetting
 from .integrity import (ZERO, CheckedTxn, check_file, decode_head, encode_head, head_mac,
-                        opening, ready_lock_file)
+                        OPENING_LOCK, opening, ready_lock_file)
 from .layout import (
     _EMBEDDED_KEY,
     _LAST_LSN_KEY,
@@ -259,6 +259,7 @@ class Store(Writer, Appliers, Forgetting):
             raise InvalidInput("path", f"expected a store directory, found a file at {self.path}")
         self.path.mkdir(parents=True, exist_ok=True)
         check_file(self.path, extend=True)
+        (self.path / OPENING_LOCK).touch()  # for readers and compact (integrity.opening)
         try:
             env = self._lmdb_open(self._config.initial_map_bytes)
         except lmdb.Error as exc:
