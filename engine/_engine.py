@@ -1070,7 +1070,9 @@ class Engine:
     async def snapshot(self, dest: str | os.PathLike[str]) -> Manifest:
         """Write a point-in-time snapshot of the store to ``dest`` while the engine serves.
 
-        It first waits for the scrubs of earlier deletions (see :meth:`flush`). The text
+        It first waits until every write acknowledged before the call is committed (a
+        buffered turn included), and for the scrubs of earlier deletions (see :meth:`flush`).
+        The text
         index is copied (or, if its segments still hold deleted documents, built afresh from
         the copy), then LMDB is copied compactly from a worker thread; the manifest
         records the log sequence number it is consistent at, counts and sha256 checksums.

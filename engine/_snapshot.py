@@ -312,6 +312,10 @@ async def take_snapshot(parts: Parts, dest: Path,
     dest, partial, held = await trio.to_thread.run_sync(_partial, dest, parts.store.path)
     try:
         with one_disk_error():
+            if not parts.read_only:
+                # Every turn acknowledged before the call is in the copy, committed or only
+                # queued then (reads showed it already).
+                await parts.committed()
             if scrubbed is not None:
                 await scrubbed()
             fulltext_lsn, copied = await parts.fulltext.copy_to(partial / "fulltext")
