@@ -103,13 +103,14 @@ async def test_an_open_on_a_full_disk_leaves_no_lock_behind(store_path, monkeypa
         await mem.add_turn("ana", "s1", "user", "space is back", durable=True)
 
 
-async def test_an_engine_broken_by_its_text_index_frees_it_for_the_reopen(
+async def test_a_text_index_commit_failing_at_close_frees_it_for_the_reopen(
         store_path, monkeypatch) -> None:
     """The disk filled as the text index committed at close: its writer was never dropped
     (the commit raised before the release), so tantivy's directory lock stayed with the
-    broken engine, and the reopen its EngineBroken asks for failed with a bare ValueError
-    (LockBusy) until that engine's objects were collected. The writer goes in any case; the
-    reopen works and the index catches up from the log."""
+    broken engine, and the reopen failed with a bare ValueError (LockBusy) until that
+    engine's objects were collected. The writer goes in any case; a full disk at that commit
+    is logged, not the close's failure (the index is derived: the next open replays what
+    the commit lost); the reopen works and the index catches up from the log."""
     import actors.fulltext.fulltext as fulltext_mod
 
     def full(self) -> None:
@@ -117,13 +118,11 @@ async def test_an_engine_broken_by_its_text_index_frees_it_for_the_reopen(
 
     with monkeypatch.context() as patched:
         patched.setattr(fulltext_mod, "COMMIT_INTERVAL", 3600.0)  # it commits at close only
-        with pytest.raises(BaseException) as failed:
-            async with open_engine(store_path) as mem:
-                await mem.add_turn("ana", "s1", "user", "the ferry to Barreiro", durable=True)
-                while mem._parts.fulltext._pending == 0:
-                    await trio.sleep(0.01)
-                patched.setattr(fulltext_mod.FullText, "_commit", full)
-        assert "StorageFull" in repr(failed.value)
+        async with open_engine(store_path) as mem:
+            await mem.add_turn("ana", "s1", "user", "the ferry to Barreiro", durable=True)
+            while mem._parts.fulltext._pending == 0:
+                await trio.sleep(0.01)
+            patched.setattr(fulltext_mod.FullText, "_commit", full)
     async with open_engine(store_path) as mem:
         await mem.flush()  # the index replays the turn its failed commit lost
         hits = await mem.recall("ana", "ferry Barreiro", legs=["bm25"])
