@@ -523,46 +523,6 @@ class Facts:
                 await store.wait_committed(ops[-1].lsn)
             return list(retired)
 
-    async def resume_superseded(self, user_id: str,
-                                ended: set[tuple[datetime, datetime]]) -> list[Fact]:
-        """After a forget dropped fact versions (each given as its ``(valid_at, created_at)``
-        in ``ended``): the versions they had superseded, of a key with no active value now,
-        are in force again as new active versions, as :meth:`retire` does for what a plan
-        held. A version was superseded by a fact when it ended where that fact began and was
-        retired the moment that fact was made (``_propose``).
-
-        Returns:
-            The versions now in force again.
-        """
-        if not ended:
-            return []
-        async with self._lock:
-            state = await self._user(user_id)
-            store = self._store
-            await store.wait_logged()
-            versions = await store.read(read_facts, user_id, False)
-            held = _latest_of_each_key({
-                f.fact_id: f for f in versions
-                if f.status == "superseded" and (f.invalid_at, f.expired_at) in ended
-                and _find(state, f.category, f.key) is None})
-            if not held:
-                return []
-            now = self._clock().astimezone(timezone.utc)
-            await store.reserve(len(held))  # cancel-safe: nothing is taken yet
-            resumed = self._resumed(list(held.values()), store.next_lsn, now)
-            capped = tuple(msgspec.structs.replace(f, invalid_at=now, expired_at=now)
-                           for f in held.values())
-            ops = [PutFact(fact.lsn, user_id, fact, capped if i == 0 else (), links)
-                   for i, (fact, links) in enumerate(resumed)]
-            store.hold_together(len(ops))
-            for op in ops:  # no checkpoint between them: one group, in lsn order
-                self._queue(user_id, op)
-            for fact, _ in resumed:
-                state[(fact.category, fact.key)] = fact
-            with trio.CancelScope(shield=True):  # it lands; the cache knows it already
-                await store.wait_committed(ops[-1].lsn)
-            return [fact for fact, _ in resumed]
-
     async def _held_by(self, plan: Fact, now: datetime) -> list[Fact]:
         """The superseded versions in force now that ``plan`` (a value due later) ends: of
         its key (however spelt), ended where it starts, and of the other keys it superseded

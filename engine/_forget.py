@@ -126,10 +126,10 @@ class Forgetting:
         try:
             # What of the session a reflection may quote, read before the forget is queued.
             await parts.committed()
-            facts = [f for f in await store.read(read_facts, user_id, False)
-                     if f.session_id == session_id]
             made = [m.created_at for m in (
-                *await store.read(read_episodes, user_id, session_id), *facts)]
+                *await store.read(read_episodes, user_id, session_id),
+                *[f for f in await store.read(read_facts, user_id, False)
+                  if f.session_id == session_id])]
             notes = await store.read(read_notes, user_id) if made else []
             doomed = sorted(reflections_quoting(notes, made))
             lsn = await self._queue(user_id, session_id, doomed)
@@ -142,12 +142,6 @@ class Forgetting:
                 with trio.CancelScope(shield=True):  # it commits, the caller cancelled or not
                     for at, note_id in enumerate(doomed, lsn + 1):
                         await parts.notes_md.remove(user_id, note_id, at)
-        if facts:
-            # What the session's facts had superseded, of a key nothing else holds now, is in
-            # force again: the store still knows it, only the forgotten session replaced it.
-            with trio.CancelScope(shield=True):
-                await parts.facts.resume_superseded(
-                    user_id, {(f.valid_at, f.created_at) for f in facts})
 
     async def forget_scope(self, user_id: Any, agent_id: Any, run_id: Any,
                            delete_note: Any) -> dict[str, int]:

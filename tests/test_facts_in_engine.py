@@ -13,7 +13,7 @@ import trio
 from actors.ann_index import Filters
 from actors.base.messages import Candidate
 from actors.facts import Proposal
-from engine import Engine, InvalidInput
+from engine import InvalidInput
 
 from .conftest import T0, StepClock, open_engine, raw_databases, text_index_held
 
@@ -236,31 +236,6 @@ async def test_forgetting_a_session_takes_the_facts_extracted_from_it(store_path
                     if "shellfish" in h.text.lower()]
     everything = b"".join(k + v for rows in raw_databases(store_path).values() for k, v in rows)
     assert b"shellfish" not in everything
-
-
-async def test_forgetting_the_session_that_superseded_a_value_puts_it_back(store_path) -> None:
-    """Session "old" said Lisbon, session "new" Porto, which superseded it; forgetting "new"
-    left the key with no value at all, Lisbon still marked superseded by a version that no
-    longer existed, though session "old" still said it. It is in force again, as a new
-    version searches find."""
-    async with open_engine(store_path) as mem:
-        await mem.add_turn("ana", "old", "user", "I live in Lisbon", durable=True)
-        await mem.flush()
-        await mem.add_turn("ana", "new", "user", "I live in Porto", durable=True)
-        await mem.flush()
-        assert [(f.key, f.value) for f in await mem.profile("ana")] == [("location", "Porto")]
-        await mem.forget_session("ana", "new")
-        await mem.flush()
-        assert [(f.key, f.value) for f in await mem.profile("ana")] == [("location", "Lisbon")]
-        for legs in (("bm25",), ("vector",)):
-            hits = await mem.recall("ana", "Lives in Lisbon", legs=legs, link_depth=0)
-            assert "Lives in Lisbon" in [h.text for h in hits if h.kind == "fact"], legs
-        history = await mem.fact_history("ana", "identity", "location")
-        assert [(f.value, f.status) for f in history][-1] == ("Lisbon", "active")
-        assert "Porto" not in [f.value for f in history]
-    async with open_engine(store_path) as mem:  # as the store has it, not a cache
-        assert [(f.key, f.value) for f in await mem.profile("ana")] == [("location", "Lisbon")]
-    assert (await Engine.verify(store_path))["ok"]
 
 
 @pytest.mark.parametrize(("call", "message"), [
