@@ -67,8 +67,8 @@ __all__ = ["Facts", "effective_confidence", "known_at", "spelling", "DECAY_RATES
 DEDUP_JACCARD = 0.75  # word-set similarity at which two fact sentences are one fact (seed 004)
 CONTRADICTION_JACCARD = 0.5  # content-word overlap at which opposite polarity is a contradiction
 PRUNE_BELOW = 0.05  # effective confidence under which maintenance retires a fact (seed 004)
-# A statement dated less than this before the value in force began is the later one (a clock
-# stepped back, two writers' clocks apart), not a past version.
+# A statement given no date while the clock reads less than this before the value in force
+# began is the later one (a clock stepped back, two writers' clocks apart), not a past version.
 STEPPED_BACK = timedelta(minutes=1)
 CACHE_USERS = 4096  # users whose active facts stay in RAM
 FOLLOW_CHUNK = 512  # log records per step of the extraction follower
@@ -337,14 +337,16 @@ class Facts:
         # A correction that names a new date for the value in force is a new version (the
         # value was right, since when was not); anything else saying that value reinforces it.
         redated = force and valid_at is not None
+        dated = valid_at is not None
         valid_at = (valid_at or now).astimezone(timezone.utc)
         current = _find(state, c.category, c.key)
-        if (current is not None and not redated
+        if (current is not None and not dated
                 and current.valid_at - STEPPED_BACK <= valid_at < current.valid_at
                 <= max(now, current.created_at)):
-            # Dated a moment before the value in force began (not a plan, due later): a clock
-            # stepped back (NTP), or two writers' clocks apart. Recorded after it, it is the
-            # later statement, as the log has it; a date far before is a past version (below).
+            # Given no date, and the clock reads a moment before the value in force began (not
+            # a plan, due later): the clock stepped back (NTP), or two writers' clocks are
+            # apart. Recorded after it, it is the later statement, as the log has it. A date
+            # the caller gave is kept as given.
             valid_at = current.valid_at + timedelta(microseconds=1)
         if (current is not None and _same_value(current.value, c.value)
                 and not (redated and valid_at != current.valid_at)):
