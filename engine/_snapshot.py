@@ -48,7 +48,7 @@ from actors.base.errors import (
 from actors.base.records import SCHEMA_VERSION
 from actors.fulltext import build_index
 from actors.store import LOG_TOMBSTONE, MAX_DBS, clean_copy, lsn_key, open_databases
-from actors.store.integrity import HEAD_KEY, opening, ready_lock_file
+from actors.store.integrity import HEAD_KEY, OPENING_LOCK, opening, ready_lock_file
 
 from ._files import PATH_ERRNOS, aside, exchange, one_disk_error, refused, resolved
 from ._owner import (LOCK_NAME, MANIFEST_NAME, SNAPSHOT_DATA, OwnerLock, alone_in_lmdb,
@@ -701,6 +701,9 @@ def _compact(store: Path, progress: Callable[[int, int], None] | None) -> dict[s
         # have the store open, readers included; refused before the copy, and checked again
         # before the swap (LMDB's close released the lock), with every reader's open held
         # back meanwhile (opening: LMDB opens data.mdb before it locks).
+        # Made before the first check, so a reader that finds it missing (an older owner made
+        # none) is past its open, and seen by the check, before the swap.
+        (store / OPENING_LOCK).touch()
         alone_in_lmdb(store, lock, "compact")
         shutil.rmtree(fresh, ignore_errors=True)
         fresh.mkdir()

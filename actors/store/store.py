@@ -259,7 +259,14 @@ class Store(Writer, Appliers, Forgetting):
             raise InvalidInput("path", f"expected a store directory, found a file at {self.path}")
         self.path.mkdir(parents=True, exist_ok=True)
         check_file(self.path, extend=True)
-        (self.path / OPENING_LOCK).touch()  # for readers and compact (integrity.opening)
+        try:
+            (self.path / OPENING_LOCK).touch()  # for readers and compact (integrity.opening)
+        except OSError as exc:
+            if disk_full(exc):
+                raise self._full(exc) from exc
+            if access_denied(exc):
+                raise store_denied(self.path, exc) from exc
+            raise
         try:
             env = self._lmdb_open(self._config.initial_map_bytes)
         except lmdb.Error as exc:
