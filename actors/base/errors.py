@@ -23,6 +23,7 @@ state and not the store's damage.
 from __future__ import annotations
 
 import errno
+import os
 
 __all__ = [
     "EngineError",
@@ -177,6 +178,21 @@ def disk_full(error: BaseException) -> bool:
     text = str(error)
     return any(sign in text for sign in ("No space left on device", "Disk quota exceeded",
                                          "StorageFull"))
+
+
+# Free bytes under which the disk is taken for full: a write that failed there failed for want
+# of room (LMDB reports a short write as EIO, tantivy a writer it killed), and a commit is not
+# tried again until there is this much.
+LOW_ON_DISK = 16 << 20
+
+
+def free_bytes(path: object) -> int | None:
+    """The bytes free to this process on the disk holding ``path`` (None: not known)."""
+    try:
+        room = os.statvfs(path)
+    except OSError:
+        return None
+    return room.f_bavail * room.f_frsize
 
 
 def access_denied(error: BaseException) -> bool:

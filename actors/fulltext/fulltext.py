@@ -36,8 +36,8 @@ from typing import Any
 import tantivy
 import trio
 
-from ..base.errors import (EngineBroken, EngineClosed, access_denied, disk_full,
-                           out_of_descriptors)
+from ..base.errors import (LOW_ON_DISK, EngineBroken, EngineClosed, access_denied, disk_full,
+                           free_bytes, out_of_descriptors)
 from ..base.messages import PutState, Searchable
 from ..base.where import Node
 from ..store import Damaged, Store, damage_puts, failure_put, read_log_range, read_searchables
@@ -66,19 +66,8 @@ COMMIT_INTERVAL = 1.0  # seconds a document may wait for its commit when nobody 
 # Seconds between attempts to go on after a commit the process had no file descriptor for,
 # and between the warnings that it still waits.
 DESCRIPTOR_RETRY = 1.0
-ROOM = 16 << 20  # bytes free on the disk before a commit is tried again after a full disk
 DESCRIPTOR_WARN = 30.0
 DAMAGED_SUFFIX = ".damaged-"  # a damaged index moved aside before it is removed
-
-
-def _passing(error: BaseException) -> bool:
-    """A commit's failure the index waits out rather than fails for: no file descriptor free
-    (a flood of connections holds them), or no room on the disk (freed by its operator)."""
-    return out_of_descriptors(error) or disk_full(error)
-
-
-def _run(step: Callable[[], None]) -> None:
-    step()
 
 
 def _remove(path: Path) -> None:
@@ -210,7 +199,7 @@ class FullText:
                         await trio.to_thread.run_sync(self._commit)
                         self.indexed_lsn = self._read_lsn
                 except Exception as exc:
-                    if not (_passing(exc) or self._killed_for_room(exc)):
+                    if self._shortage(exc) is None:
                         raise
                     # The next open indexes again from the last commit: nothing is lost.
                     log.warning("fulltext: the last commit at close failed (%s); the next open "
@@ -367,9 +356,10 @@ class FullText:
                 except ValueError as exc:
                     # A segment the writer's own thread flushed met a full disk, and tantivy
                     # killed the writer: what it held is gone, as after a failed commit.
-                    if not self._killed_for_room(exc):
+                    shortage = self._shortage(exc)
+                    if shortage is None:
                         raise
-                    await self._start_over(OSError(errno.ENOSPC, str(exc)))
+                    await self._start_over(shortage)
                     continue
                 if failed:
                     # Kept in the store (stats, `engram inspect --failures`) before the index
@@ -512,16 +502,15 @@ class FullText:
             try:
                 await trio.to_thread.run_sync(self._commit)
             except Exception as exc:
-                if self._killed_for_room(exc):
-                    exc = OSError(errno.ENOSPC, str(exc))
-                elif not _passing(exc):
+                shortage = self._shortage(exc)
+                if shortage is None:
                     raise
                 if not self._reloading:
-                    await self._start_over(exc)
+                    await self._start_over(shortage)
                     return False
                 # Committed: searches see it once a reload can open its files.
                 self._pending = 0
-                await self._until_descriptors(self._reload, exc)
+                await self._until_descriptors(self._reload, shortage)
         self._pending = 0
         self.indexed_lsn = self._read_lsn
         self._indexed.unpark_all()
@@ -540,8 +529,8 @@ class FullText:
 
     async def _until_descriptors(self, step: Callable[[], None], exc: Exception) -> None:
         """Run ``step`` in a worker thread each DESCRIPTOR_RETRY until it finds the file
-        descriptors it needs (and, after a full disk, the disk has ROOM free), saying so every
-        DESCRIPTOR_WARN seconds.
+        descriptors it needs (and, after a full disk, the disk has LOW_ON_DISK free), saying
+        so every DESCRIPTOR_WARN seconds.
 
         Raises:
             EngineClosed: the store closed meanwhile (the next open replays from the index's
@@ -558,30 +547,36 @@ class FullText:
                 raise EngineClosed("the store closed while the text index waited for a file "
                                    "descriptor or room on the disk")
             try:
-                await trio.to_thread.run_sync(self._with_room if disk_full(exc) else _run, step)
+                await trio.to_thread.run_sync(self._attempt, step, disk_full(exc))
                 return
             except Exception as again:
-                if not _passing(again):
+                shortage = self._shortage(again)
+                if shortage is None:
                     raise
-                exc = again
+                exc = shortage
             waited += DESCRIPTOR_RETRY
 
-    def _killed_for_room(self, error: BaseException) -> bool:
-        """Whether tantivy killed the writer (its thread's write failed) while the disk under
-        the index has less than ROOM free: a full disk, which tantivy's message does not
-        name."""
-        if "writer was killed" not in str(error):
-            return False
-        free = os.statvfs(self.path)
-        return free.f_bavail * free.f_frsize < ROOM
+    def _shortage(self, error: BaseException) -> BaseException | None:
+        """The shortage a failure is, which the index waits out (None: a failure of its
+        own): no file descriptor free (a flood of connections holds them), no room on the
+        disk, or a writer tantivy killed while the disk has less than LOW_ON_DISK free (its
+        message names no cause), given as ENOSPC."""
+        if out_of_descriptors(error) or disk_full(error):
+            return error
+        if "writer was killed" in str(error):
+            free = free_bytes(self.path)
+            if free is not None and free < LOW_ON_DISK:
+                return OSError(errno.ENOSPC, str(error))
+        return None
 
-    def _with_room(self, step: Callable[[], None]) -> None:
-        """``step``, once the disk under the index has ROOM free (a commit that starts on a
-        full disk fails again, and each failed one is the whole pending work redone)."""
-        free = os.statvfs(self.path)
-        if free.f_bavail * free.f_frsize < ROOM:
-            raise OSError(errno.ENOSPC, f"{free.f_bavail * free.f_frsize:,} bytes free under "
-                                        f"{self.path}, {ROOM:,} wanted")
+    def _attempt(self, step: Callable[[], None], needs_room: bool) -> None:
+        """``step``; with ``needs_room``, only once the disk under the index has LOW_ON_DISK
+        free (a commit that starts on a full disk fails again, and each failed one is the
+        whole pending work redone)."""
+        free = free_bytes(self.path) if needs_room else None
+        if free is not None and free < LOW_ON_DISK:
+            raise OSError(errno.ENOSPC, f"{free:,} bytes free under {self.path}, "
+                                        f"{LOW_ON_DISK:,} wanted")
         step()
 
     def _fresh_writer(self) -> None:

@@ -31,7 +31,6 @@ import contextlib
 import contextvars
 import heapq
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
@@ -43,8 +42,8 @@ import lmdb
 import msgspec
 import trio
 
-from ..base.errors import (EngineBroken, EngineClosed, EngineError, InvalidInput, RecordRefused,
-                           disk_full)
+from ..base.errors import (LOW_ON_DISK, EngineBroken, EngineClosed, EngineError, InvalidInput,
+                           RecordRefused, disk_full, free_bytes)
 from ..base.messages import (
     AppendTurn,
     AppendTurns,
@@ -101,25 +100,17 @@ STAGES = ("queued", "to_writer", "plan", "write", "commit", "flush_wait", "flush
 _clock = time.perf_counter_ns
 
 
-# Free bytes under which a failed write is taken for a full disk (LMDB's commit writes up to a
-# batch's pages at once).
-FULL_MARGIN = 16 << 20
-
-
 def _if_full(path: Path, error: lmdb.Error) -> str:
     """What to add to a failed write's message when the disk holding ``path`` is full: LMDB
     reports a write the disk had no room for as EIO (a short pwrite), which reads as a failing
     device."""
     if disk_full(error):
         return ": the disk is full; free space and open the store again"
-    try:
-        room = os.statvfs(path)
-    except OSError:
+    free = free_bytes(path)
+    if free is None or free >= LOW_ON_DISK:
         return ""
-    if room.f_bavail * room.f_frsize >= FULL_MARGIN:
-        return ""
-    return (f" (the disk holding it has {room.f_bavail * room.f_frsize:,} bytes free: the disk "
-            "is full; free space and open the store again)")
+    return (f" (the disk holding it has {free:,} bytes free: the disk is full; free space and "
+            "open the store again)")
 
 
 def _first(failure: BaseException) -> BaseException:
