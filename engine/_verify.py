@@ -43,8 +43,8 @@ from actors.store.integrity import (
     decode_head,
     encode_head,
     head_mac,
+    open_reader,
     opening,
-    ready_lock_file,
     unseal,
 )
 
@@ -182,10 +182,7 @@ def _verify(path: Path, integrity_key: str | None, seal: bool) -> dict[str, Any]
     # 10 MiB, and a compacted store fills its file) would have no room for them.
     room = (path / "data.mdb").stat().st_size + SEAL_ROOM if seal else 10 << 20
     try:
-        ready_lock_file(path)
-        with opening(path):
-            env = lmdb.open(str(path), readonly=not seal, lock=True, max_dbs=MAX_DBS,
-                            map_size=room)
+        env = open_reader(path, readonly=not seal, max_dbs=MAX_DBS, map_size=room)
     except lmdb.Error as exc:
         if access_denied(exc):
             raise store_denied(path, exc) from None

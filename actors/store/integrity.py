@@ -47,6 +47,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import lmdb
+
 from ..base.errors import EngineBroken, StoreCorrupt, disk_full, store_denied
 from .layout import HEAD_KEY, MAX_READERS
 from .pages import in_use_fits
@@ -412,6 +414,16 @@ def opening(path: Path, exclusive: bool = False) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # drops the flock
+
+
+def open_reader(path: Path, **options: Any) -> lmdb.Environment:
+    """LMDB's environment of the store at ``path`` for anyone but its owner, with LMDB's lock
+    (a reader in the reader table is safe from another process's writer reusing its pages):
+    its lock file made whole first (:func:`ready_lock_file`), and the opening lock held until
+    LMDB has its own (:func:`opening`). ``options`` go to ``lmdb.open``."""
+    ready_lock_file(path)
+    with opening(path):
+        return lmdb.open(str(path), lock=True, **options)
 
 
 def check_file(path: Path, extend: bool = False, _tries: int = 8) -> None:

@@ -56,7 +56,7 @@ from .codecs import _encode
 from .compact import clear_copy, copy_pages, copy_pages_hashed, fsync_copy
 from .forget import Forgetting
 from .integrity import (ZERO, CheckedTxn, check_file, decode_head, encode_head, head_mac,
-                        OPENING_LOCK, opening, ready_lock_file)
+                        OPENING_LOCK, open_reader, ready_lock_file)
 from .layout import (
     _EMBEDDED_KEY,
     _LAST_LSN_KEY,
@@ -363,10 +363,8 @@ class Store(Writer, Appliers, Forgetting):
         try:
             # lock=True: this reader takes a slot in LMDB's reader table, so a writer in
             # another process never reuses the pages it reads.
-            ready_lock_file(self.path)
-            with opening(self.path):
-                env = lmdb.open(str(self.path), readonly=True, lock=True, max_dbs=MAX_DBS,
-                                max_readers=MAX_READERS)
+            env = open_reader(self.path, readonly=True, max_dbs=MAX_DBS,
+                              max_readers=MAX_READERS)
         except lmdb.Error as exc:
             if access_denied(exc):
                 raise store_denied(self.path, exc) from exc

@@ -8,7 +8,7 @@ from typing import Any
 import lmdb
 import msgspec
 
-from .integrity import check_file, opening, ready_lock_file
+from .integrity import check_file, open_reader
 from .layout import _MODEL_KEY, MAX_DBS, user_prefix
 
 
@@ -56,9 +56,7 @@ def stored_model(path: Path) -> ModelInfo | None:
     check_file(path)
     # lock=True: another process may be serving the store, and only a reader in LMDB's
     # reader table is safe from its writer reusing the pages being read.
-    ready_lock_file(path)
-    with opening(path):
-        env = lmdb.open(str(path), readonly=True, lock=True, max_dbs=MAX_DBS)
+    env = open_reader(path, readonly=True, max_dbs=MAX_DBS)
     try:
         with env.begin() as txn:
             meta = env.open_db(b"meta", txn=txn, create=False)
