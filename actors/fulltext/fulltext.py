@@ -40,7 +40,8 @@ from ..base.errors import (LOW_ON_DISK, EngineBroken, EngineClosed, access_denie
                            free_bytes, out_of_descriptors)
 from ..base.messages import PutState, Searchable
 from ..base.where import Node
-from ..store import Damaged, Store, damage_puts, failure_put, read_log_range, read_searchables
+from ..store import (Damaged, Store, damage_puts, failure_put, paced, read_log_range,
+                     read_searchables)
 from .index import (
     ANALYZER,
     FOLLOW_CHUNK,
@@ -111,6 +112,7 @@ class FullText:
         self._read_lsn = 0  # every log record up to here has been handed to the writer
         self._pending = 0  # documents and deletions not yet committed
         self._pending_since = 0.0
+        self._step_began = -math.inf  # when the follower's last step began (paced)
         self._waiters = 0  # callers of wait_indexed
         # Parked: the follower, until new commits in the store or a waiter nudges it.
         self._nudge = trio.lowlevel.ParkingLot()
@@ -337,6 +339,13 @@ class FullText:
                 except EngineClosed:
                     return
                 continue
+            # Paced while nobody waits (nothing is searchable before the next commit anyway),
+            # the commit interval kept; a waiter's or a purge's nudge ends the pause.
+            if (not self._waiters and self._purge_target <= self._purged and await paced(
+                    self._step_began, store.committed_lsn - self._read_lsn, self._nudge,
+                    self._pending_since + COMMIT_INTERVAL if self._pending else math.inf)):
+                continue
+            self._step_began = trio.current_time()
             damaged: list[Damaged] = []
             try:
                 await store.yield_to_receipts(before_step=True)
@@ -385,8 +394,11 @@ class FullText:
                 self.indexed_lsn = last
                 self._indexed.unpark_all()
             elif (self._pending >= (CATCH_UP_COMMIT_DOCS if self.catching_up else COMMIT_DOCS)
-                  or self._waiters or (self.catching_up and last >= self.open_lsn)):
-                await self._commit_now()  # caught up: searches need not wait for the timer
+                  or self._waiters or (self.catching_up and last >= self.open_lsn)
+                  or trio.current_time() >= self._pending_since + COMMIT_INTERVAL):
+                # Caught up: searches need not wait for the timer. Or the timer is due: under
+                # steady traffic the log is rarely all read when the follower looks.
+                await self._commit_now()
 
     async def _wait_for_work(self, deadline: float) -> None:
         """Until the store commits more, a waiter nudges, or the deadline passes.

@@ -70,6 +70,7 @@ from .replay import (
                      Damaged,
                      LogFollower,
                      damage_puts,
+                     paced,
                      read_log_range,
                      read_searchables,
                      searchable_at,

@@ -34,6 +34,31 @@ T = TypeVar("T")
 # before what the clock failed is kept as failures (a flush waits for the followers).
 CLOCK_RETRY_SECONDS = 1.0
 CLOCK_WAIT_SECONDS = 30.0
+# While nobody waits on a follower and fewer than STEP_RECORDS log positions are unread, its
+# next step begins at most STEP_SECONDS after its last one began (:func:`paced`). A step costs
+# its thread hops (a read of the log, its writes) and passes of the loop whatever it carries:
+# at a few hundred turns a second every commit was a step of one or two turns for each
+# follower, and those steps were most of what a buffered turn cost the process. A paused
+# follower sees the store close when its pause ends: a close waits that much longer at most.
+STEP_SECONDS = 0.02
+STEP_RECORDS = 256
+
+
+async def paced(began: float, unread: int, nudge: trio.lowlevel.ParkingLot,
+                until: float = float("inf")) -> bool:
+    """Before a follower's step, for a caller that found nobody waiting on it: park on
+    ``nudge`` (a waiter's arrival) until STEP_SECONDS after the step before ``began``, or
+    ``until`` if sooner, unless ``unread`` reaches STEP_RECORDS. The check and the park are one
+    step of the task, so a nudge is never lost between them.
+
+    Returns:
+        Whether it paused (the caller looks again before its step)."""
+    deadline = min(began + STEP_SECONDS, until)
+    if unread >= STEP_RECORDS or trio.current_time() >= deadline:
+        return False
+    with trio.move_on_at(deadline):
+        await nudge.park()
+    return True
 
 
 class FollowedStore(Protocol):
@@ -81,6 +106,9 @@ class LogFollower:
         # behind another (the text index, FullText.keep_behind) waits in it. None: none.
         self.lead: Callable[[int], Awaitable[None]] | None = None
         self._stopped = False
+        self._step_began = float("-inf")  # when the last step began (paced)
+        # Parked: the follower while paced, until a caller of wait arrives.
+        self._nudge = trio.lowlevel.ParkingLot()
         self._clock_failed_at: float | None = None  # when a step first met a broken clock
         self._clock_met = False  # the step under way met it
         # Parked: callers of wait, until the watermark moves or the follower stops.
@@ -94,6 +122,10 @@ class LogFollower:
             task_status.started()
             while True:
                 await store.wait_commit_beyond(self.watermark)
+                if not self._progress and await paced(
+                        self._step_began, store.committed_lsn - self.watermark, self._nudge):
+                    continue
+                self._step_began = trio.current_time()
                 if self.lead is not None:
                     await self.lead(store.committed_lsn)
                 await store.yield_to_receipts(before_step=True)
@@ -176,6 +208,7 @@ class LogFollower:
     async def wait(self, lsn: int) -> None:
         """Return once every record up to ``lsn`` was handled (or the follower stopped)."""
         while self.watermark < lsn and not self._stopped:
+            self._nudge.unpark_all()
             await self._progress.park()
 
 

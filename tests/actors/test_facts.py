@@ -17,7 +17,10 @@ from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
 
+import trio
+
 import actors.store as store_mod
+import actors.store.replay as replay_mod
 from actors.base.ids import derived_id
 from actors.base.messages import Candidate
 from actors.facts import Facts
@@ -270,3 +273,43 @@ async def test_an_extracted_fact_is_named_by_what_it_states_and_never_reuses_an_
     assert first[0] == "f_" + derived_id(what)
     assert [f.status for f in history] == ["superseded", "superseded", "active"]
     assert name_fact.fact is not None and name_fact.fact.fact_id == "f_call"
+
+
+
+async def test_the_follower_reads_a_trickle_in_paced_steps(store_path) -> None:
+    """Turns arriving one at a time (real time, against the store's threads) are taken by the
+    extraction follower in steps at least STEP_SECONDS apart, not a step per commit: each
+    step reads the log on a thread and commits its watermark."""
+    async with running_facts(store_path) as f:
+        steps = 0
+        real_step = f.follower._step
+
+        async def counted(records, last):
+            nonlocal steps
+            steps += 1
+            await real_step(records, last)
+
+        f.follower._step = counted
+        began = due = trio.current_time()
+        for i in range(500):
+            await trio.sleep_until(due)
+            await f.ground.add_turn("ana", "s1", f"turn {i}: I like sardines.")
+            due += 0.002
+        elapsed = trio.current_time() - began
+        assert steps <= elapsed / replay_mod.STEP_SECONDS + 3, (steps, elapsed)
+        await f.flush()
+        assert f.follower.watermark == f.ground.store.committed_lsn
+
+
+async def test_a_flush_is_not_held_by_the_followers_pacing(store_path, monkeypatch) -> None:
+    """A caller waiting on the follower (the engine's flush) gets its step at once, however
+    long the pacing would hold it."""
+    monkeypatch.setattr(replay_mod, "STEP_SECONDS", 5.0)
+    async with running_facts(store_path) as f:
+        await f.ground.add_turn("ana", "s1", "I live in Lisbon.")
+        await f.flush()  # a step has just begun: the pacing holds the next for 5 s
+        await f.ground.add_turn("ana", "s2", "I moved to Porto last week.")
+        began = trio.current_time()
+        await f.flush()
+        assert trio.current_time() - began < 2.5
+        assert ("location", "Porto") in await f.values()

@@ -23,6 +23,7 @@ import actors.fulltext.fulltext as actor_mod
 import actors.fulltext.index as fulltext_index
 from actors.base.messages import Searchable
 from actors.fulltext import FullText, TextFilters
+from actors.store.replay import STEP_SECONDS
 
 from .ground import T0, Ground, running_store
 
@@ -279,3 +280,75 @@ async def test_a_document_is_committed_within_the_interval_unasked(store_path, m
         while index.indexed_lsn < 1:  # bounded by the suite's wall-clock guard
             await trio.sleep(0.01)
         assert len(await index.search("ana", "lisbon", 5)) == 1
+
+
+
+async def _trickle(ground: Ground, index: FullText, seconds: float, every: float
+                   ) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """Add a turn every ``every`` seconds (real time: the pacing is the follower's own clock
+    against the store's threads) for ``seconds``, nobody waiting on the index. Returns (lsn,
+    when added) for each turn and (indexed_lsn, when first seen) for each rise of it."""
+    added: list[tuple[int, float]] = []
+    indexed: list[tuple[int, float]] = []
+    seen = 0
+    due = trio.current_time()
+    for i in range(int(seconds / every)):
+        await trio.sleep_until(due)
+        if index.indexed_lsn > seen:
+            seen = index.indexed_lsn
+            indexed.append((seen, trio.current_time()))
+        await ground.add_turn("ana", "s", f"turn {i} about lisbon")
+        added.append((ground.store.next_lsn - 1, trio.current_time()))
+        due += every
+    return added, indexed
+
+
+async def test_a_steady_trickle_is_read_in_paced_steps(store_path) -> None:
+    """Turns arriving one at a time are read from the log in steps at least STEP_SECONDS
+    apart, not a step per commit: each step costs two thread hops and a pass of the loop,
+    which at 500 turns/s were the largest cost of a buffered turn without the long-term
+    layer. A waiter then gets everything at once."""
+    async with running_index(store_path) as (ground, index):
+        reads = 0
+        real_read = ground.store.read
+
+        async def counted(*args, **kwargs):
+            nonlocal reads
+            reads += 1
+            return await real_read(*args, **kwargs)
+
+        ground.store.read = counted
+        began = trio.current_time()
+        added, _ = await _trickle(ground, index, 1.0, 0.002)
+        elapsed = trio.current_time() - began
+        assert reads <= elapsed / STEP_SECONDS + 3, (reads, elapsed)
+        await flush(ground, index)
+        assert index.indexed_lsn == added[-1][0] == 500
+        assert len(await index.search("ana", "lisbon", 1000)) == 500
+
+
+async def test_paced_steps_keep_the_commit_interval(store_path) -> None:
+    """Under a steady stream, where the follower rarely finds the log all read when it looks,
+    documents are still committed every COMMIT_INTERVAL, not only at COMMIT_DOCS (8 s of
+    this stream)."""
+    async with running_index(store_path) as (ground, index):
+        added, indexed = await _trickle(ground, index, 3.0, 0.002)
+        end = added[-1][1]
+        margin = actor_mod.COMMIT_INTERVAL + 0.5  # a commit and a pace, on a loaded machine
+        assert indexed, "nothing was searchable while the stream ran"
+        covered = max(lsn for lsn, when in indexed)
+        assert all(lsn <= covered for lsn, at in added if at < end - margin), covered
+
+
+async def test_a_waiter_is_not_held_by_the_pacing(store_path, autojump_clock) -> None:
+    """A caller of wait_indexed (the engine's flush) gets its turns indexed at once, not after
+    the pacing's pause."""
+    async with running_index(store_path) as (ground, index):
+        await ground.add_turn("ana", "s", "first")
+        await flush(ground, index)  # a step has just begun and ended: the pacing holds now
+        await ground.add_turn("ana", "s", "second about porto")
+        await ground.store.wait_written()
+        began = trio.current_time()
+        await index.wait_indexed(ground.store.committed_lsn)
+        assert trio.current_time() - began < STEP_SECONDS / 2
+        assert len(await index.search("ana", "porto", 5)) == 1
