@@ -462,6 +462,8 @@ def durable(r: dict[str, Any]) -> Figure:
     _cdf(steady, r["steady"], f"add_turn durable, {a['writers']} writers", "us")
     if "ideal" in r:  # runs before the ideal group commit was measured lack it
         _cdf(steady, r["ideal"], "the same arrivals, bare group commit (ideal)", "us")
+    if "loaded" in r:  # nor the ideal beside an engine's work
+        _cdf(steady, r["loaded"], "the ideal beside an engine taking the same rate", "us")
     _cdf(steady, r["steady_floor"], "bare LMDB commit + fsync (floor)", "us", **BASELINE)
     steady.set_title(f"steady, {a['rate']:g} turns/s in all: p99 {r['steady']['ratio_p99']:.2f}x")
     _cdf(burst, r["burst"], f"{a['burst_writers']} durable after {a['burst_turns']:,} buffered"

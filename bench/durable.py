@@ -21,6 +21,11 @@ in the background, each preceded by its own floor measured in the same process:
              loop; no model, no other work. What a design that keeps the fsync off the trio
              thread and waits for a commit it may arrive behind could reach on this disk and
              these cores: the engine's target is within reach iff this is.
+  loaded     the ideal again, while an engine in the same process takes --rate turns/s
+             buffered: the model embeds and the followers follow what the steady phase's
+             turns would give them, but nothing of the engine is on the commits' path.
+             What any design of the durable path could reach beside the work the engine
+             does for those turns on these cores.
   steady     add_turn(durable=True) from --writers concurrent tasks sharing --rate turns/s.
   burst      --bursts times: --burst-turns buffered turns at once (add_turns); once they are
              committed, at once --burst-writers concurrent durable add_turns, while the
@@ -219,6 +224,28 @@ async def ideal(path: Path, rate: float, seconds: float, writers: int) -> dict[s
     return {"raw": latencies}
 
 
+async def loaded_ideal(path: Path, rate: float, seconds: float, writers: int,
+                       texts: list[str], config: dict[str, Any]) -> dict[str, list[int]]:
+    """:func:`ideal` beside an engine taking ``rate`` buffered turns/s (see loaded in the
+    module's docstring), from a second before it to its end."""
+    async with Engine.open(path / "engine", config=config) as mem:
+        async def feed() -> None:
+            due, i = trio.current_time(), 0
+            while True:
+                await mem.add_turn(f"user{i % 100}", f"s{i % 5}", "user",
+                                   texts[i % len(texts)])
+                i += 1
+                due += 1 / rate
+                await trio.sleep_until(due)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(feed)
+            await trio.sleep(1.0)
+            result = await ideal(path / "ideal", rate, seconds, writers)
+            nursery.cancel_scope.cancel()
+    return result
+
+
 async def steady(path: Path, rate: float, seconds: float, writers: int,
                  texts: list[str], config: dict[str, Any]) -> dict[str, Any]:
     latencies: list[int] = []
@@ -321,6 +348,9 @@ def main() -> None:
                 results["ideal"] = percentiles(trio.run(ideal, work / "ideal", args.rate,
                                                         args.seconds, args.writers)["raw"],
                                                1e-3, "us")
+                results["loaded"] = percentiles(
+                    trio.run(loaded_ideal, work / "loaded", args.rate, args.seconds,
+                             args.writers, texts, config)["raw"], 1e-3, "us")
             results[name] = run()
             after = floor(work / f"{name}_floor_after", half)["raw"]
             shaped += shaped_floor(work / f"{name}_shaped_after", half, texts)["raw"]
@@ -337,6 +367,7 @@ def main() -> None:
             ("steady_floor", "bare LMDB commit, fsync (floor)"),
             ("steady_shaped", shaped_label),
             ("ideal", "the same arrivals, bare group commit (ideal)"),
+            ("loaded", "ideal beside an engine taking the same rate"),
             ("steady", f"durable add_turn @{args.rate:g}/s x{args.writers}"),
             ("burst_floor", "bare LMDB commit, fsync (floor)"),
             ("burst_shaped", shaped_label),
@@ -357,6 +388,12 @@ def main() -> None:
     print(f"ideal: bare group commit / floor  p50 {i['ratio_p50']:.2f}x  p99 {i['ratio_p99']:.2f}x"
           f"  p99.9 {i['ratio_p999']:.2f}x; steady durable / ideal  p99 "
           f"{results['steady']['p99_us'] / i['p99_us']:.2f}x")
+    g = results["loaded"]
+    g["ratio_p50"], g["ratio_p99"], g["ratio_p999"] = (
+        g["p50_us"] / f["p50_us"], g["p99_us"] / f["p99_us"], g["p999_us"] / f["p999_us"])
+    print(f"loaded: ideal beside the engine's work / floor  p50 {g['ratio_p50']:.2f}x  p99 "
+          f"{g['ratio_p99']:.2f}x  p99.9 {g['ratio_p999']:.2f}x; steady durable / loaded  p99 "
+          f"{results['steady']['p99_us'] / g['p99_us']:.2f}x")
     for name in phases:
         r, f = results[name], results[f"{name}_floor"]
         r["ratio_p50"] = r["p50_us"] / f["p50_us"]
