@@ -90,6 +90,7 @@ CATCH_UP_COMMIT_DOCS = 65_536
 PURGE_ROUNDS = 3  # re-index passes a purge makes at most (a merge may land between two)
 # keep_behind: how far the index may lag before a follower that keeps behind it waits (a
 # step of its reading, which live traffic rarely lags by), and the longest such a wait lasts.
+# Above the pacing's STEP_RECORDS, so an index that lags this far is never paused by it.
 LEAD_SLACK = 2_048
 LEAD_SECONDS = 1.0
 
@@ -395,9 +396,10 @@ class FullText:
                 self._indexed.unpark_all()
             elif (self._pending >= (CATCH_UP_COMMIT_DOCS if self.catching_up else COMMIT_DOCS)
                   or self._waiters or (self.catching_up and last >= self.open_lsn)
-                  or trio.current_time() >= self._pending_since + COMMIT_INTERVAL):
-                # Caught up: searches need not wait for the timer. Or the timer is due: under
-                # steady traffic the log is rarely all read when the follower looks.
+                  or (not self.catching_up
+                      and trio.current_time() >= self._pending_since + COMMIT_INTERVAL)):
+                # Caught up: searches need not wait for the timer. Or a live document's timer is
+                # due: under steady traffic the log is rarely all read when the follower looks.
                 await self._commit_now()
 
     async def _wait_for_work(self, deadline: float) -> None:
