@@ -590,12 +590,17 @@ class Store(Writer, Appliers, Forgetting):
         self._wake_all_waiters()
 
     async def _grow_map(self) -> None:
-        await self._enter_exclusive()
-        try:
-            size = self._env.info()["map_size"] * 2
-            self._env.set_mapsize(size)
-        finally:
-            self._leave_exclusive()
+        """Double the map. LMDB resizes it only with no transaction open in the process and
+        nothing else touching the map: so with no reader (exclusive), between the writer's
+        transactions and its calls around them (its limiter), and with no flush on its way
+        (the sync thread's); taken in the scrub's order (writer, flush, readers)."""
+        async with self._write_limiter, self._sync_limiter:
+            await self._enter_exclusive()
+            try:
+                size = self._env.info()["map_size"] * 2
+                self._env.set_mapsize(size)
+            finally:
+                self._leave_exclusive()
 
     # -- reads -------------------------------------------------------------------------------
 

@@ -670,3 +670,64 @@ async def test_ingest_outgrowing_the_map_does_not_wait_for_a_snapshots_copy(stor
             release.set()
             store.close()
     assert copied and copied[0][0] < lsn  # the copy is of the state its transaction saw
+
+
+async def test_a_snapshot_grows_the_map_only_between_the_writers_transactions(
+        store_path, monkeypatch) -> None:
+    """A snapshot makes room in the map before its copy (above); LMDB may resize a map only
+    with no transaction open in the process, the writer's included. A snapshot that came
+    while the writer's thread was inside its write transaction failed with a bare lmdb.Error
+    ("Cannot set_mapsize while a write transaction is active"), and a resize that met the
+    writer's own calls on the map broke the store (EngineBroken, "mdb_env_info: Invalid
+    argument"). The resize now waits for the writer's transaction, and the writer for it."""
+    inside = threading.Event()  # set by the writer's thread inside its write transaction
+    release = threading.Event()  # set by the test: the transaction may commit
+    original = store_mod.writer._put_run
+
+    def held(txn, dbs, seg):
+        if not release.is_set():
+            inside.set()
+            release.wait()
+        return original(txn, dbs, seg)
+
+    store = store_mod.Store(store_path, Config(initial_map_bytes=1 << 20))
+
+    def used() -> int:
+        return (store._env.info()["last_pgno"] + 1) * store._env.stat()["psize"]
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        try:
+            ingest = Ingest(store)
+            text = "a long enough turn " * 50
+            while used() * 2 <= store.map_size():  # a snapshot now grows the map first
+                for _ in range(20):
+                    lsn = await ingest.add_turn("s", text)
+                await store.wait_committed(lsn)
+            before = store.map_size()
+            monkeypatch.setattr(store_mod.writer, "_put_run", held)
+            held_lsn = await ingest.add_turn("s", "written while the snapshot starts")
+            await trio.to_thread.run_sync(inside.wait)
+            copied: list[int] = []
+
+            async def snapshot() -> None:
+                copied.append((await store.copy_to(store_path.parent / "copy", sync=False))[0])
+
+            nursery.start_soon(snapshot)
+            await trio.sleep(0.2)  # the snapshot meets the open transaction
+            release.set()
+            with trio.fail_after(60):  # a hang guard, not a timing
+                await store.wait_committed(held_lsn)
+                while not copied:
+                    await trio.sleep(0.01)
+            assert store.map_size() > before
+            assert copied[0] >= held_lsn - 1
+            assert store.usable()
+            lsn = await ingest.add_turn("s", "after the snapshot", durable=True)
+        finally:
+            release.set()
+            store.close()
+    async with running_store(store_path) as reopened:
+        texts = {t.text for t in await reopened.read(store_mod.read_session_turns, "ana", "s",
+                                                     0, 2**63)}
+    assert {"written while the snapshot starts", "after the snapshot"} <= texts
