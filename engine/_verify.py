@@ -42,6 +42,7 @@ from actors.store.integrity import (
     check_file,
     decode_head,
     encode_head,
+    grown_along,
     head_mac,
     open_reader,
     opening,
@@ -108,13 +109,16 @@ def require_store(path: Path) -> None:
             raise store_denied(path, exc) from None
         raise StoreCorrupt(f"{data} does not open as LMDB ({exc}); restore the store from a "
                            "snapshot", "data.mdb") from None
-    try:
+    def look() -> bool:
         with env.begin() as txn:
             try:
                 meta = env.open_db(b"meta", txn=txn, create=False)
             except lmdb.NotFoundError:
                 meta = None
-            found = meta is not None and txn.get(SCHEMA_KEY, db=meta) is not None
+            return meta is not None and txn.get(SCHEMA_KEY, db=meta) is not None
+
+    try:
+        found = grown_along(env, look)  # an engine serving it may have grown it since
     except lmdb.Error as exc:
         raise StoreCorrupt(f"{data} is damaged: LMDB cannot read it ({exc}); run `engram-trio "
                            f"verify {path}`, or restore the store from a snapshot",

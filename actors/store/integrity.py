@@ -45,7 +45,7 @@ from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lmdb
 
@@ -57,6 +57,7 @@ __all__ = ["CheckedTxn", "seal", "seal_all", "unseal", "check_file", "content_di
            "chain_records", "ABSENT", "DIGEST", "ZERO", "Head", "encode_head", "decode_head",
            "head_mac", "HEAD_KEY"]
 
+T = TypeVar("T")
 SEAL = 4  # bytes of CRC-32 at the end of every sealed value
 DIGEST = 16  # blake2b digest size: 128 bits, ample against accidental and forged collisions
 ZERO = bytes(DIGEST)  # the digest before lsn 1
@@ -424,6 +425,23 @@ def open_reader(path: Path, **options: Any) -> lmdb.Environment:
     ready_lock_file(path)
     with opening(path):
         return lmdb.open(str(path), lock=True, **options)
+
+
+# Growths of the map by another process in a row that a reader adopts before it gives up.
+MAP_GROWTHS = 16
+
+
+def grown_along(env: lmdb.Environment, read: Callable[[], T]) -> T:
+    """``read()``, whose transactions are its own on ``env``, a reader's: again each time
+    another process grew the store past this handle's map since it was opened (LMDB refuses a
+    transaction then, MDB_MAP_RESIZED, until the handle adopts the new size). No transaction
+    of ``env`` may be open around the call."""
+    for _ in range(MAP_GROWTHS):
+        try:
+            return read()
+        except lmdb.MapResizedError:
+            env.set_mapsize(0)  # 0: the size the file has now
+    return read()
 
 
 def check_file(path: Path, extend: bool = False, _tries: int = 8) -> None:

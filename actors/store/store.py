@@ -55,8 +55,8 @@ from .chain import check_chain
 from .codecs import _encode
 from .compact import clear_copy, copy_pages, copy_pages_hashed, fsync_copy
 from .forget import Forgetting
-from .integrity import (ZERO, CheckedTxn, check_file, decode_head, encode_head, head_mac,
-                        OPENING_LOCK, open_reader, ready_lock_file)
+from .integrity import (ZERO, CheckedTxn, check_file, decode_head, encode_head, grown_along,
+                        head_mac, OPENING_LOCK, open_reader, ready_lock_file)
 from .layout import (
     _EMBEDDED_KEY,
     _LAST_LSN_KEY,
@@ -369,7 +369,8 @@ class Store(Writer, Appliers, Forgetting):
             if access_denied(exc):
                 raise store_denied(self.path, exc) from exc
             raise StoreIncompatible(f"cannot open an LMDB store at {self.path}: {exc}") from exc
-        try:
+
+        def look() -> None:
             try:
                 # Each opened in its own transaction (a handle opened inside a read-only
                 # transaction of py-lmdb dies with it).
@@ -398,6 +399,10 @@ class Store(Writer, Appliers, Forgetting):
                 self.vectors_epoch = _int(txn.get(VECTORS_EPOCH_KEY, db=meta)) or 0
                 if self._next_lsn > 1:  # an empty store has no chain to check
                     self._check_chain(txn)
+
+        try:
+            # The owner may have grown the store past this handle's map since it opened.
+            grown_along(env, look)
         except (lmdb.CorruptedError, lmdb.PageNotFoundError) as exc:
             env.close()
             raise _damaged(self.path, exc) from exc

@@ -8,7 +8,7 @@ from typing import Any
 import lmdb
 import msgspec
 
-from .integrity import check_file, open_reader
+from .integrity import check_file, grown_along, open_reader
 from .layout import _MODEL_KEY, MAX_DBS, user_prefix
 
 
@@ -57,10 +57,13 @@ def stored_model(path: Path) -> ModelInfo | None:
     # lock=True: another process may be serving the store, and only a reader in LMDB's
     # reader table is safe from its writer reusing the pages being read.
     env = open_reader(path, readonly=True, max_dbs=MAX_DBS)
-    try:
+    def look() -> bytes | None:
         with env.begin() as txn:
             meta = env.open_db(b"meta", txn=txn, create=False)
-            raw = txn.get(_MODEL_KEY, db=meta)
+            return txn.get(_MODEL_KEY, db=meta)
+
+    try:
+        raw = grown_along(env, look)  # its owner may have grown it since
         return None if raw is None else _decode_model(raw)
     except lmdb.NotFoundError:
         return None
