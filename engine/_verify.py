@@ -198,7 +198,8 @@ def _verify(path: Path, integrity_key: str | None, seal: bool) -> dict[str, Any]
                                     "(`engram-trio verify STORE`) or once the engine is "
                                     "closed") from None
     try:
-        return _walk(env, report, problems, key, seal)
+        # The engine serving it may have grown it since (the walk's first act is its begin).
+        return grown_along(env, lambda: _walk(env, report, problems, key, seal))
     except lmdb.NotFoundError:
         problems.append(("data.mdb", "lacks Engram's databases: another program's LMDB "
                                      "data, or a store whose databases were removed"))

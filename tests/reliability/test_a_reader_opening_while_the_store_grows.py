@@ -1,9 +1,9 @@
 """Another process opening a store that its owner is growing: the reader maps the file as it
 found it at open, and if the owner wrote past that before the reader's first transaction,
 LMDB refuses the transaction (MDB_MAP_RESIZED) until the reader adopts the new size. The
-read-only engine raised a bare lmdb.MapResizedError, the model lookup too, and every command
-of the command line said the healthy store was damaged ("restore it from a snapshot"). Each
-now adopts the new size and reads on."""
+read-only engine raised a bare lmdb.MapResizedError, the model lookup too, every command of
+the command line said the healthy store was damaged ("restore it from a snapshot"), and
+`verify` reported it broken. Each now adopts the new size and reads on."""
 
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def grown_after(opened: Any, path: Path) -> Any:
     return wrapper
 
 
-@pytest.mark.parametrize("reader", ["read-only engine", "command line", "model lookup"])
+@pytest.mark.parametrize("reader", ["read-only engine", "command line", "verify",
+                                    "model lookup"])
 def test_a_reader_opening_while_the_owner_grows_the_store_reads_on(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reader: str) -> None:
     store = tmp_path / "store"
@@ -72,6 +73,11 @@ def test_a_reader_opening_while_the_owner_grows_the_store_reads_on(
     elif reader == "command line":
         monkeypatch.setattr(verify_module.lmdb, "open", grown_after(lmdb.open, store))
         verify_module.require_store(store)  # every command's first look at a store
+    elif reader == "verify":
+        monkeypatch.setattr(verify_module, "open_reader",
+                            grown_after(verify_module.open_reader, store))
+        report = verify_module.verify_store(store)
+        assert report["ok"], report["problems"]
     else:
         monkeypatch.setattr(vectors_module, "open_reader",
                             grown_after(vectors_module.open_reader, store))
