@@ -124,15 +124,19 @@ class _HashedStream:
         self._hashed: queue.Queue[tuple[int, int] | None] = queue.Queue()
 
     def run(self) -> None:
-        """Read the pipe until it ends (reader thread); returns once every stage is done."""
+        """Read the pipe until it ends (reader thread); returns once every stage is done.
+        Whatever fails, a stage that cannot start included, is :attr:`failure` and stops
+        LMDB's side of the pipe: nothing may leave the copy waiting for a reader."""
         for i in range(HASH_BUFFERS):
             self._free.put(i)
-        stages = [threading.Thread(target=self._guarded, args=(stage,), name=name, daemon=True)
-                  for stage, name in ((self._write_all, "snapshot-write"),
-                                      (self._hash_all, "snapshot-hash"))]
-        for stage in stages:
-            stage.start()
+        stages: list[threading.Thread] = []
         try:
+            for stage, name in ((self._write_all, "snapshot-write"),
+                                (self._hash_all, "snapshot-hash")):
+                thread = threading.Thread(target=self._guarded, args=(stage,), name=name,
+                                          daemon=True)
+                thread.start()  # the writer first: it ends the hasher's input when it ends
+                stages.append(thread)
             while (i := self._free.get()) is not None:
                 n = self._fill(memoryview(self._buffers[i]))
                 if n:

@@ -273,3 +273,44 @@ def test_a_hashed_copy_that_cannot_write_fails_and_does_not_hang(tmp_path: Path,
     finally:
         env.close()
     assert writes == [0] and caught.value.errno == errno.ENOSPC
+
+
+@pytest.mark.parametrize("stage", ["snapshot-write", "snapshot-hash"])
+def test_a_hashed_copy_whose_stage_cannot_start_fails_and_does_not_hang(
+        tmp_path: Path, monkeypatch, stage: str) -> None:
+    """A thread of the copy's pipeline that cannot start (no memory left for its stack) ends
+    the copy with that error. The reading thread died without saying so: nobody read the
+    pipe, and LMDB's copy waited for room forever inside its read transaction (a snapshot
+    that never ended, a map that could no longer grow, an engine that could not close)."""
+    import threading
+
+    from actors.store.compact import HASH_STEP, copy_pages_hashed
+
+    env = _big_env(tmp_path / "src")
+    (tmp_path / "copy").mkdir()
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name == stage:
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    outcome: list[BaseException | None] = []
+
+    def copy() -> None:
+        try:
+            with env.begin() as txn:
+                copy_pages_hashed(env, txn, tmp_path / "copy", HASH_STEP)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    runner = threading.Thread(target=copy, name="test-copy", daemon=True)
+    real_start(runner)
+    runner.join(timeout=60)  # a hang guard, not a timing
+    hung = runner.is_alive()
+    if not hung:
+        env.close()
+    assert not hung, "the copy still waits for a reader that is gone"
+    assert isinstance(outcome[0], RuntimeError), outcome
