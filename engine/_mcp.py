@@ -16,7 +16,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import mcp_types as types
@@ -38,6 +38,11 @@ __all__ = ["create_server", "run_stdio"]
 # How long the calls in flight when the host closes stdin have to finish before the server
 # stops (and the SDK answers what is left "Connection closed").
 DRAIN_SECONDS = 10.0
+# The longest request line read: the HTTP server's body limit (8 MiB). A longer one is refused
+# unread (its start kept, where a request's id is, to answer it): a line is parsed whole, into
+# tens of times its size, and a host that sent gigabytes took the server's memory with it.
+MAX_LINE_CHARS = 8 << 20
+KEPT_OF_A_LONG_LINE = 1 << 16
 
 
 def _schemas(user: str | None) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -131,6 +136,9 @@ async def _wire(lines: _Lines, out: _Out) -> AsyncIterator[tuple[Any, Any]]:
         nonlocal answered
         async with to_server, answers:
             async for line in lines:
+                if isinstance(line, _LongLine):
+                    await answers.send(SessionMessage(_answer_long(line)))
+                    continue
                 try:
                     message = types.jsonrpc_message_adapter.validate_json(line, by_name=False)
                 except pydantic.ValidationError as exc:
@@ -280,16 +288,30 @@ def _misread_request(line: str) -> types.JSONRPCError | None:
     return _no_id(f"id: expected a number or text, found {found(message['id'])}")
 
 
+def _answer_long(line: _LongLine) -> types.JSONRPCError:
+    """The answer to a line over :data:`MAX_LINE_CHARS`, by the id its start holds (a null
+    id when it holds none the host could match)."""
+    id_ = _top_level(line.start, partial=True).get("id")
+    if isinstance(id_, bool) or not isinstance(id_, int | str) or (
+            isinstance(id_, str) and not encodable(id_)):
+        id_ = None
+    return types.JSONRPCError(jsonrpc="2.0", id=id_, error=types.ErrorData(
+        code=types.INVALID_REQUEST, message=f"expected a line of at most {MAX_LINE_CHARS:,} "
+                                            f"characters, found one of {line.size:,}: refused "
+                                            "unread"))
+
+
 def _no_id(detail: str) -> types.JSONRPCError:
     """An Invalid Request answered with a null id."""
     return types.JSONRPCError(jsonrpc="2.0", id=None, error=types.ErrorData(
         code=types.INVALID_REQUEST, message=detail))
 
 
-def _top_level(line: str) -> dict[str, Any]:
+def _top_level(line: str, partial: bool = False) -> dict[str, Any]:
     """The members of the JSON object on ``line`` whose values are strings, numbers, booleans
     or null, read without descending into the others (which may nest past any parser's
-    depth): enough to answer the request by its id. Empty if the line is no such object."""
+    depth): enough to answer the request by its id. Empty if the line is no such object;
+    with ``partial`` (the start of a line), those read before the line stops being one."""
     found: dict[str, Any] = {}
     depth, key, at, n = 0, None, 0, len(line)
     decoder = json.JSONDecoder()
@@ -299,7 +321,7 @@ def _top_level(line: str) -> dict[str, Any]:
             try:
                 text, end = decoder.raw_decode(line, at)
             except ValueError:
-                return {}
+                return found if partial else {}
             if depth == 1:
                 rest = line[end:].lstrip()
                 if key is None and rest.startswith(":"):
@@ -319,7 +341,7 @@ def _top_level(line: str) -> dict[str, Any]:
             try:
                 value, end = decoder.raw_decode(line, at)
             except ValueError:
-                return {}
+                return found if partial else {}
             found[key], key, at = value, None, end
             continue
         elif c == "," and depth == 1:
@@ -376,28 +398,49 @@ async def _stdio() -> AsyncIterator[tuple[_Lines, _Out]]:
         os.close(streams[1])
 
 
+class _LongLine(NamedTuple):
+    """A line over :data:`MAX_LINE_CHARS`: its first :data:`KEPT_OF_A_LONG_LINE` characters
+    and its length, the rest dropped as it was read."""
+
+    start: str
+    size: int
+
+
 class _Lines:
     """Lines of UTF-8 text read from ``fd``, newline kept: bytes UTF-8 cannot decode read as
-    U+FFFD, and a byte order mark opening the stream (.NET's UTF-8 writes one) is dropped."""
+    U+FFFD, and a byte order mark opening the stream (.NET's UTF-8 writes one) is dropped. A
+    line over :data:`MAX_LINE_CHARS` comes as a :class:`_LongLine`."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
 
-    def __aiter__(self) -> AsyncIterator[str]:
+    def __aiter__(self) -> AsyncIterator[str | _LongLine]:
         return self._lines()
 
-    async def _lines(self) -> AsyncIterator[str]:
+    async def _lines(self) -> AsyncIterator[str | _LongLine]:
         decode = codecs.getincrementaldecoder("utf-8-sig")(errors="replace").decode
         parts: list[str] = []  # the line so far, in pieces (a long line is not re-joined)
+        size = 0  # its characters so far
+        long: str | None = None  # the start of a line over the limit, whose rest is dropped
         while chunk := await trio.to_thread.run_sync(os.read, self._fd, 1 << 16,
                                                       abandon_on_cancel=True):
             text = decode(chunk)
             while (end := text.find("\n")) >= 0:
-                parts.append(text[: end + 1])
-                yield "".join(parts)
-                parts, text = [], text[end + 1:]
-            parts.append(text)
-        if tail := "".join(parts) + decode(b"", final=True):
+                if long is None:
+                    parts.append(text[: end + 1])
+                    yield "".join(parts)
+                else:
+                    yield _LongLine(long, size + end + 1)
+                parts, size, long, text = [], 0, None, text[end + 1:]
+            size += len(text)
+            if long is None:
+                parts.append(text)
+                if size > MAX_LINE_CHARS:
+                    long, parts = "".join(parts)[:KEPT_OF_A_LONG_LINE], []
+        tail = "".join(parts) + decode(b"", final=True)
+        if long is not None:
+            yield _LongLine(long, size + len(tail))
+        elif tail:
             yield tail
 
 

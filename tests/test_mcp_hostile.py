@@ -294,3 +294,35 @@ async def test_with_a_fixed_user_a_tool_of_no_arguments_says_so(mem) -> None:
         text = result.content[0].text
         assert result.is_error and "arguments.userId: expected no arguments for tool " \
             "'memory_stats', found one" in text
+
+
+def _peak_rss(pid: int) -> int:
+    """The process's peak resident memory in bytes (VmHWM)."""
+    with open(f"/proc/{pid}/status") as status:
+        for row in status:
+            if row.startswith("VmHWM:"):
+                return int(row.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+async def test_a_line_over_the_limit_is_refused_unread(tmp_path, nursery) -> None:
+    """A request line was read and parsed whole, into many times its size, whatever its
+    length: a 100 MiB line took the server from 239 to 638 MB, and a host sending gigabytes
+    took all of it. A line over MAX_LINE_CHARS (the HTTP server's body limit) is answered by
+    the id its start holds, refused unread, and the server goes on."""
+    wire = await _open_wire(nursery, tmp_path / "store")
+    before = _peak_rss(wire.process.pid)
+    query = "x" * (64 << 20)
+    await wire.send('{"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": '
+                    '"search_memory", "arguments": {"user_id": "ana", "query": "%s"}}}' % query)
+    answer = await wire.receive()
+    assert answer["id"] == 7 and answer["error"]["code"] == -32600, answer
+    assert "expected a line of at most 8,388,608 characters" in answer["error"]["message"]
+    assert _peak_rss(wire.process.pid) - before < 32 << 20  # not even the line itself
+    await wire.send("[" * (9 << 20))  # no id to answer by
+    answer = await wire.receive()
+    assert answer["id"] is None and answer["error"]["code"] == -32600
+    ok = await wire.call(8, "memory_stats", {"user_id": "ana"})
+    assert ok["result"]["structuredContent"]["notes"] == 0
+    code, stderr = await _exit_code(wire)
+    assert code == 0, stderr
