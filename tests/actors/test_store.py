@@ -618,6 +618,20 @@ async def test_a_batch_is_planned_on_the_writers_thread(store_path, monkeypatch)
     assert list(stages)[:4] == ["queued", "to_writer", "plan", "write"]
 
 
+def _used(store: store_mod.Store) -> int:
+    """Bytes of the store's map in use."""
+    return (store._env.info()["last_pgno"] + 1) * store._env.stat()["psize"]
+
+
+async def _fill_past_half_the_map(store: store_mod.Store, ingest: Ingest,
+                                  text: str) -> None:
+    """Append turns until more than half of the map is in use: a snapshot then grows it."""
+    while _used(store) * 2 <= store.map_size():
+        for _ in range(20):
+            lsn = await ingest.add_turn("s", text)
+        await store.wait_committed(lsn)
+
+
 async def test_ingest_outgrowing_the_map_does_not_wait_for_a_snapshots_copy(store_path,
                                                                              monkeypatch) -> None:
     """A snapshot's copy holds one read transaction for as long as it runs, and the map can
@@ -636,19 +650,12 @@ async def test_ingest_outgrowing_the_map_does_not_wait_for_a_snapshots_copy(stor
 
     monkeypatch.setattr(store_mod.store, "copy_pages_hashed", held)
     store = store_mod.Store(store_path, Config(initial_map_bytes=1 << 20))
-
-    def used() -> int:
-        return (store._env.info()["last_pgno"] + 1) * store._env.stat()["psize"]
-
     async with trio.open_nursery() as nursery:
         await nursery.start(store.run)
         try:
             ingest = Ingest(store)
             text = "a long enough turn " * 50
-            while used() * 2 <= store.map_size():  # more than half of the map in use
-                for _ in range(20):
-                    lsn = await ingest.add_turn("s", text)
-                await store.wait_committed(lsn)
+            await _fill_past_half_the_map(store, ingest, text)
             before = store.map_size()
             copied: list[tuple[int, list[str] | None]] = []
 
@@ -660,7 +667,7 @@ async def test_ingest_outgrowing_the_map_does_not_wait_for_a_snapshots_copy(stor
             await trio.to_thread.run_sync(inside.wait)
             # A hang guard, not a timing: without the room made first this never returns.
             with trio.fail_after(60):
-                while used() <= before:
+                while _used(store) <= before:
                     for _ in range(20):
                         lsn = await ingest.add_turn("s", text)
                     await store.wait_committed(lsn)
@@ -691,19 +698,11 @@ async def test_a_snapshot_grows_the_map_only_between_the_writers_transactions(
         return original(txn, dbs, seg)
 
     store = store_mod.Store(store_path, Config(initial_map_bytes=1 << 20))
-
-    def used() -> int:
-        return (store._env.info()["last_pgno"] + 1) * store._env.stat()["psize"]
-
     async with trio.open_nursery() as nursery:
         await nursery.start(store.run)
         try:
             ingest = Ingest(store)
-            text = "a long enough turn " * 50
-            while used() * 2 <= store.map_size():  # a snapshot now grows the map first
-                for _ in range(20):
-                    lsn = await ingest.add_turn("s", text)
-                await store.wait_committed(lsn)
+            await _fill_past_half_the_map(store, ingest, "a long enough turn " * 50)
             before = store.map_size()
             monkeypatch.setattr(store_mod.writer, "_put_run", held)
             held_lsn = await ingest.add_turn("s", "written while the snapshot starts")
@@ -723,7 +722,7 @@ async def test_a_snapshot_grows_the_map_only_between_the_writers_transactions(
             assert store.map_size() > before
             assert copied[0] >= held_lsn - 1
             assert store.usable()
-            lsn = await ingest.add_turn("s", "after the snapshot", durable=True)
+            await ingest.add_turn("s", "after the snapshot", durable=True)
         finally:
             release.set()
             store.close()
