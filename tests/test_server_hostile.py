@@ -739,3 +739,79 @@ async def test_a_batch_item_the_engine_refuses_is_named_as_the_body_names_it(mem
                             "at": "2026-03-01T09:00:00"}]}
         message = invalid(await http.post("/v1/users/ana/turns", json=batch), "turns.1.at")
         assert "timezone" in message
+
+
+async def test_big_bodies_are_parsed_a_few_at_a_time(nursery) -> None:
+    """A JSON body near the 8 MiB limit parses into about 200 MB of objects (a list of
+    millions of empty objects) before any check of the engine's can refuse it, and those
+    live until the request ends: four at once took the server from 220 to 840 MB, so a
+    handful of callers could take all of its memory. The Edge lets at most BIG_BODIES such
+    bodies (over BIG_BODY_BYTES) into the app at once; small ones are not held."""
+    from engine._http_edge import BIG_BODIES, BIG_BODY_BYTES, Edge, Metrics
+
+    inside = peak = 0
+
+    async def app(scope: dict, receive, send) -> None:
+        nonlocal inside, peak
+        while (await receive()).get("more_body"):
+            pass
+        inside += 1
+        peak = max(peak, inside)
+        await trio.sleep(0.05)  # the parse and the engine's work, while the objects live
+        inside -= 1
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    edge = Edge(app, Metrics(), max_body=8 << 20)
+
+    async def post(size: int) -> None:
+        chunks = [b"x" * (size // 4)] * 4
+        scope = {"type": "http", "method": "POST", "path": "/v1/users/u/turns",
+                 "raw_path": b"/v1/users/u/turns", "query_string": b"",
+                 "headers": [(b"host", b"127.0.0.1"), (b"content-length", b"%d" % size)]}
+
+        async def receive() -> dict:
+            body = chunks.pop(0)
+            await trio.sleep(0)
+            return {"type": "http.request", "body": body, "more_body": bool(chunks)}
+
+        async def send(message: dict) -> None:
+            pass
+
+        await edge(scope, receive, send)
+
+    for size, most in ((BIG_BODY_BYTES + 4, BIG_BODIES), (BIG_BODY_BYTES // 2, 3 * BIG_BODIES)):
+        inside = peak = 0
+        async with trio.open_nursery() as requests:
+            for _ in range(3 * BIG_BODIES):
+                requests.start_soon(post, size)
+        assert peak == most, (size, peak)
+
+
+async def test_big_bodies_over_a_real_socket_are_all_answered(tmp_path) -> None:
+    """More big bodies at once than BIG_BODIES, through Hypercorn: each waits its turn and
+    is answered (here a 422 for a batch over the cap), and the server serves on."""
+    from engine._http_edge import BIG_BODIES, BIG_BODY_BYTES
+
+    one = {"session_id": "s1", "role": "user", "text": "x" * 2_000}
+    body = json.dumps({"turns": [one] * (MAX_BATCH_TURNS + 1)})
+    assert len(body) > BIG_BODY_BYTES
+    statuses: list[int] = []
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(lambda task_status: serve(
+            tmp_path / "store", port=_free_port(), say=lambda line: None,
+            handle_signals=False, config={"background_embedding": False},
+            task_status=task_status))
+        async with httpx.AsyncClient(base_url=binds[0], timeout=60) as http:
+
+            async def post() -> None:
+                answer = await http.post("/v1/users/ana/turns", content=body)
+                statuses.append(answer.status_code)
+
+            with trio.fail_after(60):  # a hang guard
+                async with trio.open_nursery() as clients:
+                    for _ in range(3 * BIG_BODIES):
+                        clients.start_soon(post)
+            assert (await http.get("/healthz")).json() == {"status": "ok"}
+        nursery.cancel_scope.cancel()
+    assert statuses == [422] * (3 * BIG_BODIES)
