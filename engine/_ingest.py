@@ -34,6 +34,10 @@ __all__ = ["Ingest"]
 # (writer.BATCH_MAX_WHILE_WAITED), so a durable receipt never waits behind a longer run.
 # About 0.5 ms of loop time each; bigger steps save nothing measurable.
 BULK_CHUNK = 256
+# Rounds a flush waits for the long-term followers: the turns acknowledged before it, then what
+# they logged meanwhile (a fact a turn stated), which the other followers take in too. A bound,
+# so that a flush beside a steady stream of other callers' turns does not chase it for ever.
+DERIVED_ROUNDS = 3
 _NONE = type(None)
 
 
@@ -260,12 +264,16 @@ class Ingest:
         store = parts.store
         target = store.next_lsn - 1
         await store.wait_written()  # logged or not: use counts and reviews too
-        for follower in parts.followers:
-            await follower.wait(target)
-        for settle in parts.settling:
-            await settle()
-        target = store.next_lsn - 1  # what the long-term layer derived meanwhile
-        await store.wait_written()
+        for _ in range(DERIVED_ROUNDS):
+            for follower in parts.followers:
+                await follower.wait(target)
+            for settle in parts.settling:
+                await settle()
+            derived = store.next_lsn - 1  # what the long-term layer logged meanwhile (facts)
+            await store.wait_written()
+            if derived == target:
+                break
+            target = derived  # the other followers take those in too, as the index does
         await parts.fulltext.wait_indexed(target)
         if parts.config.background_embedding:
             await parts.embedder.wait_embedded(target)

@@ -395,3 +395,26 @@ async def test_a_clock_that_stays_broken_holds_the_long_term_layer_only_so_long(
             await mem.flush()
         assert not [r for r in caplog.records if "waiting for the clock" in r.getMessage()]
         assert [f.actor for f in await mem.failures()].count("facts") == 4
+
+
+async def test_a_flush_covers_what_the_long_term_layer_derived_during_it(tmp_path,
+                                                                        monkeypatch) -> None:
+    """A fact the rules take from a turn is logged during the flush, after the turns it
+    waited for: every follower of the long-term layer takes it in before the flush returns,
+    not some time after (then a caller's stats or entities changed under it a moment later,
+    and an import refused right after a flush seemed to have written something). The
+    followers' pacing is long here, so that none takes it in unasked."""
+    import actors.store.replay as replay_mod
+
+    monkeypatch.setattr(replay_mod, "STEP_SECONDS", 2.0)
+    async with open_engine(tmp_path / "a", clock=StepClock()) as mem:
+        for i in range(4):
+            await mem.add_turn("maya", "s1", "user", f"My dog Pixel likes the beach, day {i}")
+        await mem.store_note("maya", "Maya plans a trip to Madeira", tags=["travel"])
+        turns_and_note = mem._parts.store.next_lsn - 1
+        await mem.flush()
+        store = mem._parts.store
+        assert store.next_lsn - 1 > turns_and_note  # the layer logged something of its own
+        assert [f.watermark for f in mem._parts.followers] == \
+            [store.next_lsn - 1] * len(mem._parts.followers)
+        assert (await mem.stats()).queued == 0
