@@ -334,15 +334,21 @@ async def test_head_answers_as_get_without_the_body(mem, tmp_path) -> None:
         assert (await http.head("/v1/retrieve_memory")).status_code == 405
 
 
+async def _serving(nursery: trio.Nursery, store) -> str:
+    """`serve` of ``store`` on a free loopback port in ``nursery`` (no keys, no background
+    embedding): its URL."""
+    binds = await nursery.start(lambda task_status: serve(
+        store, port=_free_port(), say=lambda line: None, handle_signals=False,
+        config={"background_embedding": False}, task_status=task_status))
+    return binds[0]
+
+
 async def test_head_and_a_bad_escape_over_a_real_socket(tmp_path) -> None:
     """Through Hypercorn (which decodes the path itself, and frames a HEAD answer with no
     body): HEAD is answered, and a %FF in a path is a 422, not the user U+FFFD."""
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(lambda task_status: serve(
-            tmp_path / "store", port=_free_port(), say=lambda line: None,
-            handle_signals=False, config={"background_embedding": False},
-            task_status=task_status))
-        async with httpx.AsyncClient(base_url=binds[0], timeout=60) as http:
+        url = await _serving(nursery, tmp_path / "store")
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
             head = await http.head("/healthz")
             assert head.status_code == 200 and head.content == b""
             assert (await http.get("/healthz")).json() == {"status": "ok"}  # still in step
@@ -798,11 +804,8 @@ async def test_big_bodies_over_a_real_socket_are_all_answered(tmp_path) -> None:
     assert len(body) > BIG_BODY_BYTES
     statuses: list[int] = []
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(lambda task_status: serve(
-            tmp_path / "store", port=_free_port(), say=lambda line: None,
-            handle_signals=False, config={"background_embedding": False},
-            task_status=task_status))
-        async with httpx.AsyncClient(base_url=binds[0], timeout=60) as http:
+        url = await _serving(nursery, tmp_path / "store")
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
 
             async def post() -> None:
                 answer = await http.post("/v1/users/ana/turns", content=body)
