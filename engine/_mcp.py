@@ -243,14 +243,12 @@ def _answer_unreadable(line: str, error: pydantic.ValidationError) -> types.JSON
     if not isinstance(message, dict) or "method" not in message or "id" not in message:
         return None  # a notification, or a response: nothing to answer
     id_ = message["id"]
-    # An id that cannot be echoed back (not a number or text, or text that cannot be
-    # written): the answer's id is null, as JSON-RPC's is for a request whose id cannot be
-    # told.
-    if isinstance(id_, bool) or not isinstance(id_, int | str):
-        return _no_id(f"id: expected a number or text, found {found(id_)}")
-    if isinstance(id_, str) and not encodable(id_):
+    # An id that cannot be echoed back: the answer's id is null, as JSON-RPC's is for a
+    # request whose id cannot be told.
+    if not _echoable(id_):
         return _no_id("id: expected a number or text encodable as UTF-8, found a lone "
-                      "surrogate")
+                      "surrogate" if isinstance(id_, str)
+                      else f"id: expected a number or text, found {found(id_)}")
     where = None if deep else _unencodable(message.get("params"), "params")
     if deep:
         detail = ("expected a JSON-RPC 2.0 request the server can read, found one nested "
@@ -292,13 +290,18 @@ def _answer_long(line: _LongLine) -> types.JSONRPCError:
     """The answer to a line over :data:`MAX_LINE_CHARS`, by the id its start holds (a null
     id when it holds none the host could match)."""
     id_ = _top_level(line.start, partial=True).get("id")
-    if isinstance(id_, bool) or not isinstance(id_, int | str) or (
-            isinstance(id_, str) and not encodable(id_)):
-        id_ = None
+    detail = (f"expected a line of at most {MAX_LINE_CHARS:,} characters, found one of "
+              f"{line.size:,}: refused unread")
+    if not _echoable(id_):
+        return _no_id(detail)
     return types.JSONRPCError(jsonrpc="2.0", id=id_, error=types.ErrorData(
-        code=types.INVALID_REQUEST, message=f"expected a line of at most {MAX_LINE_CHARS:,} "
-                                            f"characters, found one of {line.size:,}: refused "
-                                            "unread"))
+        code=types.INVALID_REQUEST, message=detail))
+
+
+def _echoable(id_: Any) -> bool:
+    """Whether an answer can carry ``id_`` back: a number or text that UTF-8 can write."""
+    return (not isinstance(id_, bool) and isinstance(id_, int | str)
+            and (not isinstance(id_, str) or encodable(id_)))
 
 
 def _no_id(detail: str) -> types.JSONRPCError:
