@@ -31,17 +31,18 @@ from actors.base.errors import EngineError
 from actors.base.validate import encodable, found
 
 from ._engine import Engine
-from ._tools import TOOLS, call_tool as _call_tool, parameters
+from ._tools import MAX_REQUEST_BYTES, TOOLS, call_tool as _call_tool, parameters
 
 __all__ = ["create_server", "run_stdio"]
 
 # How long the calls in flight when the host closes stdin have to finish before the server
 # stops (and the SDK answers what is left "Connection closed").
 DRAIN_SECONDS = 10.0
-# The longest request line read: the HTTP server's body limit (8 MiB). A longer one is refused
-# unread (its start kept, where a request's id is, to answer it): a line is parsed whole, into
-# tens of times its size, and a host that sent gigabytes took the server's memory with it.
-MAX_LINE_CHARS = 8 << 20
+# The longest request line read, in characters (each at least a byte: no line that HTTP would
+# take as a body is refused). A longer one is refused unread (its start kept, where a request's
+# id is, to answer it): a line is parsed whole, into tens of times its size, and a host that
+# sent gigabytes took the server's memory with it.
+MAX_LINE_CHARS = MAX_REQUEST_BYTES
 KEPT_OF_A_LONG_LINE = 1 << 16
 
 

@@ -81,14 +81,13 @@ from ._hits import RetrieveResult
 from ._memory import EntityInfo
 from ._snapshot import Manifest
 from ._stats import Stats
-from ._tools import TOOLS
+from ._tools import MAX_REQUEST_BYTES, TOOLS
 from .ui import create_ui
 
 __all__ = ["create_app", "serve", "load_api_keys", "ApiKeys", "STATUS_BY_ERROR"]
 
 log = logging.getLogger("engine.server")
 
-MAX_BODY_BYTES = 8 << 20  # a batch of turns at the engine's own limits fits; larger is refused
 LOOPBACK = "127.0.0.1"
 # An EngineError's status by the first class in its MRO named here, so errors other modules add
 # (subclasses, or new names like StoreInUse) map without this module importing them.
@@ -114,7 +113,7 @@ def _forgotten(what: str, log_seq: int | None) -> dict[str, Any]:
 
 
 def create_app(engine: Engine, keys: ApiKeys | None = None, *,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """The HTTP API over an open engine.
 
     Args:

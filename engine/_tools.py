@@ -25,7 +25,11 @@ from actors.base.validate import shown
 from ._hits import Hits
 from ._memory import EntityInfo
 
-__all__ = ["TOOLS", "ToolHost", "call_tool", "parameters"]
+__all__ = ["TOOLS", "ToolHost", "call_tool", "parameters", "MAX_REQUEST_BYTES"]
+
+# The largest request either face reads (an HTTP body, an MCP line): a batch of turns at the
+# engine's own limits fits; larger is refused unread.
+MAX_REQUEST_BYTES = 8 << 20
 
 
 class ToolHost(Protocol):

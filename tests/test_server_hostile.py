@@ -754,6 +754,7 @@ async def test_big_bodies_are_parsed_a_few_at_a_time(nursery) -> None:
     handful of callers could take all of its memory. The Edge lets at most BIG_BODIES such
     bodies (over BIG_BODY_BYTES) into the app at once; small ones are not held."""
     from engine._http_edge import BIG_BODIES, BIG_BODY_BYTES, Edge, Metrics
+    from engine._tools import MAX_REQUEST_BYTES
 
     inside = peak = 0
 
@@ -768,7 +769,7 @@ async def test_big_bodies_are_parsed_a_few_at_a_time(nursery) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
-    edge = Edge(app, Metrics(), max_body=8 << 20)
+    edge = Edge(app, Metrics(), max_body=MAX_REQUEST_BYTES)
 
     async def post(size: int) -> None:
         chunks = [b"x" * (size // 4)] * 4

@@ -20,7 +20,7 @@ import trio
 from actors.base.validate import encodable
 
 from .._http_edge import BODY_WAIT, IdConvertor, routed_path
-from .._server import MAX_BODY_BYTES
+from .._tools import MAX_REQUEST_BYTES
 from ._figures import render_metrics
 from ._log import TRANSIENT, Log, LogUnavailable
 from ._node import Node
@@ -323,7 +323,7 @@ class _BodyRefused(Exception):
     """A request body the router will not read on: (status, error, message) to answer."""
 
 
-async def _read_body(receive: Callable, limit: int = MAX_BODY_BYTES) -> bytes:
+async def _read_body(receive: Callable, limit: int = MAX_REQUEST_BYTES) -> bytes:
     """The request's body, held to the app's edge's rules (it reads a body forwarded or
     routed by its user here first): at most ``limit`` bytes, and no wait of BODY_WAIT for
     its next part.
