@@ -109,6 +109,7 @@ def require_store(path: Path) -> None:
             raise store_denied(path, exc) from None
         raise StoreCorrupt(f"{data} does not open as LMDB ({exc}); restore the store from a "
                            "snapshot", "data.mdb") from None
+
     def look() -> bool:
         with env.begin() as txn:
             try:

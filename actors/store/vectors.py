@@ -57,6 +57,7 @@ def stored_model(path: Path) -> ModelInfo | None:
     # lock=True: another process may be serving the store, and only a reader in LMDB's
     # reader table is safe from its writer reusing the pages being read.
     env = open_reader(path, readonly=True, max_dbs=MAX_DBS)
+
     def look() -> bytes | None:
         with env.begin() as txn:
             meta = env.open_db(b"meta", txn=txn, create=False)
